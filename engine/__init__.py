@@ -1,0 +1,1 @@
+"""GRPO post-training engine: Megatron-core policy, fused loss, vLLM rollout. See README.md."""

@@ -1,0 +1,471 @@
+"""The engine's configuration: one typed tree, every default in one place.
+
+Owns: the dataclass tree (`EngineConfig` and its sections), loading from YAML plus dotted overrides, the type
+checks that name the full dotted path, and writing the resolved config into the run directory. Cross-field checks
+live in `engine/validation.py` (one function, `validate`), derived numbers in `derive`.
+
+Must not: read the environment, touch torch.distributed, or hand the root config to a component (STYLE.md rule 5:
+components take their own section, e.g. `build_optimizer(cfg.optimizer, model)`).
+
+Names: fields that exist in TRL's `GRPOConfig` / `TrainingArguments` carry TRL's name and TRL's default
+(`../shared/anchors/trl.md` §1, TRL 1.10). Every leaf name is unique across the tree, so a flat TRL keyword argument
+has exactly one home (`find_field`). Engine-only fields (parallelism, kernels, weight sync) use Megatron's
+vocabulary (`tp_size`, `pp_size`, ...).
+
+Test: `pytest tests/unit/test_config.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the dotted path and what to change."""
+
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+ScaleRewards = Literal["group", "batch", "none"]
+
+
+def _aliases(**mapping: Any) -> dict:
+    """Field metadata: input values accepted for TRL compatibility and what they mean (e.g. True -> 'group')."""
+    return {"aliases": mapping}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    name_or_path: str = "builtin:tiny-qwen2"
+    """Hugging Face checkpoint: a local directory or a hub name. `builtin:tiny-qwen2` / `builtin:tiny-llama` build
+    the project's tiny model in-process (engine/tiny_model.py) and cache it under the run directory."""
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """Parameter and activation dtype of the policy (TRL's `bf16=True` -> bfloat16). Softmax statistics and the
+    loss are always accumulated in float32."""
+    trust_remote_code: bool = False
+    disable_dropout: bool = False
+    cast_lm_head_to_fp32: bool = False
+    """ScaleRL: run the LM head in float32. Requires untied embeddings."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocabulary to a multiple of this times tp_size; padded rows are never sampled."""
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    """Megatron layer spec: `auto` = Transformer Engine when it imports (GPU), the local spec otherwise."""
+    offload_reference: bool = False
+    """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    tp_size: int = 1
+    """Megatron tensor-parallel size (GPUs that split every layer)."""
+    pp_size: int = 1
+    """Megatron pipeline-parallel size (stages)."""
+    dp_size: int | None = None
+    """Data-parallel size. None = world_size / (tp_size * pp_size)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (activations split along the sequence in the TP region). Needs tp_size > 1."""
+    virtual_pipeline_size: int | None = None
+    """Model chunks per pipeline stage (interleaved 1F1B). None = not interleaved. Needs pp_size > 1."""
+    distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """`auto` = nccl when CUDA is available, gloo otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Batch geometry and run length, with TRL / TrainingArguments names and semantics (trl.md §1.2, §1.9).
+
+    `per_device_train_batch_size` counts *completions* per data-parallel rank per micro-batch (a model replica
+    spans tp_size * pp_size GPUs; this is Megatron's micro_batch_size). One generation batch holds
+    per_device_train_batch_size * dp_size * steps_per_generation completions = num_prompts * num_generations.
+    """
+
+    output_dir: str = "runs/grpo"
+    """Run directory: resolved config, logs, checkpoints, exports."""
+    max_steps: int = -1
+    """Optimizer steps to run; -1 = use num_train_epochs."""
+    num_train_epochs: float = 3.0
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    generation_batch_size: int | None = None
+    """Completions per generation round, all ranks. Exclusive with steps_per_generation."""
+    steps_per_generation: int | None = None
+    """Micro-steps served by one generation batch. None = gradient_accumulation_steps."""
+    shuffle_dataset: bool = True
+    seed: int = 42
+    gradient_checkpointing: bool = True
+    """TRL's default; maps to Megatron's full activation recompute."""
+    pad_to_multiple_of: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GRPOConfigSection:
+    """The objective, with TRL's names and defaults (trl.md §1.5, §1.6), plus GFPO and DAPO dynamic sampling."""
+
+    num_generations: int = 8
+    """G: completions per prompt; at least 2."""
+    num_generations_eval: int | None = None
+    num_iterations: int = 1
+    """mu: optimisation passes over each generation batch."""
+    beta: float = 0.0
+    """KL coefficient; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Engine option (TRL has k3 only)."""
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    """Upper clip; None = epsilon. For cispo it is the IS-weight cap (ScaleRL recommends 5.0)."""
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2): the ratio is also capped at delta (> 1 + epsilon)."""
+    loss_type: LossType = "dapo"
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    scale_rewards: ScaleRewards = field(default="group", metadata=_aliases(true="group", false="none"))
+    """`group`: divide by the group std; `batch`: by the batch std; `none`: no scaling (Dr. GRPO).
+    TRL's True / False are accepted and mean group / none."""
+    mask_truncated_completions: bool = False
+    use_bias_correction_kl: bool = False
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
+    """Nats."""
+    off_policy_mask_threshold: float | None = None
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: ISMode = "sequence_mask"
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    num_remains_in_group: int | None = None
+    """GFPO: keep the top-k completions of each group (by `group_filter_func`); None = keep all."""
+    use_dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards have zero variance and refill the batch from further prompts."""
+    dynamic_sampling_max_rounds: int = 4
+    """Generation rounds allowed to fill one batch with informative groups before training on what there is."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GenerationConfig:
+    """Sampling, with TRL's names and defaults (trl.md §1.3)."""
+
+    max_completion_length: int = 512
+    temperature: float = 1.0
+    """Also divides the training logits."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables it."""
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None
+    """Extra vLLM SamplingParams; override the fields above."""
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutConfig:
+    """vLLM, with TRL's names and defaults (trl.md §1.4), plus the weight transfer."""
+
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    vllm_tensor_parallel_size: int = 1
+    vllm_gpu_memory_utilization: float = 0.3
+    """Colocate: the fraction of accelerator memory vLLM takes (on CPU: of host memory)."""
+    vllm_enable_sleep_mode: bool = False
+    vllm_max_model_length: int | None = None
+    vllm_model_impl: Literal["vllm", "transformers"] = "vllm"
+    vllm_structured_outputs_regex: str | None = None
+    vllm_server_base_url: str | None = None
+    vllm_server_host: str = "0.0.0.0"
+    vllm_server_port: int = 8000
+    vllm_server_timeout: float = 240.0
+    """Seconds to wait for the server's health check."""
+    vllm_group_port: int = 51216
+    """TCP port of the weight-transfer group."""
+    weight_sync_bucket_mb: int = 512
+    """Size of one flattened transfer bucket."""
+    verify_weight_sync: bool = True
+    """After every sync, compare the engine's log-probs of probe sequences with the trainer's."""
+    weight_sync_tolerance: float = 1e-3
+    """Largest allowed |trainer - engine| log-prob difference on the probes."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardConfig:
+    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
+    """Built-in names (engine/rewards.py), `module:function` import paths, or reward-model paths."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function; None = all 1.0."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerConfig:
+    """Megatron's optimizer, with TrainingArguments names (TRL changes learning_rate to 1e-6)."""
+
+    optim: Literal["adam", "sgd"] = "adam"
+    """Megatron's adam is AdamW (decoupled weight decay)."""
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    """0 disables clipping."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "linear"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    use_distributed_optimizer: bool = True
+    """Megatron's distributed optimizer: optimizer states sharded over data-parallel ranks."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    dataset_name: str = "builtin:arithmetic"
+    """A hub name, a local json/jsonl/parquet/arrow file or directory, or `builtin:arithmetic`."""
+    dataset_config: str | None = None
+    dataset_train_split: str = "train"
+    dataset_test_split: str | None = "test"
+    max_prompt_length: int | None = None
+    """Tokens; None = no limit. Longer prompts are handled by `overlong_prompt_policy`, never silently cut."""
+    overlong_prompt_policy: Literal["error", "drop"] = "error"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    save_steps: int = 500
+    """Optimizer steps between checkpoints; 0 = only at the end."""
+    save_total_limit: int | None = None
+    """Keep the newest K checkpoints; None = keep all."""
+    resume_from_checkpoint: str | None = None
+    """A checkpoint directory, or `latest` for the newest one in the run directory."""
+    save_hf_at_end: bool = True
+    """Export the final policy as a Hugging Face checkpoint."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelsConfig:
+    loss_implementation: Literal["auto", "triton", "torch_chunked", "reference"] = "auto"
+    """`auto` = the Triton kernel on GPU, the chunked torch path on CPU. `reference` materialises the logits."""
+    loss_workspace_mb: int = 1024
+    """Upper bound of the extra memory the fused loss may use per rank (it chooses its token chunk from this)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoggingConfig:
+    logging_steps: int = 10
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
+    """JSONL is always written; these are added."""
+    run_name: str | None = None
+    log_completions: bool = False
+    num_completions_to_print: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    grpo: GRPOConfigSection = field(default_factory=GRPOConfigSection)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# building from plain data, with the full dotted path in every error
+
+
+def build_config(data: dict | None = None, cls: type = EngineConfig, path: str = "") -> Any:
+    """Build a config dataclass from nested plain data (YAML's output), refusing unknown keys and wrong types.
+
+    Args:
+        data: nested dict; missing keys take the defaults.
+        cls: the dataclass to build.
+        path: dotted prefix for error messages.
+    Returns:
+        an instance of `cls`.
+    Raises:
+        ConfigError naming the full dotted path of the first unknown key or badly typed value.
+    """
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of fields, got {type(data).__name__} {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key '{dotted}'{hint}")
+        aliases = fields[key].metadata.get("aliases", {})
+        alias_key = str(value).lower() if isinstance(value, bool) else None
+        if alias_key in aliases:
+            value = aliases[alias_key]
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    return cls(**kwargs)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check (and minimally convert) one value against a type annotation."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build_config(value, tp, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {_type_name(tp)}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(repr(a) for a in args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        # NOTE: YAML 1.1 reads `1e-6` (no dot) as a string; accept any string Python parses as a float.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported annotation {tp!r} in the config tree")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# files, overrides, the run directory
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply dotted `section.key=value` overrides (a leading `--` is allowed); values are parsed as YAML."""
+    data = _deep_copy(data)
+    for item in overrides:
+        text = item[2:] if item.startswith("--") else item
+        if "=" not in text:
+            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. grpo.beta=0.04")
+        dotted, raw = text.split("=", 1)
+        keys = dotted.strip().split(".")
+        node = data
+        for depth, key in enumerate(keys[:-1]):
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                section = ".".join(keys[: depth + 1])
+                raise ConfigError(f"override {item!r}: '{section}' is a value, not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+def _deep_copy(data: dict) -> dict:
+    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EngineConfig:
+    """Read a YAML file (or nothing: all defaults), apply dotted overrides, build and type-check the tree.
+
+    Cross-field checks are separate (`engine.validation.validate`), because some need the world size.
+    """
+    data: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    try:
+        return build_config(apply_overrides(data, overrides or []))
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """The tree as plain data (what `build_config` accepts back)."""
+    return dataclasses.asdict(cfg)
+
+
+def write_resolved_config(cfg: EngineConfig, run_dir: str | Path) -> Path:
+    """Write the fully resolved config to `<run_dir>/config.yaml` (atomically) and return its path."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / "config.yaml"
+    tmp = target.with_suffix(".yaml.tmp")
+    tmp.write_text("# resolved config: every field, defaults included\n" + yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    tmp.replace(target)
+    return target
+
+
+def find_field(name: str) -> tuple[str, str]:
+    """The (section, field) that holds a flat TRL-style field name, e.g. 'beta' -> ('grpo', 'beta').
+
+    Raises:
+        KeyError if no section has it.
+    """
+    return _FLAT_INDEX[name]
+
+
+def _flat_index() -> dict[str, tuple[str, str]]:
+    index: dict[str, tuple[str, str]] = {}
+    for section in dataclasses.fields(EngineConfig):
+        for leaf in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+            if leaf.name in index:
+                raise TypeError(f"field name '{leaf.name}' is in both {index[leaf.name][0]} and {section.name}")
+            index[leaf.name] = (section.name, leaf.name)
+    return index
+
+
+_FLAT_INDEX = _flat_index()

