@@ -8,7 +8,7 @@ Must not: read the environment, touch torch.distributed, or hand the root config
 components take their own section, e.g. `build_optimizer(cfg.optimizer, model)`).
 
 Names: fields that exist in TRL's `GRPOConfig` / `TrainingArguments` carry TRL's name and TRL's default
-(`../shared/anchors/trl.md` §1, TRL 1.10). Every leaf name is unique across the tree, so a flat TRL keyword argument
+(`../shared/anchors/trl.md` §1; where TRL 1.16, the version the tests compare with, changed a default, 1.16's). Every leaf name is unique across the tree, so a flat TRL keyword argument
 has exactly one home (`find_field`). Engine-only fields (parallelism, kernels, weight sync) use Megatron's
 vocabulary (`tp_size`, `pp_size`, ...).
 
@@ -135,7 +135,8 @@ class GRPOConfigSection:
     """`group`: divide by the group std; `batch`: by the batch std; `none`: no scaling (Dr. GRPO).
     TRL's True / False are accepted and mean group / none."""
     mask_truncated_completions: bool = False
-    use_bias_correction_kl: bool = False
+    use_bias_correction_kl: bool = True
+    """Multiply the k3 KL by the (non-detached) importance ratio (DeepSeek-V3.2). TRL 1.16's default; 1.10 had False."""
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512

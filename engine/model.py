@@ -38,7 +38,7 @@ class PolicyShape:
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
-    """Megatron-LM's rule: pad to a multiple of divisible_by * tp_size (e.g. 151936 at 128*8 stays 151936)."""
+    """Megatron-LM's rule: pad to a multiple of divisible_by * tp_size (Qwen2.5's 151936: 151936 at TP1, 152576 at TP8)."""
     multiple = divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
 
@@ -117,6 +117,26 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
     )
 
 
+def rope_settings(hf_config) -> dict:
+    """GPTModel's RoPE keyword arguments for an HF config; refuses RoPE variants Megatron would not reproduce.
+
+    transformers >= 5 keeps theta in `rope_parameters` (a missing `rope_theta` attribute must not silently become
+    Megatron's default 10000: Qwen2.5 uses 1e6). Llama-3.1's `llama3` scaling maps to Megatron's `rope_scaling`,
+    whose low/high frequency factors and original length are fixed at 1, 4 and 8192.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError(f"{hf_config.model_type} config has no rope_theta (looked in rope_parameters and rope_theta)")
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return {"rotary_base": float(theta)}
+    fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if rope_type == "llama3" and all(float(params.get(k, -1)) == v for k, v in fixed.items()):
+        return {"rotary_base": float(theta), "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
+    raise ValueError(f"RoPE {params} is not supported: only the default RoPE and llama3 scaling with {fixed}")
+
+
 def _layer_spec(cfg: ModelConfig):
     impl = cfg.transformer_impl
     if impl == "auto":
@@ -180,7 +200,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.n
                 parallel_output=True,
                 share_embeddings_and_output_weights=shape.tie_word_embeddings,
                 position_embedding_type="rope",
-                rotary_base=float(getattr(hf_config, "rope_theta", 10000.0)),
+                **rope_settings(hf_config),
                 pg_collection=ps.groups,
                 vp_stage=vp_stage if ps.vpp_size else None,
             )

@@ -1,0 +1,31 @@
+"""engine/model.py's pure parts: vocabulary padding and the RoPE settings read from an HF config."""
+
+import pytest
+from transformers import LlamaConfig, Qwen2Config
+
+from engine.model import padded_vocab_size, rope_settings
+
+
+def test_padded_vocab_follows_megatron_rule():
+    assert padded_vocab_size(400, 128, 1) == 512
+    assert padded_vocab_size(400, 128, 8) == 1024
+    assert padded_vocab_size(151936, 128, 1) == 151936  # Qwen2.5: 128 * 1187
+    assert padded_vocab_size(151936, 128, 8) == 152576  # next multiple of 1024
+
+
+def test_rope_theta_read_from_rope_parameters():
+    # transformers 5 has no `rope_theta` attribute; Qwen2.5's 1e6 must not become Megatron's default 1e4.
+    assert rope_settings(Qwen2Config(rope_theta=1e6)) == {"rotary_base": 1e6}
+
+
+def test_rope_llama3_scaling_maps_to_megatron():
+    cfg = LlamaConfig(rope_theta=5e5, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    assert rope_settings(cfg) == {"rotary_base": 5e5, "rope_scaling": True, "rope_scaling_factor": 8.0}
+
+
+def test_rope_unsupported_scaling_is_refused():
+    cfg = LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})
+    with pytest.raises(ValueError, match="is not supported"):
+        rope_settings(cfg)
