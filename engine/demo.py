@@ -2,7 +2,7 @@
 
 Owns: running the most complete path that exists, on CPU, from `configs/tiny_cpu.yaml`. Today that is: validate the
 config and write it resolved into the run directory; build the tiny model and tokenizer in Hugging Face format;
-build the Megatron policy from it at the configured layout; train it for a few steps on next-token prediction over
+build the Megatron policy at the configured layout and load the checkpoint into it (each rank reads its slices); train it for a few steps on next-token prediction over
 the embedded corpus through Megatron's forward/backward schedule, printing the loss before and after. The GRPO
 loop (vLLM rollout, rewards, advantages, fused loss, weight sync) replaces the training part when the trainer issue
 lands; until then this demo says so rather than pretending.
@@ -49,7 +49,9 @@ def run_demo(config_path: Path, overrides: list[str]) -> int:
     import torch.distributed as dist
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.model import build_policy, init_weights_by_name
+    from engine.hf_checkpoint import load_hf_checkpoint
+    from engine.hf_convert import ModelDims
+    from engine.model import build_policy, policy_shape
     from engine.parallel import destroy_parallel, init_parallel
     from engine.step import lm_forward_backward
     from engine.tiny_model import resolve_builtin_model
@@ -70,7 +72,7 @@ def run_demo(config_path: Path, overrides: list[str]) -> int:
     say(f"[demo] model {name} -> {model_dir} (vocab {hf_config.vocab_size}, {hf_config.num_hidden_layers} layers)")
 
     chunks = build_policy(hf_config, cfg.model, ps)
-    init_weights_by_name(chunks, ps, seed=cfg.train.seed)
+    load_hf_checkpoint(chunks, ps, model_dir, ModelDims.from_hf(hf_config, policy_shape(hf_config, cfg.model, ps.tp_size).padded_vocab_size))
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=cfg.optimizer.weight_decay)
     num_steps = cfg.train.max_steps if cfg.train.max_steps > 0 else 20

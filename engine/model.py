@@ -166,6 +166,29 @@ def policy_shape(hf_config, cfg: ModelConfig, tp_size: int) -> PolicyShape:
     )
 
 
+def _policy_class():
+    from megatron.core.models.gpt import GPTModel
+
+    class PolicyGPTModel(GPTModel):
+        """GPTModel whose last stage returns the final hidden states (s, b, H), after the final norm, not logits.
+
+        The engine never materialises [tokens x vocab] logits through Megatron: log-probs come from the fused
+        kernel (kernels/) applied to these hidden states and `lm_head_weight()`, this rank's vocab shard.
+        Multi-token prediction is not supported.
+        """
+
+        def _postprocess(self, hidden_states, *args, **kwargs):
+            return hidden_states
+
+        def lm_head_weight(self) -> torch.Tensor:
+            """(V_pad / tp, H): the output layer's shard, or the word embeddings' when they are tied."""
+            if self.share_embeddings_and_output_weights:
+                return self.shared_embedding_or_output_weight()
+            return self.output_layer.weight
+
+    return PolicyGPTModel
+
+
 def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) of a Qwen2 / Llama model.
 
@@ -174,11 +197,10 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.n
         cfg: the `model` config section.
         ps: this process's parallel state.
     Returns:
-        list of megatron GPTModel chunks, in virtual-stage order, weights randomly initialised (load a checkpoint
-        or call `init_weights_by_name` next).
+        list of PolicyGPTModel chunks (GPTModel returning hidden states on the last stage), in virtual-stage
+        order, weights randomly initialised (load a checkpoint or call `init_weights_by_name` next).
     """
-    from megatron.core.models.gpt import GPTModel
-
+    policy_class = _policy_class()
     config = build_transformer_config(hf_config, cfg, ps)
     shape = policy_shape(hf_config, cfg, ps.tp_size)
     if cfg.cast_lm_head_to_fp32 and shape.tie_word_embeddings:
@@ -190,7 +212,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.n
         is_first = ps.is_first_stage and vp_stage == 0
         is_last = ps.is_last_stage and vp_stage == num_chunks - 1
         chunks.append(
-            GPTModel(
+            policy_class(
                 config=config,
                 transformer_layer_spec=spec,
                 vocab_size=shape.padded_vocab_size,
