@@ -5,7 +5,9 @@ Owns: `install_cpu_compat()`, which is idempotent and does nothing when CUDA is 
 RNG tracker even with `use_cpu_initialization=True` (CPU_STACK.md). This module:
 
 - enters a `TorchFunctionMode` that rewrites any `device=` naming CUDA (a string, an int, a torch.device) to the
-  CPU, turns `Tensor.cuda()` into a no-op and `Tensor.to(<cuda>)` into `.to("cpu")`;
+  CPU, turns `Tensor.cuda()` into a no-op and `Tensor.to(<cuda>)` into `.to("cpu")`, and makes `Tensor.type()`
+  (no arguments) name CPU tensors as the device's (`torch.cuda.FloatTensor`), which Megatron's distributed
+  optimizer checks;
 - points `torch.cuda.current_device`, `synchronize`, `set_device`, the RNG state get/set and `manual_seed` at the
   CPU (the CPU generator plays the role of the device generator, so Megatron's RNG tracker forks and restores it
   exactly as it would the CUDA one);
@@ -39,6 +41,9 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            # Megatron's distributed optimizer accepts only 'torch.cuda.*Tensor' type names.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

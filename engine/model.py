@@ -137,7 +137,7 @@ def rope_settings(hf_config) -> dict:
     raise ValueError(f"RoPE {params} is not supported: only the default RoPE and llama3 scaling with {fixed}")
 
 
-def _layer_spec(cfg: ModelConfig):
+def _layer_spec(cfg: ModelConfig, sequence_parallel: bool):
     impl = cfg.transformer_impl
     if impl == "auto":
         try:
@@ -146,6 +146,12 @@ def _layer_spec(cfg: ModelConfig):
             impl = "transformer_engine"
         except ImportError:
             impl = "local"
+    if impl == "local" and sequence_parallel:
+        raise ValueError(
+            "parallel.sequence_parallel needs Transformer Engine's layer spec (model.transformer_impl="
+            f"{cfg.transformer_impl!r} resolved to the local spec, whose torch norm does not support it): install "
+            "transformer-engine (GPU) or set parallel.sequence_parallel=false"
+        )
     if impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -205,7 +211,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.n
     shape = policy_shape(hf_config, cfg, ps.tp_size)
     if cfg.cast_lm_head_to_fp32 and shape.tie_word_embeddings:
         raise ValueError("model.cast_lm_head_to_fp32 needs untied embeddings; this checkpoint ties them")
-    spec = _layer_spec(cfg)
+    spec = _layer_spec(cfg, ps.sequence_parallel)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):

@@ -1,8 +1,9 @@
 """One pass of Megatron's forward/backward schedule over micro-batches (no pipelining, 1F1B, or interleaved 1F1B).
 
-Owns: the `forward_step` / `loss_func` contract of `get_forward_backward_func` for this engine. Today it runs the
-next-token language-model loss (what the foundation's layout tests and the demo use); the GRPO train step of the
-Megatron-policy issue (fused loss on vocab-parallel LM-head shards, layout-independent normalisers) lands here too.
+Owns: the `forward_step` / `loss_func` contract of `get_forward_backward_func` for this engine (`run_schedule`),
+and the losses run through it: the GRPO loss (`grpo_forward_backward`: completion log-probs from the fused kernel
+entry on the vocab-parallel LM-head shard, engine/policy_loss.py's maths and layout-independent normaliser), the
+forward-only old / reference log-probs (`forward_logprobs`), and the next-token LM loss (demo, layout tests).
 
 Must not: read Megatron's global parallel state (layout comes from ParallelState), or own the optimizer.
 
@@ -11,9 +12,16 @@ Test: tests/distributed/test_megatron_layouts.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.parallel import ParallelState
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The PolicyGPTModel inside a Megatron DistributedDataParallel wrapper (or the model itself)."""
+    return getattr(model, "module", model)
 
 
 def gather_lm_head_input(hidden: torch.Tensor, ps: ParallelState) -> torch.Tensor:
@@ -89,7 +97,7 @@ def lm_forward_backward(
     from megatron.core import tensor_parallel
 
     def loss_fn(model, hidden, batch):
-        logits = lm_head_logits(hidden, model.lm_head_weight(), ps)  # (s, b, V_pad / tp)
+        logits = lm_head_logits(hidden, unwrap(model).lm_head_weight(), ps)  # (s, b, V_pad / tp)
         labels = batch["labels"].transpose(0, 1).contiguous()  # (s, b)
         # NOTE: Megatron's vocab_parallel_cross_entropy reads its global TP group (it takes none); LM loss only.
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
@@ -97,3 +105,104 @@ def lm_forward_backward(
 
     values = run_schedule(chunks, ps, microbatches, loss_fn, forward_only=forward_only)
     return [float(v["lm_loss"]) for v in values]
+
+
+@dataclass(frozen=True)
+class LogprobSettings:
+    """How per-token log-probs are computed from the last hidden states (fields from `generation` and `kernels`)."""
+
+    vocab_size: int
+    """The real vocabulary; Megatron's padded rows above it are masked."""
+    temperature: float = 1.0
+    implementation: str = "auto"
+    """kernels.lm_head_logprob_entropy implementation: auto | triton | torch_chunked | reference."""
+    workspace_mb: float = 1024.0
+
+
+def completion_logprobs(
+    model: torch.nn.Module, hidden: torch.Tensor, batch: dict, ps: ParallelState, settings: LogprobSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of every completion token, (b, C) each, from the last stage's hidden states.
+
+    Only the C completion positions of each row go through the LM head (prompt and padding rows are skipped), via
+    the fused kernel entry (never the [tokens x vocab] logits). Masked positions hold 0.
+    """
+    from megatron.core import tensor_parallel
+
+    from kernels import lm_head_logprob_entropy
+
+    if ps.sequence_parallel:
+        # The kernel sums dX over the TP group itself, so the backward of this gather only splits (no reduce).
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=False, group=ps.groups.tp
+        )
+    hidden = hidden.transpose(0, 1)  # (b, s, H)
+    num_rows, seq_len = hidden.shape[:2]
+    num_completion = batch["completion_ids"].shape[1]
+    index = batch["prompt_lengths"][:, None] - 1 + torch.arange(num_completion)  # (b, C)
+    mask = batch["completion_mask"].bool()  # (b, C)
+    rows = torch.arange(num_rows)[:, None].expand_as(index)  # (b, C)
+    x = hidden[rows[mask], index[mask].clamp(max=seq_len - 1)]  # (N, H)
+    logprobs, entropy = lm_head_logprob_entropy(
+        x, unwrap(model).lm_head_weight(), batch["completion_ids"][mask],
+        temperature=settings.temperature, vocab_size=settings.vocab_size, tp_group=ps.groups.tp,
+        workspace_mb=settings.workspace_mb, implementation=settings.implementation,
+    )  # (N,), (N,)
+    zeros = torch.zeros(mask.shape, dtype=logprobs.dtype)  # (b, C)
+    return zeros.masked_scatter(mask, logprobs), zeros.masked_scatter(mask, entropy)
+
+
+def forward_logprobs(
+    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], settings: LogprobSettings
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Forward-only (old / reference) log-probs and entropies, (b, C) each per micro-batch, on the last stage."""
+
+    def loss_fn(model, hidden, batch):
+        logprobs, entropy = completion_logprobs(model, hidden, batch, ps, settings)
+        return logprobs.sum() * 0, {"logprobs": logprobs, "entropy": entropy}
+
+    with torch.no_grad():
+        values = run_schedule(chunks, ps, microbatches, loss_fn, forward_only=True)
+    return [(v["logprobs"], v["entropy"]) for v in values]
+
+
+def grpo_forward_backward(
+    model: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], loss_config, normalizer,
+    settings: LogprobSettings, *, entropy_coef: float | None = None,
+) -> list:
+    """The GRPO loss of every micro-batch, gradients summed into the DDP buffers (engine/optimizer.py convention).
+
+    Args:
+        model: the DDP-wrapped chunks (PolicyOptimizer.model).
+        ps: this process's parallel state.
+        microbatches: from engine/batch.py, plus `advantages` (b,) and optionally `old_logprobs`, `ref_logprobs`,
+            `sampling_logprobs`, `importance_sampling_ratio` ((b, C) each); `completion_mask` is the loss mask.
+        loss_config: engine.policy_loss.PolicyLossConfig.
+        normalizer: engine.policy_loss.LossNormalizer with the optimizer step's global token / sequence counts.
+        settings: log-prob settings.
+        entropy_coef: the entropy-bonus coefficient for this step (adaptive mode), None = loss_config's.
+    Returns:
+        the PolicyLossOutput of every micro-batch (detached), on the last stage; [] elsewhere.
+    """
+    from engine.optimizer import loss_scale_for_sum
+    from engine.policy_loss import PolicyLossBatch, compute_policy_loss
+
+    scale = loss_scale_for_sum(len(microbatches), ps)
+
+    def loss_fn(chunk, hidden, batch):
+        logprobs, entropy = completion_logprobs(chunk, hidden, batch, ps, settings)
+        inputs = PolicyLossBatch(
+            mask=batch["completion_mask"], advantages=batch["advantages"], old_logprobs=batch.get("old_logprobs"),
+            ref_logprobs=batch.get("ref_logprobs"), sampling_logprobs=batch.get("sampling_logprobs"),
+            importance_sampling_ratio=batch.get("importance_sampling_ratio"),
+        )
+        out = compute_policy_loss(logprobs, inputs, loss_config, normalizer, entropy=entropy, entropy_coef=entropy_coef)
+        return out.loss * scale, {"output": _detached(out)}
+
+    return [v["output"] for v in run_schedule(model, ps, microbatches, loss_fn)]
+
+
+def _detached(out):
+    from dataclasses import replace
+
+    return replace(out, loss=out.loss.detach().clone(), policy_loss=out.policy_loss.detach().clone())
