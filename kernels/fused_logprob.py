@@ -1,0 +1,340 @@
+"""Triton LM-head log-prob and entropy: logits tiles live in registers only, never in memory.
+
+What it fuses (design D1, anchors/kernels.md §11.2-11.4):
+- Forward, `_stats_fwd_kernel`: the LM-head GEMM tile z = x W^T / T (fp32 accumulator, K loop over H) with the
+  online-softmax epilogue: per row the running max m, s = sum e^(z - m), q = sum e^(z - m)(z - m) and the target
+  logit t. 1-D grid over (row block, vocabulary split) pairs in grouped order (GROUP_N row blocks sweep the splits
+  together so a W split is reused from L2); each program writes its (4, BLOCK_N) partial state to a
+  (num_splits, 4, N) float32 buffer, merged afterwards in split order by `softmax_stats.merge_stats`. No atomics:
+  two passes give bitwise-equal results.
+- Backward, `_dz_kernel`: recompute a logits tile and write dz = [g_lp 1{v=y} - p (g_lp + g_H (z - E[z]))] / T
+  in X's dtype into a (rows, cols) slab; the two GEMMs dX += dz W_slab (float32 accumulator) and dW_slab = dz^T X
+  (all rows in one GEMM) run in cuBLAS through the loop shared with the torch path
+  (`chunked_logprob.backward_tiles`). The slab is the only large temporary: rows x cols x itemsize <= workspace.
+- The autograd Function, the TP exchange (one all-gather of 4 floats per token in the forward, the dX all-reduce
+  in the backward) and the result conversion are shared with the chunked path (`LogprobEntropyFunction`): the
+  two implementations differ only in these two tile primitives.
+
+Memory: forward O(N * num_splits) floats (bounded by `workspace_mb`); backward one dz slab (rows x cols x itemsize
+<= `workspace_mb`), a float32 (N, H) dX accumulator and one float32 (rows, H) slab product for bf16/fp16 inputs,
+and the gradients themselves. Never an (N, V_local) tensor.
+Dtypes: bfloat16 / float16 (tensor cores) and float32 (IEEE fp32 dot, no TF32, to match the fp32 reference);
+statistics, log-probs and entropies are float32. int64 offsets throughout (N * V can exceed 2^31).
+Masking: columns >= the shard's real rows (Megatron vocab padding, or the tail of a tile) are -inf in the
+forward and never stored in the backward.
+TP: see kernels/chunked_logprob.py; X is replicated, dX is returned summed over the TP group, dW stays local.
+
+Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1 set before triton is
+imported; tests/conftest.py does it without CUDA). NOTE: triton 3.9's interpreter computes `tl.dot` of bf16
+operands wrongly (garbage ~1e10), so under the interpreter the operands are upcast to float32 before the dot.
+
+Test: `pytest tests/kernels/test_fused_logprob.py` (interpreter on CPU, or real on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from kernels.chunked_logprob import (
+    DEFAULT_WORKSPACE_MB,
+    LogprobEntropyFunction,
+    TileOps,
+    check_lm_head_inputs,
+)
+from kernels.softmax_stats import NUM_STATS, build_vocab_shard, merge_stats
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+PROGRAMS_PER_SM = 2
+"""Forward: enough vocabulary splits that the grid holds about this many programs per SM."""
+MERGE_TEMPS = 3
+"""The partial-state merge holds about this many (num_splits, N) float32 temporaries per state row."""
+
+
+@dataclass(frozen=True)
+class TritonTiles:
+    """Block sizes and launch settings of both kernels. The CUDA defaults are the usual Triton matmul starting point
+    (128 x 128 x 64, 8 warps, 3 stages), not yet tuned on a GPU: no GPU measurement exists in this repository."""
+
+    block_n: int = 128
+    """Rows (tokens) per program tile."""
+    block_v: int = 128
+    """Vocabulary columns per tile."""
+    block_h: int = 64
+    """K step over the hidden size."""
+    group_n: int = 8
+    """Row blocks that sweep the vocabulary together (L2 reuse of W)."""
+    num_warps: int = 8
+    num_stages: int = 3
+    split_cols: int | None = None
+    """Forward: vocabulary columns per program (rounded up to block_v); None = enough splits to fill the GPU."""
+
+
+INTERPRETER_TILES = TritonTiles(block_n=32, block_v=64, block_h=32, group_n=2, num_warps=4, num_stages=1)
+"""Under the interpreter: fewer, larger numpy steps; still several tiles on test shapes."""
+
+
+def default_tiles(device: torch.device) -> TritonTiles:
+    """`TritonTiles()` on CUDA (128 x 128 x 64, 8 warps, 3 stages), `INTERPRETER_TILES` on the CPU."""
+    return TritonTiles() if device.type == "cuda" else INTERPRETER_TILES
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_tile(pid, num_row_blocks, num_col_blocks, GROUP_N: tl.constexpr):
+    """(row block, column block) of program `pid`: GROUP_N row blocks visit each column block consecutively."""
+    programs_per_group = GROUP_N * num_col_blocks
+    group = pid // programs_per_group
+    first_row_block = group * GROUP_N
+    group_rows = tl.minimum(num_row_blocks - first_row_block, GROUP_N)
+    in_group = pid % programs_per_group
+    return first_row_block + in_group % group_rows, in_group // group_rows
+
+
+@triton.jit
+def _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stride_x, stride_w, inv_temperature,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_FP32: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) float32 tile of x W^T / T; rows/cols are int64 indices (out of range rows/cols read 0)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    row_mask = rows < num_rows
+    col_mask = cols < num_cols
+    x_row_ptrs = x_ptr + rows[:, None] * stride_x
+    w_row_ptrs = w_ptr + cols[:, None] * stride_w
+    for k0 in range(0, hidden_size, BLOCK_H):
+        ks = k0 + tl.arange(0, BLOCK_H)
+        k_mask = ks < hidden_size
+        x = tl.load(x_row_ptrs + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_row_ptrs + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_FP32:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+    return acc * inv_temperature
+
+
+@triton.jit
+def _stats_fwd_kernel(x_ptr, w_ptr, ids_ptr, parts_ptr, num_rows, num_cols, hidden_size, split_cols, num_splits,
+                      stride_x, stride_w, inv_temperature, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                      BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr, DOT_FP32: tl.constexpr,
+                      INPUT_PRECISION: tl.constexpr):
+    """Partial state (m, s, q, t) of BLOCK_N rows over one vocabulary split -> parts[split, :, rows]."""
+    pid = tl.program_id(0).to(tl.int64)
+    row_block, split = _grouped_tile(pid, tl.cdiv(num_rows, BLOCK_N), num_splits, GROUP_N)
+    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    row_mask = rows < num_rows
+    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)  # local ids; outside [0, num_cols) never hit
+    # NOTE: a finite start for m keeps alpha = 0 and (m - m_new) * s = 0 on the first tile (no -inf * 0).
+    m = tl.full((BLOCK_N,), -1.0e30, dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    q = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    col_start = split * split_cols
+    col_end = tl.minimum(col_start + split_cols, num_cols)
+    for c0 in range(col_start, col_end, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_mask = (cols < col_end)[None, :]
+        z = _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stride_x, stride_w,
+                         inv_temperature, BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION)
+        t += tl.sum(tl.where(col_mask & (cols[None, :] == ids[:, None]), z, 0.0), axis=1)
+        m_new = tl.maximum(m, tl.max(tl.where(col_mask, z, float("-inf")), axis=1))
+        alpha = tl.exp(m - m_new)
+        shifted = tl.where(col_mask, z - m_new[:, None], 0.0)
+        e = tl.where(col_mask, tl.exp(shifted), 0.0)  # masked columns (padding, tile tail) add nothing
+        q = alpha * (q + (m - m_new) * s) + tl.sum(e * shifted, axis=1)
+        s = alpha * s + tl.sum(e, axis=1)
+        m = m_new
+    out = parts_ptr + split * 4 * num_rows + rows
+    tl.store(out, m, mask=row_mask)
+    tl.store(out + num_rows, s, mask=row_mask)
+    tl.store(out + 2 * num_rows, q, mask=row_mask)
+    tl.store(out + 3 * num_rows, t, mask=row_mask)
+
+
+@triton.jit
+def _dz_kernel(x_ptr, w_ptr, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_ptr, dz_ptr, num_rows, num_cols,
+               hidden_size, stride_x, stride_w, stride_dz, inv_temperature, HAS_ENTROPY_GRAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
+               DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """dz[rows, cols] = [g_lp 1{col = id} - p (g_lp + g_H (z - E[z]))] / T for one (BLOCK_N, BLOCK_V) tile."""
+    pid = tl.program_id(0).to(tl.int64)
+    row_block, col_block = _grouped_tile(pid, tl.cdiv(num_rows, BLOCK_N), tl.cdiv(num_cols, BLOCK_V), GROUP_N)
+    rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    cols = col_block * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    row_mask = rows < num_rows
+    z = _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stride_x, stride_w,
+                     inv_temperature, BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION)
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    grad_lp = tl.load(grad_lp_ptr + rows, mask=row_mask, other=0.0)
+    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
+    probs = tl.exp(z - lse[:, None])
+    coef = grad_lp[:, None] + tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    if HAS_ENTROPY_GRAD:
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        grad_ent = tl.load(grad_ent_ptr + rows, mask=row_mask, other=0.0)
+        coef += grad_ent[:, None] * (z - mean[:, None])
+    dz = tl.where(cols[None, :] == ids[:, None], grad_lp[:, None], 0.0) - probs * coef
+    dz = dz * inv_temperature
+    mask = row_mask[:, None] & (cols < num_cols)[None, :]
+    tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_triton_operands(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    """Device, dtype and layout the kernels need."""
+    if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton path needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
+                           "imported); use implementation='torch_chunked' on the CPU")
+    if hidden.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the Triton path supports {SUPPORTED_DTYPES}, got {hidden.dtype}; float64 runs on "
+                        f"implementation='torch_chunked'")
+    if hidden.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError(f"hidden and weight need a contiguous last dim; strides {hidden.stride()}, "
+                         f"{weight.stride()}")
+
+
+def _dot_settings(hidden: torch.Tensor) -> dict[str, object]:
+    """DOT_FP32 (interpreter workaround, see module docstring) and the fp32 dot precision."""
+    dot_fp32 = not hidden.is_cuda
+    precision = "ieee" if (dot_fp32 or hidden.dtype == torch.float32) else "tf32"
+    return dict(DOT_FP32=dot_fp32, INPUT_PRECISION=precision)
+
+
+def _num_splits(num_rows: int, num_cols: int, tiles: TritonTiles, device: torch.device,
+                workspace_bytes: int) -> int:
+    """Vocabulary splits of the forward grid: fill the GPU, within the workspace, at least one tile each."""
+    max_splits = triton.cdiv(num_cols, tiles.block_v)
+    if tiles.split_cols is not None:
+        return triton.cdiv(num_cols, triton.cdiv(tiles.split_cols, tiles.block_v) * tiles.block_v)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, triton.cdiv(num_rows, tiles.block_n))
+    affordable = max(workspace_bytes // (NUM_STATS * 4 * MERGE_TEMPS * max(num_rows, 1)), 1)
+    return max(min(wanted, affordable, max_splits), 1)
+
+
+def triton_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_ids: torch.Tensor,
+                       inv_temperature: float, workspace_bytes: int, tiles: TritonTiles | None = None) -> torch.Tensor:
+    """(4, N) float32 softmax state of this shard's real rows (fused GEMM + online softmax, fixed-order merge).
+
+    Args:
+        hidden: (N, H) CUDA (or interpreter) tensor, float32/bfloat16/float16, contiguous last dim.
+        weight_valid: (num_valid, H) the shard's real rows, same dtype.
+        local_ids: (N,) int64 ids relative to the shard's first row.
+        inv_temperature: 1 / T.
+        workspace_bytes: bound on the partial-state buffer and its merge.
+        tiles: block sizes; None = `default_tiles`.
+    """
+    _check_triton_operands(hidden, weight_valid)
+    tiles = default_tiles(hidden.device) if tiles is None else tiles
+    num_rows, hidden_size = hidden.shape
+    num_cols = weight_valid.shape[0]
+    num_splits = _num_splits(num_rows, num_cols, tiles, hidden.device, workspace_bytes)
+    split_cols = triton.cdiv(triton.cdiv(num_cols, num_splits), tiles.block_v) * tiles.block_v
+    num_splits = triton.cdiv(num_cols, split_cols)
+    parts = torch.empty(num_splits, NUM_STATS, num_rows, dtype=torch.float32, device=hidden.device)  # (K, 4, N)
+    grid = (triton.cdiv(num_rows, tiles.block_n) * num_splits,)
+    _stats_fwd_kernel[grid](
+        hidden, weight_valid, local_ids.contiguous(), parts, num_rows, num_cols, hidden_size, split_cols, num_splits,
+        hidden.stride(0), weight_valid.stride(0), inv_temperature,
+        BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP_N=tiles.group_n,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_dot_settings(hidden),
+    )
+    return merge_stats(parts)
+
+
+def triton_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.Tensor, lse: torch.Tensor,
+                   mean_logit: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
+                   inv_temperature: float, tiles: TritonTiles | None = None) -> torch.Tensor:
+    """d loss / d (x w^T) of one (rows, cols) slab, written once in x's dtype.
+
+    Args:
+        x_rows: (rows, H) hidden rows of the slab.
+        w_cols: (cols, H) real LM-head rows of the slab.
+        tile_ids: (rows,) int64 token ids relative to the slab's first column.
+        lse, mean_logit: (rows,) float32 from the forward.
+        grad_logprobs: (rows,) float32 d loss / d logprobs.
+        grad_entropy: (rows,) float32 d loss / d entropy, or None (entropy unused: its term is skipped).
+        inv_temperature: 1 / T.
+        tiles: block sizes; None = `default_tiles`.
+
+    Returns:
+        (rows, cols) dz in x's dtype.
+    """
+    _check_triton_operands(x_rows, w_cols)
+    tiles = default_tiles(x_rows.device) if tiles is None else tiles
+    num_rows, hidden_size = x_rows.shape
+    num_cols = w_cols.shape[0]
+    dz = torch.empty(num_rows, num_cols, dtype=x_rows.dtype, device=x_rows.device)  # (rows, cols)
+    grid = (triton.cdiv(num_rows, tiles.block_n) * triton.cdiv(num_cols, tiles.block_v),)
+    _dz_kernel[grid](
+        x_rows, w_cols, tile_ids.contiguous(), lse.contiguous(), mean_logit.contiguous(),
+        grad_logprobs.contiguous(), lse if grad_entropy is None else grad_entropy.contiguous(), dz,
+        num_rows, num_cols, hidden_size, x_rows.stride(0), w_cols.stride(0), dz.stride(0), inv_temperature,
+        HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v,
+        BLOCK_H=tiles.block_h, GROUP_N=tiles.group_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **_dot_settings(x_rows),
+    )
+    return dz
+
+
+def build_triton_tile_ops(tiles: TritonTiles | None = None) -> TileOps:
+    """The Triton primitives for `LogprobEntropyFunction`; the backward slab costs itemsize bytes per element."""
+    return TileOps(
+        local_stats=lambda *args: triton_local_stats(*args, tiles=tiles),
+        tile_dz=lambda *args: triton_tile_dz(*args, tiles=tiles),
+        dz_bytes_per_element=lambda dtype: dtype.itemsize,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Functional entry
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def triton_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    workspace_mb: float = DEFAULT_WORKSPACE_MB,
+    tiles: TritonTiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob and entropy of the sampled tokens with the fused Triton kernels.
+
+    Args:
+        hidden: (N, H) last hidden states of the completion tokens; the same on every TP rank.
+        weight: (V_local, H) this rank's LM-head shard, same dtype (float32, bfloat16 or float16).
+        token_ids: (N,) int64 global ids of the sampled tokens, in [0, vocab_size).
+        temperature: the sampling temperature T (logits are divided by it).
+        vocab_size: the real vocabulary; global rows >= it are Megatron padding, masked. None = no padding.
+        tp_group: the TP group the vocabulary is split over; None = W is the whole head.
+        vocab_start: global id of local row 0; None = tp_rank * V_local.
+        workspace_mb: bound on the backward dz slab (and the forward partial states), MiB.
+        tiles: block sizes; None = `default_tiles(hidden.device)`.
+
+    Returns:
+        (logprobs, entropy), each (N,) float32, differentiable w.r.t. hidden and weight; dX comes back summed over
+        the TP group, dW local. NaN log-prob for ids outside the vocabulary.
+    """
+    check_lm_head_inputs(hidden, weight, token_ids, temperature)
+    _check_triton_operands(hidden, weight)
+    shard = build_vocab_shard(weight.shape[0], vocab_size, tp_group, vocab_start)
+    return LogprobEntropyFunction.apply(hidden, weight, token_ids, shard, temperature, tp_group,
+                                        int(workspace_mb * 2**20), build_triton_tile_ops(tiles))
