@@ -201,8 +201,10 @@ class RolloutConfig:
     """Size of one flattened transfer bucket."""
     verify_weight_sync: bool = True
     """After every sync, compare the engine's log-probs of probe sequences with the trainer's."""
-    weight_sync_tolerance: float = 1e-3
-    """Largest allowed |trainer - engine| log-prob difference on the probes."""
+    weight_sync_tolerance: float | None = None
+    """Largest allowed |trainer - engine| log-prob difference on the probes. None = by dtype: 1e-3 for float32;
+    0.1 for bfloat16 / float16, where the engine's half-precision logits alone differ by ~|logit| * 2^-8 (so a
+    half-precision check catches layout errors, which move log-probs by O(1), not a single stale step)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -263,7 +265,9 @@ class KernelsConfig:
     loss_implementation: Literal["auto", "triton", "torch_chunked", "reference"] = "auto"
     """`auto` = the Triton kernel on GPU, the chunked torch path on CPU. `reference` materialises the logits."""
     loss_workspace_mb: int = 1024
-    """Upper bound of the extra memory the fused loss may use per rank (it chooses its token chunk from this)."""
+    """Bound, MiB, on the fused log-prob's tile temporaries (token x vocab chunks) per rank; passed to
+    kernels.lm_head_logprob_entropy as workspace_mb. Per-token statistics and (bf16) the float32 dX accumulator
+    come on top (kernels/chunked_logprob.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
