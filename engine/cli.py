@@ -47,27 +47,59 @@ def cmd_check(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    cfg, d = _load(args)
-    par = cfg.parallel
-    print(f"layout: tp_size*pp_size*dp_size = {par.tp_size}*{par.pp_size}*{d.dp_size} = {d.world_size} ranks")
-    print(
-        f"batch: {d.micro_batch_size} completions/micro-batch x {d.num_microbatches} micro-batches x {d.dp_size} DP "
-        f"= {d.global_batch_size} completions per optimizer step"
-    )
+    from engine.planner import SHAPE_OPTIONS, build_plan, format_plan, resolve_cluster_shape
+
+    cfg = load_config(args.config, args.overrides)
+    shape = resolve_cluster_shape(cfg, **{k: getattr(args, k) for k in SHAPE_OPTIONS})
+    if args.world_size is not None and args.world_size != shape.train_gpus:
+        raise ConfigError(
+            f"--world-size {args.world_size} != training nodes x GPUs per node = {shape.train_nodes} x "
+            f"{shape.gpus_per_node} = {shape.train_gpus}; the planner sizes the cluster shape (--train-nodes, ...)"
+        )
+    plan = build_plan(cfg, shape)
+    d = plan.derived
+    print(format_plan(plan))
     print(
         f"generation: {d.num_prompts_per_generation} prompts x {cfg.grpo.num_generations} = "
         f"{d.generation_batch_size} completions per round, serving {d.optimizer_steps_per_generation} optimizer step(s)"
     )
-    print("per-GPU memory and the node split: not yet available (the planner lands with the cluster-launch issue)")
+    if plan.problems:
+        print("plan: layout does not fit:\n  - " + "\n  - ".join(plan.problems), file=sys.stderr)
+        return 1
     return 0
 
 
 def cmd_train(args) -> int:
-    cfg, derived = _load(args)
-    path = write_resolved_config(cfg, cfg.train.output_dir)
-    print(f"config valid ({derived}); resolved config written to {path}")
-    print("train: not yet available: the GRPO loop lands with the trainer issue", file=sys.stderr)
-    return 2
+    if not args.dry_run:
+        cfg, derived = _load(args)
+        path = write_resolved_config(cfg, cfg.train.output_dir)
+        print(f"config valid ({derived}); resolved config written to {path}")
+        print("train: not yet available: the GRPO loop lands with the trainer issue", file=sys.stderr)
+        return 2
+    # --dry-run: validate against the launcher's world size and the cluster shape, plan, exit 0 only if it fits.
+    from engine.planner import SHAPE_OPTIONS, build_plan, format_plan, node_roles, resolve_cluster_shape
+
+    cfg = load_config(args.config, args.overrides)
+    shape = resolve_cluster_shape(cfg, **{k: getattr(args, k) for k in SHAPE_OPTIONS})
+    env = os.environ
+    # World size: --world-size, torchrun's $WORLD_SIZE, or one srun task per node x GPUs per node.
+    world_size = args.world_size or (int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None)
+    if world_size is None and "SLURM_STEP_NUM_NODES" in env:
+        world_size = int(env["SLURM_STEP_NUM_NODES"]) * int(env.get("SLURM_GPUS_ON_NODE") or shape.gpus_per_node)
+    if world_size is not None and world_size != shape.train_gpus:
+        raise ConfigError(
+            f"world size {world_size} (from the launcher) != training nodes x GPUs per node = "
+            f"{shape.train_nodes} x {shape.gpus_per_node} = {shape.train_gpus}"
+        )
+    plan = build_plan(cfg, shape)
+    print(format_plan(plan))
+    node_rank = next((int(env[k]) for k in ("GROUP_RANK", "NODE_RANK", "SLURM_PROCID") if k in env), 0)
+    print(node_roles(cfg, shape, plan.derived, node_rank))
+    if plan.problems:
+        print("dry run: layout does not fit:\n  - " + "\n  - ".join(plan.problems), file=sys.stderr)
+        return 1
+    print(f"dry run: layout valid and fits on {shape.train_gpus} training GPUs; not training")
+    return 0
 
 
 def cmd_tiny_model(args) -> int:
@@ -89,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, help_text in [
         ("train", cmd_train, "run GRPO training from a config"),
-        ("plan", cmd_plan, "print the layout, batch geometry and (later) per-GPU memory of a config"),
+        ("plan", cmd_plan, "print the layout, batch geometry and per-GPU memory of a config on a cluster shape"),
         ("check", cmd_check, "validate a config and print it fully resolved"),
     ]:
         p = sub.add_parser(name, help=help_text)
@@ -97,6 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.beta=0.04")
         p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE, else the config's layout")
         p.set_defaults(func=func)
+        if name in ("train", "plan"):  # the cluster shape the planner sizes (engine/planner.py)
+            p.add_argument("--train-nodes", type=int, default=None, help="default: as many as tp*pp*dp needs")
+            p.add_argument("--infer-nodes", type=int, default=None, help="default: 1 in vllm_mode server, else 0")
+            p.add_argument("--gpus-per-node", type=int, default=None, help="default: 8, or the layout's GPUs if fewer")
+            p.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU (default 79.1: H100 80GB)")
+            p.add_argument("--reserve-gib", type=float, default=None,
+                           help="per GPU, what the formulas leave out: CUDA context, NCCL, vLLM runtime (default 4)")
+        if name == "train":
+            p.add_argument("--dry-run", action="store_true",
+                           help="validate against the launcher's world size and the cluster shape, plan, exit")
     p = sub.add_parser("demo", help="run the embedded tiny demo on CPU")
     p.add_argument("overrides", nargs="*", help="dotted overrides of configs/tiny_cpu.yaml")
     p.set_defaults(func=cmd_demo)

@@ -1,0 +1,321 @@
+"""The memory planner against hand-computed cases and the published numbers its docstring cites: Megatron Core's
+distributed-optimizer table and `theoretical_memory_usage.py`, Korthikanti et al. 2022 Table 2, a vLLM start-up
+log, the hub's parameter counts; and its refusals of layouts that do not divide or fit."""
+
+from pathlib import Path
+
+import pytest
+
+from engine.cli import main
+from engine.config import ConfigError, build_config, load_config
+from engine.planner import (
+    GIB,
+    KNOWN_MODELS,
+    ModelDims,
+    PlanError,
+    activation_term,
+    build_plan,
+    format_plan,
+    load_model_dims,
+    megatron_padded_vocab,
+    resolve_cluster_shape,
+)
+
+CONFIGS = Path(__file__).parents[2] / "configs"
+QWEN_72B = CONFIGS / "qwen2.5-72b_tp8_pp4_split_4x1.yaml"
+LLAMA_70B = CONFIGS / "llama3.1-70b_tp8_pp4_split_4x1.yaml"
+GPU_CONFIGS = [QWEN_72B, LLAMA_70B, CONFIGS / "qwen2.5-7b_tp2_dp4_1node.yaml", CONFIGS / "qwen2.5-0.5b_tp1_1gpu.yaml"]
+
+
+def _plan(path, overrides=(), **shape):
+    cfg = load_config(path, list(overrides))
+    return build_plan(cfg, resolve_cluster_shape(cfg, **shape))
+
+
+def _terms(budget):
+    return {t.label: t.nbytes for t in budget.terms}
+
+
+# --- the shipped configs -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [QWEN_72B, LLAMA_70B], ids=["qwen2.5-72b", "llama3.1-70b"])
+def test_split_70b_configs_fit_under_80_gib_on_training_and_inference_nodes(path):
+    plan = _plan(path)
+    assert plan.shape.train_nodes == 4 and plan.shape.infer_nodes == 1
+    assert not plan.problems
+    for budget in plan.budgets:
+        assert budget.total_bytes < 80 * GIB, budget.title
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=[p.stem for p in GPU_CONFIGS])
+def test_config_header_quotes_the_planner_totals(path):
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    for budget in _plan(path).budgets:
+        assert f"{budget.total_bytes / GIB:.2f} GiB" in header, (budget.title, f"{budget.total_bytes / GIB:.2f}")
+
+
+def test_72b_training_gpu_terms_equal_the_hand_computed_arithmetic():
+    plan = _plan(QWEN_72B)
+    terms = _terms(plan.budget("training GPU"))
+    # Qwen2.5-72B layer: q, o 8192*8192 each + k, v 8192*1024 each + QKV bias 8192 + 2*1024 + SwiGLU 3*8192*29568,
+    # split over TP 8, plus 2 RMSNorm weights of 8192 per layer on every rank. Last stage: 20 layers, the output
+    # layer (152064 padded to 152576 at TP8: 149 * 1024) and the final norm.
+    split = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 8192 + 2048 + 3 * 8192 * 29568
+    params = 20 * (split / 8 + 2 * 8192) + 152576 * 8192 / 8 + 8192
+    assert terms["weights"] == pytest.approx(params * 2)
+    assert terms["main grads"] == pytest.approx(params * 4)
+    assert terms["optimizer"] == pytest.approx(params * 12)  # DP = 1: the distributed optimizer shards nothing
+    s, b, h, t = 512 + 8192, 2, 8192, 8
+    sbh = s * b * h
+    one_layer = sbh * (10 + 4 + 4 * 8 / 64 + 6 * 29568 / 8192) / t
+    assert terms["activations"] == pytest.approx(20 * 1 * 2 * sbh / t + one_layer)  # last stage: 1 micro-batch
+    n = 2 * 8192
+    assert terms["loss workspace"] == pytest.approx(1024 * 2**20 + 2 * sbh + n * h * (2 + 4) + n * 16 * 4)
+    assert plan.budget("training GPU").total_bytes / GIB == pytest.approx(46.69, abs=0.005)
+
+
+def test_72b_inference_gpu_holds_the_whole_generation_round_in_kv_cache():
+    terms = _terms(_plan(QWEN_72B).budget("inference GPU"))
+    # 2 (K, V) x 80 layers x 1 KV head per GPU (8 / TP 8) x head_dim 128 x 2 B = 40 KiB per token;
+    # 128 completions (2 x 1 x 64) of 512 + 8192 tokens.
+    assert terms["KV cache"] == 128 * 8704 * 2 * 80 * 1 * 128 * 2 == 42.5 * GIB
+    vllm_params = 80 * (2 * 8192 * 8192 + 2 * 8192 * 1024 + 10240 + 3 * 8192 * 29568) / 8 + 80 * 2 * 8192
+    vllm_params += 2 * 152064 * 8192 / 8 + 8192
+    assert terms["weights"] == pytest.approx(vllm_params * 2)
+
+
+def test_plan_prints_every_term_as_arithmetic():
+    text = format_plan(_plan(QWEN_72B))
+    assert "= 2.35e9 params x 2 B = 4.38 GiB" in text
+    assert "2.35e9 x 12 B (fp32 master + Adam m, v) / dp 1 (distributed optimizer) = 26.27 GiB" in text
+    assert "40 KiB/token x 128 sequences x 8704 tokens" in text
+    assert "total            63.43 GiB of vLLM's share 0.9 x 79.1 GiB = 71.19 GiB: fits" in text
+
+
+# --- published numbers ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        # Total parameters in each checkpoint's safetensors metadata on the Hugging Face hub.
+        ("Qwen/Qwen2.5-0.5B-Instruct", 494_032_768),
+        ("Qwen/Qwen2.5-7B-Instruct", 7_615_616_512),
+        ("Qwen/Qwen2.5-72B-Instruct", 72_706_203_648),
+        ("meta-llama/Llama-3.1-70B-Instruct", 70_553_706_496),
+        ("meta-llama/Meta-Llama-3-8B", 8_030_261_248),
+    ],
+)
+def test_parameter_count_matches_the_hub(name, params):
+    assert load_model_dims(name).total_params() == params
+
+
+@pytest.mark.parametrize(
+    "dtype,distributed,dp,bytes_per_param",
+    [  # Megatron Core user guide, "Distributed Optimizer": bf16 params + fp32 grads 18 | 6 + 12/d; fp32 16 | 8 + 8/d
+        ("bfloat16", False, 4, 18.0),
+        ("bfloat16", True, 4, 6 + 12 / 4),
+        ("float32", False, 4, 16.0),
+        ("float32", True, 4, 8 + 8 / 4),
+    ],
+)
+def test_bytes_per_parameter_follow_megatrons_distributed_optimizer_table(dtype, distributed, dp, bytes_per_param):
+    cfg = build_config({
+        "model": {"name_or_path": "Qwen/Qwen2.5-7B-Instruct", "dtype": dtype},
+        "parallel": {"tp_size": 2, "dp_size": dp},
+        "optimizer": {"use_distributed_optimizer": distributed},
+        "data": {"max_prompt_length": 512},
+    })
+    terms = _terms(build_plan(cfg, resolve_cluster_shape(cfg)).budget("training GPU"))
+    params = terms["weights"] / (2 if dtype == "bfloat16" else 4)
+    assert (terms["weights"] + terms["main grads"] + terms["optimizer"]) / params == pytest.approx(bytes_per_param)
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(8, 4, 1), (8, 1, 4)])
+def test_weights_and_optimizer_match_megatron_theoretical_memory_usage(tp, pp, dp):
+    # megatron/training/theoretical_memory_usage.py::compute_weight_and_optimizer_memory, transcribed for
+    # Llama-3.1-70B (SwiGLU, GQA 64/8, RMSNorm, untied): the most loaded shard times 6 + 12/dp bytes.
+    h, ffn, layers, vocab = 8192, 28672, 80, megatron_padded_vocab(128256, 128, tp)
+    layer = 2 * h * (ffn * 3 / 2 + 1) + 2 * h * h * (1 + 8 / 64)
+    block = layer * layers + h
+    embedding = h * vocab
+    most_loaded = (block / pp + embedding) / tp + (embedding / tp if pp == 1 else 0)
+    megatron = most_loaded * (6 + 12 / dp)
+    cfg = build_config({
+        "model": {"name_or_path": "meta-llama/Llama-3.1-70B-Instruct"},
+        "parallel": {"tp_size": tp, "pp_size": pp, "dp_size": dp, "sequence_parallel": True},
+        "optimizer": {"use_distributed_optimizer": True},
+        "data": {"max_prompt_length": 512},
+    })
+    terms = _terms(build_plan(cfg, resolve_cluster_shape(cfg, infer_nodes=0)).budget("training GPU"))
+    ours = terms["weights"] + terms["main grads"] + terms["optimizer"]
+    # Megatron divides the norm weights by TP; they are replicated (2h per layer on every rank): < 0.02% apart.
+    assert ours == pytest.approx(megatron, rel=2e-4)
+    assert ours >= megatron
+
+
+# A GPT-3-style shape for Korthikanti et al. Table 2: g = a, and SwiGLU with f = 8h/3 has the 16*s*b*h MLP
+# activations of the paper's 4h GeLU MLP (6 f/h = 16).
+GPT = ModelDims(hidden_size=3072, num_layers=8, num_heads=24, num_kv_heads=24, intermediate_size=8192,
+                vocab_size=50304, tie_word_embeddings=False, qkv_bias=False)
+
+
+def _activation_cfg(tp, sp, recompute, impl="local", pp=1, vpp=None, b=2, s=2048):
+    return build_config({
+        "model": {"transformer_impl": impl},
+        "parallel": {"tp_size": tp, "pp_size": pp, "sequence_parallel": sp, "virtual_pipeline_size": vpp},
+        "train": {"per_device_train_batch_size": b, "gradient_checkpointing": recompute},
+        "generation": {"max_completion_length": s // 2},
+        "data": {"max_prompt_length": s // 2},
+    })
+
+
+@pytest.mark.parametrize(
+    "tp,sp,impl,per_layer",  # Table 2 rows, in units of s*b*h (5*a*s/h = 5*24*2048/3072 = 80)
+    [
+        (1, False, "local", 34 + 80),                 # no parallelism
+        (4, False, "local", 10 + 24 / 4 + 80 / 4),    # tensor parallel
+        (4, True, "local", (34 + 80) / 4),            # tensor + sequence parallel
+        (4, True, "transformer_engine", 34 / 4),      # + selective recompute (fused attention keeps no scores)
+    ],
+)
+def test_activations_per_layer_match_korthikanti_table_2(tp, sp, impl, per_layer):
+    s, b, h = 2048, 2, 3072
+    term = activation_term(_activation_cfg(tp, sp, recompute=False, impl=impl), GPT, stage=0, num_microbatches=1)
+    assert term.nbytes == pytest.approx(8 * per_layer * s * b * h)
+
+
+def test_full_recompute_keeps_layer_inputs_plus_one_layer():
+    s, b, h = 2048, 2, 3072
+    term = activation_term(_activation_cfg(4, True, recompute=True, impl="transformer_engine"), GPT, 0, 1)
+    assert term.nbytes == pytest.approx(8 * 2 * s * b * h / 4 + 34 * s * b * h / 4)  # paper §4: 2sbhL (/t under SP)
+
+
+@pytest.mark.parametrize("stage,microbatches,vpp,in_flight", [(0, 64, None, 4), (3, 64, None, 1), (0, 2, None, 2),
+                                                              (0, 64, 2, 4 * (1 + 3 / 8))])
+def test_pipeline_stage_holds_its_1f1b_micro_batches_in_flight(stage, microbatches, vpp, in_flight):
+    s, b, h = 2048, 2, 3072
+    cfg = _activation_cfg(1, False, recompute=True, impl="transformer_engine", pp=4, vpp=vpp)
+    term = activation_term(cfg, GPT, stage, microbatches)
+    stored = 2 * 2 * s * b * h * in_flight  # 8 layers / pp 4 = 2 layers per stage, 2*s*b*h each
+    assert term.nbytes == pytest.approx(stored + 34 * s * b * h)
+
+
+def test_kv_cache_and_weights_match_a_vllm_startup_log():
+    # vLLM issue #12330, Meta-Llama-3-8B on an A100-40GB: "total_gpu_memory (39.50GiB) x gpu_memory_utilization
+    # (0.90) = 35.55GiB; model weights take 14.96GiB; non_torch_memory takes 0.10GiB; PyTorch activation peak memory
+    # takes 9.37GiB; the rest of the memory reserved for KV Cache is 11.12GiB" and "Maximum concurrency for 8192
+    # tokens per request: 11.12x".
+    cfg = build_config({
+        "model": {"name_or_path": "meta-llama/Meta-Llama-3-8B"},
+        "rollout": {"vllm_mode": "server", "vllm_gpu_memory_utilization": 0.9},
+        "generation": {"max_completion_length": 4096},
+        "data": {"max_prompt_length": 4096},
+    })
+    shape = resolve_cluster_shape(cfg, gpus_per_node=1, gpu_memory_gib=39.5, reserve_gib=0.10 + 9.37)
+    budget = build_plan(cfg, shape).budget("inference GPU")
+    terms = _terms(budget)
+    assert terms["weights"] / GIB == pytest.approx(14.96, abs=0.01)  # vLLM also counts a 2 MiB RoPE cache
+    room = budget.limit_bytes - terms["weights"] - terms["reserve"]
+    assert room / GIB == pytest.approx(11.12, abs=0.01)
+    per_token = terms["KV cache"] / (cfg.train.per_device_train_batch_size * 8192)
+    assert per_token == 2 * 32 * 8 * 128 * 2  # 128 KiB
+    assert room / (8192 * per_token) == pytest.approx(11.12, abs=0.01)
+
+
+def test_known_table_matches_the_builtin_tiny_models_and_megatrons_vocab_padding(tmp_path):
+    from engine.model import padded_vocab_size
+    from engine.tiny_model import tiny_model_config
+
+    for family in ("qwen2", "llama"):
+        tiny_model_config(family).to_json_file(tmp_path / "config.json")
+        assert load_model_dims(str(tmp_path)) == KNOWN_MODELS[f"builtin:tiny-{family}"]
+    for vocab, tp in [(151936, 1), (151936, 8), (152064, 8), (128256, 8), (400, 2)]:
+        assert megatron_padded_vocab(vocab, 128, tp) == padded_vocab_size(vocab, 128, tp)
+
+
+# --- refusals -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides,shape,message",
+    [
+        (["parallel.tp_size=16", "parallel.pp_size=2"], {},
+         r"parallel.tp_size=16 must divide the GPUs per node \(8 % 16 = 8\)"),
+        (["parallel.pp_size=3", "parallel.dp_size=null"], {"train_nodes": 3},
+         r"num_hidden_layers=80 is not divisible by pp_size\*virtual_pipeline_size = 3\*1 = 3 \(80 % 3 = 2\)"),
+        (["rollout.vllm_tensor_parallel_size=3"], {},
+         r"vllm_tensor_parallel_size=3 must divide num_attention_heads=64"),
+        (["rollout.vllm_tensor_parallel_size=16"], {}, r"vllm_tensor_parallel_size=16 > 8 GPUs per node"),
+        ([], {"infer_nodes": 0}, r"vllm_mode='server' needs inference nodes"),
+        (["rollout.vllm_mode=colocate"], {"infer_nodes": 1}, r"'colocate' runs vLLM on the training GPUs: got 1"),
+        (["model.name_or_path=acme/unknown-70b"], {}, r"does not know this model's dimensions and does not download"),
+        (["data.max_prompt_length=null"], {}, r"the planner needs a bound on the sequence length"),
+    ],
+)
+def test_planner_refuses_a_layout_that_does_not_divide(overrides, shape, message):
+    with pytest.raises(PlanError, match=message):
+        _plan(QWEN_72B, overrides, **shape)
+
+
+def test_planner_refuses_a_node_count_that_does_not_match_the_layout():
+    with pytest.raises(ConfigError, match=r"tp_size\*pp_size\*dp_size = 8\*4\*1 = 32 != world size 24"):
+        _plan(QWEN_72B, train_nodes=3)
+
+
+def test_planner_reports_every_divisibility_problem_at_once():
+    with pytest.raises(PlanError) as info:
+        _plan(QWEN_72B, ["parallel.tp_size=16", "parallel.pp_size=3", "parallel.dp_size=null"], train_nodes=6)
+    assert "8 % 16 = 8" in str(info.value) and "80 % 3 = 2" in str(info.value)
+
+
+def test_generation_round_too_large_for_the_kv_cache_does_not_fit(capsys):
+    assert main(["plan", str(QWEN_72B), "train.per_device_train_batch_size=4"]) == 1
+    err = capsys.readouterr().err
+    # 256 x 8704 tokens x 40 KiB = 85 GiB of KV cache next to 16.93 GiB of weights in vLLM's 71.19 GiB
+    assert "total 105.93 GiB > vLLM's share 0.9 x 79.1 GiB = 71.19 GiB" in err
+    assert "the KV room holds 151.37 sequences at full length" in err
+
+
+def test_training_state_too_large_for_the_gpu_does_not_fit():
+    # TP8 x DP4 without pipelining: every GPU holds 80 layers / 8 + both vocab tables, 9.09e9 x (6 + 12/4) B =
+    # 76 GiB before activations. (16 micro-batches keep the generation round at 2 x 4 x 16 = 128 completions.)
+    plan = _plan(QWEN_72B, ["parallel.pp_size=1", "parallel.dp_size=4", "train.gradient_accumulation_steps=16"])
+    [problem] = plan.problems
+    assert problem.startswith("training GPU") and "> 79.1 GiB per GPU; raise parallel.pp_size" in problem
+
+
+def test_colocated_vllm_with_sleep_mode_adds_only_what_the_activations_do_not_already_take():
+    path = CONFIGS / "qwen2.5-7b_tp2_dp4_1node.yaml"
+    asleep = _terms(_plan(path).budget("training GPU"))
+    awake = _terms(_plan(path, ["rollout.vllm_enable_sleep_mode=false"]).budget("training GPU"))
+    share = 0.4 * 79.1 * GIB
+    assert asleep["vLLM (colocated)"] == pytest.approx(share - asleep["activations"] - asleep["loss workspace"])
+    assert awake["vLLM (colocated)"] == pytest.approx(share)
+
+
+# --- the commands ---------------------------------------------------------------------------------------------------
+
+
+def test_plan_command_prints_both_node_kinds_and_exits_zero(capsys):
+    assert main(["plan", str(LLAMA_70B)]) == 0
+    out = capsys.readouterr().out
+    assert "training GPU, last pipeline stage (the larger of 4 stages), per GPU:" in out
+    assert "inference GPU (vLLM TP 8, 1 engine(s) on 1 inference node(s), 128 sequences per engine), per GPU:" in out
+
+
+def test_train_dry_run_refuses_a_launcher_world_size_that_disagrees_with_the_shape(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert main(["train", str(QWEN_72B), "--dry-run"]) == 1
+    assert "world size 16 (from the launcher) != training nodes x GPUs per node = 4 x 8 = 32" in capsys.readouterr().err
+
+
+def test_train_dry_run_prints_this_nodes_ranks_and_exits_zero(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "4")
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    assert main(["train", str(QWEN_72B), "--dry-run", "--gpus-per-node=8"]) == 0
+    out = capsys.readouterr().out
+    assert "node rank 2 of 4: global ranks 16-23, pipeline stage(s) 2, data-parallel rank(s) 0" in out
+    assert "dry run: layout valid and fits on 32 training GPUs; not training" in out

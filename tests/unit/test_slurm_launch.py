@@ -1,0 +1,332 @@
+"""The SLURM launchers under a fake SLURM: bash runs the real scripts; stand-in `srun`, `scontrol`, `sbatch` and
+`torchrun` (first on PATH) append their argv and the environment they saw to a JSONL log.
+
+The stand-in srun runs its command once per node of `--nodelist` with srun's per-task variables (SLURM_PROCID,
+SLURMD_NODENAME, SLURM_STEP_NUM_NODES, ...) and writes `--output` per node like srun's `%N`; with
+FAKE_SRUN_BLOCK=1 it instead waits for a signal and records it. So the tests see which node got which command,
+what rank and ports each task computed, and, in dry-run mode, the real `grpo-engine train --dry-run` validating
+the layout on every training node.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SPLIT_SCRIPT = ROOT / "launch" / "grpo_72b.slurm"
+ONE_NODE_SCRIPT = ROOT / "launch" / "grpo_1node.slurm"
+JOB_ID = 4217
+NODES = [f"gpu{i:03d}" for i in range(1, 6)]
+
+_RECORD = f"""#!{sys.executable} -S
+import json, os, sys
+
+def record(tool, **extra):
+    keys = [k for k in os.environ if k.startswith(("SLURM", "TORCH", "NCCL", "CUDA_DEVICE")) or k in ("WORLD_SIZE",)]
+    entry = {{"tool": tool, "argv": sys.argv[1:], "env": {{k: os.environ[k] for k in keys}}, **extra}}
+    with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
+        log.write(json.dumps(entry) + "\\n")
+"""
+
+FAKE_SRUN = _RECORD + """
+import signal, subprocess, time
+
+args = sys.argv[1:]
+options = {}
+while args and args[0].startswith("-"):
+    key, _, value = args.pop(0).partition("=")
+    options[key] = value
+if os.environ.get("FAKE_SRUN_BLOCK") == "1":
+    record("srun", event="start")
+
+    def stop(signum, frame):
+        record("srun", event="signal", signal=signal.Signals(signum).name)
+        sys.exit(0 if signum == signal.SIGUSR1 else 143)
+
+    signal.signal(signal.SIGUSR1, stop)
+    signal.signal(signal.SIGTERM, stop)
+    time.sleep(30)
+    sys.exit(124)
+record("srun", event="run")
+nodes = options["--nodelist"].split(",") if "--nodelist" in options else [os.environ["SLURMD_NODENAME"]]
+status = 0
+for rank, node in enumerate(nodes):
+    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_NODEID=str(rank), SLURMD_NODENAME=node,
+               SLURM_STEP_NUM_NODES=str(len(nodes)), SLURM_STEP_NODELIST=",".join(nodes))
+    output = options.get("--output")
+    sink = open(output.replace("%N", node), "a") if output else None
+    done = subprocess.run(args, env=env, stdout=sink, stderr=subprocess.STDOUT if sink else None)
+    status = max(status, done.returncode)
+sys.exit(status)
+"""
+
+FAKE_SCONTROL = _RECORD + """
+record("scontrol")
+if sys.argv[1:3] == ["show", "hostnames"]:
+    # Slurm's compressed form, one range: gpu[001-005] -> gpu001 ... gpu005
+    prefix, _, ranges = sys.argv[3].partition("[")
+    first, _, last = ranges.rstrip("]").partition("-")
+    for i in range(int(first), int(last or first) + 1):
+        print(f"{prefix}{i:0{len(first)}d}")
+"""
+
+FAKE_SBATCH = _RECORD + """
+# Reads the script's #SBATCH header for the node count, then runs it as Slurm would: under bash, in the
+# submission directory, with the job's variables.
+record("sbatch")
+script, *script_args = sys.argv[1:]
+nodes = 1
+for line in open(script):
+    if line.startswith("#SBATCH --nodes="):
+        nodes = int(line.split("=", 1)[1])
+env = dict(os.environ, SLURM_JOB_ID=os.environ["FAKE_JOB_ID"], SLURM_JOB_NAME="grpo", SLURM_NNODES=str(nodes),
+           SLURM_JOB_NODELIST=f"gpu[001-{nodes:03d}]", SLURM_SUBMIT_DIR=os.getcwd(), SLURMD_NODENAME="gpu001")
+os.execvpe("bash", ["bash", script, *script_args], env)
+"""
+
+FAKE_TORCHRUN = _RECORD + """
+import time
+
+record("torchrun")
+# Like the real trainer (rollout.vllm_server_timeout), wait for the vLLM server before finishing.
+deadline = time.monotonic() + 20
+while "rollout.vllm_mode=server" in sys.argv and time.monotonic() < deadline:
+    if "engine.rollout_server" in open(os.environ["FAKE_SLURM_LOG"]).read():
+        break
+    time.sleep(0.02)
+"""
+
+FAKE_PYTHON = _RECORD + """
+# Stands in for `python` in non-dry runs: records the planner and vLLM-server invocations.
+record("python")
+"""
+
+
+def _make_slurm(tmp_path: Path):
+    """A runner of launchers under the fake SLURM: (command, *args, background=False, **env) -> (result, records)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in [("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("sbatch", FAKE_SBATCH),
+                       ("torchrun", FAKE_TORCHRUN), ("fake-python", FAKE_PYTHON)]:
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "slurm.jsonl"
+
+    def run(command, *args, background=False, **env_overrides):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "WORLD_SIZE", "TORCHELASTIC"))}
+        env.update(
+            PATH=f"{bin_dir}:{env['PATH']}", FAKE_SLURM_LOG=str(log), FAKE_JOB_ID=str(JOB_ID),
+            SLURM_JOB_ID=str(JOB_ID), SLURM_JOB_NAME="grpo", SLURM_JOB_NODELIST="gpu[001-005]", SLURM_NNODES="5",
+            SLURM_SUBMIT_DIR=str(ROOT), SLURMD_NODENAME="gpu001", SLURM_CPUS_ON_NODE="96",
+            LOG_DIR=str(tmp_path / "logs"),
+            PYTHON=str(bin_dir / "fake-python"),
+        )
+        env.update(env_overrides)
+        argv = [*command, *map(str, args)]
+        if background:
+            return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        result = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return result, read_records(log)
+
+    run.log = log
+    run.logs = tmp_path / "logs"
+    return run
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    return _make_slurm(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory):
+    """One ordinary run of the split script (4 + 1 nodes, a user override), shared by the tests that only read it."""
+    slurm = _make_slurm(tmp_path_factory.mktemp("split"))
+    result, records = slurm(["bash", SPLIT_SCRIPT], "grpo.beta=0.04")
+    assert result.returncode == 0, result.stderr
+    return records, slurm.logs
+
+
+def read_records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _tool(records, tool):
+    return [r for r in records if r["tool"] == tool]
+
+
+def _option(argv, name):
+    """The value of `--name=value` in an argv, or None."""
+    return next((a.split("=", 1)[1] for a in argv if a.startswith(f"--{name}=")), None)
+
+
+def _overrides(argv):
+    return dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
+
+
+def _srun_steps(records):
+    """The srun invocations, keyed 'train' / 'infer' by the program they launch."""
+    steps = {}
+    for r in _tool(records, "srun"):
+        argv = r["argv"]
+        steps["infer" if "engine.rollout_server" in " ".join(argv) else "train"] = r
+    return steps
+
+
+def test_split_script_sends_training_to_the_first_nodes_and_vllm_to_the_rest(split_run):
+    records, _ = split_run
+    steps = _srun_steps(records)
+    assert _option(steps["train"]["argv"], "nodelist") == ",".join(NODES[:4])
+    assert [_option(steps["train"]["argv"], k) for k in ("ntasks", "ntasks-per-node")] == ["4", "1"]
+    assert _option(steps["train"]["argv"], "cpus-per-task") == "96"  # the whole node to torchrun's 8 ranks
+    assert _option(steps["infer"]["argv"], "nodelist") == NODES[4]
+    servers = [r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"]]
+    assert [(r["env"]["SLURMD_NODENAME"], _option(r["argv"], "node-rank")) for r in servers] == [(NODES[4], "0")]
+    assert _option(servers[0]["argv"], "num-nodes") == "1"
+
+
+def test_split_script_gives_each_training_node_its_torchrun_rank_and_one_rendezvous(split_run):
+    records, _ = split_run
+    runs = _tool(records, "torchrun")
+    assert [(r["env"]["SLURMD_NODENAME"], _option(r["argv"], "node-rank")) for r in runs] == [
+        (node, str(rank)) for rank, node in enumerate(NODES[:4])
+    ]
+    for r in runs:
+        assert _option(r["argv"], "nnodes") == "4" and _option(r["argv"], "nproc-per-node") == "8"
+        assert _option(r["argv"], "master-addr") == NODES[0]  # the host of node rank 0
+        assert _option(r["argv"], "master-port") == str(20000 + (JOB_ID % 1000) * 10)
+        command = r["argv"][r["argv"].index("-m") + 1:]
+        assert command[:3] == ["engine", "train", "configs/qwen2.5-72b_tp8_pp4_split_4x1.yaml"]
+
+
+def test_trainer_and_vllm_server_agree_on_host_and_ports(split_run):
+    records, _ = split_run
+    trainer = _overrides(_tool(records, "torchrun")[0]["argv"])
+    server = _overrides(next(r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"])["argv"])
+    base = 20000 + (JOB_ID % 1000) * 10
+    assert trainer["rollout.vllm_server_host"] == NODES[4]
+    assert trainer["rollout.vllm_server_port"] == str(base + 1)
+    assert trainer["rollout.vllm_group_port"] == str(base + 2)
+    assert trainer["grpo.beta"] == "0.04"  # the user's override reaches both sides
+    shared = ("rollout.vllm_mode", "rollout.vllm_server_host", "rollout.vllm_server_port", "rollout.vllm_group_port",
+              "grpo.beta")
+    assert {k: server[k] for k in shared} == {k: trainer[k] for k in shared}
+
+
+def test_split_script_writes_one_log_per_node(split_run):
+    _, logs = split_run
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        [f"train-{n}.log" for n in NODES[:4]] + [f"infer-{NODES[4]}.log"]
+    )
+
+
+def test_split_script_exports_what_nccl_megatron_and_torchrun_need(split_run):
+    records, _ = split_run
+    env = _tool(records, "torchrun")[0]["env"]
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert "SIGUSR1" in env["TORCHELASTIC_SIGNALS_TO_HANDLE"].split(",")
+    assert int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < 600  # finishes inside the --signal lead time
+
+
+def test_split_script_plans_before_starting_any_node(split_run):
+    records, _ = split_run
+    first = records[[r["tool"] for r in records].index("python")]
+    assert first["argv"][:3] == ["-m", "engine", "plan"]
+    assert records.index(first) < min(records.index(r) for r in _tool(records, "srun"))
+    assert [_option(first["argv"], k) for k in ("train-nodes", "infer-nodes", "gpus-per-node")] == ["4", "1", "8"]
+
+
+def test_dry_run_validates_the_layout_on_every_training_node_and_skips_vllm(slurm):
+    result, records = slurm(["bash", SPLIT_SCRIPT], DRY_RUN="1", PYTHON=sys.executable)
+    assert result.returncode == 0, result.stderr
+    assert list(_srun_steps(records)) == ["train"]
+    out = result.stdout
+    assert out.count("dry run: layout valid and fits on 32 training GPUs") == 4
+    for rank in range(4):
+        first = rank * 8
+        assert f"node rank {rank} of 4: global ranks {first}-{first + 7}, pipeline stage(s) {rank}," in out
+    assert "training layout: tp*pp*dp = 8*4*1 = 32 GPUs = 4 node(s) x 8" in out
+
+
+def test_split_script_refuses_a_node_split_that_does_not_divide_before_any_srun(slurm):
+    result, records = slurm(["bash", SPLIT_SCRIPT], TRAIN_NODES="3", PYTHON=sys.executable)
+    assert result.returncode != 0
+    assert "tp_size*pp_size*dp_size = 8*4*1 = 32 != world size 24" in result.stderr
+    assert not _tool(records, "srun")
+
+
+def test_split_script_refuses_an_allocation_without_an_inference_node(slurm):
+    result, records = slurm(["bash", SPLIT_SCRIPT], SLURM_JOB_NODELIST="gpu[001-004]", SLURM_NNODES="4")
+    assert result.returncode == 1
+    assert "TRAIN_NODES=4 leaves 0 for vLLM; submit with --nodes=5" in result.stderr
+    assert not _tool(records, "srun")
+
+
+def test_first_run_does_not_resume(split_run):
+    records, _ = split_run
+    assert "checkpoint.resume_from_checkpoint=latest" not in _tool(records, "torchrun")[0]["argv"]
+
+
+def test_usr1_before_the_time_limit_reaches_the_trainer_then_the_job_requeues(slurm):
+    header = SPLIT_SCRIPT.read_text()
+    assert "#SBATCH --signal=B:USR1@600" in header and "#SBATCH --requeue" in header
+    proc = slurm(["bash", SPLIT_SCRIPT], background=True, FAKE_SRUN_BLOCK="1")
+    try:
+        deadline = time.monotonic() + 20
+        while sum(r.get("event") == "start" for r in read_records(slurm.log)) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)  # what `--signal=B:USR1@600` does 10 minutes before the limit
+        proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    records = read_records(slurm.log)
+    signals = {
+        "infer" if "engine.rollout_server" in " ".join(r["argv"]) else "train": r["signal"]
+        for r in records if r.get("event") == "signal"
+    }
+    assert signals == {"train": "SIGUSR1", "infer": "SIGTERM"}  # trainer checkpoints; servers stop after it
+    assert [r["argv"] for r in _tool(records, "scontrol") if r["argv"][0] == "requeue"] == [["requeue", str(JOB_ID)]]
+    assert proc.returncode == 0
+
+
+def test_requeued_sbatch_job_uses_its_header_node_count_and_resumes_from_the_latest_checkpoint(slurm):
+    # `sbatch launch/grpo_72b.slurm` as users type it; the stand-in reads `#SBATCH --nodes=5` for the allocation.
+    result, records = slurm(["sbatch", SPLIT_SCRIPT], SLURM_RESTART_COUNT="2")
+    assert result.returncode == 0, result.stderr
+    steps = _srun_steps(records)
+    assert _option(steps["train"]["argv"], "nodelist") == ",".join(NODES[:4])
+    assert _option(steps["infer"]["argv"], "nodelist") == NODES[4]
+    for argv in [_tool(records, "torchrun")[0]["argv"], steps["infer"]["argv"]]:
+        assert "checkpoint.resume_from_checkpoint=latest" in argv
+
+
+def test_one_node_script_runs_colocated_torchrun_and_no_server(slurm):
+    result, records = slurm(["bash", ONE_NODE_SCRIPT], SLURM_JOB_NODELIST="gpu[001-001]", SLURM_NNODES="1")
+    assert result.returncode == 0, result.stderr
+    [run] = _tool(records, "torchrun")
+    assert "--standalone" in run["argv"] and _option(run["argv"], "nproc-per-node") == "8"
+    assert _overrides(run["argv"])["rollout.vllm_mode"] == "colocate"
+    assert not [r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"]]
+    assert sorted(p.name for p in slurm.logs.iterdir()) == ["train-gpu001.log"]
+
+
+def test_one_node_dry_run_validates_the_7b_layout(slurm):
+    result, _ = slurm(["bash", ONE_NODE_SCRIPT], SLURM_JOB_NODELIST="gpu[001-001]", SLURM_NNODES="1",
+                      DRY_RUN="1", PYTHON=sys.executable)
+    assert result.returncode == 0, result.stderr
+    assert "training layout: tp*pp*dp = 2*1*4 = 8 GPUs" in result.stdout
+    assert "dry run: layout valid and fits on 8 training GPUs" in result.stdout
+
+
+def test_local_cpu_dry_run_validates_the_tiny_config_at_two_ranks(slurm):
+    result, _ = slurm([str(ROOT / "launch" / "local_cpu.sh")], "parallel.tp_size=2", DRY_RUN="1", NPROC="2",
+                      PYTHON=sys.executable)
+    assert result.returncode == 0, result.stderr
+    assert "training layout: tp*pp*dp = 2*1*1 = 2 GPUs" in result.stdout
