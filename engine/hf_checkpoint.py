@@ -87,12 +87,12 @@ def load_hf_checkpoint(chunks: list[torch.nn.Module], ps: ParallelState, model_d
 
 
 @torch.no_grad()
-def gather_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims) -> dict[str, torch.Tensor]:
-    """The HF tensors held by one model chunk, TP shards gathered one parameter at a time (on every TP rank)."""
+def iter_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims):
+    """Yield (HF name, tensor) for one model chunk, TP shards gathered one parameter at a time (collective over the
+    TP group: every TP rank iterates and receives the same tensors)."""
     from engine.model import merge_tp_shards
 
     entries = family_map(dims)
-    out: dict[str, torch.Tensor] = {}
     for name, global_name in global_param_names(chunk).items():
         if global_name == "output_layer.weight" and dims.tie_word_embeddings:
             continue  # the tied head is exported once, as the embedding
@@ -100,8 +100,7 @@ def gather_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims
         shards = [torch.empty_like(param) for _ in range(ps.tp_size)]
         dist.all_gather(shards, param.contiguous(), group=ps.groups.tp)
         entry, layer = find_entry(entries, global_name)
-        out |= to_hf(entry, layer, dims, merge_tp_shards(shards, param))
-    return out
+        yield from to_hf(entry, layer, dims, merge_tp_shards(shards, param)).items()
 
 
 def export_hf_checkpoint(
@@ -125,7 +124,7 @@ def export_hf_checkpoint(
     dist.barrier()
     tensors: dict[str, torch.Tensor] = {}
     for chunk in chunks:
-        tensors |= gather_hf_tensors(chunk, ps, dims)
+        tensors |= dict(iter_hf_tensors(chunk, ps, dims))
     file = f"model-{ps.pp_rank + 1:05d}-of-{ps.pp_size:05d}.safetensors"
     writer = ps.tp_rank == 0 and ps.dp_rank == 0
     if writer:
