@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine.config import ConfigError, config_to_dict, load_config, write_resolved_config
+from engine.config import ConfigError, config_to_dict, load_config
 from engine.validation import validate
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
@@ -71,11 +71,12 @@ def cmd_plan(args) -> int:
 
 def cmd_train(args) -> int:
     if not args.dry_run:
-        cfg, derived = _load(args)
-        path = write_resolved_config(cfg, cfg.train.output_dir)
-        print(f"config valid ({derived}); resolved config written to {path}")
-        print("train: not yet available: the GRPO loop lands with the trainer issue", file=sys.stderr)
-        return 2
+        from engine.trainer import train
+
+        summary = train(load_config(args.config, args.overrides))
+        if summary.get("eval_reward_before") is not None:
+            print(f"held-out reward: {summary['eval_reward_before']:.3f} -> {summary['eval_reward_after']:.3f}")
+        return 0
     # --dry-run: validate against the launcher's world size and the cluster shape, plan, exit 0 only if it fits.
     from engine.planner import SHAPE_OPTIONS, build_plan, format_plan, node_roles, resolve_cluster_shape
 

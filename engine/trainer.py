@@ -1,0 +1,353 @@
+"""The GRPO training loop (colocated vLLM): `train(cfg)` reads top to bottom (STYLE.md rule 8).
+
+One generation round: sample prompts -> G completions per prompt (vLLM, every rank's engine generates a share,
+results gathered so every rank holds the round) -> rewards (rank 0, broadcast) -> group-relative advantages ->
+old (and reference) log-probs of this rank's rows -> `num_iterations` passes of optimizer steps over micro-batches
+-> weight sync into the engines, verified -> metrics. Batch semantics are TRL's: per_device_train_batch_size counts
+completions per data-parallel rank per micro-batch; a round holds per_device * dp * steps_per_generation completions,
+shuffled, then cut into optimizer steps of per_device * dp * gradient_accumulation_steps completions; groups are
+never split across rounds. The loss normaliser counts the tokens and sequences of each optimizer step over all
+ranks (layout-independent, engine/policy_loss.py).
+
+Not yet here (see the issue notes): vLLM server mode, Megatron distributed checkpoints and resume, the
+TRL-compatible `GRPOTrainer` facade, the SIGUSR1 checkpoint handler.
+
+Must not: hold maths (engine/advantages.py, engine/policy_loss.py), import vLLM (engine/rollout.py), or read
+Megatron's global parallel state (engine/parallel.py hands out groups).
+
+Run: `grpo-engine train configs/tiny_cpu.yaml`; test: tests/integration/test_trainer.py.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from engine.advantages import compute_advantages
+from engine.batch import pack_completions, split_microbatches
+from engine.config import EngineConfig, write_resolved_config
+from engine.grpo_metrics import compute_completion_metrics, compute_loss_metrics, compute_reward_metrics, compute_sampling_metrics
+from engine.parallel import ParallelState, destroy_parallel, init_parallel
+from engine.policy_loss import LossNormalizer, PolicyLossConfig, compute_vllm_importance_sampling_ratio
+from engine.rollout import Rollout
+from engine.step import LogprobSettings, forward_logprobs, grpo_forward_backward
+from engine.validation import Derived, validate
+from engine.weight_sync import sync_colocated, verify_sync
+
+
+@dataclass
+class Run:
+    """Everything `train` builds once (see `build_run`)."""
+
+    cfg: EngineConfig
+    ps: ParallelState
+    derived: Derived
+    model_dir: Path
+    tokenizer: object
+    dims: object
+    chunks: list
+    popt: object
+    reference: object
+    engine: object
+    train_prompts: object
+    eval_prompts: object
+    rewards: object
+    logger: object
+    loss_config: PolicyLossConfig
+    settings: LogprobSettings
+    total_steps: int
+
+
+def train(cfg: EngineConfig) -> dict:
+    """Run GRPO from a config; returns the held-out reward before and after (rank 0) and the last metrics."""
+    run = build_run(cfg)
+    cfg, ps, d = run.cfg, run.ps, run.derived
+    before = evaluate(run)
+    rounds = prompt_rounds(len(run.train_prompts), d.num_prompts_per_generation, cfg.train.seed,
+                           cfg.train.shuffle_dataset)
+    step, last = 0, {}
+    while step < run.total_steps:
+        start = time.perf_counter()
+        # 1. rollout: G completions for each prompt of the round
+        picked = run.train_prompts.select(next(rounds))
+        rollout = generate_everywhere(run, picked.prompt_ids, cfg.grpo.num_generations)
+        t_rollout = time.perf_counter()
+        # 2. rewards (rank 0 calls the functions, everyone gets the tensor) and advantages over whole groups
+        rewards_per_func = score(run, picked, rollout, step)  # (B, K)
+        adv = compute_advantages(rewards_per_func, cfg.grpo.num_generations, run.rewards.weights,
+                                 cfg.grpo.scale_rewards, cfg.reward.multi_objective_aggregation)
+        batch = build_round(run, rollout, adv.advantages)  # every rank: the whole round, rows shuffled
+        # 3. old (and reference) log-probs of this rank's rows, then num_iterations passes of optimizer steps
+        steps = per_step_microbatches(run, batch)
+        t_reward = time.perf_counter()
+        add_old_and_ref_logprobs(run, steps)
+        t_logprob = time.perf_counter()
+        outputs, stats = [], {}
+        for _ in range(cfg.grpo.num_iterations):
+            for micro, normalizer in steps:
+                run.popt.zero_grad()
+                outputs.append(grpo_forward_backward(run.popt.model, ps, micro, run.loss_config, normalizer, run.settings))
+                stats = run.popt.step()
+                step += 1
+        t_train = time.perf_counter()
+        # 4. weight sync into every engine, verified on a probe of this round
+        sync = sync_colocated(run.popt.model, ps, run.dims, run.engine, cfg.rollout.weight_sync_bucket_mb)
+        if cfg.rollout.verify_weight_sync:
+            sync["weight_sync/max_logprob_diff"] = verify_sync(run.popt.model, ps, run.engine, steps[0][0][0],
+                                                               run.dims.vocab_size, _sync_tolerance(cfg))
+        end = time.perf_counter()
+        # 5. metrics (TRL names), logged on rank 0
+        timings = {"time/rollout_s": t_rollout - start, "time/reward_s": t_reward - t_rollout,
+                   "time/logprob_s": t_logprob - t_reward, "time/train_s": t_train - t_logprob,
+                   "time/sync_s": end - t_train, "step_time": end - start}
+        last = log_round(run, step, rewards_per_func, adv, batch, steps, outputs, stats | sync | timings)
+    after = evaluate(run)
+    summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last}
+    finish(run, summary)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# set-up
+
+
+def build_run(cfg: EngineConfig) -> Run:
+    """Parallel state, model, reference, optimizer, engine, data, rewards, logger (every rank)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engine.data import load_prompts
+    from engine.hf_checkpoint import load_hf_checkpoint
+    from engine.hf_convert import ModelDims
+    from engine.metrics import MetricLogger
+    from engine.model import build_policy, policy_shape
+    from engine.optimizer import build_optimizer
+    from engine.reference_model import ReferencePolicy
+    from engine.rewards import build_reward_funcs
+    from engine.rollout import ColocatedEngine
+    from engine.tiny_model import resolve_builtin_model
+
+    if cfg.rollout.vllm_mode != "colocate":
+        raise NotImplementedError("rollout.vllm_mode='server' is not available yet; use 'colocate'")
+    ps = init_parallel(cfg.parallel, seed=cfg.train.seed)
+    derived = validate(cfg, ps.world_size)
+    run_dir = Path(cfg.train.output_dir)
+    name = cfg.model.name_or_path
+    if ps.rank == 0:
+        write_resolved_config(cfg, run_dir)
+        model_dir = resolve_builtin_model(name, run_dir / "models") if name.startswith("builtin:") else Path(name)
+    dist.barrier()
+    model_dir = resolve_builtin_model(name, run_dir / "models") if name.startswith("builtin:") else Path(name)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, cfg.model, ps.tp_size).padded_vocab_size)
+    chunks = build_policy(hf_config, cfg.model, ps)
+    load_hf_checkpoint(chunks, ps, model_dir, dims)
+    reference = ReferencePolicy.build(hf_config, cfg.model, ps, model_dir, dims) if cfg.grpo.beta != 0 else None
+    max_len = cfg.rollout.vllm_max_model_length or hf_config.max_position_embeddings
+    train_prompts = load_prompts(cfg.data, tokenizer, cfg.generation, split="train", max_model_length=max_len)
+    eval_prompts = load_prompts(cfg.data, tokenizer, cfg.generation, split="test", max_model_length=max_len)
+    total_steps = _total_steps(cfg, derived, len(train_prompts))
+    popt = build_optimizer(cfg.optimizer, chunks, ps, total_steps=total_steps)
+    engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
+                             dtype=cfg.model.dtype, world_size=ps.world_size)
+    logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps) if ps.rank == 0 else None
+    gr = cfg.grpo
+    loss_config = PolicyLossConfig(
+        loss_type=gr.loss_type, importance_sampling_level=gr.importance_sampling_level, epsilon=gr.epsilon,
+        epsilon_high=gr.epsilon_high, delta=gr.delta, beta=gr.beta, kl_estimator=gr.kl_estimator,
+        use_bias_correction_kl=gr.use_bias_correction_kl, sapo_temperature_pos=gr.sapo_temperature_pos,
+        sapo_temperature_neg=gr.sapo_temperature_neg, vespo_k_pos=gr.vespo_k_pos, vespo_lambda_pos=gr.vespo_lambda_pos,
+        vespo_k_neg=gr.vespo_k_neg, vespo_lambda_neg=gr.vespo_lambda_neg, top_entropy_quantile=gr.top_entropy_quantile,
+        entropy_coef=gr.entropy_coef, use_adaptive_entropy=gr.use_adaptive_entropy,
+        off_policy_mask_threshold=gr.off_policy_mask_threshold, max_completion_length=cfg.generation.max_completion_length,
+    )
+    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
+                               implementation=cfg.kernels.loss_implementation, workspace_mb=cfg.kernels.loss_workspace_mb)
+    return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
+               eval_prompts, build_reward_funcs(cfg.reward, cfg.generation), logger, loss_config, settings, total_steps)
+
+
+def _total_steps(cfg: EngineConfig, d: Derived, num_prompts: int) -> int:
+    if cfg.train.max_steps > 0:
+        return cfg.train.max_steps
+    rounds = math.ceil(cfg.train.num_train_epochs * num_prompts / d.num_prompts_per_generation)
+    return rounds * d.optimizer_steps_per_generation
+
+
+def _sync_tolerance(cfg: EngineConfig) -> float:
+    if cfg.rollout.weight_sync_tolerance is not None:
+        return cfg.rollout.weight_sync_tolerance
+    return 1e-3 if cfg.model.dtype == "float32" else 0.1
+
+
+def prompt_rounds(num_prompts: int, per_round: int, seed: int, shuffle: bool):
+    """Endless rounds of `per_round` prompt indices: each epoch a fresh seeded permutation (TRL's RepeatSampler
+    with mini_repeat_count G: the G copies are made by the engine's n=G); an incomplete last chunk is dropped."""
+    if per_round > num_prompts:
+        raise ValueError(f"a round needs {per_round} prompts but the dataset has {num_prompts}")
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(num_prompts, generator=gen) if shuffle else torch.arange(num_prompts)
+        for start in range(0, num_prompts - per_round + 1, per_round):
+            yield order[start : start + per_round].tolist()
+
+
+def finish(run: Run, summary: dict) -> None:
+    if run.logger is not None:
+        run.logger.close()
+    run.rewards.close()
+    run.engine.close()
+    destroy_parallel()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one round
+
+
+def generate_everywhere(run: Run, prompt_ids: list[list[int]], num_generations: int) -> Rollout:
+    """Every engine generates a contiguous share of the prompts (the ranks of one vLLM TP group the same share);
+    the shares are gathered so every rank holds the whole round, prompt-major."""
+    ps, vllm_tp = run.ps, run.cfg.rollout.vllm_tensor_parallel_size
+    num_groups, group = ps.world_size // vllm_tp, ps.rank // vllm_tp
+    share = -(-len(prompt_ids) // num_groups)
+    mine = prompt_ids[group * share : (group + 1) * share]
+    run.engine.wake_up()
+    local = run.engine.generate(mine, num_generations) if mine else Rollout([], [], [], [])
+    run.engine.sleep()
+    gathered: list = [None] * ps.world_size
+    dist.all_gather_object(gathered, local)
+    out = Rollout([], [], [], [])
+    for part in gathered[::vllm_tp]:
+        out.prompt_ids += part.prompt_ids
+        out.completion_ids += part.completion_ids
+        out.sampling_logprobs += part.sampling_logprobs
+        out.is_truncated += part.is_truncated
+    return out
+
+
+def score(run: Run, picked, rollout: Rollout, step: int) -> torch.Tensor:
+    """(B, K) rewards, NaN = None: rank 0 calls the reward functions with TRL's contract, then broadcasts."""
+    g = run.cfg.grpo.num_generations
+    rewards = torch.empty(len(rollout.completion_ids), len(run.rewards.names))
+    if run.ps.rank == 0:
+        texts = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if run.train_prompts.is_conversational else texts
+        prompts = [p for p in picked.prompts for _ in range(g)]
+        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()}
+        state = SimpleNamespace(global_step=step, max_steps=run.total_steps)
+        log = run.logger
+        rewards = run.rewards(prompts, completions, rollout.completion_ids, columns, trainer_state=state,
+                              log_extra=log.log_extra, log_metric=log.log_metric)
+        log.add_completions(prompts, completions, {n: rewards[:, k].tolist() for k, n in enumerate(run.rewards.names)}, [])
+    dist.broadcast(rewards, src=0)
+    return rewards
+
+
+def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor) -> dict:
+    """The round as tensors (engine/batch.py layout) with advantages, vLLM log-probs and the loss mask; rows
+    shuffled with a seeded permutation (the same on every rank)."""
+    from engine.policy_loss import mask_truncated_completions
+
+    pad = run.tokenizer.pad_token_id or 0
+    batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad)
+    mask = batch["completion_mask"]
+    sampling = torch.zeros_like(mask)  # (B, C)
+    for i, row in enumerate(rollout.sampling_logprobs):
+        sampling[i, : len(row)] = torch.tensor(row)
+    is_truncated = torch.tensor(rollout.is_truncated, dtype=torch.bool)  # (B,)
+    if run.cfg.grpo.mask_truncated_completions:
+        batch["completion_mask"] = mask_truncated_completions(mask, is_truncated)
+    batch |= {"advantages": advantages.float(), "sampling_logprobs": sampling, "is_truncated": is_truncated}
+    order = torch.randperm(mask.shape[0], generator=torch.Generator().manual_seed(run.cfg.train.seed + len(rollout.completion_ids)))
+    return {k: v[order] for k, v in batch.items()}
+
+
+def per_step_microbatches(run: Run, batch: dict) -> list[tuple[list[dict], LossNormalizer]]:
+    """For each optimizer step of the round: this DP rank's micro-batches and the step's global normaliser."""
+    d, ps = run.derived, run.ps
+    per_rank = d.micro_batch_size * d.num_microbatches
+    steps = []
+    for start in range(0, d.generation_batch_size, d.global_batch_size):
+        rows = {k: v[start : start + d.global_batch_size] for k, v in batch.items()}
+        normalizer = LossNormalizer(num_tokens=float(rows["completion_mask"].sum()), num_sequences=float(d.global_batch_size))
+        mine = {k: v[ps.dp_rank * per_rank : (ps.dp_rank + 1) * per_rank] for k, v in rows.items()}
+        steps.append((split_microbatches(mine, d.micro_batch_size), normalizer))
+    return steps
+
+
+def add_old_and_ref_logprobs(run: Run, steps: list) -> None:
+    """Old log-probs (and the vLLM IS ratio), reference log-probs when beta > 0, added to every micro-batch on the
+    last stage (the only stage that computes the loss)."""
+    gr = run.cfg.grpo
+    for micro, _ in steps:
+        old = forward_logprobs(run.popt.model, run.ps, micro, run.settings)
+        ref = run.reference.logprobs(run.ps, micro, run.settings) if run.reference is not None else []
+        for i, (logprobs, _) in enumerate(old):
+            mb = micro[i]
+            mb["old_logprobs"] = logprobs
+            if gr.vllm_importance_sampling_correction:
+                mb["importance_sampling_ratio"] = compute_vllm_importance_sampling_ratio(
+                    logprobs, mb["sampling_logprobs"], mb["completion_mask"], gr.vllm_importance_sampling_mode,
+                    gr.vllm_importance_sampling_clip_min, gr.vllm_importance_sampling_clip_max)
+            if ref:
+                mb["ref_logprobs"] = ref[i][0]
+
+
+def _merge_outputs(outputs: list):
+    """One PolicyLossOutput from many (sums added, per-sequence values concatenated)."""
+    first = outputs[0]
+    sums = {k: sum(o.sums[k] for o in outputs) for k in first.sums}
+    cat = lambda field: {k: torch.cat([getattr(o, field)[k] for o in outputs]) for k in getattr(first, field)}  # noqa: E731
+    window = None if first.entropy_window is None else sum(o.entropy_window for o in outputs)
+    return replace(first, loss=sum(o.loss for o in outputs), policy_loss=sum(o.policy_loss for o in outputs),
+                   sums=sums, seq_min=cat("seq_min"), seq_max=cat("seq_max"), entropy_window=window)
+
+
+def log_round(run: Run, step: int, rewards_per_func, adv, batch: dict, steps: list, outputs: list, extra: dict) -> dict:
+    """Gather the last stage's loss outputs and sampling statistics to rank 0 and log one record (TRL names)."""
+    ps = run.ps
+    local = [o for per_step in outputs for o in per_step] if ps.is_last_stage and ps.tp_rank == 0 else []
+    sampling = []
+    if local:
+        micro = [mb for per_step, _ in steps for mb in per_step]
+        sampling = [(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"], mb.get("importance_sampling_ratio")) for mb in micro]
+    gathered: list = [None] * ps.world_size
+    dist.gather_object((local, sampling), gathered if ps.rank == 0 else None, dst=0)
+    if ps.rank != 0:
+        return {}
+    all_outputs = [o for parts, _ in gathered for o in parts]
+    metrics = compute_reward_metrics(rewards_per_func, run.rewards.names, adv.is_std_zero, run.rewards.weights)
+    lengths = batch["completion_mask"].sum(1) if not run.cfg.grpo.mask_truncated_completions else torch.tensor(
+        [float((row != 0).sum()) for row in batch["completion_ids"]])
+    metrics |= compute_completion_metrics(lengths, batch["is_truncated"])
+    metrics |= compute_loss_metrics(_merge_outputs(all_outputs), include_policy_loss=run.loss_config.is_entropy_bonus_enabled)
+    pairs = [s for _, parts in gathered for s in parts]
+    if pairs and pairs[0][3] is not None:
+        old, samp, mask, ratio = (torch.cat([p[i] for p in pairs]) for i in range(4))
+        metrics |= compute_sampling_metrics(old, samp, mask, ratio)
+    metrics |= {"loss": float(sum(o.loss for o in all_outputs)) / max(len(steps), 1)} | extra
+    run.logger.step(step, metrics)
+    return metrics
+
+
+def evaluate(run: Run, max_prompts: int = 200) -> float | None:
+    """Mean weighted reward of one sampled completion per held-out prompt (rank 0; None without a test split)."""
+    if run.eval_prompts is None:
+        return None
+    picked = run.eval_prompts.select(list(range(min(max_prompts, len(run.eval_prompts)))))
+    rollout = generate_everywhere(run, picked.prompt_ids, 1)
+    mean = torch.zeros(1)
+    if run.ps.rank == 0:
+        texts = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if run.eval_prompts.is_conversational else texts
+        rewards = run.rewards(picked.prompts, completions, rollout.completion_ids, picked.columns)  # (P, K)
+        weights = run.rewards.weights if run.rewards.weights is not None else torch.ones(rewards.shape[1])
+        mean[0] = torch.nanmean((rewards * weights).nansum(1))
+    dist.broadcast(mean, src=0)
+    return float(mean)
