@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,20 +157,18 @@ def build_run(cfg: EngineConfig) -> Run:
     engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
                              dtype=cfg.model.dtype, world_size=ps.world_size)
     logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps) if ps.rank == 0 else None
-    gr = cfg.grpo
-    loss_config = PolicyLossConfig(
-        loss_type=gr.loss_type, importance_sampling_level=gr.importance_sampling_level, epsilon=gr.epsilon,
-        epsilon_high=gr.epsilon_high, delta=gr.delta, beta=gr.beta, kl_estimator=gr.kl_estimator,
-        use_bias_correction_kl=gr.use_bias_correction_kl, sapo_temperature_pos=gr.sapo_temperature_pos,
-        sapo_temperature_neg=gr.sapo_temperature_neg, vespo_k_pos=gr.vespo_k_pos, vespo_lambda_pos=gr.vespo_lambda_pos,
-        vespo_k_neg=gr.vespo_k_neg, vespo_lambda_neg=gr.vespo_lambda_neg, top_entropy_quantile=gr.top_entropy_quantile,
-        entropy_coef=gr.entropy_coef, use_adaptive_entropy=gr.use_adaptive_entropy,
-        off_policy_mask_threshold=gr.off_policy_mask_threshold, max_completion_length=cfg.generation.max_completion_length,
-    )
+    loss_config = build_loss_config(cfg)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
                                implementation=cfg.kernels.loss_implementation, workspace_mb=cfg.kernels.loss_workspace_mb)
     return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
                eval_prompts, build_reward_funcs(cfg.reward, cfg.generation), logger, loss_config, settings, total_steps)
+
+
+def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:
+    """The loss hyperparameters: every PolicyLossConfig field takes the `grpo` field of the same (TRL) name."""
+    names = {f.name for f in fields(PolicyLossConfig)} - {"max_completion_length"}
+    return PolicyLossConfig(**{name: getattr(cfg.grpo, name) for name in names},
+                            max_completion_length=cfg.generation.max_completion_length)
 
 
 def _total_steps(cfg: EngineConfig, d: Derived, num_prompts: int) -> int:
