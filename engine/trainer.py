@@ -108,7 +108,7 @@ def train(cfg: EngineConfig) -> dict:
                    "time/sync_s": end - t_train, "step_time": end - start}
         last = log_round(run, step, rewards_per_func, adv, batch, steps, outputs, stats | sync | timings)
     after = evaluate(run)
-    summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last}
+    summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank}
     finish(run, summary)
     return summary
 
