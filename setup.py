@@ -50,7 +50,7 @@ setup(
     description="GRPO post-training engine: Megatron-core training, fused Triton loss, vLLM rollout",
     python_requires=">=3.11",
     packages=find_packages(include=["engine", "engine.*", "kernels", "kernels.*"]),
-    package_data={"engine": ["assets/*"]},
+    package_data={"engine": ["assets/*", "assets/*/*"]},
     install_requires=pins(
         "megatron-core", "transformers", "tokenizers", "safetensors", "datasets", "pyyaml", "numpy",
         "nvidia-ml-py", "math-verify", "tensorboard", "matplotlib",

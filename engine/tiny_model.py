@@ -2,8 +2,11 @@
 BPE tokenizer trained in-process on `engine/assets/tiny_corpus.txt`, saved in Hugging Face format.
 
 Owns: the tiny tokenizer (training, special tokens, chat template), the tiny model configs, building and caching
-the saved checkpoints, and the `builtin:tiny-<family>` names that `ModelConfig.name_or_path` accepts. Tests, the
-demo and the benchmarks use these models; real-model configs name a local directory or a hub name instead.
+the saved checkpoints, and the builtin names that `ModelConfig.name_or_path` accepts: `builtin:tiny-<family>`
+(random weights, built on demand) and `builtin:tiny-qwen2-arith` (the tiny Qwen2 after the SFT warm start of
+engine/warm_start.py, shipped as package data in `engine/assets/tiny-qwen2-arith/`: the demo's starting policy).
+Tests, the demo and the benchmarks use these models; real-model configs name a local directory or a hub name
+instead.
 
 Must not: touch the network, import vLLM or Megatron, or depend on anything outside `transformers`,
 `tokenizers` and `torch`. It only writes inside the directory it is given.
@@ -69,6 +72,10 @@ SPECIAL_TOKENS = (EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
 """In id order: the trainer puts them first, so their ids are 0, 1, 2."""
 
 BUILTIN_PREFIX = "builtin:tiny-"
+
+SHIPPED_MODELS = {"qwen2-arith": "assets/tiny-qwen2-arith"}
+"""Builtins with trained weights shipped as package data: `builtin:tiny-<key>` -> directory inside `engine`.
+`qwen2-arith` is the tiny Qwen2 after the SFT warm start on the builtin arithmetic task (engine/warm_start.py)."""
 
 _FACTORY_VERSION = "1"
 """Bump when the config, tokenizer or build recipe changes, so cached builds are not reused."""
@@ -308,24 +315,69 @@ def ensure_tiny_model(
     return target
 
 
+def shipped_model_dir(name: str) -> Path:
+    """The package-data directory of a shipped builtin model, e.g. `builtin:tiny-qwen2-arith`.
+
+    Args:
+        name: one of `SHIPPED_MODELS`, with the `builtin:tiny-` prefix.
+
+    Returns:
+        The directory inside the installed `engine` package (read-only: nothing is built or written).
+
+    Raises:
+        ValueError: `name` is not a shipped model.
+        FileNotFoundError: the package was installed without the model's files (see setup.py's package_data).
+    """
+    if not name.startswith(BUILTIN_PREFIX) or name[len(BUILTIN_PREFIX):] not in SHIPPED_MODELS:
+        raise ValueError(f"{name!r} is not a shipped model; shipped: {', '.join(_shipped_names())}")
+    root = resources.files("engine").joinpath(SHIPPED_MODELS[name[len(BUILTIN_PREFIX):]])
+    path = Path(str(root))
+    if not isinstance(root, Path) or not _is_complete(path):
+        raise FileNotFoundError(
+            f"{name}: {path} does not hold a complete saved model ({', '.join(_MODEL_FILES)}); the `engine` "
+            "package must be installed as a directory with its assets (setup.py package_data)"
+        )
+    return path
+
+
+def _shipped_names() -> list[str]:
+    """`builtin:tiny-<name>` for every shipped model."""
+    return [f"{BUILTIN_PREFIX}{name}" for name in SHIPPED_MODELS]
+
+
+def builtin_model_names() -> list[str]:
+    """Every name `resolve_builtin_model` accepts: the random-weight families, then the shipped models."""
+    return [f"{BUILTIN_PREFIX}{family}" for family in TINY_FAMILIES] + _shipped_names()
+
+
 def resolve_builtin_model(
     name: str, cache_dir: str | Path, *, seed: int = 0, tie_word_embeddings: bool = False
 ) -> Path:
-    """Resolve `builtin:tiny-qwen2` / `builtin:tiny-llama` to a saved model directory, building it if needed.
+    """Resolve a builtin model name to a saved model directory.
+
+    `builtin:tiny-qwen2` / `builtin:tiny-llama` are random-weight models, built into `cache_dir` if needed.
+    `builtin:tiny-qwen2-arith` is shipped: the tiny Qwen2 after the SFT warm start of `engine/warm_start.py`
+    (package data, returned as is: read-only, never built, `cache_dir` and `seed` unused).
 
     Args:
-        name: `builtin:tiny-<family>` with family in `TINY_FAMILIES`.
+        name: one of `builtin_model_names()`.
         cache_dir: where built models are cached (e.g. the run directory).
-        seed: weight-initialisation seed.
-        tie_word_embeddings: whether to tie the embeddings.
+        seed: weight-initialisation seed of the random-weight builtins.
+        tie_word_embeddings: whether to tie the embeddings (random-weight builtins only; the shipped model is
+            untied, so True is an error for it).
 
     Returns:
-        The directory of the saved model (see `ensure_tiny_model`).
+        The directory of the saved model (see `ensure_tiny_model` and `shipped_model_dir`).
 
     Raises:
-        ValueError: `name` is not one of the builtin names; the message lists them.
+        ValueError: `name` is not one of the builtin names (the message lists them), or a shipped model was asked
+            for with tied embeddings.
     """
-    known = [f"{BUILTIN_PREFIX}{family}" for family in TINY_FAMILIES]
+    known = builtin_model_names()
     if name not in known:
         raise ValueError(f"unknown builtin model {name!r}; known builtins: {', '.join(known)}")
+    if name in _shipped_names():
+        if tie_word_embeddings:
+            raise ValueError(f"{name} is shipped with untied embeddings; tie_word_embeddings=True is not available")
+        return shipped_model_dir(name)
     return ensure_tiny_model(cache_dir, name[len(BUILTIN_PREFIX):], seed, tie_word_embeddings)
