@@ -46,7 +46,8 @@ def _aliases(**mapping: Any) -> dict:
 class ModelConfig:
     name_or_path: str = "builtin:tiny-qwen2"
     """Hugging Face checkpoint: a local directory or a hub name. `builtin:tiny-qwen2` / `builtin:tiny-llama` build
-    the project's tiny model in-process (engine/tiny_model.py) and cache it under the run directory."""
+    the project's tiny random-weight model in-process (engine/tiny_model.py) and cache it under the run directory;
+    `builtin:tiny-qwen2-arith` is the shipped warm-started tiny Qwen2 of the demo (engine/warm_start.py)."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter and activation dtype of the policy (TRL's `bf16=True` -> bfloat16). Softmax statistics and the
     loss are always accumulated in float32."""
