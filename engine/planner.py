@@ -147,6 +147,7 @@ KNOWN_MODELS: dict[str, ModelDims] = {
     ] for suffix in ("", "-instruct")},
     # engine/tiny_model.py: hidden 128, 4 layers, 4 / 2 heads, MLP 352, vocabulary 400, untied.
     "builtin:tiny-qwen2": _qwen2(128, 4, 4, 2, 352, 400, False),
+    "builtin:tiny-qwen2-arith": _qwen2(128, 4, 4, 2, 352, 400, False),  # the demo's warm start: same shape
     "builtin:tiny-llama": _llama(128, 4, 4, 2, 352, 400),
 }
 """Dimensions of the models the shipped configs name, from each model's config.json on the Hugging Face hub,
