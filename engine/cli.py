@@ -1,7 +1,6 @@
 """The `grpo-engine` command (also `python -m engine`): train, plan, check, demo, tiny-model.
 
 Owns: argument parsing and dispatch only; each subcommand calls into the module that owns the work.
-Subcommands whose issue has not landed say so and exit with status 2; they never pretend to run.
 
     grpo-engine demo                                   # the README's first command (via `make demo`)
     grpo-engine check configs/tiny_cpu.yaml grpo.beta=0.04 --world-size 2

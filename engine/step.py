@@ -3,7 +3,7 @@
 Owns: the `forward_step` / `loss_func` contract of `get_forward_backward_func` for this engine (`run_schedule`),
 and the losses run through it: the GRPO loss (`grpo_forward_backward`: completion log-probs from the fused kernel
 entry on the vocab-parallel LM-head shard, engine/policy_loss.py's maths and layout-independent normaliser), the
-forward-only old / reference log-probs (`forward_logprobs`), and the next-token LM loss (demo, layout tests).
+forward-only old / reference log-probs (`forward_logprobs`), and the next-token LM loss (the layout tests).
 
 Must not: read Megatron's global parallel state (layout comes from ParallelState), or own the optimizer.
 
