@@ -83,11 +83,19 @@ class ColocatedEngine:
             model_impl=rollout.vllm_model_impl, **kwargs,
         )
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seed: int | None = None) -> Rollout:
-        """G completions for each prompt (token ids in, token ids out)."""
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+        """G completions for each prompt (token ids in, token ids out).
+
+        seeds: one sampling seed per prompt (vLLM's per-request generator: the G completions of a prompt draw
+        from it in turn), which makes a round reproducible whatever ran before (exact resume); None = the
+        engine's global generator.
+        """
         from vllm.inputs import TokensPrompt
 
-        params = _sampling_params(self.generation, num_generations, seed)
+        if seeds is not None and len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
+        params = ([_sampling_params(self.generation, num_generations, s) for s in seeds] if seeds is not None
+                  else _sampling_params(self.generation, num_generations, None))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         rollout = Rollout([], [], [], [])
         for prompt, output in zip(prompt_ids, outputs):
