@@ -155,7 +155,12 @@ class GRPOConfigSection:
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
     num_remains_in_group: int | None = None
-    """GFPO: keep the top-k completions of each group (by `group_filter_func`); None = keep all."""
+    """GFPO: keep the top-k completions of each group (by `group_filter_func`); None = keep all. The generation
+    batch (per_device_train_batch_size * dp * steps_per_generation) counts the k survivors of each prompt, so
+    micro-batches stay full: a round samples generation_batch_size / k prompts, G completions each."""
+    group_filter_func: str | None = None
+    """GFPO's filter as a `module:function` import path: `f(group_completions, group_rewards, **kw) -> [P][G]`
+    scores, higher = keep (engine/group_filter.py)."""
     use_dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards have zero variance and refill the batch from further prompts."""
     dynamic_sampling_max_rounds: int = 4

@@ -356,20 +356,24 @@ def resolve_reward_func(spec: str | RewardFunc, generation_cfg: GenerationConfig
 
 
 def _import_reward_func(spec: str) -> RewardFunc:
-    """`module:attr.attr` -> the object, with errors that name the spec."""
+    return import_callable(spec, "reward function", RewardFunctionError)
+
+
+def import_callable(spec: str, what: str = "callable", error: type[Exception] = ValueError) -> Callable:
+    """`module:attr.attr` -> the object, with errors (of type `error`) that name `what` and the spec."""
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
-        raise RewardFunctionError(f"reward function {spec!r}: expected 'module:function'")
+        raise error(f"{what} {spec!r}: expected 'module:function'")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise RewardFunctionError(f"reward function {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+        raise error(f"{what} {spec!r}: cannot import module {module_name!r}: {exc}") from exc
     for attr in attr_path.split("."):
         if not hasattr(obj, attr):
-            raise RewardFunctionError(f"reward function {spec!r}: {module_name!r} has no attribute {attr_path!r}")
+            raise error(f"{what} {spec!r}: {module_name!r} has no attribute {attr_path!r}")
         obj = getattr(obj, attr)
     if not callable(obj):
-        raise RewardFunctionError(f"reward function {spec!r} is a {type(obj).__name__}, not a callable")
+        raise error(f"{what} {spec!r} is a {type(obj).__name__}, not a callable")
     return obj
 
 

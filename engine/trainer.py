@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from engine.advantages import compute_advantages
+from engine.advantages import aggregate_rewards, compute_advantages
 from engine.batch import pack_completions, split_microbatches
 from engine.config import EngineConfig, write_resolved_config
+from engine.data import PromptBatch
+from engine.dynamic_sampling import assemble_rounds, find_informative_groups, is_dynamic_batch_full, select_dynamic_batch
+from engine.group_filter import filter_groups
 from engine.grpo_metrics import compute_completion_metrics, compute_loss_metrics, compute_reward_metrics, compute_sampling_metrics
 from engine.parallel import ParallelState, destroy_parallel, init_parallel
 from engine.policy_loss import LossNormalizer, PolicyLossConfig, compute_vllm_importance_sampling_ratio
@@ -62,27 +65,37 @@ class Run:
     loss_config: PolicyLossConfig
     settings: LogprobSettings
     total_steps: int
+    group_filter: object = None
+    """GFPO's `group_filter_func` (resolved from `grpo.group_filter_func`), or None."""
 
 
-def train(cfg: EngineConfig) -> dict:
-    """Run GRPO from a config; returns the held-out reward before and after (rank 0) and the last metrics."""
-    run = build_run(cfg)
+def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
+          export_dir: str | Path | None = None) -> dict:
+    """Run GRPO from a config; returns the held-out reward before and after (rank 0) and the last metrics.
+
+    The keyword-only inputs are the TRL-style API's (engine/trl_api.py), in memory on every rank: `train_dataset` /
+    `eval_dataset` (datasets.Dataset) replace `cfg.data`'s splits, `reward_funcs` (callables and/or config strings)
+    replaces `cfg.reward.reward_funcs`, `tokenizer` replaces the model directory's; `export_dir` receives the final
+    policy as a Hugging Face checkpoint (collective).
+    """
+    run = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs,
+                    tokenizer=tokenizer)
     cfg, ps, d = run.cfg, run.ps, run.derived
     before = evaluate(run)
     rounds = prompt_rounds(len(run.train_prompts), d.num_prompts_per_generation, cfg.train.seed,
                            cfg.train.shuffle_dataset)
-    step, last = 0, {}
+    step, last, num_tokens = 0, {}, 0
     while step < run.total_steps:
         start = time.perf_counter()
-        # 1. rollout: G completions for each prompt of the round
-        picked = run.train_prompts.select(next(rounds))
-        rollout = generate_everywhere(run, picked.prompt_ids, cfg.grpo.num_generations)
-        t_rollout = time.perf_counter()
-        # 2. rewards (rank 0 calls the functions, everyone gets the tensor) and advantages over whole groups
-        rewards_per_func = score(run, picked, rollout, step)  # (B, K)
-        adv = compute_advantages(rewards_per_func, cfg.grpo.num_generations, run.rewards.weights,
+        # 1. rollout and rewards: G completions for each prompt of the round, scored on rank 0 and broadcast;
+        #    with dynamic sampling (DAPO), further rounds until the batch holds enough groups whose rewards vary
+        scored = sample_and_score(run, rounds, step)
+        # 2. GFPO keeps the best num_remains_in_group completions of each group; advantages over whole groups
+        scored = keep_best_in_groups(run, scored)
+        adv = compute_advantages(scored.rewards, scored.group_size, run.rewards.weights,
                                  cfg.grpo.scale_rewards, cfg.reward.multi_objective_aggregation)
-        batch = build_round(run, rollout, adv.advantages)  # every rank: the whole round, rows shuffled
+        log_completions(run, scored, adv.advantages)
+        batch = build_round(run, scored.rollout, adv.advantages)  # every rank: the whole round, rows shuffled
         # 3. old (and reference) log-probs of this rank's rows, then num_iterations passes of optimizer steps
         steps = per_step_microbatches(run, batch)
         t_reward = time.perf_counter()
@@ -103,11 +116,15 @@ def train(cfg: EngineConfig) -> dict:
                                                                run.dims.vocab_size, _sync_tolerance(cfg))
         end = time.perf_counter()
         # 5. metrics (TRL names), logged on rank 0
-        timings = {"time/rollout_s": t_rollout - start, "time/reward_s": t_reward - t_rollout,
-                   "time/logprob_s": t_logprob - t_reward, "time/train_s": t_train - t_logprob,
-                   "time/sync_s": end - t_train, "step_time": end - start}
-        last = log_round(run, step, rewards_per_func, adv, batch, steps, outputs, stats | sync | timings)
+        round_tokens = sum(map(len, scored.rollout.prompt_ids)) + sum(map(len, scored.rollout.completion_ids))
+        num_tokens += round_tokens  # TRL's num_tokens: prompt + completion tokens seen so far
+        timings = scored.stats | {"time/logprob_s": t_logprob - t_reward, "time/train_s": t_train - t_logprob,
+                                  "time/sync_s": end - t_train, "step_time": end - start,
+                                  "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start)}
+        last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings)
     after = evaluate(run)
+    if export_dir is not None:
+        export_policy(run, export_dir)
     summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank}
     finish(run, summary)
     return summary
@@ -117,8 +134,9 @@ def train(cfg: EngineConfig) -> dict:
 # set-up
 
 
-def build_run(cfg: EngineConfig) -> Run:
-    """Parallel state, model, reference, optimizer, engine, data, rewards, logger (every rank)."""
+def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None) -> Run:
+    """Parallel state, model, reference, optimizer, engine, data, rewards, logger (every rank); the keyword-only
+    inputs replace what the config names (see `train`)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from engine.data import load_prompts
@@ -128,7 +146,7 @@ def build_run(cfg: EngineConfig) -> Run:
     from engine.model import build_policy, policy_shape
     from engine.optimizer import build_optimizer
     from engine.reference_model import ReferencePolicy
-    from engine.rewards import build_reward_funcs
+    from engine.rewards import RewardFunctions, build_reward_funcs, import_callable
     from engine.rollout import ColocatedEngine
     from engine.tiny_model import resolve_builtin_model
 
@@ -144,14 +162,18 @@ def build_run(cfg: EngineConfig) -> Run:
     dist.barrier()
     model_dir = resolve_builtin_model(name, run_dir / "models") if name.startswith("builtin:") else Path(name)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_dir)
     dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, cfg.model, ps.tp_size).padded_vocab_size)
     chunks = build_policy(hf_config, cfg.model, ps)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     reference = ReferencePolicy.build(hf_config, cfg.model, ps, model_dir, dims) if cfg.grpo.beta != 0 else None
     max_len = cfg.rollout.vllm_max_model_length or hf_config.max_position_embeddings
-    train_prompts = load_prompts(cfg.data, tokenizer, cfg.generation, split="train", max_model_length=max_len)
-    eval_prompts = load_prompts(cfg.data, tokenizer, cfg.generation, split="test", max_model_length=max_len)
+    train_prompts = load_prompts(cfg.data, tokenizer, cfg.generation, split="train", max_model_length=max_len,
+                                 dataset=train_dataset)
+    eval_prompts = load_prompts(cfg.data, tokenizer, cfg.generation, split="test", max_model_length=max_len,
+                                dataset=eval_dataset)
+    rewards = (build_reward_funcs(cfg.reward, cfg.generation) if reward_funcs is None
+               else RewardFunctions(reward_funcs, cfg.reward.reward_weights, cfg.generation))
     total_steps = _total_steps(cfg, derived, len(train_prompts))
     popt = build_optimizer(cfg.optimizer, chunks, ps, total_steps=total_steps)
     engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
@@ -160,8 +182,10 @@ def build_run(cfg: EngineConfig) -> Run:
     loss_config = build_loss_config(cfg)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
                                implementation=cfg.kernels.loss_implementation, workspace_mb=cfg.kernels.loss_workspace_mb)
+    group_filter = import_callable(cfg.grpo.group_filter_func, "grpo.group_filter_func") if cfg.grpo.group_filter_func else None
     return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
-               eval_prompts, build_reward_funcs(cfg.reward, cfg.generation), logger, loss_config, settings, total_steps)
+               eval_prompts, rewards, logger, loss_config, settings, total_steps,
+               group_filter)
 
 
 def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:
@@ -194,6 +218,18 @@ def prompt_rounds(num_prompts: int, per_round: int, seed: int, shuffle: bool):
         order = torch.randperm(num_prompts, generator=gen) if shuffle else torch.arange(num_prompts)
         for start in range(0, num_prompts - per_round + 1, per_round):
             yield order[start : start + per_round].tolist()
+
+
+def export_policy(run: Run, out_dir: str | Path) -> None:
+    """Write the current policy as a Hugging Face checkpoint in the model's dtype, with the model directory's
+    config and tokenizer files (collective: every rank calls it)."""
+    from transformers import AutoConfig
+
+    from engine.hf_checkpoint import export_hf_checkpoint
+
+    dtype = getattr(torch, run.cfg.model.dtype)
+    export_hf_checkpoint(run.chunks, run.ps, out_dir, AutoConfig.from_pretrained(run.model_dir), run.dims,
+                         tokenizer_dir=run.model_dir, dtype=dtype)
 
 
 def finish(run: Run, summary: dict) -> None:
@@ -229,10 +265,92 @@ def generate_everywhere(run: Run, prompt_ids: list[list[int]], num_generations: 
     return out
 
 
-def score(run: Run, picked, rollout: Rollout, step: int) -> torch.Tensor:
-    """(B, K) rewards, NaN = None: rank 0 calls the reward functions with TRL's contract, then broadcasts."""
+@dataclass
+class Scored:
+    """One generation batch, scored: P prompts and their completions, prompt-major (`group_size` per prompt)."""
+
+    picked: PromptBatch
+    """The P prompts (one row each; the engine made the G copies)."""
+    rollout: Rollout
+    rewards: torch.Tensor
+    """(P * group_size, K) rewards per function, NaN = None; the same on every rank."""
+    completions: list
+    """The decoded completions (str or message lists) the reward functions saw; rank 0 only ([] elsewhere)."""
+    group_size: int
+    stats: dict = field(default_factory=dict)
+
+
+def sample_and_score(run: Run, rounds, step: int) -> Scored:
+    """G completions for each prompt of the next round, scored. With `grpo.use_dynamic_sampling` (DAPO), further
+    rounds of P prompts until P groups whose rewards vary are found (at most `dynamic_sampling_max_rounds`), then
+    the batch is assembled from those groups, topped up with uninformative ones when short
+    (engine/dynamic_sampling.py). Every rank makes the same choices: the rewards are broadcast before choosing."""
+    gr, g = run.cfg.grpo, run.cfg.grpo.num_generations
+    num_prompts = run.derived.num_prompts_per_generation
+    parts, informative, seconds = [], [], {"time/rollout_s": 0.0, "time/reward_s": 0.0}
+    for _ in range(gr.dynamic_sampling_max_rounds if gr.use_dynamic_sampling else 1):
+        start = time.perf_counter()
+        picked = run.train_prompts.select(next(rounds))
+        rollout = generate_everywhere(run, picked.prompt_ids, g)
+        middle = time.perf_counter()
+        rewards, completions = score(run, picked, rollout, step)
+        seconds["time/rollout_s"] += middle - start
+        seconds["time/reward_s"] += time.perf_counter() - middle
+        parts.append(Scored(picked, rollout, rewards, completions, g))
+        if not gr.use_dynamic_sampling:
+            return replace(parts[0], stats=seconds)
+        informative.append(find_informative_groups(aggregate_rewards(rewards, run.rewards.weights), g))
+        if is_dynamic_batch_full(informative, num_prompts):
+            break
+    selection = select_dynamic_batch(informative, num_prompts)
+    per_prompt = lambda get: assemble_rounds([get(p) for p in parts], selection, 1)  # noqa: E731
+    per_row = lambda get: assemble_rounds([get(p) for p in parts], selection, g)  # noqa: E731
+    picked = PromptBatch(per_prompt(lambda p: p.picked.indices), per_prompt(lambda p: p.picked.prompts),
+                         per_prompt(lambda p: p.picked.prompt_ids),
+                         {k: per_prompt(lambda p, k=k: p.picked.columns[k]) for k in parts[0].picked.columns})
+    rollout = Rollout(*(per_row(lambda p, f=f: getattr(p.rollout, f)) for f in
+                        ("prompt_ids", "completion_ids", "sampling_logprobs", "is_truncated")))
+    completions = per_row(lambda p: p.completions) if run.ps.rank == 0 else []
+    stats = seconds | {"dynamic_sampling/rounds": len(parts),
+                       "dynamic_sampling/informative_fraction": selection.num_informative / num_prompts}
+    return Scored(picked, rollout, per_row(lambda p: p.rewards), completions, g, stats)
+
+
+def keep_best_in_groups(run: Run, scored: Scored) -> Scored:
+    """GFPO: keep the `num_remains_in_group` best completions of each group by the user's `group_filter_func`
+    (called on rank 0 with aligned groups, engine/group_filter.py); the kept rows are broadcast. Without
+    `num_remains_in_group`, the batch as it is."""
+    k = run.cfg.grpo.num_remains_in_group
+    if k is None:
+        return scored
+    keep = torch.empty(len(scored.picked.prompts) * k, dtype=torch.long)  # (P * k,)
+    if run.ps.rank == 0:
+        rewards = aggregate_rewards(scored.rewards, run.rewards.weights)  # (P * G,)
+        keep = filter_groups(run.group_filter, scored.completions, rewards, scored.group_size, k)
+    dist.broadcast(keep, src=0)
+    rows = keep.tolist()
+    pick = lambda values: [values[i] for i in rows]  # noqa: E731
+    rollout = Rollout(*(pick(getattr(scored.rollout, f)) for f in
+                        ("prompt_ids", "completion_ids", "sampling_logprobs", "is_truncated")))
+    completions = pick(scored.completions) if scored.completions else []
+    return replace(scored, rollout=rollout, rewards=scored.rewards[keep], completions=completions, group_size=k)
+
+
+def log_completions(run: Run, scored: Scored, advantages: torch.Tensor) -> None:
+    """Rank 0: the completions table rows of this batch (prompt, completion, each reward, advantage)."""
+    if run.ps.rank != 0:
+        return
+    prompts = [p for p in scored.picked.prompts for _ in range(scored.group_size)]
+    rewards = {n: scored.rewards[:, k].tolist() for k, n in enumerate(run.rewards.names)}
+    run.logger.add_completions(prompts, scored.completions, rewards, advantages.tolist())
+
+
+def score(run: Run, picked, rollout: Rollout, step: int) -> tuple[torch.Tensor, list]:
+    """(B, K) rewards, NaN = None, and the decoded completions (rank 0; [] elsewhere): rank 0 calls the reward
+    functions with TRL's contract, then broadcasts the rewards."""
     g = run.cfg.grpo.num_generations
     rewards = torch.empty(len(rollout.completion_ids), len(run.rewards.names))
+    completions = []
     if run.ps.rank == 0:
         texts = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if run.train_prompts.is_conversational else texts
@@ -242,9 +360,8 @@ def score(run: Run, picked, rollout: Rollout, step: int) -> torch.Tensor:
         log = run.logger
         rewards = run.rewards(prompts, completions, rollout.completion_ids, columns, trainer_state=state,
                               log_extra=log.log_extra, log_metric=log.log_metric)
-        log.add_completions(prompts, completions, {n: rewards[:, k].tolist() for k, n in enumerate(run.rewards.names)}, [])
     dist.broadcast(rewards, src=0)
-    return rewards
+    return rewards, completions
 
 
 def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor) -> dict:

@@ -74,7 +74,7 @@ def derive(cfg: EngineConfig, world_size: int) -> Derived:
         global_batch_size=per_round * ga,
         steps_per_generation=steps_per_generation,
         generation_batch_size=generation_batch_size,
-        num_prompts_per_generation=generation_batch_size // max(cfg.grpo.num_generations, 1),
+        num_prompts_per_generation=generation_batch_size // max(cfg.grpo.num_remains_in_group or cfg.grpo.num_generations, 1),
         optimizer_steps_per_generation=steps_per_generation * cfg.grpo.num_iterations // max(ga, 1),
     )
 
@@ -130,7 +130,15 @@ def _check_batches(cfg: EngineConfig, d: Derived, problems: list[str]) -> None:
         )
     elif tr.steps_per_generation is not None and tr.steps_per_generation < 1:
         problems.append(f"train.steps_per_generation must be >= 1, got {tr.steps_per_generation}")
-    elif g >= 1 and d.generation_batch_size % g:
+    elif cfg.grpo.num_remains_in_group and d.generation_batch_size % cfg.grpo.num_remains_in_group:
+        k = cfg.grpo.num_remains_in_group
+        problems.append(
+            f"generation batch = per_device_train_batch_size*dp_size*steps_per_generation = "
+            f"{tr.per_device_train_batch_size}*{d.dp_size}*{d.steps_per_generation} = {d.generation_batch_size} "
+            f"completions is not divisible by grpo.num_remains_in_group={k}: with GFPO the batch holds the k "
+            "survivors of each group"
+        )
+    elif g >= 1 and not cfg.grpo.num_remains_in_group and d.generation_batch_size % g:
         problems.append(
             f"generation batch = per_device_train_batch_size*dp_size*steps_per_generation = "
             f"{tr.per_device_train_batch_size}*{d.dp_size}*{d.steps_per_generation} = {d.generation_batch_size} "
@@ -194,6 +202,11 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
         problems.append(
             f"grpo.num_remains_in_group={k} must satisfy 2 <= k < num_generations={gr.num_generations} "
             "(GFPO keeps k of the G completions; advantages need 2)"
+        )
+    if k is not None and gr.group_filter_func is None:
+        problems.append(
+            f"grpo.num_remains_in_group={k} needs grpo.group_filter_func (a 'module:function' import path, or "
+            "GRPOTrainer(group_filter_func=...)) to score the completions of each group"
         )
     if gr.dynamic_sampling_max_rounds < 1:
         problems.append(f"grpo.dynamic_sampling_max_rounds must be >= 1, got {gr.dynamic_sampling_max_rounds}")

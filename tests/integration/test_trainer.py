@@ -44,3 +44,55 @@ def test_grpo_loop_runs_logs_and_stays_in_sync(tmp_path, tp):
         assert abs(record["sampling/sampling_logp_difference/mean"]) < 1e-3, "vLLM and trainer disagree on old log-probs"
     assert any(r["grad_norm"] > 0 for r in records), "the digit reward varies within groups: there must be a gradient"
     assert (tmp_path / "metrics.png").exists() and (tmp_path / "config.yaml").exists()
+
+
+def shortest_completions(group_completions, group_rewards, **kwargs):
+    """GFPO filter: shorter is better; records the groups it saw (GFPO_LOG) so the test can check the selection."""
+    import os
+
+    with open(os.environ["GFPO_LOG"], "a") as log:
+        log.write(json.dumps(group_completions) + "\n")
+    return [[-len(c) for c in group] for group in group_completions]
+
+
+def _train_dynamic_gfpo(output_dir: str) -> dict:
+    import os
+
+    from engine.config import load_config
+    from engine.trainer import train
+
+    os.environ["GFPO_LOG"] = f"{output_dir}/gfpo_calls.jsonl"
+    cfg = load_config("configs/tiny_cpu.yaml", [
+        "train.max_steps=2", f"train.output_dir={output_dir}", "generation.max_completion_length=12",
+        "train.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.num_remains_in_group=2",
+        "grpo.group_filter_func=tests.integration.test_trainer:shortest_completions",
+        "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_rounds=3",
+        "reward.reward_funcs=[tests.integration.test_trainer:digit_fraction]", "logging.log_completions=true",
+        "data.dataset_test_split=null",
+    ])
+    return train(cfg)
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_gfpo_and_completions_table(tmp_path):
+    """DAPO dynamic sampling + GFPO in the loop: each batch holds P = 8 / k = 4 prompts' k = 2 shortest completions
+    (the filter's choice), the completions table gets one row per trained completion with its advantage."""
+    import pandas as pd
+
+    run_distributed(_train_dynamic_gfpo, 1, str(tmp_path))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert 1 <= record["dynamic_sampling/rounds"] <= 3
+        assert 0.0 <= record["dynamic_sampling/informative_fraction"] <= 1.0
+    groups_seen = [g for line in (tmp_path / "gfpo_calls.jsonl").read_text().splitlines() for g in json.loads(line)]
+    assert all(len(g) == 4 for g in groups_seen) and len(groups_seen) == 2 * 4, "one filter call per step, P=4 groups of G=4"
+    tables = sorted((tmp_path / "completions").glob("*.parquet"))
+    rows = pd.concat([pd.read_parquet(t) for t in tables])
+    assert len(rows) == 2 * 8, "8 trained completions (4 prompts x k=2) per step"
+    assert rows["advantage"].notna().all()
+    kept = rows["completion"].tolist()
+    for i in range(0, len(kept), 2):
+        pair = kept[i : i + 2]
+        group = next(g for g in groups_seen if all(c in g for c in pair))
+        assert sorted(map(len, pair)) == sorted(map(len, group))[:2], "GFPO must keep the 2 shortest of the group"
