@@ -1,40 +1,65 @@
 """Weight sync: the trainer's Megatron (TP, PP) shards -> the inference engine's weights, bucketed and verified.
 
 The only module that knows both layouts (STYLE.md rule 4): Megatron's side through engine/hf_convert.py's map, the
-engine's side through vLLM's own loader, which takes Hugging Face names and full tensors and slices them for its
-own TP ranks (`ColocatedEngine.load_weights`, vLLM's `reload_weights`).
+engine's side through vLLM's own loader rules (which slice of each HF tensor each vLLM TP rank reads).
 
-Colocated transport (`sync_colocated`), per pipeline stage in order:
+Owns three things.
+
+Colocated transport (`sync_colocated`, `iter_hf_buckets`), per pipeline stage in order:
   1. the stage's TP ranks all-gather each parameter's shards and convert it to HF tensors (no rank ever holds more
      than one bucket of the model at a time beyond its own shards);
   2. HF tensors are packed into flat buckets of `bucket_mb`; the stage broadcasts each bucket (one metadata object,
      one flat tensor) to the other stages of its pipeline group;
   3. every rank loads each bucket into its own engine as it arrives.
+
+The plan (`build_sync_plan`, pure: no processes): for every HF tensor in load order, the boxes (index ranges) that
+each trainer rank (pp_rank, tp_rank, virtual chunk) holds and where they sit in its local Megatron shard
+(Megatron's GQA-interleaved QKV, [gate_r; up_r] fc1, padded vocabulary, PP / virtual-PP layer placement, tied
+embeddings), and the box that vLLM's weight loader of each engine TP rank narrows to (QKVParallelLinear with KV-head
+replication when engine_tp > num_kv_heads, MergedColumnParallelLinear, RowParallelLinear dim 1, VocabParallelEmbedding
+/ ParallelLMHead with vLLM's padding to 64, norms replicated). `SyncPlan.spec()` is a small JSON-able dict from which
+`build_sync_plan_from_spec` rebuilds the same plan on the inference server.
+
+Server-mode transport (`WeightTransferGroup`, `send_weights`, `receive_weights`): a process group of its own joins
+the trainer's dp_rank-0 ranks and the engine's workers; each sender sends only the boxes of its own shards that
+each engine rank reads (shard to shard: nobody gathers the model), one flat buffer per (bucket, sender, engine
+rank) behind a small header; both sides derive the bucket schedule from (plan, bucket_mb), so there is no metadata
+handshake, and a mismatch, a dead peer or a timeout raises WeightSyncError naming the bucket and the peer.
+
 Verification (`verify_sync`): the engine's log-probs of probe sequences against the trainer's (temperature 1,
 both fp32 accumulation), every sync by default; a mismatch above the tolerance raises WeightSyncError naming the
 probe, the token position and the difference.
 
-Must not: generate, or import vLLM (the rollout module does).
+Must not: generate, or import vLLM (the rollout module does; the transport runs inside vLLM's workers without it).
 
-Test: tests/integration/test_weight_sync.py (real vLLM on CPU).
+Test: tests/unit/test_sync_plan.py (the plan against brute force, every layout), tests/distributed/
+test_weight_transport.py (real Megatron shards to receiver processes over gloo; a dead receiver),
+tests/integration/test_weight_sync.py (colocated, real vLLM on CPU). Benchmark: benchmarks/bench_weight_sync.py.
+This file is longer than STYLE.md's ~600 lines because it holds the three parts of one concept (the plan is only
+meaningful with the transport that executes it); the sections are marked.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from engine.hf_checkpoint import iter_hf_tensors
-from engine.hf_convert import ModelDims
+from engine.hf_convert import TE_NAMES, ModelDims, TensorMap, family_map, hf_names
+from engine.model import global_param_names
 from engine.parallel import ParallelState
 from engine.step import LogprobSettings, forward_logprobs, unwrap
 
 
 class WeightSyncError(RuntimeError):
-    """The engine's weights do not reproduce the trainer's log-probs after a sync."""
+    """The engine's weights do not reproduce the trainer's log-probs after a sync, or a transfer failed."""
 
 
 def _pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list, torch.Tensor]:
@@ -153,3 +178,566 @@ def verify_sync(chunks, ps: ParallelState, engine, probe: dict, vocab_size: int,
             f"{float(worst[3]):.5f}): the engine is not running the trainer's weights"
         )
     return float(worst[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan: which trainer rank holds which box of every HF tensor, and which box each engine rank reads
+# ---------------------------------------------------------------------------------------------------------------
+
+Box = tuple[tuple[int, int], ...]
+"""A box of a tensor: one (start, stop) per dimension."""
+
+VLLM_VOCAB_PADDING = 64
+"""vLLM's DEFAULT_VOCAB_PADDING_SIZE (vllm/model_executor/layers/vocab_parallel_embedding.py): the vocabulary of
+VocabParallelEmbedding / ParallelLMHead is padded to a multiple of 64 before it is split over the engine's TP ranks."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """The trainer's model-parallel layout; layers are assigned to stages as engine/model.py's Megatron does."""
+
+    tp_size: int
+    pp_size: int = 1
+    vpp_size: int | None = None
+    """Virtual pipeline chunks per stage (None or 1: one chunk)."""
+
+    def holder_of_layer(self, layer: int, num_layers: int) -> tuple[int, int]:
+        """(pp_rank, virtual chunk) that holds decoder layer `layer`: Megatron's offset rule without uneven stages,
+        chunk v of stage p holds layers [v*L/V + p*L/(P*V), ... + L/(P*V))."""
+        vpp = self.vpp_size or 1
+        per_vp, per_chunk = num_layers // vpp, num_layers // (vpp * self.pp_size)
+        return (layer % per_vp) // per_chunk, layer // per_vp
+
+    @property
+    def num_senders(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def sender_rank(self, pp_rank: int, tp_rank: int) -> int:
+        """This trainer rank's rank in the weight-transfer group (senders come first, by (pp_rank, tp_rank))."""
+        return pp_rank * self.tp_size + tp_rank
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of one HF tensor that one trainer rank holds as a box of the same extent in its local Megatron shard."""
+
+    pp_rank: int
+    tp_rank: int
+    vp_chunk: int
+    megatron: str
+    """Global Megatron parameter name (local layer spec names: `...input_layernorm.weight`)."""
+    hf_box: Box
+    local_start: tuple[int, ...]
+    """Where `hf_box` starts in the local shard (same extent: the piece is a translation)."""
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One HF tensor: its pieces on the trainer and the box each engine TP rank's vLLM loader reads."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str
+    """Buckets never split a unit: `model.layers.<i>` for layer tensors, the tensor name otherwise."""
+    pieces: tuple[Piece, ...]
+    engine_boxes: tuple[Box, ...]
+    """Indexed by engine TP rank."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One contiguous copy: a box of a sender's local shard -> the same-extent box of an engine rank's HF tensor."""
+
+    tensor: int
+    """Index into `SyncPlan.tensors`."""
+    sender: int
+    """Sender's rank in the transfer group."""
+    engine_rank: int
+    piece: Piece
+    hf_box: Box
+    local_box: Box
+
+    @property
+    def numel(self) -> int:
+        return math.prod(stop - start for start, stop in self.hf_box)
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """Every HF tensor of the model in load order (embedding, layer 0 .. L-1, final norm, LM head), with its pieces
+    and engine boxes; `transfers()` and `buckets()` derive the wire schedule both sides follow."""
+
+    dims: ModelDims
+    trainer: TrainerLayout
+    engine_tp: int
+    ffn_hidden_size: int
+    dtype: str
+    """What goes over the wire and what the engine receives ("float32", "bfloat16", "float16")."""
+    tensors: tuple[TensorPlan, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def spec(self) -> dict:
+        """The small JSON-able description `build_sync_plan_from_spec` rebuilds this plan from (ship it over HTTP)."""
+        return {"dims": asdict(self.dims), "trainer": asdict(self.trainer), "engine_tp": self.engine_tp,
+                "ffn_hidden_size": self.ffn_hidden_size, "dtype": self.dtype}
+
+    def engine_group_rank(self, engine_rank: int) -> int:
+        return self.trainer.num_senders + engine_rank
+
+    @property
+    def group_size(self) -> int:
+        return self.trainer.num_senders + self.engine_tp
+
+    @functools.cached_property
+    def _transfers(self) -> tuple[Transfer, ...]:
+        out = []
+        for index, tensor in enumerate(self.tensors):
+            for piece in tensor.pieces:
+                sender = self.trainer.sender_rank(piece.pp_rank, piece.tp_rank)
+                for engine_rank, box in enumerate(tensor.engine_boxes):
+                    hf_box = _intersect(piece.hf_box, box)
+                    if hf_box is None:
+                        continue
+                    local_box = tuple((start - p0 + l0, stop - p0 + l0) for (start, stop), (p0, _), l0 in
+                                      zip(hf_box, piece.hf_box, piece.local_start))
+                    out.append(Transfer(index, sender, engine_rank, piece, hf_box, local_box))
+        return tuple(out)
+
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Every (piece x engine rank) overlap, in tensor order: what moves, from whom, to whom."""
+        return self._transfers
+
+    def buckets(self, bucket_mb: float) -> list[list[int]]:
+        """Tensor indices per bucket: a bucket closes once its full HF tensors reach `bucket_mb` MiB, and only
+        between units (decoder layers), so it may exceed `bucket_mb` by up to one layer (see `_stage_buckets`)."""
+        bucket_bytes, itemsize = int(bucket_mb * 2**20), self.torch_dtype.itemsize
+        buckets, bucket, size, unit = [], [], 0, None
+        for index, tensor in enumerate(self.tensors):
+            if bucket and size >= bucket_bytes and tensor.unit != unit:
+                buckets.append(bucket)
+                bucket, size = [], 0
+            bucket.append(index)
+            size += math.prod(tensor.shape) * itemsize
+            unit = tensor.unit
+        if bucket:
+            buckets.append(bucket)
+        return buckets
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return box if all(start < stop for start, stop in box) else None
+
+
+def _full(shape: tuple[int, ...]) -> Box:
+    return tuple((0, size) for size in shape)
+
+
+def _rows(shape: tuple[int, ...], start: int, stop: int, dim: int = 0) -> Box:
+    """The box of `shape` restricted to [start, stop) along `dim`."""
+    return tuple((start, stop) if d == dim else (0, size) for d, size in enumerate(shape))
+
+
+def build_sync_plan_from_spec(spec: dict) -> SyncPlan:
+    """Rebuild a plan from `SyncPlan.spec()` (e.g. on the inference server)."""
+    trainer = spec["trainer"]
+    return build_sync_plan(ModelDims(**spec["dims"]), TrainerLayout(**trainer), int(spec["engine_tp"]),
+                           ffn_hidden_size=int(spec["ffn_hidden_size"]), dtype=spec["dtype"])
+
+
+def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, ffn_hidden_size: int,
+                    dtype: str = "float32") -> SyncPlan:
+    """The pure weight-sync plan of a Qwen2 / Llama model from a Megatron layout into a vLLM TP layout.
+
+    Args:
+        dims: model shape facts; `padded_vocab` is the trainer's (Megatron) padded vocabulary.
+        trainer: the trainer's TP / PP / virtual-PP sizes.
+        engine_tp: vLLM's tensor-parallel size.
+        ffn_hidden_size: the MLP width (HF `intermediate_size`; ModelDims does not carry it).
+        dtype: the dtype sent and received.
+    Returns:
+        the SyncPlan; replicated tensors (norms) have one piece, on tp_rank 0.
+    Raises:
+        ValueError when a layout cannot hold the model (the arithmetic in the message).
+    """
+    _check_layouts(dims, trainer, engine_tp, ffn_hidden_size, dtype)
+    tensors = []
+    for entry, layer in _entries_in_load_order(dims):
+        if entry.megatron == "output_layer.weight" and dims.tie_word_embeddings:
+            continue  # vLLM ties lm_head to embed_tokens; HF checkpoints carry only the embedding
+        megatron = entry.megatron.format(i=layer)
+        if layer is not None:
+            pp_rank, vp_chunk = trainer.holder_of_layer(layer, dims.num_layers)
+        elif entry.megatron.startswith("embedding."):
+            pp_rank, vp_chunk = 0, 0
+        else:  # final norm, output layer
+            pp_rank, vp_chunk = trainer.pp_size - 1, (trainer.vpp_size or 1) - 1
+        names = hf_names(entry, layer)
+        shapes = _hf_shapes(entry, dims, ffn_hidden_size)
+        for part, (name, shape) in enumerate(zip(names, shapes)):
+            pieces = [Piece(pp_rank, tp_rank, vp_chunk, megatron, box, start)
+                      for tp_rank in range(trainer.tp_size if entry.kind != "replicated" else 1)
+                      for box, start in _trainer_boxes(entry.kind, part, shape, dims, tp_rank, trainer.tp_size)]
+            engine_boxes = tuple(_engine_box(entry.kind, part, shape, dims, rank, engine_tp)
+                                 for rank in range(engine_tp))
+            tensors.append(TensorPlan(name, shape, f"model.layers.{layer}" if layer is not None else name,
+                                      tuple(pieces), engine_boxes))
+    return SyncPlan(dims, trainer, engine_tp, ffn_hidden_size, dtype, tuple(tensors))
+
+
+def _entries_in_load_order(dims: ModelDims):
+    """(TensorMap, layer) in the order vLLM is fed: embedding, every layer's tensors, final norm, LM head."""
+    entries = family_map(dims)
+    layer_entries = [e for e in entries if "{i}" in e.megatron]
+    yield next(e for e in entries if e.megatron.startswith("embedding.")), None
+    for layer in range(dims.num_layers):
+        for entry in layer_entries:
+            yield entry, layer
+    yield next(e for e in entries if e.megatron == "decoder.final_layernorm.weight"), None
+    yield next(e for e in entries if e.megatron == "output_layer.weight"), None
+
+
+def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, ...]]:
+    """Shapes of an entry's HF tensors."""
+    hidden, q_out, kv_out = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
+    if entry.kind == "qkv":
+        outs = (q_out, kv_out, kv_out)
+        return [(n,) if entry.megatron.endswith(".bias") else (n, hidden) for n in outs]
+    if entry.kind == "gate_up":
+        return [(ffn, hidden), (ffn, hidden)]
+    if entry.kind == "vocab":
+        return [(dims.vocab_size, hidden)]
+    if entry.kind == "replicated":
+        return [(hidden,)]
+    if entry.kind == "row":  # o_proj (H, heads*head_dim), down_proj (H, ffn)
+        return [(hidden, q_out if "linear_proj" in entry.megatron else ffn)]
+    raise ValueError(f"{entry.megatron}: layout kind {entry.kind!r} has no HF shape rule")
+
+
+def _trainer_boxes(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims, tp_rank: int, tp_size: int):
+    """(HF box, local start) of each piece of HF tensor `part` of an entry on trainer TP rank `tp_rank`: the
+    inverse of hf_convert.read_megatron_shard."""
+    zeros = (0,) * len(shape)
+    if kind == "replicated":
+        return [(_full(shape), zeros)]
+    if kind in ("column", "row", "gate_up"):
+        dim = 1 if kind == "row" else 0
+        step = shape[dim] // tp_size
+        local = tuple(part * step if d == 0 and kind == "gate_up" else 0 for d in range(len(shape)))  # [gate_r; up_r]
+        return [(_rows(shape, tp_rank * step, (tp_rank + 1) * step, dim), local)]
+    if kind == "vocab":
+        rows = dims.padded_vocab // tp_size
+        start, stop = tp_rank * rows, min((tp_rank + 1) * rows, dims.vocab_size)
+        return [(_rows(shape, start, stop), zeros)] if start < stop else []  # padded rows are never sent
+    q_rows, kv_rows = dims.num_heads // dims.num_groups * dims.head_dim, dims.head_dim
+    rows = (q_rows, kv_rows, kv_rows)[part]
+    offset = (0, q_rows, q_rows + kv_rows)[part]  # within one query group's [q; k; v] block of the local shard
+    groups = dims.num_groups // tp_size
+    out = []
+    for j in range(groups):
+        g = tp_rank * groups + j
+        local = ((q_rows + 2 * kv_rows) * j + offset,) + zeros[1:]
+        out.append((_rows(shape, g * rows, (g + 1) * rows), local))
+    return out
+
+
+def _engine_box(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims, rank: int, engine_tp: int) -> Box:
+    """The box of an HF tensor that vLLM's weight loader on engine TP rank `rank` narrows to (linear.py,
+    vocab_parallel_embedding.py of vLLM 0.32)."""
+    if kind == "replicated":
+        return _full(shape)
+    if kind == "vocab":  # VocabParallelEmbedding / ParallelLMHead: org vocab padded to 64, split, tail clipped
+        padded = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        per_rank = padded // engine_tp
+        return _rows(shape, min(rank * per_rank, dims.vocab_size), min((rank + 1) * per_rank, dims.vocab_size))
+    if kind == "row":  # RowParallelLinear: input dim 1
+        step = shape[1] // engine_tp
+        return _rows(shape, rank * step, (rank + 1) * step, dim=1)
+    if kind in ("column", "gate_up"):  # ColumnParallelLinear / MergedColumnParallelLinear: each output split
+        step = shape[0] // engine_tp
+        return _rows(shape, rank * step, (rank + 1) * step)
+    # QKVParallelLinear: q split by heads; k, v by KV heads, replicated over tp/num_kv_heads ranks when fewer
+    if part == 0:
+        step = dims.num_heads // engine_tp * dims.head_dim
+        return _rows(shape, rank * step, (rank + 1) * step)
+    replicas = max(engine_tp // dims.num_groups, 1)
+    step = max(dims.num_groups // engine_tp, 1) * dims.head_dim
+    shard_rank = rank // replicas
+    return _rows(shape, shard_rank * step, (shard_rank + 1) * step)
+
+
+def _check_layouts(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, ffn: int, dtype: str) -> None:
+    """Refuse layouts Megatron or vLLM would refuse, before anything moves."""
+    problems = []
+    chunks = trainer.pp_size * (trainer.vpp_size or 1)
+    if dims.num_layers % chunks:
+        problems.append(f"num_layers={dims.num_layers} % (pp_size*vpp_size = {chunks}) != 0")
+    for what, n in (("num_heads", dims.num_heads), ("num_groups", dims.num_groups), ("ffn_hidden_size", ffn),
+                    ("padded_vocab", dims.padded_vocab)):
+        if n % trainer.tp_size:
+            problems.append(f"trainer: {what}={n} % tp_size={trainer.tp_size} != 0")
+    for what, n in (("num_heads", dims.num_heads), ("ffn_hidden_size", ffn)):
+        if n % engine_tp:
+            problems.append(f"engine: {what}={n} % engine_tp={engine_tp} != 0")
+    vllm_vocab = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    if vllm_vocab % engine_tp:
+        problems.append(f"engine: vocabulary padded to {vllm_vocab} % engine_tp={engine_tp} != 0")
+    if dims.num_groups % engine_tp and engine_tp % dims.num_groups:
+        problems.append(f"engine: num_kv_heads={dims.num_groups} and engine_tp={engine_tp}: neither divides the other")
+    if dtype not in _DTYPES:
+        problems.append(f"dtype={dtype!r} not in {sorted(_DTYPES)}")
+    if problems:
+        raise ValueError("weight-sync plan: " + "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Transport (server mode): trainer senders -> engine workers over a standalone process group
+# ---------------------------------------------------------------------------------------------------------------
+
+_MAGIC = 0x5EED
+_HEADER = 5  # int64 header of every (bucket, sender, engine rank) message run: magic, bucket, numel, sender, engine
+_ACK_TAG = 1 << 22
+_MAX_MESSAGES = 1 << 20  # per (bucket, pair); tags are (bucket parity) << 21 | message index
+
+
+class WeightTransferGroup:
+    """A process group of its own (not the default world) joining the trainer's sender ranks and the engine's
+    workers: ranks [0, senders) are trainer ranks by (pp_rank, tp_rank), then engine workers by engine TP rank.
+    Gloo on CPU, NCCL with CUDA (the NCCL path is written but, like every GPU path here, tested only on CPU)."""
+
+    def __init__(self, pg, store, rank: int, world_size: int, timeout: timedelta, device: torch.device):
+        self.pg, self.store, self.rank, self.world_size = pg, store, rank, world_size
+        self.timeout, self.device = timeout, device
+
+    @classmethod
+    def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0,
+               backend: str = "auto") -> WeightTransferGroup:
+        """Join the group: rank 0 hosts a TCPStore at (host, port), the others connect to it (collective: every
+        member calls it). `timeout_s` bounds joining and every later transfer wait."""
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+        prefixed = dist.PrefixStore("grpo_weight_transfer", store)
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            device = torch.device("cpu")
+        return cls(pg, store, rank, world_size, timeout, device)
+
+    def close(self) -> None:
+        """Leave the group (pending operations are aborted)."""
+        try:
+            self.pg.shutdown()
+        except (RuntimeError, AttributeError):
+            pass
+        self.pg = self.store = None
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int):
+        return self.pg.send([tensor], dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int):
+        return self.pg.recv([tensor], src, tag)
+
+
+def _describe_peer(plan: SyncPlan, group_rank: int) -> str:
+    layout = plan.trainer
+    if group_rank < layout.num_senders:
+        return f"trainer sender {group_rank} (pp_rank {group_rank // layout.tp_size}, tp_rank {group_rank % layout.tp_size})"
+    return f"engine worker {group_rank} (engine tp_rank {group_rank - layout.num_senders})"
+
+
+def _wait(works: list, plan: SyncPlan, group: WeightTransferGroup, what: str) -> None:
+    """Wait for (work, peer, bucket) triples; any failure or timeout becomes a WeightSyncError naming the peer."""
+    for work, peer, bucket in works:
+        try:
+            if not work.wait(group.timeout):
+                raise TimeoutError(f"no completion within {group.timeout.total_seconds():g} s")
+        except Exception as error:  # noqa: BLE001 - gloo/nccl raise RuntimeError or DistBackendError
+            raise WeightSyncError(
+                f"weight transfer: {what} of bucket {bucket} with {_describe_peer(plan, peer)} failed (this is group "
+                f"rank {group.rank}; group timeout {group.timeout.total_seconds():g} s): {error}"
+            ) from error
+
+
+def _pair_transfers(plan: SyncPlan, buckets: list[list[int]]) -> list[dict[tuple[int, int], list[Transfer]]]:
+    """Per bucket: (sender, engine rank) -> its transfers in plan order."""
+    bucket_of = {t: k for k, bucket in enumerate(buckets) for t in bucket}
+    per_bucket: list[dict] = [{} for _ in buckets]
+    for transfer in plan.transfers():
+        key = (transfer.sender, transfer.engine_rank)
+        per_bucket[bucket_of[transfer.tensor]].setdefault(key, []).append(transfer)
+    return per_bucket
+
+
+def _header(bucket: int, numel: int, sender: int, engine_rank: int, device) -> torch.Tensor:
+    return torch.tensor([_MAGIC, bucket, numel, sender, engine_rank], dtype=torch.int64, device=device)
+
+
+def _tag(bucket: int, index: int) -> int:
+    return (bucket % 2) << 21 | index
+
+
+def _box_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(start, stop) for start, stop in box)
+
+
+def _box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
+def _local_params(chunks) -> dict[tuple[int, str], torch.Tensor]:
+    """(virtual chunk, global Megatron name with local-spec norm names) -> this rank's parameter."""
+    params = {}
+    for vp, chunk in enumerate(chunks):
+        model = unwrap(chunk)
+        for name, global_name in global_param_names(model).items():
+            for local, te in TE_NAMES.items():
+                global_name = global_name.replace(te, local)
+            params[(vp, global_name)] = model.get_parameter(name)
+    return params
+
+
+@torch.no_grad()
+def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransferGroup | None, plan: SyncPlan,
+                 bucket_mb: float, *, tensor_by_tensor: bool = False) -> dict[str, float]:
+    """Send this trainer rank's pieces of the policy to the engine workers (call on every trainer rank).
+
+    Ranks with dp_rank > 0 return at once (they hold copies of dp_rank 0's shards). Each sender packs, per bucket
+    and per engine rank, the boxes of its own shards that rank reads into one flat buffer (`tensor_by_tensor`:
+    one message per box instead, the baseline) behind a small header; no rank gathers anything. Packing bucket
+    k+1 overlaps the transmission of bucket k. Returns after every engine rank acknowledged the last bucket.
+
+    Args:
+        chunks: the policy chunks (wrapped or not), in virtual-stage order.
+        group: this rank's WeightTransferGroup (None on dp_rank > 0 ranks).
+        plan: from `build_sync_plan` for this layout; the engine side must use the same plan and `bucket_mb`.
+    Returns:
+        {"weight_sync/seconds", "weight_sync/gib" (sent by this rank), "weight_sync/messages", "weight_sync/buckets"}.
+    Raises:
+        WeightSyncError naming the bucket and the peer when a transfer fails or times out (a dead engine worker).
+    """
+    if ps.dp_rank != 0:
+        return {}
+    if plan.dims != dims or (plan.trainer.tp_size, plan.trainer.pp_size) != (ps.tp_size, ps.pp_size):
+        raise ValueError(f"weight-sync plan for {plan.trainer} / {plan.dims} used at tp={ps.tp_size}, pp={ps.pp_size} "
+                         f"/ {dims}")
+    start = time.perf_counter()
+    me = plan.trainer.sender_rank(ps.pp_rank, ps.tp_rank)
+    params = _local_params(chunks)
+    buckets = plan.buckets(bucket_mb)
+    num_bytes, num_messages, pending = 0, 0, []
+    for k, pairs in enumerate(_pair_transfers(plan, buckets)):
+        works = []
+        for (sender, engine_rank), transfers in pairs.items():
+            if sender != me:
+                continue
+            peer = plan.engine_group_rank(engine_rank)
+            numel = sum(t.numel for t in transfers)
+            messages = [_header(k, numel, me, engine_rank, group.device)] + _pack(transfers, params, plan, group, tensor_by_tensor)
+            if len(messages) > _MAX_MESSAGES:
+                raise ValueError(f"bucket {k}: {len(messages)} messages to one peer; use a smaller bucket_mb")
+            works += [(group.send(m, peer, _tag(k, i)), peer, k) for i, m in enumerate(messages)]
+            num_bytes += numel * plan.torch_dtype.itemsize
+            num_messages += len(messages)
+        _wait(pending, plan, group, "sending")
+        pending = works
+    _wait(pending, plan, group, "sending")
+    acks = [(torch.zeros(_HEADER, dtype=torch.int64, device=group.device), plan.engine_group_rank(e)) for e in range(plan.engine_tp)]
+    _wait([(group.recv(ack, peer, _ACK_TAG), peer, len(buckets)) for ack, peer in acks], plan, group,
+          "the acknowledgement")
+    for ack, peer in acks:
+        if ack[0] != _MAGIC or ack[1] != len(buckets):
+            raise WeightSyncError(f"weight transfer: {_describe_peer(plan, peer)} acknowledged {ack.tolist()}, "
+                                  f"expected {len(buckets)} buckets: the two sides use different plans")
+    return {"weight_sync/seconds": time.perf_counter() - start, "weight_sync/gib": num_bytes / 2**30,
+            "weight_sync/messages": num_messages, "weight_sync/buckets": len(buckets)}
+
+
+def _pack(transfers: list[Transfer], params, plan: SyncPlan, group, tensor_by_tensor: bool) -> list[torch.Tensor]:
+    """The payload messages of one (bucket, sender, engine rank): one flat buffer, or one tensor per box."""
+    dtype = plan.torch_dtype
+    sources = [params[(t.piece.vp_chunk, t.piece.megatron)][_box_slices(t.local_box)] for t in transfers]
+    if tensor_by_tensor:
+        return [src.to(group.device, dtype).contiguous() for src in sources]
+    flat = torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=group.device)  # (numel,)
+    offset = 0
+    for transfer, src in zip(transfers, sources):
+        flat[offset : offset + transfer.numel].view(src.shape).copy_(src)
+        offset += transfer.numel
+    return [flat]
+
+
+def receive_weights(group: WeightTransferGroup, plan: SyncPlan, bucket_mb: float, engine_rank: int,
+                    *, tensor_by_tensor: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Receive the trainer's weights on one engine worker, bucket by bucket (a generator; iterate it to the end).
+
+    Yields, per bucket, every HF tensor of the bucket as (HF name, tensor of the full HF shape and the plan's
+    dtype) for vLLM's loader (`reload_weights`) of engine TP rank `engine_rank`. Buckets close only between
+    decoder layers. The next bucket is received while the consumer loads this one; after the consumer has taken
+    the last bucket, every sender gets an acknowledgement (so `send_weights` returns only once the engine has
+    everything).
+
+    NOTE: only the box that this rank's vLLM loader reads (`plan.tensors[i].engine_boxes[engine_rank]`) is
+    filled; the rest of each tensor is uninitialised memory. vLLM's weight loaders narrow a full-shape HF tensor to
+    their rank's slice before copying (QKV/merged/row/vocab-parallel layers), so they never read it; do not hand
+    these tensors to anything that reads them whole.
+
+    Raises:
+        WeightSyncError naming the bucket and the peer on a header mismatch, a dead peer or a timeout.
+    """
+    buckets = plan.buckets(bucket_mb)
+    per_bucket = _pair_transfers(plan, buckets)
+    me = plan.engine_group_rank(engine_rank)
+
+    def post(k: int):
+        posted = []
+        for (sender, rank), transfers in per_bucket[k].items():
+            if rank != engine_rank:
+                continue
+            sizes = [t.numel for t in transfers] if tensor_by_tensor else [sum(t.numel for t in transfers)]
+            messages = [torch.empty(_HEADER, dtype=torch.int64, device=group.device)]
+            messages += [torch.empty(n, dtype=plan.torch_dtype, device=group.device) for n in sizes]
+            works = [(group.recv(m, sender, _tag(k, i)), sender, k) for i, m in enumerate(messages)]
+            posted.append((sender, transfers, messages, works))
+        return posted
+
+    posted = post(0) if buckets else []
+    for k, bucket in enumerate(buckets):
+        for sender, transfers, messages, works in posted:
+            _wait(works, plan, group, "receiving")
+            expected = _header(k, sum(t.numel for t in transfers), sender, engine_rank, group.device)
+            if not torch.equal(messages[0], expected):
+                raise WeightSyncError(
+                    f"weight transfer: bucket {k} from {_describe_peer(plan, sender)} has header "
+                    f"{messages[0].tolist()}, expected {expected.tolist()} (magic, bucket, numel, sender, engine "
+                    f"rank): the sides disagree on the plan or bucket_mb")
+        current = posted
+        posted = post(k + 1) if k + 1 < len(buckets) else []
+        yield _assemble(plan, bucket, current, group.device)
+    acks = [(group.send(_header(len(buckets), 0, me, engine_rank, group.device), s, _ACK_TAG), s, len(buckets))
+            for s in range(plan.trainer.num_senders)]
+    _wait(acks, plan, group, "acknowledging")
+
+
+def _assemble(plan: SyncPlan, bucket: list[int], received, device) -> list[tuple[str, torch.Tensor]]:
+    """Full-shape HF tensors of one bucket with this rank's boxes filled from the received payloads."""
+    out = {i: torch.empty(plan.tensors[i].shape, dtype=plan.torch_dtype, device=device) for i in bucket}
+    for _, transfers, messages, _ in received:
+        payload = messages[1:]
+        flat = payload[0] if len(payload) == 1 else None
+        offset = 0
+        for j, transfer in enumerate(transfers):
+            part = payload[j] if flat is None else flat[offset : offset + transfer.numel]
+            out[transfer.tensor][_box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
+            offset += transfer.numel
+    return [(plan.tensors[i].name, out[i]) for i in bucket]

@@ -1,0 +1,215 @@
+"""The weight-sync plan against brute force: for every trainer layout (TP 1/2/4/8, PP 1/2/4, a virtual-PP case) and
+engine TP (1/2/4/8), random full HF tensors are cut into Megatron shards with hf_convert's `read_megatron_shard`
+(each shard placed on the stage Megatron gives its layer), the plan's transfers copy boxes of those shards into
+NaN-filled HF tensors per engine rank, and what vLLM's weight loaders of that rank read from them (emulated here
+from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py: narrow to the rank's slice) must equal
+what they read from the full HF tensors. A NaN reaching a loader, a wrong box or a wrong owner fails.
+
+Models: MHA with QKV bias (untied), GQA 4 tied with bias, MQA untied (1 KV head < engine TP: replicated KV heads),
+GQA with 4 KV heads tied; a vocabulary of 100 (vLLM pads to 128, so engine TP 8's last rank reads no rows)."""
+
+import json
+
+import pytest
+import torch
+
+from engine.hf_convert import DictSource, ModelDims, family_map, hf_names, read_megatron_shard
+from engine.model import padded_vocab_size
+from engine.weight_sync import TrainerLayout, build_sync_plan, build_sync_plan_from_spec
+
+FFN = 32
+LAYERS = 4
+VOCAB = 100
+
+MODELS = {  # name: (num_heads, num_kv_heads, head_dim, tied, qkv_bias)
+    "mha_bias": (8, 8, 4, False, True),
+    "gqa4_tied_bias": (8, 2, 4, True, True),
+    "mqa": (8, 1, 4, False, False),
+    "gqa4_kv4_tied": (16, 4, 2, True, False),
+}
+
+
+def _dims(model: str, trainer_tp: int) -> ModelDims:
+    heads, kv, head_dim, tied, bias = MODELS[model]
+    return ModelDims(num_layers=LAYERS, hidden_size=heads * head_dim, num_heads=heads, num_groups=kv,
+                     head_dim=head_dim, vocab_size=VOCAB, padded_vocab=padded_vocab_size(VOCAB, 8, trainer_tp),
+                     tie_word_embeddings=tied, qkv_bias=bias)
+
+
+def _hf_model(dims: ModelDims, seed: int) -> dict[str, torch.Tensor]:
+    """Random full HF tensors, shapes written out from the HF Qwen2 / Llama modules."""
+    gen = torch.Generator().manual_seed(seed)
+    h, q, kv = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
+    shapes = {"model.embed_tokens.weight": (VOCAB, h), "model.norm.weight": (h,)}
+    if not dims.tie_word_embeddings:
+        shapes["lm_head.weight"] = (VOCAB, h)
+    for i in range(dims.num_layers):
+        p = f"model.layers.{i}"
+        shapes |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                   f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
+                   f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
+                   f"{p}.mlp.gate_proj.weight": (FFN, h), f"{p}.mlp.up_proj.weight": (FFN, h),
+                   f"{p}.mlp.down_proj.weight": (h, FFN)}
+        if dims.qkv_bias:
+            shapes |= {f"{p}.self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
+    return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def _megatron_holder(layer: int | None, megatron: str, pp: int, vpp: int) -> tuple[int, int]:
+    """(pp_rank, vp_chunk) of a parameter, from Megatron's layer offset rule written out by enumeration."""
+    if layer is None:
+        return (0, 0) if megatron.startswith("embedding.") else (pp - 1, vpp - 1)
+    per_chunk = LAYERS // (pp * vpp)
+    for v in range(vpp):
+        for p in range(pp):
+            offset = v * (LAYERS // vpp) + p * per_chunk
+            if offset <= layer < offset + per_chunk:
+                return p, v
+    raise AssertionError(layer)
+
+
+def _trainer_shards(hf: dict, dims: ModelDims, tp: int, pp: int, vpp: int) -> dict:
+    """(pp_rank, tp_rank, vp_chunk, global Megatron name) -> that rank's local shard."""
+    shards = {}
+    for entry in family_map(dims):
+        for layer in range(LAYERS) if "{i}" in entry.megatron else [None]:
+            name = entry.megatron.format(i=layer)
+            p, v = _megatron_holder(layer, name, pp, vpp)
+            for t in range(tp):
+                shards[(p, t, v, name)] = read_megatron_shard(entry, layer, dims, DictSource(hf), t, tp)
+    return shards
+
+
+def _vllm_loaded(name: str, full: torch.Tensor, dims: ModelDims, rank: int, etp: int) -> torch.Tensor:
+    """What vLLM's weight loader of engine TP rank `rank` copies out of an HF tensor (its `narrow` calls)."""
+    if "norm" in name:
+        return full  # RMSNorm: not sharded
+    if "embed_tokens" in name or "lm_head" in name:  # VocabParallelEmbedding._get_indices, pad to 64
+        per = -(-VOCAB // 64) * 64 // etp
+        start, stop = min(rank * per, VOCAB), min((rank + 1) * per, VOCAB)
+        return full.narrow(0, start, stop - start)
+    if "o_proj" in name or "down_proj" in name:  # RowParallelLinear: input_dim 1
+        size = full.shape[1] // etp
+        return full.narrow(1, rank * size, size)
+    if "gate_proj" in name or "up_proj" in name:  # MergedColumnParallelLinear: output_size // tp per shard
+        size = full.shape[0] // etp
+        return full.narrow(0, rank * size, size)
+    if "q_proj" in name:  # QKVParallelLinear "q"
+        size = dims.num_heads // etp * dims.head_dim
+        return full.narrow(0, rank * size, size)
+    if etp >= dims.num_groups:  # "k" / "v": one KV head per rank, replicated tp // num_kv_heads times
+        replicas, size = etp // dims.num_groups, dims.head_dim
+    else:
+        replicas, size = 1, dims.num_groups // etp * dims.head_dim
+    return full.narrow(0, rank // replicas * size, size)
+
+
+def _apply_plan(plan, shards: dict, etp_rank: int) -> dict[str, torch.Tensor]:
+    """Execute the plan's transfers into one engine rank's NaN-filled HF tensors."""
+    out = {t.name: torch.full(t.shape, float("nan")) for t in plan.tensors}
+    for tr in plan.transfers():
+        if tr.engine_rank != etp_rank:
+            continue
+        piece = tr.piece
+        assert plan.trainer.sender_rank(piece.pp_rank, piece.tp_rank) == tr.sender
+        shard = shards[(piece.pp_rank, piece.tp_rank, piece.vp_chunk, piece.megatron)]
+        local = shard[tuple(slice(a, b) for a, b in tr.local_box)]  # fails if the box leaves the shard
+        assert tuple(local.shape) == tuple(b - a for a, b in tr.hf_box), "the local box is clipped by the shard"
+        out[plan.tensors[tr.tensor].name][tuple(slice(a, b) for a, b in tr.hf_box)] = local
+    return out
+
+
+def _layouts(model: str):
+    heads, kv = MODELS[model][:2]
+    for tp in (1, 2, 4, 8):
+        if kv % tp or heads % tp:
+            continue
+        for pp, vpp in ((1, 1), (2, 1), (4, 1), (2, 2)):
+            yield tp, pp, vpp
+
+
+def _engine_tps(model: str):
+    heads, kv = MODELS[model][:2]
+    return [e for e in (1, 2, 4, 8) if heads % e == 0 and (kv % e == 0 or e % kv == 0)]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_plan_feeds_every_vllm_rank_exactly_what_it_loads_from_the_full_checkpoint(model):
+    for tp, pp, vpp in _layouts(model):
+        dims = _dims(model, tp)
+        hf = _hf_model(dims, seed=tp * 10 + pp)
+        shards = _trainer_shards(hf, dims, tp, pp, vpp)
+        for etp in _engine_tps(model):
+            plan = build_sync_plan(dims, TrainerLayout(tp, pp, vpp if vpp > 1 else None), etp, ffn_hidden_size=FFN)
+            assert {t.name: t.shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in hf.items()}
+            for rank in range(etp):
+                received = _apply_plan(plan, shards, rank)
+                for name, full in hf.items():
+                    got = _vllm_loaded(name, received[name], dims, rank, etp)
+                    want = _vllm_loaded(name, full, dims, rank, etp)
+                    assert torch.equal(got, want), f"{model} tp={tp} pp={pp} vpp={vpp} etp={etp} rank={rank}: {name}"
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_each_sender_sends_only_what_it_holds_and_replicated_tensors_come_from_tp_rank_0(model):
+    for tp, pp, vpp in _layouts(model):
+        dims = _dims(model, tp)
+        plan = build_sync_plan(dims, TrainerLayout(tp, pp, vpp if vpp > 1 else None), 2, ffn_hidden_size=FFN)
+        for tensor in plan.tensors:
+            holders = {(p.pp_rank, p.vp_chunk) for p in tensor.pieces}
+            assert len(holders) == 1, f"{tensor.name} is held by one stage chunk, got {holders}"
+            if tensor.name.endswith("norm.weight"):
+                assert [p.tp_rank for p in tensor.pieces] == [0]
+        # Per engine rank, the transfers cover the box vLLM reads exactly once (no duplicates, no gaps).
+        for rank in range(plan.engine_tp):
+            for index, tensor in enumerate(plan.tensors):
+                box = tensor.engine_boxes[rank]
+                want = 1
+                for a, b in box:
+                    want *= b - a
+                got = sum(t.numel for t in plan.transfers() if t.tensor == index and t.engine_rank == rank)
+                assert got == want, (tensor.name, rank)
+
+
+def test_tied_embeddings_travel_once_as_the_embedding():
+    dims = _dims("gqa4_tied_bias", 2)
+    plan = build_sync_plan(dims, TrainerLayout(2, 2), 2, ffn_hidden_size=FFN)
+    names = [t.name for t in plan.tensors]
+    assert "lm_head.weight" not in names and names.count("model.embed_tokens.weight") == 1
+    embed = plan.tensors[names.index("model.embed_tokens.weight")]
+    assert {(p.pp_rank, p.megatron) for p in embed.pieces} == {(0, "embedding.word_embeddings.weight")}
+
+
+def test_buckets_close_between_decoder_layers_and_respect_the_size():
+    dims = _dims("mha_bias", 1)
+    plan = build_sync_plan(dims, TrainerLayout(1, 2), 2, ffn_hidden_size=FFN)
+    nbytes = [4 * torch.Size(t.shape).numel() for t in plan.tensors]
+    layer_bytes = sum(n for t, n in zip(plan.tensors, nbytes) if t.unit == "model.layers.0")
+    for bucket_mb in (1e-9, layer_bytes / 2**20, 2.5 * layer_bytes / 2**20, 1024):
+        buckets = plan.buckets(bucket_mb)
+        assert [i for b in buckets for i in b] == list(range(len(plan.tensors)))
+        for bucket in buckets[:-1]:
+            assert plan.tensors[bucket[-1]].unit != plan.tensors[bucket[-1] + 1].unit, "bucket split a layer"
+            size = sum(nbytes[i] for i in bucket)
+            assert size >= bucket_mb * 2**20 or plan.tensors[bucket[-1]].unit != plan.tensors[bucket[-1] + 1].unit
+            assert size < bucket_mb * 2**20 + layer_bytes + max(nbytes), "a bucket grew past one extra layer"
+        assert plan.buckets(bucket_mb) == buckets, "the schedule is deterministic"
+    assert len(plan.buckets(1024)) == 1
+    assert len(plan.buckets(1e-9)) == LAYERS + 3  # embedding, each layer, final norm, lm_head
+
+
+def test_spec_is_json_and_rebuilds_the_same_plan():
+    dims = _dims("mqa", 1)
+    plan = build_sync_plan(dims, TrainerLayout(1, 4), 8, ffn_hidden_size=FFN, dtype="bfloat16")
+    rebuilt = build_sync_plan_from_spec(json.loads(json.dumps(plan.spec())))
+    assert rebuilt == plan and rebuilt.transfers() == plan.transfers()
+    assert rebuilt.torch_dtype == torch.bfloat16
+
+
+def test_layouts_that_vllm_or_megatron_refuse_are_rejected_with_the_arithmetic():
+    with pytest.raises(ValueError, match=r"num_groups=2 % tp_size=4"):
+        build_sync_plan(_dims("gqa4_tied_bias", 4), TrainerLayout(4, 1), 1, ffn_hidden_size=FFN)
+    with pytest.raises(ValueError, match=r"num_kv_heads=4 and engine_tp=8|num_heads=8 % engine_tp=16"):
+        build_sync_plan(_dims("mha_bias", 1), TrainerLayout(1, 1), 16, ffn_hidden_size=FFN)
+    with pytest.raises(ValueError, match=r"num_layers=4 % \(pp_size\*vpp_size = 8\)"):
+        build_sync_plan(_dims("mha_bias", 1), TrainerLayout(1, 4, 2), 1, ffn_hidden_size=FFN)
