@@ -1,1 +1,15 @@
-"""GRPO post-training engine: Megatron-core policy, fused loss, vLLM rollout. See README.md."""
+"""GRPO post-training engine: Megatron-core policy, fused loss, vLLM rollout. See README.md.
+
+`from engine import GRPOConfig, GRPOTrainer` gives the TRL-compatible API (engine/trl_api.py), imported on first
+use so that `import engine` stays light (no torch, Megatron or vLLM at import time).
+"""
+
+__all__ = ["GRPOConfig", "GRPOTrainer"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from engine import trl_api
+
+        return getattr(trl_api, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -123,8 +123,9 @@ def load_prompts(
     *,
     split: Literal["train", "test"] = "train",
     max_model_length: int | None = None,
+    dataset: datasets.Dataset | None = None,
 ) -> PromptDataset | None:
-    """Load, check and tokenize one split of the configured dataset.
+    """Load, check and tokenize one split of the configured dataset (or of an in-memory `dataset`).
 
     Args:
         data_cfg: the `data` section (dataset_name, dataset_config, split names, max_prompt_length,
@@ -135,16 +136,19 @@ def load_prompts(
         split: "train" reads `data.dataset_train_split`, "test" reads `data.dataset_test_split`.
         max_model_length: the model's context in tokens (e.g. vLLM's max_model_len); with `generation_cfg`, prompts
             longer than max_model_length - max_completion_length count as overlong. None = no such check.
+        dataset: an in-memory `datasets.Dataset` (the TRL-style `GRPOTrainer(train_dataset=...)`); when given, it
+            is used instead of loading `data.dataset_name` and the split names are not read.
     Returns:
-        `PromptDataset`, or None when `split="test"` and `data.dataset_test_split` is null.
+        `PromptDataset`, or None when `split="test"`, `data.dataset_test_split` is null and no `dataset` is given.
     Raises:
         DatasetError: missing file / split / `prompt` column, mixed or malformed prompts, an overlong prompt under
             the "error" policy, or nothing left after dropping.
     """
-    split_name = data_cfg.dataset_train_split if split == "train" else data_cfg.dataset_test_split
-    if split_name is None:
-        return None
-    dataset = load_dataset_split(data_cfg.dataset_name, split_name, data_cfg.dataset_config)
+    if dataset is None:
+        split_name = data_cfg.dataset_train_split if split == "train" else data_cfg.dataset_test_split
+        if split_name is None:
+            return None
+        dataset = load_dataset_split(data_cfg.dataset_name, split_name, data_cfg.dataset_config)
     return prepare_prompts(
         dataset,
         tokenizer,

@@ -1,0 +1,703 @@
+"""TRL-compatible API: `GRPOConfig` and `GRPOTrainer` with TRL 1.16's arguments, run by this engine's loop.
+
+A TRL GRPO script runs here with its import line changed (`from engine import GRPOConfig, GRPOTrainer`) and, where
+the model is a hub name and the machine is offline, the model path. `examples/` holds such scripts.
+
+Owns: turning TRL's flat keyword arguments into the engine's config tree (`config.find_field`: every leaf carries
+TRL's name), TRL arguments that mean nothing here (accepted, then named in one warning), the few TRL arguments
+whose value must be translated (`bf16` / `fp16` -> model.dtype, `warmup_steps` < 1 -> warmup_ratio, fractional
+`logging_steps` / `save_steps`, `report_to`, `lr_scheduler_type`, `model_init_kwargs`, the deprecated
+`vllm_importance_sampling_cap`), refusals with a message for what this engine does not do (PEFT, custom optimizers,
+callbacks, tools, iterable datasets, hub pushes), resolving `GRPOTrainer`'s `model` (a local directory, a
+`builtin:` name, a hub name from the local cache or a download, a `PreTrainedModel` saved under output_dir) and
+`reward_funcs` (callables, config strings, reward-model directories or objects), and handing datasets, reward
+callables and the tokenizer to `engine.trainer.train` in memory. `train()` returns transformers' `TrainOutput`;
+`save_model()` writes a Hugging Face checkpoint of the trained policy.
+
+Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP);
+generation always uses vLLM; `eval_dataset` is scored before and after training (held-out reward, one completion
+per prompt) rather than on an `eval_strategy` schedule; `GRPOConfig()` without `output_dir` writes to
+`trainer_output` as TRL does. Under torchrun every rank runs the script, so every rank builds the same objects;
+files written on the way (a saved `PreTrainedModel`) are written by rank 0 and awaited by the others.
+
+Must not: implement any part of the loop (engine/trainer.py), import vLLM or Megatron at import time (importing
+`engine` stays light), or import trl (a test-only dependency).
+
+Test: `pytest tests/unit/test_trl_api.py` (mapping, warnings, refusals; no engine start) and
+`pytest tests/integration/test_trl_examples.py` (the examples end to end, and as TRL scripts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from engine.config import ConfigError, EngineConfig, build_config, config_to_dict, find_field
+
+TRL_DEFAULT_OUTPUT_DIR = "trainer_output"
+"""TRL's output directory when `GRPOConfig(output_dir=None)` (TrainingArguments' default)."""
+FINAL_MODEL_DIR = "final_model"
+"""Under output_dir: the trained policy as a Hugging Face checkpoint, written at the end of `train()`."""
+INITIAL_MODEL_DIR = "initial_model"
+"""Under output_dir: a `PreTrainedModel` passed as `model`, saved so that Megatron and vLLM can load it."""
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+"""Files fetched for a hub model: config, weights, tokenizer (no PyTorch .bin, no remote code)."""
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL 1.16 GRPOConfig / TrainingArguments names without a home in the engine's tree, by why
+
+
+def _group(reason: str, *names: str) -> dict[str, str]:
+    return dict.fromkeys(names, reason)
+
+
+NO_EFFECT: dict[str, str] = {
+    **_group("Megatron owns precision, compilation and kernels here (model.dtype, kernels.loss_implementation)",
+             "tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode", "bf16_full_eval", "fp16_full_eval",
+             "use_liger_kernel", "liger_kernel_config", "use_cache", "gradient_checkpointing_kwargs",
+             "torch_empty_cache_steps", "auto_find_batch_size", "average_tokens_across_devices",
+             "label_smoothing_factor", "optim_args", "optim_target_modules", "lr_scheduler_kwargs",
+             "router_aux_loss_coef"),
+    **_group("Megatron owns the layout and the devices here (tp_size, pp_size, dp_size; CUDA when present)",
+             "fsdp", "fsdp_config", "deepspeed", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
+             "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout", "accelerator_config",
+             "parallelism_config", "local_rank", "use_cpu", "log_on_each_node", "save_on_each_node",
+             "ds3_gather_for_generation", "full_determinism"),
+    **_group("prompts are tokenized up front and batches sampled by the engine (seeded by seed)",
+             "dataloader_drop_last", "dataloader_num_workers", "dataloader_pin_memory",
+             "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_multiprocessing_context",
+             "dataloader_in_order", "remove_unused_columns", "label_names", "train_sampling_strategy",
+             "length_column_name", "data_seed", "ignore_data_skip", "include_num_input_tokens_seen"),
+    **_group("metrics always go to output_dir/metrics.jsonl and the progress display (plus report_to)",
+             "logging_strategy", "logging_first_step", "logging_nan_inf_filter", "log_level", "log_level_replica",
+             "disable_tqdm", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
+             "log_multimodal", "log_unique_prompts", "log_completions_hub_repo", "skip_memory_metrics", "debug"),
+    **_group("eval_dataset is scored before and after training (held-out reward), not on a schedule",
+             "eval_strategy", "eval_steps", "eval_delay", "per_device_eval_batch_size", "prediction_loss_only",
+             "eval_on_start", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
+             "include_for_metrics", "batch_eval_metrics", "metric_for_best_model", "greater_is_better"),
+    **_group("checkpoints are written every save_steps (0: only at the end)",
+             "save_strategy", "save_only_model", "enable_jit_checkpoint", "restore_callback_states_from_checkpoint"),
+    **_group("nothing is pushed to the hub", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy",
+             "hub_always_push", "hub_revision"),
+    **_group("generation always uses vLLM here", "use_vllm", "cache_implementation",
+             "use_transformers_continuous_batching", "transformers_continuous_batching_config",
+             "use_transformers_paged"),
+    **_group("script flags for HF's example scripts", "do_train", "do_eval", "do_predict"),
+    **_group("tool calling is not supported", "max_tool_calling_iterations"),
+}
+"""Accepted and named in one warning (the engine behaves as the reason says, whatever the value)."""
+
+REFUSED: dict[str, str] = {
+    "push_to_hub": "pushing to the hub is not supported; call trainer.save_model(dir) and upload the directory",
+    "load_best_model_at_end": "there is no scheduled evaluation to pick a best model from",
+    "neftune_noise_alpha": "NEFTune embedding noise is not implemented in the Megatron policy",
+}
+"""Accepted at TRL's default (a falsy value); anything else raises NotImplementedError with the reason."""
+
+TRANSLATED = ("bf16", "fp16", "model_init_kwargs", "vllm_importance_sampling_cap")
+"""TRL names that map onto engine fields of another name (see `GRPOConfig._translate`)."""
+
+_SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+"""TRL / transformers `lr_scheduler_type` -> the engine's (its `constant` honours warmup)."""
+_REPORT_BACKENDS = ("tensorboard", "wandb")
+
+
+def known_argument_names() -> list[str]:
+    """Every keyword `GRPOConfig` accepts: the engine's fields (TRL's names plus engine knobs) and TRL's others."""
+    from engine.config import _FLAT_INDEX
+
+    return sorted(set(_FLAT_INDEX) | set(NO_EFFECT) | set(REFUSED) | set(TRANSLATED))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GRPOConfig
+
+
+class GRPOConfig:
+    """TRL's `GRPOConfig` over the engine's config tree.
+
+    `GRPOConfig(output_dir=None, **kwargs)` takes TRL 1.16's GRPOConfig / TrainingArguments keywords and the
+    engine's own knobs (tp_size, pp_size, vllm_tensor_parallel_size, loss_implementation, ...), by their flat names.
+    Attributes read and write the engine fields of the same names (`args.learning_rate`, `args.max_steps = 5`);
+    `to_engine_config()` returns the tree. Unknown names raise TypeError with a close match; TRL names with no
+    effect here are kept (readable as attributes) and named in one UserWarning.
+    """
+
+    def __init__(self, output_dir: str | None = None, **kwargs: Any):
+        given = {"output_dir": output_dir if output_dir is not None else TRL_DEFAULT_OUTPUT_DIR, **kwargs}
+        object.__setattr__(self, "_kwargs", given)
+        self._build(warn_names=list(given))
+
+    # -- building ---------------------------------------------------------------------------------------------------
+
+    def _build(self, warn_names: list[str]) -> None:
+        flat, ignored = self._translate(dict(self._kwargs))
+        nested: dict[str, dict[str, Any]] = {}
+        for name, value in flat.items():
+            section, leaf = find_field(name)
+            nested.setdefault(section, {})[leaf] = value
+        try:
+            engine_cfg = build_config(nested)
+        except ConfigError as exc:
+            raise ConfigError(f"GRPOConfig: {exc}") from None
+        object.__setattr__(self, "_engine", engine_cfg)
+        object.__setattr__(self, "_ignored", ignored)
+        object.__setattr__(self, "explicit_names", frozenset(self._kwargs))
+        noted = [name for name in warn_names if name in ignored]
+        if noted:
+            by_reason: dict[str, list[str]] = {}
+            for name in noted:
+                by_reason.setdefault(ignored[name][1], []).append(f"{name}={ignored[name][0]!r}")
+            lines = "; ".join(f"{', '.join(args)} ({reason})" for reason, args in by_reason.items())
+            warnings.warn(f"GRPOConfig: TRL arguments with no effect in this engine, ignored: {lines}", UserWarning,
+                          stacklevel=3)
+
+    @staticmethod
+    def _translate(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, str]]]:
+        """TRL keywords -> (engine flat field -> value, ignored TRL name -> (value, reason))."""
+        from engine.config import _FLAT_INDEX
+
+        unknown = [name for name in kwargs if name not in _FLAT_INDEX and name not in NO_EFFECT
+                   and name not in REFUSED and name not in TRANSLATED]
+        if unknown:
+            known = known_argument_names()
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, known, n=1)
+                hints.append(f"'{name}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+            raise TypeError(f"GRPOConfig got unexpected keyword argument(s): {', '.join(hints)}; it takes TRL "
+                            "1.16's GRPOConfig / TrainingArguments names and the engine's fields (engine/config.py)")
+        for name, reason in REFUSED.items():
+            if kwargs.get(name):
+                raise NotImplementedError(f"GRPOConfig({name}={kwargs[name]!r}): {reason}")
+        if kwargs.get("use_vllm") is True:
+            del kwargs["use_vllm"]  # what runs anyway: nothing to warn about
+        ignored = {name: (kwargs.pop(name), NO_EFFECT[name]) for name in list(kwargs) if name in NO_EFFECT}
+        for name in REFUSED:
+            kwargs.pop(name, None)
+        _translate_dtype(kwargs, ignored)
+        cap = kwargs.pop("vllm_importance_sampling_cap", None)
+        if cap is not None:
+            kwargs.setdefault("vllm_importance_sampling_clip_max", cap)  # TRL's deprecated name
+        if isinstance(kwargs.get("warmup_steps"), float) and 0 < kwargs["warmup_steps"] < 1:
+            kwargs.setdefault("warmup_ratio", kwargs.pop("warmup_steps"))  # transformers 5: a ratio below 1
+        for name in ("logging_steps", "save_steps", "warmup_steps"):
+            if name in kwargs:
+                kwargs[name] = _whole_steps(name, kwargs[name], kwargs.get("max_steps", -1))
+        if "report_to" in kwargs:
+            kwargs["report_to"] = _report_backends(kwargs["report_to"])
+        if "lr_scheduler_type" in kwargs:
+            kwargs["lr_scheduler_type"] = _scheduler(kwargs["lr_scheduler_type"])
+        for name in ("chat_template_kwargs", "generation_kwargs"):
+            if isinstance(kwargs.get(name), str):  # TRL's command line passes JSON
+                kwargs[name] = json.loads(kwargs[name])
+        if kwargs.get("output_dir") is None:
+            kwargs["output_dir"] = TRL_DEFAULT_OUTPUT_DIR
+        return kwargs, ignored
+
+    # -- access -----------------------------------------------------------------------------------------------------
+
+    def to_engine_config(self) -> EngineConfig:
+        """The engine's config tree (frozen)."""
+        return self._engine
+
+    def to_dict(self) -> dict:
+        """The engine's config tree as plain data."""
+        return config_to_dict(self._engine)
+
+    @property
+    def ignored_arguments(self) -> dict[str, Any]:
+        """TRL arguments given but without effect here, with their values."""
+        return {name: value for name, (value, _) in self._ignored.items()}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in ("bf16", "fp16"):
+            return self._engine.model.dtype == {"bf16": "bfloat16", "fp16": "float16"}[name]
+        if name in self._ignored:
+            return self._ignored[name][0]
+        try:
+            section, leaf = find_field(name)
+        except KeyError:
+            raise AttributeError(f"GRPOConfig has no attribute {name!r}") from None
+        return getattr(getattr(self._engine, section), leaf)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        kwargs = {**self._kwargs, name: value}
+        previous = self._kwargs
+        object.__setattr__(self, "_kwargs", kwargs)
+        try:
+            self._build(warn_names=[name])
+        except Exception:
+            object.__setattr__(self, "_kwargs", previous)
+            raise
+
+    def replace(self, **changes: Any) -> GRPOConfig:
+        """A copy with some arguments changed."""
+        return GRPOConfig(**{**self._kwargs, **changes})
+
+    def __repr__(self) -> str:
+        given = ", ".join(f"{k}={v!r}" for k, v in self._kwargs.items())
+        return f"GRPOConfig({given})"
+
+
+def _translate_dtype(kwargs: dict[str, Any], ignored: dict[str, tuple[Any, str]]) -> None:
+    """bf16 / fp16 / model_init_kwargs["dtype"] -> model.dtype; other model_init_kwargs keys are ignored."""
+    bf16, fp16 = kwargs.pop("bf16", None), kwargs.pop("fp16", None)
+    init = dict(kwargs.pop("model_init_kwargs", None) or {})
+    if isinstance(init, str):
+        init = json.loads(init)
+    chosen = []
+    if bf16 and fp16:
+        raise ValueError("GRPOConfig: bf16=True and fp16=True are exclusive")
+    if bf16:
+        chosen.append(("bf16=True", "bfloat16"))
+    elif fp16:
+        chosen.append(("fp16=True", "float16"))
+    elif bf16 is False and not fp16:
+        chosen.append(("bf16=False", "float32"))
+    for key in ("dtype", "torch_dtype"):
+        if key in init and init[key] not in (None, "auto"):
+            chosen.append((f"model_init_kwargs[{key!r}]", str(init.pop(key)).replace("torch.", "")))
+        init.pop(key, None)
+    if "trust_remote_code" in init:
+        kwargs.setdefault("trust_remote_code", init.pop("trust_remote_code"))
+    for key, value in init.items():
+        ignored[f"model_init_kwargs[{key!r}]"] = (value, "the policy is built by Megatron from the checkpoint")
+    if "dtype" in kwargs:
+        chosen.append(("dtype", kwargs["dtype"]))
+    values = {value for _, value in chosen}
+    if len(values) > 1:
+        raise ValueError(f"GRPOConfig: conflicting precisions: {', '.join(f'{s} -> {v}' for s, v in chosen)}")
+    if values:
+        kwargs["dtype"] = values.pop()
+
+
+def _whole_steps(name: str, value: Any, max_steps: int) -> Any:
+    """An int step count from TRL's int-or-float (a float below 1 is a ratio of max_steps)."""
+    if isinstance(value, bool) or not isinstance(value, float):
+        return value
+    if value.is_integer():
+        return int(value)
+    if 0 < value < 1 and max_steps > 0:
+        return max(1, math.ceil(value * max_steps))
+    raise ValueError(f"GRPOConfig({name}={value}): a fraction of the run needs max_steps > 0 (got {max_steps}); "
+                     "give a whole number of steps")
+
+
+def _report_backends(value: Any) -> list[str]:
+    """report_to as the engine's list (TRL: a str, a list, 'none', 'all'); other backends are refused."""
+    items = [value] if isinstance(value, str) or value is None else list(value)
+    items = [item for item in items if item not in (None, "none")]
+    if "all" in items:
+        items = [item for item in items if item != "all"] + [b for b in _REPORT_BACKENDS if b not in items]
+    unsupported = [item for item in items if item not in _REPORT_BACKENDS]
+    if unsupported:
+        raise ValueError(f"GRPOConfig(report_to={value!r}): {unsupported} not supported; available: "
+                         f"{list(_REPORT_BACKENDS)} (metrics.jsonl is always written)")
+    return items
+
+
+def _scheduler(value: Any) -> str:
+    name = str(getattr(value, "value", value))
+    if name not in _SCHEDULERS:
+        raise ValueError(f"GRPOConfig(lr_scheduler_type={name!r}): available here: {sorted(_SCHEDULERS)}")
+    return _SCHEDULERS[name]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GRPOTrainer
+
+
+class GRPOTrainer:
+    """TRL's `GRPOTrainer` signature over `engine.trainer.train` (full fine-tuning with Megatron, vLLM rollout).
+
+    Args:
+        model: a local Hugging Face checkpoint directory, a `builtin:` name (engine/tiny_model.py), a hub name (the
+            local cache first; downloaded unless HF_HUB_OFFLINE is set), or a `transformers.PreTrainedModel`
+            (saved to `<output_dir>/initial_model` and loaded from there).
+        reward_funcs: a callable, a str (a built-in reward name, `module:function`, or a local reward-model
+            directory), a sequence-classification `PreTrainedModel`, or a list of these. TRL's calling contract.
+        args: `GRPOConfig` (this module's); None = TRL's `GRPOConfig("<model name>-GRPO")`.
+        train_dataset: `datasets.Dataset` with a `prompt` column (text, or a list of messages); every other column
+            reaches the reward functions. Iterable (streaming) datasets are refused.
+        eval_dataset: `datasets.Dataset` scored before and after training (held-out reward), or None.
+        processing_class: the tokenizer (chat template for conversational prompts, `chat_template_kwargs` applied);
+            None = the model's own.
+        reward_processing_classes: tokenizers of reward models (one per reward function, None for callables).
+        callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's;
+            anything but their defaults is refused with a message.
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
+                 environment_factory: Any = None):
+        _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
+                            environment_factory)
+        if args is None:
+            args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO")
+        elif not isinstance(args, GRPOConfig):
+            raise TypeError(f"args must be engine.GRPOConfig, got {type(args).__module__}.{type(args).__name__}; "
+                            "change `from trl import GRPOConfig` to `from engine import GRPOConfig`")
+        self.args = args
+        cfg = args.to_engine_config()
+        self.output_dir = Path(cfg.train.output_dir)
+        self.processing_class = _check_tokenizer(processing_class)
+        self.train_dataset = _check_dataset(train_dataset, "train_dataset")
+        self.eval_dataset = _check_dataset(eval_dataset, "eval_dataset")
+        if self.train_dataset is None and "dataset_name" not in args.explicit_names:
+            raise ValueError("GRPOTrainer needs a train_dataset: a datasets.Dataset with a 'prompt' column (or set "
+                             "GRPOConfig(dataset_name=...) to a local file, a hub name or builtin:arithmetic)")
+        model_path = resolve_model(model, self.output_dir, processing_class, cfg.model.trust_remote_code)
+        self.reward_funcs = resolve_reward_funcs(reward_funcs, reward_processing_classes, self.output_dir, cfg)
+        self.reward_func_names = _reward_names(self.reward_funcs)
+        data = {}
+        if self.train_dataset is not None:
+            data["dataset_name"] = "<GRPOTrainer train_dataset>"
+            if self.eval_dataset is None:
+                data["dataset_test_split"] = None
+        reward = {"reward_funcs": [_reward_spec(f) for f in self.reward_funcs]}
+        self._cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, name_or_path=str(model_path)),
+            data=dataclasses.replace(cfg.data, **data), reward=dataclasses.replace(cfg.reward, **reward))
+        self._check_layout()
+        self.model_path = Path(model_path)
+        self.state = _TrainerState(global_step=0, max_steps=cfg.train.max_steps, log_history=[])
+        self._trained = False
+
+    def _check_layout(self) -> None:
+        """Batch geometry and objective checks before anything starts (the world size torchrun gives, else 1)."""
+        from engine.validation import validate
+
+        validate(self._cfg, int(os.environ.get("WORLD_SIZE", "1")))
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The config the engine runs (args' tree with the model, data and reward inputs filled in)."""
+        return self._cfg
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: Any = None):
+        """Run GRPO; returns `transformers.trainer_utils.TrainOutput(global_step, training_loss, metrics)`.
+
+        Args:
+            resume_from_checkpoint: a checkpoint directory, or True for the newest under output_dir.
+            trial, ignore_keys_for_eval: TRL's; must be None.
+        """
+        from transformers.trainer_utils import TrainOutput
+
+        from engine.trainer import train
+
+        if trial is not None:
+            raise NotImplementedError("hyperparameter search trials are not supported")
+        if self._trained:
+            raise RuntimeError("train() already ran: the engine's process group and policy are torn down at the end "
+                               "of a run; build a new GRPOTrainer (e.g. with model=<output_dir>/final_model)")
+        cfg = self._cfg
+        if resume_from_checkpoint:
+            where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from_checkpoint=where))
+        start, num_old_records = time.perf_counter(), len(_read_history(self.output_dir))
+        summary = train(cfg, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                        reward_funcs=self.reward_funcs, tokenizer=self.processing_class,
+                        export_dir=self.output_dir / FINAL_MODEL_DIR)
+        runtime = time.perf_counter() - start
+        self._trained = True
+        history = _read_history(self.output_dir)[num_old_records:]  # metrics.jsonl appends across runs
+        self.state = _TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
+        training_loss = _mean_loss(history)
+        metrics = {"train_runtime": runtime, "train_steps_per_second": summary["steps"] / runtime,
+                   "train_loss": training_loss}
+        for key in ("eval_reward_before", "eval_reward_after"):
+            if summary.get(key) is not None:
+                metrics[key] = summary[key]
+        return TrainOutput(summary["steps"], training_loss, metrics)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the policy as a Hugging Face checkpoint (safetensors, config, tokenizer) to `output_dir`
+        (default: args.output_dir): the trained policy after `train()`, the initial model before it."""
+        target = Path(output_dir) if output_dir is not None else self.output_dir
+        source = self.output_dir / FINAL_MODEL_DIR if self._trained else self.model_path
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        if source.resolve() != target.resolve():
+            target.mkdir(parents=True, exist_ok=True)
+            for item in source.iterdir():
+                if item.is_file():
+                    _link_or_copy(item, target / item.name)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(target)
+
+
+@dataclasses.dataclass
+class _TrainerState:
+    """The parts of transformers' TrainerState that scripts read after training."""
+
+    global_step: int
+    max_steps: int
+    log_history: list[dict]
+
+
+def _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
+                        environment_factory) -> None:
+    """NotImplementedError for TRL features this engine does not have."""
+    if peft_config is not None or type(model).__name__.startswith("Peft"):
+        raise NotImplementedError("peft_config / PEFT models are not supported: this engine does full fine-tuning "
+                                  "with Megatron (tensor / pipeline / data parallel); drop peft_config")
+    if optimizers is not None and tuple(optimizers) != (None, None):
+        raise NotImplementedError("custom optimizers / schedulers are not supported: the optimizer is Megatron's "
+                                  "distributed optimizer, set through GRPOConfig (optim, learning_rate, "
+                                  "weight_decay, adam_*, lr_scheduler_type, warmup_*)")
+    if callbacks:
+        raise NotImplementedError("callbacks are not supported (the loop has no hooks); metrics go to "
+                                  "output_dir/metrics.jsonl and to report_to")
+    if quantization_config is not None:
+        raise NotImplementedError("quantization_config is not supported: the policy trains in model.dtype")
+    for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
+        if value:
+            raise NotImplementedError(f"{name} is not supported: single-turn generation only")
+
+
+def _model_name(model: Any) -> str:
+    """TRL's default run name: the model id's last path component (':' of builtin names replaced)."""
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+    return str(name).rstrip("/").split("/")[-1].replace(":", "-")
+
+
+def _check_tokenizer(processing_class: Any) -> Any:
+    if processing_class is None:
+        return None
+    from transformers import PreTrainedTokenizerBase
+
+    if not isinstance(processing_class, PreTrainedTokenizerBase):
+        raise NotImplementedError(f"processing_class must be a tokenizer (PreTrainedTokenizerBase), got "
+                                  f"{type(processing_class).__name__}: multimodal processors are not supported")
+    return processing_class
+
+
+def _check_dataset(dataset: Any, name: str) -> Any:
+    """A `datasets.Dataset` or None; iterable, dict and other inputs refused with what to do."""
+    if dataset is None:
+        return None
+    import datasets
+
+    if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise NotImplementedError(
+            f"{name}: iterable (streaming) datasets are not supported: every prompt is tokenized and length-checked "
+            "before the first step. Materialise it, e.g. datasets.Dataset.from_list(list(ds.take(n)))")
+    if isinstance(dataset, (datasets.DatasetDict, dict)):
+        raise TypeError(f"{name}: pass one datasets.Dataset (e.g. dataset['{'train' if 'train' in name else 'test'}']"
+                        f"), not a {type(dataset).__name__} of splits {list(dataset)}")
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__} (a list of rows: "
+                        "datasets.Dataset.from_list(rows))")
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"{name} has no 'prompt' column (columns: {dataset.column_names}); rename the text "
+                         "column, e.g. dataset.rename_column('question', 'prompt')")
+    return dataset
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model
+
+
+def resolve_model(model: Any, output_dir: Path, processing_class: Any = None, trust_remote_code: bool = False) -> str:
+    """A `name_or_path` the engine loads: builtin names and local directories as given, hub names as their local
+    snapshot, `PreTrainedModel` objects saved under `<output_dir>/initial_model`.
+
+    Raises:
+        ValueError: a hub model that is not cached and cannot be downloaded (offline), with what to do.
+        TypeError: anything else.
+    """
+    if isinstance(model, os.PathLike):
+        model = str(model)
+    if isinstance(model, str):
+        if model.startswith("builtin:") or Path(model).expanduser().is_dir():
+            return str(Path(model).expanduser()) if not model.startswith("builtin:") else model
+        if model.startswith((".", "/", "~")) or model.count("/") > 1:
+            raise ValueError(f"model={model!r}: no such local directory")
+        return resolve_hub_model(model, trust_remote_code)
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        target = output_dir / INITIAL_MODEL_DIR
+
+        def write(staging: Path) -> None:
+            from transformers import AutoTokenizer
+
+            model.save_pretrained(staging, safe_serialization=True)
+            tokenizer = processing_class
+            if tokenizer is None:
+                source = getattr(model.config, "_name_or_path", "")
+                if not source:
+                    raise ValueError("model is a PreTrainedModel without a name_or_path: pass processing_class")
+                tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer.save_pretrained(staging)
+
+        write_once(target, write)
+        return str(target)
+    raise TypeError(f"model must be a path, a hub name, a builtin: name or a transformers PreTrainedModel, got "
+                    f"{type(model).__name__}")
+
+
+def resolve_hub_model(name: str, trust_remote_code: bool = False) -> str:
+    """The local snapshot directory of a hub model: from the cache, else downloaded (unless HF_HUB_OFFLINE)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = HUB_ALLOW_PATTERNS + (["*.py"] if trust_remote_code else [])
+    try:
+        return snapshot_download(name, allow_patterns=patterns, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (or not a valid id): try the hub below, or explain
+        pass
+    offline = any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on") for k in ("HF_HUB_OFFLINE",
+                                                                                          "TRANSFORMERS_OFFLINE"))
+    advice = ("download it where there is a network (`huggingface-cli download NAME --local-dir DIR`) and pass "
+              "the directory as model")
+    if offline:
+        raise ValueError(f"model={name!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set: {advice}")
+    try:
+        return snapshot_download(name, allow_patterns=patterns)
+    except Exception as exc:  # noqa: BLE001 - every hub failure gets the same advice
+        raise ValueError(f"model={name!r}: not a local directory, and the hub download failed "
+                         f"({type(exc).__name__}: {exc}); {advice}") from exc
+
+
+def write_once(target: Path, write) -> None:
+    """Rank 0 calls `write(staging_dir)` and renames it to `target`; other ranks (torchrun) wait for `target`."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        write(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+        return
+    deadline = time.monotonic() + 1800
+    while not (target / "config.json").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not write {target} within 30 minutes")
+        time.sleep(1.0)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reward functions
+
+
+def resolve_reward_funcs(reward_funcs: Any, processing_classes: Any, output_dir: Path, cfg: EngineConfig) -> list:
+    """TRL's `reward_funcs` (+ `reward_processing_classes`) as a list the engine's `RewardFunctions` takes:
+    callables as given, strings resolved now (so a bad name fails before training), reward-model objects saved
+    under `<output_dir>/reward_models/<i>` and loaded from there."""
+    import torch
+
+    from engine.rewards import RewardModelReward, resolve_reward_func
+
+    if reward_funcs is None:
+        raise ValueError("GRPOTrainer needs reward_funcs: a callable, a reward-model path, or a list of them")
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
+    if processing_classes is None:
+        processing_classes = [None] * len(funcs)
+    elif not isinstance(processing_classes, (list, tuple)):
+        processing_classes = [processing_classes]
+    if len(processing_classes) != len(funcs):
+        raise ValueError(f"{len(processing_classes)} reward_processing_classes for {len(funcs)} reward_funcs; "
+                         "they must match one to one (None for plain functions)")
+    weights = cfg.reward.reward_weights
+    if weights is not None and len(weights) != len(funcs):
+        raise ValueError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
+                         f"({len(funcs)})")
+    resolved = []
+    for i, (func, tokenizer) in enumerate(zip(funcs, processing_classes)):
+        if isinstance(func, torch.nn.Module):
+            func = _save_reward_model(func, tokenizer, output_dir / "reward_models" / str(i))
+        if isinstance(func, (str, os.PathLike)):
+            func = resolve_reward_func(str(func), cfg.generation)
+        if not callable(func):
+            raise TypeError(f"reward_funcs[{i}] is a {type(func).__name__}: expected a callable, a str or a model")
+        if isinstance(func, RewardModelReward) and tokenizer is not None:
+            func.tokenizer = tokenizer
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            func.model.config.pad_token_id = tokenizer.pad_token_id
+        resolved.append(func)
+    return resolved
+
+
+def _save_reward_model(model: Any, tokenizer: Any, target: Path) -> str:
+    """A sequence-classification model object -> a local directory with its tokenizer."""
+    from transformers import AutoTokenizer
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, safe_serialization=True)
+        tok = tokenizer
+        if tok is None:
+            source = getattr(model.config, "_name_or_path", "")
+            if not source:
+                raise ValueError("a reward model object without a name_or_path needs its reward_processing_class")
+            tok = AutoTokenizer.from_pretrained(source)
+        tok.save_pretrained(staging)
+
+    write_once(target, write)
+    return str(target)
+
+
+def _reward_names(funcs: list) -> list[str]:
+    from engine.rewards import _unique_names, get_callable_name
+
+    return _unique_names([get_callable_name(f) for f in funcs])
+
+
+def _reward_spec(func: Any) -> str:
+    """How a reward function is recorded in the resolved config: `module:qualname` for functions."""
+    from engine.rewards import RewardModelReward, get_callable_name
+
+    if isinstance(func, RewardModelReward):
+        return func.__name__
+    module = getattr(func, "__module__", None) or type(func).__module__
+    return f"{module}:{get_callable_name(func)}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# results
+
+
+def _read_history(output_dir: Path) -> list[dict]:
+    """The records of metrics.jsonl (empty where this rank cannot see it)."""
+    from engine.metrics import METRICS_FILE, read_metrics
+
+    path = output_dir / METRICS_FILE
+    return read_metrics(path) if path.is_file() else []
+
+
+def _mean_loss(history: list[dict]) -> float:
+    """TRL's training_loss: the mean loss over the run's optimizer steps (each record weighs the steps it covers)."""
+    total, steps, previous = 0.0, 0, 0
+    for record in history:
+        step, loss = record.get("step"), record.get("loss")
+        if step is None or loss is None:
+            continue
+        covered = max(int(step) - previous, 1)
+        total, steps, previous = total + float(loss) * covered, steps + covered, int(step)
+    return total / steps if steps else float("nan")
