@@ -1,0 +1,142 @@
+"""Megatron distributed checkpoints across layouts, on gloo (engine/checkpoint.py).
+
+A run takes one optimizer step at a source layout, saves, and takes a second step (the reference trajectory). A
+run at a target layout loads the checkpoint and takes the same second step. The loaded parameters must equal the
+saved ones and the second step must land on the reference parameters bit for bit: that holds only if the Adam
+moments, the optimizer step count and the LR schedule (linear warmup: the second step's learning rate depends on
+it) were restored, at another TP x PP too. Gradients are fixed global tensors (the same at every layout) and small
+enough that clipping never engages, so every update is elementwise and layout-independent.
+"""
+
+import zlib
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_distributed
+
+MODEL = "builtin:tiny-qwen2-arith"  # vocab 400: padded to 512 at TP 1 and TP 2 alike
+
+
+def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str):
+    from transformers import AutoConfig
+
+    from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from engine.hf_checkpoint import load_hf_checkpoint
+    from engine.hf_convert import ModelDims
+    from engine.model import build_policy, policy_shape
+    from engine.optimizer import build_optimizer
+    from engine.parallel import init_parallel
+    from engine.tiny_model import resolve_builtin_model
+
+    ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
+    model_dir = resolve_builtin_model(MODEL, cache_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_cfg = ModelConfig(dtype="float32")
+    padded = policy_shape(hf_config, model_cfg, tp).padded_vocab_size
+    dims = ModelDims.from_hf(hf_config, padded)
+    chunks = build_policy(hf_config, model_cfg, ps)
+    load_hf_checkpoint(chunks, ps, model_dir, dims)
+    opt_cfg = OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=3,
+                              use_distributed_optimizer=use_distributed_optimizer)
+    popt = build_optimizer(opt_cfg, chunks, ps, total_steps=10)
+    identity = {"model_type": hf_config.model_type, "padded_vocab_size": padded}
+    return ps, dims, chunks, popt, identity
+
+
+@torch.no_grad()
+def _step_with_fixed_grads(chunks, popt, ps, seed: int) -> None:
+    """One optimizer step whose gradient is a fixed function of (seed, global parameter name)."""
+    from engine.model import global_param_names, take_tp_shard
+
+    popt.zero_grad()
+    for chunk in chunks:
+        for name, global_name in global_param_names(chunk).items():
+            param = chunk.get_parameter(name)
+            shape = list(param.shape)
+            if getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= ps.tp_size
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
+            full = 1e-4 * torch.randn(shape, generator=gen)  # global norm << max_grad_norm: never clipped
+            param.main_grad.copy_(take_tp_shard(full, param, ps.tp_rank, ps.tp_size))
+    popt.step()
+
+
+def _global_params(chunks, ps, dims) -> dict:
+    """HF name -> full tensor of this rank's stage (every TP rank gathers; DP rank 0, TP rank 0 reports)."""
+    from engine.hf_checkpoint import iter_hf_tensors
+
+    tensors = {name: t.clone() for chunk in chunks for name, t in iter_hf_tensors(chunk, ps, dims)}
+    return tensors if ps.tp_rank == 0 and ps.dp_rank == 0 else {}
+
+
+def _save_then_step(tp, pp, dist_opt, cache_dir, run_dir) -> dict:
+    from engine.checkpoint import Progress, save_checkpoint
+
+    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir)
+    _step_with_fixed_grads(chunks, popt, ps, seed=1)
+    saved = _global_params(chunks, ps, dims)
+    save_checkpoint(run_dir, Progress(step=1, rounds_done=1), popt, ps, model=identity)
+    draw = torch.rand(4)  # the generator state right after the save: restored at the same layout
+    _step_with_fixed_grads(chunks, popt, ps, seed=2)
+    return {"saved": saved, "next": _global_params(chunks, ps, dims), "lr": popt.optimizer.param_groups[0]["lr"],
+            "draw": draw}
+
+
+def _load_then_step(tp, pp, dist_opt, cache_dir, run_dir) -> dict:
+    from engine.checkpoint import find_latest_checkpoint, load_checkpoint
+
+    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir)
+    torch.manual_seed(12345)  # a different stream: the restore must replace it
+    progress = load_checkpoint(find_latest_checkpoint(run_dir), popt, ps, model=identity)
+    loaded = _global_params(chunks, ps, dims)
+    draw = torch.rand(4)
+    _step_with_fixed_grads(chunks, popt, ps, seed=2)
+    return {"loaded": loaded, "next": _global_params(chunks, ps, dims), "lr": popt.optimizer.param_groups[0]["lr"],
+            "draw": draw, "progress": progress}
+
+
+def _merge(results: list[dict], key: str) -> dict:
+    merged = {}
+    for r in results:
+        merged |= r[key]
+    return merged
+
+
+def _assert_equal(actual: dict, expected: dict, what: str) -> None:
+    assert sorted(actual) == sorted(expected), what
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), f"{what}: {name} differs (max {(actual[name] - tensor).abs().max()})"
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+    """Source checkpoints: TP1 x PP1 (one process, Megatron's FP32 optimizer) and TP1 x DP2 with the distributed
+    optimizer (its state sharded over the two DP ranks)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for name, (world, dist_opt) in {"tp1_pp1": (1, False), "dp2_distopt": (2, True)}.items():
+        run_dir = root / name
+        results = run_distributed(_save_then_step, world, 1, 1, dist_opt, str(root / "models"), str(run_dir))
+        out[name] = (run_dir, results, str(root / "models"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "source,tp,pp,dist_opt",
+    [("tp1_pp1", 1, 1, False), ("tp1_pp1", 2, 1, False), ("tp1_pp1", 1, 2, False), ("dp2_distopt", 2, 1, True),
+     ("dp2_distopt", 1, 1, False)],
+    ids=["tp1_pp1-to-tp1_pp1", "tp1_pp1-to-tp2_pp1", "tp1_pp1-to-tp1_pp2", "dp2_distopt-to-tp2_distopt",
+         "dp2_distopt-to-tp1_plainopt"],
+)
+def test_checkpoint_loads_at_another_layout_and_continues_the_same_trajectory(saved_runs, source, tp, pp, dist_opt):
+    run_dir, saved, cache_dir = saved_runs[source]
+    loaded = run_distributed(_load_then_step, tp * pp, tp, pp, dist_opt, cache_dir, str(run_dir))
+    _assert_equal(_merge(loaded, "loaded"), _merge(saved, "saved"), "parameters after loading")
+    _assert_equal(_merge(loaded, "next"), _merge(saved, "next"), "parameters after the next optimizer step")
+    assert loaded[0]["lr"] == saved[0]["lr"], "the LR schedule must continue where it stopped"
+    assert loaded[0]["progress"].step == 1 and loaded[0]["progress"].rounds_done == 1
+    same_layout = len(loaded) == len(saved) and tp == 1 and pp == 1
+    if same_layout:
+        assert torch.equal(loaded[0]["draw"], saved[0]["draw"]), "the torch generator must be restored"
