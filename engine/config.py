@@ -252,6 +252,9 @@ class DataConfig:
     max_prompt_length: int | None = None
     """Tokens; None = no limit. Longer prompts are handled by `overlong_prompt_policy`, never silently cut."""
     overlong_prompt_policy: Literal["error", "drop"] = "error"
+    dynamic_prompts_fn: str | None = None
+    """Engine-only curriculum hook, a `module:function` import path: `f(prompts, completions, rewards, metas) ->`
+    the next generation round's P prompts (engine/dynamic_prompts.py), used instead of the dataset's next rows."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

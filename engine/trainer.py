@@ -67,6 +67,10 @@ class Run:
     total_steps: int
     group_filter: object = None
     """GFPO's `group_filter_func` (resolved from `grpo.group_filter_func`), or None."""
+    dynamic_prompts: object = None
+    """The `data.dynamic_prompts_fn` hook, or None."""
+    pending_prompts: object = None
+    """The PromptBatch the hook chose for the next round (None = the dataset's next rows)."""
 
 
 def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
@@ -183,9 +187,10 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
                                implementation=cfg.kernels.loss_implementation, workspace_mb=cfg.kernels.loss_workspace_mb)
     group_filter = import_callable(cfg.grpo.group_filter_func, "grpo.group_filter_func") if cfg.grpo.group_filter_func else None
+    dynamic_prompts = import_callable(cfg.data.dynamic_prompts_fn, "data.dynamic_prompts_fn") if cfg.data.dynamic_prompts_fn else None
     return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
                eval_prompts, rewards, logger, loss_config, settings, total_steps,
-               group_filter)
+               group_filter, dynamic_prompts)
 
 
 def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:
@@ -290,10 +295,11 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
     parts, informative, seconds = [], [], {"time/rollout_s": 0.0, "time/reward_s": 0.0}
     for _ in range(gr.dynamic_sampling_max_rounds if gr.use_dynamic_sampling else 1):
         start = time.perf_counter()
-        picked = run.train_prompts.select(next(rounds))
+        picked = run.pending_prompts or run.train_prompts.select(next(rounds))
         rollout = generate_everywhere(run, picked.prompt_ids, g)
         middle = time.perf_counter()
         rewards, completions = score(run, picked, rollout, step)
+        run.pending_prompts = next_dynamic_prompts(run, picked, completions, rewards)
         seconds["time/rollout_s"] += middle - start
         seconds["time/reward_s"] += time.perf_counter() - middle
         parts.append(Scored(picked, rollout, rewards, completions, g))
@@ -307,13 +313,38 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
     per_row = lambda get: assemble_rounds([get(p) for p in parts], selection, g)  # noqa: E731
     picked = PromptBatch(per_prompt(lambda p: p.picked.indices), per_prompt(lambda p: p.picked.prompts),
                          per_prompt(lambda p: p.picked.prompt_ids),
-                         {k: per_prompt(lambda p, k=k: p.picked.columns[k]) for k in parts[0].picked.columns})
+                         {k: per_prompt(lambda p, k=k: p.picked.columns.get(k, [None] * len(p.picked.prompts)))
+                          for k in dict.fromkeys(k for p in parts for k in p.picked.columns)})  # hook rows may lack columns
     rollout = Rollout(*(per_row(lambda p, f=f: getattr(p.rollout, f)) for f in
                         ("prompt_ids", "completion_ids", "sampling_logprobs", "is_truncated")))
     completions = per_row(lambda p: p.completions) if run.ps.rank == 0 else []
     stats = seconds | {"dynamic_sampling/rounds": len(parts),
                        "dynamic_sampling/informative_fraction": selection.num_informative / num_prompts}
     return Scored(picked, rollout, per_row(lambda p: p.rewards), completions, g, stats)
+
+
+def next_dynamic_prompts(run: Run, picked: PromptBatch, completions: list, rewards: torch.Tensor) -> PromptBatch | None:
+    """The user's `data.dynamic_prompts_fn` (rank 0) picks the next round's P prompts from this round's results;
+    the rows are broadcast and tokenized on every rank like the dataset's (same checks). None without the hook."""
+    if run.dynamic_prompts is None:
+        return None
+    import datasets
+
+    from engine.data import prepare_prompts
+    from engine.dynamic_prompts import call_dynamic_prompts_fn
+
+    g, num_prompts = run.cfg.grpo.num_generations, run.derived.num_prompts_per_generation
+    rows = [None]
+    if run.ps.rank == 0:
+        aggregated = aggregate_rewards(rewards, run.rewards.weights).view(-1, g)  # (P, G)
+        metas = [{k: v[i] for k, v in picked.columns.items()} for i in range(len(picked.prompts))]
+        grouped = [completions[i * g : (i + 1) * g] for i in range(len(picked.prompts))]
+        rows = [call_dynamic_prompts_fn(run.dynamic_prompts, picked.prompts, grouped, aggregated, metas, num_prompts)]
+    dist.broadcast_object_list(rows, src=0)
+    data = run.cfg.data
+    prepared = prepare_prompts(datasets.Dataset.from_list(rows[0]), run.tokenizer, max_prompt_length=data.max_prompt_length,
+                               overlong_prompt_policy="error", chat_template_kwargs=run.cfg.generation.chat_template_kwargs)
+    return prepared.select(range(len(prepared)))
 
 
 def keep_best_in_groups(run: Run, scored: Scored) -> Scored:

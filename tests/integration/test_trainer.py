@@ -55,6 +55,18 @@ def shortest_completions(group_completions, group_rewards, **kwargs):
     return [[-len(c) for c in group] for group in group_completions]
 
 
+def hardest_first(prompts, completions, rewards, metas):
+    """Curriculum hook: the next round retries this round's prompts, lowest mean reward first (logged to
+    PROMPTS_LOG so the test can check the next round used them)."""
+    import os
+
+    order = rewards.nanmean(dim=1).argsort().tolist()
+    chosen = [prompts[i] for i in order]
+    with open(os.environ["PROMPTS_LOG"], "a") as log:
+        log.write(json.dumps({"given": list(prompts), "returned": chosen}) + "\n")
+    return chosen
+
+
 def _train_dynamic_gfpo(output_dir: str) -> dict:
     import os
 
@@ -62,21 +74,23 @@ def _train_dynamic_gfpo(output_dir: str) -> dict:
     from engine.trainer import train
 
     os.environ["GFPO_LOG"] = f"{output_dir}/gfpo_calls.jsonl"
+    os.environ["PROMPTS_LOG"] = f"{output_dir}/prompt_calls.jsonl"
     cfg = load_config("configs/tiny_cpu.yaml", [
         "train.max_steps=2", f"train.output_dir={output_dir}", "generation.max_completion_length=12",
         "train.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.num_remains_in_group=2",
         "grpo.group_filter_func=tests.integration.test_trainer:shortest_completions",
         "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_rounds=3",
         "reward.reward_funcs=[tests.integration.test_trainer:digit_fraction]", "logging.log_completions=true",
-        "data.dataset_test_split=null",
+        "data.dataset_test_split=null", "data.dynamic_prompts_fn=tests.integration.test_trainer:hardest_first",
     ])
     return train(cfg)
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_gfpo_and_completions_table(tmp_path):
-    """DAPO dynamic sampling + GFPO in the loop: each batch holds P = 8 / k = 4 prompts' k = 2 shortest completions
-    (the filter's choice), the completions table gets one row per trained completion with its advantage."""
+def test_dynamic_sampling_gfpo_dynamic_prompts_and_completions_table(tmp_path):
+    """DAPO dynamic sampling + GFPO + the dynamic-prompts hook in the loop: each batch holds P = 8 / k = 4 prompts'
+    k = 2 shortest completions (the filter's choice); every generation round after the first samples the prompts
+    the hook returned; the completions table gets one row per trained completion with its advantage."""
     import pandas as pd
 
     run_distributed(_train_dynamic_gfpo, 1, str(tmp_path))
@@ -87,12 +101,16 @@ def test_dynamic_sampling_gfpo_and_completions_table(tmp_path):
         assert 0.0 <= record["dynamic_sampling/informative_fraction"] <= 1.0
     groups_seen = [g for line in (tmp_path / "gfpo_calls.jsonl").read_text().splitlines() for g in json.loads(line)]
     assert all(len(g) == 4 for g in groups_seen) and len(groups_seen) == 2 * 4, "one filter call per step, P=4 groups of G=4"
+    calls = [json.loads(line) for line in (tmp_path / "prompt_calls.jsonl").read_text().splitlines()]
+    assert len(calls) == sum(r["dynamic_sampling/rounds"] for r in records)
+    for before, after in zip(calls, calls[1:]):
+        assert after["given"] == before["returned"], "a round must sample the prompts the hook chose"
     tables = sorted((tmp_path / "completions").glob("*.parquet"))
     rows = pd.concat([pd.read_parquet(t) for t in tables])
     assert len(rows) == 2 * 8, "8 trained completions (4 prompts x k=2) per step"
     assert rows["advantage"].notna().all()
     kept = rows["completion"].tolist()
-    for i in range(0, len(kept), 2):
-        pair = kept[i : i + 2]
-        group = next(g for g in groups_seen if all(c in g for c in pair))
+    for i, group in enumerate(groups_seen):  # the filter's groups and the table's rows come in the same order
+        pair = kept[2 * i : 2 * i + 2]
+        assert all(c in group for c in pair)
         assert sorted(map(len, pair)) == sorted(map(len, group))[:2], "GFPO must keep the 2 shortest of the group"
