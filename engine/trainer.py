@@ -37,7 +37,8 @@ from engine.dynamic_sampling import assemble_rounds, find_informative_groups, is
 from engine.group_filter import filter_groups
 from engine.grpo_metrics import compute_completion_metrics, compute_loss_metrics, compute_reward_metrics, compute_sampling_metrics
 from engine.parallel import ParallelState, destroy_parallel, init_parallel
-from engine.policy_loss import LossNormalizer, PolicyLossConfig, compute_vllm_importance_sampling_ratio
+from engine.policy_loss import (LossNormalizer, PolicyLossConfig, compute_vllm_importance_sampling_ratio,
+                                 entropy_coef_to_apply, update_entropy_coef)
 from engine.rollout import Rollout
 from engine.step import LogprobSettings, forward_logprobs, grpo_forward_backward
 from engine.validation import Derived, validate
@@ -71,6 +72,39 @@ class Run:
     """The `data.dynamic_prompts_fn` hook, or None."""
     pending_prompts: object = None
     """The PromptBatch the hook chose for the next round (None = the dataset's next rows)."""
+    entropy: AdaptiveEntropy = field(default_factory=lambda: AdaptiveEntropy(0.0, enabled=False))
+
+
+@dataclass
+class AdaptiveEntropy:
+    """The adaptive entropy-bonus controller's state (Skywork-OR1; TRL's `use_adaptive_entropy`, anchors/trl.md
+    §3.8): the coefficient and the previous optimizer step's world entropy. The maths is engine/policy_loss.py's."""
+
+    coef: float
+    last_entropy: float = math.inf
+    """Token-mean entropy of the previous optimizer step over all ranks (inf before the first, as TRL)."""
+    enabled: bool = True
+
+    def coef_to_apply(self, gr) -> float | None:
+        """This step's coefficient (None = the loss config's fixed entropy_coef)."""
+        return entropy_coef_to_apply(self.coef, self.last_entropy, gr.entropy_target) if self.enabled else None
+
+    def update(self, gr, ps: ParallelState, outputs: list) -> dict[str, float]:
+        """After an optimizer step: the world entropy of its micro-batches (summed over the last stage's DP ranks;
+        collective), then the controller's step. Returns {"entropy_coef": the new coefficient} (TRL logs it so:
+        0.01 + 0.005 * global_step while the entropy stays below the target)."""
+        if not self.enabled:
+            return {}
+        window = torch.zeros(2, dtype=torch.float64)  # [sum H m_eff, sum m_eff]
+        if ps.is_last_stage and ps.tp_rank == 0:
+            for out in outputs:
+                window += out.entropy_window.double().cpu()
+        dist.all_reduce(window)
+        self.last_entropy = float(window[0] / window[1].clamp(min=1.0))
+        self.coef = update_entropy_coef(self.coef, self.last_entropy, entropy_target=gr.entropy_target,
+                                        entropy_coef_delta=gr.entropy_coef_delta, entropy_coef_min=gr.entropy_coef_min,
+                                        entropy_coef_max=gr.entropy_coef_max)
+        return {"entropy_coef": self.coef}
 
 
 def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
@@ -109,8 +143,10 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
         for _ in range(cfg.grpo.num_iterations):
             for micro, normalizer in steps:
                 run.popt.zero_grad()
-                outputs.append(grpo_forward_backward(run.popt.model, ps, micro, run.loss_config, normalizer, run.settings))
-                stats = run.popt.step()
+                out = grpo_forward_backward(run.popt.model, ps, micro, run.loss_config, normalizer, run.settings,
+                                            entropy_coef=run.entropy.coef_to_apply(cfg.grpo))
+                outputs.append(out)
+                stats = run.popt.step() | run.entropy.update(cfg.grpo, ps, out)
                 step += 1
         t_train = time.perf_counter()
         # 4. weight sync into every engine, verified on a probe of this round
@@ -190,7 +226,7 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     dynamic_prompts = import_callable(cfg.data.dynamic_prompts_fn, "data.dynamic_prompts_fn") if cfg.data.dynamic_prompts_fn else None
     return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
                eval_prompts, rewards, logger, loss_config, settings, total_steps,
-               group_filter, dynamic_prompts)
+               group_filter, dynamic_prompts, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))
 
 
 def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:

@@ -82,13 +82,14 @@ def _train_dynamic_gfpo(output_dir: str) -> dict:
         "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_rounds=3",
         "reward.reward_funcs=[tests.integration.test_trainer:digit_fraction]", "logging.log_completions=true",
         "data.dataset_test_split=null", "data.dynamic_prompts_fn=tests.integration.test_trainer:hardest_first",
+        "grpo.use_adaptive_entropy=true", "grpo.entropy_coef=0.01", "grpo.entropy_target=100.0",
     ])
     return train(cfg)
 
 
 @pytest.mark.slow
 def test_dynamic_sampling_gfpo_dynamic_prompts_and_completions_table(tmp_path):
-    """DAPO dynamic sampling + GFPO + the dynamic-prompts hook in the loop: each batch holds P = 8 / k = 4 prompts'
+    """DAPO dynamic sampling + GFPO + the dynamic-prompts hook + adaptive entropy in the loop: each batch holds P = 8 / k = 4 prompts'
     k = 2 shortest completions (the filter's choice); every generation round after the first samples the prompts
     the hook returned; the completions table gets one row per trained completion with its advantage."""
     import pandas as pd
@@ -99,6 +100,8 @@ def test_dynamic_sampling_gfpo_dynamic_prompts_and_completions_table(tmp_path):
     for record in records:
         assert 1 <= record["dynamic_sampling/rounds"] <= 3
         assert 0.0 <= record["dynamic_sampling/informative_fraction"] <= 1.0
+        # adaptive entropy below its target: +delta per optimizer step (TRL's test_train_with_adaptive_entropy)
+        assert record["entropy_coef"] == pytest.approx(0.01 + 0.005 * record["step"])
     groups_seen = [g for line in (tmp_path / "gfpo_calls.jsonl").read_text().splitlines() for g in json.loads(line)]
     assert all(len(g) == 4 for g in groups_seen) and len(groups_seen) == 2 * 4, "one filter call per step, P=4 groups of G=4"
     calls = [json.loads(line) for line in (tmp_path / "prompt_calls.jsonl").read_text().splitlines()]
