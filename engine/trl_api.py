@@ -156,7 +156,7 @@ class GRPOConfig:
         if noted:
             by_reason: dict[str, list[str]] = {}
             for name in noted:
-                by_reason.setdefault(ignored[name][1], []).append(f"{name}={ignored[name][0]!r}")
+                by_reason.setdefault(ignored[name][1], []).append(f"{name}={_shown(name, ignored[name][0])}")
             lines = "; ".join(f"{', '.join(args)} ({reason})" for reason, args in by_reason.items())
             warnings.warn(f"GRPOConfig: TRL arguments with no effect in this engine, ignored: {lines}", UserWarning,
                           stacklevel=3)
@@ -200,6 +200,10 @@ class GRPOConfig:
         for name in ("chat_template_kwargs", "generation_kwargs"):
             if isinstance(kwargs.get(name), str):  # TRL's command line passes JSON
                 kwargs[name] = json.loads(kwargs[name])
+        if "optim" in kwargs:
+            kwargs["optim"] = _optimizer(kwargs["optim"])
+        if kwargs.get("pad_to_multiple_of") == "auto":
+            kwargs["pad_to_multiple_of"] = None  # TRL 1.16: "auto" pads only on AWS Neuron
         if kwargs.get("output_dir") is None:
             kwargs["output_dir"] = TRL_DEFAULT_OUTPUT_DIR
         return kwargs, ignored
@@ -247,8 +251,13 @@ class GRPOConfig:
         return GRPOConfig(**{**self._kwargs, **changes})
 
     def __repr__(self) -> str:
-        given = ", ".join(f"{k}={v!r}" for k, v in self._kwargs.items())
+        given = ", ".join(f"{k}={_shown(k, v)}" for k, v in self._kwargs.items())
         return f"GRPOConfig({given})"
+
+
+def _shown(name: str, value: Any) -> str:
+    """repr(value) for messages; secrets (hub_token) are never printed."""
+    return "'<redacted>'" if "token" in name and isinstance(value, str) else repr(value)
 
 
 def _translate_dtype(kwargs: dict[str, Any], ignored: dict[str, tuple[Any, str]]) -> None:
@@ -306,6 +315,17 @@ def _report_backends(value: Any) -> list[str]:
         raise ValueError(f"GRPOConfig(report_to={value!r}): {unsupported} not supported; available: "
                          f"{list(_REPORT_BACKENDS)} (metrics.jsonl is always written)")
     return items
+
+
+def _optimizer(value: Any) -> str:
+    """transformers' `optim` -> Megatron's: every torch AdamW / Adam variant is `adam` (Megatron's adam is AdamW)."""
+    name = str(getattr(value, "value", value))
+    if name in ("adam", "sgd"):
+        return name
+    if name.startswith(("adamw_torch", "adamw_hf", "adamw_apex_fused")) or name == "adamw":
+        return "adam"
+    raise ValueError(f"GRPOConfig(optim={name!r}): Megatron's optimizers here are AdamW ('adamw_torch', "
+                     "'adamw_torch_fused', ...) and 'sgd'")
 
 
 def _scheduler(value: Any) -> str:

@@ -1,0 +1,337 @@
+"""The TRL-compatible API without starting the engine: TRL keyword arguments land in the right config fields, TRL
+arguments with no effect are named in one warning, unknown names raise TypeError with a suggestion, unsupported
+features are refused with a message, and GRPOTrainer resolves its inputs (model, rewards, datasets) up front."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import datasets
+import pytest
+
+from engine import GRPOConfig, GRPOTrainer
+from engine.config import ConfigError, EngineConfig, config_to_dict
+from engine.trl_api import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, known_argument_names
+
+TINY = "builtin:tiny-qwen2-arith"
+
+
+def _config(**kwargs) -> GRPOConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # these arguments all have a home: no warning allowed
+        return GRPOConfig(**kwargs)
+
+
+def _prompts(n: int = 8, **extra) -> datasets.Dataset:
+    rows = {"prompt": [f"Question: what is {i} + 1? Answer:" for i in range(n)]}
+    rows |= {name: [value] * n for name, value in extra.items()}
+    return datasets.Dataset.from_dict(rows)
+
+
+def _small_args(tmp_path, **kwargs) -> GRPOConfig:
+    base = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=8, num_generations=4, max_steps=2)
+    return _config(**(base | kwargs))
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(c)) for c in completions]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GRPOConfig
+
+
+def test_grpo_config_puts_trl_arguments_in_their_sections():
+    args = _config(output_dir="out", learning_rate=3e-6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                   num_train_epochs=2.0, max_steps=7, logging_steps=3, save_steps=5, save_total_limit=2, seed=1,
+                   run_name="r", beta=0.04, loss_type="grpo", num_generations=4, max_completion_length=64,
+                   temperature=0.7, reward_weights=[1.0, 0.5], vllm_mode="colocate", weight_decay=0.1)
+    cfg = args.to_engine_config()
+    assert (cfg.optimizer.learning_rate, cfg.optimizer.weight_decay) == (3e-6, 0.1)
+    assert (cfg.train.output_dir, cfg.train.per_device_train_batch_size, cfg.train.gradient_accumulation_steps,
+            cfg.train.num_train_epochs, cfg.train.max_steps, cfg.train.seed) == ("out", 4, 2, 2.0, 7, 1)
+    assert (cfg.logging.logging_steps, cfg.logging.run_name) == (3, "r")
+    assert (cfg.checkpoint.save_steps, cfg.checkpoint.save_total_limit) == (5, 2)
+    assert (cfg.grpo.beta, cfg.grpo.loss_type, cfg.grpo.num_generations) == (0.04, "grpo", 4)
+    assert (cfg.generation.max_completion_length, cfg.generation.temperature) == (64, 0.7)
+    assert cfg.reward.reward_weights == [1.0, 0.5]
+    assert args.learning_rate == 3e-6 and args.beta == 0.04  # attributes read the tree, as on TRL's config
+
+
+def test_grpo_config_accepts_engine_only_knobs():
+    cfg = _config(tp_size=2, pp_size=2, vllm_tensor_parallel_size=2, loss_implementation="reference",
+                  use_dynamic_sampling=True).to_engine_config()
+    assert (cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.rollout.vllm_tensor_parallel_size) == (2, 2, 2)
+    assert cfg.kernels.loss_implementation == "reference" and cfg.grpo.use_dynamic_sampling
+
+
+def test_grpo_config_without_output_dir_writes_where_trl_does():
+    assert _config().output_dir == "trainer_output"
+    assert _config(output_dir=None).output_dir == "trainer_output"
+    assert GRPOConfig("positional").output_dir == "positional"
+
+
+def test_grpo_config_unknown_argument_is_a_type_error_with_a_suggestion():
+    with pytest.raises(TypeError, match=r"'learnig_rate' \(did you mean 'learning_rate'\?\)"):
+        GRPOConfig(learnig_rate=1e-6)
+    with pytest.raises(TypeError, match="'no_such_option'"):
+        GRPOConfig(no_such_option=1)
+
+
+def test_grpo_config_wrong_type_names_the_field():
+    with pytest.raises(ConfigError, match=r"grpo\.num_generations: expected an integer"):
+        GRPOConfig(num_generations="eight")
+    with pytest.raises(ConfigError, match=r"loss_type.*not one of"):
+        GRPOConfig(loss_type="ppo")
+
+
+def test_grpo_config_arguments_without_effect_warn_once_naming_each():
+    with pytest.warns(UserWarning) as record:
+        args = GRPOConfig(dataloader_num_workers=4, eval_strategy="steps", torch_compile=True, learning_rate=1e-6)
+    assert len(record) == 1
+    message = str(record[0].message)
+    for name in ("dataloader_num_workers=4", "eval_strategy='steps'", "torch_compile=True"):
+        assert name in message
+    assert "learning_rate" not in message
+    assert args.dataloader_num_workers == 4  # kept, readable like on TRL's config
+    assert args.ignored_arguments == {"dataloader_num_workers": 4, "eval_strategy": "steps", "torch_compile": True}
+
+
+def test_grpo_config_never_prints_a_hub_token():
+    with pytest.warns(UserWarning) as record:
+        args = GRPOConfig(hub_token="hf_secret123")
+    assert "hf_secret123" not in str(record[0].message) and "hf_secret123" not in repr(args)
+
+
+def test_grpo_config_use_vllm_true_is_what_runs_and_does_not_warn():
+    _config(use_vllm=True, vllm_mode="colocate")
+    with pytest.warns(UserWarning, match="use_vllm=False.*always uses vLLM"):
+        GRPOConfig(use_vllm=False)
+
+
+@pytest.mark.parametrize("name, value", [("push_to_hub", True), ("load_best_model_at_end", True),
+                                         ("neftune_noise_alpha", 5.0)])
+def test_grpo_config_refuses_features_it_does_not_have(name, value):
+    with pytest.raises(NotImplementedError, match=name):
+        GRPOConfig(**{name: value})
+    _config(**{name: None if name == "neftune_noise_alpha" else False})  # TRL's default is fine
+
+
+@pytest.mark.parametrize("kwargs, dtype", [({"bf16": True}, "bfloat16"), ({"fp16": True}, "float16"),
+                                           ({"bf16": False}, "float32"), ({"bf16": False, "fp16": False}, "float32"),
+                                           ({}, "bfloat16"), ({"model_init_kwargs": {"dtype": "float32"}}, "float32"),
+                                           ({"model_init_kwargs": {"torch_dtype": "auto"}}, "bfloat16")])
+def test_grpo_config_precision_flags_choose_the_model_dtype(kwargs, dtype):
+    args = _config(**kwargs)
+    assert args.to_engine_config().model.dtype == dtype
+    assert args.bf16 == (dtype == "bfloat16")
+
+
+def test_grpo_config_conflicting_precisions_are_an_error():
+    with pytest.raises(ValueError, match="exclusive"):
+        GRPOConfig(bf16=True, fp16=True)
+    with pytest.raises(ValueError, match="conflicting precisions"):
+        GRPOConfig(bf16=True, model_init_kwargs={"dtype": "float32"})
+
+
+def test_grpo_config_translates_trl_value_forms():
+    args = _config(max_steps=20, warmup_steps=0.1, logging_steps=0.25, save_steps=10.0, report_to="none",
+                   lr_scheduler_type="constant_with_warmup", chat_template_kwargs='{"enable_thinking": false}',
+                   vllm_importance_sampling_cap=2.0, scale_rewards=False, optim="adamw_torch_fused",
+                   pad_to_multiple_of="auto", model_init_kwargs={"trust_remote_code": True})
+    cfg = args.to_engine_config()
+    assert (cfg.optimizer.warmup_ratio, cfg.optimizer.warmup_steps) == (0.1, 0)
+    assert (cfg.logging.logging_steps, cfg.checkpoint.save_steps) == (5, 10)
+    assert cfg.logging.report_to == [] and cfg.optimizer.lr_scheduler_type == "constant"
+    assert cfg.generation.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.grpo.vllm_importance_sampling_clip_max == 2.0 and cfg.grpo.scale_rewards == "none"
+    assert cfg.optimizer.optim == "adam" and cfg.train.pad_to_multiple_of is None and cfg.model.trust_remote_code
+    assert _config(report_to=["tensorboard"]).report_to == ["tensorboard"]
+    assert _config(report_to="all").report_to == ["tensorboard", "wandb"]
+
+
+@pytest.mark.parametrize("kwargs, match", [({"logging_steps": 0.5}, "needs max_steps"),
+                                           ({"report_to": "mlflow"}, "not supported"),
+                                           ({"lr_scheduler_type": "polynomial"}, "available here"),
+                                           ({"optim": "adafactor"}, "AdamW")])
+def test_grpo_config_refuses_values_it_cannot_honour(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOConfig(**kwargs)
+
+
+def test_grpo_config_attribute_assignment_updates_and_checks():
+    args = _config(max_steps=3)
+    args.max_steps = 5
+    args.beta = 0.1
+    assert args.to_engine_config().train.max_steps == 5 and args.to_engine_config().grpo.beta == 0.1
+    with pytest.raises(ConfigError):
+        args.num_generations = "many"
+    assert args.num_generations == 8  # a rejected assignment leaves the config as it was
+    with pytest.raises(TypeError, match="did you mean 'max_steps'"):
+        args.max_step = 4
+
+
+def test_grpo_config_takes_every_trl_argument_and_trl_defaults_mean_engine_defaults():
+    trl = pytest.importorskip("trl")
+    trl_fields = dataclasses.fields(trl.GRPOConfig)
+    missing = [f.name for f in trl_fields if f.name not in known_argument_names()]
+    assert not missing, f"TRL arguments GRPOConfig does not accept: {missing}"
+    defaults = {}
+    for f in trl_fields:
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    with pytest.warns(UserWarning):
+        args = GRPOConfig(**defaults)
+    ours, engine = config_to_dict(args.to_engine_config()), config_to_dict(EngineConfig())
+    different = {f"{s}.{k}": v for s in ours for k, v in ours[s].items() if v != engine[s][k]}
+    assert different == {"train.output_dir": "trainer_output"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GRPOTrainer: resolving inputs and refusals (no engine start)
+
+
+def test_trainer_builds_the_engine_config_from_its_inputs(tmp_path):
+    trainer = GRPOTrainer(model=TINY, reward_funcs=[reward_len, "think_format"], args=_small_args(tmp_path),
+                          train_dataset=_prompts(answer="1"))
+    cfg = trainer.engine_config
+    assert cfg.model.name_or_path == TINY
+    assert cfg.reward.reward_funcs == [f"{__name__}:reward_len", "engine.rewards:think_format_reward"]
+    assert trainer.reward_func_names == ["reward_len", "think_format_reward"]
+    assert cfg.data.dataset_test_split is None  # no eval_dataset: no held-out evaluation
+    with_eval = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path),
+                            train_dataset=_prompts(), eval_dataset=_prompts(4))
+    assert with_eval.engine_config.data.dataset_test_split is not None
+
+
+def test_trainer_default_args_are_trls(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(16))
+    assert trainer.args.output_dir == "builtin-tiny-qwen2-arith-GRPO"
+
+
+def test_trainer_checks_the_batch_geometry_before_starting(tmp_path):
+    with pytest.raises(ConfigError, match="num_generations"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, per_device_train_batch_size=6),
+                    train_dataset=_prompts())
+
+
+def test_trainer_reward_weights_must_match_the_functions(tmp_path):
+    with pytest.raises(ValueError, match=r"reward weights \(3\) must match number of reward functions \(1\)"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, reward_weights=[1.0, 1.0, 1.0]),
+                    train_dataset=_prompts())
+
+
+def test_trainer_unknown_reward_name_fails_before_training(tmp_path):
+    from engine.rewards import RewardFunctionError
+
+    with pytest.raises(RewardFunctionError, match="accurcy.*Did you mean 'accuracy'"):
+        GRPOTrainer(model=TINY, reward_funcs="accurcy", args=_small_args(tmp_path), train_dataset=_prompts())
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"peft_config": object()}, NotImplementedError, "full fine-tuning"),
+    ({"optimizers": (object(), None)}, NotImplementedError, "distributed optimizer"),
+    ({"callbacks": [object()]}, NotImplementedError, "callbacks"),
+    ({"tools": [print]}, NotImplementedError, "tools"),
+    ({"quantization_config": object()}, NotImplementedError, "quantization"),
+    ({"processing_class": object()}, NotImplementedError, "tokenizer"),
+])
+def test_trainer_refuses_what_this_engine_does_not_do(tmp_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(), **kwargs)
+
+
+def test_trainer_refuses_iterable_and_split_dict_datasets(tmp_path):
+    iterable = _prompts().to_iterable_dataset()
+    with pytest.raises(NotImplementedError, match="iterable.*from_list"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=iterable)
+    with pytest.raises(TypeError, match=r"dataset\['train'\]"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path),
+                    train_dataset=datasets.DatasetDict({"train": _prompts()}))
+    with pytest.raises(ValueError, match="no 'prompt' column.*rename_column"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path),
+                    train_dataset=datasets.Dataset.from_dict({"question": ["a"]}))
+    with pytest.raises(ValueError, match="needs a train_dataset"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path))
+
+
+def test_trainer_refuses_trls_own_config_with_the_fix(tmp_path):
+    from types import SimpleNamespace
+
+    with pytest.raises(TypeError, match="from engine import GRPOConfig"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=SimpleNamespace(output_dir="x"), train_dataset=_prompts())
+
+
+def test_trainer_hub_model_offline_and_not_cached_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_cache"))
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
+        GRPOTrainer(model="no-such-org/no-such-model", reward_funcs=reward_len, args=_small_args(tmp_path),
+                    train_dataset=_prompts())
+    with pytest.raises(ValueError, match="no such local directory"):
+        GRPOTrainer(model=str(tmp_path / "missing"), reward_funcs=reward_len, args=_small_args(tmp_path),
+                    train_dataset=_prompts())
+
+
+def test_trainer_saves_a_model_object_and_loads_it_from_output_dir(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.tiny_model import resolve_builtin_model
+
+    source = resolve_builtin_model(TINY, tmp_path / "cache")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(),
+                          processing_class=tokenizer)
+    saved = tmp_path / "run" / INITIAL_MODEL_DIR
+    assert trainer.engine_config.model.name_or_path == str(saved)
+    reloaded = AutoModelForCausalLM.from_pretrained(saved)
+    for (name, a), (_, b) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+        assert (a == b).all(), name
+    assert AutoTokenizer.from_pretrained(saved).chat_template == tokenizer.chat_template
+    # before train(), save_model writes the model as given (TRL saves the current weights)
+    trainer.save_model(str(tmp_path / "export"))
+    assert (tmp_path / "export" / "config.json").is_file() and not (tmp_path / "run" / FINAL_MODEL_DIR).exists()
+
+
+def test_trainer_gives_a_reward_model_its_processing_class(tmp_path):
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    from engine.rewards import RewardModelReward
+    from engine.tiny_model import resolve_builtin_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    reward_model = Qwen2ForSequenceClassification(config).eval()
+    trainer = GRPOTrainer(model=TINY, reward_funcs=[reward_len, reward_model], args=_small_args(tmp_path),
+                          train_dataset=_prompts(), reward_processing_classes=[None, tokenizer])
+    scorer = trainer.reward_funcs[1]
+    assert isinstance(scorer, RewardModelReward) and scorer.tokenizer is tokenizer
+    values = scorer(prompts=["Question: what is 1 + 1? Answer:"], completions=[" 2"])
+    with torch.inference_mode():
+        ids = tokenizer("Question: what is 1 + 1? Answer: 2", return_tensors="pt", add_special_tokens=False)
+        expected = reward_model(**ids).logits[0, 0].item()
+    assert values[0] == pytest.approx(expected, abs=1e-5)
+
+
+def test_load_prompts_takes_an_in_memory_dataset_with_its_columns(tmp_path):
+    from engine.config import DataConfig, GenerationConfig
+    from engine.data import load_prompts
+    from engine.tiny_model import resolve_builtin_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
+    dataset = _prompts(3, answer="1", task="arithmetic")
+    data_cfg = DataConfig(dataset_name="builtin:arithmetic", dataset_test_split=None)
+    prompts = load_prompts(data_cfg, tokenizer, GenerationConfig(), split="test", dataset=dataset)
+    assert len(prompts) == 3  # the dataset wins over the config (and its null test split)
+    batch = prompts.select([2, 0])
+    assert batch.prompts == [dataset[2]["prompt"], dataset[0]["prompt"]]
+    assert batch.columns == {"answer": ["1", "1"], "task": ["arithmetic", "arithmetic"]}
+    assert load_prompts(data_cfg, tokenizer, GenerationConfig(), split="test") is None
