@@ -741,3 +741,125 @@ def _assemble(plan: SyncPlan, bucket: list[int], received, device) -> list[tuple
             out[transfer.tensor][_box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
             offset += transfer.numel
     return [(plan.tensors[i].name, out[i]) for i in bucket]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# server mode: the trainer's half of a sync into engine/rollout_server.py
+
+
+@dataclass
+class ServerSync:
+    """The trainer's end of the weight-transfer group to a rollout server, kept from one sync to the next."""
+
+    plan: SyncPlan
+    host: str
+    """Address of global rank 0 (sender 0, which hosts the group's store), as the server reaches it."""
+    port: int
+    timeout_s: float
+    """Bounds joining, every transfer wait and the server's answers."""
+    bucket_mb: float
+    group: WeightTransferGroup | None = None
+    """This rank's group (dp_rank 0 ranks, once joined)."""
+    is_joined: bool = False
+    """The same on every trainer rank: whether the group exists (False again after a failed sync)."""
+
+
+def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn_hidden_size: int, dtype: str,
+                      group_port: int, timeout_s: float, bucket_mb: float) -> ServerSync:
+    """The plan of this trainer layout into the server's engine TP, and where the group meets.
+
+    The group's store is hosted by global rank 0 on `group_port` at $MASTER_ADDR (torchrun's and srun's address of
+    rank 0's node; the inference nodes reach it as the trainer nodes do), 127.0.0.1 without one.
+    """
+    import os
+
+    plan = build_sync_plan(dims, TrainerLayout(ps.tp_size, ps.pp_size, ps.vpp_size), engine_tp,
+                           ffn_hidden_size=ffn_hidden_size, dtype=dtype)
+    host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    return ServerSync(plan, host, group_port, timeout_s, bucket_mb)
+
+
+def _in_background(call):
+    """Run `call` in a thread; returns (thread, outcome dict with 'value' or 'error')."""
+    import threading
+
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="weight-sync-http", daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _result(background, timeout_s: float, what: str):
+    """Wait for a background HTTP call (None = not this rank's); raise its error."""
+    if background is None:
+        return None
+    thread, outcome = background
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise WeightSyncError(f"{what}: the server did not answer within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: ServerSync) -> dict[str, float]:
+    """Push the policy's current weights into the rollout server (collective: every trainer rank calls it).
+
+    Rank 0 asks the server over HTTP to join the group (first sync, or after a failure) and to receive one sync,
+    each request in a background thread, while the dp_rank-0 ranks join and `send_weights` their own shards; the
+    outcome is then agreed over the trainer's world so every rank returns, or raises, together.
+
+    Args:
+        engine: the trainer's SharedRolloutClient (rank 0 holds its HTTP client, `engine.client`).
+        link: from `build_server_sync`; its group is kept for the next sync.
+    Returns:
+        {"weight_sync/seconds", "weight_sync/gib" (sent by rank 0), "weight_sync/messages", "weight_sync/buckets"}.
+    Raises:
+        WeightSyncError on every rank when any part failed (a dead or unreachable server, a broken group, a
+        timeout), naming the cause; the group is then closed on this side (the next sync joins a fresh one). The
+        trainer's parameters are only read, so they are exactly as before the sync whatever happened.
+    """
+    start = time.perf_counter()
+    plan, client = link.plan, engine.client
+    stats, error = {}, None
+    try:
+        if not link.is_joined:
+            request = dict(host=link.host, port=link.port, world_size=plan.group_size,
+                           first_engine_rank=plan.trainer.num_senders, timeout_s=link.timeout_s, plan=plan.spec(),
+                           bucket_mb=link.bucket_mb)
+            http = _in_background(lambda: client.init_weight_group(**request)) if ps.rank == 0 else None
+            try:
+                if ps.dp_rank == 0:
+                    link.group = WeightTransferGroup.create(link.host, link.port, plan.trainer.sender_rank(
+                        ps.pp_rank, ps.tp_rank), plan.group_size, link.timeout_s)
+            finally:
+                _result(http, link.timeout_s, "joining the weight-transfer group")
+            link.is_joined = True
+        http = _in_background(client.update_weights) if ps.rank == 0 else None
+        try:
+            stats = send_weights(chunks, ps, dims, link.group, plan, link.bucket_mb)
+        finally:
+            _result(http, link.timeout_s, "loading the weights")
+    except Exception as exc:  # noqa: BLE001 - every rank learns of any rank's failure below
+        error = f"{type(exc).__name__}: {exc}"
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if float(failed) > 0:
+        if link.group is not None:
+            link.group.close()
+        link.group, link.is_joined = None, False
+        errors: list = [None] * ps.world_size
+        dist.all_gather_object(errors, error)
+        first = next((rank, e) for rank, e in enumerate(errors) if e is not None)
+        raise WeightSyncError(
+            f"weight sync into the rollout server failed (first error on trainer rank {first[0]}: {first[1]}); the "
+            "trainer's weights and optimizer state are unchanged, the server's weights are not known to be current"
+        )
+    return stats | {"weight_sync/seconds": time.perf_counter() - start}

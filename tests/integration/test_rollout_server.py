@@ -146,3 +146,110 @@ def test_client_error_names_url_endpoint_and_connection_refused():
     assert "connection refused" in message and "after 3 attempts" in message
     with pytest.raises(RolloutServerError, match=r"GET /health not ready within 1 s"):
         client.wait_until_healthy()
+
+
+def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid: int | None = None) -> dict:
+    """Trainer at TP=tp: check the server against the checkpoint, take one GRPO step, sync into the server, verify.
+    With `server_pid`: then freeze the server, sync again and SIGKILL it mid-sync; report the error and whether the
+    trainer's weights changed."""
+    import threading
+
+    import torch
+    from transformers import AutoConfig
+
+    from engine.batch import pack_completions
+    from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
+    from engine.hf_checkpoint import load_hf_checkpoint
+    from engine.hf_convert import ModelDims
+    from engine.model import build_policy, policy_shape
+    from engine.optimizer import build_optimizer
+    from engine.parallel import init_parallel
+    from engine.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.rollout_client import connect_rollout_server
+    from engine.step import LogprobSettings, grpo_forward_backward
+    from engine.tiny_model import resolve_builtin_model
+    from engine.weight_sync import WeightSyncError, build_server_sync, sync_server, verify_sync
+
+    os.environ["GRPO_ENGINE_TOKEN"] = token
+    ps = init_parallel(ParallelConfig(tp_size=tp), seed=0)
+    model_dir = resolve_builtin_model(MODEL, "/nonexistent")
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_cfg = ModelConfig(dtype="float32")
+    dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, tp).padded_vocab_size)
+    chunks = build_policy(hf_config, model_cfg, ps)
+    load_hf_checkpoint(chunks, ps, model_dir, dims)
+    popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)
+    rollout_cfg = RolloutConfig(vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30.0)
+    engine = connect_rollout_server(rollout_cfg, GenerationConfig(max_completion_length=6), ps.rank)
+    rollout = engine.generate([[5, 6, 7], [8, 9]], num_generations=2, seeds=[1, 100])  # the same on every rank
+    batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
+    batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    vocab = hf_config.vocab_size
+    before = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+
+    normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
+    popt.zero_grad()
+    grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer,
+                          LogprobSettings(vocab_size=vocab, implementation="torch_chunked"))
+    popt.step()
+    try:
+        verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+        stale_error = ""
+    except WeightSyncError as exc:
+        stale_error = str(exc)
+    link = build_server_sync(ps, dims, engine.health["vllm_tensor_parallel_size"],
+                             ffn_hidden_size=hf_config.intermediate_size, dtype="float32", group_port=group_port,
+                             timeout_s=30.0, bucket_mb=0.25)
+    stats = sync_server(popt.model, ps, dims, engine, link)
+    after = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+    result = {"before": before, "after": after, "stale_error": stale_error, "stats": stats}
+    if server_pid is None:
+        return result
+
+    weights = [p.detach().clone() for chunk in popt.model for p in chunk.parameters()]
+    if ps.rank == 0:
+        os.kill(server_pid, signal.SIGSTOP)  # frozen: it accepts the sync's connections but never answers
+        threading.Timer(3.0, os.kill, (server_pid, signal.SIGKILL)).start()  # ... and dies mid-sync
+    start = time.monotonic()
+    try:
+        sync_server(popt.model, ps, dims, engine, link)
+        result["kill_error"] = ""
+    except WeightSyncError as exc:
+        result["kill_error"] = str(exc)
+    result["kill_seconds"] = time.monotonic() - start
+    now = [p.detach() for chunk in popt.model for p in chunk.parameters()]
+    result["weights_unchanged"] = len(now) == len(weights) and all(torch.equal(a, b) for a, b in zip(weights, now))
+    result["link_rejoins"] = not link.is_joined
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2], ids=["trainer_tp1", "trainer_tp2"])
+def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
+    from tests.distributed.launcher import run_distributed
+
+    results = run_distributed(_sync_into_server, tp, tp, server.url, server.token, _free_port(), timeout_s=300)
+    for rank, r in enumerate(results):
+        assert r["before"] < TOLERANCE, f"rank {rank}: server and trainer disagree on the checkpoint: {r['before']}"
+        assert "not running the trainer's weights" in r["stale_error"], f"rank {rank}: stale server not caught"
+        assert r["after"] < TOLERANCE, f"rank {rank}: after the sync the difference is {r['after']}"
+    assert results[0]["stats"]["weight_sync/buckets"] >= 4, "0.25 MiB buckets: several per sync"
+
+
+@pytest.mark.slow
+def test_server_killed_mid_sync_gives_a_clear_error_and_leaves_trainer_weights_intact(tmp_path):
+    from tests.distributed.launcher import run_distributed
+
+    doomed = Server(tmp_path, secrets.token_hex(16), _free_port())
+    try:
+        [r] = run_distributed(_sync_into_server, 1, 1, doomed.url, doomed.token, _free_port(), doomed.proc.pid,
+                              timeout_s=300)
+    finally:
+        doomed.proc.kill()
+        doomed.proc.wait()
+    assert r["after"] < TOLERANCE  # the first sync worked
+    assert "weight sync into the rollout server failed" in r["kill_error"], r["kill_error"]
+    assert doomed.url in r["kill_error"] or "engine worker" in r["kill_error"], r["kill_error"]
+    assert "trainer's weights and optimizer state are unchanged" in r["kill_error"]
+    assert r["weights_unchanged"], "a failed sync changed the trainer's weights"
+    assert r["link_rejoins"], "after a failed sync the next one must join a fresh group"
