@@ -207,6 +207,10 @@ class SharedRolloutClient:
             raise ValueError(f"rank {rank}: exactly rank {src} holds the HTTP client")
         self.client, self.rank, self.generation, self.group, self.src = client, rank, generation, group, src
         self.can_sleep = False
+        self.health: dict = {}
+        """The server's /health answer at connection (its `vllm_tensor_parallel_size` sizes the weight sync)."""
+        self.weight_link = None
+        """The trainer's end of the weight-transfer group (engine/weight_sync.py `ServerSync`), set by the trainer."""
 
     def _shared(self, call):
         box = [None]

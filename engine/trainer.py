@@ -1,4 +1,4 @@
-"""The GRPO training loop (colocated vLLM): `train(cfg)` reads top to bottom (STYLE.md rule 8).
+"""The GRPO training loop (vLLM colocated or behind a rollout server): `train(cfg)` reads top to bottom (STYLE.md rule 8).
 
 One generation round: sample prompts -> G completions per prompt (vLLM, every rank's engine generates a share,
 results gathered so every rank holds the round) -> rewards (rank 0, broadcast) -> group-relative advantages ->
@@ -9,7 +9,11 @@ shuffled, then cut into optimizer steps of per_device * dp * gradient_accumulati
 never split across rounds. The loss normaliser counts the tokens and sequences of each optimizer step over all
 ranks (layout-independent, engine/policy_loss.py).
 
-Not yet here (see the issue notes): vLLM server mode, Megatron distributed checkpoints and resume, the
+Server mode (`rollout.vllm_mode: server`, engine/rollout_server.py on other processes or nodes): rank 0 asks
+the server for each round over HTTP and broadcasts it (engine/rollout_client.py); the weight sync goes shard to
+shard over the transfer group (engine/weight_sync.py `sync_server`) and is verified as in colocated mode.
+
+Not yet here (see the issue notes): Megatron distributed checkpoints and resume, the
 TRL-compatible `GRPOTrainer` facade, the SIGUSR1 checkpoint handler.
 
 Must not: hold maths (engine/advantages.py, engine/policy_loss.py), import vLLM (engine/rollout.py), or read
@@ -42,7 +46,7 @@ from engine.policy_loss import (LossNormalizer, PolicyLossConfig, compute_vllm_i
 from engine.rollout import Rollout
 from engine.step import LogprobSettings, forward_logprobs, grpo_forward_backward
 from engine.validation import Derived, validate
-from engine.weight_sync import sync_colocated, verify_sync
+from engine.weight_sync import build_server_sync, sync_colocated, sync_server, verify_sync
 
 
 @dataclass
@@ -150,7 +154,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                 step += 1
         t_train = time.perf_counter()
         # 4. weight sync into every engine, verified on a probe of this round
-        sync = sync_colocated(run.popt.model, ps, run.dims, run.engine, cfg.rollout.weight_sync_bucket_mb)
+        sync = sync_weights(run)
         if cfg.rollout.verify_weight_sync:
             sync["weight_sync/max_logprob_diff"] = verify_sync(run.popt.model, ps, run.engine, steps[0][0][0],
                                                                run.dims.vocab_size, _sync_tolerance(cfg))
@@ -188,10 +192,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     from engine.reference_model import ReferencePolicy
     from engine.rewards import RewardFunctions, build_reward_funcs, import_callable
     from engine.rollout import ColocatedEngine
+    from engine.rollout_client import connect_rollout_server
     from engine.tiny_model import resolve_builtin_model
 
-    if cfg.rollout.vllm_mode != "colocate":
-        raise NotImplementedError("rollout.vllm_mode='server' is not available yet; use 'colocate'")
     ps = init_parallel(cfg.parallel, seed=cfg.train.seed)
     derived = validate(cfg, ps.world_size)
     run_dir = Path(cfg.train.output_dir)
@@ -216,8 +219,15 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
                else RewardFunctions(reward_funcs, cfg.reward.reward_weights, cfg.generation))
     total_steps = _total_steps(cfg, derived, len(train_prompts))
     popt = build_optimizer(cfg.optimizer, chunks, ps, total_steps=total_steps)
-    engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
-                             dtype=cfg.model.dtype, world_size=ps.world_size)
+    if cfg.rollout.vllm_mode == "server":  # waits up to vllm_server_timeout for the server's health check
+        engine = connect_rollout_server(cfg.rollout, cfg.generation, ps.rank)
+        engine.weight_link = build_server_sync(
+            ps, dims, engine.health["vllm_tensor_parallel_size"], ffn_hidden_size=hf_config.intermediate_size,
+            dtype=cfg.model.dtype, group_port=cfg.rollout.vllm_group_port, timeout_s=cfg.rollout.vllm_server_timeout,
+            bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+    else:
+        engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
+                                 dtype=cfg.model.dtype, world_size=ps.world_size)
     logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps) if ps.rank == 0 else None
     loss_config = build_loss_config(cfg)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
@@ -273,6 +283,14 @@ def export_policy(run: Run, out_dir: str | Path) -> None:
                          tokenizer_dir=run.model_dir, dtype=dtype)
 
 
+def sync_weights(run: Run) -> dict:
+    """Push the policy's weights into the engines: bucketed in-process loads (colocate) or shard to shard into the
+    rollout server (server; a failure raises WeightSyncError on every rank and leaves the trainer untouched)."""
+    if run.cfg.rollout.vllm_mode == "server":
+        return sync_server(run.popt.model, run.ps, run.dims, run.engine, run.engine.weight_link)
+    return sync_colocated(run.popt.model, run.ps, run.dims, run.engine, run.cfg.rollout.weight_sync_bucket_mb)
+
+
 def finish(run: Run, summary: dict) -> None:
     if run.logger is not None:
         run.logger.close()
@@ -288,6 +306,8 @@ def finish(run: Run, summary: dict) -> None:
 def generate_everywhere(run: Run, prompt_ids: list[list[int]], num_generations: int) -> Rollout:
     """Every engine generates a contiguous share of the prompts (the ranks of one vLLM TP group the same share);
     the shares are gathered so every rank holds the whole round, prompt-major."""
+    if run.cfg.rollout.vllm_mode == "server":  # rank 0 asks the server, every rank gets the round
+        return run.engine.generate(prompt_ids, num_generations)
     ps, vllm_tp = run.ps, run.cfg.rollout.vllm_tensor_parallel_size
     num_groups, group = ps.world_size // vllm_tp, ps.rank // vllm_tp
     share = -(-len(prompt_ids) // num_groups)

@@ -253,3 +253,37 @@ def test_server_killed_mid_sync_gives_a_clear_error_and_leaves_trainer_weights_i
     assert "trainer's weights and optimizer state are unchanged" in r["kill_error"]
     assert r["weights_unchanged"], "a failed sync changed the trainer's weights"
     assert r["link_rejoins"], "after a failed sync the next one must join a fresh group"
+
+
+def _train_against_server(url: str, token: str, group_port: int, output_dir: str) -> dict:
+    from engine.config import load_config
+    from engine.trainer import train
+
+    os.environ["GRPO_ENGINE_TOKEN"] = token
+    cfg = load_config("configs/tiny_cpu.yaml", [
+        "rollout.vllm_mode=server", f"rollout.vllm_server_base_url={url}", f"rollout.vllm_group_port={group_port}",
+        "rollout.vllm_server_timeout=60", "rollout.weight_sync_bucket_mb=1", "train.max_steps=2",
+        f"train.output_dir={output_dir}", "generation.max_completion_length=8", "data.dataset_test_split=null",
+        "optimizer.learning_rate=1e-3",
+    ])
+    return train(cfg)
+
+
+@pytest.mark.slow
+def test_grpo_loop_in_server_mode_generates_on_the_server_and_stays_in_sync(server, tmp_path):
+    from tests.distributed.launcher import run_distributed
+
+    calls_before = server.client().health()["num_engine_calls"]
+    [summary] = run_distributed(_train_against_server, 1, server.url, server.token, _free_port(), str(tmp_path),
+                                timeout_s=300)
+    assert summary["steps"] == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["weight_sync/max_logprob_diff"] < TOLERANCE  # verified after every sync
+        assert record["weight_sync/buckets"] >= 1
+        assert abs(record["sampling/sampling_logp_difference/mean"]) < TOLERANCE, "server and trainer disagree"
+    # per round: generate, prompt_logprobs (verification), weights update (+ the group's init once)
+    assert server.client().health()["num_engine_calls"] - calls_before >= 2 * 3 + 1
+    config_text = (tmp_path / "config.yaml").read_text()
+    assert "vllm_mode: server" in config_text and server.token not in config_text
