@@ -28,7 +28,8 @@ _RECORD = f"""#!{sys.executable} -S
 import json, os, sys
 
 def record(tool, **extra):
-    keys = [k for k in os.environ if k.startswith(("SLURM", "TORCH", "NCCL", "CUDA_DEVICE")) or k in ("WORLD_SIZE",)]
+    keys = [k for k in os.environ if k.startswith(("SLURM", "TORCH", "NCCL", "CUDA_DEVICE"))
+            or k in ("WORLD_SIZE", "GRPO_ENGINE_TOKEN")]
     entry = {{"tool": tool, "argv": sys.argv[1:], "env": {{k: os.environ[k] for k in keys}}, **extra}}
     with open(os.environ["FAKE_SLURM_LOG"], "a") as log:
         log.write(json.dumps(entry) + "\\n")
@@ -232,6 +233,21 @@ def test_split_script_exports_what_nccl_megatron_and_torchrun_need(split_run):
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert "SIGUSR1" in env["TORCHELASTIC_SIGNALS_TO_HANDLE"].split(",")
     assert int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < 600  # finishes inside the --signal lead time
+
+
+def test_split_script_gives_trainer_and_servers_one_fresh_secret_token_per_job(slurm, split_run):
+    records, logs = split_run
+    server = next(r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"])
+    token = server["env"]["GRPO_ENGINE_TOKEN"]
+    assert len(token) == 64 and int(token, 16) >= 0  # 32 random bytes, hex
+    assert {r["env"]["GRPO_ENGINE_TOKEN"] for r in _tool(records, "torchrun")} == {token}  # every training node
+    assert all(token not in p.read_text() for p in logs.iterdir()), "the token reached a log"
+    result, again = slurm(["bash", SPLIT_SCRIPT], GRPO_ENGINE_TOKEN="stale-token-from-the-shell")
+    assert result.returncode == 0, result.stderr
+    assert token not in result.stdout + result.stderr
+    launched = _tool(again, "torchrun") + [r for r in _tool(again, "python") if "engine.rollout_server" in r["argv"]]
+    fresh = {r["env"]["GRPO_ENGINE_TOKEN"] for r in launched}
+    assert len(fresh) == 1 and fresh.isdisjoint({token, "stale-token-from-the-shell"})  # new job, new token
 
 
 def test_split_script_plans_before_starting_any_node(split_run):
