@@ -1,8 +1,9 @@
 """Training checkpoints: Megatron's distributed checkpoint format, written atomically, resumed exactly.
 
 Owns: `save_checkpoint` / `load_checkpoint` of everything a run needs to continue as if it had never stopped,
-`find_latest_checkpoint`, `resolve_resume_checkpoint` (`checkpoint.resume_from_checkpoint`: a path or `latest`),
-`rotate_checkpoints` (keep the newest `save_total_limit`), `read_progress` and `describe_model`.
+`find_latest_checkpoint`, `resolve_resume_checkpoint` (`checkpoint.resume_from_checkpoint`: a path or `latest`;
+`agree_on_resume_checkpoint` for all ranks), `rotate_checkpoints` (keep the newest `save_total_limit`),
+`read_progress`, `describe_model`, and `StopSignal` (SIGUSR1: save at the next round boundary, then exit).
 
 A checkpoint is the directory `<output_dir>/checkpoint-<step>` (HF Trainer's naming) holding
 - the model chunks' and the Megatron optimizer's `sharded_state_dict()` saved with `megatron.core.dist_checkpointing`
@@ -42,7 +43,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,10 @@ class Progress:
 
     step: int = 0
     rounds_done: int = 0
+    num_tokens: int = 0
+    """TRL's cumulative `num_tokens` metric, so the resumed run's curve continues."""
+    loop_state: dict = field(default_factory=dict)
+    """Other loop state that carries over between rounds (JSON values), e.g. the adaptive entropy controller's."""
 
 
 def _log(msg: str) -> None:
@@ -144,6 +149,59 @@ def resolve_resume_checkpoint(resume_from: str | None, run_dir: str | Path) -> P
         raise CheckpointError(f"{path} is not a complete checkpoint: {STATE_FILE} or {DIST_CKPT_METADATA} is missing "
                               "(a save that did not finish?)")
     return path
+
+
+def agree_on_resume_checkpoint(resume_from: str | None, run_dir: str | Path, ps: ParallelState) -> Path | None:
+    """`resolve_resume_checkpoint` on rank 0, the answer (or its error) sent to every rank, so that all ranks load
+    the same checkpoint and fail together (collective)."""
+    answer: list = [None]
+    if ps.rank == 0:
+        try:
+            path = resolve_resume_checkpoint(resume_from, run_dir)
+            answer = [None if path is None else str(path)]
+        except CheckpointError as exc:
+            answer = [exc]
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], CheckpointError):
+        raise answer[0]
+    return None if answer[0] is None else Path(answer[0])
+
+
+class StopSignal:
+    """SIGUSR1 (SLURM's `--signal=USR1@<s>` before the time limit, forwarded by torchrun) asks the run to save at
+    the next round boundary and exit. The handler only sets a flag; `agreed` makes every rank see the request of
+    any rank (collective, once per round)."""
+
+    def __init__(self):
+        self.requested = False
+        """This rank received SIGUSR1."""
+        self.stopping = False
+        """Every rank agreed to stop (set by `agreed`)."""
+        self._previous = None
+
+    def install(self) -> StopSignal:
+        """Handle SIGUSR1 from now on (no-op outside the main thread, where Python cannot install handlers)."""
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGUSR1, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        print("checkpoint: SIGUSR1 received: saving at the end of this round, then exiting", file=sys.stderr, flush=True)
+
+    def agreed(self, ps: ParallelState) -> bool:
+        """True on every rank when any rank has been signalled (collective)."""
+        flag = torch.tensor([int(self.requested)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stopping = bool(flag.item())
+        return self.stopping
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGUSR1, self._previous)
+            self._previous = None
 
 
 def read_state(path: str | Path) -> dict:
@@ -274,6 +332,7 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
     dist.barrier()  # every rank has written its part
     if ps.rank == 0:
         state = {"format": FORMAT, "progress": asdict(progress), "scheduler": popt.scheduler.state_dict(),
+                 "optimizer_kind": _optimizer_kind(popt.optimizer),
                  "layout": _layout(ps), "model": model, "config": run_config, "saved_at": time.time()}
         _write_json(tmp / STATE_FILE, state)
         _fsync_tree(tmp)
@@ -325,6 +384,11 @@ def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict) -
     check_compatible(state, path, model)
     from engine.step import unwrap
 
+    saved_kind, kind = state.get("optimizer_kind"), _optimizer_kind(popt.optimizer)
+    if saved_kind != kind:
+        raise CheckpointError(f"{path} holds a {saved_kind} state, this run builds a {kind} "
+                              "(optimizer.use_distributed_optimizer must be the same as when it was saved)")
+    _init_empty_optimizer_state(popt.optimizer)
     try:
         loaded = dist_checkpointing.load(_sharded_state_dict(popt, is_loading=True), str(path))
         chunks = [unwrap(m) for m in popt.model]
@@ -354,6 +418,30 @@ def _restore_rank_rng(path: Path, state: dict, ps: ParallelState) -> None:
         _restore_rng(torch.load(file, weights_only=False))
     except (OSError, RuntimeError, KeyError, EOFError) as exc:
         raise CheckpointError(f"{file}: cannot restore this rank's RNG state ({exc})") from exc
+
+
+def _inner_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _optimizer_kind(optimizer) -> str:
+    return "+".join(type(opt).__name__ for opt in _inner_optimizers(optimizer))
+
+
+def _init_empty_optimizer_state(optimizer) -> None:
+    """Give a distributed optimizer that has not stepped yet its torch Adam state (zeros, step 0) before loading:
+    Megatron 0.16 reads the per-parameter `step` while building the state to load into and finds none."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
 
 
 def _load_optimizer_state(optimizer, state: dict) -> None:

@@ -13,8 +13,15 @@ Server mode (`rollout.vllm_mode: server`, engine/rollout_server.py on other proc
 the server for each round over HTTP and broadcasts it (engine/rollout_client.py); the weight sync goes shard to
 shard over the transfer group (engine/weight_sync.py `sync_server`) and is verified as in colocated mode.
 
-Not yet here (see the issue notes): Megatron distributed checkpoints and resume, the
-TRL-compatible `GRPOTrainer` facade, the SIGUSR1 checkpoint handler.
+Not yet here (see the issue notes): the TRL-compatible `GRPOTrainer` facade.
+
+Checkpoints (engine/checkpoint.py): every `checkpoint.save_steps` optimizer steps at the end of a round, at the end of
+training, and at the end of the round in which SIGUSR1 arrived (then the run exits); `resume_from_checkpoint` restores
+model, optimizer, scheduler, RNG, data position and step before the first round and loads the restored weights into
+the engines. Rounds do not depend on history (engine/prompt_rounds.py: prompts, vLLM seeds and the row shuffle are
+functions of the seed and the round), so a resumed run logs what the uninterrupted run would have. With
+`save_hf_at_end` the final policy is also exported as a Hugging Face checkpoint to `<output_dir>/hf`.
+Not restored on resume: the `data.dynamic_prompts_fn` hook's pending choice (the resumed round uses the dataset's).
 
 Must not: hold maths (engine/advantages.py, engine/policy_loss.py), import vLLM (engine/rollout.py), or read
 Megatron's global parallel state (engine/parallel.py hands out groups).
@@ -35,7 +42,9 @@ import torch.distributed as dist
 
 from engine.advantages import aggregate_rewards, compute_advantages
 from engine.batch import pack_completions, split_microbatches
-from engine.config import EngineConfig, write_resolved_config
+from engine.checkpoint import (Progress, StopSignal, agree_on_resume_checkpoint, describe_model, load_checkpoint,
+                               read_progress, save_checkpoint)
+from engine.config import EngineConfig, config_to_dict, write_resolved_config
 from engine.data import PromptBatch
 from engine.dynamic_sampling import assemble_rounds, find_informative_groups, is_dynamic_batch_full, select_dynamic_batch
 from engine.group_filter import filter_groups
@@ -43,6 +52,7 @@ from engine.grpo_metrics import compute_completion_metrics, compute_loss_metrics
 from engine.parallel import ParallelState, destroy_parallel, init_parallel
 from engine.policy_loss import (LossNormalizer, PolicyLossConfig, compute_vllm_importance_sampling_ratio,
                                  entropy_coef_to_apply, update_entropy_coef)
+from engine.prompt_rounds import PromptRounds, sampling_seeds, shuffle_order
 from engine.rollout import Rollout
 from engine.step import LogprobSettings, forward_logprobs, grpo_forward_backward
 from engine.validation import Derived, validate
@@ -76,6 +86,8 @@ class Run:
     """The `data.dynamic_prompts_fn` hook, or None."""
     pending_prompts: object = None
     """The PromptBatch the hook chose for the next round (None = the dataset's next rows)."""
+    resume_from: Path | None = None
+    """The checkpoint this run resumes from (`checkpoint.resume_from_checkpoint` resolved), or None."""
     entropy: AdaptiveEntropy = field(default_factory=lambda: AdaptiveEntropy(0.0, enabled=False))
 
 
@@ -123,10 +135,12 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     run = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs,
                     tokenizer=tokenizer)
     cfg, ps, d = run.cfg, run.ps, run.derived
+    progress = resume(run)  # model, optimizer, scheduler, RNG, data position, step; the weights into the engines
     before = evaluate(run)
-    rounds = prompt_rounds(len(run.train_prompts), d.num_prompts_per_generation, cfg.train.seed,
-                           cfg.train.shuffle_dataset)
-    step, last, num_tokens = 0, {}, 0
+    rounds = PromptRounds(len(run.train_prompts), d.num_prompts_per_generation, cfg.train.seed,
+                          cfg.train.shuffle_dataset, start=progress.rounds_done)
+    step, last, num_tokens = progress.step, {}, progress.num_tokens
+    saved_at, stop = (progress.step if run.resume_from else None), StopSignal().install()
     while step < run.total_steps:
         start = time.perf_counter()
         # 1. rollout and rewards: G completions for each prompt of the round, scored on rank 0 and broadcast;
@@ -137,7 +151,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
         adv = compute_advantages(scored.rewards, scored.group_size, run.rewards.weights,
                                  cfg.grpo.scale_rewards, cfg.reward.multi_objective_aggregation)
         log_completions(run, scored, adv.advantages)
-        batch = build_round(run, scored.rollout, adv.advantages)  # every rank: the whole round, rows shuffled
+        batch = build_round(run, scored.rollout, adv.advantages, step)  # every rank: the whole round, rows shuffled
         # 3. old (and reference) log-probs of this rank's rows, then num_iterations passes of optimizer steps
         steps = per_step_microbatches(run, batch)
         t_reward = time.perf_counter()
@@ -166,10 +180,21 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                                   "time/sync_s": end - t_train, "step_time": end - start,
                                   "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start)}
         last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings)
-    after = evaluate(run)
+        # 6. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
+        if stop.agreed(ps):
+            break
+        if is_save_step(cfg.checkpoint.save_steps, step, len(steps) * cfg.grpo.num_iterations):
+            saved_at = save_run(run, Progress(step, rounds.position, num_tokens))
+    stop.uninstall()
+    if saved_at != step:  # the end of training, or the round boundary SIGUSR1 asked for
+        save_run(run, Progress(step, rounds.position, num_tokens))
+    after = evaluate(run) if not stop.stopping else None
     if export_dir is not None:
         export_policy(run, export_dir)
-    summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank}
+    elif cfg.checkpoint.save_hf_at_end and not stop.stopping:
+        export_policy(run, Path(cfg.train.output_dir) / "hf")
+    summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank,
+               "stopped_by_signal": stop.stopping}
     finish(run, summary)
     return summary
 
@@ -228,7 +253,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     else:
         engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
                                  dtype=cfg.model.dtype, world_size=ps.world_size)
-    logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps) if ps.rank == 0 else None
+    resume_from = agree_on_resume_checkpoint(cfg.checkpoint.resume_from_checkpoint, run_dir, ps)
+    resume_step = read_progress(resume_from).step if resume_from is not None else None  # later log lines are dropped
+    logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps, resume_step=resume_step) if ps.rank == 0 else None
     loss_config = build_loss_config(cfg)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
                                implementation=cfg.kernels.loss_implementation, workspace_mb=cfg.kernels.loss_workspace_mb)
@@ -236,7 +263,7 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     dynamic_prompts = import_callable(cfg.data.dynamic_prompts_fn, "data.dynamic_prompts_fn") if cfg.data.dynamic_prompts_fn else None
     return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
                eval_prompts, rewards, logger, loss_config, settings, total_steps,
-               group_filter, dynamic_prompts, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))
+               group_filter, dynamic_prompts, resume_from=resume_from, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))
 
 
 def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:
@@ -259,16 +286,37 @@ def _sync_tolerance(cfg: EngineConfig) -> float:
     return 1e-3 if cfg.model.dtype == "float32" else 0.1
 
 
-def prompt_rounds(num_prompts: int, per_round: int, seed: int, shuffle: bool):
-    """Endless rounds of `per_round` prompt indices: each epoch a fresh seeded permutation (TRL's RepeatSampler
-    with mini_repeat_count G: the G copies are made by the engine's n=G); an incomplete last chunk is dropped."""
-    if per_round > num_prompts:
-        raise ValueError(f"a round needs {per_round} prompts but the dataset has {num_prompts}")
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        order = torch.randperm(num_prompts, generator=gen) if shuffle else torch.arange(num_prompts)
-        for start in range(0, num_prompts - per_round + 1, per_round):
-            yield order[start : start + per_round].tolist()
+def resume(run: Run) -> Progress:
+    """Restore `run.resume_from` (model, optimizer, scheduler, RNG, data position, step; collective), then load the
+    restored policy into every engine, which started from the Hugging Face weights. Progress() when not resuming."""
+    if run.resume_from is None:
+        return Progress()
+    progress = load_checkpoint(run.resume_from, run.popt, run.ps, model=_model_identity(run))
+    entropy = progress.loop_state.get("entropy", {})
+    run.entropy.coef = entropy.get("coef", run.entropy.coef)
+    run.entropy.last_entropy = entropy.get("last_entropy", run.entropy.last_entropy)
+    sync_weights(run)
+    return progress
+
+
+def save_run(run: Run, progress: Progress) -> int:
+    """Write `<output_dir>/checkpoint-<step>` (collective), keep the newest `save_total_limit`; returns the step."""
+    entropy = {"coef": run.entropy.coef, "last_entropy": run.entropy.last_entropy}
+    progress = replace(progress, loop_state=progress.loop_state | {"entropy": entropy})
+    save_checkpoint(run.cfg.train.output_dir, progress, run.popt, run.ps, model=_model_identity(run),
+                    run_config=config_to_dict(run.cfg), save_total_limit=run.cfg.checkpoint.save_total_limit)
+    return progress.step
+
+
+def is_save_step(save_steps: int, step: int, steps_in_round: int) -> bool:
+    """True when the round that ended at optimizer step `step` crossed a multiple of `save_steps` (0: never)."""
+    return save_steps > 0 and step // save_steps > (step - steps_in_round) // save_steps
+
+
+def _model_identity(run: Run) -> dict:
+    from transformers import AutoConfig
+
+    return describe_model(AutoConfig.from_pretrained(run.model_dir), run.dims.padded_vocab)
 
 
 def export_policy(run: Run, out_dir: str | Path) -> None:
@@ -303,17 +351,20 @@ def finish(run: Run, summary: dict) -> None:
 # one round
 
 
-def generate_everywhere(run: Run, prompt_ids: list[list[int]], num_generations: int) -> Rollout:
+def generate_everywhere(run: Run, prompt_ids: list[list[int]], num_generations: int,
+                        seeds: list[int] | None = None) -> Rollout:
     """Every engine generates a contiguous share of the prompts (the ranks of one vLLM TP group the same share);
-    the shares are gathered so every rank holds the whole round, prompt-major."""
+    the shares are gathered so every rank holds the whole round, prompt-major. `seeds`: one vLLM sampling seed per
+    prompt (engine/prompt_rounds.py), shared out with the prompts; None = the engines' own generators."""
     if run.cfg.rollout.vllm_mode == "server":  # rank 0 asks the server, every rank gets the round
-        return run.engine.generate(prompt_ids, num_generations)
+        return run.engine.generate(prompt_ids, num_generations, seeds=seeds)
     ps, vllm_tp = run.ps, run.cfg.rollout.vllm_tensor_parallel_size
     num_groups, group = ps.world_size // vllm_tp, ps.rank // vllm_tp
     share = -(-len(prompt_ids) // num_groups)
     mine = prompt_ids[group * share : (group + 1) * share]
     run.engine.wake_up()
-    local = run.engine.generate(mine, num_generations) if mine else Rollout([], [], [], [])
+    mine_seeds = seeds[group * share : (group + 1) * share] if seeds is not None else None
+    local = run.engine.generate(mine, num_generations, seeds=mine_seeds) if mine else Rollout([], [], [], [])
     run.engine.sleep()
     gathered: list = [None] * ps.world_size
     dist.all_gather_object(gathered, local)
@@ -349,10 +400,10 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
     gr, g = run.cfg.grpo, run.cfg.grpo.num_generations
     num_prompts = run.derived.num_prompts_per_generation
     parts, informative, seconds = [], [], {"time/rollout_s": 0.0, "time/reward_s": 0.0}
-    for _ in range(gr.dynamic_sampling_max_rounds if gr.use_dynamic_sampling else 1):
+    for attempt in range(gr.dynamic_sampling_max_rounds if gr.use_dynamic_sampling else 1):
         start = time.perf_counter()
         picked = run.pending_prompts or run.train_prompts.select(next(rounds))
-        rollout = generate_everywhere(run, picked.prompt_ids, g)
+        rollout = generate_everywhere(run, picked.prompt_ids, g, sampling_seeds(run.cfg.train.seed, step, attempt, picked.indices))
         middle = time.perf_counter()
         rewards, completions = score(run, picked, rollout, step)
         run.pending_prompts = next_dynamic_prompts(run, picked, completions, rewards)
@@ -451,9 +502,9 @@ def score(run: Run, picked, rollout: Rollout, step: int) -> tuple[torch.Tensor, 
     return rewards, completions
 
 
-def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor) -> dict:
+def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int) -> dict:
     """The round as tensors (engine/batch.py layout) with advantages, vLLM log-probs and the loss mask; rows
-    shuffled with a seeded permutation (the same on every rank)."""
+    shuffled with a permutation seeded by (seed, the round's first step): the same on every rank, and on resume."""
     from engine.policy_loss import mask_truncated_completions
 
     pad = run.tokenizer.pad_token_id or 0
@@ -466,7 +517,7 @@ def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor) -> dict:
     if run.cfg.grpo.mask_truncated_completions:
         batch["completion_mask"] = mask_truncated_completions(mask, is_truncated)
     batch |= {"advantages": advantages.float(), "sampling_logprobs": sampling, "is_truncated": is_truncated}
-    order = torch.randperm(mask.shape[0], generator=torch.Generator().manual_seed(run.cfg.train.seed + len(rollout.completion_ids)))
+    order = shuffle_order(mask.shape[0], run.cfg.train.seed, step)
     return {k: v[order] for k, v in batch.items()}
 
 

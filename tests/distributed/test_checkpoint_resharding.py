@@ -126,9 +126,9 @@ def saved_runs(tmp_path_factory):
 @pytest.mark.parametrize(
     "source,tp,pp,dist_opt",
     [("tp1_pp1", 1, 1, False), ("tp1_pp1", 2, 1, False), ("tp1_pp1", 1, 2, False), ("dp2_distopt", 2, 1, True),
-     ("dp2_distopt", 1, 1, False)],
+     ("dp2_distopt", 1, 1, True)],
     ids=["tp1_pp1-to-tp1_pp1", "tp1_pp1-to-tp2_pp1", "tp1_pp1-to-tp1_pp2", "dp2_distopt-to-tp2_distopt",
-         "dp2_distopt-to-tp1_plainopt"],
+         "dp2_distopt-to-tp1_dp1_distopt"],
 )
 def test_checkpoint_loads_at_another_layout_and_continues_the_same_trajectory(saved_runs, source, tp, pp, dist_opt):
     run_dir, saved, cache_dir = saved_runs[source]
@@ -137,6 +137,23 @@ def test_checkpoint_loads_at_another_layout_and_continues_the_same_trajectory(sa
     _assert_equal(_merge(loaded, "next"), _merge(saved, "next"), "parameters after the next optimizer step")
     assert loaded[0]["lr"] == saved[0]["lr"], "the LR schedule must continue where it stopped"
     assert loaded[0]["progress"].step == 1 and loaded[0]["progress"].rounds_done == 1
-    same_layout = len(loaded) == len(saved) and tp == 1 and pp == 1
-    if same_layout:
+    if source == "tp1_pp1" and tp == 1 and pp == 1:
         assert torch.equal(loaded[0]["draw"], saved[0]["draw"]), "the torch generator must be restored"
+
+
+def _load_with_other_optimizer(cache_dir, run_dir) -> str:
+    from engine.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
+
+    ps, _, _, popt, identity = _build(1, 1, False, cache_dir)
+    try:
+        load_checkpoint(find_latest_checkpoint(run_dir), popt, ps, model=identity)
+    except CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.slow
+def test_switching_the_optimizer_kind_is_a_clear_error(saved_runs):
+    run_dir, _, cache_dir = saved_runs["dp2_distopt"]
+    message = run_distributed(_load_with_other_optimizer, 1, cache_dir, str(run_dir))[0]
+    assert "use_distributed_optimizer" in message and "DistributedOptimizer" in message

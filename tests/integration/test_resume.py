@@ -1,0 +1,124 @@
+"""Exact resume of the GRPO loop on CPU (real Megatron, real in-process vLLM), through the `grpo-engine train`
+command a user runs (engine/checkpoint.py, engine/prompt_rounds.py, the trainer's checkpoint wiring).
+
+Three runs of the tiny config (6 optimizer steps, one per round, beta > 0 so the KL term is live, a reward with
+signal for a random policy and a large learning rate so that the policy moves every step):
+- A runs uninterrupted;
+- B saves every 2 steps and is SIGKILLed from outside as soon as checkpoint-2 exists (mid-round 3 or so);
+- C resumes B with `resume_from_checkpoint=latest`, saving every 2 steps, and is killed *while writing*
+  checkpoint-4: the test hook `GRPO_CHECKPOINT_CRASH_BEFORE_RENAME=4` SIGKILLs it after every file of the
+  checkpoint is written but before the rename (a window too short to hit from outside);
+- D resumes with `latest` again, which must pick checkpoint-2 (ignoring checkpoint-4.tmp), and runs to step 6.
+The metrics file of the B/C/D run directory then holds exactly one row per step (rows logged after the checkpoint
+by the killed runs are dropped on resume) and every row equals A's, bit for bit (compared as floats with
+tolerance 0): the rounds are pure functions of (seed, round) — prompts, vLLM seeds, row shuffle — and the model,
+Adam moments, LR schedule and RNG are restored exactly in float32 on one CPU process, so nothing may differ.
+Only wall-clock fields (time/*, step_time, tokens_per_s, elapsed_s, weight_sync/seconds) are left out.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 6
+WALL_CLOCK = re.compile(r"^time/|_s$|seconds|elapsed|step_time")
+
+
+def digit_fraction(completions, **kwargs):
+    """A reward with signal even for a random model: the share of digits in the completion."""
+    return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
+
+
+def _command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "engine.cli", "train", "configs/tiny_cpu.yaml", f"train.output_dir={run_dir}",
+            f"train.max_steps={STEPS}", "generation.max_completion_length=12", "grpo.beta=0.05",
+            "reward.reward_funcs=[tests.integration.test_resume:digit_fraction]", "optimizer.learning_rate=1e-2",
+            "data.dataset_test_split=null", "checkpoint.save_hf_at_end=false", *overrides]
+
+
+def _env(**extra: str) -> dict:
+    return os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra
+
+
+def _run(command: list[str], env: dict, log: Path) -> int:
+    """Run to the end in its own process group; the exit status (negative: killed by that signal)."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=400)
+        finally:
+            _kill_group(proc)
+
+
+def _run_until_then_kill(command: list[str], env: dict, log: Path, ready) -> int:
+    """Start, SIGKILL the whole process group once `ready()` holds; the exit status."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 400
+        while proc.poll() is None and not ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _kill_group(proc)
+        return proc.wait(timeout=60)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the trainer and the helpers it started (checkpoint writers)
+    except ProcessLookupError:
+        pass
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"one row per step expected, got steps {steps}"
+    return {r["step"]: {k: v for k, v in r.items() if not WALL_CLOCK.search(k)} for r in rows}
+
+
+def _tail(log: Path) -> str:
+    return "\n".join(log.read_text().splitlines()[-30:])
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
+    from engine.checkpoint import find_latest_checkpoint, list_checkpoints
+
+    straight, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    # A: uninterrupted
+    assert _run(_command(straight), _env(), tmp_path / "a.log") == 0, _tail(tmp_path / "a.log")
+    # B: SIGKILL from outside once checkpoint-2 is in place
+    ready = lambda: (resumed / "checkpoint-2" / "trainer_state.json").exists()  # noqa: E731
+    status = _run_until_then_kill(_command(resumed, "checkpoint.save_steps=2"), _env(), tmp_path / "b.log", ready)
+    assert status == -signal.SIGKILL, f"B should have been killed mid-run (status {status}):\n{_tail(tmp_path / 'b.log')}"
+    assert [s for s, _ in list_checkpoints(resumed)] == [2]
+    # C: resume, then die while writing checkpoint-4 (after the files, before the rename)
+    status = _run(_command(resumed, "checkpoint.save_steps=2", "checkpoint.resume_from_checkpoint=latest"),
+                  _env(GRPO_CHECKPOINT_CRASH_BEFORE_RENAME="4"), tmp_path / "c.log")
+    assert status == -signal.SIGKILL, f"C should have died saving checkpoint-4 (status {status}):\n{_tail(tmp_path / 'c.log')}"
+    assert "resumed from" in (tmp_path / "c.log").read_text()
+    assert (resumed / "checkpoint-4.tmp" / "trainer_state.json").exists() and not (resumed / "checkpoint-4").exists()
+    assert find_latest_checkpoint(resumed) == resumed / "checkpoint-2", "the last good checkpoint must survive"
+    # D: `latest` skips the partial checkpoint-4.tmp and resumes from checkpoint-2 to the end
+    status = _run(_command(resumed, "checkpoint.save_steps=2", "checkpoint.resume_from_checkpoint=latest"), _env(),
+                  tmp_path / "d.log")
+    assert status == 0, _tail(tmp_path / "d.log")
+    d_log = (tmp_path / "d.log").read_text()
+    assert "checkpoint-4.tmp" in d_log and "partial" in d_log, "ignoring the partial checkpoint is logged"
+    assert f"resumed from {resumed / 'checkpoint-2'}" in d_log
+    assert [s for s, _ in list_checkpoints(resumed)] == [2, 4, 6] and not (resumed / "checkpoint-4.tmp").exists()
+
+    expected, actual = _rows(straight), _rows(resumed)
+    assert sorted(actual) == sorted(expected) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        differing = {k: (expected[step].get(k), actual[step].get(k)) for k in expected[step] | actual[step]
+                     if expected[step].get(k) != actual[step].get(k)}
+        assert not differing, f"step {step}: uninterrupted vs resumed differ in {differing}"
+    assert expected[STEPS]["kl"] > 0 and any(expected[s]["grad_norm"] > 0 for s in range(3, STEPS + 1))
