@@ -29,6 +29,7 @@ Test: `pytest tests/unit/test_trl_api.py` (mapping, warnings, refusals; no engin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -233,6 +234,8 @@ class GRPOConfig:
         try:
             section, leaf = find_field(name)
         except KeyError:
+            if name in self._kwargs:  # e.g. use_vllm=True: accepted, nothing to configure
+                return self._kwargs[name]
             raise AttributeError(f"GRPOConfig has no attribute {name!r}") from None
         return getattr(getattr(self._engine, section), leaf)
 
@@ -429,13 +432,14 @@ class GRPOTrainer:
         if resume_from_checkpoint:
             where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from_checkpoint=where))
-        start, num_old_records = time.perf_counter(), len(_read_history(self.output_dir))
-        summary = train(cfg, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
-                        reward_funcs=self.reward_funcs, tokenizer=self.processing_class,
-                        export_dir=self.output_dir / FINAL_MODEL_DIR)
+        start, old_history = time.perf_counter(), _read_history(self.output_dir)
+        with _spawn_children_skip_main_script():
+            summary = train(cfg, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                            reward_funcs=self.reward_funcs, tokenizer=self.processing_class,
+                            export_dir=self.output_dir / FINAL_MODEL_DIR)
         runtime = time.perf_counter() - start
         self._trained = True
-        history = _read_history(self.output_dir)[num_old_records:]  # metrics.jsonl appends across runs
+        history = _new_records(old_history, _read_history(self.output_dir))
         self.state = _TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
         training_loss = _mean_loss(history)
         metrics = {"train_runtime": runtime, "train_steps_per_second": summary["steps"] / runtime,
@@ -459,6 +463,31 @@ class GRPOTrainer:
                     _link_or_copy(item, target / item.name)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(target)
+
+
+@contextlib.contextmanager
+def _spawn_children_skip_main_script():
+    """Let `spawn` children skip the user's script while training runs.
+
+    Megatron's checkpoint writer (dist_checkpointing's FileSystemWriterAsync) starts a multiprocessing manager with
+    the `spawn` method, and a spawn child first re-runs the parent's `__main__` script (as `__mp_main__`). TRL
+    scripts are usually flat, without `if __name__ == "__main__":`, so the child would start a second training run
+    (and fail on the taken rendezvous port). The children started here run library code only, so `__main__` is
+    marked as not re-importable for them: multiprocessing skips a main module whose spec is named `__main__`.
+    """
+    import importlib.machinery
+    import sys
+
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    previous = getattr(main, "__spec__", None)
+    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+    try:
+        yield
+    finally:
+        main.__spec__ = previous
 
 
 @dataclasses.dataclass
@@ -709,6 +738,15 @@ def _read_history(output_dir: Path) -> list[dict]:
 
     path = output_dir / METRICS_FILE
     return read_metrics(path) if path.is_file() else []
+
+
+def _new_records(before: list[dict], after: list[dict]) -> list[dict]:
+    """The records this run added: metrics.jsonl appends across runs, and a resumed run first drops the lines after
+    its checkpoint, so the new records follow the longest common prefix of the file before and after."""
+    common = 0
+    while common < min(len(before), len(after)) and before[common] == after[common]:
+        common += 1
+    return after[common:]
 
 
 def _mean_loss(history: list[dict]) -> float:

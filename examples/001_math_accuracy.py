@@ -7,7 +7,10 @@ Under TRL the same script runs with only these two lines changed:
 
 The prompts are lists of messages, so the tokenizer's chat template renders them (with `chat_template_kwargs`; the
 tiny model's ChatML template has no `enable_thinking` switch and ignores it, Qwen3's reads it) and completions reach
-the reward functions as [{"role": "assistant", "content": ...}].
+the reward functions as [{"role": "assistant", "content": ...}]. The shipped tiny model was warm-started on plain
+text ("Question: ... Answer: <think> ... </think> <answer>N</answer>"), never on chats: inside the chat template it
+mostly ends its turn at once, so here both rewards stay at 0 and there is nothing to learn. The script shows the
+API; with a chat model (the TRL line above) the rewards vary and it trains.
 
 Run: `python examples/001_math_accuracy.py` (2 CPU cores: ~30 s). Writes runs/001_math_accuracy/.
 """

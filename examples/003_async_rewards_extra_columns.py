@@ -58,6 +58,7 @@ training_args = GRPOConfig(
     learning_rate=1e-5,
     scale_rewards="batch",
     logging_steps=1,
+    log_completions=True,  # the table in output_dir/completions/ shows None (not applicable) per row
     bf16=False,  # float32: the tiny model on CPU
     use_vllm=True,
     vllm_mode="colocate",

@@ -335,3 +335,43 @@ def test_load_prompts_takes_an_in_memory_dataset_with_its_columns(tmp_path):
     assert batch.prompts == [dataset[2]["prompt"], dataset[0]["prompt"]]
     assert batch.columns == {"answer": ["1", "1"], "task": ["arithmetic", "arithmetic"]}
     assert load_prompts(data_cfg, tokenizer, GenerationConfig(), split="test") is None
+
+
+def test_training_loss_is_the_mean_over_this_runs_steps():
+    from engine.trl_api import _mean_loss, _new_records
+
+    old = [{"step": 1, "loss": 9.0}, {"step": 2, "loss": 9.0}]
+    assert _new_records(old, old + [{"step": 1, "loss": 1.0}]) == [{"step": 1, "loss": 1.0}]
+    resumed = [old[0], {"step": 2, "loss": 2.0}, {"step": 3, "loss": 3.0}]  # resumed after step 1: step 2 redone
+    assert _new_records(old, resumed) == resumed[1:]
+    # records logged every 2 steps weigh the 2 steps they cover
+    assert _mean_loss([{"step": 2, "loss": 1.0}, {"step": 3, "loss": 4.0}, {"step": 4}]) == pytest.approx(2.0)
+
+
+SPAWNING_SCRIPT = '''
+import contextlib, multiprocessing, pathlib, sys, time
+from engine.trl_api import _spawn_children_skip_main_script
+with pathlib.Path(sys.argv[1]).open("a") as f:
+    f.write("script ran\\n")
+guard = _spawn_children_skip_main_script() if sys.argv[2] == "guarded" else contextlib.nullcontext()
+with guard:
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    child.start()
+    child.join()
+'''
+
+
+@pytest.mark.parametrize("mode, runs", [("guarded", 1), ("unguarded", 2)])
+def test_spawn_children_do_not_rerun_a_flat_training_script(tmp_path, mode, runs):
+    """Megatron's checkpoint writer spawns a process; a flat TRL script (no __main__ guard) must not run twice."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script, marker = tmp_path / "flat_script.py", tmp_path / "runs.txt"
+    script.write_text(SPAWNING_SCRIPT)
+    repo = str(Path(__file__).resolve().parents[2])
+    subprocess.run([sys.executable, str(script), str(marker), mode], cwd=tmp_path, capture_output=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": repo})
+    assert marker.read_text().count("script ran") == runs
