@@ -25,7 +25,8 @@ Limits: the padded vocabulary (make_vocab_size_divisible_by * tp_size) must be t
 the shipped configs at TP 1 and 2; Qwen2.5's 151936 pads differently at TP 8): a mismatch fails with the
 tensor named. Megatron 0.16's distributed optimizer cannot load its own `fully_reshardable` state when the inner
 optimizer is torch's Adam (CPU: no Apex / Transformer Engine) because it expects a per-parameter `step` tensor in
-the loaded state; `_load_optimizer_state` loads the step through the regular path and the tensors without it.
+the loaded state, and it gives every parameter one shared step tensor; `_load_optimizer_state` loads the step
+through the regular path, the tensors without it, and gives each parameter its own step.
 
 Must not: read Megatron's global parallel state (ps carries the layout), know the GRPO loop, touch vLLM.
 
@@ -468,4 +469,6 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
         optimizer.load_parameter_state_from_fully_reshardable(param_state)
     finally:
         for p, step in steps.items():
-            optimizer.optimizer.state[p]["step"] = step
+            # NOTE: Megatron hands every parameter the *same* step tensor; torch Adam increments each parameter's
+            # step in place, so a shared tensor would advance once per parameter and break the bias correction.
+            optimizer.optimizer.state[p]["step"] = step.clone()
