@@ -107,6 +107,8 @@ REFUSED: dict[str, str] = {
 TRANSLATED = ("bf16", "fp16", "model_init_kwargs", "vllm_importance_sampling_cap")
 """TRL names that map onto engine fields of another name (see `GRPOConfig._translate`)."""
 
+CALLABLE_FIELDS = ("group_filter_func", "dynamic_prompts_fn")
+"""Engine fields naming a user function as `module:function`; a function object is accepted and recorded so."""
 _SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 """TRL / transformers `lr_scheduler_type` -> the engine's (its `constant` honours warmup)."""
 _REPORT_BACKENDS = ("tensorboard", "wandb")
@@ -203,6 +205,9 @@ class GRPOConfig:
                 kwargs[name] = json.loads(kwargs[name])
         if "optim" in kwargs:
             kwargs["optim"] = _optimizer(kwargs["optim"])
+        for name in CALLABLE_FIELDS:
+            if callable(kwargs.get(name)):
+                kwargs[name] = callable_spec(kwargs[name], name)
         if kwargs.get("pad_to_multiple_of") == "auto":
             kwargs["pad_to_multiple_of"] = None  # TRL 1.16: "auto" pads only on AWS Neuron
         if kwargs.get("output_dir") is None:
@@ -250,8 +255,11 @@ class GRPOConfig:
             raise
 
     def replace(self, **changes: Any) -> GRPOConfig:
-        """A copy with some arguments changed."""
-        return GRPOConfig(**{**self._kwargs, **changes})
+        """A copy with some arguments changed (only the changed ones can warn)."""
+        copy = object.__new__(GRPOConfig)
+        object.__setattr__(copy, "_kwargs", {**self._kwargs, **changes})
+        copy._build(warn_names=list(changes))
+        return copy
 
     def __repr__(self) -> str:
         given = ", ".join(f"{k}={_shown(k, v)}" for k, v in self._kwargs.items())
@@ -261,6 +269,21 @@ class GRPOConfig:
 def _shown(name: str, value: Any) -> str:
     """repr(value) for messages; secrets (hub_token) are never printed."""
     return "'<redacted>'" if "token" in name and isinstance(value, str) else repr(value)
+
+
+def callable_spec(func: Any, what: str) -> str:
+    """`module:qualname` of a module-level function, checked to import back to the same object (every rank imports
+    it by name; a function defined in the script is found in `__main__`, which every rank runs)."""
+    from engine.rewards import import_callable
+
+    module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", "")
+    spec = f"{module}:{qualname}"
+    if not module or "<" in qualname:
+        raise ValueError(f"{what}={func!r}: must be a module-level function (it is imported by name on every rank), "
+                         "not a lambda, a closure or a bound instance")
+    if import_callable(spec, what) is not func:
+        raise ValueError(f"{what}: {spec!r} does not import back to the function given")
+    return spec
 
 
 def _translate_dtype(kwargs: dict[str, Any], ignored: dict[str, tuple[Any, str]]) -> None:
@@ -360,13 +383,15 @@ class GRPOTrainer:
         reward_processing_classes: tokenizers of reward models (one per reward function, None for callables).
         callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's;
             anything but their defaults is refused with a message.
+        group_filter_func: GFPO's filter (TRL's experimental GFPOTrainer argument): a module-level function
+            `f(group_completions, group_rewards, **kw) -> [P][G]` scores, used with `num_remains_in_group`.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
-                 environment_factory: Any = None):
+                 environment_factory: Any = None, group_filter_func: Any = None):
         _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
                             environment_factory)
         if args is None:
@@ -374,6 +399,8 @@ class GRPOTrainer:
         elif not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be engine.GRPOConfig, got {type(args).__module__}.{type(args).__name__}; "
                             "change `from trl import GRPOConfig` to `from engine import GRPOConfig`")
+        if group_filter_func is not None:  # TRL's GFPOTrainer argument (with num_remains_in_group)
+            args = args.replace(group_filter_func=group_filter_func)
         self.args = args
         cfg = args.to_engine_config()
         self.output_dir = Path(cfg.train.output_dir)

@@ -375,3 +375,21 @@ def test_spawn_children_do_not_rerun_a_flat_training_script(tmp_path, mode, runs
     subprocess.run([sys.executable, str(script), str(marker), mode], cwd=tmp_path, capture_output=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": repo})
     assert marker.read_text().count("script ran") == runs
+
+
+def shortest_first(group_completions, group_rewards, **kwargs):
+    return [[-len(c) for c in group] for group in group_completions]
+
+
+def test_function_valued_fields_take_module_level_functions(tmp_path):
+    args = _config(num_remains_in_group=2, group_filter_func=shortest_first)
+    assert args.group_filter_func == f"{__name__}:shortest_first"
+    with pytest.raises(ValueError, match="module-level function"):
+        GRPOConfig(group_filter_func=lambda group_completions, group_rewards, **kw: group_rewards)
+    # TRL's GFPOTrainer takes the filter as a trainer argument
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
+                          args=_small_args(tmp_path, num_remains_in_group=2), group_filter_func=shortest_first)
+    assert trainer.engine_config.grpo.group_filter_func == f"{__name__}:shortest_first"
+    with pytest.raises(ConfigError, match="group_filter_func"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
+                    args=_small_args(tmp_path, num_remains_in_group=2))
