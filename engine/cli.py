@@ -73,7 +73,9 @@ def cmd_train(args) -> int:
         from engine.trainer import train
 
         summary = train(load_config(args.config, args.overrides))
-        if summary["rank"] == 0 and summary.get("eval_reward_before") is not None:
+        if summary.get("stopped_by_signal") and summary["rank"] == 0:
+            print(f"stopped by SIGUSR1 after step {summary['steps']}; resume with checkpoint.resume_from_checkpoint=latest")
+        elif summary["rank"] == 0 and summary.get("eval_reward_before") is not None:
             print(f"held-out reward: {summary['eval_reward_before']:.3f} -> {summary['eval_reward_after']:.3f}")
         return 0
     # --dry-run: validate against the launcher's world size and the cluster shape, plan, exit 0 only if it fits.

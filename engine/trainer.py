@@ -132,6 +132,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     replaces `cfg.reward.reward_funcs`, `tokenizer` replaces the model directory's; `export_dir` receives the final
     policy as a Hugging Face checkpoint (collective).
     """
+    stop = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
     run = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs,
                     tokenizer=tokenizer)
     cfg, ps, d = run.cfg, run.ps, run.derived
@@ -140,7 +141,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     rounds = PromptRounds(len(run.train_prompts), d.num_prompts_per_generation, cfg.train.seed,
                           cfg.train.shuffle_dataset, start=progress.rounds_done)
     step, last, num_tokens = progress.step, {}, progress.num_tokens
-    saved_at, stop = (progress.step if run.resume_from else None), StopSignal().install()
+    saved_at = progress.step if run.resume_from else None
     while step < run.total_steps:
         start = time.perf_counter()
         # 1. rollout and rewards: G completions for each prompt of the round, scored on rank 0 and broadcast;
@@ -250,6 +251,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
             ps, dims, engine.health["vllm_tensor_parallel_size"], ffn_hidden_size=hf_config.intermediate_size,
             dtype=cfg.model.dtype, group_port=cfg.rollout.vllm_group_port, timeout_s=cfg.rollout.vllm_server_timeout,
             bucket_mb=cfg.rollout.weight_sync_bucket_mb)
+        # NOTE: the server outlives trainer runs (and restarts): whatever it holds, the first round samples from
+        # the trainer's weights.
+        sync_server(popt.model, ps, dims, engine, engine.weight_link)
     else:
         engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
                                  dtype=cfg.model.dtype, world_size=ps.world_size)

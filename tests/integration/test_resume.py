@@ -122,3 +122,30 @@ def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tm
                      if expected[step].get(k) != actual[step].get(k)}
         assert not differing, f"step {step}: uninterrupted vs resumed differ in {differing}"
     assert expected[STEPS]["kl"] > 0 and any(expected[s]["grad_norm"] > 0 for s in range(3, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_sigusr1_saves_at_the_next_round_boundary_and_exits_cleanly(tmp_path):
+    """What SLURM's `--signal=USR1@600` (forwarded by torchrun to every worker) does to a run."""
+    from engine.checkpoint import list_checkpoints, read_progress
+
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    command = _command(run_dir, "train.max_steps=200", "checkpoint.save_steps=0", "checkpoint.save_hf_at_end=true")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
+            while proc.poll() is None and time.monotonic() < deadline and not (
+                    metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGUSR1)
+            status = proc.wait(timeout=300)
+        finally:
+            _kill_group(proc)
+    assert status == 0, _tail(log)
+    last_step = max(_rows(run_dir))
+    assert 2 <= last_step < 200, "the run stopped early, after the round in progress"
+    assert [s for s, _ in list_checkpoints(run_dir)] == [last_step], "one checkpoint, at the round boundary"
+    assert read_progress(run_dir / f"checkpoint-{last_step}").rounds_done == last_step  # one optimizer step per round
+    assert "stopped by SIGUSR1" in log.read_text()
+    assert not (run_dir / "hf").exists(), "a stopped run skips the final Hugging Face export"
