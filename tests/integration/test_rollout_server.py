@@ -11,6 +11,7 @@ were before the sync.
 
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -37,17 +38,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _group_port() -> int:
+    """A free port below Linux's ephemeral range (32768+), so the launcher's own free MASTER_PORT never equals it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
 class Server:
     """A rollout server process (stopped by `stop`; its log kept for failure messages)."""
 
-    def __init__(self, tmp: Path, token: str, group_port: int, *overrides: str):
-        self.port, self.token, self.group_port = _free_port(), token, group_port
+    def __init__(self, tmp: Path, token: str, *overrides: str):
+        self.port, self.token = _free_port(), token
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}.log"
         self.overrides = [
             f"model.name_or_path={MODEL}", "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
             "rollout.vllm_max_model_length=128", "generation.max_completion_length=6", "rollout.vllm_server_timeout=60",
-            f"rollout.vllm_group_port={group_port}", f"train.output_dir={tmp}", *overrides,
+            f"train.output_dir={tmp}", *overrides,
         ]
         env = dict(os.environ, GRPO_ENGINE_TOKEN=token, OMP_NUM_THREADS="1")
         with open(self.log_path, "w") as log:
@@ -80,7 +94,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), _free_port())
+    srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16))
     yield srv
     srv.stop()
     assert srv.token not in srv.log(), "the server logged its token"
@@ -149,7 +163,8 @@ def test_client_error_names_url_endpoint_and_connection_refused():
 
 
 def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid: int | None = None) -> dict:
-    """Trainer at TP=tp: check the server against the checkpoint, take one GRPO step, sync into the server, verify.
+    """Trainer at TP=tp: sync its checkpoint into the server and check them equal, take one GRPO step (the server
+    is now stale: verification must say so), sync again, verify.
     With `server_pid`: then freeze the server, sync again and SIGKILL it mid-sync; report the error and whether the
     trainer's weights changed."""
     import threading
@@ -181,6 +196,10 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)
     rollout_cfg = RolloutConfig(vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30.0)
     engine = connect_rollout_server(rollout_cfg, GenerationConfig(max_completion_length=6), ps.rank)
+    link = build_server_sync(ps, dims, engine.health["vllm_tensor_parallel_size"],
+                             ffn_hidden_size=hf_config.intermediate_size, dtype="float32", group_port=group_port,
+                             timeout_s=30.0, bucket_mb=0.25)
+    sync_server(popt.model, ps, dims, engine, link)  # the server may hold another run's weights: start equal
     rollout = engine.generate([[5, 6, 7], [8, 9]], num_generations=2, seeds=[1, 100])  # the same on every rank
     batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
     batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
@@ -197,9 +216,6 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
         stale_error = ""
     except WeightSyncError as exc:
         stale_error = str(exc)
-    link = build_server_sync(ps, dims, engine.health["vllm_tensor_parallel_size"],
-                             ffn_hidden_size=hf_config.intermediate_size, dtype="float32", group_port=group_port,
-                             timeout_s=30.0, bucket_mb=0.25)
     stats = sync_server(popt.model, ps, dims, engine, link)
     after = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
     result = {"before": before, "after": after, "stale_error": stale_error, "stats": stats}
@@ -228,9 +244,9 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
 def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
     from tests.distributed.launcher import run_distributed
 
-    results = run_distributed(_sync_into_server, tp, tp, server.url, server.token, _free_port(), timeout_s=300)
+    results = run_distributed(_sync_into_server, tp, tp, server.url, server.token, _group_port(), timeout_s=300)
     for rank, r in enumerate(results):
-        assert r["before"] < TOLERANCE, f"rank {rank}: server and trainer disagree on the checkpoint: {r['before']}"
+        assert r["before"] < TOLERANCE, f"rank {rank}: server and trainer disagree before the step: {r['before']}"
         assert "not running the trainer's weights" in r["stale_error"], f"rank {rank}: stale server not caught"
         assert r["after"] < TOLERANCE, f"rank {rank}: after the sync the difference is {r['after']}"
     assert results[0]["stats"]["weight_sync/buckets"] >= 4, "0.25 MiB buckets: several per sync"
@@ -240,9 +256,9 @@ def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
 def test_server_killed_mid_sync_gives_a_clear_error_and_leaves_trainer_weights_intact(tmp_path):
     from tests.distributed.launcher import run_distributed
 
-    doomed = Server(tmp_path, secrets.token_hex(16), _free_port())
+    doomed = Server(tmp_path, secrets.token_hex(16))
     try:
-        [r] = run_distributed(_sync_into_server, 1, 1, doomed.url, doomed.token, _free_port(), doomed.proc.pid,
+        [r] = run_distributed(_sync_into_server, 1, 1, doomed.url, doomed.token, _group_port(), doomed.proc.pid,
                               timeout_s=300)
     finally:
         doomed.proc.kill()
@@ -274,7 +290,7 @@ def test_grpo_loop_in_server_mode_generates_on_the_server_and_stays_in_sync(serv
     from tests.distributed.launcher import run_distributed
 
     calls_before = server.client().health()["num_engine_calls"]
-    [summary] = run_distributed(_train_against_server, 1, server.url, server.token, _free_port(), str(tmp_path),
+    [summary] = run_distributed(_train_against_server, 1, server.url, server.token, _group_port(), str(tmp_path),
                                 timeout_s=300)
     assert summary["steps"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
