@@ -323,9 +323,10 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
     tmp = final.with_name(final.name + TMP_SUFFIX)
     if ps.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
-        (tmp / "rng").mkdir(parents=True)
+        tmp.mkdir(parents=True)
     dist.barrier()
     dist_checkpointing.save(_sharded_state_dict(popt, is_loading=False), str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
     with open(tmp / "rng" / f"rank-{ps.rank:05d}.pt", "wb") as f:
         torch.save(_capture_rng(), f)
         f.flush()

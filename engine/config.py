@@ -266,7 +266,7 @@ class CheckpointConfig:
     resume_from_checkpoint: str | None = None
     """A checkpoint directory, or `latest` for the newest one in the run directory."""
     save_hf_at_end: bool = True
-    """Export the final policy as a Hugging Face checkpoint."""
+    """Export the final policy as a Hugging Face checkpoint to `<output_dir>/hf` (not after a SIGUSR1 stop)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
