@@ -516,11 +516,20 @@ class WeightTransferGroup:
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0,
-               backend: str = "auto") -> WeightTransferGroup:
-        """Join the group: rank 0 hosts a TCPStore at (host, port), the others connect to it (collective: every
-        member calls it). `timeout_s` bounds joining and every later transfer wait."""
+               backend: str = "auto", join_timeout_s: float | None = None,
+               host_store: bool | None = None) -> WeightTransferGroup:
+        """Join the group (collective: every member calls it): one process hosts a TCPStore at (host, port) (rank 0
+        unless `host_store` says otherwise: any long-lived process may host it, a member or not), the members
+        connect to it. `timeout_s` bounds every transfer wait; `join_timeout_s` (default `timeout_s`) bounds
+        waiting for the store and the other members.
+
+        NOTE: a member that starts before the store listens retries with torch's growing back-off (seen: 23 s
+        between tries), so start the store's host first where joining time matters."""
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+        join_timeout = timedelta(seconds=join_timeout_s if join_timeout_s is not None else timeout_s)
+        is_master = rank == 0 if host_store is None else host_store
+        store = dist.TCPStore(host, port, world_size, is_master=is_master, timeout=join_timeout,
+                              wait_for_workers=False)
         prefixed = dist.PrefixStore("grpo_weight_transfer", store)
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -530,7 +539,8 @@ class WeightTransferGroup:
             pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
             device = torch.device("cuda", torch.cuda.current_device())
         else:
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, join_timeout)
+            pg._set_default_timeout(timeout)
             device = torch.device("cpu")
         return cls(pg, store, rank, world_size, timeout, device)
 
