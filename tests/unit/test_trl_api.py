@@ -12,7 +12,8 @@ import pytest
 
 from engine import GRPOConfig, GRPOTrainer
 from engine.config import ConfigError, EngineConfig, config_to_dict
-from engine.trl_api import FINAL_MODEL_DIR, INITIAL_MODEL_DIR, known_argument_names
+from engine.trl_api import FINAL_MODEL_DIR, INITIAL_MODEL_DIR
+from engine.trl_config import known_argument_names
 
 TINY = "builtin:tiny-qwen2-arith"
 
