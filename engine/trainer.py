@@ -13,7 +13,8 @@ Server mode (`rollout.vllm_mode: server`, engine/rollout_server.py on other proc
 the server for each round over HTTP and broadcasts it (engine/rollout_client.py); the weight sync goes shard to
 shard over the transfer group (engine/weight_sync.py `sync_server`) and is verified as in colocated mode.
 
-Not yet here (see the issue notes): the TRL-compatible `GRPOTrainer` facade.
+The TRL-compatible `GRPOConfig` / `GRPOTrainer` (engine/trl_config.py, engine/trl_api.py) call `train` with
+in-memory datasets, reward callables and a tokenizer (its keyword-only inputs).
 
 Checkpoints (engine/checkpoint.py): every `checkpoint.save_steps` optimizer steps at the end of a round, at the end of
 training, and at the end of the round in which SIGUSR1 arrived (then the run exits); `resume_from_checkpoint` restores
