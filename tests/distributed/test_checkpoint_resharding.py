@@ -109,29 +109,38 @@ def _assert_equal(actual: dict, expected: dict, what: str) -> None:
         assert torch.equal(actual[name], tensor), f"{what}: {name} differs (max {(actual[name] - tensor).abs().max()})"
 
 
+SOURCES = {"tp1_pp1": (1, 1, False), "dp2_distopt": (1, 1, True), "tp2_pp2": (2, 2, False)}
+"""Source layouts: (tp, pp, distributed optimizer); dp2_distopt runs on 2 ranks (TP1 x DP2), so the distributed
+optimizer's state is sharded over the two DP ranks."""
+
+
 @pytest.fixture(scope="module")
 def saved_runs(tmp_path_factory):
-    """Source checkpoints: TP1 x PP1 (one process, Megatron's FP32 optimizer) and TP1 x DP2 with the distributed
-    optimizer (its state sharded over the two DP ranks)."""
+    """name -> (run dir, per-rank results of the source run, model cache); each source is saved on first use."""
     root = tmp_path_factory.mktemp("ckpt")
-    out = {}
-    for name, (world, dist_opt) in {"tp1_pp1": (1, False), "dp2_distopt": (2, True)}.items():
-        run_dir = root / name
-        results = run_distributed(_save_then_step, world, 1, 1, dist_opt, str(root / "models"), str(run_dir))
-        out[name] = (run_dir, results, str(root / "models"))
-    return out
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            tp, pp, dist_opt = SOURCES[name]
+            world = 2 if name == "dp2_distopt" else tp * pp
+            results = run_distributed(_save_then_step, world, tp, pp, dist_opt, str(root / "models"), str(root / name))
+            cache[name] = (root / name, results, str(root / "models"))
+        return cache[name]
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "source,tp,pp,dist_opt",
     [("tp1_pp1", 1, 1, False), ("tp1_pp1", 2, 1, False), ("tp1_pp1", 1, 2, False), ("dp2_distopt", 2, 1, True),
-     ("dp2_distopt", 1, 1, True)],
+     ("dp2_distopt", 1, 1, True), ("tp2_pp2", 1, 1, False)],
     ids=["tp1_pp1-to-tp1_pp1", "tp1_pp1-to-tp2_pp1", "tp1_pp1-to-tp1_pp2", "dp2_distopt-to-tp2_distopt",
-         "dp2_distopt-to-tp1_dp1_distopt"],
+         "dp2_distopt-to-tp1_dp1_distopt", "tp2_pp2-to-tp1_pp1"],
 )
 def test_checkpoint_loads_at_another_layout_and_continues_the_same_trajectory(saved_runs, source, tp, pp, dist_opt):
-    run_dir, saved, cache_dir = saved_runs[source]
+    run_dir, saved, cache_dir = saved_runs(source)
     loaded = run_distributed(_load_then_step, tp * pp, tp, pp, dist_opt, cache_dir, str(run_dir))
     _assert_equal(_merge(loaded, "loaded"), _merge(saved, "saved"), "parameters after loading")
     _assert_equal(_merge(loaded, "next"), _merge(saved, "next"), "parameters after the next optimizer step")
@@ -154,6 +163,6 @@ def _load_with_other_optimizer(cache_dir, run_dir) -> str:
 
 @pytest.mark.slow
 def test_switching_the_optimizer_kind_is_a_clear_error(saved_runs):
-    run_dir, _, cache_dir = saved_runs["dp2_distopt"]
+    run_dir, _, cache_dir = saved_runs("dp2_distopt")
     message = run_distributed(_load_with_other_optimizer, 1, cache_dir, str(run_dir))[0]
     assert "use_distributed_optimizer" in message and "DistributedOptimizer" in message
