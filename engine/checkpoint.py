@@ -2,7 +2,7 @@
 
 Owns: `save_checkpoint` / `load_checkpoint` of everything a run needs to continue as if it had never stopped,
 `find_latest_checkpoint`, `resolve_resume_checkpoint` (`checkpoint.resume_from_checkpoint`: a path or `latest`;
-`agree_on_resume_checkpoint` for all ranks), `rotate_checkpoints` (keep the newest `save_total_limit`),
+`agree_on_resume_checkpoint` for all ranks), `rotate_checkpoints` (keep the newest `save_total_limit`), `is_save_step`,
 `read_progress`, `describe_model`, and `StopSignal` (SIGUSR1: save at the next round boundary, then exit).
 
 A checkpoint is the directory `<output_dir>/checkpoint-<step>` (HF Trainer's naming) holding
@@ -220,6 +220,12 @@ def read_state(path: str | Path) -> dict:
 def read_progress(path: str | Path) -> Progress:
     """Step and data position stored in a checkpoint (no model needed)."""
     return Progress(**read_state(path)["progress"])
+
+
+def is_save_step(save_steps: int, step: int, steps_in_round: int) -> bool:
+    """True when the round that ended at optimizer step `step` (having taken `steps_in_round` steps) crossed a
+    multiple of `save_steps`: checkpoints fall on round boundaries. 0 = never on schedule (only at the end)."""
+    return save_steps > 0 and step // save_steps > (step - steps_in_round) // save_steps
 
 
 def rotate_checkpoints(run_dir: str | Path, keep: int | None) -> list[Path]:

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from engine.advantages import aggregate_rewards, compute_advantages
 from engine.batch import pack_completions, split_microbatches
-from engine.checkpoint import (Progress, StopSignal, agree_on_resume_checkpoint, describe_model, load_checkpoint,
-                               read_progress, save_checkpoint)
+from engine.checkpoint import (Progress, StopSignal, agree_on_resume_checkpoint, describe_model, is_save_step,
+                               load_checkpoint, read_progress, save_checkpoint)
 from engine.config import EngineConfig, config_to_dict, write_resolved_config
 from engine.data import PromptBatch
 from engine.dynamic_sampling import assemble_rounds, find_informative_groups, is_dynamic_batch_full, select_dynamic_batch
@@ -311,11 +311,6 @@ def save_run(run: Run, progress: Progress) -> int:
     save_checkpoint(run.cfg.train.output_dir, progress, run.popt, run.ps, model=_model_identity(run),
                     run_config=config_to_dict(run.cfg), save_total_limit=run.cfg.checkpoint.save_total_limit)
     return progress.step
-
-
-def is_save_step(save_steps: int, step: int, steps_in_round: int) -> bool:
-    """True when the round that ended at optimizer step `step` crossed a multiple of `save_steps` (0: never)."""
-    return save_steps > 0 and step // save_steps > (step - steps_in_round) // save_steps
 
 
 def _model_identity(run: Run) -> dict:

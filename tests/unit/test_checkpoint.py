@@ -6,7 +6,8 @@ import json
 import pytest
 
 from engine.checkpoint import (FORMAT, CheckpointError, Progress, check_compatible, find_latest_checkpoint,
-                               list_checkpoints, read_progress, resolve_resume_checkpoint, rotate_checkpoints)
+                               is_save_step, list_checkpoints, read_progress, resolve_resume_checkpoint,
+                               rotate_checkpoints)
 
 
 def _fake_checkpoint(run_dir, name, step=0, complete=True):
@@ -92,3 +93,14 @@ def test_rotation_without_a_limit_or_under_it_keeps_everything(tmp_path, keep):
         _fake_checkpoint(tmp_path, f"checkpoint-{step}", step)
     assert rotate_checkpoints(tmp_path, keep) == []
     assert len(list_checkpoints(tmp_path)) == 3
+
+
+@pytest.mark.parametrize("save_steps,steps_per_round,saved_after", [
+    (2, 1, [2, 4, 6, 8, 10, 12]),
+    (2, 3, [3, 6, 9, 12]),  # every round crosses a multiple of 2: saved at its end
+    (5, 3, [6, 12]),  # crossed 5 in the round 4..6, 10 in 10..12
+    (0, 1, []),  # only at the end of training
+])
+def test_checkpoints_fall_on_the_round_that_crosses_a_multiple_of_save_steps(save_steps, steps_per_round, saved_after):
+    ends = range(steps_per_round, 13, steps_per_round)
+    assert [s for s in ends if is_save_step(save_steps, s, steps_per_round)] == saved_after
