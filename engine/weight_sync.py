@@ -623,9 +623,11 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
     """Send this trainer rank's pieces of the policy to the engine workers (call on every trainer rank).
 
     Ranks with dp_rank > 0 return at once (they hold copies of dp_rank 0's shards). Each sender packs, per bucket
-    and per engine rank, the boxes of its own shards that rank reads into one flat buffer (`tensor_by_tensor`:
-    one message per box instead, the baseline) behind a small header; no rank gathers anything. Packing bucket
-    k+1 overlaps the transmission of bucket k. Returns after every engine rank acknowledged the last bucket.
+    and per engine rank, the boxes of its own shards that rank reads into one flat buffer behind a small header;
+    no rank gathers anything. Packing bucket k+1 overlaps the transmission of bucket k. Returns after every engine
+    rank acknowledged the last bucket. `tensor_by_tensor=True` is the baseline of per-tensor frameworks (TRL's
+    `update_named_param`, OpenRLHF's `broadcast_to_vllm`: one collective per tensor, each completed before the
+    next): one message per box (a piece of an HF tensor), each waited for before the next is sent.
 
     Args:
         chunks: the policy chunks (wrapped or not), in virtual-stage order.
@@ -656,7 +658,10 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
             messages = [_header(k, numel, me, engine_rank, group.device)] + _pack(transfers, params, plan, group, tensor_by_tensor)
             if len(messages) > _MAX_MESSAGES:
                 raise ValueError(f"bucket {k}: {len(messages)} messages to one peer; use a smaller bucket_mb")
-            works += [(group.send(m, peer, _tag(k, i)), peer, k) for i, m in enumerate(messages)]
+            for i, message in enumerate(messages):
+                works.append((group.send(message, peer, _tag(k, i)), peer, k))
+                if tensor_by_tensor:  # the per-tensor baseline: each message completes before the next starts
+                    _wait([works.pop()], plan, group, "sending")
             num_bytes += numel * plan.torch_dtype.itemsize
             num_messages += len(messages)
         _wait(pending, plan, group, "sending")
@@ -740,16 +745,25 @@ def receive_weights(group: WeightTransferGroup, plan: SyncPlan, bucket_mb: float
 
 
 def _assemble(plan: SyncPlan, bucket: list[int], received, device) -> list[tuple[str, torch.Tensor]]:
-    """Full-shape HF tensors of one bucket with this rank's boxes filled from the received payloads."""
-    out = {i: torch.empty(plan.tensors[i].shape, dtype=plan.torch_dtype, device=device) for i in bucket}
+    """Full-shape HF tensors of one bucket with this rank's boxes filled from the received payloads. A tensor that
+    arrived whole in one piece is a view of the received buffer (no copy)."""
+    out: dict[int, torch.Tensor] = {}
     for _, transfers, messages, _ in received:
         payload = messages[1:]
         flat = payload[0] if len(payload) == 1 else None
         offset = 0
         for j, transfer in enumerate(transfers):
             part = payload[j] if flat is None else flat[offset : offset + transfer.numel]
-            out[transfer.tensor][_box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
             offset += transfer.numel
+            shape = plan.tensors[transfer.tensor].shape
+            if transfer.hf_box == _full(shape) and transfer.tensor not in out:
+                out[transfer.tensor] = part.view(shape)
+                continue
+            if transfer.tensor not in out:
+                out[transfer.tensor] = torch.empty(shape, dtype=plan.torch_dtype, device=device)
+            out[transfer.tensor][_box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
+    for i in bucket:  # a tensor this rank reads nothing of (e.g. vocabulary rows past its padded range)
+        out.setdefault(i, torch.empty(plan.tensors[i].shape, dtype=plan.torch_dtype, device=device))
     return [(plan.tensors[i].name, out[i]) for i in bucket]
 
 

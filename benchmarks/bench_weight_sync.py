@@ -1,0 +1,218 @@
+"""Weight-sync benchmark (server mode): Megatron policy shards -> engine receiver processes over a WeightTransferGroup,
+bucketed (1, 8, 64, 512 MiB) against one message per piece (tensor by tensor), for three model sizes and trainer
+TP1 / TP2, writing sync time and GB/s to `benchmarks/results/weight_sync.csv` and redrawing its plots.
+
+What is timed: one `send_weights` call on trainer rank 0, from its start until every engine rank has acknowledged
+the last bucket, i.e. pack on the senders -> gloo (or NCCL) transfer -> the receiver (`receive_weights`) assembling
+every bucket's HF tensors for its vLLM rank. No vLLM here: the receivers stand in for the engine's workers and drop
+each bucket after assembling it (loading into vLLM is timed by the server-mode integration, not here).
+
+Models: Qwen2-shaped with random weights (`init_weights_by_name`), 8 layers, head_dim 32, KV heads = heads / 2,
+MLP 3 * hidden, vocabulary 16 * hidden, float32; hidden 128 / 256 / 512, so the parameter bytes grow 4x per step
+(8 layers * 12 * H^2 + 2 * 16H * H params: 8.4 / 33.6 / 134 MB).
+Baseline `tensor_by_tensor`: one message per piece (a QKV tensor from a TP rank is one piece per query group), one
+bucket per decoder layer (`bucket_mb=0`), the same plan and receivers.
+
+Processes: 2 trainer ranks (TP1 runs as TP1 x DP2, where the dp_rank-1 rank sends nothing, then TP2) + `engine_tp`
+receivers, started here. Absolute numbers on CPU are loopback-TCP numbers on a shared machine; compare variants of
+one run.
+
+    python -m benchmarks.bench_weight_sync                      # CPU, ~2-4 minutes
+    python -m benchmarks.bench_weight_sync --engine-tp 2 --iters 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import socket
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, time_fn
+
+SIZES = (128, 256, 512)
+BUCKETS_MB = (1, 8, 64, 512)
+LAYOUTS = (1, 2)  # trainer TP; PP 1
+NUM_LAYERS = 8
+JOIN_TIMEOUT_S = 600.0
+TIMEOUT_S = 300.0
+CPU_NOTE = ("shared CPU: 2 cores used by 5 engineers' jobs at the same time; gloo over loopback TCP; receivers "
+            "assemble HF tensors, no vLLM")
+
+
+def hf_config(hidden: int):
+    from transformers import Qwen2Config
+
+    heads = hidden // 32
+    return Qwen2Config(hidden_size=hidden, num_hidden_layers=NUM_LAYERS, num_attention_heads=heads,
+                       num_key_value_heads=heads // 2, intermediate_size=3 * hidden, vocab_size=16 * hidden,
+                       max_position_embeddings=256, tie_word_embeddings=False, dtype="float32")
+
+
+def variants() -> list[tuple[str, float, bool]]:
+    """(name, bucket_mb, tensor_by_tensor) in the order both sides run them."""
+    return [(f"bucketed_{b}MiB", float(b), False) for b in BUCKETS_MB] + [("tensor_by_tensor", 0.0, True)]
+
+
+def build_plan(hidden: int, trainer_tp: int, engine_tp: int):
+    from engine.hf_convert import ModelDims
+    from engine.model import padded_vocab_size
+    from engine.weight_sync import TrainerLayout, build_sync_plan
+
+    config = hf_config(hidden)
+    dims = ModelDims.from_hf(config, padded_vocab_size(config.vocab_size, 128, trainer_tp))
+    return build_sync_plan(dims, TrainerLayout(trainer_tp, 1), engine_tp, ffn_hidden_size=config.intermediate_size)
+
+
+def _trainer(rank: int, master_port: int, store_ports: list[int], args, results) -> None:
+    """Trainer rank of a 2-process world: every layout, size and variant in order; rank 0 reports timings."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(master_port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from engine.config import ModelConfig, ParallelConfig
+    from engine.model import build_policy, init_weights_by_name
+    from engine.parallel import destroy_parallel, init_parallel
+    from engine.weight_sync import WeightTransferGroup, send_weights
+
+    out = {}
+    try:
+        for tp, port in zip(LAYOUTS, store_ports):
+            if mpu.model_parallel_is_initialized():
+                mpu.destroy_model_parallel()
+            ps = init_parallel(ParallelConfig(tp_size=tp), seed=0)
+            group = None
+            if ps.dp_rank == 0:
+                group = WeightTransferGroup.create("127.0.0.1", port, ps.tp_rank, tp + args.engine_tp,
+                                                   timeout_s=TIMEOUT_S, join_timeout_s=JOIN_TIMEOUT_S,
+                                                   host_store=False)
+            for hidden in args.sizes:
+                plan = build_plan(hidden, tp, args.engine_tp)
+                chunks = build_policy(hf_config(hidden), ModelConfig(dtype="float32"), ps)
+                init_weights_by_name(chunks, ps, seed=0)
+                for name, bucket_mb, tensor_by_tensor in variants():
+                    def sync():
+                        return send_weights(chunks, ps, plan.dims, group, plan, bucket_mb,
+                                            tensor_by_tensor=tensor_by_tensor)
+                    timing = time_fn(sync, warmup=args.warmup, n_iters=args.iters)
+                    stats = sync() if ps.dp_rank == 0 else {}  # one more, for the message count
+                    dist.barrier()  # the idle dp_rank-1 rank must not build the next model meanwhile
+                    if rank == 0:
+                        out[(tp, hidden, name)] = (timing, stats)
+                        print(f"trainer tp{tp} hidden {hidden} {name}: p50 {timing.p50_ms:.1f} ms", flush=True)
+                del chunks
+            if group is not None:
+                group.close()
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException as error:  # noqa: BLE001 - reported to the main process
+        results.put((rank, "error", repr(error)))
+        raise
+    finally:
+        destroy_parallel()
+
+
+def _receiver(engine_rank: int, store_ports: list[int], args, results) -> None:
+    """One engine worker: receive and assemble every sync of every layout, size and variant, dropping the tensors."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    from engine.weight_sync import WeightTransferGroup, receive_weights
+
+    try:
+        for tp, port in zip(LAYOUTS, store_ports):
+            group = WeightTransferGroup.create("127.0.0.1", port, tp + engine_rank, tp + args.engine_tp,
+                                               timeout_s=TIMEOUT_S, join_timeout_s=JOIN_TIMEOUT_S, host_store=False)
+            for hidden in args.sizes:
+                plan = build_plan(hidden, tp, args.engine_tp)
+                for _, bucket_mb, tensor_by_tensor in variants():
+                    for _ in range(args.warmup + args.iters + 1):
+                        for bucket in receive_weights(group, plan, bucket_mb, engine_rank,
+                                                      tensor_by_tensor=tensor_by_tensor):
+                            del bucket
+            group.close()
+        results.put((-1 - engine_rank, "ok", b""))
+    except BaseException as error:  # noqa: BLE001 - reported to the main process
+        results.put((-1 - engine_rank, "error", repr(error)))
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(args) -> dict:
+    """Start the trainer world and the receivers; returns rank 0's {(tp, hidden, variant): (Timing, stats)}."""
+    import torch.distributed as dist
+
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                            timeout=timedelta(seconds=JOIN_TIMEOUT_S)) for _ in LAYOUTS]
+    ports = [store.port for store in stores]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    master_port = _free_port()
+    procs = [ctx.Process(target=_trainer, args=(r, master_port, ports, args, results)) for r in range(2)]
+    procs += [ctx.Process(target=_receiver, args=(e, ports, args, results)) for e in range(args.engine_tp)]
+    for proc in procs:
+        proc.start()
+    outcome = {}
+    try:
+        for _ in procs:
+            who, status, payload = results.get(timeout=3600)
+            if status != "ok":
+                raise RuntimeError(f"process {who} failed: {payload}")
+            outcome[who] = payload
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
+    return pickle.loads(outcome[0])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="weight sync into engine receivers -> benchmarks/results/weight_sync.csv")
+    parser.add_argument("--engine-tp", type=int, default=1)
+    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(SIZES),
+                        help="hidden sizes, comma-separated")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--csv", default=str(RESULTS_DIR / "weight_sync.csv"))
+    args = parser.parse_args(argv)
+
+    measured = run(args)
+    env = capture_env("cpu")
+    rows = []
+    for (tp, hidden, name), (timing, stats) in sorted(measured.items()):
+        plan = build_plan(hidden, tp, args.engine_tp)
+        model_bytes = sum(torch.Size(t.shape).numel() for t in plan.tensors) * plan.torch_dtype.itemsize
+        moved = sum(t.numel for t in plan.transfers()) * plan.torch_dtype.itemsize  # every sender, every engine rank
+        config = {"hidden": hidden, "layers": NUM_LAYERS, "dtype": plan.dtype, "trainer_tp": tp,
+                  "engine_tp": args.engine_tp, "backend": "gloo", "bytes_moved": moved,
+                  "messages_rank0": stats.get("weight_sync/messages"), "buckets": stats.get("weight_sync/buckets"),
+                  "note": CPU_NOTE}
+        key = dict(bench="weight_sync", variant=name, mode=f"trainer_tp{tp}->engine_tp{args.engine_tp}",
+                   x_name="model_mib", x_value=round(model_bytes / 2**20, 2), config=config)
+        rows.append(make_row(env, **key, metric="time", unit="ms", p20=timing.p20_ms, p50=timing.p50_ms,
+                             p80=timing.p80_ms, n_iters=timing.n_iters))
+        rows.append(make_row(env, **key, metric="throughput", unit="GB/s", p20=moved / timing.p80_ms / 1e6,
+                             p50=moved / timing.p50_ms / 1e6, p80=moved / timing.p20_ms / 1e6,
+                             n_iters=timing.n_iters))
+        print(f"trainer tp{tp} -> engine tp{args.engine_tp}, {model_bytes / 2**20:7.1f} MiB, {name:>18}: "
+              f"p50 {timing.p50_ms:8.1f} ms, {moved / timing.p50_ms / 1e6:6.2f} GB/s")
+    path = append_rows(args.csv, rows, overwrite=args.overwrite)
+    from benchmarks.plot import redraw
+
+    for png in redraw(path):
+        print(png)
+
+
+if __name__ == "__main__":
+    main()
