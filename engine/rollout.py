@@ -209,8 +209,9 @@ class WeightReceiverExtension:
         self._grpo_plan = build_sync_plan_from_spec(plan)
         self._grpo_bucket_mb = bucket_mb
         self._grpo_engine_rank = engine_rank
-        self._grpo_group = WeightTransferGroup.create(host, port, first_engine_rank + engine_rank, world_size, timeout_s)
-        return first_engine_rank + engine_rank
+        group_rank = first_engine_rank + engine_rank
+        self._grpo_group = WeightTransferGroup.create(host, port, group_rank, world_size, timeout_s)
+        return group_rank
 
     def grpo_receive_weights(self) -> dict:
         """Receive this engine rank's buckets and load each through vLLM's in-place `reload_weights`."""

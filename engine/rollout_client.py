@@ -50,7 +50,8 @@ def read_token() -> str:
     if len(token) < 16:
         raise RolloutServerError(
             f"${TOKEN_ENV} must hold the run's shared secret (16+ characters, e.g. `export {TOKEN_ENV}=$(openssl "
-            f"rand -hex 32)` before starting both the server and the trainer); it is {'too short' if token else 'unset'}"
+            f"rand -hex 32)` before starting both the server and the trainer); it is "
+            f"{'too short' if token else 'unset'}"
         )
     return token
 
@@ -219,6 +220,8 @@ class SharedRolloutClient:
                 box[0] = ("ok", call())
             except RolloutServerError as exc:
                 box[0] = ("error", str(exc))
+            except Exception as exc:  # noqa: BLE001 - e.g. a malformed answer: the other ranks must not hang
+                box[0] = ("error", f"rollout server {self.client.base_url}: {type(exc).__name__}: {exc}")
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=self.src, group=self.group)
         status, value = box[0]

