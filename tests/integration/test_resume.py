@@ -1,5 +1,5 @@
-"""Exact resume of the GRPO loop on CPU (real Megatron, real in-process vLLM), through the `grpo-engine train`
-command a user runs (engine/checkpoint.py, engine/prompt_rounds.py, the trainer's checkpoint wiring).
+"""Exact resume of the GRPO loop on CPU (real Megatron, real in-process vLLM), through `python -m engine train`,
+the command the SLURM templates run (engine/checkpoint.py, engine/prompt_rounds.py, the trainer's checkpoint wiring).
 
 Three runs of the tiny config (6 optimizer steps, one per round, beta > 0 so the KL term is live, a reward with
 signal for a random policy and a large learning rate so that the policy moves every step):
@@ -38,7 +38,7 @@ def digit_fraction(completions, **kwargs):
 
 
 def _command(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "engine.cli", "train", "configs/tiny_cpu.yaml", f"train.output_dir={run_dir}",
+    return [sys.executable, "-m", "engine", "train", "configs/tiny_cpu.yaml", f"train.output_dir={run_dir}",
             f"train.max_steps={STEPS}", "generation.max_completion_length=12", "grpo.beta=0.05",
             "reward.reward_funcs=[tests.integration.test_resume:digit_fraction]", "optimizer.learning_rate=1e-2",
             "data.dataset_test_split=null", "checkpoint.save_hf_at_end=false", *overrides]
