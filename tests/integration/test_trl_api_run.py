@@ -6,7 +6,7 @@
 The switch makes the test able to fail: the tiny model answers in the `<think>/<answer>` format only to the plain
 prompt the custom template renders with `plain=True`; under its own ChatML template (what runs if the tokenizer or
 the template kwargs were dropped) it ends its turn at once and the format reward is 0 (examples/001_*).
-~70 s on 2 CPU cores."""
+~50 s (TP=1) and ~80 s (TP=2, two ranks on gloo) on 2 CPU cores."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def answer_tag(completions, **kwargs):
     return [1.0 if "<answer>" in c[0]["content"] else 0.0 for c in completions]
 
 
-def _train_with_objects(output_dir: str) -> dict:
+def _train_with_objects(output_dir: str, tp: int = 1) -> dict:
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,7 +47,7 @@ def _train_with_objects(output_dir: str) -> dict:
     args = GRPOConfig(output_dir=str(Path(output_dir) / "run"), max_steps=2, per_device_train_batch_size=8,
                       num_generations=4, max_completion_length=32, learning_rate=1e-5, logging_steps=1, bf16=False,
                       use_vllm=True, vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256,
-                      chat_template_kwargs={"plain": True}, report_to="none")
+                      chat_template_kwargs={"plain": True}, report_to="none", tp_size=tp)
     trainer = GRPOTrainer(model=model, reward_funcs=answer_tag, args=args, train_dataset=dataset,
                           eval_dataset=dataset.select(range(8)), processing_class=tokenizer)
     result = trainer.train()
@@ -57,10 +57,14 @@ def _train_with_objects(output_dir: str) -> dict:
 
 
 @pytest.mark.slow
-def test_trainer_uses_the_given_model_tokenizer_template_kwargs_and_eval_dataset(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_trainer_uses_the_given_model_tokenizer_template_kwargs_and_eval_dataset(tmp_path, tp):
+    """At TP=2 both ranks run the same script (as under torchrun): rank 0 saves the model object, rank 1 waits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    result = run_distributed(_train_with_objects, 1, str(tmp_path))[0]
+    results = run_distributed(_train_with_objects, tp, str(tmp_path), tp)
+    assert [r["global_step"] for r in results] == [2] * tp  # every rank's train() returns the run's step count
+    result = results[0]
     assert result["global_step"] == result["state_step"] == 2 and result["history"] == 2
     assert math.isfinite(result["training_loss"]) and result["metrics"]["train_loss"] == result["training_loss"]
     assert result["metrics"]["eval_reward_before"] > 0.5  # eval_dataset scored, with the plain template
