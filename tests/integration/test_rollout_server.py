@@ -144,6 +144,16 @@ def test_requests_without_or_with_a_wrong_token_are_refused_and_never_reach_the_
     assert server.proc.poll() is None, "a refused /shutdown must not stop the server"
 
 
+@pytest.mark.slow
+def test_an_engine_error_reaches_the_client_as_5xx_with_the_servers_message_and_the_server_keeps_serving(server):
+    from engine.config import GenerationConfig
+
+    client = server.client()
+    with pytest.raises(RolloutServerError, match=r"POST /generate failed: HTTP 500: .*temperature must be non-neg"):
+        client.generate(PROMPTS, num_generations=2, generation=GenerationConfig(temperature=-1.0))
+    assert len(client.generate(PROMPTS, num_generations=2).completion_ids) == 6
+
+
 def test_server_refuses_to_start_without_a_token(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GRPO_ENGINE_TOKEN"}
     done = subprocess.run([sys.executable, "-m", "engine.rollout_server", "configs/tiny_cpu.yaml",
