@@ -166,10 +166,10 @@ class GRPOConfig:
             kwargs.pop(name, None)
         _translate_dtype(kwargs, ignored)
         cap = kwargs.pop("vllm_importance_sampling_cap", None)
-        if cap is not None:
-            kwargs.setdefault("vllm_importance_sampling_clip_max", cap)  # TRL's deprecated name
+        if cap is not None:  # TRL's deprecated name
+            _set_once(kwargs, "vllm_importance_sampling_clip_max", cap, "vllm_importance_sampling_cap")
         if isinstance(kwargs.get("warmup_steps"), float) and 0 < kwargs["warmup_steps"] < 1:
-            kwargs.setdefault("warmup_ratio", kwargs.pop("warmup_steps"))  # transformers 5: a ratio below 1
+            _set_once(kwargs, "warmup_ratio", kwargs.pop("warmup_steps"), "warmup_steps")  # transformers 5: a ratio
         for name in ("logging_steps", "save_steps", "warmup_steps"):
             if name in kwargs:
                 kwargs[name] = _whole_steps(name, kwargs[name], kwargs.get("max_steps", -1))
@@ -241,6 +241,14 @@ class GRPOConfig:
     def __repr__(self) -> str:
         given = ", ".join(f"{k}={_shown(k, v)}" for k, v in self._kwargs.items())
         return f"GRPOConfig({given})"
+
+
+def _set_once(kwargs: dict[str, Any], name: str, value: Any, given_as: str) -> None:
+    """kwargs[name] = value, unless the caller also gave `name` a different value (then ValueError)."""
+    if name in kwargs and kwargs[name] != value:
+        raise ValueError(f"GRPOConfig: {given_as}={value!r} means {name}={value!r}, but {name}={kwargs[name]!r} "
+                         "was given too")
+    kwargs[name] = value
 
 
 def _shown(name: str, value: Any) -> str:

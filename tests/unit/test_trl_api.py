@@ -153,6 +153,9 @@ def test_grpo_config_translates_trl_value_forms():
 
 
 @pytest.mark.parametrize("kwargs, match", [({"logging_steps": 0.5}, "needs max_steps"),
+                                           ({"warmup_steps": 0.1, "warmup_ratio": 0.2}, "was given too"),
+                                           ({"vllm_importance_sampling_cap": 2.0,
+                                             "vllm_importance_sampling_clip_max": 4.0}, "was given too"),
                                            ({"report_to": "mlflow"}, "not supported"),
                                            ({"lr_scheduler_type": "polynomial"}, "available here"),
                                            ({"optim": "adafactor"}, "AdamW")])
