@@ -513,6 +513,16 @@ class WeightTransferGroup:
     def __init__(self, pg, store, rank: int, world_size: int, timeout: timedelta, device: torch.device):
         self.pg, self.store, self.rank, self.world_size = pg, store, rank, world_size
         self.timeout, self.device = timeout, device
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        """Ping-pong transfer buffers kept from one sync to the next (fresh pages cost more than the copy: filling
+        a new 34 MB CPU buffer took 51 ms, refilling a used one 15 ms, one core of a shared 2-core Xeon)."""
+
+    def buffer(self, key: tuple, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A cached flat buffer of at least `numel` elements for `key` (e.g. ("send", slot)); (numel,) view."""
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.buffers[key] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel]
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0,
@@ -551,6 +561,7 @@ class WeightTransferGroup:
         except (RuntimeError, AttributeError):
             pass
         self.pg = self.store = None
+        self.buffers = {}
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int):
         return self.pg.send([tensor], dst, tag)
@@ -647,15 +658,22 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
     me = plan.trainer.sender_rank(ps.pp_rank, ps.tp_rank)
     params = _local_params(chunks)
     buckets = plan.buckets(bucket_mb)
+    per_bucket = [{rank: ts for (sender, rank), ts in pairs.items() if sender == me}
+                  for pairs in _pair_transfers(plan, buckets)]  # per bucket: engine rank -> this sender's transfers
+    most = max((sum(t.numel for ts in pairs.values() for t in ts) for pairs in per_bucket), default=0)
     num_bytes, num_messages, pending = 0, 0, []
-    for k, pairs in enumerate(_pair_transfers(plan, buckets)):
+    for k, pairs in enumerate(per_bucket):
         works = []
-        for (sender, engine_rank), transfers in pairs.items():
-            if sender != me:
-                continue
+        # NOTE: slot k % 2 is free: bucket k - 2's sends completed before bucket k - 1's were posted.
+        flat = None if tensor_by_tensor else group.buffer(("send", k % 2), most, plan.torch_dtype)
+        offset = 0
+        for engine_rank, transfers in pairs.items():
             peer = plan.engine_group_rank(engine_rank)
             numel = sum(t.numel for t in transfers)
-            messages = [_header(k, numel, me, engine_rank, group.device)] + _pack(transfers, params, plan, group, tensor_by_tensor)
+            payload = None if flat is None else flat[offset : offset + numel]
+            offset += numel
+            messages = [_header(k, numel, me, engine_rank, group.device)]
+            messages += _pack_payload(transfers, params, plan, payload, group.device)
             if len(messages) > _MAX_MESSAGES:
                 raise ValueError(f"bucket {k}: {len(messages)} messages to one peer; use a smaller bucket_mb")
             for i, message in enumerate(messages):
@@ -678,13 +696,13 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
             "weight_sync/messages": num_messages, "weight_sync/buckets": len(buckets)}
 
 
-def _pack(transfers: list[Transfer], params, plan: SyncPlan, group, tensor_by_tensor: bool) -> list[torch.Tensor]:
-    """The payload messages of one (bucket, sender, engine rank): one flat buffer, or one tensor per box."""
-    dtype = plan.torch_dtype
+def _pack_payload(transfers: list[Transfer], params, plan: SyncPlan, flat: torch.Tensor | None,
+                  device: torch.device) -> list[torch.Tensor]:
+    """The payload messages of one (bucket, sender, engine rank): packed into `flat` (numel,), or, without it, one
+    tensor per box (tensor by tensor)."""
     sources = [params[(t.piece.vp_chunk, t.piece.megatron)][_box_slices(t.local_box)] for t in transfers]
-    if tensor_by_tensor:
-        return [src.to(group.device, dtype).contiguous() for src in sources]
-    flat = torch.empty(sum(t.numel for t in transfers), dtype=dtype, device=group.device)  # (numel,)
+    if flat is None:
+        return [src.to(device, plan.torch_dtype).contiguous() for src in sources]
     offset = 0
     for transfer, src in zip(transfers, sources):
         flat[offset : offset + transfer.numel].view(src.shape).copy_(src)
@@ -705,30 +723,38 @@ def receive_weights(group: WeightTransferGroup, plan: SyncPlan, bucket_mb: float
     NOTE: only the box that this rank's vLLM loader reads (`plan.tensors[i].engine_boxes[engine_rank]`) is
     filled; the rest of each tensor is uninitialised memory. vLLM's weight loaders narrow a full-shape HF tensor to
     their rank's slice before copying (QKV/merged/row/vocab-parallel layers), so they never read it; do not hand
-    these tensors to anything that reads them whole.
+    these tensors to anything that reads them whole. The tensors are views of two transfer buffers kept on the
+    group (2 x the largest bucket's payload + split tensors): copy what must outlive the bucket after next.
 
     Raises:
         WeightSyncError naming the bucket and the peer on a header mismatch, a dead peer or a timeout.
     """
     buckets = plan.buckets(bucket_mb)
-    per_bucket = _pair_transfers(plan, buckets)
+    layouts = _receive_layouts(plan, buckets, engine_rank)
+    most = max((payload + assembly for _, _, payload, assembly in layouts), default=0)
     me = plan.engine_group_rank(engine_rank)
 
     def post(k: int):
-        posted = []
-        for (sender, rank), transfers in per_bucket[k].items():
-            if rank != engine_rank:
-                continue
-            sizes = [t.numel for t in transfers] if tensor_by_tensor else [sum(t.numel for t in transfers)]
-            messages = [torch.empty(_HEADER, dtype=torch.int64, device=group.device)]
-            messages += [torch.empty(n, dtype=plan.torch_dtype, device=group.device) for n in sizes]
+        """Post bucket k's receives into ping-pong slot k % 2: [payload per sender | room for split tensors]."""
+        pairs, whole, payload, assembly = layouts[k]
+        flat = group.buffer(("recv", k % 2), most, plan.torch_dtype)
+        posted, offset = [], 0
+        for sender, transfers in pairs:
+            numel = sum(t.numel for t in transfers)
+            region = flat[offset : offset + numel]
+            offset += numel
+            views = list(region.split([t.numel for t in transfers])) if tensor_by_tensor else [region]
+            messages = [torch.empty(_HEADER, dtype=torch.int64, device=group.device)] + views
             works = [(group.recv(m, sender, _tag(k, i)), sender, k) for i, m in enumerate(messages)]
             posted.append((sender, transfers, messages, works))
-        return posted
+        return posted, whole, flat[payload : payload + assembly]
 
-    posted = post(0) if buckets else []
+    # NOTE: slot k % 2 is free when bucket k is posted (just before bucket k - 1 is yielded): the consumer has
+    # finished loading bucket k - 2. Yielded tensors are views of these buffers: load them before asking for the
+    # bucket after next; the next sync overwrites them.
+    posted = post(0) if buckets else None
     for k, bucket in enumerate(buckets):
-        for sender, transfers, messages, works in posted:
+        for sender, transfers, messages, works in posted[0]:
             _wait(works, plan, group, "receiving")
             expected = _header(k, sum(t.numel for t in transfers), sender, engine_rank, group.device)
             if not torch.equal(messages[0], expected):
@@ -737,17 +763,36 @@ def receive_weights(group: WeightTransferGroup, plan: SyncPlan, bucket_mb: float
                     f"{messages[0].tolist()}, expected {expected.tolist()} (magic, bucket, numel, sender, engine "
                     f"rank): the sides disagree on the plan or bucket_mb")
         current = posted
-        posted = post(k + 1) if k + 1 < len(buckets) else []
-        yield _assemble(plan, bucket, current, group.device)
+        posted = post(k + 1) if k + 1 < len(buckets) else None
+        yield _assemble(plan, bucket, *current)
     acks = [(group.send(_header(len(buckets), 0, me, engine_rank, group.device), s, _ACK_TAG), s, len(buckets))
             for s in range(plan.trainer.num_senders)]
     _wait(acks, plan, group, "acknowledging")
 
 
-def _assemble(plan: SyncPlan, bucket: list[int], received, device) -> list[tuple[str, torch.Tensor]]:
-    """Full-shape HF tensors of one bucket with this rank's boxes filled from the received payloads. A tensor that
-    arrived whole in one piece is a view of the received buffer (no copy)."""
+def _receive_layouts(plan: SyncPlan, buckets: list[list[int]], engine_rank: int) -> list[tuple]:
+    """Per bucket, for one engine rank: ([(sender, transfers)], tensors arriving whole in one piece, payload
+    elements, elements of the tensors assembled from pieces)."""
+    layouts = []
+    for bucket, pairs in zip(buckets, _pair_transfers(plan, buckets)):
+        mine = [(sender, ts) for (sender, rank), ts in pairs.items() if rank == engine_rank]
+        whole = {t.tensor for _, ts in mine for t in ts if t.hf_box == _full(plan.tensors[t.tensor].shape)}
+        payload = sum(t.numel for _, ts in mine for t in ts)
+        assembly = sum(math.prod(plan.tensors[i].shape) for i in bucket if i not in whole)
+        layouts.append((mine, whole, payload, assembly))
+    return layouts
+
+
+def _assemble(plan: SyncPlan, bucket: list[int], received, whole: set[int], room: torch.Tensor):
+    """Full-shape HF tensors of one bucket with this rank's boxes filled from the received payloads: a tensor that
+    arrived whole is a view of its payload, the others are laid out in `room` (numel,) and filled box by box."""
     out: dict[int, torch.Tensor] = {}
+    offset = 0
+    for i in bucket:
+        if i not in whole:  # includes tensors this rank reads nothing of (vocabulary rows past its padded range)
+            numel = math.prod(plan.tensors[i].shape)
+            out[i] = room[offset : offset + numel].view(plan.tensors[i].shape)
+            offset += numel
     for _, transfers, messages, _ in received:
         payload = messages[1:]
         flat = payload[0] if len(payload) == 1 else None
@@ -755,15 +800,10 @@ def _assemble(plan: SyncPlan, bucket: list[int], received, device) -> list[tuple
         for j, transfer in enumerate(transfers):
             part = payload[j] if flat is None else flat[offset : offset + transfer.numel]
             offset += transfer.numel
-            shape = plan.tensors[transfer.tensor].shape
-            if transfer.hf_box == _full(shape) and transfer.tensor not in out:
-                out[transfer.tensor] = part.view(shape)
-                continue
-            if transfer.tensor not in out:
-                out[transfer.tensor] = torch.empty(shape, dtype=plan.torch_dtype, device=device)
-            out[transfer.tensor][_box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
-    for i in bucket:  # a tensor this rank reads nothing of (e.g. vocabulary rows past its padded range)
-        out.setdefault(i, torch.empty(plan.tensors[i].shape, dtype=plan.torch_dtype, device=device))
+            if transfer.tensor in whole:
+                out[transfer.tensor] = part.view(plan.tensors[transfer.tensor].shape)
+            else:
+                out[transfer.tensor][_box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
     return [(plan.tensors[i].name, out[i]) for i in bucket]
 
 
