@@ -175,6 +175,19 @@ def test_client_error_names_url_endpoint_and_connection_refused():
         client.wait_until_healthy()
 
 
+def _leaves(state) -> list:
+    """Every leaf of a nested state dict, tensors as (dtype, shape, values) for exact comparison."""
+    import torch
+
+    if isinstance(state, dict):
+        return [(k, _leaves(v)) for k, v in sorted(state.items(), key=lambda kv: str(kv[0]))]
+    if isinstance(state, (list, tuple)):
+        return [_leaves(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return [str(state.dtype), tuple(state.shape), state.detach().clone().reshape(-1).tolist()]
+    return state
+
+
 def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid: int | None = None) -> dict:
     """Trainer at TP=tp: sync its checkpoint into the server and check them equal, take one GRPO step (the server
     is now stale: verification must say so), sync again, verify.
@@ -236,6 +249,7 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
         return result
 
     weights = [p.detach().clone() for chunk in popt.model for p in chunk.parameters()]
+    optimizer_state = _leaves(popt.optimizer.state_dict())
     if ps.rank == 0:
         os.kill(server_pid, signal.SIGSTOP)  # frozen: it accepts the sync's connections but never answers
         threading.Timer(3.0, os.kill, (server_pid, signal.SIGKILL)).start()  # ... and dies mid-sync
@@ -248,6 +262,7 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     result["kill_seconds"] = time.monotonic() - start
     now = [p.detach() for chunk in popt.model for p in chunk.parameters()]
     result["weights_unchanged"] = len(now) == len(weights) and all(torch.equal(a, b) for a, b in zip(weights, now))
+    result["optimizer_unchanged"] = _leaves(popt.optimizer.state_dict()) == optimizer_state
     result["link_rejoins"] = not link.is_joined
     return result
 
@@ -283,6 +298,7 @@ def test_server_killed_mid_sync_gives_a_clear_error_and_leaves_trainer_weights_i
     assert doomed.url in r["kill_error"] or "engine worker" in r["kill_error"], r["kill_error"]
     assert "trainer's weights and optimizer state are unchanged" in r["kill_error"]
     assert r["weights_unchanged"], "a failed sync changed the trainer's weights"
+    assert r["optimizer_unchanged"], "a failed sync changed the trainer's optimizer state"
     assert r["link_rejoins"], "after a failed sync the next one must join a fresh group"
 
 
