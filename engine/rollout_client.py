@@ -136,6 +136,13 @@ class RolloutClient:
         """The server's `/health` answer (`status`: "ok" once the engine is ready, "loading" before)."""
         return self._request_once("GET", "/health", None, min(self.timeout_s, 10.0))
 
+    def check_health(self) -> dict:
+        """`/health` with the idempotent retries; RolloutServerError unless the engine is ready."""
+        info = self._request("GET", "/health", timeout_s=min(self.timeout_s, 10.0))
+        if info.get("status") != "ok":
+            raise RolloutServerError(f"rollout server {self.base_url}: GET /health: status {info.get('status')!r}")
+        return info
+
     def wait_until_healthy(self) -> dict:
         """Poll `/health` until the engine is ready; RolloutServerError after `timeout_s` with the last cause."""
         deadline, cause = time.monotonic() + self.timeout_s, "no answer yet"

@@ -873,6 +873,21 @@ def _result(background, timeout_s: float, what: str):
     return outcome["value"]
 
 
+def _check_server(ps: ParallelState, client) -> None:
+    """Rank 0 checks the server's health; every rank raises if it failed (collective)."""
+    ok = torch.ones(1)
+    if ps.rank == 0:
+        try:
+            client.check_health()
+        except Exception:
+            ok.zero_()
+            dist.broadcast(ok, src=0)
+            raise
+    dist.broadcast(ok, src=0)
+    if not float(ok):
+        raise WeightSyncError("the rollout server's health check failed on trainer rank 0")
+
+
 def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: ServerSync) -> dict[str, float]:
     """Push the policy's current weights into the rollout server (collective: every trainer rank calls it).
 
@@ -895,6 +910,7 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
     stats, error = {}, None
     try:
         if not link.is_joined:
+            _check_server(ps, client)  # a dead server fails here at once, not after the group's join timeout
             request = dict(host=link.host, port=link.port, world_size=plan.group_size,
                            first_engine_rank=plan.trainer.num_senders, timeout_s=link.timeout_s, plan=plan.spec(),
                            bucket_mb=link.bucket_mb)

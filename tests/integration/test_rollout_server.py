@@ -264,6 +264,11 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     result["weights_unchanged"] = len(now) == len(weights) and all(torch.equal(a, b) for a, b in zip(weights, now))
     result["optimizer_unchanged"] = _leaves(popt.optimizer.state_dict()) == optimizer_state
     result["link_rejoins"] = not link.is_joined
+    try:  # the server is gone: the next sync must say so at once (not wait for the transfer group's join)
+        sync_server(popt.model, ps, dims, engine, link)
+        result["dead_error"] = ""
+    except WeightSyncError as exc:
+        result["dead_error"] = str(exc)
     return result
 
 
@@ -300,6 +305,7 @@ def test_server_killed_mid_sync_gives_a_clear_error_and_leaves_trainer_weights_i
     assert r["weights_unchanged"], "a failed sync changed the trainer's weights"
     assert r["optimizer_unchanged"], "a failed sync changed the trainer's optimizer state"
     assert r["link_rejoins"], "after a failed sync the next one must join a fresh group"
+    assert "GET /health failed after 4 attempts: cannot connect (connection refused" in r["dead_error"], r["dead_error"]
 
 
 def _train_against_server(url: str, token: str, group_port: int, output_dir: str) -> dict:
