@@ -1,8 +1,9 @@
 """Exact resume of the GRPO loop on CPU (real Megatron, real in-process vLLM), through `python -m engine train`,
 the command the SLURM templates run (engine/checkpoint.py, engine/prompt_rounds.py, the trainer's checkpoint wiring).
 
-Three runs of the tiny config (6 optimizer steps, one per round, beta > 0 so the KL term is live, a reward with
-signal for a random policy and a large learning rate so that the policy moves every step):
+Runs of the tiny config (6 optimizer steps, one per round, beta > 0 so the KL term is live, a reward with signal
+for a random policy, a large learning rate so that the policy moves every step, decaying linearly so that the
+restored schedule matters):
 - A runs uninterrupted;
 - B saves every 2 steps and is SIGKILLed from outside as soon as checkpoint-2 exists (mid-round 3 or so);
 - C resumes B with `resume_from_checkpoint=latest`, saving every 2 steps, and is killed *while writing*
@@ -41,7 +42,7 @@ def _command(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "engine", "train", "configs/tiny_cpu.yaml", f"train.output_dir={run_dir}",
             f"train.max_steps={STEPS}", "generation.max_completion_length=12", "grpo.beta=0.05",
             "reward.reward_funcs=[tests.integration.test_resume:digit_fraction]", "optimizer.learning_rate=1e-2",
-            "data.dataset_test_split=null", "checkpoint.save_hf_at_end=false", *overrides]
+            "optimizer.lr_scheduler_type=linear", "data.dataset_test_split=null", "checkpoint.save_hf_at_end=false", *overrides]
 
 
 def _env(**extra: str) -> dict:
