@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -300,6 +300,8 @@ def resume(run: Run) -> Progress:
     entropy = progress.loop_state.get("entropy", {})
     run.entropy.coef = entropy.get("coef", run.entropy.coef)
     run.entropy.last_entropy = entropy.get("last_entropy", run.entropy.last_entropy)
+    pending = progress.loop_state.get("pending_prompts")  # the dynamic-prompts hook's choice for the next round
+    run.pending_prompts = PromptBatch(**pending) if pending is not None else None
     sync_weights(run)
     return progress
 
@@ -307,7 +309,8 @@ def resume(run: Run) -> Progress:
 def save_run(run: Run, progress: Progress) -> int:
     """Write `<output_dir>/checkpoint-<step>` (collective), keep the newest `save_total_limit`; returns the step."""
     entropy = {"coef": run.entropy.coef, "last_entropy": run.entropy.last_entropy}
-    progress = replace(progress, loop_state=progress.loop_state | {"entropy": entropy})
+    pending = asdict(run.pending_prompts) if run.pending_prompts is not None else None
+    progress = replace(progress, loop_state=progress.loop_state | {"entropy": entropy, "pending_prompts": pending})
     save_checkpoint(run.cfg.train.output_dir, progress, run.popt, run.ps, model=_model_identity(run),
                     run_config=config_to_dict(run.cfg), save_total_limit=run.cfg.checkpoint.save_total_limit)
     return progress.step
