@@ -17,8 +17,15 @@ Processes: 2 trainer ranks (TP1 runs as TP1 x DP2, where the dp_rank-1 rank send
 receivers, started here. Absolute numbers on CPU are loopback-TCP numbers on a shared machine; compare variants of
 one run.
 
+`--vllm`: the same bucketed syncs (trainer TP1) into the real vLLM engine of `python -m engine.rollout_server`
+(engine TP 1, one server per model size, started here on a saved random checkpoint): the trainer's `sync_server`
+call, i.e. the HTTP requests, the transfer and vLLM's in-place `reload_weights` of every bucket. No
+tensor-by-tensor row there: vLLM's layer-wise reload on CPU cannot take a decoder layer in several calls (see
+`_stage_buckets`), so per-tensor loading is not a correct baseline to time.
+
     python -m benchmarks.bench_weight_sync                      # CPU, ~2-4 minutes
     python -m benchmarks.bench_weight_sync --engine-tp 2 --iters 3
+    python -m benchmarks.bench_weight_sync --vllm               # CPU, ~3 vLLM start-ups
 """
 
 from __future__ import annotations
@@ -176,9 +183,102 @@ def run(args) -> dict:
     return pickle.loads(outcome[0])
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# --vllm: the same syncs into the real vLLM engine of engine/rollout_server.py (server mode, engine TP 1)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def save_model(hidden: int, out_dir) -> str:
+    """A random-weight HF checkpoint of the benchmark shape, with the tiny tokenizer (its rows past 400 unused)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.tiny_model import build_tiny_tokenizer
+
+    model = AutoModelForCausalLM.from_config(hf_config(hidden), dtype=torch.float32)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def _vllm_trainer(url: str, model_dir: str, hidden: int, args, results) -> None:
+    """World of one trainer rank: time `sync_server` (HTTP + transfer + vLLM reload) per bucket size."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from engine.config import GenerationConfig, ModelConfig, ParallelConfig
+    from engine.model import build_policy, init_weights_by_name
+    from engine.parallel import destroy_parallel, init_parallel
+    from engine.rollout_client import RolloutClient, SharedRolloutClient, read_token
+    from engine.weight_sync import build_server_sync, sync_server
+
+    try:
+        ps = init_parallel(ParallelConfig(), seed=0)
+        plan = build_plan(hidden, 1, 1)
+        chunks = build_policy(hf_config(hidden), ModelConfig(dtype="float32"), ps)
+        init_weights_by_name(chunks, ps, seed=0)
+        engine = SharedRolloutClient(RolloutClient(url, read_token()), 0, GenerationConfig())
+        out = {}
+        for bucket_mb in BUCKETS_MB:
+            link = build_server_sync(ps, plan.dims, 1, ffn_hidden_size=plan.ffn_hidden_size, dtype="float32",
+                                     group_port=_free_port(), timeout_s=TIMEOUT_S, bucket_mb=bucket_mb)
+            timing = time_fn(lambda: sync_server(chunks, ps, plan.dims, engine, link), warmup=args.warmup,
+                             n_iters=args.iters)
+            out[(1, hidden, f"vllm_bucketed_{bucket_mb}MiB")] = (timing, {})
+            print(f"vllm: hidden {hidden} bucket {bucket_mb} MiB: p50 {timing.p50_ms:.1f} ms", flush=True)
+        engine.close()
+        results.put((0, "ok", pickle.dumps(out)))
+    except BaseException as error:  # noqa: BLE001 - reported to the main process
+        results.put((0, "error", repr(error)))
+        raise
+    finally:
+        destroy_parallel()
+
+
+def run_vllm(args) -> dict:
+    """For each size: start a rollout server on a saved checkpoint, run `_vllm_trainer` against it, stop it."""
+    import secrets
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from engine.rollout_client import RolloutClient
+
+    measured = {}
+    os.environ["GRPO_ENGINE_TOKEN"] = secrets.token_hex(32)
+    with tempfile.TemporaryDirectory(prefix="bench_weight_sync_") as tmp:
+        for hidden in args.sizes:
+            model_dir = save_model(hidden, Path(tmp) / f"h{hidden}")
+            port = _free_port()
+            log = open(Path(tmp) / f"server-{hidden}.log", "w")
+            server = subprocess.Popen(
+                [sys.executable, "-m", "engine.rollout_server", "configs/tiny_cpu.yaml", f"model.name_or_path={model_dir}",
+                 "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
+                 "rollout.vllm_max_model_length=128", f"train.output_dir={tmp}", "--host", "127.0.0.1",
+                 f"--port={port}"], env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)
+            try:
+                url = f"http://127.0.0.1:{port}"
+                RolloutClient(url, os.environ["GRPO_ENGINE_TOKEN"]).wait_until_healthy()
+                ctx = mp.get_context("spawn")
+                results = ctx.Queue()
+                proc = ctx.Process(target=_vllm_trainer, args=(url, model_dir, hidden, args, results))
+                proc.start()
+                _, status, payload = results.get(timeout=3600)
+                proc.join(timeout=60)
+                if status != "ok":
+                    raise RuntimeError(f"vLLM sync at hidden {hidden} failed: {payload}")
+                measured |= pickle.loads(payload)
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+                log.close()
+    return measured
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="weight sync into engine receivers -> benchmarks/results/weight_sync.csv")
     parser.add_argument("--engine-tp", type=int, default=1)
+    parser.add_argument("--vllm", action="store_true", help="sync into the real vLLM server instead (trainer TP1)")
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(SIZES),
                         help="hidden sizes, comma-separated")
     parser.add_argument("--warmup", type=int, default=1)
@@ -187,26 +287,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--csv", default=str(RESULTS_DIR / "weight_sync.csv"))
     args = parser.parse_args(argv)
 
-    measured = run(args)
+    measured = run_vllm(args) if args.vllm else run(args)
     env = capture_env("cpu")
+    engine = "vllm_tp1" if args.vllm else f"engine_tp{args.engine_tp}"
+    note = CPU_NOTE.replace("receivers assemble HF tensors, no vLLM", "into engine/rollout_server.py's vLLM (reload "
+                            "per bucket), time includes its HTTP calls") if args.vllm else CPU_NOTE
     rows = []
     for (tp, hidden, name), (timing, stats) in sorted(measured.items()):
-        plan = build_plan(hidden, tp, args.engine_tp)
+        plan = build_plan(hidden, tp, 1 if args.vllm else args.engine_tp)
         model_bytes = sum(torch.Size(t.shape).numel() for t in plan.tensors) * plan.torch_dtype.itemsize
         moved = sum(t.numel for t in plan.transfers()) * plan.torch_dtype.itemsize  # every sender, every engine rank
-        config = {"hidden": hidden, "layers": NUM_LAYERS, "dtype": plan.dtype, "trainer_tp": tp,
-                  "engine_tp": args.engine_tp, "backend": "gloo", "bytes_moved": moved,
-                  "messages_rank0": stats.get("weight_sync/messages"), "buckets": stats.get("weight_sync/buckets"),
-                  "note": CPU_NOTE}
-        key = dict(bench="weight_sync", variant=name, mode=f"trainer_tp{tp}->engine_tp{args.engine_tp}",
+        # NOTE: only what is fixed along a line goes in config (it is part of the key and of the plot's lines);
+        # hidden = 128 / 256 / 512 follows from x (see the module docstring).
+        config = {"layers": NUM_LAYERS, "dtype": plan.dtype, "backend": "gloo", "note": note}
+        key = dict(bench="weight_sync", variant=name, mode=f"trainer_tp{tp}->{engine}",
                    x_name="model_mib", x_value=round(model_bytes / 2**20, 2), config=config)
         rows.append(make_row(env, **key, metric="time", unit="ms", p20=timing.p20_ms, p50=timing.p50_ms,
                              p80=timing.p80_ms, n_iters=timing.n_iters))
         rows.append(make_row(env, **key, metric="throughput", unit="GB/s", p20=moved / timing.p80_ms / 1e6,
                              p50=moved / timing.p50_ms / 1e6, p80=moved / timing.p20_ms / 1e6,
                              n_iters=timing.n_iters))
-        print(f"trainer tp{tp} -> engine tp{args.engine_tp}, {model_bytes / 2**20:7.1f} MiB, {name:>18}: "
-              f"p50 {timing.p50_ms:8.1f} ms, {moved / timing.p50_ms / 1e6:6.2f} GB/s")
+        print(f"trainer tp{tp} -> {engine}, {model_bytes / 2**20:7.1f} MiB, {name:>18}: "
+              f"p50 {timing.p50_ms:8.1f} ms, {moved / timing.p50_ms / 1e6:6.2f} GB/s, {moved / 1e6:.1f} MB moved, "
+              f"rank 0: {stats.get('weight_sync/messages')} messages, {stats.get('weight_sync/buckets')} buckets")
     path = append_rows(args.csv, rows, overwrite=args.overwrite)
     from benchmarks.plot import redraw
 
