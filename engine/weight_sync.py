@@ -826,6 +826,8 @@ class ServerSync:
     """This rank's group (dp_rank 0 ranks, once joined)."""
     is_joined: bool = False
     """The same on every trainer rank: whether the group exists (False again after a failed sync)."""
+    store: object = None
+    """Rank 0: the group's TCPStore, listening before the server is asked to join (no connect back-off)."""
 
 
 def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn_hidden_size: int, dtype: str,
@@ -914,11 +916,14 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
             request = dict(host=link.host, port=link.port, world_size=plan.group_size,
                            first_engine_rank=plan.trainer.num_senders, timeout_s=link.timeout_s, plan=plan.spec(),
                            bucket_mb=link.bucket_mb)
+            if ps.rank == 0:  # the store listens first: members that connect early back off for up to ~20 s
+                link.store = dist.TCPStore(link.host, link.port, plan.group_size, is_master=True,
+                                           timeout=timedelta(seconds=link.timeout_s), wait_for_workers=False)
             http = _in_background(lambda: client.init_weight_group(**request)) if ps.rank == 0 else None
             try:
                 if ps.dp_rank == 0:
                     link.group = WeightTransferGroup.create(link.host, link.port, plan.trainer.sender_rank(
-                        ps.pp_rank, ps.tp_rank), plan.group_size, link.timeout_s)
+                        ps.pp_rank, ps.tp_rank), plan.group_size, link.timeout_s, host_store=False)
             finally:
                 _result(http, link.timeout_s, "joining the weight-transfer group")
             link.is_joined = True
@@ -934,7 +939,7 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
     if float(failed) > 0:
         if link.group is not None:
             link.group.close()
-        link.group, link.is_joined = None, False
+        link.group, link.store, link.is_joined = None, None, False
         errors: list = [None] * ps.world_size
         dist.all_gather_object(errors, error)
         first = next((rank, e) for rank, e in enumerate(errors) if e is not None)
