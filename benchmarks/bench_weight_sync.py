@@ -17,7 +17,8 @@ Processes: 2 trainer ranks (TP1 runs as TP1 x DP2, where the dp_rank-1 rank send
 receivers, started here. Absolute numbers on CPU are loopback-TCP numbers on a shared machine; compare variants of
 one run.
 
-`--vllm`: the same bucketed syncs (trainer TP1) into the real vLLM engine of `python -m engine.rollout_server`
+`--vllm`: the same bucketed syncs, plus one bucket per decoder layer (`vllm_per_layer`), (trainer TP1) into the real
+vLLM engine of `python -m engine.rollout_server`
 (engine TP 1, one server per model size, started here on a saved random checkpoint): the trainer's `sync_server`
 call, i.e. the HTTP requests, the transfer and vLLM's in-place `reload_weights` of every bucket. No
 tensor-by-tensor row there: vLLM's layer-wise reload on CPU cannot take a decoder layer in several calls (see
@@ -218,12 +219,12 @@ def _vllm_trainer(url: str, model_dir: str, hidden: int, args, results) -> None:
         init_weights_by_name(chunks, ps, seed=0)
         engine = SharedRolloutClient(RolloutClient(url, read_token()), 0, GenerationConfig())
         out = {}
-        for bucket_mb in BUCKETS_MB:
+        for bucket_mb in (0,) + BUCKETS_MB:  # 0: one reload per decoder layer, the finest vLLM's CPU reload takes
             link = build_server_sync(ps, plan.dims, 1, ffn_hidden_size=plan.ffn_hidden_size, dtype="float32",
                                      group_port=_free_port(), timeout_s=TIMEOUT_S, bucket_mb=bucket_mb)
             timing = time_fn(lambda: sync_server(chunks, ps, plan.dims, engine, link), warmup=args.warmup,
                              n_iters=args.iters)
-            out[(1, hidden, f"vllm_bucketed_{bucket_mb}MiB")] = (timing, {})
+            out[(1, hidden, f"vllm_bucketed_{bucket_mb}MiB" if bucket_mb else "vllm_per_layer")] = (timing, {})
             print(f"vllm: hidden {hidden} bucket {bucket_mb} MiB: p50 {timing.p50_ms:.1f} ms", flush=True)
         engine.close()
         results.put((0, "ok", pickle.dumps(out)))
@@ -308,8 +309,9 @@ def main(argv: list[str] | None = None) -> None:
                              p50=moved / timing.p50_ms / 1e6, p80=moved / timing.p20_ms / 1e6,
                              n_iters=timing.n_iters))
         print(f"trainer tp{tp} -> {engine}, {model_bytes / 2**20:7.1f} MiB, {name:>18}: "
-              f"p50 {timing.p50_ms:8.1f} ms, {moved / timing.p50_ms / 1e6:6.2f} GB/s, {moved / 1e6:.1f} MB moved, "
-              f"rank 0: {stats.get('weight_sync/messages')} messages, {stats.get('weight_sync/buckets')} buckets")
+              f"p50 {timing.p50_ms:8.1f} ms, {moved / timing.p50_ms / 1e6:6.2f} GB/s, {moved / 1e6:.1f} MB moved"
+              + (f", rank 0: {stats['weight_sync/messages']} messages, {stats['weight_sync/buckets']} buckets"
+                 if stats else ""))
     path = append_rows(args.csv, rows, overwrite=args.overwrite)
     from benchmarks.plot import redraw
 
