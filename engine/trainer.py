@@ -21,8 +21,8 @@ training, and at the end of the round in which SIGUSR1 arrived (then the run exi
 model, optimizer, scheduler, RNG, data position and step before the first round and loads the restored weights into
 the engines. Rounds do not depend on history (engine/prompt_rounds.py: prompts, vLLM seeds and the row shuffle are
 functions of the seed and the round), so a resumed run logs what the uninterrupted run would have. With
-`save_hf_at_end` the final policy is also exported as a Hugging Face checkpoint to `<output_dir>/hf`.
-Not restored on resume: the `data.dynamic_prompts_fn` hook's pending choice (the resumed round uses the dataset's).
+`save_hf_at_end` the final policy is also exported as a Hugging Face checkpoint to `<output_dir>/hf`. The loop's
+own carried state (adaptive entropy controller, the dynamic-prompts hook's pending choice) travels in the checkpoint.
 
 Must not: hold maths (engine/advantages.py, engine/policy_loss.py), import vLLM (engine/rollout.py), or read
 Megatron's global parallel state (engine/parallel.py hands out groups).
