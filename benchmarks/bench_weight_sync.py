@@ -48,8 +48,9 @@ LAYOUTS = (1, 2)  # trainer TP; PP 1
 NUM_LAYERS = 8
 JOIN_TIMEOUT_S = 600.0
 TIMEOUT_S = 300.0
-CPU_NOTE = ("shared CPU: 2 cores used by 5 engineers' jobs at the same time; gloo over loopback TCP; receivers "
-            "assemble HF tensors, no vLLM")
+CPU_NOTE = ("shared CPU: 2 cores used by 5 engineers' jobs at the same time; gloo over loopback TCP; "
+            "->engine_tp modes: receivers assemble HF tensors, no vLLM; ->vllm_tp1: sync_server into "
+            "engine/rollout_server.py's vLLM, HTTP calls and reload_weights included")
 
 
 def hf_config(hidden: int):
@@ -291,8 +292,6 @@ def main(argv: list[str] | None = None) -> None:
     measured = run_vllm(args) if args.vllm else run(args)
     env = capture_env("cpu")
     engine = "vllm_tp1" if args.vllm else f"engine_tp{args.engine_tp}"
-    note = CPU_NOTE.replace("receivers assemble HF tensors, no vLLM", "into engine/rollout_server.py's vLLM (reload "
-                            "per bucket), time includes its HTTP calls") if args.vllm else CPU_NOTE
     rows = []
     for (tp, hidden, name), (timing, stats) in sorted(measured.items()):
         plan = build_plan(hidden, tp, 1 if args.vllm else args.engine_tp)
@@ -300,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         moved = sum(t.numel for t in plan.transfers()) * plan.torch_dtype.itemsize  # every sender, every engine rank
         # NOTE: only what is fixed along a line goes in config (it is part of the key and of the plot's lines);
         # hidden = 128 / 256 / 512 follows from x (see the module docstring).
-        config = {"layers": NUM_LAYERS, "dtype": plan.dtype, "backend": "gloo", "note": note}
+        config = {"layers": NUM_LAYERS, "dtype": plan.dtype, "backend": "gloo", "note": CPU_NOTE}
         key = dict(bench="weight_sync", variant=name, mode=f"trainer_tp{tp}->{engine}",
                    x_name="model_mib", x_value=round(model_bytes / 2**20, 2), config=config)
         rows.append(make_row(env, **key, metric="time", unit="ms", p20=timing.p20_ms, p50=timing.p50_ms,
