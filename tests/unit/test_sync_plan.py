@@ -213,3 +213,20 @@ def test_layouts_that_vllm_or_megatron_refuse_are_rejected_with_the_arithmetic()
         build_sync_plan(_dims("mha_bias", 1), TrainerLayout(1, 1), 16, ffn_hidden_size=FFN)
     with pytest.raises(ValueError, match=r"num_layers=4 % \(pp_size\*vpp_size = 8\)"):
         build_sync_plan(_dims("mha_bias", 1), TrainerLayout(1, 4, 2), 1, ffn_hidden_size=FFN)
+
+
+def test_layer_placement_matches_megatrons_own_offsets_with_virtual_pipeline():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    for pp, vpp, layers in ((2, None, 8), (4, None, 8), (2, 2, 8), (2, 4, 16), (4, 2, 16)):
+        config = TransformerConfig(num_layers=layers, hidden_size=64, num_attention_heads=4,
+                                   pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                                   use_cpu_initialization=True, pipeline_dtype=torch.float32)
+        per_chunk = layers // (pp * (vpp or 1))
+        layout = TrainerLayout(1, pp, vpp)
+        for p in range(pp):
+            for v in range(vpp or 1):
+                offset = get_transformer_layer_offset(config, v if vpp else None, p)
+                for layer in range(offset, offset + per_chunk):
+                    assert layout.holder_of_layer(layer, layers) == (p, v), (pp, vpp, layer)
