@@ -24,7 +24,7 @@ def run_demo(config_path: Path, overrides: list[str]) -> int:
 
     cfg = load_config(config_path, overrides)
     summary = train(cfg)
-    if summary["rank"] == 0 and summary.get("eval_reward_before") is not None:
+    if summary["rank"] == 0 and summary.get("eval_reward_after") is not None:  # None: stopped by SIGUSR1
         before, after = summary["eval_reward_before"], summary["eval_reward_after"]
         print(f"[demo] held-out reward (mean accuracy on the test split): {before:.3f} -> {after:.3f} "
               f"after {summary['steps']} GRPO steps; curves: {Path(cfg.train.output_dir) / 'metrics.png'}")
