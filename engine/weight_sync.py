@@ -877,7 +877,7 @@ def _result(background, timeout_s: float, what: str):
 
 def _check_server(ps: ParallelState, client) -> None:
     """Rank 0 checks the server's health; every rank raises if it failed (collective)."""
-    ok = torch.ones(1)
+    ok = torch.ones(1, device=ps.device)  # on the backend's device (NCCL reduces CUDA tensors only)
     if ps.rank == 0:
         try:
             client.check_health()
@@ -934,7 +934,7 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
             _result(http, link.timeout_s, "loading the weights")
     except Exception as exc:  # noqa: BLE001 - every rank learns of any rank's failure below
         error = f"{type(exc).__name__}: {exc}"
-    failed = torch.tensor([0.0 if error is None else 1.0])
+    failed = torch.tensor([0.0 if error is None else 1.0], device=ps.device)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if float(failed) > 0:
         if link.group is not None:
