@@ -384,6 +384,7 @@ def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict) -
         CheckpointError when the checkpoint is incomplete, written for another model, or cannot be read.
     """
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
     path = Path(path)
     if not is_complete(path):
@@ -405,7 +406,7 @@ def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict) -
         _load_optimizer_state(popt.optimizer, loaded["optimizer"])
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - dist_checkpointing raises many kinds; name the checkpoint
+    except (Exception, TorchCheckpointException) as exc:  # noqa: BLE001 - many kinds (torch's is a BaseException)
         raise CheckpointError(f"{path}: cannot load the model / optimizer state: {type(exc).__name__}: {exc}") from exc
     popt.scheduler.load_state_dict(state["scheduler"])
     _restore_rank_rng(path, state, ps)

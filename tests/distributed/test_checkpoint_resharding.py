@@ -166,3 +166,31 @@ def test_switching_the_optimizer_kind_is_a_clear_error(saved_runs):
     run_dir, _, cache_dir = saved_runs("dp2_distopt")
     message = run_distributed(_load_with_other_optimizer, 1, cache_dir, str(run_dir))[0]
     assert "use_distributed_optimizer" in message and "DistributedOptimizer" in message
+
+
+def _load_errors(cache_dir, corrupt_dir) -> dict:
+    from engine.checkpoint import CheckpointError, load_checkpoint
+
+    ps, _, _, popt, identity = _build(1, 1, False, cache_dir)
+    messages = {}
+    for name, model in {"corrupt": identity, "other_model": identity | {"padded_vocab_size": 1024}}.items():
+        try:
+            load_checkpoint(corrupt_dir, popt, ps, model=model)
+            messages[name] = "loaded"
+        except CheckpointError as exc:
+            messages[name] = str(exc)
+    return messages
+
+
+@pytest.mark.slow
+def test_corrupt_tensor_file_or_another_model_is_a_clear_error(saved_runs, tmp_path):
+    import shutil
+
+    run_dir, _, cache_dir = saved_runs("tp1_pp1")
+    corrupt = tmp_path / "checkpoint-1"
+    shutil.copytree(run_dir / "checkpoint-1", corrupt)
+    for shard in corrupt.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a torn write
+    messages = run_distributed(_load_errors, 1, cache_dir, str(corrupt))[0]
+    assert str(corrupt) in messages["corrupt"] and "cannot load the model / optimizer state" in messages["corrupt"]
+    assert "another model" in messages["other_model"] and "padded_vocab_size" in messages["other_model"]
