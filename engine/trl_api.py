@@ -295,22 +295,8 @@ def resolve_model(model: Any, output_dir: Path, processing_class: Any = None, tr
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
-        target = output_dir / INITIAL_MODEL_DIR
-
-        def write(staging: Path) -> None:
-            from transformers import AutoTokenizer
-
-            model.save_pretrained(staging, safe_serialization=True)
-            tokenizer = processing_class
-            if tokenizer is None:
-                source = getattr(model.config, "_name_or_path", "")
-                if not source:
-                    raise ValueError("model is a PreTrainedModel without a name_or_path: pass processing_class")
-                tokenizer = AutoTokenizer.from_pretrained(source)
-            tokenizer.save_pretrained(staging)
-
-        write_once(target, write)
-        return str(target)
+        return _save_model_object(model, processing_class, output_dir / INITIAL_MODEL_DIR,
+                                  "model is a PreTrainedModel without a name_or_path: pass processing_class")
     raise TypeError(f"model must be a path, a hub name, a builtin: name or a transformers PreTrainedModel, got "
                     f"{type(model).__name__}")
 
@@ -410,6 +396,13 @@ def resolve_reward_funcs(reward_funcs: Any, processing_classes: Any, output_dir:
 
 def _save_reward_model(model: Any, tokenizer: Any, target: Path) -> str:
     """A sequence-classification model object -> a local directory with its tokenizer."""
+    return _save_model_object(model, tokenizer, target,
+                              "a reward model object without a name_or_path needs its reward_processing_class")
+
+
+def _save_model_object(model: Any, tokenizer: Any, target: Path, no_source: str) -> str:
+    """A transformers model object and its tokenizer (or the one of its `name_or_path`) -> `target`, written once
+    (atomically, by one rank); returns the directory."""
     from transformers import AutoTokenizer
 
     def write(staging: Path) -> None:
@@ -418,7 +411,7 @@ def _save_reward_model(model: Any, tokenizer: Any, target: Path) -> str:
         if tok is None:
             source = getattr(model.config, "_name_or_path", "")
             if not source:
-                raise ValueError("a reward model object without a name_or_path needs its reward_processing_class")
+                raise ValueError(no_source)
             tok = AutoTokenizer.from_pretrained(source)
         tok.save_pretrained(staging)
 
