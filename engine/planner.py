@@ -345,6 +345,11 @@ def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> Non
         infer_gpus = shape.infer_nodes * gpn
         if shape.infer_nodes < 1:
             problems.append("rollout.vllm_mode='server' needs inference nodes: got 0 (--infer-nodes)")
+        elif shape.infer_nodes > 1:
+            problems.append(
+                f"{shape.infer_nodes} inference nodes: the rollout server (engine/rollout_server.py) serves one engine "
+                "on one node so far (vLLM TP within the node; no replicas across nodes yet): use --infer-nodes 1"
+            )
         elif infer_gpus % vtp:
             problems.append(
                 f"inference GPUs = infer nodes x GPUs per node = {shape.infer_nodes} x {gpn} = {infer_gpus} is not "
@@ -558,7 +563,7 @@ def _inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d
     hint = (
         f"the KV room holds {concurrency:.2f} sequences at full length: lower the generation round "
         f"(per_device_train_batch_size x dp x steps_per_generation = {d.generation_batch_size}) or "
-        "generation.max_completion_length, add inference nodes, or raise rollout.vllm_tensor_parallel_size"
+        "generation.max_completion_length, or raise rollout.vllm_tensor_parallel_size"
     )
     return Budget(title, terms, share, limit_text, notes, hint)
 

@@ -249,6 +249,7 @@ def test_known_table_matches_the_builtin_tiny_models_and_megatrons_vocab_padding
          r"vllm_tensor_parallel_size=3 must divide num_attention_heads=64"),
         (["rollout.vllm_tensor_parallel_size=16"], {}, r"vllm_tensor_parallel_size=16 > 8 GPUs per node"),
         ([], {"infer_nodes": 0}, r"vllm_mode='server' needs inference nodes"),
+        ([], {"infer_nodes": 2}, r"2 inference nodes: the rollout server .* serves one engine on one node so far"),
         (["rollout.vllm_mode=colocate"], {"infer_nodes": 1}, r"'colocate' runs vLLM on the training GPUs: got 1"),
         (["model.name_or_path=acme/unknown-70b"], {}, r"does not know this model's dimensions and does not download"),
         (["data.max_prompt_length=null"], {}, r"the planner needs a bound on the sequence length"),
