@@ -74,6 +74,14 @@ def run_schedule(
         return hidden, loss_func
 
     forward_backward = get_forward_backward_func(pp_size=ps.pp_size, vp_size=ps.vpp_size)
+    # The groups come from ParallelState, never from Megatron's global parallel_state (the schedules fall back to it
+    # when given neither a pg_collection nor a p2p communicator).
+    groups = {"pg_collection": ps.groups}
+    if ps.pp_size > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.utils import get_model_config
+
+        groups["p2p_communicator"] = P2PCommunicator(pp_group=ps.groups.pp, config=get_model_config(chunks[0]))
     values = forward_backward(
         forward_step_func=forward_step,
         data_iterator=[iter(microbatches) for _ in chunks],
@@ -82,6 +90,7 @@ def run_schedule(
         seq_length=microbatches[0]["tokens"].shape[1],
         micro_batch_size=microbatches[0]["tokens"].shape[0],
         forward_only=forward_only,
+        **groups,
     )
     return list(values) if ps.is_last_stage else []
 
