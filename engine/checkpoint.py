@@ -137,6 +137,11 @@ def resolve_resume_checkpoint(resume_from: str | None, run_dir: str | Path) -> P
         CheckpointError when a named path does not exist or is not a complete checkpoint.
     """
     if resume_from is None:
+        earlier = list_checkpoints(run_dir)
+        if earlier:  # NOTE: `latest` and the keep-last-K rotation go by step number, as HF Trainer's do
+            _log(f"{run_dir} holds checkpoints of an earlier run ({', '.join(p.name for _, p in earlier)}) and this run "
+                 "starts from step 0: a later `latest` or save_total_limit rotation counts them with this run's; "
+                 "resume with checkpoint.resume_from_checkpoint=latest or use a fresh train.output_dir")
         return None
     if resume_from == "latest":
         path = find_latest_checkpoint(run_dir)

@@ -45,6 +45,13 @@ def test_latest_without_checkpoints_starts_afresh(tmp_path):
     assert resolve_resume_checkpoint(None, tmp_path) is None
 
 
+def test_a_fresh_run_over_earlier_checkpoints_says_so(tmp_path, capsys):
+    _fake_checkpoint(tmp_path, "checkpoint-40", 40)
+    assert resolve_resume_checkpoint(None, tmp_path) is None
+    err = capsys.readouterr().err
+    assert "earlier run (checkpoint-40)" in err and "resume_from_checkpoint=latest" in err
+
+
 def test_resume_from_a_named_path(tmp_path):
     path = _fake_checkpoint(tmp_path, "checkpoint-8", 8)
     assert resolve_resume_checkpoint(str(path), tmp_path) == path
