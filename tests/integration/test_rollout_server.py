@@ -10,6 +10,7 @@ trainer's (fp32, tolerance 1e-3); a server SIGKILLed mid-sync gives a clear erro
 trainer's weights bitwise as they were before the sync; the GRPO loop runs against the server, verified each sync.
 """
 
+import glob
 import json
 import os
 import random
@@ -96,11 +97,15 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     # Engine TP 2: vLLM runs the two workers in processes of their own (the weight receiver must work there too).
+    shm_before = set(glob.glob("/dev/shm/*-cpushm_*"))
     srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), "rollout.vllm_tensor_parallel_size=2",
                  env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # one core per worker (CPU_STACK.md)
     yield srv
     srv.stop()
     assert srv.token not in srv.log(), "the server logged its token"
+    assert srv.proc.returncode == 0, f"SIGTERM must stop the server cleanly:\n{srv.log()[-2000:]}"
+    leaked = set(glob.glob("/dev/shm/*-cpushm_*")) - shm_before
+    assert not leaked, f"the server left vLLM's CPU shared memory behind: {sorted(leaked)}"
 
 
 def _raw_post(url: str, headers: dict) -> int:
