@@ -199,7 +199,7 @@ class StopSignal:
 
     def agreed(self, ps: ParallelState) -> bool:
         """True on every rank when any rank has been signalled (collective)."""
-        flag = torch.tensor([int(self.requested)])
+        flag = torch.tensor([int(self.requested)], device=ps.device)  # NCCL reduces device tensors only
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.stopping = bool(flag.item())
         return self.stopping

@@ -112,10 +112,10 @@ class AdaptiveEntropy:
         0.01 + 0.005 * global_step while the entropy stays below the target)."""
         if not self.enabled:
             return {}
-        window = torch.zeros(2, dtype=torch.float64)  # [sum H m_eff, sum m_eff]
+        window = torch.zeros(2, dtype=torch.float64, device=ps.device)  # [sum H m_eff, sum m_eff]
         if ps.is_last_stage and ps.tp_rank == 0:
             for out in outputs:
-                window += out.entropy_window.double().cpu()
+                window += out.entropy_window.double().to(ps.device)
         dist.all_reduce(window)
         self.last_entropy = float(window[0] / window[1].clamp(min=1.0))
         self.coef = update_entropy_coef(self.coef, self.last_entropy, entropy_target=gr.entropy_target,
@@ -468,7 +468,7 @@ def keep_best_in_groups(run: Run, scored: Scored) -> Scored:
     if run.ps.rank == 0:
         rewards = aggregate_rewards(scored.rewards, run.rewards.weights)  # (P * G,)
         keep = filter_groups(run.group_filter, scored.completions, rewards, scored.group_size, k)
-    dist.broadcast(keep, src=0)
+    keep = _broadcast_from_rank0(keep, run.ps)
     rows = keep.tolist()
     pick = lambda values: [values[i] for i in rows]  # noqa: E731
     rollout = Rollout(*(pick(getattr(scored.rollout, f)) for f in
@@ -486,6 +486,13 @@ def log_completions(run: Run, scored: Scored, advantages: torch.Tensor) -> None:
     run.logger.add_completions(prompts, scored.completions, rewards, advantages.tolist())
 
 
+def _broadcast_from_rank0(tensor: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """Rank 0's tensor on every rank, back on the CPU (sent on the backend's device: NCCL moves CUDA tensors only)."""
+    on_device = tensor.to(ps.device)
+    dist.broadcast(on_device, src=0)
+    return on_device.cpu()
+
+
 def score(run: Run, picked, rollout: Rollout, step: int) -> tuple[torch.Tensor, list]:
     """(B, K) rewards, NaN = None, and the decoded completions (rank 0; [] elsewhere): rank 0 calls the reward
     functions with TRL's contract, then broadcasts the rewards."""
@@ -501,7 +508,7 @@ def score(run: Run, picked, rollout: Rollout, step: int) -> tuple[torch.Tensor, 
         log = run.logger
         rewards = run.rewards(prompts, completions, rollout.completion_ids, columns, trainer_state=state,
                               log_extra=log.log_extra, log_metric=log.log_metric)
-    dist.broadcast(rewards, src=0)
+    rewards = _broadcast_from_rank0(rewards, run.ps)
     return rewards, completions
 
 
@@ -605,5 +612,5 @@ def evaluate(run: Run, max_prompts: int = 200) -> float | None:
         rewards = run.rewards(picked.prompts, completions, rollout.completion_ids, picked.columns)  # (P, K)
         weights = run.rewards.weights if run.rewards.weights is not None else torch.ones(rewards.shape[1])
         mean[0] = torch.nanmean((rewards * weights).nansum(1))
-    dist.broadcast(mean, src=0)
+    mean = _broadcast_from_rank0(mean, run.ps)
     return float(mean)

@@ -176,7 +176,9 @@ def verify_sync(chunks, ps: ParallelState, engine, probe: dict, vocab_size: int,
             if diff.numel() and diff.max() > worst[0]:
                 j = int(diff.argmax())
                 worst = torch.tensor([float(diff.max()), i, j, float(logprobs[i, j])], dtype=torch.float64)
-    dist.all_reduce(worst[:1], op=dist.ReduceOp.MAX)
+    largest = worst[:1].to(ps.device)  # NCCL reduces device tensors only
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    worst[0] = float(largest)
     if float(worst[0]) > tolerance:
         raise WeightSyncError(
             f"after the weight sync the engine's log-probs differ from the trainer's by {float(worst[0]):.3g} "
