@@ -3,9 +3,9 @@
 Owns: the model dimensions the plan needs (`ModelDims`: a table of known hub models, a local `config.json`, or the
 builtin tiny models; nothing is downloaded), the cluster shape (`ClusterShape`: training / inference nodes, GPUs
 per node, GPU memory), the layout checks that need model dimensions or the node split (TP inside a node, heads and
-layers divisible, vLLM's TP), and the arithmetic of every memory term, printed as arithmetic (`build_plan`,
-`format_plan`). `grpo-engine plan` and `grpo-engine train --dry-run` call it; `launch/*.slurm` runs it before
-starting any node.
+layers divisible, vLLM's TP, one rollout server per inference node), and the arithmetic of every memory term,
+printed as arithmetic (`build_plan`, `format_plan`). `grpo-engine plan` and `grpo-engine train --dry-run` call it;
+`launch/*.slurm` runs it before starting any node.
 
 Must not: import torch, Megatron or vLLM (it runs on a login node in a second), read the environment, or touch the
 network. It takes the root config because memory is a cross-section question (like `engine.validation`).
@@ -46,13 +46,21 @@ a / g = query / KV heads, d = head dim, f = MLP size, L = layers, V = padded voc
   "Memory"), and 16 float32 per-token values (softmax statistics, saved lse and E[z], log-prob, entropy, their
   upstream gradients, old / reference / sampling log-probs, ratio, KL, mask). Never the (N, V/t) logits; the
   plan prints what those would take, for comparison.
+- Server mode (`rollout.vllm_mode: server`): each inference node runs one rollout server (engine/rollout_server.py),
+  one vLLM engine at `rollout.vllm_tensor_parallel_size` (TP stays inside the node; vLLM spans nodes only under Ray,
+  which we do not use). M inference nodes = M independent replicas; the trainer is given their URLs in
+  `rollout.vllm_server_base_urls` (one per node, checked here) and splits each round's P prompts among them in list
+  order, so the busiest server gets ceil(P / M) prompts x G completions. A TP smaller than the node leaves
+  GPUs per node - TP GPUs idle on every inference node: the plan says so, and does not refuse it (a small model at
+  TP 1 or 2 is legitimate; to use the whole node, raise the TP or run more nodes).
 - Inference, vLLM's accounting (`Worker.determine_available_memory`, logged at start-up as "the current vLLM
   instance can use total_gpu_memory x gpu_memory_utilization ... the rest of the memory reserved for KV Cache"):
   an engine may use `gpu_memory_utilization` x GPU memory for weights (params * 2 B / its TP; KV heads replicated
   when TP > g), its profiled activation peak and CUDA graphs (our `reserve`), and the KV cache. KV cache per token
   per GPU = 2 (K and V) * L * max(g/TP, 1) * d * 2 B (vLLM's `AttentionSpec.page_size_bytes` per token), in blocks
-  of 16 tokens; the configured batch is every completion of one generation round on its engine, each at
-  max prompt + max_completion_length tokens: the worst case vLLM must hold to run the round in one wave.
+  of 16 tokens; the configured batch is every completion of one generation round on its engine (in server mode
+  the busiest replica's share, above), each at max prompt + max_completion_length tokens: the worst case vLLM must
+  hold to run the round in one wave.
 - Colocated vLLM (`rollout.vllm_mode: colocate`): its share, `gpu_memory_utilization` x GPU memory, sits next to
   the trainer's weights, gradients and optimizer states. With sleep mode it is held only while generating, when
   the activations and the loss workspace are free, so it adds max(0, share - (activations + loss)); without, the
@@ -214,14 +222,15 @@ def resolve_cluster_shape(cfg: EngineConfig, *, train_nodes: int | None = None, 
     """The cluster shape from command-line values, defaulting from the config's layout.
 
     Defaults: 8 GPUs per node (or the layout's GPU count when smaller, e.g. 1 for a one-GPU config), as many
-    training nodes as tp*pp*dp needs, 1 inference node in `rollout.vllm_mode: server` and 0 in colocate mode.
+    training nodes as tp*pp*dp needs; in `rollout.vllm_mode: server` one inference node per URL of
+    `rollout.vllm_server_base_urls` (1 when unset), in colocate mode 0.
     """
     par = cfg.parallel
     layout_gpus = par.tp_size * par.pp_size * (par.dp_size or 1)
     gpn = gpus_per_node or min(DEFAULT_GPUS_PER_NODE, layout_gpus)
     shape = ClusterShape(
         train_nodes=train_nodes if train_nodes is not None else -(-layout_gpus // gpn),
-        infer_nodes=infer_nodes if infer_nodes is not None else (1 if cfg.rollout.vllm_mode == "server" else 0),
+        infer_nodes=infer_nodes if infer_nodes is not None else _default_infer_nodes(cfg),
         gpus_per_node=gpn,
         gpu_memory_gib=gpu_memory_gib if gpu_memory_gib is not None else DEFAULT_GPU_MEMORY_GIB,
         reserve_gib=reserve_gib if reserve_gib is not None else DEFAULT_RESERVE_GIB,
@@ -229,6 +238,19 @@ def resolve_cluster_shape(cfg: EngineConfig, *, train_nodes: int | None = None, 
     if min(shape.train_nodes, shape.gpus_per_node) < 1 or shape.infer_nodes < 0 or shape.gpu_memory_gib <= 0:
         raise PlanError(f"cluster shape: node and GPU counts must be >= 1 and memory > 0, got {shape}")
     return shape
+
+
+def _default_infer_nodes(cfg: EngineConfig) -> int:
+    """Server mode: one inference node per rollout server URL (1 without a list); colocate: 0."""
+    if cfg.rollout.vllm_mode != "server":
+        return 0
+    urls = cfg.rollout.vllm_server_base_urls
+    return len(urls) if urls else 1
+
+
+def num_rollout_servers(cfg: EngineConfig, shape: ClusterShape) -> int:
+    """Rollout server replicas: one per inference node in server mode (each one vLLM engine), 0 in colocate mode."""
+    return shape.infer_nodes if cfg.rollout.vllm_mode == "server" else 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,19 +364,7 @@ def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> Non
             "which this engine does not use"
         )
     if ro.vllm_mode == "server":
-        infer_gpus = shape.infer_nodes * gpn
-        if shape.infer_nodes < 1:
-            problems.append("rollout.vllm_mode='server' needs inference nodes: got 0 (--infer-nodes)")
-        elif shape.infer_nodes > 1:
-            problems.append(
-                f"{shape.infer_nodes} inference nodes: the rollout server (engine/rollout_server.py) serves one engine "
-                "on one node so far (vLLM TP within the node; no replicas across nodes yet): use --infer-nodes 1"
-            )
-        elif infer_gpus % vtp:
-            problems.append(
-                f"inference GPUs = infer nodes x GPUs per node = {shape.infer_nodes} x {gpn} = {infer_gpus} is not "
-                f"divisible by rollout.vllm_tensor_parallel_size={vtp}"
-            )
+        _check_rollout_servers(cfg, shape, problems)
     elif shape.infer_nodes:
         problems.append(
             f"rollout.vllm_mode='colocate' runs vLLM on the training GPUs: got {shape.infer_nodes} inference node(s); "
@@ -362,6 +372,24 @@ def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> Non
         )
     if problems:
         raise PlanError("layout does not divide:\n  - " + "\n  - ".join(problems))
+
+
+def _check_rollout_servers(cfg: EngineConfig, shape: ClusterShape, problems: list[str]) -> None:
+    """Server mode: one rollout server per inference node, and the trainer is given exactly those servers."""
+    urls, n = cfg.rollout.vllm_server_base_urls, shape.infer_nodes
+    if n < 1:
+        problems.append("rollout.vllm_mode='server' needs inference nodes: got 0 (--infer-nodes)")
+    elif urls is not None and len(urls) != n:
+        problems.append(
+            f"rollout.vllm_server_base_urls lists {len(urls)} server(s) but there are {n} inference node(s) "
+            f"(--infer-nodes): one rollout server runs per inference node, give one URL each"
+        )
+    elif urls is None and n > 1:
+        problems.append(
+            f"{n} inference nodes but the trainer is given one server (rollout.vllm_server_base_url or "
+            f"vllm_server_host/port): set rollout.vllm_server_base_urls to one URL per inference node, e.g. "
+            f"[http://HOST0:PORT,http://HOST1:PORT] (launch/grpo_72b.slurm does), or use --infer-nodes 1"
+        )
 
 
 def _optimizer_bytes(cfg: EngineConfig) -> tuple[int, int, int, str]:
@@ -527,13 +555,26 @@ def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str]:
     return params, text
 
 
+def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> tuple[int, int, str]:
+    """(vLLM engines, completions on the busiest engine per generation round, the arithmetic)."""
+    vtp, g = cfg.rollout.vllm_tensor_parallel_size, cfg.grpo.num_generations
+    prompts = d.num_prompts_per_generation
+    servers = num_rollout_servers(cfg, shape)
+    if servers:
+        per_server = -(-prompts // servers)
+        text = f"ceil({prompts} prompts / {servers} server(s)) = {per_server} prompts x {g} generations"
+        return servers, per_server * g, text
+    engines = shape.train_gpus // vtp
+    seqs = -(-prompts * g // engines)
+    return engines, seqs, f"ceil({prompts} prompts x {g} generations / {engines} engines)"
+
+
 def _inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d: Derived) -> Budget:
-    """One vLLM GPU: weights at vLLM's TP and the KV cache of a whole generation round, within vLLM's share."""
+    """One vLLM GPU: weights at vLLM's TP and the KV cache of its engine's share of a generation round, within
+    vLLM's share of the GPU."""
     ro, vtp = cfg.rollout, cfg.rollout.vllm_tensor_parallel_size
     server = ro.vllm_mode == "server"
-    gpus = shape.infer_nodes * shape.gpus_per_node if server else shape.train_gpus
-    engines = gpus // vtp
-    seqs = -(-d.generation_batch_size // engines)
+    engines, seqs, seqs_text = _engine_sequences(cfg, shape, d)
     prompt, completion, _ = sequence_lengths(cfg)
     tokens = -(-(prompt + completion) // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
     kv_heads = max(dims.num_kv_heads // vtp, 1)
@@ -548,22 +589,33 @@ def _inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d
             "KV cache",
             f"2 (K, V) x {dims.num_layers} layers x {kv_heads} KV head(s) x {dims.d} x {wbytes} B = "
             f"{per_token / 1024:g} KiB/token "
-            f"x {seqs} sequences x {tokens} tokens ({prompt} + {completion}, in blocks of {VLLM_BLOCK_SIZE})",
+            f"x {seqs} sequences ({seqs_text}) x {tokens} tokens ({prompt} + {completion}, in blocks of "
+            f"{VLLM_BLOCK_SIZE})",
             seqs * tokens * per_token,
         ),
         Term("reserve", "vLLM's activation peak, CUDA graphs, non-torch memory (--reserve-gib)", reserve),
     ]
     room = share - params * wbytes - reserve
     concurrency = max(room, 0) / (tokens * per_token)
-    where = f"{shape.infer_nodes} inference node(s)" if server else "the training GPUs (colocated)"
-    title = f"inference GPU (vLLM TP {vtp}, {engines} engine(s) on {where}, {seqs} sequences per engine)"
+    if server:
+        where = f"{engines} rollout server(s), one per inference node"
+    else:
+        where = f"{engines} engine(s) on the training GPUs (colocated)"
+    title = f"inference GPU (vLLM TP {vtp}, {where}, {seqs} sequences per engine)"
     notes = [f"KV room = share - weights - reserve = {_gib(room)}: {concurrency:.2f} sequences of {tokens} tokens "
              f"at once (vLLM logs it as 'Maximum concurrency for {tokens} tokens per request')"]
+    idle = shape.gpus_per_node - vtp
+    if server and idle > 0:
+        notes.append(
+            f"each inference node uses vLLM TP {vtp} of its {shape.gpus_per_node} GPUs: {idle} idle per node "
+            f"(one engine per rollout server); raise rollout.vllm_tensor_parallel_size to use them"
+        )
     limit_text = f"vLLM's share {ro.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {_gib(share)}"
     hint = (
         f"the KV room holds {concurrency:.2f} sequences at full length: lower the generation round "
         f"(per_device_train_batch_size x dp x steps_per_generation = {d.generation_batch_size}) or "
         "generation.max_completion_length, or raise rollout.vllm_tensor_parallel_size"
+        + (", or add inference nodes (rollout server replicas)" if server else "")
     )
     return Budget(title, terms, share, limit_text, notes, hint)
 
@@ -593,6 +645,7 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
         f"({'tied' if dims.tie_word_embeddings else 'untied'} embeddings) + {dims.hidden_size}",
         f"cluster: {shape.train_nodes} training node(s) + {shape.infer_nodes} inference node(s), "
         f"{shape.gpus_per_node} GPUs per node, {shape.gpu_memory_gib:g} GiB per GPU",
+        _rollout_line(cfg, shape, d),
         f"training layout: tp*pp*dp = {par.tp_size}*{par.pp_size}*{d.dp_size} = {d.world_size} GPUs = "
         f"{shape.train_nodes} node(s) x {shape.gpus_per_node}; {dims.num_layers} layers / pp {par.pp_size} = "
         f"{dims.num_layers // par.pp_size} per stage",
@@ -602,6 +655,20 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
     ]
     budgets = [_training_budget(cfg, dims, shape, d), _inference_budget(cfg, dims, shape, d)]
     return Plan(header, budgets, d, shape)
+
+
+def _rollout_line(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> str:
+    """Where generation runs: the server replicas and how a round's prompts are split, or the colocated engines."""
+    vtp, prompts = cfg.rollout.vllm_tensor_parallel_size, d.num_prompts_per_generation
+    servers = num_rollout_servers(cfg, shape)
+    if not servers:
+        return (f"rollout: colocated, train GPUs / vLLM TP = {shape.train_gpus} / {vtp} = {shape.train_gpus // vtp} "
+                f"engine(s) on the training GPUs")
+    return (
+        f"rollout: {servers} rollout server replica(s), one per inference node, each one vLLM engine at TP {vtp} on "
+        f"{vtp} of {shape.gpus_per_node} GPUs; {prompts} prompts per round split among them: at most "
+        f"ceil({prompts} / {servers}) = {-(-prompts // servers)} per server"
+    )
 
 
 def node_roles(cfg: EngineConfig, shape: ClusterShape, d: Derived, node_rank: int) -> str:

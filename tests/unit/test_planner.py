@@ -25,6 +25,7 @@ CONFIGS = Path(__file__).parents[2] / "configs"
 QWEN_72B = CONFIGS / "qwen2.5-72b_tp8_pp4_split_4x1.yaml"
 LLAMA_70B = CONFIGS / "llama3.1-70b_tp8_pp4_split_4x1.yaml"
 GPU_CONFIGS = [QWEN_72B, LLAMA_70B, CONFIGS / "qwen2.5-7b_tp2_dp4_1node.yaml", CONFIGS / "qwen2.5-0.5b_tp1_1gpu.yaml"]
+TWO_URLS = "rollout.vllm_server_base_urls=[http://gpu005:8000,http://gpu006:8000]"
 
 
 def _plan(path, overrides=(), **shape):
@@ -89,7 +90,7 @@ def test_plan_prints_every_term_as_arithmetic():
     text = format_plan(_plan(QWEN_72B))
     assert "= 2.35e9 params x 2 B = 4.38 GiB" in text
     assert "2.35e9 x 12 B (fp32 master + Adam m, v) / dp 1 (distributed optimizer) = 26.27 GiB" in text
-    assert "40 KiB/token x 128 sequences x 8704 tokens" in text
+    assert "40 KiB/token x 128 sequences (ceil(8 prompts / 1 server(s)) = 8 prompts x 16 generations) x 8704" in text
     assert "total            63.43 GiB of vLLM's share 0.9 x 79.1 GiB = 71.19 GiB: fits" in text
 
 
@@ -249,7 +250,13 @@ def test_known_table_matches_the_builtin_tiny_models_and_megatrons_vocab_padding
          r"vllm_tensor_parallel_size=3 must divide num_attention_heads=64"),
         (["rollout.vllm_tensor_parallel_size=16"], {}, r"vllm_tensor_parallel_size=16 > 8 GPUs per node"),
         ([], {"infer_nodes": 0}, r"vllm_mode='server' needs inference nodes"),
-        ([], {"infer_nodes": 2}, r"2 inference nodes: the rollout server .* serves one engine on one node so far"),
+        ([], {"infer_nodes": 2},
+         r"2 inference nodes but the trainer is given one server .* set rollout.vllm_server_base_urls to one URL"),
+        ([TWO_URLS], {"infer_nodes": 3},
+         r"rollout.vllm_server_base_urls lists 2 server\(s\) but there are 3 inference node\(s\) \(--infer-nodes\)"),
+        ([TWO_URLS], {"infer_nodes": 1}, r"lists 2 server\(s\) but there are 1 inference node\(s\)"),
+        (["rollout.vllm_tensor_parallel_size=16", TWO_URLS], {},
+         r"vllm_tensor_parallel_size=16 > 8 GPUs per node: vLLM's TP spans nodes only under Ray"),
         (["rollout.vllm_mode=colocate"], {"infer_nodes": 1}, r"'colocate' runs vLLM on the training GPUs: got 1"),
         (["model.name_or_path=acme/unknown-70b"], {}, r"does not know this model's dimensions and does not download"),
         (["data.max_prompt_length=null"], {}, r"the planner needs a bound on the sequence length"),
@@ -258,6 +265,47 @@ def test_known_table_matches_the_builtin_tiny_models_and_megatrons_vocab_padding
 def test_planner_refuses_a_layout_that_does_not_divide(overrides, shape, message):
     with pytest.raises(PlanError, match=message):
         _plan(QWEN_72B, overrides, **shape)
+
+
+# --- rollout server replicas (server mode, one per inference node) ---------------------------------------------------
+
+
+def test_two_inference_nodes_run_two_replicas_each_holding_half_the_round():
+    one = _plan(QWEN_72B)
+    two = _plan(QWEN_72B, [TWO_URLS])  # the inference node count defaults to the number of URLs
+    assert two.shape.infer_nodes == 2 and not two.problems
+    text = format_plan(two)
+    assert ("rollout: 2 rollout server replica(s), one per inference node, each one vLLM engine at TP 8 on 8 of 8 "
+            "GPUs; 8 prompts per round split among them: at most ceil(8 / 2) = 4 per server") in text
+    assert "inference GPU (vLLM TP 8, 2 rollout server(s), one per inference node, 64 sequences per engine)" in text
+    # 8 prompts x 16 completions split by prompt: 4 x 16 = 64 sequences per server, half of one server's KV cache.
+    inference_one, inference_two = _terms(one.budget("inference GPU")), _terms(two.budget("inference GPU"))
+    assert inference_two["KV cache"] == 64 * 8704 * 2 * 80 * 1 * 128 * 2 == inference_one["KV cache"] / 2
+    assert inference_two["weights"] == inference_one["weights"]  # every replica holds the whole model at TP 8
+    assert _terms(two.budget("training GPU")) == _terms(one.budget("training GPU"))
+
+
+def test_replicas_that_do_not_divide_the_prompts_size_the_busiest_server():
+    urls = "rollout.vllm_server_base_urls=[http://a:1,http://b:1,http://c:1]"
+    plan = _plan(QWEN_72B, [urls], infer_nodes=3)
+    kv = _terms(plan.budget("inference GPU"))["KV cache"]
+    assert kv == 3 * 16 * 8704 * 40 * 1024  # ceil(8 / 3) = 3 prompts x 16 generations on the busiest server
+    assert "ceil(8 prompts / 3 server(s)) = 3 prompts x 16 generations" in format_plan(plan)
+
+
+def test_a_vllm_tp_smaller_than_the_node_is_planned_and_its_idle_gpus_reported():
+    plan = _plan(QWEN_72B, [TWO_URLS, "rollout.vllm_tensor_parallel_size=4"])
+    budget = plan.budget("inference GPU")
+    assert "each inference node uses vLLM TP 4 of its 8 GPUs: 4 idle per node" in " ".join(budget.notes)
+    assert "at TP 4 on 4 of 8 GPUs" in format_plan(plan)
+    assert not any("idle" in note for note in _plan(QWEN_72B, [TWO_URLS]).budget("inference GPU").notes)
+
+
+def test_plan_command_accepts_two_inference_nodes_in_server_mode(capsys):
+    assert main(["plan", str(QWEN_72B), TWO_URLS, "--infer-nodes=2"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster: 4 training node(s) + 2 inference node(s)" in out
+    assert "rollout: 2 rollout server replica(s)" in out
 
 
 def test_planner_refuses_a_node_count_that_does_not_match_the_layout():
@@ -303,7 +351,10 @@ def test_plan_command_prints_both_node_kinds_and_exits_zero(capsys):
     assert main(["plan", str(LLAMA_70B)]) == 0
     out = capsys.readouterr().out
     assert "training GPU, last pipeline stage (the larger of 4 stages), per GPU:" in out
-    assert "inference GPU (vLLM TP 8, 1 engine(s) on 1 inference node(s), 128 sequences per engine), per GPU:" in out
+    assert (
+        "inference GPU (vLLM TP 8, 1 rollout server(s), one per inference node, 128 sequences per engine), per GPU:"
+        in out
+    )
 
 
 def test_train_dry_run_refuses_a_launcher_world_size_that_disagrees_with_the_shape(capsys, monkeypatch):

@@ -23,6 +23,7 @@ SPLIT_SCRIPT = ROOT / "launch" / "grpo_72b.slurm"
 ONE_NODE_SCRIPT = ROOT / "launch" / "grpo_1node.slurm"
 JOB_ID = 4217
 NODES = [f"gpu{i:03d}" for i in range(1, 6)]
+BASE_PORT = 20000 + (JOB_ID % 1000) * 10
 
 _RECORD = f"""#!{sys.executable} -S
 import json, os, sys
@@ -95,10 +96,23 @@ FAKE_TORCHRUN = _RECORD + """
 import time
 
 record("torchrun")
-# Like the real trainer (rollout.vllm_server_timeout), wait for the vLLM server before finishing.
+
+
+def last_server_started():
+    # The fake srun starts the servers one after another: the last has --node-rank = --num-nodes - 1.
+    for line in open(os.environ["FAKE_SLURM_LOG"]):
+        argv = json.loads(line)["argv"]
+        if "engine.rollout_server" in argv:
+            opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+            if int(opts["node-rank"]) == int(opts["num-nodes"]) - 1:
+                return True
+    return False
+
+
+# Like the real trainer (rollout.vllm_server_timeout), wait for every rollout server before finishing.
 deadline = time.monotonic() + 20
 while "rollout.vllm_mode=server" in sys.argv and time.monotonic() < deadline:
-    if "engine.rollout_server" in open(os.environ["FAKE_SLURM_LOG"]).read():
+    if last_server_started():
         break
     time.sleep(0.02)
 """
@@ -154,6 +168,18 @@ def split_run(tmp_path_factory):
     return records, slurm.logs
 
 
+SIX_NODES = [f"gpu{i:03d}" for i in range(1, 7)]
+
+
+@pytest.fixture(scope="module")
+def two_replica_run(tmp_path_factory):
+    """The split script on 6 nodes (`sbatch --nodes=6`): 4 training + 2 inference nodes, one rollout server each."""
+    slurm = _make_slurm(tmp_path_factory.mktemp("split6"))
+    result, records = slurm(["bash", SPLIT_SCRIPT], SLURM_JOB_NODELIST="gpu[001-006]", SLURM_NNODES="6")
+    assert result.returncode == 0, result.stderr
+    return records, slurm.logs
+
+
 def read_records(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
@@ -169,6 +195,20 @@ def _option(argv, name):
 
 def _overrides(argv):
     return dict(a.split("=", 1) for a in argv if "=" in a and not a.startswith("-"))
+
+
+def _servers(records):
+    """The rollout-server launches (one per inference task), in launch order."""
+    return [r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"]]
+
+
+def _base_urls(argv):
+    """The trainer's rollout.vllm_server_base_urls as the engine parses it (the override is a YAML flow list)."""
+    from engine.config import load_config
+
+    command = argv[argv.index("-m") + 1:] if "-m" in argv else argv
+    config, overrides = command[2], [a for a in command[3:] if "=" in a and not a.startswith("-")]
+    return load_config(ROOT / config, overrides).rollout.vllm_server_base_urls
 
 
 def _srun_steps(records):
@@ -187,9 +227,10 @@ def test_split_script_sends_training_to_the_first_nodes_and_vllm_to_the_rest(spl
     assert [_option(steps["train"]["argv"], k) for k in ("ntasks", "ntasks-per-node")] == ["4", "1"]
     assert _option(steps["train"]["argv"], "cpus-per-task") == "96"  # the whole node to torchrun's 8 ranks
     assert _option(steps["infer"]["argv"], "nodelist") == NODES[4]
-    servers = [r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"]]
+    servers = _servers(records)
     assert [(r["env"]["SLURMD_NODENAME"], _option(r["argv"], "node-rank")) for r in servers] == [(NODES[4], "0")]
     assert _option(servers[0]["argv"], "num-nodes") == "1"
+    assert _option(servers[0]["argv"], "host") == NODES[4]  # binds its own node, the name in the trainer's URL
 
 
 def test_split_script_gives_each_training_node_its_torchrun_rank_and_one_rendezvous(split_run):
@@ -208,16 +249,55 @@ def test_split_script_gives_each_training_node_its_torchrun_rank_and_one_rendezv
 
 def test_trainer_and_vllm_server_agree_on_host_and_ports(split_run):
     records, _ = split_run
-    trainer = _overrides(_tool(records, "torchrun")[0]["argv"])
-    server = _overrides(next(r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"])["argv"])
-    base = 20000 + (JOB_ID % 1000) * 10
-    assert trainer["rollout.vllm_server_host"] == NODES[4]
-    assert trainer["rollout.vllm_server_port"] == str(base + 1)
-    assert trainer["rollout.vllm_group_port"] == str(base + 2)
+    trainer_argv = _tool(records, "torchrun")[0]["argv"]
+    trainer, [server] = _overrides(trainer_argv), _servers(records)
+    assert _base_urls(trainer_argv) == [f"http://{NODES[4]}:{BASE_PORT + 1}"]
+    assert (_option(server["argv"], "host"), _option(server["argv"], "port")) == (NODES[4], str(BASE_PORT + 1))
+    assert trainer["rollout.vllm_group_port"] == str(BASE_PORT + 2)
     assert trainer["grpo.beta"] == "0.04"  # the user's override reaches both sides
-    shared = ("rollout.vllm_mode", "rollout.vllm_server_host", "rollout.vllm_server_port", "rollout.vllm_group_port",
-              "grpo.beta")
-    assert {k: server[k] for k in shared} == {k: trainer[k] for k in shared}
+    assert "rollout.vllm_server_host" not in trainer and "rollout.vllm_server_port" not in trainer  # the URLs replace
+    assert _overrides(server["argv"]) == trainer  # same config, same overrides: the URL list validates on both sides
+
+
+def test_split_script_starts_one_rollout_server_per_inference_node_and_gives_the_trainer_every_url(two_replica_run):
+    records, logs = two_replica_run
+    steps = _srun_steps(records)
+    assert _option(steps["infer"]["argv"], "nodelist") == ",".join(SIX_NODES[4:])
+    assert _option(steps["infer"]["argv"], "ntasks") == "2"
+    servers = _servers(records)
+    assert [
+        (r["env"]["SLURMD_NODENAME"], _option(r["argv"], "host"), _option(r["argv"], "node-rank"),
+         _option(r["argv"], "num-nodes"), _option(r["argv"], "port")) for r in servers
+    ] == [(node, node, str(rank), "2", str(BASE_PORT + 1)) for rank, node in enumerate(SIX_NODES[4:])]
+    trainers = _tool(records, "torchrun")
+    assert len(trainers) == 4 and {_option(r["argv"], "nnodes") for r in trainers} == {"4"}
+    # URL i is replica i (--node-rank=i): server i's weight-transfer group is vllm_group_port + i on the trainer side.
+    assert _base_urls(trainers[0]["argv"]) == [f"http://{node}:{BASE_PORT + 1}" for node in SIX_NODES[4:]]
+    assert {_overrides(r["argv"])["rollout.vllm_server_base_urls"] for r in trainers + servers} == {
+        f"[http://gpu005:{BASE_PORT + 1},http://gpu006:{BASE_PORT + 1}]"
+    }
+    plan = next(r for r in _tool(records, "python") if r["argv"][:3] == ["-m", "engine", "plan"])
+    assert _option(plan["argv"], "infer-nodes") == "2"
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        [f"train-{n}.log" for n in SIX_NODES[:4]] + [f"infer-{n}.log" for n in SIX_NODES[4:]]
+    )
+
+
+def test_split_script_plans_two_replicas_with_the_real_planner(slurm):
+    result, records = slurm(["bash", SPLIT_SCRIPT], DRY_RUN="1", PYTHON=sys.executable,
+                            SLURM_JOB_NODELIST="gpu[001-006]", SLURM_NNODES="6")
+    assert result.returncode == 0, result.stderr
+    assert list(_srun_steps(records)) == ["train"]
+    assert "rollout: 2 rollout server replica(s), one per inference node" in result.stdout
+    assert result.stdout.count("dry run: layout valid and fits on 32 training GPUs") == 4
+
+
+def test_split_script_refuses_more_inference_nodes_than_its_port_block_holds(slurm):
+    result, records = slurm(["bash", SPLIT_SCRIPT], SLURM_JOB_NODELIST="gpu[001-013]", SLURM_NNODES="13")
+    assert result.returncode == 1
+    assert f"9 inference nodes need group ports {BASE_PORT + 2}-{BASE_PORT + 10}" in result.stderr
+    assert "pin VLLM_GROUP_PORT" in result.stderr
+    assert not _tool(records, "srun")
 
 
 def test_split_script_writes_one_log_per_node(split_run):
@@ -237,7 +317,7 @@ def test_split_script_exports_what_nccl_megatron_and_torchrun_need(split_run):
 
 def test_split_script_gives_trainer_and_servers_one_fresh_secret_token_per_job(slurm, split_run):
     records, logs = split_run
-    server = next(r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"])
+    [server] = _servers(records)
     token = server["env"]["GRPO_ENGINE_TOKEN"]
     assert len(token) == 64 and int(token, 16) >= 0  # 32 random bytes, hex
     assert {r["env"]["GRPO_ENGINE_TOKEN"] for r in _tool(records, "torchrun")} == {token}  # every training node
