@@ -200,9 +200,16 @@ class RolloutConfig:
     vllm_server_host: str = "0.0.0.0"
     vllm_server_port: int = 8000
     vllm_server_timeout: float = 240.0
-    """Seconds to wait for the server's health check."""
+    """Seconds to wait for the server's health check (at start, and for a restarted server to come back)."""
+    vllm_server_base_urls: list[str] | None = None
+    """Several rollout servers, one per inference node (engine-only; TRL has one server): each round's prompts are
+    split among them in this order, and the weights are synced into each (the i-th through the weight-transfer
+    group on port `vllm_group_port + i`). Replaces `vllm_server_base_url` / host / port."""
+    vllm_request_timeout: float = 3600.0
+    """Seconds one generate / prompt-logprobs / weight-update request to a rollout server may take."""
     vllm_group_port: int = 51216
-    """TCP port of the weight-transfer group."""
+    """TCP port of the weight-transfer group (on global rank 0's host; server i of `vllm_server_base_urls` uses
+    `vllm_group_port + i`)."""
     weight_sync_bucket_mb: int = 512
     """Size of one flattened transfer bucket."""
     verify_weight_sync: bool = True

@@ -12,7 +12,9 @@ Owns:
   5xx message, timeout).
 - `SharedRolloutClient`: the trainer's engine handle in server mode. Rank 0 makes the HTTP calls and broadcasts
   the result, or the error, so every rank returns the same rollout or raises the same `RolloutServerError`
-  (no rank hangs in a collective behind a failed request; one request per round, as TRL's server mode does).
+  (no rank hangs in a collective behind a failed request; one request per server per round, as TRL's server mode
+  does). Several servers (`rollout.vllm_server_base_urls`, one per inference node): prompts split in contiguous
+  shares, asked concurrently. A restarted server (`RolloutServerLost`) is waited for, re-synced and asked again.
 - `connect_rollout_server(rollout_cfg, rank)`: the token check, the health wait, the shared handle.
 
 Must not: import vLLM (engine/rollout.py does, on the server), know Megatron's layout, or log the token.
@@ -44,6 +46,12 @@ class RolloutServerError(RuntimeError):
     """A request to the rollout server failed (the message names the URL, the endpoint and the cause)."""
 
 
+class RolloutServerLost(RolloutServerError):
+    """The server went away (connection refused or reset, or still loading, after every retry) or came back as a
+    new process whose weights are the checkpoint's, not the trainer's: a restart, which `SharedRolloutClient`
+    can recover from (wait for health, sync the weights again, repeat the request)."""
+
+
 def read_token() -> str:
     """The run's token from $GRPO_ENGINE_TOKEN; refuses a missing or short one (both sides call this)."""
     token = os.environ.get(TOKEN_ENV, "")
@@ -54,6 +62,13 @@ def read_token() -> str:
             f"{'too short' if token else 'unset'}"
         )
     return token
+
+
+def server_urls(rollout: RolloutConfig) -> list[str]:
+    """`vllm_server_base_urls` if set (several servers), else `[server_url(rollout)]`."""
+    if rollout.vllm_server_base_urls:
+        return [url.rstrip("/") for url in rollout.vllm_server_base_urls]
+    return [server_url(rollout)]
 
 
 def server_url(rollout: RolloutConfig) -> str:
@@ -81,6 +96,8 @@ class RolloutClient:
         self.request_timeout_s = request_timeout_s
         self.num_retries = num_retries
         self.backoff_s = backoff_s
+        self.last_instance: str | None = None
+        """The server process that answered the last `generate` (its /health `instance_id`)."""
 
     def __repr__(self) -> str:  # never the token
         return f"RolloutClient({self.base_url!r})"
@@ -124,7 +141,8 @@ class RolloutClient:
             except _Failure as failure:
                 if not failure.retry or attempt + 1 == attempts:
                     tries = f" after {attempt + 1} attempts" if attempt else ""
-                    raise RolloutServerError(
+                    kind = RolloutServerLost if failure.retry else RolloutServerError  # gone, or loading again
+                    raise kind(
                         f"rollout server {self.base_url}: {method} {endpoint} failed{tries}: {failure.cause}"
                     ) from None
                 time.sleep(self.backoff_s * 2**attempt)
@@ -169,6 +187,7 @@ class RolloutClient:
         payload = {"prompt_ids": prompt_ids, "num_generations": num_generations, "seeds": seeds,
                    "generation": asdict(generation) if generation is not None else None}
         out = self._request("POST", "/generate", payload, timeout_s=self.request_timeout_s)
+        self.last_instance = out.get("instance_id")
         prompts = [list(p) for p in prompt_ids for _ in range(num_generations)]
         return Rollout(prompts, out["completion_ids"], out["sampling_logprobs"], out["is_truncated"])
 
@@ -204,43 +223,144 @@ class RolloutClient:
 
 
 class SharedRolloutClient:
-    """The trainer's engine in server mode: rank `src` talks HTTP, every rank gets the result or the same error.
+    """The trainer's engine in server mode: rank `src` talks HTTP to every server, every rank gets the result or
+    the same error.
+
+    With several servers (`rollout.vllm_server_base_urls`) a round's prompts are split among them in contiguous
+    shares, in list order, requested concurrently and put back together prompt-major: with per-prompt seeds the
+    round is the one a single server would sample. Each server gets its own weight sync (the trainer keeps one
+    `ServerSync` link per server in `weight_links`).
+
+    Restarts: a server that stops answering (after the client's retries), or that answers as a new process
+    (`instance_id`) since its last sync, raises `RolloutServerLost`. If the trainer set `resync` (a collective
+    callable that syncs, and verifies, the weights into every server), `generate` then waits up to
+    `vllm_server_timeout` for every server's health check, calls `resync` (the weight links rejoin the restarted
+    servers) and asks once more; a second failure is raised.
 
     Collective: every rank of `group` (None = the default world) must make the same calls in the same order.
     """
 
-    def __init__(self, client: RolloutClient | None, rank: int, generation: GenerationConfig, *, group=None,
-                 src: int = 0):
-        if (rank == src) != (client is not None):
-            raise ValueError(f"rank {rank}: exactly rank {src} holds the HTTP client")
-        self.client, self.rank, self.generation, self.group, self.src = client, rank, generation, group, src
+    def __init__(self, clients: RolloutClient | list[RolloutClient] | None, rank: int, generation: GenerationConfig,
+                 *, group=None, src: int = 0, num_servers: int | None = None):
+        clients = [clients] if isinstance(clients, RolloutClient) else clients
+        if (rank == src) != bool(clients):
+            raise ValueError(f"rank {rank}: exactly rank {src} holds the HTTP clients")
+        self.clients = clients or []
+        self.num_servers = num_servers or len(self.clients) or 1
+        """The same on every rank."""
+        if self.clients and len(self.clients) != self.num_servers:
+            raise ValueError(f"{len(self.clients)} clients for {self.num_servers} servers")
+        self.rank, self.generation, self.group, self.src = rank, generation, group, src
         self.can_sleep = False
-        self.health: dict = {}
-        """The server's /health answer at connection (its `vllm_tensor_parallel_size` sizes the weight sync)."""
-        self.weight_link = None
-        """The trainer's end of the weight-transfer group (engine/weight_sync.py `ServerSync`), set by the trainer."""
+        self.healths: list[dict] = []
+        """Every server's /health answer at connection (`vllm_tensor_parallel_size` sizes its weight sync)."""
+        self.weight_links: list = []
+        """The trainer's ends of the weight-transfer groups (engine/weight_sync.py `ServerSync`), one per server."""
+        self.synced_instance: list[str | None] = [None] * self.num_servers
+        """Rank src: per server, the process (`instance_id`) that holds the trainer's last synced weights."""
+        self.resync = None
+        """Set by the trainer: a collective callable that syncs (and verifies) the weights into every server."""
+        self.num_restarts = 0
+        """Restarts recovered from (the same on every rank)."""
+
+    @property
+    def client(self) -> RolloutClient | None:
+        """The first server's client (rank src only)."""
+        return self.clients[0] if self.clients else None
+
+    @property
+    def health(self) -> dict:
+        return self.healths[0] if self.healths else {}
+
+    def describe(self, server: int) -> str:
+        return self.clients[server].base_url if self.clients else f"rollout server {server}"
 
     def _shared(self, call):
         box = [None]
         if self.rank == self.src:
             try:
-                box[0] = ("ok", call())
+                box[0] = ("ok", call(), False)
             except RolloutServerError as exc:
-                box[0] = ("error", str(exc))
+                box[0] = ("error", str(exc), isinstance(exc, RolloutServerLost))
             except Exception as exc:  # noqa: BLE001 - e.g. a malformed answer: the other ranks must not hang
-                box[0] = ("error", f"rollout server {self.client.base_url}: {type(exc).__name__}: {exc}")
+                box[0] = ("error", f"rollout server {self.describe(0)}: {type(exc).__name__}: {exc}", False)
         if dist.is_initialized():
             dist.broadcast_object_list(box, src=self.src, group=self.group)
-        status, value = box[0]
+        status, value, lost = box[0]
         if status == "error":
-            raise RolloutServerError(value)
+            raise (RolloutServerLost if lost else RolloutServerError)(value)
         return value
 
+    def _on_every_server(self, call, items: list) -> list:
+        """`call(client, share)` for each server's contiguous share of `items`, concurrently; the answers in order
+        (servers with an empty share are not asked). Rank src only."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        size = -(-len(items) // self.num_servers) if items else 0
+        shares = [(i, items[i * size : (i + 1) * size]) for i in range(self.num_servers)]
+        shares = [(i, share) for i, share in shares if share]
+        if len(shares) <= 1:
+            return [call(self.clients[i], share) for i, share in shares]
+        with ThreadPoolExecutor(max_workers=len(shares), thread_name_prefix="rollout-request") as pool:
+            futures = [pool.submit(call, self.clients[i], share) for i, share in shares]
+            return [future.result() for future in futures]  # the first failure (in server order) is raised
+
+    def _generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None) -> Rollout:
+        rows = list(zip(prompt_ids, seeds if seeds is not None else [None] * len(prompt_ids)))
+
+        def ask(client: RolloutClient, share: list) -> Rollout:
+            ids = [p for p, _ in share]
+            return client.generate(ids, num_generations, None if seeds is None else [s for _, s in share],
+                                   self.generation)
+
+        parts = self._on_every_server(ask, rows)
+        for server, client in enumerate(self.clients):
+            synced = self.synced_instance[server]
+            if synced is not None and client.last_instance not in (None, synced):
+                raise RolloutServerLost(
+                    f"rollout server {client.base_url} restarted since the last weight sync (process {synced} -> "
+                    f"{client.last_instance}): it samples from its checkpoint, not the trainer's weights")
+        out = Rollout([], [], [], [])
+        for part in parts:
+            out.prompt_ids += part.prompt_ids
+            out.completion_ids += part.completion_ids
+            out.sampling_logprobs += part.sampling_logprobs
+            out.is_truncated += part.is_truncated
+        return out
+
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
-        return self._shared(lambda: self.client.generate(prompt_ids, num_generations, seeds, self.generation))
+        try:
+            return self._shared(lambda: self._generate(prompt_ids, num_generations, seeds))
+        except RolloutServerLost as lost:
+            if self.resync is None:
+                raise
+            import warnings
+
+            warnings.warn(f"{lost}; waiting up to rollout.vllm_server_timeout for the server(s), then syncing the "
+                          "weights again and repeating the request", RuntimeWarning, stacklevel=2)
+            self.reconnect()
+            self.resync()
+            self.num_restarts += 1
+            return self._shared(lambda: self._generate(prompt_ids, num_generations, seeds))
 
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
-        return self._shared(lambda: self.client.prompt_logprobs(sequences, temperature))
+        """Log-probs of `sequences`, shared out among the servers."""
+        def ask(client: RolloutClient, share: list) -> list:
+            return client.prompt_logprobs(share, temperature)
+
+        return self._shared(lambda: [lp for part in self._on_every_server(ask, sequences) for lp in part])
+
+    def prompt_logprobs_each(self, sequences: list[list[int]], temperature: float) -> list[list[list[float]]]:
+        """Every server's log-probs of all of `sequences` (verification checks each server's weights)."""
+        def ask(client: RolloutClient, share: list) -> list:
+            return client.prompt_logprobs(sequences, temperature)
+
+        return self._shared(lambda: self._on_every_server(ask, list(range(self.num_servers))))
+
+    def reconnect(self) -> list[dict]:
+        """Wait (up to each client's `timeout_s`) until every server answers its health check; collective."""
+        self.healths = self._shared(lambda: [client.wait_until_healthy() for client in self.clients])
+        return self.healths
 
     def sleep(self) -> None:
         """No-op: the server's engine has its own accelerators; nothing to free for training."""
@@ -249,18 +369,20 @@ class SharedRolloutClient:
         """No-op (see `sleep`)."""
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        for client in self.clients:
+            client.close()
 
 
 def connect_rollout_server(rollout: RolloutConfig, generation: GenerationConfig, rank: int) -> SharedRolloutClient:
-    """The trainer's handle on the server (collective): every rank checks the token, rank 0 waits for health."""
+    """The trainer's handle on the server(s) (collective): every rank checks the token, rank 0 waits for health."""
     token = read_token()
-    client = None
+    urls = server_urls(rollout)
+    clients = None
     if rank == 0:
-        client = RolloutClient(server_url(rollout), token, timeout_s=rollout.vllm_server_timeout)
-    shared = SharedRolloutClient(client, rank, generation)
-    shared.health = shared._shared(lambda: client.wait_until_healthy())
+        clients = [RolloutClient(url, token, timeout_s=rollout.vllm_server_timeout,
+                                 request_timeout_s=rollout.vllm_request_timeout) for url in urls]
+    shared = SharedRolloutClient(clients, rank, generation, num_servers=len(urls))
+    shared.reconnect()
     return shared
 
 

@@ -12,11 +12,11 @@ Endpoints (JSON in and out; every one except `GET /health` needs `Authorization:
 compared in constant time; a request without it gets 401 and touches nothing):
 | endpoint | body -> answer |
 |---|---|
-| GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls (nothing secret) |
-| POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null) -> completion_ids, sampling_logprobs, is_truncated (prompt-major) |
+| GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls, instance_id, num_weight_updates, replica, num_replicas (nothing secret) |
+| POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
 | POST /prompt_logprobs | sequences, temperature -> logprobs (of every token after the first) |
 | POST /weights/init | host, port, world_size, first_engine_rank, timeout_s, plan (SyncPlan.spec()), bucket_mb -> ranks; the workers join the trainer's transfer group (the call returns once the trainer's senders have joined) |
-| POST /weights/update | -> per-worker stats; the workers receive one sync and load it with vLLM's reload_weights |
+| POST /weights/update | -> per-worker stats, instance_id; the workers receive one sync and load it with vLLM's reload_weights |
 | POST /weights/close | -> the workers leave the transfer group |
 | POST /sleep, /wake_up | vLLM sleep mode where the engine supports it (GPU), otherwise no-ops |
 | POST /shutdown | -> the server stops after answering |
@@ -25,8 +25,11 @@ Engine calls run one at a time (a lock); `/health` never waits for it. A failed 
 Must not: import vLLM (engine/rollout.py does), log or write the token (the config on disk never holds it; request
 logs name the method, path and status only), or serve without a token (it refuses to start).
 
-Multi-node (`--num-nodes` > 1): not implemented; one node serves one engine (vLLM TP within the node), and the
-server refuses to start otherwise rather than leave extra nodes idle silently.
+Several inference nodes: one independent server per node (vLLM TP within the node), `--num-nodes M --node-rank R`
+naming it replica R of M (reported by /health); the trainer lists them all in `rollout.vllm_server_base_urls`,
+splits each round's prompts among them and syncs the weights into each (launch/grpo_72b.slurm starts them).
+Every process has a random `instance_id` (in /health and /generate answers): a trainer that finds a new one knows
+the server restarted with the checkpoint's weights, and syncs again.
 
 Test: tests/integration/test_rollout_server.py (the server in another process on loopback).
 """
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import json
+import secrets
 import signal
 import sys
 import threading
@@ -63,6 +67,12 @@ class RolloutServer(ThreadingHTTPServer):
         self.tensor_parallel_size = None
         self.num_engine_calls = 0
         """Authorized requests that reached the engine (reported by /health: a refused request never counts)."""
+        self.instance_id = secrets.token_hex(8)
+        """This process (a restarted server has a new one: the trainer then knows its weights are the checkpoint's)."""
+        self.num_weight_updates = 0
+        """Weight syncs received and loaded since this process started."""
+        self.replica = (0, 1)
+        """(--node-rank, --num-nodes): which of the run's rollout servers this is (reported by /health)."""
 
     def is_authorized(self, header: str | None) -> bool:
         scheme, _, value = (header or "").partition(" ")
@@ -75,7 +85,8 @@ class RolloutServer(ThreadingHTTPServer):
         generation = build_config(gen, GenerationConfig, "generation") if gen is not None else None
         rollout = self.engine.generate(body["prompt_ids"], int(body["num_generations"]), body.get("seeds"), generation)
         return {"completion_ids": rollout.completion_ids, "sampling_logprobs": rollout.sampling_logprobs,
-                "is_truncated": rollout.is_truncated}
+                "is_truncated": rollout.is_truncated, "instance_id": self.instance_id,
+                "num_weight_updates": self.num_weight_updates}
 
     def prompt_logprobs(self, body: dict) -> dict:
         return {"logprobs": self.engine.prompt_logprobs(body["sequences"], float(body["temperature"]))}
@@ -85,7 +96,9 @@ class RolloutServer(ThreadingHTTPServer):
         return {"ranks": self.engine.init_weight_group(**{k: body[k] for k in keys})}
 
     def update_weights(self, body: dict) -> dict:
-        return {"workers": self.engine.receive_weights()}
+        workers = self.engine.receive_weights()
+        self.num_weight_updates += 1
+        return {"workers": workers, "instance_id": self.instance_id}
 
     def close_weights(self, body: dict) -> dict:
         self.engine.close_weight_group()
@@ -130,7 +143,9 @@ class _Handler(BaseHTTPRequestHandler):
         ready = self.server.engine is not None
         self._send(200, {"status": "ok" if ready else "loading",
                          "vllm_tensor_parallel_size": self.server.tensor_parallel_size,
-                         "num_engine_calls": self.server.num_engine_calls})
+                         "num_engine_calls": self.server.num_engine_calls, "instance_id": self.server.instance_id,
+                         "num_weight_updates": self.server.num_weight_updates,
+                         "replica": self.server.replica[0], "num_replicas": self.server.replica[1]})
 
     def do_POST(self) -> None:
         path = self.path.rstrip("/")
@@ -199,20 +214,22 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutServerError as exc:
         print(f"rollout_server: refusing to start: {exc}", file=sys.stderr)
         return 2
-    if args.num_nodes != 1 or args.node_rank != 0:
-        print(f"rollout_server: --num-nodes={args.num_nodes} --node-rank={args.node_rank}: only one inference node "
-              "per run is implemented (one engine, vLLM TP within the node)", file=sys.stderr)
+    if not 0 <= args.node_rank < args.num_nodes:
+        print(f"rollout_server: --node-rank={args.node_rank} must be in [0, --num-nodes={args.num_nodes})",
+              file=sys.stderr)
         return 2
     cfg = load_config(args.config, args.overrides)
     ro = cfg.rollout
     host, port = args.host or ro.vllm_server_host, args.port or ro.vllm_server_port
     server = RolloutServer((host, port), token)
     server.tensor_parallel_size = ro.vllm_tensor_parallel_size
+    server.replica = (args.node_rank, args.num_nodes)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     thread = threading.Thread(target=server.serve_forever, name="rollout-http", daemon=True)
     thread.start()
-    print(f"rollout_server: listening on http://{host}:{server.server_address[1]} (token from ${TOKEN_ENV}); "
-          f"loading {cfg.model.name_or_path}", file=sys.stderr, flush=True)
+    print(f"rollout_server: replica {args.node_rank} of {args.num_nodes} listening on "
+          f"http://{host}:{server.server_address[1]} (token from ${TOKEN_ENV}); loading {cfg.model.name_or_path}",
+          file=sys.stderr, flush=True)
     engine = None
     try:
         from engine.rollout import ServerEngine

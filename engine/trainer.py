@@ -10,8 +10,10 @@ never split across rounds. The loss normaliser counts the tokens and sequences o
 ranks (layout-independent, engine/policy_loss.py).
 
 Server mode (`rollout.vllm_mode: server`, engine/rollout_server.py on other processes or nodes): rank 0 asks
-the server for each round over HTTP and broadcasts it (engine/rollout_client.py); the weight sync goes shard to
-shard over the transfer group (engine/weight_sync.py `sync_server`) and is verified as in colocated mode.
+the server(s) for each round over HTTP and broadcasts it (engine/rollout_client.py; several servers split the
+prompts); the weight sync goes shard to shard over one transfer group per server (engine/weight_sync.py
+`sync_server`) and is verified as in colocated mode. A server that restarts mid-run is waited for, synced and
+verified again before it samples (`sync_and_verify` as the client's `resync`).
 
 The TRL-compatible `GRPOConfig` / `GRPOTrainer` (engine/trl_config.py, engine/trl_api.py) call `train` with
 in-memory datasets, reward callables and a tokenizer (its keyword-only inputs).
@@ -87,6 +89,8 @@ class Run:
     """The `data.dynamic_prompts_fn` hook, or None."""
     pending_prompts: object = None
     """The PromptBatch the hook chose for the next round (None = the dataset's next rows)."""
+    last_probe: dict | None = None
+    """The last round's first micro-batch: the weight-sync verification probe (also after a server restart)."""
     resume_from: Path | None = None
     """The checkpoint this run resumes from (`checkpoint.resume_from_checkpoint` resolved), or None."""
     entropy: AdaptiveEntropy = field(default_factory=lambda: AdaptiveEntropy(0.0, enabled=False))
@@ -170,10 +174,8 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                 step += 1
         t_train = time.perf_counter()
         # 4. weight sync into every engine, verified on a probe of this round
-        sync = sync_weights(run)
-        if cfg.rollout.verify_weight_sync:
-            sync["weight_sync/max_logprob_diff"] = verify_sync(run.popt.model, ps, run.engine, steps[0][0][0],
-                                                               run.dims.vocab_size, _sync_tolerance(cfg))
+        run.last_probe = steps[0][0][0]
+        sync = sync_and_verify(run)
         end = time.perf_counter()
         # 5. metrics (TRL names), logged on rank 0
         round_tokens = sum(map(len, scored.rollout.prompt_ids)) + sum(map(len, scored.rollout.completion_ids))
@@ -248,13 +250,15 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     popt = build_optimizer(cfg.optimizer, chunks, ps, total_steps=total_steps)
     if cfg.rollout.vllm_mode == "server":  # waits up to vllm_server_timeout for the server's health check
         engine = connect_rollout_server(cfg.rollout, cfg.generation, ps.rank)
-        engine.weight_link = build_server_sync(
-            ps, dims, engine.health["vllm_tensor_parallel_size"], ffn_hidden_size=hf_config.intermediate_size,
-            dtype=cfg.model.dtype, group_port=cfg.rollout.vllm_group_port, timeout_s=cfg.rollout.vllm_server_timeout,
-            bucket_mb=cfg.rollout.weight_sync_bucket_mb)
-        # NOTE: the server outlives trainer runs (and restarts): whatever it holds, the first round samples from
+        engine.weight_links = [
+            build_server_sync(ps, dims, health["vllm_tensor_parallel_size"], ffn_hidden_size=hf_config.intermediate_size,
+                              dtype=cfg.model.dtype, group_port=cfg.rollout.vllm_group_port + i,
+                              timeout_s=cfg.rollout.vllm_server_timeout, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
+                              server=i)
+            for i, health in enumerate(engine.healths)]
+        # NOTE: the servers outlive trainer runs (and restarts): whatever they hold, the first round samples from
         # the trainer's weights.
-        sync_server(popt.model, ps, dims, engine, engine.weight_link)
+        _sync_servers(popt.model, ps, dims, engine)
     else:
         engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
                                  dtype=cfg.model.dtype, world_size=ps.world_size)
@@ -266,9 +270,12 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
                                implementation=cfg.kernels.loss_implementation, workspace_mb=cfg.kernels.loss_workspace_mb)
     group_filter = import_callable(cfg.grpo.group_filter_func, "grpo.group_filter_func") if cfg.grpo.group_filter_func else None
     dynamic_prompts = import_callable(cfg.data.dynamic_prompts_fn, "data.dynamic_prompts_fn") if cfg.data.dynamic_prompts_fn else None
-    return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
-               eval_prompts, rewards, logger, loss_config, settings, total_steps,
-               group_filter, dynamic_prompts, resume_from=resume_from, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))
+    run = Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
+              eval_prompts, rewards, logger, loss_config, settings, total_steps,
+              group_filter, dynamic_prompts, resume_from=resume_from, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))
+    if cfg.rollout.vllm_mode == "server":  # a server that restarts mid-run is synced again before it samples
+        engine.resync = lambda: sync_and_verify(run)
+    return run
 
 
 def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:
@@ -336,10 +343,31 @@ def export_policy(run: Run, out_dir: str | Path) -> None:
 
 def sync_weights(run: Run) -> dict:
     """Push the policy's weights into the engines: bucketed in-process loads (colocate) or shard to shard into the
-    rollout server (server; a failure raises WeightSyncError on every rank and leaves the trainer untouched)."""
+    rollout server(s) (server; a failure raises WeightSyncError on every rank and leaves the trainer untouched)."""
     if run.cfg.rollout.vllm_mode == "server":
-        return sync_server(run.popt.model, run.ps, run.dims, run.engine, run.engine.weight_link)
+        return _sync_servers(run.popt.model, run.ps, run.dims, run.engine)
     return sync_colocated(run.popt.model, run.ps, run.dims, run.engine, run.cfg.rollout.weight_sync_bucket_mb)
+
+
+def _sync_servers(chunks, ps: ParallelState, dims, engine) -> dict:
+    """One sync into each rollout server in turn (each through its own transfer group); the stats summed."""
+    total: dict = {}
+    for link in engine.weight_links:
+        for key, value in sync_server(chunks, ps, dims, engine, link).items():
+            total[key] = total.get(key, 0.0) + value
+    return total | {"weight_sync/servers": float(len(engine.weight_links)),
+                    "weight_sync/server_restarts": float(engine.num_restarts)}
+
+
+def sync_and_verify(run: Run, probe: dict | None = None) -> dict:
+    """`sync_weights`, then (if `rollout.verify_weight_sync`) the engines' log-probs of `probe` (default: the last
+    round's probe micro-batch; none before the first round) against the trainer's."""
+    sync = sync_weights(run)
+    probe = probe if probe is not None else run.last_probe
+    if run.cfg.rollout.verify_weight_sync and probe is not None:
+        sync["weight_sync/max_logprob_diff"] = verify_sync(run.popt.model, run.ps, run.engine, probe,
+                                                           run.dims.vocab_size, _sync_tolerance(run.cfg))
+    return sync
 
 
 def finish(run: Run, summary: dict) -> None:

@@ -224,6 +224,20 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
         )
     if not 0.0 < ro.vllm_gpu_memory_utilization <= 1.0:
         problems.append(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {ro.vllm_gpu_memory_utilization}")
+    if ro.vllm_server_base_urls is not None:
+        urls = ro.vllm_server_base_urls
+        if not urls:
+            problems.append("rollout.vllm_server_base_urls is an empty list: give one URL per rollout server, or null")
+        elif ro.vllm_server_base_url is not None:
+            problems.append("rollout.vllm_server_base_url and rollout.vllm_server_base_urls are both set: keep one")
+        elif len({u.rstrip("/") for u in urls}) != len(urls):
+            problems.append(f"rollout.vllm_server_base_urls lists a server twice: {urls}")
+        bad = [u for u in urls or [] if not u.startswith(("http://", "https://"))]
+        if bad:
+            problems.append(f"rollout.vllm_server_base_urls must be http(s):// URLs, got {bad}")
+    if ro.vllm_request_timeout <= 0 or ro.vllm_server_timeout <= 0:
+        problems.append(f"rollout.vllm_request_timeout and rollout.vllm_server_timeout must be > 0, got "
+                        f"{ro.vllm_request_timeout} and {ro.vllm_server_timeout}")
     if ro.weight_sync_bucket_mb < 1:
         problems.append(f"rollout.weight_sync_bucket_mb must be >= 1, got {ro.weight_sync_bucket_mb}")
     if gen.max_completion_length < 1:

@@ -165,23 +165,26 @@ def verify_sync(chunks, ps: ParallelState, engine, probe: dict, vocab_size: int,
                  zip(probe["tokens"], probe["prompt_lengths"], probe["completion_mask"])]
     # NOTE: every rank queries its engine, also where there is nothing to compare: the ranks of one vLLM TP group
     # must make the same engine calls, and a group may span pipeline stages.
-    engine_logprobs = engine.prompt_logprobs(sequences, temperature=1.0)
-    worst = torch.zeros(4, dtype=torch.float64)  # (max diff, row, position, trainer logprob)
+    each = getattr(engine, "prompt_logprobs_each", None)  # several rollout servers: each one checks every probe
+    per_engine = each(sequences, 1.0) if each is not None else [engine.prompt_logprobs(sequences, temperature=1.0)]
+    worst = torch.zeros(5, dtype=torch.float64)  # (max diff, row, position, trainer logprob, engine index)
     if trainer:
         logprobs = trainer[0][0]  # (b, C)
-        for i, engine_lp in enumerate(engine_logprobs):
-            start = int(probe["prompt_lengths"][i]) - 1
-            ref = torch.tensor(engine_lp[start:], dtype=torch.float64)  # (C_i,)
-            diff = (logprobs[i, : ref.numel()].double() - ref).abs().nan_to_num(nan=float("inf"))  # NaN = mismatch
-            if diff.numel() and diff.max() > worst[0]:
-                j = int(diff.argmax())
-                worst = torch.tensor([float(diff.max()), i, j, float(logprobs[i, j])], dtype=torch.float64)
+        for e, engine_logprobs in enumerate(per_engine):
+            for i, engine_lp in enumerate(engine_logprobs):
+                start = int(probe["prompt_lengths"][i]) - 1
+                ref = torch.tensor(engine_lp[start:], dtype=torch.float64)  # (C_i,)
+                diff = (logprobs[i, : ref.numel()].double() - ref).abs().nan_to_num(nan=float("inf"))  # NaN: bad
+                if diff.numel() and diff.max() > worst[0]:
+                    j = int(diff.argmax())
+                    worst = torch.tensor([float(diff.max()), i, j, float(logprobs[i, j]), e], dtype=torch.float64)
     largest = worst[:1].to(ps.device)  # NCCL reduces device tensors only
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     worst[0] = float(largest)
     if float(worst[0]) > tolerance:
+        which = f" ({engine.describe(int(worst[4]))})" if each is not None and len(per_engine) > 1 else ""
         raise WeightSyncError(
-            f"after the weight sync the engine's log-probs differ from the trainer's by {float(worst[0]):.3g} "
+            f"after the weight sync the engine's{which} log-probs differ from the trainer's by {float(worst[0]):.3g} "
             f"(tolerance {tolerance:g}) at probe row {int(worst[1])}, completion token {int(worst[2])} (trainer "
             f"{float(worst[3]):.5f}): the engine is not running the trainer's weights"
         )
@@ -836,10 +839,14 @@ class ServerSync:
     """The same on every trainer rank: whether the group exists (False again after a failed sync)."""
     store: object = None
     """Rank 0: the group's TCPStore, listening before the server is asked to join (no connect back-off)."""
+    server: int = 0
+    """Which of the trainer's rollout servers (`SharedRolloutClient.clients[server]`) this link feeds."""
+    instance: str | None = None
+    """Rank 0: the server process (`instance_id`) the group was joined with; a new one has left the group."""
 
 
 def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn_hidden_size: int, dtype: str,
-                      group_port: int, timeout_s: float, bucket_mb: float) -> ServerSync:
+                      group_port: int, timeout_s: float, bucket_mb: float, server: int = 0) -> ServerSync:
     """The plan of this trainer layout into the server's engine TP, and where the group meets.
 
     The group's store is hosted by global rank 0 on `group_port` at $MASTER_ADDR (torchrun's and srun's address of
@@ -850,7 +857,7 @@ def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn
     plan = build_sync_plan(dims, TrainerLayout(ps.tp_size, ps.pp_size, ps.vpp_size), engine_tp,
                            ffn_hidden_size=ffn_hidden_size, dtype=dtype)
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    return ServerSync(plan, host, group_port, timeout_s, bucket_mb)
+    return ServerSync(plan, host, group_port, timeout_s, bucket_mb, server=server)
 
 
 def _in_background(call):
@@ -883,19 +890,23 @@ def _result(background, timeout_s: float, what: str):
     return outcome["value"]
 
 
-def _check_server(ps: ParallelState, client) -> None:
-    """Rank 0 checks the server's health; every rank raises if it failed (collective)."""
-    ok = torch.ones(1, device=ps.device)  # on the backend's device (NCCL reduces CUDA tensors only)
+def _check_server(ps: ParallelState, client, link: ServerSync) -> bool:
+    """Rank 0 checks the server's health; every rank raises if it failed (collective). Returns, on every rank,
+    whether the server is another process than the one `link` joined (restarted: it has left the group)."""
+    flag = torch.tensor([1.0, 0.0], device=ps.device)  # (ok, restarted); on the backend's device (NCCL)
     if ps.rank == 0:
         try:
-            client.check_health()
+            instance = client.check_health().get("instance_id")
         except Exception:
-            ok.zero_()
-            dist.broadcast(ok, src=0)
+            flag[0] = 0.0
+            dist.broadcast(flag, src=0)
             raise
-    dist.broadcast(ok, src=0)
-    if not float(ok):
+        flag[1] = float(link.instance is not None and instance != link.instance)
+        link.instance = instance
+    dist.broadcast(flag, src=0)
+    if not float(flag[0]):
         raise WeightSyncError("the rollout server's health check failed on trainer rank 0")
+    return bool(float(flag[1]))
 
 
 def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: ServerSync) -> dict[str, float]:
@@ -906,8 +917,10 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
     outcome is then agreed over the trainer's world so every rank returns, or raises, together.
 
     Args:
-        engine: the trainer's SharedRolloutClient (rank 0 holds its HTTP client, `engine.client`).
-        link: from `build_server_sync`; its group is kept for the next sync.
+        engine: the trainer's SharedRolloutClient (rank 0 holds the HTTP clients, `engine.clients`).
+        link: from `build_server_sync`; its group is kept for the next sync. The server is asked for its health
+            first (one GET): a dead one fails at once, a restarted one (new `instance_id`) is joined afresh
+            (stats then hold `weight_sync/rejoined`).
     Returns:
         {"weight_sync/seconds", "weight_sync/gib" (sent by rank 0), "weight_sync/messages", "weight_sync/buckets"}.
     Raises:
@@ -916,11 +929,18 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
         trainer's parameters are only read, so they are exactly as before the sync whatever happened.
     """
     start = time.perf_counter()
-    plan, client = link.plan, engine.client
+    plan = link.plan
+    client = engine.clients[link.server] if ps.rank == 0 else None
     stats, error = {}, None
     try:
+        # a dead server fails here at once, not after the group's join timeout; a restarted one (a new process,
+        # its checkpoint's weights, outside the group) is joined afresh
+        if _check_server(ps, client, link) and link.is_joined:
+            if link.group is not None:
+                link.group.close()
+            link.group, link.store, link.is_joined = None, None, False
+            stats["weight_sync/rejoined"] = 1.0
         if not link.is_joined:
-            _check_server(ps, client)  # a dead server fails here at once, not after the group's join timeout
             request = dict(host=link.host, port=link.port, world_size=plan.group_size,
                            first_engine_rank=plan.trainer.num_senders, timeout_s=link.timeout_s, plan=plan.spec(),
                            bucket_mb=link.bucket_mb)
@@ -937,9 +957,11 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
             link.is_joined = True
         http = _in_background(client.update_weights) if ps.rank == 0 else None
         try:
-            stats = send_weights(chunks, ps, dims, link.group, plan, link.bucket_mb)
+            stats |= send_weights(chunks, ps, dims, link.group, plan, link.bucket_mb)
         finally:
-            _result(http, link.timeout_s, "loading the weights")
+            answer = _result(http, link.timeout_s, "loading the weights")
+        if ps.rank == 0:  # generate() checks that it is still this process that answers
+            engine.synced_instance[link.server] = answer.get("instance_id", link.instance)
     except Exception as exc:  # noqa: BLE001 - every rank learns of any rank's failure below
         error = f"{type(exc).__name__}: {exc}"
     failed = torch.tensor([0.0 if error is None else 1.0], device=ps.device)

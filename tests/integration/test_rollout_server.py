@@ -8,6 +8,10 @@ the URL, the endpoint and the cause. After a GRPO optimizer step the trainer (TP
 engine TP1) syncs its weights into the server over the transfer group and the server's log-probs equal the
 trainer's (fp32, tolerance 1e-3); a server SIGKILLed mid-sync gives a clear error (not a hang) and leaves the
 trainer's weights bitwise as they were before the sync; the GRPO loop runs against the server, verified each sync.
+Two servers (one per inference node in production): a round's prompts are split between them and, with seeds,
+equal one server's round; both are synced and verified, a stale one is named; one SIGKILLed and restarted on its
+port between rounds is found by the next generate, waited for, synced afresh (its transfer group rejoined) and
+verified, and the round is asked again.
 """
 
 import glob
@@ -56,10 +60,11 @@ def _group_port() -> int:
 class Server:
     """A rollout server process (stopped by `stop`; its log kept for failure messages)."""
 
-    def __init__(self, tmp: Path, token: str, *overrides: str, env: dict | None = None):
-        self.port, self.token = _free_port(), token
+    def __init__(self, tmp: Path, token: str, *overrides: str, env: dict | None = None, port: int | None = None,
+                 replica: int = 0, num_replicas: int = 1):
+        self.port, self.token = port or _free_port(), token
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"server-{self.port}.log"
+        self.log_path = tmp / f"server-{self.port}-{time.monotonic_ns()}.log"
         self.overrides = [
             f"model.name_or_path={MODEL}", "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
             "rollout.vllm_max_model_length=128", "generation.max_completion_length=6", "rollout.vllm_server_timeout=60",
@@ -69,7 +74,8 @@ class Server:
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "engine.rollout_server", "configs/tiny_cpu.yaml", *self.overrides,
-                 "--host", "127.0.0.1", f"--port={self.port}", "--num-nodes=1", "--node-rank=0"],
+                 "--host", "127.0.0.1", f"--port={self.port}", f"--num-nodes={num_replicas}",
+                 f"--node-rank={replica}"],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
         try:
@@ -345,3 +351,117 @@ def test_grpo_loop_in_server_mode_generates_on_the_server_and_stays_in_sync(serv
     assert server.client().health()["num_engine_calls"] - calls_before >= 2 * 3 + 1
     config_text = (tmp_path / "config.yaml").read_text()
     assert "vllm_mode: server" in config_text and server.token not in config_text
+
+
+def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) -> dict:
+    """Trainer TP 1 against two servers: split rounds, syncs into both, a stale server named, a restart recovered."""
+    import torch
+    from transformers import AutoConfig
+
+    from engine.batch import pack_completions
+    from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
+    from engine.hf_checkpoint import load_hf_checkpoint
+    from engine.hf_convert import ModelDims
+    from engine.model import build_policy, policy_shape
+    from engine.optimizer import build_optimizer
+    from engine.parallel import init_parallel
+    from engine.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.rollout_client import connect_rollout_server
+    from engine.step import LogprobSettings, grpo_forward_backward
+    from engine.tiny_model import resolve_builtin_model
+    from engine.weight_sync import WeightSyncError, build_server_sync, sync_server, verify_sync
+
+    os.environ["GRPO_ENGINE_TOKEN"] = token
+    ps = init_parallel(ParallelConfig(), seed=0)
+    model_dir = resolve_builtin_model(MODEL, "/nonexistent")
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, ModelConfig(dtype="float32"), 1).padded_vocab_size)
+    chunks = build_policy(hf_config, ModelConfig(dtype="float32"), ps)
+    load_hf_checkpoint(chunks, ps, model_dir, dims)
+    popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)
+    generation = GenerationConfig(max_completion_length=6)
+    engine = connect_rollout_server(RolloutConfig(vllm_mode="server", vllm_server_base_urls=urls,
+                                                  vllm_server_timeout=120.0), generation, ps.rank)
+    engine.weight_links = [build_server_sync(ps, dims, h["vllm_tensor_parallel_size"], server=i,
+                                             ffn_hidden_size=hf_config.intermediate_size, dtype="float32",
+                                             group_port=group_port + i, timeout_s=60.0, bucket_mb=1)
+                           for i, h in enumerate(engine.healths)]
+    out = {"replicas": [(h["replica"], h["num_replicas"]) for h in engine.healths]}
+
+    def sync_all():
+        return [sync_server(popt.model, ps, dims, engine, link) for link in engine.weight_links]
+
+    sync_all()
+    prompts, seeds = PROMPTS + [[14, 15]], [11, 22, 33, 44]
+    calls = [client.health()["num_engine_calls"] for client in engine.clients]
+    split = engine.generate(prompts, num_generations=2, seeds=seeds)
+    out["generate_calls"] = [c.health()["num_engine_calls"] - n for c, n in zip(engine.clients, calls)]
+    alone = engine.clients[0].generate(prompts, 2, seeds, generation)  # every prompt on the first server
+    out["split_equals_one_server"] = (split.completion_ids == alone.completion_ids
+                                      and split.prompt_ids == alone.prompt_ids)
+    out["split_logprob_diff"] = max(abs(a - b) for x, y in zip(split.sampling_logprobs, alone.sampling_logprobs)
+                                    for a, b in zip(x, y))
+    batch = pack_completions(split.prompt_ids, split.completion_ids, pad_token_id=0)
+    batch["advantages"] = torch.tensor([1.0, -1.0] * 4)
+    vocab = hf_config.vocab_size
+    out["before"] = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+
+    normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=8.0)
+    popt.zero_grad()
+    grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer,
+                          LogprobSettings(vocab_size=vocab, implementation="torch_chunked"))
+    popt.step()
+    sync_server(popt.model, ps, dims, engine, engine.weight_links[0])  # the second server is left stale
+    try:
+        verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+        out["stale_error"] = ""
+    except WeightSyncError as exc:
+        out["stale_error"] = str(exc)
+    sync_all()
+    out["after"] = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+
+    # the second server dies between rounds and a new process takes its port: the next generate finds it
+    restarted = []
+
+    def resync():
+        restarted.append(sync_all())
+        verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+
+    engine.resync = resync
+    old_instance = engine.healths[1]["instance_id"]
+    os.kill(restart["pid"], signal.SIGKILL)
+    time.sleep(1.0)
+    new = Server(Path(restart["tmp"]), token, port=restart["port"], replica=1, num_replicas=2)
+    again = engine.generate(prompts, num_generations=2, seeds=seeds)
+    out["restarts"] = engine.num_restarts
+    out["new_instance"] = engine.healths[1]["instance_id"] != old_instance
+    out["rejoined"] = [stats.get("weight_sync/rejoined", 0.0) for stats in restarted[0]] if restarted else []
+    out["after_restart"] = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+    out["rows_after_restart"] = len(again.completion_ids)
+    new.stop()
+    return out
+
+
+@pytest.mark.slow
+def test_two_servers_split_rounds_sync_each_name_a_stale_one_and_recover_from_a_restart(tmp_path):
+    from tests.distributed.launcher import run_distributed
+
+    token = secrets.token_hex(16)
+    servers = [Server(tmp_path, token, replica=r, num_replicas=2) for r in range(2)]
+    try:
+        [r] = run_distributed(_two_servers, 1, [s.url for s in servers], token, _group_port(),
+                              {"pid": servers[1].proc.pid, "port": servers[1].port, "tmp": str(tmp_path)},
+                              timeout_s=600)
+    finally:
+        for srv in servers:
+            srv.stop()
+    assert r["replicas"] == [(0, 2), (1, 2)]
+    assert r["generate_calls"] == [1, 1], "each server must generate its share of the round"
+    assert r["split_equals_one_server"], "seeded prompts split over two servers must sample what one server does"
+    assert r["split_logprob_diff"] < TOLERANCE
+    assert r["before"] < TOLERANCE and r["after"] < TOLERANCE and r["after_restart"] < TOLERANCE
+    assert "not running the trainer's weights" in r["stale_error"], r["stale_error"]
+    assert servers[1].url in r["stale_error"], "the stale server must be named"
+    assert r["restarts"] == 1 and r["new_instance"]
+    assert r["rejoined"] == [0.0, 1.0], "only the restarted server's transfer group is joined afresh"
+    assert r["rows_after_restart"] == 8

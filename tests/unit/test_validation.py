@@ -64,6 +64,18 @@ def _cfg(**sections):
         ({"rollout": {"vllm_max_model_length": 256}}, 1, r"vllm_max_model_length=256 leaves no room for a prompt"),
         ({"train": {"max_steps": 0}}, 1, r"train.max_steps must be -1 \(use num_train_epochs\) or >= 1, got 0"),
         ({"reward": {"reward_funcs": []}}, 1, r"reward.reward_funcs is empty"),
+        (
+            {"rollout": {"vllm_mode": "server", "vllm_server_base_url": "http://a:8000",
+                         "vllm_server_base_urls": ["http://b:8000"]}}, 1,
+            r"vllm_server_base_url and rollout.vllm_server_base_urls are both set",
+        ),
+        ({"rollout": {"vllm_server_base_urls": []}}, 1, r"vllm_server_base_urls is an empty list"),
+        (
+            {"rollout": {"vllm_server_base_urls": ["http://a:8000", "http://a:8000/"]}}, 1,
+            r"vllm_server_base_urls lists a server twice",
+        ),
+        ({"rollout": {"vllm_server_base_urls": ["a:8000"]}}, 1, r"must be http\(s\):// URLs, got \['a:8000'\]"),
+        ({"rollout": {"vllm_request_timeout": 0}}, 1, r"vllm_request_timeout and rollout.vllm_server_timeout must be > 0"),
     ],
 )
 def test_validate_refuses_with_actionable_message(sections, world_size, message):
