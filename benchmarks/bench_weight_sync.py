@@ -10,8 +10,17 @@ each bucket after assembling it (loading into vLLM is timed by the server-mode i
 Models: Qwen2-shaped with random weights (`init_weights_by_name`), 8 layers, head_dim 32, KV heads = heads / 2,
 MLP 3 * hidden, vocabulary 16 * hidden, float32; hidden 128 / 256 / 512, so the parameter bytes grow 4x per step
 (8 layers * 12 * H^2 + 2 * 16H * H params: 8.4 / 33.6 / 134 MB).
-Baseline `tensor_by_tensor`: one message per piece (a QKV tensor from a TP rank is one piece per query group), one
-bucket per decoder layer (`bucket_mb=0`), the same plan and receivers.
+Baseline `tensor_by_tensor_acked`: the per-tensor protocol of TRL's server mode (`update_named_param`: per parameter an
+HTTP call, a broadcast, a barrier with the vLLM workers) and OpenRLHF (`broadcast_to_vllm`: per parameter a Ray
+call, a broadcast, `ray.get`), on the same plan, group and receivers: every HF tensor is a transfer of its own
+(a header and one message per piece: a QKV tensor from a TP rank is one piece per query group), and every engine
+rank acknowledges it before the next tensor starts (`send_weights(..., tensor_by_tensor=True)`). The HTTP call per
+tensor is left out, so the baseline is, if anything, faster than TRL's. (Rows named `tensor_by_tensor`, from
+before 2026-11-22 08:30, are an earlier baseline: one message per piece, one bucket per decoder layer, no
+per-tensor acknowledgement.)
+
+Row `round_trip`: before each model size, trainer rank 0 and engine rank 0 time a 40-byte message and its answer
+on the same group (30 times): the per-message latency of this run, which a per-tensor protocol pays per tensor.
 
 Processes: 2 trainer ranks (TP1 runs as TP1 x DP2, where the dp_rank-1 rank sends nothing, then TP2) + `engine_tp`
 receivers, started here. Absolute numbers on CPU are loopback-TCP numbers on a shared machine; compare variants of
@@ -47,10 +56,11 @@ BUCKETS_MB = (1, 8, 64, 512)
 LAYOUTS = (1, 2)  # trainer TP; PP 1
 NUM_LAYERS = 8
 JOIN_TIMEOUT_S = 600.0
+PING_WARMUP, PING_ITERS, PING_TAG = 5, 30, 7 << 23  # the round-trip row: trainer rank 0 <-> engine rank 0
 TIMEOUT_S = 300.0
-CPU_NOTE = ("shared CPU: 2 cores used by 5 engineers' jobs at the same time; gloo over loopback TCP; "
-            "->engine_tp modes: receivers assemble HF tensors, no vLLM; ->vllm_tp1: sync_server into "
-            "engine/rollout_server.py's vLLM, HTTP calls and reload_weights included")
+CPU_NOTE = ("2-core CPU VM shared with other jobs (CPU steal seen); gloo over loopback TCP; ->engine_tp modes: "
+            "receivers assemble HF tensors, no vLLM; ->vllm_tp1: sync_server into engine/rollout_server.py's vLLM, "
+            "HTTP calls and reload_weights included")
 
 
 def hf_config(hidden: int):
@@ -64,7 +74,7 @@ def hf_config(hidden: int):
 
 def variants() -> list[tuple[str, float, bool]]:
     """(name, bucket_mb, tensor_by_tensor) in the order both sides run them."""
-    return [(f"bucketed_{b}MiB", float(b), False) for b in BUCKETS_MB] + [("tensor_by_tensor", 0.0, True)]
+    return [(f"bucketed_{b}MiB", float(b), False) for b in BUCKETS_MB] + [("tensor_by_tensor_acked", 0.0, True)]
 
 
 def build_plan(hidden: int, trainer_tp: int, engine_tp: int):
@@ -103,6 +113,9 @@ def _trainer(rank: int, master_port: int, store_ports: list[int], args, results)
                                                    host_store=False)
             for hidden in args.sizes:
                 plan = build_plan(hidden, tp, args.engine_tp)
+                if rank == 0:  # the per-message latency this run has (what per-tensor protocols pay per tensor)
+                    out[(tp, hidden, "round_trip")] = (time_fn(lambda: _ping(group, tp), warmup=PING_WARMUP,
+                                                               n_iters=PING_ITERS), {})
                 chunks = build_policy(hf_config(hidden), ModelConfig(dtype="float32"), ps)
                 init_weights_by_name(chunks, ps, seed=0)
                 for name, bucket_mb, tensor_by_tensor in variants():
@@ -138,6 +151,9 @@ def _receiver(engine_rank: int, store_ports: list[int], args, results) -> None:
                                                timeout_s=TIMEOUT_S, join_timeout_s=JOIN_TIMEOUT_S, host_store=False)
             for hidden in args.sizes:
                 plan = build_plan(hidden, tp, args.engine_tp)
+                if engine_rank == 0:
+                    for _ in range(PING_WARMUP + PING_ITERS):
+                        _pong(group)
                 for _, bucket_mb, tensor_by_tensor in variants():
                     for _ in range(args.warmup + args.iters + 1):
                         for bucket in receive_weights(group, plan, bucket_mb, engine_rank,
@@ -148,6 +164,19 @@ def _receiver(engine_rank: int, store_ports: list[int], args, results) -> None:
     except BaseException as error:  # noqa: BLE001 - reported to the main process
         results.put((-1 - engine_rank, "error", repr(error)))
         raise
+
+
+def _ping(group, first_engine_rank: int) -> None:
+    """Trainer rank 0: one header-sized message to engine rank 0 and its answer (a round trip on the group)."""
+    message = torch.zeros(5, dtype=torch.int64)
+    group.send(message, first_engine_rank, PING_TAG).wait()
+    group.recv(message, first_engine_rank, PING_TAG).wait()
+
+
+def _pong(group) -> None:
+    message = torch.zeros(5, dtype=torch.int64)
+    group.recv(message, 0, PING_TAG).wait()
+    group.send(message, 0, PING_TAG).wait()
 
 
 def _free_port() -> int:
@@ -304,6 +333,10 @@ def main(argv: list[str] | None = None) -> None:
                    x_name="model_mib", x_value=round(model_bytes / 2**20, 2), config=config)
         rows.append(make_row(env, **key, metric="time", unit="ms", p20=timing.p20_ms, p50=timing.p50_ms,
                              p80=timing.p80_ms, n_iters=timing.n_iters))
+        if name == "round_trip":
+            print(f"trainer tp{tp} -> {engine}, {model_bytes / 2**20:7.1f} MiB, one round trip of a 40-byte message: "
+                  f"p50 {timing.p50_ms:.3f} ms (p20 {timing.p20_ms:.3f}, p80 {timing.p80_ms:.3f})")
+            continue
         rows.append(make_row(env, **key, metric="throughput", unit="GB/s", p20=moved / timing.p80_ms / 1e6,
                              p50=moved / timing.p50_ms / 1e6, p80=moved / timing.p20_ms / 1e6,
                              n_iters=timing.n_iters))

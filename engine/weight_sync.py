@@ -513,6 +513,12 @@ def _check_layouts(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, ffn:
 _MAGIC = 0x5EED
 _HEADER = 5  # int64 header of every (bucket, sender, engine rank) message run: magic, bucket, numel, sender, engine
 _ACK_TAG = 1 << 22
+_TENSOR_ACK_TAG = _ACK_TAG + 1  # tensor_by_tensor: one acknowledgement per tensor
+
+
+def tensor_buckets(plan: SyncPlan) -> list[list[int]]:
+    """One HF tensor per transfer (the tensor-by-tensor baseline; vLLM's layer-wise reload cannot load these)."""
+    return [[index] for index in range(len(plan.tensors))]
 _MAX_MESSAGES = 1 << 20  # per (bucket, pair); tags are (bucket parity) << 21 | message index
 
 
@@ -647,9 +653,12 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
     Ranks with dp_rank > 0 return at once (they hold copies of dp_rank 0's shards). Each sender packs, per bucket
     and per engine rank, the boxes of its own shards that rank reads into one flat buffer behind a small header;
     no rank gathers anything. Packing bucket k+1 overlaps the transmission of bucket k. Returns after every engine
-    rank acknowledged the last bucket. `tensor_by_tensor=True` is the baseline of per-tensor frameworks (TRL's
-    `update_named_param`, OpenRLHF's `broadcast_to_vllm`: one collective per tensor, each completed before the
-    next): one message per box (a piece of an HF tensor), each waited for before the next is sent.
+    rank acknowledged the last bucket. `tensor_by_tensor=True` is the baseline of per-tensor frameworks, for the
+    benchmark: TRL's `update_named_param` (per parameter: an HTTP call, a broadcast, a barrier with the workers,
+    which load it) and OpenRLHF's `broadcast_to_vllm` (per parameter: a Ray call, a broadcast, `ray.get`) send
+    one HF tensor at a time and wait until the engine has it before the next. Here: every HF tensor is a transfer
+    of its own (`tensor_buckets`), one message per box, each waited for, and every engine rank acknowledges the
+    tensor before the next one starts; the receivers must pass the same flag.
 
     Args:
         chunks: the policy chunks (wrapped or not), in virtual-stage order.
@@ -668,7 +677,7 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
     start = time.perf_counter()
     me = plan.trainer.sender_rank(ps.pp_rank, ps.tp_rank)
     params = _local_params(chunks)
-    buckets = plan.buckets(bucket_mb)
+    buckets = tensor_buckets(plan) if tensor_by_tensor else plan.buckets(bucket_mb)
     per_bucket = [{rank: ts for (sender, rank), ts in pairs.items() if sender == me}
                   for pairs in _pair_transfers(plan, buckets)]  # per bucket: engine rank -> this sender's transfers
     most = max((sum(t.numel for ts in pairs.values() for t in ts) for pairs in per_bucket), default=0)
@@ -693,6 +702,12 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
                     _wait([works.pop()], plan, group, "sending")
             num_bytes += numel * plan.torch_dtype.itemsize
             num_messages += len(messages)
+        if tensor_by_tensor:  # ... and the engine has the tensor before the next starts (TRL's barrier)
+            acks = [(torch.zeros(_HEADER, dtype=torch.int64, device=group.device), plan.engine_group_rank(e))
+                    for e in range(plan.engine_tp)]
+            _wait([(group.recv(ack, peer, _TENSOR_ACK_TAG), peer, k) for ack, peer in acks], plan, group,
+                  "the tensor's acknowledgement")
+            num_messages += len(acks)
         _wait(pending, plan, group, "sending")
         pending = works
     _wait(pending, plan, group, "sending")
@@ -740,7 +755,7 @@ def receive_weights(group: WeightTransferGroup, plan: SyncPlan, bucket_mb: float
     Raises:
         WeightSyncError naming the bucket and the peer on a header mismatch, a dead peer or a timeout.
     """
-    buckets = plan.buckets(bucket_mb)
+    buckets = tensor_buckets(plan) if tensor_by_tensor else plan.buckets(bucket_mb)
     layouts = _receive_layouts(plan, buckets, engine_rank)
     most = max((payload + assembly for _, _, payload, assembly in layouts), default=0)
     me = plan.engine_group_rank(engine_rank)
@@ -776,6 +791,9 @@ def receive_weights(group: WeightTransferGroup, plan: SyncPlan, bucket_mb: float
         current = posted
         posted = post(k + 1) if k + 1 < len(buckets) else None
         yield _assemble(plan, bucket, *current)
+        if tensor_by_tensor:  # the consumer has taken this tensor: every sender may go on to the next
+            _wait([(group.send(_header(k, 0, me, engine_rank, group.device), s, _TENSOR_ACK_TAG), s, k)
+                   for s in range(plan.trainer.num_senders)], plan, group, "acknowledging")
     acks = [(group.send(_header(len(buckets), 0, me, engine_rank, group.device), s, _ACK_TAG), s, len(buckets))
             for s in range(plan.trainer.num_senders)]
     _wait(acks, plan, group, "acknowledging")
