@@ -5,7 +5,8 @@ TP1 / TP2, writing sync time and GB/s to `benchmarks/results/weight_sync.csv` an
 What is timed: one `send_weights` call on trainer rank 0, from its start until every engine rank has acknowledged
 the last bucket, i.e. pack on the senders -> gloo (or NCCL) transfer -> the receiver (`receive_weights`) assembling
 every bucket's HF tensors for its vLLM rank. No vLLM here: the receivers stand in for the engine's workers and drop
-each bucket after assembling it (loading into vLLM is timed by the server-mode integration, not here).
+each bucket after assembling it (loading into vLLM is timed by the server-mode integration, not here). The
+variants of one model run interleaved, round by round (`schedule`), so a slow spell of the machine hits all alike.
 
 Models: Qwen2-shaped with random weights (`init_weights_by_name`), 8 layers, head_dim 32, KV heads = heads / 2,
 MLP 3 * hidden, vocabulary 16 * hidden, float32; hidden 128 / 256 / 512, so the parameter bytes grow 4x per step
@@ -44,12 +45,13 @@ import argparse
 import os
 import pickle
 import socket
+import time
 from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
 
-from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, time_fn
+from benchmarks.harness import RESULTS_DIR, Timing, append_rows, capture_env, make_row, percentiles, time_fn
 
 SIZES = (128, 256, 512)
 BUCKETS_MB = (1, 8, 64, 512)
@@ -75,6 +77,14 @@ def hf_config(hidden: int):
 def variants() -> list[tuple[str, float, bool]]:
     """(name, bucket_mb, tensor_by_tensor) in the order both sides run them."""
     return [(f"bucketed_{b}MiB", float(b), False) for b in BUCKETS_MB] + [("tensor_by_tensor_acked", 0.0, True)]
+
+
+def schedule(args) -> list[tuple[int, bool]]:
+    """(variant index, timed) in the order both sides run the syncs of one model: `warmup` untimed rounds, then
+    `iters` timed rounds, each round every variant once. Interleaved, so a slow spell of a shared machine falls on
+    every variant alike instead of on whichever variant was running."""
+    rounds = [False] * args.warmup + [True] * args.iters
+    return [(v, timed) for timed in rounds for v in range(len(variants()))]
 
 
 def build_plan(hidden: int, trainer_tp: int, engine_tp: int):
@@ -118,16 +128,20 @@ def _trainer(rank: int, master_port: int, store_ports: list[int], args, results)
                                                                n_iters=PING_ITERS), {})
                 chunks = build_policy(hf_config(hidden), ModelConfig(dtype="float32"), ps)
                 init_weights_by_name(chunks, ps, seed=0)
-                for name, bucket_mb, tensor_by_tensor in variants():
-                    def sync():
-                        return send_weights(chunks, ps, plan.dims, group, plan, bucket_mb,
-                                            tensor_by_tensor=tensor_by_tensor)
-                    timing = time_fn(sync, warmup=args.warmup, n_iters=args.iters)
-                    stats = sync() if ps.dp_rank == 0 else {}  # one more, for the message count
-                    dist.barrier()  # the idle dp_rank-1 rank must not build the next model meanwhile
-                    if rank == 0:
-                        out[(tp, hidden, name)] = (timing, stats)
-                        print(f"trainer tp{tp} hidden {hidden} {name}: p50 {timing.p50_ms:.1f} ms", flush=True)
+                samples, stats = {}, {}
+                for v, timed in schedule(args):
+                    name, bucket_mb, tensor_by_tensor = variants()[v]
+                    start = time.perf_counter()
+                    stats[name] = send_weights(chunks, ps, plan.dims, group, plan, bucket_mb,
+                                               tensor_by_tensor=tensor_by_tensor)
+                    if timed:
+                        samples.setdefault(name, []).append((time.perf_counter() - start) * 1e3)
+                dist.barrier()  # the idle dp_rank-1 rank must not build the next model meanwhile
+                if rank == 0:
+                    for name, ms in samples.items():
+                        p20, p50, p80 = percentiles(ms)
+                        out[(tp, hidden, name)] = (Timing(p20, p50, p80, len(ms), tuple(ms)), stats[name])
+                        print(f"trainer tp{tp} hidden {hidden} {name}: p50 {p50:.1f} ms", flush=True)
                 del chunks
             if group is not None:
                 group.close()
@@ -154,11 +168,11 @@ def _receiver(engine_rank: int, store_ports: list[int], args, results) -> None:
                 if engine_rank == 0:
                     for _ in range(PING_WARMUP + PING_ITERS):
                         _pong(group)
-                for _, bucket_mb, tensor_by_tensor in variants():
-                    for _ in range(args.warmup + args.iters + 1):
-                        for bucket in receive_weights(group, plan, bucket_mb, engine_rank,
-                                                      tensor_by_tensor=tensor_by_tensor):
-                            del bucket
+                for v, _ in schedule(args):
+                    _, bucket_mb, tensor_by_tensor = variants()[v]
+                    for bucket in receive_weights(group, plan, bucket_mb, engine_rank,
+                                                  tensor_by_tensor=tensor_by_tensor):
+                        del bucket
             group.close()
         results.put((-1 - engine_rank, "ok", b""))
     except BaseException as error:  # noqa: BLE001 - reported to the main process
