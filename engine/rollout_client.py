@@ -263,15 +263,6 @@ class SharedRolloutClient:
         self.num_restarts = 0
         """Restarts recovered from (the same on every rank)."""
 
-    @property
-    def client(self) -> RolloutClient | None:
-        """The first server's client (rank src only)."""
-        return self.clients[0] if self.clients else None
-
-    @property
-    def health(self) -> dict:
-        return self.healths[0] if self.healths else {}
-
     def describe(self, server: int) -> str:
         return self.clients[server].base_url if self.clients else f"rollout server {server}"
 

@@ -232,7 +232,7 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
             problems.append("rollout.vllm_server_base_url and rollout.vllm_server_base_urls are both set: keep one")
         elif len({u.rstrip("/") for u in urls}) != len(urls):
             problems.append(f"rollout.vllm_server_base_urls lists a server twice: {urls}")
-        bad = [u for u in urls or [] if not u.startswith(("http://", "https://"))]
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:
             problems.append(f"rollout.vllm_server_base_urls must be http(s):// URLs, got {bad}")
     if ro.vllm_request_timeout <= 0 or ro.vllm_server_timeout <= 0:

@@ -514,12 +514,12 @@ _MAGIC = 0x5EED
 _HEADER = 5  # int64 header of every (bucket, sender, engine rank) message run: magic, bucket, numel, sender, engine
 _ACK_TAG = 1 << 22
 _TENSOR_ACK_TAG = _ACK_TAG + 1  # tensor_by_tensor: one acknowledgement per tensor
+_MAX_MESSAGES = 1 << 20  # per (bucket, pair); tags are (bucket parity) << 21 | message index
 
 
 def tensor_buckets(plan: SyncPlan) -> list[list[int]]:
     """One HF tensor per transfer (the tensor-by-tensor baseline; vLLM's layer-wise reload cannot load these)."""
     return [[index] for index in range(len(plan.tensors))]
-_MAX_MESSAGES = 1 << 20  # per (bucket, pair); tags are (bucket parity) << 21 | message index
 
 
 class WeightTransferGroup:

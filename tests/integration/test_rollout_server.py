@@ -233,7 +233,7 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)
     rollout_cfg = RolloutConfig(vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30.0)
     engine = connect_rollout_server(rollout_cfg, GenerationConfig(max_completion_length=6), ps.rank)
-    link = build_server_sync(ps, dims, engine.health["vllm_tensor_parallel_size"],
+    link = build_server_sync(ps, dims, engine.healths[0]["vllm_tensor_parallel_size"],
                              ffn_hidden_size=hf_config.intermediate_size, dtype="float32", group_port=group_port,
                              timeout_s=30.0, bucket_mb=0.25)
     sync_server(popt.model, ps, dims, engine, link)  # the server may hold another run's weights: start equal
