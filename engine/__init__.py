@@ -1,10 +1,12 @@
 """GRPO post-training engine: Megatron-core policy, fused loss, vLLM rollout. See README.md.
 
-`from engine import GRPOConfig, GRPOTrainer` gives the TRL-compatible API (engine/trl_api.py), imported on first
-use so that `import engine` stays light (no torch, Megatron or vLLM at import time).
+`from engine import GRPOConfig, GRPOTrainer` gives the TRL-compatible API (engine/trl_api.py), and
+`GFPOConfig, GFPOTrainer` TRL's experimental GFPO names (also at `engine.experimental.gfpo`, the path of
+`trl.experimental.gfpo`), imported on first use so that `import engine` stays light (no torch, Megatron or vLLM at
+import time).
 """
 
-__all__ = ["GRPOConfig", "GRPOTrainer"]
+__all__ = ["GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer"]
 
 
 def __getattr__(name: str):

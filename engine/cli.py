@@ -1,4 +1,4 @@
-"""The `grpo-engine` command (also `python -m engine`): train, plan, check, demo, tiny-model.
+"""The `grpo-engine` command (also `python -m engine`): train, plan, check, demo, tiny-model, vllm-serve.
 
 Owns: argument parsing and dispatch only; each subcommand calls into the module that owns the work.
 
@@ -7,6 +7,10 @@ Owns: argument parsing and dispatch only; each subcommand calls into the module 
     grpo-engine plan configs/qwen2.5-72b_tp8_pp4_split_4x1.yaml
     grpo-engine train configs/tiny_cpu.yaml [section.key=value ...]
     grpo-engine tiny-model /tmp/tiny --family llama
+    grpo-engine vllm-serve --model Qwen/Qwen2.5-7B --tensor_parallel_size 2 --port 8000   # `trl vllm-serve`'s flags
+
+`vllm-serve` is the rollout server of server mode (engine/rollout_server.py, also `python -m engine.rollout_server`):
+TRL's `vllm-serve` flags, or the run's config; its arguments go to that module's parser unchanged.
 """
 
 from __future__ import annotations
@@ -150,11 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.set_defaults(func=cmd_tiny_model)
+    sub.add_parser("vllm-serve", add_help=False, help="the rollout server of server mode, with trl vllm-serve's flags "
+                   "(--model M --tensor_parallel_size N --host H --port P ...) or the run's config; see "
+                   "`grpo-engine vllm-serve --help`")  # dispatched in `main` before this parser runs
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vllm-serve"]:  # its own parser (TRL's flags); see engine/rollout_server.py
+        from engine.rollout_server import main as serve
+
+        return serve(argv[1:], prog="grpo-engine vllm-serve")
     # Overrides may be written `grpo.beta=0.1` or `--grpo.beta=0.1`; the second form is not an option.
     argv = [a[2:] if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0] else a for a in argv]
     args = build_parser().parse_args(argv)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -159,8 +160,10 @@ class GRPOConfigSection:
     batch (per_device_train_batch_size * dp * steps_per_generation) counts the k survivors of each prompt, so
     micro-batches stay full: a round samples generation_batch_size / k prompts, G completions each."""
     group_filter_func: str | None = None
-    """GFPO's filter as a `module:function` import path: `f(group_completions, group_rewards, **kw) -> [P][G]`
-    scores, higher = keep (engine/group_filter.py)."""
+    """GFPO's filter `f(group_completions, group_rewards, **kw) -> [P][G]` scores, higher = keep
+    (engine/group_filter.py), as a `module:function` import path. Any callable object (a function of the user's
+    script, a lambda, an instance) travels in memory instead (`GFPOTrainer(group_filter_func=...)`,
+    `train(cfg, group_filter_func=...)`) and is recorded here as its description (`describe_callable`)."""
     use_dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards have zero variance and refill the batch from further prompts."""
     dynamic_sampling_max_rounds: int = 4
@@ -215,9 +218,18 @@ class RolloutConfig:
     verify_weight_sync: bool = True
     """After every sync, compare the engine's log-probs of probe sequences with the trainer's."""
     weight_sync_tolerance: float | None = None
-    """Largest allowed |trainer - engine| log-prob difference on the probes. None = by dtype: 1e-3 for float32;
-    0.1 for bfloat16 / float16, where the engine's half-precision logits alone differ by ~|logit| * 2^-8 (so a
-    half-precision check catches layout errors, which move log-probs by O(1), not a single stale step)."""
+    """Largest allowed `weight_sync_quantile`-quantile of |trainer - engine| over the probe's completion tokens (log-
+    probs). None = by dtype: 1e-3 for float32 (of the max); 0.2 for bfloat16 / float16 (of the 90th percentile)."""
+    weight_sync_quantile: float | None = None
+    """Which quantile of the per-token |trainer - engine| log-prob differences is checked. None = by dtype: 1.0 (the
+    max) for float32; 0.9 for bfloat16 / float16. NOTE: two correct bf16 forwards (Megatron's, vLLM's; HF's alike)
+    differ per token by a heavy-tailed amount: on the warm-started tiny Qwen2, median 0.005-0.008 and p90 0.06-0.11
+    nats, but the max reached 3.9 on one ill-conditioned token (Megatron's and HF's bf16 errors against float64 have
+    the same distribution: mean 0.02, p99 0.2 over 913 tokens). A stale decoder layer moves most tokens: p90 0.77-2.7
+    after one step at lr 1e-3, 0.21-0.78 after five at lr 5e-5 (the lowest only just above 0.2); one step at 5e-5
+    moves bf16 weights by about one rounding step, which no check can tell from rounding (nor does it matter). A
+    larger model's noise may differ: a bf16 run that fails here with a small quantile value and no other symptom may
+    need a larger tolerance. Tested in tests/integration/test_weight_sync.py (bf16 case)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,8 +272,11 @@ class DataConfig:
     """Tokens; None = no limit. Longer prompts are handled by `overlong_prompt_policy`, never silently cut."""
     overlong_prompt_policy: Literal["error", "drop"] = "error"
     dynamic_prompts_fn: str | None = None
-    """Engine-only curriculum hook, a `module:function` import path: `f(prompts, completions, rewards, metas) ->`
-    the next generation round's P prompts (engine/dynamic_prompts.py), used instead of the dataset's next rows."""
+    """Curriculum hook (a TRL fork's `dynamic_prompts_fn`): `f(prompts, completions, rewards, metas) ->` the next
+    generation's prompts, four lists with one element per sample (engine/dynamic_prompts.py), used instead of the
+    dataset's next rows; a `module:function` import path. Any callable object travels in memory instead
+    (`GRPOConfig(dynamic_prompts_fn=...)`, `train(cfg, dynamic_prompts_fn=...)`) and is recorded here as its
+    description (`describe_callable`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -457,6 +472,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def config_to_dict(cfg: Any) -> dict:
     """The tree as plain data (what `build_config` accepts back)."""
     return dataclasses.asdict(cfg)
+
+
+def describe_callable(func: Any) -> str:
+    """How a user hook passed as an object is recorded in the tree (which holds strings, so the resolved config and
+    checkpoints stay plain data): `module:qualname` for a function (importable back when it is module-level in an
+    importable module; `__main__:f`, `m:<lambda>`, `m:f.<locals>.g` are descriptions only), `module:Class()` for an
+    instance of `Class`. The object itself travels in memory to `engine.trainer.train`."""
+    if isinstance(func, functools.partial):
+        return f"functools.partial({describe_callable(func.func)})"
+    qualname = getattr(func, "__qualname__", None)
+    if isinstance(qualname, str):
+        return f"{getattr(func, '__module__', None) or type(func).__module__}:{qualname}"
+    return f"{type(func).__module__}:{type(func).__qualname__}()"
 
 
 def write_resolved_config(cfg: EngineConfig, run_dir: str | Path) -> Path:

@@ -1,20 +1,30 @@
 """Dynamic prompts: the user hook that picks the next generation's prompts from the last one's results (curricula).
 
-Owns: the call contract of `dynamic_prompts_fn(prompts, completions, rewards, metas) -> new prompts` and the
-validation of what it returns, with an error that says what was expected and what came back.
+Owns: the call contract of `dynamic_prompts_fn(prompts, completions, rewards, metas) -> new prompts`, laying the
+generation out one element per sample for it, and the validation of what it returns, with an error that names the
+hook and says what was expected and what came back.
 
-Must not: generate, touch the dataset or sampler, or loop; the trainer (a later issue) calls
-`call_dynamic_prompts_fn` after each generation and feeds the returned rows to the next one instead of the next
-dataloader batch.
+Must not: generate, touch the dataset or sampler, or loop; the trainer (engine/trainer.py `next_dynamic_prompts`)
+calls `call_dynamic_prompts_fn` on rank 0 after each generation and feeds the returned rows to the next generation
+instead of the dataset's next rows (also within DAPO dynamic sampling; the pending choice travels in checkpoints).
 
-Contract (engine-only; TRL has no such hook):
-    prompts      P prompts of the generation just scored (each a str, or a list of {"role", "content"} messages)
-    completions  P lists of the G completions of each prompt, in generation order
-    rewards      (P, G) float tensor, the aggregated reward of each completion (NaN = unscorable)
-    metas        P dicts, the other dataset columns of each prompt's row (e.g. the reference answer)
-  returns a list (or tuple) of new prompts; each element is a prompt (str or message list) or a dataset row
-  {"prompt": ..., **columns}, whose columns reach the reward functions as TRL's reward kwargs do. When the trainer
-  needs a fixed count it passes `num_prompts`, and any other length is an error.
+Contract (the documented hook of a TRL fork, `GRPOConfig(dynamic_prompts_fn=curriculum_fn)`; TRL itself has none).
+The four lists are zipped element by element, ONE ELEMENT PER SAMPLE, B = P * G of them, group by group:
+    prompts      prompts[i] the prompt of sample i (each group's prompt repeated G times): a str, or a list of
+                 {"role", "content"} messages
+    completions  completions[i] that sample's completion as the reward functions saw it (str, or a message list
+                 for conversational data)
+    rewards      rewards[i] a python float, the sample's aggregated weighted reward (float('nan') = unscorable)
+    metas        metas[i] a dict of the row's other dataset columns (everything but "prompt", e.g. the answer)
+  returns the next generation's prompts, a list (or tuple) of length P (one per group) or B (one per sample: the G
+  consecutive entries of each group must be equal and are collapsed to one). Each element is a prompt (str or
+  message list) or a dataset row {"prompt": ..., **columns}. Columns reach the reward functions as TRL's reward
+  kwargs do:
+    * a dict row brings its own columns (and only those);
+    * a str / message prompt equal to one of this generation's prompts keeps that row's columns (the row at the
+      same group position if its prompt is equal, else the first equal one), so rewards that read e.g. `answer`
+      keep working on retried prompts;
+    * a brand-new str / message prompt has no columns of its own (its value is None in columns other rows have).
 
 Test: `pytest tests/unit/test_dynamic_prompts.py`.
 """
@@ -26,83 +36,122 @@ from typing import Any
 
 import torch
 
-DynamicPromptsFn = Callable[[list[Any], list[list[Any]], torch.Tensor, list[dict[str, Any]]], Sequence[Any]]
+DynamicPromptsFn = Callable[[list[Any], list[Any], list[float], list[dict[str, Any]]], Sequence[Any]]
+"""`dynamic_prompts_fn(prompts, completions, rewards, metas) -> next prompts`, four B-long lists (see above)."""
 
 
 class DynamicPromptsError(ValueError):
-    """dynamic_prompts_fn returned something that is not a list of prompts (or was called with misaligned inputs)."""
+    """dynamic_prompts_fn returned something that is not the next generation's prompts (or was called with
+    misaligned inputs)."""
 
 
 def call_dynamic_prompts_fn(
     dynamic_prompts_fn: DynamicPromptsFn,
     prompts: Sequence[Any],
-    completions: Sequence[Sequence[Any]],
+    completions: Sequence[Any],
     rewards: torch.Tensor,
     metas: Sequence[dict[str, Any]],
-    num_prompts: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Call the hook with aligned inputs and validate its answer.
+    """Call the hook with one element per sample and turn its answer into the next generation's P rows.
 
     Args:
         dynamic_prompts_fn: the user's hook.
-        prompts: P prompts.
-        completions: P lists of G completions.
-        rewards: (P, G) aggregated rewards.
-        metas: P dicts of the prompts' other dataset columns.
-        num_prompts: the number of prompts the next generation needs; None = any positive number.
+        prompts: P prompts of the generation just scored, one per group.
+        completions: B = P * G completions, group by group (G consecutive per prompt), as the rewards saw them.
+        rewards: (B,) float, the aggregated weighted reward of each completion (NaN = unscorable).
+        metas: P dicts, the other dataset columns of each group's row.
 
     Returns:
-        The new prompts as dataset rows: a list of dicts, each with a "prompt" key (plus any columns it came with).
+        P dataset rows for the next generation: dicts with a "prompt" key plus the columns they carry.
     """
-    num_groups = len(prompts)
-    if rewards.dim() != 2 or rewards.shape[0] != num_groups:
-        raise DynamicPromptsError(f"rewards must be (P={num_groups}, G), got shape {tuple(rewards.shape)}")
-    num_generations = rewards.shape[1]
-    if len(completions) != num_groups or any(len(group) != num_generations for group in completions):
-        raise DynamicPromptsError(f"completions must be P={num_groups} lists of G={num_generations} completions")
-    if len(metas) != num_groups:
-        raise DynamicPromptsError(f"metas must hold one dict per prompt ({num_groups}), got {len(metas)}")
-    new_prompts = dynamic_prompts_fn(
-        list(prompts), [list(group) for group in completions], rewards, [dict(meta) for meta in metas]
+    num_prompts, num_samples = len(prompts), len(completions)
+    if num_prompts == 0 or num_samples % num_prompts:
+        raise DynamicPromptsError(f"completions must be B = P*G per-sample completions; got {num_samples} for "
+                                  f"P={num_prompts} prompts")
+    g = num_samples // num_prompts
+    if tuple(rewards.shape) != (num_samples,):
+        raise DynamicPromptsError(f"rewards must be (B={num_samples},), got shape {tuple(rewards.shape)}")
+    if len(metas) != num_prompts:
+        raise DynamicPromptsError(f"metas must hold one dict per group (P={num_prompts}), got {len(metas)}")
+    returned = dynamic_prompts_fn(
+        [prompt for prompt in prompts for _ in range(g)],
+        list(completions),
+        [float(reward) for reward in rewards.tolist()],
+        [dict(meta) for meta in metas for _ in range(g)],
     )
-    return validate_dynamic_prompts(new_prompts, num_prompts)
+    return rows_for_next_generation(returned, prompts, metas, g)
 
 
-def validate_dynamic_prompts(new_prompts: Any, num_prompts: int | None = None) -> list[dict[str, Any]]:
-    """Check the hook's return value and normalise it to dataset rows.
+def rows_for_next_generation(
+    returned: Any, prompts: Sequence[Any], metas: Sequence[dict[str, Any]], num_generations: int
+) -> list[dict[str, Any]]:
+    """Check the hook's return value and turn it into the next generation's rows (see the module docstring).
 
     Args:
-        new_prompts: what dynamic_prompts_fn returned.
-        num_prompts: the required count, or None.
+        returned: what dynamic_prompts_fn returned.
+        prompts: the P prompts of the generation just scored.
+        metas: their P dicts of other columns (carried over to returned prompts equal to one of them).
+        num_generations: G.
 
     Returns:
-        A list of dicts with a "prompt" key.
+        P dicts with a "prompt" key.
 
     Raises:
-        DynamicPromptsError naming the offending element and its type.
+        DynamicPromptsError naming the hook, the offending element and its type, or the counts expected.
     """
-    expected = (
-        "dynamic_prompts_fn must return a list of prompts: each a str, a list of {'role': ..., 'content': ...} "
-        "messages, or a dataset row {'prompt': ..., **columns}"
-    )
-    if not isinstance(new_prompts, list | tuple):
-        raise DynamicPromptsError(f"{expected}; it returned {type(new_prompts).__name__}: {new_prompts!r:.200}")
-    if len(new_prompts) == 0:
-        raise DynamicPromptsError(f"{expected}; it returned an empty {type(new_prompts).__name__}")
-    if num_prompts is not None and len(new_prompts) != num_prompts:
-        raise DynamicPromptsError(
-            f"dynamic_prompts_fn returned {len(new_prompts)} prompts, but the next generation needs {num_prompts}"
-        )
-    rows = []
-    for index, item in enumerate(new_prompts):
-        row = dict(item) if isinstance(item, dict) else {"prompt": item}
-        problem = _prompt_problem(row.get("prompt"))
-        if isinstance(item, dict) and "prompt" not in item:
-            problem = f"a dict without a 'prompt' key (keys {sorted(item)})"
+    num_prompts = len(prompts)
+    num_samples = num_prompts * num_generations
+    counts = (f"P={num_prompts} (one per group) or B=P*G={num_prompts}*{num_generations}={num_samples} "
+              "(one per sample)")
+    expected = (f"dynamic_prompts_fn must return the next generation's prompts, a list of {counts}: each a str, a "
+                "list of {'role': ..., 'content': ...} messages, or a dataset row {'prompt': ..., **columns}")
+    if not isinstance(returned, list | tuple):
+        raise DynamicPromptsError(f"{expected}; it returned {type(returned).__name__}: {returned!r:.200}")
+    if len(returned) not in (num_prompts, num_samples):
+        raise DynamicPromptsError(f"dynamic_prompts_fn returned {len(returned)} prompts; the next generation needs "
+                                  f"{counts}")
+    for index, item in enumerate(returned):
+        problem = _element_problem(item)
         if problem is not None:
             raise DynamicPromptsError(f"{expected}; element {index} is {problem}")
-        rows.append(row)
-    return rows
+    if len(returned) != num_prompts:  # one per sample: collapse each group's G equal entries to one
+        returned = [_collapse_group(returned, p, num_generations) for p in range(num_prompts)]
+    return [_as_row(item, position, prompts, metas) for position, item in enumerate(returned)]
+
+
+def _collapse_group(returned: Sequence[Any], group: int, num_generations: int) -> Any:
+    """The one prompt of group `group` in a per-sample answer; DynamicPromptsError if its G entries differ."""
+    first = group * num_generations
+    for index in range(first + 1, first + num_generations):
+        if returned[index] != returned[first]:
+            raise DynamicPromptsError(
+                f"dynamic_prompts_fn returned one prompt per sample (B={len(returned)}), but the G={num_generations} "
+                f"entries of group {group} (elements {first}..{first + num_generations - 1}) differ: element "
+                f"{first} is {returned[first]!r:.100}, element {index} is {returned[index]!r:.100}; each group of G "
+                "samples shares one prompt: return the same prompt G times, or one prompt per group"
+            )
+    return returned[first]
+
+
+def _as_row(item: Any, position: int, prompts: Sequence[Any], metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A dataset row: dict rows as given; a prompt equal to one of this generation's keeps that row's columns."""
+    if isinstance(item, dict):
+        return dict(item)
+    if position < len(prompts) and prompts[position] == item:
+        return {"prompt": item, **metas[position]}
+    for prompt, meta in zip(prompts, metas, strict=True):
+        if prompt == item:
+            return {"prompt": item, **meta}
+    return {"prompt": item}
+
+
+def _element_problem(item: Any) -> str | None:
+    """None if `item` is a valid prompt or a dataset row with a valid prompt; otherwise what it is."""
+    if isinstance(item, dict):
+        if "prompt" not in item:
+            return f"a dict without a 'prompt' key (keys {sorted(item)})"
+        return _prompt_problem(item["prompt"])
+    return _prompt_problem(item)
 
 
 def _prompt_problem(prompt: Any) -> str | None:

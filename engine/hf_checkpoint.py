@@ -14,6 +14,7 @@ Test: tests/distributed/test_checkpoint_layouts.py.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -136,6 +137,10 @@ def export_hf_checkpoint(
     if ps.rank == 0:
         weight_map = {name: f for f, rank_names in per_rank for name in rank_names}
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        hf_config = copy.deepcopy(hf_config)
+        # NOTE: config.json names the dtype the weights are written in (a bf16 run's export said float32, and
+        # transformers then loaded the bf16 weights as float32).
+        hf_config.dtype = dtype or next(iter(tensors.values())).dtype
         hf_config.save_pretrained(tmp)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():

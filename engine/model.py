@@ -12,6 +12,7 @@ Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
 
@@ -158,7 +159,35 @@ def _layer_spec(cfg: ModelConfig, sequence_parallel: bool):
         return get_gpt_layer_with_transformer_engine_spec()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    row_parallel = _row_parallel_linear_class()
+    layer = spec.submodules
+    attention = dataclasses.replace(layer.self_attention, submodules=dataclasses.replace(
+        layer.self_attention.submodules, linear_proj=row_parallel))
+    mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules, linear_fc2=row_parallel))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
+
+
+def _row_parallel_linear_class():
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class GroupedRowParallelLinear(RowParallelLinear):
+        """Megatron's RowParallelLinear, handing its own TP group to the linear autograd function.
+
+        NOTE: megatron-core 0.16's `RowParallelLinear.forward` passes `tp_group=None` to its linear function, which
+        then looks up the global TP group and warns "tp_group is None, using default tp group" on every call
+        (2 per layer per micro-batch: 32 lines per step of the 4-layer tiny model at 4 micro-batches). The group is
+        only used there for sequence parallelism or the dgrad all-reduce, both off for a row-parallel layer, so
+        passing `self.tp_group` (the layer's group from `pg_collection`) changes no number; it silences the
+        warning and keeps the global parallel state out of the forward pass.
+        """
+
+        def _forward_impl(self, input, weight, *args, **kwargs):
+            if kwargs.get("tp_group") is None:
+                kwargs["tp_group"] = self.tp_group
+            return super()._forward_impl(input, weight, *args, **kwargs)
+
+    return GroupedRowParallelLinear
 
 
 def policy_shape(hf_config, cfg: ModelConfig, tp_size: int) -> PolicyShape:
@@ -233,7 +262,26 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.n
                 vp_stage=vp_stage if ps.vpp_size else None,
             )
         )
+        cast_params_to_dtype(chunks[-1], config.params_dtype)
     return chunks
+
+
+@torch.no_grad()
+def cast_params_to_dtype(chunk: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every floating-point parameter of a chunk the model's `params_dtype`.
+
+    NOTE: Megatron's local layer spec builds its norms with `torch.nn.RMSNorm(hidden_size)`, whose weight is float32
+    whatever `params_dtype` says, so a bf16 model came out mixed (bf16 linears, fp32 norms). Megatron's optimizers
+    assume one model dtype: in bf16 they keep the fp32 norm weights in a separate group, and the sharded optimizer
+    state then pairs parameters with the wrong states when it is saved (the distributed optimizer's
+    `get_parameter_state_dp_zero` copied a (128,) norm state into the (256,) QKV-bias slot and failed; with equal
+    shapes the pairing would be silently wrong). Megatron-LM itself casts the whole model (`Float16Module`:
+    `module.bfloat16()`); Transformer Engine's norms take params_dtype. Casting the parameters here does the same
+    for the local spec, and norms still compute in float32 inside torch's rms_norm.
+    """
+    for param in chunk.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def take_tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:

@@ -23,7 +23,10 @@ pickled functions): `grpo_init_weight_group` joins the trainer's weight-transfer
 `get_tensor_model_parallel_rank()`, `grpo_receive_weights` receives this rank's buckets
 (engine/weight_sync.py `receive_weights`) and loads each with vLLM's own `reload_weights`. The same calls work with
 the worker in-process (engine TP 1, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and in vLLM's worker processes (TP > 1,
-`distributed_executor_backend="mp"`): only method names and JSON-able arguments cross the boundary.
+`distributed_executor_backend="mp"`): only method names and JSON-able arguments cross the boundary. The server's
+command line (`vllm-serve` flags) may override vLLM settings: enforce_eager, enable_prefix_caching (safe: the cache
+is dropped after every weight load, and vLLM never reads it for the prompt-logprob requests that verify a sync),
+kv_cache_dtype, trust_remote_code.
 
 Must not: know Megatron's layout (engine/weight_sync.py converts), touch Megatron's parallel state.
 
@@ -86,13 +89,15 @@ class VLLMEngine:
         self.generation = generation
         self.tensor_parallel_size = rollout.vllm_tensor_parallel_size
         self.can_sleep = on_gpu and rollout.vllm_enable_sleep_mode
-        self.llm = LLM(
+        settings = dict(
             model=str(model_dir), dtype=dtype, seed=seed, tensor_parallel_size=rollout.vllm_tensor_parallel_size,
             gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, max_model_len=rollout.vllm_max_model_length,
             enable_sleep_mode=self.can_sleep, enforce_eager=not on_gpu, logprobs_mode="processed_logprobs",
-            enable_prefix_caching=False,
-            model_impl=rollout.vllm_model_impl, **llm_kwargs,
+            enable_prefix_caching=False, model_impl=rollout.vllm_model_impl,
         )
+        if not on_gpu:
+            llm_kwargs.pop("enforce_eager", None)  # always eager on CPU
+        self.llm = LLM(**(settings | llm_kwargs))  # the server's `vllm-serve` options override the defaults
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
                  generation: GenerationConfig | None = None) -> Rollout:
@@ -176,8 +181,10 @@ class ServerEngine(VLLMEngine):
     """
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
-                 seed: int, dtype: str):
-        kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension"}
+                 seed: int, dtype: str, **llm_options):
+        """llm_options: further `vllm.LLM` keywords from the server's command line (enforce_eager,
+        enable_prefix_caching, kv_cache_dtype, trust_remote_code), over this module's defaults."""
+        kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension", **llm_options}
         if rollout.vllm_tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"
         before = set(glob.glob(_CPU_SHM_SEGMENTS))

@@ -9,7 +9,8 @@ Owns:
   prompt_logprobs, sleep, wake_up) are retried with exponential backoff on connection failures and 502/503/504;
   weight-group calls are never retried (half a transfer cannot be replayed). Every failure is a
   `RolloutServerError` naming the URL, the endpoint and the cause (connection refused, 401 token, the server's
-  5xx message, timeout).
+  5xx message, timeout). Token trouble says which side lacks it and how to set it (`read_token`, `TOKEN_HOWTO`);
+  a token the server does not share fails the health wait at once (its `/health` answers `authorized: false`).
 - `SharedRolloutClient`: the trainer's engine handle in server mode. Rank 0 makes the HTTP calls and broadcasts
   the result, or the error, so every rank returns the same rollout or raises the same `RolloutServerError`
   (no rank hangs in a collective behind a failed request; one request per server per round, as TRL's server mode
@@ -52,16 +53,29 @@ class RolloutServerLost(RolloutServerError):
     can recover from (wait for health, sync the weights again, repeat the request)."""
 
 
-def read_token() -> str:
-    """The run's token from $GRPO_ENGINE_TOKEN; refuses a missing or short one (both sides call this)."""
+TOKEN_HOWTO = (f"generate one once, e.g. `export {TOKEN_ENV}=$(python -c 'import secrets; "
+               f"print(secrets.token_hex(32))')`, and start the rollout server and the trainer with that same value "
+               f"(under SLURM, export it before sbatch; launch/grpo_72b.slurm makes one per job)")
+"""How to set the token, for every message about it."""
+
+
+def read_token(side: str = "trainer") -> str:
+    """The run's token from $GRPO_ENGINE_TOKEN; refuses a missing or short one, naming `side` ("trainer" or
+    "rollout server": both sides call this)."""
     token = os.environ.get(TOKEN_ENV, "")
     if len(token) < 16:
+        state = f"too short ({len(token)} characters, 16+ needed)" if token else "unset"
+        other = "rollout server" if side == "trainer" else "trainer"
         raise RolloutServerError(
-            f"${TOKEN_ENV} must hold the run's shared secret (16+ characters, e.g. `export {TOKEN_ENV}=$(openssl "
-            f"rand -hex 32)` before starting both the server and the trainer); it is "
-            f"{'too short' if token else 'unset'}"
+            f"${TOKEN_ENV} is {state} in the {side}'s environment: it is the shared secret that authenticates the "
+            f"trainer to the rollout server in server mode, and the {other} needs the same value; {TOKEN_HOWTO}"
         )
     return token
+
+
+def _refused_token(server_said: str = "") -> str:
+    return (f"the server refused this trainer's ${TOKEN_ENV}: the two sides hold different values; {TOKEN_HOWTO}, "
+            "then restart the one whose value changed" + (f" (the server said: {server_said})" if server_said else ""))
 
 
 def server_urls(rollout: RolloutConfig) -> list[str]:
@@ -118,8 +132,8 @@ class RolloutClient:
                 message = json.loads(body).get("error", body)
             except ValueError:
                 message = body
-            cause = ("401 Unauthorized: the server refused this run's token (is $GRPO_ENGINE_TOKEN the same on the "
-                     "server and the trainer?)" if exc.code == 401 else f"HTTP {exc.code}: {message}")
+            cause = (f"401 Unauthorized: {_refused_token(message)}" if exc.code == 401
+                     else f"HTTP {exc.code}: {message}")
             raise _Failure(cause, retry=exc.code in _RETRY_STATUSES) from None
         except (TimeoutError, socket.timeout):
             raise _Failure(f"no answer within {timeout_s:g} s (timeout)", retry=False) from None
@@ -162,11 +176,14 @@ class RolloutClient:
         return info
 
     def wait_until_healthy(self) -> dict:
-        """Poll `/health` until the engine is ready; RolloutServerError after `timeout_s` with the last cause."""
+        """Poll `/health` until the engine is ready; RolloutServerError after `timeout_s` with the last cause, or at
+        once when the server says this client's token is not its own (`authorized`: false)."""
         deadline, cause = time.monotonic() + self.timeout_s, "no answer yet"
         while True:
             try:
                 info = self.health()
+                if info.get("authorized") is False:
+                    raise RolloutServerError(f"rollout server {self.base_url}: GET /health: {_refused_token()}")
                 if info.get("status") == "ok":
                     return info
                 cause = f"status {info.get('status')!r}"
@@ -387,5 +404,6 @@ class _Failure(Exception):
 
 def _describe(reason) -> str:
     if isinstance(reason, ConnectionRefusedError):
-        return "connection refused: is the server running and listening on this host and port?"
+        return (f"connection refused: is the server running and listening on this host and port? A rollout server "
+                f"without ${TOKEN_ENV} in its environment exits at once: see its log")
     return f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else str(reason)

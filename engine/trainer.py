@@ -16,7 +16,8 @@ prompts); the weight sync goes shard to shard over one transfer group per server
 verified again before it samples (`sync_and_verify` as the client's `resync`).
 
 The TRL-compatible `GRPOConfig` / `GRPOTrainer` (engine/trl_config.py, engine/trl_api.py) call `train` with
-in-memory datasets, reward callables and a tokenizer (its keyword-only inputs).
+in-memory datasets, reward callables, a tokenizer and the user's GFPO filter / curriculum hook objects (its
+keyword-only inputs).
 
 Checkpoints (engine/checkpoint.py): every `checkpoint.save_steps` optimizer steps at the end of a round, at the end of
 training, and at the end of the round in which SIGUSR1 arrived (then the run exits); `resume_from_checkpoint` restores
@@ -84,9 +85,9 @@ class Run:
     settings: LogprobSettings
     total_steps: int
     group_filter: object = None
-    """GFPO's `group_filter_func` (resolved from `grpo.group_filter_func`), or None."""
+    """GFPO's `group_filter_func` (the object given, else imported from `grpo.group_filter_func`), or None."""
     dynamic_prompts: object = None
-    """The `data.dynamic_prompts_fn` hook, or None."""
+    """The `dynamic_prompts_fn` hook (the object given, else imported from `data.dynamic_prompts_fn`), or None."""
     pending_prompts: object = None
     """The PromptBatch the hook chose for the next round (None = the dataset's next rows)."""
     last_probe: dict | None = None
@@ -129,17 +130,20 @@ class AdaptiveEntropy:
 
 
 def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
-          export_dir: str | Path | None = None) -> dict:
-    """Run GRPO from a config; returns the held-out reward before and after (rank 0) and the last metrics.
+          export_dir: str | Path | None = None, group_filter_func=None, dynamic_prompts_fn=None) -> dict:
+    """Run GRPO from a config; returns the held-out reward before and after (rank 0), the last metrics, and this
+    call's optimizer steps (`start_step` -> `steps`, `start_step` > 0 when resumed) and tokens (`num_tokens`).
 
     The keyword-only inputs are the TRL-style API's (engine/trl_api.py), in memory on every rank: `train_dataset` /
     `eval_dataset` (datasets.Dataset) replace `cfg.data`'s splits, `reward_funcs` (callables and/or config strings)
     replaces `cfg.reward.reward_funcs`, `tokenizer` replaces the model directory's; `export_dir` receives the final
-    policy as a Hugging Face checkpoint (collective).
+    policy as a Hugging Face checkpoint (collective); `group_filter_func` / `dynamic_prompts_fn` (any callables:
+    functions of the user's script, lambdas, instances) replace `cfg.grpo.group_filter_func` /
+    `cfg.data.dynamic_prompts_fn` (see `resolve_hooks`).
     """
     stop = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
     run = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs,
-                    tokenizer=tokenizer)
+                    tokenizer=tokenizer, group_filter_func=group_filter_func, dynamic_prompts_fn=dynamic_prompts_fn)
     cfg, ps, d = run.cfg, run.ps, run.derived
     progress = resume(run)  # model, optimizer, scheduler, RNG, data position, step; the weights into the engines
     before = evaluate(run)
@@ -182,7 +186,8 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
         num_tokens += round_tokens  # TRL's num_tokens: prompt + completion tokens seen so far
         timings = scored.stats | {"time/logprob_s": t_logprob - t_reward, "time/train_s": t_train - t_logprob,
                                   "time/sync_s": end - t_train, "step_time": end - start,
-                                  "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start)}
+                                  "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start),
+                                  "epoch": rounds.position / rounds.rounds_per_epoch}  # HF's: dataset fraction drawn
         last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings)
         # 6. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
         if stop.agreed(ps):
@@ -198,7 +203,8 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     elif cfg.checkpoint.save_hf_at_end and not stop.stopping:
         export_policy(run, Path(cfg.train.output_dir) / "hf")
     summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank,
-               "stopped_by_signal": stop.stopping}
+               "stopped_by_signal": stop.stopping, "start_step": progress.step,
+               "num_tokens": num_tokens - progress.num_tokens}  # this call's steps from start_step, and its tokens
     finish(run, summary)
     return summary
 
@@ -207,7 +213,8 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
 # set-up
 
 
-def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None) -> Run:
+def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
+              group_filter_func=None, dynamic_prompts_fn=None) -> Run:
     """Parallel state, model, reference, optimizer, engine, data, rewards, logger (every rank); the keyword-only
     inputs replace what the config names (see `train`)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -219,11 +226,12 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     from engine.model import build_policy, policy_shape
     from engine.optimizer import build_optimizer
     from engine.reference_model import ReferencePolicy
-    from engine.rewards import RewardFunctions, build_reward_funcs, import_callable
+    from engine.rewards import RewardFunctions, build_reward_funcs
     from engine.rollout import ColocatedEngine
     from engine.rollout_client import connect_rollout_server
     from engine.tiny_model import resolve_builtin_model
 
+    cfg, group_filter, dynamic_prompts = resolve_hooks(cfg, group_filter_func, dynamic_prompts_fn)
     ps = init_parallel(cfg.parallel, seed=cfg.train.seed)
     derived = validate(cfg, ps.world_size)
     run_dir = Path(cfg.train.output_dir)
@@ -268,14 +276,43 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     loss_config = build_loss_config(cfg)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
                                implementation=cfg.kernels.loss_implementation, workspace_mb=cfg.kernels.loss_workspace_mb)
-    group_filter = import_callable(cfg.grpo.group_filter_func, "grpo.group_filter_func") if cfg.grpo.group_filter_func else None
-    dynamic_prompts = import_callable(cfg.data.dynamic_prompts_fn, "data.dynamic_prompts_fn") if cfg.data.dynamic_prompts_fn else None
     run = Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
               eval_prompts, rewards, logger, loss_config, settings, total_steps,
               group_filter, dynamic_prompts, resume_from=resume_from, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))
     if cfg.rollout.vllm_mode == "server":  # a server that restarts mid-run is synced again before it samples
         engine.resync = lambda: sync_and_verify(run)
     return run
+
+
+def resolve_hooks(cfg: EngineConfig, group_filter_func=None,
+                  dynamic_prompts_fn=None) -> tuple[EngineConfig, object, object]:
+    """The user's GFPO filter and curriculum hook: the objects given in memory (any callable; under torchrun every
+    rank runs the user's script, so every rank holds them), else imported from the config's `module:function`.
+
+    Returns the config with each given object's description filled in where the field was empty (the resolved
+    config and checkpoints hold strings; validation sees the filter), the filter, and the hook (None = not set).
+    A field holding a description of an in-memory object (a resumed TRL-API run) is never imported when the object
+    is given."""
+    from engine.config import describe_callable
+    from engine.rewards import import_callable
+
+    resolved = []
+    for given, section, name in ((group_filter_func, "grpo", "group_filter_func"),
+                                 (dynamic_prompts_fn, "data", "dynamic_prompts_fn")):
+        spec = getattr(getattr(cfg, section), name)
+        if given is not None and not callable(given):
+            raise TypeError(f"{name} must be a callable, got {type(given).__name__}: {given!r:.100}")
+        if given is not None and spec is None:
+            cfg = replace(cfg, **{section: replace(getattr(cfg, section), **{name: describe_callable(given)})})
+        if given is None and spec is not None:
+            try:
+                given = import_callable(spec, f"{section}.{name}")
+            except ValueError as error:
+                raise ValueError(f"{error}. A config recorded from an object passed in memory names it without "
+                                 f"being importable: pass the object again (GRPOConfig({name}=...), or "
+                                 f"train(cfg, {name}=...))") from error
+        resolved.append(given)
+    return cfg, resolved[0], resolved[1]
 
 
 def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:
@@ -292,10 +329,13 @@ def _total_steps(cfg: EngineConfig, d: Derived, num_prompts: int) -> int:
     return rounds * d.optimizer_steps_per_generation
 
 
-def _sync_tolerance(cfg: EngineConfig) -> float:
-    if cfg.rollout.weight_sync_tolerance is not None:
-        return cfg.rollout.weight_sync_tolerance
-    return 1e-3 if cfg.model.dtype == "float32" else 0.1
+def sync_check(cfg: EngineConfig) -> tuple[float, float]:
+    """(tolerance, quantile) of the weight-sync verification: the config's, else by dtype (config.py)."""
+    full = cfg.model.dtype == "float32"
+    tolerance = cfg.rollout.weight_sync_tolerance
+    quantile = cfg.rollout.weight_sync_quantile
+    return (tolerance if tolerance is not None else 1e-3 if full else 0.2,
+            quantile if quantile is not None else 1.0 if full else 0.9)
 
 
 def resume(run: Run) -> Progress:
@@ -365,8 +405,9 @@ def sync_and_verify(run: Run, probe: dict | None = None) -> dict:
     sync = sync_weights(run)
     probe = probe if probe is not None else run.last_probe
     if run.cfg.rollout.verify_weight_sync and probe is not None:
+        tolerance, quantile = sync_check(run.cfg)
         sync["weight_sync/max_logprob_diff"] = verify_sync(run.popt.model, run.ps, run.engine, probe,
-                                                           run.dims.vocab_size, _sync_tolerance(run.cfg))
+                                                           run.dims.vocab_size, tolerance, quantile=quantile)
     return sync
 
 
@@ -462,8 +503,9 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
 
 
 def next_dynamic_prompts(run: Run, picked: PromptBatch, completions: list, rewards: torch.Tensor) -> PromptBatch | None:
-    """The user's `data.dynamic_prompts_fn` (rank 0) picks the next round's P prompts from this round's results;
-    the rows are broadcast and tokenized on every rank like the dataset's (same checks). None without the hook."""
+    """The user's `dynamic_prompts_fn` (rank 0) picks the next round's P prompts from this round's results, given
+    one element per sample (engine/dynamic_prompts.py); the rows are broadcast and tokenized on every rank like the
+    dataset's (same checks). None without the hook."""
     if run.dynamic_prompts is None:
         return None
     import datasets
@@ -471,16 +513,16 @@ def next_dynamic_prompts(run: Run, picked: PromptBatch, completions: list, rewar
     from engine.data import prepare_prompts
     from engine.dynamic_prompts import call_dynamic_prompts_fn
 
-    g, num_prompts = run.cfg.grpo.num_generations, run.derived.num_prompts_per_generation
     rows = [None]
     if run.ps.rank == 0:
-        aggregated = aggregate_rewards(rewards, run.rewards.weights).view(-1, g)  # (P, G)
-        metas = [{k: v[i] for k, v in picked.columns.items()} for i in range(len(picked.prompts))]
-        grouped = [completions[i * g : (i + 1) * g] for i in range(len(picked.prompts))]
-        rows = [call_dynamic_prompts_fn(run.dynamic_prompts, picked.prompts, grouped, aggregated, metas, num_prompts)]
+        aggregated = aggregate_rewards(rewards, run.rewards.weights)  # (B,)
+        metas = [{k: v[i] for k, v in picked.columns.items()} for i in range(len(picked.prompts))]  # P dicts
+        rows = [call_dynamic_prompts_fn(run.dynamic_prompts, picked.prompts, completions, aggregated, metas)]
     dist.broadcast_object_list(rows, src=0)
+    names = dict.fromkeys(name for row in rows[0] for name in row)  # rows may carry different columns: None fills
+    dataset = datasets.Dataset.from_dict({name: [row.get(name) for row in rows[0]] for name in names})
     data = run.cfg.data
-    prepared = prepare_prompts(datasets.Dataset.from_list(rows[0]), run.tokenizer, max_prompt_length=data.max_prompt_length,
+    prepared = prepare_prompts(dataset, run.tokenizer, max_prompt_length=data.max_prompt_length,
                                overlong_prompt_policy="error", chat_template_kwargs=run.cfg.generation.chat_template_kwargs)
     return prepared.select(range(len(prepared)))
 

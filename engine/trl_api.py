@@ -7,9 +7,13 @@ Owns: `GRPOTrainer`: refusals with a message for what this engine does not do (P
 tools, iterable datasets), resolving `model` (a local directory, a `builtin:` name, a hub name from the local cache or
 a download, a `PreTrainedModel` saved under output_dir) and `reward_funcs` (callables, config strings, reward-model
 directories or objects with their `reward_processing_classes`), checking the batch geometry before anything starts,
-and handing datasets, reward callables and the tokenizer to `engine.trainer.train` in memory. `train()` returns
-transformers' `TrainOutput`; `save_model()` writes a Hugging Face checkpoint of the trained policy. `GRPOConfig`
-(the argument mapping) lives in engine/trl_config.py.
+and handing datasets, reward callables, the tokenizer and the user hooks (`group_filter_func`,
+`dynamic_prompts_fn`: any callable, a function of the script, a lambda or an instance) to `engine.trainer.train` in
+memory. `train()` returns transformers' `TrainOutput` and leaves `state.log_history` as HF's Trainer does: the
+per-step records, then the final one (train_runtime, train_samples_per_second, train_steps_per_second, total_flos,
+train_loss, epoch, step; `final_record`); `save_model()` writes a Hugging Face checkpoint of the trained policy.
+`GRPOConfig` (the argument mapping) lives in engine/trl_config.py. `GFPOTrainer` / `GFPOConfig` are TRL's
+experimental GFPO names (trl.experimental.gfpo, TRL <= 1.7.1), also at `engine.experimental.gfpo`.
 
 Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP);
 generation always uses vLLM; `eval_dataset` is scored before and after training (held-out reward, one completion
@@ -29,16 +33,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.trl_config import GRPOConfig
+from engine.trl_config import GFPOConfig, GRPOConfig
 
-__all__ = ["GRPOConfig", "GRPOTrainer"]
+__all__ = ["GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer"]
 
 FINAL_MODEL_DIR = "final_model"
 """Under output_dir: the trained policy as a Hugging Face checkpoint, written at the end of `train()`."""
@@ -70,8 +76,10 @@ class GRPOTrainer:
         reward_processing_classes: tokenizers of reward models (one per reward function, None for callables).
         callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's;
             anything but their defaults is refused with a message.
-        group_filter_func: GFPO's filter (TRL's experimental GFPOTrainer argument): a module-level function
-            `f(group_completions, group_rewards, **kw) -> [P][G]` scores, used with `num_remains_in_group`.
+        group_filter_func: GFPO's filter (TRL's experimental GFPOTrainer argument): any callable
+            `f(group_completions, group_rewards, **kw) -> [P][G]` scores, higher = keep (a function, a lambda, an
+            instance with `__call__`), kept in memory; used with `num_remains_in_group` (without it: a warning,
+            and the filter is not used). `num_remains_in_group` without a filter is an error.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
@@ -88,6 +96,9 @@ class GRPOTrainer:
                             "change `from trl import GRPOConfig` to `from engine import GRPOConfig`")
         if group_filter_func is not None:  # TRL's GFPOTrainer argument (with num_remains_in_group)
             args = args.replace(group_filter_func=group_filter_func)
+        if args.group_filter_func is not None and args.num_remains_in_group is None:  # as TRL's GFPOTrainer
+            warnings.warn("group_filter_func is not used: num_remains_in_group is not set (GFPO trains on the "
+                          "num_remains_in_group best-scored completions of each group)", UserWarning, stacklevel=2)
         self.args = args
         cfg = args.to_engine_config()
         self.output_dir = Path(cfg.train.output_dir)
@@ -115,10 +126,11 @@ class GRPOTrainer:
         self._trained = False
 
     def _check_layout(self) -> None:
-        """Batch geometry and objective checks before anything starts (the world size torchrun gives, else 1)."""
+        """Batch geometry and objective checks before anything starts (the world size torchrun gives, else 1), with
+        TRL's messages (a ValueError, as TRL's GRPOConfig raises)."""
         from engine.validation import validate
 
-        validate(self._cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        self._derived = validate(self._cfg, int(os.environ.get("WORLD_SIZE", "1")))
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -150,18 +162,23 @@ class GRPOTrainer:
         with _spawn_children_skip_main_script():
             summary = train(cfg, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
                             reward_funcs=self.reward_funcs, tokenizer=self.processing_class,
+                            **self.args.in_memory_callables,  # group_filter_func / dynamic_prompts_fn objects
                             export_dir=self.output_dir / FINAL_MODEL_DIR)
         runtime = time.perf_counter() - start
         self._trained = True
         history = _new_records(old_history, _read_history(self.output_dir))
-        self.state = _TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history)
-        training_loss = _mean_loss(history)
-        metrics = {"train_runtime": runtime, "train_steps_per_second": summary["steps"] / runtime,
-                   "train_loss": training_loss}
+        params = _count_non_embedding_parameters(self.output_dir / FINAL_MODEL_DIR)
+        final = final_record(history, steps=summary["steps"], start_step=summary.get("start_step", 0),
+                             runtime_s=runtime, samples_per_step=self._derived.global_batch_size,
+                             total_flos=6.0 * params * summary.get("num_tokens", 0) * cfg.grpo.num_iterations)
+        history.append(final)  # HF's Trainer logs it last: `trainer.state.log_history[-1]["train_loss"]`
+        self.state = _TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history,
+                                   epoch=final.get("epoch"), total_flos=final["total_flos"])
+        metrics = {k: v for k, v in final.items() if k != "step"}  # as HF: the record without its step
         for key in ("eval_reward_before", "eval_reward_after"):
             if summary.get(key) is not None:
                 metrics[key] = summary[key]
-        return TrainOutput(summary["steps"], training_loss, metrics)
+        return TrainOutput(summary["steps"], final["train_loss"], metrics)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the policy as a Hugging Face checkpoint (safetensors, config, tokenizer) to `output_dir`
@@ -177,6 +194,14 @@ class GRPOTrainer:
                     _link_or_copy(item, target / item.name)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(target)
+
+
+class GFPOTrainer(GRPOTrainer):
+    """TRL's experimental `GFPOTrainer` (trl.experimental.gfpo, TRL <= 1.7.1; anchors/trl.md §6): `GRPOTrainer`,
+    whose `group_filter_func` argument scores the G completions of each group (`f(group_completions,
+    group_rewards, **kw) -> [P][G]`, higher = keep) so that only the `num_remains_in_group` best of each group are
+    trained on (engine/group_filter.py). As TRL: `num_remains_in_group` without a filter is an error, a filter
+    without `num_remains_in_group` a warning. `args` is a `GFPOConfig` (or a `GRPOConfig`: the same fields)."""
 
 
 @contextlib.contextmanager
@@ -211,6 +236,10 @@ class _TrainerState:
     global_step: int
     max_steps: int
     log_history: list[dict]
+    """This run's records of metrics.jsonl (one per logged step, TRL's names, `step`, `epoch`), then HF's final
+    record (`final_record`). Empty but for the final record on a rank that cannot read output_dir."""
+    epoch: float | None = None
+    total_flos: float = 0.0
 
 
 def _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
@@ -456,9 +485,56 @@ def _new_records(before: list[dict], after: list[dict]) -> list[dict]:
     return after[common:]
 
 
-def _mean_loss(history: list[dict]) -> float:
-    """TRL's training_loss: the mean loss over the run's optimizer steps (each record weighs the steps it covers)."""
-    total, steps, previous = 0.0, 0, 0
+def final_record(history: list[dict], *, steps: int, start_step: int, runtime_s: float, samples_per_step: int,
+                 total_flos: float) -> dict:
+    """The record HF's Trainer appends to `log_history` after the last step's (`_finalize_training`), in its order:
+    train_runtime, train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch, step.
+
+    Args:
+        history: this run's per-step records (`loss` per logged step, `epoch`: the fraction of the dataset drawn).
+        steps: the optimizer step reached; start_step: the step this call started from (a resumed run's > 0).
+        runtime_s: wall time of the call.
+        samples_per_step: completions per optimizer step, per_device_train_batch_size * gradient_accumulation_steps
+            * dp_size: HF's `total_train_batch_size`, by which it counts samples when `max_steps` is set (with
+            `num_train_epochs` HF counts dataset rows * epochs instead; here it is completions either way).
+        total_flos: HF's `6 * tokens * non-embedding parameters` (TRL's GRPOTrainer logs 0: its batches carry no
+            `input_ids`).
+    Returns:
+        the record; `train_loss` is HF's total loss / steps = the mean of the per-step `loss` values (0.0 without a
+        step, as HF; NaN where the records cannot be read), the rates are left out at zero runtime (as HF).
+    """
+    trained = steps - start_step
+    record: dict = {"train_runtime": round(runtime_s, 4)}
+    if runtime_s > 0:
+        record["train_samples_per_second"] = round(samples_per_step * trained / runtime_s, 3)
+        record["train_steps_per_second"] = round(trained / runtime_s, 3)
+    record["total_flos"] = float(total_flos)
+    record["train_loss"] = _mean_loss(history, start_step) if trained > 0 else 0.0
+    epochs = [r["epoch"] for r in history if r.get("epoch") is not None]
+    if epochs:
+        record["epoch"] = epochs[-1]
+    record["step"] = steps
+    return record
+
+
+def _count_non_embedding_parameters(model_dir: Path) -> int:
+    """Parameters of a safetensors checkpoint without the input embedding (HF's `num_parameters(exclude_embeddings=
+    True)`; a tied LM head is not stored); 0 where the files cannot be read (another node's rank)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as tensors:
+            for name in tensors.keys():
+                if "embed_tokens" not in name:
+                    total += math.prod(tensors.get_slice(name).get_shape())
+    return total
+
+
+def _mean_loss(history: list[dict], start_step: int = 0) -> float:
+    """TRL's training_loss: the mean loss over the run's optimizer steps (each record weighs the steps it covers,
+    the first from `start_step`, where a resumed run began)."""
+    total, steps, previous = 0.0, 0, start_step
     for record in history:
         step, loss = record.get("step"), record.get("loss")
         if step is None or loss is None:

@@ -7,8 +7,12 @@ engine's own knobs such as tp_size are accepted the same way), the table of TRL 
 the TRL values that need translating (`bf16` / `fp16` / `model_init_kwargs["dtype"]` -> model.dtype, `warmup_steps`
 < 1 -> warmup_ratio, fractional `logging_steps` / `save_steps`, `report_to` forms, `lr_scheduler_type` and `optim`
 names, `pad_to_multiple_of="auto"`, JSON strings from TRL's command line, the deprecated
-`vllm_importance_sampling_cap`, functions for `group_filter_func` / `dynamic_prompts_fn`). A TRL config at TRL's
-defaults is the engine's defaults (tested), except `output_dir`: `trainer_output`, as TRL.
+`vllm_importance_sampling_cap`), and the user hooks `group_filter_func` / `dynamic_prompts_fn`: any callable (a
+function of the user's script, a lambda, an instance) is kept as the object (`in_memory_callables`, handed to
+`engine.trainer.train` by GRPOTrainer) while the tree records its description (`config.describe_callable`), so the
+resolved config and checkpoints stay plain data; a `module:function` string stays a string. A TRL config at TRL's
+defaults is the engine's defaults (tested), except `output_dir`: `trainer_output`, as TRL. `GFPOConfig` is TRL's
+experimental GFPO config (trl.experimental.gfpo, TRL <= 1.7.1): this one, `num_remains_in_group` included.
 
 Must not: import torch, Megatron, vLLM or trl (importing `engine` stays light; trl is a test-only dependency), or
 change a value silently: every TRL argument either lands in a field, is named in the warning, or raises.
@@ -24,7 +28,7 @@ import math
 import warnings
 from typing import Any
 
-from engine.config import ConfigError, EngineConfig, build_config, config_to_dict, find_field
+from engine.config import ConfigError, EngineConfig, build_config, config_to_dict, describe_callable, find_field
 
 TRL_DEFAULT_OUTPUT_DIR = "trainer_output"
 """TRL's output directory when `GRPOConfig(output_dir=None)` (TrainingArguments' default)."""
@@ -85,7 +89,8 @@ TRANSLATED = ("bf16", "fp16", "model_init_kwargs", "vllm_importance_sampling_cap
 """TRL names that map onto engine fields of another name (see `GRPOConfig._translate`)."""
 
 CALLABLE_FIELDS = ("group_filter_func", "dynamic_prompts_fn")
-"""Engine fields naming a user function as `module:function`; a function object is accepted and recorded so."""
+"""Engine fields naming a user hook as `module:function`; a callable object is kept in memory and recorded by its
+description (`config.describe_callable`)."""
 _SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 """TRL / transformers `lr_scheduler_type` -> the engine's (its `constant` honours warmup)."""
 _REPORT_BACKENDS = ("tensorboard", "wandb")
@@ -183,8 +188,8 @@ class GRPOConfig:
         if "optim" in kwargs:
             kwargs["optim"] = _optimizer(kwargs["optim"])
         for name in CALLABLE_FIELDS:
-            if callable(kwargs.get(name)):
-                kwargs[name] = callable_spec(kwargs[name], name)
+            if callable(kwargs.get(name)):  # the object travels in memory (in_memory_callables)
+                kwargs[name] = describe_callable(kwargs[name])
         if kwargs.get("pad_to_multiple_of") == "auto":
             kwargs["pad_to_multiple_of"] = None  # TRL 1.16: "auto" pads only on AWS Neuron
         if kwargs.get("output_dir") is None:
@@ -202,6 +207,12 @@ class GRPOConfig:
         return config_to_dict(self._engine)
 
     @property
+    def in_memory_callables(self) -> dict[str, Any]:
+        """The user hooks given as objects (`group_filter_func`, `dynamic_prompts_fn`), by name: GRPOTrainer hands
+        them to `engine.trainer.train`; the tree holds their descriptions."""
+        return {name: self._kwargs[name] for name in CALLABLE_FIELDS if callable(self._kwargs.get(name))}
+
+    @property
     def ignored_arguments(self) -> dict[str, Any]:
         """TRL arguments given but without effect here, with their values."""
         return {name: value for name, (value, _) in self._ignored.items()}
@@ -213,6 +224,8 @@ class GRPOConfig:
             return self._engine.model.dtype == {"bf16": "bfloat16", "fp16": "float16"}[name]
         if name in self._ignored:
             return self._ignored[name][0]
+        if name in CALLABLE_FIELDS and callable(self._kwargs.get(name)):
+            return self._kwargs[name]  # the object given, as on TRL's config (the tree holds its description)
         try:
             section, leaf = find_field(name)
         except KeyError:
@@ -233,14 +246,21 @@ class GRPOConfig:
 
     def replace(self, **changes: Any) -> GRPOConfig:
         """A copy with some arguments changed (only the changed ones can warn)."""
-        copy = object.__new__(GRPOConfig)
+        copy = object.__new__(type(self))
         object.__setattr__(copy, "_kwargs", {**self._kwargs, **changes})
         copy._build(warn_names=list(changes))
         return copy
 
     def __repr__(self) -> str:
         given = ", ".join(f"{k}={_shown(k, v)}" for k, v in self._kwargs.items())
-        return f"GRPOConfig({given})"
+        return f"{type(self).__name__}({given})"
+
+
+class GFPOConfig(GRPOConfig):
+    """TRL's experimental `GFPOConfig` (trl.experimental.gfpo, TRL <= 1.7.1; anchors/trl.md §6): `GRPOConfig` plus
+    `num_remains_in_group` (k: train on the k best of each group's G completions, scored by the trainer's
+    `group_filter_func`; None = keep all; 2 <= k < num_generations). The engine's `grpo.num_remains_in_group`, so
+    `GRPOConfig` accepts it too; this class exists for the documented name (`GFPOTrainer` takes either)."""
 
 
 def _set_once(kwargs: dict[str, Any], name: str, value: Any, given_as: str) -> None:
@@ -254,21 +274,6 @@ def _set_once(kwargs: dict[str, Any], name: str, value: Any, given_as: str) -> N
 def _shown(name: str, value: Any) -> str:
     """repr(value) for messages; secrets (hub_token) are never printed."""
     return "'<redacted>'" if "token" in name and isinstance(value, str) else repr(value)
-
-
-def callable_spec(func: Any, what: str) -> str:
-    """`module:qualname` of a module-level function, checked to import back to the same object (every rank imports
-    it by name; a function defined in the script is found in `__main__`, which every rank runs)."""
-    from engine.rewards import import_callable
-
-    module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", "")
-    spec = f"{module}:{qualname}"
-    if not module or "<" in qualname:
-        raise ValueError(f"{what}={func!r}: must be a module-level function (it is imported by name on every rank), "
-                         "not a lambda, a closure or a bound instance")
-    if import_callable(spec, what) is not func:
-        raise ValueError(f"{what}: {spec!r} does not import back to the function given")
-    return spec
 
 
 def _translate_dtype(kwargs: dict[str, Any], ignored: dict[str, tuple[Any, str]]) -> None:

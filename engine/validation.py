@@ -120,13 +120,20 @@ def _check_batches(cfg: EngineConfig, d: Derived, problems: list[str]) -> None:
             f"{tr.per_device_train_batch_size} and {tr.gradient_accumulation_steps}"
         )
         return
+    # The messages about the batch and num_generations open with TRL 1.16's own (GRPOConfig.__post_init__), whose
+    # `world_size` is the data-parallel size here, and go on with the engine's dotted fields and arithmetic.
     per_round = tr.per_device_train_batch_size * d.dp_size
     if tr.generation_batch_size is not None and tr.steps_per_generation is not None:
-        problems.append("train.generation_batch_size and train.steps_per_generation are exclusive: set one of them")
+        problems.append(
+            "'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time "
+            f"(train.generation_batch_size={tr.generation_batch_size}, "
+            f"train.steps_per_generation={tr.steps_per_generation}: set one of them)"
+        )
     if tr.generation_batch_size is not None and tr.generation_batch_size % per_round:
         problems.append(
-            f"train.generation_batch_size={tr.generation_batch_size} must be a multiple of "
-            f"per_device_train_batch_size*dp_size = {tr.per_device_train_batch_size}*{d.dp_size} = {per_round}"
+            f"generation_batch_size ({tr.generation_batch_size}) must be divisible by the global batch size "
+            f"({per_round}). (train.generation_batch_size={tr.generation_batch_size} must be a multiple of "
+            f"per_device_train_batch_size*dp_size = {tr.per_device_train_batch_size}*{d.dp_size} = {per_round})"
         )
     elif tr.steps_per_generation is not None and tr.steps_per_generation < 1:
         problems.append(f"train.steps_per_generation must be >= 1, got {tr.steps_per_generation}")
@@ -139,10 +146,13 @@ def _check_batches(cfg: EngineConfig, d: Derived, problems: list[str]) -> None:
             "survivors of each group"
         )
     elif g >= 1 and not cfg.grpo.num_remains_in_group and d.generation_batch_size % g:
+        valid = [n for n in range(2, d.generation_batch_size + 1) if d.generation_batch_size % n == 0]
         problems.append(
-            f"generation batch = per_device_train_batch_size*dp_size*steps_per_generation = "
+            f"generation_batch_size ({d.generation_batch_size}) must be divisible by num_generations ({g}). Given "
+            f"the current generation batch size, the valid values for the number of generations are: {valid}. "
+            f"(generation batch = per_device_train_batch_size*dp_size*steps_per_generation = "
             f"{tr.per_device_train_batch_size}*{d.dp_size}*{d.steps_per_generation} = {d.generation_batch_size} "
-            f"completions is not divisible by grpo.num_generations={g}: groups would be split across batches"
+            f"completions; grpo.num_generations={g} would split groups across batches)"
         )
     elif d.steps_per_generation % tr.gradient_accumulation_steps:
         problems.append(
@@ -160,8 +170,9 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
     gr = cfg.grpo
     if gr.num_generations < 2:
         problems.append(
-            f"grpo.num_generations={gr.num_generations}: GRPO needs at least 2 completions per prompt "
-            "(advantages are relative to the group)"
+            "GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+            f"{gr.num_generations}, which is less than the minimum required. (grpo.num_generations="
+            f"{gr.num_generations}: advantages are relative to the group)"
         )
     if gr.num_generations_eval is not None and gr.num_generations_eval < 1:
         problems.append(f"grpo.num_generations_eval must be >= 1, got {gr.num_generations_eval}")
@@ -205,8 +216,8 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
         )
     if k is not None and gr.group_filter_func is None:
         problems.append(
-            f"grpo.num_remains_in_group={k} needs grpo.group_filter_func (a 'module:function' import path, or "
-            "GRPOTrainer(group_filter_func=...)) to score the completions of each group"
+            f"grpo.num_remains_in_group={k} needs grpo.group_filter_func to score the completions of each group: "
+            "GFPOTrainer(group_filter_func=...) (any callable), or a 'module:function' import path"
         )
     if gr.dynamic_sampling_max_rounds < 1:
         problems.append(f"grpo.dynamic_sampling_max_rounds must be >= 1, got {gr.dynamic_sampling_max_rounds}")

@@ -10,7 +10,11 @@ Adam's epsilon is 1e-4 here, not 1e-8: Adam's first update lr * g / (|g| + eps) 
 noise of a near-zero gradient (about 1e-9 absolute) by up to lr / eps. Observed at TP=2 with loss and grad norm
 equal to 1e-5: eps=1e-8 moved one weight in 16K by 4e-6, eps=1e-6 by 1.4e-6; at 1e-4 the amplification is 10.
 Sequence parallelism is not covered: Megatron's local layer spec (CPU) refuses it; it needs Transformer Engine.
+Megatron's "tp_group is None, using default tp group" warning (a DeprecationWarning, on rank 0) must not appear: every
+call gets its group explicitly (engine/model.py `_row_parallel_linear_class`).
 """
+
+import warnings
 
 import pytest
 import torch
@@ -35,6 +39,13 @@ def _global_batch() -> dict:
 
 
 def _grpo_step(tp: int, pp: int, dp: int, sp: bool, model_dir: str, out_dir: str) -> dict:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = _grpo_step_and_export(tp, pp, dp, sp, model_dir, out_dir)
+    return result | {"tp_group_warnings": sum("tp_group is None" in str(w.message) for w in caught)}
+
+
+def _grpo_step_and_export(tp: int, pp: int, dp: int, sp: bool, model_dir: str, out_dir: str) -> dict:
     from transformers import AutoConfig
 
     from engine.batch import split_microbatches
@@ -92,6 +103,7 @@ def test_grpo_step_changes_weights_and_clips(setup):
     model_dir, reference, updated = setup
     original = _tensors(model_dir)
     assert reference["grad_norm"] > 1.0, "the batch should need clipping at max_grad_norm=1.0"
+    assert reference["tp_group_warnings"] == 0, "a Megatron call fell back to the global TP group"
     changed = [name for name in original if not torch.equal(original[name], updated[name])]
     assert sorted(changed) == sorted(original), f"unchanged after the step: {set(original) - set(changed)}"
 
@@ -108,6 +120,7 @@ def test_grpo_step_matches_single_process(setup, tmp_path, tp, pp, dp, sp):
     loss = sum(r["loss"] for r in results if r["loss"] is not None)
     assert loss == pytest.approx(reference["loss"], rel=1e-5)
     assert all(r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5) for r in results)
+    assert results[0]["tp_group_warnings"] == 0, "a Megatron call fell back to the global TP group"
     weights = _tensors(tmp_path / "out")
     assert sorted(weights) == sorted(ref_weights)
     for name, ref in ref_weights.items():

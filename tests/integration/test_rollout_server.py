@@ -2,9 +2,12 @@
 
 `python -m engine.rollout_server` serves the shipped tiny Qwen2 on 127.0.0.1 (a free port) with a per-test-module
 token, at engine TP 2 (vLLM's workers in processes of their own; the kill test's server: TP 1, in-process worker).
+The kill test's server is started as a TRL user starts `trl vllm-serve`: `python -m engine vllm-serve --model ...`
+with TRL's flags and no config file (`dtype auto`: the checkpoint's float32).
 The client generates G completions per prompt with log-probs, reproducibly with seeds; requests without or with a
-wrong token get 401 and never reach the engine; the server refuses to start without a token; client errors name
-the URL, the endpoint and the cause. After a GRPO optimizer step the trainer (TP1 and TP2 -> engine TP2; TP1 ->
+wrong token get 401 (whose message says which) and never reach the engine; a client with another token learns it
+from /health at connection, with the fix; the server refuses to start without a token; client errors name the URL,
+the endpoint and the cause. After a GRPO optimizer step the trainer (TP1 and TP2 -> engine TP2; TP1 ->
 engine TP1) syncs its weights into the server over the transfer group and the server's log-probs equal the
 trainer's (fp32, tolerance 1e-3); a server SIGKILLed mid-sync gives a clear error (not a hang) and leaves the
 trainer's weights bitwise as they were before the sync; the GRPO loop runs against the server, verified each sync.
@@ -61,20 +64,24 @@ class Server:
     """A rollout server process (stopped by `stop`; its log kept for failure messages)."""
 
     def __init__(self, tmp: Path, token: str, *overrides: str, env: dict | None = None, port: int | None = None,
-                 replica: int = 0, num_replicas: int = 1):
+                 replica: int = 0, num_replicas: int = 1, trl_flags: bool = False):
+        """trl_flags: start it as `trl vllm-serve` is started (`python -m engine vllm-serve --model ...`, TRL's
+        flags, no config file); else from the run's config and overrides."""
         self.port, self.token = port or _free_port(), token
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}-{time.monotonic_ns()}.log"
-        self.overrides = [
-            f"model.name_or_path={MODEL}", "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
-            "rollout.vllm_max_model_length=128", "generation.max_completion_length=6", "rollout.vllm_server_timeout=60",
-            f"train.output_dir={tmp}", *overrides,
-        ]
+        self.overrides = ["generation.max_completion_length=6", f"train.output_dir={tmp}", *overrides]
+        if trl_flags:
+            command = ["-m", "engine", "vllm-serve", "--model", MODEL, "--gpu-memory-utilization", "0.1",
+                       "--max_model_len", "128", "--dtype", "auto", *self.overrides]
+        else:
+            command = ["-m", "engine.rollout_server", "configs/tiny_cpu.yaml", f"model.name_or_path={MODEL}",
+                       "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
+                       "rollout.vllm_max_model_length=128", *self.overrides]
         env = dict(os.environ, GRPO_ENGINE_TOKEN=token, OMP_NUM_THREADS="1", **(env or {}))
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.rollout_server", "configs/tiny_cpu.yaml", *self.overrides,
-                 "--host", "127.0.0.1", f"--port={self.port}", f"--num-nodes={num_replicas}",
+                [sys.executable, *command, "--host", "127.0.0.1", f"--port={self.port}", f"--num-nodes={num_replicas}",
                  f"--node-rank={replica}"],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
             )
@@ -114,13 +121,16 @@ def server(tmp_path_factory):
     assert not leaked, f"the server left vLLM's CPU shared memory behind: {sorted(leaked)}"
 
 
-def _raw_post(url: str, headers: dict) -> int:
+def _raw_post(url: str, headers: dict, answer: dict | None = None) -> int:
+    """The status of a POST; `answer` receives the JSON body of a refusal."""
     request = urllib.request.Request(url, data=json.dumps({"prompt_ids": [[5]], "num_generations": 1}).encode(),
                                      headers={"Content-Type": "application/json", **headers}, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status
     except urllib.error.HTTPError as exc:
+        if answer is not None:
+            answer.update(json.loads(exc.read()))
         return exc.code
 
 
@@ -148,10 +158,24 @@ def test_requests_without_or_with_a_wrong_token_are_refused_and_never_reach_the_
         assert _raw_post(url, {}) == 401, endpoint
         assert _raw_post(url, {"Authorization": "Bearer " + "0" * len(server.token)}) == 401, endpoint
         assert _raw_post(url, {"Authorization": server.token}) == 401, endpoint  # not a Bearer credential
-    with pytest.raises(RolloutServerError, match=r"http://127\.0\.0\.1:\d+: POST /generate failed: 401"):
+    # the 401 says which side lacks the token, or that the two differ, and how to set it
+    none, wrong = {}, {}
+    assert _raw_post(server.url + "/generate", {}, none) == 401
+    assert "the request had none: set $GRPO_ENGINE_TOKEN in the client's (the trainer's) environment" in none["error"]
+    assert _raw_post(server.url + "/generate", {"Authorization": "Bearer " + "f" * 32}, wrong) == 401
+    assert "differs from this rollout server's $GRPO_ENGINE_TOKEN" in wrong["error"]
+    refused = (r"http://127\.0\.0\.1:\d+: POST /generate failed: 401 Unauthorized: the server refused this trainer's "
+               r"\$GRPO_ENGINE_TOKEN: the two sides hold different values; generate one once")
+    with pytest.raises(RolloutServerError, match=refused):
         server.client(token="f" * 32).generate(PROMPTS, num_generations=2)
+    # ... and a trainer with another token finds out when it connects (not after vllm_server_timeout, nor at a sync)
+    start = time.monotonic()
+    with pytest.raises(RolloutServerError, match=r"GET /health: the server refused this trainer's \$GRPO_ENGINE_TOKEN"):
+        server.client(token="f" * 32).wait_until_healthy()
+    assert time.monotonic() - start < 10
     health = server.client().health()
     assert health["status"] == "ok" and health["num_engine_calls"] == calls_before  # nothing ran
+    assert health["authorized"] is True
     assert server.proc.poll() is None, "a refused /shutdown must not stop the server"
 
 
@@ -171,7 +195,8 @@ def test_server_refuses_to_start_without_a_token(tmp_path):
                            "rollout.vllm_mode=server", f"--port={_free_port()}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert "refusing to start" in done.stderr and "GRPO_ENGINE_TOKEN" in done.stderr
+    assert "refusing to start: $GRPO_ENGINE_TOKEN is unset in the rollout server's environment" in done.stderr
+    assert "the trainer needs the same value" in done.stderr
 
 
 def test_client_error_names_url_endpoint_and_connection_refused():
@@ -301,7 +326,8 @@ def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
 def test_server_killed_mid_sync_gives_a_clear_error_and_leaves_trainer_weights_intact(tmp_path):
     from tests.distributed.launcher import run_distributed
 
-    doomed = Server(tmp_path, secrets.token_hex(16))  # engine TP 1: the worker in the server's process
+    # engine TP 1 (the worker in the server's process), started with TRL's vllm-serve flags and no config file
+    doomed = Server(tmp_path, secrets.token_hex(16), trl_flags=True)
     try:
         [r] = run_distributed(_sync_into_server, 1, 1, doomed.url, doomed.token, _group_port(), doomed.proc.pid,
                               timeout_s=300)

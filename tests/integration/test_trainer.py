@@ -3,6 +3,7 @@ every round logs TRL's metric names, the engine is verified equal to the trainer
 gets a gradient and moves, and the held-out evaluation runs before and after."""
 
 import json
+import re
 
 import pytest
 
@@ -56,15 +57,24 @@ def shortest_completions(group_completions, group_rewards, **kwargs):
 
 
 def hardest_first(prompts, completions, rewards, metas):
-    """Curriculum hook: the next round retries this round's prompts, lowest mean reward first (logged to
-    PROMPTS_LOG so the test can check the next round used them)."""
+    """Curriculum hook with the documented contract (four lists, one element per sample, python floats): the next
+    round retries this round's prompts, lowest mean reward first, answered one entry per sample; logs what it got
+    and returned to PROMPTS_LOG so the test can check the next round used them, with their columns."""
+    import math
     import os
 
-    order = rewards.nanmean(dim=1).argsort().tolist()
-    chosen = [prompts[i] for i in order]
+    g = DYNAMIC_G
+    means = {i: [r for r in rewards[i : i + g] if not math.isnan(r)] for i in range(0, len(prompts), g)}
+    order = sorted(means, key=lambda i: sum(means[i]) / len(means[i]) if means[i] else -math.inf)
+    chosen = [prompts[i] for i in order for _ in range(g)]  # B entries, each group's G equal
     with open(os.environ["PROMPTS_LOG"], "a") as log:
-        log.write(json.dumps({"given": list(prompts), "returned": chosen}) + "\n")
+        log.write(json.dumps({"given": list(prompts), "returned": chosen, "metas": metas, "num_completions":
+                              len(completions), "floats": all(type(r) is float for r in rewards)}) + "\n")
     return chosen
+
+
+DYNAMIC_G = 4
+"""num_generations of `_train_dynamic_gfpo`."""
 
 
 def _train_dynamic_gfpo(output_dir: str) -> dict:
@@ -77,7 +87,7 @@ def _train_dynamic_gfpo(output_dir: str) -> dict:
     os.environ["PROMPTS_LOG"] = f"{output_dir}/prompt_calls.jsonl"
     cfg = load_config("configs/tiny_cpu.yaml", [
         "train.max_steps=2", f"train.output_dir={output_dir}", "generation.max_completion_length=12",
-        "train.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.num_remains_in_group=2",
+        "train.per_device_train_batch_size=8", f"grpo.num_generations={DYNAMIC_G}", "grpo.num_remains_in_group=2",
         "grpo.group_filter_func=tests.integration.test_trainer:shortest_completions",
         "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_rounds=3",
         "reward.reward_funcs=[tests.integration.test_trainer:digit_fraction]", "logging.log_completions=true",
@@ -108,6 +118,11 @@ def test_dynamic_sampling_gfpo_dynamic_prompts_and_completions_table(tmp_path):
     assert len(calls) == sum(r["dynamic_sampling/rounds"] for r in records)
     for before, after in zip(calls, calls[1:]):
         assert after["given"] == before["returned"], "a round must sample the prompts the hook chose"
+    for call in calls:  # one element per sample: P = 4 prompts x G = 4; each row's `answer` column carried over
+        assert len(call["given"]) == len(call["metas"]) == call["num_completions"] == 16 and call["floats"]
+        for prompt, meta in zip(call["given"], call["metas"]):
+            a, op, b = re.search(r"(\d+) ([+-]) (\d+)", prompt).groups()
+            assert meta["answer"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
     tables = sorted((tmp_path / "completions").glob("*.parquet"))
     rows = pd.concat([pd.read_parquet(t) for t in tables])
     assert len(rows) == 2 * 8, "8 trained completions (4 prompts x k=2) per step"

@@ -6,12 +6,18 @@
 The switch makes the test able to fail: the tiny model answers in the `<think>/<answer>` format only to the plain
 prompt the custom template renders with `plain=True`; under its own ChatML template (what runs if the tokenizer or
 the template kwargs were dropped) it ends its turn at once and the format reward is 0 (examples/001_*).
-~50 s (TP=1) and ~80 s (TP=2, two ranks on gloo) on 2 CPU cores."""
+~50 s (TP=1) and ~80 s (TP=2, two ranks on gloo) on 2 CPU cores.
+
+A user's script run as `python script.py` with its GFPO filter (an instance of a class) and its curriculum hook
+(a function) defined in `__main__`, through `engine.experimental.gfpo`, saved and resumed: ~35 s (two runs)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,7 +59,7 @@ def _train_with_objects(output_dir: str, tp: int = 1) -> dict:
     result = trainer.train()
     trainer.save_model()
     return {"global_step": result.global_step, "training_loss": result.training_loss, "metrics": result.metrics,
-            "state_step": trainer.state.global_step, "history": len(trainer.state.log_history)}
+            "state_step": trainer.state.global_step, "history": trainer.state.log_history, "num_prompts": len(dataset)}
 
 
 @pytest.mark.slow
@@ -65,8 +71,20 @@ def test_trainer_uses_the_given_model_tokenizer_template_kwargs_and_eval_dataset
     results = run_distributed(_train_with_objects, tp, str(tmp_path), tp)
     assert [r["global_step"] for r in results] == [2] * tp  # every rank's train() returns the run's step count
     result = results[0]
-    assert result["global_step"] == result["state_step"] == 2 and result["history"] == 2
-    assert math.isfinite(result["training_loss"]) and result["metrics"]["train_loss"] == result["training_loss"]
+    assert result["global_step"] == result["state_step"] == 2
+    # log_history as HF's Trainer leaves it: one record per logged step, then the final record
+    *steps, final = result["history"]
+    assert [r["step"] for r in steps] == [1, 2]
+    rounds_per_epoch = result["num_prompts"] // 2  # 8 completions per round / 4 generations = 2 prompts
+    assert [r["epoch"] for r in steps] == [1 / rounds_per_epoch, 2 / rounds_per_epoch]
+    assert list(final) == ["train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
+                           "train_loss", "epoch", "step"]
+    assert final["step"] == 2 and final["epoch"] == steps[-1]["epoch"] and final["total_flos"] > 0
+    assert final["train_loss"] == pytest.approx(sum(r["loss"] for r in steps) / 2)
+    assert final["train_samples_per_second"] == pytest.approx(2 * 8 / final["train_runtime"], rel=0.01)
+    assert math.isfinite(result["training_loss"]) and result["training_loss"] == final["train_loss"]
+    assert {k: v for k, v in result["metrics"].items() if not k.startswith("eval_")} == {
+        k: v for k, v in final.items() if k != "step"}
     assert result["metrics"]["eval_reward_before"] > 0.5  # eval_dataset scored, with the plain template
     run_dir = tmp_path / "run"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -75,3 +93,71 @@ def test_trainer_uses_the_given_model_tokenizer_template_kwargs_and_eval_dataset
     assert (run_dir / "initial_model" / "config.json").is_file()  # the model object, saved for Megatron and vLLM
     assert AutoTokenizer.from_pretrained(run_dir).chat_template == SWITCHED_TEMPLATE  # save_model: our tokenizer
     AutoModelForCausalLM.from_pretrained(run_dir)
+
+
+GFPO_CURRICULUM_SCRIPT = '''
+"""A TRL user's GFPO + curriculum script: the filter (an instance) and the hook (a function) live in __main__."""
+import json
+import sys
+
+from engine.data import build_arithmetic_dataset
+from engine.experimental.gfpo import GFPOConfig, GFPOTrainer
+
+out, max_steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+
+
+def accuracy(completions, answer, **kwargs):  # reads the `answer` column: the curriculum must carry it over
+    return [float(f"<answer>{a}" in c) for c, a in zip(completions, answer, strict=True)]
+
+
+def curriculum_fn(prompts, completions, rewards, metas):
+    with open(f"{out}/curriculum.jsonl", "a") as log:
+        log.write(json.dumps({"prompts": prompts, "metas": metas, "num_completions": len(completions),
+                              "floats": all(type(r) is float for r in rewards)}) + "\\n")
+    return prompts[::-1]  # one per sample: the groups in reverse order
+
+
+class GroupFilter:
+    def __call__(self, group_completions, group_rewards, **kwargs):
+        with open(f"{out}/filter.jsonl", "a") as log:
+            log.write(json.dumps(group_completions) + "\\n")
+        return [[-len(c) for c in group] for group in group_completions]
+
+
+args = GFPOConfig(output_dir=out, max_steps=max_steps, per_device_train_batch_size=8, num_generations=4,
+                  num_remains_in_group=2, max_completion_length=12, learning_rate=1e-5, logging_steps=1, bf16=False,
+                  vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256, report_to="none",
+                  dynamic_prompts_fn=curriculum_fn)
+trainer = GFPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy, args=args,
+                      train_dataset=build_arithmetic_dataset("train").select(range(32)),
+                      group_filter_func=GroupFilter())
+trainer.train(resume_from_checkpoint=True if resume else None)
+'''
+
+
+@pytest.mark.slow
+def test_script_hooks_defined_in_main_train_save_and_resume(tmp_path):
+    """`python script.py`: step 1 (checkpoint at the end), then a second run resumes it for step 2. The hook sees one
+    element per sample with the `answer` column; the round after it (across the checkpoint) samples what it chose;
+    the config records the objects by description and the resumed run does not try to import them."""
+    script, out = tmp_path / "gfpo_curriculum.py", tmp_path / "run"
+    script.write_text(GFPO_CURRICULUM_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
+    for max_steps, mode in ((1, "fresh"), (2, "resume")):
+        proc = subprocess.run([sys.executable, str(script), str(out), str(max_steps), mode], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=420)
+        assert proc.returncode == 0, f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "resumed from" in proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["rewards/accuracy/mean"] > 0.5 for r in records), records  # `answer` reached the reward both times
+    calls = [json.loads(line) for line in (out / "curriculum.jsonl").read_text().splitlines()]
+    assert len(calls) == 2 and all(c["floats"] and len(c["prompts"]) == c["num_completions"] == 16 for c in calls)
+    assert calls[1]["prompts"] == calls[0]["prompts"][::-1], "the resumed round must sample the hook's choice"
+    for call in calls:
+        assert all("answer" in meta for meta in call["metas"])
+    groups = [json.loads(line) for line in (out / "filter.jsonl").read_text().splitlines()]
+    assert [len(g) for g in groups] == [4, 4] and all(len(group) == 4 for g in groups for group in g)
+    config = (out / "config.yaml").read_text()
+    assert "group_filter_func: __main__:GroupFilter()" in config
+    assert "dynamic_prompts_fn: __main__:curriculum_fn" in config

@@ -217,9 +217,23 @@ def test_trainer_default_args_are_trls(tmp_path, monkeypatch):
     assert trainer.args.output_dir == "builtin-tiny-qwen2-arith-GRPO"
 
 
-def test_trainer_checks_the_batch_geometry_before_starting(tmp_path):
-    with pytest.raises(ConfigError, match="num_generations"):
+def test_trainer_checks_the_batch_geometry_before_starting_with_trls_message(tmp_path):
+    with pytest.raises(ValueError, match=r"generation_batch_size \(6\) must be divisible by num_generations \(4\)\. "
+                                         r"Given the current generation batch size, the valid values for the number "
+                                         r"of generations are: \[2, 3, 6\]"):
         GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, per_device_train_batch_size=6),
+                    train_dataset=_prompts())
+    with pytest.raises(ValueError, match=r"generation_batch_size \(12\) must be divisible by the global batch size "
+                                         r"\(8\)"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, generation_batch_size=12),
+                    train_dataset=_prompts())
+    with pytest.raises(ValueError, match="'generation_batch_size' and 'steps_per_generation' can not be both "
+                                         "configured at the same time"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
+                    args=_small_args(tmp_path, generation_batch_size=16, steps_per_generation=2))
+    with pytest.raises(ValueError, match="GRPO requires at least 2 generations per prompt to calculate the "
+                                         "advantages. You provided 1, which is less than the minimum required"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, num_generations=1),
                     train_dataset=_prompts())
 
 
@@ -350,6 +364,22 @@ def test_training_loss_is_the_mean_over_this_runs_steps():
     assert _new_records(old, resumed) == resumed[1:]
     # records logged every 2 steps weigh the 2 steps they cover
     assert _mean_loss([{"step": 2, "loss": 1.0}, {"step": 3, "loss": 4.0}, {"step": 4}]) == pytest.approx(2.0)
+    assert _mean_loss([{"step": 12, "loss": 1.0}, {"step": 13, "loss": 4.0}], start_step=10) == pytest.approx(2.0)
+
+
+def test_final_record_is_hfs_last_log_history_entry():
+    """HF's Trainer ends log_history with train_runtime, train_samples_per_second, train_steps_per_second,
+    total_flos, train_loss, epoch, step (in that order); a resumed run counts only its own steps."""
+    from engine.trl_api import final_record
+
+    history = [{"loss": 1.0, "epoch": 0.25, "step": 11}, {"loss": 3.0, "epoch": 0.5, "step": 12}]
+    record = final_record(history, steps=12, start_step=10, runtime_s=4.0, samples_per_step=16, total_flos=7.0)
+    assert list(record) == ["train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos",
+                            "train_loss", "epoch", "step"]
+    assert record == {"train_runtime": 4.0, "train_samples_per_second": 8.0, "train_steps_per_second": 0.5,
+                      "total_flos": 7.0, "train_loss": 2.0, "epoch": 0.5, "step": 12}
+    empty = final_record([], steps=12, start_step=12, runtime_s=0.0, samples_per_step=16, total_flos=0.0)
+    assert empty == {"train_runtime": 0.0, "total_flos": 0.0, "train_loss": 0.0, "step": 12}  # as HF: no rates at 0 s
 
 
 SPAWNING_SCRIPT = '''
@@ -385,15 +415,80 @@ def shortest_first(group_completions, group_rewards, **kwargs):
     return [[-len(c) for c in group] for group in group_completions]
 
 
-def test_function_valued_fields_take_module_level_functions(tmp_path):
-    args = _config(num_remains_in_group=2, group_filter_func=shortest_first)
-    assert args.group_filter_func == f"{__name__}:shortest_first"
-    with pytest.raises(ValueError, match="module-level function"):
-        GRPOConfig(group_filter_func=lambda group_completions, group_rewards, **kw: group_rewards)
-    # TRL's GFPOTrainer takes the filter as a trainer argument
-    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
-                          args=_small_args(tmp_path, num_remains_in_group=2), group_filter_func=shortest_first)
-    assert trainer.engine_config.grpo.group_filter_func == f"{__name__}:shortest_first"
-    with pytest.raises(ConfigError, match="group_filter_func"):
-        GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
-                    args=_small_args(tmp_path, num_remains_in_group=2))
+class GroupFilter:
+    """TRL's GFPO guide's filter: a class defined in the user's script, passed as an instance (scores by index)."""
+
+    def __call__(self, group_completions, group_rewards, **kwargs):
+        return [[float(j) for j in range(len(g))] for g in group_completions]
+
+
+def test_hook_fields_keep_any_callable_in_memory_and_record_a_description():
+    import json
+
+    group_filter, curriculum = GroupFilter(), lambda prompts, completions, rewards, metas: prompts
+    args = _config(num_remains_in_group=2, group_filter_func=group_filter, dynamic_prompts_fn=curriculum)
+    assert args.group_filter_func is group_filter and args.dynamic_prompts_fn is curriculum  # as on TRL's config
+    assert args.in_memory_callables == {"group_filter_func": group_filter, "dynamic_prompts_fn": curriculum}
+    cfg = args.to_engine_config()
+    assert cfg.grpo.group_filter_func == f"{__name__}:GroupFilter()"
+    assert cfg.data.dynamic_prompts_fn == (f"{__name__}:test_hook_fields_keep_any_callable_in_memory_and_record_a_"
+                                           "description.<locals>.<lambda>")
+    json.dumps(args.to_dict())  # the resolved config (and checkpoints) stay plain data
+    assert args.replace(seed=3).in_memory_callables == args.in_memory_callables
+    # a module-level function is recorded by its import path; the config-file string form stays a string
+    assert _config(group_filter_func=shortest_first).to_engine_config().grpo.group_filter_func == (
+        f"{__name__}:shortest_first")
+    by_name = _config(dynamic_prompts_fn="my_curricula:harder_first")
+    assert by_name.dynamic_prompts_fn == "my_curricula:harder_first" and by_name.in_memory_callables == {}
+
+
+def test_trainer_hands_the_hook_objects_to_the_engine_also_on_resume(tmp_path, monkeypatch):
+    import engine.trainer
+
+    calls = []
+
+    def fake_train(cfg, **kwargs):
+        calls.append((cfg, kwargs))
+        return {"steps": 0}
+
+    monkeypatch.setattr(engine.trainer, "train", fake_train)
+    curriculum = lambda prompts, completions, rewards, metas: prompts  # noqa: E731 - a lambda on purpose
+    for resume in (None, True):
+        trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
+                              args=_small_args(tmp_path, num_remains_in_group=2, dynamic_prompts_fn=curriculum),
+                              group_filter_func=shortest_first)
+        trainer.train(resume_from_checkpoint=resume)
+    for cfg, kwargs in calls:
+        assert kwargs["group_filter_func"] is shortest_first and kwargs["dynamic_prompts_fn"] is curriculum
+        assert cfg.grpo.group_filter_func == f"{__name__}:shortest_first"
+    assert calls[1][0].checkpoint.resume_from_checkpoint == "latest"
+
+
+def test_gfpo_names_import_from_engine_and_from_trls_experimental_path(tmp_path):
+    from engine import GFPOConfig, GFPOTrainer
+    from engine.experimental import gfpo
+
+    assert (gfpo.GFPOConfig, gfpo.GFPOTrainer) == (GFPOConfig, GFPOTrainer)
+    assert issubclass(GFPOConfig, GRPOConfig) and issubclass(GFPOTrainer, GRPOTrainer)
+    args = GFPOConfig(output_dir=str(tmp_path / "run"), num_remains_in_group=2, num_generations=4,
+                      per_device_train_batch_size=8, max_steps=2)
+    assert args.num_remains_in_group == 2 and args.to_engine_config().grpo.num_remains_in_group == 2
+    assert isinstance(args.replace(seed=1), GFPOConfig) and repr(args).startswith("GFPOConfig(")
+    group_filter = GroupFilter()  # TRL's guide: the filter is a trainer argument
+    trainer = GFPOTrainer(model=TINY, reward_funcs=reward_len, args=args, train_dataset=_prompts(),
+                          group_filter_func=group_filter)
+    assert trainer.args.group_filter_func is group_filter
+    assert trainer.engine_config.grpo.group_filter_func == f"{__name__}:GroupFilter()"
+
+
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "GFPOTrainer"])
+def test_gfpo_needs_a_filter_and_warns_about_an_unused_one(tmp_path, trainer_name):
+    import engine
+
+    trainer_class = getattr(engine, trainer_name)
+    with pytest.raises(ConfigError, match=r"num_remains_in_group=2 needs grpo.group_filter_func"):
+        trainer_class(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
+                      args=_small_args(tmp_path, num_remains_in_group=2))
+    with pytest.warns(UserWarning, match="group_filter_func is not used: num_remains_in_group is not set"):
+        trainer_class(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(), args=_small_args(tmp_path),
+                      group_filter_func=GroupFilter())

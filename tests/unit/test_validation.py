@@ -23,19 +23,22 @@ def _cfg(**sections):
             r"tp_size\*pp_size\*dp_size = 2\*2\*3 = 12 != world size 8",
         ),
         ({"parallel": {"tp_size": 4, "pp_size": 2}}, 12, r"world size 12 is not divisible by tp_size\*pp_size = 4\*2 = 8"),
-        ({"grpo": {"num_generations": 1}}, 1, r"grpo.num_generations=1: GRPO needs at least 2 completions per prompt"),
+        ({"grpo": {"num_generations": 1}}, 1, r"GRPO requires at least 2 generations per prompt to calculate the "
+                                              r"advantages. You provided 1, which is less than the minimum required"),
         (
             {"train": {"per_device_train_batch_size": 6}, "grpo": {"num_generations": 4}}, 1,
-            r"per_device_train_batch_size\*dp_size\*steps_per_generation = 6\*1\*1 = 6 completions is not divisible "
-            r"by grpo.num_generations=4",
+            r"generation_batch_size \(6\) must be divisible by num_generations \(4\). Given the current generation "
+            r"batch size, the valid values for the number of generations are: \[2, 3, 6\]. \(generation batch = "
+            r"per_device_train_batch_size\*dp_size\*steps_per_generation = 6\*1\*1 = 6 completions",
         ),
         (
             {"train": {"per_device_train_batch_size": 4, "generation_batch_size": 24}, "grpo": {"num_generations": 4}},
-            4, r"train.generation_batch_size=24 must be a multiple of per_device_train_batch_size\*dp_size = 4\*4 = 16",
+            4, r"generation_batch_size \(24\) must be divisible by the global batch size \(16\). "
+               r"\(train.generation_batch_size=24 must be a multiple of per_device_train_batch_size\*dp_size = 4\*4 = 16",
         ),
         (
             {"train": {"generation_batch_size": 16, "steps_per_generation": 2}}, 1,
-            r"generation_batch_size and train.steps_per_generation are exclusive",
+            r"'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time",
         ),
         (
             {"train": {"steps_per_generation": 3, "gradient_accumulation_steps": 2}}, 1,

@@ -1,0 +1,102 @@
+"""The rollout server's command line and token checks, without starting vLLM: `grpo-engine vllm-serve` takes TRL
+1.16's `trl vllm-serve` flags (underscores or dashes, TRL's server defaults) with no config file, the run's YAML
+config as before, or both; flags it cannot honour are refused with what to do instead; a missing or short
+$GRPO_ENGINE_TOKEN is named on the side that lacks it. (The HTTP side, 401s and `/health`'s `authorized`, is tested
+against a real server in tests/integration/test_rollout_server.py.)"""
+
+import pytest
+
+from engine.config import load_config
+from engine.rollout_client import RolloutServerError, read_token
+from engine.rollout_server import main, parse_serve_args, resolve_dtype, resolve_model_dir
+
+MODEL = "builtin:tiny-qwen2-arith"
+
+
+def test_trl_flags_without_a_config_build_the_server_config_from_defaults_with_trls_server_defaults():
+    s = parse_serve_args(["--model", MODEL, "--tensor-parallel-size", "2", "--max_model_len=4096",
+                          "--enable_prefix_caching", "rollout.weight_sync_bucket_mb=64", "--enforce-eager", "false"])
+    defaults = load_config()
+    assert (s.host, s.port) == ("0.0.0.0", 8000)  # TRL's server address, the client's vllm_server_host/port
+    assert s.cfg.model.name_or_path == MODEL and s.cfg.rollout.vllm_mode == "server"
+    assert s.cfg.rollout.vllm_tensor_parallel_size == 2 and s.cfg.rollout.vllm_max_model_length == 4096
+    assert s.cfg.rollout.vllm_gpu_memory_utilization == 0.9  # TRL's vllm-serve default, not colocate's 0.3
+    assert s.cfg.rollout.weight_sync_bucket_mb == 64  # dotted overrides still work
+    assert s.cfg.train == defaults.train and s.cfg.generation == defaults.generation
+    assert s.dtype == "auto" and s.engine_options == {"enable_prefix_caching": True}  # a bare switch is true
+    assert (s.num_nodes, s.node_rank, s.log_requests) == (1, 0, True)
+    quiet = parse_serve_args(["--model", MODEL, "--log_level", "warning", "--trust_remote_code", "--kv-cache-dtype",
+                              "fp8", "--host", "127.0.0.1", "--port", "8123", "--dtype", "bf16"])
+    assert (quiet.host, quiet.port, quiet.dtype, quiet.log_requests) == ("127.0.0.1", 8123, "bf16", False)
+    assert quiet.cfg.model.trust_remote_code
+    assert quiet.engine_options == {"trust_remote_code": True, "kv_cache_dtype": "fp8"}
+
+
+def test_a_config_keeps_its_values_and_flags_given_next_to_it_override_them():
+    yaml_form = parse_serve_args(["configs/tiny_cpu.yaml", "rollout.vllm_mode=server", "--port=8765",
+                                  "--num-nodes", "2", "--node-rank=1"])
+    tiny = load_config("configs/tiny_cpu.yaml")
+    assert yaml_form.cfg.rollout.vllm_gpu_memory_utilization == tiny.rollout.vllm_gpu_memory_utilization
+    assert yaml_form.cfg.model == tiny.model and yaml_form.dtype is None  # model.dtype, not TRL's "auto"
+    assert (yaml_form.host, yaml_form.port, yaml_form.num_nodes, yaml_form.node_rank) == ("0.0.0.0", 8765, 2, 1)
+    both = parse_serve_args(["configs/tiny_cpu.yaml", "--tensor_parallel_size", "2", "--gpu_memory_utilization",
+                             "0.5", "--rollout.vllm_max_model_length=64"])
+    assert both.cfg.rollout.vllm_tensor_parallel_size == 2 and both.cfg.rollout.vllm_gpu_memory_utilization == 0.5
+    assert both.cfg.rollout.vllm_max_model_length == 64 and both.cfg.train == tiny.train
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", MODEL, "--data_parallel_size", "2"], r"--data_parallel_size=2 is not supported: run one server per "
+                                                      r"data-parallel replica .* rollout.vllm_server_base_urls"),
+    (["--model", MODEL, "--revision", "v1"], r"--revision=v1 is not supported: download that revision"),
+    (["--model", MODEL, "--distributed-executor-backend", "ray"], r"ray is not supported: .* one server per node"),
+    (["--model", MODEL, "--speculative_config", "{}"], r"--speculative_config is not supported"),
+    (["--model", MODEL, "--max-num-seqs", "64"], r"unknown flag\(s\) --max-num-seqs: `trl vllm-serve` passes unknown "
+                                                 r"flags on to `vllm serve`"),
+    (["--model", MODEL, "--dtype", "int8"], r"--dtype=int8: expected auto, bfloat16, float16, float32"),
+    (["--model", MODEL, "--log_level", "loud"], r"--log_level='loud': expected one of critical"),
+    (["--model", MODEL, "--vllm_model_impl", "sglang"], r"rollout.vllm_model_impl"),
+    (["--model", MODEL, "--node-rank", "1"], r"--node-rank=1 must be in \[0, --num-nodes=1\)"),
+    ([], r"give the run's config .* or the model, as with TRL"),
+])
+def test_flags_that_cannot_be_honoured_are_refused_with_what_to_do(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_serve_args(argv)
+
+
+def test_dtype_auto_is_the_checkpoints_and_a_local_directory_is_served_as_given(tmp_path):
+    cfg = parse_serve_args(["--model", MODEL]).cfg
+    model_dir = resolve_model_dir(cfg)
+    assert (model_dir / "config.json").is_file()
+    assert resolve_dtype("auto", model_dir, "bfloat16") == "float32"  # the shipped tiny model is float32
+    assert resolve_dtype("half", model_dir, "float32") == "float16"
+    assert resolve_dtype(None, model_dir, "float32") == "float32"  # no --dtype: the config's model.dtype
+    assert resolve_model_dir(parse_serve_args(["--model", str(tmp_path)]).cfg) == tmp_path
+
+
+@pytest.mark.parametrize("value,state", [(None, "unset"), ("short", r"too short \(5 characters, 16\+ needed\)")])
+@pytest.mark.parametrize("side,other", [("trainer", "rollout server"), ("rollout server", "trainer")])
+def test_a_missing_token_is_named_on_the_side_that_lacks_it_with_how_to_set_it(monkeypatch, value, state, side, other):
+    if value is None:
+        monkeypatch.delenv("GRPO_ENGINE_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("GRPO_ENGINE_TOKEN", value)
+    with pytest.raises(RolloutServerError, match=rf"\$GRPO_ENGINE_TOKEN is {state} in the {side}'s environment: .* "
+                                                 rf"the {other} needs the same value; generate one once, e.g. "
+                                                 r"`export GRPO_ENGINE_TOKEN=\$\(python -c"):
+        read_token(side)
+
+
+def test_server_and_trainer_refuse_to_start_without_a_token(monkeypatch, capsys):
+    from engine.cli import main as cli_main
+    from engine.config import GenerationConfig, RolloutConfig
+    from engine.rollout_client import connect_rollout_server
+
+    monkeypatch.delenv("GRPO_ENGINE_TOKEN", raising=False)
+    assert cli_main(["vllm-serve", "--model", MODEL, "--port", "1"]) == 2  # refused before binding or loading
+    err = capsys.readouterr().err
+    assert "rollout_server: refusing to start: $GRPO_ENGINE_TOKEN is unset in the rollout server's environment" in err
+    assert main(["--model", MODEL, "--data_parallel_size", "4"]) == 2  # a refused flag: the same exit, its message
+    assert "--data_parallel_size=4 is not supported" in capsys.readouterr().err
+    with pytest.raises(RolloutServerError, match=r"unset in the trainer's environment"):
+        connect_rollout_server(RolloutConfig(vllm_mode="server"), GenerationConfig(), rank=0)
