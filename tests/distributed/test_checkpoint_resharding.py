@@ -18,7 +18,7 @@ from tests.distributed.launcher import run_distributed
 MODEL = "builtin:tiny-qwen2-arith"  # vocab 400: padded to 512 at TP 1 and TP 2 alike
 
 
-def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str):
+def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dtype: str = "float32"):
     from transformers import AutoConfig
 
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
@@ -32,7 +32,7 @@ def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str):
     ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
     model_dir = resolve_builtin_model(MODEL, cache_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    model_cfg = ModelConfig(dtype="float32")
+    model_cfg = ModelConfig(dtype=dtype)
     padded = policy_shape(hf_config, model_cfg, tp).padded_vocab_size
     dims = ModelDims.from_hf(hf_config, padded)
     chunks = build_policy(hf_config, model_cfg, ps)
@@ -70,10 +70,10 @@ def _global_params(chunks, ps, dims) -> dict:
     return tensors if ps.tp_rank == 0 and ps.dp_rank == 0 else {}
 
 
-def _save_then_step(tp, pp, dist_opt, cache_dir, run_dir) -> dict:
+def _save_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32") -> dict:
     from engine.checkpoint import Progress, save_checkpoint
 
-    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir)
+    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir, dtype)
     _step_with_fixed_grads(chunks, popt, ps, seed=1)
     saved = _global_params(chunks, ps, dims)
     save_checkpoint(run_dir, Progress(step=1, rounds_done=1), popt, ps, model=identity)
@@ -83,10 +83,10 @@ def _save_then_step(tp, pp, dist_opt, cache_dir, run_dir) -> dict:
             "draw": draw}
 
 
-def _load_then_step(tp, pp, dist_opt, cache_dir, run_dir) -> dict:
+def _load_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32") -> dict:
     from engine.checkpoint import find_latest_checkpoint, load_checkpoint
 
-    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir)
+    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir, dtype)
     torch.manual_seed(12345)  # a different stream: the restore must replace it
     progress = load_checkpoint(find_latest_checkpoint(run_dir), popt, ps, model=identity)
     loaded = _global_params(chunks, ps, dims)
@@ -109,9 +109,12 @@ def _assert_equal(actual: dict, expected: dict, what: str) -> None:
         assert torch.equal(actual[name], tensor), f"{what}: {name} differs (max {(actual[name] - tensor).abs().max()})"
 
 
-SOURCES = {"tp1_pp1": (1, 1, False), "dp2_distopt": (1, 1, True), "tp2_pp2": (2, 2, False)}
-"""Source layouts: (tp, pp, distributed optimizer); dp2_distopt runs on 2 ranks (TP1 x DP2), so the distributed
-optimizer's state is sharded over the two DP ranks."""
+SOURCES = {"tp1_pp1": (1, 1, False, "float32"), "dp2_distopt": (1, 1, True, "float32"), "tp2_pp2": (2, 2, False, "float32"),
+           "dp2_distopt_bf16": (1, 1, True, "bfloat16")}
+"""Source layouts: (tp, pp, distributed optimizer, dtype); dp2_distopt* run on 2 ranks (TP1 x DP2), so the
+distributed optimizer's state is sharded over the two DP ranks. In bf16 (TRL's default) the optimizer holds float32
+main parameters and Adam states; restored exactly, the next step (elementwise, from fixed float32 gradients) lands
+on the same bf16 weights bit for bit at another layout too."""
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +125,10 @@ def saved_runs(tmp_path_factory):
 
     def get(name):
         if name not in cache:
-            tp, pp, dist_opt = SOURCES[name]
-            world = 2 if name == "dp2_distopt" else tp * pp
-            results = run_distributed(_save_then_step, world, tp, pp, dist_opt, str(root / "models"), str(root / name))
+            tp, pp, dist_opt, dtype = SOURCES[name]
+            world = 2 if name.startswith("dp2_distopt") else tp * pp
+            results = run_distributed(_save_then_step, world, tp, pp, dist_opt, str(root / "models"), str(root / name),
+                                      dtype)
             cache[name] = (root / name, results, str(root / "models"))
         return cache[name]
 
@@ -135,13 +139,16 @@ def saved_runs(tmp_path_factory):
 @pytest.mark.parametrize(
     "source,tp,pp,dist_opt",
     [("tp1_pp1", 1, 1, False), ("tp1_pp1", 2, 1, False), ("tp1_pp1", 1, 2, False), ("dp2_distopt", 2, 1, True),
-     ("dp2_distopt", 1, 1, True), ("tp2_pp2", 1, 1, False)],
+     ("dp2_distopt", 1, 1, True), ("tp2_pp2", 1, 1, False), ("dp2_distopt_bf16", 2, 1, True),
+     ("dp2_distopt_bf16", 1, 2, True)],
     ids=["tp1_pp1-to-tp1_pp1", "tp1_pp1-to-tp2_pp1", "tp1_pp1-to-tp1_pp2", "dp2_distopt-to-tp2_distopt",
-         "dp2_distopt-to-tp1_dp1_distopt", "tp2_pp2-to-tp1_pp1"],
+         "dp2_distopt-to-tp1_dp1_distopt", "tp2_pp2-to-tp1_pp1", "bf16-dp2_distopt-to-tp2_distopt",
+         "bf16-dp2_distopt-to-pp2_distopt"],
 )
 def test_checkpoint_loads_at_another_layout_and_continues_the_same_trajectory(saved_runs, source, tp, pp, dist_opt):
     run_dir, saved, cache_dir = saved_runs(source)
-    loaded = run_distributed(_load_then_step, tp * pp, tp, pp, dist_opt, cache_dir, str(run_dir))
+    dtype = SOURCES[source][3]
+    loaded = run_distributed(_load_then_step, tp * pp, tp, pp, dist_opt, cache_dir, str(run_dir), dtype)
     _assert_equal(_merge(loaded, "loaded"), _merge(saved, "saved"), "parameters after loading")
     _assert_equal(_merge(loaded, "next"), _merge(saved, "next"), "parameters after the next optimizer step")
     assert loaded[0]["lr"] == saved[0]["lr"], "the LR schedule must continue where it stopped"
