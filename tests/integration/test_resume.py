@@ -13,7 +13,9 @@ restored schedule matters):
 The metrics file of the B/C/D run directory then holds exactly one row per step (rows logged after the checkpoint
 by the killed runs are dropped on resume) and every row equals A's, bit for bit (compared as floats with
 tolerance 0): the rounds are pure functions of (seed, round) — prompts, vLLM seeds, row shuffle — and the model,
-Adam moments, LR schedule and RNG are restored exactly in float32 on one CPU process, so nothing may differ.
+its float32 main parameters, Adam moments, LR schedule and RNG are restored exactly on one CPU process, so nothing
+may differ. The runs are bf16 (TRL's default and the shipped large configs'); the float32 path restores the same
+state (tests/distributed/test_checkpoint_resharding.py checks both dtypes bit for bit).
 Only wall-clock fields (time/*, step_time, tokens_per_s, elapsed_s, weight_sync/seconds) are left out.
 """
 
@@ -42,7 +44,8 @@ def _command(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "engine", "train", "configs/tiny_cpu.yaml", f"train.output_dir={run_dir}",
             f"train.max_steps={STEPS}", "generation.max_completion_length=12", "grpo.beta=0.05",
             "reward.reward_funcs=[tests.integration.test_resume:digit_fraction]", "optimizer.learning_rate=1e-2",
-            "optimizer.lr_scheduler_type=linear", "data.dataset_test_split=null", "checkpoint.save_hf_at_end=false", *overrides]
+            "optimizer.lr_scheduler_type=linear", "data.dataset_test_split=null", "checkpoint.save_hf_at_end=false",
+            "model.dtype=bfloat16", *overrides]
 
 
 def _env(**extra: str) -> dict:
