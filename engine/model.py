@@ -2,12 +2,14 @@
 
 Owns: the translation of a Qwen2 / Llama Hugging Face config into Megatron's `TransformerConfig` (GQA, QKV bias,
 SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings, vocabulary padded for TP), the layer spec choice (Transformer
-Engine when it imports, Megatron's local spec otherwise), `build_policy`, and the rule that takes a global tensor to
-this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
+Engine when it imports, Megatron's local spec otherwise, whose row-parallel linears are swapped through the
+ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`), `build_policy`, and the rule that
+takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
-Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1).
+Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
+tests/distributed/test_grpo_step_layouts.py (also: no "tp_group is None" fallback warning from Megatron).
 """
 
 from __future__ import annotations

@@ -34,7 +34,8 @@ def _cfg(**sections):
         (
             {"train": {"per_device_train_batch_size": 4, "generation_batch_size": 24}, "grpo": {"num_generations": 4}},
             4, r"generation_batch_size \(24\) must be divisible by the global batch size \(16\). "
-               r"\(train.generation_batch_size=24 must be a multiple of per_device_train_batch_size\*dp_size = 4\*4 = 16",
+               r"\(train.generation_batch_size=24 must be a multiple of "
+               r"per_device_train_batch_size\*dp_size = 4\*4 = 16",
         ),
         (
             {"train": {"generation_batch_size": 16, "steps_per_generation": 2}}, 1,
