@@ -34,11 +34,8 @@ training_args = GRPOConfig(
     max_completion_length=32,
     learning_rate=1e-5,
     logging_steps=1,
-    bf16=False,  # float32: the tiny model on CPU
     use_vllm=True,
     vllm_mode="colocate",
-    vllm_gpu_memory_utilization=0.15,
-    vllm_max_model_length=256,
     report_to="none",
 )
 trainer = GRPOTrainer(model=MODEL, reward_funcs=reward_len, args=training_args, train_dataset=dataset)

@@ -1,5 +1,7 @@
 """Math with a verifier: a conversational dataset (system + user messages) with a `solution` column, the model's
-chat template, an accuracy reward (math-verify) and a format reward weighted by `reward_weights`.
+chat template, an accuracy reward (math-verify) and a format reward weighted by `reward_weights`. The format reward
+is "Example 2: Reward completions with a specific format" of TRL's GRPO Trainer guide (huggingface.co/docs/trl/
+grpo_trainer#example-2-reward-completions-with-a-specific-format), its reward over conversational completions.
 
 Under TRL the same script runs with only these two lines changed:
     from trl import GRPOConfig, GRPOTrainer
@@ -28,7 +30,6 @@ DATA = Path(__file__).resolve().parent / "data" / "math_conversational.jsonl"
 
 dataset = load_dataset("json", data_files=str(DATA), split="train")
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 
 
 def accuracy_reward(completions, solution, **kwargs):
@@ -45,9 +46,12 @@ def accuracy_reward(completions, solution, **kwargs):
     return rewards
 
 
-def format_reward(completions, **kwargs):
-    """1.0 for `<think>...</think> <answer>...</answer>`, else 0.0."""
-    return [1.0 if FORMAT.match(completion[0]["content"]) else 0.0 for completion in completions]
+def format_reward_func(completions, **kwargs):
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
 
 
 training_args = GRPOConfig(
@@ -63,16 +67,13 @@ training_args = GRPOConfig(
     chat_template_kwargs={"enable_thinking": False},
     logging_steps=1,
     log_completions=True,
-    bf16=False,  # float32: the tiny model on CPU
     use_vllm=True,
     vllm_mode="colocate",
-    vllm_gpu_memory_utilization=0.15,
-    vllm_max_model_length=256,
     report_to="none",
 )
 trainer = GRPOTrainer(
     model=MODEL,
-    reward_funcs=[accuracy_reward, format_reward],
+    reward_funcs=[accuracy_reward, format_reward_func],
     args=training_args,
     train_dataset=dataset,
 )

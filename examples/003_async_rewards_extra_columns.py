@@ -59,11 +59,8 @@ training_args = GRPOConfig(
     scale_rewards="batch",
     logging_steps=1,
     log_completions=True,  # the table in output_dir/completions/ shows None (not applicable) per row
-    bf16=False,  # float32: the tiny model on CPU
     use_vllm=True,
     vllm_mode="colocate",
-    vllm_gpu_memory_utilization=0.15,
-    vllm_max_model_length=256,
     report_to="none",
 )
 trainer = GRPOTrainer(

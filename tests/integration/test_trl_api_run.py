@@ -51,7 +51,7 @@ def _train_with_objects(output_dir: str, tp: int = 1) -> dict:
     dataset = datasets.load_dataset("json", data_files=str(REPO / "examples/data/math_conversational.jsonl"),
                                     split="train")
     args = GRPOConfig(output_dir=str(Path(output_dir) / "run"), max_steps=2, per_device_train_batch_size=8,
-                      num_generations=4, max_completion_length=32, learning_rate=1e-5, logging_steps=1, bf16=False,
+                      num_generations=4, max_completion_length=32, learning_rate=1e-5, logging_steps=1,
                       use_vllm=True, vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256,
                       chat_template_kwargs={"plain": True}, report_to="none", tp_size=tp)
     trainer = GRPOTrainer(model=model, reward_funcs=answer_tag, args=args, train_dataset=dataset,
@@ -125,7 +125,7 @@ class GroupFilter:
 
 
 args = GFPOConfig(output_dir=out, max_steps=max_steps, per_device_train_batch_size=8, num_generations=4,
-                  num_remains_in_group=2, max_completion_length=12, learning_rate=1e-5, logging_steps=1, bf16=False,
+                  num_remains_in_group=2, max_completion_length=12, learning_rate=1e-5, logging_steps=1,
                   vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256, report_to="none",
                   dynamic_prompts_fn=curriculum_fn)
 trainer = GFPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy, args=args,
