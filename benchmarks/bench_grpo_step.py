@@ -26,7 +26,7 @@ MIB = 2**20
 def model_config(shape: str):
     from transformers import Qwen2Config
 
-    from engine.tiny_model import tiny_model_config
+    from engine.models.tiny_model import tiny_model_config
 
     if shape == "tiny":
         return tiny_model_config("qwen2")
@@ -39,13 +39,13 @@ def model_config(shape: str):
 
 def build_step(args):
     """Everything one step needs; returns (step function, completion tokens per step, device)."""
-    from engine.batch import pack_completions, split_microbatches
+    from engine.policy.batch import pack_completions, split_microbatches
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
-    from engine.model import build_policy, init_weights_by_name
-    from engine.optimizer import build_optimizer
-    from engine.parallel import init_parallel
-    from engine.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.step import LogprobSettings, grpo_forward_backward
+    from engine.policy.model import build_policy, init_weights_by_name
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.parallel import init_parallel
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.policy.step import LogprobSettings, grpo_forward_backward
 
     hf_config = model_config(args.shape)
     ps = init_parallel(ParallelConfig(), seed=0)

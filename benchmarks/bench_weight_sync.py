@@ -28,11 +28,11 @@ receivers, started here. Absolute numbers on CPU are loopback-TCP numbers on a s
 one run.
 
 `--vllm`: the same bucketed syncs, plus one bucket per decoder layer (`vllm_per_layer`), (trainer TP1) into the real
-vLLM engine of `python -m engine.rollout_server`
+vLLM engine of `python -m engine.rollout.server`
 (engine TP 1, one server per model size, started here on a saved random checkpoint): the trainer's `sync_server`
 call, i.e. the HTTP requests, the transfer and vLLM's in-place `reload_weights` of every bucket. No
 tensor-by-tensor row there: vLLM's layer-wise reload on CPU cannot take a decoder layer in several calls (see
-`_stage_buckets`), so per-tensor loading is not a correct baseline to time.
+engine/rollout/colocated_sync.py `_stage_buckets`), so per-tensor loading is not a correct baseline to time.
 
     python -m benchmarks.bench_weight_sync                      # CPU, ~2-4 minutes
     python -m benchmarks.bench_weight_sync --engine-tp 2 --iters 3
@@ -61,7 +61,7 @@ JOIN_TIMEOUT_S = 600.0
 PING_WARMUP, PING_ITERS, PING_TAG = 5, 30, 7 << 23  # the round-trip row: trainer rank 0 <-> engine rank 0
 TIMEOUT_S = 300.0
 CPU_NOTE = ("2-core CPU VM shared with other jobs (CPU steal seen); gloo over loopback TCP; ->engine_tp modes: "
-            "receivers assemble HF tensors, no vLLM; ->vllm_tp1: sync_server into engine/rollout_server.py's vLLM, "
+            "receivers assemble HF tensors, no vLLM; ->vllm_tp1: sync_server into engine/rollout/server.py's vLLM, "
             "HTTP calls and reload_weights included")
 
 
@@ -88,9 +88,9 @@ def schedule(args) -> list[tuple[int, bool]]:
 
 
 def build_plan(hidden: int, trainer_tp: int, engine_tp: int):
-    from engine.hf_convert import ModelDims
-    from engine.model import padded_vocab_size
-    from engine.weight_sync import TrainerLayout, build_sync_plan
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import padded_vocab_size
+    from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
 
     config = hf_config(hidden)
     dims = ModelDims.from_hf(config, padded_vocab_size(config.vocab_size, 128, trainer_tp))
@@ -106,9 +106,9 @@ def _trainer(rank: int, master_port: int, store_ports: list[int], args, results)
     from megatron.core import parallel_state as mpu
 
     from engine.config import ModelConfig, ParallelConfig
-    from engine.model import build_policy, init_weights_by_name
-    from engine.parallel import destroy_parallel, init_parallel
-    from engine.weight_sync import WeightTransferGroup, send_weights
+    from engine.policy.model import build_policy, init_weights_by_name
+    from engine.policy.parallel import destroy_parallel, init_parallel
+    from engine.rollout.weight_transport import WeightTransferGroup, send_weights
 
     out = {}
     try:
@@ -157,7 +157,7 @@ def _receiver(engine_rank: int, store_ports: list[int], args, results) -> None:
     """One engine worker: receive and assemble every sync of every layout, size and variant, dropping the tensors."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from engine.weight_sync import WeightTransferGroup, receive_weights
+    from engine.rollout.weight_transport import WeightTransferGroup, receive_weights
 
     try:
         for tp, port in zip(LAYOUTS, store_ports):
@@ -229,7 +229,7 @@ def run(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# --vllm: the same syncs into the real vLLM engine of engine/rollout_server.py (server mode, engine TP 1)
+# --vllm: the same syncs into the real vLLM engine of engine/rollout/server.py (server mode, engine TP 1)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -237,7 +237,7 @@ def save_model(hidden: int, out_dir) -> str:
     """A random-weight HF checkpoint of the benchmark shape, with the tiny tokenizer (its rows past 400 unused)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.tiny_model import build_tiny_tokenizer
+    from engine.models.tiny_model import build_tiny_tokenizer
 
     model = AutoModelForCausalLM.from_config(hf_config(hidden), dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -251,10 +251,10 @@ def _vllm_trainer(url: str, model_dir: str, hidden: int, args, results) -> None:
                       MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     from engine.config import GenerationConfig, ModelConfig, ParallelConfig
-    from engine.model import build_policy, init_weights_by_name
-    from engine.parallel import destroy_parallel, init_parallel
-    from engine.rollout_client import RolloutClient, SharedRolloutClient, read_token
-    from engine.weight_sync import build_server_sync, sync_server
+    from engine.policy.model import build_policy, init_weights_by_name
+    from engine.policy.parallel import destroy_parallel, init_parallel
+    from engine.rollout.client import RolloutClient, SharedRolloutClient, read_token
+    from engine.rollout.server_sync import build_server_sync, sync_server
 
     try:
         ps = init_parallel(ParallelConfig(), seed=0)
@@ -287,7 +287,7 @@ def run_vllm(args) -> dict:
     import tempfile
     from pathlib import Path
 
-    from engine.rollout_client import RolloutClient
+    from engine.rollout.client import RolloutClient
 
     measured = {}
     os.environ["GRPO_ENGINE_TOKEN"] = secrets.token_hex(32)
@@ -297,7 +297,7 @@ def run_vllm(args) -> dict:
             port = _free_port()
             log = open(Path(tmp) / f"server-{hidden}.log", "w")
             server = subprocess.Popen(
-                [sys.executable, "-m", "engine.rollout_server", "configs/tiny_cpu.yaml", f"model.name_or_path={model_dir}",
+                [sys.executable, "-m", "engine.rollout.server", "configs/tiny_cpu.yaml", f"model.name_or_path={model_dir}",
                  "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
                  "rollout.vllm_max_model_length=128", f"train.output_dir={tmp}", "--host", "127.0.0.1",
                  f"--port={port}"], env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT)

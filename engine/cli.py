@@ -9,7 +9,7 @@ Owns: argument parsing and dispatch only; each subcommand calls into the module 
     grpo-engine tiny-model /tmp/tiny --family llama
     grpo-engine vllm-serve --model Qwen/Qwen2.5-7B --tensor_parallel_size 2 --port 8000   # `trl vllm-serve`'s flags
 
-`vllm-serve` is the rollout server of server mode (engine/rollout_server.py, also `python -m engine.rollout_server`):
+`vllm-serve` is the rollout server of server mode (engine/rollout/server.py, also `python -m engine.rollout.server`):
 TRL's `vllm-serve` flags, or the run's config; its arguments go to that module's parser unchanged.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from engine.config import ConfigError, config_to_dict, load_config
@@ -50,7 +51,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from engine.planner import SHAPE_OPTIONS, build_plan, format_plan, resolve_cluster_shape
+    from engine.planning.planner import build_plan, format_plan
+    from engine.planning.shapes import SHAPE_OPTIONS, resolve_cluster_shape
 
     cfg = load_config(args.config, args.overrides)
     shape = resolve_cluster_shape(cfg, **{k: getattr(args, k) for k in SHAPE_OPTIONS})
@@ -74,16 +76,21 @@ def cmd_plan(args) -> int:
 
 def cmd_train(args) -> int:
     if not args.dry_run:
-        from engine.trainer import train
+        from engine.train.loop import train
+        from engine.train.run_summary import format_run_summary
 
-        summary = train(load_config(args.config, args.overrides))
-        if summary.get("stopped_by_signal") and summary["rank"] == 0:
-            print(f"stopped by SIGUSR1 after step {summary['steps']}; resume with checkpoint.resume_from_checkpoint=latest")
-        elif summary["rank"] == 0 and summary.get("eval_reward_before") is not None:
-            print(f"held-out reward: {summary['eval_reward_before']:.3f} -> {summary['eval_reward_after']:.3f}")
+        start = time.perf_counter()
+        cfg = load_config(args.config, args.overrides)
+        summary = train(cfg)
+        if summary["rank"] == 0:
+            if summary.get("stopped_by_signal"):
+                print(f"stopped by SIGUSR1 after step {summary['steps']}; resume with "
+                      "checkpoint.resume_from_checkpoint=latest")
+            print(format_run_summary(cfg, summary, time.perf_counter() - start))
         return 0
     # --dry-run: validate against the launcher's world size and the cluster shape, plan, exit 0 only if it fits.
-    from engine.planner import SHAPE_OPTIONS, build_plan, format_plan, node_roles, resolve_cluster_shape
+    from engine.planning.planner import build_plan, format_plan
+    from engine.planning.shapes import SHAPE_OPTIONS, node_roles, resolve_cluster_shape
 
     cfg = load_config(args.config, args.overrides)
     shape = resolve_cluster_shape(cfg, **{k: getattr(args, k) for k in SHAPE_OPTIONS})
@@ -109,7 +116,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from engine.tiny_model import build_tiny_model
+    from engine.models.tiny_model import build_tiny_model
 
     path = build_tiny_model(args.output_dir, args.family, seed=args.seed, tie_word_embeddings=args.tie)
     print(f"tiny {args.family} model written to {path}")
@@ -117,7 +124,7 @@ def cmd_tiny_model(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from engine.demo import run_demo
+    from engine.demo.run import run_demo
 
     return run_demo(DEMO_CONFIG, args.overrides)
 
@@ -135,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.beta=0.04")
         p.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE, else the config's layout")
         p.set_defaults(func=func)
-        if name in ("train", "plan"):  # the cluster shape the planner sizes (engine/planner.py)
+        if name in ("train", "plan"):  # the cluster shape the planner sizes (engine/planning/shapes.py)
             p.add_argument("--train-nodes", type=int, default=None, help="default: as many as tp*pp*dp needs")
             p.add_argument("--infer-nodes", type=int, default=None, help="default: 1 in vllm_mode server, else 0")
             p.add_argument("--gpus-per-node", type=int, default=None, help="default: 8, or the layout's GPUs if fewer")
@@ -162,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["vllm-serve"]:  # its own parser (TRL's flags); see engine/rollout_server.py
-        from engine.rollout_server import main as serve
+    if argv[:1] == ["vllm-serve"]:  # its own parser (TRL's flags); see engine/rollout/server.py
+        from engine.rollout.server import main as serve
 
         return serve(argv[1:], prog="grpo-engine vllm-serve")
     # Overrides may be written `grpo.beta=0.1` or `--grpo.beta=0.1`; the second form is not an option.

@@ -47,8 +47,8 @@ def _aliases(**mapping: Any) -> dict:
 class ModelConfig:
     name_or_path: str = "builtin:tiny-qwen2"
     """Hugging Face checkpoint: a local directory or a hub name. `builtin:tiny-qwen2` / `builtin:tiny-llama` build
-    the project's tiny random-weight model in-process (engine/tiny_model.py) and cache it under the run directory;
-    `builtin:tiny-qwen2-arith` is the shipped warm-started tiny Qwen2 of the demo (engine/warm_start.py)."""
+    the project's tiny random-weight model in-process (engine/models/tiny_model.py) and cache it under the run directory;
+    `builtin:tiny-qwen2-arith` is the shipped warm-started tiny Qwen2 of the demo (engine/demo/warm_start.py)."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter and activation dtype of the policy (TRL's `bf16=True` -> bfloat16). Softmax statistics and the
     loss are always accumulated in float32."""
@@ -161,7 +161,7 @@ class GRPOConfigSection:
     micro-batches stay full: a round samples generation_batch_size / k prompts, G completions each."""
     group_filter_func: str | None = None
     """GFPO's filter `f(group_completions, group_rewards, **kw) -> [P][G]` scores, higher = keep
-    (engine/group_filter.py), as a `module:function` import path. Any callable object (a function of the user's
+    (engine/grpo/group_filter.py), as a `module:function` import path. Any callable object (a function of the user's
     script, a lambda, an instance) travels in memory instead (`GFPOTrainer(group_filter_func=...)`,
     `train(cfg, group_filter_func=...)`) and is recorded here as its description (`describe_callable`)."""
     use_dynamic_sampling: bool = False
@@ -235,7 +235,7 @@ class RolloutConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RewardConfig:
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
-    """Built-in names (engine/rewards.py), `module:function` import paths, or reward-model paths."""
+    """Built-in names (engine/train/rewards.py), `module:function` import paths, or reward-model paths."""
     reward_weights: list[float] | None = None
     """One weight per reward function; None = all 1.0."""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
@@ -273,7 +273,7 @@ class DataConfig:
     overlong_prompt_policy: Literal["error", "drop"] = "error"
     dynamic_prompts_fn: str | None = None
     """Curriculum hook (a TRL fork's `dynamic_prompts_fn`): `f(prompts, completions, rewards, metas) ->` the next
-    generation's prompts, four lists with one element per sample (engine/dynamic_prompts.py), used instead of the
+    generation's prompts, four lists with one element per sample (engine/grpo/dynamic_prompts.py), used instead of the
     dataset's next rows; a `module:function` import path. Any callable object travels in memory instead
     (`GRPOConfig(dynamic_prompts_fn=...)`, `train(cfg, dynamic_prompts_fn=...)`) and is recorded here as its
     description (`describe_callable`)."""
@@ -309,6 +309,9 @@ class LoggingConfig:
     run_name: str | None = None
     log_completions: bool = False
     num_completions_to_print: int | None = None
+    verbose: bool = False
+    """Show vLLM's INFO logs and the known-harmless library warnings (engine/log_filters.py); the environment
+    variable GRPO_ENGINE_VERBOSE=1 does the same whatever this says. TRL's `log_level` 'info' / 'debug' sets it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -478,7 +481,7 @@ def describe_callable(func: Any) -> str:
     """How a user hook passed as an object is recorded in the tree (which holds strings, so the resolved config and
     checkpoints stay plain data): `module:qualname` for a function (importable back when it is module-level in an
     importable module; `__main__:f`, `m:<lambda>`, `m:f.<locals>.g` are descriptions only), `module:Class()` for an
-    instance of `Class`. The object itself travels in memory to `engine.trainer.train`."""
+    instance of `Class`. The object itself travels in memory to `engine.train.loop.train`."""
     if isinstance(func, functools.partial):
         return f"functools.partial({describe_callable(func.func)})"
     qualname = getattr(func, "__qualname__", None)

@@ -11,11 +11,11 @@ GFPOTrainer`.
 
 The filter may be any callable (defined in the script, a lambda, an instance); it travels in memory to the engine.
 How GFPO here differs from TRL's (aligned groups, stable ties, advantages over the survivors with NaN rewards and
-`multi_objective_aggregation`): engine/group_filter.py.
+`multi_objective_aggregation`): engine/grpo/group_filter.py.
 
 Must not: hold any logic (re-exports only). Test: `pytest tests/unit/test_trl_api.py -k gfpo`.
 """
 
-from engine.trl_api import GFPOConfig, GFPOTrainer
+from engine.api.trl_trainer import GFPOConfig, GFPOTrainer
 
 __all__ = ["GFPOConfig", "GFPOTrainer"]

@@ -39,7 +39,7 @@ def _worker(rank, world_size, port, fn, args, results) -> None:
     except BaseException:  # noqa: BLE001 - report everything, including assertion errors and SystemExit
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        from engine.parallel import destroy_parallel
+        from engine.policy.parallel import destroy_parallel
 
         try:
             destroy_parallel()

@@ -19,11 +19,11 @@ def _load_forward_export(tp: int, pp: int, model_dir: str, out_dir: str) -> dict
     from transformers import AutoConfig
 
     from engine.config import ModelConfig, ParallelConfig
-    from engine.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
-    from engine.hf_convert import ModelDims
-    from engine.model import build_policy, padded_vocab_size
-    from engine.parallel import init_parallel
-    from engine.step import lm_head_logits, run_schedule
+    from engine.policy.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, padded_vocab_size
+    from engine.policy.parallel import init_parallel
+    from engine.policy.step import lm_head_logits, run_schedule
 
     ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -49,7 +49,7 @@ def _load_forward_export(tp: int, pp: int, model_dir: str, out_dir: str) -> dict
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
-    from engine.tiny_model import build_tiny_model
+    from engine.models.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     return {
@@ -68,7 +68,7 @@ def _hf_logits(model_dir) -> torch.Tensor:
 
 
 def _safetensors(model_dir) -> dict[str, torch.Tensor]:
-    from engine.hf_checkpoint import SafetensorsSource
+    from engine.policy.hf_checkpoint import SafetensorsSource
 
     src = SafetensorsSource(model_dir)
     return {name: src.read(name, (slice(None),)) for name in src.names()}

@@ -1,4 +1,4 @@
-"""Megatron distributed checkpoints across layouts, on gloo (engine/checkpoint.py).
+"""Megatron distributed checkpoints across layouts, on gloo (engine/train/checkpoint.py).
 
 A run takes one optimizer step at a source layout, saves, and takes a second step (the reference trajectory). A
 run at a target layout loads the checkpoint and takes the same second step. The loaded parameters must equal the
@@ -22,12 +22,12 @@ def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dt
     from transformers import AutoConfig
 
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
-    from engine.hf_checkpoint import load_hf_checkpoint
-    from engine.hf_convert import ModelDims
-    from engine.model import build_policy, policy_shape
-    from engine.optimizer import build_optimizer
-    from engine.parallel import init_parallel
-    from engine.tiny_model import resolve_builtin_model
+    from engine.policy.hf_checkpoint import load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, policy_shape
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.parallel import init_parallel
+    from engine.models.tiny_model import resolve_builtin_model
 
     ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
     model_dir = resolve_builtin_model(MODEL, cache_dir)
@@ -47,7 +47,7 @@ def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dt
 @torch.no_grad()
 def _step_with_fixed_grads(chunks, popt, ps, seed: int) -> None:
     """One optimizer step whose gradient is a fixed function of (seed, global parameter name)."""
-    from engine.model import global_param_names, take_tp_shard
+    from engine.policy.model import global_param_names, take_tp_shard
 
     popt.zero_grad()
     for chunk in chunks:
@@ -64,14 +64,14 @@ def _step_with_fixed_grads(chunks, popt, ps, seed: int) -> None:
 
 def _global_params(chunks, ps, dims) -> dict:
     """HF name -> full tensor of this rank's stage (every TP rank gathers; DP rank 0, TP rank 0 reports)."""
-    from engine.hf_checkpoint import iter_hf_tensors
+    from engine.policy.hf_checkpoint import iter_hf_tensors
 
     tensors = {name: t.clone() for chunk in chunks for name, t in iter_hf_tensors(chunk, ps, dims)}
     return tensors if ps.tp_rank == 0 and ps.dp_rank == 0 else {}
 
 
 def _save_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32") -> dict:
-    from engine.checkpoint import Progress, save_checkpoint
+    from engine.train.checkpoint import Progress, save_checkpoint
 
     ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir, dtype)
     _step_with_fixed_grads(chunks, popt, ps, seed=1)
@@ -84,7 +84,7 @@ def _save_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32") -> di
 
 
 def _load_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32") -> dict:
-    from engine.checkpoint import find_latest_checkpoint, load_checkpoint
+    from engine.train.checkpoint import find_latest_checkpoint, load_checkpoint
 
     ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir, dtype)
     torch.manual_seed(12345)  # a different stream: the restore must replace it
@@ -158,7 +158,7 @@ def test_checkpoint_loads_at_another_layout_and_continues_the_same_trajectory(sa
 
 
 def _load_with_other_optimizer(cache_dir, run_dir) -> str:
-    from engine.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
+    from engine.train.checkpoint import CheckpointError, find_latest_checkpoint, load_checkpoint
 
     ps, _, _, popt, identity = _build(1, 1, False, cache_dir)
     try:
@@ -176,7 +176,7 @@ def test_switching_the_optimizer_kind_is_a_clear_error(saved_runs):
 
 
 def _load_errors(cache_dir, corrupt_dir) -> dict:
-    from engine.checkpoint import CheckpointError, load_checkpoint
+    from engine.train.checkpoint import CheckpointError, load_checkpoint
 
     ps, _, _, popt, identity = _build(1, 1, False, cache_dir)
     messages = {}

@@ -11,7 +11,7 @@ noise of a near-zero gradient (about 1e-9 absolute) by up to lr / eps. Observed 
 equal to 1e-5: eps=1e-8 moved one weight in 16K by 4e-6, eps=1e-6 by 1.4e-6; at 1e-4 the amplification is 10.
 Sequence parallelism is not covered: Megatron's local layer spec (CPU) refuses it; it needs Transformer Engine.
 Megatron's "tp_group is None, using default tp group" warning (a DeprecationWarning, on rank 0) must not appear: every
-call gets its group explicitly (engine/model.py `_row_parallel_linear_class`).
+call gets its group explicitly (engine/policy/model.py `_row_parallel_linear_class`).
 """
 
 import warnings
@@ -25,7 +25,7 @@ GLOBAL_BATCH, MICRO_BATCH, VOCAB = 8, 2, 400
 
 
 def _global_batch() -> dict:
-    from engine.batch import pack_completions
+    from engine.policy.batch import pack_completions
 
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in [3, 3, 3, 3, 6, 6, 6, 6]]
@@ -48,15 +48,15 @@ def _grpo_step(tp: int, pp: int, dp: int, sp: bool, model_dir: str, out_dir: str
 def _grpo_step_and_export(tp: int, pp: int, dp: int, sp: bool, model_dir: str, out_dir: str, dtype: str) -> dict:
     from transformers import AutoConfig
 
-    from engine.batch import split_microbatches
+    from engine.policy.batch import split_microbatches
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
-    from engine.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
-    from engine.hf_convert import ModelDims
-    from engine.model import build_policy, policy_shape
-    from engine.optimizer import build_optimizer
-    from engine.parallel import init_parallel
-    from engine.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.step import LogprobSettings, grpo_forward_backward
+    from engine.policy.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, policy_shape
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.parallel import init_parallel
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.policy.step import LogprobSettings, grpo_forward_backward
 
     ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp), seed=0)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -84,7 +84,7 @@ def _grpo_step_and_export(tp: int, pp: int, dp: int, sp: bool, model_dir: str, o
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from engine.tiny_model import build_tiny_model
+    from engine.models.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("grpo_step")
     model_dir = build_tiny_model(root / "qwen2", "qwen2", seed=5)
@@ -93,7 +93,7 @@ def setup(tmp_path_factory):
 
 
 def _tensors(model_dir) -> dict[str, torch.Tensor]:
-    from engine.hf_checkpoint import SafetensorsSource
+    from engine.policy.hf_checkpoint import SafetensorsSource
 
     src = SafetensorsSource(model_dir)
     return {name: src.read(name, (slice(None),)) for name in src.names()}

@@ -1,4 +1,4 @@
-"""engine.parallel on gloo: ranks and groups match the layout; a world that does not fit is refused clearly."""
+"""engine.policy.parallel on gloo: ranks and groups match the layout; a world that does not fit is refused clearly."""
 
 import pytest
 
@@ -9,7 +9,7 @@ def _state(tp: int, pp: int) -> dict:
     import torch.distributed as dist
 
     from engine.config import ParallelConfig
-    from engine.parallel import init_parallel
+    from engine.policy.parallel import init_parallel
 
     ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
     tp_members = dist.get_process_group_ranks(ps.groups.tp)
@@ -20,7 +20,7 @@ def _state(tp: int, pp: int) -> dict:
 
 def _refused(tp: int, pp: int) -> None:
     from engine.config import ParallelConfig
-    from engine.parallel import init_parallel
+    from engine.policy.parallel import init_parallel
 
     init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
 

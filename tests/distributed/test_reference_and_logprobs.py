@@ -10,16 +10,16 @@ from tests.distributed.launcher import run_distributed
 def _check(tp: int, model_dir: str) -> dict:
     from transformers import AutoConfig
 
-    from engine.batch import pack_completions, split_microbatches
+    from engine.policy.batch import pack_completions, split_microbatches
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
-    from engine.hf_checkpoint import load_hf_checkpoint
-    from engine.hf_convert import ModelDims
-    from engine.model import build_policy, policy_shape
-    from engine.optimizer import build_optimizer
-    from engine.parallel import init_parallel
-    from engine.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.reference_model import ReferencePolicy
-    from engine.step import LogprobSettings, completion_logprobs, forward_logprobs, grpo_forward_backward, run_schedule
+    from engine.policy.hf_checkpoint import load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, policy_shape
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.parallel import init_parallel
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.policy.reference import ReferencePolicy
+    from engine.policy.step import LogprobSettings, completion_logprobs, forward_logprobs, grpo_forward_backward, run_schedule
 
     ps = init_parallel(ParallelConfig(tp_size=tp), seed=0)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -69,7 +69,7 @@ def _check(tp: int, model_dir: str) -> dict:
 
 
 def test_logprobs_deterministic_on_policy_and_reference_frozen(tmp_path):
-    from engine.tiny_model import build_tiny_model
+    from engine.models.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "qwen2", "qwen2", seed=4)
     for result in run_distributed(_check, 2, 2, str(model_dir)):

@@ -50,7 +50,8 @@ def _receiver(engine_rank, jobs, results):
     rank's loader reads."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from engine.weight_sync import WeightTransferGroup, build_sync_plan_from_spec, receive_weights
+    from engine.rollout.sync_plan import build_sync_plan_from_spec
+    from engine.rollout.weight_transport import WeightTransferGroup, receive_weights
 
     for job, (port, spec, tensor_by_tensor, die_after) in enumerate(jobs):
         try:
@@ -86,12 +87,13 @@ def _trainer(model_dirs, sends):
     from transformers import AutoConfig
 
     from engine.config import ModelConfig, ParallelConfig
-    from engine.hf_checkpoint import load_hf_checkpoint
-    from engine.hf_convert import ModelDims
-    from engine.model import build_policy, policy_shape
-    from engine.parallel import init_parallel
-    from engine.weight_sync import (TrainerLayout, WeightSyncError, WeightTransferGroup, build_sync_plan,
-                                    send_weights)
+    from engine.policy.hf_checkpoint import load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, policy_shape
+    from engine.policy.parallel import init_parallel
+    from engine.rollout.sync_check import WeightSyncError
+    from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
+    from engine.rollout.weight_transport import WeightTransferGroup, send_weights
 
     out = []
     for family, tp, pp, layout_sends in sends:
@@ -127,9 +129,9 @@ def _plan(model_dir, tp, pp, engine_tp):
     from transformers import AutoConfig
 
     from engine.config import ModelConfig
-    from engine.hf_convert import ModelDims
-    from engine.model import policy_shape
-    from engine.weight_sync import TrainerLayout, build_sync_plan
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import policy_shape
+    from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, ModelConfig(dtype="float32"), tp).padded_vocab_size)
@@ -137,7 +139,7 @@ def _plan(model_dir, tp, pp, engine_tp):
 
 
 def _checkpoint(model_dir) -> dict[str, torch.Tensor]:
-    from engine.hf_checkpoint import SafetensorsSource
+    from engine.policy.hf_checkpoint import SafetensorsSource
 
     src = SafetensorsSource(model_dir)
     return {name: src.read(name, (slice(None),)) for name in src.names()}
@@ -146,7 +148,7 @@ def _checkpoint(model_dir) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def transfers(tmp_path_factory):
     """Run every send: returns (per job: plan, tensor_by_tensor, {engine rank: payload}), trainer outcomes."""
-    from engine.tiny_model import build_tiny_model
+    from engine.models.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
     model_dirs = {"qwen2": str(build_tiny_model(root / "qwen2", "qwen2", seed=1)),

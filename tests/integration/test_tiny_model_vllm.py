@@ -27,7 +27,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.tiny_model import TINY_VOCAB_SIZE, build_tiny_model
+from engine.models.tiny_model import TINY_VOCAB_SIZE, build_tiny_model
 
 HELPER = Path(__file__).with_name("tiny_model_vllm_generate.py")
 NUM_PROMPTS = 4

@@ -21,7 +21,7 @@ def digit_fraction(completions, **kwargs):
 
 def _train(tp: int, output_dir: str) -> dict:
     from engine.config import load_config
-    from engine.trainer import train
+    from engine.train.loop import train
 
     cfg = load_config("configs/tiny_cpu.yaml", [
         f"parallel.tp_size={tp}", "train.max_steps=2", f"train.output_dir={output_dir}", "generation.max_completion_length=12",
@@ -81,7 +81,7 @@ def _train_dynamic_gfpo(output_dir: str) -> dict:
     import os
 
     from engine.config import load_config
-    from engine.trainer import train
+    from engine.train.loop import train
 
     os.environ["GFPO_LOG"] = f"{output_dir}/gfpo_calls.jsonl"
     os.environ["PROMPTS_LOG"] = f"{output_dir}/prompt_calls.jsonl"

@@ -42,7 +42,7 @@ def _train_with_objects(output_dir: str, tp: int = 1) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from engine import GRPOConfig, GRPOTrainer
-    from engine.tiny_model import resolve_builtin_model
+    from engine.models.tiny_model import resolve_builtin_model
 
     source = resolve_builtin_model("builtin:tiny-qwen2-arith", Path(output_dir) / "cache")
     model = AutoModelForCausalLM.from_pretrained(source)
@@ -100,7 +100,7 @@ GFPO_CURRICULUM_SCRIPT = '''
 import json
 import sys
 
-from engine.data import build_arithmetic_dataset
+from engine.train.data import build_arithmetic_dataset
 from engine.experimental.gfpo import GFPOConfig, GFPOTrainer
 
 out, max_steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"

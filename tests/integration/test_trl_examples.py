@@ -43,7 +43,7 @@ def test_quickstart_trains_and_saves_a_loadable_model(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from engine.tiny_model import resolve_builtin_model
+    from engine.models.tiny_model import resolve_builtin_model
 
     _run_example("000_quickstart", tmp_path)
     run_dir = tmp_path / "runs" / "000_quickstart"

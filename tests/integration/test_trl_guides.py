@@ -88,7 +88,7 @@ def count_moved_weights(saved: Path) -> int:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from engine.tiny_model import resolve_builtin_model
+    from engine.models.tiny_model import resolve_builtin_model
 
     assert json.loads((saved / "config.json").read_text())["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(saved)
@@ -240,7 +240,7 @@ def test_trl_70b_multinode_config_validates_and_plans_with_megatron_layout(monke
     (no sharding in the script: ZeRO-3 sits on TRL's launch line) it cannot fit a 72B model on a GPU, and the plan
     says what to raise; with the engine's layout in ZeRO-3's place (TP 8 x PP 4, the same 128 completions per
     step, the server on the fifth node at `vllm-serve`'s default 0.9) it fits every GPU kind."""
-    from engine.planner import ClusterShape, build_plan
+    from engine.planning.planner import ClusterShape, build_plan
     from engine.validation import validate
 
     captured = _build_70b_guide_config(monkeypatch)

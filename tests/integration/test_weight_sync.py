@@ -15,24 +15,24 @@ import torch
 from tests.distributed.launcher import run_distributed
 
 TOLERANCE = 1e-3
-BF16_TOLERANCE, BF16_QUANTILE = 0.2, 0.9  # the trainer's bf16 defaults (engine/trainer.py sync_check)
+BF16_TOLERANCE, BF16_QUANTILE = 0.2, 0.9  # the trainer's bf16 defaults (engine/train/run.py sync_check)
 
 
 def _sync_after_step(tp: int, pp: int, vllm_tp: int, model_dir: str) -> dict:
     from transformers import AutoConfig
 
-    from engine.batch import pack_completions
+    from engine.policy.batch import pack_completions
     from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
-    from engine.hf_checkpoint import load_hf_checkpoint
-    from engine.hf_convert import ModelDims
-    from engine.model import build_policy, policy_shape
-    from engine.optimizer import build_optimizer
-    from engine.parallel import init_parallel
-    from engine.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.rollout import ColocatedEngine
-    from engine.step import LogprobSettings, grpo_forward_backward
-    import engine.weight_sync as ws
-    from engine.weight_sync import WeightSyncError, verify_sync
+    from engine.policy.hf_checkpoint import load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, policy_shape
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.parallel import init_parallel
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.rollout.vllm_engine import ColocatedEngine
+    from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from engine.rollout.colocated_sync import sync_colocated
+    from engine.rollout.sync_check import WeightSyncError, verify_sync
 
     ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -65,7 +65,7 @@ def _sync_after_step(tp: int, pp: int, vllm_tp: int, model_dir: str) -> dict:
             stale_error = ""
         except WeightSyncError as exc:
             stale_error = str(exc)
-        stats = ws.sync_colocated(popt.model, ps, dims, engine, bucket_mb=0.25)
+        stats = sync_colocated(popt.model, ps, dims, engine, bucket_mb=0.25)
         after = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, TOLERANCE)
         return {"before": before, "after": after, "stale_error": stale_error, "stats": stats,
                 "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs}
@@ -76,18 +76,18 @@ def _sync_after_step(tp: int, pp: int, vllm_tp: int, model_dir: str) -> dict:
 def _stale_layer_bf16(model_dir: str) -> dict:
     from transformers import AutoConfig
 
-    from engine.batch import pack_completions
+    from engine.policy.batch import pack_completions
     from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
-    from engine.hf_checkpoint import load_hf_checkpoint
-    from engine.hf_convert import ModelDims
-    from engine.model import build_policy, policy_shape
-    from engine.optimizer import build_optimizer
-    from engine.parallel import init_parallel
-    from engine.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.rollout import ColocatedEngine
-    from engine.step import LogprobSettings, grpo_forward_backward
-    import engine.weight_sync as ws
-    from engine.weight_sync import WeightSyncError, verify_sync
+    from engine.policy.hf_checkpoint import load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, policy_shape
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.parallel import init_parallel
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.rollout.vllm_engine import ColocatedEngine
+    from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from engine.rollout.colocated_sync import iter_hf_buckets, sync_colocated
+    from engine.rollout.sync_check import WeightSyncError, verify_sync
 
     ps = init_parallel(ParallelConfig(), seed=0)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -103,21 +103,21 @@ def _stale_layer_bf16(model_dir: str) -> dict:
         rollout = engine.generate([[5 + i, 6 + 2 * i, 7 + 3 * i] for i in range(12)], num_generations=2)
         batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
         batch["advantages"] = torch.tensor([1.0, -1.0] * 12)
-        ws.sync_colocated(popt.model, ps, dims, engine, bucket_mb=512)  # the engine now holds the bf16 weights
+        sync_colocated(popt.model, ps, dims, engine, bucket_mb=512)  # the engine now holds the bf16 weights
         before = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, **check)
         normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=24.0)
         settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
         popt.zero_grad()
         grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer, settings)
         popt.step()
-        for bucket in ws.iter_hf_buckets(popt.model, ps, dims, 512):  # every tensor but decoder layer 1's
+        for bucket in iter_hf_buckets(popt.model, ps, dims, 512):  # every tensor but decoder layer 1's
             engine.load_weights([(name, t) for name, t in bucket if ".layers.1." not in name])
         try:
             verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, **check)
             stale_error = ""
         except WeightSyncError as exc:
             stale_error = str(exc)
-        ws.sync_colocated(popt.model, ps, dims, engine, bucket_mb=512)
+        sync_colocated(popt.model, ps, dims, engine, bucket_mb=512)
         after = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, **check)
         return {"before": before, "after": after, "stale_error": stale_error,
                 "num_tokens": int(batch["completion_mask"].sum())}
@@ -127,7 +127,7 @@ def _stale_layer_bf16(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from engine.tiny_model import build_tiny_model
+    from engine.models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("sync") / "qwen2", "qwen2", seed=6)
 
@@ -151,7 +151,7 @@ def test_sync_after_step_makes_engine_match_trainer(model_dir, tp, pp, vllm_tp):
 
 @pytest.mark.slow
 def test_bf16_sync_passes_and_one_stale_layer_is_caught(tmp_path):
-    from engine.tiny_model import resolve_builtin_model
+    from engine.models.tiny_model import resolve_builtin_model
 
     # The warm-started demo model: its confident predictions are what bf16 rounding noise and staleness act on in a
     # real run (a random-weight model's near-uniform log-probs barely move with either).

@@ -1,6 +1,6 @@
-"""The kernels inside the whole GRPO loss: engine/policy_loss.py on the kernels' log-probs and entropies.
+"""The kernels inside the whole GRPO loss: engine/grpo/policy_loss.py on the kernels' log-probs and entropies.
 
-The loss maths lives only in engine/policy_loss.py; the kernels' backward consumes d loss / d logprob and
+The loss maths lives only in engine/grpo/policy_loss.py; the kernels' backward consumes d loss / d logprob and
 d loss / d entropy. Here d loss / dX and d loss / dW through each kernel must equal autograd through the
 materialised-logits reference, for token-level (DAPO) and sequence-level (GSPO-style GRPO) importance sampling,
 with a k3 KL term and an entropy bonus (so the entropy gradient path is exercised) and clipped and unclipped tokens.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.policy_loss import PolicyLossBatch, PolicyLossConfig, build_loss_normalizer, compute_policy_loss
+from engine.grpo.policy_loss import PolicyLossBatch, PolicyLossConfig, build_loss_normalizer, compute_policy_loss
 from kernels import lm_head_logprob_entropy, reference_logprob_entropy
 from kernels.reference import build_lm_head_problem
 

@@ -1,4 +1,4 @@
-"""engine/advantages.py: hand-computed advantages (equality with TRL on random rewards: test_trl_parity.py)."""
+"""engine/grpo/advantages.py: hand-computed advantages (equality with TRL on random rewards: test_trl_parity.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from engine.advantages import aggregate_rewards, compute_advantages, nanstd, rewards_to_tensor
+from engine.grpo.advantages import aggregate_rewards, compute_advantages, nanstd, rewards_to_tensor
 
 NAN = float("nan")
 EPS = 1e-4

@@ -1,9 +1,9 @@
-"""engine/batch.py: right padding and TRL's (B, C) completion layout."""
+"""engine/policy/batch.py: right padding and TRL's (B, C) completion layout."""
 
 import pytest
 import torch
 
-from engine.batch import pack_completions, split_microbatches
+from engine.policy.batch import pack_completions, split_microbatches
 
 
 def test_pack_completions_right_pads_and_indexes_completions():

@@ -1,11 +1,11 @@
-"""Checkpoint bookkeeping without a model (engine/checkpoint.py): which directory `latest` picks, what rotation
+"""Checkpoint bookkeeping without a model (engine/train/checkpoint.py): which directory `latest` picks, what rotation
 keeps, and the errors for a missing, partial or foreign checkpoint."""
 
 import json
 
 import pytest
 
-from engine.checkpoint import (FORMAT, CheckpointError, Progress, check_compatible, find_latest_checkpoint,
+from engine.train.checkpoint import (FORMAT, CheckpointError, Progress, check_compatible, find_latest_checkpoint,
                                is_save_step, list_checkpoints, read_progress, resolve_resume_checkpoint,
                                rotate_checkpoints)
 

@@ -1,4 +1,4 @@
-"""engine/data.py: local files, the builtin arithmetic task, prompt formats, chat templates and the length policy."""
+"""engine/train/data.py: local files, the builtin arithmetic task, prompt formats, chat templates and the length policy."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import re
 import datasets
 import pytest
 
-from engine import data
+from engine.train import data
 from engine.config import DataConfig, GenerationConfig
-from engine.data import (
+from engine.train.data import (
     ARITHMETIC_NUM_TEST,
     ARITHMETIC_NUM_TRAIN,
     DatasetError,
@@ -19,7 +19,7 @@ from engine.data import (
     load_prompts,
     prepare_prompts,
 )
-from engine.tiny_model import build_tiny_tokenizer, read_corpus
+from engine.models.tiny_model import build_tiny_tokenizer, read_corpus
 
 ROWS = [
     {"prompt": "Question: what is 1 + 2? Answer:", "answer": "3", "level": 1},

@@ -1,4 +1,4 @@
-"""engine/dynamic_prompts.py: the dynamic_prompts_fn call contract (one element per sample, as a TRL fork documents
+"""engine/grpo/dynamic_prompts.py: the dynamic_prompts_fn call contract (one element per sample, as a TRL fork documents
 it) and the validation of what it returns (P or B prompts, columns carried over)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.dynamic_prompts import DynamicPromptsError, call_dynamic_prompts_fn, rows_for_next_generation
+from engine.grpo.dynamic_prompts import DynamicPromptsError, call_dynamic_prompts_fn, rows_for_next_generation
 
 PROMPTS = ["2+2?", "3*3?"]  # P = 2 groups
 COMPLETIONS = ["4", "5", "9", "6"]  # G = 2 per group, group by group

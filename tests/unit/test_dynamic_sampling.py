@@ -1,11 +1,11 @@
-"""engine/dynamic_sampling.py (DAPO): which groups carry signal, and a full batch assembled from several rounds."""
+"""engine/grpo/dynamic_sampling.py (DAPO): which groups carry signal, and a full batch assembled from several rounds."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.dynamic_sampling import (
+from engine.grpo.dynamic_sampling import (
     DynamicBatchSelection,
     assemble_rounds,
     find_informative_groups,

@@ -1,4 +1,4 @@
-"""engine/group_filter.py (GFPO): aligned groups, top-k per group, advantages over the survivors.
+"""engine/grpo/group_filter.py (GFPO): aligned groups, top-k per group, advantages over the survivors.
 
 `test_filter_sees_each_groups_own_completions_next_to_its_rewards` is the test that would have caught TRL's
 overlapping-slice bug (anchors/trl.md §6): TRL built `[completions[i : i + G] for i in range(N // G)]`.
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from engine.advantages import compute_advantages
-from engine.group_filter import filter_groups, select_top_k_in_groups, split_into_groups
+from engine.grpo.advantages import compute_advantages
+from engine.grpo.group_filter import filter_groups, select_top_k_in_groups, split_into_groups
 
 G = 4
 

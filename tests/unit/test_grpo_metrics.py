@@ -1,4 +1,4 @@
-"""engine/grpo_metrics.py: TRL's metric names and hand-computed values (equality with TRL: test_trl_parity.py)."""
+"""engine/grpo/metrics.py: TRL's metric names and hand-computed values (equality with TRL: test_trl_parity.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from engine.grpo_metrics import (
+from engine.grpo.metrics import (
     compute_completion_metrics,
     compute_loss_metrics,
     compute_reward_metrics,
     compute_sampling_metrics,
 )
-from engine.policy_loss import LossNormalizer, PolicyLossBatch, PolicyLossConfig, compute_policy_loss
+from engine.grpo.policy_loss import LossNormalizer, PolicyLossBatch, PolicyLossConfig, compute_policy_loss
 
 NAN = float("nan")
 

@@ -1,11 +1,11 @@
 """The HF <-> Megatron map, pure: hand-computed layouts, exact round trips, and agreement with the way Megatron's
-own partition attributes split a global tensor (engine.model.take_tp_shard)."""
+own partition attributes split a global tensor (engine.policy.model.take_tp_shard)."""
 
 import pytest
 import torch
 
-from engine.hf_convert import DictSource, ModelDims, family_map, find_entry, read_megatron_shard, to_hf, to_megatron_global
-from engine.model import take_tp_shard
+from engine.policy.hf_convert import DictSource, ModelDims, family_map, find_entry, read_megatron_shard, to_hf, to_megatron_global
+from engine.policy.model import take_tp_shard
 
 # kind -> (partition_dim, partition_stride) of the Megatron parameter that holds it
 PARTITION = {"vocab": (0, 1), "column": (0, 1), "qkv": (0, 1), "gate_up": (0, 2), "row": (1, 1)}

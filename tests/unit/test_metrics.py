@@ -1,5 +1,5 @@
-"""engine/metrics.py: the logging window, metrics.jsonl, progress, completions parquet, TensorBoard, W&B (offline),
-GPU readings, phase timings and the end-of-run plot."""
+"""engine/train/metric_logger.py and its sinks (engine/train/metric_sinks.py): the logging window, metrics.jsonl,
+progress, completions parquet, TensorBoard, W&B (offline), GPU readings, phase timings and the end-of-run plot."""
 
 from __future__ import annotations
 
@@ -12,14 +12,8 @@ import pytest
 import torch
 
 from engine.config import LoggingConfig
-from engine.metrics import (
-    GpuMonitor,
-    MetricLogger,
-    PhaseTimer,
-    append_jsonl,
-    plot_metrics,
-    read_metrics,
-)
+from engine.train.metric_logger import GpuMonitor, MetricLogger, PhaseTimer
+from engine.train.metric_sinks import append_jsonl, plot_metrics, read_metrics
 
 NAN = float("nan")
 
@@ -85,6 +79,16 @@ def test_without_a_terminal_each_log_step_prints_one_line_with_eta_reward_and_kl
     assert "reward 0.25" in line and "kl 0.0012" in line and "len 14" in line and "s/step 3" in line
 
 
+def test_without_a_terminal_a_long_run_prints_about_ten_lines_first_and_last_included(tmp_path):
+    stream = io.StringIO()
+    logger = MetricLogger(LoggingConfig(logging_steps=1), tmp_path, max_steps=100, stream=stream)
+    for step in range(1, 101):
+        logger.step(step, {"reward": 0.5})
+    steps = [int(line.split()[1].split("/")[0]) for line in stream.getvalue().splitlines()]
+    assert steps == [1, 11, 21, 31, 41, 51, 61, 71, 81, 91, 100]
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 100, "every log step is still written"
+
+
 def test_log_completions_writes_trls_table_with_extra_columns_to_parquet(tmp_path):
     import pandas as pd
 
@@ -135,7 +139,7 @@ def test_wandb_logs_offline(tmp_path, monkeypatch):
     logger = _logger(tmp_path, logging_steps=1, report_to=["wandb"], run_name="unit")
     logger.step(1, {"reward": 0.5})
     logger.step(2, {"reward": 0.75})
-    assert logger._wandb.summary["reward"] == 0.75 and logger._wandb.name == "unit"
+    assert logger.sinks.wandb.summary["reward"] == 0.75 and logger.sinks.wandb.name == "unit"
     logger.close()
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
 

@@ -1,9 +1,9 @@
-"""engine/model.py's pure parts: vocabulary padding and the RoPE settings read from an HF config."""
+"""engine/policy/model.py's pure parts: vocabulary padding and the RoPE settings read from an HF config."""
 
 import pytest
 from transformers import LlamaConfig, Qwen2Config
 
-from engine.model import padded_vocab_size, rope_settings
+from engine.policy.model import padded_vocab_size, rope_settings
 
 
 def test_padded_vocab_follows_megatron_rule():
@@ -33,7 +33,7 @@ def test_rope_unsupported_scaling_is_refused():
 
 def test_sequence_parallel_with_local_spec_is_refused():
     from engine.config import ModelConfig
-    from engine.model import _layer_spec
+    from engine.policy.model import _layer_spec
 
     with pytest.raises(ValueError, match="sequence_parallel needs Transformer Engine's layer spec"):
         _layer_spec(ModelConfig(transformer_impl="local"), sequence_parallel=True)

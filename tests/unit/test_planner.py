@@ -8,14 +8,12 @@ import pytest
 
 from engine.cli import main
 from engine.config import ConfigError, build_config, load_config
-from engine.planner import (
-    GIB,
+from engine.planning.memory import GIB, activation_term
+from engine.planning.planner import build_plan, format_plan
+from engine.planning.shapes import (
     KNOWN_MODELS,
     ModelDims,
     PlanError,
-    activation_term,
-    build_plan,
-    format_plan,
     load_model_dims,
     megatron_padded_vocab,
     resolve_cluster_shape,
@@ -226,8 +224,8 @@ def test_kv_cache_and_weights_match_a_vllm_startup_log():
 
 
 def test_known_table_matches_the_builtin_tiny_models_and_megatrons_vocab_padding(tmp_path):
-    from engine.model import padded_vocab_size
-    from engine.tiny_model import tiny_model_config
+    from engine.policy.model import padded_vocab_size
+    from engine.models.tiny_model import tiny_model_config
 
     for family in ("qwen2", "llama"):
         tiny_model_config(family).to_json_file(tmp_path / "config.json")

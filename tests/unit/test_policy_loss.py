@@ -1,4 +1,4 @@
-"""engine/policy_loss.py: hand-computed edge cases, masks, estimators, and layout independence of the normaliser.
+"""engine/grpo/policy_loss.py: hand-computed edge cases, masks, estimators, and layout independence of the normaliser.
 
 Equality with TRL 1.16 (every loss type x level x beta x IS mode x masks, loss and gradient) lives in
 tests/unit/test_trl_parity.py; here the values are worked out by hand and the layout tests split one batch several ways.
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from engine.policy_loss import (
+from engine.grpo.policy_loss import (
     IS_MODES,
     LOSS_TYPES,
     LossNormalizer,

@@ -1,12 +1,12 @@
 """Rounds of prompts and sampling seeds are pure functions of (seed, round): what exact resume relies on
-(engine/prompt_rounds.py)."""
+(engine/train/prompt_rounds.py)."""
 
 import itertools
 
 import pytest
 import torch
 
-from engine.prompt_rounds import PromptRounds, sampling_seeds, shuffle_order
+from engine.train.prompt_rounds import PromptRounds, sampling_seeds, shuffle_order
 
 
 def _one_generator_rounds(num_prompts, per_round, seed):

@@ -1,4 +1,5 @@
-"""engine/rewards.py: built-in rewards, name resolution, and TRL's calling contract (sync, async, None, errors)."""
+"""engine/train/rewards.py and engine/train/builtin_rewards.py: built-in rewards, name resolution, and TRL's calling
+contract (sync, async, None, errors)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,21 @@ import threading
 import pytest
 import torch
 
-from engine.advantages import compute_advantages
+from engine.grpo.advantages import compute_advantages
 from engine.config import GenerationConfig, RewardConfig
-from engine.rewards import (
-    RewardFunctionError,
-    RewardFunctions,
+from engine.train.builtin_rewards import (
     SoftOverlongPunishment,
     accuracy_reward,
-    build_reward_funcs,
     exact_match_reward,
-    get_callable_name,
-    resolve_reward_func,
     think_answer_format_reward,
     think_format_reward,
+)
+from engine.train.rewards import (
+    RewardFunctionError,
+    RewardFunctions,
+    build_reward_funcs,
+    get_callable_name,
+    resolve_reward_func,
 )
 
 GOOD = " <think> 12 + 7 = 19 </think> <answer>19</answer>"
@@ -230,16 +233,17 @@ def test_a_dataset_column_named_like_a_reward_keyword_is_refused():
 
 
 def test_import_paths_resolve_and_unknown_names_fail_with_a_suggestion():
-    assert resolve_reward_func("engine.rewards:think_format_reward") is think_format_reward
-    assert resolve_reward_func("engine.rewards:SoftOverlongPunishment.__call__") is SoftOverlongPunishment.__call__
+    assert resolve_reward_func("engine.train.builtin_rewards:think_format_reward") is think_format_reward
+    assert (resolve_reward_func("engine.train.builtin_rewards:SoftOverlongPunishment.__call__")
+            is SoftOverlongPunishment.__call__)
     with pytest.raises(RewardFunctionError, match=r"unknown reward function 'acuracy'\. Did you mean 'accuracy'\?"):
         RewardFunctions(["acuracy"])
     with pytest.raises(RewardFunctionError, match="hub are not supported yet: download the model"):
         resolve_reward_func("org/reward-model")
     with pytest.raises(RewardFunctionError, match="cannot import module 'no_such_module_xyz'"):
         resolve_reward_func("no_such_module_xyz:f")
-    with pytest.raises(RewardFunctionError, match="'engine.rewards' has no attribute 'nope'"):
-        resolve_reward_func("engine.rewards:nope")
+    with pytest.raises(RewardFunctionError, match="'engine.train.rewards' has no attribute 'nope'"):
+        resolve_reward_func("engine.train.rewards:nope")
     with pytest.raises(RewardFunctionError, match="2 reward_weights for 1 reward functions"):
         RewardFunctions(["accuracy"], reward_weights=[1.0, 2.0])
 
@@ -247,7 +251,7 @@ def test_import_paths_resolve_and_unknown_names_fail_with_a_suggestion():
 def test_a_local_reward_model_directory_scores_prompt_plus_completion_with_logit_zero(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from engine.tiny_model import build_tiny_tokenizer, tiny_model_config
+    from engine.models.tiny_model import build_tiny_tokenizer, tiny_model_config
 
     tokenizer = build_tiny_tokenizer()
     config = tiny_model_config("qwen2")

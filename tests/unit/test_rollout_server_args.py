@@ -7,8 +7,8 @@ against a real server in tests/integration/test_rollout_server.py.)"""
 import pytest
 
 from engine.config import load_config
-from engine.rollout_client import RolloutServerError, read_token
-from engine.rollout_server import main, parse_serve_args, resolve_dtype, resolve_model_dir
+from engine.rollout.client import RolloutServerError, read_token
+from engine.rollout.server import main, parse_serve_args, resolve_dtype, resolve_model_dir
 
 MODEL = "builtin:tiny-qwen2-arith"
 
@@ -90,7 +90,7 @@ def test_a_missing_token_is_named_on_the_side_that_lacks_it_with_how_to_set_it(m
 def test_server_and_trainer_refuse_to_start_without_a_token(monkeypatch, capsys):
     from engine.cli import main as cli_main
     from engine.config import GenerationConfig, RolloutConfig
-    from engine.rollout_client import connect_rollout_server
+    from engine.rollout.client import connect_rollout_server
 
     monkeypatch.delenv("GRPO_ENGINE_TOKEN", raising=False)
     assert cli_main(["vllm-serve", "--model", MODEL, "--port", "1"]) == 2  # refused before binding or loading

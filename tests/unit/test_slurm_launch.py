@@ -102,7 +102,7 @@ def last_server_started():
     # The fake srun starts the servers one after another: the last has --node-rank = --num-nodes - 1.
     for line in open(os.environ["FAKE_SLURM_LOG"]):
         argv = json.loads(line)["argv"]
-        if "engine.rollout_server" in argv:
+        if "engine.rollout.server" in argv:
             opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
             if int(opts["node-rank"]) == int(opts["num-nodes"]) - 1:
                 return True
@@ -199,7 +199,7 @@ def _overrides(argv):
 
 def _servers(records):
     """The rollout-server launches (one per inference task), in launch order."""
-    return [r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"]]
+    return [r for r in _tool(records, "python") if "engine.rollout.server" in r["argv"]]
 
 
 def _base_urls(argv):
@@ -216,7 +216,7 @@ def _srun_steps(records):
     steps = {}
     for r in _tool(records, "srun"):
         argv = r["argv"]
-        steps["infer" if "engine.rollout_server" in " ".join(argv) else "train"] = r
+        steps["infer" if "engine.rollout.server" in " ".join(argv) else "train"] = r
     return steps
 
 
@@ -325,7 +325,7 @@ def test_split_script_gives_trainer_and_servers_one_fresh_secret_token_per_job(s
     result, again = slurm(["bash", SPLIT_SCRIPT], GRPO_ENGINE_TOKEN="stale-token-from-the-shell")
     assert result.returncode == 0, result.stderr
     assert token not in result.stdout + result.stderr
-    launched = _tool(again, "torchrun") + [r for r in _tool(again, "python") if "engine.rollout_server" in r["argv"]]
+    launched = _tool(again, "torchrun") + [r for r in _tool(again, "python") if "engine.rollout.server" in r["argv"]]
     fresh = {r["env"]["GRPO_ENGINE_TOKEN"] for r in launched}
     assert len(fresh) == 1 and fresh.isdisjoint({token, "stale-token-from-the-shell"})  # new job, new token
 
@@ -384,7 +384,7 @@ def test_usr1_before_the_time_limit_reaches_the_trainer_then_the_job_requeues(sl
         proc.kill()
     records = read_records(slurm.log)
     signals = {
-        "infer" if "engine.rollout_server" in " ".join(r["argv"]) else "train": r["signal"]
+        "infer" if "engine.rollout.server" in " ".join(r["argv"]) else "train": r["signal"]
         for r in records if r.get("event") == "signal"
     }
     assert signals == {"train": "SIGUSR1", "infer": "SIGTERM"}  # trainer checkpoints; servers stop after it
@@ -409,7 +409,7 @@ def test_one_node_script_runs_colocated_torchrun_and_no_server(slurm):
     [run] = _tool(records, "torchrun")
     assert "--standalone" in run["argv"] and _option(run["argv"], "nproc-per-node") == "8"
     assert _overrides(run["argv"])["rollout.vllm_mode"] == "colocate"
-    assert not [r for r in _tool(records, "python") if "engine.rollout_server" in r["argv"]]
+    assert not [r for r in _tool(records, "python") if "engine.rollout.server" in r["argv"]]
     assert sorted(p.name for p in slurm.logs.iterdir()) == ["train-gpu001.log"]
 
 

@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from engine.hf_convert import DictSource, ModelDims, family_map, hf_names, read_megatron_shard
-from engine.model import padded_vocab_size
-from engine.weight_sync import TrainerLayout, build_sync_plan, build_sync_plan_from_spec
+from engine.policy.hf_convert import DictSource, ModelDims, family_map, hf_names, read_megatron_shard
+from engine.policy.model import padded_vocab_size
+from engine.rollout.sync_plan import TrainerLayout, build_sync_plan, build_sync_plan_from_spec
 
 FFN = 32
 LAYERS = 4

@@ -1,4 +1,4 @@
-"""The tiny-model factory (engine/tiny_model.py): tokenizer, configs, deterministic builds, loading, caching.
+"""The tiny-model factory (engine/models/tiny_model.py): tokenizer, configs, deterministic builds, loading, caching.
 
 Run: `python -m pytest tests/unit/test_tiny_model.py` (about 15 s on 2 CPU cores, most of it importing
 transformers and one subprocess that rebuilds the model to check determinism across processes).
@@ -15,8 +15,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from engine import tiny_model
-from engine.tiny_model import (
+from engine.models import tiny_model
+from engine.models.tiny_model import (
     TINY_FAMILIES,
     TINY_VOCAB_SIZE,
     build_tiny_model,
@@ -160,7 +160,7 @@ def test_same_seed_gives_identical_bytes_and_other_seed_differs(built, family):
 def test_build_is_deterministic_across_processes(built, tmp_path):
     """A fresh interpreter (new hash seeds in Python and in the Rust trainer) builds the same bytes."""
     out = tmp_path / "other-process"
-    code = f"from engine.tiny_model import build_tiny_model; build_tiny_model({str(out)!r}, 'qwen2', seed=0)"
+    code = f"from engine.models.tiny_model import build_tiny_model; build_tiny_model({str(out)!r}, 'qwen2', seed=0)"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)
     for name in ("model.safetensors", "tokenizer.json"):
         assert _sha256(out / name) == _sha256(built("qwen2", 0) / name), name

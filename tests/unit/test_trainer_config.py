@@ -4,7 +4,7 @@
 import pytest
 
 from engine.config import load_config
-from engine.trainer import build_loss_config, resolve_hooks
+from engine.train.run import build_loss_config, resolve_hooks
 from engine.validation import validate
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from engine import GRPOConfig, GRPOTrainer
 from engine.config import ConfigError, EngineConfig, config_to_dict
-from engine.trl_api import FINAL_MODEL_DIR, INITIAL_MODEL_DIR
-from engine.trl_config import known_argument_names
+from engine.api.trl_trainer import FINAL_MODEL_DIR, INITIAL_MODEL_DIR
+from engine.api.trl_config import known_argument_names
 
 TINY = "builtin:tiny-qwen2-arith"
 
@@ -176,6 +176,17 @@ def test_grpo_config_attribute_assignment_updates_and_checks():
         args.max_step = 4
 
 
+def test_trl_log_level_info_or_debug_turns_verbose_logging_on_and_passive_leaves_it():
+    assert GRPOConfig(log_level="info").to_engine_config().logging.verbose is True
+    assert GRPOConfig(log_level="debug").verbose is True
+    assert GRPOConfig(log_level="passive", verbose=True).verbose is True
+    assert GRPOConfig(log_level="warning").verbose is False and GRPOConfig().verbose is False
+    with pytest.raises(ValueError, match="log_level='loud'"):
+        GRPOConfig(log_level="loud")
+    with pytest.raises(ValueError, match="log_level"):
+        GRPOConfig(log_level="error", verbose=True)
+
+
 def test_grpo_config_takes_every_trl_argument_and_trl_defaults_mean_engine_defaults():
     trl = pytest.importorskip("trl")
     trl_fields = dataclasses.fields(trl.GRPOConfig)
@@ -203,7 +214,7 @@ def test_trainer_builds_the_engine_config_from_its_inputs(tmp_path):
                           train_dataset=_prompts(answer="1"))
     cfg = trainer.engine_config
     assert cfg.model.name_or_path == TINY
-    assert cfg.reward.reward_funcs == [f"{__name__}:reward_len", "engine.rewards:think_format_reward"]
+    assert cfg.reward.reward_funcs == [f"{__name__}:reward_len", "engine.train.builtin_rewards:think_format_reward"]
     assert trainer.reward_func_names == ["reward_len", "think_format_reward"]
     assert cfg.data.dataset_test_split is None  # no eval_dataset: no held-out evaluation
     with_eval = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path),
@@ -244,7 +255,7 @@ def test_trainer_reward_weights_must_match_the_functions(tmp_path):
 
 
 def test_trainer_unknown_reward_name_fails_before_training(tmp_path):
-    from engine.rewards import RewardFunctionError
+    from engine.train.rewards import RewardFunctionError
 
     with pytest.raises(RewardFunctionError, match="accurcy.*Did you mean 'accuracy'"):
         GRPOTrainer(model=TINY, reward_funcs="accurcy", args=_small_args(tmp_path), train_dataset=_prompts())
@@ -298,7 +309,7 @@ def test_trainer_hub_model_offline_and_not_cached_is_a_clear_error(tmp_path, mon
 def test_trainer_saves_a_model_object_and_loads_it_from_output_dir(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.tiny_model import resolve_builtin_model
+    from engine.models.tiny_model import resolve_builtin_model
 
     source = resolve_builtin_model(TINY, tmp_path / "cache")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(source), AutoTokenizer.from_pretrained(source)
@@ -319,8 +330,8 @@ def test_trainer_gives_a_reward_model_its_processing_class(tmp_path):
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
-    from engine.rewards import RewardModelReward
-    from engine.tiny_model import resolve_builtin_model
+    from engine.train.rewards import RewardModelReward
+    from engine.models.tiny_model import resolve_builtin_model
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
     torch.manual_seed(0)
@@ -340,8 +351,8 @@ def test_trainer_gives_a_reward_model_its_processing_class(tmp_path):
 
 def test_load_prompts_takes_an_in_memory_dataset_with_its_columns(tmp_path):
     from engine.config import DataConfig, GenerationConfig
-    from engine.data import load_prompts
-    from engine.tiny_model import resolve_builtin_model
+    from engine.train.data import load_prompts
+    from engine.models.tiny_model import resolve_builtin_model
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
@@ -356,7 +367,7 @@ def test_load_prompts_takes_an_in_memory_dataset_with_its_columns(tmp_path):
 
 
 def test_training_loss_is_the_mean_over_this_runs_steps():
-    from engine.trl_api import _mean_loss, _new_records
+    from engine.api.trl_trainer import _mean_loss, _new_records
 
     old = [{"step": 1, "loss": 9.0}, {"step": 2, "loss": 9.0}]
     assert _new_records(old, old + [{"step": 1, "loss": 1.0}]) == [{"step": 1, "loss": 1.0}]
@@ -370,7 +381,7 @@ def test_training_loss_is_the_mean_over_this_runs_steps():
 def test_final_record_is_hfs_last_log_history_entry():
     """HF's Trainer ends log_history with train_runtime, train_samples_per_second, train_steps_per_second,
     total_flos, train_loss, epoch, step (in that order); a resumed run counts only its own steps."""
-    from engine.trl_api import final_record
+    from engine.api.trl_trainer import final_record
 
     history = [{"loss": 1.0, "epoch": 0.25, "step": 11}, {"loss": 3.0, "epoch": 0.5, "step": 12}]
     record = final_record(history, steps=12, start_step=10, runtime_s=4.0, samples_per_step=16, total_flos=7.0)
@@ -384,7 +395,7 @@ def test_final_record_is_hfs_last_log_history_entry():
 
 SPAWNING_SCRIPT = '''
 import contextlib, multiprocessing, pathlib, sys, time
-from engine.trl_api import _spawn_children_skip_main_script
+from engine.api.trl_trainer import _spawn_children_skip_main_script
 with pathlib.Path(sys.argv[1]).open("a") as f:
     f.write("script ran\\n")
 guard = _spawn_children_skip_main_script() if sys.argv[2] == "guarded" else contextlib.nullcontext()
@@ -443,7 +454,7 @@ def test_hook_fields_keep_any_callable_in_memory_and_record_a_description():
 
 
 def test_trainer_hands_the_hook_objects_to_the_engine_also_on_resume(tmp_path, monkeypatch):
-    import engine.trainer
+    import engine.train.loop
 
     calls = []
 
@@ -451,7 +462,7 @@ def test_trainer_hands_the_hook_objects_to_the_engine_also_on_resume(tmp_path, m
         calls.append((cfg, kwargs))
         return {"steps": 0}
 
-    monkeypatch.setattr(engine.trainer, "train", fake_train)
+    monkeypatch.setattr(engine.train.loop, "train", fake_train)
     curriculum = lambda prompts, completions, rewards, metas: prompts  # noqa: E731 - a lambda on purpose
     for resume in (None, True):
         trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),

@@ -23,14 +23,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.advantages import compute_advantages
-from engine.grpo_metrics import (
+from engine.grpo.advantages import compute_advantages
+from engine.grpo.metrics import (
     compute_completion_metrics,
     compute_loss_metrics,
     compute_reward_metrics,
     compute_sampling_metrics,
 )
-from engine.policy_loss import (
+from engine.grpo.policy_loss import (
     IS_MODES,
     LOSS_TYPES,
     PolicyLossBatch,

@@ -1,4 +1,4 @@
-"""The SFT warm start (engine/warm_start.py) and the model it ships, `builtin:tiny-qwen2-arith`.
+"""The SFT warm start (engine/demo/warm_start.py) and the model it ships, `builtin:tiny-qwen2-arith`.
 
 The shipped model must: load from its builtin name without building anything, answer held-out prompts in the
 trained format and stop, know most sums (greedy numbers right) while its greedy answers mostly miss the closing
@@ -17,10 +17,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from engine import warm_start
-from engine.data import build_arithmetic_dataset
-from engine.tiny_model import TINY_VOCAB_SIZE, build_tiny_model, resolve_builtin_model
-from engine.warm_start import (
+from engine.demo import warm_start
+from engine.train.data import build_arithmetic_dataset
+from engine.models.tiny_model import TINY_VOCAB_SIZE, build_tiny_model, resolve_builtin_model
+from engine.demo.warm_start import (
     WELL_FORMED_PATTERN,
     collate,
     evaluate_held_out,
@@ -31,10 +31,10 @@ from engine.warm_start import (
 )
 
 SHIPPED = "builtin:tiny-qwen2-arith"
-ASSET_DIR = Path(warm_start.__file__).parent / "assets" / "tiny-qwen2-arith"
+ASSET_DIR = Path(warm_start.__file__).parents[1] / "models" / "assets" / "tiny-qwen2-arith"
 NUM_HELD_OUT = 40
 
-# Measured on the first 40 test prompts (engine/assets/tiny-qwen2-arith/warm_start.json has all 200): greedy
+# Measured on the first 40 test prompts (engine/models/assets/tiny-qwen2-arith/warm_start.json has all 200): greedy
 # number right 0.80, greedy accuracy 0.0; at T=1 (seeds 0, 1, 2) accuracy 0.22 / 0.26 / 0.21, closes the tag
 # 0.31 / 0.31 / 0.29, mixed groups 0.62 / 0.55 / 0.60. The bands leave room for other CPUs and torch builds;
 # random weights give 0 numbers right, a perfect model (always closed, always right) greedy accuracy 1.
@@ -127,7 +127,7 @@ def test_completion_formats_and_what_the_accuracy_reward_gives_them(shipped):
     assert tokenizer.decode(unclosed) == " <answer>66<|endoftext|>"
     assert is_correct(" <answer>66</answer>", "66") and not is_correct(" <answer>66", "66")
     assert not is_correct(" <answer>65</answer>", "66")
-    from engine.rewards import accuracy_reward
+    from engine.train.builtin_rewards import accuracy_reward
 
     assert accuracy_reward([" <answer>66</answer>", " <answer>66"], answer=["66", "66"]) == [1.0, 0.0]
 

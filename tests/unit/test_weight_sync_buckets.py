@@ -1,6 +1,6 @@
 """Bucket boundaries of the weight sync fall between decoder layers only (vLLM reloads layer by layer)."""
 
-from engine.weight_sync import _layer_of
+from engine.rollout.colocated_sync import _layer_of
 
 
 def test_layer_of_groups_every_tensor_of_a_decoder_layer():

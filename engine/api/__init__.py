@@ -1,0 +1,6 @@
+"""The TRL-compatible public API: `GRPOConfig` (TRL's argument names over the engine's config tree) and
+`GRPOTrainer` / `GFPOTrainer` (TRL's constructor over `engine.train.loop.train`). Importing it stays light: no
+torch, Megatron or vLLM until a trainer is built.
+
+May import: engine.config, engine.validation, engine.models, engine.train.
+"""

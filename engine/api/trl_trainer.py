@@ -1,0 +1,521 @@
+"""TRL-compatible API: `GRPOConfig` and `GRPOTrainer` with TRL 1.16's arguments, run by this engine's loop.
+
+A TRL GRPO script runs here with its import line changed (`from engine import GRPOConfig, GRPOTrainer`) and, where
+the model is a hub name and the machine is offline, the model path. `examples/` holds such scripts.
+
+Owns: `GRPOTrainer`: refusals with a message for what this engine does not do (PEFT, custom optimizers, callbacks,
+tools, iterable datasets), resolving `model` (a local directory, a `builtin:` name, a hub name from the local cache or
+a download, a `PreTrainedModel` saved under output_dir) and `reward_funcs` (callables, config strings, reward-model
+directories or objects with their `reward_processing_classes`), checking the batch geometry before anything starts,
+and handing datasets, reward callables, the tokenizer and the user hooks (`group_filter_func`,
+`dynamic_prompts_fn`: any callable, a function of the script, a lambda or an instance) to `engine.train.loop.train` in
+memory. `train()` returns transformers' `TrainOutput` and leaves `state.log_history` as HF's Trainer does: the
+per-step records, then the final one (train_runtime, train_samples_per_second, train_steps_per_second, total_flos,
+train_loss, epoch, step; `final_record`); `save_model()` writes a Hugging Face checkpoint of the trained policy.
+`GRPOConfig` (the argument mapping) lives in engine/api/trl_config.py. `GFPOTrainer` / `GFPOConfig` are TRL's
+experimental GFPO names (trl.experimental.gfpo, TRL <= 1.7.1), also at `engine.experimental.gfpo`.
+
+Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP);
+generation always uses vLLM; `eval_dataset` is scored before and after training (held-out reward, one completion
+per prompt) rather than on an `eval_strategy` schedule; `train()` runs once per trainer (the engine tears its
+process group down at the end). Under torchrun every rank runs the script, so every rank builds the same objects;
+files written on the way (a saved `PreTrainedModel`) are written by rank 0 and awaited by the others.
+
+Must not: implement any part of the loop (engine/train/loop.py), import vLLM or Megatron at import time (importing
+`engine` stays light), or import trl (a test-only dependency).
+
+Test: `pytest tests/unit/test_trl_api.py` (mapping, warnings, refusals; no engine start),
+`pytest tests/integration/test_trl_api_run.py` (objects end to end) and `tests/integration/test_trl_examples.py`
+(the examples end to end, and as TRL scripts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.models.hub import resolve_hub_model
+from engine.api.trl_config import GFPOConfig, GRPOConfig
+
+__all__ = ["GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer"]
+
+FINAL_MODEL_DIR = "final_model"
+"""Under output_dir: the trained policy as a Hugging Face checkpoint, written at the end of `train()`."""
+INITIAL_MODEL_DIR = "initial_model"
+"""Under output_dir: a `PreTrainedModel` passed as `model`, saved so that Megatron and vLLM can load it."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GRPOTrainer
+
+
+class GRPOTrainer:
+    """TRL's `GRPOTrainer` signature over `engine.train.loop.train` (full fine-tuning with Megatron, vLLM rollout).
+
+    Args:
+        model: a local Hugging Face checkpoint directory, a `builtin:` name (engine/models/tiny_model.py), a hub name (the
+            local cache first; downloaded unless HF_HUB_OFFLINE is set), or a `transformers.PreTrainedModel`
+            (saved to `<output_dir>/initial_model` and loaded from there).
+        reward_funcs: a callable, a str (a built-in reward name, `module:function`, or a local reward-model
+            directory), a sequence-classification `PreTrainedModel`, or a list of these. TRL's calling contract.
+        args: `GRPOConfig` (this module's); None = TRL's `GRPOConfig("<model name>-GRPO")`.
+        train_dataset: `datasets.Dataset` with a `prompt` column (text, or a list of messages); every other column
+            reaches the reward functions. Iterable (streaming) datasets are refused.
+        eval_dataset: `datasets.Dataset` scored before and after training (held-out reward), or None.
+        processing_class: the tokenizer (chat template for conversational prompts, `chat_template_kwargs` applied);
+            None = the model's own.
+        reward_processing_classes: tokenizers of reward models (one per reward function, None for callables).
+        callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's;
+            anything but their defaults is refused with a message.
+        group_filter_func: GFPO's filter (TRL's experimental GFPOTrainer argument): any callable
+            `f(group_completions, group_rewards, **kw) -> [P][G]` scores, higher = keep (a function, a lambda, an
+            instance with `__call__`), kept in memory; used with `num_remains_in_group` (without it: a warning,
+            and the filter is not used). `num_remains_in_group` without a filter is an error.
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: GRPOConfig | None = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
+                 peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
+                 environment_factory: Any = None, group_filter_func: Any = None):
+        _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
+                            environment_factory)
+        if args is None:
+            args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO")
+        elif not isinstance(args, GRPOConfig):
+            raise TypeError(f"args must be engine.GRPOConfig, got {type(args).__module__}.{type(args).__name__}; "
+                            "change `from trl import GRPOConfig` to `from engine import GRPOConfig`")
+        if group_filter_func is not None:  # TRL's GFPOTrainer argument (with num_remains_in_group)
+            args = args.replace(group_filter_func=group_filter_func)
+        if args.group_filter_func is not None and args.num_remains_in_group is None:  # as TRL's GFPOTrainer
+            warnings.warn("group_filter_func is not used: num_remains_in_group is not set (GFPO trains on the "
+                          "num_remains_in_group best-scored completions of each group)", UserWarning, stacklevel=2)
+        self.args = args
+        cfg = args.to_engine_config()
+        self.output_dir = Path(cfg.train.output_dir)
+        self.processing_class = _check_tokenizer(processing_class)
+        self.train_dataset = _check_dataset(train_dataset, "train_dataset")
+        self.eval_dataset = _check_dataset(eval_dataset, "eval_dataset")
+        if self.train_dataset is None and "dataset_name" not in args.explicit_names:
+            raise ValueError("GRPOTrainer needs a train_dataset: a datasets.Dataset with a 'prompt' column (or set "
+                             "GRPOConfig(dataset_name=...) to a local file, a hub name or builtin:arithmetic)")
+        model_path = resolve_model(model, self.output_dir, processing_class, cfg.model.trust_remote_code)
+        self.reward_funcs = resolve_reward_funcs(reward_funcs, reward_processing_classes, self.output_dir, cfg)
+        self.reward_func_names = _reward_names(self.reward_funcs)
+        data = {}
+        if self.train_dataset is not None:
+            data["dataset_name"] = "<GRPOTrainer train_dataset>"
+            if self.eval_dataset is None:
+                data["dataset_test_split"] = None
+        reward = {"reward_funcs": [_reward_spec(f) for f in self.reward_funcs]}
+        self._cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, name_or_path=str(model_path)),
+            data=dataclasses.replace(cfg.data, **data), reward=dataclasses.replace(cfg.reward, **reward))
+        self._check_layout()
+        self.model_path = Path(model_path)
+        self.state = _TrainerState(global_step=0, max_steps=cfg.train.max_steps, log_history=[])
+        self._trained = False
+
+    def _check_layout(self) -> None:
+        """Batch geometry and objective checks before anything starts (the world size torchrun gives, else 1), with
+        TRL's messages (a ValueError, as TRL's GRPOConfig raises)."""
+        from engine.validation import validate
+
+        self._derived = validate(self._cfg, int(os.environ.get("WORLD_SIZE", "1")))
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The config the engine runs (args' tree with the model, data and reward inputs filled in)."""
+        return self._cfg
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: Any = None):
+        """Run GRPO; returns `transformers.trainer_utils.TrainOutput(global_step, training_loss, metrics)`.
+
+        Args:
+            resume_from_checkpoint: a checkpoint directory, or True for the newest under output_dir.
+            trial, ignore_keys_for_eval: TRL's; must be None.
+        """
+        from transformers.trainer_utils import TrainOutput
+
+        from engine.train.loop import train
+
+        if trial is not None:
+            raise NotImplementedError("hyperparameter search trials are not supported")
+        if self._trained:
+            raise RuntimeError("train() already ran: the engine's process group and policy are torn down at the end "
+                               "of a run; build a new GRPOTrainer (e.g. with model=<output_dir>/final_model)")
+        cfg = self._cfg
+        if resume_from_checkpoint:
+            where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
+            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from_checkpoint=where))
+        start, old_history = time.perf_counter(), _read_history(self.output_dir)
+        with _spawn_children_skip_main_script():
+            summary = train(cfg, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                            reward_funcs=self.reward_funcs, tokenizer=self.processing_class,
+                            **self.args.in_memory_callables,  # group_filter_func / dynamic_prompts_fn objects
+                            export_dir=self.output_dir / FINAL_MODEL_DIR)
+        runtime = time.perf_counter() - start
+        self._trained = True
+        history = _new_records(old_history, _read_history(self.output_dir))
+        params = _count_non_embedding_parameters(self.output_dir / FINAL_MODEL_DIR)
+        final = final_record(history, steps=summary["steps"], start_step=summary.get("start_step", 0),
+                             runtime_s=runtime, samples_per_step=self._derived.global_batch_size,
+                             total_flos=6.0 * params * summary.get("num_tokens", 0) * cfg.grpo.num_iterations)
+        history.append(final)  # HF's Trainer logs it last: `trainer.state.log_history[-1]["train_loss"]`
+        self.state = _TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history,
+                                   epoch=final.get("epoch"), total_flos=final["total_flos"])
+        metrics = {k: v for k, v in final.items() if k != "step"}  # as HF: the record without its step
+        for key in ("eval_reward_before", "eval_reward_after"):
+            if summary.get(key) is not None:
+                metrics[key] = summary[key]
+        return TrainOutput(summary["steps"], final["train_loss"], metrics)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the policy as a Hugging Face checkpoint (safetensors, config, tokenizer) to `output_dir`
+        (default: args.output_dir): the trained policy after `train()`, the initial model before it."""
+        target = Path(output_dir) if output_dir is not None else self.output_dir
+        source = self.output_dir / FINAL_MODEL_DIR if self._trained else self.model_path
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        if source.resolve() != target.resolve():
+            target.mkdir(parents=True, exist_ok=True)
+            for item in source.iterdir():
+                if item.is_file():
+                    _link_or_copy(item, target / item.name)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(target)
+
+
+class GFPOTrainer(GRPOTrainer):
+    """TRL's experimental `GFPOTrainer` (trl.experimental.gfpo, TRL <= 1.7.1; anchors/trl.md §6): `GRPOTrainer`,
+    whose `group_filter_func` argument scores the G completions of each group (`f(group_completions,
+    group_rewards, **kw) -> [P][G]`, higher = keep) so that only the `num_remains_in_group` best of each group are
+    trained on (engine/grpo/group_filter.py). As TRL: `num_remains_in_group` without a filter is an error, a filter
+    without `num_remains_in_group` a warning. `args` is a `GFPOConfig` (or a `GRPOConfig`: the same fields)."""
+
+
+@contextlib.contextmanager
+def _spawn_children_skip_main_script():
+    """Let `spawn` children skip the user's script while training runs.
+
+    Megatron's checkpoint writer (dist_checkpointing's FileSystemWriterAsync) starts a multiprocessing manager with
+    the `spawn` method, and a spawn child first re-runs the parent's `__main__` script (as `__mp_main__`). TRL
+    scripts are usually flat, without `if __name__ == "__main__":`, so the child would start a second training run
+    (and fail on the taken rendezvous port). The children started here run library code only, so `__main__` is
+    marked as not re-importable for them: multiprocessing skips a main module whose spec is named `__main__`.
+    """
+    import importlib.machinery
+    import sys
+
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    previous = getattr(main, "__spec__", None)
+    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
+    try:
+        yield
+    finally:
+        main.__spec__ = previous
+
+
+@dataclasses.dataclass
+class _TrainerState:
+    """The parts of transformers' TrainerState that scripts read after training."""
+
+    global_step: int
+    max_steps: int
+    log_history: list[dict]
+    """This run's records of metrics.jsonl (one per logged step, TRL's names, `step`, `epoch`), then HF's final
+    record (`final_record`). Empty but for the final record on a rank that cannot read output_dir."""
+    epoch: float | None = None
+    total_flos: float = 0.0
+
+
+def _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
+                        environment_factory) -> None:
+    """NotImplementedError for TRL features this engine does not have."""
+    if peft_config is not None or type(model).__name__.startswith("Peft"):
+        raise NotImplementedError("peft_config / PEFT models are not supported: this engine does full fine-tuning "
+                                  "with Megatron (tensor / pipeline / data parallel); drop peft_config")
+    if optimizers is not None and tuple(optimizers) != (None, None):
+        raise NotImplementedError("custom optimizers / schedulers are not supported: the optimizer is Megatron's "
+                                  "distributed optimizer, set through GRPOConfig (optim, learning_rate, "
+                                  "weight_decay, adam_*, lr_scheduler_type, warmup_*)")
+    if callbacks:
+        raise NotImplementedError("callbacks are not supported (the loop has no hooks); metrics go to "
+                                  "output_dir/metrics.jsonl and to report_to")
+    if quantization_config is not None:
+        raise NotImplementedError("quantization_config is not supported: the policy trains in model.dtype")
+    for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
+        if value:
+            raise NotImplementedError(f"{name} is not supported: single-turn generation only")
+
+
+def _model_name(model: Any) -> str:
+    """TRL's default run name: the model id's last path component (':' of builtin names replaced)."""
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+    return str(name).rstrip("/").split("/")[-1].replace(":", "-")
+
+
+def _check_tokenizer(processing_class: Any) -> Any:
+    if processing_class is None:
+        return None
+    from transformers import PreTrainedTokenizerBase
+
+    if not isinstance(processing_class, PreTrainedTokenizerBase):
+        raise NotImplementedError(f"processing_class must be a tokenizer (PreTrainedTokenizerBase), got "
+                                  f"{type(processing_class).__name__}: multimodal processors are not supported")
+    return processing_class
+
+
+def _check_dataset(dataset: Any, name: str) -> Any:
+    """A `datasets.Dataset` or None; iterable, dict and other inputs refused with what to do."""
+    if dataset is None:
+        return None
+    import datasets
+
+    if isinstance(dataset, (datasets.IterableDataset, datasets.IterableDatasetDict)):
+        raise NotImplementedError(
+            f"{name}: iterable (streaming) datasets are not supported: every prompt is tokenized and length-checked "
+            "before the first step. Materialise it, e.g. datasets.Dataset.from_list(list(ds.take(n)))")
+    if isinstance(dataset, (datasets.DatasetDict, dict)):
+        raise TypeError(f"{name}: pass one datasets.Dataset (e.g. dataset['{'train' if 'train' in name else 'test'}']"
+                        f"), not a {type(dataset).__name__} of splits {list(dataset)}")
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__} (a list of rows: "
+                        "datasets.Dataset.from_list(rows))")
+    if "prompt" not in dataset.column_names:
+        raise ValueError(f"{name} has no 'prompt' column (columns: {dataset.column_names}); rename the text "
+                         "column, e.g. dataset.rename_column('question', 'prompt')")
+    return dataset
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model
+
+
+def resolve_model(model: Any, output_dir: Path, processing_class: Any = None, trust_remote_code: bool = False) -> str:
+    """A `name_or_path` the engine loads: builtin names and local directories as given, hub names as their local
+    snapshot, `PreTrainedModel` objects saved under `<output_dir>/initial_model`.
+
+    Raises:
+        ValueError: a hub model that is not cached and cannot be downloaded (offline), with what to do.
+        TypeError: anything else.
+    """
+    if isinstance(model, os.PathLike):
+        model = str(model)
+    if isinstance(model, str):
+        if model.startswith("builtin:") or Path(model).expanduser().is_dir():
+            return str(Path(model).expanduser()) if not model.startswith("builtin:") else model
+        if model.startswith((".", "/", "~")) or model.count("/") > 1:
+            raise ValueError(f"model={model!r}: no such local directory")
+        return resolve_hub_model(model, trust_remote_code)
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return _save_model_object(model, processing_class, output_dir / INITIAL_MODEL_DIR,
+                                  "model is a PreTrainedModel without a name_or_path: pass processing_class")
+    raise TypeError(f"model must be a path, a hub name, a builtin: name or a transformers PreTrainedModel, got "
+                    f"{type(model).__name__}")
+
+
+def write_once(target: Path, write) -> None:
+    """Rank 0 calls `write(staging_dir)` and renames it to `target`; other ranks (torchrun) wait for `target`."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        write(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+        return
+    deadline = time.monotonic() + 1800
+    while not (target / "config.json").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not write {target} within 30 minutes")
+        time.sleep(1.0)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if dst.exists():
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reward functions
+
+
+def resolve_reward_funcs(reward_funcs: Any, processing_classes: Any, output_dir: Path, cfg: EngineConfig) -> list:
+    """TRL's `reward_funcs` (+ `reward_processing_classes`) as a list the engine's `RewardFunctions` takes:
+    callables as given, strings resolved now (so a bad name fails before training), reward-model objects saved
+    under `<output_dir>/reward_models/<i>` and loaded from there."""
+    import torch
+
+    from engine.train.rewards import RewardModelReward, resolve_reward_func
+
+    if reward_funcs is None:
+        raise ValueError("GRPOTrainer needs reward_funcs: a callable, a reward-model path, or a list of them")
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if not funcs:
+        raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
+    if processing_classes is None:
+        processing_classes = [None] * len(funcs)
+    elif not isinstance(processing_classes, (list, tuple)):
+        processing_classes = [processing_classes]
+    if len(processing_classes) != len(funcs):
+        raise ValueError(f"{len(processing_classes)} reward_processing_classes for {len(funcs)} reward_funcs; "
+                         "they must match one to one (None for plain functions)")
+    weights = cfg.reward.reward_weights
+    if weights is not None and len(weights) != len(funcs):
+        raise ValueError(f"Number of reward weights ({len(weights)}) must match number of reward functions "
+                         f"({len(funcs)})")
+    resolved = []
+    for i, (func, tokenizer) in enumerate(zip(funcs, processing_classes)):
+        if isinstance(func, torch.nn.Module):
+            func = _save_reward_model(func, tokenizer, output_dir / "reward_models" / str(i))
+        if isinstance(func, (str, os.PathLike)):
+            func = resolve_reward_func(str(func), cfg.generation)
+        if not callable(func):
+            raise TypeError(f"reward_funcs[{i}] is a {type(func).__name__}: expected a callable, a str or a model")
+        if isinstance(func, RewardModelReward) and tokenizer is not None:
+            func.tokenizer = tokenizer
+            if tokenizer.pad_token is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            func.model.config.pad_token_id = tokenizer.pad_token_id
+        resolved.append(func)
+    return resolved
+
+
+def _save_reward_model(model: Any, tokenizer: Any, target: Path) -> str:
+    """A sequence-classification model object -> a local directory with its tokenizer."""
+    return _save_model_object(model, tokenizer, target,
+                              "a reward model object without a name_or_path needs its reward_processing_class")
+
+
+def _save_model_object(model: Any, tokenizer: Any, target: Path, no_source: str) -> str:
+    """A transformers model object and its tokenizer (or the one of its `name_or_path`) -> `target`, written once
+    (atomically, by one rank); returns the directory."""
+    from transformers import AutoTokenizer
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, safe_serialization=True)
+        tok = tokenizer
+        if tok is None:
+            source = getattr(model.config, "_name_or_path", "")
+            if not source:
+                raise ValueError(no_source)
+            tok = AutoTokenizer.from_pretrained(source)
+        tok.save_pretrained(staging)
+
+    write_once(target, write)
+    return str(target)
+
+
+def _reward_names(funcs: list) -> list[str]:
+    from engine.train.rewards import _unique_names, get_callable_name
+
+    return _unique_names([get_callable_name(f) for f in funcs])
+
+
+def _reward_spec(func: Any) -> str:
+    """How a reward function is recorded in the resolved config: `module:qualname` for functions."""
+    from engine.train.rewards import RewardModelReward, get_callable_name
+
+    if isinstance(func, RewardModelReward):
+        return func.__name__
+    module = getattr(func, "__module__", None) or type(func).__module__
+    return f"{module}:{get_callable_name(func)}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# results
+
+
+def _read_history(output_dir: Path) -> list[dict]:
+    """The records of metrics.jsonl (empty where this rank cannot see it)."""
+    from engine.train.metric_sinks import METRICS_FILE, read_metrics
+
+    path = output_dir / METRICS_FILE
+    return read_metrics(path) if path.is_file() else []
+
+
+def _new_records(before: list[dict], after: list[dict]) -> list[dict]:
+    """The records this run added: metrics.jsonl appends across runs, and a resumed run first drops the lines after
+    its checkpoint, so the new records follow the longest common prefix of the file before and after."""
+    common = 0
+    while common < min(len(before), len(after)) and before[common] == after[common]:
+        common += 1
+    return after[common:]
+
+
+def final_record(history: list[dict], *, steps: int, start_step: int, runtime_s: float, samples_per_step: int,
+                 total_flos: float) -> dict:
+    """The record HF's Trainer appends to `log_history` after the last step's (`_finalize_training`), in its order:
+    train_runtime, train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch, step.
+
+    Args:
+        history: this run's per-step records (`loss` per logged step, `epoch`: the fraction of the dataset drawn).
+        steps: the optimizer step reached; start_step: the step this call started from (a resumed run's > 0).
+        runtime_s: wall time of the call.
+        samples_per_step: completions per optimizer step, per_device_train_batch_size * gradient_accumulation_steps
+            * dp_size: HF's `total_train_batch_size`, by which it counts samples when `max_steps` is set (with
+            `num_train_epochs` HF counts dataset rows * epochs instead; here it is completions either way).
+        total_flos: HF's `6 * tokens * non-embedding parameters` (TRL's GRPOTrainer logs 0: its batches carry no
+            `input_ids`).
+    Returns:
+        the record; `train_loss` is HF's total loss / steps = the mean of the per-step `loss` values (0.0 without a
+        step, as HF; NaN where the records cannot be read), the rates are left out at zero runtime (as HF).
+    """
+    trained = steps - start_step
+    record: dict = {"train_runtime": round(runtime_s, 4)}
+    if runtime_s > 0:
+        record["train_samples_per_second"] = round(samples_per_step * trained / runtime_s, 3)
+        record["train_steps_per_second"] = round(trained / runtime_s, 3)
+    record["total_flos"] = float(total_flos)
+    record["train_loss"] = _mean_loss(history, start_step) if trained > 0 else 0.0
+    epochs = [r["epoch"] for r in history if r.get("epoch") is not None]
+    if epochs:
+        record["epoch"] = epochs[-1]
+    record["step"] = steps
+    return record
+
+
+def _count_non_embedding_parameters(model_dir: Path) -> int:
+    """Parameters of a safetensors checkpoint without the input embedding (HF's `num_parameters(exclude_embeddings=
+    True)`; a tied LM head is not stored); 0 where the files cannot be read (another node's rank)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as tensors:
+            for name in tensors.keys():
+                if "embed_tokens" not in name:
+                    total += math.prod(tensors.get_slice(name).get_shape())
+    return total
+
+
+def _mean_loss(history: list[dict], start_step: int = 0) -> float:
+    """TRL's training_loss: the mean loss over the run's optimizer steps (each record weighs the steps it covers,
+    the first from `start_step`, where a resumed run began)."""
+    total, steps, previous = 0.0, 0, start_step
+    for record in history:
+        step, loss = record.get("step"), record.get("loss")
+        if step is None or loss is None:
+            continue
+        covered = max(int(step) - previous, 1)
+        total, steps, previous = total + float(loss) * covered, steps + covered, int(step)
+    return total / steps if steps else float("nan")

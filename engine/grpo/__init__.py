@@ -1,0 +1,10 @@
+"""The GRPO maths: pure functions of tensors and Python lists, no process groups, no config objects, no I/O
+(STYLE.md rule 6).
+
+Owns: advantages.py (group-relative advantages, reward aggregation), policy_loss.py (every TRL loss type, KL,
+masks, importance-sampling correction, the layout-independent normaliser), loss_statistics.py (the sums behind the
+loss metrics, made inside the loss), metrics.py (TRL's metric maths), group_filter.py (GFPO), dynamic_sampling.py
+(DAPO), dynamic_prompts.py (the curriculum hook's contract).
+
+May import: nothing of the engine's (torch, transformers and the standard library only).
+"""

@@ -1,0 +1,166 @@
+"""Dynamic prompts: the user hook that picks the next generation's prompts from the last one's results (curricula).
+
+Owns: the call contract of `dynamic_prompts_fn(prompts, completions, rewards, metas) -> new prompts`, laying the
+generation out one element per sample for it, and the validation of what it returns, with an error that names the
+hook and says what was expected and what came back.
+
+Must not: generate, touch the dataset or sampler, or loop; the trainer (engine/train/sampling.py `next_dynamic_prompts`)
+calls `call_dynamic_prompts_fn` on rank 0 after each generation and feeds the returned rows to the next generation
+instead of the dataset's next rows (also within DAPO dynamic sampling; the pending choice travels in checkpoints).
+
+Contract (the documented hook of a TRL fork, `GRPOConfig(dynamic_prompts_fn=curriculum_fn)`; TRL itself has none).
+The four lists are zipped element by element, ONE ELEMENT PER SAMPLE, B = P * G of them, group by group:
+    prompts      prompts[i] the prompt of sample i (each group's prompt repeated G times): a str, or a list of
+                 {"role", "content"} messages
+    completions  completions[i] that sample's completion as the reward functions saw it (str, or a message list
+                 for conversational data)
+    rewards      rewards[i] a python float, the sample's aggregated weighted reward (float('nan') = unscorable)
+    metas        metas[i] a dict of the row's other dataset columns (everything but "prompt", e.g. the answer)
+  returns the next generation's prompts, a list (or tuple) of length P (one per group) or B (one per sample: the G
+  consecutive entries of each group must be equal and are collapsed to one). Each element is a prompt (str or
+  message list) or a dataset row {"prompt": ..., **columns}. Columns reach the reward functions as TRL's reward
+  kwargs do:
+    * a dict row brings its own columns (and only those);
+    * a str / message prompt equal to one of this generation's prompts keeps that row's columns (the row at the
+      same group position if its prompt is equal, else the first equal one), so rewards that read e.g. `answer`
+      keep working on retried prompts;
+    * a brand-new str / message prompt has no columns of its own (its value is None in columns other rows have).
+
+Test: `pytest tests/unit/test_dynamic_prompts.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+DynamicPromptsFn = Callable[[list[Any], list[Any], list[float], list[dict[str, Any]]], Sequence[Any]]
+"""`dynamic_prompts_fn(prompts, completions, rewards, metas) -> next prompts`, four B-long lists (see above)."""
+
+
+class DynamicPromptsError(ValueError):
+    """dynamic_prompts_fn returned something that is not the next generation's prompts (or was called with
+    misaligned inputs)."""
+
+
+def call_dynamic_prompts_fn(
+    dynamic_prompts_fn: DynamicPromptsFn,
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    rewards: torch.Tensor,
+    metas: Sequence[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Call the hook with one element per sample and turn its answer into the next generation's P rows.
+
+    Args:
+        dynamic_prompts_fn: the user's hook.
+        prompts: P prompts of the generation just scored, one per group.
+        completions: B = P * G completions, group by group (G consecutive per prompt), as the rewards saw them.
+        rewards: (B,) float, the aggregated weighted reward of each completion (NaN = unscorable).
+        metas: P dicts, the other dataset columns of each group's row.
+
+    Returns:
+        P dataset rows for the next generation: dicts with a "prompt" key plus the columns they carry.
+    """
+    num_prompts, num_samples = len(prompts), len(completions)
+    if num_prompts == 0 or num_samples % num_prompts:
+        raise DynamicPromptsError(f"completions must be B = P*G per-sample completions; got {num_samples} for "
+                                  f"P={num_prompts} prompts")
+    g = num_samples // num_prompts
+    if tuple(rewards.shape) != (num_samples,):
+        raise DynamicPromptsError(f"rewards must be (B={num_samples},), got shape {tuple(rewards.shape)}")
+    if len(metas) != num_prompts:
+        raise DynamicPromptsError(f"metas must hold one dict per group (P={num_prompts}), got {len(metas)}")
+    returned = dynamic_prompts_fn(
+        [prompt for prompt in prompts for _ in range(g)],
+        list(completions),
+        [float(reward) for reward in rewards.tolist()],
+        [dict(meta) for meta in metas for _ in range(g)],
+    )
+    return rows_for_next_generation(returned, prompts, metas, g)
+
+
+def rows_for_next_generation(
+    returned: Any, prompts: Sequence[Any], metas: Sequence[dict[str, Any]], num_generations: int
+) -> list[dict[str, Any]]:
+    """Check the hook's return value and turn it into the next generation's rows (see the module docstring).
+
+    Args:
+        returned: what dynamic_prompts_fn returned.
+        prompts: the P prompts of the generation just scored.
+        metas: their P dicts of other columns (carried over to returned prompts equal to one of them).
+        num_generations: G.
+
+    Returns:
+        P dicts with a "prompt" key.
+
+    Raises:
+        DynamicPromptsError naming the hook, the offending element and its type, or the counts expected.
+    """
+    num_prompts = len(prompts)
+    num_samples = num_prompts * num_generations
+    counts = (f"P={num_prompts} (one per group) or B=P*G={num_prompts}*{num_generations}={num_samples} "
+              "(one per sample)")
+    expected = (f"dynamic_prompts_fn must return the next generation's prompts, a list of {counts}: each a str, a "
+                "list of {'role': ..., 'content': ...} messages, or a dataset row {'prompt': ..., **columns}")
+    if not isinstance(returned, list | tuple):
+        raise DynamicPromptsError(f"{expected}; it returned {type(returned).__name__}: {returned!r:.200}")
+    if len(returned) not in (num_prompts, num_samples):
+        raise DynamicPromptsError(f"dynamic_prompts_fn returned {len(returned)} prompts; the next generation needs "
+                                  f"{counts}")
+    for index, item in enumerate(returned):
+        problem = _element_problem(item)
+        if problem is not None:
+            raise DynamicPromptsError(f"{expected}; element {index} is {problem}")
+    if len(returned) != num_prompts:  # one per sample: collapse each group's G equal entries to one
+        returned = [_collapse_group(returned, p, num_generations) for p in range(num_prompts)]
+    return [_as_row(item, position, prompts, metas) for position, item in enumerate(returned)]
+
+
+def _collapse_group(returned: Sequence[Any], group: int, num_generations: int) -> Any:
+    """The one prompt of group `group` in a per-sample answer; DynamicPromptsError if its G entries differ."""
+    first = group * num_generations
+    for index in range(first + 1, first + num_generations):
+        if returned[index] != returned[first]:
+            raise DynamicPromptsError(
+                f"dynamic_prompts_fn returned one prompt per sample (B={len(returned)}), but the G={num_generations} "
+                f"entries of group {group} (elements {first}..{first + num_generations - 1}) differ: element "
+                f"{first} is {returned[first]!r:.100}, element {index} is {returned[index]!r:.100}; each group of G "
+                "samples shares one prompt: return the same prompt G times, or one prompt per group"
+            )
+    return returned[first]
+
+
+def _as_row(item: Any, position: int, prompts: Sequence[Any], metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A dataset row: dict rows as given; a prompt equal to one of this generation's keeps that row's columns."""
+    if isinstance(item, dict):
+        return dict(item)
+    if position < len(prompts) and prompts[position] == item:
+        return {"prompt": item, **metas[position]}
+    for prompt, meta in zip(prompts, metas, strict=True):
+        if prompt == item:
+            return {"prompt": item, **meta}
+    return {"prompt": item}
+
+
+def _element_problem(item: Any) -> str | None:
+    """None if `item` is a valid prompt or a dataset row with a valid prompt; otherwise what it is."""
+    if isinstance(item, dict):
+        if "prompt" not in item:
+            return f"a dict without a 'prompt' key (keys {sorted(item)})"
+        return _prompt_problem(item["prompt"])
+    return _prompt_problem(item)
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    """None if `prompt` is a non-empty str or a non-empty list of role/content messages; otherwise what it is."""
+    if isinstance(prompt, str):
+        return None if prompt else "an empty string"
+    if isinstance(prompt, list) and prompt:
+        for position, message in enumerate(prompt):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str) and "content" in message):
+                return f"a message list whose message {position} is not a {{'role', 'content'}} dict: {message!r:.100}"
+        return None
+    return f"{type(prompt).__name__}: {prompt!r:.100}"

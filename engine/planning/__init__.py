@@ -1,0 +1,9 @@
+"""Planning before launch: per-GPU memory of a config's layout and the training / inference node split
+(`grpo-engine plan`, the SLURM templates in launch/).
+
+Owns: planner.py (`build_plan`, `format_plan`: the plan and its printout), shapes.py (the model's dimensions, the
+cluster shape, the layout checks, what each node holds), memory.py (every per-GPU memory term, with the formulas and
+their sources).
+
+May import: engine.config, engine.validation.
+"""

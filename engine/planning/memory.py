@@ -1,0 +1,373 @@
+"""The memory model: every per-GPU memory term of a config on a cluster shape, each with its arithmetic and the
+formula it comes from (below), summed into one `Budget` per kind of GPU (training, inference).
+
+Owns: `Term` / `Budget`, the sequence bound (`sequence_lengths`), the training GPU's terms (weights, gradients,
+optimizer states, reference, activations, the loss workspace, a colocated vLLM: `training_budget`) and the inference
+GPU's (vLLM weights, KV cache: `inference_budget`), and how bytes and counts read in arithmetic (`format_gib`,
+`format_count`).
+
+Must not: import torch, Megatron or vLLM (it runs on a login node in a second), check that the layout divides
+(engine/planning/shapes.py does, before any term is sized), or print (engine/planning/planner.py assembles and
+formats the plan). It takes the root config because memory is a cross-section question (like `engine.validation`).
+
+The formulas and where they come from (bytes; s = tokens per sequence, b = micro-batch size, h = hidden size,
+a / g = query / KV heads, d = head dim, f = MLP size, L = layers, V = padded vocabulary, t = TP, p = PP):
+
+- Parameters per GPU, worst pipeline stage: (L/p) * layer / t + V*h/t for the stage that holds the embedding (the
+  first) or the output layer (the last; a tied embedding is kept there as a copy when p > 1). Megatron-LM's
+  accounting, `megatron/training/theoretical_memory_usage.py::compute_weight_and_optimizer_memory` ("most loaded
+  shard": (block/p + embedding)/t, plus a second embedding when untied and p = 1). We count exactly: layer =
+  h*a*d + 2*h*g*d + a*d*h (QKV, output) + QKV bias + 3*h*f (SwiGLU) split over t, plus 2*h norm weights that
+  Megatron replicates over TP. V is Megatron's padded vocabulary (`engine.policy.model.padded_vocab_size`).
+- Bytes per parameter, Megatron Core user guide, "Distributed Optimizer" table
+  (https://docs.nvidia.com/megatron-core/developer-guide/latest/distrib_optimizer.html): bf16 params with fp32
+  grads 18 B without the distributed optimizer, 6 + 12/dp with it; fp32 params 16 B, 8 + 8/dp. That is weights
+  2 B + main grads 4 B (fp32: `grad_reduce_in_fp32=True` in engine/policy/optimizer.py) + fp32 master 4 B + Adam m, v
+  8 B, the last 12 B sharded over DP by the distributed optimizer. SGD keeps one state (4 B) instead of two.
+- Activations per layer, Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+  (https://arxiv.org/abs/2205.05198), Table 2 and §4: s*b*h*(34 + 5*a*s/h) without parallelism; with TP
+  s*b*h*(10 + 24/t + 5*a*s/(h*t)); with TP and sequence parallelism s*b*h*(34 + 5*a*s/h)/t. Of the 34: 10 are
+  held whole on every TP rank without SP (two norm inputs 4, QKV and fc1 inputs 4, two dropout masks 2) and 24 are
+  split by TP (Q, K 4, V 2, attention output 2, fc1 output and fc2 input 16 for f = 4h). We generalise the split
+  part to GQA and SwiGLU: Q 2 + K, V 4*g/a + attention output 2 + SwiGLU fc1 output (gate, up) 4*f/h + fc2 input
+  2*f/h, i.e. 4 + 4*g/a + 6*f/h (a GeLU MLP's 4*f/h becomes 6*f/h; Megatron-LM's own `compute_activation_memory`
+  uses 18 + 4*f/h, not counting SwiGLU's gate half). The 5*a*s/h term is the
+  attention score matrix: fused (flash) attention, which Transformer Engine's layer spec uses, never stores it
+  (the paper's "selective recompute" row, s*b*h*34/t), so it is counted only for `model.transformer_impl: local`.
+- Full recompute (`train.gradient_checkpointing`, Megatron's full/uniform recompute of every layer) keeps only each
+  layer's input, 2*s*b*h per layer (/t under SP: the input is the sequence-parallel shard), plus one layer's
+  working set while that layer is recomputed in the backward. Paper §4 "full activation recomputation: 2*s*b*h*L".
+- Micro-batches in flight, Narayanan et al. 2021 (https://arxiv.org/abs/2104.04473) §2.2 and Megatron-LM's
+  `compute_activation_memory`: stage k of the 1F1B schedule holds min(p - k, M) micro-batches; the interleaved
+  schedule holds p * (1 + (p - 1)/(p * vpp)) on the first stage.
+- The loss workspace (last stage): the fused kernel's `kernels.loss_workspace_mb` bound on its tile temporaries,
+  the final hidden states gathered out of the sequence-parallel region 2*s*b*h, the N = b * max_completion_length
+  completion rows X (N, h) in the model dtype and the float32 dX accumulator (N, h) (kernels/chunked_logprob.py,
+  "Memory"), and 16 float32 per-token values (softmax statistics, saved lse and E[z], log-prob, entropy, their
+  upstream gradients, old / reference / sampling log-probs, ratio, KL, mask). Never the (N, V/t) logits; the
+  plan prints what those would take, for comparison.
+- Server mode (`rollout.vllm_mode: server`): each inference node runs one rollout server (engine/rollout/server.py),
+  one vLLM engine at `rollout.vllm_tensor_parallel_size` (TP stays inside the node; vLLM spans nodes only under Ray,
+  which we do not use). M inference nodes = M independent replicas; the trainer is given their URLs in
+  `rollout.vllm_server_base_urls` (one per node, checked here) and splits each round's P prompts among them in list
+  order, so the busiest server gets ceil(P / M) prompts x G completions. A TP smaller than the node leaves
+  GPUs per node - TP GPUs idle on every inference node: the plan says so, and does not refuse it (a small model at
+  TP 1 or 2 is legitimate; to use the whole node, raise the TP or run more nodes).
+- Inference, vLLM's accounting (`Worker.determine_available_memory`, logged at start-up as "the current vLLM
+  instance can use total_gpu_memory x gpu_memory_utilization ... the rest of the memory reserved for KV Cache"):
+  an engine may use `gpu_memory_utilization` x GPU memory for weights (params * 2 B / its TP; KV heads replicated
+  when TP > g), its profiled activation peak and CUDA graphs (our `reserve`), and the KV cache. KV cache per token
+  per GPU = 2 (K and V) * L * max(g/TP, 1) * d * 2 B (vLLM's `AttentionSpec.page_size_bytes` per token), in blocks
+  of 16 tokens; the configured batch is every completion of one generation round on its engine (in server mode
+  the busiest replica's share, above), each at max prompt + max_completion_length tokens: the worst case vLLM must
+  hold to run the round in one wave.
+- Colocated vLLM (`rollout.vllm_mode: colocate`): its share, `gpu_memory_utilization` x GPU memory, sits next to
+  the trainer's weights, gradients and optimizer states. With sleep mode it is held only while generating, when
+  the activations and the loss workspace are free, so it adds max(0, share - (activations + loss)); without, the
+  whole share. Inside the share the same vLLM accounting as on an inference node applies.
+- `reserve_gib` (default 4 GiB) is what the formulas leave out: CUDA context, NCCL buffers and allocator
+  fragmentation on training GPUs; vLLM's profiled activation peak, CUDA graphs and non-torch memory on inference
+  GPUs. It is an assumption, printed, and set with `--reserve-gib` once measured.
+
+Test: `pytest tests/unit/test_planner.py` (hand-computed cases, the published tables and logs cited above).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.planning.shapes import ClusterShape, ModelDims, PlanError, megatron_padded_vocab, num_rollout_servers
+from engine.validation import Derived
+
+GIB = 2**30
+VLLM_BLOCK_SIZE = 16
+"""Tokens per KV-cache block (vLLM's default `block_size` on GPU)."""
+VLLM_VOCAB_PADDING = 64
+"""vLLM pads the embedding / LM head rows to a multiple of this (`DEFAULT_VOCAB_PADDING_SIZE`)."""
+PER_TOKEN_LOSS_FLOATS = 16
+"""float32 values per completion token around the fused loss (see the module docstring)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Term:
+    """One memory term of one GPU: its name, its arithmetic as printed, and its bytes."""
+
+    label: str
+    arithmetic: str
+    nbytes: float
+
+
+@dataclass(slots=True)
+class Budget:
+    """One kind of GPU: the memory terms of its worst case and the limit they must stay under."""
+
+    title: str
+    terms: list[Term]
+    limit_bytes: float
+    limit_text: str
+    notes: list[str] = field(default_factory=list)
+    hint: str = ""
+    """What to change when it does not fit."""
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(t.nbytes for t in self.terms)
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.limit_bytes
+
+
+def format_gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def format_count(x: float) -> str:
+    """A count as it reads best in arithmetic: 72.71e9, 877.7e6, 8192."""
+    if x >= 1e9:
+        return f"{x / 1e9:.2f}e9"
+    if x >= 1e6:
+        return f"{x / 1e6:.1f}e6"
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
+
+
+def sequence_lengths(cfg: EngineConfig) -> tuple[int, int, str]:
+    """(prompt tokens, completion tokens, where the prompt bound comes from) of the longest sequence."""
+    completion = cfg.generation.max_completion_length
+    if cfg.data.max_prompt_length is not None:
+        return cfg.data.max_prompt_length, completion, "data.max_prompt_length"
+    if cfg.rollout.vllm_max_model_length is not None:
+        return cfg.rollout.vllm_max_model_length - completion, completion, "rollout.vllm_max_model_length - completion"
+    raise PlanError(
+        "the planner needs a bound on the sequence length: set data.max_prompt_length (tokens; longer prompts are "
+        "refused, never cut) or rollout.vllm_max_model_length"
+    )
+
+
+def _optimizer_bytes(cfg: EngineConfig) -> tuple[int, int, int, str]:
+    """(weight, main-grad, optimizer-state) bytes per parameter and the optimizer's description."""
+    weight = 4 if cfg.model.dtype == "float32" else 2
+    master = 0 if weight == 4 else 4
+    states = 8 if cfg.optimizer.optim == "adam" else 4
+    parts = (["fp32 master"] if master else []) + (["Adam m, v"] if states == 8 else ["SGD momentum"])
+    return weight, 4, master + states, " + ".join(parts)
+
+
+def _stage_params(dims: ModelDims, cfg: EngineConfig, stage: int) -> tuple[float, str]:
+    """Parameters one GPU of pipeline stage `stage` holds, with the arithmetic."""
+    tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    vocab = megatron_padded_vocab(dims.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    split, replicated = dims.layer_params()
+    layers = dims.num_layers // pp
+    params = layers * (split / tp + replicated)
+    text = f"{layers} layers x ({format_count(split)} / {tp} + {format_count(replicated)})"
+    tables = (stage == 0) + (stage == pp - 1 and (pp > 1 or not dims.tie_word_embeddings))
+    if tables:
+        params += tables * vocab * dims.hidden_size / tp
+        text += f" + {tables} x {vocab} x {dims.hidden_size} / {tp}"
+    if stage == pp - 1:
+        params += dims.hidden_size
+    return params, text
+
+
+def _in_flight(cfg: EngineConfig, stage: int, num_microbatches: int) -> tuple[float, str]:
+    """Micro-batches whose activations stage `stage` holds at the 1F1B peak."""
+    pp, vpp = cfg.parallel.pp_size, cfg.parallel.virtual_pipeline_size
+    if pp == 1:
+        return 1, "1 micro-batch"
+    if vpp and vpp > 1:
+        value = pp * (1 + (pp - 1) / (pp * vpp))
+        return value, f"{pp} x (1 + {pp - 1}/({pp}*{vpp})) = {value:.2f} micro-batches (interleaved)"
+    value = min(pp - stage, num_microbatches)
+    return value, f"min(pp - stage, M) = min({pp} - {stage}, {num_microbatches}) = {value} micro-batches"
+
+
+def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbatches: int) -> Term:
+    """Activation memory of one GPU of pipeline stage `stage` (module docstring: Korthikanti et al. 2022)."""
+    prompt, completion, _ = sequence_lengths(cfg)
+    s, b, h, t = prompt + completion, cfg.train.per_device_train_batch_size, dims.hidden_size, cfg.parallel.tp_size
+    sp = cfg.parallel.sequence_parallel
+    sbh = s * b * h
+    split = 4 + 4 * dims.num_kv_heads / dims.num_heads + 6 * dims.intermediate_size / h
+    if cfg.model.transformer_impl == "local":
+        split += 5 * dims.num_heads * s / h
+    per_layer = sbh * (10 + split) / t if sp else sbh * (10 + split / t)
+    layer_text = f"(10 + {split:.2f}) / {t}" if sp else f"(10 + {split:.2f} / {t})"
+    layers = dims.num_layers // cfg.parallel.pp_size
+    in_flight, in_flight_text = _in_flight(cfg, stage, num_microbatches)
+    sbh_text = f"s*b*h = {s}*{b}*{h} = {format_count(sbh)}"
+    if cfg.train.gradient_checkpointing:
+        stored = 2 * sbh / t if sp else 2 * sbh
+        nbytes = layers * in_flight * stored + per_layer
+        text = (
+            f"full recompute: {layers} layers x {in_flight_text} x 2{' / ' + str(t) if sp else ''} x s*b*h + one "
+            f"layer recomputed {layer_text} x s*b*h; {sbh_text}"
+        )
+    else:
+        nbytes = layers * in_flight * per_layer
+        text = f"no recompute: {layers} layers x {in_flight_text} x {layer_text} x s*b*h; {sbh_text}"
+    return Term("activations", text, nbytes)
+
+
+def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
+    """The fused loss's memory on the last stage, and a note with the logits it never materialises."""
+    prompt, completion, _ = sequence_lengths(cfg)
+    b, h, t = cfg.train.per_device_train_batch_size, dims.hidden_size, cfg.parallel.tp_size
+    num_tokens = b * completion
+    wbytes = _optimizer_bytes(cfg)[0]
+    workspace = cfg.kernels.loss_workspace_mb * 2**20
+    hidden = wbytes * (prompt + completion) * b * h
+    rows = num_tokens * h * (wbytes + 4)
+    stats = num_tokens * PER_TOKEN_LOSS_FLOATS * 4
+    vocab = megatron_padded_vocab(dims.vocab_size, cfg.model.make_vocab_size_divisible_by, t)
+    logits = num_tokens * (vocab / t) * 4
+    text = (
+        f"{cfg.kernels.loss_workspace_mb} MiB workspace + final hidden {wbytes} B x {prompt + completion}*{b}*{h} + "
+        f"N = {b}*{completion} = {num_tokens} rows x {h} x ({wbytes} B X + 4 B dX) + N x {PER_TOKEN_LOSS_FLOATS} x 4 B"
+    )
+    note = (
+        f"the fused loss never holds the logits: N x V/tp x 4 B = {num_tokens} x {vocab // t} x 4 B = {format_gib(logits)}"
+        " (and as much again for their gradient)"
+    )
+    return Term("loss workspace", text, workspace + hidden + rows + stats), note
+
+
+def _stage_terms(cfg: EngineConfig, dims: ModelDims, d: Derived, stage: int) -> list[Term]:
+    """Training memory of one GPU of pipeline stage `stage`, before any colocated vLLM."""
+    params, params_text = _stage_params(dims, cfg, stage)
+    wbytes, gbytes, obytes, opt_text = _optimizer_bytes(cfg)
+    dist = cfg.optimizer.use_distributed_optimizer
+    shard = d.dp_size if dist else 1
+    shard_text = f" / dp {d.dp_size} (distributed optimizer)" if dist else " (not distributed: replicated over DP)"
+    terms = [
+        Term("weights", f"{params_text} = {format_count(params)} params x {wbytes} B", params * wbytes),
+        Term("main grads", f"{format_count(params)} x {gbytes} B (fp32, grad_reduce_in_fp32)", params * gbytes),
+        Term("optimizer", f"{format_count(params)} x {obytes} B ({opt_text}){shard_text}", params * obytes / shard),
+    ]
+    if cfg.grpo.beta > 0:
+        on_gpu = not cfg.model.offload_reference
+        terms.append(Term(
+            "reference", f"{format_count(params)} x {wbytes} B" if on_gpu else "offloaded to CPU (model.offload_reference)",
+            params * wbytes if on_gpu else 0.0,
+        ))
+    terms.append(activation_term(cfg, dims, stage, d.num_microbatches))
+    return terms
+
+
+def training_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d: Derived) -> Budget:
+    """The worst pipeline stage's GPU (first: most activations; last: the LM head and the loss)."""
+    pp, cap = cfg.parallel.pp_size, shape.gpu_memory_gib * GIB
+    loss, loss_note = loss_terms(cfg, dims)
+    reserve = Term("reserve", "CUDA context, NCCL buffers, fragmentation (--reserve-gib)", shape.reserve_gib * GIB)
+    stages = {0: _stage_terms(cfg, dims, d, 0)}
+    stages[pp - 1] = (_stage_terms(cfg, dims, d, pp - 1) if pp > 1 else stages[0]) + [loss]
+    notes = [loss_note]
+    if cfg.rollout.vllm_mode == "colocate":
+        stages = {k: _with_colocated_vllm(cfg, terms, shape) for k, terms in stages.items()}
+    totals = {k: sum(t.nbytes for t in terms) for k, terms in stages.items()}
+    worst = max(totals, key=lambda k: (totals[k], -k))
+    name = "first" if worst == 0 else "last"
+    title = f"training GPU, {name} pipeline stage" + (f" (the larger of {pp} stages)" if pp > 1 else "")
+    if pp > 1:
+        other = pp - 1 if worst == 0 else 0
+        notes.insert(0, f"{'last' if other else 'first'} stage: {format_gib(totals[other] + reserve.nbytes)}")
+    hint = (
+        "raise parallel.pp_size or tp_size, add training nodes (the distributed optimizer shards Adam over DP), lower "
+        "train.per_device_train_batch_size or turn on train.gradient_checkpointing"
+    )
+    return Budget(title, stages[worst] + [reserve], cap, f"{shape.gpu_memory_gib:g} GiB per GPU", notes, hint)
+
+
+def _with_colocated_vllm(cfg: EngineConfig, terms: list[Term], shape: ClusterShape) -> list[Term]:
+    """Colocate: vLLM's share sits next to the trainer's state; with sleep mode only while generating, when the
+    activations and the loss workspace are free, so it adds max(0, share - (activations + loss))."""
+    ro = cfg.rollout
+    share = ro.vllm_gpu_memory_utilization * shape.gpu_memory_gib * GIB
+    share_text = f"{ro.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {format_gib(share)}"
+    if not ro.vllm_enable_sleep_mode:
+        return terms + [Term("vLLM (colocated)", f"{share_text}, held through training (sleep mode off)", share)]
+    transient = sum(t.nbytes for t in terms if t.label in ("activations", "loss workspace"))
+    text = (
+        f"sleep mode: generation takes {share_text} while activations + loss ({format_gib(transient)}) are free: "
+        f"max(0, {share / GIB:.2f} - {transient / GIB:.2f})"
+    )
+    return terms + [Term("vLLM (colocated)", text, max(0.0, share - transient))]
+
+
+def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str]:
+    """Parameters one vLLM rank holds (KV heads replicated when TP > KV heads), with the arithmetic."""
+    h, d = dims.hidden_size, dims.d
+    split, replicated = dims.layer_params()
+    kv_replication = max(vtp // dims.num_kv_heads, 1)
+    split += (kv_replication - 1) * 2 * h * dims.num_kv_heads * d
+    vocab = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    tables = 1 if dims.tie_word_embeddings else 2
+    params = dims.num_layers * (split / vtp + replicated) + tables * vocab * h / vtp + h
+    text = f"{dims.num_layers} x ({format_count(split)} / {vtp} + {format_count(replicated)}) + {tables} x {vocab} x {h} / {vtp}"
+    return params, text
+
+
+def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> tuple[int, int, str]:
+    """(vLLM engines, completions on the busiest engine per generation round, the arithmetic)."""
+    vtp, g = cfg.rollout.vllm_tensor_parallel_size, cfg.grpo.num_generations
+    prompts = d.num_prompts_per_generation
+    servers = num_rollout_servers(cfg, shape)
+    if servers:
+        per_server = -(-prompts // servers)
+        text = f"ceil({prompts} prompts / {servers} server(s)) = {per_server} prompts x {g} generations"
+        return servers, per_server * g, text
+    engines = shape.train_gpus // vtp
+    seqs = -(-prompts * g // engines)
+    return engines, seqs, f"ceil({prompts} prompts x {g} generations / {engines} engines)"
+
+
+def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d: Derived) -> Budget:
+    """One vLLM GPU: weights at vLLM's TP and the KV cache of its engine's share of a generation round, within
+    vLLM's share of the GPU."""
+    ro, vtp = cfg.rollout, cfg.rollout.vllm_tensor_parallel_size
+    server = ro.vllm_mode == "server"
+    engines, seqs, seqs_text = _engine_sequences(cfg, shape, d)
+    prompt, completion, _ = sequence_lengths(cfg)
+    tokens = -(-(prompt + completion) // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
+    kv_heads = max(dims.num_kv_heads // vtp, 1)
+    params, weights_text = _vllm_weights(dims, vtp)
+    wbytes = _optimizer_bytes(cfg)[0]
+    per_token = 2 * dims.num_layers * kv_heads * dims.d * wbytes
+    share = ro.vllm_gpu_memory_utilization * shape.gpu_memory_gib * GIB
+    reserve = shape.reserve_gib * GIB
+    terms = [
+        Term("weights", f"{weights_text} = {format_count(params)} params x {wbytes} B", params * wbytes),
+        Term(
+            "KV cache",
+            f"2 (K, V) x {dims.num_layers} layers x {kv_heads} KV head(s) x {dims.d} x {wbytes} B = "
+            f"{per_token / 1024:g} KiB/token "
+            f"x {seqs} sequences ({seqs_text}) x {tokens} tokens ({prompt} + {completion}, in blocks of "
+            f"{VLLM_BLOCK_SIZE})",
+            seqs * tokens * per_token,
+        ),
+        Term("reserve", "vLLM's activation peak, CUDA graphs, non-torch memory (--reserve-gib)", reserve),
+    ]
+    room = share - params * wbytes - reserve
+    concurrency = max(room, 0) / (tokens * per_token)
+    if server:
+        where = f"{engines} rollout server(s), one per inference node"
+    else:
+        where = f"{engines} engine(s) on the training GPUs (colocated)"
+    title = f"inference GPU (vLLM TP {vtp}, {where}, {seqs} sequences per engine)"
+    notes = [f"KV room = share - weights - reserve = {format_gib(room)}: {concurrency:.2f} sequences of {tokens} tokens "
+             f"at once (vLLM logs it as 'Maximum concurrency for {tokens} tokens per request')"]
+    idle = shape.gpus_per_node - vtp
+    if server and idle > 0:
+        notes.append(
+            f"each inference node uses vLLM TP {vtp} of its {shape.gpus_per_node} GPUs: {idle} idle per node "
+            f"(one engine per rollout server); raise rollout.vllm_tensor_parallel_size to use them"
+        )
+    limit_text = f"vLLM's share {ro.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {format_gib(share)}"
+    hint = (
+        f"the KV room holds {concurrency:.2f} sequences at full length: lower the generation round "
+        f"(per_device_train_batch_size x dp x steps_per_generation = {d.generation_batch_size}) or "
+        "generation.max_completion_length, or raise rollout.vllm_tensor_parallel_size"
+        + (", or add inference nodes (rollout server replicas)" if server else "")
+    )
+    return Budget(title, terms, share, limit_text, notes, hint)

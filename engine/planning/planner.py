@@ -1,0 +1,112 @@
+"""The memory planner: per-GPU memory of a config on a cluster shape, before anything is launched.
+
+Owns: `build_plan` (validate the config at the shape's world size, check the layout divides, size every kind of
+GPU), `Plan` (the header lines, one `Budget` per GPU kind, what does not fit) and `format_plan` (every term printed as
+arithmetic, the totals and the verdicts). `grpo-engine plan` and `grpo-engine train --dry-run` call it;
+`launch/*.slurm` runs it before starting any node. The model and cluster shapes and the layout checks are
+engine/planning/shapes.py's; every memory term, and the formulas with their sources, engine/planning/memory.py's.
+
+Must not: import torch, Megatron or vLLM (it runs on a login node in a second), read the environment, or touch the
+network. It takes the root config because memory is a cross-section question (like `engine.validation`).
+
+Test: `pytest tests/unit/test_planner.py` (hand-computed cases, the published tables and logs the memory model
+cites, the shipped configs' headers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.planning.memory import (Budget, format_count, format_gib, inference_budget, sequence_lengths,
+                                    training_budget)
+from engine.planning.shapes import ClusterShape, ModelDims, check_layout, load_model_dims, num_rollout_servers
+from engine.validation import Derived, validate
+
+
+@dataclass(slots=True)
+class Plan:
+    """A config's plan on a cluster shape: the header lines and one budget per kind of GPU."""
+
+    header: list[str]
+    budgets: list[Budget]
+    derived: Derived
+    shape: ClusterShape
+
+    @property
+    def problems(self) -> list[str]:
+        """One line per budget that does not fit: its total, its limit and what to change."""
+        return [f"{b.title}: total {format_gib(b.total_bytes)} > {b.limit_text}; {b.hint}"
+                for b in self.budgets if not b.fits]
+
+    def budget(self, prefix: str) -> Budget:
+        return next(b for b in self.budgets if b.title.startswith(prefix))
+
+
+def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = None) -> Plan:
+    """Validate the config at the shape's world size, check the layout divides, and size every GPU kind.
+
+    Args:
+        cfg: the whole config (memory depends on most sections).
+        shape: the cluster shape (`resolve_cluster_shape`).
+        dims: model dimensions; None = `load_model_dims(cfg.model.name_or_path)`.
+    Returns:
+        the Plan; `plan.problems` lists what does not fit (empty = fits).
+    Raises:
+        ConfigError (validation) or PlanError (layout, model, sequence bound), with the arithmetic.
+    """
+    dims = dims or load_model_dims(cfg.model.name_or_path)
+    d = validate(cfg, shape.train_gpus)
+    check_layout(cfg, dims, shape)
+    par = cfg.parallel
+    prompt, completion, source = sequence_lengths(cfg)
+    split, replicated = dims.layer_params()
+    tables = 1 if dims.tie_word_embeddings else 2
+    header = [
+        f"model: {cfg.model.name_or_path}: {format_count(dims.total_params())} params = {dims.num_layers} layers x "
+        f"{format_count(split + replicated)} + {tables} x {dims.vocab_size} x {dims.hidden_size} "
+        f"({'tied' if dims.tie_word_embeddings else 'untied'} embeddings) + {dims.hidden_size}",
+        f"cluster: {shape.train_nodes} training node(s) + {shape.infer_nodes} inference node(s), "
+        f"{shape.gpus_per_node} GPUs per node, {shape.gpu_memory_gib:g} GiB per GPU",
+        _rollout_line(cfg, shape, d),
+        f"training layout: tp*pp*dp = {par.tp_size}*{par.pp_size}*{d.dp_size} = {d.world_size} GPUs = "
+        f"{shape.train_nodes} node(s) x {shape.gpus_per_node}; {dims.num_layers} layers / pp {par.pp_size} = "
+        f"{dims.num_layers // par.pp_size} per stage",
+        f"batch: {d.micro_batch_size} completion(s) x ({prompt} prompt ({source}) + {completion} completion = "
+        f"{prompt + completion} tokens) per micro-batch, {d.num_microbatches} micro-batches per step, "
+        f"{d.generation_batch_size} completions per generation round",
+    ]
+    budgets = [training_budget(cfg, dims, shape, d), inference_budget(cfg, dims, shape, d)]
+    return Plan(header, budgets, d, shape)
+
+
+def _rollout_line(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> str:
+    """Where generation runs: the server replicas and how a round's prompts are split, or the colocated engines."""
+    vtp, prompts = cfg.rollout.vllm_tensor_parallel_size, d.num_prompts_per_generation
+    servers = num_rollout_servers(cfg, shape)
+    if not servers:
+        return (f"rollout: colocated, train GPUs / vLLM TP = {shape.train_gpus} / {vtp} = {shape.train_gpus // vtp} "
+                f"engine(s) on the training GPUs")
+    return (
+        f"rollout: {servers} rollout server replica(s), one per inference node, each one vLLM engine at TP {vtp} on "
+        f"{vtp} of {shape.gpus_per_node} GPUs; {prompts} prompts per round split among them: at most "
+        f"ceil({prompts} / {servers}) = {-(-prompts // servers)} per server"
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as text: header, then per GPU kind each term with its arithmetic, the total and the verdict."""
+    lines = list(plan.header)
+    for budget in plan.budgets:
+        lines.append("")
+        lines.append(f"{budget.title}, per GPU:")
+        for term in budget.terms:
+            lines.append(f"  {term.label:<16} {term.arithmetic} = {format_gib(term.nbytes)}")
+        verdict = "fits" if budget.fits else "DOES NOT FIT"
+        free = budget.limit_bytes - budget.total_bytes
+        lines.append(
+            f"  {'total':<16} {format_gib(budget.total_bytes)} of {budget.limit_text}: {verdict} "
+            f"({format_gib(abs(free))} {'free' if free >= 0 else 'over'})"
+        )
+        lines.extend(f"  note: {note}" for note in budget.notes)
+    return "\n".join(lines)

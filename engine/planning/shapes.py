@@ -1,0 +1,265 @@
+"""The shapes a plan sizes: the model's (`ModelDims`) and the cluster's (`ClusterShape`), and whether the config's
+layout divides them.
+
+Owns: the model dimensions the plan needs (`ModelDims`: a table of known hub models, a local `config.json`, or the
+builtin tiny models; nothing is downloaded), Megatron's vocabulary padding (`megatron_padded_vocab`), the cluster
+shape (`ClusterShape`: training / inference nodes, GPUs per node, GPU memory, and `resolve_cluster_shape`'s defaults
+from the config), the layout checks that need model dimensions or the node split (TP inside a node, heads and layers
+divisible, vLLM's TP, one rollout server per inference node: `check_layout`), what each training node holds
+(`node_roles`, Megatron's rank order), and `PlanError`, the planner's refusal.
+
+Must not: import torch, Megatron or vLLM (it runs on a login node in a second), read the environment, touch the
+network, or size memory (engine/planning/memory.py does).
+
+Test: `pytest tests/unit/test_planner.py` (known models against the hub's config.json, the padding rule against
+`engine.policy.model.padded_vocab_size`, every refusal with its arithmetic).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.config import ConfigError, EngineConfig
+from engine.validation import Derived
+
+DEFAULT_GPUS_PER_NODE = 8
+DEFAULT_GPU_MEMORY_GIB = 79.1
+"""An H100 80GB as CUDA reports it to torch and vLLM (vLLM's start-up log on H100 80GB HBM3: "total_gpu_memory
+(79.11GiB)"); pass `--gpu-memory-gib` for other GPUs."""
+DEFAULT_RESERVE_GIB = 4.0
+
+
+class PlanError(ConfigError):
+    """A layout that does not divide, or a model the planner cannot size; the message shows the arithmetic."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """The Hugging Face config numbers the plan needs (Qwen2 / Llama: GQA, SwiGLU, RMSNorm)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    head_dim: int = 0
+    """0 = hidden_size / num_heads."""
+
+    @property
+    def d(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def layer_params(self) -> tuple[int, int]:
+        """(TP-split parameters, TP-replicated parameters) of one decoder layer."""
+        h, a, g, d = self.hidden_size, self.num_heads, self.num_kv_heads, self.d
+        attention = h * a * d + 2 * h * g * d + a * d * h + ((a + 2 * g) * d if self.qkv_bias else 0)
+        return attention + 3 * h * self.intermediate_size, 2 * h
+
+    def total_params(self) -> int:
+        """Parameters of the Hugging Face checkpoint (unpadded vocabulary)."""
+        split, replicated = self.layer_params()
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (split + replicated) + embeddings + self.hidden_size
+
+
+def _qwen2(h, layers, heads, kv, ffn, vocab, tied):
+    return ModelDims(h, layers, heads, kv, ffn, vocab, tie_word_embeddings=tied, qkv_bias=True)
+
+
+def _llama(h, layers, heads, kv, ffn, vocab):
+    return ModelDims(h, layers, heads, kv, ffn, vocab, tie_word_embeddings=False, qkv_bias=False)
+
+
+_QWEN25 = {
+    "0.5b": _qwen2(896, 24, 14, 2, 4864, 151936, True),
+    "7b": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
+    "72b": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
+}
+_LLAMA_8B = _llama(4096, 32, 32, 8, 14336, 128256)
+_LLAMA_70B = _llama(8192, 80, 64, 8, 28672, 128256)
+
+KNOWN_MODELS: dict[str, ModelDims] = {
+    **{f"qwen/qwen2.5-{size}{suffix}": dims for size, dims in _QWEN25.items() for suffix in ("", "-instruct")},
+    **{f"meta-llama/{name}{suffix}": dims for name, dims in [
+        ("llama-3.1-8b", _LLAMA_8B), ("meta-llama-3.1-8b", _LLAMA_8B), ("meta-llama-3-8b", _LLAMA_8B),
+        ("llama-3.1-70b", _LLAMA_70B), ("meta-llama-3.1-70b", _LLAMA_70B), ("llama-3.3-70b", _LLAMA_70B),
+    ] for suffix in ("", "-instruct")},
+    # engine/models/tiny_model.py: hidden 128, 4 layers, 4 / 2 heads, MLP 352, vocabulary 400, untied.
+    "builtin:tiny-qwen2": _qwen2(128, 4, 4, 2, 352, 400, False),
+    "builtin:tiny-qwen2-arith": _qwen2(128, 4, 4, 2, 352, 400, False),  # the demo's warm start: same shape
+    "builtin:tiny-llama": _llama(128, 4, 4, 2, 352, 400),
+}
+"""Dimensions of the models the shipped configs name, from each model's config.json on the Hugging Face hub,
+keyed by lower-case hub name. Qwen2 has a QKV bias, Llama none."""
+
+
+def load_model_dims(name_or_path: str) -> ModelDims:
+    """Dimensions of `model.name_or_path`: a local directory's config.json, else the table of known models.
+
+    Raises:
+        PlanError for a hub name not in the table (the planner never downloads).
+    """
+    config_file = Path(name_or_path) / "config.json"
+    if config_file.is_file():
+        hf = json.loads(config_file.read_text())
+        hf = hf.get("text_config", hf)
+        head_dim = hf.get("head_dim") or 0
+        return ModelDims(
+            hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
+            head_dim=0 if head_dim * hf["num_attention_heads"] == hf["hidden_size"] else head_dim,
+        )
+    dims = KNOWN_MODELS.get(name_or_path.lower())
+    if dims is None:
+        known = ", ".join(sorted({k for k in KNOWN_MODELS if not k.endswith("-instruct")}))
+        raise PlanError(
+            f"model.name_or_path={name_or_path!r}: the planner does not know this model's dimensions and does not "
+            f"download; point model.name_or_path at a local directory with its config.json, or use one of: {known}"
+        )
+    return dims
+
+
+def megatron_padded_vocab(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron-LM's padding rule, as `engine.policy.model.padded_vocab_size` (which imports torch; a test ties them)."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterShape:
+    """Where the job runs: the node split and the GPUs (not config fields: command-line options)."""
+
+    train_nodes: int
+    infer_nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
+    reserve_gib: float = DEFAULT_RESERVE_GIB
+
+    @property
+    def train_gpus(self) -> int:
+        return self.train_nodes * self.gpus_per_node
+
+
+SHAPE_OPTIONS = ("train_nodes", "infer_nodes", "gpus_per_node", "gpu_memory_gib", "reserve_gib")
+"""The keyword arguments of `resolve_cluster_shape`, one command-line option each (`--train-nodes`, ...)."""
+
+
+def resolve_cluster_shape(cfg: EngineConfig, *, train_nodes: int | None = None, infer_nodes: int | None = None,
+                          gpus_per_node: int | None = None, gpu_memory_gib: float | None = None,
+                          reserve_gib: float | None = None) -> ClusterShape:
+    """The cluster shape from command-line values, defaulting from the config's layout.
+
+    Defaults: 8 GPUs per node (or the layout's GPU count when smaller, e.g. 1 for a one-GPU config), as many
+    training nodes as tp*pp*dp needs; in `rollout.vllm_mode: server` one inference node per URL of
+    `rollout.vllm_server_base_urls` (1 when unset), in colocate mode 0.
+    """
+    par = cfg.parallel
+    layout_gpus = par.tp_size * par.pp_size * (par.dp_size or 1)
+    gpn = gpus_per_node or min(DEFAULT_GPUS_PER_NODE, layout_gpus)
+    shape = ClusterShape(
+        train_nodes=train_nodes if train_nodes is not None else -(-layout_gpus // gpn),
+        infer_nodes=infer_nodes if infer_nodes is not None else _default_infer_nodes(cfg),
+        gpus_per_node=gpn,
+        gpu_memory_gib=gpu_memory_gib if gpu_memory_gib is not None else DEFAULT_GPU_MEMORY_GIB,
+        reserve_gib=reserve_gib if reserve_gib is not None else DEFAULT_RESERVE_GIB,
+    )
+    if min(shape.train_nodes, shape.gpus_per_node) < 1 or shape.infer_nodes < 0 or shape.gpu_memory_gib <= 0:
+        raise PlanError(f"cluster shape: node and GPU counts must be >= 1 and memory > 0, got {shape}")
+    return shape
+
+
+def _default_infer_nodes(cfg: EngineConfig) -> int:
+    """Server mode: one inference node per rollout server URL (1 without a list); colocate: 0."""
+    if cfg.rollout.vllm_mode != "server":
+        return 0
+    urls = cfg.rollout.vllm_server_base_urls
+    return len(urls) if urls else 1
+
+
+def num_rollout_servers(cfg: EngineConfig, shape: ClusterShape) -> int:
+    """Rollout server replicas: one per inference node in server mode (each one vLLM engine), 0 in colocate mode."""
+    return shape.infer_nodes if cfg.rollout.vllm_mode == "server" else 0
+
+
+def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> None:
+    """Refuse a layout that does not divide: every problem at once, each with its arithmetic.
+
+    Raises:
+        PlanError listing the problems.
+    """
+    par, ro = cfg.parallel, cfg.rollout
+    tp, pp, vpp, gpn = par.tp_size, par.pp_size, par.virtual_pipeline_size or 1, shape.gpus_per_node
+    vtp = ro.vllm_tensor_parallel_size
+    problems = []
+    if gpn % tp:
+        problems.append(
+            f"parallel.tp_size={tp} must divide the GPUs per node ({gpn} % {tp} = {gpn % tp}): a TP group must stay "
+            "inside one node (NVLink); use pipeline or data parallelism across nodes"
+        )
+    if dims.num_layers % (pp * vpp):
+        problems.append(
+            f"num_hidden_layers={dims.num_layers} is not divisible by pp_size*virtual_pipeline_size = {pp}*{vpp} = "
+            f"{pp * vpp} ({dims.num_layers} % {pp * vpp} = {dims.num_layers % (pp * vpp)})"
+        )
+    if dims.num_heads % tp or dims.num_kv_heads % tp:
+        problems.append(
+            f"num_attention_heads={dims.num_heads} and num_key_value_heads={dims.num_kv_heads} must both be divisible "
+            f"by parallel.tp_size={tp} (Megatron splits whole query groups)"
+        )
+    if dims.num_heads % vtp or (dims.num_kv_heads % vtp and vtp % dims.num_kv_heads):
+        problems.append(
+            f"rollout.vllm_tensor_parallel_size={vtp} must divide num_attention_heads={dims.num_heads} and divide or "
+            f"be a multiple of num_key_value_heads={dims.num_kv_heads} (vLLM replicates KV heads only in whole copies)"
+        )
+    if vtp > gpn:
+        problems.append(
+            f"rollout.vllm_tensor_parallel_size={vtp} > {gpn} GPUs per node: vLLM's TP spans nodes only under Ray, "
+            "which this engine does not use"
+        )
+    if ro.vllm_mode == "server":
+        _check_rollout_servers(cfg, shape, problems)
+    elif shape.infer_nodes:
+        problems.append(
+            f"rollout.vllm_mode='colocate' runs vLLM on the training GPUs: got {shape.infer_nodes} inference node(s); "
+            "pass --infer-nodes 0 or set rollout.vllm_mode=server"
+        )
+    if problems:
+        raise PlanError("layout does not divide:\n  - " + "\n  - ".join(problems))
+
+
+def _check_rollout_servers(cfg: EngineConfig, shape: ClusterShape, problems: list[str]) -> None:
+    """Server mode: one rollout server per inference node, and the trainer is given exactly those servers."""
+    urls, n = cfg.rollout.vllm_server_base_urls, shape.infer_nodes
+    if n < 1:
+        problems.append("rollout.vllm_mode='server' needs inference nodes: got 0 (--infer-nodes)")
+    elif urls is not None and len(urls) != n:
+        problems.append(
+            f"rollout.vllm_server_base_urls lists {len(urls)} server(s) but there are {n} inference node(s) "
+            f"(--infer-nodes): one rollout server runs per inference node, give one URL each"
+        )
+    elif urls is None and n > 1:
+        problems.append(
+            f"{n} inference nodes but the trainer is given one server (rollout.vllm_server_base_url or "
+            f"vllm_server_host/port): set rollout.vllm_server_base_urls to one URL per inference node, e.g. "
+            f"[http://HOST0:PORT,http://HOST1:PORT] (launch/grpo_72b.slurm does), or use --infer-nodes 1"
+        )
+
+
+def node_roles(cfg: EngineConfig, shape: ClusterShape, d: Derived, node_rank: int) -> str:
+    """What training node `node_rank` holds under Megatron's rank order (TP fastest, then DP, then PP)."""
+    tp, first = cfg.parallel.tp_size, node_rank * shape.gpus_per_node
+    ranks = range(first, first + shape.gpus_per_node)
+    stages = sorted({r // (tp * d.dp_size) for r in ranks})
+    replicas = sorted({(r // tp) % d.dp_size for r in ranks})
+    return (
+        f"node rank {node_rank} of {shape.train_nodes}: global ranks {ranks.start}-{ranks.stop - 1}, pipeline "
+        f"stage(s) {','.join(map(str, stages))}, data-parallel rank(s) {','.join(map(str, replicas))}"
+    )

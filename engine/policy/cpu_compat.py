@@ -1,0 +1,79 @@
+"""Run Megatron-core unchanged on a machine without CUDA (development machines and CI).
+
+Owns: `install_cpu_compat()`, which is idempotent and does nothing when CUDA is available. Megatron-core asks for
+`torch.cuda.current_device()`, creates tensors with `device="cuda"`, moves them with `.cuda()` and forks the CUDA
+RNG tracker even with `use_cpu_initialization=True` (CPU_STACK.md). This module:
+
+- enters a `TorchFunctionMode` that rewrites any `device=` naming CUDA (a string, an int, a torch.device) to the
+  CPU, turns `Tensor.cuda()` into a no-op and `Tensor.to(<cuda>)` into `.to("cpu")`, and makes `Tensor.type()`
+  (no arguments) name CPU tensors as the device's (`torch.cuda.FloatTensor`), which Megatron's distributed
+  optimizer checks;
+- points `torch.cuda.current_device`, `synchronize`, `set_device`, the RNG state get/set and `manual_seed` at the
+  CPU (the CPU generator plays the role of the device generator, so Megatron's RNG tracker forks and restores it
+  exactly as it would the CUDA one);
+- routes Megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` to the CPU generator.
+
+Must not: change anything when CUDA exists; be imported for its side effects (call `install_cpu_compat`).
+Only `engine/policy/parallel.py` calls it. Test: the distributed tier (tests/distributed) runs Megatron through it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+_mode: TorchFunctionMode | None = None
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the CPU (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            # Megatron's distributed optimizer accepts only 'torch.cuda.*Tensor' type names.
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def install_cpu_compat() -> bool:
+    """Install the compatibility layer once, if and only if CUDA is absent. Returns True when it is active."""
+    global _installed, _mode
+    if torch.cuda.is_available():
+        return False
+    if _installed:
+        return True
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda device=None: None
+    cuda.set_device = lambda device: None
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    # NOTE: not torch.manual_seed, which itself calls torch.cuda.manual_seed_all.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = cuda.manual_seed
+    mcore_random._get_cuda_rng_state = lambda device=-1, clone=False, graph_safe=False: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    _mode = _CudaToCpu()
+    _mode.__enter__()
+    _installed = True
+    return True

@@ -1,0 +1,152 @@
+"""Hugging Face safetensors checkpoints in and out of the sharded Megatron policy, at any TP x PP layout.
+
+Owns: `SafetensorsSource` (lazy slices of a single-file or sharded safetensors checkpoint), `load_hf_checkpoint`
+(every rank reads only the slices of its own parameters: no rank holds the full model) and `export_hf_checkpoint`
+(each pipeline stage gathers its TP shards one parameter at a time and writes its own safetensors file; rank 0
+writes the index, config and tokenizer; the directory appears atomically). The name and layout map is
+engine/policy/hf_convert.py, shared with weight sync.
+
+Must not: read Megatron's global parallel state (it receives a ParallelState), or change parameter values beyond
+loading them.
+
+Test: tests/distributed/test_checkpoint_layouts.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.policy.hf_convert import ModelDims, family_map, find_entry, read_megatron_shard, to_hf
+from engine.policy.model import global_param_names
+from engine.policy.parallel import ParallelState
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+class SafetensorsSource:
+    """Read slices of the tensors of a safetensors checkpoint directory without loading whole files."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (model_dir / "model.safetensors").exists():
+            with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+                weight_map = {name: "model.safetensors" for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        self._files = {file: safe_open(model_dir / file, framework="pt") for file in set(weight_map.values())}
+        self._where = weight_map
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def _slice(self, name: str):
+        if name not in self._where:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint")
+        return self._files[self._where[name]].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self._slice(name)[index]
+
+
+@torch.no_grad()
+def load_hf_checkpoint(chunks: list[torch.nn.Module], ps: ParallelState, model_dir: str | Path, dims: ModelDims) -> None:
+    """Copy a Hugging Face checkpoint into this rank's model chunks, reading only this rank's slices.
+
+    Raises:
+        KeyError naming a Megatron parameter without a mapping or an HF tensor missing from the checkpoint;
+        ValueError on a shape mismatch (e.g. a checkpoint of another size than the config).
+    """
+    src = SafetensorsSource(model_dir)
+    entries = family_map(dims)
+    for chunk in chunks:
+        for name, global_name in global_param_names(chunk).items():
+            param = chunk.get_parameter(name)
+            entry, layer = find_entry(entries, global_name)
+            shard = read_megatron_shard(entry, layer, dims, src, ps.tp_rank, ps.tp_size)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{global_name}: checkpoint gives shard {tuple(shard.shape)}, the model at tp_size={ps.tp_size} "
+                    f"expects {tuple(param.shape)}"
+                )
+            param.copy_(shard)
+
+
+@torch.no_grad()
+def iter_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims):
+    """Yield (HF name, tensor) for one model chunk, TP shards gathered one parameter at a time (collective over the
+    TP group: every TP rank iterates and receives the same tensors)."""
+    from engine.policy.model import merge_tp_shards
+
+    entries = family_map(dims)
+    for name, global_name in global_param_names(chunk).items():
+        if global_name == "output_layer.weight" and dims.tie_word_embeddings:
+            continue  # the tied head is exported once, as the embedding
+        param = chunk.get_parameter(name)
+        shards = [torch.empty_like(param) for _ in range(ps.tp_size)]
+        dist.all_gather(shards, param.contiguous(), group=ps.groups.tp)
+        entry, layer = find_entry(entries, global_name)
+        yield from to_hf(entry, layer, dims, merge_tp_shards(shards, param)).items()
+
+
+def export_hf_checkpoint(
+    chunks: list[torch.nn.Module], ps: ParallelState, out_dir: str | Path, hf_config, dims: ModelDims,
+    tokenizer_dir: str | Path | None = None, dtype: torch.dtype | None = None,
+) -> Path | None:
+    """Write the policy as a Hugging Face checkpoint (collective: every rank calls it).
+
+    Each pipeline stage's (tp_rank 0, dp_rank 0) writes `model-<stage>-of-<stages>.safetensors` with its own
+    layers; rank 0 writes `model.safetensors.index.json`, `config.json` and the tokenizer files. Everything goes
+    to `<out_dir>.tmp` first and is renamed into place at the end, so a crash never leaves a half-written export
+    under `out_dir`. Returns the directory on rank 0, None elsewhere.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if ps.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    tensors: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        tensors |= dict(iter_hf_tensors(chunk, ps, dims))
+    file = f"model-{ps.pp_rank + 1:05d}-of-{ps.pp_size:05d}.safetensors"
+    writer = ps.tp_rank == 0 and ps.dp_rank == 0
+    if writer:
+        cast = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in tensors.items()}
+        save_file(cast, tmp / file, metadata={"format": "pt"})
+    names = sorted(tensors) if writer else []
+    per_rank: list = [None] * ps.world_size
+    dist.all_gather_object(per_rank, (file, names))
+    if ps.rank == 0:
+        weight_map = {name: f for f, rank_names in per_rank for name in rank_names}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        hf_config = copy.deepcopy(hf_config)
+        # NOTE: config.json names the dtype the weights are written in (a bf16 run's export said float32, and
+        # transformers then loaded the bf16 weights as float32).
+        hf_config.dtype = dtype or next(iter(tensors.values())).dtype
+        hf_config.save_pretrained(tmp)
+        for name in TOKENIZER_FILES if tokenizer_dir else ():
+            if (Path(tokenizer_dir) / name).exists():
+                shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    dist.barrier()
+    return out_dir if ps.rank == 0 else None

@@ -1,0 +1,218 @@
+"""Hugging Face <-> Megatron: the declarative name and layout map of each model family, and the pure conversions.
+
+Owns: `TensorMap` entries (Megatron global name, HF names, layout kind) for Qwen2 / Qwen2.5 and Llama-3, and the
+three conversions every user of the map needs:
+- `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
+- `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
+- `to_hf`: the HF tensors from a global Megatron tensor (the inverse).
+Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md §6.4-6.5), so each is explicit:
+  replicated  norms: same on every TP rank;
+  column      split along dim 0;   row  split along dim 1;
+  vocab       split along dim 0 after padding the vocabulary to `padded_vocab` rows (zeros; never sampled);
+  qkv         Megatron's fused QKV: per query group g, [q heads of g; k_g; v_g] (GQA-interleaved), TP splits whole
+              groups, so rank r holds groups [r*G/tp, (r+1)*G/tp);
+  gate_up     Megatron's fused SwiGLU fc1 = [gate; up]; TP rank r holds [gate_r; up_r] (partition_stride 2).
+Tied embeddings: HF stores one `model.embed_tokens.weight`; Megatron's last stage holds a copy as
+`output_layer.weight` (kept equal by Megatron's embedding group), which is loaded from it and never exported.
+
+Must not: touch process groups, files other than through the `read` callback, or vLLM (the weight-sync module reads
+these maps to plan its transfers).
+
+Test: tests/unit/test_hf_convert.py (pure), tests/distributed/test_checkpoint_layouts.py (round trips, logits).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
+
+
+class TensorSource(Protocol):
+    """Where HF tensors come from: a safetensors checkpoint (engine/train/checkpoint.py) or a dict (`DictSource`)."""
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """The slice `index` of tensor `name`, e.g. (slice(0, 64),) or (slice(None), slice(0, 64))."""
+
+
+class DictSource:
+    """A TensorSource over in-memory tensors."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensors[name][index]
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    megatron: str
+    """Global Megatron name; `{i}` stands for the layer index."""
+    hf: tuple[str, ...]
+    kind: Kind
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shape facts the conversions need."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
+        heads = hf_config.num_attention_heads
+        return cls(
+            num_layers=hf_config.num_hidden_layers,
+            hidden_size=hf_config.hidden_size,
+            num_heads=heads,
+            num_groups=hf_config.num_key_value_heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            vocab_size=hf_config.vocab_size,
+            padded_vocab=padded_vocab,
+            tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+            qkv_bias=bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
+        )
+
+
+def family_map(dims: ModelDims) -> list[TensorMap]:
+    """The map of the Qwen2 / Llama family (identical names; Qwen2 adds the QKV bias)."""
+    attn = "model.layers.{i}.self_attn"
+    entries = [
+        TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+        TensorMap("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",), "replicated"),
+        TensorMap(
+            "decoder.layers.{i}.self_attention.linear_qkv.weight",
+            (f"{attn}.q_proj.weight", f"{attn}.k_proj.weight", f"{attn}.v_proj.weight"), "qkv",
+        ),
+        TensorMap("decoder.layers.{i}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), "row"),
+        TensorMap(
+            "decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),
+            "replicated",
+        ),
+        TensorMap(
+            "decoder.layers.{i}.mlp.linear_fc1.weight",
+            ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "gate_up",
+        ),
+        TensorMap("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "row"),
+        TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    ]
+    if dims.qkv_bias:
+        entries.append(
+            TensorMap(
+                "decoder.layers.{i}.self_attention.linear_qkv.bias",
+                (f"{attn}.q_proj.bias", f"{attn}.k_proj.bias", f"{attn}.v_proj.bias"), "qkv",
+            )
+        )
+    head = "model.embed_tokens.weight" if dims.tie_word_embeddings else "lm_head.weight"
+    entries.append(TensorMap("output_layer.weight", (head,), "vocab"))
+    return entries
+
+
+# Transformer Engine's layer spec fuses the norms into the next linear layer.
+TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def find_entry(entries: list[TensorMap], megatron_name: str) -> tuple[TensorMap, int | None]:
+    """The entry of a global Megatron parameter name and its layer index (None outside the layers)."""
+    for local, te in TE_NAMES.items():
+        megatron_name = megatron_name.replace(te, local)
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", megatron_name)
+    layer = int(match.group(1)) if match else None
+    key = f"decoder.layers.{{i}}.{match.group(2)}" if match else megatron_name
+    for entry in entries:
+        if entry.megatron == key:
+            return entry, layer
+    raise KeyError(f"no Hugging Face mapping for Megatron parameter {megatron_name!r}")
+
+
+def hf_names(entry: TensorMap, layer: int | None) -> list[str]:
+    return [name.format(i=layer) for name in entry.hf]
+
+
+def _qkv_sizes(dims: ModelDims) -> tuple[int, int]:
+    """(rows of q per query group, rows of k or v per group)."""
+    return dims.num_heads // dims.num_groups * dims.head_dim, dims.head_dim
+
+
+def read_megatron_shard(
+    entry: TensorMap, layer: int | None, dims: ModelDims, src: TensorSource, tp_rank: int, tp_size: int
+) -> torch.Tensor:
+    """This TP rank's shard of a Megatron parameter, reading only the slices of the HF tensors it needs."""
+    names = hf_names(entry, layer)
+    every = slice(None)
+    if entry.kind == "replicated":
+        return src.read(names[0], (every,))
+    if entry.kind in ("column", "gate_up"):
+        parts = [_rank_slice(src, name, 0, tp_rank, tp_size) for name in names]
+        return torch.cat(parts, dim=0)  # gate_up: [gate_r; up_r]
+    if entry.kind == "row":
+        return _rank_slice(src, names[0], 1, tp_rank, tp_size)
+    if entry.kind == "vocab":
+        rows = dims.padded_vocab // tp_size
+        start, stop = tp_rank * rows, min((tp_rank + 1) * rows, dims.vocab_size)
+        part = src.read(names[0], (slice(start, max(stop, start)),))  # (rows - padding, H)
+        out = part.new_zeros((rows, *part.shape[1:]))  # (V_pad / tp, H); padded rows are zeros
+        out[: part.shape[0]] = part
+        return out
+    q_rows, kv_rows = _qkv_sizes(dims)
+    groups = dims.num_groups // tp_size
+    g0 = tp_rank * groups
+    q = src.read(names[0], (slice(g0 * q_rows, (g0 + groups) * q_rows),))  # (groups*q_rows, ...)
+    k = src.read(names[1], (slice(g0 * kv_rows, (g0 + groups) * kv_rows),))  # (groups*kv_rows, ...)
+    v = src.read(names[2], (slice(g0 * kv_rows, (g0 + groups) * kv_rows),))
+    tail = q.shape[1:]
+    per_group = [q.reshape(groups, q_rows, *tail), k.reshape(groups, kv_rows, *tail), v.reshape(groups, kv_rows, *tail)]
+    return torch.cat(per_group, dim=1).reshape(-1, *tail)  # (groups*(q_rows+2*kv_rows), ...)
+
+
+def _rank_slice(src: TensorSource, name: str, dim: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Chunk `tp_rank` of `tp_size` equal chunks of an HF tensor along `dim`, read without the rest."""
+    size = src.shape(name)[dim]
+    if size % tp_size:
+        raise ValueError(f"{name}: dimension {dim} of size {size} does not split into tp_size={tp_size} equal parts")
+    step = size // tp_size
+    index = (slice(None),) * dim + (slice(tp_rank * step, (tp_rank + 1) * step),)
+    return src.read(name, index)
+
+
+def to_megatron_global(entry: TensorMap, layer: int | None, dims: ModelDims, hf: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The global (TP=1) Megatron tensor of an entry from full HF tensors."""
+    return read_megatron_shard(entry, layer, dims, DictSource(hf), 0, 1)
+
+
+def to_hf(entry: TensorMap, layer: int | None, dims: ModelDims, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The HF tensors of an entry from its global (TP=1) Megatron tensor: the inverse of `to_megatron_global`."""
+    names = hf_names(entry, layer)
+    if entry.kind == "vocab":
+        return {names[0]: full[: dims.vocab_size].clone()}
+    if entry.kind == "gate_up":
+        gate, up = full.chunk(2, dim=0)
+        return {names[0]: gate.clone(), names[1]: up.clone()}
+    if entry.kind == "qkv":
+        q_rows, kv_rows = _qkv_sizes(dims)
+        tail = full.shape[1:]
+        grouped = full.view(dims.num_groups, q_rows + 2 * kv_rows, *tail)  # (G, q+2kv, ...)
+        q, k, v = grouped.split([q_rows, kv_rows, kv_rows], dim=1)
+        return {n: t.reshape(-1, *tail).clone() for n, t in zip(names, (q, k, v))}
+    return {names[0]: full.clone()}

@@ -1,0 +1,345 @@
+"""The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
+
+Owns: the translation of a Qwen2 / Llama Hugging Face config into Megatron's `TransformerConfig` (GQA, QKV bias,
+SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings, vocabulary padded for TP), the layer spec choice (Transformer
+Engine when it imports, Megatron's local spec otherwise, whose row-parallel linears are swapped through the
+ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`), `build_policy`, and the rule that
+takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
+
+Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
+
+Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
+tests/distributed/test_grpo_step_layouts.py (also: no "tp_group is None" fallback warning from Megatron).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.policy.parallel import ParallelState
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+
+
+@dataclass(frozen=True)
+class PolicyShape:
+    """What the rest of the engine needs to know about the model, independent of the layout."""
+
+    vocab_size: int
+    """The tokenizer's vocabulary (HF config vocab_size)."""
+    padded_vocab_size: int
+    """Rows of the embedding / LM head after Megatron's padding; rows >= vocab_size are never sampled."""
+    hidden_size: int
+    num_layers: int
+    tie_word_embeddings: bool
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron-LM's rule: pad to a multiple of divisible_by * tp_size (Qwen2.5's 151936: 151936 at TP1, 152576 at TP8)."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+
+
+def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
+    """Megatron TransformerConfig equivalent to a Qwen2 / Llama Hugging Face config.
+
+    Args:
+        hf_config: transformers PretrainedConfig (model_type qwen2 or llama).
+        cfg: the `model` config section.
+        ps: this process's parallel state.
+    Returns:
+        megatron.core.transformer.TransformerConfig.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model.name_or_path: model_type {hf_config.model_type!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    num_layers = hf_config.num_hidden_layers
+    chunks = ps.pp_size * (ps.vpp_size or 1)
+    if num_layers % chunks:
+        raise ValueError(
+            f"num_hidden_layers={num_layers} is not divisible by pp_size*virtual_pipeline_size = "
+            f"{ps.pp_size}*{ps.vpp_size or 1} = {chunks}"
+        )
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % ps.tp_size or groups % ps.tp_size:
+        raise ValueError(
+            f"num_attention_heads={heads} and num_key_value_heads={groups} must both be divisible by "
+            f"tp_size={ps.tp_size}"
+        )
+    dtype = _dtype(cfg.dtype)
+    on_cpu = not torch.cuda.is_available()
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=ps.tp_size,
+        pipeline_model_parallel_size=ps.pp_size,
+        virtual_pipeline_model_parallel_size=ps.vpp_size,
+        sequence_parallel=ps.sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        attention_softmax_in_fp32=True,
+        recompute_granularity=None,
+        # CPU: Megatron's fused kernels and CUDA initialisation are unavailable (CPU_STACK.md).
+        use_cpu_initialization=on_cpu,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=not on_cpu,
+        masked_softmax_fusion=not on_cpu,
+        bias_dropout_fusion=not on_cpu,
+        apply_rope_fusion=not on_cpu,
+        persist_layer_norm=not on_cpu,
+    )
+
+
+def rope_settings(hf_config) -> dict:
+    """GPTModel's RoPE keyword arguments for an HF config; refuses RoPE variants Megatron would not reproduce.
+
+    transformers >= 5 keeps theta in `rope_parameters` (a missing `rope_theta` attribute must not silently become
+    Megatron's default 10000: Qwen2.5 uses 1e6). Llama-3.1's `llama3` scaling maps to Megatron's `rope_scaling`,
+    whose low/high frequency factors and original length are fixed at 1, 4 and 8192.
+    """
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError(f"{hf_config.model_type} config has no rope_theta (looked in rope_parameters and rope_theta)")
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return {"rotary_base": float(theta)}
+    fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    if rope_type == "llama3" and all(float(params.get(k, -1)) == v for k, v in fixed.items()):
+        return {"rotary_base": float(theta), "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
+    raise ValueError(f"RoPE {params} is not supported: only the default RoPE and llama3 scaling with {fixed}")
+
+
+def _layer_spec(cfg: ModelConfig, sequence_parallel: bool):
+    impl = cfg.transformer_impl
+    if impl == "auto":
+        try:
+            import transformer_engine  # noqa: F401
+
+            impl = "transformer_engine"
+        except ImportError:
+            impl = "local"
+    if impl == "local" and sequence_parallel:
+        raise ValueError(
+            "parallel.sequence_parallel needs Transformer Engine's layer spec (model.transformer_impl="
+            f"{cfg.transformer_impl!r} resolved to the local spec, whose torch norm does not support it): install "
+            "transformer-engine (GPU) or set parallel.sequence_parallel=false"
+        )
+    if impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    row_parallel = _row_parallel_linear_class()
+    layer = spec.submodules
+    attention = dataclasses.replace(layer.self_attention, submodules=dataclasses.replace(
+        layer.self_attention.submodules, linear_proj=row_parallel))
+    mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules, linear_fc2=row_parallel))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
+
+
+def _row_parallel_linear_class():
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class GroupedRowParallelLinear(RowParallelLinear):
+        """Megatron's RowParallelLinear, handing its own TP group to the linear autograd function.
+
+        NOTE: megatron-core 0.16's `RowParallelLinear.forward` passes `tp_group=None` to its linear function, which
+        then looks up the global TP group and warns "tp_group is None, using default tp group" on every call
+        (2 per layer per micro-batch: 32 lines per step of the 4-layer tiny model at 4 micro-batches). The group is
+        only used there for sequence parallelism or the dgrad all-reduce, both off for a row-parallel layer, so
+        passing `self.tp_group` (the layer's group from `pg_collection`) changes no number; it silences the
+        warning and keeps the global parallel state out of the forward pass.
+        """
+
+        def _forward_impl(self, input, weight, *args, **kwargs):
+            if kwargs.get("tp_group") is None:
+                kwargs["tp_group"] = self.tp_group
+            return super()._forward_impl(input, weight, *args, **kwargs)
+
+    return GroupedRowParallelLinear
+
+
+def policy_shape(hf_config, cfg: ModelConfig, tp_size: int) -> PolicyShape:
+    """The layout-independent shape facts of a model."""
+    return PolicyShape(
+        vocab_size=hf_config.vocab_size,
+        padded_vocab_size=padded_vocab_size(hf_config.vocab_size, cfg.make_vocab_size_divisible_by, tp_size),
+        hidden_size=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+    )
+
+
+def _policy_class():
+    from megatron.core.models.gpt import GPTModel
+
+    class PolicyGPTModel(GPTModel):
+        """GPTModel whose last stage returns the final hidden states (s, b, H), after the final norm, not logits.
+
+        The engine never materialises [tokens x vocab] logits through Megatron: log-probs come from the fused
+        kernel (kernels/) applied to these hidden states and `lm_head_weight()`, this rank's vocab shard.
+        Multi-token prediction is not supported.
+        """
+
+        def _postprocess(self, hidden_states, *args, **kwargs):
+            return hidden_states
+
+        def lm_head_weight(self) -> torch.Tensor:
+            """(V_pad / tp, H): the output layer's shard, or the word embeddings' when they are tied."""
+            if self.share_embeddings_and_output_weights:
+                return self.shared_embedding_or_output_weight()
+            return self.output_layer.weight
+
+    return PolicyGPTModel
+
+
+def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.nn.Module]:
+    """Build this rank's model chunks (one per virtual pipeline stage) of a Qwen2 / Llama model.
+
+    Args:
+        hf_config: transformers PretrainedConfig.
+        cfg: the `model` config section.
+        ps: this process's parallel state.
+    Returns:
+        list of PolicyGPTModel chunks (GPTModel returning hidden states on the last stage), in virtual-stage
+        order, weights randomly initialised (load a checkpoint or call `init_weights_by_name` next).
+    """
+    policy_class = _policy_class()
+    config = build_transformer_config(hf_config, cfg, ps)
+    shape = policy_shape(hf_config, cfg, ps.tp_size)
+    if cfg.cast_lm_head_to_fp32 and shape.tie_word_embeddings:
+        raise ValueError("model.cast_lm_head_to_fp32 needs untied embeddings; this checkpoint ties them")
+    spec = _layer_spec(cfg, ps.sequence_parallel)
+    num_chunks = ps.vpp_size or 1
+    chunks = []
+    for vp_stage in range(num_chunks):
+        is_first = ps.is_first_stage and vp_stage == 0
+        is_last = ps.is_last_stage and vp_stage == num_chunks - 1
+        chunks.append(
+            policy_class(
+                config=config,
+                transformer_layer_spec=spec,
+                vocab_size=shape.padded_vocab_size,
+                max_sequence_length=hf_config.max_position_embeddings,
+                pre_process=is_first,
+                post_process=is_last,
+                parallel_output=True,
+                share_embeddings_and_output_weights=shape.tie_word_embeddings,
+                position_embedding_type="rope",
+                **rope_settings(hf_config),
+                pg_collection=ps.groups,
+                vp_stage=vp_stage if ps.vpp_size else None,
+            )
+        )
+        cast_params_to_dtype(chunks[-1], config.params_dtype)
+    return chunks
+
+
+@torch.no_grad()
+def cast_params_to_dtype(chunk: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every floating-point parameter of a chunk the model's `params_dtype`.
+
+    NOTE: Megatron's local layer spec builds its norms with `torch.nn.RMSNorm(hidden_size)`, whose weight is float32
+    whatever `params_dtype` says, so a bf16 model came out mixed (bf16 linears, fp32 norms). Megatron's optimizers
+    assume one model dtype: in bf16 they keep the fp32 norm weights in a separate group, and the sharded optimizer
+    state then pairs parameters with the wrong states when it is saved (the distributed optimizer's
+    `get_parameter_state_dp_zero` copied a (128,) norm state into the (256,) QKV-bias slot and failed; with equal
+    shapes the pairing would be silently wrong). Megatron-LM itself casts the whole model (`Float16Module`:
+    `module.bfloat16()`); Transformer Engine's norms take params_dtype. Casting the parameters here does the same
+    for the local spec, and norms still compute in float32 inside torch's rms_norm.
+    """
+    for param in chunk.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
+def take_tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of a global (TP=1 layout) tensor, following the parameter's Megatron partition attributes.
+
+    A parameter split along `partition_dim` with `partition_stride` s holds, on rank r, chunk r of each of the s
+    equal blocks of the global tensor: s=1 for QKV (whole query groups per rank), the vocabulary and row-parallel
+    layers; s=2 for the fused SwiGLU fc1, whose shard is [gate_r; up_r].
+    """
+    if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in blocks], dim=dim)
+
+
+def global_param_names(chunk: torch.nn.Module) -> dict[str, str]:
+    """Local parameter name -> global name (the name it has in a TP=1, PP=1 model: layer indices made global)."""
+    names = {}
+    layers = getattr(getattr(chunk, "decoder", None), "layers", [])
+    offsets = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    for name, _ in chunk.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(offsets[int(parts[2])])
+        names[name] = ".".join(parts)
+    return names
+
+
+@torch.no_grad()
+def init_weights_by_name(chunks: list[torch.nn.Module], ps: ParallelState, seed: int, std: float = 0.02) -> None:
+    """Deterministic init that depends only on each parameter's global name and shape, never on the layout.
+
+    Every layout (TP, PP, virtual PP) then holds slices of the same global model, so its outputs must equal the
+    single-process model's: what the distributed tests and random-weight benchmarks rely on. Norm weights are
+    1 + noise, everything else N(0, std). Tied output layers on the last stage copy the word embeddings.
+    """
+    for chunk in chunks:
+        global_names = global_param_names(chunk)
+        for name, param in chunk.named_parameters():
+            global_name = global_names[name]
+            if global_name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
+                global_name = "embedding.word_embeddings.weight"
+            full_shape = list(param.shape)
+            if getattr(param, "tensor_model_parallel", False):
+                full_shape[param.partition_dim] *= ps.tp_size
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
+            full = torch.randn(full_shape, generator=gen, dtype=torch.float32)
+            full = 1.0 + 0.1 * full if "layernorm" in global_name or "norm.weight" in global_name else std * full
+            param.copy_(take_tp_shard(full, param, ps.tp_rank, ps.tp_size).to(param.device, param.dtype))
+
+
+def merge_tp_shards(shards: list[torch.Tensor], param: torch.nn.Parameter) -> torch.Tensor:
+    """Inverse of `take_tp_shard`: the global tensor from every TP rank's shard (in TP-rank order)."""
+    if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
+        return shards[0]
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    per_rank_blocks = [shard.chunk(stride, dim=dim) for shard in shards]  # [tp][stride]
+    return torch.cat([torch.cat([blocks[s] for blocks in per_rank_blocks], dim=dim) for s in range(stride)], dim=dim)

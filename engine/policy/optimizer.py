@@ -1,0 +1,122 @@
+"""The policy's optimizer: Megatron's DistributedDataParallel wrapper, Megatron's (distributed) optimizer with
+gradient clipping, and the learning-rate schedule.
+
+Owns: `build_optimizer(cfg.optimizer, chunks, ps, ...)` -> `PolicyOptimizer` (wrapped model chunks, optimizer,
+scheduler) and `PolicyOptimizer.step()`. Gradients are reduced over data-parallel ranks by Megatron's DDP
+(finalize_model_grads also all-reduces the tied embedding between first and last stage, and layer-norm gradients
+under sequence parallelism); with `use_distributed_optimizer` the optimizer states are sharded over DP ranks.
+
+Gradient convention: Megatron's DDP *averages* gradients over DP ranks and its schedule divides each micro-batch
+loss by the number of micro-batches. The GRPO loss is already normalised by global token / sequence counts
+(engine/grpo/policy_loss.py), so the step multiplies each micro-batch loss by num_microbatches * dp_size
+(`loss_scale_for_sum`) to make the gradient the plain sum the normaliser expects.
+
+Must not: read Megatron's global parallel state (it receives ParallelState), compute losses.
+
+Test: tests/distributed/test_grpo_step_layouts.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import OptimizerConfig
+from engine.policy.parallel import ParallelState
+
+
+@dataclass
+class PolicyOptimizer:
+    model: list[torch.nn.Module]
+    """The DDP-wrapped chunks: run the schedule on these."""
+    optimizer: object
+    """megatron.core.optimizer.MegatronOptimizer."""
+    scheduler: object
+    """megatron.core.optimizer_param_scheduler.OptimizerParamScheduler."""
+
+    def zero_grad(self) -> None:
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> dict[str, float]:
+        """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `learning_rate` (used)."""
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        is_ok, grad_norm, _ = self.optimizer.step()
+        if not is_ok:
+            raise FloatingPointError("optimizer step skipped: gradients are not finite")
+        self.scheduler.step(increment=1)
+        return {"grad_norm": float(grad_norm) if grad_norm is not None else math.nan, "learning_rate": learning_rate}
+
+
+def loss_scale_for_sum(num_microbatches: int, ps: ParallelState) -> float:
+    """Factor that turns Megatron's mean over micro-batches and DP ranks into a sum (see the module docstring)."""
+    return float(num_microbatches * ps.dp_size)
+
+
+def _warmup_steps(cfg: OptimizerConfig, total_steps: int) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps > 0 else int(math.ceil(cfg.warmup_ratio * total_steps))
+
+
+def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: ParallelState, *, total_steps: int) -> PolicyOptimizer:
+    """Wrap the chunks in Megatron DDP and build Megatron's optimizer and LR schedule from the `optimizer` section.
+
+    Args:
+        cfg: the `optimizer` config section (TrainingArguments names; `optim` adam is AdamW).
+        chunks: this rank's PolicyGPTModel chunks.
+        ps: this process's parallel state.
+        total_steps: optimizer steps of the run (for warmup_ratio and the decay length).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.use_distributed_optimizer
+    )
+    model = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0, pg_collection=ps.groups)
+        for i, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = functools.partial(finalize_model_grads, pg_collection=ps.groups)
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    optimizer = get_megatron_optimizer(
+        MegatronOptimizerConfig(
+            optimizer=cfg.optim,
+            lr=cfg.learning_rate,
+            min_lr=0.0,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_epsilon,
+            clip_grad=cfg.max_grad_norm,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+            params_dtype=config.params_dtype,
+            bf16=config.bf16,
+            fp16=config.fp16,
+        ),
+        model,
+        use_gloo_process_groups=False,
+        pg_collection=ps.groups,
+    )
+    warmup = _warmup_steps(cfg, total_steps)
+    style = {"constant": "constant", "linear": "linear", "cosine": "cosine"}[cfg.lr_scheduler_type]
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else cfg.learning_rate,
+        max_lr=cfg.learning_rate,
+        min_lr=0.0,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(total_steps, warmup + 1),
+        lr_decay_style=style,
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )
+    return PolicyOptimizer(model=model, optimizer=optimizer, scheduler=scheduler)

@@ -1,0 +1,129 @@
+"""Parallel state: the one module that touches Megatron's global `parallel_state` (STYLE.md rule 3).
+
+Owns: starting torch.distributed (nccl on GPU, gloo on CPU; a plain `python` run becomes a world of one), calling
+Megatron's `initialize_model_parallel` from the `parallel` config section, seeding Megatron's RNG tracker, and handing
+everyone else a frozen `ParallelState` with sizes, ranks and a `ProcessGroupCollection`. On a machine without CUDA it
+installs the CPU compatibility layer first (engine/policy/cpu_compat.py).
+
+Must not: be read from anywhere else for groups (components receive `ParallelState` or its groups as arguments).
+
+Test: `pytest tests/distributed` (layouts TP=2, PP=2, TP=2 x PP=2 on gloo) and tests/unit/test_parallel.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.config import ConfigError, ParallelConfig
+from engine.policy.cpu_compat import install_cpu_compat
+from engine.validation import resolve_dp_size
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Sizes, ranks and process groups of this process. Pass it (or its groups) to whoever needs them."""
+
+    world_size: int
+    rank: int
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    vpp_size: int | None
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    sequence_parallel: bool
+    groups: object
+    """megatron.core.process_groups_config.ProcessGroupCollection (tp, pp, dp, mp, embd, pos_embd, cp, ...)."""
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_process_group(backend: str, timeout_min: int) -> None:
+    """Join the world torchrun/srun describe in the environment, or make a world of one for a plain `python` run."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_min))
+
+
+def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_min: int = 30) -> ParallelState:
+    """Start torch.distributed and Megatron's model-parallel groups for the layout in `cfg`.
+
+    Args:
+        cfg: the `parallel` config section.
+        seed: base seed; Megatron derives the TP-rank and data-parallel RNG streams from it.
+        timeout_min: collective timeout in minutes.
+    Returns:
+        the ParallelState of this process.
+    Raises:
+        ConfigError when the world size does not match tp_size * pp_size * dp_size.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    has_cuda = torch.cuda.is_available()
+    backend = cfg.distributed_backend if cfg.distributed_backend != "auto" else ("nccl" if has_cuda else "gloo")
+    if backend == "nccl" and not has_cuda:
+        raise ConfigError("parallel.distributed_backend='nccl' needs CUDA; use 'gloo' or 'auto' on this machine")
+    if has_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        install_cpu_compat()
+    _start_process_group(backend, timeout_min)
+    world_size = dist.get_world_size()
+    dp_size = resolve_dp_size(cfg, world_size)
+    vpp = cfg.virtual_pipeline_size if (cfg.virtual_pipeline_size or 1) > 1 else None
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tp_size,
+        pipeline_model_parallel_size=cfg.pp_size,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=timeout_min,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    return ParallelState(
+        world_size=world_size,
+        rank=dist.get_rank(),
+        tp_size=cfg.tp_size,
+        pp_size=cfg.pp_size,
+        dp_size=dp_size,
+        vpp_size=vpp,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        sequence_parallel=cfg.sequence_parallel,
+        groups=ProcessGroupCollection.use_mpu_process_groups(),
+        device=torch.device("cuda", torch.cuda.current_device()) if has_cuda else torch.device("cpu"),
+    )
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the process group (safe to call when nothing was started)."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

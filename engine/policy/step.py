@@ -1,0 +1,217 @@
+"""One pass of Megatron's forward/backward schedule over micro-batches (no pipelining, 1F1B, or interleaved 1F1B).
+
+Owns: the `forward_step` / `loss_func` contract of `get_forward_backward_func` for this engine (`run_schedule`),
+and the losses run through it: the GRPO loss (`grpo_forward_backward`: completion log-probs from the fused kernel
+entry on the vocab-parallel LM-head shard, engine/grpo/policy_loss.py's maths and layout-independent normaliser), the
+forward-only old / reference log-probs (`forward_logprobs`), and the next-token LM loss (the layout tests).
+
+Must not: read Megatron's global parallel state (layout comes from ParallelState), or own the optimizer.
+
+Test: tests/distributed/test_megatron_layouts.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.policy.parallel import ParallelState
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The PolicyGPTModel inside a Megatron DistributedDataParallel wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def gather_lm_head_input(hidden: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """The last stage's hidden states as the LM head needs them: every token on every TP rank, (s, b, H).
+
+    Under sequence parallelism each TP rank holds s / tp of the sequence: all-gather it (the backward reduce-scatters
+    the gradient, as Megatron's column-parallel LM head does). Otherwise the input is already replicated; its
+    gradient is summed over TP ranks by `copy_to_tensor_model_parallel_region`.
+    """
+    from megatron.core import tensor_parallel
+
+    if ps.sequence_parallel:
+        return tensor_parallel.gather_from_sequence_parallel_region(hidden, group=ps.groups.tp)
+    return tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=ps.groups.tp)
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """This TP rank's vocab slice of the logits, (s, b, V_pad / tp). Materialises logits: LM-loss and test use only;
+    the GRPO path uses the fused kernel instead."""
+    return torch.matmul(gather_lm_head_input(hidden, ps), weight.t())
+
+
+def run_schedule(
+    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], loss_fn, *, forward_only: bool = False
+) -> list[dict]:
+    """Run Megatron's schedule (no pipelining, 1F1B or interleaved 1F1B) over `microbatches`.
+
+    Args:
+        chunks: this rank's model chunks (build_policy), in virtual-stage order.
+        ps: this process's parallel state.
+        microbatches: dicts with at least `tokens` and `position_ids` ((b, T) int64); every rank passes the same list
+            (only the first and last stage read them).
+        loss_fn: `loss_fn(model, hidden (s, b, H), batch) -> (loss scalar, dict of detached values)`, run on the
+            last stage. Megatron divides the returned loss by the number of micro-batches before backward.
+        forward_only: no backward pass.
+    Returns:
+        the dicts returned by `loss_fn`, one per micro-batch, on the last pipeline stage; [] elsewhere.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        hidden = model(batch["tokens"], batch["position_ids"], attention_mask=None)
+
+        def loss_func(last_hidden):  # (s, b, H) on the last stage
+            loss, values = loss_fn(model, last_hidden, batch)
+            # NOTE: the schedule divides `loss` in place by num_microbatches; values must not share its storage.
+            return loss, values
+
+        return hidden, loss_func
+
+    forward_backward = get_forward_backward_func(pp_size=ps.pp_size, vp_size=ps.vpp_size)
+    # The groups come from ParallelState, never from Megatron's global parallel_state (the schedules fall back to it
+    # when given neither a pg_collection nor a p2p communicator).
+    groups = {"pg_collection": ps.groups}
+    if ps.pp_size > 1:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.utils import get_model_config
+
+        groups["p2p_communicator"] = P2PCommunicator(pp_group=ps.groups.pp, config=get_model_config(chunks[0]))
+    values = forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=[iter(microbatches) for _ in chunks],
+        model=chunks,
+        num_microbatches=len(microbatches),
+        seq_length=microbatches[0]["tokens"].shape[1],
+        micro_batch_size=microbatches[0]["tokens"].shape[0],
+        forward_only=forward_only,
+        **groups,
+    )
+    return list(values) if ps.is_last_stage else []
+
+
+def lm_forward_backward(
+    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], *, forward_only: bool = False
+) -> list[float]:
+    """Next-token loss of each micro-batch (batches also carry `labels`, (b, T)); gradients accumulate in `.grad`.
+
+    Returns:
+        the mean per-token loss of every micro-batch on the last pipeline stage, [] on other stages.
+    """
+    from megatron.core import tensor_parallel
+
+    def loss_fn(model, hidden, batch):
+        logits = lm_head_logits(hidden, unwrap(model).lm_head_weight(), ps)  # (s, b, V_pad / tp)
+        labels = batch["labels"].transpose(0, 1).contiguous()  # (s, b)
+        # NOTE: Megatron's vocab_parallel_cross_entropy reads its global TP group (it takes none); LM loss only.
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
+        return loss, {"lm_loss": loss.detach().clone()}
+
+    values = run_schedule(chunks, ps, microbatches, loss_fn, forward_only=forward_only)
+    return [float(v["lm_loss"]) for v in values]
+
+
+@dataclass(frozen=True)
+class LogprobSettings:
+    """How per-token log-probs are computed from the last hidden states (fields from `generation` and `kernels`)."""
+
+    vocab_size: int
+    """The real vocabulary; Megatron's padded rows above it are masked."""
+    temperature: float = 1.0
+    implementation: str = "auto"
+    """kernels.lm_head_logprob_entropy implementation: auto | triton | torch_chunked | reference."""
+    workspace_mb: float = 1024.0
+
+
+def completion_logprobs(
+    model: torch.nn.Module, hidden: torch.Tensor, batch: dict, ps: ParallelState, settings: LogprobSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of every completion token, (b, C) each, from the last stage's hidden states.
+
+    Only the C completion positions of each row go through the LM head (prompt and padding rows are skipped), via
+    the fused kernel entry (never the [tokens x vocab] logits). Masked positions hold 0.
+    """
+    from megatron.core import tensor_parallel
+
+    from kernels import lm_head_logprob_entropy
+
+    if ps.sequence_parallel:
+        # The kernel sums dX over the TP group itself, so the backward of this gather only splits (no reduce).
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=False, group=ps.groups.tp
+        )
+    hidden = hidden.transpose(0, 1)  # (b, s, H)
+    num_rows, seq_len = hidden.shape[:2]
+    num_completion = batch["completion_ids"].shape[1]
+    index = batch["prompt_lengths"][:, None] - 1 + torch.arange(num_completion)  # (b, C)
+    mask = batch["completion_mask"].bool()  # (b, C)
+    rows = torch.arange(num_rows)[:, None].expand_as(index)  # (b, C)
+    x = hidden[rows[mask], index[mask].clamp(max=seq_len - 1)]  # (N, H)
+    logprobs, entropy = lm_head_logprob_entropy(
+        x, unwrap(model).lm_head_weight(), batch["completion_ids"][mask],
+        temperature=settings.temperature, vocab_size=settings.vocab_size, tp_group=ps.groups.tp,
+        workspace_mb=settings.workspace_mb, implementation=settings.implementation,
+    )  # (N,), (N,)
+    zeros = torch.zeros(mask.shape, dtype=logprobs.dtype)  # (b, C)
+    return zeros.masked_scatter(mask, logprobs), zeros.masked_scatter(mask, entropy)
+
+
+def forward_logprobs(
+    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], settings: LogprobSettings
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Forward-only (old / reference) log-probs and entropies, (b, C) each per micro-batch, on the last stage."""
+
+    def loss_fn(model, hidden, batch):
+        logprobs, entropy = completion_logprobs(model, hidden, batch, ps, settings)
+        return logprobs.sum() * 0, {"logprobs": logprobs, "entropy": entropy}
+
+    with torch.no_grad():
+        values = run_schedule(chunks, ps, microbatches, loss_fn, forward_only=True)
+    return [(v["logprobs"], v["entropy"]) for v in values]
+
+
+def grpo_forward_backward(
+    model: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], loss_config, normalizer,
+    settings: LogprobSettings, *, entropy_coef: float | None = None,
+) -> list:
+    """The GRPO loss of every micro-batch, gradients summed into the DDP buffers (engine/policy/optimizer.py convention).
+
+    Args:
+        model: the DDP-wrapped chunks (PolicyOptimizer.model).
+        ps: this process's parallel state.
+        microbatches: from engine/policy/batch.py, plus `advantages` (b,) and optionally `old_logprobs`, `ref_logprobs`,
+            `sampling_logprobs`, `importance_sampling_ratio` ((b, C) each); `completion_mask` is the loss mask.
+        loss_config: engine.grpo.policy_loss.PolicyLossConfig.
+        normalizer: engine.grpo.policy_loss.LossNormalizer with the optimizer step's global token / sequence counts.
+        settings: log-prob settings.
+        entropy_coef: the entropy-bonus coefficient for this step (adaptive mode), None = loss_config's.
+    Returns:
+        the PolicyLossOutput of every micro-batch (detached), on the last stage; [] elsewhere.
+    """
+    from engine.policy.optimizer import loss_scale_for_sum
+    from engine.grpo.policy_loss import PolicyLossBatch, compute_policy_loss
+
+    scale = loss_scale_for_sum(len(microbatches), ps)
+
+    def loss_fn(chunk, hidden, batch):
+        logprobs, entropy = completion_logprobs(chunk, hidden, batch, ps, settings)
+        inputs = PolicyLossBatch(
+            mask=batch["completion_mask"], advantages=batch["advantages"], old_logprobs=batch.get("old_logprobs"),
+            ref_logprobs=batch.get("ref_logprobs"), sampling_logprobs=batch.get("sampling_logprobs"),
+            importance_sampling_ratio=batch.get("importance_sampling_ratio"),
+        )
+        out = compute_policy_loss(logprobs, inputs, loss_config, normalizer, entropy=entropy, entropy_coef=entropy_coef)
+        return out.loss * scale, {"output": _detached(out)}
+
+    return [v["output"] for v in run_schedule(model, ps, microbatches, loss_fn)]
+
+
+def _detached(out):
+    from dataclasses import replace
+
+    return replace(out, loss=out.loss.detach().clone(), policy_loss=out.policy_loss.detach().clone())

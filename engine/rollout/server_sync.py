@@ -1,0 +1,187 @@
+"""Server-mode weight sync, the trainer's half: `build_server_sync` (the plan of this trainer layout into a rollout
+server's engine TP, and where the transfer group meets) and `sync_server` (one sync: rank 0 checks the server's
+health and asks engine/rollout/server.py over HTTP to join the group and to receive, each request in a background
+thread, while the dp_rank-0 ranks `send_weights` their shards; the outcome is then agreed over the trainer's world so
+every rank returns, or raises, together). The server's half is engine/rollout/vllm_engine.py's
+`WeightReceiverExtension` (`receive_weights` in vLLM's workers).
+
+Layouts: knows neither of its own: the plan (engine/rollout/sync_plan.py) is built from the trainer's
+ParallelState and the server's engine TP, and executed by engine/rollout/weight_transport.py.
+
+Must not: import vLLM, change the trainer's parameters (they are only read, so a failed sync leaves them exact),
+retry a half-done transfer (a failed sync closes the group; the next one joins a fresh one).
+
+Test: tests/integration/test_rollout_server.py (real vLLM server: trainer TP 1/2 into engine TP 1/2, a server killed
+mid-sync, a restarted server rejoined). Benchmark: benchmarks/bench_weight_sync.py --vllm.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.policy.hf_convert import ModelDims
+from engine.policy.parallel import ParallelState
+from engine.rollout.sync_check import WeightSyncError
+from engine.rollout.sync_plan import SyncPlan, TrainerLayout, build_sync_plan
+from engine.rollout.weight_transport import WeightTransferGroup, send_weights
+
+
+@dataclass
+class ServerSync:
+    """The trainer's end of the weight-transfer group to a rollout server, kept from one sync to the next."""
+
+    plan: SyncPlan
+    host: str
+    """Address of global rank 0 (sender 0, which hosts the group's store), as the server reaches it."""
+    port: int
+    timeout_s: float
+    """Bounds joining, every transfer wait and the server's answers."""
+    bucket_mb: float
+    group: WeightTransferGroup | None = None
+    """This rank's group (dp_rank 0 ranks, once joined)."""
+    is_joined: bool = False
+    """The same on every trainer rank: whether the group exists (False again after a failed sync)."""
+    store: object = None
+    """Rank 0: the group's TCPStore, listening before the server is asked to join (no connect back-off)."""
+    server: int = 0
+    """Which of the trainer's rollout servers (`SharedRolloutClient.clients[server]`) this link feeds."""
+    instance: str | None = None
+    """Rank 0: the server process (`instance_id`) the group was joined with; a new one has left the group."""
+
+
+def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn_hidden_size: int, dtype: str,
+                      group_port: int, timeout_s: float, bucket_mb: float, server: int = 0) -> ServerSync:
+    """The plan of this trainer layout into the server's engine TP, and where the group meets.
+
+    The group's store is hosted by global rank 0 on `group_port` at $MASTER_ADDR (torchrun's and srun's address of
+    rank 0's node; the inference nodes reach it as the trainer nodes do), 127.0.0.1 without one.
+    """
+    plan = build_sync_plan(dims, TrainerLayout(ps.tp_size, ps.pp_size, ps.vpp_size), engine_tp,
+                           ffn_hidden_size=ffn_hidden_size, dtype=dtype)
+    host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    return ServerSync(plan, host, group_port, timeout_s, bucket_mb, server=server)
+
+
+def _in_background(call):
+    """Run `call` in a thread; returns (thread, outcome dict with 'value' or 'error')."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="weight-sync-http", daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _result(background, timeout_s: float, what: str):
+    """Wait for a background HTTP call (None = not this rank's); raise its error."""
+    if background is None:
+        return None
+    thread, outcome = background
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise WeightSyncError(f"{what}: the server did not answer within {timeout_s:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _check_server(ps: ParallelState, client, link: ServerSync) -> bool:
+    """Rank 0 checks the server's health; every rank raises if it failed (collective). Returns, on every rank,
+    whether the server is another process than the one `link` joined (restarted: it has left the group)."""
+    flag = torch.tensor([1.0, 0.0], device=ps.device)  # (ok, restarted); on the backend's device (NCCL)
+    if ps.rank == 0:
+        try:
+            instance = client.check_health().get("instance_id")
+        except Exception:
+            flag[0] = 0.0
+            dist.broadcast(flag, src=0)
+            raise
+        flag[1] = float(link.instance is not None and instance != link.instance)
+        link.instance = instance
+    dist.broadcast(flag, src=0)
+    if not float(flag[0]):
+        raise WeightSyncError("the rollout server's health check failed on trainer rank 0")
+    return bool(float(flag[1]))
+
+
+def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: ServerSync) -> dict[str, float]:
+    """Push the policy's current weights into the rollout server (collective: every trainer rank calls it).
+
+    Rank 0 asks the server over HTTP to join the group (first sync, or after a failure) and to receive one sync,
+    each request in a background thread, while the dp_rank-0 ranks join and `send_weights` their own shards; the
+    outcome is then agreed over the trainer's world so every rank returns, or raises, together.
+
+    Args:
+        engine: the trainer's SharedRolloutClient (rank 0 holds the HTTP clients, `engine.clients`).
+        link: from `build_server_sync`; its group is kept for the next sync. The server is asked for its health
+            first (one GET): a dead one fails at once, a restarted one (new `instance_id`) is joined afresh
+            (stats then hold `weight_sync/rejoined`).
+    Returns:
+        {"weight_sync/seconds", "weight_sync/gib" (sent by rank 0), "weight_sync/messages", "weight_sync/buckets"}.
+    Raises:
+        WeightSyncError on every rank when any part failed (a dead or unreachable server, a broken group, a
+        timeout), naming the cause; the group is then closed on this side (the next sync joins a fresh one). The
+        trainer's parameters are only read, so they are exactly as before the sync whatever happened.
+    """
+    start = time.perf_counter()
+    plan = link.plan
+    client = engine.clients[link.server] if ps.rank == 0 else None
+    stats, error = {}, None
+    try:
+        # a dead server fails here at once, not after the group's join timeout; a restarted one (a new process,
+        # its checkpoint's weights, outside the group) is joined afresh
+        if _check_server(ps, client, link) and link.is_joined:
+            if link.group is not None:
+                link.group.close()
+            link.group, link.store, link.is_joined = None, None, False
+            stats["weight_sync/rejoined"] = 1.0
+        if not link.is_joined:
+            request = dict(host=link.host, port=link.port, world_size=plan.group_size,
+                           first_engine_rank=plan.trainer.num_senders, timeout_s=link.timeout_s, plan=plan.spec(),
+                           bucket_mb=link.bucket_mb)
+            if ps.rank == 0:  # the store listens first: members that connect early back off for up to ~20 s
+                link.store = dist.TCPStore(link.host, link.port, plan.group_size, is_master=True,
+                                           timeout=timedelta(seconds=link.timeout_s), wait_for_workers=False)
+            http = _in_background(lambda: client.init_weight_group(**request)) if ps.rank == 0 else None
+            try:
+                if ps.dp_rank == 0:
+                    link.group = WeightTransferGroup.create(link.host, link.port, plan.trainer.sender_rank(
+                        ps.pp_rank, ps.tp_rank), plan.group_size, link.timeout_s, host_store=False)
+            finally:
+                _result(http, link.timeout_s, "joining the weight-transfer group")
+            link.is_joined = True
+        http = _in_background(client.update_weights) if ps.rank == 0 else None
+        try:
+            stats |= send_weights(chunks, ps, dims, link.group, plan, link.bucket_mb)
+        finally:
+            answer = _result(http, link.timeout_s, "loading the weights")
+        if ps.rank == 0:  # generate() checks that it is still this process that answers
+            engine.synced_instance[link.server] = answer.get("instance_id", link.instance)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of any rank's failure below
+        error = f"{type(exc).__name__}: {exc}"
+    failed = torch.tensor([0.0 if error is None else 1.0], device=ps.device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if float(failed) > 0:
+        if link.group is not None:
+            link.group.close()
+        link.group, link.store, link.is_joined = None, None, False
+        errors: list = [None] * ps.world_size
+        dist.all_gather_object(errors, error)
+        first = next((rank, e) for rank, e in enumerate(errors) if e is not None)
+        raise WeightSyncError(
+            f"weight sync into the rollout server failed (first error on trainer rank {first[0]}: {first[1]}); the "
+            "trainer's weights and optimizer state are unchanged, the server's weights are not known to be current"
+        )
+    return stats | {"weight_sync/seconds": time.perf_counter() - start}

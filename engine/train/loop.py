@@ -1,0 +1,247 @@
+"""The GRPO training loop (vLLM colocated or behind a rollout server): `train(cfg)` reads top to bottom (STYLE.md rule 8).
+
+One generation round: sample prompts -> G completions per prompt (vLLM, every rank's engine generates a share,
+results gathered so every rank holds the round) -> rewards (rank 0, broadcast) -> group-relative advantages ->
+old (and reference) log-probs of this rank's rows -> `num_iterations` passes of optimizer steps over micro-batches
+-> weight sync into the engines, verified -> metrics. Batch semantics are TRL's: per_device_train_batch_size counts
+completions per data-parallel rank per micro-batch; a round holds per_device * dp * steps_per_generation completions,
+shuffled, then cut into optimizer steps of per_device * dp * gradient_accumulation_steps completions; groups are
+never split across rounds. The loss normaliser counts the tokens and sequences of each optimizer step over all
+ranks (layout-independent, engine/grpo/policy_loss.py).
+
+Server mode (`rollout.vllm_mode: server`, engine/rollout/server.py on other processes or nodes): rank 0 asks
+the server(s) for each round over HTTP and broadcasts it (engine/rollout/client.py; several servers split the
+prompts); the weight sync goes shard to shard over one transfer group per server (engine/rollout/server_sync.py
+`sync_server`) and is verified as in colocated mode. A server that restarts mid-run is waited for, synced and
+verified again before it samples (engine/train/run.py `sync_and_verify` as the client's `resync`).
+
+The TRL-compatible `GRPOConfig` / `GRPOTrainer` (engine/api/trl_config.py, engine/api/trl_trainer.py) call `train` with
+in-memory datasets, reward callables, a tokenizer and the user's GFPO filter / curriculum hook objects (its
+keyword-only inputs).
+
+Checkpoints (engine/train/checkpoint.py): every `checkpoint.save_steps` optimizer steps at the end of a round, at the end of
+training, and at the end of the round in which SIGUSR1 arrived (then the run exits); `resume_from_checkpoint` restores
+model, optimizer, scheduler, RNG, data position and step before the first round and loads the restored weights into
+the engines. Rounds do not depend on history (engine/train/prompt_rounds.py: prompts, vLLM seeds and the row shuffle are
+functions of the seed and the round), so a resumed run logs what the uninterrupted run would have. With
+`save_hf_at_end` the final policy is also exported as a Hugging Face checkpoint to `<output_dir>/hf`. The loop's
+own carried state (adaptive entropy controller, the dynamic-prompts hook's pending choice) travels in the checkpoint.
+
+What is built once (parallel state, model, engines, data, rewards, logger: `build_run`), resumed, saved, exported
+and synced into the engines is engine/train/run.py's; sampling and scoring a round (DAPO dynamic sampling, the
+curriculum hook, GFPO's filter) and the held-out evaluation are engine/train/sampling.py's. This module keeps the
+round's order, the batch it trains on and the record it logs.
+
+Must not: hold maths (engine/grpo/advantages.py, engine/grpo/policy_loss.py), import vLLM (engine/rollout/vllm_engine.py), or read
+Megatron's global parallel state (engine/policy/parallel.py hands out groups).
+
+Run: `grpo-engine train configs/tiny_cpu.yaml`; test: tests/integration/test_trainer.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.grpo.advantages import compute_advantages
+from engine.grpo.metrics import compute_completion_metrics, compute_loss_metrics, compute_reward_metrics, compute_sampling_metrics
+from engine.grpo.policy_loss import LossNormalizer, compute_vllm_importance_sampling_ratio
+from engine.log_filters import quiet_library_logs
+from engine.policy.batch import pack_completions, split_microbatches
+from engine.policy.parallel import destroy_parallel
+from engine.policy.step import forward_logprobs, grpo_forward_backward
+from engine.rollout.vllm_engine import Rollout
+from engine.train.checkpoint import Progress, StopSignal, is_save_step
+from engine.train.prompt_rounds import PromptRounds, shuffle_order
+from engine.train.run import Run, build_run, export_policy, resume, save_run, sync_and_verify
+from engine.train.sampling import Scored, evaluate, keep_best_in_groups, sample_and_score
+
+
+def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
+          export_dir: str | Path | None = None, group_filter_func=None, dynamic_prompts_fn=None) -> dict:
+    """Run GRPO from a config; returns the held-out reward before and after (rank 0), the last metrics, and this
+    call's optimizer steps (`start_step` -> `steps`, `start_step` > 0 when resumed) and tokens (`num_tokens`).
+
+    The keyword-only inputs are the TRL-style API's (engine/api/trl_trainer.py), in memory on every rank: `train_dataset` /
+    `eval_dataset` (datasets.Dataset) replace `cfg.data`'s splits, `reward_funcs` (callables and/or config strings)
+    replaces `cfg.reward.reward_funcs`, `tokenizer` replaces the model directory's; `export_dir` receives the final
+    policy as a Hugging Face checkpoint (collective); `group_filter_func` / `dynamic_prompts_fn` (any callables:
+    functions of the user's script, lambdas, instances) replace `cfg.grpo.group_filter_func` /
+    `cfg.data.dynamic_prompts_fn` (see engine/train/run.py `resolve_hooks`).
+    """
+    quiet_library_logs(cfg.logging.verbose)  # before Megatron and vLLM are imported (engine/log_filters.py)
+    stop = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
+    run = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs,
+                    tokenizer=tokenizer, group_filter_func=group_filter_func, dynamic_prompts_fn=dynamic_prompts_fn)
+    cfg, ps, d = run.cfg, run.ps, run.derived
+    progress = resume(run)  # model, optimizer, scheduler, RNG, data position, step; the weights into the engines
+    before = evaluate(run)
+    rounds = PromptRounds(len(run.train_prompts), d.num_prompts_per_generation, cfg.train.seed,
+                          cfg.train.shuffle_dataset, start=progress.rounds_done)
+    step, last, num_tokens = progress.step, {}, progress.num_tokens
+    saved_at = progress.step if run.resume_from else None
+    while step < run.total_steps:
+        start = time.perf_counter()
+        # 1. rollout and rewards: G completions for each prompt of the round, scored on rank 0 and broadcast;
+        #    with dynamic sampling (DAPO), further rounds until the batch holds enough groups whose rewards vary
+        scored = sample_and_score(run, rounds, step)
+        # 2. GFPO keeps the best num_remains_in_group completions of each group; advantages over whole groups
+        scored = keep_best_in_groups(run, scored)
+        adv = compute_advantages(scored.rewards, scored.group_size, run.rewards.weights,
+                                 cfg.grpo.scale_rewards, cfg.reward.multi_objective_aggregation)
+        log_completions(run, scored, adv.advantages)
+        batch = build_round(run, scored.rollout, adv.advantages, step)  # every rank: the whole round, rows shuffled
+        # 3. old (and reference) log-probs of this rank's rows, then num_iterations passes of optimizer steps
+        steps = per_step_microbatches(run, batch)
+        t_reward = time.perf_counter()
+        add_old_and_ref_logprobs(run, steps)
+        t_logprob = time.perf_counter()
+        outputs, stats = [], {}
+        for _ in range(cfg.grpo.num_iterations):
+            for micro, normalizer in steps:
+                run.popt.zero_grad()
+                out = grpo_forward_backward(run.popt.model, ps, micro, run.loss_config, normalizer, run.settings,
+                                            entropy_coef=run.entropy.coef_to_apply(cfg.grpo))
+                outputs.append(out)
+                stats = run.popt.step() | run.entropy.update(cfg.grpo, ps, out)
+                step += 1
+        t_train = time.perf_counter()
+        # 4. weight sync into every engine, verified on a probe of this round
+        run.last_probe = steps[0][0][0]
+        sync = sync_and_verify(run)
+        end = time.perf_counter()
+        # 5. metrics (TRL names), logged on rank 0
+        round_tokens = sum(map(len, scored.rollout.prompt_ids)) + sum(map(len, scored.rollout.completion_ids))
+        num_tokens += round_tokens  # TRL's num_tokens: prompt + completion tokens seen so far
+        timings = scored.stats | {"time/logprob_s": t_logprob - t_reward, "time/train_s": t_train - t_logprob,
+                                  "time/sync_s": end - t_train, "step_time": end - start,
+                                  "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start),
+                                  "epoch": rounds.position / rounds.rounds_per_epoch}  # HF's: dataset fraction drawn
+        last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings)
+        # 6. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
+        if stop.agreed(ps):
+            break
+        if is_save_step(cfg.checkpoint.save_steps, step, len(steps) * cfg.grpo.num_iterations):
+            saved_at = save_run(run, Progress(step, rounds.position, num_tokens))
+    stop.uninstall()
+    if saved_at != step:  # the end of training, or the round boundary SIGUSR1 asked for
+        save_run(run, Progress(step, rounds.position, num_tokens))
+    after = evaluate(run) if not stop.stopping else None
+    if export_dir is not None:
+        export_policy(run, export_dir)
+    elif cfg.checkpoint.save_hf_at_end and not stop.stopping:
+        export_policy(run, Path(cfg.train.output_dir) / "hf")
+    summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank,
+               "stopped_by_signal": stop.stopping, "start_step": progress.step,
+               "num_tokens": num_tokens - progress.num_tokens}  # this call's steps from start_step, and its tokens
+    finish(run, summary)
+    return summary
+
+
+def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int) -> dict:
+    """The round as tensors (engine/policy/batch.py layout) with advantages, vLLM log-probs and the loss mask; rows
+    shuffled with a permutation seeded by (seed, the round's first step): the same on every rank, and on resume."""
+    from engine.grpo.policy_loss import mask_truncated_completions
+
+    pad = run.tokenizer.pad_token_id or 0
+    batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad)
+    mask = batch["completion_mask"]
+    sampling = torch.zeros_like(mask)  # (B, C)
+    for i, row in enumerate(rollout.sampling_logprobs):
+        sampling[i, : len(row)] = torch.tensor(row)
+    is_truncated = torch.tensor(rollout.is_truncated, dtype=torch.bool)  # (B,)
+    if run.cfg.grpo.mask_truncated_completions:
+        batch["completion_mask"] = mask_truncated_completions(mask, is_truncated)
+    batch |= {"advantages": advantages.float(), "sampling_logprobs": sampling, "is_truncated": is_truncated}
+    order = shuffle_order(mask.shape[0], run.cfg.train.seed, step)
+    return {k: v[order] for k, v in batch.items()}
+
+
+def per_step_microbatches(run: Run, batch: dict) -> list[tuple[list[dict], LossNormalizer]]:
+    """For each optimizer step of the round: this DP rank's micro-batches and the step's global normaliser."""
+    d, ps = run.derived, run.ps
+    per_rank = d.micro_batch_size * d.num_microbatches
+    steps = []
+    for start in range(0, d.generation_batch_size, d.global_batch_size):
+        rows = {k: v[start : start + d.global_batch_size] for k, v in batch.items()}
+        normalizer = LossNormalizer(num_tokens=float(rows["completion_mask"].sum()), num_sequences=float(d.global_batch_size))
+        mine = {k: v[ps.dp_rank * per_rank : (ps.dp_rank + 1) * per_rank] for k, v in rows.items()}
+        steps.append((split_microbatches(mine, d.micro_batch_size), normalizer))
+    return steps
+
+
+def add_old_and_ref_logprobs(run: Run, steps: list) -> None:
+    """Old log-probs (and the vLLM IS ratio), reference log-probs when beta > 0, added to every micro-batch on the
+    last stage (the only stage that computes the loss)."""
+    gr = run.cfg.grpo
+    for micro, _ in steps:
+        old = forward_logprobs(run.popt.model, run.ps, micro, run.settings)
+        ref = run.reference.logprobs(run.ps, micro, run.settings) if run.reference is not None else []
+        for i, (logprobs, _) in enumerate(old):
+            mb = micro[i]
+            mb["old_logprobs"] = logprobs
+            if gr.vllm_importance_sampling_correction:
+                mb["importance_sampling_ratio"] = compute_vllm_importance_sampling_ratio(
+                    logprobs, mb["sampling_logprobs"], mb["completion_mask"], gr.vllm_importance_sampling_mode,
+                    gr.vllm_importance_sampling_clip_min, gr.vllm_importance_sampling_clip_max)
+            if ref:
+                mb["ref_logprobs"] = ref[i][0]
+
+
+def log_completions(run: Run, scored: Scored, advantages: torch.Tensor) -> None:
+    """Rank 0: the completions table rows of this batch (prompt, completion, each reward, advantage)."""
+    if run.ps.rank != 0:
+        return
+    prompts = [p for p in scored.picked.prompts for _ in range(scored.group_size)]
+    rewards = {n: scored.rewards[:, k].tolist() for k, n in enumerate(run.rewards.names)}
+    run.logger.add_completions(prompts, scored.completions, rewards, advantages.tolist())
+
+
+def _merge_outputs(outputs: list):
+    """One PolicyLossOutput from many (sums added, per-sequence values concatenated)."""
+    first = outputs[0]
+    sums = {k: sum(o.sums[k] for o in outputs) for k in first.sums}
+    cat = lambda field: {k: torch.cat([getattr(o, field)[k] for o in outputs]) for k in getattr(first, field)}  # noqa: E731
+    window = None if first.entropy_window is None else sum(o.entropy_window for o in outputs)
+    return replace(first, loss=sum(o.loss for o in outputs), policy_loss=sum(o.policy_loss for o in outputs),
+                   sums=sums, seq_min=cat("seq_min"), seq_max=cat("seq_max"), entropy_window=window)
+
+
+def log_round(run: Run, step: int, rewards_per_func, adv, batch: dict, steps: list, outputs: list, extra: dict) -> dict:
+    """Gather the last stage's loss outputs and sampling statistics to rank 0 and log one record (TRL names)."""
+    ps = run.ps
+    local = [o for per_step in outputs for o in per_step] if ps.is_last_stage and ps.tp_rank == 0 else []
+    sampling = []
+    if local:
+        micro = [mb for per_step, _ in steps for mb in per_step]
+        sampling = [(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"], mb.get("importance_sampling_ratio")) for mb in micro]
+    gathered: list = [None] * ps.world_size
+    dist.gather_object((local, sampling), gathered if ps.rank == 0 else None, dst=0)
+    if ps.rank != 0:
+        return {}
+    all_outputs = [o for parts, _ in gathered for o in parts]
+    metrics = compute_reward_metrics(rewards_per_func, run.rewards.names, adv.is_std_zero, run.rewards.weights)
+    lengths = batch["completion_mask"].sum(1) if not run.cfg.grpo.mask_truncated_completions else torch.tensor(
+        [float((row != 0).sum()) for row in batch["completion_ids"]])
+    metrics |= compute_completion_metrics(lengths, batch["is_truncated"])
+    metrics |= compute_loss_metrics(_merge_outputs(all_outputs), include_policy_loss=run.loss_config.is_entropy_bonus_enabled)
+    pairs = [s for _, parts in gathered for s in parts]
+    if pairs and pairs[0][3] is not None:
+        old, samp, mask, ratio = (torch.cat([p[i] for p in pairs]) for i in range(4))
+        metrics |= compute_sampling_metrics(old, samp, mask, ratio)
+    metrics |= {"loss": float(sum(o.loss for o in all_outputs)) / max(len(steps), 1)} | extra
+    run.logger.step(step, metrics)
+    return metrics
+
+
+def finish(run: Run, summary: dict) -> None:
+    if run.logger is not None:
+        run.logger.close()
+    run.rewards.close()
+    run.engine.close()
+    destroy_parallel()
