@@ -210,6 +210,14 @@ class RolloutConfig:
     group on port `vllm_group_port + i`). Replaces `vllm_server_base_url` / host / port."""
     vllm_request_timeout: float = 3600.0
     """Seconds one generate / prompt-logprobs / weight-update request to a rollout server may take."""
+    max_staleness: int = 0
+    """Server mode: how many policy versions generation may run ahead of training (TRL's AsyncGRPOTrainer name;
+    verl's one-step-off-policy is 1). 0 = the synchronous loop: generate round r, train on it, sync. k > 0: round r is
+    sampled from the policy of version r - k exactly (version = rounds trained; rounds 0..k use version 0): the
+    weights of version v are pushed and verified before generation of round v + k starts, and the servers generate
+    that round while the trainer trains (engine/train/rollout_pipeline.py). Old log-probs are the trainer's
+    recomputation at its current version and `vllm_importance_sampling_correction` corrects the sampler/learner gap
+    (AReaL's decoupled PPO with recomputed proximal log-probs). Colocated mode is synchronous (0 only)."""
     vllm_group_port: int = 51216
     """TCP port of the weight-transfer group (on global rank 0's host; server i of `vllm_server_base_urls` uses
     `vllm_group_port + i`)."""

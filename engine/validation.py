@@ -246,6 +246,11 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:
             problems.append(f"rollout.vllm_server_base_urls must be http(s):// URLs, got {bad}")
+    if ro.max_staleness < 0:
+        problems.append(f"rollout.max_staleness must be >= 0 (0 = synchronous), got {ro.max_staleness}")
+    elif ro.max_staleness > 0 and ro.vllm_mode != "server":
+        problems.append(f"rollout.max_staleness={ro.max_staleness} needs rollout.vllm_mode=server: a colocated engine "
+                        "shares the trainer's accelerators, so generation cannot overlap training; set it to 0")
     if ro.vllm_request_timeout <= 0 or ro.vllm_server_timeout <= 0:
         problems.append(f"rollout.vllm_request_timeout and rollout.vllm_server_timeout must be > 0, got "
                         f"{ro.vllm_request_timeout} and {ro.vllm_server_timeout}")

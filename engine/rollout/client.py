@@ -279,6 +279,8 @@ class SharedRolloutClient:
         """Set by the trainer: a collective callable that syncs (and verifies) the weights into every server."""
         self.num_restarts = 0
         """Restarts recovered from (the same on every rank)."""
+        self._executor = None
+        """Rank src: the background thread of `generate_async` (made on first use)."""
 
     def describe(self, server: int) -> str:
         return self.clients[server].base_url if self.clients else f"rollout server {server}"
@@ -340,16 +342,28 @@ class SharedRolloutClient:
         try:
             return self._shared(lambda: self._generate(prompt_ids, num_generations, seeds))
         except RolloutServerLost as lost:
-            if self.resync is None:
-                raise
-            import warnings
+            return self._recover(lost, prompt_ids, num_generations, seeds)
 
-            warnings.warn(f"{lost}; waiting up to rollout.vllm_server_timeout for the server(s), then syncing the "
-                          "weights again and repeating the request", RuntimeWarning, stacklevel=2)
-            self.reconnect()
-            self.resync()
-            self.num_restarts += 1
-            return self._shared(lambda: self._generate(prompt_ids, num_generations, seeds))
+    def _recover(self, lost: RolloutServerLost, prompt_ids: list[list[int]], num_generations: int,
+                 seeds: list[int] | None) -> Rollout:
+        """After a lost server: wait for every server, resync (collective), ask once more; else re-raise."""
+        if self.resync is None:
+            raise lost
+        import warnings
+
+        warnings.warn(f"{lost}; waiting up to rollout.vllm_server_timeout for the server(s), then syncing the "
+                      "weights again and repeating the request", RuntimeWarning, stacklevel=3)
+        self.reconnect()
+        self.resync()
+        self.num_restarts += 1
+        return self._shared(lambda: self._generate(prompt_ids, num_generations, seeds))
+
+    def generate_async(self, prompt_ids: list[list[int]], num_generations: int,
+                       seeds: list[int] | None = None) -> PendingGenerate:
+        """Start `generate` without waiting: rank `src` makes the HTTP requests on a background thread (they overlap
+        the caller's work); `PendingGenerate.result()` (collective, in the caller's thread) hands every rank the
+        rollout, or the same error, with the restart recovery of `generate`. Not collective itself."""
+        return PendingGenerate(self, (prompt_ids, num_generations, seeds))
 
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
         """Log-probs of `sequences`, shared out among the servers."""
@@ -377,8 +391,43 @@ class SharedRolloutClient:
         """No-op (see `sleep`)."""
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         for client in self.clients:
             client.close()
+
+
+class PendingGenerate:
+    """A `generate` in flight (`SharedRolloutClient.generate_async`)."""
+
+    def __init__(self, shared: SharedRolloutClient, request: tuple):
+        self.shared, self.request = shared, request
+        self.done_at: float | None = None
+        """Rank src: when the servers answered (time.perf_counter), for the servers' idle time."""
+        self.regenerated = False
+        """True when a lost server forced the recovery path: the round was asked again after a resync."""
+        self._future = None
+        if shared.rank == shared.src:
+            if shared._executor is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                shared._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-async")
+            self._future = shared._executor.submit(self._run)
+
+    def _run(self) -> Rollout:
+        try:
+            return self.shared._generate(*self.request)
+        finally:
+            self.done_at = time.perf_counter()
+
+    def result(self) -> Rollout:
+        """The rollout on every rank (collective)."""
+        future = self._future
+        try:
+            return self.shared._shared(lambda: future.result())
+        except RolloutServerLost as lost:
+            self.regenerated = True
+            return self.shared._recover(lost, *self.request)
 
 
 def connect_rollout_server(rollout: RolloutConfig, generation: GenerationConfig, rank: int) -> SharedRolloutClient:

@@ -71,6 +71,10 @@ class Run:
     resume_from: Path | None = None
     """The checkpoint this run resumes from (`checkpoint.resume_from_checkpoint` resolved), or None."""
     entropy: AdaptiveEntropy = field(default_factory=lambda: AdaptiveEntropy(0.0, enabled=False))
+    policy_version: int = 0
+    """Rounds trained so far: the version of the policy the trainer holds (and last pushed into the engines)."""
+    pipeline: object = None
+    """Server mode with `rollout.max_staleness` > 0: the RolloutPipeline (engine/train/rollout_pipeline.py)."""
 
 
 @dataclass
@@ -240,7 +244,10 @@ def save_run(run: Run, progress: Progress) -> int:
     """Write `<output_dir>/checkpoint-<step>` (collective), keep the newest `save_total_limit`; returns the step."""
     entropy = {"coef": run.entropy.coef, "last_entropy": run.entropy.last_entropy}
     pending = asdict(run.pending_prompts) if run.pending_prompts is not None else None
-    progress = replace(progress, loop_state=progress.loop_state | {"entropy": entropy, "pending_prompts": pending})
+    in_flight = run.pipeline.state() if run.pipeline is not None else None  # asynchronous rollout's complete rounds
+    progress = replace(progress, loop_state=progress.loop_state | {
+        "entropy": entropy, "pending_prompts": pending, "policy_version": run.policy_version,
+        "async_rounds": in_flight})
     save_checkpoint(run.cfg.train.output_dir, progress, run.popt, run.ps, model=_model_identity(run),
                     run_config=config_to_dict(run.cfg), save_total_limit=run.cfg.checkpoint.save_total_limit)
     return progress.step

@@ -33,6 +33,7 @@ from engine.policy.parallel import ParallelState
 from engine.rollout.vllm_engine import Rollout
 from engine.train.data import PromptBatch
 from engine.train.prompt_rounds import sampling_seeds
+from engine.train.rollout_pipeline import staleness_metrics
 from engine.train.run import Run
 
 
@@ -85,10 +86,17 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
     gr, g = run.cfg.grpo, run.cfg.grpo.num_generations
     num_prompts = run.derived.num_prompts_per_generation
     parts, informative, seconds = [], [], {"time/rollout_s": 0.0, "time/reward_s": 0.0}
+    versions = []  # the policy version that sampled each completion of every attempt
     for attempt in range(gr.dynamic_sampling_max_rounds if gr.use_dynamic_sampling else 1):
         start = time.perf_counter()
-        picked = run.pending_prompts or run.train_prompts.select(next(rounds))
-        rollout = generate_everywhere(run, picked.prompt_ids, g, sampling_seeds(run.cfg.train.seed, step, attempt, picked.indices))
+        if attempt == 0 and run.pipeline is not None:  # asynchronous rollout: generated while the last round trained
+            pending = run.pipeline.take()
+            picked, rollout, version = pending.picked, pending.rollout, pending.version
+        else:
+            picked = run.pending_prompts or run.train_prompts.select(next(rounds))
+            seeds = sampling_seeds(run.cfg.train.seed, step, attempt, picked.indices)
+            rollout, version = generate_everywhere(run, picked.prompt_ids, g, seeds), run.policy_version
+        versions.append([version] * len(rollout.completion_ids))
         middle = time.perf_counter()
         rewards, completions = score(run, picked, rollout, step)
         run.pending_prompts = next_dynamic_prompts(run, picked, completions, rewards)
@@ -96,7 +104,7 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
         seconds["time/reward_s"] += time.perf_counter() - middle
         parts.append(Scored(picked, rollout, rewards, completions, g))
         if not gr.use_dynamic_sampling:
-            return replace(parts[0], stats=seconds)
+            return replace(parts[0], stats=seconds | staleness_metrics(versions[0], run.policy_version))
         informative.append(find_informative_groups(aggregate_rewards(rewards, run.rewards.weights), g))
         if is_dynamic_batch_full(informative, num_prompts):
             break
@@ -110,7 +118,8 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
     rollout = Rollout(*(per_row(lambda p, f=f: getattr(p.rollout, f)) for f in
                         ("prompt_ids", "completion_ids", "sampling_logprobs", "is_truncated")))
     completions = per_row(lambda p: p.completions) if run.ps.rank == 0 else []
-    stats = seconds | {"dynamic_sampling/rounds": len(parts),
+    stats = seconds | staleness_metrics(assemble_rounds(versions, selection, g), run.policy_version) | {
+                       "dynamic_sampling/rounds": len(parts),
                        "dynamic_sampling/informative_fraction": selection.num_informative / num_prompts}
     return Scored(picked, rollout, per_row(lambda p: p.rewards), completions, g, stats)
 

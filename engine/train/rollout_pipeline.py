@@ -1,0 +1,188 @@
+"""Asynchronous rollout in server mode: the rollout server(s) generate the next round while the trainer trains on
+this one, `rollout.max_staleness` (k) policy versions ahead at most, on a deterministic schedule.
+
+Owns: `RolloutPipeline` (the rounds requested ahead of training: the completed ones waiting to be trained on, the
+one being generated, the staleness and wait-time metrics, and their state in a checkpoint) and `PendingRound`.
+
+The schedule (verl's one-step-off-policy generalised; NeMo-RL's `max_trajectory_age_steps`): a policy *version* is
+the number of rounds trained (version 0 = the initial weights), round r is sampled from version max(0, r - k), and
+the weights of version v are pushed and verified before generation of round v + k starts. At the start of round
+r's iteration the pipeline holds rounds r .. r+k-1, complete; `fill` asks for round r+k (rank 0, a background
+thread: the HTTP requests overlap the trainer's forward/backward passes); the trainer trains on round r (version
+r -> r+1), `complete` waits for round r+k, and only then are the weights of version r+1 pushed: the servers never
+generate while their weights change (the push happens between generation rounds, so nothing of vLLM's own
+pause/resume is needed; the pause it costs is `time/rollout_wait_s`), and one generate request per server is in
+flight at any time. So every round is sampled by one known version with per-prompt seeds, whatever the timing:
+runs are reproducible and a resumed run logs what the uninterrupted one did.
+
+What is off-policy and how it is corrected: the trainer recomputes the old log-probs at its current version
+(engine/train/loop.py `add_old_and_ref_logprobs`), so the PPO ratio and clip are taken against the current policy,
+and the sampler/learner gap (k versions plus the engine's numerics) is corrected by TRL's vLLM importance-sampling
+correction (`grpo.vllm_importance_sampling_correction`, engine/grpo/policy_loss.py): this is AReaL's decoupled PPO
+with the proximal policy recomputed (`prox_logp_method: recompute`, arXiv 2505.24298), and verl's rollout
+correction with `bypass_mode` off; TRL's AsyncGRPOTrainer instead takes vLLM's log-probs as the old ones.
+
+Interplay (each deterministic): DAPO's dynamic sampling takes round r's first attempt from the pipeline and samples
+any further attempts synchronously from the servers' current weights (version r, staleness 0; they are counted in
+the staleness metrics); the curriculum hook's choice (`data.dynamic_prompts_fn`), made after round r is scored,
+feeds the next round requested, round r+k+1: k rounds later than in the synchronous loop; GFPO filters the round as
+it comes.
+
+Checkpoints: a checkpoint is written at the end of a round's iteration, when no request is in flight; it records
+the k completed rounds waiting to be trained on (their prompts, seeds, completions, sampling log-probs and versions:
+they were sampled by weights the checkpoint no longer holds, so they are stored, not regenerated); resume puts them
+back and asks for the next round exactly as the uninterrupted run did. A server lost while a round is in flight is
+handled as in the synchronous loop (engine/rollout/client.py `SharedRolloutClient`: wait, resync the current
+weights, ask again: that round is then sampled by the current version, and its staleness says so).
+
+Must not: import vLLM, hold maths, or run collectives anywhere but in the caller's thread (the background thread
+only makes rank 0's HTTP requests).
+
+Test: tests/integration/test_async_rollout.py (two real servers; k = 0 equals the synchronous loop, k = 1 staleness
+exactly 1 after warm-up, SIGKILL + resume at k = 1). Benchmark: benchmarks/bench_async_rollout.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from engine.rollout.vllm_engine import Rollout
+from engine.train.data import PromptBatch
+from engine.train.prompt_rounds import sampling_seeds
+
+_ROLLOUT_FIELDS = ("prompt_ids", "completion_ids", "sampling_logprobs", "is_truncated")
+
+
+@dataclass
+class PendingRound:
+    """One round asked of the servers: its prompts and seeds, the optimizer step it starts at (which names its
+    seeds), the policy version that samples it, and (once complete) its rollout, on every rank."""
+
+    index: int
+    """The round's number in the run (0 = the first round trained)."""
+    step: int
+    picked: PromptBatch
+    seeds: list[int]
+    version: int
+    rollout: Rollout | None = None
+
+    def to_state(self) -> dict:
+        """JSON values for a checkpoint (a complete round only)."""
+        return {"index": self.index, "step": self.step, "picked": asdict(self.picked), "seeds": self.seeds,
+                "version": self.version, "rollout": {f: getattr(self.rollout, f) for f in _ROLLOUT_FIELDS}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> PendingRound:
+        return cls(state["index"], state["step"], PromptBatch(**state["picked"]), list(state["seeds"]),
+                   state["version"], Rollout(*(state["rollout"][f] for f in _ROLLOUT_FIELDS)))
+
+
+class RolloutPipeline:
+    """The rounds generated ahead of training (module docstring). Every rank holds the same pipeline and makes the
+    same calls in the same order; only rank 0's client talks HTTP."""
+
+    def __init__(self, run, rounds, max_staleness: int, *, version: int, steps_per_round: int, total_rounds: int):
+        """
+        Args:
+            run: the Run (engine/train/run.py): its engine (a SharedRolloutClient), prompts, seed, pending hook prompts.
+            rounds: the PromptRounds the requests draw from (advanced at request time: a checkpoint's data position
+                counts the rounds requested).
+            max_staleness: k >= 1.
+            version: rounds trained so far (0 on a fresh run; the checkpoint's on resume).
+            steps_per_round: optimizer steps per round (round r starts at optimizer step r * steps_per_round).
+            total_rounds: rounds the run trains on (none is requested beyond).
+        """
+        if max_staleness < 1:
+            raise ValueError(f"the pipeline needs max_staleness >= 1, got {max_staleness} (0 = the synchronous loop)")
+        self.run, self.rounds, self.k = run, rounds, max_staleness
+        self.steps_per_round, self.total_rounds = steps_per_round, total_rounds
+        self.ready: deque[PendingRound] = deque()
+        self.in_flight: tuple[PendingRound, object] | None = None
+        self.next_index = version
+        """The next round to request."""
+        self._waited_s = 0.0  # trainer blocked on generation since the last `take_wait_times`
+        self._idle_s = 0.0  # servers idle (waiting for weights) since the last `take_wait_times`
+        self._done_at: float | None = None  # rank 0: when the last request finished (perf_counter)
+
+    # --- requests -------------------------------------------------------------------------------------------------
+
+    def _request(self) -> tuple[PendingRound, object]:
+        """Pick round `next_index`'s prompts (the curriculum hook's pending choice, else the dataset's next round),
+        its seeds, and start generating it on rank 0's background thread."""
+        run = self.run
+        picked = run.pending_prompts or run.train_prompts.select(next(self.rounds))
+        run.pending_prompts = None  # consumed: the hook chooses again when a round is scored
+        step = self.next_index * self.steps_per_round
+        seeds = sampling_seeds(run.cfg.train.seed, step, 0, picked.indices)
+        pending = PendingRound(self.next_index, step, picked, seeds, version=run.policy_version)
+        self.next_index += 1
+        if self._done_at is not None:
+            self._idle_s += time.perf_counter() - self._done_at
+            self._done_at = None
+        handle = run.engine.generate_async(picked.prompt_ids, run.cfg.grpo.num_generations, seeds=seeds)
+        return pending, handle
+
+    def _finish(self, pending: PendingRound, handle) -> PendingRound:
+        """Wait for a request (rank 0), share its rollout with every rank (collective)."""
+        start = time.perf_counter()
+        pending.rollout = handle.result()
+        self._waited_s += time.perf_counter() - start
+        self._done_at = handle.done_at if handle.done_at is not None else time.perf_counter()
+        if handle.regenerated:  # a restarted server was resynced with the current weights, which sampled it
+            pending.version = self.run.policy_version
+        return pending
+
+    def fill(self) -> None:
+        """Before training round r: rounds r .. r+k-1 complete (generated synchronously while fewer: the warm-up,
+        rounds 0 .. k-1, all by version 0), round r+k requested. Collective."""
+        while len(self.ready) < self.k and self.next_index < self.total_rounds and self.in_flight is None:
+            self.ready.append(self._finish(*self._request()))
+        if self.in_flight is None and self.next_index < self.total_rounds:
+            self.in_flight = self._request()
+
+    def take(self) -> PendingRound:
+        """Round r (the oldest complete one). Collective."""
+        if not self.ready:
+            self.fill()
+            if not self.ready:
+                self.complete()
+        return self.ready.popleft()
+
+    def complete(self) -> None:
+        """After training round r, before the weights of version r+1 are pushed: wait for round r+k. Collective."""
+        if self.in_flight is not None:
+            pending, handle = self.in_flight
+            self.in_flight = None
+            self.ready.append(self._finish(pending, handle))
+
+    # --- metrics and state ------------------------------------------------------------------------------------------
+
+    def take_wait_times(self) -> dict[str, float]:
+        """Seconds the trainer waited for generation and the servers waited for weights since the last call."""
+        out = {"time/trainer_wait_s": self._waited_s, "time/rollout_wait_s": self._idle_s}
+        self._waited_s = self._idle_s = 0.0
+        return out
+
+    def state(self) -> dict:
+        """The checkpoint's record (called with nothing in flight): the complete rounds not yet trained on."""
+        if self.in_flight is not None:
+            raise RuntimeError("a checkpoint is written between rounds: a request is still in flight")
+        return {"max_staleness": self.k, "next_index": self.next_index, "ready": [p.to_state() for p in self.ready]}
+
+    def restore(self, state: dict | None) -> None:
+        """Put a checkpoint's complete rounds back (resume). A checkpoint written at another max_staleness, or by
+        the synchronous loop, holds fewer or none: `fill` generates what is missing from the restored weights."""
+        if not state:
+            return
+        self.ready = deque(PendingRound.from_state(p) for p in state["ready"])
+        self.next_index = state["next_index"]
+
+
+def staleness_metrics(versions: list[int], current: int) -> dict[str, float]:
+    """`rollout/staleness_mean` / `_max`: policy versions between the sampler and the trainer, over the completions."""
+    if not versions:
+        return {}
+    gaps = [current - v for v in versions]
+    return {"rollout/staleness_mean": sum(gaps) / len(gaps), "rollout/staleness_max": float(max(gaps))}
