@@ -51,6 +51,25 @@ def pack_completions(prompt_ids: list[list[int]], completion_ids: list[list[int]
     }
 
 
+def check_completion_ids(completion_ids: torch.Tensor, completion_mask: torch.Tensor, vocab_size: int) -> None:
+    """Refuse a completion token outside the model's real vocabulary [0, vocab_size): ids at or above it are
+    Megatron's (or vLLM's) padding rows, not tokens; their log-prob would be NaN and poison the step silently.
+
+    Args:
+        completion_ids: (B, C) int64; completion_mask: (B, C), nonzero for real tokens; vocab_size: the real V.
+    Raises:
+        ValueError naming the row, the position and the id.
+    """
+    bad = completion_mask.bool() & ((completion_ids < 0) | (completion_ids >= vocab_size))  # (B, C)
+    if bool(bad.any()):
+        row, pos = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"completion row {row} (of this micro-batch), token {pos}: id {int(completion_ids[row, pos])} is outside "
+            f"the model's vocabulary [0, {vocab_size}) ({int(bad.sum())} such tokens): ids from {vocab_size} up are "
+            "padding rows of the embedding, never real tokens. The sampler and the trainer disagree on the "
+            "vocabulary: serve the same checkpoint (config.json vocab_size) on both sides")
+
+
 def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
     """Split every tensor of a batch along dim 0 into micro-batches of `micro_batch_size` rows (None stays None)."""
     num_rows = batch["tokens"].shape[0]

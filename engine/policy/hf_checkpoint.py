@@ -70,8 +70,12 @@ def load_hf_checkpoint(chunks: list[torch.nn.Module], ps: ParallelState, model_d
 
     Raises:
         KeyError naming a Megatron parameter without a mapping or an HF tensor missing from the checkpoint;
-        ValueError on a shape mismatch (e.g. a checkpoint of another size than the config).
+        ValueError on a shape mismatch (e.g. a checkpoint of another size than the config); ModelDirError
+        (engine/models/model_dir.py) for a missing config / weight shard or a tokenizer larger than the vocabulary.
     """
+    from engine.models.model_dir import check_model_dir
+
+    check_model_dir(model_dir, vocab_size=dims.vocab_size)
     src = SafetensorsSource(model_dir)
     entries = family_map(dims)
     for chunk in chunks:

@@ -193,7 +193,10 @@ def _row_parallel_linear_class():
 
 
 def policy_shape(hf_config, cfg: ModelConfig, tp_size: int) -> PolicyShape:
-    """The layout-independent shape facts of a model."""
+    """The layout-independent shape facts of a model (the first thing read from a config: its family is checked)."""
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model.name_or_path: model_type {hf_config.model_type!r} ({type(hf_config).__name__}) is not "
+                         f"supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     return PolicyShape(
         vocab_size=hf_config.vocab_size,
         padded_vocab_size=padded_vocab_size(hf_config.vocab_size, cfg.make_vocab_size_divisible_by, tp_size),

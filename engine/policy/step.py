@@ -138,6 +138,7 @@ def completion_logprobs(
     """
     from megatron.core import tensor_parallel
 
+    from engine.policy.batch import check_completion_ids
     from kernels import lm_head_logprob_entropy
 
     if ps.sequence_parallel:
@@ -151,6 +152,7 @@ def completion_logprobs(
     index = batch["prompt_lengths"][:, None] - 1 + torch.arange(num_completion)  # (b, C)
     mask = batch["completion_mask"].bool()  # (b, C)
     rows = torch.arange(num_rows)[:, None].expand_as(index)  # (b, C)
+    check_completion_ids(batch["completion_ids"], mask, settings.vocab_size)  # a padded-vocab id would give NaN
     x = hidden[rows[mask], index[mask].clamp(max=seq_len - 1)]  # (N, H)
     logprobs, entropy = lm_head_logprob_entropy(
         x, unwrap(model).lm_head_weight(), batch["completion_ids"][mask],

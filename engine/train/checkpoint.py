@@ -399,9 +399,10 @@ def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict) -
     from engine.policy.step import unwrap
 
     saved_kind, kind = state.get("optimizer_kind"), _optimizer_kind(popt.optimizer)
-    if saved_kind != kind:
+    if saved_kind != (kind if "(" in str(saved_kind) else re.sub(r"\(\w+\)", "", kind)):  # older saves: no inner name
         raise CheckpointError(f"{path} holds a {saved_kind} state, this run builds a {kind} "
-                              "(optimizer.use_distributed_optimizer must be the same as when it was saved)")
+                              "(optimizer.optim and optimizer.use_distributed_optimizer must be the same as when it "
+                              "was saved)")
     _init_empty_optimizer_state(popt.optimizer)
     try:
         loaded = dist_checkpointing.load(_sharded_state_dict(popt, is_loading=True), str(path))
@@ -412,7 +413,10 @@ def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict) -
     except CheckpointError:
         raise
     except (Exception, TorchCheckpointException) as exc:  # noqa: BLE001 - many kinds (torch's is a BaseException)
-        raise CheckpointError(f"{path}: cannot load the model / optimizer state: {type(exc).__name__}: {exc}") from exc
+        torn = _describe_torn_files(path)
+        cause = torn or f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(f"{path}: cannot load the model / optimizer state: {cause}; resume from an earlier "
+                              "checkpoint (checkpoint.resume_from_checkpoint=<its directory>)") from exc
     popt.scheduler.load_state_dict(state["scheduler"])
     _restore_rank_rng(path, state, ps)
     progress = Progress(**state["progress"])
@@ -439,7 +443,31 @@ def _inner_optimizers(optimizer) -> list:
 
 
 def _optimizer_kind(optimizer) -> str:
-    return "+".join(type(opt).__name__ for opt in _inner_optimizers(optimizer))
+    """E.g. `DistributedOptimizer(Adam)`: Megatron's wrapper and the torch optimizer inside."""
+    return "+".join(f"{type(opt).__name__}({type(getattr(opt, 'optimizer', opt)).__name__})"
+                    for opt in _inner_optimizers(optimizer))
+
+
+def _describe_torn_files(path: Path) -> str | None:
+    """Which data files of a torch_dist checkpoint are missing or shorter than its index says (a torn copy), or
+    None when every file is whole (the failure is something else)."""
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as exc:  # noqa: BLE001 - the index itself is unreadable
+        return f"its index {path / '.metadata'} is unreadable ({type(exc).__name__}: {str(exc)[:200]})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{name} has {file.stat().st_size} bytes, its index needs {size} (torn)")
+    return f"damaged files: {'; '.join(problems)}" if problems else None
 
 
 def _init_empty_optimizer_state(optimizer) -> None:

@@ -30,6 +30,7 @@ Test: `pytest tests/unit/test_data.py` (local files in tmp_path, the tiny tokeni
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import warnings
@@ -188,12 +189,13 @@ def load_dataset_split(dataset_name: str, split: str, dataset_config: str | None
                 f"data.dataset_name={dataset_name!r}: unsupported file type {path.suffix!r}; "
                 f"supported: {', '.join(sorted(LOCAL_FORMATS))}"
             )
-        return _pick_split(datasets.load_dataset(builder, data_files=str(path)), split, dataset_name)
+        return _pick_split(_load_local(builder, [path], dataset_name), split, dataset_name)
     if path.is_dir():
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             loaded = datasets.load_from_disk(str(path))
         else:
-            loaded = datasets.load_dataset(str(path), dataset_config)
+            files = sorted(p for p in path.rglob("*") if p.suffix.lower() in LOCAL_FORMATS)
+            loaded = _load_local(None, files, dataset_name, lambda: datasets.load_dataset(str(path), dataset_config))
         return _pick_split(loaded, split, dataset_name)
     if path.suffix.lower() in LOCAL_FORMATS or dataset_name.startswith((".", "/", "~")):
         raise DatasetError(f"data.dataset_name={dataset_name!r}: no such file or directory")
@@ -208,6 +210,57 @@ def load_dataset_split(dataset_name: str, split: str, dataset_config: str | None
     if isinstance(loaded, datasets.IterableDataset):
         raise DatasetError(f"{dataset_name!r}: streaming (iterable) datasets are not supported")
     return loaded
+
+
+def _load_local(builder: str | None, files: list[Path], name: str, load=None):
+    """`datasets.load_dataset` of local files; a file it cannot read is a DatasetError naming the file and, for JSON
+    Lines, the first malformed line (datasets' own error names neither)."""
+    try:
+        return load() if load is not None else datasets.load_dataset(builder, data_files=[str(f) for f in files])
+    except Exception as exc:  # noqa: BLE001 - arrow, json and datasets' generation errors alike
+        causes = [cause for f in files if (cause := _describe_unreadable(f)) is not None]
+        detail = "; ".join(causes) if causes else f"{type(exc).__name__}: {_first_line(exc)}"
+        raise DatasetError(f"data.dataset_name={name!r}: cannot read the data: {detail}. Nothing was loaded: fix or "
+                           "remove the file") from exc
+
+
+def _describe_unreadable(path: Path) -> str | None:
+    """Why one local data file cannot be read (file, line, cause), or None when it reads on its own."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".json", ".jsonl"):
+            text = path.read_text(encoding="utf-8")
+            if not text.strip():
+                return f"{path} is empty (no rows)"
+            if suffix == ".json" and text.lstrip().startswith("["):
+                json.loads(text)
+                return None
+            for number, line in enumerate(text.splitlines(), start=1):  # JSON Lines (datasets reads .json so too)
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return f"{path} line {number}: malformed JSON ({exc.msg} at column {exc.colno})"
+                if not isinstance(row, dict):
+                    return f"{path} line {number}: a JSON {type(row).__name__}, not an object (one row per line)"
+            return None
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            pq.read_table(path)
+    except json.JSONDecodeError as exc:
+        return f"{path}: malformed JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+    except UnicodeDecodeError as exc:
+        return f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors (a torn or foreign file)
+        return f"{path}: {type(exc).__name__}: {_first_line(exc)} (a torn or foreign file?)"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _pick_split(loaded: datasets.Dataset | datasets.DatasetDict, split: str, name: str) -> datasets.Dataset:
@@ -285,6 +338,13 @@ def prepare_prompts(
 
     tokenized = dataset.map(tokenize, batched=True, batch_size=512, with_indices=True, desc="tokenizing prompts")
     lengths = [len(ids) for ids in tokenized[PROMPT_IDS_COLUMN]]
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:  # the first completion token is predicted from the prompt's last one: a prompt needs one
+        if len(empty) == len(lengths) and len(tokenizer) < 8:
+            raise DatasetError(f"every prompt tokenized to 0 tokens: the tokenizer has {len(tokenizer)} token(s) (a "
+                               "model directory without tokenizer files, for which transformers builds an empty one?)")
+        raise DatasetError(f"{len(empty)} of {len(lengths)} prompts are empty (0 tokens); the first is row {empty[0]}: "
+                           f"{_preview(dataset[empty[0]]['prompt'])}. Remove or fill the empty prompts")
     overlong = [i for i, n in enumerate(lengths) if limit is not None and n > limit]
     if overlong and overlong_prompt_policy == "error":
         first = overlong[0]
@@ -339,16 +399,23 @@ def _is_conversational_prompt(prompt: Any) -> bool:
 def _check_prompt(prompt: Any, index: int, is_conversational: bool) -> None:
     """Raise DatasetError naming the row when the prompt is malformed or of the other format than row 0's."""
     kind = "conversational (a list of messages)" if is_conversational else "standard (a str)"
+    if not isinstance(prompt, str) and not _is_conversational_prompt(prompt):
+        raise DatasetError(f"row {index}: prompt {_preview(prompt)} is neither a str (standard) nor a list of "
+                           "{'role', 'content'} messages (conversational)")
+    like = " like row 0's"
     if is_conversational:
         if not _is_conversational_prompt(prompt):
-            raise DatasetError(f"row {index}: prompt {_preview(prompt)} is not {kind} like row 0's")
+            raise DatasetError(f"row {index}: prompt {_preview(prompt)} is not {kind}{like}")
         for message in prompt:
             # NOTE: Arrow stores messages as structs, so a missing key reads back as None.
             is_message = isinstance(message, dict) and isinstance(message.get("role"), str)
             if not is_message or message.get("content") is None:
                 raise DatasetError(f"row {index}: message {_preview(message)} needs 'role' and 'content' keys")
+            if not isinstance(message["content"], (str, list)):
+                raise DatasetError(f"row {index}: message {_preview(message)} has content of type "
+                                   f"{type(message['content']).__name__}; content must be a str (or a list of parts)")
     elif not isinstance(prompt, str):
-        raise DatasetError(f"row {index}: prompt {_preview(prompt)} is not {kind} like row 0's")
+        raise DatasetError(f"row {index}: prompt {_preview(prompt)} is not {kind}{like}")
 
 
 def _preview(value: Any, limit: int = 120) -> str:

@@ -17,7 +17,8 @@ Contract (TRL 1.16 `GRPOTrainer._calculate_rewards`, anchors/trl.md §2.1-2.2):
     or class name; reward models by the directory's last component).
 Differences from TRL, all stricter: a function that raises is re-run row by row to name the first failing row
 (its log_extra / log_metric calls are discarded during that search); a non-numeric or infinite value is an error
-naming the row; a dataset column that collides with `trainer_state` / `log_extra` / `log_metric` is an error;
+naming the row, and so is NaN (TRL's nansum would read it as None: return None for that); a round where every
+function returned None for every completion is an error (nothing to learn from); a dataset column that collides with `trainer_state` / `log_extra` / `log_metric` is an error;
 two functions with the same name get `_2`, `_3` suffixes so their metrics do not overwrite each other.
 
 Built-in names for `reward.reward_funcs`: accuracy, exact_match, think_format, think_answer_format, length (also
@@ -346,6 +347,12 @@ class RewardFunctions:
         if pending:
             for k, output in self._run_async(pending, base, kwargs):
                 rewards[:, k] = self._to_column(k, output, num_rows)
+        if num_rows and bool(torch.isnan(rewards).all()):
+            columns = sorted(key for key in kwargs if key not in RESERVED_KWARGS)
+            raise RewardFunctionError(
+                f"every reward function ({', '.join(self.names)}) returned None for all {num_rows} completions: the "
+                f"round has no reward to learn from. A function that returns None when it cannot find what it "
+                f"needs (e.g. its reference-answer column) is the usual cause; dataset columns: {columns}")
         return rewards
 
     def _run_async(self, indices: list[int], base: dict, kwargs: dict) -> list[tuple[int, Any]]:
@@ -420,6 +427,10 @@ class RewardFunctions:
             if number is None or isinstance(value, str) or math.isinf(number):
                 raise RewardFunctionError(f"{name} returned {value!r} for row {i}; a reward must be a finite "
                                           "number, or None when the function does not apply to the row")
+            if math.isnan(number):  # NOTE: TRL's nansum would silently read it as None
+                raise RewardFunctionError(f"{name} returned NaN for row {i} (a 0/0 or a failed parse?); a reward "
+                                          "must be a finite number: return None, not NaN, when the function does "
+                                          "not apply to the row")
             column.append(number)
         return torch.tensor(column, dtype=torch.float32)
 
