@@ -105,6 +105,19 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     """TRL's default; maps to Megatron's full activation recompute."""
     pad_to_multiple_of: int | None = None
+    padding_free: bool = True
+    """Pack several sequences into one row, attention confined to each sequence (TRL SFTConfig's name; verl's
+    `use_remove_padding`): no compute spent on padding. Transformer Engine: THD packed sequences; local spec (CPU): a
+    block-diagonal causal mask (engine/policy/packing.py). Loss and gradients equal the padded path's (up to float
+    summation order). False = right-padded rows."""
+    max_tokens_per_microbatch: int | None = None
+    """Token budget of a training micro-batch, per data-parallel rank (prompt + completion tokens; verl's
+    `ppo_max_token_len_per_gpu`): micro-batches are formed by tokens, balanced over DP ranks, the same number on every
+    rank. None = per_device_train_batch_size * the step's longest sequence (never more than a padded micro-batch
+    holds) when padding_free, else the padded path's fixed rows."""
+    max_tokens_per_logprob_microbatch: int | None = None
+    """Token budget of the forward-only old / reference log-prob micro-batches (verl's
+    `log_prob_max_token_len_per_gpu`). None = 2 * the training budget (no activations are kept for a backward)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

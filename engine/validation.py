@@ -293,6 +293,11 @@ def _check_rest(cfg: EngineConfig, problems: list[str]) -> None:
         )
     if cfg.data.max_prompt_length is not None and cfg.data.max_prompt_length < 1:
         problems.append(f"data.max_prompt_length must be >= 1 or null, got {cfg.data.max_prompt_length}")
+    budgets = {"max_tokens_per_microbatch": cfg.train.max_tokens_per_microbatch,
+               "max_tokens_per_logprob_microbatch": cfg.train.max_tokens_per_logprob_microbatch}
+    for name, budget in budgets.items():
+        if budget is not None and budget < 1:
+            problems.append(f"train.{name} must be >= 1 token or null, got {budget}")
     ck = cfg.checkpoint
     if ck.save_steps < 0:
         problems.append(f"checkpoint.save_steps must be >= 0 (0 = only at the end), got {ck.save_steps}")

@@ -5,7 +5,8 @@ Owns: `pack_completions` (prompt + completion token ids -> `tokens (B, T)` right
 ([prompt, completion, pad]) so causal attention needs no mask: a real token never attends to padding, and the
 logits at padding positions are never read. Completion token j of row i is predicted by the hidden state at
 position prompt_lengths[i] - 1 + j, so per-token tensors keep TRL's layout (B, C) whatever the prompt lengths.
-Every micro-batch of one call has the same shape (Megatron's pipeline p2p needs a fixed seq_length).
+Every micro-batch of one call has the same shape (Megatron's pipeline p2p needs a fixed seq_length). Token-budget
+micro-batches and packed rows (`train.padding_free`, `train.max_tokens_per_microbatch`) are engine/policy/packing.py's.
 
 Must not: tokenize, talk to process groups, or compute losses.
 
@@ -25,8 +26,9 @@ def pack_completions(prompt_ids: list[list[int]], completion_ids: list[list[int]
         completion_ids: B lists of completion token ids (may be empty).
         pad_token_id: id written into padding (never read by the loss).
     Returns:
-        dict with `tokens` (B, T) int64, `position_ids` (B, T), `prompt_lengths` (B,), `completion_ids` (B, C) int64,
-        `completion_mask` (B, C) float32 (1 for real completion tokens).
+        dict with `tokens` (B, T) int64, `position_ids` (B, T), `prompt_lengths` (B,), `lengths` (B,) prompt +
+        completion tokens (what packing counts: the completion mask may be zeroed for truncated completions),
+        `completion_ids` (B, C) int64, `completion_mask` (B, C) float32 (1 for real completion tokens).
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
@@ -46,6 +48,7 @@ def pack_completions(prompt_ids: list[list[int]], completion_ids: list[list[int]
         "tokens": tokens,
         "position_ids": torch.arange(seq_len).expand(num_rows, seq_len).contiguous(),  # (B, T)
         "prompt_lengths": torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),  # (B,)
+        "lengths": torch.tensor([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)], dtype=torch.long),
         "completion_ids": completions,
         "completion_mask": mask,
     }

@@ -52,8 +52,10 @@ def run_schedule(
     Args:
         chunks: this rank's model chunks (build_policy), in virtual-stage order.
         ps: this process's parallel state.
-        microbatches: dicts with at least `tokens` and `position_ids` ((b, T) int64); every rank passes the same list
-            (only the first and last stage read them).
+        microbatches: dicts with at least `tokens` and `position_ids` ((b, T) int64), or packed ones with `input_ids`
+            / `position_ids` (rows, W) and `attention_mask` or `packed_seq_params` (engine/policy/packing.py); every
+            rank of a pipeline passes the same list (only the first and last stage read tokens). Under PP they share
+            one shape.
         loss_fn: `loss_fn(model, hidden (s, b, H), batch) -> (loss scalar, dict of detached values)`, run on the
             last stage. Megatron divides the returned loss by the number of micro-batches before backward.
         forward_only: no backward pass.
@@ -62,9 +64,13 @@ def run_schedule(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    check_attention_mask(chunks, microbatches)
+
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        hidden = model(batch["tokens"], batch["position_ids"], attention_mask=None)
+        # packed micro-batches (engine/policy/packing.py) carry their rows as `input_ids`, a mask or THD params
+        hidden = model(batch.get("input_ids", batch["tokens"]), batch["position_ids"],
+                       attention_mask=batch.get("attention_mask"), packed_seq_params=batch.get("packed_seq_params"))
 
         def loss_func(last_hidden):  # (s, b, H) on the last stage
             loss, values = loss_fn(model, last_hidden, batch)
@@ -87,12 +93,22 @@ def run_schedule(
         data_iterator=[iter(microbatches) for _ in chunks],
         model=chunks,
         num_microbatches=len(microbatches),
-        seq_length=microbatches[0]["tokens"].shape[1],
-        micro_batch_size=microbatches[0]["tokens"].shape[0],
+        seq_length=microbatches[0].get("input_ids", microbatches[0]["tokens"]).shape[1],
+        micro_batch_size=microbatches[0].get("input_ids", microbatches[0]["tokens"]).shape[0],
         forward_only=forward_only,
         **groups,
     )
     return list(values) if ps.is_last_stage else []
+
+
+def check_attention_mask(chunks: list[torch.nn.Module], microbatches: list[dict]) -> None:
+    """Refuse a block-diagonal mask where Megatron would ignore it: its fused CUDA softmax (local spec,
+    `masked_softmax_fusion`) applies the causal mask only, so packed sequences would attend to each other."""
+    if any(mb.get("attention_mask") is not None for mb in microbatches):
+        config = unwrap(chunks[0]).config
+        if config.masked_softmax_fusion:
+            raise ValueError("packed sequences with the local layer spec need masked_softmax_fusion=False (Megatron's "
+                             "fused causal softmax ignores the attention mask); use Transformer Engine's THD path")
 
 
 def lm_forward_backward(
@@ -133,8 +149,9 @@ def completion_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of every completion token, (b, C) each, from the last stage's hidden states.
 
-    Only the C completion positions of each row go through the LM head (prompt and padding rows are skipped), via
-    the fused kernel entry (never the [tokens x vocab] logits). Masked positions hold 0.
+    Only the real completion positions of each sequence go through the LM head (prompt, padding and masked
+    positions are skipped), via the fused kernel entry (never the [tokens x vocab] logits). Masked positions hold 0.
+    Packed micro-batches say where each sequence starts (`seq_row`, `seq_offset`; engine/policy/packing.py).
     """
     from megatron.core import tensor_parallel
 
@@ -146,12 +163,19 @@ def completion_logprobs(
         hidden = tensor_parallel.gather_from_sequence_parallel_region(
             hidden, tensor_parallel_output_grad=False, group=ps.groups.tp
         )
-    hidden = hidden.transpose(0, 1)  # (b, s, H)
-    num_rows, seq_len = hidden.shape[:2]
-    num_completion = batch["completion_ids"].shape[1]
-    index = batch["prompt_lengths"][:, None] - 1 + torch.arange(num_completion)  # (b, C)
+    hidden = hidden.transpose(0, 1)  # (rows, s, H)
+    seq_len = hidden.shape[1]
+    num_sequences, num_completion = batch["completion_ids"].shape
+    # sequence i starts at column seq_offset[i] of row seq_row[i] (packed); padded rows: row i, column 0
+    seq_row = batch.get("seq_row", torch.arange(num_sequences))  # (b,)
+    seq_offset = batch.get("seq_offset", torch.zeros(num_sequences, dtype=torch.long))  # (b,)
+    index = (seq_offset + batch["prompt_lengths"] - 1)[:, None] + torch.arange(num_completion)  # (b, C)
     mask = batch["completion_mask"].bool()  # (b, C)
-    rows = torch.arange(num_rows)[:, None].expand_as(index)  # (b, C)
+    rows = seq_row[:, None].expand_as(index)  # (b, C)
+    zeros = torch.zeros(mask.shape, dtype=torch.float32)  # (b, C)
+    if not mask.any():  # an empty micro-batch (packing.py) or all-masked rows: zero, still attached to the graph
+        zeros = zeros + hidden.sum().float() * 0.0
+        return zeros, zeros.detach().clone()
     check_completion_ids(batch["completion_ids"], mask, settings.vocab_size)  # a padded-vocab id would give NaN
     x = hidden[rows[mask], index[mask].clamp(max=seq_len - 1)]  # (N, H)
     logprobs, entropy = lm_head_logprob_entropy(
@@ -159,7 +183,7 @@ def completion_logprobs(
         temperature=settings.temperature, vocab_size=settings.vocab_size, tp_group=ps.groups.tp,
         workspace_mb=settings.workspace_mb, implementation=settings.implementation,
     )  # (N,), (N,)
-    zeros = torch.zeros(mask.shape, dtype=logprobs.dtype)  # (b, C)
+    zeros = zeros.to(logprobs.dtype)
     return zeros.masked_scatter(mask, logprobs), zeros.masked_scatter(mask, entropy)
 
 

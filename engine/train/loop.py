@@ -52,7 +52,8 @@ from engine.grpo.advantages import compute_advantages
 from engine.grpo.metrics import compute_completion_metrics, compute_loss_metrics, compute_reward_metrics, compute_sampling_metrics
 from engine.grpo.policy_loss import LossNormalizer, compute_vllm_importance_sampling_ratio
 from engine.log_filters import quiet_library_logs
-from engine.policy.batch import pack_completions, split_microbatches
+from engine.policy.batch import pack_completions
+from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs
 from engine.policy.parallel import destroy_parallel
 from engine.policy.step import forward_logprobs, grpo_forward_backward
 from engine.rollout.vllm_engine import Rollout
@@ -200,34 +201,34 @@ def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int)
 
 
 def per_step_microbatches(run: Run, batch: dict) -> list[tuple[list[dict], LossNormalizer]]:
-    """For each optimizer step of the round: this DP rank's micro-batches and the step's global normaliser."""
+    """For each optimizer step of the round: this DP rank's micro-batches (padded rows, or by tokens and packed:
+    engine/policy/packing.py) and the step's global normaliser."""
     d, ps = run.derived, run.ps
-    per_rank = d.micro_batch_size * d.num_microbatches
-    steps = []
-    for start in range(0, d.generation_batch_size, d.global_batch_size):
-        rows = {k: v[start : start + d.global_batch_size] for k, v in batch.items()}
-        normalizer = LossNormalizer(num_tokens=float(rows["completion_mask"].sum()), num_sequences=float(d.global_batch_size))
-        mine = {k: v[ps.dp_rank * per_rank : (ps.dp_rank + 1) * per_rank] for k, v in rows.items()}
-        steps.append((split_microbatches(mine, d.micro_batch_size), normalizer))
-    return steps
+    rows = {k: (v[: d.generation_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    spec = build_microbatch_spec(run.cfg.train, run.cfg.model, ps, micro_batch_size=d.micro_batch_size,
+                                 pad_token_id=run.tokenizer.pad_token_id or 0)
+    return round_microbatches(rows, spec, global_batch_size=d.global_batch_size, dp_size=ps.dp_size, dp_rank=ps.dp_rank)
 
 
 def add_old_and_ref_logprobs(run: Run, steps: list) -> None:
     """Old log-probs (and the vLLM IS ratio), reference log-probs when beta > 0, added to every micro-batch on the
-    last stage (the only stage that computes the loss)."""
+    last stage (the only stage that computes the loss). Packed: over micro-batches of the forward-only budget."""
     gr = run.cfg.grpo
-    for micro, _ in steps:
-        old = forward_logprobs(run.popt.model, run.ps, micro, run.settings)
-        ref = run.reference.logprobs(run.ps, micro, run.settings) if run.reference is not None else []
-        for i, (logprobs, _) in enumerate(old):
-            mb = micro[i]
-            mb["old_logprobs"] = logprobs
-            if gr.vllm_importance_sampling_correction:
-                mb["importance_sampling_ratio"] = compute_vllm_importance_sampling_ratio(
-                    logprobs, mb["sampling_logprobs"], mb["completion_mask"], gr.vllm_importance_sampling_mode,
-                    gr.vllm_importance_sampling_clip_min, gr.vllm_importance_sampling_clip_max)
-            if ref:
-                mb["ref_logprobs"] = ref[i][0]
+    spec = build_microbatch_spec(run.cfg.train, run.cfg.model, run.ps, micro_batch_size=run.derived.micro_batch_size,
+                                 pad_token_id=run.tokenizer.pad_token_id or 0)
+    micro = [mb for per_step, _ in steps for mb in per_step]
+    old = sequence_logprobs(lambda mbs: forward_logprobs(run.popt.model, run.ps, mbs, run.settings), micro, spec)
+    ref = [] if run.reference is None else sequence_logprobs(
+        lambda mbs: run.reference.logprobs(run.ps, mbs, run.settings), micro, spec)
+    for i, logprobs in enumerate(old):
+        mb = micro[i]
+        mb["old_logprobs"] = logprobs
+        if gr.vllm_importance_sampling_correction:
+            mb["importance_sampling_ratio"] = compute_vllm_importance_sampling_ratio(
+                logprobs, mb["sampling_logprobs"], mb["completion_mask"], gr.vllm_importance_sampling_mode,
+                gr.vllm_importance_sampling_clip_min, gr.vllm_importance_sampling_clip_max)
+        if ref:
+            mb["ref_logprobs"] = ref[i]
 
 
 def log_completions(run: Run, scored: Scored, advantages: torch.Tensor) -> None:

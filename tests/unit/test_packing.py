@@ -1,0 +1,141 @@
+"""engine/policy/packing.py: balanced partitions, token-budget plans, packed rows and their masks (one process, no
+model; the model-level equality of packed and padded passes is tests/distributed/test_packing_layouts.py)."""
+
+import pytest
+import torch
+
+from engine.config import ModelConfig, TrainConfig
+from engine.policy.batch import pack_completions
+from engine.policy.packing import (
+    MicrobatchSpec, block_causal_mask, build_microbatch, build_microbatch_spec, pack_rows, partition_balanced,
+    plan_step, round_microbatches, sequence_logprobs,
+)
+
+LONG_TAILED = [3, 120, 7, 9, 15, 4, 60, 5, 11, 8, 30, 6]  # a few long, most short
+
+
+def _batch(completion_lengths, prompt_lengths=None, seed=0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lengths = prompt_lengths or [2 + i % 3 for i in range(len(completion_lengths))]
+    prompts = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in prompt_lengths]
+    completions = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in completion_lengths]
+    batch = pack_completions(prompts, completions, pad_token_id=0)
+    batch["advantages"] = torch.randn(len(completion_lengths), generator=gen)
+    return batch
+
+
+def test_partition_balanced_is_deterministic_lpt_and_covers_every_item_once():
+    weights = [10, 1, 7, 3, 3, 9, 2]
+    parts = partition_balanced(weights, 3)
+    assert sorted(i for p in parts for i in p) == list(range(7))
+    assert [sum(weights[i] for i in p) for p in parts] == [12, 12, 11]  # LPT: 10+2, 9+3, 7+3+1
+    assert parts == partition_balanced(weights, 3)
+    assert partition_balanced([5], 3) == [[0], [], []]
+
+
+def test_plan_gives_every_rank_the_same_number_of_microbatches_within_budget():
+    lengths = LONG_TAILED
+    plan = plan_step(lengths, num_ranks=2, max_tokens=80)
+    assert len({len(rank) for rank in plan}) == 1, "every DP rank runs the same number of micro-batches"
+    assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(len(lengths)))
+    for rank in plan:
+        for mb in rank:
+            assert len(mb) == 1 or sum(lengths[i] for i in mb) <= 80  # a longer single sequence gets its own
+    per_rank = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
+    assert max(per_rank) - min(per_rank) <= max(lengths), f"DP ranks unbalanced: {per_rank}"
+
+
+def test_plan_keeps_a_sequence_longer_than_the_budget_alone():
+    plan = plan_step([100, 3, 4], num_ranks=1, max_tokens=10)
+    assert [0] in plan[0] and all(sum([100, 3, 4][i] for i in mb) <= 10 for mb in plan[0] if mb != [0])
+
+
+def test_pack_rows_first_fit_decreasing_never_overflows_a_row():
+    rows = pack_rows([5, 3, 8, 2, 6], width=8)
+    assert sorted(i for r in rows for i in r) == [0, 1, 2, 3, 4]
+    assert all(sum([5, 3, 8, 2, 6][i] for i in r) <= 8 for r in rows) and len(rows) == 3
+
+
+def test_block_causal_mask_confines_attention_to_each_sequence():
+    segment = torch.tensor([[1, 1, 2, 2, 2, 0]])  # two sequences and one pad token
+    allowed = ~block_causal_mask(segment)[0, 0]  # (W, W), True = may attend
+    assert allowed.tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+
+
+def test_packed_microbatch_places_sequences_and_indexes_only_real_completion_tokens():
+    batch = _batch([2, 5, 1, 3], prompt_lengths=[1, 2, 1, 1])  # lengths 3, 7, 2, 4
+    mb = build_microbatch(batch, [0, 1, 2, 3], "mask", pad_token_id=0)
+    assert mb["input_ids"].shape == (3, 7)  # FFD into rows as wide as the longest: [7], [4, 3], [2]
+    assert mb["seq_row"].tolist() == [1, 0, 2, 1] and mb["seq_offset"].tolist() == [4, 0, 0, 0]
+    for k in range(4):
+        row, off, n = int(mb["seq_row"][k]), int(mb["seq_offset"][k]), int(batch["lengths"][k])
+        assert mb["input_ids"][row, off : off + n].tolist() == batch["tokens"][k, :n].tolist()
+        assert mb["position_ids"][row, off : off + n].tolist() == list(range(n))
+        # the hidden state at offset + prompt_length - 1 + j predicts completion token j
+        index = off + int(batch["prompt_lengths"][k]) - 1 + torch.arange(int(batch["completion_mask"][k].sum()))
+        assert mb["input_ids"][row, index + 1].tolist() == batch["completion_ids"][k, : len(index)].tolist()
+    assert torch.equal(mb["completion_ids"], batch["completion_ids"]) and torch.equal(mb["advantages"], batch["advantages"])
+    thd_rows = build_microbatch(batch, [0, 1, 2, 3], "padded", pad_token_id=0, shape=(6, 9))
+    assert thd_rows["input_ids"].shape == (6, 9) and "attention_mask" not in thd_rows
+
+
+def test_fixed_shape_and_multiple_pad_every_microbatch_to_one_shape():
+    batch = _batch(LONG_TAILED)
+    spec = MicrobatchSpec(padding_free=True, max_tokens=60, max_logprob_tokens=None, micro_batch_size=2,
+                          fixed_shape=True, multiple=4)
+    steps = round_microbatches(batch, spec, global_batch_size=12, dp_size=2, dp_rank=0)
+    other = round_microbatches(batch, spec, global_batch_size=12, dp_size=2, dp_rank=1)
+    shapes = {tuple(mb["input_ids"].shape) for s in (steps, other) for mb in s[0][0]}
+    assert len(shapes) == 1 and next(iter(shapes))[1] % 4 == 0, shapes
+    assert len(steps[0][0]) == len(other[0][0])
+    normalizer = steps[0][1]
+    assert normalizer.num_tokens == float(batch["completion_mask"].sum()) and normalizer.num_sequences == 12.0
+
+
+def test_packing_computes_at_least_2x_fewer_tokens_than_padding_on_long_tailed_lengths():
+    batch = _batch(LONG_TAILED * 2)
+    padded = MicrobatchSpec(padding_free=False, max_tokens=None, max_logprob_tokens=None, micro_batch_size=4)
+    packed = MicrobatchSpec(padding_free=True, max_tokens=None, max_logprob_tokens=None, micro_batch_size=4)
+    slots = {name: sum(mb.get("input_ids", mb["tokens"]).numel() for mb in round_microbatches(
+        batch, spec, global_batch_size=24, dp_size=1, dp_rank=0)[0][0]) for name, spec in
+        [("padded", padded), ("packed", packed)]}
+    real = int(batch["lengths"].sum())
+    assert slots["packed"] * 2 <= slots["padded"], (slots, real)
+
+
+def test_sequence_logprobs_returns_each_training_microbatchs_rows_from_its_own_budget():
+    batch = _batch(LONG_TAILED)
+    spec = MicrobatchSpec(padding_free=True, max_tokens=40, max_logprob_tokens=400, micro_batch_size=2)
+    micro = round_microbatches(batch, spec, global_batch_size=12, dp_size=1, dp_rank=0)[0][0]
+    seen = []
+
+    def forward(mbs):  # stands in for the model: the "log-prob" of sequence s is its first completion token id
+        seen.append(len(mbs))
+        return [(mb["completion_ids"].float(), None) for mb in mbs]
+
+    out = sequence_logprobs(forward, micro, spec)
+    assert seen == [1], "the forward-only budget (400 tokens) holds the whole rank in one micro-batch"
+    assert len(out) == len(micro) > 1
+    for values, mb in zip(out, micro):  # each training micro-batch gets its own sequences' rows, in its order
+        assert torch.equal(values, mb["completion_ids"].float())
+    assert sequence_logprobs(lambda mbs: [], micro, spec) == []  # not the last pipeline stage
+
+
+def test_spec_from_config_defaults_to_packing_with_the_local_mask():
+    spec = build_microbatch_spec(TrainConfig(), ModelConfig(transformer_impl="local"),
+                                 type("PS", (), {"pp_size": 2, "tp_size": 2, "sequence_parallel": True})(),
+                                 micro_batch_size=8, pad_token_id=0)
+    assert spec.padding_free and spec.layout == "mask" and spec.fixed_shape and spec.multiple == 2
+    assert not spec.uses_rows
+
+
+def test_budget_below_one_token_is_refused():
+    with pytest.raises(ValueError, match=">= 1"):
+        plan_step([3], 1, 0)
