@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import RESULTS_DIR, EnvInfo, Row, append_rows, capture_env, make_row, peak_memory_fn, time_fn
-from kernels import DEFAULT_WORKSPACE_MB, build_lm_head_problem, lm_head_logprob_entropy
+from kernels import (DEFAULT_WORKSPACE_MB, TritonTiles, build_lm_head_problem, lm_head_logprob_entropy,
+                     triton_logprob_entropy)
 
 BENCH = "fused_logprob"
 MIB = 2**20
@@ -45,15 +46,19 @@ FLOPS_PER_NHV = {"forward": 2, "backward": 4, "full": 6}
 LIGER_SEQUENCE_LENGTH = 1024
 
 
-def _kernel_modes(variant: str, inputs: tuple, workspace_mb: float) -> dict[str, Callable[[], Callable]]:
+def _kernel_modes(variant: str, inputs: tuple, workspace_mb: float,
+                  tiles: TritonTiles | None = None) -> dict[str, Callable[[], Callable]]:
     """Per mode, a set-up function returning the zero-argument call to measure (for one of our implementations).
 
     Set-up runs outside the measured region and its state lives only as long as the returned call: the backward's
-    graph (for the reference: the saved logits) is built by its set-up and freed after its mode.
+    graph (for the reference: the saved logits) is built by its set-up and freed after its mode. `tiles` (Triton
+    block sizes; None = the kernel's defaults) applies to the `triton` variant only.
     """
     x, w, y, g_lp, g_ent = inputs
 
     def run(xr, wr):
+        if variant == "triton" and tiles is not None:
+            return triton_logprob_entropy(xr, wr, y, workspace_mb=workspace_mb, tiles=tiles)
         return lm_head_logprob_entropy(xr, wr, y, workspace_mb=workspace_mb, implementation=variant)
 
     def forward():
@@ -91,6 +96,13 @@ def _liger_modes(inputs: tuple) -> dict[str, Callable[[], Callable]]:
     return {"full": lambda: full}
 
 
+def tiles_label(tiles: TritonTiles) -> str:
+    """Block sizes as a row label, e.g. "n128_v128_h64_g8_w8_s3" (block_n, block_v, block_h, group_n, warps, stages)."""
+    label = (f"n{tiles.block_n}_v{tiles.block_v}_h{tiles.block_h}_g{tiles.group_n}_w{tiles.num_warps}"
+             f"_s{tiles.num_stages}")
+    return label if tiles.split_cols is None else f"{label}_split{tiles.split_cols}"
+
+
 def _rows_for(env: EnvInfo, variant: str, mode: str, n: int, flop: float, timing, memory, config: dict) -> list[Row]:
     """time / throughput / peak_memory rows of one (variant, mode, N)."""
     key = dict(bench=BENCH, variant=variant, mode=mode, x_name="N", x_value=n, config=config)
@@ -119,13 +131,16 @@ def bench_point(env: EnvInfo, variants: list[str], n: int, h: int, v: int, dtype
     g_lp, g_ent = (torch.randn(n, generator=gen).to(device) for _ in range(2))
     inputs = (x, w, y, g_lp, g_ent)
     config = {"H": h, "V": v, "dtype": str(dtype).removeprefix("torch."), "workspace_mb": args.workspace_mb}
+    tiles = getattr(args, "tiles", None)  # TritonTiles for the triton variant (the GPU suite's best); None = defaults
+    if tiles is not None:
+        config["tiles"] = tiles_label(tiles)
     if device.type == "cpu":
         config["torch_threads"] = torch.get_num_threads()
     rows, peaks = [], {}
     for variant in variants:
         try:
-            modes = _liger_modes(inputs) if variant == "liger_grpo_loss" else _kernel_modes(variant, inputs,
-                                                                                           args.workspace_mb)
+            modes = _liger_modes(inputs) if variant == "liger_grpo_loss" else _kernel_modes(
+                variant, inputs, args.workspace_mb, tiles)
         except (ImportError, TypeError, RuntimeError) as err:
             print(f"note: {variant} skipped: {type(err).__name__}: {err}")
             continue

@@ -1,8 +1,10 @@
 """GRPO train-step benchmark: one optimizer step of the Megatron policy (forward, fused-loss backward, Adam) on one
 device, random weights, writing step time, completion tokens/s and peak memory to `benchmarks/results/grpo_step.csv`.
 
-Shapes: `tiny` (the project's tiny Qwen2, float32: what a CPU can run) and `qwen2.5-1.5b` (Qwen2.5-1.5B's shape:
-hidden 1536, 28 layers, 12 heads / 2 KV heads, MLP 8960, vocab 151936, tied embeddings; bf16, for a GPU). The batch
+Shapes: `tiny` (the project's tiny Qwen2, float32: what a CPU can run), `qwen2.5-1.5b` (Qwen2.5-1.5B's shape:
+hidden 1536, 28 layers, 12 heads / 2 KV heads, MLP 8960, vocab 151936, tied embeddings; bf16, for a GPU) and
+`qwen2.5-7b` (Qwen2.5-7B's shape: hidden 3584, 28 layers, 28 heads / 4 KV heads, MLP 18944, vocab 152064, untied;
+bf16); `--num-layers` trims the layer count (every other dimension stays exact). The batch
 is `--batch` completions of `--prompt-len` + `--completion-len` tokens in micro-batches of `--micro-batch`; the
 loss is DAPO with off-policy old log-probs (clipping active), the log-prob path is `--implementation` (auto = the
 Triton kernel on CUDA, the chunked torch path on CPU). Absolute times count only on a GPU.
@@ -23,48 +25,75 @@ from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, 
 MIB = 2**20
 
 
-def model_config(shape: str):
+SHAPES = ("tiny", "qwen2.5-1.5b", "qwen2.5-7b")
+
+
+def model_config(shape: str, num_layers: int | None = None):
+    """The HF config of a benchmark shape; `num_layers` trims the layer count (None = the model's own)."""
     from transformers import Qwen2Config
 
     from engine.models.tiny_model import tiny_model_config
 
     if shape == "tiny":
-        return tiny_model_config("qwen2")
-    return Qwen2Config(
-        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-        intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-        rms_norm_eps=1e-6, tie_word_embeddings=True,
-    )
+        config = tiny_model_config("qwen2")
+    elif shape == "qwen2.5-1.5b":
+        config = Qwen2Config(
+            hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+            intermediate_size=8960, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+            rms_norm_eps=1e-6, tie_word_embeddings=True,
+        )
+    elif shape == "qwen2.5-7b":
+        config = Qwen2Config(
+            hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+            intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768, rope_theta=1e6,
+            rms_norm_eps=1e-6, tie_word_embeddings=False,
+        )
+    else:
+        raise ValueError(f"unknown shape {shape!r}; one of {SHAPES}")
+    if num_layers is not None:
+        config.num_hidden_layers = num_layers
+    return config
 
 
-def build_step(args):
-    """Everything one step needs; returns (step function, completion tokens per step, device)."""
-    from engine.policy.batch import pack_completions, split_microbatches
-    from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
+def build_policy_and_optimizer(hf_config, dtype: str, ps):
+    """Megatron chunks with random weights and their optimizer (lr 1e-6): (PolicyOptimizer, chunks)."""
+    from engine.config import ModelConfig, OptimizerConfig
     from engine.policy.model import build_policy, init_weights_by_name
     from engine.policy.optimizer import build_optimizer
-    from engine.policy.parallel import init_parallel
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.policy.step import LogprobSettings, grpo_forward_backward
 
-    hf_config = model_config(args.shape)
-    ps = init_parallel(ParallelConfig(), seed=0)
-    dtype = "float32" if args.shape == "tiny" else "bfloat16"
     chunks = build_policy(hf_config, ModelConfig(dtype=dtype), ps)
     init_weights_by_name(chunks, ps, seed=0)
-    popt = build_optimizer(OptimizerConfig(learning_rate=1e-6), chunks, ps, total_steps=1_000_000)
-    gen = torch.Generator().manual_seed(0)
-    vocab = hf_config.vocab_size
-    prompts = torch.randint(0, vocab, (args.batch, args.prompt_len), generator=gen).tolist()
-    completions = torch.randint(0, vocab, (args.batch, args.completion_len), generator=gen).tolist()
-    batch = pack_completions(prompts, completions, pad_token_id=0)
+    return build_optimizer(OptimizerConfig(learning_rate=1e-6), chunks, ps, total_steps=1_000_000), chunks
+
+
+def build_batch(vocab_size: int, batch: int, prompt_len: int, completion_len: int, seed: int = 0) -> dict:
+    """Random prompt + completion tokens, advantages and off-policy old log-probs (clipping active), on the CPU.
+
+    The same seed gives the same tokens whatever the consumer (the TRL benchmark feeds TRL the same batch).
+    Returns pack_completions' dict plus `advantages` (B,) and `old_logprobs` (B, C).
+    """
+    from engine.policy.batch import pack_completions
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab_size, (batch, prompt_len), generator=gen).tolist()
+    completions = torch.randint(0, vocab_size, (batch, completion_len), generator=gen).tolist()
+    packed = pack_completions(prompts, completions, pad_token_id=0)
+    mask = packed["completion_mask"]
+    packed["advantages"] = torch.randn(batch, generator=gen)  # (B,)
+    packed["old_logprobs"] = (-11.0 + 0.3 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
+    return packed
+
+
+def make_step(popt, ps, batch: dict, micro_batch: int, vocab_size: int, implementation: str):
+    """The zero-argument GRPO optimizer step (zero_grad, DAPO forward/backward over micro-batches, Adam step)."""
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.policy.batch import split_microbatches
+    from engine.policy.step import LogprobSettings, grpo_forward_backward
+
     mask = batch["completion_mask"]
-    batch["advantages"] = torch.randn(args.batch, generator=gen)  # (B,)
-    batch["old_logprobs"] = (-11.0 + 0.3 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
-    batch = {k: v.to(ps.device) for k, v in batch.items()}
-    micro = split_microbatches(batch, args.micro_batch)
-    normalizer = LossNormalizer(num_tokens=float(mask.sum()), num_sequences=float(args.batch))
-    settings = LogprobSettings(vocab_size=vocab, implementation=args.implementation)
+    micro = split_microbatches({k: v.to(ps.device) for k, v in batch.items()}, micro_batch)
+    normalizer = LossNormalizer(num_tokens=float(mask.sum()), num_sequences=float(mask.shape[0]))
+    settings = LogprobSettings(vocab_size=vocab_size, implementation=implementation)
     loss_config = PolicyLossConfig(loss_type="dapo", epsilon_high=0.28)
 
     def step():
@@ -72,12 +101,27 @@ def build_step(args):
         grpo_forward_backward(popt.model, ps, micro, loss_config, normalizer, settings)
         popt.step()
 
-    return step, int(mask.sum()), ps.device, {"dtype": dtype}
+    return step
+
+
+def build_step(args):
+    """Everything one step needs; returns (step function, completion tokens per step, device, config extras)."""
+    from engine.config import ParallelConfig
+    from engine.policy.parallel import init_parallel
+
+    hf_config = model_config(args.shape, getattr(args, "num_layers", None))
+    ps = init_parallel(ParallelConfig(), seed=0)
+    dtype = "float32" if args.shape == "tiny" else "bfloat16"
+    popt, _ = build_policy_and_optimizer(hf_config, dtype, ps)
+    batch = build_batch(hf_config.vocab_size, args.batch, args.prompt_len, args.completion_len)
+    step = make_step(popt, ps, batch, args.micro_batch, hf_config.vocab_size, args.implementation)
+    return step, int(batch["completion_mask"].sum()), ps.device, {"dtype": dtype}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one GRPO optimizer step -> benchmarks/results/grpo_step.csv")
-    parser.add_argument("--shape", choices=["tiny", "qwen2.5-1.5b"], default="tiny")
+    parser.add_argument("--shape", choices=SHAPES, default="tiny")
+    parser.add_argument("--num-layers", type=int, help="trim the model to this many layers (default: its own)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -94,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     env = capture_env(device)
     config = {"shape": args.shape, "batch": args.batch, "micro_batch": args.micro_batch, "prompt_len": args.prompt_len,
               "completion_len": args.completion_len, "implementation": args.implementation, **extra}
+    if args.num_layers is not None:
+        config["num_layers"] = args.num_layers
     key = dict(bench="grpo_step", variant=f"megatron-{args.shape}", mode="train_step", x_name="completion_tokens",
                x_value=completion_tokens, config=config)
     rows = [

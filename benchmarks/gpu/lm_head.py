@@ -1,0 +1,145 @@
+"""Suite part b: the bf16 GEMM floor, a Triton tile sweep, then the fused log-prob sweep against its baselines.
+
+In order, each step appending its rows as soon as it has them (a time limit keeps what was measured):
+1. the floor: `torch.matmul` of square bf16 matrices (benchmarks/bench_gemm.py; rows in `gemm.csv`); the floor is
+   the best p50 TFLOP/s of those sizes, the rate the LM-head GEMMs could reach at best on this device;
+2. tile choices tried: the Triton kernels (kernels/fused_logprob.py) at one point (`--tile-tokens`, the largest
+   `--hidden`) for each of `TILE_CANDIDATES` (forward, backward and full; rows in `fused_logprob.csv` with the
+   block sizes in `config.tiles`); a candidate that does not compile or run is reported and skipped; the best by
+   full-mode p50 is used next;
+3. the sweep (benchmarks/bench_fused_logprob.py's `bench_point`): every (N, H) of `--tokens` x `--hidden` at
+   V = `--vocab`, variants reference (logits materialised), torch_chunked, triton (best tiles) and Liger's
+   `LigerFusedLinearGRPOLoss` (full mode only; skipped with a printed reason where liger-kernel does not import):
+   p50 ms and TFLOP/s (6NHV for full), peak extra memory, plus a `fraction_of_floor` row (TFLOP/s / floor) per
+   throughput row.
+
+    python -m benchmarks.gpu.lm_head --results-dir /tmp/gpu                     # GPU defaults (the issue's sweep)
+    TRITON_INTERPRET=1 python -m benchmarks.gpu.lm_head --cpu --results-dir /tmp/cpu   # tiny CPU smoke
+
+Run by the suite (benchmarks/gpu/suite.py) as part b; test: tests/unit/test_gpu_suite.py (CPU smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks import bench_fused_logprob, bench_gemm
+from benchmarks.harness import RESULTS_DIR, append_rows, capture_env
+from kernels import TritonTiles
+
+TILE_CANDIDATES = (
+    TritonTiles(),  # the default: 128 x 128 x 64, 8 warps, 3 stages
+    TritonTiles(block_n=128, block_v=256, block_h=64, num_warps=8, num_stages=3),
+    TritonTiles(block_n=64, block_v=128, block_h=64, num_warps=4, num_stages=4),
+    TritonTiles(block_n=128, block_v=128, block_h=32, num_warps=4, num_stages=4),
+    TritonTiles(block_n=256, block_v=128, block_h=64, num_warps=8, num_stages=3),
+)
+CPU_TILE_CANDIDATES = (
+    TritonTiles(block_n=32, block_v=64, block_h=32, group_n=2, num_warps=4, num_stages=1),
+    TritonTiles(block_n=16, block_v=128, block_h=32, group_n=2, num_warps=4, num_stages=1),
+)
+GPU = dict(gemm_sizes="4096,8192", tokens="2048,8192,16384", hidden="1536,4096", vocab=151936, dtype="bfloat16",
+           tile_tokens=8192, iters=10, warmup=3, variants="reference,torch_chunked,triton,liger_grpo_loss")
+CPU = dict(gemm_sizes="64", tokens="32", hidden="32", vocab=256, dtype="float32", tile_tokens=32, iters=1, warmup=0,
+           variants="reference,torch_chunked,triton,liger_grpo_loss")
+
+
+def measure_floor(env, device: torch.device, dtype_name: str, sizes: list[int], args) -> float:
+    """bench_gemm at `sizes`; rows to gemm.csv; returns the best p50 TFLOP/s (the floor's rate)."""
+    config = {"dtype": dtype_name}
+    rows = []
+    for n in sizes:
+        timing, memory = bench_gemm.bench_size(n, bench_gemm.DTYPES[dtype_name], device, args.warmup, args.iters)
+        rows += bench_gemm.rows_for_size(env, n, timing, memory, config, args.iters)
+    append_rows(args.results_dir / "gemm.csv", rows)
+    rate = max(row.p50 for row in rows if row.metric == "throughput")
+    print(f"floor: torch.matmul {dtype_name} at {sizes}: best p50 {rate:.2f} TFLOP/s")
+    return rate
+
+
+def with_fraction_of_floor(rows: list, floor_tflops: float) -> list:
+    """The rows plus, per throughput row, a `fraction_of_floor` row (its TFLOP/s over the floor's)."""
+    extra = [dataclasses.replace(r, metric="fraction_of_floor", unit="1", p20=r.p20 / floor_tflops,
+                                 p50=r.p50 / floor_tflops, p80=r.p80 / floor_tflops)
+             for r in rows if r.metric == "throughput"]
+    return rows + extra
+
+
+def sweep_tiles(env, device, args, floor_tflops: float, candidates) -> TritonTiles | None:
+    """Every tile candidate at (tile_tokens, largest H); rows appended; returns the best by full-mode p50."""
+    hidden = max(args.hidden)
+    best, best_ms = None, float("inf")
+    for tiles in candidates:
+        label = bench_fused_logprob.tiles_label(tiles)
+        point_args = argparse.Namespace(**{**vars(args), "tiles": tiles})
+        try:
+            rows, _ = bench_fused_logprob.bench_point(env, ["triton"], args.tile_tokens, hidden, args.vocab,
+                                                      args.torch_dtype, device, point_args)
+        except Exception as error:  # noqa: BLE001 - a tile that does not compile (shared memory, registers) is a result
+            print(f"SUITE-NOTE: tiles {label} failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+            continue
+        append_rows(args.results_dir / "fused_logprob.csv", with_fraction_of_floor(rows, floor_tflops))
+        full = [r.p50 for r in rows if r.mode == "full" and r.metric == "time"]
+        print(f"tiles {label}: full p50 {full[0]:.2f} ms" if full else f"tiles {label}: no full-mode row")
+        if full and full[0] < best_ms:
+            best, best_ms = tiles, full[0]
+    if best is not None:
+        print(f"SUITE-NOTE: best tiles {bench_fused_logprob.tiles_label(best)} (full p50 {best_ms:.2f} ms at "
+              f"N={args.tile_tokens}, H={hidden})")
+    return best
+
+
+def run(args: argparse.Namespace) -> None:
+    device = torch.device("cpu" if args.cpu else "cuda")
+    env = capture_env(device)
+    print(f"lm-head part on {env.device}: git {env.git_sha or '?'}, torch {env.torch_version}, "
+          f"triton {env.triton_version}")
+    floor = measure_floor(env, device, args.dtype, args.gemm_sizes, args)
+    variants = args.variants.split(",")
+    if "liger_grpo_loss" in variants and importlib.util.find_spec("liger_kernel") is None:
+        print("SUITE-NOTE: liger_grpo_loss skipped: liger-kernel is not installed (benchmarks/gpu/fetch_wheels.sh "
+              "carries it to the GPU machine)")
+        variants.remove("liger_grpo_loss")
+    tiles = None
+    if "triton" in variants:
+        tiles = sweep_tiles(env, device, args, floor, CPU_TILE_CANDIDATES if args.cpu else TILE_CANDIDATES)
+        if tiles is None:
+            print("SUITE-NOTE: triton skipped in the sweep: no tile candidate ran")
+            variants.remove("triton")
+    args.tiles = tiles
+    for h in args.hidden:
+        for n in args.tokens:
+            start = time.monotonic()
+            rows, _ = bench_fused_logprob.bench_point(env, variants, n, h, args.vocab, args.torch_dtype, device, args)
+            append_rows(args.results_dir / "fused_logprob.csv", with_fraction_of_floor(rows, floor))
+            print(f"point N={n} H={h}: {len(rows)} rows in {time.monotonic() - start:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="tiny CPU smoke (Triton under TRITON_INTERPRET=1)")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    for name in ("gemm_sizes", "tokens", "hidden", "variants", "dtype"):
+        parser.add_argument(f"--{name.replace('_', '-')}")
+    for name in ("vocab", "tile_tokens", "iters", "warmup"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int)
+    parser.add_argument("--workspace-mb", type=float, default=bench_fused_logprob.DEFAULT_WORKSPACE_MB)
+    args = parser.parse_args(argv)
+    for name, value in (CPU if args.cpu else GPU).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.gemm_sizes = [int(s) for s in str(args.gemm_sizes).split(",")]
+    args.tokens = [int(s) for s in str(args.tokens).split(",")]
+    args.hidden = [int(s) for s in str(args.hidden).split(",")]
+    args.torch_dtype = bench_fused_logprob.DTYPES[args.dtype]
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

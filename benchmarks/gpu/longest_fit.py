@@ -1,0 +1,84 @@
+"""The longest completion that fits: run a training step at growing completion lengths until one does not fit.
+
+Owns: `find_longest_fit`, shared by the Megatron step (benchmarks/gpu/policy_step.py) and the TRL step
+(benchmarks/gpu/trl_step.py), so both are searched by the same rule: lengths in ascending order, one step each; a
+length fits when its step ran without running out of memory and its peak stayed within `memory_budget_mib` (when
+given); the search stops at the first length that does not fit, or when the deadline has passed (the answer is then
+"at least the longest that fitted"). On a GPU, out of memory is the caching allocator's `OutOfMemoryError`; the CPU
+has no such signal, so the CPU smoke run passes a memory budget to exercise the same stop.
+
+Must not: time anything (the caller's `run_at_length` measures) or write rows.
+
+Test: tests/unit/test_gpu_suite.py runs it through the suite's `--cpu` mode.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class FitSearch:
+    """What the search found: `longest` (0 when nothing fitted), every length tried and why it stopped."""
+
+    longest: int = 0
+    peaks_mib: dict[int, float] = field(default_factory=dict)
+    """Peak memory (MiB) of every length that ran."""
+    stopped: str = "every length fitted"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A CUDA allocator OOM, a CPU MemoryError, or a RuntimeError whose message says out of memory."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+
+
+def free_memory() -> None:
+    """Drop garbage and hand cached CUDA blocks back, so the next length starts from the same baseline."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def find_longest_fit(run_at_length: Callable[[int], float], lengths: list[int], *,
+                     memory_budget_mib: float | None = None, deadline: float | None = None) -> FitSearch:
+    """Longest of `lengths` (ascending) whose step fits.
+
+    Args:
+        run_at_length: runs one step at a completion length and returns its peak memory in MiB; raises an
+            out-of-memory error (see `is_out_of_memory`) when it does not fit. Other errors propagate.
+        lengths: completion lengths to try, ascending.
+        memory_budget_mib: a length whose peak exceeds this does not fit; None = only out of memory decides.
+        deadline: `time.monotonic()` after which no further length is started; None = no limit.
+
+    Returns:
+        FitSearch with the longest length that fitted, the peaks and the reason the search stopped.
+    """
+    search = FitSearch()
+    for length in sorted(lengths):
+        if deadline is not None and time.monotonic() > deadline:
+            search.stopped = f"time budget spent before {length}"
+            break
+        oom = None
+        try:
+            peak = run_at_length(length)
+        except Exception as error:  # noqa: BLE001 - only out-of-memory errors are an answer; the rest propagate
+            if not is_out_of_memory(error):
+                raise
+            oom = f"out of memory at {length}: {str(error).splitlines()[0][:160]}"
+        free_memory()
+        if oom is not None:
+            search.stopped = oom
+            break
+        search.peaks_mib[length] = peak
+        if memory_budget_mib is not None and peak > memory_budget_mib:
+            search.stopped = f"peak {peak:.0f} MiB > budget {memory_budget_mib:.0f} MiB at {length}"
+            break
+        search.longest = length
+    return search

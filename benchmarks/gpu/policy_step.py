@@ -1,0 +1,139 @@
+"""Suite part c: a Megatron-core GRPO optimizer step, fused log-prob kernel against materialised logits.
+
+Measures, for one model shape (benchmarks/bench_grpo_step.py's shapes, random weights, Megatron's local layer spec
+since Transformer Engine is absent on the lent GPU) and each `--implementations` entry (the log-prob path:
+`triton` = the fused kernel, `reference` = logits materialised, `torch_chunked` = the tiled torch path):
+- the step at the nominal batch (`--batch` completions of `--prompt-len` + `--completion-len` tokens in
+  micro-batches of `--micro-batch`, DAPO, off-policy old log-probs): time, completion tokens/s, peak memory
+  (rows exactly as `python -m benchmarks.bench_grpo_step` writes them, bench `grpo_step`, mode `train_step`);
+- the longest completion that fits (benchmarks/gpu/longest_fit.py): one micro-batch of `--fit-micro-batch`
+  sequences at each of `--fit-lengths`: mode `longest_fit`, a `peak_memory` row per length that ran and one
+  `max_completion_len` row (tokens; 0 = none fitted) whose config says why the search stopped.
+The model and optimizer are built once and shared by every implementation (same weights, same tokens); the
+weights move by lr 1e-6 per step, which changes no timing. Rows are appended after each measurement, so a run
+stopped by its time limit keeps what it measured.
+
+    python -m benchmarks.gpu.policy_step --shape qwen2.5-1.5b --csv /tmp/grpo_step.csv       # one GPU
+    python -m benchmarks.gpu.policy_step --shape qwen2.5-7b --num-layers 6 --csv /tmp/grpo_step.csv
+    python -m benchmarks.gpu.policy_step --shape tiny --implementations torch_chunked,reference --batch 4 \\
+        --micro-batch 2 --prompt-len 8 --completion-len 16 --fit-lengths 16,32 --csv /tmp/grpo_step.csv  # CPU smoke
+
+Run by the suite (benchmarks/gpu/suite.py) as part c; test: tests/unit/test_gpu_suite.py (CPU smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_grpo_step import SHAPES, build_batch, build_policy_and_optimizer, make_step, model_config
+from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, is_out_of_memory
+from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, peak_memory_fn, time_fn
+
+MIB = 2**20
+
+
+def _nominal_rows(env, args, implementation: str, step, completion_tokens: int, config: dict,
+                  device: torch.device) -> list:
+    """time / tokens_per_s / peak_memory rows of the nominal step (bench_grpo_step's row format)."""
+    timing = time_fn(step, device=device, warmup=args.warmup, n_iters=args.iters)
+    memory = peak_memory_fn(step, device=device)
+    key = dict(bench="grpo_step", variant=f"megatron-{args.shape}", mode="train_step", x_name="completion_tokens",
+               x_value=completion_tokens, config=config)
+    peak = memory.peak_bytes / MIB
+    print(f"megatron {args.shape} {implementation}: step p50 {timing.p50_ms:.1f} ms, "
+          f"{completion_tokens / (timing.p50_ms / 1e3):.0f} completion tokens/s, peak {peak:.0f} MiB")
+    return [
+        make_row(env, **key, metric="time", unit="ms", p20=timing.p20_ms, p50=timing.p50_ms, p80=timing.p80_ms,
+                 n_iters=timing.n_iters),
+        make_row(env, **key, metric="tokens_per_s", unit="tokens/s", p20=completion_tokens / (timing.p80_ms / 1e3),
+                 p50=completion_tokens / (timing.p50_ms / 1e3), p80=completion_tokens / (timing.p20_ms / 1e3),
+                 n_iters=timing.n_iters),
+        make_row(env, **key, metric="peak_memory", unit="MiB", p20=peak, p50=peak, p80=peak, n_iters=1),
+    ]
+
+
+def _fit_rows(env, args, implementation: str, popt, ps, hf_config, config: dict, deadline: float) -> list:
+    """The longest-fit search of one implementation: a peak_memory row per length and the max_completion_len row."""
+
+    def run_at_length(length: int) -> float:
+        batch = build_batch(hf_config.vocab_size, args.fit_micro_batch, args.prompt_len, length, seed=length)
+        step = make_step(popt, ps, batch, args.fit_micro_batch, hf_config.vocab_size, implementation)
+        step()  # a first step at this shape: allocator growth, kernel compilation
+        return peak_memory_fn(step, device=ps.device).peak_bytes / MIB
+
+    search = find_longest_fit(run_at_length, args.fit_lengths, memory_budget_mib=args.memory_budget_mib,
+                              deadline=deadline)
+    key = dict(bench="grpo_step", variant=f"megatron-{args.shape}", mode="longest_fit")
+    fit_config = {**config, "micro_batch": args.fit_micro_batch}
+    fit_config.pop("batch", None), fit_config.pop("completion_len", None)
+    rows = [make_row(env, **key, metric="peak_memory", unit="MiB", x_name="completion_len", x_value=length,
+                     p20=peak, p50=peak, p80=peak, n_iters=1, config=fit_config)
+            for length, peak in search.peaks_mib.items()]
+    summary = {**fit_config, "tried": args.fit_lengths, "stopped": search.stopped}
+    rows.append(make_row(env, **key, metric="max_completion_len", unit="tokens", x_name="micro_batch",
+                         x_value=args.fit_micro_batch, p20=search.longest, p50=search.longest, p80=search.longest,
+                         n_iters=1, config=summary))
+    print(f"megatron {args.shape} {implementation}: longest completion that fits (micro-batch "
+          f"{args.fit_micro_batch}, prompt {args.prompt_len}): {search.longest} ({search.stopped})")
+    return rows
+
+
+def run(args: argparse.Namespace) -> None:
+    """Build the model once, then per implementation: the nominal step, then the longest-fit search."""
+    from engine.config import ParallelConfig
+    from engine.policy.parallel import init_parallel
+
+    deadline = time.monotonic() + args.budget_s
+    hf_config = model_config(args.shape, args.num_layers)
+    ps = init_parallel(ParallelConfig(), seed=0)
+    dtype = "float32" if args.shape == "tiny" else "bfloat16"
+    popt, _ = build_policy_and_optimizer(hf_config, dtype, ps)
+    env = capture_env(ps.device)
+    print(f"megatron step on {env.device}: {args.shape} ({hf_config.num_hidden_layers} layers), {dtype}, "
+          f"mcore {env.mcore_version}, git {env.git_sha or '?'}")
+    batch = build_batch(hf_config.vocab_size, args.batch, args.prompt_len, args.completion_len)
+    completion_tokens = int(batch["completion_mask"].sum())
+    for implementation in args.implementations:
+        config = {"shape": args.shape, "batch": args.batch, "micro_batch": args.micro_batch,
+                  "prompt_len": args.prompt_len, "completion_len": args.completion_len,
+                  "implementation": implementation, "dtype": dtype, "num_layers": hf_config.num_hidden_layers}
+        try:
+            step = make_step(popt, ps, batch, args.micro_batch, hf_config.vocab_size, implementation)
+            append_rows(args.csv, _nominal_rows(env, args, implementation, step, completion_tokens, config,
+                                                  ps.device))
+        except Exception as error:  # noqa: BLE001 - an OOM at the nominal shape is a result, not a crash
+            if not is_out_of_memory(error):
+                raise
+            print(f"SUITE-NOTE: megatron {args.shape} {implementation}: nominal step out of memory")
+        step = None
+        free_memory()
+        if args.fit_lengths:
+            append_rows(args.csv, _fit_rows(env, args, implementation, popt, ps, hf_config, config, deadline))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=SHAPES, default="qwen2.5-1.5b")
+    parser.add_argument("--num-layers", type=int, help="trim the model to this many layers (default: its own)")
+    parser.add_argument("--implementations", default="triton,reference", type=lambda s: s.split(","))
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--completion-len", type=int, default=1024)
+    parser.add_argument("--fit-micro-batch", type=int, default=1, help="sequences per step in the longest-fit search")
+    parser.add_argument("--fit-lengths", default="2048,4096,8192,16384,32768",
+                        type=lambda s: [int(x) for x in s.split(",") if x], help="'' skips the search")
+    parser.add_argument("--memory-budget-mib", type=float, help="a fit's peak must stay within this (CPU smoke)")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="no new fit length after this many seconds")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--csv", type=Path, default=RESULTS_DIR / "grpo_step.csv")
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
