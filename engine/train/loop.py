@@ -134,7 +134,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                                   "time/logprob_s": t_logprob - t_reward, "time/train_s": t_train - t_logprob,
                                   "time/sync_s": end - t_wait, "step_time": end - start,
                                   "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start),
-                                  "epoch": rounds.position / rounds.rounds_per_epoch}  # HF's: dataset fraction drawn
+                                  "epoch": epoch(run, rounds)}
         last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings)
         # 6. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
         if stop.agreed(ps):
@@ -168,6 +168,12 @@ def start_pipeline(run: Run, rounds: PromptRounds, progress: Progress) -> None:
     run.pipeline = RolloutPipeline(run, rounds, k, version=run.policy_version, steps_per_round=per_round,
                                    total_rounds=total_rounds)
     run.pipeline.restore(progress.loop_state.get("async_rounds"))
+
+
+def epoch(run: Run, rounds: PromptRounds) -> float:
+    """HF's `epoch`: the fraction of the dataset trained on (drawn, less the rounds generated ahead of training)."""
+    ahead = run.pipeline.num_dataset_rounds_ahead() if run.pipeline is not None else 0
+    return (rounds.position - ahead) / rounds.rounds_per_epoch
 
 
 def wait_times(run: Run, stats: dict, step_time: float) -> dict:

@@ -67,16 +67,20 @@ class PendingRound:
     seeds: list[int]
     version: int
     rollout: Rollout | None = None
+    is_from_dataset: bool = True
+    """False when the curriculum hook chose the prompts (the dataset's position did not move)."""
 
     def to_state(self) -> dict:
         """JSON values for a checkpoint (a complete round only)."""
         return {"index": self.index, "step": self.step, "picked": asdict(self.picked), "seeds": self.seeds,
-                "version": self.version, "rollout": {f: getattr(self.rollout, f) for f in _ROLLOUT_FIELDS}}
+                "version": self.version, "rollout": {f: getattr(self.rollout, f) for f in _ROLLOUT_FIELDS},
+                "is_from_dataset": self.is_from_dataset}
 
     @classmethod
     def from_state(cls, state: dict) -> PendingRound:
         return cls(state["index"], state["step"], PromptBatch(**state["picked"]), list(state["seeds"]),
-                   state["version"], Rollout(*(state["rollout"][f] for f in _ROLLOUT_FIELDS)))
+                   state["version"], Rollout(*(state["rollout"][f] for f in _ROLLOUT_FIELDS)),
+                   state.get("is_from_dataset", True))
 
 
 class RolloutPipeline:
@@ -112,11 +116,13 @@ class RolloutPipeline:
         """Pick round `next_index`'s prompts (the curriculum hook's pending choice, else the dataset's next round),
         its seeds, and start generating it on rank 0's background thread."""
         run = self.run
+        is_from_dataset = run.pending_prompts is None
         picked = run.pending_prompts or run.train_prompts.select(next(self.rounds))
         run.pending_prompts = None  # consumed: the hook chooses again when a round is scored
         step = self.next_index * self.steps_per_round
         seeds = sampling_seeds(run.cfg.train.seed, step, 0, picked.indices)
-        pending = PendingRound(self.next_index, step, picked, seeds, version=run.policy_version)
+        pending = PendingRound(self.next_index, step, picked, seeds, version=run.policy_version,
+                               is_from_dataset=is_from_dataset)
         self.next_index += 1
         if self._done_at is not None:
             self._idle_s += time.perf_counter() - self._done_at
@@ -158,6 +164,11 @@ class RolloutPipeline:
             self.ready.append(self._finish(pending, handle))
 
     # --- metrics and state ------------------------------------------------------------------------------------------
+
+    def num_dataset_rounds_ahead(self) -> int:
+        """Rounds drawn from the dataset but not trained on yet (the data position runs this far ahead of training)."""
+        ahead = list(self.ready) + ([self.in_flight[0]] if self.in_flight is not None else [])
+        return sum(p.is_from_dataset for p in ahead)
 
     def take_wait_times(self) -> dict[str, float]:
         """Seconds the trainer waited for generation and the servers waited for weights since the last call."""
