@@ -27,7 +27,7 @@ Endpoints (JSON in and out; every one except `GET /health` needs `Authorization:
 compared in constant time; a request without it gets 401 and touches nothing):
 | endpoint | body -> answer |
 |---|---|
-| GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls, instance_id, num_weight_updates, replica, num_replicas (nothing secret); authorized (whether the request's bearer token is this server's; only when it has one) |
+| GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret); authorized (whether the request's bearer token is this server's; only when it has one) |
 | POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
 | POST /prompt_logprobs | sequences, temperature -> logprobs (of every token after the first) |
 | POST /weights/init | host, port, world_size, first_engine_rank, timeout_s, plan (SyncPlan.spec()), bucket_mb -> ranks; the workers join the trainer's transfer group (the call returns once the trainer's senders have joined) |
@@ -36,6 +36,11 @@ compared in constant time; a request without it gets 401 and touches nothing):
 | POST /sleep, /wake_up | vLLM sleep mode where the engine supports it (GPU), otherwise no-ops |
 | POST /shutdown | -> the server stops after answering |
 Engine calls run one at a time (a lock); `/health` never waits for it. A failed call answers 500 with the error.
+Bounds, each answered before the engine is touched: the token first (401, body unread); a body over `--max-body-mb`
+(default 256) gets 413 unread, a chunked one 411, one whose bytes stall longer than `--read-timeout-s` (default 60 s,
+every read of the connection) 408, and one that is not a JSON object 400; a weight sync whose plan is for another
+model (its shape facts differ from /health's `model`) 409. The socket binds only `--host` (`rollout.vllm_server_host`;
+TRL's default 0.0.0.0 is every interface: give the inference node's address, or 127.0.0.1 on one machine).
 
 Must not: import vLLM (engine/rollout/vllm_engine.py does), log or write the token (the config on disk never holds it; request
 logs name the method, path and status only), or serve without a token (it refuses to start).
@@ -47,7 +52,8 @@ Every process has a random `instance_id` (in /health and /generate answers): a t
 the server restarted with the checkpoint's weights, and syncs again.
 
 Test: tests/unit/test_rollout_server_args.py (the command line, the token messages; no vLLM),
-tests/integration/test_rollout_server.py (the server in another process on loopback).
+tests/integration/test_rollout_server.py (the server in another process on loopback),
+tests/integration/test_bad_inputs_server.py (bad requests, bounds, binding, a load test during a weight sync).
 """
 
 from __future__ import annotations
@@ -69,7 +75,10 @@ from engine.config import EngineConfig, GenerationConfig, build_config, config_t
 from engine.log_filters import quiet_library_logs
 from engine.rollout.client import TOKEN_ENV, RolloutServerError, read_token
 
-MAX_BODY_BYTES = 1 << 30  # 1 GiB: a round of token ids is far smaller; anything bigger is refused unread
+MAX_BODY_MB = 256
+"""Default `--max-body-mb`: a round of 1,024 prompts x 8 completions of 4,096 token ids is ~60 MiB of JSON."""
+READ_TIMEOUT_S = 60.0
+"""Default `--read-timeout-s`: the longest wait for a request's next bytes (headers, body) before a 408."""
 
 
 class RolloutServer(ThreadingHTTPServer):
@@ -78,9 +87,17 @@ class RolloutServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], token: str):
+    def __init__(self, address: tuple[str, int], token: str, *, max_body_mb: float = MAX_BODY_MB,
+                 read_timeout_s: float = READ_TIMEOUT_S):
         super().__init__(address, _Handler)
         self._token = token.encode()
+        self.max_body_bytes = int(max_body_mb * (1 << 20))
+        """A POST body longer than this is answered 413 unread."""
+        self.read_timeout_s = read_timeout_s
+        """A request whose next bytes take longer is answered 408 (body) or dropped (headers): a stalled or slow
+        client holds a thread, never the engine."""
+        self.model: dict | None = None
+        """The served model's identity (model_type, name and the shape facts the weight sync depends on; /health)."""
         self.engine = None
         self.engine_lock = threading.Lock()
         self.tensor_parallel_size = None
@@ -124,6 +141,9 @@ class RolloutServer(ThreadingHTTPServer):
 
     def init_weights(self, body: dict) -> dict:
         keys = ("host", "port", "world_size", "first_engine_rank", "timeout_s", "plan", "bucket_mb")
+        mismatch = model_mismatch(self.model, {**body["plan"]["dims"], "ffn_hidden_size": body["plan"]["ffn_hidden_size"]})
+        if mismatch:
+            raise _Conflict(f"the trainer's weights are for another model than this server's: {mismatch}")
         return {"ranks": self.engine.init_weight_group(**{k: body[k] for k in keys})}
 
     def update_weights(self, body: dict) -> dict:
@@ -150,9 +170,44 @@ _ROUTES = {"/generate": RolloutServer.generate, "/prompt_logprobs": RolloutServe
            "/wake_up": RolloutServer.wake_up}
 
 
+class _Conflict(ValueError):
+    """A request the engine must not run (answered 409): e.g. a weight sync of another model."""
+
+
+def model_identity(model_dir: Path, name: str, trust_remote_code: bool = False) -> dict:
+    """What /health says about the served model: its name, model_type and the shape facts a trainer's weight-sync
+    plan is built from (engine/policy/hf_convert.py ModelDims, without the padded vocabulary, which is the trainer's
+    own, plus the MLP width)."""
+    from dataclasses import asdict
+
+    from transformers import AutoConfig
+
+    from engine.policy.hf_convert import ModelDims
+
+    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    dims = asdict(ModelDims.from_hf(hf_config, hf_config.vocab_size))
+    dims.pop("padded_vocab")
+    return {"name": name, "model_type": hf_config.model_type, **dims, "ffn_hidden_size": hf_config.intermediate_size}
+
+
+def model_mismatch(served: dict | None, trainer: dict) -> str:
+    """The fields where the served model differs from the trainer's shape facts ("" when none, or when the server
+    did not say), e.g. "hidden_size: server 128, trainer 256"."""
+    if not served:
+        return ""
+    diffs = [f"{key}: server {served[key]!r}, trainer {value!r}" for key, value in trainer.items()
+             if key in served and key != "padded_vocab" and served[key] != value]
+    return (f"{'; '.join(diffs)} (the server serves {served.get('name')!r}, model_type {served.get('model_type')!r}); "
+            "start the server with the trainer's model.name_or_path") if diffs else ""
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: RolloutServer
     protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        self.timeout = self.server.read_timeout_s  # StreamRequestHandler: every read and write of this connection
+        super().setup()
 
     def log_message(self, format, *args) -> None:  # method, path, status: never headers (the token)
         if self.server.log_requests:
@@ -161,6 +216,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         if status == 401:
@@ -177,7 +234,7 @@ class _Handler(BaseHTTPRequestHandler):
                   "vllm_tensor_parallel_size": self.server.tensor_parallel_size,
                   "num_engine_calls": self.server.num_engine_calls, "instance_id": self.server.instance_id,
                   "num_weight_updates": self.server.num_weight_updates,
-                  "replica": self.server.replica[0], "num_replicas": self.server.replica[1]}
+                  "replica": self.server.replica[0], "num_replicas": self.server.replica[1], "model": self.server.model}
         header = self.headers.get("Authorization")
         if header:  # the client learns at connection whether its token is this server's (what a 401 would say)
             answer["authorized"] = self.server.is_authorized(header)
@@ -189,15 +246,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the body is not read: the connection cannot be reused
             self._send(401, {"error": self.server.refusal(self.headers.get("Authorization"))})
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True
-            self._send(413, {"error": f"body of {length} bytes > {MAX_BODY_BYTES}"})
-            return
-        try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-        except ValueError as exc:
-            self._send(400, {"error": f"body is not JSON: {exc}"})
+        body = self._read_body(path)
+        if body is None:
             return
         if path == "/shutdown":
             self._send(200, {"status": "stopping"})
@@ -214,6 +264,9 @@ class _Handler(BaseHTTPRequestHandler):
             with self.server.engine_lock:
                 self.server.num_engine_calls += 1
                 result = route(self.server, body)
+        except _Conflict as exc:
+            self._send(409, {"error": f"{path}: {exc}"})
+            return
         except (KeyError, TypeError, ValueError) as exc:
             self._send(400, {"error": f"bad request to {path}: {type(exc).__name__}: {exc}"})
             return
@@ -222,6 +275,46 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(500, {"error": f"{type(exc).__name__}: {exc}"})
             return
         self._send(200, result)
+
+    def _read_body(self, path: str) -> dict | None:
+        """The request's JSON object, or None after answering why not: 411 (chunked), 400 (a bad Content-Length,
+        not JSON, not an object), 413 (over --max-body-mb: refused unread), 408 (slower than --read-timeout-s)."""
+        limit = self.server.max_body_bytes
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            self.close_connection = True
+            self._send(411, {"error": f"{path}: chunked bodies are not accepted: send Content-Length"})
+            return None
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length < 0:
+                raise ValueError(length)
+        except ValueError:
+            self.close_connection = True
+            self._send(400, {"error": f"{path}: Content-Length {self.headers.get('Content-Length')!r} is not a size"})
+            return None
+        if length > limit:
+            self.close_connection = True  # the body is not read: the connection cannot be reused
+            self._send(413, {"error": f"{path}: body of {length} bytes > the server's limit of {limit} bytes "
+                                      f"(--max-body-mb={limit / (1 << 20):g}); send fewer prompts per request"})
+            return None
+        try:
+            raw = self.rfile.read(length)
+            if len(raw) < length:
+                raise TimeoutError(f"{len(raw)} of {length} bytes, then the client closed")
+        except (TimeoutError, OSError) as exc:
+            self.close_connection = True
+            self._send(408, {"error": f"{path}: the body did not arrive within --read-timeout-s="
+                                      f"{self.server.read_timeout_s:g} s ({exc})"})
+            return None
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError as exc:
+            self._send(400, {"error": f"{path}: body is not JSON: {exc}"})
+            return None
+        if not isinstance(body, dict):
+            self._send(400, {"error": f"{path}: body is a JSON {type(body).__name__}, not an object"})
+            return None
+        return body
 
     def _refuse_or(self, status: int, message: str) -> None:
         if not self.server.is_authorized(self.headers.get("Authorization")):
@@ -300,6 +393,8 @@ class ServeSettings:
     engine_options: dict = field(default_factory=dict)
     """Extra `vllm.LLM` keywords (enforce_eager, enable_prefix_caching, kv_cache_dtype, trust_remote_code)."""
     log_requests: bool = True
+    max_body_mb: float = MAX_BODY_MB
+    read_timeout_s: float = READ_TIMEOUT_S
 
 
 def build_parser(prog: str = "python -m engine.rollout.server") -> argparse.ArgumentParser:
@@ -315,6 +410,10 @@ def build_parser(prog: str = "python -m engine.rollout.server") -> argparse.Argu
                             help=f"{flag.help}; without a config: {flag.default}", **extra)
     parser.add_argument("--num-nodes", "--num_nodes", type=int, default=1, help="inference nodes of the job")
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank among them")
+    parser.add_argument("--max-body-mb", "--max_body_mb", type=float, default=MAX_BODY_MB,
+                        help="largest POST body accepted (larger: 413, unread)")
+    parser.add_argument("--read-timeout-s", "--read_timeout_s", type=float, default=READ_TIMEOUT_S,
+                        help="longest wait for a request's next bytes (a slower body: 408)")
     return parser
 
 
@@ -358,9 +457,12 @@ def parse_serve_args(argv: list[str], prog: str = "python -m engine.rollout.serv
         raise ValueError(f"--log_level={given['log_level']!r}: expected one of {', '.join(_LOG_LEVELS)}")
     if not 0 <= args.node_rank < args.num_nodes:
         raise ValueError(f"--node-rank={args.node_rank} must be in [0, --num-nodes={args.num_nodes})")
+    if args.max_body_mb <= 0 or args.read_timeout_s <= 0:
+        raise ValueError(f"--max-body-mb={args.max_body_mb:g} and --read-timeout-s={args.read_timeout_s:g} must be > 0")
     return ServeSettings(cfg, cfg.rollout.vllm_server_host, cfg.rollout.vllm_server_port, args.num_nodes,
                          args.node_rank, given["dtype"], {k: v for k, v in options.items() if v is not None},
-                         given["log_level"] not in ("critical", "error", "warning"))
+                         given["log_level"] not in ("critical", "error", "warning"), args.max_body_mb,
+                         args.read_timeout_s)
 
 
 def _explicit_switches(argv: list[str]) -> list[str]:
@@ -430,21 +532,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.rollout.se
         return 2
     cfg, ro = settings.cfg, settings.cfg.rollout
     quiet_library_logs(cfg.logging.verbose)  # before vLLM is imported (engine/log_filters.py)
-    server = RolloutServer((settings.host, settings.port), token)
+    server = RolloutServer((settings.host, settings.port), token, max_body_mb=settings.max_body_mb,
+                           read_timeout_s=settings.read_timeout_s)
     server.tensor_parallel_size = ro.vllm_tensor_parallel_size
     server.replica = (settings.node_rank, settings.num_nodes)
     server.log_requests = settings.log_requests
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     thread = threading.Thread(target=server.serve_forever, name="rollout-http", daemon=True)
     thread.start()
+    where = " (every interface)" if settings.host in ("0.0.0.0", "::", "") else " (this interface only)"
     print(f"rollout_server: replica {settings.node_rank} of {settings.num_nodes} listening on "
-          f"http://{settings.host}:{server.server_address[1]} (token from ${TOKEN_ENV}); loading "
+          f"http://{settings.host}:{server.server_address[1]}{where} (token from ${TOKEN_ENV}); loading "
           f"{cfg.model.name_or_path} at vLLM TP {ro.vllm_tensor_parallel_size}", file=sys.stderr, flush=True)
     engine = None
     try:
         from engine.rollout.vllm_engine import ServerEngine
 
         model_dir = resolve_model_dir(cfg)
+        server.model = model_identity(model_dir, cfg.model.name_or_path, cfg.model.trust_remote_code)
         dtype = resolve_dtype(settings.dtype, model_dir, cfg.model.dtype)
         engine = ServerEngine(model_dir, ro, cfg.generation, seed=cfg.train.seed, dtype=dtype,
                               **settings.engine_options)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch
@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from engine.policy.hf_convert import ModelDims
 from engine.policy.parallel import ParallelState
+from engine.rollout.server import model_mismatch
 from engine.rollout.sync_check import WeightSyncError
 from engine.rollout.sync_plan import SyncPlan, TrainerLayout, build_sync_plan
 from engine.rollout.weight_transport import WeightTransferGroup, send_weights
@@ -103,7 +104,13 @@ def _check_server(ps: ParallelState, client, link: ServerSync) -> bool:
     flag = torch.tensor([1.0, 0.0], device=ps.device)  # (ok, restarted); on the backend's device (NCCL)
     if ps.rank == 0:
         try:
-            instance = client.check_health().get("instance_id")
+            health = client.check_health()
+            instance = health.get("instance_id")
+            mismatch = model_mismatch(health.get("model"), asdict(link.plan.dims) | {
+                "ffn_hidden_size": link.plan.ffn_hidden_size})
+            if mismatch:  # before any group is joined: a clear error now, not a failed load or a join timeout
+                raise WeightSyncError(f"rollout server {client.base_url} serves another model than this trainer's: "
+                                      f"{mismatch}")
         except Exception:
             flag[0] = 0.0
             dist.broadcast(flag, src=0)
