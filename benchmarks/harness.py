@@ -342,7 +342,9 @@ def git_sha(repo_dir: Path = REPO_ROOT) -> str:
         repo_dir: a directory inside a git work tree.
 
     Returns:
-        e.g. "3f2a9c1" or "3f2a9c1-dirty"; "" when git, the repository or a first commit is missing.
+        e.g. "3f2a9c1" or "3f2a9c1-dirty"; when git, the repository or a first commit is missing, the environment
+        variable BENCH_GIT_SHA (benchmarks/gpu/run.sh sets it on the lent GPU machine, whose copy of the tree has no
+        .git), else "".
     """
     try:
         sha = subprocess.run(
@@ -356,7 +358,7 @@ def git_sha(repo_dir: Path = REPO_ROOT) -> str:
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return ""
+        return os.environ.get("BENCH_GIT_SHA", "")
     return f"{sha}-dirty" if status else sha
 
 

@@ -1,0 +1,123 @@
+"""The GPU suite's CPU smoke (`python -m benchmarks.gpu.suite --cpu`): every part runs or says why it was skipped,
+and the rows the GPU run will produce are there (device, git sha, versions, the measurements each part owns).
+
+The suite runs as a subprocess, as on the lent machine (its parts are subprocesses too: the Triton interpreter,
+real Megatron on gloo, a real TRL GRPOTrainer); about 60 s on 2 CPU cores. Plus the longest-fit search's stopping
+rules on a step function that raises the real CUDA out-of-memory error class.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.gpu.longest_fit import find_longest_fit
+from benchmarks.gpu.suite import PARTS
+from benchmarks.harness import read_rows
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    results = tmp_path_factory.mktemp("gpu_suite")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.suite", "--cpu", "--results-dir", str(results)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return results, proc.stdout
+
+
+def _parts(results: Path) -> dict[str, dict]:
+    rows = [r for r in read_rows(results / "suite.csv") if r["metric"] == "wall_time"]
+    return {r["x_value"]: {**r, **json.loads(r["config_json"])} for r in rows}
+
+
+def test_every_part_ran_or_says_why_it_was_skipped(smoke):
+    results, _ = smoke
+    parts = _parts(results)
+    assert sorted(parts) == sorted(p.key for p in PARTS)
+    for key, part in parts.items():
+        assert part["status"] in ("ok", "skipped"), f"part {key}: {part['status']} {part['reason']}"
+        if part["status"] == "skipped":
+            assert part["reason"], f"part {key} skipped without a reason"
+    for key in ("a", "b", "c", "d"):  # kernels, lm-head, Megatron and TRL all run on CPU (trl is a dev dependency)
+        assert parts[key]["status"] == "ok" and float(parts[key]["p50"]) > 0
+    assert "GPU only" in parts["c7"]["reason"]
+    packing_exists = importlib.util.find_spec("benchmarks.bench_packing") is not None
+    assert parts["e"]["status"] == ("ok" if packing_exists else "skipped")
+    assert any("passed" in note for note in parts["a"]["notes"])
+
+
+def test_rows_carry_device_git_sha_and_versions(smoke):
+    results, _ = smoke
+    env = [r for r in read_rows(results / "suite.csv") if r["variant"] == "environment"]
+    versions = json.loads(env[-1]["config_json"])
+    assert set(versions) >= {"python", "transformers", "trl", "liger_kernel", "datasets", "cuda"}
+    assert versions["trl"] and versions["transformers"]
+    for name in ("suite.csv", "gemm.csv", "fused_logprob.csv", "grpo_step.csv", "trl_grpo_step.csv"):
+        for row in read_rows(results / name):
+            assert row["device"] and row["torch_version"] and row["git_sha"], (name, row)
+            assert row["num_gpus"] == str(torch.cuda.device_count())
+
+
+def test_lm_head_part_measures_floor_tiles_and_every_variant(smoke):
+    results, _ = smoke
+    assert [r for r in read_rows(results / "gemm.csv") if r["metric"] == "throughput"]
+    rows = read_rows(results / "fused_logprob.csv")
+    tiles = {json.loads(r["config_json"]).get("tiles") for r in rows if r["variant"] == "triton"}
+    assert len(tiles) >= 2  # at least two tile choices were tried
+    for variant in ("reference", "torch_chunked", "triton"):
+        mine = {(r["mode"], r["metric"]) for r in rows if r["variant"] == variant}
+        for mode in ("forward", "backward", "full"):
+            assert {(mode, m) for m in ("time", "throughput", "peak_memory", "fraction_of_floor")} <= mine
+    parts = _parts(results)
+    liger_installed = importlib.util.find_spec("liger_kernel") is not None
+    assert liger_installed or any("liger_grpo_loss skipped" in n for n in parts["b"]["notes"])
+
+
+def test_step_parts_measure_nominal_step_and_longest_fit(smoke):
+    results, _ = smoke
+    megatron = read_rows(results / "grpo_step.csv")
+    for implementation in ("torch_chunked", "reference"):
+        mine = [r for r in megatron if json.loads(r["config_json"])["implementation"] == implementation]
+        assert {r["metric"] for r in mine if r["mode"] == "train_step"} == {"time", "tokens_per_s", "peak_memory"}
+        fit = [r for r in mine if r["metric"] == "max_completion_len"]
+        assert float(fit[-1]["p50"]) == 32 and json.loads(fit[-1]["config_json"])["stopped"]
+    trl = read_rows(results / "trl_grpo_step.csv")
+    assert {r["metric"] for r in trl if r["variant"] == "trl" and r["mode"] == "train_step"} == {
+        "time", "tokens_per_s", "peak_memory"}
+    assert [r for r in trl if r["variant"] == "trl" and r["metric"] == "max_completion_len"]
+    same_tokens = {r["x_value"] for r in megatron + trl if r["mode"] == "train_step"}
+    assert same_tokens == {"64"}  # 4 completions x 16 tokens, the same batch on both sides
+
+
+def test_summary_table_is_printed_last(smoke):
+    _, stdout = smoke
+    tail = stdout[stdout.rindex("==== GPU suite summary"):]
+    for text in ("a kernel_tests", "b lm_head", "GEMM floor", "megatron tiny torch_chunked", "trl tiny trl", "rows:"):
+        assert text in tail
+    assert tail.rstrip().splitlines()[-1].startswith("rows:")
+
+
+def test_longest_fit_stops_at_the_first_out_of_memory_over_budget_or_past_the_deadline():
+    def step(limit):
+        def run_at(length):
+            if length > limit:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return float(length)  # "peak MiB"
+        return run_at
+
+    search = find_longest_fit(step(4096), [8192, 1024, 2048, 4096, 16384])
+    assert search.longest == 4096 and list(search.peaks_mib) == [1024, 2048, 4096]
+    assert search.stopped.startswith("out of memory at 8192")
+    assert find_longest_fit(step(10**6), [1024, 2048, 4096], memory_budget_mib=2500).longest == 2048
+    assert find_longest_fit(step(10**6), [1024], deadline=time.monotonic() - 1).longest == 0
+    with pytest.raises(ValueError):  # other errors are bugs, not answers
+        find_longest_fit(lambda length: (_ for _ in ()).throw(ValueError("bad shape")), [1024])
