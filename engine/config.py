@@ -62,6 +62,17 @@ class ModelConfig:
     """Megatron layer spec: `auto` = Transformer Engine when it imports (GPU), the local spec otherwise."""
     offload_reference: bool = False
     """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
+    moe_aux_loss_coeff: float | None = 0.0
+    """MoE models: load-balancing aux loss coefficient (Megatron's per-micro-batch `aux_loss`); 0 = off (RL
+    fine-tuning usually keeps the pretrained router as is); None = the HF config's `router_aux_loss_coef`."""
+    moe_z_loss_coeff: float | None = None
+    """MoE models: router z-loss coefficient (ST-MoE); None = off."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """MoE models: how tokens reach the experts of other expert-parallel ranks (Megatron's dispatchers)."""
+    moe_enable_routing_replay: bool = False
+    """MoE models: rollout routing replay (R3): vLLM returns the experts it routed each token to and the training
+    forward passes use them instead of recomputing the top-k (Megatron's RouterReplay). Off: the router-agreement
+    metric `moe/router_agreement` reports how often trainer and engine chose the same experts."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +89,11 @@ class ParallelConfig:
     """Model chunks per pipeline stage (interleaved 1F1B). None = not interleaved. Needs pp_size > 1."""
     distributed_backend: Literal["auto", "nccl", "gloo"] = "auto"
     """`auto` = nccl when CUDA is available, gloo otherwise."""
+    ep_size: int = 1
+    """MoE models: expert-parallel size (Megatron's expert_model_parallel_size): each rank holds num_experts / ep_size
+    experts; must divide tp_size * dp_size."""
+    expert_tp_size: int = 1
+    """MoE models: tensor-parallel size inside each expert (Megatron's expert_tensor_parallel_size)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

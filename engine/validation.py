@@ -110,6 +110,16 @@ def _check_parallel(cfg: EngineConfig, world_size: int, problems: list[str]) -> 
         problems.append(
             f"parallel.virtual_pipeline_size={vpp} needs parallel.pp_size > 1 (interleaved 1F1B), got pp_size={par.pp_size}"
         )
+    ep, etp = par.ep_size, par.expert_tp_size
+    if ep < 1 or etp < 1:
+        problems.append(f"parallel.ep_size and parallel.expert_tp_size must be >= 1, got {ep} and {etp}")
+    elif (ep > 1 or etp > 1) and world_size % par.pp_size == 0 and (world_size // par.pp_size) % (ep * etp):
+        stage = world_size // par.pp_size
+        problems.append(
+            f"parallel.ep_size*expert_tp_size = {ep}*{etp} = {ep * etp} must divide the ranks of a pipeline stage, "
+            f"world size / pp_size = {world_size}/{par.pp_size} = {stage} (Megatron's expert grid: "
+            f"expert_tp*ep*expert_dp*pp = world size)"
+        )
 
 
 def _check_batches(cfg: EngineConfig, d: Derived, problems: list[str]) -> None:

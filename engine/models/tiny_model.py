@@ -11,8 +11,9 @@ instead.
 Must not: touch the network, import vLLM or Megatron, or depend on anything outside `transformers`,
 `tokenizers` and `torch`. It only writes inside the directory it is given.
 
-Shapes (both families): hidden 128, 4 layers, 4 query heads and 2 KV heads of head_dim 32 (= 128 / 4; vLLM's CPU
-attention refuses head_dim < 32, CPU_STACK.md), GQA ratio 2, MLP 352, vocabulary `TINY_VOCAB_SIZE` = 400.
+Shapes (every family): hidden 128, 4 layers, 4 query heads and 2 KV heads of head_dim 32 (= 128 / 4; vLLM's CPU
+attention refuses head_dim < 32, CPU_STACK.md; Qwen3 and Qwen3-MoE: head_dim 64, so heads x head_dim = 256 != hidden),
+GQA ratio 2, MLP 352 (Qwen3-MoE: 4 experts of width 64, top-2), vocabulary `TINY_VOCAB_SIZE` = 400.
 400 is deliberately not a multiple of 128 (400 = 3 * 128 + 16), so Megatron's vocab padding (to 512 at
 make_vocab_size_divisible_by=128) and vLLM's per-rank padding are exercised. Qwen2 has a QKV bias, Llama none.
 841,856 parameters (untied qwen2): building one takes ~0.2 s once transformers is imported.
@@ -57,10 +58,19 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
-TINY_FAMILIES = ("qwen2", "llama")
+TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 """Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
+
+TINY_QWEN3_HEAD_DIM = 64
+"""Qwen3's head_dim is a config field, not hidden / heads (Qwen3-0.6B: 16 heads x 128 = 2048 != hidden 1024): the tiny
+Qwen3 models take 4 x 64 = 256 != hidden 128, so a conversion that assumes hidden / heads fails their tests."""
+
+TINY_MOE_EXPERTS, TINY_MOE_TOP_K, TINY_MOE_FFN = 4, 2, 64
+"""The tiny Qwen3-MoE: 4 routed experts per layer, 2 per token, expert MLP width 64 (no shared expert)."""
 
 TINY_VOCAB_SIZE = 400
 """Tokenizer (and default model) vocabulary: 256 bytes + 3 specials + 141 merges. Not a multiple of 128."""
@@ -168,13 +178,16 @@ def tiny_model_config(
     """The tiny model's Hugging Face config.
 
     Args:
-        family: "qwen2" (QKV bias) or "llama" (no bias anywhere).
+        family: "qwen2" (QKV bias), "llama" (no bias anywhere), "qwen3" (per-head q/k RMSNorm, no bias, head_dim
+            `TINY_QWEN3_HEAD_DIM`) or "qwen3_moe" (Qwen3 attention; every layer's MLP is `TINY_MOE_EXPERTS` routed
+            SwiGLU experts of width `TINY_MOE_FFN`, top-`TINY_MOE_TOP_K`, probabilities renormalised).
         vocab_size: embedding rows; None = the tokenizer's size (`TINY_VOCAB_SIZE`). A larger value leaves rows no
             token maps to (as real checkpoints do); a smaller one is refused.
         tie_word_embeddings: share the input embedding with the LM head.
 
     Returns:
-        A `Qwen2Config` or `LlamaConfig`: hidden 128, 4 layers, 4 heads / 2 KV heads (head_dim 32), MLP 352,
+        A `Qwen2Config`, `LlamaConfig`, `Qwen3Config` or `Qwen3MoeConfig`: hidden 128, 4 layers, 4 heads / 2 KV
+        heads (head_dim 32; Qwen3 64), MLP 352,
         1024 positions, RoPE theta 1e4, RMSNorm eps 1e-6, SiLU, no dropout, float32, special-token ids from
         the tokenizer.
     """
@@ -208,6 +221,14 @@ def tiny_model_config(
     )
     if family == "qwen2":
         return Qwen2Config(use_sliding_window=False, **common)
+    if family == "qwen3":
+        return Qwen3Config(head_dim=TINY_QWEN3_HEAD_DIM, attention_bias=False, use_sliding_window=False, **common)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            head_dim=TINY_QWEN3_HEAD_DIM, attention_bias=False, use_sliding_window=False, num_experts=TINY_MOE_EXPERTS,
+            num_experts_per_tok=TINY_MOE_TOP_K, moe_intermediate_size=TINY_MOE_FFN, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, **common,
+        )
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 

@@ -11,13 +11,18 @@ RNG tracker even with `use_cpu_initialization=True` (CPU_STACK.md). This module:
 - points `torch.cuda.current_device`, `synchronize`, `set_device`, the RNG state get/set and `manual_seed` at the
   CPU (the CPU generator plays the role of the device generator, so Megatron's RNG tracker forks and restores it
   exactly as it would the CUDA one);
-- routes Megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` to the CPU generator.
+- routes Megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` to the CPU generator;
+- stands a no-op stream in for `torch.cuda.Stream` / `current_stream` / `stream()` (MoE's all-to-all dispatcher moves
+  its split sizes to the host on a side stream; on the CPU all work is in order), and gives that dispatcher its split
+  sizes as numpy on the CPU too (`_host_split_sizes`).
 
 Must not: change anything when CUDA exists; be imported for its side effects (call `install_cpu_compat`).
 Only `engine/policy/parallel.py` calls it. Test: the distributed tier (tests/distributed) runs Megatron through it.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -51,6 +56,46 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuStream:
+    """Stands for a CUDA stream on the CPU, where work runs in order: waits and events are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None) -> "_CpuStream":
+        return self  # an "event" whose synchronize() returns at once
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _CpuStream)
+
+    __hash__ = object.__hash__
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _host_split_sizes() -> None:
+    """The all-to-all dispatcher hands its split sizes to `all_to_all_single` as the numpy arrays that
+    `maybe_move_tensor_to_cpu(as_numpy=True)` makes of CUDA tensors; a CPU tensor is returned unchanged, and
+    `all_to_all_single` refuses a tensor of split sizes. Here every tensor asked for as numpy becomes numpy."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 def install_cpu_compat() -> bool:
     """Install the compatibility layer once, if and only if CUDA is absent. Returns True when it is active."""
     global _installed, _mode
@@ -71,6 +116,12 @@ def install_cpu_compat() -> bool:
     # NOTE: not torch.manual_seed, which itself calls torch.cuda.manual_seed_all.
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     cuda.manual_seed_all = cuda.manual_seed
+    # MoE's all-to-all token dispatcher copies its split sizes to the host on a side stream (torch.cuda.Stream,
+    # current_stream, stream(), record_event().synchronize()): on the CPU everything runs in order on one "stream".
+    cuda.Stream = _CpuStream
+    cuda.current_stream = lambda device=None: _CPU_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    _host_split_sizes()
     mcore_random._get_cuda_rng_state = lambda device=-1, clone=False, graph_safe=False: torch.get_rng_state()
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     _mode = _CudaToCpu()

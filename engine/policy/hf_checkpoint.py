@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.policy.hf_convert import ModelDims, family_map, find_entry, read_megatron_shard, to_hf
+from engine.policy.hf_convert import ModelDims, expert_index, family_map, find_entry, read_megatron_shard, to_hf
 from engine.policy.model import global_param_names
 from engine.policy.parallel import ParallelState
 
@@ -82,19 +82,30 @@ def load_hf_checkpoint(chunks: list[torch.nn.Module], ps: ParallelState, model_d
         for name, global_name in global_param_names(chunk).items():
             param = chunk.get_parameter(name)
             entry, layer = find_entry(entries, global_name)
-            shard = read_megatron_shard(entry, layer, dims, src, ps.tp_rank, ps.tp_size)
+            tp_rank, tp_size = (ps.etp_rank, ps.etp_size) if entry.is_expert else (ps.tp_rank, ps.tp_size)
+            shard = read_megatron_shard(entry, layer, dims, src, tp_rank, tp_size, expert_index(global_name))
             if tuple(shard.shape) != tuple(param.shape):
                 raise ValueError(
-                    f"{global_name}: checkpoint gives shard {tuple(shard.shape)}, the model at tp_size={ps.tp_size} "
+                    f"{global_name}: checkpoint gives shard {tuple(shard.shape)}, the model at tp_size={tp_size} "
                     f"expects {tuple(param.shape)}"
                 )
             param.copy_(shard)
 
 
+def _gather(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    if size == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
 @torch.no_grad()
 def iter_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims):
     """Yield (HF name, tensor) for one model chunk, TP shards gathered one parameter at a time (collective over the
-    TP group: every TP rank iterates and receives the same tensors)."""
+    TP group: every TP rank iterates and receives the same tensors). An expert tensor is gathered over the expert-TP
+    group, then over the expert-parallel group: local expert j of EP rank r is global expert r * E/ep + j, so every
+    rank of a stage yields every expert (EP rank order within each local index)."""
     from engine.policy.model import merge_tp_shards
 
     entries = family_map(dims)
@@ -102,10 +113,15 @@ def iter_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims):
         if global_name == "output_layer.weight" and dims.tie_word_embeddings:
             continue  # the tied head is exported once, as the embedding
         param = chunk.get_parameter(name)
-        shards = [torch.empty_like(param) for _ in range(ps.tp_size)]
-        dist.all_gather(shards, param.contiguous(), group=ps.groups.tp)
         entry, layer = find_entry(entries, global_name)
-        yield from to_hf(entry, layer, dims, merge_tp_shards(shards, param)).items()
+        if not entry.is_expert:
+            yield from to_hf(entry, layer, dims, merge_tp_shards(_gather(param, ps.tp_size, ps.groups.tp), param)).items()
+            continue
+        full = merge_tp_shards(_gather(param, ps.etp_size, ps.groups.expt_tp), param)
+        first, num_local = expert_index(global_name), dims.num_experts // ps.ep_size
+        for ep_rank, tensor in enumerate(_gather(full, ps.ep_size, ps.groups.ep)):
+            expert = first - ps.ep_rank * num_local + ep_rank * num_local
+            yield from to_hf(entry, layer, dims, tensor, expert).items()
 
 
 def export_hf_checkpoint(

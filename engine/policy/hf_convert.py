@@ -1,7 +1,8 @@
 """Hugging Face <-> Megatron: the declarative name and layout map of each model family, and the pure conversions.
 
-Owns: `TensorMap` entries (Megatron global name, HF names, layout kind) for Qwen2 / Qwen2.5 and Llama-3, and the
-three conversions every user of the map needs:
+Owns: `TensorMap` entries (Megatron global name, HF names, layout kind) for Qwen2 / Qwen2.5, Llama-3, Qwen3 (per-head
+q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables (`MOE_MAPS`:
+Qwen3-MoE; Mixtral as a second table), and the three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
 - `to_hf`: the HF tensors from a global Megatron tensor (the inverse).
@@ -12,6 +13,10 @@ Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md §
   qkv         Megatron's fused QKV: per query group g, [q heads of g; k_g; v_g] (GQA-interleaved), TP splits whole
               groups, so rank r holds groups [r*G/tp, (r+1)*G/tp);
   gate_up     Megatron's fused SwiGLU fc1 = [gate; up]; TP rank r holds [gate_r; up_r] (partition_stride 2).
+Experts: a name with `{e}` is one expert's tensor; Megatron's global name carries the global expert index (a rank
+holds experts [ep_rank*E/ep, (ep_rank+1)*E/ep) as `local_experts.0..`; engine/policy/model.py `global_param_names`
+renames them), and its TP split is over the expert-TP group (`is_expert`), not the attention's TP group. The router
+(`mlp.router.weight`, (E, H)) is replicated.
 Tied embeddings: HF stores one `model.embed_tokens.weight`; Megatron's last stage holds a copy as
 `output_layer.weight` (kept equal by Megatron's embedding group), which is loaded from it and never exported.
 
@@ -57,9 +62,14 @@ class DictSource:
 @dataclass(frozen=True)
 class TensorMap:
     megatron: str
-    """Global Megatron name; `{i}` stands for the layer index."""
+    """Global Megatron name; `{i}` stands for the layer index, `{e}` for the (global) expert index."""
     hf: tuple[str, ...]
     kind: Kind
+
+    @property
+    def is_expert(self) -> bool:
+        """One expert's tensor: split over the expert-TP group and held by one expert-parallel rank."""
+        return "{e}" in self.megatron
 
 
 @dataclass(frozen=True)
@@ -75,10 +85,20 @@ class ModelDims:
     padded_vocab: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False
+    """Qwen3: per-head RMSNorm of queries and keys (HF q_norm / k_norm, (head_dim,) each)."""
+    num_experts: int = 0
+    """MoE: routed experts per layer (0 = dense MLP)."""
+    moe_ffn_hidden_size: int = 0
+    """MoE: each expert's MLP width (HF moe_intermediate_size)."""
+    moe_map: str = ""
+    """MoE: the key of the expert table in `MOE_MAPS` (the HF model_type)."""
 
     @classmethod
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
         heads = hf_config.num_attention_heads
+        model_type = hf_config.model_type
+        is_moe = model_type in MOE_MAPS
         return cls(
             num_layers=hf_config.num_hidden_layers,
             hidden_size=hf_config.hidden_size,
@@ -88,12 +108,41 @@ class ModelDims:
             vocab_size=hf_config.vocab_size,
             padded_vocab=padded_vocab,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
-            qkv_bias=bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
+            qkv_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            num_experts=int(hf_config.num_experts if is_moe else 0),
+            moe_ffn_hidden_size=int(hf_config.moe_intermediate_size if is_moe else 0),
+            moe_map=model_type if is_moe else "",
         )
 
 
+MOE_MAPS: dict[str, tuple[TensorMap, ...]] = {
+    "qwen3_moe": (
+        TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.gate.weight",), "replicated"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
+                  ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                   "model.layers.{i}.mlp.experts.{e}.up_proj.weight"), "gate_up"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+                  ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "row"),
+    ),
+    # Mixtral's checkpoint names for the same three Megatron tensors (w1 = gate, w3 = up, w2 = down). A table only:
+    # engine/policy/model.py builds qwen3_moe; a Mixtral model needs its config translated there too.
+    "mixtral": (
+        TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.block_sparse_moe.gate.weight",),
+                  "replicated"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
+                  ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+                   "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"), "gate_up"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+                  ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",), "row"),
+    ),
+}
+"""The MoE MLP of each family, replacing the dense `linear_fc1` / `linear_fc2` entries; `{e}` = expert index."""
+
+
 def family_map(dims: ModelDims) -> list[TensorMap]:
-    """The map of the Qwen2 / Llama family (identical names; Qwen2 adds the QKV bias)."""
+    """The map of the Qwen2 / Llama / Qwen3 family (identical names; Qwen2 adds the QKV bias, Qwen3 the q/k norms;
+    MoE families swap the dense MLP for their `MOE_MAPS` table)."""
     attn = "model.layers.{i}.self_attn"
     entries = [
         TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
@@ -107,13 +156,23 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
             "decoder.layers.{i}.pre_mlp_layernorm.weight", ("model.layers.{i}.post_attention_layernorm.weight",),
             "replicated",
         ),
-        TensorMap(
-            "decoder.layers.{i}.mlp.linear_fc1.weight",
-            ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "gate_up",
-        ),
-        TensorMap("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "row"),
-        TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
     ]
+    if dims.num_experts:
+        entries += MOE_MAPS[dims.moe_map]
+    else:
+        entries += [
+            TensorMap(
+                "decoder.layers.{i}.mlp.linear_fc1.weight",
+                ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "gate_up",
+            ),
+            TensorMap("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "row"),
+        ]
+    entries.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+    if dims.qk_norm:
+        entries += [
+            TensorMap("decoder.layers.{i}.self_attention.q_layernorm.weight", (f"{attn}.q_norm.weight",), "replicated"),
+            TensorMap("decoder.layers.{i}.self_attention.k_layernorm.weight", (f"{attn}.k_norm.weight",), "replicated"),
+        ]
     if dims.qkv_bias:
         entries.append(
             TensorMap(
@@ -134,20 +193,31 @@ TE_NAMES = {
 
 
 def find_entry(entries: list[TensorMap], megatron_name: str) -> tuple[TensorMap, int | None]:
-    """The entry of a global Megatron parameter name and its layer index (None outside the layers)."""
+    """The entry of a global Megatron parameter name and its layer index (None outside the layers); an expert
+    tensor's global expert index is `expert_index(megatron_name)`."""
     for local, te in TE_NAMES.items():
         megatron_name = megatron_name.replace(te, local)
     match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", megatron_name)
     layer = int(match.group(1)) if match else None
     key = f"decoder.layers.{{i}}.{match.group(2)}" if match else megatron_name
+    key = _EXPERT.sub(r"\1{e}\3", key)
     for entry in entries:
         if entry.megatron == key:
             return entry, layer
     raise KeyError(f"no Hugging Face mapping for Megatron parameter {megatron_name!r}")
 
 
-def hf_names(entry: TensorMap, layer: int | None) -> list[str]:
-    return [name.format(i=layer) for name in entry.hf]
+_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..+)")
+
+
+def expert_index(megatron_name: str) -> int | None:
+    """The global expert index in a global Megatron name (`...local_experts.<e>...`), None for other tensors."""
+    match = _EXPERT.fullmatch(megatron_name)
+    return int(match.group(2)) if match else None
+
+
+def hf_names(entry: TensorMap, layer: int | None, expert: int | None = None) -> list[str]:
+    return [name.format(i=layer, e=expert) for name in entry.hf]
 
 
 def _qkv_sizes(dims: ModelDims) -> tuple[int, int]:
@@ -156,10 +226,12 @@ def _qkv_sizes(dims: ModelDims) -> tuple[int, int]:
 
 
 def read_megatron_shard(
-    entry: TensorMap, layer: int | None, dims: ModelDims, src: TensorSource, tp_rank: int, tp_size: int
+    entry: TensorMap, layer: int | None, dims: ModelDims, src: TensorSource, tp_rank: int, tp_size: int,
+    expert: int | None = None,
 ) -> torch.Tensor:
-    """This TP rank's shard of a Megatron parameter, reading only the slices of the HF tensors it needs."""
-    names = hf_names(entry, layer)
+    """This TP rank's shard of a Megatron parameter, reading only the slices of the HF tensors it needs (for an expert
+    tensor: `expert` is its global index, tp_rank / tp_size are the expert-TP group's)."""
+    names = hf_names(entry, layer, expert)
     every = slice(None)
     if entry.kind == "replicated":
         return src.read(names[0], (every,))
@@ -196,14 +268,16 @@ def _rank_slice(src: TensorSource, name: str, dim: int, tp_rank: int, tp_size: i
     return src.read(name, index)
 
 
-def to_megatron_global(entry: TensorMap, layer: int | None, dims: ModelDims, hf: dict[str, torch.Tensor]) -> torch.Tensor:
+def to_megatron_global(entry: TensorMap, layer: int | None, dims: ModelDims, hf: dict[str, torch.Tensor],
+                       expert: int | None = None) -> torch.Tensor:
     """The global (TP=1) Megatron tensor of an entry from full HF tensors."""
-    return read_megatron_shard(entry, layer, dims, DictSource(hf), 0, 1)
+    return read_megatron_shard(entry, layer, dims, DictSource(hf), 0, 1, expert)
 
 
-def to_hf(entry: TensorMap, layer: int | None, dims: ModelDims, full: torch.Tensor) -> dict[str, torch.Tensor]:
+def to_hf(entry: TensorMap, layer: int | None, dims: ModelDims, full: torch.Tensor,
+          expert: int | None = None) -> dict[str, torch.Tensor]:
     """The HF tensors of an entry from its global (TP=1) Megatron tensor: the inverse of `to_megatron_global`."""
-    names = hf_names(entry, layer)
+    names = hf_names(entry, layer, expert)
     if entry.kind == "vocab":
         return {names[0]: full[: dims.vocab_size].clone()}
     if entry.kind == "gate_up":

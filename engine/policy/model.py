@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.policy.parallel import ParallelState
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+"""Families with a per-head RMSNorm on queries and keys before RoPE (HF `q_norm` / `k_norm`; Megatron's
+`qk_layernorm`, norms over kv_channels = head_dim)."""
+
+
+def has_qk_norm(hf_config) -> bool:
+    return hf_config.model_type in QK_NORM_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -51,10 +58,10 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
-    """Megatron TransformerConfig equivalent to a Qwen2 / Llama Hugging Face config.
+    """Megatron TransformerConfig equivalent to a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config.
 
     Args:
-        hf_config: transformers PretrainedConfig (model_type qwen2 or llama).
+        hf_config: transformers PretrainedConfig (model_type in SUPPORTED_MODEL_TYPES).
         cfg: the `model` config section.
         ps: this process's parallel state.
     Returns:
@@ -96,6 +103,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
+        qk_layernorm=has_qk_norm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -117,7 +125,59 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
         bias_dropout_fusion=not on_cpu,
         apply_rope_fusion=not on_cpu,
         persist_layer_norm=not on_cpu,
+        **moe_settings(hf_config, cfg, ps),
     )
+
+
+def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
+    """TransformerConfig's MoE keywords for a Qwen3-MoE config ({} for a dense model).
+
+    Router, from the HF config: softmax scores over `num_experts`, top `num_experts_per_tok`; HF's
+    `norm_topk_prob=True` (softmax over all experts, top-k, renormalised) is Megatron's default top-k-then-softmax
+    (`moe_router_pre_softmax=False`: the same probabilities); `norm_topk_prob=False` is `pre_softmax=True`. Every
+    layer is an MoE layer (`decoder_sparse_step=1`, no `mlp_only_layers`; other patterns are refused). Experts are
+    Megatron's SequentialMLP (local spec) of width `moe_intermediate_size`, split over `parallel.ep_size` ranks (and
+    `parallel.expert_tp_size`). Aux / z-loss coefficients come from the `model` section (`moe_aux_loss_coeff`,
+    `moe_z_loss_coeff`); no token dropping (capacity None), as HF and vLLM.
+    """
+    if hf_config.model_type != "qwen3_moe":
+        return {}
+    _define_te_general_gemm()
+    sparse_step, dense_layers = getattr(hf_config, "decoder_sparse_step", 1), getattr(hf_config, "mlp_only_layers", [])
+    if sparse_step != 1 or dense_layers:
+        raise ValueError(f"qwen3_moe with decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}: only "
+                         "every-layer MoE (step 1, no dense layers) is supported")
+    experts = hf_config.num_experts
+    if experts % ps.ep_size:
+        raise ValueError(f"num_experts={experts} is not divisible by parallel.ep_size={ps.ep_size}")
+    aux = cfg.moe_aux_loss_coeff
+    if aux is None:
+        aux = float(getattr(hf_config, "router_aux_loss_coef", 0.0))
+    return dict(
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", True)),
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if aux else "none",
+        moe_aux_loss_coeff=aux,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+        moe_grouped_gemm=False,
+        moe_enable_routing_replay=cfg.moe_enable_routing_replay,
+        expert_model_parallel_size=ps.ep_size,
+        expert_tensor_parallel_size=ps.etp_size,
+    )
+
+
+def _define_te_general_gemm() -> None:
+    """NOTE: megatron-core 0.16.1's MoE router (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not
+    None`, a name imported only when Transformer Engine imports: without TE the router fails with NameError. None is
+    what the test expects without TE (torch.mm then computes the gating logits)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def rope_settings(hf_config) -> dict:
@@ -140,7 +200,7 @@ def rope_settings(hf_config) -> dict:
     raise ValueError(f"RoPE {params} is not supported: only the default RoPE and llama3 scaling with {fixed}")
 
 
-def _layer_spec(cfg: ModelConfig, sequence_parallel: bool):
+def _layer_spec(cfg: ModelConfig, sequence_parallel: bool, qk_layernorm: bool = False, num_experts: int | None = None):
     impl = cfg.transformer_impl
     if impl == "auto":
         try:
@@ -158,15 +218,22 @@ def _layer_spec(cfg: ModelConfig, sequence_parallel: bool):
     if impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts)
     row_parallel = _row_parallel_linear_class()
     layer = spec.submodules
     attention = dataclasses.replace(layer.self_attention, submodules=dataclasses.replace(
         layer.self_attention.submodules, linear_proj=row_parallel))
-    mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules, linear_fc2=row_parallel))
+    if num_experts:  # MoELayer: the experts' SequentialMLP holds the row-parallel fc2 (shared experts: none here)
+        experts = layer.mlp.submodules.experts
+        experts = dataclasses.replace(experts, submodules=dataclasses.replace(experts.submodules,
+                                                                              linear_fc2=row_parallel))
+        mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules, experts=experts))
+    else:
+        mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules,
+                                                                            linear_fc2=row_parallel))
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
 
 
@@ -245,7 +312,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.n
     shape = policy_shape(hf_config, cfg, ps.tp_size)
     if cfg.cast_lm_head_to_fp32 and shape.tie_word_embeddings:
         raise ValueError("model.cast_lm_head_to_fp32 needs untied embeddings; this checkpoint ties them")
-    spec = _layer_spec(cfg, ps.sequence_parallel)
+    spec = _layer_spec(cfg, ps.sequence_parallel, config.qk_layernorm, config.num_moe_experts)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -304,14 +371,18 @@ def take_tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, t
 
 
 def global_param_names(chunk: torch.nn.Module) -> dict[str, str]:
-    """Local parameter name -> global name (the name it has in a TP=1, PP=1 model: layer indices made global)."""
+    """Local parameter name -> global name (the name it has in a TP=1, PP=1, EP=1 model: layer indices made global,
+    and an MoE layer's `local_experts.<j>` made `local_experts.<global expert index>`)."""
     names = {}
     layers = getattr(getattr(chunk, "decoder", None), "layers", [])
     offsets = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
     for name, _ in chunk.named_parameters():
         parts = name.split(".")
         if parts[:2] == ["decoder", "layers"]:
-            parts[2] = str(offsets[int(parts[2])])
+            local_layer = int(parts[2])
+            parts[2] = str(offsets[local_layer])
+            if parts[3:6] == ["mlp", "experts", "local_experts"]:
+                parts[6] = str(layers[local_layer].mlp.local_expert_indices[int(parts[6])])
         names[name] = ".".join(parts)
     return names
 
@@ -330,13 +401,14 @@ def init_weights_by_name(chunks: list[torch.nn.Module], ps: ParallelState, seed:
             global_name = global_names[name]
             if global_name == "output_layer.weight" and getattr(chunk, "share_embeddings_and_output_weights", False):
                 global_name = "embedding.word_embeddings.weight"
+            tp_rank, tp_size = (ps.etp_rank, ps.etp_size) if ".local_experts." in name else (ps.tp_rank, ps.tp_size)
             full_shape = list(param.shape)
             if getattr(param, "tensor_model_parallel", False):
-                full_shape[param.partition_dim] *= ps.tp_size
+                full_shape[param.partition_dim] *= tp_size
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
             full = torch.randn(full_shape, generator=gen, dtype=torch.float32)
             full = 1.0 + 0.1 * full if "layernorm" in global_name or "norm.weight" in global_name else std * full
-            param.copy_(take_tp_shard(full, param, ps.tp_rank, ps.tp_size).to(param.device, param.dtype))
+            param.copy_(take_tp_shard(full, param, tp_rank, tp_size).to(param.device, param.dtype))
 
 
 def merge_tp_shards(shards: list[torch.Tensor], param: torch.nn.Parameter) -> torch.Tensor:

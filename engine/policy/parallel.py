@@ -42,6 +42,12 @@ class ParallelState:
     groups: object
     """megatron.core.process_groups_config.ProcessGroupCollection (tp, pp, dp, mp, embd, pos_embd, cp, ...)."""
     device: torch.device
+    ep_size: int = 1
+    """Expert-parallel size (MoE): experts are split over the `groups.ep` group."""
+    ep_rank: int = 0
+    etp_size: int = 1
+    """Tensor-parallel size inside each expert (`groups.expt_tp`)."""
+    etp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -100,6 +106,8 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_min: int = 30) -> P
         tensor_model_parallel_size=cfg.tp_size,
         pipeline_model_parallel_size=cfg.pp_size,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=cfg.ep_size,
+        expert_tensor_parallel_size=cfg.expert_tp_size,
         distributed_timeout_minutes=timeout_min,
     )
     model_parallel_cuda_manual_seed(seed)
@@ -116,14 +124,21 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_min: int = 30) -> P
         sequence_parallel=cfg.sequence_parallel,
         groups=ProcessGroupCollection.use_mpu_process_groups(),
         device=torch.device("cuda", torch.cuda.current_device()) if has_cuda else torch.device("cpu"),
+        ep_size=cfg.ep_size,
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp_size=cfg.expert_tp_size,
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
     )
 
 
-def destroy_parallel() -> None:
-    """Tear down Megatron's groups and the process group (safe to call when nothing was started)."""
+def destroy_parallel(keep_process_group: bool = False) -> None:
+    """Tear down Megatron's groups and the process group (safe to call when nothing was started).
+
+    keep_process_group: tear down Megatron's groups only, so `init_parallel` can set up another layout on the same
+    processes (tests that check several layouts in one launch)."""
     from megatron.core import parallel_state as mpu
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_process_group:
         dist.destroy_process_group()

@@ -263,6 +263,8 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
     if entry.kind == "vocab":
         return [(dims.vocab_size, hidden)]
     if entry.kind == "replicated":
+        if "_layernorm." in entry.megatron and ".self_attention." in entry.megatron:  # Qwen3's per-head q/k norms
+            return [(dims.head_dim,)]
         return [(hidden,)]
     if entry.kind == "row":  # o_proj (H, heads*head_dim), down_proj (H, ffn)
         return [(hidden, q_out if "linear_proj" in entry.megatron else ffn)]

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from engine.models import tiny_model
 from engine.models.tiny_model import (
     TINY_FAMILIES,
+    TINY_QWEN3_HEAD_DIM,
     TINY_VOCAB_SIZE,
     build_tiny_model,
     build_tiny_tokenizer,
@@ -124,8 +125,11 @@ def test_vocab_size_not_multiple_of_128_and_training_is_deterministic(tokenizer)
 def test_config_dims_head_dim_gqa_and_bias(family):
     config = tiny_model_config(family)
     head_dim = config.hidden_size // config.num_attention_heads
+    if family.startswith("qwen3"):  # head_dim is its own field: 4 x 64 = 256 != hidden 128
+        head_dim = TINY_QWEN3_HEAD_DIM
+        assert config.head_dim == head_dim != config.hidden_size // config.num_attention_heads
     assert getattr(config, "head_dim", None) in (None, head_dim)
-    assert head_dim == 32 and head_dim >= 32
+    assert head_dim >= 32
     assert config.num_attention_heads // config.num_key_value_heads == 2
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (128, 4, 352)
     assert config.vocab_size == TINY_VOCAB_SIZE and config.vocab_size % 128 != 0
@@ -139,13 +143,15 @@ def test_config_dims_head_dim_gqa_and_bias(family):
     assert has_qkv_bias == (family == "qwen2")
     assert "model.layers.0.self_attn.o_proj.bias" not in names
     assert "model.layers.0.mlp.gate_proj.bias" not in names
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == family.startswith("qwen3")
+    assert ("model.layers.0.mlp.gate.weight" in names) == (family == "qwen3_moe")  # the router
 
 
 def test_config_vocab_size_override_and_unknown_family():
     assert tiny_model_config("qwen2", vocab_size=512).vocab_size == 512
     with pytest.raises(ValueError, match="vocab_size"):
         tiny_model_config("qwen2", vocab_size=TINY_VOCAB_SIZE - 1)
-    with pytest.raises(ValueError, match="qwen2, llama"):
+    with pytest.raises(ValueError, match="qwen2, llama, qwen3, qwen3_moe"):
         tiny_model_config("gpt2")
 
 
@@ -181,7 +187,7 @@ def test_saved_model_loads_and_forward_gives_vocab_logits(built, family):
     assert logits.shape == (2, batch["input_ids"].shape[1], TINY_VOCAB_SIZE)
     assert torch.isfinite(logits).all()
     # random init: std 0.02 weights, not zeros
-    std = model.model.layers[0].mlp.up_proj.weight.std().item()
+    std = model.model.layers[0].self_attn.q_proj.weight.std().item()
     assert 0.015 < std < 0.025
     generation = GenerationConfig.from_pretrained(path)
     assert set(generation.eos_token_id) == {0, 2}
