@@ -89,6 +89,12 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
         )
     dtype = _dtype(cfg.dtype)
     on_cpu = not torch.cuda.is_available()
+    # NOTE: Megatron's fused RoPE needs Transformer Engine and its fused softmax apex's `scaled_masked_softmax_cuda`;
+    # on a GPU without them Megatron refuses the config (RoPE) or fails at the first forward (softmax, seq <= 4096).
+    from importlib.util import find_spec
+
+    has_te, has_softmax_kernel = (find_spec(name) is not None for name in ("transformer_engine",
+                                                                         "scaled_masked_softmax_cuda"))
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return TransformerConfig(
         num_layers=num_layers,
@@ -121,9 +127,9 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=not on_cpu,
-        masked_softmax_fusion=not on_cpu,
+        masked_softmax_fusion=not on_cpu and has_softmax_kernel,
         bias_dropout_fusion=not on_cpu,
-        apply_rope_fusion=not on_cpu,
+        apply_rope_fusion=not on_cpu and has_te,
         persist_layer_norm=not on_cpu,
         **moe_settings(hf_config, cfg, ps),
     )

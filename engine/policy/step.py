@@ -167,12 +167,13 @@ def completion_logprobs(
     seq_len = hidden.shape[1]
     num_sequences, num_completion = batch["completion_ids"].shape
     # sequence i starts at column seq_offset[i] of row seq_row[i] (packed); padded rows: row i, column 0
-    seq_row = batch.get("seq_row", torch.arange(num_sequences))  # (b,)
-    seq_offset = batch.get("seq_offset", torch.zeros(num_sequences, dtype=torch.long))  # (b,)
-    index = (seq_offset + batch["prompt_lengths"] - 1)[:, None] + torch.arange(num_completion)  # (b, C)
+    device = batch["completion_mask"].device  # NOTE: every index tensor on the batch's device (CUDA on a GPU)
+    seq_row = batch.get("seq_row", torch.arange(num_sequences, device=device))  # (b,)
+    seq_offset = batch.get("seq_offset", torch.zeros(num_sequences, dtype=torch.long, device=device))  # (b,)
+    index = (seq_offset + batch["prompt_lengths"] - 1)[:, None] + torch.arange(num_completion, device=device)  # (b, C)
     mask = batch["completion_mask"].bool()  # (b, C)
     rows = seq_row[:, None].expand_as(index)  # (b, C)
-    zeros = torch.zeros(mask.shape, dtype=torch.float32)  # (b, C)
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # (b, C)
     if not mask.any():  # an empty micro-batch (packing.py) or all-masked rows: zero, still attached to the graph
         zeros = zeros + hidden.sum().float() * 0.0
         return zeros, zeros.detach().clone()
