@@ -31,6 +31,7 @@ tests/unit/test_gpu_suite.py runs the CPU smoke and checks its rows.
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import os
 import platform
@@ -40,11 +41,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import REPO_ROOT, RESULTS_DIR, append_rows, capture_env, make_row, package_version
+from benchmarks.harness import (CSV_COLUMNS, REPO_ROOT, RESULTS_DIR, append_rows, capture_env, make_row,
+                                package_version, read_rows)
 from benchmarks.gpu.summary import print_summary
 
 TRIMMED_7B_LAYERS = 6
@@ -128,7 +131,7 @@ def missing_module(part: Part) -> str | None:
     return None
 
 
-def skip_reason(part: Part, cpu: bool, remaining_s: float) -> str | None:
+def skip_reason(part: Part, cpu: bool, remaining_s: float, packing_flags: str = "") -> str | None:
     """Why a part cannot run here, or None."""
     if cpu and not part.cpu_args and part.key != "e":
         return "GPU only (the CPU smoke runs one tiny shape in part c)"
@@ -137,27 +140,53 @@ def skip_reason(part: Part, cpu: bool, remaining_s: float) -> str | None:
         return "benchmarks/bench_packing.py does not exist yet (issue 15): this slot runs it once it lands"
     if name is not None:
         return f"{name} is not installed (benchmarks/gpu/fetch_wheels.sh carries it to the GPU machine)"
+    if part.key == "e" and cpu and "--csv" not in packing_flags:
+        return ("benchmarks/bench_packing.py has no --csv option: the CPU smoke would append to the checked-in "
+                "benchmarks/results/packing.csv (on a GPU the suite copies the run's rows to the results folder)")
     if remaining_s < MIN_PART_S:
         return f"{remaining_s:.0f} s left of --budget-s: run this part in its own command (benchmarks/gpu/PLAN.md)"
     return None
 
 
-def part_command(part: Part, cpu: bool, results_dir: Path) -> list[str]:
-    """`python -m module args` with `{results}` filled in; bench_packing gets --csv where it accepts one."""
+PACKING_CPU_ARGS = (("--distributions", "demo"), ("--batch", "8"), ("--iters", "1"), ("--warmup", "0"))
+"""bench_packing's flags for the CPU smoke, each passed only where its --help lists it."""
+
+
+def packing_help() -> str:
+    """benchmarks/bench_packing.py's --help text (its flags decide what the suite can pass)."""
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench_packing", "--help"], capture_output=True,
+                          text=True, cwd=REPO_ROOT, timeout=120).stdout
+
+
+def part_command(part: Part, cpu: bool, results_dir: Path, packing_flags: str = "") -> list[str]:
+    """`python -m module args` with `{results}` filled in; bench_packing gets --csv and the CPU flags it accepts."""
     args = [a.replace("{results}", str(results_dir)) for a in (part.cpu_args if cpu else part.gpu_args)]
     if part.key == "e":
-        accepts = subprocess.run([sys.executable, "-m", part.module, "--help"], capture_output=True, text=True,
-                                 cwd=REPO_ROOT, timeout=120).stdout
-        if "--csv" in accepts:
+        if "--csv" in packing_flags:
             args += ["--csv", str(results_dir / "packing.csv")]
-        if cpu and "--cpu" in accepts:
-            args.append("--cpu")
+        if cpu:
+            args += [item for flag, value in PACKING_CPU_ARGS if flag in packing_flags for item in (flag, value)]
     return [sys.executable, "-m", part.module, *args]
 
 
-def run_part(part: Part, cpu: bool, results_dir: Path, timeout_s: float, log) -> Outcome:
+def move_packing_rows(results_dir: Path, since: float) -> None:
+    """bench_packing without --csv writes benchmarks/results/packing.csv: copy this run's rows to `results_dir`."""
+    source = RESULTS_DIR / "packing.csv"
+    if results_dir.resolve() == RESULTS_DIR.resolve() or not source.exists():
+        return
+    rows = [r for r in read_rows(source) if datetime.fromisoformat(r["timestamp"]).timestamp() >= int(since)]
+    target = results_dir / "packing.csv"
+    is_new = not target.exists()
+    with target.open("a", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        if is_new:
+            writer.writerow(CSV_COLUMNS)
+        writer.writerows([r[c] for c in CSV_COLUMNS] for r in rows)
+
+
+def run_part(part: Part, cpu: bool, results_dir: Path, timeout_s: float, log, packing_flags: str = "") -> Outcome:
     """Run one part in its own process group, echo and log its output, kill the group at `timeout_s`."""
-    command = part_command(part, cpu, results_dir)
+    command = part_command(part, cpu, results_dir, packing_flags)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if cpu:
         env["TRITON_INTERPRET"] = "1"
@@ -273,7 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Outcome]:
     with (args.results_dir / "suite.log").open("a") as log:
         for part in args.parts:
             remaining = args.budget_s - (time.monotonic() - start_clock)
-            reason = skip_reason(part, args.cpu, remaining)
+            packing_flags = packing_help() if part.key == "e" and missing_module(part) is None else ""
+            reason = skip_reason(part, args.cpu, remaining, packing_flags)
             if reason is not None:
                 outcomes[part.key] = Outcome(status="skipped", reason=reason)
                 print(f"\n=== part {part.key} ({part.name}) skipped: {reason}", flush=True)
@@ -281,7 +311,10 @@ def main(argv: list[str] | None = None) -> dict[str, Outcome]:
                 continue
             before = count_rows(args.results_dir, part.csv_names)
             limit = min(part.cpu_timeout_s if args.cpu else part.gpu_timeout_s, remaining)
-            outcomes[part.key] = run_part(part, args.cpu, args.results_dir, limit, log)
+            part_start = time.time()
+            outcomes[part.key] = run_part(part, args.cpu, args.results_dir, limit, log, packing_flags)
+            if part.key == "e" and "--csv" not in packing_flags:
+                move_packing_rows(args.results_dir, part_start)
             outcomes[part.key].rows = count_rows(args.results_dir, part.csv_names) - before
     append_rows(args.results_dir / "suite.csv", suite_rows(env, mode, outcomes, versions))
     print_summary(args.results_dir, env, versions, outcomes, PARTS, since=started)
