@@ -69,6 +69,7 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
         f"cluster: {shape.train_nodes} training node(s) + {shape.infer_nodes} inference node(s), "
         f"{shape.gpus_per_node} GPUs per node, {shape.gpu_memory_gib:g} GiB per GPU",
         _rollout_line(cfg, shape, d),
+        *_async_lines(cfg, d, *sequence_lengths(cfg)[:2]),
         f"training layout: tp*pp*dp = {par.tp_size}*{par.pp_size}*{d.dp_size} = {d.world_size} GPUs = "
         f"{shape.train_nodes} node(s) x {shape.gpus_per_node}; {dims.num_layers} layers / pp {par.pp_size} = "
         f"{dims.num_layers // par.pp_size} per stage",
@@ -92,6 +93,19 @@ def _rollout_line(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> str:
         f"{vtp} of {shape.gpus_per_node} GPUs; {prompts} prompts per round split among them: at most "
         f"ceil({prompts} / {servers}) = {-(-prompts // servers)} per server"
     )
+
+
+def _async_lines(cfg: EngineConfig, d: Derived, prompt: int, completion: int) -> list[str]:
+    """Asynchronous rollout (`rollout.max_staleness` k > 0, engine/train/rollout_pipeline.py): what it costs."""
+    k = cfg.rollout.max_staleness
+    if k == 0 or cfg.rollout.vllm_mode != "server":
+        return []
+    held = k * d.generation_batch_size * (prompt + completion) * 12  # int64 token id + float32 log-prob per token
+    return [f"asynchronous rollout: max_staleness {k}: round r is sampled by policy version r - {k} while the trainer "
+            f"trains; no extra GPU memory on either side (one weight copy each, the push happens between rounds); "
+            f"the {k} complete round(s) waiting are token ids and log-probs on the trainer's hosts and in each "
+            f"checkpoint: {k} x {d.generation_batch_size} completions x {prompt + completion} tokens x 12 B = "
+            f"{held / 2**20:.1f} MiB as packed numbers (Python lists and the checkpoint's JSON take a few times that)"]
 
 
 def format_plan(plan: Plan) -> str:

@@ -74,6 +74,8 @@ def _cfg(**sections):
             r"vllm_server_base_url and rollout.vllm_server_base_urls are both set",
         ),
         ({"rollout": {"vllm_server_base_urls": []}}, 1, r"vllm_server_base_urls is an empty list"),
+        ({"rollout": {"max_staleness": 1}}, 1, r"max_staleness=1 needs rollout.vllm_mode=server: a colocated engine"),
+        ({"rollout": {"vllm_mode": "server", "max_staleness": -1}}, 1, r"max_staleness must be >= 0"),
         (
             {"rollout": {"vllm_server_base_urls": ["http://a:8000", "http://a:8000/"]}}, 1,
             r"vllm_server_base_urls lists a server twice",
