@@ -16,6 +16,10 @@ Owns:
   (no rank hangs in a collective behind a failed request; one request per server per round, as TRL's server mode
   does). Several servers (`rollout.vllm_server_base_urls`, one per inference node): prompts split in contiguous
   shares, asked concurrently. A restarted server (`RolloutServerLost`) is waited for, re-synced and asked again.
+  `generate_async` starts a generate on a background thread of rank src and returns a `PendingGenerate`, whose
+  `result()` (collective) shares the rollout or the error like `generate`: asynchronous rollout
+  (engine/train/rollout_pipeline.py) overlaps the HTTP requests with training; the caller keeps at most one in
+  flight and never syncs weights while one is.
 - `connect_rollout_server(rollout_cfg, rank)`: the token check, the health wait, the shared handle.
 
 Must not: import vLLM (engine/rollout/vllm_engine.py does, on the server), know Megatron's layout, or log the token.

@@ -15,6 +15,11 @@ prompts); the weight sync goes shard to shard over one transfer group per server
 `sync_server`) and is verified as in colocated mode. A server that restarts mid-run is waited for, synced and
 verified again before it samples (engine/train/run.py `sync_and_verify` as the client's `resync`).
 
+Asynchronous rollout (server mode, `rollout.max_staleness` k > 0; engine/train/rollout_pipeline.py): round r is
+sampled by policy version r - k while earlier rounds train; the loop asks for round r + k at the top of round r's
+iteration and waits for it before the weight sync, so the servers never generate while their weights change. k = 0
+is the synchronous loop as it was (no pipeline is built).
+
 The TRL-compatible `GRPOConfig` / `GRPOTrainer` (engine/api/trl_config.py, engine/api/trl_trainer.py) call `train` with
 in-memory datasets, reward callables, a tokenizer and the user's GFPO filter / curriculum hook objects (its
 keyword-only inputs).
