@@ -118,6 +118,19 @@ def build_step(args):
     return step, int(batch["completion_mask"].sum()), ps.device, {"dtype": dtype}
 
 
+def train_step_rows(env, key: dict, timing, peak_mib: float, completion_tokens: int) -> list:
+    """The three rows of one step: `time` (ms), `tokens_per_s` (completion tokens / step time; p20 from the p80
+    time) and `peak_memory` (MiB); `key` holds make_row's bench, variant, mode, x_name, x_value and config."""
+    return [
+        make_row(env, **key, metric="time", unit="ms", p20=timing.p20_ms, p50=timing.p50_ms, p80=timing.p80_ms,
+                 n_iters=timing.n_iters),
+        make_row(env, **key, metric="tokens_per_s", unit="tokens/s", p20=completion_tokens / (timing.p80_ms / 1e3),
+                 p50=completion_tokens / (timing.p50_ms / 1e3), p80=completion_tokens / (timing.p20_ms / 1e3),
+                 n_iters=timing.n_iters),
+        make_row(env, **key, metric="peak_memory", unit="MiB", p20=peak_mib, p50=peak_mib, p80=peak_mib, n_iters=1),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one GRPO optimizer step -> benchmarks/results/grpo_step.csv")
     parser.add_argument("--shape", choices=SHAPES, default="tiny")
@@ -142,15 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         config["num_layers"] = args.num_layers
     key = dict(bench="grpo_step", variant=f"megatron-{args.shape}", mode="train_step", x_name="completion_tokens",
                x_value=completion_tokens, config=config)
-    rows = [
-        make_row(env, **key, metric="time", unit="ms", p20=timing.p20_ms, p50=timing.p50_ms, p80=timing.p80_ms,
-                 n_iters=timing.n_iters),
-        make_row(env, **key, metric="tokens_per_s", unit="tokens/s", p20=completion_tokens / (timing.p80_ms / 1e3),
-                 p50=completion_tokens / (timing.p50_ms / 1e3), p80=completion_tokens / (timing.p20_ms / 1e3),
-                 n_iters=timing.n_iters),
-        make_row(env, **key, metric="peak_memory", unit="MiB", p20=memory.peak_bytes / MIB,
-                 p50=memory.peak_bytes / MIB, p80=memory.peak_bytes / MIB, n_iters=1),
-    ]
+    rows = train_step_rows(env, key, timing, memory.peak_bytes / MIB, completion_tokens)
     path = append_rows(RESULTS_DIR / "grpo_step.csv", rows, overwrite=args.overwrite)
     print(f"{args.shape}: step p50 {timing.p50_ms:.1f} ms, {completion_tokens / (timing.p50_ms / 1e3):.0f} completion "
           f"tokens/s, peak {memory.peak_bytes / MIB:.0f} MiB ({env.device}) -> {path}")

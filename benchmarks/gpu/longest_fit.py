@@ -7,7 +7,8 @@ given); the search stops at the first length that does not fit, or when the dead
 "at least the longest that fitted"). On a GPU, out of memory is the caching allocator's `OutOfMemoryError`; the CPU
 has no such signal, so the CPU smoke run passes a memory budget to exercise the same stop.
 
-Must not: time anything (the caller's `run_at_length` measures) or write rows.
+`search_rows` turns a search into rows (mode `longest_fit`). Must not: time anything (the caller's `run_at_length`
+measures) or write files.
 
 Test: tests/unit/test_gpu_suite.py runs it through the suite's `--cpu` mode.
 """
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from benchmarks.harness import make_row
 
 
 @dataclass
@@ -82,3 +85,19 @@ def find_longest_fit(run_at_length: Callable[[int], float], lengths: list[int], 
             break
         search.longest = length
     return search
+
+
+def search_rows(env, bench: str, variant: str, search: FitSearch, config: dict, micro_batch: int,
+                lengths: list[int]) -> list:
+    """Rows of a search (mode `longest_fit`): `peak_memory` (MiB) per length that ran (x `completion_len`), then
+    `max_completion_len` (tokens; 0 = none fitted; x `micro_batch`) whose config adds the lengths tried and why the
+    search stopped. `config` is the workload (shape, prompt length, implementation...), without the nominal batch."""
+    config = {k: v for k, v in config.items() if k not in ("batch", "completion_len")} | {"micro_batch": micro_batch}
+    key = dict(bench=bench, variant=variant, mode="longest_fit")
+    rows = [make_row(env, **key, metric="peak_memory", unit="MiB", x_name="completion_len", x_value=length,
+                     p20=peak, p50=peak, p80=peak, n_iters=1, config=config)
+            for length, peak in search.peaks_mib.items()]
+    rows.append(make_row(env, **key, metric="max_completion_len", unit="tokens", x_name="micro_batch",
+                         x_value=micro_batch, p20=search.longest, p50=search.longest, p80=search.longest, n_iters=1,
+                         config={**config, "tried": lengths, "stopped": search.stopped}))
+    return rows

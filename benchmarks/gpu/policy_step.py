@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_grpo_step import SHAPES, build_batch, build_policy_and_optimizer, make_step, model_config
-from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, is_out_of_memory
-from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, peak_memory_fn, time_fn
+from benchmarks.bench_grpo_step import (SHAPES, build_batch, build_policy_and_optimizer, make_step, model_config,
+                                        train_step_rows)
+from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, is_out_of_memory, search_rows
+from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, peak_memory_fn, time_fn
 
 MIB = 2**20
 
@@ -40,20 +41,12 @@ def _nominal_rows(env, args, implementation: str, step, completion_tokens: int, 
                   device: torch.device) -> list:
     """time / tokens_per_s / peak_memory rows of the nominal step (bench_grpo_step's row format)."""
     timing = time_fn(step, device=device, warmup=args.warmup, n_iters=args.iters)
-    memory = peak_memory_fn(step, device=device)
+    peak = peak_memory_fn(step, device=device).peak_bytes / MIB
     key = dict(bench="grpo_step", variant=f"megatron-{args.shape}", mode="train_step", x_name="completion_tokens",
                x_value=completion_tokens, config=config)
-    peak = memory.peak_bytes / MIB
     print(f"megatron {args.shape} {implementation}: step p50 {timing.p50_ms:.1f} ms, "
           f"{completion_tokens / (timing.p50_ms / 1e3):.0f} completion tokens/s, peak {peak:.0f} MiB")
-    return [
-        make_row(env, **key, metric="time", unit="ms", p20=timing.p20_ms, p50=timing.p50_ms, p80=timing.p80_ms,
-                 n_iters=timing.n_iters),
-        make_row(env, **key, metric="tokens_per_s", unit="tokens/s", p20=completion_tokens / (timing.p80_ms / 1e3),
-                 p50=completion_tokens / (timing.p50_ms / 1e3), p80=completion_tokens / (timing.p20_ms / 1e3),
-                 n_iters=timing.n_iters),
-        make_row(env, **key, metric="peak_memory", unit="MiB", p20=peak, p50=peak, p80=peak, n_iters=1),
-    ]
+    return train_step_rows(env, key, timing, peak, completion_tokens)
 
 
 def _fit_rows(env, args, implementation: str, popt, ps, hf_config, config: dict, deadline: float) -> list:
@@ -67,19 +60,10 @@ def _fit_rows(env, args, implementation: str, popt, ps, hf_config, config: dict,
 
     search = find_longest_fit(run_at_length, args.fit_lengths, memory_budget_mib=args.memory_budget_mib,
                               deadline=deadline)
-    key = dict(bench="grpo_step", variant=f"megatron-{args.shape}", mode="longest_fit")
-    fit_config = {**config, "micro_batch": args.fit_micro_batch}
-    fit_config.pop("batch", None), fit_config.pop("completion_len", None)
-    rows = [make_row(env, **key, metric="peak_memory", unit="MiB", x_name="completion_len", x_value=length,
-                     p20=peak, p50=peak, p80=peak, n_iters=1, config=fit_config)
-            for length, peak in search.peaks_mib.items()]
-    summary = {**fit_config, "tried": args.fit_lengths, "stopped": search.stopped}
-    rows.append(make_row(env, **key, metric="max_completion_len", unit="tokens", x_name="micro_batch",
-                         x_value=args.fit_micro_batch, p20=search.longest, p50=search.longest, p80=search.longest,
-                         n_iters=1, config=summary))
     print(f"megatron {args.shape} {implementation}: longest completion that fits (micro-batch "
           f"{args.fit_micro_batch}, prompt {args.prompt_len}): {search.longest} ({search.stopped})")
-    return rows
+    return search_rows(env, "grpo_step", f"megatron-{args.shape}", search, config, args.fit_micro_batch,
+                       args.fit_lengths)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_grpo_step import SHAPES, build_batch, model_config
-from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, is_out_of_memory
-from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, peak_memory_fn, time_fn
+from benchmarks.bench_grpo_step import SHAPES, build_batch, model_config, train_step_rows
+from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, is_out_of_memory, search_rows
+from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, peak_memory_fn, time_fn
 
 MIB = 2**20
 BENCH = "trl_grpo_step"
@@ -126,14 +126,7 @@ def measure_variant(env, args, hf_config, use_liger: bool, config: dict, deadlin
             step = make_trl_step(trainer, batch, args.prompt_len, args.micro_batch)
             timing = time_fn(step, device=device, warmup=args.warmup, n_iters=args.iters)
             peak = peak_memory_fn(step, device=device).peak_bytes / MIB
-            rows += [
-                make_row(env, **key, metric="time", unit="ms", p20=timing.p20_ms, p50=timing.p50_ms,
-                         p80=timing.p80_ms, n_iters=timing.n_iters),
-                make_row(env, **key, metric="tokens_per_s", unit="tokens/s", p20=tokens / (timing.p80_ms / 1e3),
-                         p50=tokens / (timing.p50_ms / 1e3), p80=tokens / (timing.p20_ms / 1e3),
-                         n_iters=timing.n_iters),
-                make_row(env, **key, metric="peak_memory", unit="MiB", p20=peak, p50=peak, p80=peak, n_iters=1),
-            ]
+            rows += train_step_rows(env, key, timing, peak, tokens)
             print(f"{variant} {args.shape}: step p50 {timing.p50_ms:.1f} ms, {tokens / (timing.p50_ms / 1e3):.0f} "
                   f"completion tokens/s, peak {peak:.0f} MiB")
         except Exception as error:  # noqa: BLE001 - an OOM at the nominal shape is a result, not a crash
@@ -160,18 +153,9 @@ def fit_rows(env, args, trainer, hf_config, variant: str, config: dict, deadline
 
     search = find_longest_fit(run_at_length, args.fit_lengths, memory_budget_mib=args.memory_budget_mib,
                               deadline=deadline)
-    fit_config = {k: v for k, v in config.items() if k not in ("batch", "completion_len")}
-    fit_config["micro_batch"] = args.fit_micro_batch
-    key = dict(bench=BENCH, variant=variant, mode="longest_fit")
-    rows = [make_row(env, **key, metric="peak_memory", unit="MiB", x_name="completion_len", x_value=length,
-                     p20=peak, p50=peak, p80=peak, n_iters=1, config=fit_config)
-            for length, peak in search.peaks_mib.items()]
-    rows.append(make_row(env, **key, metric="max_completion_len", unit="tokens", x_name="micro_batch",
-                         x_value=args.fit_micro_batch, p20=search.longest, p50=search.longest, p80=search.longest,
-                         n_iters=1, config={**fit_config, "tried": args.fit_lengths, "stopped": search.stopped}))
     print(f"{variant} {args.shape}: longest completion that fits (micro-batch {args.fit_micro_batch}, prompt "
           f"{args.prompt_len}): {search.longest} ({search.stopped})")
-    return rows
+    return search_rows(env, BENCH, variant, search, config, args.fit_micro_batch, args.fit_lengths)
 
 
 def run(args: argparse.Namespace) -> None:
