@@ -82,7 +82,8 @@ def sweep_tiles(env, device, args, floor_tflops: float, candidates) -> TritonTil
             rows, _ = bench_fused_logprob.bench_point(env, ["triton"], args.tile_tokens, hidden, args.vocab,
                                                       args.torch_dtype, device, point_args)
         except Exception as error:  # noqa: BLE001 - a tile that does not compile (shared memory, registers) is a result
-            print(f"SUITE-NOTE: tiles {label} failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
+            first_line = (str(error).splitlines() or [""])[0][:160]
+            print(f"SUITE-NOTE: tiles {label} failed: {type(error).__name__}: {first_line}")
             continue
         append_rows(args.results_dir / "fused_logprob.csv", with_fraction_of_floor(rows, floor_tflops))
         full = [r.p50 for r in rows if r.mode == "full" and r.metric == "time"]
@@ -116,7 +117,13 @@ def run(args: argparse.Namespace) -> None:
     for h in args.hidden:
         for n in args.tokens:
             start = time.monotonic()
-            rows, _ = bench_fused_logprob.bench_point(env, variants, n, h, args.vocab, args.torch_dtype, device, args)
+            try:
+                rows, _ = bench_fused_logprob.bench_point(env, variants, n, h, args.vocab, args.torch_dtype, device,
+                                                          args)
+            except Exception as error:  # noqa: BLE001 - one failing point must not lose the others
+                print(f"SUITE-NOTE: point N={n} H={h} failed: {type(error).__name__}: "
+                      f"{(str(error).splitlines() or [''])[0][:160]}")
+                continue
             append_rows(args.results_dir / "fused_logprob.csv", with_fraction_of_floor(rows, floor))
             print(f"point N={n} H={h}: {len(rows)} rows in {time.monotonic() - start:.1f} s")
 

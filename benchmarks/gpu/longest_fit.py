@@ -49,6 +49,20 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def rows_unless_out_of_memory(measure: Callable[[], list], label: str) -> list:
+    """`measure()`'s rows, or [] and a `SUITE-NOTE` line when it ran out of memory (a result at that shape, not a
+    crash; other errors propagate); memory is freed afterwards either way."""
+    try:
+        return measure()
+    except Exception as error:  # noqa: BLE001 - only out-of-memory errors are an answer
+        if not is_out_of_memory(error):
+            raise
+        print(f"SUITE-NOTE: {label}: out of memory")
+        return []
+    finally:
+        free_memory()
+
+
 def find_longest_fit(run_at_length: Callable[[int], float], lengths: list[int], *,
                      memory_budget_mib: float | None = None, deadline: float | None = None) -> FitSearch:
     """Longest of `lengths` (ascending) whose step fits.
@@ -74,7 +88,7 @@ def find_longest_fit(run_at_length: Callable[[int], float], lengths: list[int], 
         except Exception as error:  # noqa: BLE001 - only out-of-memory errors are an answer; the rest propagate
             if not is_out_of_memory(error):
                 raise
-            oom = f"out of memory at {length}: {str(error).splitlines()[0][:160]}"
+            oom = f"out of memory at {length}: {(str(error).splitlines() or [''])[0][:160]}"
         free_memory()
         if oom is not None:
             search.stopped = oom

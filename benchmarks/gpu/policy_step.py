@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.bench_grpo_step import (SHAPES, build_batch, build_policy_and_optimizer, make_step, model_config,
                                         train_step_rows)
-from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, is_out_of_memory, search_rows
+from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, rows_unless_out_of_memory, search_rows
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, peak_memory_fn, time_fn
 
 MIB = 2**20
@@ -85,14 +85,10 @@ def run(args: argparse.Namespace) -> None:
         config = {"shape": args.shape, "batch": args.batch, "micro_batch": args.micro_batch,
                   "prompt_len": args.prompt_len, "completion_len": args.completion_len,
                   "implementation": implementation, "dtype": dtype, "num_layers": hf_config.num_hidden_layers}
-        try:
-            step = make_step(popt, ps, batch, args.micro_batch, hf_config.vocab_size, implementation)
-            append_rows(args.csv, _nominal_rows(env, args, implementation, step, completion_tokens, config,
-                                                  ps.device))
-        except Exception as error:  # noqa: BLE001 - an OOM at the nominal shape is a result, not a crash
-            if not is_out_of_memory(error):
-                raise
-            print(f"SUITE-NOTE: megatron {args.shape} {implementation}: nominal step out of memory")
+        step = make_step(popt, ps, batch, args.micro_batch, hf_config.vocab_size, implementation)
+        append_rows(args.csv, rows_unless_out_of_memory(
+            lambda: _nominal_rows(env, args, implementation, step, completion_tokens, config, ps.device),
+            f"megatron {args.shape} {implementation} nominal step"))
         step = None
         free_memory()
         if args.fit_lengths:

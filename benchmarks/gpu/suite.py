@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import importlib.util
 import os
 import platform
@@ -239,6 +240,17 @@ class _Deadline:
         self._timer.cancel()
 
 
+def suite_env(cpu: bool):
+    """harness.capture_env, with the GPU's name read in a child process: the suite process itself never creates a
+    CUDA context, which would hold device memory through every part (and shift their longest fits)."""
+    env = capture_env("cpu")
+    if cpu:
+        return env
+    name = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+                          capture_output=True, text=True, timeout=120).stdout.strip()
+    return dataclasses.replace(env, device=name or "cuda (name unread)", num_gpus=torch.cuda.device_count())
+
+
 def extra_versions() -> dict[str, str]:
     """Versions the harness's columns do not hold."""
     return {
@@ -294,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Outcome]:
     args = parse_args(argv)
     args.results_dir.mkdir(parents=True, exist_ok=True)
     mode = "cpu" if args.cpu else "gpu"
-    env = capture_env("cpu" if args.cpu else "cuda")
+    env = suite_env(args.cpu)
     versions = extra_versions()
     started, start_clock = time.time(), time.monotonic()
     print(f"GPU suite ({mode}) on {env.device}: git {env.git_sha or '?'}, results -> {args.results_dir}")

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_grpo_step import SHAPES, build_batch, model_config, train_step_rows
-from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, is_out_of_memory, search_rows
+from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, rows_unless_out_of_memory, search_rows
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, peak_memory_fn, time_fn
 
 MIB = 2**20
@@ -122,17 +122,16 @@ def measure_variant(env, args, hf_config, use_liger: bool, config: dict, deadlin
         tokens = int(batch["completion_mask"].sum())
         key = dict(bench=BENCH, variant=variant, mode="train_step", x_name="completion_tokens", x_value=tokens,
                    config=config)
-        try:
-            step = make_trl_step(trainer, batch, args.prompt_len, args.micro_batch)
+        step = make_trl_step(trainer, batch, args.prompt_len, args.micro_batch)
+
+        def nominal() -> list:
             timing = time_fn(step, device=device, warmup=args.warmup, n_iters=args.iters)
             peak = peak_memory_fn(step, device=device).peak_bytes / MIB
-            rows += train_step_rows(env, key, timing, peak, tokens)
-            print(f"{variant} {args.shape}: step p50 {timing.p50_ms:.1f} ms, {tokens / (timing.p50_ms / 1e3):.0f} "
-                  f"completion tokens/s, peak {peak:.0f} MiB")
-        except Exception as error:  # noqa: BLE001 - an OOM at the nominal shape is a result, not a crash
-            if not is_out_of_memory(error):
-                raise
-            print(f"SUITE-NOTE: {variant} {args.shape}: nominal step out of memory")
+            print(f"{variant} {args.shape}: step p50 {timing.p50_ms:.1f} ms, "
+                  f"{tokens / (timing.p50_ms / 1e3):.0f} completion tokens/s, peak {peak:.0f} MiB")
+            return train_step_rows(env, key, timing, peak, tokens)
+
+        rows += rows_unless_out_of_memory(nominal, f"{variant} {args.shape} nominal step")
         step = None
         free_memory()
         if args.fit_lengths:
