@@ -3,5 +3,5 @@ its wheels to the lent machine and run it there (fetch_wheels.sh, run.sh), and i
 trl_step.py, longest_fit.py, summary.py). PLAN.md is the command sequence for a session that gets a GPU.
 
 Like the rest of `benchmarks/`: programs that write rows, never imported by `engine/` or `kernels/`. Tested on CPU by
-tests/unit/test_gpu_suite.py (`python -m benchmarks.gpu.suite --cpu`).
+tests/integration/test_gpu_suite.py (`python -m benchmarks.gpu.suite --cpu`).
 """

@@ -7,7 +7,7 @@ and only the latest command's files can be fetched, so collect after every call.
 
     python -m benchmarks.gpu.collect /work/.device/<call>/files     # after each device call (PLAN.md)
 
-Must not: measure, or edit rows. Test: tests/unit/test_gpu_suite.py (collects the CPU smoke's folder).
+Must not: measure, or edit rows. Test: tests/integration/test_gpu_suite.py (collects the CPU smoke's folder).
 """
 
 from __future__ import annotations

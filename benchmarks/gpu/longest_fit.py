@@ -10,7 +10,8 @@ has no such signal, so the CPU smoke run passes a memory budget to exercise the 
 `search_rows` turns a search into rows (mode `longest_fit`). Must not: time anything (the caller's `run_at_length`
 measures) or write files.
 
-Test: tests/unit/test_gpu_suite.py runs it through the suite's `--cpu` mode.
+Test: tests/unit/test_gpu_suite_parts.py (its stopping rules) and tests/integration/test_gpu_suite.py (the suite's
+`--cpu` mode).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ stopped by its time limit keeps what it measured.
     python -m benchmarks.gpu.policy_step --shape tiny --implementations torch_chunked,reference --batch 4 \\
         --micro-batch 2 --prompt-len 8 --completion-len 16 --fit-lengths 16,32 --csv /tmp/grpo_step.csv  # CPU smoke
 
-Run by the suite (benchmarks/gpu/suite.py) as part c; test: tests/unit/test_gpu_suite.py (CPU smoke).
+Run by the suite (benchmarks/gpu/suite.py) as part c; test: tests/integration/test_gpu_suite.py (CPU smoke).
 """
 
 from __future__ import annotations

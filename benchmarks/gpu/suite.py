@@ -25,7 +25,7 @@ printed last.
     python -m benchmarks.gpu.suite --cpu --results-dir /tmp/suite   # CPU smoke: tiny sizes, TRITON_INTERPRET=1
 
 On the lent machine, benchmarks/gpu/run.sh installs the carried wheels first and then runs this. Test:
-tests/unit/test_gpu_suite.py runs the CPU smoke and checks its rows.
+tests/integration/test_gpu_suite.py runs the CPU smoke and checks its rows.
 """
 
 from __future__ import annotations

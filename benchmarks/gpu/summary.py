@@ -7,7 +7,7 @@ completion that fits). Every number printed is a row in the CSVs named at the en
 
 Must not: measure, or write any file.
 
-Used by benchmarks/gpu/suite.py; exercised by tests/unit/test_gpu_suite.py.
+Used by benchmarks/gpu/suite.py; exercised by tests/integration/test_gpu_suite.py.
 """
 
 from __future__ import annotations

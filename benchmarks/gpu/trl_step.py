@@ -25,7 +25,7 @@ turns it on.
     python -m benchmarks.gpu.trl_step --shape tiny --batch 4 --micro-batch 2 --prompt-len 8 --completion-len 16 \\
         --fit-lengths 16,32 --csv /tmp/trl_grpo_step.csv                                        # CPU smoke
 
-Run by the suite (benchmarks/gpu/suite.py) as part d; test: tests/unit/test_gpu_suite.py (CPU smoke).
+Run by the suite (benchmarks/gpu/suite.py) as part d; test: tests/integration/test_gpu_suite.py (CPU smoke).
 """
 
 from __future__ import annotations

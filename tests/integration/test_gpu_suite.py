@@ -1,9 +1,9 @@
 """The GPU suite's CPU smoke (`python -m benchmarks.gpu.suite --cpu`): every part runs or says why it was skipped,
-and the rows the GPU run will produce are there (device, git sha, versions, the measurements each part owns).
+and the rows the GPU run will produce are there (device, git sha, versions, the measurements each part owns); the
+returned rows are collected into a results folder as after a device call.
 
 The suite runs as a subprocess, as on the lent machine (its parts are subprocesses too: the Triton interpreter,
-real Megatron on gloo, a real TRL GRPOTrainer); about 60 s on 2 CPU cores. Plus the longest-fit search's stopping
-rules on a step function that raises the real CUDA out-of-memory error class.
+real Megatron on gloo, a real TRL GRPOTrainer): about 60 s of CPU time on 2 cores.
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ import importlib.util
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks.gpu.longest_fit import find_longest_fit
 from benchmarks.gpu.suite import PARTS
 from benchmarks.harness import read_rows
 
@@ -103,41 +101,6 @@ def test_summary_table_is_printed_last(smoke):
     for text in ("a kernel_tests", "b lm_head", "GEMM floor", "megatron tiny torch_chunked", "trl tiny trl", "rows:"):
         assert text in tail
     assert tail.rstrip().splitlines()[-1].startswith("rows:")
-
-
-def test_longest_fit_stops_at_the_first_out_of_memory_over_budget_or_past_the_deadline():
-    def step(limit):
-        def run_at(length):
-            if length > limit:
-                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return float(length)  # "peak MiB"
-        return run_at
-
-    search = find_longest_fit(step(4096), [8192, 1024, 2048, 4096, 16384])
-    assert search.longest == 4096 and list(search.peaks_mib) == [1024, 2048, 4096]
-    assert search.stopped.startswith("out of memory at 8192")
-    assert find_longest_fit(step(10**6), [1024, 2048, 4096], memory_budget_mib=2500).longest == 2048
-    assert find_longest_fit(step(10**6), [1024], deadline=time.monotonic() - 1).longest == 0
-    with pytest.raises(ValueError):  # other errors are bugs, not answers
-        find_longest_fit(lambda length: (_ for _ in ()).throw(ValueError("bad shape")), [1024])
-
-
-def test_megatron_config_on_a_gpu_without_transformer_engine_or_apex_is_accepted(monkeypatch):
-    """Part c on the lent GPU (megatron-core alone): the policy asks only for fusions whose kernels import; Megatron
-    refused `apply_rope_fusion=True` without Transformer Engine ("apply_rope_fusion is not available")."""
-    from types import SimpleNamespace
-
-    from benchmarks.bench_grpo_step import model_config
-    from engine.config import ModelConfig
-    from engine.policy.model import build_transformer_config
-
-    if any(importlib.util.find_spec(n) for n in ("transformer_engine", "scaled_masked_softmax_cuda")):
-        pytest.skip("Transformer Engine or apex's softmax kernel is installed: the fusions are available here")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU branch of the config, on this CPU
-    ps = SimpleNamespace(tp_size=1, pp_size=1, vpp_size=None, sequence_parallel=False, ep_size=1, etp_size=1)
-    config = build_transformer_config(model_config("tiny"), ModelConfig(dtype="bfloat16"), ps)
-    assert not config.apply_rope_fusion and not config.masked_softmax_fusion
-    assert config.bias_activation_fusion and config.bias_dropout_fusion  # torch.jit fusions: no extension needed
 
 
 def test_collect_appends_the_returned_rows_to_the_results_folder(smoke, tmp_path):
