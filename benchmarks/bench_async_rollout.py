@@ -29,6 +29,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     args.min_tokens = args.max_completion_length if args.min_tokens is None else args.min_tokens
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run still stops its servers (finally)
     env = capture_env("cpu")
     token = secrets.token_hex(16)
     config = {"model": "tiny-qwen2-arith", "prompts": args.num_prompts, "G": args.num_generations,

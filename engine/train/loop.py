@@ -65,7 +65,7 @@ from engine.rollout.vllm_engine import Rollout
 from engine.train.checkpoint import Progress, StopSignal, is_save_step
 from engine.train.prompt_rounds import PromptRounds, shuffle_order
 from engine.train.run import Run, build_run, export_policy, resume, save_run, sync_and_verify
-from engine.train.rollout_pipeline import RolloutPipeline
+from engine.train.rollout_pipeline import RolloutPipeline, rewind_rounds_ahead
 from engine.train.sampling import Scored, evaluate, keep_best_in_groups, sample_and_score
 
 
@@ -166,13 +166,14 @@ def start_pipeline(run: Run, rounds: PromptRounds, progress: Progress) -> None:
     the rollout pipeline, with the complete rounds a resumed checkpoint recorded (engine/train/rollout_pipeline.py)."""
     per_round = max(run.derived.optimizer_steps_per_generation, 1)
     run.policy_version = progress.loop_state.get("policy_version", progress.step // per_round)
-    k = run.cfg.rollout.max_staleness
+    k, state = run.cfg.rollout.max_staleness, progress.loop_state.get("async_rounds")
     if run.cfg.rollout.vllm_mode != "server" or k == 0:
+        rewind_rounds_ahead(state, rounds)  # rounds an asynchronous run generated ahead are sampled again
         return
     total_rounds = -(-run.total_steps // per_round)
     run.pipeline = RolloutPipeline(run, rounds, k, version=run.policy_version, steps_per_round=per_round,
                                    total_rounds=total_rounds)
-    run.pipeline.restore(progress.loop_state.get("async_rounds"))
+    run.pipeline.restore(state)
 
 
 def epoch(run: Run, rounds: PromptRounds) -> float:

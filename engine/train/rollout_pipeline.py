@@ -145,8 +145,8 @@ class RolloutPipeline:
         rounds 0 .. k-1, all by version 0), round r+k requested. Collective."""
         while len(self.ready) < self.k and self.next_index < self.total_rounds and self.in_flight is None:
             self.ready.append(self._finish(*self._request()))
-        if self.in_flight is None and self.next_index < self.total_rounds:
-            self.in_flight = self._request()
+        if self.in_flight is None and self.next_index < self.total_rounds and len(self.ready) <= self.k:
+            self.in_flight = self._request()  # (more than k ready: a checkpoint of a larger k, drained first)
 
     def take(self) -> PendingRound:
         """Round r (the oldest complete one). Collective."""
@@ -183,12 +183,21 @@ class RolloutPipeline:
         return {"max_staleness": self.k, "next_index": self.next_index, "ready": [p.to_state() for p in self.ready]}
 
     def restore(self, state: dict | None) -> None:
-        """Put a checkpoint's complete rounds back (resume). A checkpoint written at another max_staleness, or by
-        the synchronous loop, holds fewer or none: `fill` generates what is missing from the restored weights."""
+        """Put a checkpoint's complete rounds back (resume). A checkpoint written at a smaller max_staleness, or by
+        the synchronous loop, holds fewer or none: `fill` generates what is missing from the restored weights; one
+        of a larger max_staleness holds more, which are trained on before the next request."""
         if not state:
             return
         self.ready = deque(PendingRound.from_state(p) for p in state["ready"])
         self.next_index = state["next_index"]
+
+
+def rewind_rounds_ahead(state: dict | None, rounds) -> None:
+    """Resuming synchronously (max_staleness 0, or colocated) from a checkpoint that holds rounds generated ahead:
+    move the data position back over the ones drawn from the dataset, so their prompts are sampled again by the
+    current policy instead of being skipped."""
+    if state:
+        rounds.position -= sum(p.get("is_from_dataset", True) for p in state["ready"])
 
 
 def staleness_metrics(versions: list[int], current: int) -> dict[str, float]:

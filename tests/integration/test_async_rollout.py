@@ -116,3 +116,39 @@ def test_k0_is_synchronous_k1_is_exactly_one_version_stale_and_resumes_exactly_a
                      for k in _without_wall_clock(expected[step]) | _without_wall_clock(actual[step])
                      if expected[step].get(k) != actual[step].get(k)}
         assert not differing, f"step {step}: uninterrupted vs killed-and-resumed differ in {differing}"
+
+
+@pytest.mark.slow
+def test_k1_keeps_gfpo_the_curriculum_hook_and_dynamic_sampling_working(servers, tmp_path):
+    """At k = 1 GFPO filters every round as it comes, and the curriculum hook's choice after round r is sampled by
+    round r + 2 (k rounds later than in the synchronous loop, where round r + 1 samples it: the request for round
+    r + 1 was made before round r was scored). With DAPO's dynamic sampling the first attempt of each round comes
+    from the pipeline and the further ones from the servers' current weights (staleness 0), so the mean staleness of a
+    batch is at most 1."""
+    import os
+
+    env = _env(GRPO_ENGINE_TOKEN=servers[0].token, GFPO_LOG=str(tmp_path / "gfpo.jsonl"),
+               PROMPTS_LOG=str(tmp_path / "prompts.jsonl"))
+    hooks = ["train.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.num_remains_in_group=2",
+             "grpo.group_filter_func=tests.integration.test_trainer:shortest_completions", "logging.log_completions=true",
+             "data.dynamic_prompts_fn=tests.integration.test_trainer:hardest_first"]
+    curriculum = tmp_path / "curriculum"
+    assert _run(_command(curriculum, servers, 1, *hooks), env, tmp_path / "h.log") == 0, _tail(tmp_path / "h.log")
+    rows = _records(curriculum)
+    assert [rows[s]["rollout/staleness_max"] for s in sorted(rows)] == [0.0, 1.0, 1.0, 1.0]
+    groups = [g for line in (tmp_path / "gfpo.jsonl").read_text().splitlines() for g in json.loads(line)]
+    assert len(groups) == STEPS * 4 and all(len(g) == 4 for g in groups), "one GFPO call per round, 4 groups of 4"
+    calls = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert len(calls) == STEPS
+    assert calls[1]["given"] != calls[0]["returned"], "round 1 was requested before round 0 was scored"
+    for r in range(STEPS - 2):
+        assert calls[r + 2]["given"] == calls[r]["returned"], f"round {r + 2} must sample the hook's choice after round {r}"
+
+    os.remove(tmp_path / "gfpo.jsonl")
+    dynamic = tmp_path / "dynamic"
+    status = _run(_command(dynamic, servers, 1, *hooks[:5], "grpo.use_dynamic_sampling=true",
+                           "grpo.dynamic_sampling_max_rounds=3"), env, tmp_path / "d.log")
+    assert status == 0, _tail(tmp_path / "d.log")
+    for step, row in _records(dynamic).items():
+        assert 1 <= row["dynamic_sampling/rounds"] <= 3
+        assert 0.0 <= row["rollout/staleness_mean"] <= min(step - 1, 1) and row["weight_sync/max_logprob_diff"] < 1e-3
