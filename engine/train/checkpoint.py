@@ -18,6 +18,8 @@ Atomicity: every rank writes into `checkpoint-<step>.tmp` next to the final dire
 finished) rank 0 fsyncs the files and renames the directory into place. A crash while saving leaves at most a
 `*.tmp` directory, which `latest` ignores (with a log line) and the next save of that step replaces; the previous
 checkpoints are untouched until the new one is in place (rotation runs after the rename).
+A Megatron writer process killed during the save fails the save with a CheckpointError
+(engine/train/checkpoint_writers.py) instead of hanging it.
 Test hook: `GRPO_CHECKPOINT_CRASH_BEFORE_RENAME=<step>` SIGKILLs rank 0 after checkpoint-<step> is fully
 written but before the rename (tests/integration/test_resume.py; a real kill cannot be timed into that window).
 
@@ -52,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from engine.policy.parallel import ParallelState
+from engine.train.checkpoint_writers import WriterWatch
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
@@ -336,7 +339,8 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(popt, is_loading=False), str(tmp))
+    with WriterWatch(tmp, CheckpointError, _log):  # a killed writer process fails the save instead of hanging it
+        dist_checkpointing.save(_sharded_state_dict(popt, is_loading=False), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     with open(tmp / "rng" / f"rank-{ps.rank:05d}.pt", "wb") as f:
         torch.save(_capture_rng(), f)

@@ -35,6 +35,7 @@ Every class of the catalogue and the test that holds it (this module unless anot
 | checkpoint | another model | test_checkpoint.py::test_checkpoint_of_another_model_is_refused_naming_the_fields; tests/distributed/test_bad_checkpoints.py |
 | checkpoint | another optimizer (distributed vs not, Adam vs SGD) | tests/distributed/test_bad_checkpoints.py |
 | checkpoint | a torn data file | tests/distributed/test_bad_checkpoints.py::test_a_torn_checkpoint_file_is_named_and_left_as_it_was |
+| checkpoint | a Megatron writer process killed mid-save (the save used to wait forever) | test_a_killed_checkpoint_writer_fails_the_save_instead_of_hanging_it |
 | checkpoint | a torn trainer_state.json, a partial save | test_checkpoint.py::test_corrupt_or_foreign_trainer_state_is_a_clear_error, ::test_latest_ignores_partial_temporaries_and_incomplete_directories |
 
 Run: `pytest tests/unit/test_bad_inputs.py` (no model, no vLLM, no process group: a few seconds).
@@ -246,3 +247,52 @@ def test_a_padded_vocab_token_id_in_a_completion_names_row_position_and_id():
     masked = batch["completion_mask"].clone()
     masked[1, 1] = 0  # a masked position (padding) is never read: not an error
     check_completion_ids(batch["completion_ids"], masked, vocab_size=400)
+
+
+# --- checkpoint --------------------------------------------------------------------------------------------------
+
+
+def _writer(count_queue, seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)
+    count_queue.task_done()
+
+
+def test_a_killed_checkpoint_writer_fails_the_save_instead_of_hanging_it(tmp_path):
+    """Megatron's save waits on a JoinableQueue for forked writers that report when done; one killed never does."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    from engine.train.checkpoint import CheckpointError
+    from engine.train.checkpoint_writers import WriterWatch
+
+    ctx = mp.get_context("fork")
+    count_queue = ctx.JoinableQueue()
+    logged = []
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=rf"writer process (\d+) was killed by signal SIGKILL while writing "
+                                              rf"{tmp_path}: the save cannot finish"):
+        with WriterWatch(tmp_path, CheckpointError, logged.append, poll_s=0.01):
+            writers = []
+            for seconds in (0.05, 60.0):
+                count_queue.put(len(writers))
+                writers.append(ctx.Process(target=_writer, args=(count_queue, seconds)))
+                writers[-1].start()
+            os.kill(writers[1].pid, signal.SIGKILL)
+            count_queue.join()  # what Megatron's write_preloaded_data_multiproc blocks in
+    assert time.monotonic() - start < 10 and logged and "SIGKILL" in logged[0]
+    for writer in writers:
+        writer.join(timeout=10)  # multiprocessing still reaps its own children (the watch never did)
+    assert [w.exitcode for w in writers] == [0, -signal.SIGKILL]
+    assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL, "the watch restores the previous handler"
+    with WriterWatch(tmp_path, CheckpointError, logged.append, poll_s=0.01):  # a save whose writers finish: silent
+        count_queue = ctx.JoinableQueue()  # the killed writer's task is still open in the old one
+        quick = ctx.Process(target=_writer, args=(count_queue, 0.0))
+        count_queue.put(0)
+        quick.start()
+        count_queue.join()
+        quick.join()
+    assert len(logged) == 1
