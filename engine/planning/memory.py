@@ -19,6 +19,14 @@ a / g = query / KV heads, d = head dim, f = MLP size, L = layers, V = padded voc
   shard": (block/p + embedding)/t, plus a second embedding when untied and p = 1). We count exactly: layer =
   h*a*d + 2*h*g*d + a*d*h (QKV, output) + QKV bias + 3*h*f (SwiGLU) split over t, plus 2*h norm weights that
   Megatron replicates over TP. V is Megatron's padded vocabulary (`engine.policy.model.padded_vocab_size`).
+- Mixture of experts (Qwen3-MoE): a layer's routed experts, E x 3*h*f_moe parameters (SwiGLU gate, up, down of width
+  f_moe = moe_intermediate_size), are split over ep x expert_tp ranks (Megatron's expert grid: expert_tp x ep x
+  expert_dp x pp = world size), the rest of the layer (attention; the router, E x h, replicated) as above. Expert
+  gradients follow the expert weights; under the distributed optimizer expert Adam states are sharded over
+  expert_dp = tp*dp / (ep*expert_tp) (Megatron's `expt_dp` group), the rest over dp. Activations: the MLP's
+  6*f/h becomes 6*k*f_moe/h (each token's k routed copies, tokens assumed balanced over experts), and the token
+  dispatch holds 2 (dispatch, combine) x s*b*k*h of permuted copies for the layer running (`alltoall_term`). vLLM
+  (no expert parallelism here) splits every expert over its TP ranks.
 - Bytes per parameter, Megatron Core user guide, "Distributed Optimizer" table
   (https://docs.nvidia.com/megatron-core/developer-guide/latest/distrib_optimizer.html): bf16 params with fp32
   grads 18 B without the distributed optimizer, 6 + 12/dp with it; fp32 params 16 B, 8 + 8/dp. That is weights
@@ -171,6 +179,38 @@ def _stage_params(dims: ModelDims, cfg: EngineConfig, stage: int) -> tuple[float
     return params, text
 
 
+def _stage_expert_params(dims: ModelDims, cfg: EngineConfig) -> tuple[float, str]:
+    """Routed-expert parameters one GPU holds: its stage's layers x E x 3*h*f_moe / (ep x expert_tp)."""
+    if not dims.is_moe:
+        return 0.0, ""
+    par = cfg.parallel
+    layers, split = dims.num_layers // par.pp_size, par.ep_size * par.expert_tp_size
+    params = layers * dims.expert_params() / split
+    text = (f"experts: {layers} layers x {dims.num_experts} x 3 x {dims.hidden_size} x {dims.moe_intermediate_size} / "
+            f"(ep {par.ep_size} x expert_tp {par.expert_tp_size})")
+    return params, text
+
+
+def _expert_dp(cfg: EngineConfig, d: Derived) -> int:
+    """Expert data-parallel size: the ranks of a stage (tp x dp) over ep x expert_tp (Megatron's expert grid)."""
+    par = cfg.parallel
+    return max(par.tp_size * d.dp_size // (par.ep_size * par.expert_tp_size), 1)
+
+
+def alltoall_term(cfg: EngineConfig, dims: ModelDims) -> Term:
+    """MoE token dispatch of one layer: each token's k routed copies (s*b*k x h) leave for the experts' ranks and
+    come back (dispatch and combine buffers, model dtype), held while that layer runs (full recompute: one layer at a
+    time; without recompute the permuted copies are counted in the activations' k*f_moe term)."""
+    prompt, completion, _ = sequence_lengths(cfg)
+    s, b, k, h = prompt + completion, cfg.train.per_device_train_batch_size, dims.num_experts_per_tok, dims.hidden_size
+    wbytes = _optimizer_bytes(cfg)[0]
+    t = cfg.parallel.tp_size if cfg.parallel.sequence_parallel else 1
+    nbytes = 2 * s * b * k * h * wbytes / t
+    text = (f"2 (dispatch, combine) x s*b*k*h = 2 x {s}*{b}*{k}*{h} x {wbytes} B{' / tp ' + str(t) + ' (SP)' if t > 1 else ''}"
+            " (tokens balanced over experts)")
+    return Term("MoE all-to-all", text, nbytes)
+
+
 def _in_flight(cfg: EngineConfig, stage: int, num_microbatches: int) -> tuple[float, str]:
     """Micro-batches whose activations stage `stage` holds at the 1F1B peak."""
     pp, vpp = cfg.parallel.pp_size, cfg.parallel.virtual_pipeline_size
@@ -189,7 +229,8 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     s, b, h, t = prompt + completion, cfg.train.per_device_train_batch_size, dims.hidden_size, cfg.parallel.tp_size
     sp = cfg.parallel.sequence_parallel
     sbh = s * b * h
-    split = 4 + 4 * dims.num_kv_heads / dims.num_heads + 6 * dims.intermediate_size / h
+    ffn = dims.num_experts_per_tok * dims.moe_intermediate_size if dims.is_moe else dims.intermediate_size
+    split = 4 + 4 * dims.num_kv_heads / dims.num_heads + 6 * ffn / h  # MoE: each token's k routed copies of f_moe
     if cfg.model.transformer_impl == "local":
         split += 5 * dims.num_heads * s / h
     per_layer = sbh * (10 + split) / t if sp else sbh * (10 + split / t)
@@ -236,15 +277,24 @@ def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
 def _stage_terms(cfg: EngineConfig, dims: ModelDims, d: Derived, stage: int) -> list[Term]:
     """Training memory of one GPU of pipeline stage `stage`, before any colocated vLLM."""
     params, params_text = _stage_params(dims, cfg, stage)
+    experts, experts_text = _stage_expert_params(dims, cfg)
     wbytes, gbytes, obytes, opt_text = _optimizer_bytes(cfg)
     dist = cfg.optimizer.use_distributed_optimizer
     shard = d.dp_size if dist else 1
     shard_text = f" / dp {d.dp_size} (distributed optimizer)" if dist else " (not distributed: replicated over DP)"
+    total = params + experts
     terms = [
         Term("weights", f"{params_text} = {format_count(params)} params x {wbytes} B", params * wbytes),
-        Term("main grads", f"{format_count(params)} x {gbytes} B (fp32, grad_reduce_in_fp32)", params * gbytes),
+        Term("main grads", f"{format_count(total)} x {gbytes} B (fp32, grad_reduce_in_fp32)", total * gbytes),
         Term("optimizer", f"{format_count(params)} x {obytes} B ({opt_text}){shard_text}", params * obytes / shard),
     ]
+    if experts:
+        edp = _expert_dp(cfg, d) if dist else 1
+        edp_text = (f" / expert dp = tp*dp/(ep*expert_tp) = {edp} (distributed optimizer)" if dist
+                    else " (not distributed)")
+        terms.insert(1, Term("expert weights", f"{experts_text} = {format_count(experts)} params x {wbytes} B",
+                             experts * wbytes))
+        terms.append(Term("expert optimizer", f"{format_count(experts)} x {obytes} B{edp_text}", experts * obytes / edp))
     if cfg.grpo.beta > 0:
         on_gpu = not cfg.model.offload_reference
         terms.append(Term(
@@ -252,6 +302,8 @@ def _stage_terms(cfg: EngineConfig, dims: ModelDims, d: Derived, stage: int) -> 
             params * wbytes if on_gpu else 0.0,
         ))
     terms.append(activation_term(cfg, dims, stage, d.num_microbatches))
+    if dims.is_moe:
+        terms.append(alltoall_term(cfg, dims))
     return terms
 
 
@@ -303,6 +355,7 @@ def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str]:
     split += (kv_replication - 1) * 2 * h * dims.num_kv_heads * d
     vocab = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
     tables = 1 if dims.tie_word_embeddings else 2
+    split += dims.expert_params()  # vLLM's fused MoE splits every expert over its TP ranks (no expert parallelism)
     params = dims.num_layers * (split / vtp + replicated) + tables * vocab * h / vtp + h
     text = f"{dims.num_layers} x ({format_count(split)} / {vtp} + {format_count(replicated)}) + {tables} x {vocab} x {h} / {vtp}"
     return params, text

@@ -64,7 +64,8 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
     tables = 1 if dims.tie_word_embeddings else 2
     header = [
         f"model: {cfg.model.name_or_path}: {format_count(dims.total_params())} params = {dims.num_layers} layers x "
-        f"{format_count(split + replicated)} + {tables} x {dims.vocab_size} x {dims.hidden_size} "
+        f"{format_count(split + replicated + dims.expert_params())}"
+        f"{_experts_text(dims)} + {tables} x {dims.vocab_size} x {dims.hidden_size} "
         f"({'tied' if dims.tie_word_embeddings else 'untied'} embeddings) + {dims.hidden_size}",
         f"cluster: {shape.train_nodes} training node(s) + {shape.infer_nodes} inference node(s), "
         f"{shape.gpus_per_node} GPUs per node, {shape.gpu_memory_gib:g} GiB per GPU",
@@ -79,6 +80,15 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
     ]
     budgets = [training_budget(cfg, dims, shape, d), inference_budget(cfg, dims, shape, d)]
     return Plan(header, budgets, d, shape)
+
+
+def _experts_text(dims: ModelDims) -> str:
+    """How much of a layer its routed experts are, and how many run per token."""
+    if not dims.is_moe:
+        return ""
+    active = dims.num_layers * dims.num_experts_per_tok * dims.expert_params() // dims.num_experts
+    return (f" (of which experts {dims.num_experts} x 3 x {dims.hidden_size} x {dims.moe_intermediate_size}; "
+            f"{dims.num_experts_per_tok} routed per token: {format_count(active)} expert params active)")
 
 
 def _rollout_line(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> str:

