@@ -16,6 +16,9 @@ In order, each step appending its rows as soon as it has them (a time limit keep
     python -m benchmarks.gpu.lm_head --results-dir /tmp/gpu                     # GPU defaults (the issue's sweep)
     TRITON_INTERPRET=1 python -m benchmarks.gpu.lm_head --cpu --results-dir /tmp/cpu   # tiny CPU smoke
 
+Must not: change the kernels' defaults (a better tile is a row; kernels/fused_logprob.py is edited by hand) or judge
+timings.
+
 Run by the suite (benchmarks/gpu/suite.py) as part b; test: tests/integration/test_gpu_suite.py (CPU smoke).
 """
 

@@ -7,7 +7,8 @@ given); the search stops at the first length that does not fit, or when the dead
 "at least the longest that fitted"). On a GPU, out of memory is the caching allocator's `OutOfMemoryError`; the CPU
 has no such signal, so the CPU smoke run passes a memory budget to exercise the same stop.
 
-`search_rows` turns a search into rows (mode `longest_fit`). Must not: time anything (the caller's `run_at_length`
+`search_rows` turns a search into rows (mode `longest_fit`); `add_step_arguments` is the command line both step parts
+share (the nominal batch, the search, timing). Must not: time anything (the caller's `run_at_length`
 measures) or write files.
 
 Test: tests/unit/test_gpu_suite_parts.py (its stopping rules) and tests/integration/test_gpu_suite.py (the suite's
@@ -16,6 +17,7 @@ Test: tests/unit/test_gpu_suite_parts.py (its stopping rules) and tests/integrat
 
 from __future__ import annotations
 
+import argparse
 import gc
 import time
 from collections.abc import Callable
@@ -116,3 +118,18 @@ def search_rows(env, bench: str, variant: str, search: FitSearch, config: dict, 
                          x_value=micro_batch, p20=search.longest, p50=search.longest, p80=search.longest, n_iters=1,
                          config={**config, "tried": lengths, "stopped": search.stopped}))
     return rows
+
+
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step parts' shared flags: the nominal batch, the longest-fit search and the timing."""
+    parser.add_argument("--batch", type=int, default=16, help="completions per optimizer step")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--completion-len", type=int, default=1024)
+    parser.add_argument("--fit-micro-batch", type=int, default=1, help="sequences per step in the longest-fit search")
+    parser.add_argument("--fit-lengths", default="2048,4096,8192,16384,32768",
+                        type=lambda s: [int(x) for x in s.split(",") if x], help="'' skips the search")
+    parser.add_argument("--memory-budget-mib", type=float, help="a fit's peak must stay within this (CPU smoke)")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="no new fit length after this many seconds")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)

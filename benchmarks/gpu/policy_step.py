@@ -18,6 +18,8 @@ stopped by its time limit keeps what it measured.
     python -m benchmarks.gpu.policy_step --shape tiny --implementations torch_chunked,reference --batch 4 \\
         --micro-batch 2 --prompt-len 8 --completion-len 16 --fit-lengths 16,32 --csv /tmp/grpo_step.csv  # CPU smoke
 
+Must not: judge timings (a program, not a test) or read Megatron's global parallel state (engine/ does that).
+
 Run by the suite (benchmarks/gpu/suite.py) as part c; test: tests/integration/test_gpu_suite.py (CPU smoke).
 """
 
@@ -31,7 +33,8 @@ import torch
 
 from benchmarks.bench_grpo_step import (SHAPES, build_batch, build_policy_and_optimizer, make_step, model_config,
                                         train_step_rows)
-from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, rows_unless_out_of_memory, search_rows
+from benchmarks.gpu.longest_fit import (add_step_arguments, find_longest_fit, free_memory,
+                                        rows_unless_out_of_memory, search_rows)
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, peak_memory_fn, time_fn
 
 MIB = 2**20
@@ -100,17 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=SHAPES, default="qwen2.5-1.5b")
     parser.add_argument("--num-layers", type=int, help="trim the model to this many layers (default: its own)")
     parser.add_argument("--implementations", default="triton,reference", type=lambda s: s.split(","))
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--completion-len", type=int, default=1024)
-    parser.add_argument("--fit-micro-batch", type=int, default=1, help="sequences per step in the longest-fit search")
-    parser.add_argument("--fit-lengths", default="2048,4096,8192,16384,32768",
-                        type=lambda s: [int(x) for x in s.split(",") if x], help="'' skips the search")
-    parser.add_argument("--memory-budget-mib", type=float, help="a fit's peak must stay within this (CPU smoke)")
-    parser.add_argument("--budget-s", type=float, default=240.0, help="no new fit length after this many seconds")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    add_step_arguments(parser)
     parser.add_argument("--csv", type=Path, default=RESULTS_DIR / "grpo_step.csv")
     run(parser.parse_args(argv))
 

@@ -25,6 +25,8 @@ turns it on.
     python -m benchmarks.gpu.trl_step --shape tiny --batch 4 --micro-batch 2 --prompt-len 8 --completion-len 16 \\
         --fit-lengths 16,32 --csv /tmp/trl_grpo_step.csv                                        # CPU smoke
 
+Must not: patch TRL (its own trainer, config and loss code run unchanged) or judge timings.
+
 Run by the suite (benchmarks/gpu/suite.py) as part d; test: tests/integration/test_gpu_suite.py (CPU smoke).
 """
 
@@ -39,7 +41,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_grpo_step import SHAPES, build_batch, model_config, train_step_rows
-from benchmarks.gpu.longest_fit import find_longest_fit, free_memory, rows_unless_out_of_memory, search_rows
+from benchmarks.gpu.longest_fit import (add_step_arguments, find_longest_fit, free_memory,
+                                        rows_unless_out_of_memory, search_rows)
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, peak_memory_fn, time_fn
 
 MIB = 2**20
@@ -180,18 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, help="trim the model to this many layers (default: its own)")
     parser.add_argument("--liger", default="off,on", type=lambda s: [v == "on" for v in s.split(",")],
                         help="use_liger_kernel settings to measure, e.g. 'off,on'")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--completion-len", type=int, default=1024)
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off here as in part c")
-    parser.add_argument("--fit-micro-batch", type=int, default=1)
-    parser.add_argument("--fit-lengths", default="2048,4096,8192,16384,32768",
-                        type=lambda s: [int(x) for x in s.split(",") if x], help="'' skips the search")
-    parser.add_argument("--memory-budget-mib", type=float, help="a fit's peak must stay within this (CPU smoke)")
-    parser.add_argument("--budget-s", type=float, default=240.0, help="no new fit length after this many seconds")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    add_step_arguments(parser)
     parser.add_argument("--csv", type=Path, default=RESULTS_DIR / f"{BENCH}.csv")
     run(parser.parse_args(argv))
 

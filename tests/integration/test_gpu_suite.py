@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 def smoke(tmp_path_factory):
     results = tmp_path_factory.mktemp("gpu_suite")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.suite", "--cpu", "--results-dir", str(results)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return results, proc.stdout
 
