@@ -11,8 +11,10 @@ the trainer waited forever.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -28,13 +30,18 @@ class WriterWatch:
     signal, interrupts the main thread with SIGUSR2, whose handler raises `error` (CheckpointError): the run fails
     with the cause; the checkpoint-<step>.tmp it leaves is ignored by `latest` and replaced by the next save of that
     step.
-    Outside the main thread (no signal handler can be installed there) it does nothing.
+    Outside the main thread (no signal handler can be installed there) it does nothing. Once it has fired, the
+    process exits with status 1 before multiprocessing's exit handler, which could wait forever for a child the
+    interrupted save was starting.
     """
 
-    def __init__(self, tmp: Path, error: type[Exception] = RuntimeError, log=print, poll_s: float = 0.05):
+    def __init__(self, tmp: Path, error: type[Exception] = RuntimeError, log=print, poll_s: float = 0.05,
+                 exit_after_failure: bool = True):
         """Args: tmp: the directory being written (for the message); error: the exception the main thread gets;
-        log: called with the message; poll_s: seconds between looks."""
+        log: called with the message; poll_s: seconds between looks; exit_after_failure: once fired, exit with
+        status 1 ahead of multiprocessing's exit handler (tests that go on afterwards pass False)."""
         self.tmp, self.error, self.log, self.poll_s = tmp, error, log, poll_s
+        self.exit_after_failure = exit_after_failure
         self.is_active = threading.current_thread() is threading.main_thread()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="checkpoint-writer-watch", daemon=True)
@@ -56,6 +63,10 @@ class WriterWatch:
 
     def _interrupt(self, signum, frame) -> None:
         if self._cause is not None:
+            # NOTE: the interrupted save may leave multiprocessing's bookkeeping half done (a child being started):
+            # its exit handler would then wait for that child forever; the error ends the run, so exit without it
+            if self.exit_after_failure:
+                atexit.register(_exit_without_joining_children)
             raise self.error(self._cause)
 
     def _watch(self) -> None:
@@ -74,6 +85,17 @@ class WriterWatch:
                     if not self._stop.is_set():
                         signal.pthread_kill(self._main, signal.SIGUSR2)
                     return
+
+
+def _exit_without_joining_children() -> None:
+    """Registered last, so run first at exit: end the process (status 1: a save failed) before multiprocessing's
+    exit handler joins children an interrupted save left behind."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - closed or broken streams: nothing left to flush
+            pass
+    os._exit(1)
 
 
 def _child_pids() -> list[int]:

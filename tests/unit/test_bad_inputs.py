@@ -275,7 +275,7 @@ def test_a_killed_checkpoint_writer_fails_the_save_instead_of_hanging_it(tmp_pat
     start = time.monotonic()
     with pytest.raises(CheckpointError, match=rf"writer process (\d+) was killed by signal SIGKILL while writing "
                                               rf"{tmp_path}: the save cannot finish"):
-        with WriterWatch(tmp_path, CheckpointError, logged.append, poll_s=0.01):
+        with WriterWatch(tmp_path, CheckpointError, logged.append, poll_s=0.01, exit_after_failure=False):
             writers = []
             for seconds in (0.05, 60.0):
                 count_queue.put(len(writers))
