@@ -227,8 +227,11 @@ def _campaign(work: Path, dtype: str, steps: int, num_points: int, num_writer_po
     points = [{"index": i, "mode": "group", "delay_s": round((i + 0.5) / num_group * span_s, 4)}
               for i in range(num_group)]
     writer_delays = [0.0, 0.005, 0.02, 0.05, 0.1]
-    points += [{"index": num_group + j, "mode": "writers", "delay_s": writer_delays[j % len(writer_delays)]}
-               for j in range(num_writer_points)]
+    writers = [{"mode": "writers", "delay_s": writer_delays[j % len(writer_delays)]} for j in range(num_writer_points)]
+    every = max(1, num_points // max(1, num_writer_points))
+    for j, point in enumerate(writers):  # interleaved: writer points 3, 7, 11, ... of 20
+        points.insert(min(len(points), (j + 1) * every - 1), point)
+    points = [point | {"index": i} for i, point in enumerate(points)]
     run_dir = work / f"B-{dtype}"
     records, previous = [], None
     for n, point in enumerate(points + [None]):
