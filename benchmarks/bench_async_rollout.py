@@ -6,7 +6,8 @@ the trainer (`python -m engine train configs/tiny_cpu.yaml rollout.vllm_mode=ser
 core(s) with one thread (os.sched_setaffinity, OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND): by default the
 trainer on core 0 and every server on core 1 (this machine has 2: two servers then share one core, so they show
 the protocol with two servers, not more generation throughput). For each server count and each k in {0, 1, 2}, one
-run of `--steps` rounds; the first `--warmup` rounds (vLLM's first generations, the k warm-up rounds) are left out.
+run of `--steps` rounds (`--repeats` runs per k, interleaved); the first `--warmup` rounds (vLLM's first
+generations, the k warm-up rounds) are left out.
 Per run it records, over the remaining rounds: steps per second (p20/p50/p80 of 1 / step_time), the trainer's wait
 fraction (time blocked on generation / wall time) and the servers' wait fraction (time idle between rounds, waiting
 for weights / wall time), from the metrics the trainer logs (`time/trainer_wait_s`, `time/rollout_wait_s`).
@@ -108,9 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per k, interleaved (steady rounds pooled)")
+    parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
-    parser.add_argument("--max-completion-length", type=int, default=32)
+    parser.add_argument("--max-completion-length", type=int, default=48)
     parser.add_argument("--min-tokens", type=int, default=None,
                         help="vLLM's min_tokens (default: --max-completion-length: every completion that long, so "
                              "generation time is steady and set by the length)")
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     env = capture_env("cpu")
     token = secrets.token_hex(16)
     config = {"model": "tiny-qwen2-arith", "prompts": args.num_prompts, "G": args.num_generations,
-              "max_completion_length": args.max_completion_length, "min_tokens": args.min_tokens, "steps": args.steps, "warmup": args.warmup,
+              "max_completion_length": args.max_completion_length, "min_tokens": args.min_tokens,
+              "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
               "pinning": f"trainer core {args.trainer_core}, servers core {args.server_core}, 1 thread each"}
     rows, demo = [], {}
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp_name:
@@ -136,9 +139,14 @@ def main(argv: list[str] | None = None) -> None:
             urls = [url for _, url in servers]
             group_port = 20000 + secrets.randbelow(10000)
             try:
+                measured = {k: [] for k in args.ks}
+                for repeat in range(args.repeats):  # k0, k1, k2, k0, ...: the machine's slow spells hit every k
+                    for k in args.ks:
+                        run_rows = train(tmp / f"s{num_servers}-k{k}-{repeat}", urls, token, k, args,
+                                         args.trainer_core, group_port, "data.dataset_test_split=null")
+                        measured[k] += run_rows[args.warmup:]
                 for k in args.ks:
-                    out = summarize(train(tmp / f"s{num_servers}-k{k}", urls, token, k, args, args.trainer_core,
-                                          group_port, "data.dataset_test_split=null"), args.warmup)
+                    out = summarize(measured[k], 0)
                     mode = f"{num_servers}_server{'s' if num_servers > 1 else ''}"
                     key = dict(bench="async_rollout", variant=f"k{k}", mode=mode, x_name="max_staleness", x_value=k,
                                config=config, n_iters=out["n"])
