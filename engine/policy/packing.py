@@ -9,11 +9,13 @@ sequence) stays in engine/policy/batch.py and is used when both options are off.
 Plan of one optimizer step (every rank computes the same plan from the same lengths: no collective):
   1. the step's sequences are split over the DP ranks with equal work (sorted greedy, LPT: longest first, each to the
      rank holding the fewest tokens; work = real tokens = prompt + completion);
-  2. every rank cuts its share into the SAME number m of micro-batches (Megatron's schedules and verl's
+  2. packed: every rank cuts its share into the SAME number m of micro-batches (Megatron's schedules and verl's
      `rearrange_micro_batches` all-reduce MAX do the same): m starts at max over ranks of ceil(tokens / budget) and
      grows until every micro-batch holds at most `budget` real tokens (a single sequence longer than the budget gets
      a micro-batch of its own); a rank with fewer sequences than m gets empty micro-batches (one pad row, no loss
-     tokens, a zero loss that still reaches every parameter);
+     tokens, a zero loss that still reaches every parameter); right-padded rows (token budget without packing):
+     the budget counts padded slots, sequences are sorted by length and cut greedily (`plan_sorted`), and ranks
+     with fewer micro-batches split their fullest until the counts agree;
   3. each micro-batch becomes rows: `padded` (one sequence per row, right-padded to the micro-batch's longest; the
      token-budget path without packing), `mask` (packing on the local spec: sequences first-fit-decreasing into rows
      as wide as the micro-batch's longest sequence, attention confined to each sequence by a block-diagonal causal
@@ -35,7 +37,9 @@ o .. o+L-1 instead of 0 .. L-1. RoPE scores depend only on the relative position
 to one sequence, so the attention is the same up to float rounding of the larger angles. Measured (fp32, tiny Qwen2,
 tests/unit/test_packing.py `test_packed_row_logprobs_equal_padded_rows`): per-token log-probs within 2e-5 of the padded
 rows. The block-diagonal mask needs Megatron's torch softmax: its fused CUDA softmax ignores a mask for causal
-attention, so step.py refuses a masked micro-batch when `masked_softmax_fusion` is on (local spec on a GPU: use TE).
+attention, so the local spec on a GPU with apex's fused softmax (engine/policy/model.py turns it on there) does not
+pack: `padding_free` falls back to token-budget right-padded rows (use Transformer Engine); without apex the mask path
+runs on the GPU too. step.py refuses a masked micro-batch when `masked_softmax_fusion` is on.
 
 The THD layout cannot run on this CPU-only machine (no Transformer Engine): it is written from Megatron-core 0.16.1's
 `PackedSeqParams` / `TEDotProductAttention` contract (verl's and NeMo-RL's usage) and is NOT tested here.
@@ -65,13 +69,15 @@ class MicrobatchSpec:
     padding_free: bool
     """Pack several sequences per row (TRL's `padding_free`)."""
     max_tokens: int | None
-    """Real tokens per training micro-batch; None = micro_batch_size * the step's longest sequence."""
+    """Tokens per training micro-batch (packed: real tokens; right-padded rows: rows x longest); None =
+    micro_batch_size * the step's longest sequence (what a padded micro-batch holds at most)."""
     max_logprob_tokens: int | None
     """Real tokens per forward-only (old / reference) micro-batch; None = 2 * the training budget."""
     micro_batch_size: int
     """TRL's per_device_train_batch_size: rows per micro-batch of the padded path, and the default budget's factor."""
-    attention: Literal["mask", "thd"] = "mask"
-    """Packed attention: `mask` (local spec, block-diagonal causal mask) or `thd` (Transformer Engine)."""
+    attention: Layout = "mask"
+    """Packed attention: `mask` (local spec on CPU, block-diagonal causal mask), `thd` (Transformer Engine) or
+    `padded` (local spec on a GPU, whose fused causal softmax ignores masks: token-budget right-padded rows)."""
     fixed_shape: bool = False
     """Every micro-batch of a schedule run has one shape (pipeline parallelism)."""
     multiple: int = 1
@@ -95,11 +101,17 @@ def build_microbatch_spec(train_cfg, model_cfg, ps, *, micro_batch_size: int, pa
     multiple = tp_size if sequence_parallel else 1
     if train_cfg.pad_to_multiple_of:
         multiple = math.lcm(multiple, train_cfg.pad_to_multiple_of)
-    te = _uses_transformer_engine(model_cfg.transformer_impl)
+    if _uses_transformer_engine(model_cfg.transformer_impl):
+        attention = "thd"
+    else:  # engine/policy/model.py's rule for Megatron's fused softmax (it would ignore the mask): CUDA + apex kernel
+        from importlib.util import find_spec
+
+        fused_softmax = torch.cuda.is_available() and find_spec("scaled_masked_softmax_cuda") is not None
+        attention = "padded" if fused_softmax else "mask"
     return MicrobatchSpec(
         padding_free=train_cfg.padding_free, max_tokens=train_cfg.max_tokens_per_microbatch,
         max_logprob_tokens=train_cfg.max_tokens_per_logprob_microbatch, micro_batch_size=micro_batch_size,
-        attention="thd" if te else "mask", fixed_shape=pp_size > 1, multiple=multiple, pad_token_id=pad_token_id,
+        attention=attention, fixed_shape=pp_size > 1, multiple=multiple, pad_token_id=pad_token_id,
     )
 
 
@@ -150,6 +162,33 @@ def plan_step(lengths: list[int], num_ranks: int, max_tokens: int) -> list[list[
         if fits or num_micro >= most:
             return plan
         num_micro += 1
+
+
+def plan_sorted(lengths: list[int], num_ranks: int, max_slots: int) -> list[list[list[int]]]:
+    """Like `plan_step`, for right-padded rows (token budget without packing): the budget counts padded slots
+    (rows x the longest row), so each rank's sequences are sorted by length and cut greedily (NeMo-RL's dynamic
+    batching); ranks with fewer micro-batches split their fullest ones in two until the counts agree.
+    """
+    if max_slots < 1:
+        raise ValueError(f"a micro-batch token budget must be >= 1, got {max_slots}")
+    plan = []
+    for rank in partition_balanced(lengths, num_ranks):
+        micro: list[list[int]] = []
+        for i in sorted(rank, key=lambda i: (-lengths[i], i)):
+            if not micro or (len(micro[-1]) + 1) * lengths[micro[-1][0]] > max_slots:
+                micro.append([])
+            micro[-1].append(i)
+        plan.append(micro)
+    num_micro = max(1, max(len(r) for r in plan))
+    for micro in plan:
+        while len(micro) < num_micro:
+            j = max(range(len(micro)), key=lambda j: len(micro[j]), default=None)
+            if j is None or len(micro[j]) < 2:
+                micro.append([])
+                continue
+            half = len(micro[j]) // 2
+            micro[j : j + 1] = [micro[j][:half], micro[j][half:]]
+    return [[sorted(mb) for mb in micro] for micro in plan]
 
 
 def pack_rows(lengths: list[int], width: int) -> list[list[int]]:
@@ -277,7 +316,7 @@ def step_microbatches(batch: dict, spec: MicrobatchSpec, num_ranks: int, rank: i
     """
     lengths = [int(n) for n in batch["lengths"]]
     budget = spec.max_tokens or spec.micro_batch_size * max(lengths)
-    plan = plan_step(lengths, num_ranks, budget)
+    plan = (plan_sorted if spec.layout == "padded" else plan_step)(lengths, num_ranks, budget)
     shape = _fixed_shape(batch, [mb for r in plan for mb in r], spec, spec.layout) if spec.fixed_shape else None
     return [build_microbatch(batch, mb, spec.layout, spec.pad_token_id, multiple=spec.multiple, shape=shape)
             for mb in plan[rank]]
@@ -302,7 +341,7 @@ def logprob_microbatches(micro: list[dict], spec: MicrobatchSpec) -> tuple[list[
         total += mb["tokens"].shape[0]
     lengths = [int(n) for n in rank_batch["lengths"]] or [1]
     budget = spec.max_logprob_tokens or 2 * (spec.max_tokens or spec.micro_batch_size * max(lengths))
-    plan = plan_step(lengths if total else [], 1, budget)[0]
+    plan = (plan_sorted if spec.layout == "padded" else plan_step)(lengths if total else [], 1, budget)[0]
     shape = _fixed_shape(rank_batch, plan, spec, spec.layout) if spec.fixed_shape else None
     return [build_microbatch(rank_batch, mb, spec.layout, spec.pad_token_id, multiple=spec.multiple, shape=shape)
             for mb in plan], offsets

@@ -8,7 +8,7 @@ from engine.config import ModelConfig, TrainConfig
 from engine.policy.batch import pack_completions
 from engine.policy.packing import (
     MicrobatchSpec, block_causal_mask, build_microbatch, build_microbatch_spec, pack_rows, partition_balanced,
-    plan_step, round_microbatches, sequence_logprobs,
+    plan_sorted, plan_step, round_microbatches, sequence_logprobs,
 )
 
 LONG_TAILED = [3, 120, 7, 9, 15, 4, 60, 5, 11, 8, 30, 6]  # a few long, most short
@@ -48,6 +48,16 @@ def test_plan_gives_every_rank_the_same_number_of_microbatches_within_budget():
 def test_plan_keeps_a_sequence_longer_than_the_budget_alone():
     plan = plan_step([100, 3, 4], num_ranks=1, max_tokens=10)
     assert [0] in plan[0] and all(sum([100, 3, 4][i] for i in mb) <= 10 for mb in plan[0] if mb != [0])
+
+
+def test_sorted_plan_for_padded_rows_counts_slots_and_equalises_micro_batch_counts():
+    lengths = LONG_TAILED
+    plan = plan_sorted(lengths, num_ranks=2, max_slots=40)
+    assert len({len(rank) for rank in plan}) == 1
+    assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(len(lengths)))
+    for rank in plan:
+        for mb in rank:  # rows x the longest row within the budget, or one longer sequence alone
+            assert len(mb) <= 1 or len(mb) * max(lengths[i] for i in mb) <= 40, mb
 
 
 def test_pack_rows_first_fit_decreasing_never_overflows_a_row():
