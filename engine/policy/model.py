@@ -170,7 +170,9 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
         moe_z_loss_coeff=cfg.moe_z_loss_coeff,
         moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
         moe_grouped_gemm=False,
-        moe_enable_routing_replay=cfg.moe_enable_routing_replay,
+        # every MoE router gets a RouterReplay: replaying (R3) or recording for the router-agreement metric is chosen
+        # per forward (engine/policy/routing_replay.py, from the chunk's `routing_replay`)
+        moe_enable_routing_replay=True,
         expert_model_parallel_size=ps.ep_size,
         expert_tensor_parallel_size=ps.etp_size,
     )
@@ -341,6 +343,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.n
             )
         )
         cast_params_to_dtype(chunks[-1], config.params_dtype)
+        chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
     return chunks
 
 

@@ -67,13 +67,22 @@ def run_schedule(
     check_attention_mask(chunks, microbatches)
 
     def forward_step(data_iterator, model):
+        from engine.policy.routing_replay import begin_forward, end_forward, router_agreement
+
         batch = next(data_iterator)
+        chunk = unwrap(model)
+        # MoE: replay the engine's routes (R3) or record the trainer's to compare (engine/policy/routing_replay.py)
+        recording = begin_forward(chunk, batch, ps, replay=getattr(chunk, "routing_replay", False))
         # packed micro-batches (engine/policy/packing.py) carry their rows as `input_ids`, a mask or THD params
         hidden = model(batch.get("input_ids", batch["tokens"]), batch["position_ids"],
                        attention_mask=batch.get("attention_mask"), packed_seq_params=batch.get("packed_seq_params"))
+        agreement = router_agreement(chunk, batch, ps) if recording else None
+        end_forward(chunk)
 
         def loss_func(last_hidden):  # (s, b, H) on the last stage
             loss, values = loss_fn(model, last_hidden, batch)
+            if agreement is not None:  # (agreeing, total) (token, layer) pairs of this stage's MoE layers
+                values = {**values, "router_agreement": torch.tensor(agreement, dtype=torch.float64)}
             # NOTE: the schedule divides `loss` in place by num_microbatches; values must not share its storage.
             return loss, values
 

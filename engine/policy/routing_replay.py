@@ -1,0 +1,123 @@
+"""Rollout routing replay (R3) and the router-agreement metric for MoE policies, on top of Megatron's RouterReplay.
+
+R3 (anchors/frameworks.md Q6 #3; NVIDIA/Megatron-LM#4168): the experts the inference engine routed each token to are
+replayed in the training forward, so training and sampling run the same experts even where their routers disagree
+(bf16 kernels, different reductions): without it ~10% of routing decisions differ and GRPO runs on Qwen3-30B-A3B
+collapsed. A micro-batch that carries `routed_experts` (b, T, L, k) int64 (global layer L, top-k expert ids; what vLLM
+returns per sequence as `routed_experts` [seq_len, L, k]) is either
+- replayed (`model.moe_enable_routing_replay`): each MoE layer's router takes the given top-k instead of computing it
+  (Megatron's `RouterReplayAction.REPLAY_FORWARD`; the probabilities are the router's own scores at those experts,
+  renormalised as usual, so the router still gets gradients), or
+- recorded and compared (off): `router_agreement` counts the (token, layer) pairs where the trainer picked the same
+  set of k experts as the engine, over the real tokens only.
+Positions the engine gave no routes for (padding; the last sampled token, which vLLM never runs) must still hold k
+distinct ids; `pad_routes` fills them with 0..k-1 (their hidden states are read by no log-prob).
+
+Token order: Megatron's router sees the layer input (s, b, H) flattened to (s*b, H), so route row s_i*b + b_i is token
+(b_i, s_i); under sequence parallelism each TP rank holds s/tp of the sequence.
+
+Must not: read Megatron's global parallel state (each router's own `router_replay` object is set, never the static
+list of all instances, which other models built in the same process would also be on), or touch vLLM.
+Limits: packed micro-batches (`input_ids` rows, engine/policy/packing.py) are refused; activation recompute is off in
+this engine's Megatron config, so only the forward replays (no REPLAY_BACKWARD queue).
+
+Test: tests/distributed/test_routing_replay.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.policy.parallel import ParallelState
+
+
+def _moe_routers(chunk: torch.nn.Module):
+    """(global layer index, router) of every MoE layer of a model chunk."""
+    for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        if router is not None:
+            yield layer.layer_number - 1, router
+
+
+def _router_order(per_token: torch.Tensor, ps: ParallelState) -> torch.Tensor:
+    """(b, T, ...) -> (s*b [/tp], ...): the router's token order (this TP rank's sequence shard under SP)."""
+    x = per_token.transpose(0, 1)  # (T, b, ...)
+    if ps.sequence_parallel and ps.tp_size > 1:
+        step = x.shape[0] // ps.tp_size
+        x = x[ps.tp_rank * step: (ps.tp_rank + 1) * step]
+    return x.reshape(-1, *x.shape[2:]).to(ps.device)
+
+
+def _layer_routes(routes: torch.Tensor, layer: int, ps: ParallelState) -> torch.Tensor:
+    """(s*b [/tp], k) top-k ids of one layer in the router's token order, from (b, T, L, k)."""
+    return _router_order(routes[:, :, layer, :], ps)
+
+
+def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay: bool) -> bool:
+    """Set every MoE router of `chunk` for this micro-batch's forward; returns whether routes were recorded (so
+    `router_agreement` can be asked after the forward).
+
+    replay: True = use the batch's `routed_experts`; False = record the trainer's own choice.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routes = batch.get("routed_experts")
+    recording = False
+    for layer, router in _moe_routers(chunk):
+        replayer = getattr(router, "router_replay", None)
+        if replayer is None:
+            if routes is not None and replay:
+                raise ValueError("the batch carries routed_experts but the model was built without routing replay "
+                                 "(model.moe_enable_routing_replay)")
+            continue
+        replayer.clear_indices()
+        if routes is None:
+            replayer.clear_router_replay_action()
+            continue
+        if "input_ids" in batch:
+            raise NotImplementedError("routing replay with packed micro-batches (train.padding_free) is not "
+                                      "supported yet: set train.padding_free=false")
+        if replay:
+            replayer.target_topk_idx = _layer_routes(routes, layer, ps)
+            replayer.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        else:
+            replayer.set_router_replay_action(RouterReplayAction.RECORD)
+            recording = True
+    return recording
+
+
+def router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> tuple[int, int]:
+    """(agreeing, total) (token, layer) pairs of the last recorded forward of `chunk`: the trainer's top-k set equals
+    the engine's (`routed_experts`), over the real tokens of each row (`lengths`; positions before the last)."""
+    routes = batch["routed_experts"]  # (b, T, L, k)
+    num_rows, seq_len = routes.shape[:2]
+    lengths = batch.get("lengths", torch.full((num_rows,), seq_len))
+    valid = torch.arange(seq_len)[None, :] < (lengths[:, None] - 1)  # (b, T): the last token is never routed by vLLM
+    mask = _router_order(valid, ps)  # (s*b,)
+    agree = total = 0
+    for layer, router in _moe_routers(chunk):
+        recorded = router.router_replay.get_recorded_indices()  # (s*b [/tp], k)
+        engine = _layer_routes(routes, layer, ps)
+        same = (recorded.sort(dim=-1).values == engine.sort(dim=-1).values).all(dim=-1)  # (s*b,)
+        agree += int(same[mask].sum())
+        total += int(mask.sum())
+    return agree, total
+
+
+def end_forward(chunk: torch.nn.Module) -> None:
+    """Clear every router's replay state (the next forward routes by itself unless `begin_forward` sets it)."""
+    for _, router in _moe_routers(chunk):
+        replayer = getattr(router, "router_replay", None)
+        if replayer is not None:
+            replayer.clear_indices()
+            replayer.clear_router_replay_action()
+
+
+def pad_routes(routes: list, seq_len: int, num_layers: int, top_k: int) -> torch.Tensor:
+    """(b, T, L, k) int64 from per-row engine routes ([n_i, L, k] arrays, n_i <= T), the rest filled with 0..k-1."""
+    out = torch.arange(top_k).expand(len(routes), seq_len, num_layers, top_k).clone()
+    for i, row in enumerate(routes):
+        row = torch.as_tensor(row, dtype=torch.long)
+        if row.numel():
+            out[i, : row.shape[0]] = row
+    return out
