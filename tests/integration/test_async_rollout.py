@@ -13,6 +13,9 @@ learning rate (2e-3) that moves the policy measurably each step without collapsi
 - B (k = 1, saving every 2 steps) SIGKILLed from outside once checkpoint-2 exists (the servers keep running, with
   whatever B last pushed); checkpoint-2 records the one complete round waiting to be trained on; C resumes B with
   `latest`: every row of B/C's metrics equals A's (tolerance 0, wall-clock fields left out).
+- k = 1 with DAPO's dynamic sampling; and k = 1 with GFPO and the curriculum hook, during which the reward function
+  SIGKILLs the second server while a round is in flight (the test restarts it on its port): the round is asked
+  again after a resync and the run completes.
 """
 
 import json
@@ -119,23 +122,75 @@ def test_k0_is_synchronous_k1_is_exactly_one_version_stale_and_resumes_exactly_a
 
 
 @pytest.mark.slow
-def test_k1_keeps_gfpo_the_curriculum_hook_and_dynamic_sampling_working(servers, tmp_path):
-    """At k = 1 GFPO filters every round as it comes, and the curriculum hook's choice after round r is sampled by
-    round r + 2 (k rounds later than in the synchronous loop, where round r + 1 samples it: the request for round
-    r + 1 was made before round r was scored). With DAPO's dynamic sampling the first attempt of each round comes
-    from the pipeline and the further ones from the servers' current weights (staleness 0), so the mean staleness of a
-    batch is at most 1."""
+def test_k1_keeps_dynamic_sampling_working(servers, tmp_path):
+    """With DAPO's dynamic sampling the first attempt of each round comes from the pipeline and the further ones from
+    the servers' current weights (staleness 0), so a batch's mean staleness is at most 1."""
+    env = _env(GRPO_ENGINE_TOKEN=servers[0].token)
+    dynamic = tmp_path / "dynamic"
+    status = _run(_command(dynamic, servers, 1, "train.max_steps=3", "train.per_device_train_batch_size=8",
+                           "grpo.num_generations=4", "grpo.use_dynamic_sampling=true",
+                           "grpo.dynamic_sampling_max_rounds=3"), env, tmp_path / "d.log")
+    assert status == 0, _tail(tmp_path / "d.log")
+    rows = _records(dynamic)
+    assert sorted(rows) == [1, 2, 3]
+    for step, row in rows.items():
+        assert 1 <= row["dynamic_sampling/rounds"] <= 3
+        assert 0.0 <= row["rollout/staleness_mean"] <= min(step - 1, 1) and row["weight_sync/max_logprob_diff"] < 1e-3
+
+
+def digit_fraction_killing_a_server(completions, trainer_state=None, **kwargs):
+    """`digit_fraction`, and once, while round 2 is scored (round 3 is then in flight at k = 1), SIGKILL the rollout
+    server $KILL_PID and leave $KILL_MARKER for the test, which restarts it on its port."""
     import os
 
-    env = _env(GRPO_ENGINE_TOKEN=servers[0].token, GFPO_LOG=str(tmp_path / "gfpo.jsonl"),
-               PROMPTS_LOG=str(tmp_path / "prompts.jsonl"))
-    hooks = ["train.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.num_remains_in_group=2",
-             "grpo.group_filter_func=tests.integration.test_trainer:shortest_completions", "logging.log_completions=true",
-             "data.dynamic_prompts_fn=tests.integration.test_trainer:hardest_first"]
-    curriculum = tmp_path / "curriculum"
-    assert _run(_command(curriculum, servers, 1, *hooks), env, tmp_path / "h.log") == 0, _tail(tmp_path / "h.log")
-    rows = _records(curriculum)
-    assert [rows[s]["rollout/staleness_max"] for s in sorted(rows)] == [0.0, 1.0, 1.0, 1.0]
+    marker = Path(os.environ["KILL_MARKER"])
+    if trainer_state is not None and trainer_state.global_step == 2 and not marker.exists():
+        os.kill(int(os.environ["KILL_PID"]), signal.SIGKILL)
+        marker.write_text("killed")
+    return digit_fraction(completions)
+
+
+@pytest.mark.slow
+def test_k1_keeps_gfpo_and_the_curriculum_hook_and_survives_a_server_killed_with_a_round_in_flight(servers, tmp_path):
+    """At k = 1 GFPO filters every round as it comes, and the curriculum hook's choice after round r is sampled by
+    round r + 2 (k rounds later than in the synchronous loop, where round r + 1 samples it: the request for round
+    r + 1 was made before round r was scored). While round 2 is scored (round 3 in flight) the reward function
+    SIGKILLs the second server, which the test restarts on its port: the round in flight is asked again once the
+    restarted server is synced with the current weights, so it is sampled by the current version (staleness 0),
+    with the prompts the hook chose; nothing the trainer holds is lost and every sync is verified.
+    Run last in this module: it replaces the second server."""
+    import subprocess
+    import time
+
+    marker = tmp_path / "killed"
+    env = _env(GRPO_ENGINE_TOKEN=servers[0].token, KILL_PID=str(servers[1].proc.pid), KILL_MARKER=str(marker),
+               GFPO_LOG=str(tmp_path / "gfpo.jsonl"), PROMPTS_LOG=str(tmp_path / "prompts.jsonl"))
+    run_dir = tmp_path / "run"
+    command = _command(run_dir, servers, 1,
+                       "reward.reward_funcs=[tests.integration.test_async_rollout:digit_fraction_killing_a_server]",
+                       "train.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.num_remains_in_group=2",
+                       "grpo.group_filter_func=tests.integration.test_trainer:shortest_completions",
+                       "data.dynamic_prompts_fn=tests.integration.test_trainer:hardest_first")
+    with open(tmp_path / "k.log", "w") as log:
+        trainer = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[2], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 400
+            while not marker.exists() and trainer.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert marker.exists(), f"the reward never killed the server:\n{_tail(tmp_path / 'k.log')}"
+            servers[1].proc.wait(timeout=30)
+            servers[1] = Server(tmp_path, servers[0].token, "generation.max_completion_length=10",
+                                port=servers[1].port, replica=1, num_replicas=2)  # the fixture stops it
+            status = trainer.wait(timeout=400)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+    assert status == 0, _tail(tmp_path / "k.log")
+    rows = _records(run_dir)
+    assert [rows[s]["rollout/staleness_max"] for s in sorted(rows)] == [0.0, 1.0, 1.0, 0.0]
+    assert rows[STEPS]["weight_sync/server_restarts"] == 1.0
+    assert all(row["weight_sync/max_logprob_diff"] < 1e-3 for row in rows.values())
     groups = [g for line in (tmp_path / "gfpo.jsonl").read_text().splitlines() for g in json.loads(line)]
     assert len(groups) == STEPS * 4 and all(len(g) == 4 for g in groups), "one GFPO call per round, 4 groups of 4"
     calls = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
@@ -143,12 +198,3 @@ def test_k1_keeps_gfpo_the_curriculum_hook_and_dynamic_sampling_working(servers,
     assert calls[1]["given"] != calls[0]["returned"], "round 1 was requested before round 0 was scored"
     for r in range(STEPS - 2):
         assert calls[r + 2]["given"] == calls[r]["returned"], f"round {r + 2} must sample the hook's choice after round {r}"
-
-    os.remove(tmp_path / "gfpo.jsonl")
-    dynamic = tmp_path / "dynamic"
-    status = _run(_command(dynamic, servers, 1, *hooks[:5], "grpo.use_dynamic_sampling=true",
-                           "grpo.dynamic_sampling_max_rounds=3"), env, tmp_path / "d.log")
-    assert status == 0, _tail(tmp_path / "d.log")
-    for step, row in _records(dynamic).items():
-        assert 1 <= row["dynamic_sampling/rounds"] <= 3
-        assert 0.0 <= row["rollout/staleness_mean"] <= min(step - 1, 1) and row["weight_sync/max_logprob_diff"] < 1e-3
