@@ -70,9 +70,10 @@ class ModelConfig:
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     """MoE models: how tokens reach the experts of other expert-parallel ranks (Megatron's dispatchers)."""
     moe_enable_routing_replay: bool = False
-    """MoE models: rollout routing replay (R3): vLLM returns the experts it routed each token to and the training
-    forward passes use them instead of recomputing the top-k (Megatron's RouterReplay). Off: the router-agreement
-    metric `moe/router_agreement` reports how often trainer and engine chose the same experts."""
+    """MoE models: rollout routing replay (R3): micro-batches that carry the engine's routed experts (`routed_experts`)
+    are trained with those experts instead of the router's own top-k (Megatron's RouterReplay;
+    engine/policy/routing_replay.py). Off: such micro-batches report `router_agreement` instead. The loop does not
+    yet ask vLLM for the routes (vLLM returns them on GPU only: its Model Runner V2 needs Triton)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -2,14 +2,15 @@
 
 Owns: `SafetensorsSource` (lazy slices of a single-file or sharded safetensors checkpoint), `load_hf_checkpoint`
 (every rank reads only the slices of its own parameters: no rank holds the full model) and `export_hf_checkpoint`
-(each pipeline stage gathers its TP shards one parameter at a time and writes its own safetensors file; rank 0
+(each pipeline stage gathers its TP shards one parameter at a time, MoE experts over the expert-TP and EP groups,
+and writes its own safetensors file; rank 0
 writes the index, config and tokenizer; the directory appears atomically). The name and layout map is
 engine/policy/hf_convert.py, shared with weight sync.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or change parameter values beyond
 loading them.
 
-Test: tests/distributed/test_checkpoint_layouts.py.
+Test: tests/distributed/test_checkpoint_layouts.py, tests/distributed/test_qwen3_layouts.py (Qwen3, Qwen3-MoE at EP2).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
-Owns: the translation of a Qwen2 / Llama Hugging Face config into Megatron's `TransformerConfig` (GQA, QKV bias,
-SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings, vocabulary padded for TP), the layer spec choice (Transformer
+Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config into Megatron's `TransformerConfig`
+(GQA, QKV bias, Qwen3's per-head q/k RMSNorm, SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings, vocabulary padded
+for TP; MoE router and experts with expert parallelism: `moe_settings`), the layer spec choice (Transformer
 Engine when it imports, Megatron's local spec otherwise, whose row-parallel linears are swapped through the
 ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`), `build_policy`, and the rule that
 takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
@@ -9,6 +10,7 @@ takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoin
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
+tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step EP2 = EP1),
 tests/distributed/test_grpo_step_layouts.py (also: no "tp_group is None" fallback warning from Megatron).
 """
 
