@@ -376,7 +376,8 @@ def resolve_builtin_model(
 ) -> Path:
     """Resolve a builtin model name to a saved model directory.
 
-    `builtin:tiny-qwen2` / `builtin:tiny-llama` are random-weight models, built into `cache_dir` if needed.
+    `builtin:tiny-qwen2` / `builtin:tiny-llama` / `builtin:tiny-qwen3` / `builtin:tiny-qwen3_moe` are random-weight
+    models, built into `cache_dir` if needed.
     `builtin:tiny-qwen2-arith` is shipped: the tiny Qwen2 after the SFT warm start of `engine/demo/warm_start.py`
     (package data, returned as is: read-only, never built, `cache_dir` and `seed` unused).
 
