@@ -4,7 +4,7 @@ groups are rebuilt between them, the process group is kept):
 
 (a) for every layout, Megatron's logits equal Hugging Face transformers' logits of the same checkpoint, and the HF
     export gives back every tensor bit for bit: Qwen3 at TP1 (x DP2), TP2, PP2; Qwen3-MoE at EP1 (x DP2), EP2 (x DP2,
-    each rank holds 2 of the 4 experts) and TP2 x EP2 (expert TP 1; in eval mode: Megatron refuses to train MoE with
+    each rank holds 2 of the 4 experts), PP2 (2 MoE layers per stage) and TP2 x EP2 (expert TP 1; in eval mode: Megatron refuses to train MoE with
     TP > 1 but no sequence parallelism, which needs Transformer Engine, so MoE x TP training is GPU-only);
 (b) one GRPO optimizer step of the tiny Qwen3-MoE at EP2 equals the step at EP1 (both DP2, the same batch split): the
     summed loss, the gradient norm and every updated weight, with the load-balancing aux loss (1e-2) and z-loss (1e-3)
@@ -20,7 +20,7 @@ from tests.distributed.test_grpo_step_layouts import GLOBAL_BATCH, MICRO_BATCH, 
 BATCH, SEQ = 2, 12
 LOGIT_LAYOUTS = [  # (family, tp, pp, ep) on 2 ranks: dp = 2 / (tp * pp)
     ("qwen3", 1, 1, 1), ("qwen3", 2, 1, 1), ("qwen3", 1, 2, 1),
-    ("qwen3_moe", 1, 1, 1), ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 2, 1, 2),
+    ("qwen3_moe", 1, 1, 1), ("qwen3_moe", 1, 1, 2), ("qwen3_moe", 2, 1, 2), ("qwen3_moe", 1, 2, 1),
 ]
 STEP_LAYOUTS = [1, 2]  # ep sizes of the Qwen3-MoE GRPO step (tp1, pp1, dp2)
 
