@@ -21,11 +21,14 @@ Per dtype:
    The next run of the chain is the resume of the previous kill. After the last point, one run resumes to the end.
 3. counted, per kill: whether the next run resumed from `latest` without error (the latest checkpoint loadable),
    whether the metrics it then logged equal run A's for the same steps (every field but wall-clock ones, exactly),
-   processes of the killed run still alive 10 s later (by an environment marker: SIGKILL runs no cleanup), and
-   /dev/shm entries it held just before the kill that no live process holds 10 s after (leaked); at the end, the checkpoints left on disk (read_progress).
+   processes of the killed run still alive 5 s later (by an environment marker: SIGKILL runs no cleanup), and
+   /dev/shm entries it held just before the kill that no live process holds 5 s after (leaked); at the end, the
+   checkpoints left on disk (read_progress). A `writers` point whose writer had already finished (the save then
+   completes) is a miss: the run is killed right after that save instead, and the miss is counted.
 
 Rows (benchmarks/results/kill_during_save.csv, bench `kill_during_save`, variant = dtype, x = kill points):
-`loadable_latest`, `resumed_equal`, `leaked_processes`, `leaked_shm`, `hung_trainers`, `final_equal` (counts) and
+`loadable_latest`, `resumed_equal`, `leaked_processes`, `leaked_shm`, `hung_trainers`, `writer_kills_missed`,
+`final_equal` (counts) and
 `save_time` (s, p20/p50/p80 of run A's saves). Each point's detail goes to
 benchmarks/results/kill_during_save_points.jsonl.
 """
@@ -146,7 +149,7 @@ def _run_to_kill(command, env, log: Path, run_dir: Path, point: dict, min_step: 
         tmp = fresh[0] if fresh else None
         time.sleep(0.002)
     if tmp is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _killpg(proc)
         proc.wait()
         return outcome | {"error": f"no save started (exit {proc.returncode})"}
     outcome["step"] = int(tmp.name[11:-4])
@@ -156,7 +159,7 @@ def _run_to_kill(command, env, log: Path, run_dir: Path, point: dict, min_step: 
         outcome["writers_alive"] = len([c for c in _children(proc.pid) if _cmdline(c) == trainer_cmd])
         outcome["renamed"] = (run_dir / f"checkpoint-{outcome['step']}").exists()
         shm_held = _held(_marked_pids(env[MARKER]))
-        os.killpg(proc.pid, signal.SIGKILL)
+        _killpg(proc)
         proc.wait()
     else:  # only Megatron's writer processes: forked children of the trainer (same command line)
         # forked (not spawned: a spawned child has the parent's command line only until its exec) for 30 ms
@@ -177,17 +180,17 @@ def _run_to_kill(command, env, log: Path, run_dir: Path, point: dict, min_step: 
             except ProcessLookupError:
                 pass
         outcome["writers_killed"] = len(killed)
-        if not killed:  # the save ended before a writer was seen: a plain kill of the run instead
-            os.killpg(proc.pid, signal.SIGKILL)
-        try:
-            outcome["trainer_exit"] = proc.wait(timeout=120)
-            outcome["hung"] = False
-        except subprocess.TimeoutExpired:
-            outcome["hung"] = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        outcome["renamed"] = (run_dir / f"checkpoint-{outcome['step']}").exists()
-    time.sleep(10.0)  # SIGKILL runs no cleanup: what is still alive now stays
+        # the trainer must now fail (not hang); a writer that had already finished (a kill that missed: the save
+        # completes and is renamed) ends the run here instead
+        give_up, final = time.monotonic() + 120, run_dir / f"checkpoint-{outcome['step']}"
+        while proc.poll() is None and time.monotonic() < give_up and not (final.exists() and killed):
+            time.sleep(0.01)
+        outcome["missed"] = not killed or final.exists()
+        outcome["hung"] = proc.poll() is None and not outcome["missed"]
+        _killpg(proc)
+        outcome["trainer_exit"] = proc.wait()
+        outcome["renamed"] = final.exists()
+    time.sleep(5.0)  # SIGKILL runs no cleanup: what is still alive now stays
     outcome["leaked_pids"] = _marked_pids(env[MARKER])
     for pid in outcome["leaked_pids"]:
         os.kill(pid, signal.SIGKILL)
@@ -224,6 +227,13 @@ def _orphans(names: set[str]) -> list[str]:
     """Of `names`, the /dev/shm entries that exist and no live process holds (nobody will unlink them)."""
     held = _held()
     return sorted(n for n in names if n not in held and (Path("/dev/shm") / n).exists())
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already
+        pass
 
 
 def _resumed_from(log: Path) -> int | None:
@@ -284,6 +294,7 @@ def _campaign(work: Path, dtype: str, steps: int, num_points: int, num_writer_po
 
 def _summary_rows(env, dtype: str, result: dict, num_points: int) -> list:
     kills = [r for r in result["records"] if r["point"] != "final"]
+    missed = sum(bool(r.get("missed")) for r in kills)
     final = result["records"][-1]
     counts = {
         "loadable_latest": sum(bool(r.get("next_resumed_ok")) for r in kills),
@@ -291,6 +302,7 @@ def _summary_rows(env, dtype: str, result: dict, num_points: int) -> list:
         "leaked_processes": sum(len(r.get("leaked_pids", [])) for r in kills),
         "leaked_shm": sum(len(r.get("leaked_shm", [])) for r in kills),
         "hung_trainers": sum(bool(r.get("hung")) for r in kills),
+        "writer_kills_missed": missed,
         "final_equal": int(final.get("exit") == 0 and final.get("all_rows_equal", False)),
     }
     config = {"model": "builtin:tiny-qwen2-arith", "dtype": dtype, "save_steps": 1, "save_total_limit": 2,
