@@ -10,6 +10,7 @@ def test_pack_completions_right_pads_and_indexes_completions():
     batch = pack_completions([[5, 6, 7], [8]], [[1, 2], [3, 4, 9]], pad_token_id=0)
     assert batch["tokens"].tolist() == [[5, 6, 7, 1, 2], [8, 3, 4, 9, 0]]
     assert batch["prompt_lengths"].tolist() == [3, 1]
+    assert batch["lengths"].tolist() == [5, 4]  # prompt + completion: what token budgets and packing count
     assert batch["completion_ids"].tolist() == [[1, 2, 0], [3, 4, 9]]
     assert batch["completion_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
     # the hidden state at prompt_length - 1 + j predicts completion token j
