@@ -64,7 +64,8 @@ def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn
     The group's store is hosted by global rank 0 on `group_port` at $MASTER_ADDR (torchrun's and srun's address of
     rank 0's node; the inference nodes reach it as the trainer nodes do), 127.0.0.1 without one.
     """
-    plan = build_sync_plan(dims, TrainerLayout(ps.tp_size, ps.pp_size, ps.vpp_size), engine_tp,
+    layout = TrainerLayout(ps.tp_size, ps.pp_size, ps.vpp_size, ep_size=ps.ep_size, expert_tp_size=ps.etp_size)
+    plan = build_sync_plan(dims, layout, engine_tp,
                            ffn_hidden_size=ffn_hidden_size, dtype=dtype)
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
     return ServerSync(plan, host, group_port, timeout_s, bucket_mb, server=server)

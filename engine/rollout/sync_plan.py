@@ -5,9 +5,11 @@ box the vLLM weight loader of each engine TP rank narrows to.
 Layouts: knows both (STYLE.md rule 4; with engine/rollout/weight_transport.py, which executes the plan and knows them
 only through it). The trainer's through engine/policy/hf_convert.py's map: Megatron's GQA-interleaved QKV,
 [gate_r; up_r] fc1, padded vocabulary, PP / virtual-PP layer placement, tied embeddings (`_trainer_boxes` is the
-inverse of hf_convert's `read_megatron_shard`). The engine's by restating vLLM's loader rules (`_engine_box`):
+inverse of hf_convert's `read_megatron_shard`; MoE experts only at ep_size = expert_tp_size = 1, where tp_rank 0 of
+each stage sends every expert whole). The engine's by restating vLLM's loader rules (`_engine_box`):
 QKVParallelLinear with KV-head replication when engine_tp > num_kv_heads, MergedColumnParallelLinear,
-RowParallelLinear on dim 1, VocabParallelEmbedding / ParallelLMHead with vLLM's padding to 64, norms replicated. A
+RowParallelLinear on dim 1, VocabParallelEmbedding / ParallelLMHead with vLLM's padding to 64, norms replicated, MoE
+(FusedMoE without expert parallelism: each expert's gate / up split by rows, down by columns; the router replicated). A
 vLLM upgrade that changes those rules changes `_engine_box` and `VLLM_VOCAB_PADDING`.
 
 `build_sync_plan` is pure (no processes, no tensors). `SyncPlan.transfers()` (every piece x engine-rank overlap) and
@@ -50,6 +52,9 @@ class TrainerLayout:
     pp_size: int = 1
     vpp_size: int | None = None
     """Virtual pipeline chunks per stage (None or 1: one chunk)."""
+    ep_size: int = 1
+    """MoE: expert-parallel size; only 1 is planned (each rank of a stage then holds every expert)."""
+    expert_tp_size: int = 1
 
     def holder_of_layer(self, layer: int, num_layers: int) -> tuple[int, int]:
         """(pp_rank, virtual chunk) that holds decoder layer `layer`: Megatron's offset rule without uneven stages,
@@ -215,30 +220,33 @@ def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, 
     Raises:
         ValueError when a layout cannot hold the model (the arithmetic in the message).
     """
-    if dims.num_experts:
+    if dims.num_experts and (trainer.ep_size, trainer.expert_tp_size) != (1, 1):
         raise ValueError(
-            f"weight-sync plan: mixture-of-experts models ({dims.moe_map}, {dims.num_experts} experts) are not planned "
-            "for server mode yet (expert shards live on EP ranks beyond the (pp, tp) senders); use the colocated sync, "
-            "which gathers experts over the EP group (engine/rollout/colocated_sync.py)"
+            f"weight-sync plan: a mixture-of-experts trainer at ep_size={trainer.ep_size}, expert_tp_size="
+            f"{trainer.expert_tp_size} is not planned for server mode yet (expert shards live on EP ranks beyond the "
+            "(pp, tp) senders); use ep_size=1 there, or the colocated sync, which gathers experts over the EP group "
+            "(engine/rollout/colocated_sync.py)"
         )
     _check_layouts(dims, trainer, engine_tp, ffn_hidden_size, dtype)
     tensors = []
-    for entry, layer in _entries_in_load_order(dims):
+    for entry, layer, expert in _entries_in_load_order(dims):
         if entry.megatron == "output_layer.weight" and dims.tie_word_embeddings:
             continue  # vLLM ties lm_head to embed_tokens; HF checkpoints carry only the embedding
-        megatron = entry.megatron.format(i=layer)
+        megatron = entry.megatron.format(i=layer, e=expert)
         if layer is not None:
             pp_rank, vp_chunk = trainer.holder_of_layer(layer, dims.num_layers)
         elif entry.megatron.startswith("embedding."):
             pp_rank, vp_chunk = 0, 0
         else:  # final norm, output layer
             pp_rank, vp_chunk = trainer.pp_size - 1, (trainer.vpp_size or 1) - 1
-        names = hf_names(entry, layer)
+        names = hf_names(entry, layer, expert)
         shapes = _hf_shapes(entry, dims, ffn_hidden_size)
+        # NOTE: at ep_size = expert_tp_size = 1 every rank of a stage holds every expert whole: tp_rank 0 sends it
+        split = 1 if entry.kind == "replicated" or entry.is_expert else trainer.tp_size
         for part, (name, shape) in enumerate(zip(names, shapes)):
             pieces = [Piece(pp_rank, tp_rank, vp_chunk, megatron, box, start)
-                      for tp_rank in range(trainer.tp_size if entry.kind != "replicated" else 1)
-                      for box, start in _trainer_boxes(entry.kind, part, shape, dims, tp_rank, trainer.tp_size)]
+                      for tp_rank in range(split)
+                      for box, start in _trainer_boxes(entry.kind, part, shape, dims, tp_rank, split)]
             engine_boxes = tuple(_engine_box(entry.kind, part, shape, dims, rank, engine_tp)
                                  for rank in range(engine_tp))
             tensors.append(TensorPlan(name, shape, f"model.layers.{layer}" if layer is not None else name,
@@ -247,15 +255,17 @@ def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, 
 
 
 def _entries_in_load_order(dims: ModelDims):
-    """(TensorMap, layer) in the order vLLM is fed: embedding, every layer's tensors, final norm, LM head."""
+    """(TensorMap, layer, expert) in the order vLLM is fed: embedding, every layer's tensors (each expert's in expert
+    order), final norm, LM head."""
     entries = family_map(dims)
     layer_entries = [e for e in entries if "{i}" in e.megatron]
-    yield next(e for e in entries if e.megatron.startswith("embedding.")), None
+    yield next(e for e in entries if e.megatron.startswith("embedding.")), None, None
     for layer in range(dims.num_layers):
         for entry in layer_entries:
-            yield entry, layer
-    yield next(e for e in entries if e.megatron == "decoder.final_layernorm.weight"), None
-    yield next(e for e in entries if e.megatron == "output_layer.weight"), None
+            for expert in range(dims.num_experts) if entry.is_expert else [None]:
+                yield entry, layer, expert
+    yield next(e for e in entries if e.megatron == "decoder.final_layernorm.weight"), None, None
+    yield next(e for e in entries if e.megatron == "output_layer.weight"), None, None
 
 
 def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, ...]]:
@@ -264,6 +274,9 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
     if entry.kind == "qkv":
         outs = (q_out, kv_out, kv_out)
         return [(n,) if entry.megatron.endswith(".bias") else (n, hidden) for n in outs]
+    if entry.is_expert:  # one expert's gate / up (f_moe, H) or down (H, f_moe)
+        f = dims.moe_ffn_hidden_size
+        return [(f, hidden), (f, hidden)] if entry.kind == "gate_up" else [(hidden, f)]
     if entry.kind == "gate_up":
         return [(ffn, hidden), (ffn, hidden)]
     if entry.kind == "vocab":
@@ -271,6 +284,8 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
     if entry.kind == "replicated":
         if "_layernorm." in entry.megatron and ".self_attention." in entry.megatron:  # Qwen3's per-head q/k norms
             return [(dims.head_dim,)]
+        if entry.megatron.endswith(".router.weight"):  # MoE router (E, H), vLLM's ReplicatedLinear gate
+            return [(dims.num_experts, hidden)]
         return [(hidden,)]
     if entry.kind == "row":  # o_proj (H, heads*head_dim), down_proj (H, ffn)
         return [(hidden, q_out if "linear_proj" in entry.megatron else ffn)]
@@ -339,7 +354,8 @@ def _check_layouts(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, ffn:
                     ("padded_vocab", dims.padded_vocab)):
         if n % trainer.tp_size:
             problems.append(f"trainer: {what}={n} % tp_size={trainer.tp_size} != 0")
-    for what, n in (("num_heads", dims.num_heads), ("ffn_hidden_size", ffn)):
+    for what, n in (("num_heads", dims.num_heads), ("ffn_hidden_size", ffn),
+                    ("moe_ffn_hidden_size", dims.moe_ffn_hidden_size)):
         if n % engine_tp:
             problems.append(f"engine: {what}={n} % engine_tp={engine_tp} != 0")
     vllm_vocab = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
