@@ -169,3 +169,26 @@ def test_planner_expert_terms_follow_their_formulas():
     with pytest.raises(Exception, match="num_experts=128 is not divisible by parallel.ep_size=48"):
         cfg = load_config("configs/qwen3-30b-a3b_tp2_ep8_split_2x1.yaml", ["parallel.ep_size=48", "parallel.dp_size=24"])
         build_plan(cfg, resolve_cluster_shape(cfg))
+
+
+QWEN3_CONFIGS = ["qwen3-8b_tp2_dp4_1node.yaml", "qwen3-30b-a3b_tp2_ep8_split_2x1.yaml",
+                 "qwen3-235b-a22b_tp4_pp2_ep32_split_16x8.yaml"]
+
+
+@pytest.mark.parametrize("name", QWEN3_CONFIGS)
+def test_qwen3_configs_fit_under_80_gib_and_their_headers_quote_the_planner(name):
+    from pathlib import Path
+
+    from engine.config import load_config
+    from engine.planning.memory import GIB
+    from engine.planning.planner import build_plan
+    from engine.planning.shapes import resolve_cluster_shape
+
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    cfg = load_config(path, [])
+    plan = build_plan(cfg, resolve_cluster_shape(cfg))
+    assert not plan.problems
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    for budget in plan.budgets:
+        assert budget.total_bytes < 80 * GIB, budget.title
+        assert f"{budget.total_bytes / GIB:.2f} GiB" in header, (budget.title, f"{budget.total_bytes / GIB:.2f}")
