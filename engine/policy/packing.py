@@ -152,7 +152,8 @@ def plan_step(lengths: list[int], num_ranks: int, max_tokens: int) -> list[list[
         raise ValueError(f"a micro-batch token budget must be >= 1, got {max_tokens}")
     ranks = partition_balanced(lengths, num_ranks)
     most = max((len(r) for r in ranks), default=0)
-    num_micro = max(1, max(-(-sum(lengths[i] for i in r) // max_tokens) for r in ranks))
+    # more micro-batches than a rank's sequences would only add empty ones
+    num_micro = max(1, min(most, max(-(-sum(lengths[i] for i in r) // max_tokens) for r in ranks)))
     while True:
         plan = []
         for rank in ranks:

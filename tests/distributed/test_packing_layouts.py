@@ -7,7 +7,9 @@ checkpoint, old log-probs included (engine/policy/packing.py `sequence_logprobs`
 - padded: per_device_train_batch_size=2 right-padded rows (engine/policy/batch.py), the reference;
 - packed: train.padding_free with a 60-token budget (several sequences per row, block-diagonal mask, groups across
   micro-batches and DP ranks balanced by tokens), forward-only budget at its default (2 x 60);
-- budget: token-budget micro-batches of 48 tokens without packing (right-padded rows), forward-only 100.
+- budget: token-budget micro-batches of 48 padded slots without packing (length-sorted rows), forward-only 100;
+- singletons (DP2 only): packed with a 10-token budget, one sequence per micro-batch; the DP ranks hold 5 and 7
+  sequences, so one runs 2 empty micro-batches (a zero loss that still reaches every parameter).
 Every variant at every layout must equal the padded TP=1 step: the summed loss and the gradient norm (rel 1e-5), every
 updated weight (rtol 1e-5, atol 1e-6, as tests/distributed/test_grpo_step_layouts.py) and every old log-prob (atol
 1e-5; measured max 5e-7: RoPE rotates a packed sequence by its offset in the row, and its relative positions are
@@ -37,6 +39,8 @@ VARIANTS = {
     "padded": dict(padding_free=False),
     "packed": dict(padding_free=True, max_tokens_per_microbatch=60),
     "budget": dict(padding_free=False, max_tokens_per_microbatch=48, max_tokens_per_logprob_microbatch=100),
+    # DP2: one sequence per micro-batch; LPT gives the ranks 5 and 7 sequences, so one rank runs 2 empty ones
+    "singletons": dict(padding_free=True, max_tokens_per_microbatch=10, max_tokens_per_logprob_microbatch=10),
 }
 
 
@@ -114,6 +118,7 @@ def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
     reports = ps.is_last_stage and ps.tp_rank == 0
     return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"],
             "logprobs": logprobs if reports else {}, "num_microbatches": len(micro),
+            "num_empty": sum(mb["completion_ids"].shape[0] == 0 for mb in micro),
             "token_slots": sum(mb.get("input_ids", mb["tokens"]).numel() for mb in micro)}
 
 
@@ -134,7 +139,8 @@ def single_process(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("packing")
     model_dir = build_tiny_model(root / "qwen2", "qwen2", seed=5)
-    fp32 = run_distributed(_packing_steps, 1, 1, 1, 1, str(model_dir), str(root / "fp32"), "float32", list(VARIANTS))
+    fp32 = run_distributed(_packing_steps, 1, 1, 1, 1, str(model_dir), str(root / "fp32"), "float32",
+                           ["padded", "packed", "budget"])
     bf16 = run_distributed(_packing_steps, 1, 1, 1, 1, str(model_dir), str(root / "bf16"), "bfloat16",
                            ["padded", "packed"])
     return model_dir, root, fp32[0], bf16[0]
@@ -169,11 +175,14 @@ def test_packed_and_token_budget_steps_equal_the_padded_single_process_step(sing
     model_dir, root, fp32, _ = single_process
     reference = _merge([fp32], "padded")
     ref_weights = _tensors(root / "fp32" / "padded")
+    variants = ["packed", "budget"] + (["singletons"] if dp > 1 else [])
     results = run_distributed(_packing_steps, tp * pp * dp, tp, pp, dp, str(model_dir), str(tmp_path), "float32",
-                              ["packed", "budget"])
-    for name in ("packed", "budget"):
+                              variants)
+    for name in variants:
         if dp > 1:
             assert len({r[name]["num_microbatches"] for r in results}) == 1, "DP ranks ran different micro-batch counts"
+        if name == "singletons":
+            assert sorted(r[name]["num_empty"] for r in results) == [0, 2], "the empty micro-batch path is not covered"
         _assert_equal_to_reference(_merge(results, name), _tensors(tmp_path / name), reference, ref_weights,
                                    f"{name} at tp{tp} pp{pp} dp{dp}")
 
