@@ -162,14 +162,14 @@ def _run_to_kill(command, env, log: Path, run_dir: Path, point: dict, min_step: 
         _killpg(proc)
         proc.wait()
     else:  # only Megatron's writer processes: forked children of the trainer (same command line)
-        # forked (not spawned: a spawned child has the parent's command line only until its exec) for 30 ms
+        # forked (not spawned: a spawned child has the parent's command line only until its exec, within ~1 ms)
         writers, first_seen, seen_by = [], {}, time.monotonic() + 60
         while not writers and proc.poll() is None and time.monotonic() < seen_by:
             now = time.monotonic()
             forked = [c for c in _children(proc.pid) if _cmdline(c) == trainer_cmd]
             first_seen = {c: first_seen.get(c, now) for c in forked}
-            writers = [c for c, t in first_seen.items() if now - t >= 0.03]
-            time.sleep(0.001)
+            writers = [c for c, t in first_seen.items() if now - t >= 0.003]
+            time.sleep(0.0005)
         time.sleep(point["delay_s"])
         shm_held = _held(_marked_pids(env[MARKER]))
         killed = []
@@ -247,7 +247,7 @@ def _campaign(work: Path, dtype: str, steps: int, num_points: int, num_writer_po
     num_group = num_points - num_writer_points
     points = [{"index": i, "mode": "group", "delay_s": round((i + 0.5) / num_group * span_s, 4)}
               for i in range(num_group)]
-    writer_delays = [0.0, 0.005, 0.02, 0.05, 0.1]
+    writer_delays = [0.0, 0.002, 0.0, 0.005, 0.001]  # the tiny model's writers live some 10-50 ms
     writers = [{"mode": "writers", "delay_s": writer_delays[j % len(writer_delays)]} for j in range(num_writer_points)]
     every = max(1, num_points // max(1, num_writer_points))
     for j, point in enumerate(writers):  # interleaved: writer points 3, 7, 11, ... of 20
