@@ -247,7 +247,7 @@ def _campaign(work: Path, dtype: str, steps: int, num_points: int, num_writer_po
     num_group = num_points - num_writer_points
     points = [{"index": i, "mode": "group", "delay_s": round((i + 0.5) / num_group * span_s, 4)}
               for i in range(num_group)]
-    writer_delays = [0.0, 0.002, 0.0, 0.005, 0.001]  # the tiny model's writers live some 10-50 ms
+    writer_delays = [0.0, 0.002, 0.0, 0.005, 0.001]  # short-lived: seen 30 ms + 0 ms, a bf16 writer had finished
     writers = [{"mode": "writers", "delay_s": writer_delays[j % len(writer_delays)]} for j in range(num_writer_points)]
     every = max(1, num_points // max(1, num_writer_points))
     for j, point in enumerate(writers):  # interleaved: writer points 3, 7, 11, ... of 20
@@ -277,8 +277,8 @@ def _campaign(work: Path, dtype: str, steps: int, num_points: int, num_writer_po
         outcome["steps_logged"] = sorted(mine)
         outcome["equal"] = bool(mine) and all(reference.get(s) == r for s, r in mine.items())
         if previous is not None:  # this run's start is the previous kill's resume: from the latest checkpoint
-            previous["next_resumed_ok"] = (resumed == previous.get("latest_after_kill")
-                                           and "Traceback" not in log.read_text())
+            # NOTE: a failed load never logs "resumed from"; this run may fail later on purpose (a writer point)
+            previous["next_resumed_ok"] = resumed == previous.get("latest_after_kill")
             previous["next_metrics_equal"] = outcome["equal"]
             previous["next_resumed_step"] = resumed
         records.append(outcome)
