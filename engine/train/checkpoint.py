@@ -58,6 +58,7 @@ from engine.train.checkpoint_writers import WriterWatch
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
+DELETING_SUFFIX = ".deleting"
 STATE_FILE = "trainer_state.json"
 DIST_CKPT_METADATA = "metadata.json"
 FORMAT = "grpo-engine/megatron-dist-ckpt/1"
@@ -237,14 +238,35 @@ def is_save_step(save_steps: int, step: int, steps_in_round: int) -> bool:
 
 
 def rotate_checkpoints(run_dir: str | Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` complete checkpoints (None or 0 = keep all). Returns the deleted paths."""
+    """Delete all but the newest `keep` complete checkpoints (None or 0 = keep all). Returns the deleted paths.
+
+    Each is renamed to `checkpoint-<step>.deleting` before it is removed: a kill during the removal leaves that
+    name (ignored, and removed by the next save's `remove_leftovers`), never a half-deleted `checkpoint-<step>`
+    (found by benchmarks/bench_kill_during_save.py: such a directory stayed on disk, ignored, for good)."""
     if not keep:
         return []
     doomed = [path for _, path in list_checkpoints(run_dir)[:-keep]]
     for path in doomed:
-        shutil.rmtree(path)
+        trash = path.with_name(path.name + DELETING_SUFFIX)
+        os.replace(path, trash)
+        shutil.rmtree(trash)
         _log(f"deleted {path} (save_total_limit={keep})")
     return doomed
+
+
+def remove_leftovers(run_dir: str | Path, step: int) -> list[Path]:
+    """Remove what killed saves and rotations left in `run_dir`: `checkpoint-<k>.tmp` for k < `step` (a save that
+    never finished; `step` has just been saved, so none of those is being written) and `*.deleting` directories.
+    Called by rank 0 after checkpoint-<step> is in place. Returns the removed paths."""
+    removed = []
+    for path in sorted(Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*")):
+        number = path.name[len(CHECKPOINT_PREFIX):-len(TMP_SUFFIX)] if path.name.endswith(TMP_SUFFIX) else ""
+        if path.name.endswith(DELETING_SUFFIX) or number.isdigit() and int(number) < step:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        _log(f"removed what earlier killed saves left: {', '.join(p.name for p in removed)}")
+    return removed
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -356,6 +378,7 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
         if os.environ.get(CRASH_HOOK_ENV) == str(progress.step):
             os.kill(os.getpid(), signal.SIGKILL)
         _install(tmp, final)
+        remove_leftovers(run_dir, progress.step)
         rotate_checkpoints(run_dir, save_total_limit)
         _log(f"saved {final} (step {progress.step}) in {time.perf_counter() - start:.1f} s")
     dist.barrier()

@@ -36,6 +36,7 @@ Every class of the catalogue and the test that holds it (this module unless anot
 | checkpoint | another optimizer (distributed vs not, Adam vs SGD) | tests/distributed/test_bad_checkpoints.py |
 | checkpoint | a torn data file | tests/distributed/test_bad_checkpoints.py::test_a_torn_checkpoint_file_is_named_and_left_as_it_was |
 | checkpoint | a Megatron writer process killed mid-save (the save used to wait forever) | test_a_killed_checkpoint_writer_fails_the_save_instead_of_hanging_it |
+| checkpoint | a kill during rotation (half-deleted checkpoint) or saves killed earlier (.tmp leftovers) | test_killed_rotations_and_saves_leave_nothing_half_deleted_and_leftovers_are_removed |
 | checkpoint | a torn trainer_state.json, a partial save | test_checkpoint.py::test_corrupt_or_foreign_trainer_state_is_a_clear_error, ::test_latest_ignores_partial_temporaries_and_incomplete_directories |
 
 Run: `pytest tests/unit/test_bad_inputs.py` (no model, no vLLM, no process group: a few seconds).
@@ -296,3 +297,27 @@ def test_a_killed_checkpoint_writer_fails_the_save_instead_of_hanging_it(tmp_pat
         count_queue.join()
         quick.join()
     assert len(logged) == 1
+
+
+def test_killed_rotations_and_saves_leave_nothing_half_deleted_and_leftovers_are_removed(tmp_path):
+    from engine.train.checkpoint import FORMAT, list_checkpoints, remove_leftovers, rotate_checkpoints
+
+    def fake(name: str, step: int) -> Path:
+        path = tmp_path / name
+        (path / "rng").mkdir(parents=True)
+        (path / "metadata.json").write_text("{}")
+        (path / "__0_0.distcp").write_bytes(b"x" * 64)
+        (path / "trainer_state.json").write_text(json.dumps({"format": FORMAT, "progress": {"step": step}}))
+        return path
+
+    for step in (2, 4, 6):
+        fake(f"checkpoint-{step}", step)
+    fake("checkpoint-3.tmp", 3)  # a save killed before its rename
+    fake("checkpoint-9.tmp", 9)  # a later save of a run that was then resumed from an earlier step: kept
+    half = fake("checkpoint-1.deleting", 1)  # a rotation killed mid-delete
+    (half / "trainer_state.json").unlink()
+    removed = remove_leftovers(tmp_path, 6)
+    assert sorted(p.name for p in removed) == ["checkpoint-1.deleting", "checkpoint-3.tmp"]
+    assert rotate_checkpoints(tmp_path, 2) == [tmp_path / "checkpoint-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6", "checkpoint-9.tmp"]
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [4, 6]
