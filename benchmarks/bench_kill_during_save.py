@@ -183,8 +183,8 @@ def _run_to_kill(command, env, log: Path, run_dir: Path, point: dict, min_step: 
         # the trainer must now fail (not hang); a writer that had already finished (a kill that missed: the save
         # completes and is renamed) ends the run here instead
         give_up, final = time.monotonic() + 120, run_dir / f"checkpoint-{outcome['step']}"
-        while proc.poll() is None and time.monotonic() < give_up and not (final.exists() and killed):
-            time.sleep(0.01)
+        while killed and proc.poll() is None and time.monotonic() < give_up and not final.exists():
+            time.sleep(0.01)  # no writer seen at all: the run is killed at once (it ran to its end at 47b611c)
         outcome["missed"] = not killed or final.exists()
         outcome["hung"] = proc.poll() is None and not outcome["missed"]
         _killpg(proc)
