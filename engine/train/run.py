@@ -306,5 +306,5 @@ def sync_check(cfg: EngineConfig) -> tuple[float, float]:
     full = cfg.model.dtype == "float32"
     tolerance = cfg.rollout.weight_sync_tolerance
     quantile = cfg.rollout.weight_sync_quantile
-    return (tolerance if tolerance is not None else 1e-3 if full else 0.2,
+    return (tolerance if tolerance is not None else 1e-3 if full else 0.3,
             quantile if quantile is not None else 1.0 if full else 0.9)

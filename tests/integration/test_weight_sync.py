@@ -15,7 +15,7 @@ import torch
 from tests.distributed.launcher import run_distributed
 
 TOLERANCE = 1e-3
-BF16_TOLERANCE, BF16_QUANTILE = 0.2, 0.9  # the trainer's bf16 defaults (engine/train/run.py sync_check)
+BF16_TOLERANCE, BF16_QUANTILE = 0.3, 0.9  # the trainer's bf16 defaults (engine/train/run.py sync_check)
 
 
 def _sync_after_step(tp: int, pp: int, vllm_tp: int, model_dir: str) -> dict:
