@@ -76,7 +76,8 @@ def train(run_dir: Path, urls: list[str], token: str, k: int, args, core: int, g
                f"train.max_steps={args.steps}", f"generation.max_completion_length={args.max_completion_length}",
                f"grpo.num_generations={args.num_generations}",
                f"generation.generation_kwargs={{min_tokens: {getattr(args, 'min_tokens', 0)}}}",
-               f"train.per_device_train_batch_size={args.num_prompts * args.num_generations}",
+               f"train.per_device_train_batch_size={min(args.micro_batch, args.num_prompts * args.num_generations)}",
+               f"train.gradient_accumulation_steps={max(args.num_prompts * args.num_generations // args.micro_batch, 1)}",
                "checkpoint.save_hf_at_end=false", "rollout.vllm_mode=server",
                f"rollout.vllm_server_base_urls=[{','.join(urls)}]", f"rollout.vllm_group_port={group_port}",
                "rollout.vllm_server_timeout=300", f"rollout.max_staleness={k}", *extra]
@@ -113,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=48)
+    parser.add_argument("--micro-batch", type=int, default=16,
+                        help="completions per micro-batch (one optimizer step per round: gradient accumulation over "
+                             "the round); the first micro-batch is the weight-sync verification probe")
     parser.add_argument("--min-tokens", type=int, default=None,
                         help="vLLM's min_tokens (default: --max-completion-length: every completion that long, so "
                              "generation time is steady and set by the length)")
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     env = capture_env("cpu")
     token = secrets.token_hex(16)
     config = {"model": "tiny-qwen2-arith", "prompts": args.num_prompts, "G": args.num_generations,
-              "max_completion_length": args.max_completion_length, "min_tokens": args.min_tokens,
+              "max_completion_length": args.max_completion_length, "min_tokens": args.min_tokens, "micro_batch": args.micro_batch,
               "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
               "pinning": f"trainer core {args.trainer_core}, servers core {args.server_core}, 1 thread each"}
     rows, demo = [], {}
@@ -162,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
                 if args.demo and num_servers == args.servers[0]:
                     for k in (0, 1):
                         demo_rows = train(tmp / f"demo-k{k}", urls, token, k, argparse.Namespace(
-                            steps=20, max_completion_length=32, num_generations=4, num_prompts=4), args.trainer_core,
+                            steps=20, max_completion_length=32, num_generations=4, num_prompts=4, micro_batch=16),
+                            args.trainer_core,
                             group_port)
                         held_out = re.search(r"held-out reward\s+([\d.]+) -> ([\d.]+)",
                                              (tmp / f"demo-k{k}.log").read_text())  # the run summary's line
