@@ -258,8 +258,9 @@ class RolloutConfig:
     weight_sync_tolerance: float | None = None
     """Largest allowed `weight_sync_quantile`-quantile of |trainer - engine| over the probe's completion tokens (log-
     probs). None = by dtype: 1e-3 for float32 (of the max); 0.3 for bfloat16 / float16 (of the 90th percentile; 0.2 until
-    2026-11-23, when packed bf16 rows (the new default) gave 0.215 on a synced engine in examples/001_math_accuracy.py,
-    and a 26-step bf16 run at lr 1e-2 0.224: a probe of few short completions makes the 90th percentile its tail)."""
+    2026-11-23, when examples/001_math_accuracy.py gave 0.215 on a synced engine on the 2-core VM, packed or padded,
+    and at the previous landing's commit 56e86a9 alike; a 26-step bf16 run at lr 1e-2 gave 0.224. Its probe is a few
+    short completions, so the 90th percentile is the tail of few tokens. Not investigated further)."""
     weight_sync_quantile: float | None = None
     """Which quantile of the per-token |trainer - engine| log-prob differences is checked. None = by dtype: 1.0 (the
     max) for float32; 0.9 for bfloat16 / float16. NOTE: two correct bf16 forwards (Megatron's, vLLM's; HF's alike)

@@ -149,11 +149,7 @@ class RolloutPipeline:
             self.in_flight = self._request()  # (more than k ready: a checkpoint of a larger k, drained first)
 
     def take(self) -> PendingRound:
-        """Round r (the oldest complete one). Collective."""
-        if not self.ready:
-            self.fill()
-            if not self.ready:
-                self.complete()
+        """Round r, the oldest complete one (`fill` has made sure there is one). Not collective."""
         return self.ready.popleft()
 
     def complete(self) -> None:
