@@ -72,8 +72,9 @@ class ModelConfig:
     moe_enable_routing_replay: bool = False
     """MoE models: rollout routing replay (R3): micro-batches that carry the engine's routed experts (`routed_experts`)
     are trained with those experts instead of the router's own top-k (Megatron's RouterReplay;
-    engine/policy/routing_replay.py). Off: such micro-batches report `router_agreement` instead. The loop does not
-    yet ask vLLM for the routes (vLLM returns them on GPU only: its Model Runner V2 needs Triton)."""
+    engine/policy/routing_replay.py), in the old-log-prob forward and the training forward alike. Off: they are
+    compared with the trainer's own choice, logged as `moe/router_agreement`. Needs the engine's routes
+    (`vllm_return_routed_experts`, on by default for MoE models)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -228,6 +229,11 @@ class RolloutConfig:
     vllm_enable_sleep_mode: bool = False
     vllm_max_model_length: int | None = None
     vllm_model_impl: Literal["vllm", "transformers"] = "vllm"
+    vllm_return_routed_experts: bool | None = None
+    """MoE: the engine returns the experts it routed every token to (vLLM's `enable_return_routed_experts`; on CPU
+    this project's recorder, engine/rollout/vllm_engine.py), for routing replay (`moe_enable_routing_replay`) or,
+    with replay off, the `moe/router_agreement` metric. None = on for MoE models. Costs host memory and (server mode)
+    transfer: tokens x layers x top-k ids per round."""
     vllm_structured_outputs_regex: str | None = None
     vllm_server_base_url: str | None = None
     vllm_server_host: str = "0.0.0.0"

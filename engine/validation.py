@@ -261,6 +261,9 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
     elif ro.max_staleness > 0 and ro.vllm_mode != "server":
         problems.append(f"rollout.max_staleness={ro.max_staleness} needs rollout.vllm_mode=server: a colocated engine "
                         "shares the trainer's accelerators, so generation cannot overlap training; set it to 0")
+    if cfg.model.moe_enable_routing_replay and ro.vllm_return_routed_experts is False:
+        problems.append("model.moe_enable_routing_replay replays the engine's routed experts, but "
+                        "rollout.vllm_return_routed_experts=false asks the engine for none: leave it unset (on for MoE)")
     if ro.vllm_request_timeout <= 0 or ro.vllm_server_timeout <= 0:
         problems.append(f"rollout.vllm_request_timeout and rollout.vllm_server_timeout must be > 0, got "
                         f"{ro.vllm_request_timeout} and {ro.vllm_server_timeout}")

@@ -239,7 +239,9 @@ def build_microbatch(batch: dict, indices: list[int], layout: Layout, pad_token_
         the per-sequence tensors of `indices` (k first), `tokens` (k, L_max) the sequences right-padded (the weight-sync
         probe and the padded path read it), `seq_index` (k,) the indices, and the model inputs: `input_ids` /
         `position_ids` (rows, width), `seq_row` / `seq_offset` (k,) where each sequence starts, `attention_mask`
-        (rows, 1, width, width) bool, True = masked (mask layout only), `packed_seq_params` (thd only).
+        (rows, 1, width, width) bool, True = masked (mask layout only), `packed_seq_params` (thd only); MoE batches
+        with the engine's `routed_experts` (n, T, L, k) also `input_routes` (rows, width, L, k) in the rows' layout
+        (engine/policy/routing_replay.py) and `input_routes_valid` (rows, width), True where the engine routed.
     """
     n = batch["tokens"].shape[0]
     index = torch.tensor(indices, dtype=torch.long)
@@ -268,11 +270,32 @@ def build_microbatch(batch: dict, indices: list[int], layout: Layout, pad_token_
     out["tokens"] = batch["tokens"][index, : max(lengths, default=1)]  # (k, L_max)
     out |= {"seq_index": index, "input_ids": input_ids, "position_ids": position_ids, "seq_row": seq_row,
             "seq_offset": seq_offset}
+    if batch.get("routed_experts") is not None:
+        out["input_routes"], out["input_routes_valid"] = _input_routes(out["routed_experts"], rows, lengths,
+                                                                       (num_rows, width))
     if layout == "mask":
         out["attention_mask"] = block_causal_mask(segment)
     elif layout == "thd":
         out["packed_seq_params"] = thd_params([lengths[s] for s in (rows[0] if rows else [])], width)
     return out
+
+
+def _input_routes(routes: torch.Tensor, rows: list[list[int]], lengths: list[int],
+                  shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences' routes (k, T, L, top-k) placed like their tokens in the packed rows: (rows, width, L, top-k),
+    padding holding 0..top-k-1 (distinct ids, read by no log-prob), and (rows, width) True where the engine routed
+    (each sequence's tokens but its last)."""
+    top_k = routes.shape[-1]
+    out = torch.arange(top_k, dtype=routes.dtype).expand(*shape, *routes.shape[2:]).clone()
+    valid = torch.zeros(shape, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        offset = 0
+        for s in row:
+            length = lengths[s]
+            out[r, offset : offset + length] = routes[s, :length]
+            valid[r, offset : offset + length - 1] = True
+            offset += length
+    return out, valid
 
 
 def block_causal_mask(segment: torch.Tensor) -> torch.Tensor:
@@ -338,6 +361,8 @@ def logprob_microbatches(micro: list[dict], spec: MicrobatchSpec) -> tuple[list[
     tokens = torch.cat([torch.nn.functional.pad(mb["tokens"], (0, width - mb["tokens"].shape[1]),
                                                 value=spec.pad_token_id) for mb in micro])  # (n, L)
     rank_batch = {"tokens": tokens} | {k: torch.cat([mb[k] for mb in micro]) for k in keys}
+    if "routed_experts" in micro[0]:  # (k, T, L, top-k) each, T = the round's longest sequence, alike in all
+        rank_batch["routed_experts"] = torch.cat([mb["routed_experts"] for mb in micro])
     offsets, total = [], 0
     for mb in micro:
         offsets.append(total)

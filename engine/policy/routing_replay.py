@@ -12,14 +12,18 @@ returns per sequence as `routed_experts` [seq_len, L, k]) is either
   set of k experts as the engine, over the real tokens only.
 Positions the engine gave no routes for (padding; the last sampled token, which vLLM never runs) must still hold k
 distinct ids; `pad_routes` fills them with 0..k-1 (their hidden states are read by no log-prob).
+Packed micro-batches (`input_ids` rows, engine/policy/packing.py) carry the routes in the same rows as
+`input_routes` (rows, W, L, k) with `input_routes_valid` (rows, W), True where the engine routed the token.
+The agreement is accumulated per model chunk (`take_router_agreement` sums it over the ranks and resets it): the
+loop reads it after the old-log-prob forward, where trainer and engine hold the same weights.
 
 Token order: Megatron's router sees the layer input (s, b, H) flattened to (s*b, H), so route row s_i*b + b_i is token
 (b_i, s_i); under sequence parallelism each TP rank holds s/tp of the sequence.
 
 Must not: read Megatron's global parallel state (each router's own `router_replay` object is set, never the static
 list of all instances, which other models built in the same process would also be on), or touch vLLM.
-Limits: packed micro-batches (`input_ids` rows, engine/policy/packing.py) are refused; activation recompute is off in
-this engine's Megatron config, so only the forward replays (no REPLAY_BACKWARD queue).
+Limits: activation recompute is off in this engine's Megatron config, so only the forward replays (no
+REPLAY_BACKWARD queue).
 
 Test: tests/distributed/test_routing_replay.py.
 """
@@ -27,8 +31,13 @@ Test: tests/distributed/test_routing_replay.py.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from engine.policy.parallel import ParallelState
+
+
+ROUTE_KEYS = ("routed_experts", "input_routes", "input_routes_valid")
+"""The micro-batch entries that carry the engine's routes."""
 
 
 def _moe_routers(chunk: torch.nn.Module):
@@ -50,7 +59,7 @@ def _router_order(per_token: torch.Tensor, ps: ParallelState) -> torch.Tensor:
 
 def _layer_routes(routes: torch.Tensor, layer: int, ps: ParallelState) -> torch.Tensor:
     """(s*b [/tp], k) top-k ids of one layer in the router's token order, from (b, T, L, k)."""
-    return _router_order(routes[:, :, layer, :], ps)
+    return _router_order(routes[:, :, layer, :].long(), ps)
 
 
 def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay: bool) -> bool:
@@ -61,7 +70,7 @@ def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay
     """
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    routes = batch.get("routed_experts")
+    routes = model_input_routes(batch)
     recording = False
     for layer, router in _moe_routers(chunk):
         replayer = getattr(router, "router_replay", None)
@@ -74,9 +83,6 @@ def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay
         if routes is None:
             replayer.clear_router_replay_action()
             continue
-        if "input_ids" in batch:
-            raise NotImplementedError("routing replay with packed micro-batches (train.padding_free) is not "
-                                      "supported yet: set train.padding_free=false")
         if replay:
             replayer.target_topk_idx = _layer_routes(routes, layer, ps)
             replayer.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -86,13 +92,21 @@ def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay
     return recording
 
 
+def model_input_routes(batch: dict) -> torch.Tensor | None:
+    """The engine's routes in the model input's layout: (rows, W, L, k) of a packed micro-batch, else (b, T, L, k)."""
+    return batch.get("input_routes") if "input_ids" in batch else batch.get("routed_experts")
+
+
 def router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> tuple[int, int]:
     """(agreeing, total) (token, layer) pairs of the last recorded forward of `chunk`: the trainer's top-k set equals
-    the engine's (`routed_experts`), over the real tokens of each row (`lengths`; positions before the last)."""
-    routes = batch["routed_experts"]  # (b, T, L, k)
+    the engine's, over the tokens the engine routed (`input_routes_valid`, or each row's `lengths` - 1 first ones)."""
+    routes = model_input_routes(batch)  # (b, T, L, k)
     num_rows, seq_len = routes.shape[:2]
-    lengths = batch.get("lengths", torch.full((num_rows,), seq_len))
-    valid = torch.arange(seq_len)[None, :] < (lengths[:, None] - 1)  # (b, T): the last token is never routed by vLLM
+    if "input_ids" in batch:
+        valid = batch["input_routes_valid"]  # (rows, W)
+    else:
+        lengths = batch.get("lengths", torch.full((num_rows,), seq_len))
+        valid = torch.arange(seq_len)[None, :] < (lengths[:, None] - 1)  # (b, T): vLLM never runs the last token
     mask = _router_order(valid, ps)  # (s*b,)
     agree = total = 0
     for layer, router in _moe_routers(chunk):
@@ -104,6 +118,27 @@ def router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> 
     return agree, total
 
 
+def record_router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> None:
+    """Add the last recorded forward's agreement to `chunk`'s running count. Without sequence parallelism every TP
+    rank routes the same tokens: only tp_rank 0 counts them."""
+    agree, total = router_agreement(chunk, batch, ps)
+    if ps.sequence_parallel or ps.tp_rank == 0:
+        counts = getattr(chunk, "router_agreement_counts", (0, 0))
+        chunk.router_agreement_counts = (counts[0] + agree, counts[1] + total)
+
+
+def take_router_agreement(chunks: list[torch.nn.Module], ps: ParallelState) -> float | None:
+    """The fraction of (token, layer) pairs routed alike by trainer and engine since the last call, over every
+    rank's chunks (a collective: every rank calls it); the counts are reset. None when nothing was compared."""
+    counts = torch.zeros(2, dtype=torch.float64)
+    for chunk in (getattr(c, "module", c) for c in chunks):  # inside Megatron's DDP wrapper
+        counts += torch.tensor(getattr(chunk, "router_agreement_counts", (0, 0)), dtype=torch.float64)
+        chunk.router_agreement_counts = (0, 0)
+    counts = counts.to(ps.device)
+    dist.all_reduce(counts)
+    return float(counts[0] / counts[1]) if counts[1] > 0 else None
+
+
 def end_forward(chunk: torch.nn.Module) -> None:
     """Clear every router's replay state (the next forward routes by itself unless `begin_forward` sets it)."""
     for _, router in _moe_routers(chunk):
@@ -113,11 +148,18 @@ def end_forward(chunk: torch.nn.Module) -> None:
             replayer.clear_router_replay_action()
 
 
-def pad_routes(routes: list, seq_len: int, num_layers: int, top_k: int) -> torch.Tensor:
-    """(b, T, L, k) int64 from per-row engine routes ([n_i, L, k] arrays, n_i <= T), the rest filled with 0..k-1."""
-    out = torch.arange(top_k).expand(len(routes), seq_len, num_layers, top_k).clone()
+def pad_routes(routes: list, seq_len: int, num_layers: int, top_k: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """(b, T, L, k) from per-row engine routes ([n_i, L, k] arrays, n_i <= T), the rest filled with 0..k-1.
+    `dtype`: a narrow one (uint8 for up to 256 experts) keeps a round's routes small; the router takes int64."""
+    out = torch.arange(top_k, dtype=dtype).expand(len(routes), seq_len, num_layers, top_k).clone()
     for i, row in enumerate(routes):
-        row = torch.as_tensor(row, dtype=torch.long)
+        row = torch.as_tensor(row).to(dtype)
         if row.numel():
             out[i, : row.shape[0]] = row
     return out
+
+
+def routes_dtype(routes: list) -> torch.dtype:
+    """The narrowest dtype that holds every expert id of `routes`."""
+    largest = max((int(torch.as_tensor(r).max()) for r in routes if torch.as_tensor(r).numel()), default=0)
+    return torch.uint8 if largest < 256 else torch.int16

@@ -67,7 +67,7 @@ def run_schedule(
     check_attention_mask(chunks, microbatches)
 
     def forward_step(data_iterator, model):
-        from engine.policy.routing_replay import begin_forward, end_forward, router_agreement
+        from engine.policy.routing_replay import begin_forward, end_forward, record_router_agreement
 
         batch = next(data_iterator)
         chunk = unwrap(model)
@@ -76,13 +76,12 @@ def run_schedule(
         # packed micro-batches (engine/policy/packing.py) carry their rows as `input_ids`, a mask or THD params
         hidden = model(batch.get("input_ids", batch["tokens"]), batch["position_ids"],
                        attention_mask=batch.get("attention_mask"), packed_seq_params=batch.get("packed_seq_params"))
-        agreement = router_agreement(chunk, batch, ps) if recording else None
+        if recording:  # (agreeing, total) (token, layer) pairs of this chunk's MoE layers, added to its count
+            record_router_agreement(chunk, batch, ps)
         end_forward(chunk)
 
         def loss_func(last_hidden):  # (s, b, H) on the last stage
             loss, values = loss_fn(model, last_hidden, batch)
-            if agreement is not None:  # (agreeing, total) (token, layer) pairs of this stage's MoE layers
-                values = {**values, "router_agreement": torch.tensor(agreement, dtype=torch.float64)}
             # NOTE: the schedule divides `loss` in place by num_microbatches; values must not share its storage.
             return loss, values
 

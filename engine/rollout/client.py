@@ -210,7 +210,7 @@ class RolloutClient:
         out = self._request("POST", "/generate", payload, timeout_s=self.request_timeout_s)
         self.last_instance = out.get("instance_id")
         prompts = [list(p) for p in prompt_ids for _ in range(num_generations)]
-        return Rollout(prompts, out["completion_ids"], out["sampling_logprobs"], out["is_truncated"])
+        return Rollout.from_json(out, prompts)
 
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
         out = self._request("POST", "/prompt_logprobs", {"sequences": sequences, "temperature": temperature},
@@ -334,13 +334,7 @@ class SharedRolloutClient:
                 raise RolloutServerLost(
                     f"rollout server {client.base_url} restarted since the last weight sync (process {synced} -> "
                     f"{client.last_instance}): it samples from its checkpoint, not the trainer's weights")
-        out = Rollout([], [], [], [])
-        for part in parts:
-            out.prompt_ids += part.prompt_ids
-            out.completion_ids += part.completion_ids
-            out.sampling_logprobs += part.sampling_logprobs
-            out.is_truncated += part.is_truncated
-        return out
+        return Rollout.concat(parts)
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
         try:

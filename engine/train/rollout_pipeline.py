@@ -52,9 +52,6 @@ from engine.rollout.vllm_engine import Rollout
 from engine.train.data import PromptBatch
 from engine.train.prompt_rounds import sampling_seeds
 
-_ROLLOUT_FIELDS = ("prompt_ids", "completion_ids", "sampling_logprobs", "is_truncated")
-
-
 @dataclass
 class PendingRound:
     """One round asked of the servers: its prompts and seeds, the optimizer step it starts at (which names its
@@ -73,13 +70,13 @@ class PendingRound:
     def to_state(self) -> dict:
         """JSON values for a checkpoint (a complete round only)."""
         return {"index": self.index, "step": self.step, "picked": asdict(self.picked), "seeds": self.seeds,
-                "version": self.version, "rollout": {f: getattr(self.rollout, f) for f in _ROLLOUT_FIELDS},
+                "version": self.version, "rollout": self.rollout.to_json(),
                 "is_from_dataset": self.is_from_dataset}
 
     @classmethod
     def from_state(cls, state: dict) -> PendingRound:
         return cls(state["index"], state["step"], PromptBatch(**state["picked"]), list(state["seeds"]),
-                   state["version"], Rollout(*(state["rollout"][f] for f in _ROLLOUT_FIELDS)),
+                   state["version"], Rollout.from_json(state["rollout"]),
                    state.get("is_from_dataset", True))
 
 

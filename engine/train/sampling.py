@@ -50,17 +50,11 @@ def generate_everywhere(run: Run, prompt_ids: list[list[int]], num_generations: 
     mine = prompt_ids[group * share : (group + 1) * share]
     run.engine.wake_up()
     mine_seeds = seeds[group * share : (group + 1) * share] if seeds is not None else None
-    local = run.engine.generate(mine, num_generations, seeds=mine_seeds) if mine else Rollout([], [], [], [])
+    local = run.engine.generate(mine, num_generations, seeds=mine_seeds) if mine else Rollout.empty()
     run.engine.sleep()
     gathered: list = [None] * ps.world_size
     dist.all_gather_object(gathered, local)
-    out = Rollout([], [], [], [])
-    for part in gathered[::vllm_tp]:
-        out.prompt_ids += part.prompt_ids
-        out.completion_ids += part.completion_ids
-        out.sampling_logprobs += part.sampling_logprobs
-        out.is_truncated += part.is_truncated
-    return out
+    return Rollout.concat(gathered[::vllm_tp])
 
 
 @dataclass
@@ -115,8 +109,9 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
                          per_prompt(lambda p: p.picked.prompt_ids),
                          {k: per_prompt(lambda p, k=k: p.picked.columns.get(k, [None] * len(p.picked.prompts)))
                           for k in dict.fromkeys(k for p in parts for k in p.picked.columns)})  # hook rows may lack columns
-    rollout = Rollout(*(per_row(lambda p, f=f: getattr(p.rollout, f)) for f in
-                        ("prompt_ids", "completion_ids", "sampling_logprobs", "is_truncated")))
+    starts = [sum(len(q.rollout) for q in parts[:i]) for i in range(len(parts))]  # each round's first row
+    rows = assemble_rounds([list(range(start, start + len(p.rollout))) for start, p in zip(starts, parts)], selection, g)
+    rollout = Rollout.concat([p.rollout for p in parts]).select(rows)
     completions = per_row(lambda p: p.completions) if run.ps.rank == 0 else []
     stats = seconds | staleness_metrics(assemble_rounds(versions, selection, g), run.policy_version) | {
                        "dynamic_sampling/rounds": len(parts),
@@ -162,10 +157,8 @@ def keep_best_in_groups(run: Run, scored: Scored) -> Scored:
         keep = filter_groups(run.group_filter, scored.completions, rewards, scored.group_size, k)
     keep = _broadcast_from_rank0(keep, run.ps)
     rows = keep.tolist()
-    pick = lambda values: [values[i] for i in rows]  # noqa: E731
-    rollout = Rollout(*(pick(getattr(scored.rollout, f)) for f in
-                        ("prompt_ids", "completion_ids", "sampling_logprobs", "is_truncated")))
-    completions = pick(scored.completions) if scored.completions else []
+    rollout = scored.rollout.select(rows)
+    completions = [scored.completions[i] for i in rows] if scored.completions else []
     return replace(scored, rollout=rollout, rewards=scored.rewards[keep], completions=completions, group_size=k)
 
 

@@ -26,7 +26,7 @@ def _check(model_dir: str) -> dict:
     from engine.policy.hf_convert import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.parallel import init_parallel
-    from engine.policy.routing_replay import begin_forward, end_forward, pad_routes
+    from engine.policy.routing_replay import begin_forward, end_forward, pad_routes, take_router_agreement
     from engine.policy.step import LogprobSettings, completion_logprobs, run_schedule
 
     ps = init_parallel(ParallelConfig(ep_size=2), seed=0)
@@ -60,18 +60,20 @@ def _check(model_dir: str) -> dict:
 
         with torch.no_grad():
             (values,) = run_schedule(chunks, ps, [mb], loss_fn, forward_only=True)
-        return values["logprobs"], values.get("router_agreement")
+        counts = [getattr(c, "router_agreement_counts", (0, 0)) for c in chunks]
+        return values["logprobs"], (list(counts[0]) if counts[0][1] else None), take_router_agreement(chunks, ps)
 
-    plain, none = logprobs_and_agreement(batch)
-    _, agree_own = logprobs_and_agreement(batch | {"routed_experts": own})
-    _, agree_random = logprobs_and_agreement(batch | {"routed_experts": random_routes})
+    plain, none, none_fraction = logprobs_and_agreement(batch)
+    _, agree_own, own_fraction = logprobs_and_agreement(batch | {"routed_experts": own})
+    _, agree_random, random_fraction = logprobs_and_agreement(batch | {"routed_experts": random_routes})
     chunk.routing_replay = True
-    replay_own, _ = logprobs_and_agreement(batch | {"routed_experts": own})
-    replay_random, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
+    replay_own, _, _ = logprobs_and_agreement(batch | {"routed_experts": own})
+    replay_random, _, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
     chunk.routing_replay = False
-    off_random, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
+    off_random, _, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
     valid_pairs = int((batch["lengths"] - 1).sum()) * LAYERS
-    return {"none": none, "agree_own": agree_own.tolist(), "agree_random": agree_random.tolist(),
+    return {"none": none, "none_fraction": none_fraction, "agree_own": agree_own, "own_fraction": own_fraction,
+            "agree_random": agree_random, "random_fraction": random_fraction,
             "valid_pairs": valid_pairs, "replay_own_equal": torch.equal(replay_own, plain),
             "replay_random_differs": float((replay_random - plain).abs().max()),
             "off_ignores_routes": torch.equal(off_random, plain)}
@@ -82,10 +84,12 @@ def test_router_agreement_and_routing_replay_at_ep2(tmp_path):
 
     model_dir = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=9)
     for r in run_distributed(_check, 2, str(model_dir)):
-        assert r["none"] is None, "no routes in the batch: no agreement metric"
+        assert r["none"] is None and r["none_fraction"] is None, "no routes in the batch: no agreement metric"
         assert r["agree_own"] == [r["valid_pairs"]] * 2, "recording against its own routes agrees everywhere"
+        assert r["own_fraction"] == 1.0
         agree, total = r["agree_random"]
         assert total == r["valid_pairs"] and agree / total < 0.6, r["agree_random"]
+        assert r["random_fraction"] < 0.6, "summed over both ranks"
         assert r["replay_own_equal"], "replaying the trainer's own routes must change nothing"
         assert r["replay_random_differs"] > 1e-3, "replayed routes were not used"
         assert r["off_ignores_routes"], "with replay off the routes only feed the metric"

@@ -7,8 +7,8 @@ import torch
 from engine.config import ModelConfig, TrainConfig
 from engine.policy.batch import pack_completions
 from engine.policy.packing import (
-    MicrobatchSpec, block_causal_mask, build_microbatch, build_microbatch_spec, pack_rows, partition_balanced,
-    plan_sorted, plan_step, round_microbatches, sequence_logprobs,
+    MicrobatchSpec, block_causal_mask, build_microbatch, build_microbatch_spec, logprob_microbatches, pack_rows,
+    partition_balanced, plan_sorted, plan_step, round_microbatches, sequence_logprobs,
 )
 
 LONG_TAILED = [3, 120, 7, 9, 15, 4, 60, 5, 11, 8, 30, 6]  # a few long, most short
@@ -149,3 +149,32 @@ def test_spec_from_config_defaults_to_packing_with_the_local_mask():
 def test_budget_below_one_token_is_refused():
     with pytest.raises(ValueError, match=">= 1"):
         plan_step([3], 1, 0)
+
+
+@pytest.mark.parametrize("layout", ["mask", "padded"])
+def test_engine_routes_follow_their_tokens_into_the_rows_and_the_logprob_microbatches(layout):
+    from engine.policy.routing_replay import pad_routes
+
+    batch = _batch([5, 2, 7, 1])
+    lengths = [int(n) for n in batch["lengths"]]
+    seq_len, num_layers, top_k = batch["tokens"].shape[1], 3, 2
+    # token t of sequence s routed to experts (token id % 8, s + 8): the last token of each sequence never routed
+    engine = [torch.stack([batch["tokens"][s, : n - 1] % 8, torch.full((n - 1,), s + 8)], -1)[:, None].expand(
+        n - 1, num_layers, top_k) for s, n in enumerate(lengths)]
+    batch["routed_experts"] = pad_routes(engine, seq_len, num_layers, top_k, torch.uint8)
+    mb = build_microbatch(batch, [3, 0, 2], layout, pad_token_id=0, multiple=4)
+    routes, valid = mb["input_routes"], mb["input_routes_valid"]
+    assert routes.shape == (*mb["input_ids"].shape, num_layers, top_k) and valid.shape == mb["input_ids"].shape
+    for k, s in enumerate([3, 0, 2]):
+        row, offset, n = int(mb["seq_row"][k]), int(mb["seq_offset"][k]), lengths[s]
+        assert torch.equal(routes[row, offset : offset + n - 1], engine[s].to(torch.uint8))
+        assert valid[row, offset : offset + n - 1].all() and not valid[row, offset + n - 1]
+    assert int(valid.sum()) == sum(lengths[s] - 1 for s in (3, 0, 2))
+    assert torch.equal(routes[~valid][:, 0], torch.arange(top_k, dtype=torch.uint8).expand(int((~valid).sum()), top_k))
+    spec = MicrobatchSpec(padding_free=layout != "padded", max_tokens=30, max_logprob_tokens=None, micro_batch_size=2)
+    lp_micro, _ = logprob_microbatches([mb, build_microbatch(batch, [1], layout, pad_token_id=0)], spec)
+    for lp in lp_micro:
+        for k, s in enumerate(lp["seq_index"].tolist()):
+            seq = [3, 0, 2, 1][s]
+            row, offset = int(lp["seq_row"][k]), int(lp["seq_offset"][k])
+            assert torch.equal(lp["input_routes"][row, offset : offset + lengths[seq] - 1], engine[seq].to(torch.uint8))
