@@ -71,6 +71,7 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
         f"{shape.gpus_per_node} GPUs per node, {shape.gpu_memory_gib:g} GiB per GPU",
         _rollout_line(cfg, shape, d),
         *_async_lines(cfg, d, *sequence_lengths(cfg)[:2]),
+        *_routes_lines(cfg, dims, d, prompt, completion),
         f"training layout: tp*pp*dp = {par.tp_size}*{par.pp_size}*{d.dp_size} = {d.world_size} GPUs = "
         f"{shape.train_nodes} node(s) x {shape.gpus_per_node}; {dims.num_layers} layers / pp {par.pp_size} = "
         f"{dims.num_layers // par.pp_size} per stage",
@@ -116,6 +117,20 @@ def _async_lines(cfg: EngineConfig, d: Derived, prompt: int, completion: int) ->
             f"the {k} complete round(s) waiting are token ids and log-probs on the trainer's hosts and in each "
             f"checkpoint: {k} x {d.generation_batch_size} completions x {prompt + completion} tokens x 12 B = "
             f"{held / 2**20:.1f} MiB as packed numbers (Python lists and the checkpoint's JSON take a few times that)"]
+
+
+def _routes_lines(cfg: EngineConfig, dims: ModelDims, d: Derived, prompt: int, completion: int) -> list[str]:
+    """MoE: the routed experts every round carries (engine/rollout/rollouts.py), for routing replay or the agreement
+    metric: host memory on every training rank (the round is held whole) and HTTP transfer in server mode."""
+    if not dims.is_moe or cfg.rollout.vllm_return_routed_experts is False:
+        return []
+    width = 1 if dims.num_experts <= 256 else 2  # uint8 ids up to 256 experts (int16 in the trainer beyond)
+    per_round = d.generation_batch_size * (prompt + completion) * dims.num_layers * dims.num_experts_per_tok * width
+    use = "replayed in training (R3)" if cfg.model.moe_enable_routing_replay else "compared (moe/router_agreement)"
+    return [f"routed experts: {use}; per round {d.generation_batch_size} completions x {prompt + completion} tokens x "
+            f"{dims.num_layers} layers x top-{dims.num_experts_per_tok} x {width} B = {per_round / 2**30:.2f} GiB "
+            f"on every training rank's host (and over HTTP from the servers); "
+            f"rollout.vllm_return_routed_experts=false drops them"]
 
 
 def format_plan(plan: Plan) -> str:

