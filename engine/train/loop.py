@@ -210,6 +210,10 @@ def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int)
     if run.cfg.grpo.mask_truncated_completions:
         batch["completion_mask"] = mask_truncated_completions(mask, is_truncated)
     batch |= {"advantages": advantages.float(), "sampling_logprobs": sampling, "is_truncated": is_truncated}
+    if rollout.routed_experts is None and run.cfg.model.moe_enable_routing_replay:
+        raise RuntimeError("model.moe_enable_routing_replay is on but the engine returned no routed experts: the "
+                           "model has no MoE layers, or the rollout server(s) run with rollout.vllm_return_routed_experts"
+                           "=false (leave it unset in their config)")
     if rollout.routed_experts is not None:  # MoE: the engine's routes, (B, T, L, k) in the narrowest dtype
         num_layers, top_k = next((r.shape[1:] for r in rollout.routed_experts if r.size), (0, 0))
         batch["routed_experts"] = pad_routes(rollout.routed_experts, batch["tokens"].shape[1], num_layers, top_k,

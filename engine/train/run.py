@@ -140,6 +140,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_dir)
     dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, cfg.model, ps.tp_size).padded_vocab_size)
+    if cfg.model.moe_enable_routing_replay and not dims.num_experts:
+        raise ValueError(f"model.moe_enable_routing_replay replays routed experts, but {name} "
+                         f"({hf_config.model_type}) has no mixture-of-experts layers: set it to false")
     chunks = build_policy(hf_config, cfg.model, ps)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     reference = ReferencePolicy.build(hf_config, cfg.model, ps, model_dir, dims) if cfg.grpo.beta != 0 else None

@@ -106,3 +106,15 @@ def test_server_async_replay_matches_sampling_and_resumes_with_the_waiting_round
     differing = {k: (last.get(k), again.get(k)) for k in last | again
                  if not WALL_CLOCK.search(k) and last.get(k) != again.get(k)}
     assert not differing, f"step 3 resumed from the checkpoint's waiting round differs: {differing}"
+
+
+def _train_dense_with_replay(run_dir: str) -> None:
+    from engine.config import load_config
+    from engine.train.loop import train
+
+    train(load_config("configs/tiny_cpu.yaml", [f"train.output_dir={run_dir}", "model.moe_enable_routing_replay=true"]))
+
+
+def test_routing_replay_on_a_dense_model_is_refused_naming_the_model(tmp_path):
+    with pytest.raises(AssertionError, match=r"builtin:tiny-qwen2-arith \(qwen2\) has no mixture-of-experts layers"):
+        run_distributed(_train_dense_with_replay, 1, str(tmp_path))
