@@ -1,6 +1,6 @@
-"""Weight-sync verification: after a sync, the engine's log-probs of probe sequences against the trainer's
-(temperature 1, both fp32 accumulation), every sync by default (`verify_sync`), and `WeightSyncError`, which every
-part of the weight sync raises.
+"""Weight-sync verification: after a sync, the engine's log-probs of every token of the probe sequences (prompt and
+completion, each distinct prefix once: `full_sequence_probe`) against the trainer's (temperature 1, both fp32
+accumulation), every sync by default (`verify_sync`), and `WeightSyncError`, which every part of the weight sync raises.
 
 Layouts: knows neither: it compares log-probs, so it catches a wrong box, a stale layer or a failed load whichever
 path (colocated_sync.py, server_sync.py) moved the weights.
@@ -8,7 +8,7 @@ path (colocated_sync.py, server_sync.py) moved the weights.
 Must not: move weights, import vLLM (the engine's `prompt_logprobs` is called on the object passed in).
 
 Test: tests/integration/test_weight_sync.py (a synced engine passes, a stale one or one stale decoder layer is caught,
-float32 and bf16), tests/integration/test_rollout_server.py (several servers).
+float32 and bf16), tests/integration/test_rollout_server.py (several servers), tests/unit/test_sync_probe.py.
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer ste
 the verification; after a bucketed sync (small buckets, so several per stage) the engine's log-probs equal the
 trainer's again (fp32, tolerance 1e-3).
 
-In bf16 (TRL's default precision) the check is on the 90th percentile of the per-token differences (tolerance 0.2,
-engine/config.py `weight_sync_quantile`): the synced engine passes, one decoder layer left stale is caught.
+In bf16 (TRL's default precision) the check is on the 90th percentile of the per-token differences (tolerance 0.3,
+engine/config.py `weight_sync_tolerance`): the synced engine passes, one decoder layer left stale is caught, on an
+arithmetic probe and on examples/001_math_accuracy.py's chat prompts (few, near-certain completion tokens: the
+prompt tokens carry the check). Measured: arithmetic synced 0.117 / resynced 0.111 / stale 1.70; chat 0.109 / 0.213
+/ 0.856 (2-core VM).
 """
 
 import pytest

@@ -21,7 +21,7 @@ def test_full_sequence_probe_compares_each_distinct_token_once_in_the_packed_lay
     compared = {tuple(sequences[i][: j + 2]) for i, j in mask.nonzero().tolist()}
     every = {tuple(s[: j + 1]) for s in sequences for j in range(1, len(s))}
     assert compared == every and int(mask.sum()) == len(every), "each distinct prefix exactly once"
-    assert int(mask.sum()) == 3 + 3 + 2 + 2, "the shared prompt once, [3, 4, 5] once, [3, 4] inside it, [6, 0], [12, 13]"
+    assert int(mask.sum()) == 3 + 3 + 2 + 2, "the prompt once, [3, 4, 5] once ([3, 4] is in it), [6, 0], [12, 13]"
     # token j + 1 of sequence i sits where the trainer's forward reads it: position seq_offset + j + 1 of its row
     for i, j in mask.nonzero().tolist():
         assert full["completion_ids"][i, j] == sequences[i][j + 1]
