@@ -262,21 +262,24 @@ class RolloutConfig:
     verify_weight_sync: bool = True
     """After every sync, compare the engine's log-probs of probe sequences with the trainer's."""
     weight_sync_tolerance: float | None = None
-    """Largest allowed `weight_sync_quantile`-quantile of |trainer - engine| over the probe's completion tokens (log-
-    probs). None = by dtype: 1e-3 for float32 (of the max); 0.3 for bfloat16 / float16 (of the 90th percentile; 0.2 until
-    2026-11-23, when examples/001_math_accuracy.py gave 0.215 on a synced engine on the 2-core VM, packed or padded,
-    and at the previous landing's commit 56e86a9 alike; a 26-step bf16 run at lr 1e-2 gave 0.224. Its probe is a few
-    short completions, so the 90th percentile is the tail of few tokens. Not investigated further)."""
+    """Largest allowed `weight_sync_quantile`-quantile of |trainer - engine| over the probe's tokens (log-probs; every
+    token of the probe sequences, prompt and completion, each distinct prefix once: engine/rollout/sync_check.py).
+    None = by dtype: 1e-3 for float32 (of the max); 0.3 for bfloat16 / float16 (of the 90th percentile). Measured on
+    the tiny Qwen2 (tests/integration/test_weight_sync.py bf16 case; examples/001_math_accuracy.py): a synced engine
+    0.09-0.21, one stale decoder layer after a step at lr 1e-3 0.46-1.7. The synced value is the engine's own bf16
+    rounding (its per-token error against a float64 forward is distributed as HF transformers' bf16 one, p90 0.09-0.18
+    on the example's chat prompts; Megatron's is smaller, p90 0.07-0.08), so 0.2 is too tight. Before the probe
+    included the prompts, the example's probe was 10-13 distinct completion tokens, most near-certain: its p90 was one
+    token's rounding error (0.215), and a stale layer could pass (0.09-0.38)."""
     weight_sync_quantile: float | None = None
     """Which quantile of the per-token |trainer - engine| log-prob differences is checked. None = by dtype: 1.0 (the
     max) for float32; 0.9 for bfloat16 / float16. NOTE: two correct bf16 forwards (Megatron's, vLLM's; HF's alike)
-    differ per token by a heavy-tailed amount: on the warm-started tiny Qwen2, median 0.005-0.008 and p90 0.06-0.11
-    nats, but the max reached 3.9 on one ill-conditioned token (Megatron's and HF's bf16 errors against float64 have
-    the same distribution: mean 0.02, p99 0.2 over 913 tokens). A stale decoder layer moves most tokens: p90 0.77-2.7
-    after one step at lr 1e-3, 0.21-0.78 after five at lr 5e-5 (the lowest only just above 0.2); one step at 5e-5
-    moves bf16 weights by about one rounding step, which no check can tell from rounding (nor does it matter). A
+    differ per token by a heavy-tailed amount: on the warm-started tiny Qwen2, median 0.01-0.04 and p90 0.09-0.21
+    nats, but the max reached 0.9-3.9 on single ill-conditioned tokens. A stale decoder layer moves most tokens: p90
+    0.46-1.7 after one step at lr 1e-3; after five at lr 5e-5 0.16-1.3 (some layers within the noise: such a step
+    moves bf16 weights by about one rounding step, which no check can tell from rounding, nor does it matter). A
     larger model's noise may differ: a bf16 run that fails here with a small quantile value and no other symptom may
-    need a larger tolerance. Tested in tests/integration/test_weight_sync.py (bf16 case)."""
+    need a larger tolerance."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

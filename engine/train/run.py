@@ -136,7 +136,7 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
         write_resolved_config(cfg, run_dir)
         model_dir = resolve_builtin_model(name, run_dir / "models") if name.startswith("builtin:") else Path(name)
     dist.barrier()
-    model_dir = resolve_builtin_model(name, run_dir / "models") if name.startswith("builtin:") else Path(name)
+    model_dir = resolve_model_dir(name, run_dir, need_tokenizer=tokenizer is None)  # every rank: all raise alike
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_dir)
     dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, cfg.model, ps.tp_size).padded_vocab_size)
@@ -254,6 +254,19 @@ def save_run(run: Run, progress: Progress) -> int:
     save_checkpoint(run.cfg.train.output_dir, progress, run.popt, run.ps, model=_model_identity(run),
                     run_config=config_to_dict(run.cfg), save_total_limit=run.cfg.checkpoint.save_total_limit)
     return progress.step
+
+
+def resolve_model_dir(name: str, run_dir: Path, *, need_tokenizer: bool) -> Path:
+    """The directory `model.name_or_path` names: a built-in model's (written under `run_dir`/models), a local
+    directory, checked before transformers reads it (engine/models/model_dir.py: a missing config.json would give
+    transformers' misleading "model_type" message), or a hub id, passed on to transformers unchecked."""
+    from engine.models.model_dir import check_model_dir
+    from engine.models.tiny_model import resolve_builtin_model
+
+    model_dir = resolve_builtin_model(name, run_dir / "models") if name.startswith("builtin:") else Path(name)
+    if model_dir.is_dir():
+        check_model_dir(model_dir, need_tokenizer=need_tokenizer)
+    return model_dir
 
 
 def _model_identity(run: Run) -> dict:

@@ -5,8 +5,11 @@ checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer ste
 the verification; after a bucketed sync (small buckets, so several per stage) the engine's log-probs equal the
 trainer's again (fp32, tolerance 1e-3).
 
-In bf16 (TRL's default precision) the check is on the 90th percentile of the per-token differences (tolerance 0.2,
-engine/config.py `weight_sync_quantile`): the synced engine passes, one decoder layer left stale is caught.
+In bf16 (TRL's default precision) the check is on the 90th percentile of the per-token differences (tolerance 0.3,
+engine/config.py `weight_sync_tolerance`): the synced engine passes, one decoder layer left stale is caught, on an
+arithmetic probe and on examples/001_math_accuracy.py's chat prompts (few, near-certain completion tokens: the
+prompt tokens carry the check). Measured: arithmetic synced 0.117 / resynced 0.111 / stale 1.70; chat 0.109 / 0.213
+/ 0.856 (2-core VM).
 """
 
 import pytest
@@ -73,6 +76,26 @@ def _sync_after_step(tp: int, pp: int, vllm_tp: int, model_dir: str) -> dict:
         engine.close()
 
 
+def _chat_prompts(model_dir: str, num_prompts: int) -> list[list[int]]:
+    """examples/001_math_accuracy.py's prompts through the model's chat template: ~50 prompt tokens, and the tiny
+    model (never trained on chats) answers in a few near-certain tokens: the probe on which the completions alone
+    gave a synced engine p90 0.215 and missed a stale layer."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lines = (Path(__file__).resolve().parents[2] / "examples/data/math_conversational.jsonl").read_text().splitlines()
+    return [list(tokenizer.apply_chat_template(json.loads(line)["prompt"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)) for line in lines[:num_prompts]]
+
+
+def _p90(differences) -> float:
+    (diffs, mask, _), = differences
+    return float(torch.quantile(diffs[mask], BF16_QUANTILE))
+
+
 def _stale_layer_bf16(model_dir: str) -> dict:
     from transformers import AutoConfig
 
@@ -87,7 +110,7 @@ def _stale_layer_bf16(model_dir: str) -> dict:
     from engine.rollout.vllm_engine import ColocatedEngine
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from engine.rollout.colocated_sync import iter_hf_buckets, sync_colocated
-    from engine.rollout.sync_check import WeightSyncError, verify_sync
+    from engine.rollout.sync_check import WeightSyncError, logprob_differences, verify_sync
 
     ps = init_parallel(ParallelConfig(), seed=0)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -99,12 +122,20 @@ def _stale_layer_bf16(model_dir: str) -> dict:
     engine = ColocatedEngine(model_dir, RolloutConfig(vllm_gpu_memory_utilization=0.1, vllm_max_model_length=128),
                              GenerationConfig(max_completion_length=12), seed=0, dtype="bfloat16", world_size=1)
     check = {"tolerance": BF16_TOLERANCE, "quantile": BF16_QUANTILE}
+    out: dict = {}
     try:
-        rollout = engine.generate([[5 + i, 6 + 2 * i, 7 + 3 * i] for i in range(12)], num_generations=2)
-        batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
+        probes = {}
+        for name, prompts, n in (("arithmetic", [[5 + i, 6 + 2 * i, 7 + 3 * i] for i in range(12)], 2),
+                                 ("chat", _chat_prompts(model_dir, 2), 4)):
+            rollout = engine.generate(prompts, num_generations=n)
+            probes[name] = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
+            out[f"{name}_completion_tokens"] = int(probes[name]["completion_mask"].sum())
+        batch = probes["arithmetic"]
         batch["advantages"] = torch.tensor([1.0, -1.0] * 12)
         sync_colocated(popt.model, ps, dims, engine, bucket_mb=512)  # the engine now holds the bf16 weights
-        before = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, **check)
+        for name, probe in probes.items():
+            out[f"{name}_synced"] = _p90(logprob_differences(popt.model, ps, engine, probe, hf_config.vocab_size))
+            verify_sync(popt.model, ps, engine, probe, hf_config.vocab_size, **check)
         normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=24.0)
         settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
         popt.zero_grad()
@@ -112,15 +143,18 @@ def _stale_layer_bf16(model_dir: str) -> dict:
         popt.step()
         for bucket in iter_hf_buckets(popt.model, ps, dims, 512):  # every tensor but decoder layer 1's
             engine.load_weights([(name, t) for name, t in bucket if ".layers.1." not in name])
-        try:
-            verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, **check)
-            stale_error = ""
-        except WeightSyncError as exc:
-            stale_error = str(exc)
+        for name, probe in probes.items():
+            out[f"{name}_stale"] = _p90(logprob_differences(popt.model, ps, engine, probe, hf_config.vocab_size))
+            try:
+                verify_sync(popt.model, ps, engine, probe, hf_config.vocab_size, **check)
+                out[f"{name}_stale_error"] = ""
+            except WeightSyncError as exc:
+                out[f"{name}_stale_error"] = str(exc)
         sync_colocated(popt.model, ps, dims, engine, bucket_mb=512)
-        after = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, **check)
-        return {"before": before, "after": after, "stale_error": stale_error,
-                "num_tokens": int(batch["completion_mask"].sum())}
+        for name, probe in probes.items():
+            out[f"{name}_resynced"] = _p90(logprob_differences(popt.model, ps, engine, probe, hf_config.vocab_size))
+            verify_sync(popt.model, ps, engine, probe, hf_config.vocab_size, **check)
+        return out
     finally:
         engine.close()
 
@@ -156,8 +190,9 @@ def test_bf16_sync_passes_and_one_stale_layer_is_caught(tmp_path):
     # The warm-started demo model: its confident predictions are what bf16 rounding noise and staleness act on in a
     # real run (a random-weight model's near-uniform log-probs barely move with either).
     (r,) = run_distributed(_stale_layer_bf16, 1, str(resolve_builtin_model("builtin:tiny-qwen2-arith", tmp_path)))
-    assert r["num_tokens"] >= 100, "the percentile needs a probe of some size"
-    assert "not running the trainer's weights" in r["stale_error"], "one stale decoder layer was not caught in bf16"
-    assert "0.9-quantile" in r["stale_error"], r["stale_error"]
-    print(f"bf16 verification: stale layer -> {r['stale_error']}; largest difference synced {r['before']:.3g} / "
-          f"{r['after']:.3g}")
+    print({k: v for k, v in r.items() if not k.endswith("_error")})
+    for name in ("arithmetic", "chat"):  # the synced engine passed verify_sync before and after (it raises)
+        assert "not running the trainer's weights" in r[f"{name}_stale_error"], f"{name}: a stale layer not caught"
+        assert "0.9-quantile" in r[f"{name}_stale_error"], r[f"{name}_stale_error"]
+        assert max(r[f"{name}_synced"], r[f"{name}_resynced"]) * 1.3 < BF16_TOLERANCE < r[f"{name}_stale"] / 1.3, r
+    assert r["chat_completion_tokens"] < 40, "the chat probe's completions alone are too few to check (the point)"

@@ -23,6 +23,7 @@ Every class of the catalogue and the test that holds it (this module unless anot
 | rewards | inf, non-numeric values, a scalar | test_rewards.py::test_a_wrong_return_value_names_the_function_and_the_row |
 | rewards | None everywhere (every function, every row) | test_none_from_every_function_for_every_row_is_an_error |
 | models | missing files (config.json, a weight shard, only .bin weights, no tokenizer) | test_a_model_directory_missing_a_file_names_the_file |
+| models | a local model directory without config.json given to the trainer (not a hub id) | test_the_trainer_checks_a_local_model_directory_but_not_a_hub_id |
 | models | the tokenizer's files missing (transformers builds an empty tokenizer) | test_an_empty_tokenizer_is_named_not_reported_as_empty_prompts |
 | models | a wrong architecture (model_type) | test_an_unsupported_architecture_is_named_before_any_attribute_error |
 | models | a tokenizer larger than the model's vocabulary | test_a_tokenizer_larger_than_the_vocabulary_is_refused |
@@ -204,6 +205,23 @@ def test_a_model_directory_missing_a_file_names_the_file(model_dir, tmp_path):
     with pytest.raises(ModelDirError, match=r"has no tokenizer \(none of tokenizer.json"):
         check_model_dir(no_tokenizer, need_tokenizer=True)
     assert sorted(p.name for p in model_dir.iterdir()) == sorted(p.name for p in (tmp_path / "torn_config").iterdir())
+
+
+def test_the_trainer_checks_a_local_model_directory_but_not_a_hub_id(model_dir, tmp_path):
+    from engine.train.run import resolve_model_dir
+
+    # what build_run reads model.name_or_path with: before transformers' "should have a `model_type` key" message
+    no_config = _copy_model(model_dir, tmp_path / "no_config", skip=("config.json",))
+    with pytest.raises(ModelDirError, match=rf"{no_config} has no config.json: it is not a Hugging Face model"):
+        resolve_model_dir(str(no_config), tmp_path / "run", need_tokenizer=True)
+    no_tokenizer = _copy_model(model_dir, tmp_path / "no_tokenizer", skip=("tokenizer.json", "tokenizer_config.json"))
+    with pytest.raises(ModelDirError, match=r"has no tokenizer"):
+        resolve_model_dir(str(no_tokenizer), tmp_path / "run", need_tokenizer=True)
+    assert resolve_model_dir(str(no_tokenizer), tmp_path / "run", need_tokenizer=False) == no_tokenizer  # own one
+    # a hub id is no local directory: transformers resolves it (engine/models/hub.py), nothing is checked here
+    assert resolve_model_dir("Qwen/Qwen2.5-0.5B-Instruct", tmp_path / "run", need_tokenizer=True) == Path(
+        "Qwen/Qwen2.5-0.5B-Instruct")
+    assert (resolve_model_dir(MODEL, tmp_path / "run", need_tokenizer=True) / "config.json").is_file()
 
 
 def test_an_empty_tokenizer_is_named_not_reported_as_empty_prompts(model_dir, tmp_path):
