@@ -30,10 +30,3 @@ def test_rope_unsupported_scaling_is_refused():
     with pytest.raises(ValueError, match="is not supported"):
         rope_settings(cfg)
 
-
-def test_sequence_parallel_with_local_spec_is_refused():
-    from engine.config import ModelConfig
-    from engine.policy.model import _layer_spec
-
-    with pytest.raises(ValueError, match="sequence_parallel needs Transformer Engine's layer spec"):
-        _layer_spec(ModelConfig(transformer_impl="local"), sequence_parallel=True)
