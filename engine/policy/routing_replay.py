@@ -21,7 +21,7 @@ list of all instances, which other models built in the same process would also b
 Limits: packed micro-batches (`input_ids` rows, engine/policy/packing.py) are refused; activation recompute is off in
 this engine's Megatron config, so only the forward replays (no REPLAY_BACKWARD queue).
 
-Test: tests/distributed/test_routing_replay.py.
+Test: tests/distributed/test_routing_replay.py (EP2, and TP2 x EP2 with sequence parallelism).
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay
 
 def router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> tuple[int, int]:
     """(agreeing, total) (token, layer) pairs of the last recorded forward of `chunk`: the trainer's top-k set equals
-    the engine's (`routed_experts`), over the real tokens of each row (`lengths`; positions before the last)."""
+    the engine's (`routed_experts`), over the real tokens of each row (`lengths`; positions before the last); under
+    sequence parallelism summed over the TP group (the whole sequence on every TP rank)."""
     routes = batch["routed_experts"]  # (b, T, L, k)
     num_rows, seq_len = routes.shape[:2]
     lengths = batch.get("lengths", torch.full((num_rows,), seq_len))
@@ -101,6 +102,10 @@ def router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> 
         same = (recorded.sort(dim=-1).values == engine.sort(dim=-1).values).all(dim=-1)  # (s*b,)
         agree += int(same[mask].sum())
         total += int(mask.sum())
+    if ps.sequence_parallel and ps.tp_size > 1:  # each TP rank routed its own s / tp of the sequence: sum them
+        counts = torch.tensor([agree, total], dtype=torch.int64)
+        torch.distributed.all_reduce(counts, group=ps.groups.tp)
+        agree, total = (int(c) for c in counts)
     return agree, total
 
 
