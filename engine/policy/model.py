@@ -4,14 +4,16 @@ Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config
 (GQA, QKV bias, Qwen3's per-head q/k RMSNorm, SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings, vocabulary padded
 for TP; MoE router and experts with expert parallelism: `moe_settings`), the layer spec choice (Transformer
 Engine when it imports, Megatron's local spec otherwise, whose row-parallel linears are swapped through the
-ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`), `build_policy`, and the rule that
-takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
+ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`, and whose norms are ones that
+allow sequence parallelism: `LocalRMSNorm`), `build_policy`, and the rule that takes a global tensor to this rank's
+TP shard (`take_tp_shard`), which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
-tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step EP2 = EP1),
-tests/distributed/test_grpo_step_layouts.py (also: no "tp_group is None" fallback warning from Megatron).
+tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step at EP2
+and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
+parallelism too; also: no "tp_group is None" fallback warning from Megatron).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     layer is an MoE layer (`decoder_sparse_step=1`, no `mlp_only_layers`; other patterns are refused). Experts are
     Megatron's SequentialMLP (local spec) of width `moe_intermediate_size`, split over `parallel.ep_size` ranks (and
     `parallel.expert_tp_size`). Aux / z-loss coefficients come from the `model` section (`moe_aux_loss_coeff`,
-    `moe_z_loss_coeff`); no token dropping (capacity None), as HF and vLLM.
+    `moe_z_loss_coeff`); no token dropping (capacity None), as HF and vLLM. TP > 1 needs sequence parallelism
+    (Megatron's MoELayer refuses to train without it; the local spec runs it too: `LocalRMSNorm`).
     """
     if hf_config.model_type != "qwen3_moe":
         return {}
@@ -155,6 +158,9 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     if sparse_step != 1 or dense_layers:
         raise ValueError(f"qwen3_moe with decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}: only "
                          "every-layer MoE (step 1, no dense layers) is supported")
+    if ps.tp_size > 1 and not ps.sequence_parallel:
+        raise ValueError(f"qwen3_moe at parallel.tp_size={ps.tp_size} needs parallel.sequence_parallel=true: "
+                         "megatron-core's MoELayer refuses to train MoE with TP > 1 without it (moe_layer.py forward)")
     experts = hf_config.num_experts
     if experts % ps.ep_size:
         raise ValueError(f"num_experts={experts} is not divisible by parallel.ep_size={ps.ep_size}")
