@@ -239,7 +239,8 @@ def build_microbatch(batch: dict, indices: list[int], layout: Layout, pad_token_
     Returns:
         the per-sequence tensors of `indices` (k first), `tokens` (k, L_max) the sequences right-padded (the weight-sync
         probe and the padded path read it), `seq_index` (k,) the indices, and the model inputs: `input_ids` /
-        `position_ids` (rows, width), `seq_row` / `seq_offset` (k,) where each sequence starts, `attention_mask`
+        `position_ids` (rows, width), `padding_mask` (rows, width) bool, True outside every sequence (MoE routers:
+        engine/policy/step.py moe_padding_mask), `seq_row` / `seq_offset` (k,) where each sequence starts, `attention_mask`
         (rows, 1, width, width) bool, True = masked (mask layout only), `packed_seq_params` (thd only).
     """
     n = batch["tokens"].shape[0]
@@ -268,7 +269,7 @@ def build_microbatch(batch: dict, indices: list[int], layout: Layout, pad_token_
            for k, v in batch.items() if k != "position_ids"}
     out["tokens"] = batch["tokens"][index, : max(lengths, default=1)]  # (k, L_max)
     out |= {"seq_index": index, "input_ids": input_ids, "position_ids": position_ids, "seq_row": seq_row,
-            "seq_offset": seq_offset}
+            "seq_offset": seq_offset, "padding_mask": segment == 0}
     if layout == "mask":
         out["attention_mask"] = block_causal_mask(segment)
     elif layout == "thd":

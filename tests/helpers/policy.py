@@ -111,13 +111,16 @@ def global_batch() -> dict:
     return batch
 
 
-def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, width_multiple: int = 1) -> dict:
+def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, width_multiple: int = 1,
+                         padding_free: bool = False, micro_batch_size: int = MICRO_BATCH) -> dict:
     """Rank function body: one GRPO optimizer step on `global_batch` at `parallel`, the result exported to `out_dir`.
 
     DAPO loss with beta > 0, Megatron's distributed optimizer (Adam, epsilon 1e-4: see test_grpo_step_layouts.py) with
     clipping at 1.0. This DP rank's rows go through the trainer's padded path (engine/policy/packing.py
-    round_microbatches: contiguous DP shares, micro-batches of MICRO_BATCH rows, the global normaliser), rows widened to
-    a multiple of `width_multiple` (sequence parallelism needs tp_size; pass the same value to every layout compared).
+    round_microbatches: contiguous DP shares, micro-batches of `micro_batch_size` rows, the global normaliser), rows
+    widened to a multiple of `width_multiple` (sequence parallelism needs tp_size; pass the same value to every layout
+    compared), or with `padding_free` its packed path (rows of packed sequences, block-diagonal mask, at most
+    `micro_batch_size` x the longest sequence tokens per micro-batch).
     Returns {"loss": the summed micro-batch losses on the last stage's TP rank 0, else None, "grad_norm"}.
     """
     from engine.config import OptimizerConfig
@@ -131,8 +134,8 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     opt_cfg = OptimizerConfig(learning_rate=LEARNING_RATE, adam_epsilon=1e-4, lr_scheduler_type="constant",
                               max_grad_norm=1.0)
     popt = build_optimizer(opt_cfg, chunks, ps, total_steps=1)
-    spec = MicrobatchSpec(padding_free=False, max_tokens=None, max_logprob_tokens=None, micro_batch_size=MICRO_BATCH,
-                          multiple=width_multiple)
+    spec = MicrobatchSpec(padding_free=padding_free, max_tokens=None, max_logprob_tokens=None,
+                          micro_batch_size=micro_batch_size, multiple=width_multiple)
     ((microbatches, normalizer),) = round_microbatches(global_batch(), spec, global_batch_size=GLOBAL_BATCH,
                                                        dp_size=ps.dp_size, dp_rank=ps.dp_rank)
     loss_config = PolicyLossConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
