@@ -16,7 +16,7 @@ groups are rebuilt between them, the process group is kept):
     is test_grpo_step_layouts.py's dp2 case, and the micro-batches are the single process's;
 (c) the same step in bf16 (TRL's default precision) at EP2 against EP1, within bf16 rounding (tolerances in the test);
 (d) at TP2 x EP2 with SP, the step on packed rows equals the step on right-padded rows: padding stays out of the
-    aux and z-losses.
+    aux loss; and so does the packed step at TP2 x PP2 x EP2 with SP (a second launch, 4 ranks).
 """
 
 import pytest
@@ -128,6 +128,30 @@ def test_qwen3_moe_packed_step_equals_padded_step_with_aux_loss(launched):
     assert grad_norm_packed == pytest.approx(grad_norm, rel=1e-5)
     for name, weight in after.items():
         torch.testing.assert_close(after_packed[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _packed_step_tp2_pp2_ep2(model_dir: str, out_dir: str) -> dict:
+    from engine.config import ModelConfig, ParallelConfig
+
+    parallel = ParallelConfig(tp_size=2, pp_size=2, ep_size=2, sequence_parallel=True)
+    model_cfg = ModelConfig(dtype="float32", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=0.0)
+    return grpo_step_and_export(model_dir, parallel, model_cfg, out_dir, width_multiple=2, padding_free=True,
+                                micro_batch_size=8)
+
+
+@pytest.mark.slow
+def test_qwen3_moe_packed_step_at_tp2_pp2_ep2_sp_equals_padded_tp2_ep2_sp(launched, tmp_path):
+    """4 ranks: TP2 x PP2 (2 MoE layers per stage) x EP2 with sequence parallelism on packed rows, against the 2-rank
+    padded TP2 x EP2 step with the same micro-batch (aux loss on). The second stage gets its half of the padding mask
+    from the engine (Megatron's GPTModel splits it on the first stage only)."""
+    model_dirs = launched[0]
+    loss, grad_norm, after = _step(launched, "tp2_ep2_sp_mb8")
+    results = run_distributed(_packed_step_tp2_pp2_ep2, 4, model_dirs["qwen3_moe"], str(tmp_path / "out"))
+    assert sum(r["loss"] for r in results if r["loss"] is not None) == pytest.approx(loss, rel=1e-5)
+    assert all(r["grad_norm"] == pytest.approx(grad_norm, rel=1e-5) for r in results)
+    got = hf_tensors(tmp_path / "out")
+    for name, weight in after.items():
+        torch.testing.assert_close(got[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.slow
