@@ -4,14 +4,16 @@ Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config
 (GQA, QKV bias, Qwen3's per-head q/k RMSNorm, SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings, vocabulary padded
 for TP; MoE router and experts with expert parallelism: `moe_settings`), the layer spec choice (Transformer
 Engine when it imports, Megatron's local spec otherwise, whose row-parallel linears are swapped through the
-ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`), `build_policy`, and the rule that
-takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
+ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`, and whose norms are ones that
+allow sequence parallelism: `LocalRMSNorm`), `build_policy`, and the rule that takes a global tensor to this rank's
+TP shard (`take_tp_shard`), which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
-tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step EP2 = EP1),
-tests/distributed/test_grpo_step_layouts.py (also: no "tp_group is None" fallback warning from Megatron).
+tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step at EP2
+and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
+parallelism too; also: no "tp_group is None" fallback warning from Megatron).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     layer is an MoE layer (`decoder_sparse_step=1`, no `mlp_only_layers`; other patterns are refused). Experts are
     Megatron's SequentialMLP (local spec) of width `moe_intermediate_size`, split over `parallel.ep_size` ranks (and
     `parallel.expert_tp_size`). Aux / z-loss coefficients come from the `model` section (`moe_aux_loss_coeff`,
-    `moe_z_loss_coeff`); no token dropping (capacity None), as HF and vLLM.
+    `moe_z_loss_coeff`); no token dropping (capacity None), as HF and vLLM. TP > 1 needs sequence parallelism
+    (Megatron's MoELayer refuses to train without it; the local spec runs it too: `LocalRMSNorm`).
     """
     if hf_config.model_type != "qwen3_moe":
         return {}
@@ -155,6 +158,9 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     if sparse_step != 1 or dense_layers:
         raise ValueError(f"qwen3_moe with decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}: only "
                          "every-layer MoE (step 1, no dense layers) is supported")
+    if ps.tp_size > 1 and not ps.sequence_parallel:
+        raise ValueError(f"qwen3_moe at parallel.tp_size={ps.tp_size} needs parallel.sequence_parallel=true: "
+                         "megatron-core's MoELayer refuses to train MoE with TP > 1 without it (moe_layer.py forward)")
     experts = hf_config.num_experts
     if experts % ps.ep_size:
         raise ValueError(f"num_experts={experts} is not divisible by parallel.ep_size={ps.ep_size}")
@@ -210,7 +216,7 @@ def rope_settings(hf_config) -> dict:
     raise ValueError(f"RoPE {params} is not supported: only the default RoPE and llama3 scaling with {fixed}")
 
 
-def _layer_spec(cfg: ModelConfig, sequence_parallel: bool, qk_layernorm: bool = False, num_experts: int | None = None):
+def _layer_spec(cfg: ModelConfig, qk_layernorm: bool = False, num_experts: int | None = None):
     impl = cfg.transformer_impl
     if impl == "auto":
         try:
@@ -219,12 +225,6 @@ def _layer_spec(cfg: ModelConfig, sequence_parallel: bool, qk_layernorm: bool = 
             impl = "transformer_engine"
         except ImportError:
             impl = "local"
-    if impl == "local" and sequence_parallel:
-        raise ValueError(
-            "parallel.sequence_parallel needs Transformer Engine's layer spec (model.transformer_impl="
-            f"{cfg.transformer_impl!r} resolved to the local spec, whose torch norm does not support it): install "
-            "transformer-engine (GPU) or set parallel.sequence_parallel=false"
-        )
     if impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -232,10 +232,11 @@ def _layer_spec(cfg: ModelConfig, sequence_parallel: bool, qk_layernorm: bool = 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts)
-    row_parallel = _row_parallel_linear_class()
+    row_parallel, norm = _row_parallel_linear_class(), LocalRMSNorm
     layer = spec.submodules
+    qk_norms = {"q_layernorm": norm, "k_layernorm": norm} if qk_layernorm else {}
     attention = dataclasses.replace(layer.self_attention, submodules=dataclasses.replace(
-        layer.self_attention.submodules, linear_proj=row_parallel))
+        layer.self_attention.submodules, linear_proj=row_parallel, **qk_norms))
     if num_experts:  # MoELayer: the experts' SequentialMLP holds the row-parallel fc2 (shared experts: none here)
         experts = layer.mlp.submodules.experts
         experts = dataclasses.replace(experts, submodules=dataclasses.replace(experts.submodules,
@@ -244,7 +245,42 @@ def _layer_spec(cfg: ModelConfig, sequence_parallel: bool, qk_layernorm: bool = 
     else:
         mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules,
                                                                             linear_fc2=row_parallel))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        layer, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=attention, mlp=mlp))
+
+
+class LocalRMSNorm:
+    """The local spec's RMSNorm, usable with sequence parallelism (`LocalRMSNorm(config, hidden_size, eps)` builds a
+    `torch.nn.RMSNorm`).
+
+    NOTE: megatron-core 0.16.1's `WrappedTorchNorm` (transformer/torch_norm.py, the local spec's norm and the final
+    norm of a TransformerBlock without TE or apex) asserts `not config.sequence_parallel` ("sequence parallel not
+    supported by torch LayerNorm"): that is the only reason the local spec refused SP. Under SP a norm sees s / tp
+    tokens per TP rank, so its weight gradient is partial and must be summed over the TP group; Megatron's
+    `finalize_model_grads` does that for every parameter marked `sequence_parallel` (TE's and apex's norms mark
+    theirs). This is the same `torch.nn.RMSNorm` with that mark. Qwen3's q/k norms get it too (harmless: they see
+    every token of their heads and are summed over TP by name, `qk_layernorm`, marked or not).
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None):
+    """GPTModel's decoder spec: the layer spec for Transformer Engine; for the local spec a TransformerBlock spec whose
+    final norm is `LocalRMSNorm` too (a bare layer spec gets Megatron's `WrappedTorchNorm` there)."""
+    from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if layer_spec.submodules.input_layernorm is not LocalRMSNorm:
+        return layer_spec
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=ps.pp_rank)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * num_layers, layer_norm=LocalRMSNorm))
 
 
 def _row_parallel_linear_class():
@@ -322,7 +358,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.n
     shape = policy_shape(hf_config, cfg, ps.tp_size)
     if cfg.cast_lm_head_to_fp32 and shape.tie_word_embeddings:
         raise ValueError("model.cast_lm_head_to_fp32 needs untied embeddings; this checkpoint ties them")
-    spec = _layer_spec(cfg, ps.sequence_parallel, config.qk_layernorm, config.num_moe_experts)
+    spec = _layer_spec(cfg, config.qk_layernorm, config.num_moe_experts)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -331,7 +367,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.n
         chunks.append(
             policy_class(
                 config=config,
-                transformer_layer_spec=spec,
+                transformer_layer_spec=_decoder_spec(spec, config, ps, vp_stage if ps.vpp_size else None),
                 vocab_size=shape.padded_vocab_size,
                 max_sequence_length=hf_config.max_position_embeddings,
                 pre_process=is_first,

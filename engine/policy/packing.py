@@ -29,7 +29,8 @@ completion tokens.
 
 Shapes: under PP every micro-batch of one schedule run has one (rows, width) (pipeline p2p buffers are sized once),
 padded with pad rows; otherwise each micro-batch has its own. Widths are rounded up to `multiple` (tp_size under
-sequence parallelism: Megatron splits the sequence over TP ranks; TRL's `pad_to_multiple_of` if set) and no more.
+sequence parallelism: Megatron splits the sequence over TP ranks; TRL's `pad_to_multiple_of` if set) and no more;
+the padded path's rows too (`_widen_rows`).
 
 NOTE on RoPE in the `mask` layout: Megatron's GPTModel computes rotary embeddings from the row length, not from
 `position_ids` (only the THD path applies them per sequence), so a sequence packed at offset o is rotated as positions
@@ -238,7 +239,8 @@ def build_microbatch(batch: dict, indices: list[int], layout: Layout, pad_token_
     Returns:
         the per-sequence tensors of `indices` (k first), `tokens` (k, L_max) the sequences right-padded (the weight-sync
         probe and the padded path read it), `seq_index` (k,) the indices, and the model inputs: `input_ids` /
-        `position_ids` (rows, width), `seq_row` / `seq_offset` (k,) where each sequence starts, `attention_mask`
+        `position_ids` (rows, width), `padding_mask` (rows, width) bool, True outside every sequence (MoE routers:
+        engine/policy/step.py moe_padding_mask), `seq_row` / `seq_offset` (k,) where each sequence starts, `attention_mask`
         (rows, 1, width, width) bool, True = masked (mask layout only), `packed_seq_params` (thd only); MoE batches
         with the engine's `routed_experts` (n, T, L, k) also `input_routes` (rows, width, L, k) in the rows' layout
         (engine/policy/routing_replay.py) and `input_routes_valid` (rows, width), True where the engine routed.
@@ -269,7 +271,7 @@ def build_microbatch(batch: dict, indices: list[int], layout: Layout, pad_token_
            for k, v in batch.items() if k != "position_ids"}
     out["tokens"] = batch["tokens"][index, : max(lengths, default=1)]  # (k, L_max)
     out |= {"seq_index": index, "input_ids": input_ids, "position_ids": position_ids, "seq_row": seq_row,
-            "seq_offset": seq_offset}
+            "seq_offset": seq_offset, "padding_mask": segment == 0}
     if batch.get("routed_experts") is not None:
         out["input_routes"], out["input_routes_valid"] = _input_routes(out["routed_experts"], rows, lengths,
                                                                        (num_rows, width))
@@ -402,11 +404,31 @@ def round_microbatches(batch: dict, spec: MicrobatchSpec, *, global_batch_size: 
         if spec.uses_rows:
             per_rank = global_batch_size // dp_size
             mine = {k: (v[dp_rank * per_rank : (dp_rank + 1) * per_rank] if isinstance(v, torch.Tensor) else v)
-                    for k, v in rows.items()}
+                    for k, v in _widen_rows(rows, spec).items()}
             steps.append((split_microbatches(mine, spec.micro_batch_size), normalizer))
         else:
             steps.append((step_microbatches(rows, spec, dp_size, dp_rank), normalizer))
     return steps
+
+
+def _widen_rows(rows: dict, spec: MicrobatchSpec) -> dict:
+    """The padded path's rows with `tokens` / `position_ids` (and `routed_experts`, engine/policy/routing_replay.py)
+    right-padded to a multiple of `spec.multiple` (sequence parallelism splits the sequence over the TP ranks: Megatron
+    refuses a length that is not a multiple of tp_size). The added columns follow every sequence's end: no loss reads
+    them."""
+    width = rows["tokens"].shape[1]
+    extra = _round_up(width, spec.multiple) - width
+    if not extra:
+        return rows
+    num_rows = rows["tokens"].shape[0]
+    out = dict(rows)
+    out["tokens"] = torch.nn.functional.pad(rows["tokens"], (0, extra), value=spec.pad_token_id)  # (n, T')
+    out["position_ids"] = torch.arange(width + extra).expand(num_rows, width + extra).contiguous()  # (n, T')
+    if rows.get("routed_experts") is not None:  # (n, T, L, k): the added positions route to experts 0..k-1
+        routes = rows["routed_experts"]
+        fill = torch.arange(routes.shape[-1]).expand(num_rows, extra, *routes.shape[2:])
+        out["routed_experts"] = torch.cat([routes, fill.to(routes.dtype)], dim=1)
+    return out
 
 
 def sequence_logprobs(forward, micro: list[dict], spec: MicrobatchSpec) -> list[torch.Tensor]:

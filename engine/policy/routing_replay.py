@@ -25,7 +25,7 @@ list of all instances, which other models built in the same process would also b
 Limits: activation recompute is off in this engine's Megatron config, so only the forward replays (no
 REPLAY_BACKWARD queue).
 
-Test: tests/distributed/test_routing_replay.py.
+Test: tests/distributed/test_routing_replay.py (EP2, and TP2 x EP2 with sequence parallelism).
 """
 
 from __future__ import annotations
@@ -99,7 +99,9 @@ def model_input_routes(batch: dict) -> torch.Tensor | None:
 
 def router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> tuple[int, int]:
     """(agreeing, total) (token, layer) pairs of the last recorded forward of `chunk`: the trainer's top-k set equals
-    the engine's, over the tokens the engine routed (`input_routes_valid`, or each row's `lengths` - 1 first ones)."""
+    the engine's, over the tokens the engine routed (`input_routes_valid`, or each row's `lengths` - 1 first ones).
+    Under sequence parallelism summed over the TP group (each TP rank routes its part of the sequence), so every TP
+    rank returns the whole sequence's counts."""
     routes = model_input_routes(batch)  # (b, T, L, k)
     num_rows, seq_len = routes.shape[:2]
     if "input_ids" in batch:
@@ -115,14 +117,18 @@ def router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> 
         same = (recorded.sort(dim=-1).values == engine.sort(dim=-1).values).all(dim=-1)  # (s*b,)
         agree += int(same[mask].sum())
         total += int(mask.sum())
+    if ps.sequence_parallel and ps.tp_size > 1:  # each TP rank routed its own s / tp of the sequence: sum them
+        counts = torch.tensor([agree, total], dtype=torch.int64)
+        torch.distributed.all_reduce(counts, group=ps.groups.tp)
+        agree, total = (int(c) for c in counts)
     return agree, total
 
 
 def record_router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> None:
-    """Add the last recorded forward's agreement to `chunk`'s running count. Without sequence parallelism every TP
-    rank routes the same tokens: only tp_rank 0 counts them."""
+    """Add the last recorded forward's agreement to `chunk`'s running count (tp_rank 0: every TP rank holds the whole
+    sequence's counts, `router_agreement`)."""
     agree, total = router_agreement(chunk, batch, ps)
-    if ps.sequence_parallel or ps.tp_rank == 0:
+    if ps.tp_rank == 0:
         counts = getattr(chunk, "router_agreement_counts", (0, 0))
         chunk.router_agreement_counts = (counts[0] + agree, counts[1] + total)
 

@@ -75,7 +75,8 @@ def run_schedule(
         recording = begin_forward(chunk, batch, ps, replay=getattr(chunk, "routing_replay", False))
         # packed micro-batches (engine/policy/packing.py) carry their rows as `input_ids`, a mask or THD params
         hidden = model(batch.get("input_ids", batch["tokens"]), batch["position_ids"],
-                       attention_mask=batch.get("attention_mask"), packed_seq_params=batch.get("packed_seq_params"))
+                       attention_mask=batch.get("attention_mask"), packed_seq_params=batch.get("packed_seq_params"),
+                       padding_mask=moe_padding_mask(chunk, batch, ps))
         if recording:  # (agreeing, total) (token, layer) pairs of this chunk's MoE layers, added to its count
             record_router_agreement(chunk, batch, ps)
         end_forward(chunk)
@@ -107,6 +108,34 @@ def run_schedule(
         **groups,
     )
     return list(values) if ps.is_last_stage else []
+
+
+def moe_padding_mask(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> torch.Tensor | None:
+    """(rows, width) bool, True at padding, for the routers of an MoE model (None for a dense model, or a batch that
+    does not say where its sequences end): Megatron then leaves padding out of the load-balancing aux loss and the
+    z-loss, as HF's Qwen3-MoE aux loss leaves it out through the attention mask.
+
+    NOTE: without it the aux loss's gradient lands on the padding positions. Measured on the tiny Qwen3-MoE, aux loss
+    1e-2, one step of 8 sequences: the gradient of the pad token's embedding row was 12 in padded rows and 3.1e6 in
+    packed rows (2.4 with the aux loss off), so gradient clipping shrank the whole packed step by ~1e6.
+    Megatron's GPTModel splits the mask over the TP ranks under sequence parallelism on the first pipeline stage only
+    (`padding_mask` True = padding, whatever some of its docstrings say): later stages get their slice here.
+    Limit (Megatron's): under sequence parallelism the z-loss is the mean over each TP rank's own valid tokens, so with
+    padding it weighs the sequence halves unequally (measured rel 8e-5 on the grad norm against TP1, z-loss 1e-3;
+    the aux loss counts tokens over the TP group and stays exact).
+    """
+    if not getattr(chunk.config, "num_moe_experts", None):
+        return None
+    if "padding_mask" in batch:  # packed / token-budget rows (engine/policy/packing.py)
+        mask = batch["padding_mask"]
+    elif batch.get("lengths") is not None:  # right-padded rows
+        mask = torch.arange(batch["tokens"].shape[1])[None, :] >= batch["lengths"][:, None]
+    else:
+        return None
+    if not chunk.pre_process and ps.sequence_parallel and ps.tp_size > 1:
+        step = mask.shape[1] // ps.tp_size
+        mask = mask[:, ps.tp_rank * step: (ps.tp_rank + 1) * step]
+    return mask.to(ps.device)
 
 
 def check_attention_mask(chunks: list[torch.nn.Module], microbatches: list[dict]) -> None:

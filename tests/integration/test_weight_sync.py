@@ -16,64 +16,9 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
+from tests.helpers.policy import SYNC_TOLERANCE as TOLERANCE, build_from_hf, sync_after_step
 
-TOLERANCE = 1e-3
 BF16_TOLERANCE, BF16_QUANTILE = 0.3, 0.9  # the trainer's bf16 defaults (engine/train/run.py sync_check)
-
-
-def _sync_after_step(tp: int, pp: int, vllm_tp: int, model_dir: str) -> dict:
-    from transformers import AutoConfig
-
-    from engine.policy.batch import pack_completions
-    from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
-    from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
-    from engine.policy.model import build_policy, policy_shape
-    from engine.policy.optimizer import build_optimizer
-    from engine.policy.parallel import init_parallel
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.rollout.vllm_engine import ColocatedEngine
-    from engine.policy.step import LogprobSettings, grpo_forward_backward
-    from engine.rollout.colocated_sync import sync_colocated
-    from engine.rollout.sync_check import WeightSyncError, verify_sync
-
-    ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    model_cfg = ModelConfig(dtype="float32")
-    dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, tp).padded_vocab_size)
-    chunks = build_policy(hf_config, model_cfg, ps)
-    load_hf_checkpoint(chunks, ps, model_dir, dims)
-    popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)
-    engine = ColocatedEngine(
-        model_dir, RolloutConfig(vllm_tensor_parallel_size=vllm_tp, vllm_gpu_memory_utilization=0.1,
-                                 vllm_max_model_length=128),
-        GenerationConfig(max_completion_length=6), seed=ps.rank // vllm_tp, dtype="float32", world_size=ps.world_size,
-    )
-    try:
-        # Every trainer rank must train on the same batch: take rank 0's samples (each engine samples its own).
-        shared = [engine.generate([[5, 6, 7], [8, 9]], num_generations=2)]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        rollout = shared[0]
-        batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
-        batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
-        before = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, TOLERANCE)
-
-        normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
-        settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
-        popt.zero_grad()
-        grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer, settings)
-        popt.step()
-        try:
-            verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, TOLERANCE)
-            stale_error = ""
-        except WeightSyncError as exc:
-            stale_error = str(exc)
-        stats = sync_colocated(popt.model, ps, dims, engine, bucket_mb=0.25)
-        after = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, TOLERANCE)
-        return {"before": before, "after": after, "stale_error": stale_error, "stats": stats,
-                "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs}
-    finally:
-        engine.close()
 
 
 def _chat_prompts(model_dir: str, num_prompts: int) -> list[list[int]]:
@@ -97,27 +42,16 @@ def _p90(differences) -> float:
 
 
 def _stale_layer_bf16(model_dir: str) -> dict:
-    from transformers import AutoConfig
-
     from engine.policy.batch import pack_completions
     from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
-    from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
-    from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
-    from engine.policy.parallel import init_parallel
     from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
     from engine.rollout.vllm_engine import ColocatedEngine
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from engine.rollout.colocated_sync import iter_hf_buckets, sync_colocated
     from engine.rollout.sync_check import WeightSyncError, logprob_differences, verify_sync
 
-    ps = init_parallel(ParallelConfig(), seed=0)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    model_cfg = ModelConfig(dtype="bfloat16")
-    dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, 1).padded_vocab_size)
-    chunks = build_policy(hf_config, model_cfg, ps)
-    load_hf_checkpoint(chunks, ps, model_dir, dims)
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(), ModelConfig(dtype="bfloat16"))
     popt = build_optimizer(OptimizerConfig(learning_rate=1e-3), chunks, ps, total_steps=1)
     engine = ColocatedEngine(model_dir, RolloutConfig(vllm_gpu_memory_utilization=0.1, vllm_max_model_length=128),
                              GenerationConfig(max_completion_length=12), seed=0, dtype="bfloat16", world_size=1)
@@ -173,7 +107,9 @@ def model_dir(tmp_path_factory):
     ids=["tp1_pp1-vllm_tp1", "tp2_pp1-vllm_tp1", "tp2_pp1-vllm_tp2", "tp1_pp2-vllm_tp2"],
 )
 def test_sync_after_step_makes_engine_match_trainer(model_dir, tp, pp, vllm_tp):
-    results = run_distributed(_sync_after_step, tp * pp, tp, pp, vllm_tp, str(model_dir))
+    from engine.config import ParallelConfig
+
+    results = run_distributed(sync_after_step, tp * pp, str(model_dir), ParallelConfig(tp_size=tp, pp_size=pp), vllm_tp)
     for rank, r in enumerate(results):
         assert r["before"] < TOLERANCE, f"rank {rank}: engine and trainer disagree on the checkpoint: {r['before']}"
         assert "not running the trainer's weights" in r["stale_error"], f"rank {rank}: stale engine not caught"

@@ -31,9 +31,20 @@ def test_rope_unsupported_scaling_is_refused():
         rope_settings(cfg)
 
 
-def test_sequence_parallel_with_local_spec_is_refused():
-    from engine.config import ModelConfig
-    from engine.policy.model import _layer_spec
 
-    with pytest.raises(ValueError, match="sequence_parallel needs Transformer Engine's layer spec"):
-        _layer_spec(ModelConfig(transformer_impl="local"), sequence_parallel=True)
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
+    """Megatron's MoELayer refuses to train at TP > 1 without sequence parallelism, at the first forward and with a
+    message about performance: refused when the model is built, naming the setting."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3MoeConfig
+
+    from engine.config import ModelConfig
+    from engine.policy.model import moe_settings
+
+    ps = SimpleNamespace(tp_size=2, sequence_parallel=False, ep_size=2, etp_size=1)
+    with pytest.raises(ValueError, match="tp_size=2 needs parallel.sequence_parallel=true"):
+        moe_settings(Qwen3MoeConfig(num_experts=4), ModelConfig(), ps)
+    settings = moe_settings(Qwen3MoeConfig(num_experts=4), ModelConfig(), SimpleNamespace(**{**vars(ps),
+                                                                                           "sequence_parallel": True}))
+    assert settings["num_moe_experts"] == 4 and settings["expert_model_parallel_size"] == 2

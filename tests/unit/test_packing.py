@@ -178,3 +178,22 @@ def test_engine_routes_follow_their_tokens_into_the_rows_and_the_logprob_microba
             seq = [3, 0, 2, 1][s]
             row, offset = int(lp["seq_row"][k]), int(lp["seq_offset"][k])
             assert torch.equal(lp["input_routes"][row, offset : offset + lengths[seq] - 1], engine[seq].to(torch.uint8))
+
+
+def test_padded_rows_are_widened_to_the_sequence_parallel_multiple():
+    """Megatron splits the sequence over TP ranks under sequence parallelism and refuses a length that is not a
+    multiple of tp_size: the padded path (rows, no packing) pads to it too."""
+    batch = _batch([2, 7, 5, 4])  # longest sequence 3 + 7 = 10 tokens
+    batch["routed_experts"] = torch.randint(0, 4, (4, 10, 3, 2))  # (n, T, L, k)
+    spec = MicrobatchSpec(padding_free=False, max_tokens=None, max_logprob_tokens=None, micro_batch_size=2,
+                          multiple=4, pad_token_id=0)
+    micro = round_microbatches(batch, spec, global_batch_size=4, dp_size=2, dp_rank=1)[0][0]
+    assert [tuple(mb["tokens"].shape) for mb in micro] == [(2, 12)]
+    mb = micro[0]
+    assert torch.equal(mb["tokens"][:, :10], batch["tokens"][2:]) and not mb["tokens"][:, 10:].any()
+    assert torch.equal(mb["position_ids"], torch.arange(12).expand(2, 12))
+    assert torch.equal(mb["completion_ids"], batch["completion_ids"][2:])
+    assert torch.equal(mb["routed_experts"][:, :10], batch["routed_experts"][2:])
+    assert torch.equal(mb["routed_experts"][:, 10:], torch.arange(2).expand(2, 2, 3, 2))
+    spec_tp1 = MicrobatchSpec(padding_free=False, max_tokens=None, max_logprob_tokens=None, micro_batch_size=2)
+    assert round_microbatches(batch, spec_tp1, global_batch_size=4, dp_size=1, dp_rank=0)[0][0][0]["tokens"].shape[1] == 10

@@ -10,6 +10,7 @@ import torch
 from engine.policy.hf_convert import (MOE_MAPS, DictSource, ModelDims, expert_index, family_map, find_entry,
                                       read_megatron_shard, to_hf, to_megatron_global)
 from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
+from tests.helpers.sync_plan import apply_plan
 
 H, HEADS, KV, D, VOCAB, FFN, MOE_FFN, EXPERTS = 16, 4, 2, 8, 37, 24, 6, 4
 
@@ -121,17 +122,13 @@ def test_sync_plan_feeds_every_vllm_rank_of_a_moe_model_what_its_loaders_read(tp
         stage = 0 if layer is None and name.startswith("embedding.") else (pp - 1 if layer is None else layer // (2 // pp))
         for t in range(tp):
             split = (t, tp) if not entry.is_expert else (0, 1)
-            shards[(stage, t, name)] = read_megatron_shard(entry, layer, dims, DictSource(hf), *split, expert_index(name))
+            shards[(stage, t, 0, name)] = read_megatron_shard(entry, layer, dims, DictSource(hf), *split,
+                                                              expert_index(name))
     for etp in (1, 2):
         plan = build_sync_plan(dims, TrainerLayout(tp_size=tp, pp_size=pp), etp, ffn_hidden_size=FFN)
         assert {t.name: t.shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in hf.items()}
         for rank in range(etp):
-            received = {t.name: torch.full(t.shape, float("nan")) for t in plan.tensors}
-            for tr in plan.transfers():
-                if tr.engine_rank == rank:
-                    local = shards[(tr.piece.pp_rank, tr.piece.tp_rank, tr.piece.megatron)]
-                    received[plan.tensors[tr.tensor].name][tuple(slice(a, b) for a, b in tr.hf_box)] = \
-                        local[tuple(slice(a, b) for a, b in tr.local_box)]
+            received = apply_plan(plan, shards, rank)
             for name, full in hf.items():
                 got, want = _vllm_moe_loaded(name, received[name], rank, etp), _vllm_moe_loaded(name, full, rank, etp)
                 assert torch.equal(got, want), f"tp={tp} pp={pp} etp={etp} rank={rank}: {name}"

