@@ -22,8 +22,9 @@ JSON-able dict from which `build_sync_plan_from_spec` rebuilds the same plan on 
 Must not: move tensors, open process groups, talk to a server, import vLLM (its rules are restated here and checked
 against an emulation of its loaders by the test).
 
-Test: tests/unit/test_sync_plan.py (the plan against brute force: every trainer layout and engine TP, vLLM's loaders
-emulated from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py).
+Test: tests/unit/test_sync_plan.py (the plan against brute force: every trainer layout and engine TP, MoE at EP 1/2/4,
+x PP2, x TP2 and expert TP 2 with each rank's holdings from Megatron's own rank generator, vLLM's loaders emulated
+from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py).
 """
 
 from __future__ import annotations

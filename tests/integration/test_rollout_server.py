@@ -14,7 +14,9 @@ trainer's weights bitwise as they were before the sync; the GRPO loop runs again
 Two servers (one per inference node in production): a round's prompts are split between them and, with seeds,
 equal one server's round; both are synced and verified, a stale one is named; one SIGKILLed and restarted on its
 port between rounds is found by the next generate, waited for, synced afresh (its transfer group rejoined) and
-verified, and the round is asked again.
+verified, and the round is asked again. Expert parallelism: the tiny Qwen3-MoE trained at EP2 (DP2; both ranks
+send, each its own experts) syncs into a server of the same shape started from other random weights, at engine TP 1
+and TP 2: equal after the sync (fp32, 1e-3), stale after a step, equal after the next sync.
 """
 
 import glob

@@ -144,3 +144,34 @@ def test_qwen3_configs_fit_under_80_gib_and_their_headers_quote_the_planner(name
     for budget in plan.budgets:
         assert budget.total_bytes < 80 * GIB, budget.title
         assert f"{budget.total_bytes / GIB:.2f} GiB" in header, (budget.title, f"{budget.total_bytes / GIB:.2f}")
+
+
+@pytest.mark.parametrize("name", QWEN3_CONFIGS[1:])
+def test_moe_split_configs_have_a_server_sync_plan_and_their_headers_quote_its_group(name):
+    """The shipped MoE split configs' server-mode sync is planned at their EP (the real shapes, one layer per stage
+    to stay fast): each sender of a stage sends its own experts, and the header's group size is the plan's."""
+    import re
+    from pathlib import Path
+
+    from engine.config import load_config
+    from engine.planning.shapes import KNOWN_MODELS
+
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    cfg = load_config(path, [])
+    shape, par = KNOWN_MODELS[cfg.model.name_or_path.lower()], cfg.parallel
+    dims = ModelDims(par.pp_size, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.d, shape.vocab_size,
+                     shape.vocab_size, shape.tie_word_embeddings, shape.qkv_bias, qk_norm=True,
+                     num_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_intermediate_size,
+                     moe_map="qwen3_moe")
+    layout = TrainerLayout(par.tp_size, par.pp_size, ep_size=par.ep_size, expert_tp_size=par.expert_tp_size)
+    plan = build_sync_plan(dims, layout, cfg.rollout.vllm_tensor_parallel_size, dtype=cfg.model.dtype,
+                           ffn_hidden_size=shape.intermediate_size)
+    experts_by_sender = {}
+    for t in plan.transfers():
+        if ".local_experts." in t.piece.megatron:
+            experts_by_sender.setdefault(t.sender, set()).add(expert_index(t.piece.megatron))
+    assert len(experts_by_sender) == par.pp_size * par.ep_size  # expert TP 1: one sender per (stage, ep rank)
+    assert {len(e) for e in experts_by_sender.values()} == {shape.num_experts // par.ep_size}
+    header = "".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+    match = re.search(r"(\d+) senders \+ (\d+) vLLM workers", header)
+    assert match and (int(match[1]), int(match[2])) == (plan.trainer.num_senders, plan.engine_tp), header
