@@ -266,8 +266,11 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
                              ffn_hidden_size=hf_config.intermediate_size, dtype="float32", group_port=group_port,
                              timeout_s=30.0, bucket_mb=0.25)
     sync_server(popt.model, ps, dims, engine, link)  # the server may hold another run's weights: start equal
-    rollout = engine.generate([[5, 6, 7], [8, 9]], num_generations=2, seeds=[1, 100])  # the same on every rank
-    batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
+    # the same rollout on every rank; each data-parallel rank trains on, and verifies with, 4 rows of its own
+    rollout = engine.generate([[5, 6, 7], [8, 9], [10, 11, 12], [13, 14]][: 2 * ps.dp_size], num_generations=2,
+                              seeds=[1, 100, 7, 9][: 2 * ps.dp_size])
+    mine = slice(4 * ps.dp_rank, 4 * ps.dp_rank + 4)
+    batch = pack_completions(rollout.prompt_ids[mine], rollout.completion_ids[mine], pad_token_id=0)
     batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
     vocab = hf_config.vocab_size
     before = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
@@ -330,7 +333,8 @@ def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
 @pytest.mark.parametrize("engine_tp", [1, 2], ids=["engine_tp1", "engine_tp2"])
 def test_expert_parallel_trainer_syncs_into_a_moe_server_and_a_stale_one_is_caught(tmp_path, engine_tp):
     """The tiny Qwen3-MoE trained at EP2 (DP2: each rank holds 2 of the 4 experts, so both ranks send) into a server
-    that starts from other random weights of the same shape: only a complete sync makes the two agree."""
+    that starts from other random weights of the same shape: only a complete sync makes the two agree. The two
+    data-parallel ranks verify different probes (each its own rows), as in the GRPO loop."""
     from engine.models.tiny_model import build_tiny_model
     from tests.distributed.launcher import run_distributed
 
