@@ -2,7 +2,8 @@
 
 One world of 2 trainer ranks goes through the layouts (TP1, PP1, DP2: the dp_rank 1 rank must send nothing),
 (TP2, PP1), (TP1, PP2, tied embeddings), and the tiny Qwen3-MoE at EP2 x DP2 (rank 1 is no dense sender but holds
-experts 2-3: it sends those) and TP2 x EP2 (expert TP 1; built, not trained) in turn: it loads the tiny Qwen2 checkpoint into the Megatron policy and
+experts 2-3: it sends those) and expert TP 2 x DP2 (each rank holds half of every expert; rank 1 sends that half)
+in turn: it loads the checkpoint into the Megatron policy and
 sends it with `send_weights` to engine TP 1 and to engine TP 2 (one WeightTransferGroup each, bucketed or
 tensor-by-tensor). Two receiver processes started here (engine ranks 0 and 1; no Megatron, no vLLM) run
 `receive_weights` for the same groups in the same order. Every receiver's filled box of every HF tensor (the box
@@ -28,15 +29,16 @@ BUCKET_MB = 0.25  # the tiny model's decoder layer is ~0.7 MiB: one layer per bu
 TIMEOUT_S = 30.0
 JOIN_TIMEOUT_S = 300.0  # receivers join long before the trainer ranks have imported Megatron
 
-# (family, tp, pp, ep, [(engine_tp, tensor_by_tensor), ...]) in the order the trainer world runs them.
+# (family, tp, pp, ep, expert_tp, [(engine_tp, tensor_by_tensor), ...]) in the order the trainer world runs them.
 LAYOUTS = [
-    ("qwen2", 1, 1, 1, [(1, False), (2, True)]),
-    ("qwen2", 2, 1, 1, [(1, False), (2, False)]),
-    ("qwen2_tied", 1, 2, 1, [(2, False), (1, True)]),
-    ("qwen3_moe", 1, 1, 2, [(2, False)]),
-    ("qwen3_moe", 2, 1, 2, [(1, False)]),
+    ("qwen2", 1, 1, 1, 1, [(1, False), (2, True)]),
+    ("qwen2", 2, 1, 1, 1, [(1, False), (2, False)]),
+    ("qwen2_tied", 1, 2, 1, 1, [(2, False), (1, True)]),
+    ("qwen3_moe", 1, 1, 2, 1, [(2, False)]),
+    ("qwen3_moe", 1, 1, 1, 2, [(1, False)]),
 ]
-DEAD_PEER = ("qwen2_tied", 1, 2, 1, 2)  # (family, tp, pp, ep, engine_tp): engine rank 1 dies after one bucket
+DEAD_PEER = ("qwen2_tied", 1, 2, 1, 1, 2)  # (family, tp, pp, ep, expert_tp, engine_tp): engine rank 1 dies after one
+# bucket
 
 
 def _host_store():
@@ -99,17 +101,17 @@ def _trainer(model_dirs, sends):
     from engine.rollout.weight_transport import WeightTransferGroup, send_weights, sender_index
 
     out = []
-    for family, tp, pp, ep, layout_sends in sends:
+    for family, tp, pp, ep, etp, layout_sends in sends:
         if mpu.model_parallel_is_initialized():
             mpu.destroy_model_parallel()  # the next layout in the same world
-        ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp, ep_size=ep), seed=0)
+        ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp, ep_size=ep, expert_tp_size=etp), seed=0)
         hf_config = AutoConfig.from_pretrained(model_dirs[family])
         model_cfg = ModelConfig(dtype="float32")
         dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, tp).padded_vocab_size)
         chunks = build_policy(hf_config, model_cfg, ps)
         load_hf_checkpoint(chunks, ps, model_dirs[family], dims)
         for port, engine_tp, tensor_by_tensor in layout_sends:
-            plan = build_sync_plan(dims, TrainerLayout(tp, pp, ep_size=ep), engine_tp,
+            plan = build_sync_plan(dims, TrainerLayout(tp, pp, ep_size=ep, expert_tp_size=etp), engine_tp,
                                    ffn_hidden_size=hf_config.intermediate_size)
             group, sender = None, sender_index(plan, ps)
             if sender is not None:
@@ -127,7 +129,7 @@ def _trainer(model_dirs, sends):
     return out
 
 
-def _plan(model_dir, tp, pp, ep, engine_tp):
+def _plan(model_dir, tp, pp, ep, etp, engine_tp):
     from transformers import AutoConfig
 
     from engine.config import ModelConfig
@@ -137,7 +139,7 @@ def _plan(model_dir, tp, pp, ep, engine_tp):
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, ModelConfig(dtype="float32"), tp).padded_vocab_size)
-    return build_sync_plan(dims, TrainerLayout(tp, pp, ep_size=ep), engine_tp,
+    return build_sync_plan(dims, TrainerLayout(tp, pp, ep_size=ep, expert_tp_size=etp), engine_tp,
                            ffn_hidden_size=hf_config.intermediate_size)
 
 
@@ -158,16 +160,16 @@ def transfers(tmp_path_factory):
                   "qwen2_tied": str(build_tiny_model(root / "qwen2_tied", "qwen2", seed=2, tie_word_embeddings=True)),
                   "qwen3_moe": str(build_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=3))}
     jobs, sends, stores, plans = [], [], [], []
-    for family, tp, pp, ep, modes in LAYOUTS + [(*DEAD_PEER[:4], [(DEAD_PEER[4], False)])]:
+    for family, tp, pp, ep, etp, modes in LAYOUTS + [(*DEAD_PEER[:5], [(DEAD_PEER[5], False)])]:
         layout_sends = []
         for engine_tp, tensor_by_tensor in modes:
             port, store = _host_store()
             stores.append(store)
-            plan = _plan(model_dirs[family], tp, pp, ep, engine_tp)
+            plan = _plan(model_dirs[family], tp, pp, ep, etp, engine_tp)
             plans.append((family, plan, tensor_by_tensor))
             jobs.append((port, plan.spec(), tensor_by_tensor))
             layout_sends.append((port, engine_tp, tensor_by_tensor))
-        sends.append((family, tp, pp, ep, layout_sends))
+        sends.append((family, tp, pp, ep, etp, layout_sends))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     dead = len(jobs) - 1
@@ -195,8 +197,9 @@ def transfers(tmp_path_factory):
     return [(family, plan, tbt, received[j]) for j, (family, plan, tbt) in enumerate(plans)], outcomes, model_dirs
 
 
-@pytest.mark.parametrize("job", range(8), ids=[f"{f}-tp{tp}_pp{pp}_ep{ep}-vllm_tp{e}{'-tensor_by_tensor' if t else ''}"
-                                                for f, tp, pp, ep, modes in LAYOUTS for e, t in modes])
+@pytest.mark.parametrize("job", range(8), ids=[f"{f}-tp{tp}_pp{pp}_ep{ep}_etp{etp}-vllm_tp{e}"
+                                                f"{'-tensor_by_tensor' if t else ''}"
+                                                for f, tp, pp, ep, etp, modes in LAYOUTS for e, t in modes])
 def test_receivers_get_exactly_the_checkpoint_slices_their_vllm_rank_loads(transfers, job):
     jobs, outcomes, model_dirs = transfers
     family, plan, tensor_by_tensor, received = jobs[job]
