@@ -13,7 +13,8 @@ Must not: import vLLM, change the trainer's parameters (they are only read, so a
 retry a half-done transfer (a failed sync closes the group; the next one joins a fresh one).
 
 Test: tests/integration/test_rollout_server.py (real vLLM server: trainer TP 1/2 into engine TP 1/2, the tiny
-Qwen3-MoE at trainer EP2 into engine TP 1/2, a server killed mid-sync, a restarted server rejoined). Benchmark: benchmarks/bench_weight_sync.py --vllm.
+Qwen3-MoE at trainer EP2 into engine TP 1/2, a server killed mid-sync, a restarted server rejoined).
+Benchmark: benchmarks/bench_weight_sync.py --vllm.
 """
 
 from __future__ import annotations

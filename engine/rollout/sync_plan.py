@@ -248,7 +248,8 @@ def build_sync_plan_from_spec(spec: dict) -> SyncPlan:
 
 def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, ffn_hidden_size: int,
                     dtype: str = "float32") -> SyncPlan:
-    """The pure weight-sync plan of a Qwen2 / Llama / Qwen3 (dense or MoE) model from a Megatron layout into a vLLM TP layout.
+    """The pure weight-sync plan of a Qwen2 / Llama / Qwen3 (dense or MoE) model from a Megatron layout into a vLLM
+    TP layout.
 
     Args:
         dims: model shape facts; `padded_vocab` is the trainer's (Megatron) padded vocabulary.

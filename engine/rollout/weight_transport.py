@@ -20,7 +20,8 @@ Must not: import vLLM (`receive_weights` runs inside vLLM's workers, which call 
 talk HTTP (engine/rollout/server_sync.py drives the server), touch the default process group.
 
 Test: tests/distributed/test_weight_transport.py (real Megatron shards to receiver processes over gloo, every
-layout, the tiny Qwen3-MoE at EP2 and at expert TP 2; a dead receiver fails the sender within the timeout). Benchmark: benchmarks/bench_weight_sync.py.
+layout, the tiny Qwen3-MoE at EP2 and at expert TP 2; a dead receiver fails the sender within the timeout).
+Benchmark: benchmarks/bench_weight_sync.py.
 """
 
 from __future__ import annotations

@@ -67,13 +67,13 @@ def _hf_model(dims: ModelDims, seed: int) -> dict[str, torch.Tensor]:
             shapes[f"{p}.mlp.gate.weight"] = (dims.num_experts, h)
             f = dims.moe_ffn_hidden_size
             for e in range(dims.num_experts):
-                shapes |= {f"{p}.mlp.experts.{e}.gate_proj.weight": (f, h), f"{p}.mlp.experts.{e}.up_proj.weight": (f, h),
-                           f"{p}.mlp.experts.{e}.down_proj.weight": (h, f)}
+                shapes |= {f"{p}.mlp.experts.{e}.{x}_proj.weight": (f, h) for x in ("gate", "up")}
+                shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (h, f)
         else:
             shapes |= {f"{p}.mlp.gate_proj.weight": (FFN, h), f"{p}.mlp.up_proj.weight": (FFN, h),
                        f"{p}.mlp.down_proj.weight": (h, FFN)}
         if dims.qk_norm:
-            shapes |= {f"{p}.self_attn.q_norm.weight": (dims.head_dim,), f"{p}.self_attn.k_norm.weight": (dims.head_dim,)}
+            shapes |= {f"{p}.self_attn.{x}_norm.weight": (dims.head_dim,) for x in ("q", "k")}
         if dims.qkv_bias:
             shapes |= {f"{p}.self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
     return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
