@@ -48,6 +48,8 @@ class ParallelState:
     etp_size: int = 1
     """Tensor-parallel size inside each expert (`groups.expt_tp`)."""
     etp_rank: int = 0
+    edp_rank: int = 0
+    """Rank in the expert-data-parallel group (the ranks holding copies of the same expert shards)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -128,6 +130,7 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_min: int = 30) -> P
         ep_rank=mpu.get_expert_model_parallel_rank(),
         etp_size=cfg.expert_tp_size,
         etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        edp_rank=mpu.get_expert_data_parallel_rank(),
     )
 
 

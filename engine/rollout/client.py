@@ -16,6 +16,8 @@ Owns:
   (no rank hangs in a collective behind a failed request; one request per server per round, as TRL's server mode
   does). Several servers (`rollout.vllm_server_base_urls`, one per inference node): prompts split in contiguous
   shares, asked concurrently. A restarted server (`RolloutServerLost`) is waited for, re-synced and asked again.
+  `prompt_logprobs` (weight-sync verification) is per rank: every rank's sequences are gathered first, rank 0 asks
+  for them all, each rank gets its own (data-parallel ranks verify different probes).
   `generate_async` starts a generate on a background thread of rank src and returns a `PendingGenerate`, whose
   `result()` (collective) shares the rollout or the error like `generate`: asynchronous rollout
   (engine/train/rollout_pipeline.py) overlaps the HTTP requests with training; the caller keeps at most one in
@@ -363,19 +365,40 @@ class SharedRolloutClient:
         rollout, or the same error, with the restart recovery of `generate`. Not collective itself."""
         return PendingGenerate(self, (prompt_ids, num_generations, seeds))
 
+    def _every_ranks(self, sequences: list[list[int]]) -> tuple[list[list[int]], int]:
+        """Every rank's `sequences` (collective): the distinct lists of the group concatenated, and where this rank's
+        start in it. The ranks may ask about different sequences (data-parallel ranks verify their own probes)."""
+        if not dist.is_initialized():
+            return sequences, 0
+        every: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, sequences, group=self.group)
+        distinct: list = []
+        for seqs in every:
+            if seqs not in distinct:
+                distinct.append(seqs)
+        mine = distinct.index(sequences)
+        return [s for seqs in distinct for s in seqs], sum(len(seqs) for seqs in distinct[:mine])
+
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
-        """Log-probs of `sequences`, shared out among the servers."""
+        """Log-probs of this rank's `sequences`, shared out among the servers (collective; each rank its own)."""
+        every, start = self._every_ranks(sequences)
+
         def ask(client: RolloutClient, share: list) -> list:
             return client.prompt_logprobs(share, temperature)
 
-        return self._shared(lambda: [lp for part in self._on_every_server(ask, sequences) for lp in part])
+        answers = self._shared(lambda: [lp for part in self._on_every_server(ask, every) for lp in part])
+        return answers[start : start + len(sequences)]
 
     def prompt_logprobs_each(self, sequences: list[list[int]], temperature: float) -> list[list[list[float]]]:
-        """Every server's log-probs of all of `sequences` (verification checks each server's weights)."""
-        def ask(client: RolloutClient, share: list) -> list:
-            return client.prompt_logprobs(sequences, temperature)
+        """Every server's log-probs of all of this rank's `sequences` (verification checks each server's weights;
+        collective, each rank its own sequences: rank src asks for every rank's at once)."""
+        every, start = self._every_ranks(sequences)
 
-        return self._shared(lambda: self._on_every_server(ask, list(range(self.num_servers))))
+        def ask(client: RolloutClient, share: list) -> list:
+            return client.prompt_logprobs(every, temperature)
+
+        answers = self._shared(lambda: self._on_every_server(ask, list(range(self.num_servers))))
+        return [per_server[start : start + len(sequences)] for per_server in answers]
 
     def reconnect(self) -> list[dict]:
         """Wait (up to each client's `timeout_s`) until every server answers its health check; collective."""

@@ -1,7 +1,8 @@
 """Server-mode weight sync, the trainer's half: `build_server_sync` (the plan of this trainer layout into a rollout
 server's engine TP, and where the transfer group meets) and `sync_server` (one sync: rank 0 checks the server's
 health and asks engine/rollout/server.py over HTTP to join the group and to receive, each request in a background
-thread, while the dp_rank-0 ranks `send_weights` their shards; the outcome is then agreed over the trainer's world so
+thread, while the sender ranks (dp_rank 0; with expert parallelism also the expert-data-parallel-rank-0 ranks
+holding the other experts) `send_weights` their shards; the outcome is then agreed over the trainer's world so
 every rank returns, or raises, together). The server's half is engine/rollout/vllm_engine.py's
 `WeightReceiverExtension` (`receive_weights` in vLLM's workers).
 
@@ -11,8 +12,9 @@ ParallelState and the server's engine TP, and executed by engine/rollout/weight_
 Must not: import vLLM, change the trainer's parameters (they are only read, so a failed sync leaves them exact),
 retry a half-done transfer (a failed sync closes the group; the next one joins a fresh one).
 
-Test: tests/integration/test_rollout_server.py (real vLLM server: trainer TP 1/2 into engine TP 1/2, a server killed
-mid-sync, a restarted server rejoined). Benchmark: benchmarks/bench_weight_sync.py --vllm.
+Test: tests/integration/test_rollout_server.py (real vLLM server: trainer TP 1/2 into engine TP 1/2, the tiny
+Qwen3-MoE at trainer EP2 into engine TP 1/2, a server killed mid-sync, a restarted server rejoined).
+Benchmark: benchmarks/bench_weight_sync.py --vllm.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from engine.policy.parallel import ParallelState
 from engine.rollout.server import model_mismatch
 from engine.rollout.sync_check import WeightSyncError
 from engine.rollout.sync_plan import SyncPlan, TrainerLayout, build_sync_plan
-from engine.rollout.weight_transport import WeightTransferGroup, send_weights
+from engine.rollout.weight_transport import WeightTransferGroup, send_weights, sender_index
 
 
 @dataclass
@@ -46,7 +48,7 @@ class ServerSync:
     """Bounds joining, every transfer wait and the server's answers."""
     bucket_mb: float
     group: WeightTransferGroup | None = None
-    """This rank's group (dp_rank 0 ranks, once joined)."""
+    """This rank's group (sender ranks, once joined)."""
     is_joined: bool = False
     """The same on every trainer rank: whether the group exists (False again after a failed sync)."""
     store: object = None
@@ -67,6 +69,7 @@ def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn
     layout = TrainerLayout(ps.tp_size, ps.pp_size, ps.vpp_size, ep_size=ps.ep_size, expert_tp_size=ps.etp_size)
     plan = build_sync_plan(dims, layout, engine_tp,
                            ffn_hidden_size=ffn_hidden_size, dtype=dtype)
+    sender_index(plan, ps)  # a rank order the plan does not know is refused here, before any server is asked
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
     return ServerSync(plan, host, group_port, timeout_s, bucket_mb, server=server)
 
@@ -128,7 +131,7 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
     """Push the policy's current weights into the rollout server (collective: every trainer rank calls it).
 
     Rank 0 asks the server over HTTP to join the group (first sync, or after a failure) and to receive one sync,
-    each request in a background thread, while the dp_rank-0 ranks join and `send_weights` their own shards; the
+    each request in a background thread, while the sender ranks join and `send_weights` their own shards; the
     outcome is then agreed over the trainer's world so every rank returns, or raises, together.
 
     Args:
@@ -164,9 +167,10 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
                                            timeout=timedelta(seconds=link.timeout_s), wait_for_workers=False)
             http = _in_background(lambda: client.init_weight_group(**request)) if ps.rank == 0 else None
             try:
-                if ps.dp_rank == 0:
-                    link.group = WeightTransferGroup.create(link.host, link.port, plan.trainer.sender_rank(
-                        ps.pp_rank, ps.tp_rank), plan.group_size, link.timeout_s, host_store=False)
+                sender = sender_index(plan, ps)
+                if sender is not None:
+                    link.group = WeightTransferGroup.create(link.host, link.port, sender, plan.group_size,
+                                                            link.timeout_s, host_store=False)
             finally:
                 _result(http, link.timeout_s, "joining the weight-transfer group")
             link.is_joined = True

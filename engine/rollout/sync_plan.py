@@ -5,8 +5,11 @@ box the vLLM weight loader of each engine TP rank narrows to.
 Layouts: knows both (STYLE.md rule 4; with engine/rollout/weight_transport.py, which executes the plan and knows them
 only through it). The trainer's through engine/policy/hf_convert.py's map: Megatron's GQA-interleaved QKV,
 [gate_r; up_r] fc1, padded vocabulary, PP / virtual-PP layer placement, tied embeddings (`_trainer_boxes` is the
-inverse of hf_convert's `read_megatron_shard`; MoE experts only at ep_size = expert_tp_size = 1, where tp_rank 0 of
-each stage sends every expert whole). The engine's by restating vLLM's loader rules (`_engine_box`):
+inverse of hf_convert's `read_megatron_shard`; MoE experts from the expert-parallel rank that owns them, split over
+the expert-TP group). The senders (`TrainerLayout.sender_of`): in each stage, the dp_rank-0 ranks send the dense
+tensors (one per tp_rank) and the expert-data-parallel-rank-0 ranks send the experts (one per (ep_rank, expert
+tp_rank)); by Megatron's rank order (tp-cp-ep-dp-pp, tp fastest) these are the first max(tp, expert_tp * ep) ranks of
+each stage. The engine's by restating vLLM's loader rules (`_engine_box`):
 QKVParallelLinear with KV-head replication when engine_tp > num_kv_heads, MergedColumnParallelLinear,
 RowParallelLinear on dim 1, VocabParallelEmbedding / ParallelLMHead with vLLM's padding to 64, norms replicated, MoE
 (FusedMoE without expert parallelism: each expert's gate / up split by rows, down by columns; the router replicated). A
@@ -19,8 +22,9 @@ JSON-able dict from which `build_sync_plan_from_spec` rebuilds the same plan on 
 Must not: move tensors, open process groups, talk to a server, import vLLM (its rules are restated here and checked
 against an emulation of its loaders by the test).
 
-Test: tests/unit/test_sync_plan.py (the plan against brute force: every trainer layout and engine TP, vLLM's loaders
-emulated from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py).
+Test: tests/unit/test_sync_plan.py (the plan against brute force: every trainer layout and engine TP, MoE at EP 1/2/4,
+x PP2, x TP2 and expert TP 2 with each rank's holdings from Megatron's own rank generator, vLLM's loaders emulated
+from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py).
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ class TrainerLayout:
     vpp_size: int | None = None
     """Virtual pipeline chunks per stage (None or 1: one chunk)."""
     ep_size: int = 1
-    """MoE: expert-parallel size; only 1 is planned (each rank of a stage then holds every expert)."""
+    """MoE: expert-parallel size: ep_rank r of a stage holds experts [r*E/ep, (r+1)*E/ep)."""
     expert_tp_size: int = 1
+    """MoE: tensor-parallel size inside each expert."""
 
     def holder_of_layer(self, layer: int, num_layers: int) -> tuple[int, int]:
         """(pp_rank, virtual chunk) that holds decoder layer `layer`: Megatron's offset rule without uneven stages,
@@ -64,12 +69,40 @@ class TrainerLayout:
         return (layer % per_vp) // per_chunk, layer // per_vp
 
     @property
-    def num_senders(self) -> int:
-        return self.tp_size * self.pp_size
+    def senders_per_stage(self) -> int:
+        """The first max(tp, expert_tp * ep) ranks of each stage send: ranks [0, tp) are dp_rank 0 (the dense
+        tensors), ranks [0, expert_tp * ep) are expert-data-parallel rank 0 (the experts)."""
+        return max(self.tp_size, self.expert_tp_size * self.ep_size)
 
-    def sender_rank(self, pp_rank: int, tp_rank: int) -> int:
-        """This trainer rank's rank in the weight-transfer group (senders come first, by (pp_rank, tp_rank))."""
-        return pp_rank * self.tp_size + tp_rank
+    @property
+    def num_senders(self) -> int:
+        return self.senders_per_stage * self.pp_size
+
+    def sender_rank(self, pp_rank: int, tp_rank: int, ep_rank: int = 0) -> int:
+        """The weight-transfer group rank of the sender of a piece (senders come first, by pp_rank, then by rank
+        within the stage): a dense piece's sender by its tp_rank (ep_rank 0), an expert piece's by its expert-TP
+        rank `tp_rank` and `ep_rank` (Megatron's order: the stage's rank expert_tp_rank + expert_tp * ep_rank)."""
+        return pp_rank * self.senders_per_stage + tp_rank + self.expert_tp_size * ep_rank
+
+    def sender_of(self, pp_rank: int, tp_rank: int, dp_rank: int, etp_rank: int = 0, ep_rank: int = 0,
+                  edp_rank: int = 0) -> int | None:
+        """This trainer rank's rank in the weight-transfer group, from its Megatron ranks; None if it sends nothing
+        (it holds copies of other ranks' dense and expert shards).
+
+        Raises:
+            ValueError when Megatron's ranks contradict the plan's rank order (a dense and an expert sender role
+            that name different ranks of the stage).
+        """
+        dense = tp_rank if dp_rank == 0 else None
+        expert = etp_rank + self.expert_tp_size * ep_rank if edp_rank == 0 else None
+        if dense is not None and expert is not None and dense != expert:
+            raise ValueError(
+                f"weight-sync plan: this rank is dense sender {dense} (tp_rank {tp_rank}) and expert sender {expert} "
+                f"(expert_tp_rank {etp_rank} + expert_tp_size {self.expert_tp_size} * ep_rank {ep_rank}); the plan "
+                "assumes Megatron's rank order tp-cp-ep-dp-pp"
+            )
+        local = dense if dense is not None else expert
+        return None if local is None else pp_rank * self.senders_per_stage + local
 
 
 @dataclass(frozen=True)
@@ -78,12 +111,20 @@ class Piece:
 
     pp_rank: int
     tp_rank: int
+    """The holder's TP rank; for an expert tensor, its expert-TP rank."""
     vp_chunk: int
     megatron: str
     """Global Megatron parameter name (local layer spec names: `...input_layernorm.weight`)."""
     hf_box: Box
     local_start: tuple[int, ...]
     """Where `hf_box` starts in the local shard (same extent: the piece is a translation)."""
+    ep_rank: int = 0
+    """The holder's expert-parallel rank (expert tensors; 0 for the others)."""
+
+    @property
+    def sender(self) -> tuple[int, int, int]:
+        """(pp_rank, tp_rank, ep_rank): the arguments of `TrainerLayout.sender_rank`."""
+        return self.pp_rank, self.tp_rank, self.ep_rank
 
 
 @dataclass(frozen=True)
@@ -151,7 +192,7 @@ class SyncPlan:
         out = []
         for index, tensor in enumerate(self.tensors):
             for piece in tensor.pieces:
-                sender = self.trainer.sender_rank(piece.pp_rank, piece.tp_rank)
+                sender = self.trainer.sender_rank(*piece.sender)
                 for engine_rank, box in enumerate(tensor.engine_boxes):
                     hf_box = _intersect(piece.hf_box, box)
                     if hf_box is None:
@@ -207,26 +248,21 @@ def build_sync_plan_from_spec(spec: dict) -> SyncPlan:
 
 def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, ffn_hidden_size: int,
                     dtype: str = "float32") -> SyncPlan:
-    """The pure weight-sync plan of a Qwen2 / Llama model from a Megatron layout into a vLLM TP layout.
+    """The pure weight-sync plan of a Qwen2 / Llama / Qwen3 (dense or MoE) model from a Megatron layout into a vLLM
+    TP layout.
 
     Args:
         dims: model shape facts; `padded_vocab` is the trainer's (Megatron) padded vocabulary.
-        trainer: the trainer's TP / PP / virtual-PP sizes.
+        trainer: the trainer's TP / PP / virtual-PP / EP / expert-TP sizes.
         engine_tp: vLLM's tensor-parallel size.
         ffn_hidden_size: the MLP width (HF `intermediate_size`; ModelDims does not carry it).
         dtype: the dtype sent and received.
     Returns:
-        the SyncPlan; replicated tensors (norms) have one piece, on tp_rank 0.
+        the SyncPlan; replicated tensors (norms, the router) have one piece, on tp_rank 0; each expert's pieces are
+        on the ep_rank that owns it, one per expert-TP rank.
     Raises:
         ValueError when a layout cannot hold the model (the arithmetic in the message).
     """
-    if dims.num_experts and (trainer.ep_size, trainer.expert_tp_size) != (1, 1):
-        raise ValueError(
-            f"weight-sync plan: a mixture-of-experts trainer at ep_size={trainer.ep_size}, expert_tp_size="
-            f"{trainer.expert_tp_size} is not planned for server mode yet (expert shards live on EP ranks beyond the "
-            "(pp, tp) senders); use ep_size=1 there, or the colocated sync, which gathers experts over the EP group "
-            "(engine/rollout/colocated_sync.py)"
-        )
     _check_layouts(dims, trainer, engine_tp, ffn_hidden_size, dtype)
     tensors = []
     for entry, layer, expert in _entries_in_load_order(dims):
@@ -241,10 +277,10 @@ def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, 
             pp_rank, vp_chunk = trainer.pp_size - 1, (trainer.vpp_size or 1) - 1
         names = hf_names(entry, layer, expert)
         shapes = _hf_shapes(entry, dims, ffn_hidden_size)
-        # NOTE: at ep_size = expert_tp_size = 1 every rank of a stage holds every expert whole: tp_rank 0 sends it
-        split = 1 if entry.kind == "replicated" or entry.is_expert else trainer.tp_size
+        split = 1 if entry.kind == "replicated" else trainer.expert_tp_size if entry.is_expert else trainer.tp_size
+        ep_rank = expert // (dims.num_experts // trainer.ep_size) if entry.is_expert else 0
         for part, (name, shape) in enumerate(zip(names, shapes)):
-            pieces = [Piece(pp_rank, tp_rank, vp_chunk, megatron, box, start)
+            pieces = [Piece(pp_rank, tp_rank, vp_chunk, megatron, box, start, ep_rank)
                       for tp_rank in range(split)
                       for box, start in _trainer_boxes(entry.kind, part, shape, dims, tp_rank, split)]
             engine_boxes = tuple(_engine_box(entry.kind, part, shape, dims, rank, engine_tp)
@@ -354,6 +390,11 @@ def _check_layouts(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, ffn:
                     ("padded_vocab", dims.padded_vocab)):
         if n % trainer.tp_size:
             problems.append(f"trainer: {what}={n} % tp_size={trainer.tp_size} != 0")
+    if dims.num_experts and dims.num_experts % trainer.ep_size:
+        problems.append(f"trainer: num_experts={dims.num_experts} % ep_size={trainer.ep_size} != 0")
+    if dims.num_experts and dims.moe_ffn_hidden_size % trainer.expert_tp_size:
+        problems.append(f"trainer: moe_ffn_hidden_size={dims.moe_ffn_hidden_size} % expert_tp_size="
+                        f"{trainer.expert_tp_size} != 0")
     for what, n in (("num_heads", dims.num_heads), ("ffn_hidden_size", ffn),
                     ("moe_ffn_hidden_size", dims.moe_ffn_hidden_size)):
         if n % engine_tp:

@@ -1,7 +1,8 @@
 """Server-mode weight transport: the trainer's sender ranks -> the engine's workers, shard to shard, over a process
 group of their own (`WeightTransferGroup`): `send_weights` on the trainer, `receive_weights` in vLLM's workers.
 
-The group joins the trainer's dp_rank-0 ranks and the engine's workers; each sender sends only the boxes of its own
+The group joins the trainer's sender ranks (`sender_index`: dp_rank 0 for the dense tensors, expert-data-parallel rank
+0 for the experts) and the engine's workers; each sender sends only the boxes of its own
 shards that each engine rank reads (nobody gathers the model), one flat buffer per (bucket, sender, engine rank)
 behind a small header; both sides derive the bucket schedule from (plan, bucket_mb), so there is no metadata
 handshake, and a mismatch, a dead peer or a timeout raises WeightSyncError naming the bucket and the peer.
@@ -19,7 +20,8 @@ Must not: import vLLM (`receive_weights` runs inside vLLM's workers, which call 
 talk HTTP (engine/rollout/server_sync.py drives the server), touch the default process group.
 
 Test: tests/distributed/test_weight_transport.py (real Megatron shards to receiver processes over gloo, every
-layout; a dead receiver fails the sender within the timeout). Benchmark: benchmarks/bench_weight_sync.py.
+layout, the tiny Qwen3-MoE at EP2 and at expert TP 2; a dead receiver fails the sender within the timeout).
+Benchmark: benchmarks/bench_weight_sync.py.
 """
 
 from __future__ import annotations
@@ -117,10 +119,19 @@ class WeightTransferGroup:
         return self.pg.recv([tensor], src, tag)
 
 
+def sender_index(plan: SyncPlan, ps: ParallelState) -> int | None:
+    """This trainer rank's rank in the weight-transfer group, None if it sends nothing (`TrainerLayout.sender_of`)."""
+    return plan.trainer.sender_of(ps.pp_rank, ps.tp_rank, ps.dp_rank, ps.etp_rank, ps.ep_rank, ps.edp_rank)
+
+
 def _describe_peer(plan: SyncPlan, group_rank: int) -> str:
     layout = plan.trainer
     if group_rank < layout.num_senders:
-        return f"trainer sender {group_rank} (pp_rank {group_rank // layout.tp_size}, tp_rank {group_rank % layout.tp_size})"
+        pp_rank, local = divmod(group_rank, layout.senders_per_stage)
+        roles = [f"tp_rank {local}"] if local < layout.tp_size else []
+        if layout.ep_size * layout.expert_tp_size > 1 and local < layout.ep_size * layout.expert_tp_size:
+            roles.append(f"experts of ep_rank {local // layout.expert_tp_size}")
+        return f"trainer sender {group_rank} (pp_rank {pp_rank}, {', '.join(roles)})"
     return f"engine worker {group_rank} (engine tp_rank {group_rank - layout.num_senders})"
 
 
@@ -180,7 +191,8 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
                  bucket_mb: float, *, tensor_by_tensor: bool = False) -> dict[str, float]:
     """Send this trainer rank's pieces of the policy to the engine workers (call on every trainer rank).
 
-    Ranks with dp_rank > 0 return at once (they hold copies of dp_rank 0's shards). Each sender packs, per bucket
+    Ranks that are no sender return at once (`sender_index`: they hold copies of the senders' dense and expert
+    shards). Each sender packs, per bucket
     and per engine rank, the boxes of its own shards that rank reads into one flat buffer behind a small header;
     no rank gathers anything. Packing bucket k+1 overlaps the transmission of bucket k. Returns after every engine
     rank acknowledged the last bucket. `tensor_by_tensor=True` is the baseline of per-tensor frameworks, for the
@@ -192,20 +204,22 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
 
     Args:
         chunks: the policy chunks (wrapped or not), in virtual-stage order.
-        group: this rank's WeightTransferGroup (None on dp_rank > 0 ranks).
+        group: this rank's WeightTransferGroup (None on ranks that send nothing).
         plan: from `build_sync_plan` for this layout; the engine side must use the same plan and `bucket_mb`.
     Returns:
         {"weight_sync/seconds", "weight_sync/gib" (sent by this rank), "weight_sync/messages", "weight_sync/buckets"}.
     Raises:
         WeightSyncError naming the bucket and the peer when a transfer fails or times out (a dead engine worker).
     """
-    if ps.dp_rank != 0:
+    layout = plan.trainer
+    if plan.dims != dims or (layout.tp_size, layout.pp_size, layout.ep_size, layout.expert_tp_size) != (
+            ps.tp_size, ps.pp_size, ps.ep_size, ps.etp_size):
+        raise ValueError(f"weight-sync plan for {layout} / {plan.dims} used at tp={ps.tp_size}, pp={ps.pp_size}, "
+                         f"ep={ps.ep_size}, expert_tp={ps.etp_size} / {dims}")
+    me = sender_index(plan, ps)
+    if me is None:
         return {}
-    if plan.dims != dims or (plan.trainer.tp_size, plan.trainer.pp_size) != (ps.tp_size, ps.pp_size):
-        raise ValueError(f"weight-sync plan for {plan.trainer} / {plan.dims} used at tp={ps.tp_size}, pp={ps.pp_size} "
-                         f"/ {dims}")
     start = time.perf_counter()
-    me = plan.trainer.sender_rank(ps.pp_rank, ps.tp_rank)
     params = _local_params(chunks)
     buckets = tensor_buckets(plan) if tensor_by_tensor else plan.buckets(bucket_mb)
     per_bucket = [{rank: ts for (sender, rank), ts in pairs.items() if sender == me}

@@ -1,7 +1,9 @@
 """Server-mode weight transport on gloo: real Megatron policy shards -> receiver processes over a WeightTransferGroup.
 
 One world of 2 trainer ranks goes through the layouts (TP1, PP1, DP2: the dp_rank 1 rank must send nothing),
-(TP2, PP1) and (TP1, PP2, tied embeddings) in turn: it loads the tiny Qwen2 checkpoint into the Megatron policy and
+(TP2, PP1), (TP1, PP2, tied embeddings), and the tiny Qwen3-MoE at EP2 x DP2 (rank 1 is no dense sender but holds
+experts 2-3: it sends those) and expert TP 2 x DP2 (each rank holds half of every expert; rank 1 sends that half)
+in turn: it loads the checkpoint into the Megatron policy and
 sends it with `send_weights` to engine TP 1 and to engine TP 2 (one WeightTransferGroup each, bucketed or
 tensor-by-tensor). Two receiver processes started here (engine ranks 0 and 1; no Megatron, no vLLM) run
 `receive_weights` for the same groups in the same order. Every receiver's filled box of every HF tensor (the box
@@ -27,13 +29,16 @@ BUCKET_MB = 0.25  # the tiny model's decoder layer is ~0.7 MiB: one layer per bu
 TIMEOUT_S = 30.0
 JOIN_TIMEOUT_S = 300.0  # receivers join long before the trainer ranks have imported Megatron
 
-# (family, tp, pp, [(engine_tp, tensor_by_tensor), ...]) in the order the trainer world runs them.
+# (family, tp, pp, ep, expert_tp, [(engine_tp, tensor_by_tensor), ...]) in the order the trainer world runs them.
 LAYOUTS = [
-    ("qwen2", 1, 1, [(1, False), (2, True)]),
-    ("qwen2", 2, 1, [(1, False), (2, False)]),
-    ("qwen2_tied", 1, 2, [(2, False), (1, True)]),
+    ("qwen2", 1, 1, 1, 1, [(1, False), (2, True)]),
+    ("qwen2", 2, 1, 1, 1, [(1, False), (2, False)]),
+    ("qwen2_tied", 1, 2, 1, 1, [(2, False), (1, True)]),
+    ("qwen3_moe", 1, 1, 2, 1, [(2, False)]),
+    ("qwen3_moe", 1, 1, 1, 2, [(1, False)]),
 ]
-DEAD_PEER = ("qwen2_tied", 1, 2, 2)  # (family, tp, pp, engine_tp): engine rank 1 dies after one bucket
+DEAD_PEER = ("qwen2_tied", 1, 2, 1, 1, 2)  # (family, tp, pp, ep, expert_tp, engine_tp): engine rank 1 dies after one
+# bucket
 
 
 def _host_store():
@@ -93,26 +98,25 @@ def _trainer(model_dirs, sends):
     from engine.policy.parallel import init_parallel
     from engine.rollout.sync_check import WeightSyncError
     from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
-    from engine.rollout.weight_transport import WeightTransferGroup, send_weights
+    from engine.rollout.weight_transport import WeightTransferGroup, send_weights, sender_index
 
     out = []
-    for family, tp, pp, layout_sends in sends:
+    for family, tp, pp, ep, etp, layout_sends in sends:
         if mpu.model_parallel_is_initialized():
             mpu.destroy_model_parallel()  # the next layout in the same world
-        ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
+        ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp, ep_size=ep, expert_tp_size=etp), seed=0)
         hf_config = AutoConfig.from_pretrained(model_dirs[family])
         model_cfg = ModelConfig(dtype="float32")
         dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, tp).padded_vocab_size)
         chunks = build_policy(hf_config, model_cfg, ps)
         load_hf_checkpoint(chunks, ps, model_dirs[family], dims)
         for port, engine_tp, tensor_by_tensor in layout_sends:
-            plan = build_sync_plan(dims, TrainerLayout(tp, pp), engine_tp,
+            plan = build_sync_plan(dims, TrainerLayout(tp, pp, ep_size=ep, expert_tp_size=etp), engine_tp,
                                    ffn_hidden_size=hf_config.intermediate_size)
-            group = None
-            if ps.dp_rank == 0:
-                group = WeightTransferGroup.create(
-                    "127.0.0.1", port, plan.trainer.sender_rank(ps.pp_rank, ps.tp_rank), plan.group_size,
-                    timeout_s=TIMEOUT_S, join_timeout_s=JOIN_TIMEOUT_S, host_store=False)
+            group, sender = None, sender_index(plan, ps)
+            if sender is not None:
+                group = WeightTransferGroup.create("127.0.0.1", port, sender, plan.group_size, timeout_s=TIMEOUT_S,
+                                                   join_timeout_s=JOIN_TIMEOUT_S, host_store=False)
             start = time.monotonic()
             try:
                 stats = send_weights(chunks, ps, dims, group, plan, BUCKET_MB, tensor_by_tensor=tensor_by_tensor)
@@ -125,7 +129,7 @@ def _trainer(model_dirs, sends):
     return out
 
 
-def _plan(model_dir, tp, pp, engine_tp):
+def _plan(model_dir, tp, pp, ep, etp, engine_tp):
     from transformers import AutoConfig
 
     from engine.config import ModelConfig
@@ -135,7 +139,8 @@ def _plan(model_dir, tp, pp, engine_tp):
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, ModelConfig(dtype="float32"), tp).padded_vocab_size)
-    return build_sync_plan(dims, TrainerLayout(tp, pp), engine_tp, ffn_hidden_size=hf_config.intermediate_size)
+    return build_sync_plan(dims, TrainerLayout(tp, pp, ep_size=ep, expert_tp_size=etp), engine_tp,
+                           ffn_hidden_size=hf_config.intermediate_size)
 
 
 def _checkpoint(model_dir) -> dict[str, torch.Tensor]:
@@ -152,18 +157,19 @@ def transfers(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     model_dirs = {"qwen2": str(build_tiny_model(root / "qwen2", "qwen2", seed=1)),
-                  "qwen2_tied": str(build_tiny_model(root / "qwen2_tied", "qwen2", seed=2, tie_word_embeddings=True))}
+                  "qwen2_tied": str(build_tiny_model(root / "qwen2_tied", "qwen2", seed=2, tie_word_embeddings=True)),
+                  "qwen3_moe": str(build_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=3))}
     jobs, sends, stores, plans = [], [], [], []
-    for family, tp, pp, modes in LAYOUTS + [(DEAD_PEER[0], DEAD_PEER[1], DEAD_PEER[2], [(DEAD_PEER[3], False)])]:
+    for family, tp, pp, ep, etp, modes in LAYOUTS + [(*DEAD_PEER[:5], [(DEAD_PEER[5], False)])]:
         layout_sends = []
         for engine_tp, tensor_by_tensor in modes:
             port, store = _host_store()
             stores.append(store)
-            plan = _plan(model_dirs[family], tp, pp, engine_tp)
+            plan = _plan(model_dirs[family], tp, pp, ep, etp, engine_tp)
             plans.append((family, plan, tensor_by_tensor))
             jobs.append((port, plan.spec(), tensor_by_tensor))
             layout_sends.append((port, engine_tp, tensor_by_tensor))
-        sends.append((family, tp, pp, layout_sends))
+        sends.append((family, tp, pp, ep, etp, layout_sends))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     dead = len(jobs) - 1
@@ -191,8 +197,9 @@ def transfers(tmp_path_factory):
     return [(family, plan, tbt, received[j]) for j, (family, plan, tbt) in enumerate(plans)], outcomes, model_dirs
 
 
-@pytest.mark.parametrize("job", range(6), ids=[f"{f}-tp{tp}_pp{pp}-etp{e}{'-tensor_by_tensor' if t else ''}"
-                                                for f, tp, pp, modes in LAYOUTS for e, t in modes])
+@pytest.mark.parametrize("job", range(8), ids=[f"{f}-tp{tp}_pp{pp}_ep{ep}_etp{etp}-vllm_tp{e}"
+                                                f"{'-tensor_by_tensor' if t else ''}"
+                                                for f, tp, pp, ep, etp, modes in LAYOUTS for e, t in modes])
 def test_receivers_get_exactly_the_checkpoint_slices_their_vllm_rank_loads(transfers, job):
     jobs, outcomes, model_dirs = transfers
     family, plan, tensor_by_tensor, received = jobs[job]
@@ -214,7 +221,7 @@ def test_receivers_get_exactly_the_checkpoint_slices_their_vllm_rank_loads(trans
         for tensor in plan.tensors:
             box = tuple(slice(a, b) for a, b in tensor.engine_boxes[rank])
             assert torch.equal(boxes[tensor.name], checkpoint[tensor.name][box]), f"engine rank {rank}: {tensor.name}"
-    # Senders: dp_rank 1 sends nothing; the senders together move exactly what the engine ranks read.
+    # Senders: dp_rank 1 sends nothing (unless it holds experts); together they move exactly what the engines read.
     per_rank = [out[job] for out in outcomes]
     assert all(status == "ok" for status, _, _ in per_rank), per_rank
     stats = [s for _, s, _ in per_rank if s]

@@ -18,7 +18,7 @@ def apply_plan(plan, shards: dict, etp_rank: int) -> dict[str, torch.Tensor]:
         if tr.engine_rank != etp_rank:
             continue
         piece = tr.piece
-        assert plan.trainer.sender_rank(piece.pp_rank, piece.tp_rank) == tr.sender
+        assert plan.trainer.sender_rank(*piece.sender) == tr.sender
         shard = shards[(piece.pp_rank, piece.tp_rank, piece.vp_chunk, piece.megatron)]
         local = shard[tuple(slice(a, b) for a, b in tr.local_box)]  # fails if the box leaves the shard
         assert tuple(local.shape) == tuple(b - a for a, b in tr.hf_box), "the local box is clipped by the shard"

@@ -14,7 +14,9 @@ trainer's weights bitwise as they were before the sync; the GRPO loop runs again
 Two servers (one per inference node in production): a round's prompts are split between them and, with seeds,
 equal one server's round; both are synced and verified, a stale one is named; one SIGKILLed and restarted on its
 port between rounds is found by the next generate, waited for, synced afresh (its transfer group rejoined) and
-verified, and the round is asked again.
+verified, and the round is asked again. Expert parallelism: the tiny Qwen3-MoE trained at EP2 (DP2; both ranks
+send, each its own experts) syncs into a server of the same shape started from other random weights, at engine TP 1
+and TP 2: equal after the sync (fp32, 1e-3), stale after a step, equal after the next sync.
 """
 
 import glob
@@ -224,11 +226,12 @@ def _leaves(state) -> list:
     return state
 
 
-def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid: int | None = None) -> dict:
-    """Trainer at TP=tp: sync its checkpoint into the server and check them equal, take one GRPO step (the server
-    is now stale: verification must say so), sync again, verify.
+def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid: int | None = None, ep: int = 1,
+                      model_dir: str | None = None) -> dict:
+    """Trainer at TP=tp, EP=ep: sync its checkpoint into the server and check them equal, take one GRPO step (the
+    server is now stale: verification must say so), sync again, verify.
     With `server_pid`: then freeze the server, sync again and SIGKILL it mid-sync; report the error and whether the
-    trainer's weights changed."""
+    trainer's weights changed. `model_dir`: the trainer's model (default: the shipped tiny Qwen2, as the servers)."""
     import threading
 
     import torch
@@ -249,8 +252,8 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     from engine.rollout.sync_check import WeightSyncError, verify_sync
 
     os.environ["GRPO_ENGINE_TOKEN"] = token
-    ps = init_parallel(ParallelConfig(tp_size=tp), seed=0)
-    model_dir = resolve_builtin_model(MODEL, "/nonexistent")
+    ps = init_parallel(ParallelConfig(tp_size=tp, ep_size=ep), seed=0)
+    model_dir = model_dir or resolve_builtin_model(MODEL, "/nonexistent")
     hf_config = AutoConfig.from_pretrained(model_dir)
     model_cfg = ModelConfig(dtype="float32")
     dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, tp).padded_vocab_size)
@@ -263,8 +266,11 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
                              ffn_hidden_size=hf_config.intermediate_size, dtype="float32", group_port=group_port,
                              timeout_s=30.0, bucket_mb=0.25)
     sync_server(popt.model, ps, dims, engine, link)  # the server may hold another run's weights: start equal
-    rollout = engine.generate([[5, 6, 7], [8, 9]], num_generations=2, seeds=[1, 100])  # the same on every rank
-    batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
+    # the same rollout on every rank; each data-parallel rank trains on, and verifies with, 4 rows of its own
+    rollout = engine.generate([[5, 6, 7], [8, 9], [10, 11, 12], [13, 14]][: 2 * ps.dp_size], num_generations=2,
+                              seeds=[1, 100, 7, 9][: 2 * ps.dp_size])
+    mine = slice(4 * ps.dp_rank, 4 * ps.dp_rank + 4)
+    batch = pack_completions(rollout.prompt_ids[mine], rollout.completion_ids[mine], pad_token_id=0)
     batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
     vocab = hf_config.vocab_size
     before = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
@@ -320,6 +326,33 @@ def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
         assert r["before"] < TOLERANCE, f"rank {rank}: server and trainer disagree before the step: {r['before']}"
         assert "not running the trainer's weights" in r["stale_error"], f"rank {rank}: stale server not caught"
         assert r["after"] < TOLERANCE, f"rank {rank}: after the sync the difference is {r['after']}"
+    assert results[0]["stats"]["weight_sync/buckets"] >= 4, "0.25 MiB buckets: several per sync"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine_tp", [1, 2], ids=["engine_tp1", "engine_tp2"])
+def test_expert_parallel_trainer_syncs_into_a_moe_server_and_a_stale_one_is_caught(tmp_path, engine_tp):
+    """The tiny Qwen3-MoE trained at EP2 (DP2: each rank holds 2 of the 4 experts, so both ranks send) into a server
+    that starts from other random weights of the same shape: only a complete sync makes the two agree. The two
+    data-parallel ranks verify different probes (each its own rows), as in the GRPO loop."""
+    from engine.models.tiny_model import build_tiny_model
+    from tests.distributed.launcher import run_distributed
+
+    trainer_dir, server_dir = (str(build_tiny_model(tmp_path / f"qwen3_moe_{seed}", "qwen3_moe", seed=seed))
+                               for seed in (8, 9))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if engine_tp == 2 else None  # one core per worker (CPU_STACK.md)
+    moe = Server(tmp_path, secrets.token_hex(16), f"model.name_or_path={server_dir}",
+                 f"rollout.vllm_tensor_parallel_size={engine_tp}", env=env)
+    try:
+        results = run_distributed(_sync_into_server, 2, 1, moe.url, moe.token, _group_port(), None, 2, trainer_dir,
+                                  timeout_s=300)
+    finally:
+        moe.stop()
+    for rank, r in enumerate(results):
+        assert r["before"] < TOLERANCE, f"rank {rank}: server and trainer disagree after the first sync: {r['before']}"
+        assert "not running the trainer's weights" in r["stale_error"], f"rank {rank}: stale server not caught"
+        assert r["after"] < TOLERANCE, f"rank {rank}: after the sync the difference is {r['after']}"
+        assert r["stats"]["weight_sync/gib"] > 0, f"rank {rank} holds experts no other rank has: it must send"
     assert results[0]["stats"]["weight_sync/buckets"] >= 4, "0.25 MiB buckets: several per sync"
 
 

@@ -1,8 +1,8 @@
 """Qwen3 / Qwen3-MoE, pure: the HF <-> Megatron map (q/k norms, expert tables incl. Mixtral's) round-trips every
 tensor bit for bit and reads each expert's shard by its global index; the weight-sync plan carries Qwen3's per-head
-norms as replicated (head_dim,) tensors, plans a Qwen3-MoE at EP1 into every engine TP rank (brute force against vLLM's
-loaders) and refuses EP > 1 with a message; the planner's Qwen3 shapes
-reproduce the published parameter counts and its expert-parallel terms follow their formulas."""
+norms as replicated (head_dim,) tensors (the MoE plan at every EP layout is brute-forced in
+tests/unit/test_sync_plan.py); the planner's Qwen3 shapes reproduce the published parameter counts and its
+expert-parallel terms follow their formulas."""
 
 import pytest
 import torch
@@ -10,7 +10,6 @@ import torch
 from engine.policy.hf_convert import (MOE_MAPS, DictSource, ModelDims, expert_index, family_map, find_entry,
                                       read_megatron_shard, to_hf, to_megatron_global)
 from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
-from tests.helpers.sync_plan import apply_plan
 
 H, HEADS, KV, D, VOCAB, FFN, MOE_FFN, EXPERTS = 16, 4, 2, 8, 37, 24, 6, 4
 
@@ -80,7 +79,7 @@ def test_expert_shard_is_read_by_global_index_and_expert_tp_rank():
     assert torch.equal(shard, torch.cat([gate[3:], up[3:]]))  # [gate_r; up_r] of expert 3, expert-TP rank 1 of 2
 
 
-def test_sync_plan_sends_qwen3_qk_norms_whole_from_tp_rank_0_and_refuses_moe_at_ep2():
+def test_sync_plan_sends_qwen3_qk_norms_whole_from_tp_rank_0():
     dims = _dims()
     plan = build_sync_plan(dims, TrainerLayout(tp_size=2, pp_size=2), engine_tp=2, ffn_hidden_size=FFN)
     norms = {t.name: t for t in plan.tensors if "_norm." in t.name and "self_attn" in t.name}
@@ -90,50 +89,6 @@ def test_sync_plan_sends_qwen3_qk_norms_whole_from_tp_rank_0_and_refuses_moe_at_
         assert [(p.tp_rank, p.hf_box) for p in tensor.pieces] == [(0, ((0, D),))]
     o_proj = next(t for t in plan.tensors if t.name == "model.layers.0.self_attn.o_proj.weight")
     assert o_proj.shape == (H, HEADS * D) and HEADS * D != H  # head_dim is not hidden / heads
-    with pytest.raises(ValueError, match="ep_size=2, expert_tp_size=1 is not planned .* colocated sync"):
-        build_sync_plan(_dims("qwen3_moe"), TrainerLayout(tp_size=1, ep_size=2), engine_tp=1, ffn_hidden_size=FFN)
-
-
-def _vllm_moe_loaded(name: str, full: torch.Tensor, rank: int, etp: int) -> torch.Tensor:
-    """What vLLM's loaders of engine TP rank `rank` narrow out of a Qwen3-MoE HF tensor: QKVParallelLinear (q by heads,
-    k / v by KV heads), RowParallelLinear o_proj, FusedMoE without EP (gate / up: rows f/tp * rank, down: columns),
-    the router (ReplicatedLinear) and norms whole, the vocabulary padded to 64 and split."""
-    if "norm" in name or name.endswith("mlp.gate.weight"):
-        return full
-    if "embed_tokens" in name or "lm_head" in name:
-        per = -(-VOCAB // 64) * 64 // etp
-        start, stop = min(rank * per, VOCAB), min((rank + 1) * per, VOCAB)
-        return full.narrow(0, start, stop - start)
-    dim = 1 if ("o_proj" in name or "down_proj" in name) else 0
-    size = full.shape[dim] // etp
-    return full.narrow(dim, rank * size, size)
-
-
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_sync_plan_feeds_every_vllm_rank_of_a_moe_model_what_its_loaders_read(tp, pp):
-    """Brute force as tests/unit/test_sync_plan.py: the trainer's shards (experts whole on every rank at EP1) copied
-    box by box per the plan into NaN-filled HF tensors of each engine rank must give each vLLM loader what it reads
-    from the full checkpoint."""
-    dims = _dims("qwen3_moe")
-    hf = _hf_tensors(dims)
-    shards = {}
-    for name in _megatron_names(dims):
-        entry, layer = find_entry(family_map(dims), name)
-        stage = 0 if layer is None and name.startswith("embedding.") else (pp - 1 if layer is None else layer // (2 // pp))
-        for t in range(tp):
-            split = (t, tp) if not entry.is_expert else (0, 1)
-            shards[(stage, t, 0, name)] = read_megatron_shard(entry, layer, dims, DictSource(hf), *split,
-                                                              expert_index(name))
-    for etp in (1, 2):
-        plan = build_sync_plan(dims, TrainerLayout(tp_size=tp, pp_size=pp), etp, ffn_hidden_size=FFN)
-        assert {t.name: t.shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in hf.items()}
-        for rank in range(etp):
-            received = apply_plan(plan, shards, rank)
-            for name, full in hf.items():
-                got, want = _vllm_moe_loaded(name, received[name], rank, etp), _vllm_moe_loaded(name, full, rank, etp)
-                assert torch.equal(got, want), f"tp={tp} pp={pp} etp={etp} rank={rank}: {name}"
-        expert_senders = {tr.piece.tp_rank for tr in plan.transfers() if ".experts." in plan.tensors[tr.tensor].name}
-        assert expert_senders == {0}, "at EP1 every expert is sent whole by tp_rank 0 of its stage"
 
 
 def test_moe_maps_have_router_and_three_expert_tensors():
@@ -189,3 +144,34 @@ def test_qwen3_configs_fit_under_80_gib_and_their_headers_quote_the_planner(name
     for budget in plan.budgets:
         assert budget.total_bytes < 80 * GIB, budget.title
         assert f"{budget.total_bytes / GIB:.2f} GiB" in header, (budget.title, f"{budget.total_bytes / GIB:.2f}")
+
+
+@pytest.mark.parametrize("name", QWEN3_CONFIGS[1:])
+def test_moe_split_configs_have_a_server_sync_plan_and_their_headers_quote_its_group(name):
+    """The shipped MoE split configs' server-mode sync is planned at their EP (the real shapes, one layer per stage
+    to stay fast): each sender of a stage sends its own experts, and the header's group size is the plan's."""
+    import re
+    from pathlib import Path
+
+    from engine.config import load_config
+    from engine.planning.shapes import KNOWN_MODELS
+
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    cfg = load_config(path, [])
+    shape, par = KNOWN_MODELS[cfg.model.name_or_path.lower()], cfg.parallel
+    dims = ModelDims(par.pp_size, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.d, shape.vocab_size,
+                     shape.vocab_size, shape.tie_word_embeddings, shape.qkv_bias, qk_norm=True,
+                     num_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_intermediate_size,
+                     moe_map="qwen3_moe")
+    layout = TrainerLayout(par.tp_size, par.pp_size, ep_size=par.ep_size, expert_tp_size=par.expert_tp_size)
+    plan = build_sync_plan(dims, layout, cfg.rollout.vllm_tensor_parallel_size, dtype=cfg.model.dtype,
+                           ffn_hidden_size=shape.intermediate_size)
+    experts_by_sender = {}
+    for t in plan.transfers():
+        if ".local_experts." in t.piece.megatron:
+            experts_by_sender.setdefault(t.sender, set()).add(expert_index(t.piece.megatron))
+    assert len(experts_by_sender) == par.pp_size * par.ep_size  # expert TP 1: one sender per (stage, ep rank)
+    assert {len(e) for e in experts_by_sender.values()} == {shape.num_experts // par.ep_size}
+    header = "".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+    match = re.search(r"(\d+) senders \+ (\d+) vLLM workers", header)
+    assert match and (int(match[1]), int(match[2])) == (plan.trainer.num_senders, plan.engine_tp), header

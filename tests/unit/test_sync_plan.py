@@ -6,7 +6,13 @@ from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py: narro
 what they read from the full HF tensors. A NaN reaching a loader, a wrong box or a wrong owner fails.
 
 Models: MHA with QKV bias (untied), GQA 4 tied with bias, MQA untied (1 KV head < engine TP: replicated KV heads),
-GQA with 4 KV heads tied; a vocabulary of 100 (vLLM pads to 128, so engine TP 8's last rank reads no rows)."""
+GQA with 4 KV heads tied; a vocabulary of 100 (vLLM pads to 128, so engine TP 8's last rank reads no rows).
+
+Mixture of experts (Qwen3-MoE, 8 experts, q/k norms): at EP1/EP2/EP4, EP2 x PP2, EP2 x TP2 and expert TP 2, every
+rank of the world (data-parallel copies included) holds what Megatron's own rank generator gives it (its TP shard of
+the dense tensors, its EP rank's experts split over its expert-TP rank), and each transfer is read from the rank the
+plan names as its sender (`TrainerLayout.sender_of` of that rank's Megatron ranks): a piece sent by a rank that does
+not hold it fails, as does a sender outside the group or two ranks claiming one group rank."""
 
 import json
 
@@ -17,6 +23,8 @@ from engine.policy.hf_convert import DictSource, ModelDims, family_map, hf_names
 from engine.policy.model import padded_vocab_size
 from engine.rollout.sync_plan import TrainerLayout, build_sync_plan, build_sync_plan_from_spec
 from tests.helpers.sync_plan import apply_plan
+
+MOE_FFN, EXPERTS = 8, 8
 
 FFN = 32
 LAYERS = 4
@@ -37,8 +45,15 @@ def _dims(model: str, trainer_tp: int) -> ModelDims:
                      tie_word_embeddings=tied, qkv_bias=bias)
 
 
+def _moe_dims(trainer_tp: int) -> ModelDims:
+    """Qwen3-MoE: 4 heads of 8 over 2 KV heads (q width 32 != hidden 16), q/k norms, 8 experts of width 8."""
+    return ModelDims(num_layers=LAYERS, hidden_size=16, num_heads=4, num_groups=2, head_dim=8, vocab_size=VOCAB,
+                     padded_vocab=padded_vocab_size(VOCAB, 8, trainer_tp), tie_word_embeddings=False, qkv_bias=False,
+                     qk_norm=True, num_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_map="qwen3_moe")
+
+
 def _hf_model(dims: ModelDims, seed: int) -> dict[str, torch.Tensor]:
-    """Random full HF tensors, shapes written out from the HF Qwen2 / Llama modules."""
+    """Random full HF tensors, shapes written out from the HF Qwen2 / Llama / Qwen3(-MoE) modules."""
     gen = torch.Generator().manual_seed(seed)
     h, q, kv = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
     shapes = {"model.embed_tokens.weight": (VOCAB, h), "model.norm.weight": (h,)}
@@ -48,9 +63,18 @@ def _hf_model(dims: ModelDims, seed: int) -> dict[str, torch.Tensor]:
         p = f"model.layers.{i}"
         shapes |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
                    f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
-                   f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
-                   f"{p}.mlp.gate_proj.weight": (FFN, h), f"{p}.mlp.up_proj.weight": (FFN, h),
-                   f"{p}.mlp.down_proj.weight": (h, FFN)}
+                   f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q)}
+        if dims.num_experts:  # Qwen3MoeSparseMoeBlock: the router `gate` and each expert's gate / up / down
+            shapes[f"{p}.mlp.gate.weight"] = (dims.num_experts, h)
+            f = dims.moe_ffn_hidden_size
+            for e in range(dims.num_experts):
+                shapes |= {f"{p}.mlp.experts.{e}.{x}_proj.weight": (f, h) for x in ("gate", "up")}
+                shapes[f"{p}.mlp.experts.{e}.down_proj.weight"] = (h, f)
+        else:
+            shapes |= {f"{p}.mlp.gate_proj.weight": (FFN, h), f"{p}.mlp.up_proj.weight": (FFN, h),
+                       f"{p}.mlp.down_proj.weight": (h, FFN)}
+        if dims.qk_norm:
+            shapes |= {f"{p}.self_attn.{x}_norm.weight": (dims.head_dim,) for x in ("q", "k")}
         if dims.qkv_bias:
             shapes |= {f"{p}.self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
     return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
@@ -82,9 +106,11 @@ def _trainer_shards(hf: dict, dims: ModelDims, tp: int, pp: int, vpp: int) -> di
 
 
 def _vllm_loaded(name: str, full: torch.Tensor, dims: ModelDims, rank: int, etp: int) -> torch.Tensor:
-    """What vLLM's weight loader of engine TP rank `rank` copies out of an HF tensor (its `narrow` calls)."""
-    if "norm" in name:
-        return full  # RMSNorm: not sharded
+    """What vLLM's weight loader of engine TP rank `rank` copies out of an HF tensor (its `narrow` calls); MoE:
+    FusedMoE without expert parallelism narrows each expert's gate / up by rows and down by columns, the router is a
+    ReplicatedLinear."""
+    if "norm" in name or name.endswith(".mlp.gate.weight"):
+        return full  # RMSNorm, MoE router: not sharded
     if "embed_tokens" in name or "lm_head" in name:  # VocabParallelEmbedding._get_indices, pad to 64
         per = -(-VOCAB // 64) * 64 // etp
         start, stop = min(rank * per, VOCAB), min((rank + 1) * per, VOCAB)
@@ -134,6 +160,96 @@ def test_plan_feeds_every_vllm_rank_exactly_what_it_loads_from_the_full_checkpoi
                     got = _vllm_loaded(name, received[name], dims, rank, etp)
                     want = _vllm_loaded(name, full, dims, rank, etp)
                     assert torch.equal(got, want), f"{model} tp={tp} pp={pp} vpp={vpp} etp={etp} rank={rank}: {name}"
+
+
+MOE_LAYOUTS = [  # (tp, pp, ep, expert_tp, dp): dp leaves data-parallel copies that must send nothing
+    (1, 1, 1, 1, 2), (1, 1, 2, 1, 2), (1, 1, 2, 1, 4), (1, 1, 4, 1, 4), (1, 2, 2, 1, 2), (2, 1, 2, 1, 2),
+    (2, 2, 2, 1, 2), (2, 1, 4, 1, 4), (1, 1, 2, 2, 4), (2, 1, 1, 2, 1),
+]
+
+
+def _megatron_ranks(tp: int, pp: int, ep: int, etp: int, dp: int) -> list[dict]:
+    """Every global rank's (pp, tp, dp, expert tp, ep, expert dp) ranks from Megatron's own rank generators (its
+    default order tp-cp-ep-dp-pp), as `initialize_model_parallel` builds its groups."""
+    from megatron.core.parallel_state import RankGenerator
+
+    world = tp * pp * dp
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    ranks = [{} for _ in range(world)]
+    for key, generator, token in (("tp", dense, "tp"), ("pp", dense, "pp"), ("dp", dense, "dp"),
+                                  ("etp", expert, "tp"), ("ep", expert, "ep"), ("edp", expert, "dp")):
+        for group in generator.get_ranks(token):
+            for index, rank in enumerate(group):
+                ranks[rank][key] = index
+    return ranks
+
+
+def _moe_holdings(hf: dict, dims: ModelDims, ranks: list[dict]) -> list[dict]:
+    """Per global rank: global Megatron name -> its local shard (dense: its TP shard; experts: only its EP rank's,
+    split over its expert-TP rank; layers by its stage)."""
+    ep = max(r["ep"] for r in ranks) + 1
+    tp, etp, pp = (max(r[k] for r in ranks) + 1 for k in ("tp", "etp", "pp"))
+    holdings = []
+    for r in ranks:
+        held = {}
+        for entry in family_map(dims):
+            for layer in range(LAYERS) if "{i}" in entry.megatron else [None]:
+                stage = _megatron_holder(layer, entry.megatron, pp, 1)[0]
+                if stage != r["pp"]:
+                    continue
+                for expert in range(dims.num_experts) if entry.is_expert else [None]:
+                    if expert is not None and expert // (dims.num_experts // ep) != r["ep"]:
+                        continue
+                    rank, size = (r["etp"], etp) if entry.is_expert else (r["tp"], tp)
+                    held[entry.megatron.format(i=layer, e=expert)] = read_megatron_shard(
+                        entry, layer, dims, DictSource(hf), rank, size, expert)
+        holdings.append(held)
+    return holdings
+
+
+@pytest.mark.parametrize("tp,pp,ep,etp,dp", MOE_LAYOUTS, ids=[f"tp{a}_pp{b}_ep{c}_etp{d}_dp{e}" for a, b, c, d, e in
+                                                             MOE_LAYOUTS])
+def test_moe_plan_sends_each_expert_from_its_ep_rank_and_feeds_every_vllm_rank_what_it_loads(tp, pp, ep, etp, dp):
+    dims = _moe_dims(tp)
+    hf = _hf_model(dims, seed=ep * 10 + tp)
+    ranks = _megatron_ranks(tp, pp, ep, etp, dp)
+    holdings = _moe_holdings(hf, dims, ranks)
+    layout = TrainerLayout(tp, pp, ep_size=ep, expert_tp_size=etp)
+    senders = {}
+    for rank, r in enumerate(ranks):
+        index = layout.sender_of(r["pp"], r["tp"], r["dp"], r["etp"], r["ep"], r["edp"])
+        if index is not None:
+            assert index not in senders, f"ranks {senders[index]} and {rank} both claim group rank {index}"
+            senders[index] = rank
+    assert sorted(senders) == list(range(layout.num_senders)), "the senders fill the group's first ranks"
+    assert all(ranks[rank]["dp"] == 0 or ranks[rank]["edp"] == 0 for rank in senders.values())
+    for engine_tp in (1, 2, 4):
+        plan = build_sync_plan(dims, layout, engine_tp, ffn_hidden_size=FFN)
+        assert {t.name: t.shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in hf.items()}
+        for engine_rank in range(engine_tp):
+            received = {t.name: torch.full(t.shape, float("nan")) for t in plan.tensors}
+            for tr in plan.transfers():
+                if tr.engine_rank != engine_rank:
+                    continue
+                held = holdings[senders[tr.sender]]
+                assert tr.piece.megatron in held, f"group rank {tr.sender} sends {tr.piece.megatron}, not its own"
+                local = held[tr.piece.megatron][tuple(slice(a, b) for a, b in tr.local_box)]
+                assert tuple(local.shape) == tuple(b - a for a, b in tr.hf_box), "the local box is clipped"
+                received[plan.tensors[tr.tensor].name][tuple(slice(a, b) for a, b in tr.hf_box)] = local
+            for name, full in hf.items():
+                got = _vllm_loaded(name, received[name], dims, engine_rank, engine_tp)
+                want = _vllm_loaded(name, full, dims, engine_rank, engine_tp)
+                assert torch.equal(got, want), f"engine_tp={engine_tp} rank={engine_rank}: {name}"
+        expert_senders = {tr.sender for tr in plan.transfers() if ".experts." in plan.tensors[tr.tensor].name}
+        assert len(expert_senders) == pp * ep * etp, "every (stage, ep rank, expert-TP rank) sends its own experts"
+
+
+def test_moe_layouts_that_do_not_divide_the_experts_are_rejected_with_the_arithmetic():
+    with pytest.raises(ValueError, match=r"num_experts=8 % ep_size=3 != 0"):
+        build_sync_plan(_moe_dims(1), TrainerLayout(1, ep_size=3), 1, ffn_hidden_size=FFN)
+    with pytest.raises(ValueError, match=r"moe_ffn_hidden_size=8 % expert_tp_size=16 != 0"):
+        build_sync_plan(_moe_dims(1), TrainerLayout(1, ep_size=1, expert_tp_size=16), 1, ffn_hidden_size=FFN)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
