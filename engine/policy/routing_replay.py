@@ -136,13 +136,18 @@ def record_router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelSta
 def take_router_agreement(chunks: list[torch.nn.Module], ps: ParallelState) -> float | None:
     """The fraction of (token, layer) pairs routed alike by trainer and engine since the last call, over every
     rank's chunks (a collective: every rank calls it); the counts are reset. None when nothing was compared."""
-    counts = torch.zeros(2, dtype=torch.float64)
-    for chunk in (getattr(c, "module", c) for c in chunks):  # inside Megatron's DDP wrapper
-        counts += torch.tensor(getattr(chunk, "router_agreement_counts", (0, 0)), dtype=torch.float64)
-        chunk.router_agreement_counts = (0, 0)
+    counts = torch.tensor([getattr(getattr(c, "module", c), "router_agreement_counts", (0, 0)) for c in chunks],
+                          dtype=torch.float64).sum(0)  # (2,); chunks may sit inside Megatron's DDP wrapper
+    clear_router_agreement(chunks)
     counts = counts.to(ps.device)
     dist.all_reduce(counts)
     return float(counts[0] / counts[1]) if counts[1] > 0 else None
+
+
+def clear_router_agreement(chunks: list[torch.nn.Module]) -> None:
+    """Reset the running counts of `chunks` (local: no collective)."""
+    for chunk in chunks:
+        getattr(chunk, "module", chunk).router_agreement_counts = (0, 0)
 
 
 def end_forward(chunk: torch.nn.Module) -> None:

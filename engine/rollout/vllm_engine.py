@@ -156,7 +156,7 @@ class VLLMEngine:
         params = ([_sampling_params(gen, num_generations, s) for s in seeds] if seeds is not None
                   else _sampling_params(gen, num_generations, None))
         if self.captures_routes:
-            self.llm.collective_rpc("grpo_take_routes")  # drop what other calls (sync probes) recorded
+            self.llm.collective_rpc("grpo_clear_routes")  # what other calls (sync probes) recorded
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         captured = self.llm.collective_rpc("grpo_take_routes")[0] if self.captures_routes else None
         rollout = Rollout.empty()
@@ -167,10 +167,9 @@ class VLLMEngine:
                 rollout.completion_ids.append(ids)
                 rollout.sampling_logprobs.append([lp[t].logprob for t, lp in zip(ids, completion.logprobs)])
                 rollout.is_truncated.append(completion.finish_reason == "length")
-        if self.returns_routes:
-            rollout.routed_experts = [
-                _routes_of(list(p) + list(c.token_ids)[:-1], c, captured, row)
-                for row, (p, c) in enumerate((prompt, c) for prompt, o in zip(prompt_ids, outputs) for c in o.outputs)]
+                if self.returns_routes:  # the tokens the engine ran: prompt + completion without its last token
+                    routes = _routes_of(list(prompt) + ids[:-1], completion, captured, len(rollout.completion_ids) - 1)
+                    rollout.routed_experts = (rollout.routed_experts or []) + [routes]
         return rollout
 
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
@@ -331,6 +330,10 @@ class WeightReceiverExtension:
         self._grpo_routes = _RouteRecorder(self.model_runner)
         return len(self._grpo_routes.routers)
 
+    def grpo_clear_routes(self) -> None:
+        """Forget what was recorded since the last call (nothing is sent back)."""
+        self._grpo_routes.clear()
+
     def grpo_take_routes(self) -> dict:
         """{fed token ids: routes [n, L, k]} of every request run since the last call (and forget them)."""
         return self._grpo_routes.take()
@@ -405,6 +408,10 @@ class _RouteRecorder:
             self.runs[req] = runs + [(start, tokens[offset : offset + count], self.buffer[offset : offset + count])]
             offset += count
         self.layout = self.buffer = None
+
+    def clear(self) -> None:
+        self.layout = self.buffer = None
+        self.runs = {}
 
     def take(self) -> dict:
         import numpy as np

@@ -60,7 +60,8 @@ from engine.log_filters import quiet_library_logs
 from engine.policy.batch import pack_completions
 from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs
 from engine.policy.parallel import destroy_parallel
-from engine.policy.routing_replay import ROUTE_KEYS, pad_routes, routes_dtype, take_router_agreement
+from engine.policy.routing_replay import (ROUTE_KEYS, clear_router_agreement, pad_routes, routes_dtype,
+                                          take_router_agreement)
 from engine.policy.step import forward_logprobs, grpo_forward_backward
 from engine.rollout.vllm_engine import Rollout
 from engine.train.checkpoint import Progress, StopSignal, is_save_step
@@ -242,7 +243,7 @@ def add_old_and_ref_logprobs(run: Run, steps: list) -> dict:
     micro = [mb for per_step, _ in steps for mb in per_step]
     routed = "routed_experts" in micro[0]
     if routed:
-        take_router_agreement(run.popt.model, run.ps)  # what the last round's training forwards recorded
+        clear_router_agreement(run.popt.model)  # what the last round's training forwards recorded
     old = sequence_logprobs(lambda mbs: forward_logprobs(run.popt.model, run.ps, mbs, run.settings), micro, spec)
     agreement = take_router_agreement(run.popt.model, run.ps) if routed else None
     ref = [] if run.reference is None else sequence_logprobs(
