@@ -333,10 +333,16 @@ def package_version(*distributions: str) -> str:
     return ""
 
 
+RESULTS_PATHSPEC = "benchmarks/results"
+"""What benchmarks write (rows and plots), relative to the repository root: not a change of the measured code."""
+
+
 def git_sha(repo_dir: Path = REPO_ROOT) -> str:
     """Short commit of `repo_dir`, with "-dirty" when tracked files differ from it.
 
-    Untracked files do not count: the results CSV a benchmark writes must not make the next run "dirty".
+    Untracked files do not count, nor do the results a benchmark writes (`RESULTS_PATHSPEC`): the tracked CSVs and
+    plots under benchmarks/results/ change as soon as a benchmark appends its first row, and must not make that
+    run's later rows (or the next run's) "dirty" (before this, every recorded row carried "-dirty").
 
     Args:
         repo_dir: a directory inside a git work tree.
@@ -351,7 +357,7 @@ def git_sha(repo_dir: Path = REPO_ROOT) -> str:
             ["git", "rev-parse", "--short", "HEAD"], cwd=repo_dir, capture_output=True, text=True, check=True
         ).stdout.strip()
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", f":(top,exclude){RESULTS_PATHSPEC}"],
             cwd=repo_dir,
             capture_output=True,
             text=True,

@@ -199,6 +199,15 @@ def test_git_sha_is_short_commit_with_dirty_suffix_for_tracked_changes(tmp_path)
     assert len(sha) >= 7 and "dirty" not in sha
     (tmp_path / "untracked.csv").write_text("rows")
     assert git_sha(tmp_path) == sha
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "bench.csv").write_text("header")
+    git("add", "benchmarks")
+    git("commit", "-q", "-m", "results")
+    sha = git_sha(tmp_path)
+    (results / "bench.csv").write_text("header\nrow")  # a benchmark appending its rows: still the clean commit
+    assert git_sha(tmp_path) == sha
+    assert git_sha(results) == sha  # from anywhere in the tree
     (tmp_path / "a.txt").write_text("two")
     assert git_sha(tmp_path) == f"{sha}-dirty"
 
