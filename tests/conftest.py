@@ -1,4 +1,4 @@
-"""Shared test set-up: the gpu marker skips without CUDA; the Triton interpreter is on without a GPU; a full run
+"""Shared test set-up: the gpu marker skips without CUDA (and gpu-marked tests live in tests/gpu); the Triton interpreter is on without a GPU; a full run
 fails if a tier collected no tests (so an import error or a misnamed file cannot make a tier vanish silently)."""
 
 import os
@@ -14,6 +14,9 @@ TIERS = ("unit", "distributed", "kernels", "integration")
 
 
 def pytest_collection_modifyitems(config, items):
+    stray = [item.nodeid for item in items if "gpu" in item.keywords and not item.nodeid.startswith("tests/gpu/")]
+    if stray:  # `make test-gpu` and the GPU suite run tests/gpu: a gpu-marked test elsewhere would never run there
+        raise pytest.UsageError(f"gpu-marked tests must live in tests/gpu: {stray}")
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA (gpu-marked)")
         for item in items:

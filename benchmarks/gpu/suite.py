@@ -2,7 +2,8 @@
 
 Parts (each a subprocess, so a crash, a CUDA error or an out-of-memory in one leaves the next untouched; each
 killed at its time limit, keeping the rows it already wrote):
-  a. kernel_tests: `pytest tests/kernels` (on a GPU: real Triton at the tests' shapes);
+  a. kernel_tests: `pytest tests/kernels tests/gpu` (on a GPU: real Triton at the tests' shapes, then the kernel and
+     the Megatron GRPO step at real sizes: `make test-gpu`'s tests);
   b. lm_head: the bf16 GEMM floor, Triton tile choices, the fused log-prob sweep against the torch reference and
      Liger (benchmarks/gpu/lm_head.py);
   c. megatron_step: Megatron-core GRPO step, fused kernel vs materialised logits, at Qwen2.5-1.5B and at
@@ -83,9 +84,9 @@ CPU_STEP = ("--shape", "tiny", "--batch", "4", "--micro-batch", "2", "--prompt-l
             "--fit-lengths", "16,32", "--iters", "1", "--warmup", "0")
 PARTS = (
     Part("a", "kernel_tests", "pytest",
-         ("tests/kernels", "-q", "-rfE", "-p", "no:cacheprovider", "-o", "addopts="),
+         ("tests/kernels", "tests/gpu", "-q", "-rfE", "-p", "no:cacheprovider", "-o", "addopts="),
          ("tests/kernels/test_lm_head_logprob.py", "tests/kernels/test_softmax_stats.py", "-q", "-p",
-          "no:cacheprovider", "-o", "addopts="), 150, 180),
+          "no:cacheprovider", "-o", "addopts="), 240, 180),
     Part("b", "lm_head", "benchmarks.gpu.lm_head", ("--results-dir", "{results}"),
          ("--cpu", "--results-dir", "{results}"), 270, 240, ("gemm.csv", "fused_logprob.csv")),
     Part("c", "megatron_step", "benchmarks.gpu.policy_step",
