@@ -323,10 +323,14 @@ class DataConfig:
     overlong_prompt_policy: Literal["error", "drop"] = "error"
     dynamic_prompts_fn: str | None = None
     """Curriculum hook (a TRL fork's `dynamic_prompts_fn`): `f(prompts, completions, rewards, metas) ->` the next
-    generation's prompts, four lists with one element per sample (engine/grpo/dynamic_prompts.py), used instead of the
-    dataset's next rows; a `module:function` import path. Any callable object travels in memory instead
-    (`GRPOConfig(dynamic_prompts_fn=...)`, `train(cfg, dynamic_prompts_fn=...)`) and is recorded here as its
-    description (`describe_callable`)."""
+    prompts to train next, four lists with one element per sample (engine/grpo/dynamic_prompts.py); every prompt it
+    returns gets G completions of its own: they are queued, and each round takes its P prompts from the queue before
+    the dataset (engine/train/prompt_queue.py); a `module:function` import path. Any callable object travels in
+    memory instead (`GRPOConfig(dynamic_prompts_fn=...)`, `train(cfg, dynamic_prompts_fn=...)`) and is recorded here
+    as its description (`describe_callable`)."""
+    dynamic_prompts_queue_rounds: int = 8
+    """The curriculum queue holds at most this many rounds of prompts (x prompts per round); prompts the hook returns
+    past it are dropped, counted in `curriculum/dropped` and warned about once (engine/train/prompt_queue.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

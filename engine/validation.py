@@ -306,6 +306,9 @@ def _check_rest(cfg: EngineConfig, problems: list[str]) -> None:
         )
     if cfg.data.max_prompt_length is not None and cfg.data.max_prompt_length < 1:
         problems.append(f"data.max_prompt_length must be >= 1 or null, got {cfg.data.max_prompt_length}")
+    if cfg.data.dynamic_prompts_queue_rounds < 1:
+        problems.append(f"data.dynamic_prompts_queue_rounds must be >= 1 (rounds of prompts the curriculum queue "
+                        f"holds), got {cfg.data.dynamic_prompts_queue_rounds}")
     budgets = {"max_tokens_per_microbatch": cfg.train.max_tokens_per_microbatch,
                "max_tokens_per_logprob_microbatch": cfg.train.max_tokens_per_logprob_microbatch}
     for name, budget in budgets.items():

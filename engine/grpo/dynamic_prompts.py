@@ -4,9 +4,9 @@ Owns: the call contract of `dynamic_prompts_fn(prompts, completions, rewards, me
 generation out one element per sample for it, and the validation of what it returns, with an error that names the
 hook and says what was expected and what came back.
 
-Must not: generate, touch the dataset or sampler, or loop; the trainer (engine/train/sampling.py `next_dynamic_prompts`)
-calls `call_dynamic_prompts_fn` on rank 0 after each generation and feeds the returned rows to the next generation
-instead of the dataset's next rows (also within DAPO dynamic sampling; the pending choice travels in checkpoints).
+Must not: generate, touch the dataset or sampler, queue, or loop; the trainer (engine/train/sampling.py
+`queue_prompts`) calls `call_dynamic_prompts_fn` on rank 0 after each generation (also within DAPO dynamic
+sampling) and queues the returned rows (engine/train/prompt_queue.py; the queue travels in checkpoints).
 
 Contract (the documented hook of a TRL fork, `GRPOConfig(dynamic_prompts_fn=curriculum_fn)`; TRL itself has none).
 The four lists are zipped element by element, ONE ELEMENT PER SAMPLE, B = P * G of them, group by group:
@@ -16,21 +16,26 @@ The four lists are zipped element by element, ONE ELEMENT PER SAMPLE, B = P * G 
                  for conversational data)
     rewards      rewards[i] a python float, the sample's aggregated weighted reward (float('nan') = unscorable)
     metas        metas[i] a dict of the row's other dataset columns (everything but "prompt", e.g. the answer)
-  returns the next generation's prompts, a list (or tuple) of length P (one per group) or B (one per sample: the G
-  consecutive entries of each group must be equal and are collapsed to one). Each element is a prompt (str or
-  message list) or a dataset row {"prompt": ..., **columns}. Columns reach the reward functions as TRL's reward
+  returns prompts to train next, a list (or tuple) of length P (one per group: taken as they are) or B (one per
+  sample: deduplicated in order, each distinct prompt once, so a group whose samples get different prompts, as in the
+  seed's documented example, yields each of them). Each becomes a group of G completions of its own: the trainer
+  queues them and draws every round's P prompts from the queue before the dataset (engine/train/prompt_queue.py has
+  the policy, its cap and what happens past it). Each element is a prompt (str or message list) or a dataset row
+  {"prompt": ..., **columns}. Columns reach the reward functions as TRL's reward
   kwargs do:
     * a dict row brings its own columns (and only those);
-    * a str / message prompt equal to one of this generation's prompts keeps that row's columns (the row at the
-      same group position if its prompt is equal, else the first equal one), so rewards that read e.g. `answer`
-      keep working on retried prompts;
-    * a brand-new str / message prompt has no columns of its own (its value is None in columns other rows have).
+    * a str / message prompt equal to one of this generation's prompts keeps that row's columns (the row of the
+      same group if its prompt is equal, else the first equal one), so rewards that read e.g. `answer` keep
+      working on retried prompts;
+    * a brand-new str / message prompt has no columns of its own (its value is None in columns other rows have);
+      to keep a column (e.g. `answer` for a prompt with a hint appended), return a row {"prompt": ..., "answer": ...}.
 
 Test: `pytest tests/unit/test_dynamic_prompts.py`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,7 +67,8 @@ def call_dynamic_prompts_fn(
         metas: P dicts, the other dataset columns of each group's row.
 
     Returns:
-        P dataset rows for the next generation: dicts with a "prompt" key plus the columns they carry.
+        The dataset rows to train next (P, or 1..B distinct ones for a per-sample answer): dicts with a "prompt" key
+        plus the columns they carry.
     """
     num_prompts, num_samples = len(prompts), len(completions)
     if num_prompts == 0 or num_samples % num_prompts:
@@ -94,7 +100,7 @@ def rows_for_next_generation(
         num_generations: G.
 
     Returns:
-        P dicts with a "prompt" key.
+        dicts with a "prompt" key: P for a per-group answer, the distinct prompts in order for a per-sample one.
 
     Raises:
         DynamicPromptsError naming the hook, the offending element and its type, or the counts expected.
@@ -114,31 +120,24 @@ def rows_for_next_generation(
         problem = _element_problem(item)
         if problem is not None:
             raise DynamicPromptsError(f"{expected}; element {index} is {problem}")
-    if len(returned) != num_prompts:  # one per sample: collapse each group's G equal entries to one
-        returned = [_collapse_group(returned, p, num_generations) for p in range(num_prompts)]
-    return [_as_row(item, position, prompts, metas) for position, item in enumerate(returned)]
+    if len(returned) == num_prompts:
+        return [_as_row(item, position, prompts, metas) for position, item in enumerate(returned)]
+    seen, rows = set(), []  # one per sample: each distinct prompt once, in the order returned
+    for index, item in enumerate(returned):
+        key = json.dumps(item, sort_keys=True, default=repr)
+        if key not in seen:
+            seen.add(key)
+            rows.append(_as_row(item, index // num_generations, prompts, metas))
+    return rows
 
 
-def _collapse_group(returned: Sequence[Any], group: int, num_generations: int) -> Any:
-    """The one prompt of group `group` in a per-sample answer; DynamicPromptsError if its G entries differ."""
-    first = group * num_generations
-    for index in range(first + 1, first + num_generations):
-        if returned[index] != returned[first]:
-            raise DynamicPromptsError(
-                f"dynamic_prompts_fn returned one prompt per sample (B={len(returned)}), but the G={num_generations} "
-                f"entries of group {group} (elements {first}..{first + num_generations - 1}) differ: element "
-                f"{first} is {returned[first]!r:.100}, element {index} is {returned[index]!r:.100}; each group of G "
-                "samples shares one prompt: return the same prompt G times, or one prompt per group"
-            )
-    return returned[first]
-
-
-def _as_row(item: Any, position: int, prompts: Sequence[Any], metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """A dataset row: dict rows as given; a prompt equal to one of this generation's keeps that row's columns."""
+def _as_row(item: Any, group: int, prompts: Sequence[Any], metas: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A dataset row: dict rows as given; a prompt equal to one of this generation's keeps that row's columns (those
+    of the group it was returned for first)."""
     if isinstance(item, dict):
         return dict(item)
-    if position < len(prompts) and prompts[position] == item:
-        return {"prompt": item, **metas[position]}
+    if prompts[group] == item:
+        return {"prompt": item, **metas[group]}
     for prompt, meta in zip(prompts, metas, strict=True):
         if prompt == item:
             return {"prompt": item, **meta}

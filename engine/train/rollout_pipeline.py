@@ -24,9 +24,9 @@ correction with `bypass_mode` off; TRL's AsyncGRPOTrainer instead takes vLLM's l
 
 Interplay (each deterministic): DAPO's dynamic sampling takes round r's first attempt from the pipeline and samples
 any further attempts synchronously from the servers' current weights (version r, staleness 0; they are counted in
-the staleness metrics); the curriculum hook's choice (`data.dynamic_prompts_fn`), made after round r is scored,
-feeds the next round requested, round r+k+1: k rounds later than in the synchronous loop; GFPO filters the round as
-it comes.
+the staleness metrics); the curriculum hook's prompts (`data.dynamic_prompts_fn`), queued after round r is scored
+(engine/train/prompt_queue.py), feed the rounds requested from then on, round r+k+1 first: k rounds later than in the
+synchronous loop; GFPO filters the round as it comes.
 
 Checkpoints: a checkpoint is written at the end of a round's iteration, when no request is in flight; it records
 the k completed rounds waiting to be trained on (their prompts, seeds, completions, sampling log-probs and versions:
@@ -110,12 +110,12 @@ class RolloutPipeline:
     # --- requests -------------------------------------------------------------------------------------------------
 
     def _request(self) -> tuple[PendingRound, object]:
-        """Pick round `next_index`'s prompts (the curriculum hook's pending choice, else the dataset's next round),
+        """Pick round `next_index`'s prompts (the curriculum queue's next P, else the dataset's next round),
         its seeds, and start generating it on rank 0's background thread."""
         run = self.run
-        is_from_dataset = run.pending_prompts is None
-        picked = run.pending_prompts or run.train_prompts.select(next(self.rounds))
-        run.pending_prompts = None  # consumed: the hook chooses again when a round is scored
+        queued = run.prompt_queue.take(run.derived.num_prompts_per_generation) if run.prompt_queue is not None else None
+        is_from_dataset = queued is None
+        picked = queued or run.train_prompts.select(next(self.rounds))
         step = self.next_index * self.steps_per_round
         seeds = sampling_seeds(run.cfg.train.seed, step, 0, picked.indices)
         pending = PendingRound(self.next_index, step, picked, seeds, version=run.policy_version,

@@ -20,7 +20,7 @@ tests/integration/test_trainer.py, tests/integration/test_resume.py.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from engine.rollout.sync_check import verify_sync
 from engine.train.checkpoint import (Progress, agree_on_resume_checkpoint, describe_model, load_checkpoint,
                                      read_progress, save_checkpoint)
 from engine.train.data import PromptBatch
+from engine.train.prompt_queue import PromptQueue
 from engine.validation import Derived, validate
 
 
@@ -64,8 +65,9 @@ class Run:
     """GFPO's `group_filter_func` (the object given, else imported from `grpo.group_filter_func`), or None."""
     dynamic_prompts: object = None
     """The `dynamic_prompts_fn` hook (the object given, else imported from `data.dynamic_prompts_fn`), or None."""
-    pending_prompts: object = None
-    """The PromptBatch the hook chose for the next round (None = the dataset's next rows)."""
+    prompt_queue: PromptQueue | None = None
+    """The prompts the hook returned, waiting for rounds of their own (engine/train/prompt_queue.py); None without
+    the hook."""
     last_probe: dict | None = None
     """The last round's first micro-batch: the weight-sync verification probe (also after a server restart)."""
     resume_from: Path | None = None
@@ -178,6 +180,8 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     run = Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
               eval_prompts, rewards, logger, loss_config, settings, total_steps,
               group_filter, dynamic_prompts, resume_from=resume_from, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))
+    if dynamic_prompts is not None:
+        run.prompt_queue = PromptQueue(cfg.data.dynamic_prompts_queue_rounds * derived.num_prompts_per_generation)
     if cfg.rollout.vllm_mode == "server":  # a server that restarts mid-run is synced again before it samples
         engine.resync = lambda: sync_and_verify(run)
     return run
@@ -237,8 +241,11 @@ def resume(run: Run) -> Progress:
     entropy = progress.loop_state.get("entropy", {})
     run.entropy.coef = entropy.get("coef", run.entropy.coef)
     run.entropy.last_entropy = entropy.get("last_entropy", run.entropy.last_entropy)
-    pending = progress.loop_state.get("pending_prompts")  # the dynamic-prompts hook's choice for the next round
-    run.pending_prompts = PromptBatch(**pending) if pending is not None else None
+    if run.prompt_queue is not None:  # the prompts the dynamic-prompts hook returned, still waiting
+        run.prompt_queue.restore(progress.loop_state.get("prompt_queue"))
+        pending = progress.loop_state.get("pending_prompts")  # a checkpoint from before the queue: its one choice
+        if pending is not None:
+            run.prompt_queue.push(PromptBatch(**pending))
     sync_weights(run)
     return progress
 
@@ -246,10 +253,10 @@ def resume(run: Run) -> Progress:
 def save_run(run: Run, progress: Progress) -> int:
     """Write `<output_dir>/checkpoint-<step>` (collective), keep the newest `save_total_limit`; returns the step."""
     entropy = {"coef": run.entropy.coef, "last_entropy": run.entropy.last_entropy}
-    pending = asdict(run.pending_prompts) if run.pending_prompts is not None else None
+    queue = run.prompt_queue.state() if run.prompt_queue is not None else None
     in_flight = run.pipeline.state() if run.pipeline is not None else None  # asynchronous rollout's complete rounds
     progress = replace(progress, loop_state=progress.loop_state | {
-        "entropy": entropy, "pending_prompts": pending, "policy_version": run.policy_version,
+        "entropy": entropy, "prompt_queue": queue, "policy_version": run.policy_version,
         "async_rounds": in_flight})
     save_checkpoint(run.cfg.train.output_dir, progress, run.popt, run.ps, model=_model_identity(run),
                     run_config=config_to_dict(run.cfg), save_total_limit=run.cfg.checkpoint.save_total_limit)

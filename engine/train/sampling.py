@@ -4,7 +4,7 @@ dynamic sampling, the curriculum hook's next prompts, GFPO's filter, and the hel
 Owns: `generate_everywhere` (each engine generates a contiguous share of the prompts, gathered so every rank holds
 the round; in server mode rank 0 asks the server(s)), `Scored` (one generation batch with its (B, K) rewards),
 `sample_and_score` (with `grpo.use_dynamic_sampling`, further rounds until enough groups' rewards vary),
-`next_dynamic_prompts` (the user's `dynamic_prompts_fn` on rank 0, broadcast), `keep_best_in_groups` (GFPO's
+`queue_prompts` (the user's `dynamic_prompts_fn` on rank 0, broadcast, its prompts queued), `keep_best_in_groups` (GFPO's
 `group_filter_func` on rank 0, broadcast), `score` (the reward functions on rank 0 with TRL's contract, broadcast)
 and `evaluate` (mean weighted reward of one completion per held-out prompt). Every rank makes the same choices:
 whatever rank 0 decides is broadcast before anyone uses it.
@@ -87,18 +87,20 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
             pending = run.pipeline.take()
             picked, rollout, version = pending.picked, pending.rollout, pending.version
         else:
-            picked = run.pending_prompts or run.train_prompts.select(next(rounds))
+            queued = run.prompt_queue.take(num_prompts) if run.prompt_queue is not None else None
+            picked = queued or run.train_prompts.select(next(rounds))
             seeds = sampling_seeds(run.cfg.train.seed, step, attempt, picked.indices)
             rollout, version = generate_everywhere(run, picked.prompt_ids, g, seeds), run.policy_version
         versions.append([version] * len(rollout.completion_ids))
         middle = time.perf_counter()
         rewards, completions = score(run, picked, rollout, step)
-        run.pending_prompts = next_dynamic_prompts(run, picked, completions, rewards)
+        queue_prompts(run, picked, completions, rewards)
         seconds["time/rollout_s"] += middle - start
         seconds["time/reward_s"] += time.perf_counter() - middle
         parts.append(Scored(picked, rollout, rewards, completions, g))
         if not gr.use_dynamic_sampling:
-            return replace(parts[0], stats=seconds | staleness_metrics(versions[0], run.policy_version))
+            stats = seconds | staleness_metrics(versions[0], run.policy_version) | curriculum_metrics(run)
+            return replace(parts[0], stats=stats)
         informative.append(find_informative_groups(aggregate_rewards(rewards, run.rewards.weights), g))
         if is_dynamic_batch_full(informative, num_prompts):
             break
@@ -113,18 +115,18 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
     rows = assemble_rounds([list(range(start, start + len(p.rollout))) for start, p in zip(starts, parts)], selection, g)
     rollout = Rollout.concat([p.rollout for p in parts]).select(rows)
     completions = per_row(lambda p: p.completions) if run.ps.rank == 0 else []
-    stats = seconds | staleness_metrics(assemble_rounds(versions, selection, g), run.policy_version) | {
+    stats = seconds | staleness_metrics(assemble_rounds(versions, selection, g), run.policy_version) | curriculum_metrics(run) | {
                        "dynamic_sampling/rounds": len(parts),
                        "dynamic_sampling/informative_fraction": selection.num_informative / num_prompts}
     return Scored(picked, rollout, per_row(lambda p: p.rewards), completions, g, stats)
 
 
-def next_dynamic_prompts(run: Run, picked: PromptBatch, completions: list, rewards: torch.Tensor) -> PromptBatch | None:
-    """The user's `dynamic_prompts_fn` (rank 0) picks the next round's P prompts from this round's results, given
-    one element per sample (engine/grpo/dynamic_prompts.py); the rows are broadcast and tokenized on every rank like the
-    dataset's (same checks). None without the hook."""
+def queue_prompts(run: Run, picked: PromptBatch, completions: list, rewards: torch.Tensor) -> None:
+    """The user's `dynamic_prompts_fn` (rank 0) gets this round's results, one element per sample
+    (engine/grpo/dynamic_prompts.py); the rows it returns are broadcast, tokenized on every rank like the dataset's
+    (same checks) and queued for rounds of their own (engine/train/prompt_queue.py). Nothing without the hook."""
     if run.dynamic_prompts is None:
-        return None
+        return
     import datasets
 
     from engine.train.data import prepare_prompts
@@ -141,7 +143,12 @@ def next_dynamic_prompts(run: Run, picked: PromptBatch, completions: list, rewar
     data = run.cfg.data
     prepared = prepare_prompts(dataset, run.tokenizer, max_prompt_length=data.max_prompt_length,
                                overlong_prompt_policy="error", chat_template_kwargs=run.cfg.generation.chat_template_kwargs)
-    return prepared.select(range(len(prepared)))
+    run.prompt_queue.push(prepared.select(range(len(prepared))))
+
+
+def curriculum_metrics(run: Run) -> dict[str, float]:
+    """`curriculum/queued` and `curriculum/dropped` with the hook, after this round's prompts were queued."""
+    return run.prompt_queue.metrics() if run.prompt_queue is not None else {}
 
 
 def keep_best_in_groups(run: Run, scored: Scored) -> Scored:

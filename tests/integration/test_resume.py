@@ -10,6 +10,8 @@ restored schedule matters):
   checkpoint-4: the test hook `GRPO_CHECKPOINT_CRASH_BEFORE_RENAME=4` SIGKILLs it after every file of the
   checkpoint is written but before the rename (a window too short to hit from outside);
 - D resumes with `latest` again, which must pick checkpoint-2 (ignoring checkpoint-4.tmp), and runs to step 6.
+The curriculum hook is the seed's documented example (verbatim, tests/helpers/curriculum.py) under a reward that
+changes sign, so its prompts queue up (engine/train/prompt_queue.py) and checkpoint-2 holds a non-empty queue.
 The metrics file of the B/C/D run directory then holds exactly one row per step (rows logged after the checkpoint
 by the killed runs are dropped on resume) and every row equals A's, bit for bit (compared as floats with
 tolerance 0): the rounds are pure functions of (seed, round) — prompts, vLLM seeds, row shuffle — and the model,
@@ -44,7 +46,8 @@ def digit_fraction(completions, **kwargs):
 def _command(run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "engine", "train", "configs/tiny_cpu.yaml", f"train.output_dir={run_dir}",
             f"train.max_steps={STEPS}", "generation.max_completion_length=12", "grpo.beta=0.05",
-            "reward.reward_funcs=[tests.integration.test_resume:digit_fraction]", "optimizer.learning_rate=1e-2",
+            "reward.reward_funcs=[tests.integration.test_resume:digit_fraction,tests.helpers.curriculum:sign_by_prompt]",
+            "data.dynamic_prompts_fn=tests.helpers.curriculum:curriculum_fn", "optimizer.learning_rate=1e-2",
             "optimizer.lr_scheduler_type=linear", "data.dataset_test_split=null", "checkpoint.save_hf_at_end=false",
             "model.dtype=bfloat16", *overrides]
 
@@ -143,6 +146,7 @@ def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tm
                      if expected[step].get(k) != actual[step].get(k)}
         assert not differing, f"step {step}: uninterrupted vs resumed differ in {differing}"
     assert expected[STEPS]["kl"] > 0 and any(expected[s]["grad_norm"] > 0 for s in range(3, STEPS + 1))
+    assert expected[2]["curriculum/queued"] > 0, "checkpoint-2 must hold prompts waiting in the curriculum queue"
 
 
 @pytest.mark.slow

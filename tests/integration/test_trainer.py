@@ -3,7 +3,6 @@ every round logs TRL's metric names, the engine is verified equal to the trainer
 gets a gradient and moves, and the held-out evaluation runs before and after."""
 
 import json
-import re
 
 import pytest
 
@@ -56,23 +55,6 @@ def shortest_completions(group_completions, group_rewards, **kwargs):
     return [[-len(c) for c in group] for group in group_completions]
 
 
-def hardest_first(prompts, completions, rewards, metas):
-    """Curriculum hook with the documented contract (four lists, one element per sample, python floats): the next
-    round retries this round's prompts, lowest mean reward first, answered one entry per sample; logs what it got
-    and returned to PROMPTS_LOG so the test can check the next round used them, with their columns."""
-    import math
-    import os
-
-    g = DYNAMIC_G
-    means = {i: [r for r in rewards[i : i + g] if not math.isnan(r)] for i in range(0, len(prompts), g)}
-    order = sorted(means, key=lambda i: sum(means[i]) / len(means[i]) if means[i] else -math.inf)
-    chosen = [prompts[i] for i in order for _ in range(g)]  # B entries, each group's G equal
-    with open(os.environ["PROMPTS_LOG"], "a") as log:
-        log.write(json.dumps({"given": list(prompts), "returned": chosen, "metas": metas, "num_completions":
-                              len(completions), "floats": all(type(r) is float for r in rewards)}) + "\n")
-    return chosen
-
-
 DYNAMIC_G = 4
 """num_generations of `_train_dynamic_gfpo`."""
 
@@ -90,8 +72,9 @@ def _train_dynamic_gfpo(output_dir: str) -> dict:
         "train.per_device_train_batch_size=8", f"grpo.num_generations={DYNAMIC_G}", "grpo.num_remains_in_group=2",
         "grpo.group_filter_func=tests.integration.test_trainer:shortest_completions",
         "grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_rounds=3",
-        "reward.reward_funcs=[tests.integration.test_trainer:digit_fraction]", "logging.log_completions=true",
-        "data.dataset_test_split=null", "data.dynamic_prompts_fn=tests.integration.test_trainer:hardest_first",
+        "reward.reward_funcs=[tests.integration.test_trainer:digit_fraction,tests.helpers.curriculum:sign_by_prompt]",
+        "logging.log_completions=true", "data.dataset_test_split=null",
+        "data.dynamic_prompts_fn=tests.helpers.curriculum:logged_curriculum_fn",
         "grpo.use_adaptive_entropy=true", "grpo.entropy_coef=0.01", "grpo.entropy_target=100.0",
     ])
     return train(cfg)
@@ -100,9 +83,11 @@ def _train_dynamic_gfpo(output_dir: str) -> dict:
 @pytest.mark.slow
 def test_dynamic_sampling_gfpo_dynamic_prompts_and_completions_table(tmp_path):
     """DAPO dynamic sampling + GFPO + the dynamic-prompts hook + adaptive entropy in the loop: each batch holds P = 8 / k = 4 prompts'
-    k = 2 shortest completions (the filter's choice); every generation round after the first samples the prompts
-    the hook returned; the completions table gets one row per trained completion with its advantage."""
+    k = 2 shortest completions (the filter's choice); the hook is the seed's documented example (verbatim) under a
+    reward that changes sign, and every round draws its prompts by the curriculum queue's policy; the completions table gets one row per trained completion with its advantage."""
     import pandas as pd
+
+    from tests.helpers.curriculum import check_queue_policy
 
     run_distributed(_train_dynamic_gfpo, 1, str(tmp_path))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -114,15 +99,14 @@ def test_dynamic_sampling_gfpo_dynamic_prompts_and_completions_table(tmp_path):
         assert record["entropy_coef"] == pytest.approx(0.01 + 0.005 * record["step"])
     groups_seen = [g for line in (tmp_path / "gfpo_calls.jsonl").read_text().splitlines() for g in json.loads(line)]
     assert all(len(g) == 4 for g in groups_seen) and len(groups_seen) == 2 * 4, "one filter call per step, P=4 groups of G=4"
+    # the seed's documented hook, verbatim: a different prompt per sample where a group's rewards differ in sign;
+    # each distinct one is queued and trained as a group of its own, P = 4 per round (engine/train/prompt_queue.py)
     calls = [json.loads(line) for line in (tmp_path / "prompt_calls.jsonl").read_text().splitlines()]
     assert len(calls) == sum(r["dynamic_sampling/rounds"] for r in records)
-    for before, after in zip(calls, calls[1:]):
-        assert after["given"] == before["returned"], "a round must sample the prompts the hook chose"
-    for call in calls:  # one element per sample: P = 4 prompts x G = 4; each row's `answer` column carried over
-        assert len(call["given"]) == len(call["metas"]) == call["num_completions"] == 16 and call["floats"]
-        for prompt, meta in zip(call["given"], call["metas"]):
-            a, op, b = re.search(r"(\d+) ([+-]) (\d+)", prompt).groups()
-            assert meta["answer"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
+    assert any(len(set(c["returned"][i : i + 4])) > 1 for c in calls for i in range(0, 16, 4)), "no mixed group"
+    assert check_queue_policy(calls, num_prompts=4, num_generations=4, capacity=8 * 4) >= 1
+    assert all(len(call["given"]) == 16 and all(type(r) is float for r in call["rewards"]) for call in calls)
+    assert records[-1]["curriculum/queued"] > 0 and records[-1]["curriculum/dropped"] == 0
     tables = sorted((tmp_path / "completions").glob("*.parquet"))
     rows = pd.concat([pd.read_parquet(t) for t in tables])
     assert len(rows) == 2 * 8, "8 trained completions (4 prompts x k=2) per step"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine.grpo.dynamic_prompts import DynamicPromptsError, call_dynamic_prompts_fn, rows_for_next_generation
+from tests.helpers.curriculum import curriculum_fn  # the seed's documented example, verbatim
 
 PROMPTS = ["2+2?", "3*3?"]  # P = 2 groups
 COMPLETIONS = ["4", "5", "9", "6"]  # G = 2 per group, group by group
@@ -38,7 +39,7 @@ def test_hook_gets_one_element_per_sample_as_python_values():
     assert metas[1] == {"answer": "4"} and METAS[0] == {"answer": "4"}
 
 
-def test_the_documented_per_sample_curriculum_runs_and_its_answer_is_collapsed_per_group():
+def test_the_documented_per_sample_curriculum_runs_and_its_answer_gives_each_groups_prompt_once():
     # the docs' shape: a python `if` on each sample's reward (a tensor row here was "ambiguous" before)
     def curriculum_fn(prompts, completions, rewards, metas):
         return [p if r == r and r > 0.5 else p + " Think step by step." for p, r in zip(prompts, rewards, strict=True)]
@@ -76,11 +77,20 @@ def test_plain_and_conversational_prompts_are_accepted():
     assert rows == [{"prompt": "plain"}, {"prompt": chat}]
 
 
-def test_per_sample_prompts_that_differ_within_a_group_are_an_error():
-    with pytest.raises(DynamicPromptsError, match=r"one prompt per sample \(B=4\), but the G=2 entries of group 1 "
-                                                  r"\(elements 2\.\.3\) differ: element 2 is '3\*3\?', "
-                                                  r"element 3 is 'x'"):
-        _call(lambda prompts, *args: ["2+2?", "2+2?", "3*3?", "x"])
+def test_the_seeds_example_gives_each_distinct_prompt_once_in_order_when_a_groups_rewards_differ_in_sign():
+    hint, nxt = " // Hint: check your color setup in GLSL", " // Next: add moving gradient effect"
+    rows = _call(curriculum_fn, rewards=torch.tensor([-1.0, 0.5, 2.0, 1.0]))  # group 0 mixed, group 1 not
+    assert rows == [{"prompt": "2+2?" + hint}, {"prompt": "2+2?" + nxt}, {"prompt": "3*3?" + nxt}]
+    rows = _call(curriculum_fn, rewards=torch.tensor([0.5, -1.0, -2.0, -1.0]))
+    assert [r["prompt"] for r in rows] == ["2+2?" + nxt, "2+2?" + hint, "3*3?" + hint]
+
+
+def test_per_sample_answers_are_deduplicated_across_groups_and_keep_their_rows_columns():
+    rows = _call(lambda prompts, *args: ["3*3?", "x", "3*3?", "x"])
+    assert rows == [{"prompt": "3*3?", "answer": "9"}, {"prompt": "x"}]
+    chat = [{"role": "user", "content": "hi"}]
+    rows = _call(lambda *args: [chat, chat, {"prompt": "y", "level": 1}, {"prompt": "y", "level": 1}])
+    assert rows == [{"prompt": chat}, {"prompt": "y", "level": 1}]
 
 
 @pytest.mark.parametrize("returned", [[], ["one"], ["a", "b", "c"], ["a"] * 5])
