@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu bench clean
+.PHONY: install demo test test-fast test-gpu bench clean
 
 install: $(STAMP)
 
@@ -20,8 +20,15 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(BIN)/grpo-engine demo
 
+# Every tier; then where the time went (per tier, slowest tests, costliest fixtures: tests/timings.py).
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --timings-file .test-timings.jsonl; status=$$?; \
+	$(BIN)/python -m tests.timings .test-timings.jsonl; exit $$status
+
+# Before every commit (about 3 minutes on 2 cores): the unit and kernel tiers and one real-stack smoke (the GRPO loop
+# at TP1 with real Megatron and in-process vLLM). `make test` (CI) still runs everything.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit tests/kernels "tests/integration/test_trainer.py::test_grpo_loop_runs_logs_and_stays_in_sync[tp1]" -q -x --durations=5
 
 # On a CUDA machine: the GPU-size tests (tests/gpu) and the kernel tier on real Triton (no interpreter there).
 test-gpu: $(STAMP)

@@ -10,6 +10,8 @@ if not torch.cuda.is_available():
     # NOTE: must be set before triton is imported anywhere; kernels then run under the numpy interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+pytest_plugins = ["tests.timings"]  # --timings-file: where the suite's time goes (python -m tests.timings FILE)
+
 TIERS = ("unit", "distributed", "kernels", "integration")
 
 

@@ -1,0 +1,115 @@
+"""Where the suite's time goes: a pytest plugin that records it and a summary that prints it.
+
+Plugin (loaded by tests/conftest.py): with `--timings-file PATH`, every test phase (setup / call / teardown, the
+test's node id and tier) and every fixture set-up (name, scope, the test that triggered it) is appended to PATH as
+one JSON line, as it happens, so a run cut short still leaves its record. Fixture set-up time is part of its test's
+setup phase; a session- or module-scoped fixture is charged once, to the first test that needs it.
+
+Summary: `python -m tests.timings PATH [--top N]` prints the wall time per tier (setup / call / teardown), the N
+slowest tests (setup vs call) and the N most expensive fixtures (all their set-ups summed, with their count).
+`make test` writes `.test-timings.jsonl` and prints this summary at the end, so every CI log shows it.
+
+Must not: change what runs or how (it only observes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+TIERS = ("unit", "distributed", "kernels", "integration", "gpu")
+
+
+def tier_of(nodeid: str) -> str:
+    """The tier folder of a node id (`tests/<tier>/...`), or "other"."""
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else "other"
+
+
+class TimingRecorder:
+    """Appends one JSON line per test phase and per fixture set-up to a file."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.path.write_text("")
+        self._file = open(path, "a", buffering=1)  # line-buffered: a killed run keeps what it recorded
+
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        start = time.perf_counter()
+        yield
+        self._write({"kind": "fixture", "name": fixturedef.argname, "scope": fixturedef.scope,
+                     "nodeid": request.node.nodeid, "seconds": time.perf_counter() - start})
+
+    def pytest_runtest_logreport(self, report):
+        self._write({"kind": "phase", "nodeid": report.nodeid, "tier": tier_of(report.nodeid), "when": report.when,
+                     "seconds": report.duration, "outcome": report.outcome})
+
+    def pytest_unconfigure(self, config):
+        self._file.close()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--timings-file", default=None, help="append per-phase and per-fixture timings (JSON lines) "
+                     "to this file; summarise with `python -m tests.timings FILE`")
+
+
+def pytest_configure(config):
+    path = config.getoption("--timings-file")
+    if path:
+        config.pluginmanager.register(TimingRecorder(Path(path)), "grpo-timings")
+
+
+def summarise(records: list[dict], top: int = 15) -> str:
+    """The printed summary of a timings file's records (module docstring)."""
+    phases = [r for r in records if r["kind"] == "phase"]
+    by_tier: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    tests: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in phases:
+        by_tier[r["tier"]][r["when"]] += r["seconds"]
+        tests[r["nodeid"]][r["when"]] += r["seconds"]
+    counts = defaultdict(int)
+    for nodeid in tests:
+        counts[tier_of(nodeid)] += 1
+    lines = ["suite time per tier (seconds):", f"  {'tier':<12} {'tests':>6} {'setup':>8} {'call':>8} {'teardown':>9} "
+             f"{'total':>8}"]
+    total = 0.0
+    for tier in sorted(by_tier, key=lambda t: -sum(by_tier[t].values())):
+        t = by_tier[tier]
+        tier_total = sum(t.values())
+        total += tier_total
+        lines.append(f"  {tier:<12} {counts[tier]:>6} {t['setup']:>8.1f} {t['call']:>8.1f} {t['teardown']:>9.1f} "
+                     f"{tier_total:>8.1f}")
+    lines.append(f"  {'all':<12} {len(tests):>6} {'':>8} {'':>8} {'':>9} {total:>8.1f}  ({total / 60:.1f} min)")
+    lines += ["", f"slowest {top} tests (setup + call + teardown, seconds):"]
+    for nodeid, t in sorted(tests.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
+        lines.append(f"  {sum(t.values()):7.1f}  setup {t['setup']:6.1f}  call {t['call']:6.1f}  {nodeid}")
+    fixtures: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in records:
+        if r["kind"] == "fixture":
+            fixtures[(r["name"], r["scope"])].append(r["seconds"])
+    lines += ["", f"most expensive {top} fixtures (all set-ups, seconds):"]
+    for (name, scope), seconds in sorted(fixtures.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(seconds):7.1f}  x{len(seconds):<4} {scope:<8} {name}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args(argv)
+    records = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
+    print(summarise(records, args.top))
+
+
+if __name__ == "__main__":
+    main()
