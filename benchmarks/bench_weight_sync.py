@@ -27,12 +27,16 @@ Processes: 2 trainer ranks (TP1 runs as TP1 x DP2, where the dp_rank-1 rank send
 receivers, started here. Absolute numbers on CPU are loopback-TCP numbers on a shared machine; compare variants of
 one run.
 
-`--vllm`: the same bucketed syncs, plus one bucket per decoder layer (`vllm_per_layer`), (trainer TP1) into the real
+`--vllm`: the same bucketed syncs (verified, the default since the digests: rows before 2026-11-24 are unverified
+syncs), plus one bucket per decoder layer (`vllm_per_layer`), (trainer TP1) into the real
 vLLM engine of `python -m engine.rollout.server`
 (engine TP 1, one server per model size, started here on a saved random checkpoint): the trainer's `sync_server`
 call, i.e. the HTTP requests, the transfer and vLLM's in-place `reload_weights` of every bucket. No
 tensor-by-tensor row there: vLLM's layer-wise reload on CPU cannot take a decoder layer in several calls (see
 engine/rollout/colocated_sync.py `_stage_buckets`), so per-tensor loading is not a correct baseline to time.
+What the exact verification costs (`_time_verification`, 512 MiB buckets, interleaved): `vllm_512MiB_verified`
+against `vllm_512MiB_unverified` (the difference: both sides' digests, the engine's answer and the comparison), and
+`vllm_512MiB_trainer_digest` (the trainer's digests and the comparison alone).
 
     python -m benchmarks.bench_weight_sync                      # CPU, ~2-4 minutes
     python -m benchmarks.bench_weight_sync --engine-tp 2 --iters 3
@@ -270,6 +274,7 @@ def _vllm_trainer(url: str, model_dir: str, hidden: int, args, results) -> None:
                              n_iters=args.iters)
             out[(1, hidden, f"vllm_bucketed_{bucket_mb}MiB" if bucket_mb else "vllm_per_layer")] = (timing, {})
             print(f"vllm: hidden {hidden} bucket {bucket_mb} MiB: p50 {timing.p50_ms:.1f} ms", flush=True)
+        out |= _time_verification(chunks, ps, plan, engine, hidden, args)
         engine.close()
         results.put((0, "ok", pickle.dumps(out)))
     except BaseException as error:  # noqa: BLE001 - reported to the main process
@@ -277,6 +282,32 @@ def _vllm_trainer(url: str, model_dir: str, hidden: int, args, results) -> None:
         raise
     finally:
         destroy_parallel()
+
+
+def _time_verification(chunks, ps, plan, engine, hidden: int, args) -> dict:
+    """512 MiB buckets, interleaved: the sync verified (digests on both sides and the comparison: the default), the
+    same sync unverified, and the trainer's share of the verified one (its digests and the comparison, from the
+    sync's `weight_sync/digest_s`; the engine's digests are inside the verified sync's time)."""
+    from engine.rollout.server_sync import build_server_sync, sync_server
+
+    link = build_server_sync(ps, plan.dims, 1, ffn_hidden_size=plan.ffn_hidden_size, dtype="float32",
+                             group_port=_free_port(), timeout_s=TIMEOUT_S, bucket_mb=512)
+    verified, unverified, digest = [], [], []
+    for i in range(args.warmup + args.iters):
+        for verify, times in ((True, verified), (False, unverified)):
+            start = time.perf_counter()
+            stats = sync_server(chunks, ps, plan.dims, engine, link, verify=verify)
+            if i >= args.warmup:
+                times.append((time.perf_counter() - start) * 1e3)
+                if verify:
+                    digest.append(stats["weight_sync/digest_s"] * 1e3)
+    out = {}
+    for name, samples in (("vllm_512MiB_verified", verified), ("vllm_512MiB_unverified", unverified),
+                          ("vllm_512MiB_trainer_digest", digest)):
+        p20, p50, p80 = percentiles(samples)
+        out[(1, hidden, name)] = (Timing(p20, p50, p80, len(samples), tuple(samples)), {})
+        print(f"vllm: hidden {hidden} {name}: p50 {p50:.1f} ms", flush=True)
+    return out
 
 
 def run_vllm(args) -> dict:
@@ -351,6 +382,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"trainer tp{tp} -> {engine}, {model_bytes / 2**20:7.1f} MiB, one round trip of a 40-byte message: "
                   f"p50 {timing.p50_ms:.3f} ms (p20 {timing.p20_ms:.3f}, p80 {timing.p80_ms:.3f})")
             continue
+        if name.endswith("_digest"):
+            continue  # a share of the verified sync's time, not a transfer
         rows.append(make_row(env, **key, metric="throughput", unit="GB/s", p20=moved / timing.p80_ms / 1e6,
                              p50=moved / timing.p50_ms / 1e6, p80=moved / timing.p20_ms / 1e6,
                              n_iters=timing.n_iters))

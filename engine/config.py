@@ -260,26 +260,9 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = 512
     """Size of one flattened transfer bucket."""
     verify_weight_sync: bool = True
-    """After every sync, compare the engine's log-probs of probe sequences with the trainer's."""
-    weight_sync_tolerance: float | None = None
-    """Largest allowed `weight_sync_quantile`-quantile of |trainer - engine| over the probe's tokens (log-probs; every
-    token of the probe sequences, prompt and completion, each distinct prefix once: engine/rollout/sync_check.py).
-    None = by dtype: 1e-3 for float32 (of the max); 0.3 for bfloat16 / float16 (of the 90th percentile). Measured on
-    the tiny Qwen2 (tests/integration/test_weight_sync.py bf16 case; examples/001_math_accuracy.py): a synced engine
-    0.09-0.21, one stale decoder layer after a step at lr 1e-3 0.46-1.7. The synced value is the engine's own bf16
-    rounding (its per-token error against a float64 forward is distributed as HF transformers' bf16 one, p90 0.09-0.18
-    on the example's chat prompts; Megatron's is smaller, p90 0.07-0.08), so 0.2 is too tight. Before the probe
-    included the prompts, the example's probe was 10-13 distinct completion tokens, most near-certain: its p90 was one
-    token's rounding error (0.215), and a stale layer could pass (0.09-0.38)."""
-    weight_sync_quantile: float | None = None
-    """Which quantile of the per-token |trainer - engine| log-prob differences is checked. None = by dtype: 1.0 (the
-    max) for float32; 0.9 for bfloat16 / float16. NOTE: two correct bf16 forwards (Megatron's, vLLM's; HF's alike)
-    differ per token by a heavy-tailed amount: on the warm-started tiny Qwen2, median 0.01-0.04 and p90 0.09-0.21
-    nats, but the max reached 0.9-3.9 on single ill-conditioned tokens. A stale decoder layer moves most tokens: p90
-    0.46-1.7 after one step at lr 1e-3; after five at lr 5e-5 0.16-1.3 (some layers within the noise: such a step
-    moves bf16 weights by about one rounding step, which no check can tell from rounding, nor does it matter). A
-    larger model's noise may differ: a bf16 run that fails here with a small quantile value and no other symptom may
-    need a larger tolerance."""
+    """After every sync, check that every engine rank holds, bit for bit, what the trainer sent it (per-tensor digests,
+    engine/rollout/weight_digest.py: a WeightSyncError names any tensor that differs, and the engine rank), and log
+    the log-prob probe's health metrics (`weight_sync/logprob_diff_p50/_p90/_max`, never a gate)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -388,6 +371,18 @@ class EngineConfig:
 # building from plain data, with the full dotted path in every error
 
 
+REMOVED_SETTINGS = {
+    "rollout.weight_sync_tolerance": "the weight-sync check is exact now (per-tensor digests of what each engine rank "
+                                     "holds against what the trainer sent, engine/rollout/weight_digest.py): there is no "
+                                     "log-prob tolerance to set; the probe's differences are logged as "
+                                     "weight_sync/logprob_diff_p50/_p90/_max. Delete the key",
+    "rollout.weight_sync_quantile": "the weight-sync check is exact now (per-tensor digests, engine/rollout/"
+                                    "weight_digest.py): no log-prob quantile is checked; the probe's p50 / p90 / max "
+                                    "are logged as weight_sync/logprob_diff_*. Delete the key",
+}
+"""Settings this engine once accepted and no longer does: dotted path -> why, and what to do (the error says it)."""
+
+
 def build_config(data: dict | None = None, cls: type = EngineConfig, path: str = "") -> Any:
     """Build a config dataclass from nested plain data (YAML's output), refusing unknown keys and wrong types.
 
@@ -408,6 +403,8 @@ def build_config(data: dict | None = None, cls: type = EngineConfig, path: str =
     kwargs = {}
     for key, value in data.items():
         dotted = f"{path}.{key}" if path else str(key)
+        if key not in fields and dotted in REMOVED_SETTINGS:
+            raise ConfigError(f"config key '{dotted}' was removed: {REMOVED_SETTINGS[dotted]}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(fields)}"

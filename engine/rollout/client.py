@@ -3,7 +3,8 @@
 Owns:
 - `RolloutClient`: one process's connection to the server. `wait_until_healthy()` polls `/health` for up to
   `vllm_server_timeout`; `generate` / `prompt_logprobs` / `sleep` / `wake_up` have ColocatedEngine's signatures;
-  `init_weight_group` / `update_weights` / `close_weight_group` drive the server's half of a weight sync
+  `init_weight_group` / `update_weights` / `close_weight_group` drive the server's half of a weight sync and
+  `weight_digests` asks what it holds
   (engine/rollout/server_sync.py `sync_server` drives the trainer's half). Every request carries the run's token
   (`Authorization: Bearer`, from $GRPO_ENGINE_TOKEN) and a timeout; idempotent calls (health, generate,
   prompt_logprobs, sleep, wake_up) are retried with exponential backoff on connection failures and 502/503/504;
@@ -234,9 +235,15 @@ class RolloutClient:
         """The server's workers join the transfer group (blocks until the trainer's senders have joined)."""
         return self._request("POST", "/weights/init", group, timeout_s=self.request_timeout_s, idempotent=False)
 
-    def update_weights(self) -> dict:
-        """The server receives one sync and loads it (blocks until loaded)."""
-        return self._request("POST", "/weights/update", {}, timeout_s=self.request_timeout_s, idempotent=False)
+    def update_weights(self, verify: bool = True) -> dict:
+        """The server receives one sync and loads it (blocks until loaded); with `verify` each worker's answer
+        holds the digests of what it then holds."""
+        return self._request("POST", "/weights/update", {"verify": verify}, timeout_s=self.request_timeout_s,
+                             idempotent=False)
+
+    def weight_digests(self) -> dict:
+        """{"workers": each engine rank's {"engine_rank", "digests"}} of the weights the server holds now."""
+        return self._request("POST", "/weights/digests", {}, timeout_s=self.request_timeout_s)
 
     def close_weight_group(self) -> dict:
         return self._request("POST", "/weights/close", {}, idempotent=False)

@@ -4,17 +4,22 @@ tensors in buckets (`sync_colocated`, `iter_hf_buckets`). Per pipeline stage in 
      than one bucket of the model at a time beyond its own shards);
   2. HF tensors are packed into flat buckets of `bucket_mb`; the stage broadcasts each bucket (one metadata object,
      one flat tensor) to the other stages of its pipeline group;
-  3. every rank loads each bucket into its own engine as it arrives (`engine.load_weights`, vLLM's in-place reload).
+  3. every rank loads each bucket into its own engine as it arrives (`engine.load_weights`, vLLM's in-place reload);
+  4. with a plan (`build_colocated_plan`), every rank digests the box of each tensor its engine rank holds as it
+     loads it (engine/rollout/weight_digest.py), asks its engine for the digests of what it then holds, and the
+     ranks agree on the outcome (engine/rollout/sync_check.py `check_digests`, `raise_on_every_rank`).
 
 Layouts: knows the trainer's only, through engine/policy/hf_checkpoint.py's `iter_hf_tensors` (gather and convert
-to HF names and shapes). The engine's needs no knowledge here: vLLM's loaders narrow full HF tensors themselves. Of
+to HF names and shapes). The engine's needs no knowledge here: vLLM's loaders narrow full HF tensors themselves, and
+the box each engine rank holds (for its digest) is the plan's (engine/rollout/sync_plan.py `_engine_box`). Of
 vLLM it knows one behaviour: its reload is layer-wise, so a bucket never splits a decoder layer (`_stage_buckets`).
 
-Must not: import vLLM (the engine is passed in), verify the result (engine/rollout/sync_check.py does), use the
-server-mode transport (engine/rollout/weight_transport.py).
+Must not: import vLLM (the engine is passed in), compare digests itself (engine/rollout/sync_check.py does), use
+the server-mode transport (engine/rollout/weight_transport.py).
 
 Test: tests/unit/test_weight_sync_buckets.py (bucket boundaries), tests/integration/test_weight_sync.py (real vLLM
-on CPU, trainer TP 1/2 x PP 1/2 into engine TP 1/2, float32 and bf16).
+on CPU, trainer TP 1/2 x PP 1/2 into engine TP 1/2, float32 and bf16; a stale engine, a stale layer and one flipped
+bit caught and named).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from engine.policy.hf_checkpoint import iter_hf_tensors
 from engine.policy.hf_convert import ModelDims
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap
+from engine.rollout.sync_check import check_digests, raise_on_every_rank
+from engine.rollout.sync_plan import SyncPlan, TrainerLayout, box_slices, build_sync_plan
+from engine.rollout.weight_digest import box_digest
 
 
 def _pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list, torch.Tensor]:
@@ -97,14 +105,49 @@ def iter_hf_buckets(chunks, ps: ParallelState, dims: ModelDims, bucket_mb: float
             yield _unpack(meta, flat)
 
 
-def sync_colocated(chunks, ps: ParallelState, dims: ModelDims, engine, bucket_mb: float) -> dict[str, float]:
-    """Push the policy's current weights into this rank's colocated engine. Returns bytes moved and seconds."""
-    start, num_bytes, num_tensors, num_buckets = time.perf_counter(), 0, 0, 0
+def build_colocated_plan(dims: ModelDims, engine_tp: int, *, ffn_hidden_size: int, dtype: str) -> SyncPlan:
+    """The plan whose engine boxes say what each colocated engine rank holds of every HF tensor (its trainer side is
+    unused: colocated ranks send full tensors)."""
+    return build_sync_plan(dims, TrainerLayout(1), engine_tp, ffn_hidden_size=ffn_hidden_size, dtype=dtype)
+
+
+def sync_colocated(chunks, ps: ParallelState, dims: ModelDims, engine, bucket_mb: float, plan: SyncPlan | None = None,
+                   *, load: bool = True) -> dict[str, float]:
+    """Push the policy's current weights into this rank's colocated engine (collective: every rank calls it).
+
+    Args:
+        plan: from `build_colocated_plan`: verify that every engine rank holds, bit for bit, its box of every tensor
+            (None: no verification).
+        load: False only verifies what the engine holds now (the tests' stale engine).
+    Returns:
+        {"weight_sync/seconds", "weight_sync/gib", "weight_sync/tensors", "weight_sync/buckets"}, and with a plan
+        "weight_sync/digest_s" (digesting both sides and comparing, included in the seconds).
+    Raises:
+        WeightSyncError on every rank when any engine rank holds another value in any tensor, naming the tensors,
+        the engine rank and the trainer rank.
+    """
+    start, num_bytes, num_tensors, num_buckets, digest_s = time.perf_counter(), 0, 0, 0, 0.0
+    boxes = {tensor.name: tensor.engine_boxes for tensor in plan.tensors} if plan is not None else {}
+    engine_rank = engine.engine_rank if plan is not None else None
+    expected: dict[str, torch.Tensor] = {}
     for bucket in iter_hf_buckets(chunks, ps, dims, bucket_mb):
-        engine.load_weights(bucket)
+        if load:
+            engine.load_weights(bucket)
+        if plan is not None:
+            began = time.perf_counter()
+            expected |= {name: box_digest(tensor[box_slices(boxes[name][engine_rank])]) for name, tensor in bucket
+                         if name in boxes}
+            digest_s += time.perf_counter() - began
         num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
         num_tensors += len(bucket)
         num_buckets += 1
-    seconds = time.perf_counter() - start
-    return {"weight_sync/seconds": seconds, "weight_sync/gib": num_bytes / 2**30, "weight_sync/tensors": num_tensors,
-            "weight_sync/buckets": num_buckets}
+    stats = {"weight_sync/gib": num_bytes / 2**30, "weight_sync/tensors": num_tensors,
+             "weight_sync/buckets": num_buckets}
+    if plan is not None:
+        began = time.perf_counter()
+        (held,) = engine.weight_digests()
+        error = check_digests({name: int(d) for name, d in expected.items()}, held["digests"], plan.dtype,
+                              f"engine rank {held['engine_rank']}")
+        raise_on_every_rank(ps, error)
+        stats["weight_sync/digest_s"] = digest_s + time.perf_counter() - began
+    return stats | {"weight_sync/seconds": time.perf_counter() - start}

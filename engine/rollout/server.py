@@ -31,7 +31,8 @@ compared in constant time; a request without it gets 401 and touches nothing):
 | POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
 | POST /prompt_logprobs | sequences, temperature -> logprobs (of every token after the first) |
 | POST /weights/init | host, port, world_size, first_engine_rank, timeout_s, plan (SyncPlan.spec()), bucket_mb -> ranks; the workers join the trainer's transfer group (the call returns once the trainer's senders have joined) |
-| POST /weights/update | -> per-worker stats, instance_id; the workers receive one sync and load it with vLLM's reload_weights |
+| POST /weights/update | verify (default true) -> per-worker stats (with verify: engine_rank and digests of what the worker then holds), instance_id; the workers receive one sync and load it with vLLM's reload_weights |
+| POST /weights/digests | -> workers: each engine rank's engine_rank and digests ({HF name: [digest, dtype]}, engine/rollout/weight_digest.py) of the weights it holds |
 | POST /weights/close | -> the workers leave the transfer group |
 | POST /sleep, /wake_up | vLLM sleep mode where the engine supports it (GPU), otherwise no-ops |
 | POST /shutdown | -> the server stops after answering |
@@ -146,9 +147,12 @@ class RolloutServer(ThreadingHTTPServer):
         return {"ranks": self.engine.init_weight_group(**{k: body[k] for k in keys})}
 
     def update_weights(self, body: dict) -> dict:
-        workers = self.engine.receive_weights()
+        workers = self.engine.receive_weights(verify=bool(body.get("verify", True)))
         self.num_weight_updates += 1
         return {"workers": workers, "instance_id": self.instance_id}
+
+    def weight_digests(self, body: dict) -> dict:
+        return {"workers": self.engine.weight_digests()}
 
     def close_weights(self, body: dict) -> dict:
         self.engine.close_weight_group()
@@ -165,7 +169,7 @@ class RolloutServer(ThreadingHTTPServer):
 
 _ROUTES = {"/generate": RolloutServer.generate, "/prompt_logprobs": RolloutServer.prompt_logprobs,
            "/weights/init": RolloutServer.init_weights, "/weights/update": RolloutServer.update_weights,
-           "/weights/close": RolloutServer.close_weights, "/sleep": RolloutServer.sleep,
+           "/weights/digests": RolloutServer.weight_digests, "/weights/close": RolloutServer.close_weights, "/sleep": RolloutServer.sleep,
            "/wake_up": RolloutServer.wake_up}
 
 

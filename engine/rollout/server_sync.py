@@ -3,7 +3,9 @@ server's engine TP, and where the transfer group meets) and `sync_server` (one s
 health and asks engine/rollout/server.py over HTTP to join the group and to receive, each request in a background
 thread, while the sender ranks (dp_rank 0; with expert parallelism also the expert-data-parallel-rank-0 ranks
 holding the other experts) `send_weights` their shards; the outcome is then agreed over the trainer's world so
-every rank returns, or raises, together). The server's half is engine/rollout/vllm_engine.py's
+every rank returns, or raises, together; then the engine ranks' digests of what they hold, returned with the load,
+against the sum of the senders' digests of what they sent: engine/rollout/sync_check.py `check_digests`) and
+`verify_server` (the same check without a sync). The server's half is engine/rollout/vllm_engine.py's
 `WeightReceiverExtension` (`receive_weights` in vLLM's workers).
 
 Layouts: knows neither of its own: the plan (engine/rollout/sync_plan.py) is built from the trainer's
@@ -31,9 +33,9 @@ import torch.distributed as dist
 from engine.policy.hf_convert import ModelDims
 from engine.policy.parallel import ParallelState
 from engine.rollout.server import model_mismatch
-from engine.rollout.sync_check import WeightSyncError
+from engine.rollout.sync_check import WeightSyncError, check_digests, raise_on_every_rank
 from engine.rollout.sync_plan import SyncPlan, TrainerLayout, build_sync_plan
-from engine.rollout.weight_transport import WeightTransferGroup, send_weights, sender_index
+from engine.rollout.weight_transport import WeightTransferGroup, send_weights, sender_digests, sender_index
 
 
 @dataclass
@@ -127,7 +129,8 @@ def _check_server(ps: ParallelState, client, link: ServerSync) -> bool:
     return bool(float(flag[1]))
 
 
-def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: ServerSync) -> dict[str, float]:
+def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: ServerSync, *,
+                verify: bool = True) -> dict[str, float]:
     """Push the policy's current weights into the rollout server (collective: every trainer rank calls it).
 
     Rank 0 asks the server over HTTP to join the group (first sync, or after a failure) and to receive one sync,
@@ -139,11 +142,14 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
         link: from `build_server_sync`; its group is kept for the next sync. The server is asked for its health
             first (one GET): a dead one fails at once, a restarted one (new `instance_id`) is joined afresh
             (stats then hold `weight_sync/rejoined`).
+        verify: the server's workers digest what they hold after loading, and the trainer compares them with the
+            digests of what it sent (`verify_server`'s check).
     Returns:
-        {"weight_sync/seconds", "weight_sync/gib" (sent by rank 0), "weight_sync/messages", "weight_sync/buckets"}.
+        {"weight_sync/seconds", "weight_sync/gib" (sent by rank 0), "weight_sync/messages", "weight_sync/buckets"},
+        with `verify` "weight_sync/digest_s" (the trainer's digests and the comparison).
     Raises:
         WeightSyncError on every rank when any part failed (a dead or unreachable server, a broken group, a
-        timeout), naming the cause; the group is then closed on this side (the next sync joins a fresh one). The
+        timeout, an engine rank holding other values than were sent: the tensors named), naming the cause; the group is then closed on this side (the next sync joins a fresh one). The
         trainer's parameters are only read, so they are exactly as before the sync whatever happened.
     """
     start = time.perf_counter()
@@ -174,7 +180,7 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
             finally:
                 _result(http, link.timeout_s, "joining the weight-transfer group")
             link.is_joined = True
-        http = _in_background(client.update_weights) if ps.rank == 0 else None
+        http = _in_background(lambda: client.update_weights(verify=verify)) if ps.rank == 0 else None
         try:
             stats |= send_weights(chunks, ps, dims, link.group, plan, link.bucket_mb)
         finally:
@@ -196,4 +202,34 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
             f"weight sync into the rollout server failed (first error on trainer rank {first[0]}: {first[1]}); the "
             "trainer's weights and optimizer state are unchanged, the server's weights are not known to be current"
         )
+    if verify:
+        began = time.perf_counter()
+        _check_held(chunks, ps, link, lambda: answer["workers"], client)
+        stats["weight_sync/digest_s"] = time.perf_counter() - began
     return stats | {"weight_sync/seconds": time.perf_counter() - start}
+
+
+def verify_server(chunks, ps: ParallelState, engine, link: ServerSync) -> None:
+    """Check, without syncing, that the server's engine ranks hold what the trainer holds now, bit for bit
+    (collective; the server's `/weights/digests`). Raises WeightSyncError on every rank naming what differs."""
+    client = engine.clients[link.server] if ps.rank == 0 else None
+    _check_held(chunks, ps, link, lambda: client.weight_digests()["workers"], client)
+
+
+def _check_held(chunks, ps: ParallelState, link: ServerSync, workers, client) -> None:
+    """The trainer's digests of what each engine rank must hold (summed over the senders) against the engine ranks'
+    own (`workers()`, called on rank 0: each worker's {"engine_rank", "digests"}); every rank raises together."""
+    plan = link.plan
+    expected = sender_digests(chunks, ps, plan)
+    dist.all_reduce(expected)  # int64 sums wrap mod 2**64, as the digests do
+    error = ""
+    if ps.rank == 0:
+        table = expected.cpu().tolist()  # (tensors, engine ranks)
+        try:
+            for worker in workers():
+                rank = int(worker["engine_rank"])
+                error += check_digests({t.name: table[i][rank] for i, t in enumerate(plan.tensors)},
+                                       worker["digests"], plan.dtype, f"engine rank {rank} of {client.base_url}")
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it
+            error = f"asking {client.base_url} for its digests failed: {type(exc).__name__}: {exc}"
+    raise_on_every_rank(ps, error)

@@ -1,14 +1,22 @@
-"""Weight-sync verification: after a sync, the engine's log-probs of every token of the probe sequences (prompt and
-completion, each distinct prefix once: `full_sequence_probe`) against the trainer's (temperature 1, both fp32
-accumulation), every sync by default (`verify_sync`), and `WeightSyncError`, which every part of the weight sync raises.
+"""Weight-sync verification, exact: after every sync the engine's digests of what each of its ranks holds (engine/
+rollout/weight_digest.py, computed inside the engine's workers after loading) against the trainer's digests of what it
+meant each rank to hold (`check_digests`, `raise_on_every_rank`); and the log-prob probe, a logged health metric only
+(`logprob_health`: the engine's log-probs of every token of the probe sequences against the trainer's, temperature 1,
+`weight_sync/logprob_diff_p50/_p90/_max`). `WeightSyncError` is what every part of the weight sync raises.
 
-Layouts: knows neither: it compares log-probs, so it catches a wrong box, a stale layer or a failed load whichever
-path (colocated_sync.py, server_sync.py) moved the weights.
+Why digests gate and log-probs do not: two correct bf16 forwards (Megatron's, vLLM's) differ per token by a heavy-tailed
+rounding amount (on the tiny Qwen2: p90 0.09-0.21 nats, single tokens up to 3.9), which grows with the weights'
+scale, so a log-prob tolerance both lets a stale layer hide in the noise and fails correct transfers (bf16 at
+lr 0.1); a digest is exact whatever the dtype and scale, and names the tensor and the engine rank.
+
+Layouts: knows neither: the trainer's digests come keyed by plan tensor and engine rank (engine/rollout/
+colocated_sync.py, weight_transport.py compute them from what they send), the engine's by HF name.
 
 Must not: move weights, import vLLM (the engine's `prompt_logprobs` is called on the object passed in).
 
-Test: tests/integration/test_weight_sync.py (a synced engine passes, a stale one or one stale decoder layer is caught,
-float32 and bf16), tests/integration/test_rollout_server.py (several servers), tests/unit/test_sync_probe.py.
+Test: tests/unit/test_weight_digest.py (`check_digests` messages), tests/integration/test_weight_sync.py (colocated:
+a synced engine passes, a stale one, one stale decoder layer and one flipped bit in one tensor are caught and named,
+float32 and bf16), tests/integration/test_rollout_server.py (server, several servers), tests/unit/test_sync_probe.py.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from engine.policy.step import LogprobSettings, forward_logprobs
 
 
 class WeightSyncError(RuntimeError):
-    """The engine's weights do not reproduce the trainer's log-probs after a sync, or a transfer failed."""
+    """After a sync the engine does not hold what the trainer sent (a digest differs), or a transfer failed."""
 
 
 def full_sequence_probe(probe: dict) -> tuple[dict, list[list[int]]]:
@@ -79,51 +87,67 @@ def logprob_differences(chunks, ps: ParallelState, engine, probe: dict, vocab_si
     return out
 
 
-def verify_sync(chunks, ps: ParallelState, engine, probe: dict, vocab_size: int, tolerance: float,
-                quantile: float = 1.0) -> float:
-    """Compare the engine's and the trainer's log-probs of every token of the probe sequences; raise if they differ.
+def logprob_health(chunks, ps: ParallelState, engine, probe: dict, vocab_size: int) -> dict[str, float]:
+    """The probe's per-token |trainer - engine| log-prob differences over every engine (`logprob_differences`), as
+    health metrics: {"weight_sync/logprob_diff_p50", "_p90", "_max"}, each the largest over ranks (collective).
 
-    Every token after the first of each sequence, prompt and completion (`full_sequence_probe`): the engine computes
-    the prompt's log-probs anyway, and a probe of completions alone can be a few dozen tokens, mostly near-certain
-    ones that no stale weight moves. The check is on a quantile of the per-token |trainer - engine| differences of
-    each engine, on each rank: the max (quantile 1.0) in float32, where the two agree to ~1e-5; the 90th percentile
-    in bf16, where two correct forwards differ by a heavy-tailed rounding amount (one token in a hundred can be off
-    by nats) while a stale layer or a layout error moves most tokens (engine/config.py `weight_sync_quantile` has
-    the measured numbers).
+    Not a check: in float32 a synced engine agrees to ~1e-5, in bf16 two correct forwards differ by a heavy-tailed
+    rounding amount (see the module docstring); the digests (`check_digests`) decide whether a sync is right.
+    """
+    stats = torch.zeros(3, dtype=torch.float64)  # p50, p90, max of the worst engine on this rank
+    for diffs, mask, _ in logprob_differences(chunks, ps, engine, probe, vocab_size):
+        flat = diffs[mask]  # (N,)
+        if flat.numel():
+            here = torch.stack([torch.quantile(flat, 0.5), torch.quantile(flat, 0.9), flat.max()])
+            stats = torch.maximum(stats, here)
+    stats = stats.to(ps.device)  # NCCL reduces device tensors only
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    p50, p90, largest = (float(v) for v in stats.cpu())
+    return {"weight_sync/logprob_diff_p50": p50, "weight_sync/logprob_diff_p90": p90,
+            "weight_sync/logprob_diff_max": largest}
+
+
+MAX_NAMED = 8
+"""Differing tensors named in one message (the count says how many more)."""
+
+
+def check_digests(expected: dict[str, int], held: dict[str, list], sent_dtype: str, where: str) -> str:
+    """Compare the trainer's digests of one engine rank's boxes with that rank's own; "" when they all agree.
 
     Args:
-        chunks: the policy chunks (wrapped or not).
-        probe: a micro-batch from engine/policy/batch.py or packing.py (`tokens`, `prompt_lengths`, `completion_mask`,
-            optionally `lengths` and the packed layout).
-        tolerance: largest allowed `quantile` of the |trainer - engine| log-prob differences.
-        quantile: 1.0 checks the largest difference.
+        expected: {HF name: digest} of what the trainer sent this engine rank (weight_digest.py `box_digest` of the
+            rank's box of each tensor, summed over the senders' pieces).
+        held: the engine rank's `grpo_weight_digests()["digests"]`: {HF name: [digest, dtype it holds]}.
+        sent_dtype: the dtype the trainer sent ("bfloat16", ...), for the message.
+        where: the engine rank, and server, for the message ("engine rank 1 of http://host:8000").
     Returns:
-        the largest difference (the same on every rank).
-    Raises:
-        WeightSyncError naming the statistic, the probe row and token position of the largest difference.
+        a message naming every differing or missing tensor (the first `MAX_NAMED`) and what differs, or "".
     """
-    differences = logprob_differences(chunks, ps, engine, probe, vocab_size)
-    # (checked quantile, max diff, row, position, trainer logprob, engine index) of the worst engine
-    worst = torch.zeros(6, dtype=torch.float64)
-    for e, (diffs, mask, logprobs) in enumerate(differences):
-        flat = diffs[mask]  # (N,)
-        if flat.numel() == 0:
-            continue
-        checked = float(flat.max()) if quantile >= 1.0 else float(torch.quantile(flat, quantile))
-        if checked > worst[0] or (checked == worst[0] and float(flat.max()) > worst[1]):
-            i, j = divmod(int(diffs.masked_fill(~mask, -1.0).argmax()), mask.shape[1])
-            worst = torch.tensor([checked, float(flat.max()), i, j + 1, float(logprobs[i, j]), e], dtype=torch.float64)
-    largest = worst[:2].to(ps.device)  # NCCL reduces device tensors only
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    checked_all, max_all = (float(v) for v in largest.cpu())
-    if checked_all > tolerance:
-        which = f" ({engine.describe(int(worst[5]))})" if len(differences) > 1 else ""
-        statistic = "largest difference" if quantile >= 1.0 else f"{quantile:g}-quantile of the per-token differences"
-        where = (f"; on this rank the largest is {float(worst[1]):.3g} at probe row {int(worst[2])}, token "
-                 f"{int(worst[3])} (trainer {float(worst[4]):.5f})") if float(worst[0]) > tolerance else ""
-        raise WeightSyncError(
-            f"after the weight sync the engine's{which} log-probs differ from the trainer's: {statistic} "
-            f"{checked_all:.3g} over {int(differences[0][1].sum()) if differences else 0} tokens > tolerance "
-            f"{tolerance:g} (largest {max_all:.3g}){where}: the engine is not running the trainer's weights"
-        )
-    return max_all
+    wrong = []
+    for name, digest in expected.items():
+        if name not in held:
+            wrong.append(f"{name} (the engine holds no such tensor)")
+        elif int(held[name][0]) != int(digest):
+            dtype = held[name][1].replace("torch.", "")
+            cast = f", held as {dtype}" if dtype != sent_dtype.replace("torch.", "") else ""
+            wrong.append(f"{name} (digest {int(held[name][0]) & (2**64 - 1):#018x}, sent {int(digest) & (2**64 - 1):#018x}"
+                         f"{cast})")
+    if not wrong:
+        return ""
+    more = f" and {len(wrong) - MAX_NAMED} more" if len(wrong) > MAX_NAMED else ""
+    return (f"after the weight sync {where} holds {len(wrong)} of {len(expected)} tensors other than the trainer sent "
+            f"(bit-exact digests, engine/rollout/weight_digest.py): {'; '.join(wrong[:MAX_NAMED])}{more}")
+
+
+def raise_on_every_rank(ps: ParallelState, error: str) -> None:
+    """Collective: every rank learns whether any rank found an error ("" = none) and raises the same
+    WeightSyncError, with each failing rank's message."""
+    failed = torch.tensor([1.0 if error else 0.0], device=ps.device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if not float(failed):
+        return
+    errors: list = [None] * ps.world_size
+    dist.all_gather_object(errors, error)
+    distinct = list(dict.fromkeys(e for e in errors if e))
+    raise WeightSyncError("; ".join(f"trainer rank {errors.index(e)}: {e}" for e in distinct)
+                          + ": the engine is not running the trainer's weights")

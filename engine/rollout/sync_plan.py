@@ -229,6 +229,11 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return box if all(start < stop for start, stop in box) else None
 
 
+def box_slices(box: Box) -> tuple[slice, ...]:
+    """The index of a box (`tensor[box_slices(box)]`)."""
+    return tuple(slice(start, stop) for start, stop in box)
+
+
 def full_box(shape: tuple[int, ...]) -> Box:
     """The box of the whole tensor."""
     return tuple((0, size) for size in shape)

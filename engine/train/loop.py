@@ -66,7 +66,7 @@ from engine.policy.step import forward_logprobs, grpo_forward_backward
 from engine.rollout.vllm_engine import Rollout
 from engine.train.checkpoint import Progress, StopSignal, is_save_step
 from engine.train.prompt_rounds import PromptRounds, shuffle_order
-from engine.train.run import Run, build_run, export_policy, resume, save_run, sync_and_verify
+from engine.train.run import Run, build_run, check_finite, export_policy, resume, save_run, sync_and_verify
 from engine.train.rollout_pipeline import RolloutPipeline, rewind_rounds_ahead
 from engine.train.sampling import Scored, evaluate, keep_best_in_groups, sample_and_score
 
@@ -125,6 +125,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                 stats = run.popt.step() | run.entropy.update(cfg.grpo, ps, out)
                 step += 1
         run.policy_version += 1
+        check_finite(run, step, [o.loss for out in outputs for o in out])  # a diverged policy is never synced
         t_train = time.perf_counter()
         # 4. weight sync into every engine, verified on a probe of this round (asynchronous: once round r + k,
         #    sampled by the previous version, is complete: the servers never generate while their weights change)

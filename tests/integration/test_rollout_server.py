@@ -40,6 +40,14 @@ from engine.rollout.client import RolloutClient, RolloutServerError
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "builtin:tiny-qwen2-arith"
 TOLERANCE = 1e-3
+"""What a synced fp32 engine's log-prob health metric is asserted to stay under (the syncs are verified by digests)."""
+DENSE_FLIPS = ("model.embed_tokens.weight", "model.layers.0.self_attn.v_proj.weight", "model.layers.1.mlp.gate_proj.weight",
+               "model.layers.2.mlp.down_proj.weight", "model.layers.3.input_layernorm.weight", "lm_head.weight")
+"""One element each flipped (the tiny Qwen2): embedding, fused qkv and gate_up parts, a row-parallel linear, a norm,
+the LM head."""
+MOE_FLIPS = ("model.layers.0.mlp.experts.1.gate_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight",
+             "model.layers.0.mlp.gate.weight", "model.layers.1.self_attn.k_norm.weight", "model.norm.weight")
+"""One element each flipped (the tiny Qwen3-MoE): experts on each expert-parallel rank, the router, a q/k norm."""
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
 
 
@@ -227,9 +235,11 @@ def _leaves(state) -> list:
 
 
 def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid: int | None = None, ep: int = 1,
-                      model_dir: str | None = None) -> dict:
-    """Trainer at TP=tp, EP=ep: sync its checkpoint into the server and check them equal, take one GRPO step (the
-    server is now stale: verification must say so), sync again, verify.
+                      model_dir: str | None = None, flips: tuple[str, ...] = ()) -> dict:
+    """Trainer at TP=tp, EP=ep: sync its checkpoint into the server (verified) and compare log-probs, take one GRPO
+    step (the server is now stale: verification must say so), sync again (verified), compare. With `flips` (HF
+    names): one bit of one element of each flipped in the senders' shards, synced, flipped back: the server's engine
+    rank 0 now holds one wrong element in each, and verification must name exactly those (`flip_error`).
     With `server_pid`: then freeze the server, sync again and SIGKILL it mid-sync; report the error and whether the
     trainer's weights changed. `model_dir`: the trainer's model (default: the shipped tiny Qwen2, as the servers)."""
     import threading
@@ -248,8 +258,9 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     from engine.rollout.client import connect_rollout_server
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from engine.models.tiny_model import resolve_builtin_model
-    from engine.rollout.server_sync import build_server_sync, sync_server
-    from engine.rollout.sync_check import WeightSyncError, verify_sync
+    from engine.rollout.server_sync import build_server_sync, sync_server, verify_server
+    from engine.rollout.sync_check import WeightSyncError, logprob_health
+    from tests.helpers.policy import flip_bits, weight_sync_error
 
     os.environ["GRPO_ENGINE_TOKEN"] = token
     ps = init_parallel(ParallelConfig(tp_size=tp, ep_size=ep), seed=0)
@@ -273,21 +284,27 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     batch = pack_completions(rollout.prompt_ids[mine], rollout.completion_ids[mine], pad_token_id=0)
     batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
     vocab = hf_config.vocab_size
-    before = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
 
+    def logprob_max() -> float:
+        return logprob_health(popt.model, ps, engine, batch, vocab)["weight_sync/logprob_diff_max"]
+
+    before = logprob_max()
     normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
     popt.zero_grad()
     grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer,
                           LogprobSettings(vocab_size=vocab, implementation="torch_chunked"))
     popt.step()
-    try:
-        verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
-        stale_error = ""
-    except WeightSyncError as exc:
-        stale_error = str(exc)
+    stale_error = weight_sync_error(lambda: verify_server(popt.model, ps, engine, link))
     stats = sync_server(popt.model, ps, dims, engine, link)
-    after = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
-    result = {"before": before, "after": after, "stale_error": stale_error, "stats": stats}
+    after = logprob_max()
+    flip_error = ""
+    if flips:
+        flip_bits(popt.model, ps, link.plan, list(flips))
+        sync_server(popt.model, ps, dims, engine, link)  # the server loads the flipped values, verified
+        flip_bits(popt.model, ps, link.plan, list(flips))
+        flip_error = weight_sync_error(lambda: verify_server(popt.model, ps, engine, link))
+        sync_server(popt.model, ps, dims, engine, link)
+    result = {"before": before, "after": after, "stale_error": stale_error, "stats": stats, "flip_error": flip_error}
     if server_pid is None:
         return result
 
@@ -321,10 +338,13 @@ def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
     from tests.distributed.launcher import run_distributed
 
     assert server.client().health()["vllm_tensor_parallel_size"] == 2  # trainer TP 1 / 2 -> engine TP 2
-    results = run_distributed(_sync_into_server, tp, tp, server.url, server.token, _group_port(), timeout_s=300)
+    results = run_distributed(_sync_into_server, tp, tp, server.url, server.token, _group_port(), None, 1, None,
+                              DENSE_FLIPS, timeout_s=300)
     for rank, r in enumerate(results):
         assert r["before"] < TOLERANCE, f"rank {rank}: server and trainer disagree before the step: {r['before']}"
         assert "not running the trainer's weights" in r["stale_error"], f"rank {rank}: stale server not caught"
+        assert f"engine rank 0 of {server.url} holds {len(DENSE_FLIPS)} of 51" in r["flip_error"], r["flip_error"]
+        assert all(f"{name} (digest" in r["flip_error"] for name in DENSE_FLIPS), r["flip_error"]
         assert r["after"] < TOLERANCE, f"rank {rank}: after the sync the difference is {r['after']}"
     assert results[0]["stats"]["weight_sync/buckets"] >= 4, "0.25 MiB buckets: several per sync"
 
@@ -345,7 +365,7 @@ def test_expert_parallel_trainer_syncs_into_a_moe_server_and_a_stale_one_is_caug
                  f"rollout.vllm_tensor_parallel_size={engine_tp}", env=env)
     try:
         results = run_distributed(_sync_into_server, 2, 1, moe.url, moe.token, _group_port(), None, 2, trainer_dir,
-                                  timeout_s=300)
+                                  MOE_FLIPS, timeout_s=300)
     finally:
         moe.stop()
     for rank, r in enumerate(results):
@@ -353,6 +373,8 @@ def test_expert_parallel_trainer_syncs_into_a_moe_server_and_a_stale_one_is_caug
         assert "not running the trainer's weights" in r["stale_error"], f"rank {rank}: stale server not caught"
         assert r["after"] < TOLERANCE, f"rank {rank}: after the sync the difference is {r['after']}"
         assert r["stats"]["weight_sync/gib"] > 0, f"rank {rank} holds experts no other rank has: it must send"
+        assert f"engine rank 0 of {moe.url} holds {len(MOE_FLIPS)} of " in r["flip_error"], r["flip_error"]
+        assert all(f"{name} (digest" in r["flip_error"] for name in MOE_FLIPS), r["flip_error"]
     assert results[0]["stats"]["weight_sync/buckets"] >= 4, "0.25 MiB buckets: several per sync"
 
 
@@ -404,7 +426,8 @@ def test_grpo_loop_in_server_mode_generates_on_the_server_and_stays_in_sync(serv
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     for record in records:
-        assert record["weight_sync/max_logprob_diff"] < TOLERANCE  # verified after every sync
+        assert record["weight_sync/digest_s"] > 0, "every sync verified by digests"
+        assert record["weight_sync/logprob_diff_max"] < TOLERANCE  # the probe's health metric, fp32
         assert record["weight_sync/buckets"] >= 1
         assert abs(record["sampling/sampling_logp_difference/mean"]) < TOLERANCE, "server and trainer disagree"
     # per round: generate, prompt_logprobs (verification), weights update (+ the group's init once)
@@ -429,8 +452,9 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     from engine.rollout.client import connect_rollout_server
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from engine.models.tiny_model import resolve_builtin_model
-    from engine.rollout.server_sync import build_server_sync, sync_server
-    from engine.rollout.sync_check import WeightSyncError, verify_sync
+    from engine.rollout.server_sync import build_server_sync, sync_server, verify_server
+    from engine.rollout.sync_check import logprob_health
+    from tests.helpers.policy import weight_sync_error
 
     os.environ["GRPO_ENGINE_TOKEN"] = token
     ps = init_parallel(ParallelConfig(), seed=0)
@@ -465,7 +489,11 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     batch = pack_completions(split.prompt_ids, split.completion_ids, pad_token_id=0)
     batch["advantages"] = torch.tensor([1.0, -1.0] * 4)
     vocab = hf_config.vocab_size
-    out["before"] = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+
+    def logprob_max() -> float:
+        return logprob_health(popt.model, ps, engine, batch, vocab)["weight_sync/logprob_diff_max"]
+
+    out["before"] = logprob_max()
 
     normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=8.0)
     popt.zero_grad()
@@ -473,20 +501,16 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
                           LogprobSettings(vocab_size=vocab, implementation="torch_chunked"))
     popt.step()
     sync_server(popt.model, ps, dims, engine, engine.weight_links[0])  # the second server is left stale
-    try:
-        verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
-        out["stale_error"] = ""
-    except WeightSyncError as exc:
-        out["stale_error"] = str(exc)
+    out["stale_error"] = weight_sync_error(lambda: [verify_server(popt.model, ps, engine, link)
+                                                    for link in engine.weight_links])
     sync_all()
-    out["after"] = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+    out["after"] = logprob_max()
 
     # the second server dies between rounds and a new process takes its port: the next generate finds it
     restarted = []
 
     def resync():
-        restarted.append(sync_all())
-        verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+        restarted.append(sync_all())  # verified
 
     engine.resync = resync
     old_instance = engine.healths[1]["instance_id"]
@@ -497,7 +521,7 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     out["restarts"] = engine.num_restarts
     out["new_instance"] = engine.healths[1]["instance_id"] != old_instance
     out["rejoined"] = [stats.get("weight_sync/rejoined", 0.0) for stats in restarted[0]] if restarted else []
-    out["after_restart"] = verify_sync(popt.model, ps, engine, batch, vocab, TOLERANCE)
+    out["after_restart"] = logprob_max()
     out["rows_after_restart"] = len(again.completion_ids)
     new.stop()
     return out

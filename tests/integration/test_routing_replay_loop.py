@@ -67,7 +67,7 @@ def test_colocated_bf16_ep2_router_agreement_then_replay_closes_the_routing_gap(
         assert 0.9 < off[step]["moe/router_agreement"] <= 1.0, off[step]["moe/router_agreement"]
         assert "moe/router_agreement" not in on[step], "replayed routes are not compared"
         for rows in (off, on):
-            assert rows[step]["weight_sync/max_logprob_diff"] < 0.3, "every bf16 sync verified (p90 rule)"
+            assert rows[step]["weight_sync/digest_s"] > 0, "every bf16 sync verified (digests)"
     gap_off, gap_on = (rows[1]["sampling/sampling_logp_difference/max"] for rows in (off, on))
     assert gap_on < gap_off, f"replaying the engine's routes must shrink the sampler/learner gap: {gap_on} vs {gap_off}"
 
@@ -92,7 +92,7 @@ def test_server_async_replay_matches_sampling_and_resumes_with_the_waiting_round
     rows = _records(straight)
     assert sorted(rows) == [1, 2, 3]
     assert rows[1]["sampling/sampling_logp_difference/max"] < 1e-3, "routes replayed where the engine ran them"
-    assert all(r["weight_sync/max_logprob_diff"] < 1e-3 for r in rows.values())
+    assert all(r["weight_sync/logprob_diff_max"] < 1e-3 for r in rows.values())
     state = json.loads((straight / "checkpoint-2" / "trainer_state.json").read_text())
     (waiting,) = state["progress"]["loop_state"]["async_rounds"]["ready"]
     routes = waiting["rollout"]["routed_experts"]

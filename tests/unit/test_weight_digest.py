@@ -1,0 +1,59 @@
+"""The exact weight digests (engine/rollout/weight_digest.py), their comparison's message (engine/rollout/
+sync_check.py `check_digests`), and the removed log-prob tolerance settings' error (engine/config.py)."""
+
+import pytest
+import torch
+
+from engine.rollout.sync_check import check_digests
+from engine.rollout.weight_digest import box_digest, tensor_digest
+
+INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_one_flipped_bit_of_any_element_changes_the_digest(dtype):
+    values = (torch.randn(7, 5, generator=torch.Generator().manual_seed(0)) * 1e3).to(dtype)
+    digest = tensor_digest(values)
+    for index in range(values.numel()):
+        for bit in (0, 7, 15):
+            flipped = values.clone()
+            flipped.view(INT[dtype]).view(-1)[index] ^= 1 << bit
+            assert tensor_digest(flipped) != digest, (index, bit)
+
+
+def test_negative_zero_and_moved_elements_change_the_digest():
+    zeros = torch.zeros(4)
+    negative = zeros.clone()
+    negative[2] = -0.0
+    assert tensor_digest(negative) != tensor_digest(zeros)
+    values = torch.arange(12.0).view(3, 4)
+    assert tensor_digest(values[[1, 0, 2]]) != tensor_digest(values)  # two rows swapped
+    assert tensor_digest(values.reshape(4, 3)) != tensor_digest(values)  # another layout of the same elements
+
+
+def test_pieces_of_a_box_sum_to_its_digest_whatever_their_strides():
+    values = torch.randn(6, 10).bfloat16()
+    pieces = box_digest(values[:2], (0, 0), (6, 10)) + box_digest(values[2:, :3], (2, 0), (6, 10)) \
+        + box_digest(values[2:, 3:], (2, 3), (6, 10))
+    assert int(pieces) == tensor_digest(values)
+    assert tensor_digest(values.t()) == tensor_digest(values.t().contiguous())
+    with pytest.raises(ValueError, match="do not fit the box"):
+        box_digest(values, (1, 0), (6, 10))
+
+
+def test_check_digests_names_each_differing_or_missing_tensor_and_the_dtype_held():
+    expected = {"a.weight": 1, "b.weight": 2, "c.weight": 3}
+    held = {"a.weight": [1, "torch.bfloat16"], "b.weight": [5, "torch.float32"]}
+    message = check_digests(expected, held, "bfloat16", "engine rank 1")
+    assert "engine rank 1 holds 2 of 3 tensors" in message
+    assert "b.weight (digest 0x0000000000000005, sent 0x0000000000000002, held as float32)" in message
+    assert "c.weight (the engine holds no such tensor)" in message and "a.weight" not in message
+    assert check_digests(expected, {k: [v, "torch.bfloat16"] for k, v in expected.items()}, "bfloat16", "x") == ""
+
+
+@pytest.mark.parametrize("key", ["weight_sync_tolerance", "weight_sync_quantile"])
+def test_removed_logprob_tolerance_settings_are_refused_with_the_reason(key):
+    from engine.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=rf"'rollout\.{key}' was removed: the weight-sync check is exact now"):
+        build_config({"rollout": {key: 0.5}})
