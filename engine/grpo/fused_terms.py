@@ -14,6 +14,8 @@ Test: `pytest tests/kernels/test_grpo_token_terms.py` (through `compute_policy_l
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.grpo.loss_statistics import CLIPPED_LOSS_TYPES
@@ -27,6 +29,9 @@ def resolve_terms_implementation(implementation: str, device: torch.device) -> s
         raise ValueError(f"terms_implementation must be one of {TERMS_IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if implementation == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"kernels.loss_terms_implementation = 'triton' needs CUDA tensors (got {device}) or the "
+                         f"Triton interpreter (TRITON_INTERPRET=1); use 'auto' or 'torch' on the CPU")
     return implementation
 
 
