@@ -12,11 +12,12 @@ Variants (mode `full` = forward + backward; x = tokens N = B x T):
 - `terms_triton`: the same with kernels/grpo_token_terms.py (under the Triton interpreter on CPU: TRITON_INTERPRET=1
   is set here when there is no CUDA, before triton is imported).
 
-    python -m benchmarks.bench_grpo_token_terms                 # CPU: N = 2048 (B, T = 8, 256), H = 512, V = 32000
-    python -m benchmarks.bench_grpo_token_terms --device cuda --tokens 8192 --hidden 4096 --vocab 151936 --dtype bfloat16
+    python -m benchmarks.bench_grpo_token_terms            # CPU: N = 2048 (B, T = 8, 256), H = 512, V = 32000
+    python -m benchmarks.bench_grpo_token_terms --device cuda --tokens 8192 --hidden 4096 --vocab 151936 \
+        --dtype bfloat16
 
-Rows: benchmarks/results/grpo_token_terms.csv. Test: none (a program, not a test); tests/kernels/test_grpo_token_terms.py
-checks the values.
+Rows: benchmarks/results/grpo_token_terms.csv. Test: none (a program, not a test);
+tests/kernels/test_grpo_token_terms.py checks the values.
 """
 
 from __future__ import annotations
