@@ -332,6 +332,10 @@ class CheckpointConfig:
 class KernelsConfig:
     loss_implementation: Literal["auto", "triton", "torch_chunked", "reference"] = "auto"
     """`auto` = the Triton kernel on GPU, the chunked torch path on CPU. `reference` materialises the logits."""
+    loss_terms_implementation: Literal["auto", "torch", "triton"] = "auto"
+    """The GRPO loss's per-token terms (ratio, clipping, masks, KL and their gradient): `triton` = one fused kernel
+    (kernels/grpo_token_terms.py), `torch` = the reference torch code of engine/grpo/policy_loss.py; `auto` = triton
+    on GPU, torch on CPU (where the Triton interpreter is far slower: benchmarks/results/grpo_token_terms.csv)."""
     loss_workspace_mb: int = 1024
     """Bound, MiB, on the fused log-prob's tile temporaries (token x vocab chunks) per rank; passed to
     kernels.lm_head_logprob_entropy as workspace_mb. Per-token statistics and (bf16) the float32 dX accumulator

@@ -7,6 +7,10 @@ Imports torch and Triton only, never engine/. The functional entries (one contra
 - `chunked_logprob_entropy` (kernels/chunked_logprob.py): tiled plain torch, bounded memory; CPU and CI.
 - `reference_logprob_entropy` (kernels/reference.py): materialised logits, for tests and as the benchmark baseline.
 
+Also: kernels/grpo_token_terms.py (the GRPO per-token terms after the log-probs, one fused kernel, with gradients)
+and kernels/compile_check.py (`python -m kernels.compile_check`: every kernel compiled for sm_90 / sm_80, registers,
+spills, shared memory).
+
 Test: `pytest tests/kernels`.
 """
 

@@ -58,10 +58,18 @@ MERGE_TEMPS = 3
 
 @dataclass(frozen=True)
 class TritonTiles:
-    """Block sizes and launch settings of both kernels. The CUDA defaults are the usual Triton matmul starting point
-    (128 x 128 x 64, 8 warps, 3 stages), not yet tuned on a GPU: no GPU measurement exists in this repository."""
+    """Block sizes and launch settings of both kernels. The defaults are the bf16 / fp16 tiles on CUDA (64 x 128 x 64,
+    8 warps, 3 stages), chosen by register use, not yet by speed: no GPU measurement exists in this repository.
 
-    block_n: int = 128
+    NOTE (registers, `python -m kernels.compile_check`, Triton 3.9, ptxas -v): the previous default 128 x 128 x 64
+    put `_stats_fwd_kernel` at the 255-register cap with spills on sm_90 (8 B stores / 8 B loads in bf16; in fp32
+    ~11 KB stores / 25 KB loads on sm_90 and sm_80). The cause is the online-softmax epilogue: a (BLOCK_N, BLOCK_V)
+    fp32 logits tile over 256 threads is 64 registers per thread per live copy, and the epilogue keeps the logits,
+    the masked exponentials and their product with (z - m) live together, on top of the accumulator's operands.
+    Halving BLOCK_N halves every copy: 64 x 128 x 64 uses 188 (sm_90) / 180 (sm_80) registers in bf16, no spills,
+    72 / 48 KiB of shared memory. fp32 (IEEE dot, no tensor cores) needs a shorter K step too: `FP32_TILES`."""
+
+    block_n: int = 64
     """Rows (tokens) per program tile."""
     block_v: int = 128
     """Vocabulary columns per tile."""
@@ -75,13 +83,33 @@ class TritonTiles:
     """Forward: vocabulary columns per program (rounded up to block_v); None = enough splits to fill the GPU."""
 
 
+FP32_TILES = TritonTiles(block_h=16)
+"""float32 on CUDA: 64 x 128 x 16, 8 warps, 3 stages; 202 / 198 registers (sm_90 / sm_80), no spills, 24 KiB shared
+memory (64 x 128 x 32 sits at 255 registers on sm_80; 128 x 128 x 64 spills ~25 KB)."""
 INTERPRETER_TILES = TritonTiles(block_n=32, block_v=64, block_h=32, group_n=2, num_warps=4, num_stages=1)
 """Under the interpreter: fewer, larger numpy steps; still several tiles on test shapes."""
 
 
-def default_tiles(device: torch.device) -> TritonTiles:
-    """`TritonTiles()` on CUDA (128 x 128 x 64, 8 warps, 3 stages), `INTERPRETER_TILES` on the CPU."""
-    return TritonTiles() if device.type == "cuda" else INTERPRETER_TILES
+def default_tiles(device: torch.device, dtype: torch.dtype) -> TritonTiles:
+    """On CUDA `FP32_TILES` for float32, else `TritonTiles()`; `INTERPRETER_TILES` on the CPU."""
+    if device.type != "cuda":
+        return INTERPRETER_TILES
+    return FP32_TILES if dtype == torch.float32 else TritonTiles()
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One kernel launch as the launcher builds it: what runs on the GPU, and what kernels/compile_check.py compiles."""
+
+    kernel: triton.runtime.JITFunction
+    grid: tuple[int, ...]
+    args: tuple
+    """Positional arguments (tensors, ints, floats), in the kernel's order."""
+    options: dict[str, object]
+    """Constexprs by name, plus num_warps / num_stages."""
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.options)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -206,23 +234,48 @@ def _check_triton_operands(hidden: torch.Tensor, weight: torch.Tensor) -> None:
                          f"{weight.stride()}")
 
 
-def _dot_settings(hidden: torch.Tensor) -> dict[str, object]:
+def _dot_settings(dtype: torch.dtype, is_gpu: bool) -> dict[str, object]:
     """DOT_FP32 (interpreter workaround, see module docstring) and the fp32 dot precision."""
-    dot_fp32 = not hidden.is_cuda
-    precision = "ieee" if (dot_fp32 or hidden.dtype == torch.float32) else "tf32"
+    dot_fp32 = not is_gpu
+    precision = "ieee" if (dot_fp32 or dtype == torch.float32) else "tf32"
     return dict(DOT_FP32=dot_fp32, INPUT_PRECISION=precision)
 
 
-def _num_splits(num_rows: int, num_cols: int, tiles: TritonTiles, device: torch.device,
-                workspace_bytes: int) -> int:
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def _num_splits(num_rows: int, num_cols: int, tiles: TritonTiles, num_sms: int, workspace_bytes: int) -> int:
     """Vocabulary splits of the forward grid: fill the GPU, within the workspace, at least one tile each."""
     max_splits = triton.cdiv(num_cols, tiles.block_v)
     if tiles.split_cols is not None:
         return triton.cdiv(num_cols, triton.cdiv(tiles.split_cols, tiles.block_v) * tiles.block_v)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, triton.cdiv(num_rows, tiles.block_n))
     affordable = max(workspace_bytes // (NUM_STATS * 4 * MERGE_TEMPS * max(num_rows, 1)), 1)
     return max(min(wanted, affordable, max_splits), 1)
+
+
+def build_stats_launch(hidden: torch.Tensor, weight_valid: torch.Tensor, local_ids: torch.Tensor,
+                       inv_temperature: float, workspace_bytes: int, tiles: TritonTiles, num_sms: int,
+                       is_gpu: bool) -> tuple[KernelLaunch, torch.Tensor]:
+    """The forward statistics launch and its (num_splits, 4, N) float32 output buffer (tensors may be on "meta":
+    kernels/compile_check.py compiles exactly this launch for a GPU target)."""
+    num_rows, hidden_size = hidden.shape
+    num_cols = weight_valid.shape[0]
+    num_splits = _num_splits(num_rows, num_cols, tiles, num_sms, workspace_bytes)
+    split_cols = triton.cdiv(triton.cdiv(num_cols, num_splits), tiles.block_v) * tiles.block_v
+    num_splits = triton.cdiv(num_cols, split_cols)
+    parts = torch.empty(num_splits, NUM_STATS, num_rows, dtype=torch.float32, device=hidden.device)  # (K, 4, N)
+    launch = KernelLaunch(
+        kernel=_stats_fwd_kernel,
+        grid=(triton.cdiv(num_rows, tiles.block_n) * num_splits,),
+        args=(hidden, weight_valid, local_ids.contiguous(), parts, num_rows, num_cols, hidden_size, split_cols,
+              num_splits, hidden.stride(0), weight_valid.stride(0), inv_temperature),
+        options=dict(BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP_N=tiles.group_n,
+                     num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_dot_settings(hidden.dtype, is_gpu)),
+    )
+    return launch, parts
 
 
 def triton_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_ids: torch.Tensor,
@@ -238,20 +291,10 @@ def triton_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_i
         tiles: block sizes; None = `default_tiles`.
     """
     _check_triton_operands(hidden, weight_valid)
-    tiles = default_tiles(hidden.device) if tiles is None else tiles
-    num_rows, hidden_size = hidden.shape
-    num_cols = weight_valid.shape[0]
-    num_splits = _num_splits(num_rows, num_cols, tiles, hidden.device, workspace_bytes)
-    split_cols = triton.cdiv(triton.cdiv(num_cols, num_splits), tiles.block_v) * tiles.block_v
-    num_splits = triton.cdiv(num_cols, split_cols)
-    parts = torch.empty(num_splits, NUM_STATS, num_rows, dtype=torch.float32, device=hidden.device)  # (K, 4, N)
-    grid = (triton.cdiv(num_rows, tiles.block_n) * num_splits,)
-    _stats_fwd_kernel[grid](
-        hidden, weight_valid, local_ids.contiguous(), parts, num_rows, num_cols, hidden_size, split_cols, num_splits,
-        hidden.stride(0), weight_valid.stride(0), inv_temperature,
-        BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP_N=tiles.group_n,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_dot_settings(hidden),
-    )
+    tiles = default_tiles(hidden.device, hidden.dtype) if tiles is None else tiles
+    launch, parts = build_stats_launch(hidden, weight_valid, local_ids, inv_temperature, workspace_bytes, tiles,
+                                       _num_sms(hidden.device), hidden.is_cuda)
+    launch.run()
     return merge_stats(parts)
 
 
@@ -274,20 +317,31 @@ def triton_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.T
         (rows, cols) dz in x's dtype.
     """
     _check_triton_operands(x_rows, w_cols)
-    tiles = default_tiles(x_rows.device) if tiles is None else tiles
+    tiles = default_tiles(x_rows.device, x_rows.dtype) if tiles is None else tiles
+    launch, dz = build_dz_launch(x_rows, w_cols, tile_ids, lse, mean_logit, grad_logprobs, grad_entropy,
+                                 inv_temperature, tiles, x_rows.is_cuda)
+    launch.run()
+    return dz
+
+
+def build_dz_launch(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.Tensor, lse: torch.Tensor,
+                    mean_logit: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
+                    inv_temperature: float, tiles: TritonTiles, is_gpu: bool) -> tuple[KernelLaunch, torch.Tensor]:
+    """The backward dz launch and its (rows, cols) output slab in x's dtype (tensors may be on "meta")."""
     num_rows, hidden_size = x_rows.shape
     num_cols = w_cols.shape[0]
     dz = torch.empty(num_rows, num_cols, dtype=x_rows.dtype, device=x_rows.device)  # (rows, cols)
-    grid = (triton.cdiv(num_rows, tiles.block_n) * triton.cdiv(num_cols, tiles.block_v),)
-    _dz_kernel[grid](
-        x_rows, w_cols, tile_ids.contiguous(), lse.contiguous(), mean_logit.contiguous(),
-        grad_logprobs.contiguous(), lse if grad_entropy is None else grad_entropy.contiguous(), dz,
-        num_rows, num_cols, hidden_size, x_rows.stride(0), w_cols.stride(0), dz.stride(0), inv_temperature,
-        HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v,
-        BLOCK_H=tiles.block_h, GROUP_N=tiles.group_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **_dot_settings(x_rows),
+    launch = KernelLaunch(
+        kernel=_dz_kernel,
+        grid=(triton.cdiv(num_rows, tiles.block_n) * triton.cdiv(num_cols, tiles.block_v),),
+        args=(x_rows, w_cols, tile_ids.contiguous(), lse.contiguous(), mean_logit.contiguous(),
+              grad_logprobs.contiguous(), lse if grad_entropy is None else grad_entropy.contiguous(), dz,
+              num_rows, num_cols, hidden_size, x_rows.stride(0), w_cols.stride(0), dz.stride(0), inv_temperature),
+        options=dict(HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v,
+                     BLOCK_H=tiles.block_h, GROUP_N=tiles.group_n, num_warps=tiles.num_warps,
+                     num_stages=tiles.num_stages, **_dot_settings(x_rows.dtype, is_gpu)),
     )
-    return dz
+    return launch, dz
 
 
 def build_triton_tile_ops(tiles: TritonTiles | None = None) -> TileOps:
@@ -327,7 +381,7 @@ def triton_logprob_entropy(
         tp_group: the TP group the vocabulary is split over; None = W is the whole head.
         vocab_start: global id of local row 0; None = tp_rank * V_local.
         workspace_mb: bound on the backward dz slab (and the forward partial states), MiB.
-        tiles: block sizes; None = `default_tiles(hidden.device)`.
+        tiles: block sizes; None = `default_tiles(hidden.device, hidden.dtype)`.
 
     Returns:
         (logprobs, entropy), each (N,) float32, differentiable w.r.t. hidden and weight; dX comes back summed over

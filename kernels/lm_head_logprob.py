@@ -9,7 +9,8 @@ variable) and restores the token shape of the results. The contract, identical f
     -> (logprobs (...), entropy (...)) float32 (float64 for float64 inputs), of softmax(X W^T / T) restricted to
        the real vocabulary; differentiable: the backward consumes d loss / d logprobs and d loss / d entropy and
        returns dX (summed over the TP group: X is replicated, Megatron's column-parallel convention) and the
-       local dW. The GRPO maths stays in engine/grpo/policy_loss.py; no implementation carries a copy of it.
+       local dW. The GRPO maths is not here: engine/grpo/policy_loss.py (the torch reference) and the fused
+       per-token terms kernel after it (kernels/grpo_token_terms.py).
 
 Under sequence parallelism, pass the all-gathered X (as Megatron's output layer does); the returned dX is then the
 full sum for all N rows, and each rank keeps its own rows (an all-reduce where Megatron would reduce-scatter).

@@ -37,7 +37,8 @@ from benchmarks.harness import RESULTS_DIR, append_rows, capture_env
 from kernels import TritonTiles
 
 TILE_CANDIDATES = (
-    TritonTiles(),  # the default: 128 x 128 x 64, 8 warps, 3 stages
+    TritonTiles(),  # the bf16 default: 64 x 128 x 64, 8 warps, 3 stages (no spills: kernels/compile_check.py)
+    TritonTiles(block_n=128, block_v=128, block_h=64, num_warps=8, num_stages=3),  # the old default (spills)
     TritonTiles(block_n=128, block_v=256, block_h=64, num_warps=8, num_stages=3),
     TritonTiles(block_n=64, block_v=128, block_h=64, num_warps=4, num_stages=4),
     TritonTiles(block_n=128, block_v=128, block_h=32, num_warps=4, num_stages=4),

@@ -4,7 +4,8 @@
 Owns: advantages.py (group-relative advantages, reward aggregation), policy_loss.py (every TRL loss type, KL,
 masks, importance-sampling correction, the layout-independent normaliser), loss_statistics.py (the sums behind the
 loss metrics, made inside the loss), metrics.py (TRL's metric maths), group_filter.py (GFPO), dynamic_sampling.py
-(DAPO), dynamic_prompts.py (the curriculum hook's contract).
+(DAPO), dynamic_prompts.py (the curriculum hook's contract), fused_terms.py (the loss's per-token terms on the fused
+Triton kernel, kernels/grpo_token_terms.py).
 
-May import: nothing of the engine's (torch, transformers and the standard library only).
+May import: nothing of the engine's (torch, transformers, kernels/ and the standard library only).
 """

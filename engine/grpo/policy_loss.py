@@ -11,13 +11,13 @@ Must not: run a model, compute logits, talk to process groups, read the config t
 function of tensors; anything that needs every rank (the global token count, the entropy quantile across ranks) is
 computed by the caller and passed in.
 
-THE CONTRACT WITH THE FUSED KERNEL (the one definition of the maths):
-    The loss takes per-token log-probs `logprobs (B, T)` and, when an entropy term is on, `entropy (B, T)` as
-    autograd tensors. The fused Triton kernel (hidden states + LM-head weight -> log-prob, entropy, never the
-    [tokens x vocab] logits) produces exactly those two tensors in its forward; its backward consumes
-    d loss / d logprobs and d loss / d entropy, which autograd computes from this module. So no kernel carries a
-    second copy of the GRPO maths: clipping, KL, masks and normalisers live only here. Both tensors are float32
-    (or float64 in tests); callers upcast bf16 before calling.
+THE CONTRACT WITH THE FUSED KERNELS: the loss takes per-token `logprobs (B, T)` and, when an entropy term is on,
+    `entropy (B, T)` as autograd tensors (the fused LM-head kernel's outputs; its backward consumes d loss / d logprobs
+    and d loss / d entropy). The torch code here is the one reference of the maths. With `terms_implementation`
+    "triton" ("auto" on CUDA) the per-token terms (ratio, surrogate, masks, KL, their d / d logprob) run in one Triton
+    kernel instead (kernels/grpo_token_terms.py via engine/grpo/fused_terms.py), held equal to this code to fp32
+    rounding by tests/kernels/test_grpo_token_terms.py; the per-sequence reductions (GSPO weights, VESPO phi, the
+    off-policy mask), the normalisers and the entropy bonus stay here. Float32 (or float64 in tests, torch terms only).
 
 Order of operations (TRL 1.16 `GRPOTrainer._compute_loss`, anchors/trl.md §3.3-3.9): ratio -> surrogate ->
 x off-policy mask -> x entropy mask -> x vLLM IS ratio (not for vespo) -> + beta * KL -> normalise -> - entropy bonus.
@@ -74,6 +74,7 @@ from typing import Literal
 
 import torch
 
+from engine.grpo.fused_terms import fused_per_token_loss, resolve_terms_implementation
 from engine.grpo.loss_statistics import CLIPPED_LOSS_TYPES, compute_loss_statistics
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -450,6 +451,7 @@ def compute_policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float | None = None,
     entropy_threshold: torch.Tensor | float | None = None,
+    terms_implementation: str = "auto",
 ) -> PolicyLossOutput:
     """The GRPO loss of one micro-batch.
 
@@ -464,6 +466,8 @@ def compute_policy_loss(
         entropy_coef: the bonus coefficient for this micro-batch; None = config.entropy_coef (adaptive mode: pass
             `entropy_coef_to_apply(...)`).
         entropy_threshold: a precomputed entropy-mask threshold; None = computed from this micro-batch.
+        terms_implementation: per-token terms in "torch", "triton" (kernels/grpo_token_terms.py) or "auto" (triton
+            on CUDA, else torch); `kernels.loss_terms_implementation`.
 
     Returns:
         `PolicyLossOutput`.
@@ -477,26 +481,20 @@ def compute_policy_loss(
         log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # (B, 1)
     else:
         log_weights = log_ratio  # (B, T)
-    ratio = torch.exp(log_weights)  # (B, T) or (B, 1)
-    per_token_kl = None
-    if config.beta != 0.0:
-        if batch.ref_logprobs is None:
-            raise ValueError("beta != 0 needs batch.ref_logprobs")
-        per_token_kl = estimate_kl(logprobs, batch.ref_logprobs, config.kl_estimator)  # (B, T)
-        if config.use_bias_correction_kl:
-            per_token_kl = per_token_kl * ratio
-    per_token_loss, ratio, phi = _surrogate(logprobs, ratio, advantages, log_ratio, mask, batch, config)
+    if config.beta != 0.0 and batch.ref_logprobs is None:
+        raise ValueError("beta != 0 needs batch.ref_logprobs")
+    off_policy_mask = None  # (B, 1) or advantages' shape
     if config.off_policy_mask_threshold is not None:
         sampling = batch.sampling_logprobs if batch.sampling_logprobs is not None else old_logprobs
-        per_token_loss = per_token_loss * compute_off_policy_mask(
-            advantages, logprobs, sampling, mask, config.off_policy_mask_threshold
-        )
-    if entropy_mask is not None:
-        per_token_loss = per_token_loss * entropy_mask
-    if batch.importance_sampling_ratio is not None and config.loss_type != "vespo":
-        per_token_loss = per_token_loss * batch.importance_sampling_ratio
-    if per_token_kl is not None:
-        per_token_loss = per_token_loss + config.beta * per_token_kl
+        threshold = config.off_policy_mask_threshold
+        off_policy_mask = compute_off_policy_mask(advantages, logprobs, sampling, mask, threshold)
+    phi = None if config.loss_type != "vespo" else compute_vespo_weights(
+        advantages, log_ratio, mask, batch.importance_sampling_ratio, config)  # (B, 1)
+    terms = (logprobs, old_logprobs, log_weights, advantages, off_policy_mask, entropy_mask, phi, batch, config)
+    if resolve_terms_implementation(terms_implementation, logprobs.device) == "triton":
+        per_token_loss, ratio, per_token_kl = fused_per_token_loss(*terms)
+    else:
+        per_token_loss, ratio, per_token_kl = _per_token_loss(*terms)
     loss, policy_loss = _normalize(per_token_loss, mask, config, normalizer)
     entropy_window = None
     if config.is_entropy_bonus_enabled:
@@ -513,6 +511,30 @@ def compute_policy_loss(
     return PolicyLossOutput(loss, policy_loss, sums, seq_min, seq_max, entropy_window)
 
 
+def _per_token_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, log_weights: torch.Tensor, advantages: torch.Tensor,
+    off_policy_mask: torch.Tensor | None, entropy_mask: torch.Tensor | None, phi: torch.Tensor | None,
+    batch: PolicyLossBatch, config: PolicyLossConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(unnormalised per-token loss, the ratio the metrics see, per-token KL or None): the reference torch terms."""
+    ratio = torch.exp(log_weights)  # (B, T) or (B, 1)
+    per_token_kl = None
+    if config.beta != 0.0:
+        per_token_kl = estimate_kl(logprobs, batch.ref_logprobs, config.kl_estimator)  # (B, T)
+        if config.use_bias_correction_kl:
+            per_token_kl = per_token_kl * ratio
+    per_token_loss, ratio = _surrogate(logprobs, ratio, advantages, phi, config)
+    if off_policy_mask is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if batch.importance_sampling_ratio is not None and config.loss_type != "vespo":
+        per_token_loss = per_token_loss * batch.importance_sampling_ratio
+    if per_token_kl is not None:
+        per_token_loss = per_token_loss + config.beta * per_token_kl
+    return per_token_loss, ratio, per_token_kl
+
+
 def _entropy_mask(
     entropy: torch.Tensor | None, mask: torch.Tensor, config: PolicyLossConfig, threshold: torch.Tensor | float | None
 ) -> torch.Tensor | None:
@@ -527,31 +549,25 @@ def _entropy_mask(
 
 
 def _surrogate(
-    logprobs: torch.Tensor,
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    log_ratio: torch.Tensor,
-    mask: torch.Tensor,
-    batch: PolicyLossBatch,
+    logprobs: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor, phi: torch.Tensor | None,
     config: PolicyLossConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(per-token loss, the ratio the clip metrics see (after delta), vespo's phi or None) for config.loss_type."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss, the ratio the clip metrics see (after delta)) for config.loss_type; vespo's phi given."""
     eps_high = config.resolved_epsilon_high
     if config.loss_type == "cispo":
         capped = torch.clamp(ratio, max=eps_high).detach()
-        return -capped * advantages * logprobs, ratio, None  # (B, T)
+        return -capped * advantages * logprobs, ratio  # (B, T)
     if config.loss_type in CLIPPED_LOSS_TYPES:
         clipped = torch.clamp(ratio, 1 - config.epsilon_low, 1 + eps_high)
         if config.delta is not None:
             ratio = torch.clamp(ratio, max=config.delta)
-        return -torch.min(ratio * advantages, clipped * advantages), ratio, None
+        return -torch.min(ratio * advantages, clipped * advantages), ratio
     if config.loss_type == "sapo":
         pos, neg = (advantages.new_tensor(t) for t in (config.sapo_temperature_pos, config.sapo_temperature_neg))
         temperature = torch.where(advantages > 0, pos, neg)  # in A's dtype (TRL's python scalars give float32)
         gate = torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature
-        return -gate * advantages, ratio, None
-    phi = compute_vespo_weights(advantages, log_ratio, mask, batch.importance_sampling_ratio, config)  # (B, 1)
-    return -phi * advantages * logprobs, ratio, phi  # (B, T)
+        return -gate * advantages, ratio
+    return -phi * advantages * logprobs, ratio  # (B, T)
 
 
 def _normalize(

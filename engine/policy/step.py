@@ -179,6 +179,8 @@ class LogprobSettings:
     implementation: str = "auto"
     """kernels.lm_head_logprob_entropy implementation: auto | triton | torch_chunked | reference."""
     workspace_mb: float = 1024.0
+    terms_implementation: str = "auto"
+    """The GRPO loss's per-token terms (`kernels.loss_terms_implementation`): auto | torch | triton."""
 
 
 def completion_logprobs(
@@ -269,7 +271,8 @@ def grpo_forward_backward(
             ref_logprobs=batch.get("ref_logprobs"), sampling_logprobs=batch.get("sampling_logprobs"),
             importance_sampling_ratio=batch.get("importance_sampling_ratio"),
         )
-        out = compute_policy_loss(logprobs, inputs, loss_config, normalizer, entropy=entropy, entropy_coef=entropy_coef)
+        out = compute_policy_loss(logprobs, inputs, loss_config, normalizer, entropy=entropy, entropy_coef=entropy_coef,
+                                  terms_implementation=settings.terms_implementation)
         return out.loss * scale, {"output": _detached(out)}
 
     return [v["output"] for v in run_schedule(model, ps, microbatches, loss_fn)]

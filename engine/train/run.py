@@ -183,7 +183,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps, resume_step=resume_step) if ps.rank == 0 else None
     loss_config = build_loss_config(cfg)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
-                               implementation=cfg.kernels.loss_implementation, workspace_mb=cfg.kernels.loss_workspace_mb)
+                               implementation=cfg.kernels.loss_implementation,
+                               workspace_mb=cfg.kernels.loss_workspace_mb,
+                               terms_implementation=cfg.kernels.loss_terms_implementation)
     run = Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
               eval_prompts, rewards, logger, loss_config, settings, total_steps,
               group_filter, dynamic_prompts, resume_from=resume_from, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))

@@ -1,6 +1,9 @@
 """Forward-only log-probs on gloo at TP=2: bitwise deterministic and bitwise equal to the training pass (so the
 on-policy ratio is exactly 1); the frozen reference starts equal to the policy and stays put when the policy steps;
-TR-DPO mixing with alpha=1 makes it the policy."""
+TR-DPO mixing with alpha=1 makes it the policy. The GRPO step's per-token terms on the Triton kernel
+(`LogprobSettings.terms_implementation`, from kernels.loss_terms_implementation) give the torch terms' loss."""
+
+import dataclasses
 
 import torch
 
@@ -49,7 +52,18 @@ def _check(tp: int, model_dir: str) -> dict:
     popt.zero_grad()
     micro_old = [mb | {"old_logprobs": lp} for mb, (lp, _) in zip(micro, first)]
     normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
-    grpo_forward_backward(popt.model, ps, micro_old, PolicyLossConfig(loss_type="dapo"), normalizer, settings)
+    loss_config = PolicyLossConfig(loss_type="dapo", beta=0.04)
+    micro_old = [mb | {"ref_logprobs": lp + 0.1} for mb, (lp, _) in zip(micro_old, first)]
+    triton_terms = grpo_forward_backward(popt.model, ps, micro_old, loss_config, normalizer,
+                                         dataclasses.replace(settings, terms_implementation="triton"))
+    try:  # the setting reaches the loss: a bad name is refused there
+        grpo_forward_backward(popt.model, ps, micro_old, loss_config, normalizer,
+                              dataclasses.replace(settings, terms_implementation="fused"))
+        is_refused = False
+    except ValueError as error:
+        is_refused = "terms_implementation" in str(error)
+    popt.zero_grad()
+    torch_terms = grpo_forward_backward(popt.model, ps, micro_old, loss_config, normalizer, settings)
     popt.step()
     after_policy = forward_logprobs(popt.model, ps, micro, settings)
     ref_after = reference.logprobs(ps, micro, settings)
@@ -64,6 +78,9 @@ def _check(tp: int, model_dir: str) -> dict:
         "ref_unchanged": all(torch.equal(a[0], b[0]) for a, b in zip(ref_before, ref_after)),
         "ref_mixed_is_policy": all(torch.allclose(a[0], b[0], atol=1e-6) for a, b in zip(after_policy, ref_mixed)),
         "ref_offloaded": on_cpu,
+        "triton_terms_equal_torch_terms": all(torch.allclose(a.loss, b.loss, rtol=1e-6, atol=1e-9)
+                                              for a, b in zip(triton_terms, torch_terms)) and len(torch_terms) == 2,
+        "bad_terms_implementation_refused": is_refused,
         "masked_are_zero": all(float((lp * (1 - mb["completion_mask"])).abs().sum()) == 0 for (lp, _), mb in zip(first, micro)),
     }
 

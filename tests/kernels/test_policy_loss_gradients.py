@@ -49,7 +49,9 @@ def _loss_grads(hidden, weight, ids, batch, config, implementation, dtype):
                                       implementation=implementation, workspace_mb=16 * 128 * 24 / 2**20)
     cast = {k: getattr(batch, k).to(x.device, lp.dtype) for k in ("mask", "advantages", "old_logprobs",
                                                                     "ref_logprobs")}
-    out = compute_policy_loss(lp, PolicyLossBatch(**cast), config, build_loss_normalizer(cast["mask"]), entropy=ent)
+    terms = "triton" if implementation == "triton" else "torch"  # the Triton path end to end: LM head and GRPO terms
+    out = compute_policy_loss(lp, PolicyLossBatch(**cast), config, build_loss_normalizer(cast["mask"]), entropy=ent,
+                              terms_implementation=terms)
     out.loss.backward()
     return out.loss.detach().cpu().double(), x.grad.cpu().double(), w.grad.cpu().double()
 

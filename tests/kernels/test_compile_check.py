@@ -1,0 +1,55 @@
+"""kernels/compile_check.py: every Triton kernel compiles for sm_90 and sm_80 at the launches a GPU run makes, within
+the shared-memory limit, without register spills; and the check does fail on a spilling configuration.
+
+Runs the module in a subprocess without TRITON_INTERPRET (tests/conftest.py sets it for this process, and interpreted
+kernels cannot be compiled). No GPU is needed: ptxas ships in the triton wheel. About 30-40 s on the 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.gpu import lm_head
+from kernels.compile_check import LAUNCH_POINTS, MAX_SPILL_BYTES, SHARED_MEMORY_LIMIT_BYTES
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = {"_stats_fwd_kernel", "_dz_kernel", "_grpo_token_terms_kernel"}
+
+
+def _run_check(*args: str) -> tuple[int, list[dict]]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "kernels.compile_check", "--json", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert rows, f"no report rows; rc {proc.returncode}\n{proc.stderr[-3000:]}"
+    return proc.returncode, rows
+
+
+def test_launch_points_are_the_gpu_suites_sweep():
+    points = {(n, h, lm_head.GPU["vocab"]) for n in map(int, lm_head.GPU["tokens"].split(","))
+              for h in map(int, lm_head.GPU["hidden"].split(","))}
+    assert points <= set(LAUNCH_POINTS)
+
+
+def test_every_kernel_compiles_for_sm90_and_sm80_without_spills():
+    returncode, rows = _run_check("--arch", "90,80", "--dtype", "bfloat16,float32")
+    failed = [(r["kernel"], r["arch"], r["dtype"], r["variant"], r["error"]) for r in rows if r["error"]]
+    assert returncode == 0 and not failed, failed
+    seen = {(r["kernel"], r["arch"], r["dtype"]) for r in rows}
+    assert seen == {(k, a, d) for k in KERNELS for a in (90, 80) for d in ("bfloat16", "float32")
+                    if k != "_grpo_token_terms_kernel" or d == "float32"}  # the terms take float32 log-probs
+    for r in rows:
+        assert r["spill_stores"] + r["spill_loads"] <= MAX_SPILL_BYTES and r["registers"] <= 255, r
+        assert 0 < r["shared_bytes"] <= SHARED_MEMORY_LIMIT_BYTES[r["arch"]] or r["kernel"] == \
+            "_grpo_token_terms_kernel", r
+
+
+def test_check_fails_on_the_old_spilling_tiles():
+    returncode, rows = _run_check("--arch", "90", "--dtype", "bfloat16", "--tiles", "128,128,64,8,3",
+                                 "--kernels", "_stats_fwd_kernel")
+    stats = [r for r in rows if r["kernel"] == "_stats_fwd_kernel"]
+    assert returncode == 1 and stats and all("spills" in r["error"] for r in stats), stats
