@@ -349,7 +349,7 @@ class Recompute:
     def describe(self) -> str:
         """One line, as the planner prints it."""
         if self.granularity is None:
-            return "none (train.gradient_checkpointing=false)"
+            return "none, every activation kept"
         if self.granularity == "selective":
             return f"selective, modules {list(self.modules)} in every layer"
         unit = "layer" if self.num_layers == 1 else "layers"
