@@ -121,7 +121,25 @@ class TrainConfig:
     shuffle_dataset: bool = True
     seed: int = 42
     gradient_checkpointing: bool = True
-    """TRL's default; maps to Megatron's full activation recompute."""
+    """TRL's name and default: Megatron's activation recompute, as `recompute_granularity` / `recompute_method` /
+    `recompute_num_layers` / `recompute_modules` say (default: full, uniform, one layer per unit: each transformer
+    layer keeps only its input and runs its forward again in the backward). False = every activation is kept."""
+    recompute_granularity: Literal["full", "selective"] = "full"
+    """Megatron-LM's name. `full`: whole transformer layers are recomputed (`recompute_method`, `recompute_num_layers`);
+    `selective`: only the submodules in `recompute_modules`, in every layer."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """Megatron-LM's name; full granularity only. `uniform`: the layers of each model chunk are cut into units of
+    `recompute_num_layers` layers, each unit keeps only its input; `block`: the first `recompute_num_layers` layers of
+    each model chunk are recomputed, the rest keep every activation. None = uniform."""
+    recompute_num_layers: int | None = None
+    """Megatron-LM's name; full granularity only. Layers per unit (uniform; must divide the layers of a model chunk)
+    or layers recomputed per model chunk (block; at most the chunk's layers). None = 1 (uniform) or every layer of
+    the chunk (block)."""
+    recompute_modules: list[str] | None = None
+    """Megatron-LM's name; selective granularity only: `core_attn` (attention scores and softmax), `layernorm` (the
+    two norms' outputs), `mlp` (the dense MLP), `moe` (the whole MoE layer: router, dispatch, experts). None =
+    Megatron's default, ["core_attn"]. Megatron's `moe_act` (grouped GEMM only), `mla_up_proj` (MLA models) and
+    `shared_experts` are refused with the reason (engine/validation.py): nothing here runs them."""
     pad_to_multiple_of: int | None = None
     padding_free: bool = True
     """Pack several sequences into one row, attention confined to each sequence (TRL SFTConfig's name; verl's

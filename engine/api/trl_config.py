@@ -7,7 +7,9 @@ engine's own knobs such as tp_size are accepted the same way), the table of TRL 
 the TRL values that need translating (`bf16` / `fp16` / `model_init_kwargs["dtype"]` -> model.dtype, `warmup_steps`
 < 1 -> warmup_ratio, fractional `logging_steps` / `save_steps`, `report_to` forms, `lr_scheduler_type` and `optim`
 names, `pad_to_multiple_of="auto"`, JSON strings from TRL's command line, the deprecated
-`vllm_importance_sampling_cap`, `log_level` 'info' / 'debug' -> logging.verbose), and the user hooks `group_filter_func` / `dynamic_prompts_fn`: any callable (a
+`vllm_importance_sampling_cap`, `log_level` 'info' / 'debug' -> logging.verbose, `gradient_checkpointing_kwargs`:
+torch.utils.checkpoint's `use_reentrant` / `preserve_rng_state` named in the warning, other keys refused,
+`_translate_checkpointing_kwargs`), and the user hooks `group_filter_func` / `dynamic_prompts_fn`: any callable (a
 function of the user's script, a lambda, an instance) is kept as the object (`in_memory_callables`, handed to
 `engine.train.loop.train` by GRPOTrainer) while the tree records its description (`config.describe_callable`), so the
 resolved config and checkpoints stay plain data; a `module:function` string stays a string. A TRL config at TRL's
@@ -44,7 +46,7 @@ def _group(reason: str, *names: str) -> dict[str, str]:
 NO_EFFECT: dict[str, str] = {
     **_group("Megatron owns precision, compilation and kernels here (model.dtype, kernels.loss_implementation)",
              "tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode", "bf16_full_eval", "fp16_full_eval",
-             "use_liger_kernel", "liger_kernel_config", "use_cache", "gradient_checkpointing_kwargs",
+             "use_liger_kernel", "liger_kernel_config", "use_cache",
              "torch_empty_cache_steps", "auto_find_batch_size", "average_tokens_across_devices",
              "label_smoothing_factor", "optim_args", "optim_target_modules", "lr_scheduler_kwargs",
              "router_aux_loss_coef"),
@@ -85,7 +87,8 @@ REFUSED: dict[str, str] = {
 }
 """Accepted at TRL's default (a falsy value); anything else raises NotImplementedError with the reason."""
 
-TRANSLATED = ("bf16", "fp16", "model_init_kwargs", "vllm_importance_sampling_cap", "log_level")
+TRANSLATED = ("bf16", "fp16", "model_init_kwargs", "vllm_importance_sampling_cap", "log_level",
+              "gradient_checkpointing_kwargs")
 """TRL names that map onto engine fields of another name (see `GRPOConfig._translate`)."""
 
 CALLABLE_FIELDS = ("group_filter_func", "dynamic_prompts_fn")
@@ -139,7 +142,7 @@ class GRPOConfig:
         object.__setattr__(self, "_engine", engine_cfg)
         object.__setattr__(self, "_ignored", ignored)
         object.__setattr__(self, "explicit_names", frozenset(self._kwargs))
-        noted = [name for name in warn_names if name in ignored]
+        noted = [name for name in ignored if name.split("[")[0] in warn_names]  # model_init_kwargs['x'] by its dict
         if noted:
             by_reason: dict[str, list[str]] = {}
             for name in noted:
@@ -172,6 +175,7 @@ class GRPOConfig:
         for name in REFUSED:
             kwargs.pop(name, None)
         _translate_dtype(kwargs, ignored)
+        _translate_checkpointing_kwargs(kwargs, ignored)
         cap = kwargs.pop("vllm_importance_sampling_cap", None)
         if cap is not None:  # TRL's deprecated name
             _set_once(kwargs, "vllm_importance_sampling_clip_max", cap, "vllm_importance_sampling_cap")
@@ -313,6 +317,34 @@ def _translate_dtype(kwargs: dict[str, Any], ignored: dict[str, tuple[Any, str]]
         raise ValueError(f"GRPOConfig: conflicting precisions: {', '.join(f'{s} -> {v}' for s, v in chosen)}")
     if values:
         kwargs["dtype"] = values.pop()
+
+
+_CHECKPOINT_KWARGS_NO_EFFECT = (
+    "Megatron's activation recompute is its own checkpoint function (tensor_parallel.CheckpointFunction: reentrant, "
+    "RNG states always restored); torch.utils.checkpoint's use_reentrant / preserve_rng_state do not apply; "
+    "train.recompute_granularity / recompute_method / recompute_num_layers / recompute_modules choose what is recomputed")
+
+
+def _translate_checkpointing_kwargs(kwargs: dict[str, Any], ignored: dict[str, tuple[Any, str]]) -> None:
+    """TRL's `gradient_checkpointing_kwargs` (torch.utils.checkpoint's keywords): `use_reentrant` and
+    `preserve_rng_state` are named in the no-effect warning (Megatron's checkpoint is reentrant and restores RNG
+    states whatever they say); any other key (context_fn, determinism_check, debug) is refused by name; with
+    gradient_checkpointing=False the whole dict is named in the warning (nothing is recomputed)."""
+    given = kwargs.pop("gradient_checkpointing_kwargs", None)
+    if isinstance(given, str):  # TRL's command line passes JSON
+        given = json.loads(given)
+    if not given:
+        return
+    if kwargs.get("gradient_checkpointing") is False:
+        ignored["gradient_checkpointing_kwargs"] = (given, "gradient_checkpointing=False: nothing is recomputed")
+        return
+    for key, value in given.items():
+        if key not in ("use_reentrant", "preserve_rng_state"):
+            raise ValueError(f"GRPOConfig(gradient_checkpointing_kwargs={{{key!r}: ...}}): {key!r} is a "
+                             "torch.utils.checkpoint option with no counterpart in Megatron's activation recompute; "
+                             "supported here: use_reentrant, preserve_rng_state (both without effect), and "
+                             "train.recompute_granularity / recompute_method / recompute_num_layers / recompute_modules")
+        ignored[f"gradient_checkpointing_kwargs[{key!r}]"] = (value, _CHECKPOINT_KWARGS_NO_EFFECT)
 
 
 def _whole_steps(name: str, value: Any, max_steps: int) -> Any:

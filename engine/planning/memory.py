@@ -42,9 +42,15 @@ a / g = query / KV heads, d = head dim, f = MLP size, L = layers, V = padded voc
   uses 18 + 4*f/h, not counting SwiGLU's gate half). The 5*a*s/h term is the
   attention score matrix: fused (flash) attention, which Transformer Engine's layer spec uses, never stores it
   (the paper's "selective recompute" row, s*b*h*34/t), so it is counted only for `model.transformer_impl: local`.
-- Full recompute (`train.gradient_checkpointing`, Megatron's full/uniform recompute of every layer) keeps only each
-  layer's input, 2*s*b*h per layer (/t under SP: the input is the sequence-parallel shard), plus one layer's
-  working set while that layer is recomputed in the backward. Paper §4 "full activation recomputation: 2*s*b*h*L".
+- Activation recompute, as it runs (`train.gradient_checkpointing` and `train.recompute_*`, resolved by
+  `engine.validation.resolve_recompute`, the same function that configures Megatron). Full, uniform, n layers per
+  unit: each unit keeps only its input, 2*s*b*h (/t under SP: the input is the sequence-parallel shard), for
+  L_stage / n units, plus the working set of the one unit (n layers) recomputed at a time in the backward. Paper §4
+  "full activation recomputation: 2*s*b*h*L". Full, block, n layers per model chunk: those n x vpp layers of the
+  stage keep their input only, the others everything, plus one recomputed layer's working set. Selective: every
+  layer keeps everything but what its recomputed modules would hold: `core_attn` the attention scores (the 5*a*s/h
+  term, local spec only), `mlp` / `moe` the MLP's inside (6*f/h, or 6*k*f_moe/h; its input is the norm output kept
+  anyway). None: every layer keeps everything.
 - Micro-batches in flight, Narayanan et al. 2021 (https://arxiv.org/abs/2104.04473) §2.2 and Megatron-LM's
   `compute_activation_memory`: stage k of the 1F1B schedule holds min(p - k, M) micro-batches; the interleaved
   schedule holds p * (1 + (p - 1)/(p * vpp)) on the first stage.
@@ -86,7 +92,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.planning.shapes import ClusterShape, ModelDims, PlanError, megatron_padded_vocab, num_rollout_servers
-from engine.validation import Derived
+from engine.validation import Derived, Recompute, resolve_recompute
 
 GIB = 2**30
 VLLM_BLOCK_SIZE = 16
@@ -223,31 +229,47 @@ def _in_flight(cfg: EngineConfig, stage: int, num_microbatches: int) -> tuple[fl
     return value, f"min(pp - stage, M) = min({pp} - {stage}, {num_microbatches}) = {value} micro-batches"
 
 
+def plan_recompute(cfg: EngineConfig, dims: ModelDims) -> Recompute:
+    """The activation recompute the trainer will run for this model and layout (what Megatron is given)."""
+    chunks = cfg.parallel.pp_size * (cfg.parallel.virtual_pipeline_size or 1)
+    return resolve_recompute(cfg.train, dims.num_layers, chunks, dims.is_moe)
+
+
 def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbatches: int) -> Term:
-    """Activation memory of one GPU of pipeline stage `stage` (module docstring: Korthikanti et al. 2022)."""
+    """Activation memory of one GPU of pipeline stage `stage` (module docstring: Korthikanti et al. 2022), with the
+    recompute that runs (`plan_recompute`)."""
     prompt, completion, _ = sequence_lengths(cfg)
     s, b, h, t = prompt + completion, cfg.train.per_device_train_batch_size, dims.hidden_size, cfg.parallel.tp_size
-    sp = cfg.parallel.sequence_parallel
+    sp, rc = cfg.parallel.sequence_parallel, plan_recompute(cfg, dims)
     sbh = s * b * h
     ffn = dims.num_experts_per_tok * dims.moe_intermediate_size if dims.is_moe else dims.intermediate_size
-    split = 4 + 4 * dims.num_kv_heads / dims.num_heads + 6 * ffn / h  # MoE: each token's k routed copies of f_moe
-    if cfg.model.transformer_impl == "local":
-        split += 5 * dims.num_heads * s / h
+    scores = 5 * dims.num_heads * s / h if cfg.model.transformer_impl == "local" else 0.0
+    mlp = 6 * ffn / h  # MoE: each token's k routed copies of f_moe
+    split = 4 + 4 * dims.num_kv_heads / dims.num_heads + mlp + scores
+    full_split = split
+    if rc.granularity == "selective":  # the recomputed modules' insides are not kept
+        split -= scores * ("core_attn" in rc.modules) + mlp * bool({"mlp", "moe"} & set(rc.modules))
     per_layer = sbh * (10 + split) / t if sp else sbh * (10 + split / t)
     layer_text = f"(10 + {split:.2f}) / {t}" if sp else f"(10 + {split:.2f} / {t})"
     layers = dims.num_layers // cfg.parallel.pp_size
     in_flight, in_flight_text = _in_flight(cfg, stage, num_microbatches)
     sbh_text = f"s*b*h = {s}*{b}*{h} = {format_count(sbh)}"
-    if cfg.train.gradient_checkpointing:
-        stored = 2 * sbh / t if sp else 2 * sbh
-        nbytes = layers * in_flight * stored + per_layer
-        text = (
-            f"full recompute: {layers} layers x {in_flight_text} x 2{' / ' + str(t) if sp else ''} x s*b*h + one "
-            f"layer recomputed {layer_text} x s*b*h; {sbh_text}"
-        )
+    stored, stored_text = (2 * sbh / t, f"2 / {t}") if sp else (2 * sbh, "2")
+    if rc.granularity == "full" and rc.method == "uniform":
+        units = layers // rc.num_layers
+        nbytes = units * in_flight * stored + rc.num_layers * per_layer
+        text = (f"full recompute, uniform: {layers} layers / {rc.num_layers} = {units} units x {in_flight_text} x "
+                f"{stored_text} x s*b*h + one unit recomputed {rc.num_layers} x {layer_text} x s*b*h; {sbh_text}")
+    elif rc.granularity == "full":
+        recomputed = rc.num_layers * (cfg.parallel.virtual_pipeline_size or 1)
+        nbytes = in_flight * (recomputed * stored + (layers - recomputed) * per_layer) + per_layer
+        text = (f"full recompute, block: {in_flight_text} x ({recomputed} layers x {stored_text} + "
+                f"{layers - recomputed} layers x {layer_text}) x s*b*h + one layer recomputed; {sbh_text}")
     else:
         nbytes = layers * in_flight * per_layer
-        text = f"no recompute: {layers} layers x {in_flight_text} x {layer_text} x s*b*h; {sbh_text}"
+        what = (f"selective recompute {list(rc.modules)} (split part {full_split:.2f} -> {split:.2f})"
+                if rc.granularity else "no recompute")
+        text = f"{what}: {layers} layers x {in_flight_text} x {layer_text} x s*b*h; {sbh_text}"
     return Term("activations", text, nbytes)
 
 
@@ -326,7 +348,8 @@ def training_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d: 
         notes.insert(0, f"{'last' if other else 'first'} stage: {format_gib(totals[other] + reserve.nbytes)}")
     hint = (
         "raise parallel.pp_size or tp_size, add training nodes (the distributed optimizer shards Adam over DP), lower "
-        "train.per_device_train_batch_size or turn on train.gradient_checkpointing"
+        "train.per_device_train_batch_size, or recompute more (train.gradient_checkpointing, train.recompute_granularity=full, "
+        "recompute_method=uniform)"
     )
     return Budget(title, stages[worst] + [reserve], cap, f"{shape.gpu_memory_gib:g} GiB per GPU", notes, hint)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.planning.memory import (Budget, format_count, format_gib, inference_budget, sequence_lengths,
-                                    training_budget)
+from engine.planning.memory import (Budget, format_count, format_gib, inference_budget, plan_recompute,
+                                    sequence_lengths, training_budget)
 from engine.planning.shapes import ClusterShape, ModelDims, check_layout, load_model_dims, num_rollout_servers
 from engine.validation import Derived, validate
 
@@ -75,6 +75,8 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
         f"training layout: tp*pp*dp = {par.tp_size}*{par.pp_size}*{d.dp_size} = {d.world_size} GPUs = "
         f"{shape.train_nodes} node(s) x {shape.gpus_per_node}; {dims.num_layers} layers / pp {par.pp_size} = "
         f"{dims.num_layers // par.pp_size} per stage",
+        f"activation recompute: {plan_recompute(cfg, dims).describe()} (train.gradient_checkpointing, "
+        "train.recompute_*)",
         f"batch: {d.micro_batch_size} completion(s) x ({prompt} prompt ({source}) + {completion} completion = "
         f"{prompt + completion} tokens) per micro-batch, {d.num_microbatches} micro-batches per step, "
         f"{d.generation_batch_size} completions per generation round",

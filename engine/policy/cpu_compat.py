@@ -12,6 +12,9 @@ RNG tracker even with `use_cpu_initialization=True` (CPU_STACK.md). This module:
   CPU (the CPU generator plays the role of the device generator, so Megatron's RNG tracker forks and restores it
   exactly as it would the CUDA one);
 - routes Megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` to the CPU generator;
+- runs Megatron's activation recompute (`CheckpointFunction.backward`, which runs a layer's forward again) inside
+  that mode too: torch calls autograd backward functions with no TorchFunctionMode active, so the recomputed
+  forward would otherwise create `device="cuda"` tensors (the causal mask) and fail (`_recompute_in_mode`);
 - stands a no-op stream in for `torch.cuda.Stream` / `current_stream` / `stream()` (MoE's all-to-all dispatcher moves
   its split sizes to the host on a side stream; on the CPU all work is in order), and gives that dispatcher its split
   sizes as numpy on the CPU too (`_host_split_sizes`).
@@ -96,6 +99,21 @@ def _host_split_sizes() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
+def _recompute_in_mode(mcore_random) -> None:
+    """Megatron's full / selective recompute re-runs the forward in `CheckpointFunction.backward`, where torch has
+    no TorchFunctionMode active (measured: the mode stack is empty inside any autograd Function's backward): enter
+    the CUDA-to-CPU mode there."""
+    backward = mcore_random.CheckpointFunction.backward
+
+    def backward_in_mode(ctx, *grads):
+        if torch.overrides._get_current_function_mode_stack():
+            return backward(ctx, *grads)
+        with _mode:
+            return backward(ctx, *grads)
+
+    mcore_random.CheckpointFunction.backward = staticmethod(backward_in_mode)
+
+
 def install_cpu_compat() -> bool:
     """Install the compatibility layer once, if and only if CUDA is absent. Returns True when it is active."""
     global _installed, _mode
@@ -126,5 +144,6 @@ def install_cpu_compat() -> bool:
     mcore_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     _mode = _CudaToCpu()
     _mode.__enter__()
+    _recompute_in_mode(mcore_random)
     _installed = True
     return True

@@ -5,7 +5,10 @@ Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config
 for TP; MoE router and experts with expert parallelism: `moe_settings`), the layer spec choice (Transformer
 Engine when it imports, Megatron's local spec otherwise, whose row-parallel linears are swapped through the
 ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`, and whose norms are ones that
-allow sequence parallelism: `LocalRMSNorm`), `build_policy`, and the rule that takes a global tensor to this rank's
+allow sequence parallelism: `LocalRMSNorm`), Megatron's activation recompute from the `train` section
+(`train.gradient_checkpointing` and `recompute_*`, resolved and checked against the layers by
+engine.validation.resolve_recompute; MoE routers replay their forward's routes in the recomputed forward:
+engine/policy/routing_replay.py), `build_policy`, and the rule that takes a global tensor to this rank's
 TP shard (`take_tp_shard`), which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
@@ -13,7 +16,8 @@ Must not: read Megatron's global parallel state (it receives a ParallelState), o
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
 tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step at EP2
 and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
-parallelism too; also: no "tp_group is None" fallback warning from Megatron).
+parallelism too; also: no "tp_group is None" fallback warning from Megatron; and the step with full recompute equals
+the step without it, bit for bit, at TP2 and PP2), tests/unit/test_recompute.py (settings to Megatron's fields).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, TrainConfig
 from engine.policy.parallel import ParallelState
+from engine.validation import resolve_recompute
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
@@ -61,13 +66,15 @@ def _dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
-def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
+def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainConfig | None = None):
     """Megatron TransformerConfig equivalent to a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config.
 
     Args:
         hf_config: transformers PretrainedConfig (model_type in SUPPORTED_MODEL_TYPES).
         cfg: the `model` config section.
         ps: this process's parallel state.
+        train: the `train` section, for the activation recompute (`gradient_checkpointing`, `recompute_*`:
+            engine.validation.resolve_recompute); None = its defaults (TRL's: full recompute, uniform, 1 layer).
     Returns:
         megatron.core.transformer.TransformerConfig.
     """
@@ -100,6 +107,12 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
     has_te, has_softmax_kernel = (find_spec(name) is not None for name in ("transformer_engine",
                                                                          "scaled_masked_softmax_cuda"))
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    recompute = resolve_recompute(train or TrainConfig(), num_layers, chunks, hf_config.model_type == "qwen3_moe")
+    if "layernorm" in recompute.modules and not has_te:
+        raise ValueError(
+            "train.recompute_modules: 'layernorm' needs Transformer Engine: megatron-core 0.16.1's "
+            "CheckpointWithoutOutput (the norms' recompute) reads `fp8 is not None`, true for its default fp8=False, "
+            "and then calls Transformer Engine's FP8GlobalStateManager (NameError without it)")
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
@@ -126,7 +139,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
         attention_softmax_in_fp32=True,
-        recompute_granularity=None,
+        **recompute.megatron_kwargs(),
         # CPU: Megatron's fused kernels and CUDA initialisation are unavailable (CPU_STACK.md).
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
@@ -342,19 +355,21 @@ def _policy_class():
     return PolicyGPTModel
 
 
-def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState) -> list[torch.nn.Module]:
+def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainConfig | None = None
+                 ) -> list[torch.nn.Module]:
     """Build this rank's model chunks (one per virtual pipeline stage) of a Qwen2 / Llama model.
 
     Args:
         hf_config: transformers PretrainedConfig.
         cfg: the `model` config section.
         ps: this process's parallel state.
+        train: the `train` section (activation recompute, see `build_transformer_config`); None = its defaults.
     Returns:
         list of PolicyGPTModel chunks (GPTModel returning hidden states on the last stage), in virtual-stage
         order, weights randomly initialised (load a checkpoint or call `init_weights_by_name` next).
     """
     policy_class = _policy_class()
-    config = build_transformer_config(hf_config, cfg, ps)
+    config = build_transformer_config(hf_config, cfg, ps, train)
     shape = policy_shape(hf_config, cfg, ps.tp_size)
     if cfg.cast_lm_head_to_fp32 and shape.tie_word_embeddings:
         raise ValueError("model.cast_lm_head_to_fp32 needs untied embeddings; this checkpoint ties them")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, TrainConfig
 from engine.policy.hf_convert import ModelDims
 from engine.policy.parallel import ParallelState
 from engine.policy.step import LogprobSettings, forward_logprobs, unwrap
@@ -39,7 +39,7 @@ class ReferencePolicy:
         from engine.policy.hf_checkpoint import load_hf_checkpoint
         from engine.policy.model import build_policy
 
-        chunks = build_policy(hf_config, cfg, ps)
+        chunks = build_policy(hf_config, cfg, ps, TrainConfig(gradient_checkpointing=False))  # never trained
         load_hf_checkpoint(chunks, ps, model_dir, dims)
         return cls(chunks, ps.device, cfg.offload_reference)
 

@@ -22,8 +22,15 @@ Token order: Megatron's router sees the layer input (s, b, H) flattened to (s*b,
 
 Must not: read Megatron's global parallel state (each router's own `router_replay` object is set, never the static
 list of all instances, which other models built in the same process would also be on), or touch vLLM.
-Limits: activation recompute is off in this engine's Megatron config, so only the forward replays (no
-REPLAY_BACKWARD queue).
+Activation recompute (`train.gradient_checkpointing`): a recomputed layer runs its forward again in the backward, and
+its router must take the same experts then, or the gradient belongs to another forward. Every forward that will be
+recomputed (a training forward, grad enabled, of a layer that full recompute or selective `moe` recompute covers:
+`_recomputed_layers`) keeps the top-k its router used, the replayed routes or its own choice alike, in Megatron's
+per-router FIFO (`RouterReplay.replay_backward_list`), and between forwards the routers stand at
+`REPLAY_BACKWARD`, so each recomputed forward pops the top-k of its own forward. Megatron's schedules run the
+backwards of a model chunk in the order of its forwards (1F1B, interleaved or not), which is the FIFO's order.
+`run_schedule` starts every pass with empty queues and checks they are empty after it (`finish_schedule`). The
+agreement is counted once per forward, in `forward_step`, never in a recomputed forward (which does not record).
 
 Test: tests/distributed/test_routing_replay.py (EP2, and TP2 x EP2 with sequence parallelism).
 """
@@ -62,33 +69,50 @@ def _layer_routes(routes: torch.Tensor, layer: int, ps: ParallelState) -> torch.
     return _router_order(routes[:, :, layer, :].long(), ps)
 
 
-def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay: bool) -> bool:
+def _recomputed_layers(chunk: torch.nn.Module, will_backward: bool) -> set[int]:
+    """Local indices of the MoE layers of `chunk` whose forward runs again in the backward of this forward: every
+    layer (full, uniform), the first recompute_num_layers (full, block), or the MoE layers themselves (selective
+    `moe`); none without a backward (forward-only passes, no grad) or in eval mode (full recompute trains only)."""
+    if not will_backward or not torch.is_grad_enabled():
+        return set()
+    config, layers = chunk.config, list(getattr(getattr(chunk, "decoder", None), "layers", []))
+    if config.recompute_granularity == "full" and chunk.decoder.training:
+        count = config.recompute_num_layers if config.recompute_method == "block" else len(layers)
+        return set(range(min(count, len(layers))))
+    return {i for i, layer in enumerate(layers) if getattr(getattr(layer, "mlp", None), "moe_layer_recompute", False)}
+
+
+def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay: bool,
+                  will_backward: bool = False) -> bool:
     """Set every MoE router of `chunk` for this micro-batch's forward; returns whether routes were recorded (so
     `router_agreement` can be asked after the forward).
 
     replay: True = use the batch's `routed_experts`; False = record the trainer's own choice.
+    will_backward: a training forward whose backward follows (recomputed layers then keep their top-k: `end_forward`).
     """
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routes = model_input_routes(batch)
+    recomputed = _recomputed_layers(chunk, will_backward)
     recording = False
-    for layer, router in _moe_routers(chunk):
+    for index, (layer, router) in enumerate(_moe_routers(chunk)):
         replayer = getattr(router, "router_replay", None)
         if replayer is None:
             if routes is not None and replay:
                 raise ValueError("the batch carries routed_experts but the model was built without routing replay "
                                  "(model.moe_enable_routing_replay)")
             continue
-        replayer.clear_indices()
-        if routes is None:
-            replayer.clear_router_replay_action()
-            continue
-        if replay:
+        # NOTE: not clear_indices(), which would also empty the queue earlier forwards left for their recompute
+        replayer.target_topk_idx = replayer.recorded_topk_idx = None
+        replayer.keep_for_recompute = index in recomputed
+        if routes is not None and replay:
             replayer.target_topk_idx = _layer_routes(routes, layer, ps)
             replayer.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        else:
+        elif routes is not None or replayer.keep_for_recompute:  # record: the metric, or what the recompute replays
             replayer.set_router_replay_action(RouterReplayAction.RECORD)
-            recording = True
+            recording = recording or routes is not None
+        else:
+            replayer.clear_router_replay_action()
     return recording
 
 
@@ -151,12 +175,41 @@ def clear_router_agreement(chunks: list[torch.nn.Module]) -> None:
 
 
 def end_forward(chunk: torch.nn.Module) -> None:
-    """Clear every router's replay state (the next forward routes by itself unless `begin_forward` sets it)."""
+    """After a forward: each router to be recomputed queues the top-k it used (replayed or its own) for its
+    recomputed forward and stands at REPLAY_BACKWARD; the others are cleared (the next forward routes by itself
+    unless `begin_forward` sets it)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
     for _, router in _moe_routers(chunk):
         replayer = getattr(router, "router_replay", None)
-        if replayer is not None:
+        if replayer is None:
+            continue
+        if getattr(replayer, "keep_for_recompute", False):
+            used = (replayer.target_topk_idx if replayer.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+                    else replayer.recorded_topk_idx)
+            replayer.replay_backward_list.append(used)
+        replayer.target_topk_idx = replayer.recorded_topk_idx = None
+        replayer.keep_for_recompute = False
+        if replayer.replay_backward_list:
+            replayer.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        else:
+            replayer.clear_router_replay_action()
+
+
+def finish_schedule(chunks: list[torch.nn.Module], check: bool) -> None:
+    """After (and, with check=False, before) a schedule pass: every router cleared; with `check`, raise if a
+    recomputed forward did not take the top-k its forward left (the queues must be empty after the backwards)."""
+    for chunk in chunks:
+        for layer, router in _moe_routers(getattr(chunk, "module", chunk)):
+            replayer = getattr(router, "router_replay", None)
+            if replayer is None:
+                continue
+            left = len(replayer.replay_backward_list)
             replayer.clear_indices()
             replayer.clear_router_replay_action()
+            if check and left:
+                raise RuntimeError(f"MoE layer {layer}: {left} forward(s) kept routes for a recomputed forward that "
+                                   "never ran (activation recompute and routing replay out of step)")
 
 
 def pad_routes(routes: list, seq_len: int, num_layers: int, top_k: int, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -64,15 +64,18 @@ def run_schedule(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from engine.policy.routing_replay import begin_forward, end_forward, finish_schedule, record_router_agreement
+
     check_attention_mask(chunks, microbatches)
+    finish_schedule(chunks, check=False)
 
     def forward_step(data_iterator, model):
-        from engine.policy.routing_replay import begin_forward, end_forward, record_router_agreement
-
         batch = next(data_iterator)
         chunk = unwrap(model)
-        # MoE: replay the engine's routes (R3) or record the trainer's to compare (engine/policy/routing_replay.py)
-        recording = begin_forward(chunk, batch, ps, replay=getattr(chunk, "routing_replay", False))
+        # MoE: replay the engine's routes (R3) or record the trainer's to compare, and keep the routes a recomputed
+        # forward must take again (engine/policy/routing_replay.py)
+        recording = begin_forward(chunk, batch, ps, replay=getattr(chunk, "routing_replay", False),
+                                  will_backward=not forward_only)
         # packed micro-batches (engine/policy/packing.py) carry their rows as `input_ids`, a mask or THD params
         hidden = model(batch.get("input_ids", batch["tokens"]), batch["position_ids"],
                        attention_mask=batch.get("attention_mask"), packed_seq_params=batch.get("packed_seq_params"),
@@ -107,6 +110,7 @@ def run_schedule(
         forward_only=forward_only,
         **groups,
     )
+    finish_schedule(chunks, check=True)
     return list(values) if ps.is_last_stage else []
 
 

@@ -152,7 +152,7 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     if cfg.model.moe_enable_routing_replay and not dims.num_experts:
         raise ValueError(f"model.moe_enable_routing_replay replays routed experts, but {name} "
                          f"({hf_config.model_type}) has no mixture-of-experts layers: set it to false")
-    chunks = build_policy(hf_config, cfg.model, ps)
+    chunks = build_policy(hf_config, cfg.model, ps, cfg.train)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     reference = ReferencePolicy.build(hf_config, cfg.model, ps, model_dir, dims) if cfg.grpo.beta != 0 else None
     max_len = cfg.rollout.vllm_max_model_length or hf_config.max_position_embeddings

@@ -12,6 +12,10 @@ equal to 1e-5: eps=1e-8 moved one weight in 16K by 4e-6, eps=1e-6 by 1.4e-6; at 
 Sequence parallelism at TP=2 runs on Megatron's local spec (engine/policy/model.py LocalRMSNorm); its rows are
 widened to an even length (the trainer's padded path does the same): pad columns after every sequence change no
 real position's values, so it is compared with the same unwidened reference.
+Activation recompute (TRL's default `gradient_checkpointing=True`: Megatron's full recompute, uniform, one layer per
+unit) is on in every run here; at TP=2 and PP=2 the same world also runs the step with it off first, and the two must
+be equal bit for bit (fp32 and bf16: the recomputed forward repeats the same operations), with twice the layer
+forwards when it is on (so it really ran).
 Megatron's "tp_group is None, using default tp group" warning (a DeprecationWarning, on rank 0) must not appear: every
 call gets its group explicitly (engine/policy/model.py `_row_parallel_linear_class`).
 """
@@ -25,14 +29,35 @@ from tests.distributed.launcher import run_distributed
 from tests.helpers.policy import grpo_step_and_export, hf_tensors
 
 
-def _grpo_step(tp: int, pp: int, dp: int, sp: bool, model_dir: str, out_dir: str, dtype: str = "float32") -> dict:
-    from engine.config import ModelConfig, ParallelConfig
+def _grpo_step(tp: int, pp: int, dp: int, sp: bool, model_dir: str, out_dir: str, dtype: str = "float32",
+               compare_recompute: bool = False) -> dict:
+    from engine.config import ModelConfig, ParallelConfig, TrainConfig
+    from engine.policy.parallel import destroy_parallel
 
     parallel = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp)
+    without = None
+    if compare_recompute:  # first the step without recompute, from the same checkpoint, in the same world
+        without = grpo_step_and_export(model_dir, parallel, ModelConfig(dtype=dtype), f"{out_dir}_no_recompute",
+                                       tp if sp else 1, train=TrainConfig(gradient_checkpointing=False))
+        destroy_parallel(keep_process_group=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = grpo_step_and_export(model_dir, parallel, ModelConfig(dtype=dtype), out_dir, tp if sp else 1)
-    return result | {"tp_group_warnings": sum("tp_group is None" in str(w.message) for w in caught)}
+    return result | {"tp_group_warnings": sum("tp_group is None" in str(w.message) for w in caught),
+                     "no_recompute": without}
+
+
+def _assert_recompute_changes_nothing(results: list, out_dir) -> None:
+    """The step with recompute (the layout's result) equals the step without it bit for bit, and ran each layer's
+    forward twice."""
+    for r in results:
+        without = r["no_recompute"]
+        assert r["layer_forwards"] == 2 * without["layer_forwards"] > 0, "recompute did not run the layers again"
+        assert r["loss"] == without["loss"] and r["grad_norm"] == without["grad_norm"]
+    weights, weights_without = hf_tensors(out_dir), hf_tensors(f"{out_dir}_no_recompute")
+    assert sorted(weights) == sorted(weights_without)
+    for name, weight in weights.items():
+        assert torch.equal(weight, weights_without[name]), f"{name}: recompute changed the step"
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +87,11 @@ def test_grpo_step_changes_weights_and_clips(setup):
 )
 def test_grpo_step_matches_single_process(setup, tmp_path, tp, pp, dp, sp):
     model_dir, reference, ref_weights = setup
-    results = run_distributed(_grpo_step, tp * pp * dp, tp, pp, dp, sp, str(model_dir), str(tmp_path / "out"))
+    compare = (tp, pp, dp, sp) in ((2, 1, 1, False), (1, 2, 1, False))
+    results = run_distributed(_grpo_step, tp * pp * dp, tp, pp, dp, sp, str(model_dir), str(tmp_path / "out"),
+                              "float32", compare)
+    if compare:
+        _assert_recompute_changes_nothing(results, tmp_path / "out")
     loss = sum(r["loss"] for r in results if r["loss"] is not None)
     assert loss == pytest.approx(reference["loss"], rel=1e-5)
     assert all(r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5) for r in results)
@@ -94,8 +123,11 @@ def test_bf16_grpo_step_matches_single_process_within_bf16_rounding(setup_bf16, 
     """
     model_dir, reference, ref_weights = setup_bf16
     assert all(t.dtype == torch.bfloat16 for t in ref_weights.values()), "a bf16 run exports bf16 weights"
+    compare = dp == 1  # tp2, pp2
     results = run_distributed(_grpo_step, tp * pp * dp, tp, pp, dp, False, str(model_dir), str(tmp_path / "out"),
-                              "bfloat16")
+                              "bfloat16", compare)
+    if compare:
+        _assert_recompute_changes_nothing(results, tmp_path / "out")
     loss = sum(r["loss"] for r in results if r["loss"] is not None)
     assert loss == pytest.approx(reference["loss"], rel=2e-2)
     assert all(r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=2e-2) for r in results)

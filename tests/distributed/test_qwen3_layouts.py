@@ -14,6 +14,8 @@ groups are rebuilt between them, the process group is kept):
     Every step layout reads rows widened to 14 tokens (SP splits the sequence over 2 ranks; all layouts get the same
     rows). EP1 x DP2 is the reference: DP2 = one process
     is test_grpo_step_layouts.py's dp2 case, and the micro-batches are the single process's;
+    Every step runs with activation recompute (TRL's default: full, uniform, one layer), and EP2 also without it
+    (`ep2_no_recompute`): the two are equal bit for bit, with twice the layer forwards when it is on;
 (c) the same step in bf16 (TRL's default precision) at EP2 against EP1, within bf16 rounding (tolerances in the test);
 (d) at TP2 x EP2 with SP, the step on packed rows equals the step on right-padded rows: padding stays out of the
     aux loss; and so does the packed step at TP2 x PP2 x EP2 with SP (a second launch, 4 ranks).
@@ -35,6 +37,7 @@ STEP_LAYOUTS = [  # (name, tp, ep, dtype, packed, micro-batch rows, z-loss) of t
     # sequence parallel: z-loss off (see test_qwen3_moe_grpo_step_equals_ep1)
     ("ep1_no_z", 1, 1, "float32", False, 2, 0.0), ("tp2_ep2_sp", 2, 2, "float32", False, 2, 0.0),
     ("tp2_ep2_sp_mb8", 2, 2, "float32", False, 8, 0.0), ("tp2_ep2_sp_packed", 2, 2, "float32", True, 8, 0.0),
+    ("ep2_no_recompute", 1, 2, "float32", False, 2, 1e-3),
 ]
 
 
@@ -43,7 +46,7 @@ def _layout_name(family: str, tp: int, pp: int, ep: int) -> str:
 
 
 def _all_layouts(model_dirs: dict, out_root: str) -> dict:
-    from engine.config import ModelConfig, ParallelConfig
+    from engine.config import ModelConfig, ParallelConfig, TrainConfig
     from engine.policy.parallel import destroy_parallel
 
     results = {}
@@ -57,7 +60,8 @@ def _all_layouts(model_dirs: dict, out_root: str) -> dict:
         model_cfg = ModelConfig(dtype=dtype, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=z_loss)
         results[f"step-{name}"] = grpo_step_and_export(model_dirs["qwen3_moe"], parallel, model_cfg,
                                                        f"{out_root}/step-{name}", width_multiple=2,
-                                                       padding_free=packed, micro_batch_size=rows)
+                                                       padding_free=packed, micro_batch_size=rows,
+                                                       train=TrainConfig(gradient_checkpointing="no_recompute" not in name))
         destroy_parallel(keep_process_group=True)
     return results
 
@@ -113,6 +117,19 @@ def test_qwen3_moe_grpo_step_equals_ep1(launched, layout, reference):
     assert any(".mlp.gate." in n for n in moved) and any(".experts.3." in n for n in moved), "router and experts train"
     for name, weight in after1.items():
         torch.testing.assert_close(after[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_qwen3_moe_grpo_step_with_recompute_equals_step_without(launched):
+    """EP2 (x DP2), aux loss and z-loss on: full recompute reruns every MoE layer (router, all-to-all dispatch, experts)
+    in the backward; the step must not change by a bit."""
+    loss, grad_norm, after = _step(launched, "ep2")
+    loss_off, grad_norm_off, after_off = _step(launched, "ep2_no_recompute")
+    forwards = [(r["step-ep2"]["layer_forwards"], r["step-ep2_no_recompute"]["layer_forwards"]) for r in launched[2]]
+    assert all(on == 2 * off > 0 for on, off in forwards), f"recompute did not run the layers again: {forwards}"
+    assert loss == loss_off and grad_norm == grad_norm_off
+    for name, weight in after_off.items():
+        assert torch.equal(after[name], weight), f"{name}: recompute changed the step"
 
 
 @pytest.mark.slow

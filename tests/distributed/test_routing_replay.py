@@ -9,14 +9,18 @@ forward, and (b) random distinct top-k routes:
 - agreement: recording against its own routes the trainer agrees on every (real token, layer) pair (1.0; under SP the
   counts of both TP ranks' halves are summed); against random routes on few (< 0.6);
 - replay on: replaying its own routes gives log-probs bit-identical to routing by itself; replaying random routes
-  changes them (the router really takes the given experts); replay off ignores the routes.
+  changes them (the router really takes the given experts); replay off ignores the routes;
+- with activation recompute (full, uniform: each layer's forward runs again in the backward, counted), a training
+  forward + backward that replays random routes gives bit for bit the gradients of the same pass without recompute
+  (the recomputed forward replays them too; routing by itself there would give other gradients), and those differ
+  from the gradients of replay off; recording in a training pass with recompute counts each (token, layer) pair once.
 """
 
 import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers.policy import build_from_hf
+from tests.helpers.policy import build_from_hf, count_layer_forwards
 
 TOP_K, NUM_EXPERTS, LAYERS = 2, 4, 4
 LAYOUTS = [(1, 2), (2, 2)]  # (tp, ep); sequence parallel at tp > 1
@@ -58,6 +62,47 @@ def _own_routes(chunk, batch: dict, ps) -> torch.Tensor:
     return torch.stack(per_layer, dim=2)
 
 
+def _training_pass(chunks, ps, batch: dict, settings, recompute: bool, forwards: list) -> dict:
+    """One training forward + backward (a fixed weighting of the completion log-probs) with full recompute on or off:
+    every parameter's gradient, this rank's layer forwards, and the agreement counts recorded."""
+    from engine.policy.step import completion_logprobs, run_schedule
+
+    chunk = chunks[0]
+    chunk.config.recompute_granularity = "full" if recompute else None  # uniform, 1 layer: as built
+    chunk.zero_grad(set_to_none=True)
+    weights = torch.randn(batch["completion_mask"].shape, generator=torch.Generator().manual_seed(8))  # (b, C)
+
+    def loss_fn(model, hidden, b):
+        lp, _ = completion_logprobs(model, hidden, b, ps, settings)
+        return (lp * weights).sum(), {}
+
+    before = forwards[0]
+    run_schedule(chunks, ps, [batch], loss_fn)
+    counts = list(getattr(chunk, "router_agreement_counts", (0, 0)))
+    chunk.router_agreement_counts = (0, 0)
+    grads = {name: p.grad.clone() for name, p in chunk.named_parameters() if p.grad is not None}
+    return {"grads": grads, "layer_forwards": forwards[0] - before, "counts": counts}
+
+
+def _recompute_checks(chunks, ps, batch: dict, settings, random_routes) -> dict:
+    """Training passes with recompute on and off (the chunk's config toggled: the same weights), replay on and off."""
+    chunk, forwards = chunks[0], count_layer_forwards(chunks)
+    routed = batch | {"routed_experts": random_routes}
+    chunk.routing_replay = True
+    replay_on = _training_pass(chunks, ps, routed, settings, True, forwards)
+    replay_off_recompute = _training_pass(chunks, ps, routed, settings, False, forwards)
+    chunk.routing_replay = False
+    record = _training_pass(chunks, ps, routed, settings, True, forwards)
+    chunk.config.recompute_granularity = "full"
+    return {"replay_recompute_equal": all(torch.equal(g, replay_off_recompute["grads"][n])
+                                          for n, g in replay_on["grads"].items()),
+            "num_grads": len(replay_on["grads"]),
+            "replay_vs_own_routes": max(float((g - record["grads"][n]).abs().max())
+                                        for n, g in replay_on["grads"].items()),
+            "layer_forwards": (replay_on["layer_forwards"], replay_off_recompute["layer_forwards"]),
+            "record_counts": record["counts"]}
+
+
 def _check(model_dir: str, tp: int, ep: int) -> dict:
     from engine.config import ParallelConfig
     from engine.policy.routing_replay import take_router_agreement
@@ -90,12 +135,13 @@ def _check(model_dir: str, tp: int, ep: int) -> dict:
     replay_random, _, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
     chunk.routing_replay = False
     off_random, _, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
+    recompute = _recompute_checks(chunks, ps, batch, settings, random_routes)
     valid_pairs = int((batch["lengths"] - 1).sum()) * LAYERS
     return {"tp_rank": ps.tp_rank, "none": none, "none_fraction": none_fraction, "agree_own": agree_own, "own_fraction": own_fraction,
             "agree_random": agree_random, "random_fraction": random_fraction,
             "valid_pairs": valid_pairs, "replay_own_equal": torch.equal(replay_own, plain),
             "replay_random_differs": float((replay_random - plain).abs().max()),
-            "off_ignores_routes": torch.equal(off_random, plain)}
+            "off_ignores_routes": torch.equal(off_random, plain), "recompute": recompute}
 
 
 def _check_layouts(model_dir: str) -> dict:
@@ -131,3 +177,9 @@ def test_router_agreement_and_routing_replay(launched, tp, ep):
         assert r["replay_own_equal"], "replaying the trainer's own routes must change nothing"
         assert r["replay_random_differs"] > 1e-3, "replayed routes were not used"
         assert r["off_ignores_routes"], "with replay off the routes only feed the metric"
+        rc = r["recompute"]
+        assert rc["layer_forwards"] == (2 * LAYERS, LAYERS), "full recompute runs every layer's forward twice"
+        assert rc["num_grads"] > 0 and rc["replay_recompute_equal"], "the recomputed forward must replay the routes"
+        assert rc["replay_vs_own_routes"] > 1e-4, "replayed routes must change the gradients (else equality is void)"
+        if r["tp_rank"] == 0:
+            assert rc["record_counts"] == r["agree_random"], "a recomputed forward must not count agreement again"

@@ -23,10 +23,11 @@ SYNC_TOLERANCE = 1e-3
 the sync itself is verified exactly, by digests)."""
 
 
-def build_from_hf(model_dir: str, parallel, model_cfg=None, seed: int = 0):
+def build_from_hf(model_dir: str, parallel, model_cfg=None, seed: int = 0, train=None):
     """Start `parallel` (engine.config.ParallelConfig) and load the checkpoint into the policy built at that layout.
 
-    Returns (ParallelState, HF config, model chunks, ModelDims); model_cfg defaults to ModelConfig(dtype="float32").
+    Returns (ParallelState, HF config, model chunks, ModelDims); model_cfg defaults to ModelConfig(dtype="float32"),
+    `train` (engine.config.TrainConfig: the activation recompute) to TrainConfig()'s full recompute.
     """
     from transformers import AutoConfig
 
@@ -40,9 +41,23 @@ def build_from_hf(model_dir: str, parallel, model_cfg=None, seed: int = 0):
     ps = init_parallel(parallel, seed=seed)
     hf_config = AutoConfig.from_pretrained(model_dir)
     dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, model_cfg, parallel.tp_size).padded_vocab_size)
-    chunks = build_policy(hf_config, model_cfg, ps)
+    chunks = build_policy(hf_config, model_cfg, ps, train)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     return ps, hf_config, chunks, dims
+
+
+def count_layer_forwards(chunks) -> list[int]:
+    """A one-element counter of the transformer-layer forwards of `chunks` from now on (a forward hook on every
+    layer): full recompute runs each layer's forward again in the backward, so a training step counts twice as many."""
+    counter = [0]
+
+    def hook(*_):
+        counter[0] += 1
+
+    for chunk in chunks:
+        for layer in getattr(chunk, "module", chunk).decoder.layers:
+            layer.register_forward_hook(hook)
+    return counter
 
 
 def tokens(vocab_size: int) -> torch.Tensor:
@@ -113,7 +128,7 @@ def global_batch() -> dict:
 
 
 def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, width_multiple: int = 1,
-                         padding_free: bool = False, micro_batch_size: int = MICRO_BATCH) -> dict:
+                         padding_free: bool = False, micro_batch_size: int = MICRO_BATCH, train=None) -> dict:
     """Rank function body: one GRPO optimizer step on `global_batch` at `parallel`, the result exported to `out_dir`.
 
     DAPO loss with beta > 0, Megatron's distributed optimizer (Adam, epsilon 1e-4: see test_grpo_step_layouts.py) with
@@ -122,7 +137,9 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     widened to a multiple of `width_multiple` (sequence parallelism needs tp_size; pass the same value to every layout
     compared), or with `padding_free` its packed path (rows of packed sequences, block-diagonal mask, at most
     `micro_batch_size` x the longest sequence tokens per micro-batch).
-    Returns {"loss": the summed micro-batch losses on the last stage's TP rank 0, else None, "grad_norm"}.
+    `train` (engine.config.TrainConfig) sets the activation recompute (None: TrainConfig()'s full recompute).
+    Returns {"loss": the summed micro-batch losses on the last stage's TP rank 0, else None, "grad_norm",
+    "layer_forwards": this rank's transformer-layer forwards during the step (recompute doubles them)}.
     """
     from engine.config import OptimizerConfig
     from engine.grpo.policy_loss import PolicyLossConfig
@@ -131,7 +148,7 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     from engine.policy.packing import MicrobatchSpec, round_microbatches
     from engine.policy.step import LogprobSettings, grpo_forward_backward
 
-    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, model_cfg)
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, model_cfg, train=train)
     opt_cfg = OptimizerConfig(learning_rate=LEARNING_RATE, adam_epsilon=1e-4, lr_scheduler_type="constant",
                               max_grad_norm=1.0)
     popt = build_optimizer(opt_cfg, chunks, ps, total_steps=1)
@@ -142,11 +159,13 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     loss_config = PolicyLossConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.9, implementation="torch_chunked")
     popt.zero_grad()
+    layer_forwards = count_layer_forwards(chunks)
     outputs = grpo_forward_backward(popt.model, ps, microbatches, loss_config, normalizer, settings)
     stats = popt.step()
     export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims)
     reports = ps.is_last_stage and ps.tp_rank == 0
-    return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"]}
+    return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"],
+            "layer_forwards": layer_forwards[0]}
 
 
 def flip_bits(chunks, ps, plan, names: list[str]) -> None:

@@ -370,3 +370,46 @@ def test_train_dry_run_prints_this_nodes_ranks_and_exits_zero(capsys, monkeypatc
     out = capsys.readouterr().out
     assert "node rank 2 of 4: global ranks 16-23, pipeline stage(s) 2, data-parallel rank(s) 0" in out
     assert "dry run: layout valid and fits on 32 training GPUs; not training" in out
+
+
+# --- activation recompute, as it runs -----------------------------------------------------------------------------
+
+
+ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=[p.stem for p in ALL_CONFIGS])
+def test_every_shipped_config_fits_with_the_recompute_that_runs(path):
+    """The plan budgets `resolve_recompute`'s result, the function that configures Megatron (engine/policy/model.py),
+    prints it, and fits; a config that sets the recompute explicitly does not fit without it."""
+    plan = _plan(path)
+    assert not plan.problems, plan.problems
+    cfg = load_config(path)
+    assert any(line.startswith("activation recompute: ") for line in plan.header)
+    if cfg.train.recompute_num_layers is not None:
+        off = _plan(path, ["train.gradient_checkpointing=false", "train.recompute_method=null",
+                           "train.recompute_num_layers=null"])
+        assert off.problems, f"{path.name} sets recompute explicitly but fits without it"
+
+
+def _recompute_cfg(**train):
+    return build_config({
+        "model": {"transformer_impl": "local"},
+        "parallel": {"tp_size": 4, "sequence_parallel": True},
+        "train": {"per_device_train_batch_size": 2, **train},
+        "generation": {"max_completion_length": 1024},
+        "data": {"max_prompt_length": 1024},
+    })
+
+
+@pytest.mark.parametrize("train,expected", [  # in s*b*h / t (SP); GPT: 8 layers, 5*a*s/h = 80, split 24 + 80
+    ({"recompute_num_layers": 2}, 8 / 2 * 2 + 2 * (34 + 80)),                           # 4 units + one unit of 2
+    ({"recompute_method": "block", "recompute_num_layers": 3}, 3 * 2 + 5 * (34 + 80) + (34 + 80)),
+    ({"recompute_granularity": "selective"}, 8 * 34),                                   # the paper's selective row
+    ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, 8 * (34 + 80 - 16)),  # 6*f/h = 24 - 8
+    ({"gradient_checkpointing": False}, 8 * (34 + 80)),
+])
+def test_activation_term_follows_the_recompute_settings(train, expected):
+    s, b, h = 2048, 2, 3072
+    term = activation_term(_recompute_cfg(**train), GPT, stage=0, num_microbatches=1)
+    assert term.nbytes == pytest.approx(expected * s * b * h / 4)
