@@ -202,6 +202,9 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
         )
     if gr.sync_ref_model and gr.beta == 0:
         problems.append("grpo.sync_ref_model needs a reference model, i.e. grpo.beta > 0 (got beta=0)")
+    if gr.sync_ref_model and gr.ref_model_sync_steps < 1:
+        problems.append(f"grpo.ref_model_sync_steps must be >= 1 (optimizer steps between reference syncs), got "
+                        f"{gr.ref_model_sync_steps}")
     if not 0.0 <= gr.ref_model_mixup_alpha <= 1.0:
         problems.append(f"grpo.ref_model_mixup_alpha must be in [0, 1], got {gr.ref_model_mixup_alpha}")
     lo, hi = gr.vllm_importance_sampling_clip_min, gr.vllm_importance_sampling_clip_max

@@ -1,6 +1,8 @@
 """Forward-only log-probs on gloo at TP=2: bitwise deterministic and bitwise equal to the training pass (so the
 on-policy ratio is exactly 1); the frozen reference starts equal to the policy and stays put when the policy steps;
-TR-DPO mixing with alpha=1 makes it the policy."""
+TR-DPO mixing with alpha=1 makes it the policy; after further optimizer steps (distributed optimizer, reference
+offloaded to CPU) with the loop's sync rule, the reference equals TRL's formula applied to the policy's weights saved
+at each sync step (fp32, 1e-6)."""
 
 import torch
 
@@ -28,7 +30,7 @@ def _check(tp: int, model_dir: str) -> dict:
     chunks = build_policy(hf_config, model_cfg, ps)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     reference = ReferencePolicy.build(hf_config, model_cfg, ps, model_dir, dims)
-    popt = build_optimizer(OptimizerConfig(learning_rate=1e-2), chunks, ps, total_steps=1)
+    popt = build_optimizer(OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="constant"), chunks, ps, total_steps=5)
 
     gen = torch.Generator().manual_seed(2)
     batch = pack_completions([[5, 6, 7], [8, 9]] * 2, [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (4, 2, 5, 3)], 0)
@@ -55,6 +57,8 @@ def _check(tp: int, model_dir: str) -> dict:
     ref_after = reference.logprobs(ps, micro, settings)
     reference.mix_from(popt.model, alpha=1.0)
     ref_mixed = reference.logprobs(ps, micro, settings)
+    mixing_follows_trl = _mix_over_steps(popt, reference, ps, micro, settings,
+                                         float(batch["completion_mask"].sum()))
     on_cpu = all(p.device.type == "cpu" for c in reference.chunks for p in c.parameters())
     return {
         "deterministic": all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, second)),
@@ -64,8 +68,37 @@ def _check(tp: int, model_dir: str) -> dict:
         "ref_unchanged": all(torch.equal(a[0], b[0]) for a, b in zip(ref_before, ref_after)),
         "ref_mixed_is_policy": all(torch.allclose(a[0], b[0], atol=1e-6) for a, b in zip(after_policy, ref_mixed)),
         "ref_offloaded": on_cpu,
+        "mixing_follows_trl": mixing_follows_trl,
         "masked_are_zero": all(float((lp * (1 - mb["completion_mask"])).abs().sum()) == 0 for (lp, _), mb in zip(first, micro)),
     }
+
+
+def _mix_over_steps(popt, reference, ps, micro, settings, num_tokens: float, *, num_steps: int = 4,
+                    sync_steps: int = 2, alpha: float = 0.6) -> bool:
+    """Optimizer steps with engine/train/loop.py's TR-DPO rule (mix after every sync_steps-th step); the reference
+    must end as ref <- alpha * policy_s + (1 - alpha) * ref applied at each sync step s, from the saved weights."""
+    from engine.config import GRPOConfigSection
+    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.policy.step import forward_logprobs, grpo_forward_backward, unwrap
+    from engine.policy.reference import mix_reference_if_due
+
+    gr = GRPOConfigSection(beta=0.04, sync_ref_model=True, ref_model_sync_steps=sync_steps, ref_model_mixup_alpha=alpha)
+    expected = [p.detach().clone() for c in reference.chunks for p in c.parameters()]
+    moved = False
+    for step in range(1, num_steps + 1):
+        old = forward_logprobs(popt.model, ps, micro, settings)
+        popt.zero_grad()
+        grpo_forward_backward(popt.model, ps, [mb | {"old_logprobs": lp} for mb, (lp, _) in zip(micro, old)],
+                              PolicyLossConfig(loss_type="dapo"), LossNormalizer(num_tokens=num_tokens, num_sequences=4.0),
+                              settings)
+        popt.step()
+        mix_reference_if_due(reference, popt.model, gr, step)
+        if step % sync_steps == 0:
+            policy = [p.detach().clone() for c in popt.model for p in unwrap(c).parameters()]
+            moved = moved or max(float((e - q).abs().max()) for e, q in zip(expected, policy)) > 1e-3
+            expected = [alpha * q + (1 - alpha) * e for e, q in zip(expected, policy)]
+    actual = [p.detach() for c in reference.chunks for p in c.parameters()]
+    return moved and all(torch.allclose(a, e, rtol=0, atol=1e-6) for a, e in zip(actual, expected))
 
 
 def test_logprobs_deterministic_on_policy_and_reference_frozen(tmp_path):
