@@ -54,6 +54,8 @@ class ModelConfig:
     loss are always accumulated in float32."""
     trust_remote_code: bool = False
     disable_dropout: bool = False
+    """True: no dropout in the policy. False (TRL's default): the HF config's `attention_dropout` (and
+    `hidden_dropout` where the family has one) in training forwards; log-prob-only forwards never drop."""
     cast_lm_head_to_fp32: bool = False
     """ScaleRL: run the LM head in float32. Requires untied embeddings."""
     make_vocab_size_divisible_by: int = 128
@@ -145,6 +147,8 @@ class GRPOConfigSection:
     num_generations: int = 8
     """G: completions per prompt; at least 2."""
     num_generations_eval: int | None = None
+    """Completions sampled per held-out prompt in the evaluation before and after training; None = num_generations
+    (TRL's default)."""
     num_iterations: int = 1
     """mu: optimisation passes over each generation batch."""
     beta: float = 0.0
@@ -171,8 +175,11 @@ class GRPOConfigSection:
     use_bias_correction_kl: bool = True
     """Multiply the k3 KL by the (non-detached) importance ratio (DeepSeek-V3.2). TRL 1.16's default; 1.10 had False."""
     sync_ref_model: bool = False
+    """TR-DPO: mix the reference towards the policy every `ref_model_sync_steps` optimizer steps; needs beta > 0."""
     ref_model_mixup_alpha: float = 0.6
+    """TR-DPO's alpha: ref = alpha * policy + (1 - alpha) * ref."""
     ref_model_sync_steps: int = 512
+    """TR-DPO's tau: optimizer steps between reference mixes (after steps tau, 2 tau, ...)."""
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
     use_adaptive_entropy: bool = False
@@ -235,6 +242,8 @@ class RolloutConfig:
     with replay off, the `moe/router_agreement` metric. None = on for MoE models. Costs host memory and (server mode)
     transfer: tokens x layers x top-k ids per round."""
     vllm_structured_outputs_regex: str | None = None
+    """Every completion matches this regex (vLLM's structured outputs; server mode: sent with every request). vLLM's
+    sampled-token log-probs are then those of the constrained distribution. None = unconstrained."""
     vllm_server_base_url: str | None = None
     vllm_server_host: str = "0.0.0.0"
     vllm_server_port: int = 8000
@@ -321,6 +330,9 @@ class DataConfig:
     max_prompt_length: int | None = None
     """Tokens; None = no limit. Longer prompts are handled by `overlong_prompt_policy`, never silently cut."""
     overlong_prompt_policy: Literal["error", "drop"] = "error"
+    eval_max_prompts: int | None = None
+    """Held-out evaluation (before and after training, engine/train/sampling.py `evaluate`) on the first this many
+    prompts of the eval set (a printed line says when it cuts); None = all. Engine-only (TRL evaluates on a schedule)."""
     dynamic_prompts_fn: str | None = None
     """Curriculum hook (a TRL fork's `dynamic_prompts_fn`): `f(prompts, completions, rewards, metas) ->` the next
     generation's prompts, four lists with one element per sample (engine/grpo/dynamic_prompts.py), used instead of the

@@ -186,6 +186,8 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
         )
     if gr.num_generations_eval is not None and gr.num_generations_eval < 1:
         problems.append(f"grpo.num_generations_eval must be >= 1, got {gr.num_generations_eval}")
+    if cfg.data.eval_max_prompts is not None and cfg.data.eval_max_prompts < 1:
+        problems.append(f"data.eval_max_prompts must be >= 1 or null (all), got {cfg.data.eval_max_prompts}")
     if gr.num_iterations < 1:
         problems.append(f"grpo.num_iterations must be >= 1, got {gr.num_iterations}")
     if gr.beta < 0:

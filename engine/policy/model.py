@@ -2,7 +2,7 @@
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config into Megatron's `TransformerConfig`
 (GQA, QKV bias, Qwen3's per-head q/k RMSNorm, SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings, vocabulary padded
-for TP; MoE router and experts with expert parallelism: `moe_settings`), the layer spec choice (Transformer
+for TP; dropout, `dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`), the layer spec choice (Transformer
 Engine when it imports, Megatron's local spec otherwise, whose row-parallel linears are swapped through the
 ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`, and whose norms are ones that
 allow sequence parallelism: `LocalRMSNorm`), `build_policy`, and the rule that takes a global tensor to this rank's
@@ -114,8 +114,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
         add_bias_linear=False,
         add_qkv_bias=bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
         qk_layernorm=has_qk_norm(hf_config),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **dropout_settings(hf_config, cfg),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=ps.tp_size,
         pipeline_model_parallel_size=ps.pp_size,
@@ -137,6 +136,17 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState):
         persist_layer_norm=not on_cpu,
         **moe_settings(hf_config, cfg, ps),
     )
+
+
+def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
+    """TransformerConfig's dropout probabilities: the Hugging Face config's own (`attention_dropout`; `hidden_dropout`
+    where the family has one, Qwen2 / Llama / Qwen3 have not: 0), or 0 for both with `model.disable_dropout` (TRL's
+    name and default False). Dropout acts in training forwards only: the old-log-prob, reference and weight-sync
+    probe forwards run in eval mode (engine/policy/step.py `forward_logprobs`)."""
+    if cfg.disable_dropout:
+        return {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    return {"hidden_dropout": float(getattr(hf_config, "hidden_dropout", 0.0) or 0.0),
+            "attention_dropout": float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)}
 
 
 def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:

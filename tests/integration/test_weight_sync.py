@@ -3,7 +3,8 @@
 For trainer layouts (TP1, PP1), (TP2, PP1), (TP1, PP2) into engine TP 1 or 2: the engine generates from the
 checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer step the stale engine is caught by
 the verification; after a bucketed sync (small buckets, so several per stage) the engine's log-probs equal the
-trainer's again (fp32, tolerance 1e-3).
+trainer's again (fp32, tolerance 1e-3). The engine's completions follow `rollout.vllm_structured_outputs_regex`
+(vLLM's structured outputs).
 
 In bf16 (TRL's default precision) the check is on the 90th percentile of the per-token differences (tolerance 0.3,
 engine/config.py `weight_sync_tolerance`): the synced engine passes, one decoder layer left stale is caught, on an
@@ -12,11 +13,13 @@ prompt tokens carry the check). Measured: arithmetic synced 0.117 / resynced 0.1
 / 0.856 (2-core VM).
 """
 
+import re
+
 import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers.policy import SYNC_TOLERANCE as TOLERANCE, build_from_hf, sync_after_step
+from tests.helpers.policy import STRUCTURED_OUTPUTS_REGEX, SYNC_TOLERANCE as TOLERANCE, build_from_hf, sync_after_step
 
 BF16_TOLERANCE, BF16_QUANTILE = 0.3, 0.9  # the trainer's bf16 defaults (engine/train/run.py sync_check)
 
@@ -107,6 +110,8 @@ def model_dir(tmp_path_factory):
     ids=["tp1_pp1-vllm_tp1", "tp2_pp1-vllm_tp1", "tp2_pp1-vllm_tp2", "tp1_pp2-vllm_tp2"],
 )
 def test_sync_after_step_makes_engine_match_trainer(model_dir, tp, pp, vllm_tp):
+    from transformers import AutoTokenizer
+
     from engine.config import ParallelConfig
 
     results = run_distributed(sync_after_step, tp * pp, str(model_dir), ParallelConfig(tp_size=tp, pp_size=pp), vllm_tp)
@@ -117,6 +122,8 @@ def test_sync_after_step_makes_engine_match_trainer(model_dir, tp, pp, vllm_tp):
         assert r["stats"]["weight_sync/tensors"] == 3 + 12 * 4  # embed, norm, lm_head + 12 per layer (QKV bias)
         assert r["stats"]["weight_sync/buckets"] >= 4, "0.25 MiB buckets: several per sync (one layer is ~0.5 MiB)"
         assert all(0 < n <= 6 for n in r["lengths"]) and all(lp <= 0 for row in r["logprobs"] for lp in row)
+    texts = AutoTokenizer.from_pretrained(model_dir).batch_decode(results[0]["completion_ids"], skip_special_tokens=True)
+    assert all(re.fullmatch(STRUCTURED_OUTPUTS_REGEX, t) for t in texts), f"rollout.vllm_structured_outputs_regex: {texts}"
 
 
 @pytest.mark.slow
