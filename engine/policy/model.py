@@ -162,6 +162,10 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     (Megatron's MoELayer refuses to train without it; the local spec runs it too: `LocalRMSNorm`).
     """
     if hf_config.model_type != "qwen3_moe":
+        if cfg.moe_aux_loss_coeff:  # as TRL refuses router_aux_loss_coef on a dense model
+            raise ValueError(f"model.moe_aux_loss_coeff={cfg.moe_aux_loss_coeff} (TRL's router_aux_loss_coef) weights "
+                             f"the MoE load-balancing loss, but model_type {hf_config.model_type!r} has no MoE layers: "
+                             "set it to 0")
         return {}
     _define_te_general_gemm()
     sparse_step, dense_layers = getattr(hf_config, "decoder_sparse_step", 1), getattr(hf_config, "mlp_only_layers", [])
