@@ -6,9 +6,9 @@ of its docstring, and the modules that read it) and of every other keyword TRL's
 warning gives, `REFUSED` names with the reason of their error). Nothing is described by hand here: the field
 docstrings and the three maps are the sources, so fields other modules add or remove appear after a regeneration.
 
-"Read by" is found the way ../shared/tools/unread_settings.py finds it: a module of engine/ or kernels/ (outside
-config.py, validation.py, trl_config.py and this module) that mentions the field as an attribute (`.name`), a key
-(`"name"`) or a keyword (`name=`). A heuristic: a name used for another purpose (`dtype`) hides a miss; an empty cell
+"Read by" is found the way ../shared/tools/unread_settings.py finds it, in code only (comments and docstrings left
+out): a module of engine/ or kernels/ (outside config.py, validation.py, trl_config.py and this module) that uses the
+field as an attribute (`.name`), a key (`"name"`) or a keyword (`name=`). A heuristic: a name used for another purpose (`dtype`) hides a miss; an empty cell
 is a field nothing reads, which tests/unit/test_settings_table.py refuses.
 
 Must not: import torch, Megatron, vLLM or trl (it runs wherever the config loads).
@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import io
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 from engine.api.trl_config import CALLABLE_FIELDS, NO_EFFECT, REFUSED, TRANSLATED
@@ -66,15 +68,28 @@ def first_sentence(text: str) -> str:
     return flat[: match.start() + 1] if match else flat
 
 
+def code_text(source: str) -> str:
+    """The module's tokens without comments and without string literals other than a quoted identifier (a key):
+    docstrings that name a setting do not read it."""
+    kept = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            continue
+        if token.type == tokenize.STRING and not re.fullmatch(r"[\"'][A-Za-z_]\w*[\"']", token.string):
+            continue
+        kept.append(token.string)
+    return " ".join(kept)
+
+
 def _sources(repo: Path) -> dict[str, str]:
-    return {str(path.relative_to(repo)): path.read_text(errors="ignore")
+    return {str(path.relative_to(repo)): code_text(path.read_text(errors="ignore"))
             for folder in ("engine", "kernels") for path in sorted((repo / folder).rglob("*.py"))
             if path.name not in NOT_READERS}
 
 
 def readers_of(name: str, sources: dict[str, str]) -> tuple[str, ...]:
-    """The modules that mention `name` as an attribute, a key or a keyword (see the module docstring)."""
-    pattern = re.compile(rf"\.{name}\b|[\"']{name}[\"']|\b{name}=")
+    """The modules whose code (`code_text`) uses `name` as an attribute, a key or a keyword (module docstring)."""
+    pattern = re.compile(rf"\.\s*{name}\b|[\"']{name}[\"']|\b{name}\s*=(?!=)")
     return tuple(module for module, text in sources.items() if pattern.search(text))
 
 
