@@ -12,6 +12,9 @@ Names: fields that exist in TRL's `GRPOConfig` / `TrainingArguments` carry TRL's
 has exactly one home (`find_field`). Engine-only fields (parallelism, kernels, weight sync) use Megatron's
 vocabulary (`tp_size`, `pp_size`, ...).
 
+Longer than 600 lines: the tree is the one place for every default and every field's one-line meaning (its docstring,
+which configs/SETTINGS.md is generated from, engine/api/settings_table.py).
+
 Test: `pytest tests/unit/test_config.py`.
 """
 
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,9 +30,8 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config that cannot run: the message names the dotted path and what to change."""
+from engine.config_files import (ConfigError, apply_overrides, config_to_dict, describe_callable,  # noqa: F401
+                                 write_resolved_config)
 
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -53,7 +54,10 @@ class ModelConfig:
     """Parameter and activation dtype of the policy (TRL's `bf16=True` -> bfloat16). Softmax statistics and the
     loss are always accumulated in float32."""
     trust_remote_code: bool = False
+    """Let a hub checkpoint run its own code where it is resolved (the TRL API, the rollout server's vLLM)."""
     disable_dropout: bool = False
+    """Whether the policy trains without dropout (True) or with the HF config's `attention_dropout` / `hidden_dropout`
+    (False, TRL's default; engine/policy/model.py `dropout_settings`); log-prob-only forwards never drop."""
     cast_lm_head_to_fp32: bool = False
     """ScaleRL: run the LM head in float32. Requires untied embeddings."""
     make_vocab_size_divisible_by: int = 128
@@ -112,14 +116,19 @@ class TrainConfig:
     max_steps: int = -1
     """Optimizer steps to run; -1 = use num_train_epochs."""
     num_train_epochs: float = 3.0
+    """Passes over the train prompts when max_steps is -1."""
     per_device_train_batch_size: int = 8
+    """Completions per data-parallel rank per micro-batch (Megatron's micro_batch_size)."""
     gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank."""
     generation_batch_size: int | None = None
     """Completions per generation round, all ranks. Exclusive with steps_per_generation."""
     steps_per_generation: int | None = None
     """Micro-steps served by one generation batch. None = gradient_accumulation_steps."""
     shuffle_dataset: bool = True
+    """Shuffle the train prompts each epoch (seeded by `seed`)."""
     seed: int = 42
+    """Seeds the prompt order, vLLM's per-prompt sampling seeds, the row shuffle and model init."""
     gradient_checkpointing: bool = True
     """TRL's name and default: Megatron's activation recompute, as `recompute_granularity` / `recompute_method` /
     `recompute_num_layers` / `recompute_modules` say (default: full, uniform, one layer per unit: each transformer
@@ -141,6 +150,7 @@ class TrainConfig:
     Megatron's default, ["core_attn"]. Megatron's `moe_act` (grouped GEMM only), `mla_up_proj` (MLA models) and
     `shared_experts` are refused with the reason (engine/validation.py): nothing here runs them."""
     pad_to_multiple_of: int | None = None
+    """Pad every micro-batch's sequence length to a multiple of this; None = no extra padding."""
     padding_free: bool = True
     """Pack several sequences into one row, attention confined to each sequence (TRL SFTConfig's name; verl's
     `use_remove_padding`): no compute spent on padding. Transformer Engine: THD packed sequences; local spec (CPU): a
@@ -163,6 +173,8 @@ class GRPOConfigSection:
     num_generations: int = 8
     """G: completions per prompt; at least 2."""
     num_generations_eval: int | None = None
+    """Completions sampled per held-out prompt in the evaluation before and after training; None = num_generations
+    (TRL's default)."""
     num_iterations: int = 1
     """mu: optimisation passes over each generation batch."""
     beta: float = 0.0
@@ -170,40 +182,64 @@ class GRPOConfigSection:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Engine option (TRL has k3 only)."""
     epsilon: float = 0.2
+    """Lower clip of the importance ratio (1 - epsilon); also the upper one when epsilon_high is None."""
     epsilon_high: float | None = None
     """Upper clip; None = epsilon. For cispo it is the IS-weight cap (ScaleRL recommends 5.0)."""
     delta: float | None = None
     """Two-sided clipping (INTELLECT-2): the ratio is also capped at delta (> 1 + epsilon)."""
     loss_type: LossType = "dapo"
+    """The policy loss and its normaliser, TRL's loss types (engine/grpo/policy_loss.py)."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
+    """`token`: a ratio per token; `sequence`: one per sequence (GSPO)."""
     sapo_temperature_pos: float = 1.0
+    """SAPO: gate temperature for positive advantages."""
     sapo_temperature_neg: float = 1.05
+    """SAPO: gate temperature for negative advantages."""
     vespo_k_pos: float = 2.0
+    """VESPO: k for positive advantages."""
     vespo_lambda_pos: float = 3.0
+    """VESPO: lambda for positive advantages."""
     vespo_k_neg: float = 3.0
+    """VESPO: k for negative advantages."""
     vespo_lambda_neg: float = 2.0
+    """VESPO: lambda for negative advantages."""
     scale_rewards: ScaleRewards = field(default="group", metadata=_aliases(true="group", false="none"))
     """`group`: divide by the group std; `batch`: by the batch std; `none`: no scaling (Dr. GRPO).
     TRL's True / False are accepted and mean group / none."""
     mask_truncated_completions: bool = False
+    """Completions cut by max_completion_length get no loss."""
     use_bias_correction_kl: bool = True
     """Multiply the k3 KL by the (non-detached) importance ratio (DeepSeek-V3.2). TRL 1.16's default; 1.10 had False."""
     sync_ref_model: bool = False
+    """TR-DPO: mix the reference towards the policy every `ref_model_sync_steps` optimizer steps; needs beta > 0."""
     ref_model_mixup_alpha: float = 0.6
+    """TR-DPO's alpha: ref = alpha * policy + (1 - alpha) * ref."""
     ref_model_sync_steps: int = 512
+    """TR-DPO's tau: optimizer steps between reference mixes (after steps tau, 2 tau, ...)."""
     top_entropy_quantile: float = 1.0
+    """Keep the loss only on the top-rho quantile of tokens by entropy (1.0 = all)."""
     entropy_coef: float = 0.0
+    """Entropy bonus coefficient (0 = off); the start value with use_adaptive_entropy."""
     use_adaptive_entropy: bool = False
+    """Adapt entropy_coef towards entropy_target after every optimizer step (Skywork-OR1)."""
     entropy_coef_min: float = 0.0
+    """Adaptive entropy: lower bound of the coefficient."""
     entropy_coef_max: float = 1.0
+    """Adaptive entropy: upper bound of the coefficient."""
     entropy_coef_delta: float = 0.005
+    """Adaptive entropy: step of the coefficient per optimizer step."""
     entropy_target: float = 0.2
     """Nats."""
     off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2: drop sequences with A < 0 whose mean KL(sampler || policy) exceeds this; None = off."""
     vllm_importance_sampling_correction: bool = True
+    """Correct the sampler/learner gap with the vLLM importance-sampling ratio."""
     vllm_importance_sampling_mode: ISMode = "sequence_mask"
+    """How that ratio is applied: truncated or masked, per token or per sequence."""
     vllm_importance_sampling_clip_min: float | None = None
+    """Lower bound of that ratio; None = none."""
     vllm_importance_sampling_clip_max: float | None = 3.0
+    """Upper bound of that ratio (TRL's former vllm_importance_sampling_cap)."""
     num_remains_in_group: int | None = None
     """GFPO: keep the top-k completions of each group (by `group_filter_func`); None = keep all. The generation
     batch (per_device_train_batch_size * dp * steps_per_generation) counts the k survivors of each prompt, so
@@ -224,16 +260,21 @@ class GenerationConfig:
     """Sampling, with TRL's names and defaults (trl.md §1.3)."""
 
     max_completion_length: int = 512
+    """Tokens sampled at most per completion (vLLM's max_tokens)."""
     temperature: float = 1.0
     """Also divides the training logits."""
     top_p: float = 1.0
+    """Nucleus sampling (vLLM's top_p)."""
     top_k: int = 0
     """0 disables it."""
     min_p: float | None = None
+    """vLLM's min_p; None = off."""
     repetition_penalty: float = 1.0
+    """vLLM's repetition_penalty."""
     generation_kwargs: dict[str, Any] | None = None
     """Extra vLLM SamplingParams; override the fields above."""
     chat_template_kwargs: dict[str, Any] | None = None
+    """Extra keyword arguments of the tokenizer's chat template for conversational prompts."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -241,21 +282,31 @@ class RolloutConfig:
     """vLLM, with TRL's names and defaults (trl.md §1.4), plus the weight transfer."""
 
     vllm_mode: Literal["colocate", "server"] = "colocate"
+    """`colocate`: vLLM in every training process; `server`: rollout server(s) elsewhere."""
     vllm_tensor_parallel_size: int = 1
+    """Colocate: vLLM's tensor-parallel size (ranks per engine)."""
     vllm_gpu_memory_utilization: float = 0.3
     """Colocate: the fraction of accelerator memory vLLM takes (on CPU: of host memory)."""
     vllm_enable_sleep_mode: bool = False
+    """Colocate on GPU: vLLM sleeps (frees its memory) during training."""
     vllm_max_model_length: int | None = None
+    """vLLM's max_model_len; None = the model's max_position_embeddings."""
     vllm_model_impl: Literal["vllm", "transformers"] = "vllm"
+    """vLLM's model_impl: its own model classes or transformers'."""
     vllm_return_routed_experts: bool | None = None
     """MoE: the engine returns the experts it routed every token to (vLLM's `enable_return_routed_experts`; on CPU
     this project's recorder, engine/rollout/vllm_engine.py), for routing replay (`moe_enable_routing_replay`) or,
     with replay off, the `moe/router_agreement` metric. None = on for MoE models. Costs host memory and (server mode)
     transfer: tokens x layers x top-k ids per round."""
     vllm_structured_outputs_regex: str | None = None
+    """Every completion matches this regex (vLLM's structured outputs; server mode: sent with every request). vLLM's
+    sampled-token log-probs are then those of the constrained distribution. None = unconstrained."""
     vllm_server_base_url: str | None = None
+    """Server mode: the rollout server's URL; replaces host and port."""
     vllm_server_host: str = "0.0.0.0"
+    """Server mode: the rollout server's host (with vllm_server_port)."""
     vllm_server_port: int = 8000
+    """Server mode: the rollout server's port."""
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the server's health check (at start, and for a restarted server to come back)."""
     vllm_server_base_urls: list[str] | None = None
@@ -290,6 +341,7 @@ class RewardConfig:
     reward_weights: list[float] | None = None
     """One weight per reward function; None = all 1.0."""
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Several rewards: weighted sum then normalise, or normalise each then sum."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,15 +351,23 @@ class OptimizerConfig:
     optim: Literal["adam", "sgd"] = "adam"
     """Megatron's adam is AdamW (decoupled weight decay)."""
     learning_rate: float = 1e-6
+    """Peak learning rate (TRL's GRPO default 1e-6)."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
     adam_beta1: float = 0.9
+    """Adam beta1."""
     adam_beta2: float = 0.999
+    """Adam beta2."""
     adam_epsilon: float = 1e-8
+    """Adam epsilon."""
     max_grad_norm: float = 1.0
     """0 disables clipping."""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "linear"
+    """Learning-rate decay after warmup (Megatron's OptimizerParamScheduler)."""
     warmup_steps: int = 0
+    """Linear warmup steps; 0 = use warmup_ratio."""
     warmup_ratio: float = 0.0
+    """Warmup as a fraction of the run's optimizer steps."""
     use_distributed_optimizer: bool = True
     """Megatron's distributed optimizer: optimizer states sharded over data-parallel ranks."""
 
@@ -317,11 +377,19 @@ class DataConfig:
     dataset_name: str = "builtin:arithmetic"
     """A hub name, a local json/jsonl/parquet/arrow file or directory, or `builtin:arithmetic`."""
     dataset_config: str | None = None
+    """The dataset's configuration name (hub datasets)."""
     dataset_train_split: str = "train"
+    """Split the train prompts come from."""
     dataset_test_split: str | None = "test"
+    """Split of the held-out evaluation; None = no evaluation."""
     max_prompt_length: int | None = None
     """Tokens; None = no limit. Longer prompts are handled by `overlong_prompt_policy`, never silently cut."""
     overlong_prompt_policy: Literal["error", "drop"] = "error"
+    """Prompts longer than max_prompt_length: `error` (refuse the dataset) or `drop`."""
+    eval_max_prompts: int | None = None
+    """Held-out evaluation (before and after training, engine/train/sampling.py `evaluate`) on the first this many
+    prompts of the eval set (a printed line says when it cuts); None = all. Engine-only (TRL evaluates on a
+    schedule)."""
     dynamic_prompts_fn: str | None = None
     """Curriculum hook (a TRL fork's `dynamic_prompts_fn`): `f(prompts, completions, rewards, metas) ->` the next
     prompts to train next, four lists with one element per sample (engine/grpo/dynamic_prompts.py); every prompt it
@@ -363,11 +431,15 @@ class KernelsConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoggingConfig:
     logging_steps: int = 10
+    """Optimizer steps between logged records (metrics.jsonl, progress, report_to); the last step always."""
     report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
     """JSONL is always written; these are added."""
     run_name: str | None = None
+    """Name of the run for W&B / TensorBoard."""
     log_completions: bool = False
+    """Log a table of prompts, completions, rewards and advantages."""
     num_completions_to_print: int | None = None
+    """Rows of that table printed; None = all."""
     verbose: bool = False
     """Show vLLM's INFO logs and the known-harmless library warnings (engine/log_filters.py); the environment
     variable GRPO_ENGINE_VERBOSE=1 does the same whatever this says. TRL's `log_level` 'info' / 'debug' sets it."""
@@ -498,31 +570,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# files, overrides, the run directory
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply dotted `section.key=value` overrides (a leading `--` is allowed); values are parsed as YAML."""
-    data = _deep_copy(data)
-    for item in overrides:
-        text = item[2:] if item.startswith("--") else item
-        if "=" not in text:
-            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. grpo.beta=0.04")
-        dotted, raw = text.split("=", 1)
-        keys = dotted.strip().split(".")
-        node = data
-        for depth, key in enumerate(keys[:-1]):
-            child = node.setdefault(key, {})
-            if not isinstance(child, dict):
-                section = ".".join(keys[: depth + 1])
-                raise ConfigError(f"override {item!r}: '{section}' is a value, not a section")
-            node = child
-        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    return data
-
-
-def _deep_copy(data: dict) -> dict:
-    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+# files, overrides, the run directory (apply_overrides, config_to_dict, describe_callable, write_resolved_config:
+# engine/config_files.py, re-exported above)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EngineConfig:
@@ -543,35 +592,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         return build_config(apply_overrides(data, overrides or []))
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
-
-
-def config_to_dict(cfg: Any) -> dict:
-    """The tree as plain data (what `build_config` accepts back)."""
-    return dataclasses.asdict(cfg)
-
-
-def describe_callable(func: Any) -> str:
-    """How a user hook passed as an object is recorded in the tree (which holds strings, so the resolved config and
-    checkpoints stay plain data): `module:qualname` for a function (importable back when it is module-level in an
-    importable module; `__main__:f`, `m:<lambda>`, `m:f.<locals>.g` are descriptions only), `module:Class()` for an
-    instance of `Class`. The object itself travels in memory to `engine.train.loop.train`."""
-    if isinstance(func, functools.partial):
-        return f"functools.partial({describe_callable(func.func)})"
-    qualname = getattr(func, "__qualname__", None)
-    if isinstance(qualname, str):
-        return f"{getattr(func, '__module__', None) or type(func).__module__}:{qualname}"
-    return f"{type(func).__module__}:{type(func).__qualname__}()"
-
-
-def write_resolved_config(cfg: EngineConfig, run_dir: str | Path) -> Path:
-    """Write the fully resolved config to `<run_dir>/config.yaml` (atomically) and return its path."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / "config.yaml"
-    tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text("# resolved config: every field, defaults included\n" + yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    tmp.replace(target)
-    return target
 
 
 def find_field(name: str) -> tuple[str, str]:

@@ -190,6 +190,8 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
         )
     if gr.num_generations_eval is not None and gr.num_generations_eval < 1:
         problems.append(f"grpo.num_generations_eval must be >= 1, got {gr.num_generations_eval}")
+    if cfg.data.eval_max_prompts is not None and cfg.data.eval_max_prompts < 1:
+        problems.append(f"data.eval_max_prompts must be >= 1 or null (all), got {cfg.data.eval_max_prompts}")
     if gr.num_iterations < 1:
         problems.append(f"grpo.num_iterations must be >= 1, got {gr.num_iterations}")
     if gr.beta < 0:
@@ -206,6 +208,9 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
         )
     if gr.sync_ref_model and gr.beta == 0:
         problems.append("grpo.sync_ref_model needs a reference model, i.e. grpo.beta > 0 (got beta=0)")
+    if gr.sync_ref_model and gr.ref_model_sync_steps < 1:
+        problems.append(f"grpo.ref_model_sync_steps must be >= 1 (optimizer steps between reference syncs), got "
+                        f"{gr.ref_model_sync_steps}")
     if not 0.0 <= gr.ref_model_mixup_alpha <= 1.0:
         problems.append(f"grpo.ref_model_mixup_alpha must be in [0, 1], got {gr.ref_model_mixup_alpha}")
     lo, hi = gr.vllm_importance_sampling_clip_min, gr.vllm_importance_sampling_clip_max

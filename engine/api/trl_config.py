@@ -9,7 +9,8 @@ the TRL values that need translating (`bf16` / `fp16` / `model_init_kwargs["dtyp
 names, `pad_to_multiple_of="auto"`, JSON strings from TRL's command line, the deprecated
 `vllm_importance_sampling_cap`, `log_level` 'info' / 'debug' -> logging.verbose, `gradient_checkpointing_kwargs`:
 torch.utils.checkpoint's `use_reentrant` / `preserve_rng_state` named in the warning, other keys refused,
-`_translate_checkpointing_kwargs`), and the user hooks `group_filter_func` / `dynamic_prompts_fn`: any callable (a
+`_translate_checkpointing_kwargs`; `router_aux_loss_coef` -> model.moe_aux_loss_coeff), and the user hooks
+`group_filter_func` / `dynamic_prompts_fn`: any callable (a
 function of the user's script, a lambda, an instance) is kept as the object (`in_memory_callables`, handed to
 `engine.train.loop.train` by GRPOTrainer) while the tree records its description (`config.describe_callable`), so the
 resolved config and checkpoints stay plain data; a `module:function` string stays a string. A TRL config at TRL's
@@ -48,8 +49,7 @@ NO_EFFECT: dict[str, str] = {
              "tf32", "torch_compile", "torch_compile_backend", "torch_compile_mode", "bf16_full_eval", "fp16_full_eval",
              "use_liger_kernel", "liger_kernel_config", "use_cache",
              "torch_empty_cache_steps", "auto_find_batch_size", "average_tokens_across_devices",
-             "label_smoothing_factor", "optim_args", "optim_target_modules", "lr_scheduler_kwargs",
-             "router_aux_loss_coef"),
+             "label_smoothing_factor", "optim_args", "optim_target_modules", "lr_scheduler_kwargs"),
     **_group("Megatron owns the layout and the devices here (tp_size, pp_size, dp_size; CUDA when present)",
              "fsdp", "fsdp_config", "deepspeed", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
              "ddp_broadcast_buffers", "ddp_static_graph", "ddp_backend", "ddp_timeout", "accelerator_config",
@@ -87,9 +87,20 @@ REFUSED: dict[str, str] = {
 }
 """Accepted at TRL's default (a falsy value); anything else raises NotImplementedError with the reason."""
 
-TRANSLATED = ("bf16", "fp16", "model_init_kwargs", "vllm_importance_sampling_cap", "log_level",
-              "gradient_checkpointing_kwargs")
-"""TRL names that map onto engine fields of another name (see `GRPOConfig._translate`)."""
+TRANSLATED: dict[str, str] = {
+    "bf16": "model.dtype = bfloat16 (False: float32)",
+    "fp16": "model.dtype = float16",
+    "model_init_kwargs": "its dtype / torch_dtype -> model.dtype, trust_remote_code -> model.trust_remote_code; other "
+                         "keys are named in the no-effect warning",
+    "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max (TRL's deprecated name)",
+    "log_level": "'info' / 'debug' -> logging.verbose = true; 'warning' and quieter -> false; 'passive' leaves it",
+    "gradient_checkpointing_kwargs": "torch.utils.checkpoint's use_reentrant / preserve_rng_state are named in the "
+                                     "no-effect warning (Megatron's recompute always restores the RNG state and "
+                                     "re-enters); other keys are refused",
+    "router_aux_loss_coef": "model.moe_aux_loss_coeff (MoE load-balancing loss weight); None (TRL's default: the "
+                            "model config's value) leaves model.moe_aux_loss_coeff's default 0 (off)",
+}
+"""TRL names that map onto engine fields of another name (see `GRPOConfig._translate`), with what they become."""
 
 CALLABLE_FIELDS = ("group_filter_func", "dynamic_prompts_fn")
 """Engine fields naming a user hook as `module:function`; a callable object is kept in memory and recorded by its
@@ -176,6 +187,9 @@ class GRPOConfig:
             kwargs.pop(name, None)
         _translate_dtype(kwargs, ignored)
         _translate_checkpointing_kwargs(kwargs, ignored)
+        aux = kwargs.pop("router_aux_loss_coef", None)
+        if aux is not None:  # transformers' MoE name; None (TRL's default) keeps the engine's 0 (off)
+            _set_once(kwargs, "moe_aux_loss_coeff", float(aux), "router_aux_loss_coef")
         cap = kwargs.pop("vllm_importance_sampling_cap", None)
         if cap is not None:  # TRL's deprecated name
             _set_once(kwargs, "vllm_importance_sampling_clip_max", cap, "vllm_importance_sampling_cap")

@@ -2,7 +2,7 @@
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config into Megatron's `TransformerConfig`
 (GQA, QKV bias, Qwen3's per-head q/k RMSNorm, SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings, vocabulary padded
-for TP; MoE router and experts with expert parallelism: `moe_settings`), the layer spec choice (Transformer
+for TP; dropout, `dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`), the layer spec choice (Transformer
 Engine when it imports, Megatron's local spec otherwise, whose row-parallel linears are swapped through the
 ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`, and whose norms are ones that
 allow sequence parallelism: `LocalRMSNorm`), Megatron's activation recompute from the `train` section
@@ -127,8 +127,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         add_bias_linear=False,
         add_qkv_bias=bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
         qk_layernorm=has_qk_norm(hf_config),
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **dropout_settings(hf_config, cfg),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
         tensor_model_parallel_size=ps.tp_size,
         pipeline_model_parallel_size=ps.pp_size,
@@ -152,6 +151,17 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     )
 
 
+def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
+    """TransformerConfig's dropout probabilities: the Hugging Face config's own (`attention_dropout`; `hidden_dropout`
+    where the family has one, Qwen2 / Llama / Qwen3 have not: 0), or 0 for both with `model.disable_dropout` (TRL's
+    name and default False). Dropout acts in training forwards only: the old-log-prob, reference and weight-sync
+    probe forwards run in eval mode (engine/policy/step.py `forward_logprobs`)."""
+    if cfg.disable_dropout:
+        return {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    return {"hidden_dropout": float(getattr(hf_config, "hidden_dropout", 0.0) or 0.0),
+            "attention_dropout": float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)}
+
+
 def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     """TransformerConfig's MoE keywords for a Qwen3-MoE config ({} for a dense model).
 
@@ -165,6 +175,10 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     (Megatron's MoELayer refuses to train without it; the local spec runs it too: `LocalRMSNorm`).
     """
     if hf_config.model_type != "qwen3_moe":
+        if cfg.moe_aux_loss_coeff:  # as TRL refuses router_aux_loss_coef on a dense model
+            raise ValueError(f"model.moe_aux_loss_coeff={cfg.moe_aux_loss_coeff} (TRL's router_aux_loss_coef) weights "
+                             f"the MoE load-balancing loss, but model_type {hf_config.model_type!r} has no MoE layers: "
+                             "set it to 0")
         return {}
     _define_te_general_gemm()
     sparse_step, dense_layers = getattr(hf_config, "decoder_sparse_step", 1), getattr(hf_config, "mlp_only_layers", [])

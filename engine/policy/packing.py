@@ -40,7 +40,8 @@ the long-tailed batch of tests/distributed/test_packing_layouts.py, sequences up
 4.8e-7 of the padded rows' (the token-budget rows, with no offsets, differ by the same 4.8e-7: matmul shapes), loss
 rel 2.6e-7, grad norm equal; bf16: 3.7e-3. The block-diagonal mask needs Megatron's torch softmax: its fused CUDA softmax ignores a mask for causal
 attention, so the local spec on a GPU with apex's fused softmax (engine/policy/model.py turns it on there) does not
-pack: `padding_free` falls back to token-budget right-padded rows (use Transformer Engine); without apex the mask path
+pack: `padding_free` falls back to token-budget right-padded rows with a UserWarning (`PACKING_FALLBACK`: use
+Transformer Engine); without apex the mask path
 runs on the GPU too. step.py refuses a masked micro-batch when `masked_softmax_fusion` is on.
 
 The THD layout cannot run on this CPU-only machine (no Transformer Engine): it is written from Megatron-core 0.16.1's
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -97,6 +99,14 @@ class MicrobatchSpec:
         return self.attention if self.padding_free else "padded"
 
 
+PACKING_FALLBACK = (
+    "train.padding_free=true has no effect here: Megatron's local layer spec on a GPU with apex's fused softmax "
+    "ignores the block-diagonal mask packing needs, so micro-batches are right-padded rows (token budgets still "
+    "apply). Install Transformer Engine (model.transformer_impl=auto or transformer_engine: THD packing), or set "
+    "train.padding_free=false to silence this")
+"""The one warning when packing falls back to padded rows (named, not silent: "accepted means applied")."""
+
+
 def build_microbatch_spec(train_cfg, model_cfg, ps, *, micro_batch_size: int, pad_token_id: int) -> MicrobatchSpec:
     """The spec from the `train` and `model` sections and the layout `ps` (a ParallelState; attention `thd` when
     Transformer Engine's spec is in use)."""
@@ -111,6 +121,8 @@ def build_microbatch_spec(train_cfg, model_cfg, ps, *, micro_batch_size: int, pa
 
         fused_softmax = torch.cuda.is_available() and find_spec("scaled_masked_softmax_cuda") is not None
         attention = "padded" if fused_softmax else "mask"
+        if fused_softmax and train_cfg.padding_free:
+            warnings.warn(PACKING_FALLBACK, UserWarning, stacklevel=2)
     return MicrobatchSpec(
         padding_free=train_cfg.padding_free, max_tokens=train_cfg.max_tokens_per_microbatch,
         max_logprob_tokens=train_cfg.max_tokens_per_logprob_microbatch, micro_batch_size=micro_batch_size,

@@ -2,7 +2,17 @@
 
 Owns: `ReferencePolicy` (build from the same Hugging Face checkpoint, forward-only log-probs, optional offload of
 its weights to CPU memory between uses, TR-DPO mixing `ref = alpha * policy + (1 - alpha) * ref` for
-`sync_ref_model`). Its chunks are not wrapped in DDP and have no optimizer state.
+`sync_ref_model`, https://arxiv.org/abs/2404.09656). Its chunks are not wrapped in DDP and have no optimizer state.
+
+TR-DPO (`grpo.sync_ref_model`): engine/train/loop.py calls `mix_reference_if_due` -> `mix_from` after every optimizer step whose number is a
+multiple of `grpo.ref_model_sync_steps` (TRL's SyncRefModelCallback: `on_step_end`, `global_step % sync_steps == 0`),
+with `grpo.ref_model_mixup_alpha`. The policy's weights it mixes from are the model chunks' parameters, i.e. the
+weights the policy's forward and vLLM use (TRL's `model.parameters()`), not the optimizer's float32 main parameters:
+in bf16 those are sharded over DP ranks by the distributed optimizer and differ from the model's weights by one
+bf16 rounding, which the bf16 reference would round away again. The mix is computed in float32 and rounded once
+into the reference's dtype (TRL's in-place `mul_` / `add_` rounds twice in bf16; in float32 the two are the same
+operations). An offloaded reference (`model.offload_reference`) is mixed where it lives (CPU memory): each policy
+shard is copied to the host once. The mixed weights travel in checkpoints (engine/train/checkpoint.py, `reference`).
 
 Must not: read Megatron's global parallel state, or hold gradients.
 
@@ -15,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, TrainConfig
+from engine.config import GRPOConfigSection, ModelConfig, TrainConfig
 from engine.policy.hf_convert import ModelDims
 from engine.policy.parallel import ParallelState
 from engine.policy.step import LogprobSettings, forward_logprobs, unwrap
@@ -60,7 +70,26 @@ class ReferencePolicy:
 
     @torch.no_grad()
     def mix_from(self, policy_chunks: list[torch.nn.Module], alpha: float) -> None:
-        """TR-DPO reference sync: ref <- alpha * policy + (1 - alpha) * ref, shard by shard (same layout)."""
-        for ref_chunk, policy_chunk in zip(self.chunks, policy_chunks):
-            for ref, new in zip(ref_chunk.parameters(), unwrap(policy_chunk).parameters()):
-                ref.mul_(1.0 - alpha).add_(new.detach().to(ref.device), alpha=alpha)
+        """TR-DPO reference sync: ref <- alpha * policy + (1 - alpha) * ref, shard by shard (same layout), in float32,
+        rounded once into the reference's dtype.
+
+        Args:
+            policy_chunks: this rank's policy chunks (DDP-wrapped or not), in the reference's layout.
+            alpha: `grpo.ref_model_mixup_alpha`, in [0, 1].
+        """
+        for ref_chunk, policy_chunk in zip(self.chunks, policy_chunks, strict=True):
+            refs, news = dict(ref_chunk.named_parameters()), dict(unwrap(policy_chunk).named_parameters())
+            if refs.keys() != news.keys():
+                raise RuntimeError(f"reference and policy layouts differ: {sorted(refs.keys() ^ news.keys())[:4]}")
+            for name, ref in refs.items():
+                mixed = ref.float().mul_(1.0 - alpha).add_(news[name].detach().to(ref.device, torch.float32), alpha=alpha)
+                ref.copy_(mixed)
+
+
+def mix_reference_if_due(reference: ReferencePolicy | None, policy_chunks: list, gr: GRPOConfigSection, step: int) -> None:
+    """TR-DPO (`grpo.sync_ref_model`): after optimizer step `step`, when it is a multiple of `ref_model_sync_steps`
+    (TRL's SyncRefModelCallback.on_step_end: `global_step % ref_model_sync_steps == 0`), mix the reference towards
+    the policy with `ref_model_mixup_alpha` (`ReferencePolicy.mix_from`). engine/train/loop.py calls it after every
+    optimizer step."""
+    if gr.sync_ref_model and step % gr.ref_model_sync_steps == 0:
+        reference.mix_from(policy_chunks, gr.ref_model_mixup_alpha)

@@ -234,14 +234,22 @@ def completion_logprobs(
 def forward_logprobs(
     chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], settings: LogprobSettings
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Forward-only (old / reference) log-probs and entropies, (b, C) each per micro-batch, on the last stage."""
+    """Forward-only (old / reference / weight-sync probe) log-probs and entropies, (b, C) each per micro-batch, on the
+    last stage; in eval mode (no dropout, whatever `model.disable_dropout` says), each chunk's mode restored after."""
 
     def loss_fn(model, hidden, batch):
         logprobs, entropy = completion_logprobs(model, hidden, batch, ps, settings)
         return logprobs.sum() * 0, {"logprobs": logprobs, "entropy": entropy}
 
-    with torch.no_grad():
-        values = run_schedule(chunks, ps, microbatches, loss_fn, forward_only=True)
+    modes = [chunk.training for chunk in chunks]
+    try:
+        for chunk in chunks:
+            chunk.eval()
+        with torch.no_grad():
+            values = run_schedule(chunks, ps, microbatches, loss_fn, forward_only=True)
+    finally:
+        for chunk, mode in zip(chunks, modes):
+            chunk.train(mode)
     return [(v["logprobs"], v["entropy"]) for v in values]
 
 

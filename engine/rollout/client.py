@@ -206,10 +206,12 @@ class RolloutClient:
     # --- ColocatedEngine's interface --------------------------------------------------------------------------------
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 generation: GenerationConfig | None = None) -> Rollout:
-        """G completions per prompt, prompt-major, sampled with `generation` (the trainer's settings)."""
+                 generation: GenerationConfig | None = None, structured_outputs_regex: str | None = None) -> Rollout:
+        """G completions per prompt, prompt-major, sampled with `generation` (the trainer's settings), each matching
+        `structured_outputs_regex` (None = unconstrained)."""
         payload = {"prompt_ids": prompt_ids, "num_generations": num_generations, "seeds": seeds,
-                   "generation": asdict(generation) if generation is not None else None}
+                   "generation": asdict(generation) if generation is not None else None,
+                   "structured_outputs_regex": structured_outputs_regex}
         out = self._request("POST", "/generate", payload, timeout_s=self.request_timeout_s)
         self.last_instance = out.get("instance_id")
         prompts = [list(p) for p in prompt_ids for _ in range(num_generations)]
@@ -281,6 +283,8 @@ class SharedRolloutClient:
         if self.clients and len(self.clients) != self.num_servers:
             raise ValueError(f"{len(self.clients)} clients for {self.num_servers} servers")
         self.rank, self.generation, self.group, self.src = rank, generation, group, src
+        self.structured_outputs_regex: str | None = None
+        """The trainer's `rollout.vllm_structured_outputs_regex`, sent with every generate request."""
         self.can_sleep = False
         self.healths: list[dict] = []
         """Every server's /health answer at connection (`vllm_tensor_parallel_size` sizes its weight sync)."""
@@ -334,7 +338,7 @@ class SharedRolloutClient:
         def ask(client: RolloutClient, share: list) -> Rollout:
             ids = [p for p, _ in share]
             return client.generate(ids, num_generations, None if seeds is None else [s for _, s in share],
-                                   self.generation)
+                                   self.generation, self.structured_outputs_regex)
 
         parts = self._on_every_server(ask, rows)
         for server, client in enumerate(self.clients):
@@ -467,6 +471,7 @@ def connect_rollout_server(rollout: RolloutConfig, generation: GenerationConfig,
         clients = [RolloutClient(url, token, timeout_s=rollout.vllm_server_timeout,
                                  request_timeout_s=rollout.vllm_request_timeout) for url in urls]
     shared = SharedRolloutClient(clients, rank, generation, num_servers=len(urls))
+    shared.structured_outputs_regex = rollout.vllm_structured_outputs_regex
     shared.reconnect()
     return shared
 

@@ -28,7 +28,7 @@ compared in constant time; a request without it gets 401 and touches nothing):
 | endpoint | body -> answer |
 |---|---|
 | GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret); authorized (whether the request's bearer token is this server's; only when it has one) |
-| POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
+| POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null), structured_outputs_regex (the trainer's `rollout.vllm_structured_outputs_regex`; absent = the server's own) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
 | POST /prompt_logprobs | sequences, temperature -> logprobs (of every token after the first) |
 | POST /weights/init | host, port, world_size, first_engine_rank, timeout_s, plan (SyncPlan.spec()), bucket_mb -> ranks; the workers join the trainer's transfer group (the call returns once the trainer's senders have joined) |
 | POST /weights/update | verify (default true) -> per-worker stats (with verify: engine_rank and digests of what the worker then holds), instance_id; the workers receive one sync and load it with vLLM's reload_weights |
@@ -132,7 +132,9 @@ class RolloutServer(ThreadingHTTPServer):
     def generate(self, body: dict) -> dict:
         gen = body.get("generation")
         generation = build_config(gen, GenerationConfig, "generation") if gen is not None else None
-        rollout = self.engine.generate(body["prompt_ids"], int(body["num_generations"]), body.get("seeds"), generation)
+        regex = body.get("structured_outputs_regex", self.engine.structured_outputs_regex)  # the trainer's
+        rollout = self.engine.generate(body["prompt_ids"], int(body["num_generations"]), body.get("seeds"), generation,
+                                       structured_outputs_regex=regex)
         return rollout.to_json(with_prompts=False) | {"instance_id": self.instance_id,
                                                       "num_weight_updates": self.num_weight_updates}
 

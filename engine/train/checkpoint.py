@@ -12,7 +12,9 @@ A checkpoint is the directory `<output_dir>/checkpoint-<step>` (HF Trainer's nam
 - `rng/rank-<r>.pt`: every rank's python, numpy, torch (and CUDA) generator states and Megatron's model-parallel
   RNG tracker states (restored only at the same layout: at another layout the ranks' streams do not correspond);
 - `trainer_state.json`, written last: format, step, rounds of prompts consumed (the data position), the LR
-  scheduler's state, the layout it was written at, the model's identity and the resolved run config.
+  scheduler's state, the layout it was written at, the model's identity and the resolved run config;
+- with TR-DPO (`grpo.sync_ref_model`) the reference's chunks too, keys under `reference.` (`has_reference` in the
+  state): after a sync the reference is no longer the Hugging Face checkpoint, and a resumed run continues with it.
 
 Atomicity: every rank writes into `checkpoint-<step>.tmp` next to the final directory; after a barrier (every rank
 finished) rank 0 fsyncs the files and renames the directory into place. A crash while saving leaves at most a
@@ -61,6 +63,8 @@ TMP_SUFFIX = ".tmp"
 DELETING_SUFFIX = ".deleting"
 STATE_FILE = "trainer_state.json"
 DIST_CKPT_METADATA = "metadata.json"
+REFERENCE_PREFIX = "reference."
+"""Key prefix of the TR-DPO reference's tensors in a checkpoint (`grpo.sync_ref_model`)."""
 FORMAT = "grpo-engine/megatron-dist-ckpt/1"
 CRASH_HOOK_ENV = "GRPO_CHECKPOINT_CRASH_BEFORE_RENAME"
 _NAME = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}(\d+)$")
@@ -273,8 +277,9 @@ def remove_leftovers(run_dir: str | Path, step: int) -> list[Path]:
 # state
 
 
-def _sharded_state_dict(popt, is_loading: bool) -> dict:
-    """{'model' | 'model<i>': the chunks' sharded state, 'optimizer': the optimizer's}, Megatron-LM's key layout."""
+def _sharded_state_dict(popt, is_loading: bool, reference: list | None = None) -> dict:
+    """{'model' | 'model<i>': the chunks' sharded state, 'optimizer': the optimizer's}, Megatron-LM's key layout;
+    with `reference` chunks also {'reference<i>': their sharded state, every key under `reference.`}."""
     from engine.policy.step import unwrap
 
     chunks = [unwrap(m) for m in popt.model]
@@ -284,7 +289,9 @@ def _sharded_state_dict(popt, is_loading: bool) -> dict:
         model = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     merged = {k: v for part in model.values() for k, v in part.items()}
     optimizer = popt.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
-    return model | {"optimizer": optimizer}
+    frozen = {f"reference{i}": chunk.sharded_state_dict(prefix=REFERENCE_PREFIX)
+              for i, chunk in enumerate(reference or [])}
+    return model | {"optimizer": optimizer} | frozen
 
 
 def _capture_rng() -> dict:
@@ -338,7 +345,8 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelState, *, model: dict,
-                    run_config: dict | None = None, save_total_limit: int | None = None) -> Path:
+                    run_config: dict | None = None, save_total_limit: int | None = None,
+                    reference: list | None = None) -> Path:
     """Write `<run_dir>/checkpoint-<step>` atomically (collective: every rank calls it), then rotate.
 
     Args:
@@ -349,6 +357,8 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
         model: `describe_model(...)`, checked when the checkpoint is loaded.
         run_config: the resolved config as plain data (stored for the record).
         save_total_limit: keep the newest K checkpoints after this one is in place (None = all).
+        reference: the TR-DPO reference's chunks (`grpo.sync_ref_model`: mixed towards the policy, no longer the
+            Hugging Face weights), saved under `reference.`; None = not saved.
     Returns:
         the checkpoint directory.
     """
@@ -362,7 +372,7 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
         tmp.mkdir(parents=True)
     dist.barrier()
     with WriterWatch(tmp, CheckpointError, _log):  # a killed writer process fails the save instead of hanging it
-        dist_checkpointing.save(_sharded_state_dict(popt, is_loading=False), str(tmp))
+        dist_checkpointing.save(_sharded_state_dict(popt, is_loading=False, reference=reference), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     with open(tmp / "rng" / f"rank-{ps.rank:05d}.pt", "wb") as f:
         torch.save(_capture_rng(), f)
@@ -371,7 +381,7 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
     dist.barrier()  # every rank has written its part
     if ps.rank == 0:
         state = {"format": FORMAT, "progress": asdict(progress), "scheduler": popt.scheduler.state_dict(),
-                 "optimizer_kind": _optimizer_kind(popt.optimizer),
+                 "optimizer_kind": _optimizer_kind(popt.optimizer), "has_reference": reference is not None,
                  "layout": _layout(ps), "model": model, "config": run_config, "saved_at": time.time()}
         _write_json(tmp / STATE_FILE, state)
         _fsync_tree(tmp)
@@ -408,9 +418,10 @@ def check_compatible(state: dict, path: Path, model: dict) -> None:
         raise CheckpointError(f"{path} was written for another model:\n  " + "\n  ".join(diffs))
 
 
-def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict) -> Progress:
-    """Restore model chunks, optimizer, LR scheduler and (at the same layout) every rank's RNG from `path`
-    (collective: every rank calls it). Returns the stored step and data position.
+def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict, reference: list | None = None) -> Progress:
+    """Restore model chunks, optimizer, LR scheduler, (at the same layout) every rank's RNG and, when the checkpoint
+    holds one and `reference` chunks are given, the TR-DPO reference from `path` (collective: every rank calls it).
+    Returns the stored step and data position.
 
     Raises:
         CheckpointError when the checkpoint is incomplete, written for another model, or cannot be read.
@@ -431,11 +442,15 @@ def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict) -
                               "(optimizer.optim and optimizer.use_distributed_optimizer must be the same as when it "
                               "was saved)")
     _init_empty_optimizer_state(popt.optimizer)
+    reference = reference if state.get("has_reference") else None
     try:
-        loaded = dist_checkpointing.load(_sharded_state_dict(popt, is_loading=True), str(path))
+        loaded = dist_checkpointing.load(_sharded_state_dict(popt, is_loading=True, reference=reference), str(path))
         chunks = [unwrap(m) for m in popt.model]
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+        for i, chunk in enumerate(reference or []):
+            prefixed = loaded[f"reference{i}"]
+            chunk.load_state_dict({k.removeprefix(REFERENCE_PREFIX): v for k, v in prefixed.items()}, strict=True)
         _load_optimizer_state(popt.optimizer, loaded["optimizer"])
     except CheckpointError:
         raise

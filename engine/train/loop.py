@@ -3,7 +3,8 @@
 One generation round: sample prompts -> G completions per prompt (vLLM, every rank's engine generates a share,
 results gathered so every rank holds the round) -> rewards (rank 0, broadcast) -> group-relative advantages ->
 old (and reference) log-probs of this rank's rows -> `num_iterations` passes of optimizer steps over micro-batches
--> weight sync into the engines, verified -> metrics. Batch semantics are TRL's: per_device_train_batch_size counts
+-> weight sync into the engines, verified -> metrics. With `grpo.sync_ref_model` (TR-DPO) the reference is mixed
+towards the policy after every `ref_model_sync_steps`-th optimizer step (engine/policy/reference.py `mix_from`). Batch semantics are TRL's: per_device_train_batch_size counts
 completions per data-parallel rank per micro-batch; a round holds per_device * dp * steps_per_generation completions,
 shuffled, then cut into optimizer steps of per_device * dp * gradient_accumulation_steps completions; groups are
 never split across rounds. The loss normaliser counts the tokens and sequences of each optimizer step over all
@@ -60,6 +61,7 @@ from engine.log_filters import quiet_library_logs
 from engine.policy.batch import pack_completions
 from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs
 from engine.policy.parallel import destroy_parallel
+from engine.policy.reference import mix_reference_if_due
 from engine.policy.routing_replay import (ROUTE_KEYS, clear_router_agreement, pad_routes, routes_dtype,
                                           take_router_agreement)
 from engine.policy.step import forward_logprobs, grpo_forward_backward
@@ -124,6 +126,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                 outputs.append(out)
                 stats = run.popt.step() | run.entropy.update(cfg.grpo, ps, out)
                 step += 1
+                mix_reference_if_due(run.reference, run.popt.model, cfg.grpo, step)  # TR-DPO
         run.policy_version += 1
         check_finite(run, step, [o.loss for out in outputs for o in out])  # a diverged policy is never synced
         t_train = time.perf_counter()

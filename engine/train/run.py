@@ -6,9 +6,10 @@ optimizer, the engines: colocated vLLM, or the rollout server(s) with one weight
 datasets, reward functions, the metric logger, the loss config and log-prob settings), `resolve_hooks` (the user's
 GFPO filter and curriculum hook: objects in memory, else the config's `module:function`), `AdaptiveEntropy` (the
 adaptive entropy-bonus controller's state), `resume` / `save_run` / `export_policy` (engine/train/checkpoint.py and
-engine/policy/hf_checkpoint.py with the loop's own state), `check_finite` (a diverged policy stops the run, before
-its weights are synced: `TrainingDivergedError`), and `sync_weights` / `sync_and_verify` (the weight sync into every
-engine, verified bit for bit by digests, and the log-prob probe's health metrics).
+engine/policy/hf_checkpoint.py with the loop's own state and, with TR-DPO, the mixed reference), `check_finite` (a
+diverged policy stops the run, before its weights are synced: `TrainingDivergedError`), and `sync_weights` /
+`sync_and_verify` (the weight sync into every engine, verified bit for bit by digests, and the log-prob probe's
+health metrics).
 
 Must not: run a round (engine/train/loop.py `train` reads the round top to bottom; engine/train/sampling.py samples
 and scores), hold maths (engine/grpo/), import vLLM (engine/rollout/vllm_engine.py), or read Megatron's global
@@ -249,7 +250,8 @@ def resume(run: Run) -> Progress:
     restored policy into every engine, which started from the Hugging Face weights. Progress() when not resuming."""
     if run.resume_from is None:
         return Progress()
-    progress = load_checkpoint(run.resume_from, run.popt, run.ps, model=_model_identity(run))
+    progress = load_checkpoint(run.resume_from, run.popt, run.ps, model=_model_identity(run),
+                               reference=_mixed_reference(run))
     entropy = progress.loop_state.get("entropy", {})
     run.entropy.coef = entropy.get("coef", run.entropy.coef)
     run.entropy.last_entropy = entropy.get("last_entropy", run.entropy.last_entropy)
@@ -271,8 +273,15 @@ def save_run(run: Run, progress: Progress) -> int:
         "entropy": entropy, "prompt_queue": queue, "policy_version": run.policy_version,
         "async_rounds": in_flight})
     save_checkpoint(run.cfg.train.output_dir, progress, run.popt, run.ps, model=_model_identity(run),
-                    run_config=config_to_dict(run.cfg), save_total_limit=run.cfg.checkpoint.save_total_limit)
+                    run_config=config_to_dict(run.cfg), save_total_limit=run.cfg.checkpoint.save_total_limit,
+                    reference=_mixed_reference(run))
     return progress.step
+
+
+def _mixed_reference(run: Run) -> list | None:
+    """The reference's chunks when TR-DPO mixes them (`grpo.sync_ref_model`): saved and restored with the run; None
+    otherwise (a frozen reference is the Hugging Face checkpoint, rebuilt at start)."""
+    return run.reference.chunks if run.cfg.grpo.sync_ref_model and run.reference is not None else None
 
 
 def resolve_model_dir(name: str, run_dir: Path, *, need_tokenizer: bool) -> Path:

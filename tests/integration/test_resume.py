@@ -19,6 +19,10 @@ its float32 main parameters, Adam moments, LR schedule and RNG are restored exac
 may differ. The runs are bf16 (TRL's default and the shipped large configs'); the float32 path restores the same
 state (tests/distributed/test_checkpoint_resharding.py checks both dtypes bit for bit).
 Only wall-clock fields (time/*, step_time, tokens_per_s, elapsed_s, weight_sync/seconds) are left out.
+The runs use TR-DPO (`grpo.sync_ref_model`, the reference mixed after steps 2, 4, 6 with alpha 0.5): D resumes
+from checkpoint-2, after the first mix, so its KL equals A's only if the mixed reference is restored; and the
+reference saved at checkpoint-4 / -6 is TRL's formula applied to the policy saved with it and the reference saved
+two steps before (bf16, exactly: the mix is computed in float32 and rounded once, engine/policy/reference.py).
 A's output is also checked to be quiet by default (engine/log_filters.py): no vLLM INFO line, no known-harmless warning.
 """
 
@@ -35,6 +39,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
+SYNC_STEPS, ALPHA = 2, 0.5
 WALL_CLOCK = re.compile(r"^time/|_s$|seconds|elapsed|step_time")
 
 
@@ -48,7 +53,8 @@ def _command(run_dir: Path, *overrides: str) -> list[str]:
             f"train.max_steps={STEPS}", "generation.max_completion_length=12", "grpo.beta=0.05",
             "reward.reward_funcs=[tests.integration.test_resume:digit_fraction]", "optimizer.learning_rate=1e-2",
             "optimizer.lr_scheduler_type=linear", "data.dataset_test_split=null", "checkpoint.save_hf_at_end=false",
-            "model.dtype=bfloat16", *overrides]
+            "model.dtype=bfloat16", "grpo.sync_ref_model=true", f"grpo.ref_model_sync_steps={SYNC_STEPS}",
+            f"grpo.ref_model_mixup_alpha={ALPHA}", *overrides]
 
 
 CURRICULUM = ("reward.reward_funcs=[tests.integration.test_resume:digit_fraction,tests.helpers.curriculum:sign_by_prompt]",
@@ -151,6 +157,35 @@ def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tm
         assert not differing, f"step {step}: uninterrupted vs resumed differ in {differing}"
     assert expected[STEPS]["kl"] > 0 and any(expected[s]["grad_norm"] > 0 for s in range(3, STEPS + 1))
     assert expected[2]["curriculum/queued"] > 0, "checkpoint-2 must hold prompts waiting in the curriculum queue"
+    _assert_reference_mixed(resumed, tmp_path)
+
+
+def _checkpoint_tensors(checkpoint: Path, tmp_path: Path) -> tuple[dict, dict]:
+    """(reference, policy) tensors of a checkpoint by Megatron key, read without a process group."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    state = torch.load(out, weights_only=False)
+    reference = {k.removeprefix("reference."): v for k, v in state.items()
+                 if k.startswith("reference.") and isinstance(v, torch.Tensor)}  # not the layers' extra state
+    return reference, {k: state[k] for k in reference}
+
+
+def _assert_reference_mixed(run_dir: Path, tmp_path: Path) -> None:
+    """ref_s = alpha * policy_s + (1 - alpha) * ref_{s-2}, from the tensors saved at steps s-2 and s."""
+    import torch
+
+    previous, _ = _checkpoint_tensors(run_dir / "checkpoint-2", tmp_path)
+    for step in (4, 6):
+        reference, policy = _checkpoint_tensors(run_dir / f"checkpoint-{step}", tmp_path)
+        assert reference.keys() == previous.keys() and reference, sorted(reference)[:5]
+        for key, ref in reference.items():
+            mixed = previous[key].float().mul_(1 - ALPHA).add_(policy[key].float(), alpha=ALPHA).to(ref.dtype)
+            assert torch.equal(ref, mixed), f"checkpoint-{step} {key}: the reference is not the TR-DPO mix"
+        assert any(not torch.equal(reference[k], previous[k]) for k in reference), "the reference never moved"
+        previous = reference
 
 
 @pytest.mark.slow

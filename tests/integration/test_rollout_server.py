@@ -161,6 +161,29 @@ def test_server_generates_g_completions_per_prompt_with_logprobs_reproducibly_wi
 
 
 @pytest.mark.slow
+def test_trainers_structured_outputs_regex_constrains_the_servers_completions(server, monkeypatch):
+    """`rollout.vllm_structured_outputs_regex` of the trainer's config travels with every generate request."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from engine.config import GenerationConfig, RolloutConfig
+    from engine.models.tiny_model import resolve_builtin_model
+    from engine.rollout.client import connect_rollout_server
+
+    monkeypatch.setenv("GRPO_ENGINE_TOKEN", server.token)
+    regex = "<answer>[0-9]{1,3}</answer>"
+    rollout_cfg = RolloutConfig(vllm_mode="server", vllm_server_base_url=server.url, vllm_structured_outputs_regex=regex)
+    engine = connect_rollout_server(rollout_cfg, GenerationConfig(max_completion_length=12), rank=0)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_builtin_model(MODEL, "/nonexistent"))
+    constrained = tokenizer.batch_decode(engine.generate(PROMPTS, 3, seeds=[1, 2, 3]).completion_ids,
+                                         skip_special_tokens=True)
+    assert all(re.fullmatch(regex, text) for text in constrained), constrained
+    free = server.client().generate(PROMPTS, 3, seeds=[1, 2, 3], generation=GenerationConfig(max_completion_length=12))
+    assert not all(re.fullmatch(regex, t) for t in tokenizer.batch_decode(free.completion_ids, skip_special_tokens=True))
+
+
+@pytest.mark.slow
 def test_requests_without_or_with_a_wrong_token_are_refused_and_never_reach_the_engine(server):
     calls_before = server.client().health()["num_engine_calls"]
     for endpoint in ("/generate", "/prompt_logprobs", "/weights/init", "/weights/update", "/sleep", "/shutdown"):

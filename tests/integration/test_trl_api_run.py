@@ -53,7 +53,8 @@ def _train_with_objects(output_dir: str, tp: int = 1) -> dict:
     args = GRPOConfig(output_dir=str(Path(output_dir) / "run"), max_steps=2, per_device_train_batch_size=8,
                       num_generations=4, max_completion_length=32, learning_rate=1e-5, logging_steps=1,
                       use_vllm=True, vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256,
-                      chat_template_kwargs={"plain": True}, report_to="none", tp_size=tp)
+                      chat_template_kwargs={"plain": True}, report_to="none", tp_size=tp,
+                      num_generations_eval=2, eval_max_prompts=6)
     trainer = GRPOTrainer(model=model, reward_funcs=answer_tag, args=args, train_dataset=dataset,
                           eval_dataset=dataset.select(range(8)), processing_class=tokenizer)
     result = trainer.train()
@@ -64,11 +65,15 @@ def _train_with_objects(output_dir: str, tp: int = 1) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_trainer_uses_the_given_model_tokenizer_template_kwargs_and_eval_dataset(tmp_path, tp):
-    """At TP=2 both ranks run the same script (as under torchrun): rank 0 saves the model object, rank 1 waits."""
+def test_trainer_uses_the_given_model_tokenizer_template_kwargs_and_eval_dataset(tmp_path, tp, capfd):
+    """At TP=2 both ranks run the same script (as under torchrun): rank 0 saves the model object, rank 1 waits.
+    The held-out evaluation takes num_generations_eval completions of the first eval_max_prompts prompts, and says so."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     results = run_distributed(_train_with_objects, tp, str(tmp_path), tp)
+    printed = capfd.readouterr()
+    cut = "evaluation: the first 6 of 8 held-out prompts (data.eval_max_prompts=6), 2 completions each"
+    assert (printed.out + printed.err).count(cut) == 2, "printed once by rank 0 before and once after training"
     assert [r["global_step"] for r in results] == [2] * tp  # every rank's train() returns the run's step count
     result = results[0]
     assert result["global_step"] == result["state_step"] == 2

@@ -5,7 +5,8 @@ checkpoint and its log-probs agree with the trainer's (fp32, the health metric <
 verifies; after one GRPO optimizer step the stale engine is caught by the digests; after a bucketed sync (small
 buckets, so several per stage) it verifies and the log-probs agree again. One bit of one element flipped in an
 embedding, a fused qkv part, a gate_up part, a row-parallel weight, a norm and the LM head is caught, and exactly
-those tensors are named, with the engine rank.
+those tensors are named, with the engine rank. The engine's completions follow `rollout.vllm_structured_outputs_regex`
+(vLLM's structured outputs).
 
 In bf16 (TRL's default precision) at learning rate 0.1 (TRL's own GRPO tests' setting: the weights grow large and the
 log-prob probe's per-token differences with them, which a log-prob tolerance took for a bad sync) every sync
@@ -18,7 +19,8 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers.policy import SYNC_TOLERANCE as TOLERANCE, build_from_hf, sync_after_step, weight_sync_error
+from tests.helpers.policy import (STRUCTURED_OUTPUTS_REGEX, SYNC_TOLERANCE as TOLERANCE, build_from_hf,
+                                  sync_after_step, weight_sync_error)
 
 FLIPS = ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight",
          "model.layers.2.self_attn.o_proj.weight", "model.layers.3.self_attn.q_proj.bias",
@@ -86,6 +88,8 @@ def model_dir(tmp_path_factory):
     ids=["tp1_pp1-vllm_tp1", "tp2_pp1-vllm_tp1", "tp2_pp1-vllm_tp2", "tp1_pp2-vllm_tp2"],
 )
 def test_sync_after_step_makes_engine_match_trainer(model_dir, tp, pp, vllm_tp):
+    from transformers import AutoTokenizer
+
     from engine.config import ParallelConfig
 
     results = run_distributed(sync_after_step, tp * pp, str(model_dir), ParallelConfig(tp_size=tp, pp_size=pp), vllm_tp,
@@ -100,6 +104,8 @@ def test_sync_after_step_makes_engine_match_trainer(model_dir, tp, pp, vllm_tp):
         assert r["stats"]["weight_sync/tensors"] == 3 + 12 * 4  # embed, norm, lm_head + 12 per layer (QKV bias)
         assert r["stats"]["weight_sync/buckets"] >= 4, "0.25 MiB buckets: several per sync (one layer is ~0.5 MiB)"
         assert all(0 < n <= 6 for n in r["lengths"]) and all(lp <= 0 for row in r["logprobs"] for lp in row)
+    texts = AutoTokenizer.from_pretrained(model_dir).batch_decode(results[0]["completion_ids"], skip_special_tokens=True)
+    assert all(re.fullmatch(STRUCTURED_OUTPUTS_REGEX, t) for t in texts), f"rollout.vllm_structured_outputs_regex: {texts}"
 
 
 @pytest.mark.slow

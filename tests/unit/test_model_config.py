@@ -48,3 +48,19 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
     settings = moe_settings(Qwen3MoeConfig(num_experts=4), ModelConfig(), SimpleNamespace(**{**vars(ps),
                                                                                            "sequence_parallel": True}))
     assert settings["num_moe_experts"] == 4 and settings["expert_model_parallel_size"] == 2
+
+
+def test_moe_aux_loss_on_a_dense_model_is_refused_and_dropout_follows_the_switch():
+    """TRL refuses router_aux_loss_coef on a non-MoE model; dropout comes from the HF config unless disabled."""
+    from types import SimpleNamespace
+
+    from engine.config import ModelConfig
+    from engine.policy.model import dropout_settings, moe_settings
+
+    ps = SimpleNamespace(tp_size=1, sequence_parallel=False, ep_size=1)
+    with pytest.raises(ValueError, match=r"model.moe_aux_loss_coeff=0.01 \(TRL's router_aux_loss_coef\)"):
+        moe_settings(Qwen2Config(), ModelConfig(moe_aux_loss_coeff=0.01), ps)
+    assert moe_settings(Qwen2Config(), ModelConfig(), ps) == {}
+    noisy = Qwen2Config(attention_dropout=0.1)
+    assert dropout_settings(noisy, ModelConfig()) == {"hidden_dropout": 0.0, "attention_dropout": 0.1}
+    assert dropout_settings(noisy, ModelConfig(disable_dropout=True)) == {"hidden_dropout": 0.0, "attention_dropout": 0.0}

@@ -1,6 +1,8 @@
 """engine/policy/packing.py: balanced partitions, token-budget plans, packed rows and their masks (one process, no
 model; the model-level equality of packed and padded passes is tests/distributed/test_packing_layouts.py)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -144,6 +146,25 @@ def test_spec_from_config_defaults_to_packing_with_the_local_mask():
                                  micro_batch_size=8, pad_token_id=0)
     assert spec.padding_free and spec.layout == "mask" and spec.fixed_shape and spec.multiple == 2
     assert not spec.uses_rows
+
+
+def test_packing_without_a_mask_capable_softmax_falls_back_with_a_named_warning(monkeypatch):
+    """CUDA + apex's fused softmax on the local spec (it ignores the block-diagonal mask): padded rows, said so."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "scaled_masked_softmax_cuda" else find_spec(name, *a))
+    layout = type("PS", (), {"pp_size": 1, "tp_size": 1, "sequence_parallel": False})()
+    with pytest.warns(UserWarning, match=r"train.padding_free=true has no effect here.*Transformer Engine"):
+        spec = build_microbatch_spec(TrainConfig(), ModelConfig(transformer_impl="local"), layout, micro_batch_size=8,
+                                     pad_token_id=0)
+    assert spec.layout == "padded"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_microbatch_spec(TrainConfig(padding_free=False), ModelConfig(transformer_impl="local"), layout,
+                              micro_batch_size=8, pad_token_id=0)
 
 
 def test_budget_below_one_token_is_refused():

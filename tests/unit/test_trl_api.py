@@ -136,6 +136,15 @@ def test_grpo_config_conflicting_precisions_are_an_error():
         GRPOConfig(bf16=True, model_init_kwargs={"dtype": "float32"})
 
 
+def test_grpo_config_router_aux_loss_coef_is_the_moe_aux_loss_coefficient():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # translated, not in the no-effect warning
+        assert GRPOConfig(router_aux_loss_coef=0.01).to_engine_config().model.moe_aux_loss_coeff == 0.01
+        assert GRPOConfig(router_aux_loss_coef=None).to_engine_config().model.moe_aux_loss_coeff == 0.0
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 means moe_aux_loss_coeff=0.01"):
+        GRPOConfig(router_aux_loss_coef=0.01, moe_aux_loss_coeff=0.02)
+
+
 def test_grpo_config_translates_trl_value_forms():
     args = _config(max_steps=20, warmup_steps=0.1, logging_steps=0.25, save_steps=10.0, report_to="none",
                    lr_scheduler_type="constant_with_warmup", chat_template_kwargs='{"enable_thinking": false}',

@@ -1,0 +1,30 @@
+"""configs/SETTINGS.md (engine/api/settings_table.py): current with the config classes and TRL's name maps, and no
+accepted field is read by nothing."""
+
+from engine.api.settings_table import REGENERATE, TABLE_PATH, first_sentence, render, setting_rows
+
+
+def test_settings_table_is_current():
+    assert TABLE_PATH.read_text() == render(), f"{TABLE_PATH} is stale: run `{REGENERATE}` and commit it"
+
+
+def test_every_config_field_is_read_by_some_module():
+    unread = [row.path for row in setting_rows() if not row.readers]
+    assert not unread, f"accepted but read by nothing (make them act, or refuse them in engine/validation.py): {unread}"
+
+
+def test_every_trl_argument_has_a_row():
+    import dataclasses
+
+    import pytest
+
+    trl = pytest.importorskip("trl")
+    table = render()
+    leaves = {row.path.split(".")[-1] for row in setting_rows()}
+    missing = [f.name for f in dataclasses.fields(trl.GRPOConfig)
+               if f.name not in leaves and f"| `{f.name}` |" not in table]
+    assert not missing, f"TRL arguments without a row in {TABLE_PATH}: {missing}"
+
+
+def test_first_sentence_keeps_abbreviations():
+    assert first_sentence("One line, e.g. this.\n  Next.") == "One line, e.g. this."
