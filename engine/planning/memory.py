@@ -43,7 +43,7 @@ a / g = query / KV heads, d = head dim, f = MLP size, L = layers, V = padded voc
   attention score matrix: fused (flash) attention, which Transformer Engine's layer spec uses, never stores it
   (the paper's "selective recompute" row, s*b*h*34/t), so it is counted only for `model.transformer_impl: local`.
 - Activation recompute, as it runs (`train.gradient_checkpointing` and `train.recompute_*`, resolved by
-  `engine.validation.resolve_recompute`, the same function that configures Megatron). Full, uniform, n layers per
+  `engine.recompute.resolve_recompute`, the same function that configures Megatron). Full, uniform, n layers per
   unit: each unit keeps only its input, 2*s*b*h (/t under SP: the input is the sequence-parallel shard), for
   L_stage / n units, plus the working set of the one unit (n layers) recomputed at a time in the backward. Paper §4
   "full activation recomputation: 2*s*b*h*L". Full, block, n layers per model chunk: those n x vpp layers of the
@@ -92,7 +92,8 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.planning.shapes import ClusterShape, ModelDims, PlanError, megatron_padded_vocab, num_rollout_servers
-from engine.validation import Derived, Recompute, resolve_recompute
+from engine.recompute import Recompute, resolve_recompute
+from engine.validation import Derived
 
 GIB = 2**30
 VLLM_BLOCK_SIZE = 16

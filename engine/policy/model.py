@@ -7,7 +7,7 @@ Engine when it imports, Megatron's local spec otherwise, whose row-parallel line
 ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`, and whose norms are ones that
 allow sequence parallelism: `LocalRMSNorm`), Megatron's activation recompute from the `train` section
 (`train.gradient_checkpointing` and `recompute_*`, resolved and checked against the layers by
-engine.validation.resolve_recompute; MoE routers replay their forward's routes in the recomputed forward:
+engine.recompute.resolve_recompute; MoE routers replay their forward's routes in the recomputed forward:
 engine/policy/routing_replay.py), `build_policy`, and the rule that takes a global tensor to this rank's
 TP shard (`take_tp_shard`), which checkpoint conversion reuses.
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
 from engine.policy.parallel import ParallelState
-from engine.validation import resolve_recompute
+from engine.recompute import resolve_recompute
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
@@ -74,7 +74,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         cfg: the `model` config section.
         ps: this process's parallel state.
         train: the `train` section, for the activation recompute (`gradient_checkpointing`, `recompute_*`:
-            engine.validation.resolve_recompute); None = its defaults (TRL's: full recompute, uniform, 1 layer).
+            engine.recompute.resolve_recompute); None = its defaults (TRL's: full recompute, uniform, 1 layer).
     Returns:
         megatron.core.transformer.TransformerConfig.
     """

@@ -1,5 +1,5 @@
 """Activation recompute settings (`train.gradient_checkpointing`, `train.recompute_*`): what Megatron is given
-(engine.validation.resolve_recompute, used by engine/policy/model.py and the planner alike), every refusal with the
+(engine.recompute.resolve_recompute, used by engine/policy/model.py and the planner alike), every refusal with the
 setting's dotted name and the arithmetic, Megatron's own TransformerConfig accepting what we pass, and TRL's
 `gradient_checkpointing_kwargs`. That recompute really runs and changes no number is tested in tests/distributed
 (test_grpo_step_layouts.py, test_qwen3_layouts.py, test_routing_replay.py)."""
@@ -9,7 +9,8 @@ import warnings
 import pytest
 
 from engine.config import ConfigError, TrainConfig, build_config
-from engine.validation import Recompute, resolve_recompute, validate
+from engine.recompute import Recompute, resolve_recompute
+from engine.validation import validate
 
 
 def test_default_is_trl_gradient_checkpointing_as_megatron_full_uniform_one_layer():
