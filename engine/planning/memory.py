@@ -50,7 +50,10 @@ a / g = query / KV heads, d = head dim, f = MLP size, L = layers, V = padded voc
   stage keep their input only, the others everything, plus one recomputed layer's working set. Selective: every
   layer keeps everything but what its recomputed modules would hold: `core_attn` the attention scores (the 5*a*s/h
   term, local spec only), `mlp` / `moe` the MLP's inside (6*f/h, or 6*k*f_moe/h; its input is the norm output kept
-  anyway). None: every layer keeps everything.
+  anyway), plus that part of the one layer being recomputed in the backward (missing until 2026-11-25: measured
+  586 MiB against 252 planned, benchmarks/results/recompute.csv). None: every layer keeps everything. These are the
+  paper's stored activations; the backward's transient gradient buffers are not counted (measured on CPU, fp32,
+  4 layers, h 1024, s 1024: full recompute 306 MiB against 239 planned, none 769 against 892).
 - Micro-batches in flight, Narayanan et al. 2021 (https://arxiv.org/abs/2104.04473) §2.2 and Megatron-LM's
   `compute_activation_memory`: stage k of the 1F1B schedule holds min(p - k, M) micro-batches; the interleaved
   schedule holds p * (1 + (p - 1)/(p * vpp)) on the first stage.
@@ -247,9 +250,10 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     scores = 5 * dims.num_heads * s / h if cfg.model.transformer_impl == "local" else 0.0
     mlp = 6 * ffn / h  # MoE: each token's k routed copies of f_moe
     split = 4 + 4 * dims.num_kv_heads / dims.num_heads + mlp + scores
-    full_split = split
+    full_split, removed = split, 0.0
     if rc.granularity == "selective":  # the recomputed modules' insides are not kept
-        split -= scores * ("core_attn" in rc.modules) + mlp * bool({"mlp", "moe"} & set(rc.modules))
+        removed = scores * ("core_attn" in rc.modules) + mlp * bool({"mlp", "moe"} & set(rc.modules))
+        split -= removed
     per_layer = sbh * (10 + split) / t if sp else sbh * (10 + split / t)
     layer_text = f"(10 + {split:.2f}) / {t}" if sp else f"(10 + {split:.2f} / {t})"
     layers = dims.num_layers // cfg.parallel.pp_size
@@ -266,11 +270,14 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
         nbytes = in_flight * (recomputed * stored + (layers - recomputed) * per_layer) + per_layer
         text = (f"full recompute, block: {in_flight_text} x ({recomputed} layers x {stored_text} + "
                 f"{layers - recomputed} layers x {layer_text}) x s*b*h + one layer recomputed; {sbh_text}")
+    elif rc.granularity == "selective":  # plus what one layer's recomputed modules hold again in its backward
+        nbytes = layers * in_flight * per_layer + sbh * removed / t
+        text = (f"selective recompute {list(rc.modules)} (split part {full_split:.2f} -> {split:.2f}): {layers} layers "
+                f"x {in_flight_text} x {layer_text} x s*b*h + one layer's recomputed part {removed:.2f} / {t} x s*b*h; "
+                f"{sbh_text}")
     else:
         nbytes = layers * in_flight * per_layer
-        what = (f"selective recompute {list(rc.modules)} (split part {full_split:.2f} -> {split:.2f})"
-                if rc.granularity else "no recompute")
-        text = f"{what}: {layers} layers x {in_flight_text} x {layer_text} x s*b*h; {sbh_text}"
+        text = f"no recompute: {layers} layers x {in_flight_text} x {layer_text} x s*b*h; {sbh_text}"
     return Term("activations", text, nbytes)
 
 

@@ -405,8 +405,8 @@ def _recompute_cfg(**train):
 @pytest.mark.parametrize("train,expected", [  # in s*b*h / t (SP); GPT: 8 layers, 5*a*s/h = 80, split 24 + 80
     ({"recompute_num_layers": 2}, 8 / 2 * 2 + 2 * (34 + 80)),                           # 4 units + one unit of 2
     ({"recompute_method": "block", "recompute_num_layers": 3}, 3 * 2 + 5 * (34 + 80) + (34 + 80)),
-    ({"recompute_granularity": "selective"}, 8 * 34),                                   # the paper's selective row
-    ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, 8 * (34 + 80 - 16)),  # 6*f/h = 24 - 8
+    ({"recompute_granularity": "selective"}, 8 * 34 + 80),  # the paper's selective row + one layer's scores again
+    ({"recompute_granularity": "selective", "recompute_modules": ["mlp"]}, 8 * (34 + 80 - 16) + 16),  # 6*f/h = 24 - 8
     ({"gradient_checkpointing": False}, 8 * (34 + 80)),
 ])
 def test_activation_term_follows_the_recompute_settings(train, expected):
