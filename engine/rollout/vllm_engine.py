@@ -97,8 +97,10 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
 
 
 def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, str]]:
-    """{HF name: (digest, dtype held)} of a module's own readable parameters, each digested in the model's `dtype`
-    (a parameter kept wider, e.g. a bias upcast to float32, casts back exactly)."""
+    """{HF name: (digest, dtype held)} of a module's own readable parameters, each digested in `dtype`, the dtype the
+    trainer sends. A parameter held wider (a bias vLLM keeps in float32, or a whole float32 server fed bf16 by a bf16
+    trainer) is digested cast to `dtype` and must round-trip exactly: a value that the cast changes could not have
+    come from the trainer, and is reported as such (its digest flipped, its dtype marked)."""
     from engine.rollout.weight_digest import box_digest
 
     out = {}
@@ -106,8 +108,20 @@ def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict
         if tensor.numel() == 0 or tensor.is_meta:
             continue  # repacked by the CPU backend: see `WeightReceiverExtension.grpo_track_loads`
         for hf_name, view in _hf_parts(name, module, param, tensor.detach(), packed):
-            out[hf_name] = (box_digest(view if view.dtype == dtype else view.to(dtype)), str(tensor.dtype))
+            if view.dtype == dtype:
+                out[hf_name] = (box_digest(view), str(tensor.dtype))
+                continue
+            narrowed = view.to(dtype)
+            exact = torch.equal(narrowed.to(view.dtype).view(_bits_dtype(view)), view.view(_bits_dtype(view)))
+            digest = box_digest(narrowed)
+            out[hf_name] = (digest if exact else digest ^ 1,
+                            str(tensor.dtype) + ("" if exact else f", values not exactly {dtype}"))
     return out
+
+
+def _bits_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The integer dtype of a tensor's element size (to compare bit patterns, NaNs and -0.0 included)."""
+    return {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
 
 
 def wants_routed_experts(rollout: RolloutConfig, model_dir: str | Path) -> bool:
@@ -369,6 +383,7 @@ class WeightReceiverExtension:
         num_tensors = num_buckets = 0
         try:
             for bucket in receive_weights(group, self._grpo_plan, self._grpo_bucket_mb, self._grpo_engine_rank):
+                self._grpo_sent_dtype = bucket[0][1].dtype  # a float32 server may be fed bf16: digest as sent
                 self.reload_weights(weights_iterator=iter(bucket))
                 self.grpo_repack_cpu_moe(_moe_layers([name for name, _ in bucket]))
                 num_tensors += len(bucket)
@@ -396,7 +411,7 @@ class WeightReceiverExtension:
             experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
             if experts is None or not any(f"{name}.".startswith(prefix) for prefix in wanted):
                 continue
-            module._grpo_loaded_digests = _module_digests(name, module, packed, self.model_config.dtype)
+            module._grpo_loaded_digests = _module_digests(name, module, packed, self.grpo_digest_dtype())
             experts.process_weights_after_loading(module)
             count += 1
         return count
@@ -414,7 +429,7 @@ class WeightReceiverExtension:
         from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
         model = self.model_runner.model
-        packed, dtype = getattr(model, "packed_modules_mapping", {}), self.model_config.dtype
+        packed = getattr(model, "packed_modules_mapping", {})
         names = {id(module): name for name, module in model.named_modules()}
         count = 0
         for module in model.modules():
@@ -423,12 +438,16 @@ class WeightReceiverExtension:
                 continue
 
             def process(layer, _original=method.process_weights_after_loading):
-                layer._grpo_loaded_digests = _module_digests(names[id(layer)], layer, packed, dtype)
+                layer._grpo_loaded_digests = _module_digests(names[id(layer)], layer, packed, self.grpo_digest_dtype())
                 return _original(layer)
 
             method.process_weights_after_loading, method._grpo_tracked = process, True
             count += 1
         return count
+
+    def grpo_digest_dtype(self) -> torch.dtype:
+        """The dtype digests are taken in: what the trainer last sent (server mode), else the engine's own."""
+        return getattr(self, "_grpo_sent_dtype", None) or self.model_config.dtype
 
     def grpo_engine_rank(self) -> int:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -440,7 +459,7 @@ class WeightReceiverExtension:
         read from its parameters (engine/rollout/weight_digest.py), or, for the layers the CPU backend repacked, as
         their loaders last wrote them (`grpo_track_loads`)."""
         model = self.model_runner.model
-        packed, dtype = getattr(model, "packed_modules_mapping", {}), self.model_config.dtype
+        packed, dtype = getattr(model, "packed_modules_mapping", {}), self.grpo_digest_dtype()
         digests = {}
         for name, module in model.named_modules():
             recorded = getattr(module, "_grpo_loaded_digests", None)

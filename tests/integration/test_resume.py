@@ -10,8 +10,9 @@ restored schedule matters):
   checkpoint-4: the test hook `GRPO_CHECKPOINT_CRASH_BEFORE_RENAME=4` SIGKILLs it after every file of the
   checkpoint is written but before the rename (a window too short to hit from outside);
 - D resumes with `latest` again, which must pick checkpoint-2 (ignoring checkpoint-4.tmp), and runs to step 6.
-The curriculum hook is the seed's documented example (verbatim, tests/helpers/curriculum.py) under a reward that
-changes sign, so its prompts queue up (engine/train/prompt_queue.py) and checkpoint-2 holds a non-empty queue.
+A separate pair of runs resumes with prompts waiting in the curriculum queue (the seed's documented hook, verbatim,
+tests/helpers/curriculum.py, under a reward that changes sign): its prompts, with hints appended, make the tiny
+model answer with an empty completion, which would leave the policy unmoved in the runs above.
 The metrics file of the B/C/D run directory then holds exactly one row per step (rows logged after the checkpoint
 by the killed runs are dropped on resume) and every row equals A's, bit for bit (compared as floats with
 tolerance 0): the rounds are pure functions of (seed, round) — prompts, vLLM seeds, row shuffle — and the model,
@@ -126,22 +127,22 @@ def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tm
 
     straight, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
     # A: uninterrupted
-    assert _run(_command(straight, *CURRICULUM), _env(), tmp_path / "a.log") == 0, _tail(tmp_path / "a.log")
+    assert _run(_command(straight), _env(), tmp_path / "a.log") == 0, _tail(tmp_path / "a.log")
     _assert_quiet((tmp_path / "a.log").read_text())
     # B: SIGKILL from outside once checkpoint-2 is in place
     ready = lambda: (resumed / "checkpoint-2" / "trainer_state.json").exists()  # noqa: E731
-    status = _run_until_then_kill(_command(resumed, *CURRICULUM, "checkpoint.save_steps=2"), _env(), tmp_path / "b.log", ready)
+    status = _run_until_then_kill(_command(resumed, "checkpoint.save_steps=2"), _env(), tmp_path / "b.log", ready)
     assert status == -signal.SIGKILL, f"B should have been killed mid-run (status {status}):\n{_tail(tmp_path / 'b.log')}"
     assert [s for s, _ in list_checkpoints(resumed)] == [2]
     # C: resume, then die while writing checkpoint-4 (after the files, before the rename)
-    status = _run(_command(resumed, *CURRICULUM, "checkpoint.save_steps=2", "checkpoint.resume_from_checkpoint=latest"),
+    status = _run(_command(resumed, "checkpoint.save_steps=2", "checkpoint.resume_from_checkpoint=latest"),
                   _env(GRPO_CHECKPOINT_CRASH_BEFORE_RENAME="4"), tmp_path / "c.log")
     assert status == -signal.SIGKILL, f"C should have died saving checkpoint-4 (status {status}):\n{_tail(tmp_path / 'c.log')}"
     assert "resumed from" in (tmp_path / "c.log").read_text()
     assert (resumed / "checkpoint-4.tmp" / "trainer_state.json").exists() and not (resumed / "checkpoint-4").exists()
     assert find_latest_checkpoint(resumed) == resumed / "checkpoint-2", "the last good checkpoint must survive"
     # D: `latest` skips the partial checkpoint-4.tmp and resumes from checkpoint-2 to the end
-    status = _run(_command(resumed, *CURRICULUM, "checkpoint.save_steps=2", "checkpoint.resume_from_checkpoint=latest"), _env(),
+    status = _run(_command(resumed, "checkpoint.save_steps=2", "checkpoint.resume_from_checkpoint=latest"), _env(),
                   tmp_path / "d.log")
     assert status == 0, _tail(tmp_path / "d.log")
     d_log = (tmp_path / "d.log").read_text()
@@ -156,8 +157,27 @@ def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tm
                      if expected[step].get(k) != actual[step].get(k)}
         assert not differing, f"step {step}: uninterrupted vs resumed differ in {differing}"
     assert expected[STEPS]["kl"] > 0 and any(expected[s]["grad_norm"] > 0 for s in range(3, STEPS + 1))
-    assert expected[2]["curriculum/queued"] > 0, "checkpoint-2 must hold prompts waiting in the curriculum queue"
     _assert_reference_mixed(resumed, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_prompts_waiting_in_the_curriculum_queue_logs_what_the_uninterrupted_one_did(tmp_path):
+    """The seed's documented curriculum hook (verbatim) queues more prompts than the rounds draw, so checkpoint-2
+    holds a non-empty queue (engine/train/prompt_queue.py); a run resumed from it in another directory logs steps 3
+    and 4 exactly as the uninterrupted run did (the queue, and with it every round's prompts, restored)."""
+    straight, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    steps = ("train.max_steps=4", "checkpoint.save_steps=2")
+    assert _run(_command(straight, *CURRICULUM, *steps), _env(), tmp_path / "a.log") == 0, _tail(tmp_path / "a.log")
+    status = _run(_command(resumed, *CURRICULUM, *steps, f"checkpoint.resume_from_checkpoint={straight / 'checkpoint-2'}"),
+                  _env(), tmp_path / "b.log")
+    assert status == 0, _tail(tmp_path / "b.log")
+    expected, actual = _rows(straight), _rows(resumed)
+    assert expected[2]["curriculum/queued"] > 0, "checkpoint-2 must hold prompts waiting in the curriculum queue"
+    assert sorted(actual) == [3, 4]
+    for step in (3, 4):
+        differing = {k: (expected[step].get(k), actual[step].get(k)) for k in expected[step] | actual[step]
+                     if expected[step].get(k) != actual[step].get(k)}
+        assert not differing, f"step {step}: uninterrupted vs resumed differ in {differing}"
 
 
 def _checkpoint_tensors(checkpoint: Path, tmp_path: Path) -> tuple[dict, dict]:

@@ -57,3 +57,21 @@ def test_removed_logprob_tolerance_settings_are_refused_with_the_reason(key):
 
     with pytest.raises(ConfigError, match=rf"'rollout\.{key}' was removed: the weight-sync check is exact now"):
         build_config({"rollout": {key: 0.5}})
+
+
+def test_a_wider_engine_parameter_is_digested_as_sent_and_must_be_exactly_what_was_sent():
+    """A float32 server fed bf16 by a bf16 trainer (TRL's `vllm-serve` at dtype auto on a float32 checkpoint): the
+    engine digests its float32 values cast to bf16, which equals the trainer's digest when they are exact upcasts of
+    what was sent; a value the cast changes (one low bit set) could not have come from the trainer and is reported."""
+    from engine.rollout.vllm_engine import _module_digests
+
+    sent = torch.randn(6, 5).to(torch.bfloat16)
+    module = torch.nn.Linear(5, 6, bias=False)
+    with torch.no_grad():
+        module.weight.copy_(sent.float())
+    (digest, held), = _module_digests("lm_head", module, {}, torch.bfloat16).values()
+    assert int(digest) == int(box_digest(sent)) and held == "torch.float32"
+    with torch.no_grad():
+        module.weight.view(torch.int32)[2, 3] |= 1  # below bf16's precision: the bf16 cast rounds it away
+    (digest, held), = _module_digests("lm_head", module, {}, torch.bfloat16).values()
+    assert int(digest) != int(box_digest(sent)) and "not exactly torch.bfloat16" in held
