@@ -4,8 +4,8 @@ One generation round: sample prompts -> G completions per prompt (vLLM, every ra
 results gathered so every rank holds the round) -> rewards (rank 0, broadcast) -> group-relative advantages ->
 old (and reference) log-probs of this rank's rows -> `num_iterations` passes of optimizer steps over micro-batches
 -> weight sync into the engines, verified -> metrics. With `grpo.sync_ref_model` (TR-DPO) the reference is mixed
-towards the policy after every `ref_model_sync_steps`-th optimizer step (engine/policy/reference.py `mix_from`). Batch semantics are TRL's: per_device_train_batch_size counts
-completions per data-parallel rank per micro-batch; a round holds per_device * dp * steps_per_generation completions,
+towards the policy after every `ref_model_sync_steps`-th optimizer step (engine/policy/reference.py `mix_from`).
+Batch semantics are TRL's: per_device_train_batch_size counts completions per data-parallel rank per micro-batch; a round holds per_device * dp * steps_per_generation completions,
 shuffled, then cut into optimizer steps of per_device * dp * gradient_accumulation_steps completions; groups are
 never split across rounds. The loss normaliser counts the tokens and sequences of each optimizer step over all
 ranks (layout-independent, engine/grpo/policy_loss.py).
