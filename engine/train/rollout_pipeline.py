@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass
 from engine.rollout.vllm_engine import Rollout
 from engine.train.data import PromptBatch
 from engine.train.prompt_rounds import sampling_seeds
+from engine.train.run import draw_prompts
 
 @dataclass
 class PendingRound:
@@ -113,9 +114,7 @@ class RolloutPipeline:
         """Pick round `next_index`'s prompts (the curriculum queue's next P, else the dataset's next round),
         its seeds, and start generating it on rank 0's background thread."""
         run = self.run
-        queued = run.prompt_queue.take(run.derived.num_prompts_per_generation) if run.prompt_queue is not None else None
-        is_from_dataset = queued is None
-        picked = queued or run.train_prompts.select(next(self.rounds))
+        picked, is_from_dataset = draw_prompts(run, self.rounds)
         step = self.next_index * self.steps_per_round
         seeds = sampling_seeds(run.cfg.train.seed, step, 0, picked.indices)
         pending = PendingRound(self.next_index, step, picked, seeds, version=run.policy_version,

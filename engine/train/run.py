@@ -245,6 +245,14 @@ def _total_steps(cfg: EngineConfig, d: Derived, num_prompts: int) -> int:
     return rounds * d.optimizer_steps_per_generation
 
 
+def draw_prompts(run: Run, rounds) -> tuple[PromptBatch, bool]:
+    """The next round's P prompts: the curriculum queue's front when P wait (engine/train/prompt_queue.py), else
+    the dataset's next round; and whether they came from the dataset (the data position moved)."""
+    num_prompts = run.derived.num_prompts_per_generation
+    queued = run.prompt_queue.take(num_prompts) if run.prompt_queue is not None else None
+    return (queued, False) if queued is not None else (run.train_prompts.select(next(rounds)), True)
+
+
 def resume(run: Run) -> Progress:
     """Restore `run.resume_from` (model, optimizer, scheduler, RNG, data position, step; collective), then load the
     restored policy into every engine, which started from the Hugging Face weights. Progress() when not resuming."""

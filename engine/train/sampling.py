@@ -34,7 +34,7 @@ from engine.rollout.vllm_engine import Rollout
 from engine.train.data import PromptBatch
 from engine.train.prompt_rounds import sampling_seeds
 from engine.train.rollout_pipeline import staleness_metrics
-from engine.train.run import Run
+from engine.train.run import Run, draw_prompts
 
 
 def generate_everywhere(run: Run, prompt_ids: list[list[int]], num_generations: int,
@@ -87,8 +87,7 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
             pending = run.pipeline.take()
             picked, rollout, version = pending.picked, pending.rollout, pending.version
         else:
-            queued = run.prompt_queue.take(num_prompts) if run.prompt_queue is not None else None
-            picked = queued or run.train_prompts.select(next(rounds))
+            picked, _ = draw_prompts(run, rounds)
             seeds = sampling_seeds(run.cfg.train.seed, step, attempt, picked.indices)
             rollout, version = generate_everywhere(run, picked.prompt_ids, g, seeds), run.policy_version
         versions.append([version] * len(rollout.completion_ids))
