@@ -1,7 +1,8 @@
 """What a Hugging Face model directory must hold before anything is built from it, checked with errors that name
 the directory, the file and the fix.
 
-Owns: `check_model_dir` (config.json present and valid JSON, safetensors weights present: the single file or every
+Owns: `resolve_model_dir` (the directory `model.name_or_path` names, for the trainer and the rollout server alike),
+`check_model_dir` (config.json present and valid JSON, safetensors weights present: the single file or every
 shard its index names; a tokenizer whose vocabulary fits the model's embedding rows) and `tokenizer_vocab_size`
 (from tokenizer.json, without building a tokenizer).
 
@@ -10,8 +11,8 @@ Why: transformers and safetensors fail late or misleadingly on these: a director
 PyTorch `.bin` weights are never read here (no pickle), and a tokenizer with more tokens than the model has rows
 (tokens added without resizing the embeddings) gives ids the model cannot embed, found only when one is sampled.
 
-Must not: import anything of the engine's (models/ sits below every other folder), build a model, or touch the
-network.
+Must not: import anything of the engine's outside engine/models (models/ sits below every other folder), build a
+model, or touch the network (hub.py does, when `resolve_model_dir` is asked to download).
 
 Test: tests/unit/test_bad_inputs.py (the model classes).
 """
@@ -23,6 +24,30 @@ from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 """Any one of these makes a directory's tokenizer loadable (fast, sentencepiece, BPE vocab, tiktoken)."""
+
+
+def resolve_model_dir(name: str, run_dir: str | Path, *, need_tokenizer: bool = False, download: bool = False,
+                      trust_remote_code: bool = False) -> Path:
+    """The directory `model.name_or_path` names: a built-in model's (built under `run_dir`/models, or found there), a
+    local directory (a path that exists, or starts with `.`, `/` or `~`), checked (`check_model_dir`: a missing
+    config.json would give transformers' misleading "model_type" message), else a hub id: with `download` its local
+    snapshot (engine/models/hub.py: the cache, else the hub), otherwise passed on to transformers as it is.
+
+    Args:
+        need_tokenizer: refuse a local directory without tokenizer files (the caller loads its tokenizer there).
+        trust_remote_code: a downloaded snapshot includes the model's own Python files.
+    """
+    from engine.models.hub import resolve_hub_model
+    from engine.models.tiny_model import resolve_builtin_model
+
+    if name.startswith("builtin:"):
+        return resolve_builtin_model(name, Path(run_dir) / "models")
+    local = Path(name).expanduser()
+    if local.is_dir() or name.startswith((".", "/", "~")):
+        if local.is_dir():
+            check_model_dir(local, need_tokenizer=need_tokenizer)
+        return local
+    return Path(resolve_hub_model(name, trust_remote_code)) if download else Path(name)
 
 
 class ModelDirError(ValueError):

@@ -16,14 +16,16 @@ Owns:
   the result, or the error, so every rank returns the same rollout or raises the same `RolloutServerError`
   (no rank hangs in a collective behind a failed request; one request per server per round, as TRL's server mode
   does). Several servers (`rollout.vllm_server_base_urls`, one per inference node): prompts split in contiguous
-  shares, asked concurrently. A restarted server (`RolloutServerLost`) is waited for, re-synced and asked again.
+  shares, asked concurrently. A restarted server (`RolloutServerLost`) is waited for, re-synced (its owner's
+  `on_restart`, engine/rollout/server_rollout.py) and asked again.
   `prompt_logprobs` (weight-sync verification) is per rank: every rank's sequences are gathered first, rank 0 asks
   for them all, each rank gets its own (data-parallel ranks verify different probes).
   `generate_async` starts a generate on a background thread of rank src and returns a `PendingGenerate`, whose
   `result()` (collective) shares the rollout or the error like `generate`: asynchronous rollout
   (engine/train/rollout_pipeline.py) overlaps the HTTP requests with training; the caller keeps at most one in
   flight and never syncs weights while one is.
-- `connect_rollout_server(rollout_cfg, rank)`: the token check, the health wait, the shared handle.
+- `connect_rollout_server(rollout_cfg, generation, rank, on_restart)`: the token check, the health wait, the shared
+  handle. The trainer's `RolloutEngine` in server mode is engine/rollout/server_rollout.py's, around this handle.
 
 Must not: import vLLM (engine/rollout/vllm_engine.py does, on the server), know Megatron's layout, or log the token.
 
@@ -260,20 +262,20 @@ class SharedRolloutClient:
 
     With several servers (`rollout.vllm_server_base_urls`) a round's prompts are split among them in contiguous
     shares, in list order, requested concurrently and put back together prompt-major: with per-prompt seeds the
-    round is the one a single server would sample. Each server gets its own weight sync (the trainer keeps one
-    `ServerSync` link per server in `weight_links`).
+    round is the one a single server would sample. Each server gets its own weight sync (engine/rollout/
+    server_rollout.py keeps one `ServerSync` link per server).
 
     Restarts: a server that stops answering (after the client's retries), or that answers as a new process
-    (`instance_id`) since its last sync, raises `RolloutServerLost`. If the trainer set `resync` (a collective
-    callable that syncs, and verifies, the weights into every server), `generate` then waits up to
-    `vllm_server_timeout` for every server's health check, calls `resync` (the weight links rejoin the restarted
-    servers) and asks once more; a second failure is raised.
+    (`instance_id`) since its last sync, raises `RolloutServerLost`. With `on_restart` (a collective callable that
+    syncs, and verifies, the weights into every server), `generate` then waits up to `vllm_server_timeout` for every
+    server's health check, calls it (the weight links rejoin the restarted servers) and asks once more; a second
+    failure is raised.
 
     Collective: every rank of `group` (None = the default world) must make the same calls in the same order.
     """
 
     def __init__(self, clients: RolloutClient | list[RolloutClient] | None, rank: int, generation: GenerationConfig,
-                 *, group=None, src: int = 0, num_servers: int | None = None):
+                 *, group=None, src: int = 0, num_servers: int | None = None, on_restart=None):
         clients = [clients] if isinstance(clients, RolloutClient) else clients
         if (rank == src) != bool(clients):
             raise ValueError(f"rank {rank}: exactly rank {src} holds the HTTP clients")
@@ -288,12 +290,11 @@ class SharedRolloutClient:
         self.can_sleep = False
         self.healths: list[dict] = []
         """Every server's /health answer at connection (`vllm_tensor_parallel_size` sizes its weight sync)."""
-        self.weight_links: list = []
-        """The trainer's ends of the weight-transfer groups (engine/rollout/server_sync.py `ServerSync`), one per server."""
         self.synced_instance: list[str | None] = [None] * self.num_servers
         """Rank src: per server, the process (`instance_id`) that holds the trainer's last synced weights."""
-        self.resync = None
-        """Set by the trainer: a collective callable that syncs (and verifies) the weights into every server."""
+        self.on_restart = on_restart
+        """A collective callable that syncs (and verifies) the weights into every server; None = a lost server is
+        an error."""
         self.num_restarts = 0
         """Restarts recovered from (the same on every rank)."""
         self._executor = None
@@ -358,14 +359,14 @@ class SharedRolloutClient:
     def _recover(self, lost: RolloutServerLost, prompt_ids: list[list[int]], num_generations: int,
                  seeds: list[int] | None) -> Rollout:
         """After a lost server: wait for every server, resync (collective), ask once more; else re-raise."""
-        if self.resync is None:
+        if self.on_restart is None:
             raise lost
         import warnings
 
         warnings.warn(f"{lost}; waiting up to rollout.vllm_server_timeout for the server(s), then syncing the "
                       "weights again and repeating the request", RuntimeWarning, stacklevel=3)
         self.reconnect()
-        self.resync()
+        self.on_restart()
         self.num_restarts += 1
         return self._shared(lambda: self._generate(prompt_ids, num_generations, seeds))
 
@@ -462,15 +463,17 @@ class PendingGenerate:
             return self.shared._recover(lost, *self.request)
 
 
-def connect_rollout_server(rollout: RolloutConfig, generation: GenerationConfig, rank: int) -> SharedRolloutClient:
-    """The trainer's handle on the server(s) (collective): every rank checks the token, rank 0 waits for health."""
+def connect_rollout_server(rollout: RolloutConfig, generation: GenerationConfig, rank: int,
+                           on_restart=None) -> SharedRolloutClient:
+    """The trainer's handle on the server(s) (collective): every rank checks the token, rank 0 waits for health.
+    `on_restart`: see `SharedRolloutClient`."""
     token = read_token()
     urls = server_urls(rollout)
     clients = None
     if rank == 0:
         clients = [RolloutClient(url, token, timeout_s=rollout.vllm_server_timeout,
                                  request_timeout_s=rollout.vllm_request_timeout) for url in urls]
-    shared = SharedRolloutClient(clients, rank, generation, num_servers=len(urls))
+    shared = SharedRolloutClient(clients, rank, generation, num_servers=len(urls), on_restart=on_restart)
     shared.structured_outputs_regex = rollout.vllm_structured_outputs_regex
     shared.reconnect()
     return shared

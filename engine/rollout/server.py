@@ -74,6 +74,7 @@ from typing import Any
 
 from engine.config import EngineConfig, GenerationConfig, build_config, config_to_dict, load_config
 from engine.log_filters import quiet_library_logs
+from engine.models.model_dir import resolve_model_dir
 from engine.rollout.client import TOKEN_ENV, RolloutServerError, read_token
 
 MAX_BODY_MB = 256
@@ -501,21 +502,6 @@ def _refuse_unsupported_flags(given: dict) -> None:
         raise ValueError(f"--dtype={given['dtype']}: expected auto, {', '.join(sorted(set(_DTYPES.values())))}")
 
 
-def resolve_model_dir(cfg: EngineConfig) -> Path:
-    """The checkpoint directory of `model.name_or_path`: a builtin: name built or found, a local directory, else a
-    hub name from the local cache or downloaded (as the trainer resolves it)."""
-    from engine.models.tiny_model import resolve_builtin_model
-
-    name = cfg.model.name_or_path
-    if name.startswith("builtin:"):
-        return resolve_builtin_model(name, Path(cfg.train.output_dir) / "models")
-    if Path(name).expanduser().is_dir() or name.startswith((".", "/", "~")):
-        return Path(name).expanduser()
-    from engine.models.hub import resolve_hub_model
-
-    return Path(resolve_hub_model(name, cfg.model.trust_remote_code))
-
-
 def resolve_dtype(flag: str | None, model_dir: Path, config_dtype: str) -> str:
     """`--dtype`: None = the config's model.dtype; "auto" = the checkpoint's (config.json `dtype` / `torch_dtype`,
     float32 when it names none; vLLM's own "auto" would serve a float32 checkpoint in 16 bits on a GPU, which the
@@ -553,7 +539,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.rollout.se
     try:
         from engine.rollout.vllm_engine import ServerEngine
 
-        model_dir = resolve_model_dir(cfg)
+        model_dir = resolve_model_dir(cfg.model.name_or_path, cfg.train.output_dir, download=True,
+                                      trust_remote_code=cfg.model.trust_remote_code)
         server.model = model_identity(model_dir, cfg.model.name_or_path, cfg.model.trust_remote_code)
         dtype = resolve_dtype(settings.dtype, model_dir, cfg.model.dtype)
         engine = ServerEngine(model_dir, ro, cfg.generation, seed=cfg.train.seed, dtype=dtype,

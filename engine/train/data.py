@@ -344,13 +344,13 @@ def prepare_prompts(
             raise DatasetError(f"every prompt tokenized to 0 tokens: the tokenizer has {len(tokenizer)} token(s) (a "
                                "model directory without tokenizer files, for which transformers builds an empty one?)")
         raise DatasetError(f"{len(empty)} of {len(lengths)} prompts are empty (0 tokens); the first is row {empty[0]}: "
-                           f"{_preview(dataset[empty[0]]['prompt'])}. Remove or fill the empty prompts")
+                           f"{preview(dataset[empty[0]]['prompt'])}. Remove or fill the empty prompts")
     overlong = [i for i, n in enumerate(lengths) if limit is not None and n > limit]
     if overlong and overlong_prompt_policy == "error":
         first = overlong[0]
         raise DatasetError(
             f"{len(overlong)} of {len(lengths)} prompts are longer than {limit_reason}; the first is row {first} "
-            f"with {lengths[first]} tokens: {_preview(dataset[first]['prompt'])}. Prompts are never truncated: "
+            f"with {lengths[first]} tokens: {preview(dataset[first]['prompt'])}. Prompts are never truncated: "
             "raise the limit, or set data.overlong_prompt_policy=drop to skip them"
         )
     if overlong and overlong_prompt_policy != "drop":
@@ -400,26 +400,26 @@ def _check_prompt(prompt: Any, index: int, is_conversational: bool) -> None:
     """Raise DatasetError naming the row when the prompt is malformed or of the other format than row 0's."""
     kind = "conversational (a list of messages)" if is_conversational else "standard (a str)"
     if not isinstance(prompt, str) and not _is_conversational_prompt(prompt):
-        raise DatasetError(f"row {index}: prompt {_preview(prompt)} is neither a str (standard) nor a list of "
+        raise DatasetError(f"row {index}: prompt {preview(prompt)} is neither a str (standard) nor a list of "
                            "{'role', 'content'} messages (conversational)")
     like = " like row 0's"
     if is_conversational:
         if not _is_conversational_prompt(prompt):
-            raise DatasetError(f"row {index}: prompt {_preview(prompt)} is not {kind}{like}")
+            raise DatasetError(f"row {index}: prompt {preview(prompt)} is not {kind}{like}")
         for message in prompt:
             # NOTE: Arrow stores messages as structs, so a missing key reads back as None.
             is_message = isinstance(message, dict) and isinstance(message.get("role"), str)
             if not is_message or message.get("content") is None:
-                raise DatasetError(f"row {index}: message {_preview(message)} needs 'role' and 'content' keys")
+                raise DatasetError(f"row {index}: message {preview(message)} needs 'role' and 'content' keys")
             if not isinstance(message["content"], (str, list)):
-                raise DatasetError(f"row {index}: message {_preview(message)} has content of type "
+                raise DatasetError(f"row {index}: message {preview(message)} has content of type "
                                    f"{type(message['content']).__name__}; content must be a str (or a list of parts)")
     elif not isinstance(prompt, str):
-        raise DatasetError(f"row {index}: prompt {_preview(prompt)} is not {kind}{like}")
+        raise DatasetError(f"row {index}: prompt {preview(prompt)} is not {kind}{like}")
 
 
-def _preview(value: Any, limit: int = 120) -> str:
-    """repr(value), shortened to `limit` characters."""
+def preview(value: Any, limit: int = 120) -> str:
+    """repr(value), shortened to `limit` characters (error messages quoting a user's row)."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.train.data import preview
 from engine.train.builtin_rewards import (SoftOverlongPunishment, accuracy_reward, exact_match_reward,
                                           think_answer_format_reward, think_format_reward)
 
@@ -394,8 +395,8 @@ class RewardFunctions:
             try:
                 self._call_one(k, row_base, row_kwargs)
             except Exception:  # noqa: BLE001 - this is the row we are looking for
-                where = (f"on row {i} of {num_rows} (prompt {_preview(base['prompts'][i])}, completion "
-                         f"{_preview(base['completions'][i])})")
+                where = (f"on row {i} of {num_rows} (prompt {preview(base['prompts'][i], 80)}, completion "
+                         f"{preview(base['completions'][i], 80)})")
                 break
         columns = sorted(key for key in kwargs if key not in RESERVED_KWARGS)
         return RewardFunctionError(
@@ -453,9 +454,3 @@ def _reward_kwargs(columns: Mapping[str, Sequence[Any]], num_rows: int) -> dict[
 
 def _discard(*args: Any) -> None:
     """The default log_extra / log_metric hook: drops what it is given."""
-
-
-def _preview(value: Any, limit: int = 80) -> str:
-    """repr(value), shortened to `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -46,12 +46,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from engine.rollout.vllm_engine import Rollout
+from engine.rollout.protocol import PendingRollout, RolloutEngine
+from engine.rollout.rollouts import Rollout
 from engine.train.data import PromptBatch
 from engine.train.prompt_rounds import sampling_seeds
-from engine.train.run import draw_prompts
+
 
 @dataclass
 class PendingRound:
@@ -85,23 +87,27 @@ class RolloutPipeline:
     """The rounds generated ahead of training (module docstring). Every rank holds the same pipeline and makes the
     same calls in the same order; only rank 0's client talks HTTP."""
 
-    def __init__(self, run, rounds, max_staleness: int, *, version: int, steps_per_round: int, total_rounds: int):
+    def __init__(self, engine: RolloutEngine, draw_prompts: Callable[[], tuple[PromptBatch, bool]], max_staleness: int,
+                 *, seed: int, num_generations: int, version: int, steps_per_round: int, total_rounds: int):
         """
         Args:
-            run: the Run (engine/train/run.py): its engine (a SharedRolloutClient), prompts, seed, pending hook prompts.
-            rounds: the PromptRounds the requests draw from (advanced at request time: a checkpoint's data position
-                counts the rounds requested).
+            engine: the run's engine (one that runs apart: `generate_async` overlaps training).
+            draw_prompts: the next round's prompts and whether they came from the dataset (engine/train/run.py
+                `draw_prompts`: called at request time, so a checkpoint's data position counts the rounds requested).
             max_staleness: k >= 1.
+            seed: `train.seed` (the rounds' sampling seeds, engine/train/prompt_rounds.py).
+            num_generations: G.
             version: rounds trained so far (0 on a fresh run; the checkpoint's on resume).
             steps_per_round: optimizer steps per round (round r starts at optimizer step r * steps_per_round).
             total_rounds: rounds the run trains on (none is requested beyond).
         """
         if max_staleness < 1:
             raise ValueError(f"the pipeline needs max_staleness >= 1, got {max_staleness} (0 = the synchronous loop)")
-        self.run, self.rounds, self.k = run, rounds, max_staleness
+        self.engine, self.draw_prompts, self.k = engine, draw_prompts, max_staleness
+        self.seed, self.num_generations = seed, num_generations
         self.steps_per_round, self.total_rounds = steps_per_round, total_rounds
         self.ready: deque[PendingRound] = deque()
-        self.in_flight: tuple[PendingRound, object] | None = None
+        self.in_flight: tuple[PendingRound, PendingRollout] | None = None
         self.next_index = version
         """The next round to request."""
         self._waited_s = 0.0  # trainer blocked on generation since the last `take_wait_times`
@@ -110,50 +116,48 @@ class RolloutPipeline:
 
     # --- requests -------------------------------------------------------------------------------------------------
 
-    def _request(self) -> tuple[PendingRound, object]:
+    def _request(self, version: int) -> tuple[PendingRound, PendingRollout]:
         """Pick round `next_index`'s prompts (the curriculum queue's next P, else the dataset's next round),
-        its seeds, and start generating it on rank 0's background thread."""
-        run = self.run
-        picked, is_from_dataset = draw_prompts(run, self.rounds)
+        its seeds, and start generating it with policy `version` (rank 0's background thread)."""
+        picked, is_from_dataset = self.draw_prompts()
         step = self.next_index * self.steps_per_round
-        seeds = sampling_seeds(run.cfg.train.seed, step, 0, picked.indices)
-        pending = PendingRound(self.next_index, step, picked, seeds, version=run.policy_version,
-                               is_from_dataset=is_from_dataset)
+        seeds = sampling_seeds(self.seed, step, 0, picked.indices)
+        pending = PendingRound(self.next_index, step, picked, seeds, version=version, is_from_dataset=is_from_dataset)
         self.next_index += 1
         if self._done_at is not None:
             self._idle_s += time.perf_counter() - self._done_at
             self._done_at = None
-        handle = run.engine.generate_async(picked.prompt_ids, run.cfg.grpo.num_generations, seeds=seeds)
+        handle = self.engine.generate_async(picked.prompt_ids, self.num_generations, seeds=seeds)
         return pending, handle
 
-    def _finish(self, pending: PendingRound, handle) -> PendingRound:
+    def _finish(self, pending: PendingRound, handle: PendingRollout, version: int) -> PendingRound:
         """Wait for a request (rank 0), share its rollout with every rank (collective)."""
         start = time.perf_counter()
         pending.rollout = handle.result()
         self._waited_s += time.perf_counter() - start
         self._done_at = handle.done_at if handle.done_at is not None else time.perf_counter()
         if handle.regenerated:  # a restarted server was resynced with the current weights, which sampled it
-            pending.version = self.run.policy_version
+            pending.version = version
         return pending
 
-    def fill(self) -> None:
-        """Before training round r: rounds r .. r+k-1 complete (generated synchronously while fewer: the warm-up,
-        rounds 0 .. k-1, all by version 0), round r+k requested. Collective."""
+    def fill(self, version: int) -> None:
+        """Before training round r (the trainer holding policy `version`): rounds r .. r+k-1 complete (generated
+        synchronously while fewer: the warm-up, rounds 0 .. k-1, all by version 0), round r+k requested. Collective."""
         while len(self.ready) < self.k and self.next_index < self.total_rounds and self.in_flight is None:
-            self.ready.append(self._finish(*self._request()))
+            self.ready.append(self._finish(*self._request(version), version))
         if self.in_flight is None and self.next_index < self.total_rounds and len(self.ready) <= self.k:
-            self.in_flight = self._request()  # (more than k ready: a checkpoint of a larger k, drained first)
+            self.in_flight = self._request(version)  # (more than k ready: a checkpoint of a larger k, drained first)
 
     def take(self) -> PendingRound:
         """Round r, the oldest complete one (`fill` has made sure there is one). Not collective."""
         return self.ready.popleft()
 
-    def complete(self) -> None:
-        """After training round r, before the weights of version r+1 are pushed: wait for round r+k. Collective."""
+    def complete(self, version: int) -> None:
+        """After training round r, before the weights of `version` (r+1) are pushed: wait for round r+k. Collective."""
         if self.in_flight is not None:
             pending, handle = self.in_flight
             self.in_flight = None
-            self.ready.append(self._finish(pending, handle))
+            self.ready.append(self._finish(pending, handle, version))
 
     # --- metrics and state ------------------------------------------------------------------------------------------
 

@@ -22,50 +22,66 @@ tests/integration/test_trainer.py, tests/integration/test_resume.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig, config_to_dict, write_resolved_config
+from engine.config import EngineConfig, GRPOConfigSection, config_to_dict, write_resolved_config
 from engine.grpo.policy_loss import PolicyLossConfig, entropy_coef_to_apply, update_entropy_coef
+from engine.models.model_dir import resolve_model_dir
+from engine.policy.hf_convert import ModelDims
+from engine.policy.optimizer import PolicyOptimizer
 from engine.policy.parallel import ParallelState, init_parallel
+from engine.policy.reference import ReferencePolicy
 from engine.policy.step import LogprobSettings
-from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
-from engine.rollout.server_sync import build_server_sync, sync_server
+from engine.rollout.protocol import RolloutEngine
 from engine.rollout.sync_check import logprob_health
 from engine.train.checkpoint import (Progress, agree_on_resume_checkpoint, describe_model, load_checkpoint,
                                      read_progress, save_checkpoint)
-from engine.train.data import PromptBatch
+from engine.train.data import PromptBatch, PromptDataset
+from engine.train.metric_logger import MetricLogger
 from engine.train.prompt_queue import PromptQueue
+from engine.train.rewards import RewardFunctions
 from engine.validation import Derived, validate
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.train.rollout_pipeline import RolloutPipeline
 
 
 @dataclass
 class Run:
-    """Everything `train` builds once (see `build_run`)."""
+    """Everything `train` builds once (see `build_run`): the components, each typed with what it holds."""
 
     cfg: EngineConfig
     ps: ParallelState
     derived: Derived
     model_dir: Path
-    tokenizer: object
-    dims: object
-    chunks: list
-    popt: object
-    reference: object
-    engine: object
-    train_prompts: object
-    eval_prompts: object
-    rewards: object
-    logger: object
+    tokenizer: PreTrainedTokenizerBase
+    dims: ModelDims
+    chunks: list[torch.nn.Module]
+    """The policy's Megatron model chunks (one per virtual pipeline stage), as the optimizer holds them."""
+    optimizer: PolicyOptimizer
+    reference: ReferencePolicy | None
+    """The KL reference (None when `grpo.beta` is 0)."""
+    engine: RolloutEngine
+    """Colocated vLLM or the rollout server(s), chosen once (engine/rollout/protocol.py)."""
+    train_prompts: PromptDataset
+    eval_prompts: PromptDataset | None
+    rewards: RewardFunctions
+    logger: MetricLogger | None
+    """Rank 0 only."""
     loss_config: PolicyLossConfig
     settings: LogprobSettings
     total_steps: int
-    group_filter: object = None
+    group_filter: Callable | None = None
     """GFPO's `group_filter_func` (the object given, else imported from `grpo.group_filter_func`), or None."""
-    dynamic_prompts: object = None
+    dynamic_prompts: Callable | None = None
     """The `dynamic_prompts_fn` hook (the object given, else imported from `data.dynamic_prompts_fn`), or None."""
     prompt_queue: PromptQueue | None = None
     """The prompts the hook returned, waiting for rounds of their own (engine/train/prompt_queue.py); None without
@@ -77,10 +93,8 @@ class Run:
     entropy: AdaptiveEntropy = field(default_factory=lambda: AdaptiveEntropy(0.0, enabled=False))
     policy_version: int = 0
     """Rounds trained so far: the version of the policy the trainer holds (and last pushed into the engines)."""
-    pipeline: object = None
-    """Server mode with `rollout.max_staleness` > 0: the RolloutPipeline (engine/train/rollout_pipeline.py)."""
-    colocated_plan: object = None
-    """Colocated mode: the sync plan whose engine boxes the digest verification checks (engine/rollout/colocated_sync.py)."""
+    pipeline: RolloutPipeline | None = None
+    """With `rollout.max_staleness` > 0 (server mode): the rounds generated ahead (engine/train/rollout_pipeline.py)."""
 
 
 class TrainingDivergedError(RuntimeError):
@@ -97,11 +111,11 @@ class AdaptiveEntropy:
     """Token-mean entropy of the previous optimizer step over all ranks (inf before the first, as TRL)."""
     enabled: bool = True
 
-    def coef_to_apply(self, gr) -> float | None:
+    def coef_to_apply(self, grpo: GRPOConfigSection) -> float | None:
         """This step's coefficient (None = the loss config's fixed entropy_coef)."""
-        return entropy_coef_to_apply(self.coef, self.last_entropy, gr.entropy_target) if self.enabled else None
+        return entropy_coef_to_apply(self.coef, self.last_entropy, grpo.entropy_target) if self.enabled else None
 
-    def update(self, gr, ps: ParallelState, outputs: list) -> dict[str, float]:
+    def update(self, grpo: GRPOConfigSection, ps: ParallelState, outputs: list) -> dict[str, float]:
         """After an optimizer step: the world entropy of its micro-batches (summed over the last stage's DP ranks;
         collective), then the controller's step. Returns {"entropy_coef": the new coefficient} (TRL logs it so:
         0.01 + 0.005 * global_step while the entropy stays below the target)."""
@@ -113,9 +127,9 @@ class AdaptiveEntropy:
                 window += out.entropy_window.double().to(ps.device)
         dist.all_reduce(window)
         self.last_entropy = float(window[0] / window[1].clamp(min=1.0))
-        self.coef = update_entropy_coef(self.coef, self.last_entropy, entropy_target=gr.entropy_target,
-                                        entropy_coef_delta=gr.entropy_coef_delta, entropy_coef_min=gr.entropy_coef_min,
-                                        entropy_coef_max=gr.entropy_coef_max)
+        self.coef = update_entropy_coef(self.coef, self.last_entropy, entropy_target=grpo.entropy_target,
+                                        entropy_coef_delta=grpo.entropy_coef_delta,
+                                        entropy_coef_min=grpo.entropy_coef_min, entropy_coef_max=grpo.entropy_coef_max)
         return {"entropy_coef": self.coef}
 
 
@@ -127,14 +141,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
 
     from engine.train.data import load_prompts
     from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
-    from engine.train.metric_logger import MetricLogger
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
-    from engine.policy.reference import ReferencePolicy
-    from engine.train.rewards import RewardFunctions, build_reward_funcs
-    from engine.rollout.vllm_engine import ColocatedEngine
-    from engine.rollout.client import connect_rollout_server
+    from engine.train.rewards import build_reward_funcs
     from engine.models.tiny_model import resolve_builtin_model
 
     cfg, group_filter, dynamic_prompts = resolve_hooks(cfg, group_filter_func, dynamic_prompts_fn)
@@ -164,21 +173,8 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     rewards = (build_reward_funcs(cfg.reward, cfg.generation) if reward_funcs is None
                else RewardFunctions(reward_funcs, cfg.reward.reward_weights, cfg.generation))
     total_steps = _total_steps(cfg, derived, len(train_prompts))
-    popt = build_optimizer(cfg.optimizer, chunks, ps, total_steps=total_steps)
-    if cfg.rollout.vllm_mode == "server":  # waits up to vllm_server_timeout for the server's health check
-        engine = connect_rollout_server(cfg.rollout, cfg.generation, ps.rank)
-        engine.weight_links = [
-            build_server_sync(ps, dims, health["vllm_tensor_parallel_size"], ffn_hidden_size=hf_config.intermediate_size,
-                              dtype=cfg.model.dtype, group_port=cfg.rollout.vllm_group_port + i,
-                              timeout_s=cfg.rollout.vllm_server_timeout, bucket_mb=cfg.rollout.weight_sync_bucket_mb,
-                              server=i)
-            for i, health in enumerate(engine.healths)]
-        # NOTE: the servers outlive trainer runs (and restarts): whatever they hold, the first round samples from
-        # the trainer's weights.
-        _sync_servers(popt.model, ps, dims, engine, verify=cfg.rollout.verify_weight_sync)
-    else:
-        engine = ColocatedEngine(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed + ps.rank // cfg.rollout.vllm_tensor_parallel_size,
-                                 dtype=cfg.model.dtype, world_size=ps.world_size)
+    optimizer = build_optimizer(cfg.optimizer, chunks, ps, total_steps=total_steps)
+    engine = build_engine(cfg, ps, dims, model_dir, optimizer.model, ffn_hidden_size=hf_config.intermediate_size)
     resume_from = agree_on_resume_checkpoint(cfg.checkpoint.resume_from_checkpoint, run_dir, ps)
     resume_step = read_progress(resume_from).step if resume_from is not None else None  # later log lines are dropped
     logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps, resume_step=resume_step) if ps.rank == 0 else None
@@ -187,17 +183,28 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
                                implementation=cfg.kernels.loss_implementation,
                                workspace_mb=cfg.kernels.loss_workspace_mb,
                                terms_implementation=cfg.kernels.loss_terms_implementation)
-    run = Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
-              eval_prompts, rewards, logger, loss_config, settings, total_steps,
-              group_filter, dynamic_prompts, resume_from=resume_from, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))
+    entropy = AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy)
+    run = Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, optimizer, reference, engine, train_prompts,
+              eval_prompts, rewards, logger, loss_config, settings, total_steps, group_filter, dynamic_prompts,
+              resume_from=resume_from, entropy=entropy)
     if dynamic_prompts is not None:
         run.prompt_queue = PromptQueue(cfg.data.dynamic_prompts_queue_rounds * derived.num_prompts_per_generation)
-    if cfg.rollout.vllm_mode == "server":  # a server that restarts mid-run is synced again before it samples
-        engine.resync = lambda: sync_and_verify(run)
-    else:
-        run.colocated_plan = build_colocated_plan(dims, cfg.rollout.vllm_tensor_parallel_size, dtype=cfg.model.dtype,
-                                                  ffn_hidden_size=hf_config.intermediate_size)
     return run
+
+
+def build_engine(cfg: EngineConfig, ps: ParallelState, dims: ModelDims, model_dir: Path, chunks: list, *,
+                 ffn_hidden_size: int) -> RolloutEngine:
+    """The run's rollout engine, chosen here once by `rollout.vllm_mode`: a vLLM engine in every process
+    (colocate), or the rollout server(s), connected (waiting up to `vllm_server_timeout` for their health checks)
+    and synced with the policy's weights (server: they outlive trainer runs and restarts)."""
+    from engine.rollout.colocated import ColocatedRollout
+    from engine.rollout.server_rollout import ServerRollout
+
+    if cfg.rollout.vllm_mode == "server":
+        return ServerRollout(cfg.rollout, cfg.generation, ps, dims, chunks, ffn_hidden_size=ffn_hidden_size,
+                             dtype=cfg.model.dtype, verify=cfg.rollout.verify_weight_sync)
+    return ColocatedRollout.build(model_dir, cfg.rollout, cfg.generation, ps, dims, seed=cfg.train.seed,
+                                  dtype=cfg.model.dtype, ffn_hidden_size=ffn_hidden_size)
 
 
 def resolve_hooks(cfg: EngineConfig, group_filter_func=None,
@@ -238,11 +245,11 @@ def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:
                             max_completion_length=cfg.generation.max_completion_length)
 
 
-def _total_steps(cfg: EngineConfig, d: Derived, num_prompts: int) -> int:
+def _total_steps(cfg: EngineConfig, derived: Derived, num_prompts: int) -> int:
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
-    rounds = math.ceil(cfg.train.num_train_epochs * num_prompts / d.num_prompts_per_generation)
-    return rounds * d.optimizer_steps_per_generation
+    rounds = math.ceil(cfg.train.num_train_epochs * num_prompts / derived.num_prompts_per_generation)
+    return rounds * derived.optimizer_steps_per_generation
 
 
 def draw_prompts(run: Run, rounds) -> tuple[PromptBatch, bool]:
@@ -258,7 +265,7 @@ def resume(run: Run) -> Progress:
     restored policy into every engine, which started from the Hugging Face weights. Progress() when not resuming."""
     if run.resume_from is None:
         return Progress()
-    progress = load_checkpoint(run.resume_from, run.popt, run.ps, model=_model_identity(run),
+    progress = load_checkpoint(run.resume_from, run.optimizer, run.ps, model=_model_identity(run),
                                reference=_mixed_reference(run))
     entropy = progress.loop_state.get("entropy", {})
     run.entropy.coef = entropy.get("coef", run.entropy.coef)
@@ -280,7 +287,7 @@ def save_run(run: Run, progress: Progress) -> int:
     progress = replace(progress, loop_state=progress.loop_state | {
         "entropy": entropy, "prompt_queue": queue, "policy_version": run.policy_version,
         "async_rounds": in_flight})
-    save_checkpoint(run.cfg.train.output_dir, progress, run.popt, run.ps, model=_model_identity(run),
+    save_checkpoint(run.cfg.train.output_dir, progress, run.optimizer, run.ps, model=_model_identity(run),
                     run_config=config_to_dict(run.cfg), save_total_limit=run.cfg.checkpoint.save_total_limit,
                     reference=_mixed_reference(run))
     return progress.step
@@ -290,19 +297,6 @@ def _mixed_reference(run: Run) -> list | None:
     """The reference's chunks when TR-DPO mixes them (`grpo.sync_ref_model`): saved and restored with the run; None
     otherwise (a frozen reference is the Hugging Face checkpoint, rebuilt at start)."""
     return run.reference.chunks if run.cfg.grpo.sync_ref_model and run.reference is not None else None
-
-
-def resolve_model_dir(name: str, run_dir: Path, *, need_tokenizer: bool) -> Path:
-    """The directory `model.name_or_path` names: a built-in model's (written under `run_dir`/models), a local
-    directory, checked before transformers reads it (engine/models/model_dir.py: a missing config.json would give
-    transformers' misleading "model_type" message), or a hub id, passed on to transformers unchecked."""
-    from engine.models.model_dir import check_model_dir
-    from engine.models.tiny_model import resolve_builtin_model
-
-    model_dir = resolve_builtin_model(name, run_dir / "models") if name.startswith("builtin:") else Path(name)
-    if model_dir.is_dir():
-        check_model_dir(model_dir, need_tokenizer=need_tokenizer)
-    return model_dir
 
 
 def _model_identity(run: Run) -> dict:
@@ -324,25 +318,10 @@ def export_policy(run: Run, out_dir: str | Path) -> None:
 
 
 def sync_weights(run: Run) -> dict:
-    """Push the policy's weights into the engines: bucketed in-process loads (colocate) or shard to shard into the
-    rollout server(s) (server; a failure raises WeightSyncError on every rank and leaves the trainer untouched). With
-    `rollout.verify_weight_sync`, every engine rank's digests of what it then holds are checked against the trainer's
-    digests of what it sent (engine/rollout/sync_check.py): a WeightSyncError names any tensor that differs."""
-    verify = run.cfg.rollout.verify_weight_sync
-    if run.cfg.rollout.vllm_mode == "server":
-        return _sync_servers(run.popt.model, run.ps, run.dims, run.engine, verify=verify)
-    return sync_colocated(run.popt.model, run.ps, run.dims, run.engine, run.cfg.rollout.weight_sync_bucket_mb,
-                          run.colocated_plan if verify else None)
-
-
-def _sync_servers(chunks, ps: ParallelState, dims, engine, *, verify: bool) -> dict:
-    """One sync into each rollout server in turn (each through its own transfer group); the stats summed."""
-    total: dict = {}
-    for link in engine.weight_links:
-        for key, value in sync_server(chunks, ps, dims, engine, link, verify=verify).items():
-            total[key] = total.get(key, 0.0) + value
-    return total | {"weight_sync/servers": float(len(engine.weight_links)),
-                    "weight_sync/server_restarts": float(engine.num_restarts)}
+    """Push the policy's weights into the engine(s) (`RolloutEngine.sync_weights`): with `rollout.verify_weight_sync`
+    every engine rank's digests of what it then holds are checked against the trainer's digests of what it sent
+    (engine/rollout/sync_check.py): a WeightSyncError names any tensor that differs, and leaves the trainer as it was."""
+    return run.engine.sync_weights(run.optimizer.model, verify=run.cfg.rollout.verify_weight_sync)
 
 
 def sync_and_verify(run: Run, probe: dict | None = None) -> dict:
@@ -352,7 +331,7 @@ def sync_and_verify(run: Run, probe: dict | None = None) -> dict:
     sync = sync_weights(run)
     probe = probe if probe is not None else run.last_probe
     if run.cfg.rollout.verify_weight_sync and probe is not None:
-        sync |= logprob_health(run.popt.model, run.ps, run.engine, probe, run.dims.vocab_size)
+        sync |= logprob_health(run.optimizer.model, run.ps, run.engine, probe, run.dims.vocab_size)
     return sync
 
 

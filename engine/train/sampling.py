@@ -1,8 +1,7 @@
 """Sampling and scoring one generation batch: G completions per prompt from every engine, the rewards, DAPO's
 dynamic sampling, the curriculum hook's next prompts, GFPO's filter, and the held-out evaluation.
 
-Owns: `generate_everywhere` (each engine generates a contiguous share of the prompts, gathered so every rank holds
-the round; in server mode rank 0 asks the server(s)), `Scored` (one generation batch with its (B, K) rewards),
+Owns: `Scored` (one generation batch with its (B, K) rewards),
 `sample_and_score` (with `grpo.use_dynamic_sampling`, further rounds until enough groups' rewards vary),
 `queue_prompts` (the user's `dynamic_prompts_fn` on rank 0, broadcast, its prompts queued), `keep_best_in_groups` (GFPO's
 `group_filter_func` on rank 0, broadcast), `score` (the reward functions on rank 0 with TRL's contract, broadcast)
@@ -30,31 +29,11 @@ from engine.grpo.advantages import aggregate_rewards
 from engine.grpo.dynamic_sampling import assemble_rounds, find_informative_groups, is_dynamic_batch_full, select_dynamic_batch
 from engine.grpo.group_filter import filter_groups
 from engine.policy.parallel import ParallelState
-from engine.rollout.vllm_engine import Rollout
+from engine.rollout.rollouts import Rollout
 from engine.train.data import PromptBatch
 from engine.train.prompt_rounds import sampling_seeds
 from engine.train.rollout_pipeline import staleness_metrics
 from engine.train.run import Run, draw_prompts
-
-
-def generate_everywhere(run: Run, prompt_ids: list[list[int]], num_generations: int,
-                        seeds: list[int] | None = None) -> Rollout:
-    """Every engine generates a contiguous share of the prompts (the ranks of one vLLM TP group the same share);
-    the shares are gathered so every rank holds the whole round, prompt-major. `seeds`: one vLLM sampling seed per
-    prompt (engine/train/prompt_rounds.py), shared out with the prompts; None = the engines' own generators."""
-    if run.cfg.rollout.vllm_mode == "server":  # rank 0 asks the server, every rank gets the round
-        return run.engine.generate(prompt_ids, num_generations, seeds=seeds)
-    ps, vllm_tp = run.ps, run.cfg.rollout.vllm_tensor_parallel_size
-    num_groups, group = ps.world_size // vllm_tp, ps.rank // vllm_tp
-    share = -(-len(prompt_ids) // num_groups)
-    mine = prompt_ids[group * share : (group + 1) * share]
-    run.engine.wake_up()
-    mine_seeds = seeds[group * share : (group + 1) * share] if seeds is not None else None
-    local = run.engine.generate(mine, num_generations, seeds=mine_seeds) if mine else Rollout.empty()
-    run.engine.sleep()
-    gathered: list = [None] * ps.world_size
-    dist.all_gather_object(gathered, local)
-    return Rollout.concat(gathered[::vllm_tp])
 
 
 @dataclass
@@ -77,11 +56,11 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
     rounds of P prompts until P groups whose rewards vary are found (at most `dynamic_sampling_max_rounds`), then
     the batch is assembled from those groups, topped up with uninformative ones when short
     (engine/grpo/dynamic_sampling.py). Every rank makes the same choices: the rewards are broadcast before choosing."""
-    gr, g = run.cfg.grpo, run.cfg.grpo.num_generations
+    grpo, g = run.cfg.grpo, run.cfg.grpo.num_generations
     num_prompts = run.derived.num_prompts_per_generation
     parts, informative, seconds = [], [], {"time/rollout_s": 0.0, "time/reward_s": 0.0}
     versions = []  # the policy version that sampled each completion of every attempt
-    for attempt in range(gr.dynamic_sampling_max_rounds if gr.use_dynamic_sampling else 1):
+    for attempt in range(grpo.dynamic_sampling_max_rounds if grpo.use_dynamic_sampling else 1):
         start = time.perf_counter()
         if attempt == 0 and run.pipeline is not None:  # asynchronous rollout: generated while the last round trained
             pending = run.pipeline.take()
@@ -89,7 +68,7 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
         else:
             picked, _ = draw_prompts(run, rounds)
             seeds = sampling_seeds(run.cfg.train.seed, step, attempt, picked.indices)
-            rollout, version = generate_everywhere(run, picked.prompt_ids, g, seeds), run.policy_version
+            rollout, version = run.engine.generate(picked.prompt_ids, g, seeds), run.policy_version
         versions.append([version] * len(rollout.completion_ids))
         middle = time.perf_counter()
         rewards, completions = score(run, picked, rollout, step)
@@ -97,7 +76,7 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
         seconds["time/rollout_s"] += middle - start
         seconds["time/reward_s"] += time.perf_counter() - middle
         parts.append(Scored(picked, rollout, rewards, completions, g))
-        if not gr.use_dynamic_sampling:
+        if not grpo.use_dynamic_sampling:
             stats = seconds | staleness_metrics(versions[0], run.policy_version) | curriculum_metrics(run)
             return replace(parts[0], stats=stats)
         informative.append(find_informative_groups(aggregate_rewards(rewards, run.rewards.weights), g))
@@ -200,14 +179,14 @@ def evaluate(run: Run) -> float | None:
     line says so when that cuts). The same value on every rank; None without an eval set."""
     if run.eval_prompts is None:
         return None
-    gr, limit, total = run.cfg.grpo, run.cfg.data.eval_max_prompts, len(run.eval_prompts)
+    grpo, limit, total = run.cfg.grpo, run.cfg.data.eval_max_prompts, len(run.eval_prompts)
     num_prompts = total if limit is None else min(limit, total)
-    g = gr.num_generations_eval or gr.num_generations
+    g = grpo.num_generations_eval or grpo.num_generations
     if num_prompts < total and run.ps.rank == 0:
         print(f"evaluation: the first {num_prompts} of {total} held-out prompts (data.eval_max_prompts={limit}), "
               f"{g} completions each", flush=True)
     picked = run.eval_prompts.select(list(range(num_prompts)))
-    rollout = generate_everywhere(run, picked.prompt_ids, g)
+    rollout = run.engine.generate(picked.prompt_ids, g)
     mean = torch.zeros(1)
     if run.ps.rank == 0:
         texts = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)

@@ -472,12 +472,13 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel
     from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
-    from engine.rollout.client import connect_rollout_server
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from engine.models.tiny_model import resolve_builtin_model
-    from engine.rollout.server_sync import build_server_sync, sync_server, verify_server
+    from engine.rollout.server_rollout import ServerRollout
+    from engine.rollout.server_sync import sync_server, verify_server
     from engine.rollout.sync_check import logprob_health
     from tests.helpers.policy import weight_sync_error
+    from tests.helpers.rollout_turns import run_turns
 
     os.environ["GRPO_ENGINE_TOKEN"] = token
     ps = init_parallel(ParallelConfig(), seed=0)
@@ -488,23 +489,23 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)
     generation = GenerationConfig(max_completion_length=6)
-    engine = connect_rollout_server(RolloutConfig(vllm_mode="server", vllm_server_base_urls=urls,
-                                                  vllm_server_timeout=120.0), generation, ps.rank)
-    engine.weight_links = [build_server_sync(ps, dims, h["vllm_tensor_parallel_size"], server=i,
-                                             ffn_hidden_size=hf_config.intermediate_size, dtype="float32",
-                                             group_port=group_port + i, timeout_s=60.0, bucket_mb=1)
-                           for i, h in enumerate(engine.healths)]
-    out = {"replicas": [(h["replica"], h["num_replicas"]) for h in engine.healths]}
+    rollout_cfg = RolloutConfig(vllm_mode="server", vllm_server_base_urls=urls, vllm_server_timeout=120.0,
+                                vllm_group_port=group_port, weight_sync_bucket_mb=1)
+    # the engine the loop gets in server mode: connected, one link per server, synced (verified) at once
+    engine = ServerRollout(rollout_cfg, generation, ps, dims, popt.model, ffn_hidden_size=hf_config.intermediate_size,
+                           dtype="float32", verify=True)
+    shared = engine.client
+    out = {"replicas": [(h["replica"], h["num_replicas"]) for h in shared.healths],
+           "first_sync_servers": engine.last_sync["weight_sync/servers"]}
 
     def sync_all():
-        return [sync_server(popt.model, ps, dims, engine, link) for link in engine.weight_links]
+        return engine.sync_weights(popt.model, verify=True)
 
-    sync_all()
     prompts, seeds = PROMPTS + [[14, 15]], [11, 22, 33, 44]
-    calls = [client.health()["num_engine_calls"] for client in engine.clients]
+    calls = [client.health()["num_engine_calls"] for client in shared.clients]
     split = engine.generate(prompts, num_generations=2, seeds=seeds)
-    out["generate_calls"] = [c.health()["num_engine_calls"] - n for c, n in zip(engine.clients, calls)]
-    alone = engine.clients[0].generate(prompts, 2, seeds, generation)  # every prompt on the first server
+    out["generate_calls"] = [c.health()["num_engine_calls"] - n for c, n in zip(shared.clients, calls)]
+    alone = shared.clients[0].generate(prompts, 2, seeds, generation)  # every prompt on the first server
     out["split_equals_one_server"] = (split.completion_ids == alone.completion_ids
                                       and split.prompt_ids == alone.prompt_ids)
     out["split_logprob_diff"] = max(abs(a - b) for x, y in zip(split.sampling_logprobs, alone.sampling_logprobs)
@@ -523,29 +524,25 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer,
                           LogprobSettings(vocab_size=vocab, implementation="torch_chunked"))
     popt.step()
-    sync_server(popt.model, ps, dims, engine, engine.weight_links[0])  # the second server is left stale
-    out["stale_error"] = weight_sync_error(lambda: [verify_server(popt.model, ps, engine, link)
-                                                    for link in engine.weight_links])
+    sync_server(popt.model, ps, dims, shared, engine.links[0])  # the second server is left stale
+    out["stale_error"] = weight_sync_error(lambda: [verify_server(popt.model, ps, shared, link)
+                                                    for link in engine.links])
     sync_all()
     out["after"] = logprob_max()
 
-    # the second server dies between rounds and a new process takes its port: the next generate finds it
-    restarted = []
-
-    def resync():
-        restarted.append(sync_all())  # verified
-
-    engine.resync = resync
-    old_instance = engine.healths[1]["instance_id"]
+    # the second server dies between rounds and a new process takes its port: the next generate finds it, and the
+    # engine syncs (verified) the weights it last pushed into both servers again
+    old_instance = shared.healths[1]["instance_id"]
     os.kill(restart["pid"], signal.SIGKILL)
     time.sleep(1.0)
     new = Server(Path(restart["tmp"]), token, port=restart["port"], replica=1, num_replicas=2)
     again = engine.generate(prompts, num_generations=2, seeds=seeds)
-    out["restarts"] = engine.num_restarts
-    out["new_instance"] = engine.healths[1]["instance_id"] != old_instance
-    out["rejoined"] = [stats.get("weight_sync/rejoined", 0.0) for stats in restarted[0]] if restarted else []
+    out["restarts"] = shared.num_restarts
+    out["new_instance"] = shared.healths[1]["instance_id"] != old_instance
+    out["rejoined"] = [stats.get("weight_sync/rejoined", 0.0) for stats in engine.last_sync_each]
     out["after_restart"] = logprob_max()
     out["rows_after_restart"] = len(again.completion_ids)
+    out["turns"] = run_turns(engine, temperature=generation.temperature)  # turns alternate between the servers
     new.stop()
     return out
 
@@ -573,3 +570,7 @@ def test_two_servers_split_rounds_sync_each_name_a_stale_one_and_recover_from_a_
     assert r["restarts"] == 1 and r["new_instance"]
     assert r["rejoined"] == [0.0, 1.0], "only the restarted server's transfer group is joined afresh"
     assert r["rows_after_restart"] == 8
+    assert r["first_sync_servers"] == 2.0, "the engine pushes the trainer's weights into every server at connection"
+    turns = r["turns"]  # each turn continued exactly its token ids: its log-probs are the server's of that context
+    assert turns["keys"] == ["a", "a2", "b"] and turns["within_budget"], turns
+    assert turns["logprob_gap"] < TOLERANCE, turns

@@ -22,6 +22,10 @@ from tests.distributed.launcher import run_distributed
 from tests.helpers.policy import (STRUCTURED_OUTPUTS_REGEX, SYNC_TOLERANCE as TOLERANCE, build_from_hf,
                                   sync_after_step, weight_sync_error)
 
+TURN_TOLERANCE_BF16 = 0.05
+"""A turn's sampled-token log-probs against the same engine's prompt log-probs of those tokens (bf16, one engine:
+only the batch differs). A turn that ignored or re-encoded its token ids would be off by whole nats."""
+
 FLIPS = ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight",
          "model.layers.2.self_attn.o_proj.weight", "model.layers.3.self_attn.q_proj.bias",
          "model.layers.3.post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight")
@@ -37,7 +41,9 @@ def _bf16_large_steps(model_dir: str) -> dict:
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from engine.rollout.colocated_sync import build_colocated_plan, iter_hf_buckets, sync_colocated
     from engine.rollout.sync_check import logprob_health
+    from engine.rollout.colocated import ColocatedRollout
     from engine.rollout.vllm_engine import ColocatedEngine
+    from tests.helpers.rollout_turns import run_turns
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(), ModelConfig(dtype="bfloat16"))
     popt = build_optimizer(OptimizerConfig(learning_rate=0.1, lr_scheduler_type="constant"), chunks, ps, total_steps=4)
@@ -46,6 +52,9 @@ def _bf16_large_steps(model_dir: str) -> dict:
     plan = build_colocated_plan(dims, 1, ffn_hidden_size=hf_config.intermediate_size, dtype="bfloat16")
     out: dict = {"p90": [], "max": [], "weight_max": []}
     try:
+        # multi-turn through the protocol: turns by token ids, one continued while another runs
+        out["turns"] = run_turns(ColocatedRollout(engine, ps, dims, engine_tp=1, bucket_mb=512, dtype="bfloat16",
+                                                  ffn_hidden_size=hf_config.intermediate_size), temperature=1.0)
         rollout = engine.generate([[5 + i, 6 + 2 * i, 7 + 3 * i] for i in range(12)], num_generations=2)
         batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
         batch["advantages"] = torch.tensor([1.0, -1.0] * 12)
@@ -115,6 +124,9 @@ def test_bf16_at_lr_0_1_every_sync_verifies_and_one_stale_layer_is_caught(tmp_pa
     # The warm-started demo model: its confident predictions are what bf16 rounding noise acts on in a real run.
     (r,) = run_distributed(_bf16_large_steps, 1, str(resolve_builtin_model("builtin:tiny-qwen2-arith", tmp_path)))
     print({k: v for k, v in r.items() if k != "stale_error"})
+    turns = r["turns"]  # each turn continued exactly its token ids: its log-probs are the engine's of that context
+    assert turns["keys"] == ["a", "a2", "b"] and turns["within_budget"], turns
+    assert turns["logprob_gap"] < TURN_TOLERANCE_BF16, turns
     # three syncs at lr 0.1 verified (sync_colocated raises otherwise), whatever the log-prob probe shows (measured
     # here: p90 0.07-0.13, max 0.15-0.45 nats; a health metric only)
     assert len(r["p90"]) == 3 and r["weight_max"][-1] > 1.0, r

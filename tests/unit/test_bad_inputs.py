@@ -208,7 +208,7 @@ def test_a_model_directory_missing_a_file_names_the_file(model_dir, tmp_path):
 
 
 def test_the_trainer_checks_a_local_model_directory_but_not_a_hub_id(model_dir, tmp_path):
-    from engine.train.run import resolve_model_dir
+    from engine.models.model_dir import resolve_model_dir
 
     # what build_run reads model.name_or_path with: before transformers' "should have a `model_type` key" message
     no_config = _copy_model(model_dir, tmp_path / "no_config", skip=("config.json",))

@@ -8,7 +8,8 @@ import pytest
 
 from engine.config import load_config
 from engine.rollout.client import RolloutServerError, read_token
-from engine.rollout.server import main, parse_serve_args, resolve_dtype, resolve_model_dir
+from engine.models.model_dir import resolve_model_dir
+from engine.rollout.server import main, parse_serve_args, resolve_dtype
 
 MODEL = "builtin:tiny-qwen2-arith"
 
@@ -66,12 +67,13 @@ def test_flags_that_cannot_be_honoured_are_refused_with_what_to_do(argv, message
 
 def test_dtype_auto_is_the_checkpoints_and_a_local_directory_is_served_as_given(tmp_path):
     cfg = parse_serve_args(["--model", MODEL]).cfg
-    model_dir = resolve_model_dir(cfg)
+    model_dir = resolve_model_dir(cfg.model.name_or_path, cfg.train.output_dir, download=True)
     assert (model_dir / "config.json").is_file()
     assert resolve_dtype("auto", model_dir, "bfloat16") == "float32"  # the shipped tiny model is float32
     assert resolve_dtype("half", model_dir, "float32") == "float16"
     assert resolve_dtype(None, model_dir, "float32") == "float32"  # no --dtype: the config's model.dtype
-    assert resolve_model_dir(parse_serve_args(["--model", str(tmp_path)]).cfg) == tmp_path
+    served = parse_serve_args(["--model", str(model_dir)]).cfg.model.name_or_path
+    assert resolve_model_dir(served, tmp_path, download=True) == model_dir
 
 
 @pytest.mark.parametrize("value,state", [(None, "unset"), ("short", r"too short \(5 characters, 16\+ needed\)")])

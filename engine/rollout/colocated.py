@@ -1,0 +1,119 @@
+"""Colocated mode's `RolloutEngine` (engine/rollout/protocol.py): a vLLM engine in every training process.
+
+Owns: `ColocatedRollout`: a round is shared out among the engines (each vLLM TP group generates a contiguous share
+of the prompts, woken for it and put to sleep after) and gathered, so every rank holds the whole round; the weight
+sync is engine/rollout/colocated_sync.py's, verified against the plan of what each engine rank holds; one sample's
+next turn goes into this rank's engine (`ColocatedEngine.add_turn`), which runs it with the other turns in flight.
+
+Must not: import vLLM (engine/rollout/vllm_engine.py), or read Megatron's global parallel state (it gets `ps`).
+
+Test: tests/integration/test_trainer.py (the loop, colocated), tests/integration/test_weight_sync.py (turns);
+tests/unit/test_rollout_protocol.py (the protocol's methods).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from engine.config import GenerationConfig, RolloutConfig
+from engine.policy.hf_convert import ModelDims
+from engine.policy.parallel import ParallelState
+from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
+from engine.rollout.protocol import TurnRequest, TurnResult
+from engine.rollout.rollouts import Rollout
+
+
+class ColocatedRollout:
+    """This rank's vLLM engine, and the trainer's world it shares rounds with (module docstring)."""
+
+    runs_apart = False
+
+    def __init__(self, engine, ps: ParallelState, dims: ModelDims, *, engine_tp: int, bucket_mb: float,
+                 ffn_hidden_size: int, dtype: str):
+        """
+        Args:
+            engine: this rank's engine/rollout/vllm_engine.py `ColocatedEngine`.
+            engine_tp: `rollout.vllm_tensor_parallel_size` (ranks rank // engine_tp share one engine).
+            bucket_mb: `rollout.weight_sync_bucket_mb`.
+        """
+        self.engine, self.ps, self.dims = engine, ps, dims
+        self.engine_tp, self.bucket_mb = engine_tp, bucket_mb
+        self.plan = build_colocated_plan(dims, engine_tp, ffn_hidden_size=ffn_hidden_size, dtype=dtype)
+        """What each engine rank holds of every HF tensor (the digests' reference)."""
+
+    @classmethod
+    def build(cls, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, ps: ParallelState,
+              dims: ModelDims, *, seed: int, dtype: str, ffn_hidden_size: int) -> ColocatedRollout:
+        """Start this rank's engine from `model_dir` (the policy's checkpoint: no first sync is needed)."""
+        from engine.rollout.vllm_engine import ColocatedEngine
+
+        engine_tp = rollout.vllm_tensor_parallel_size
+        engine = ColocatedEngine(model_dir, rollout, generation, seed=seed + ps.rank // engine_tp, dtype=dtype,
+                                 world_size=ps.world_size)
+        return cls(engine, ps, dims, engine_tp=engine_tp, bucket_mb=rollout.weight_sync_bucket_mb,
+                   ffn_hidden_size=ffn_hidden_size, dtype=dtype)
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+        """Every engine generates a contiguous share of the prompts (the ranks of one vLLM TP group the same share);
+        the shares are gathered so every rank holds the whole round, prompt-major (collective)."""
+        num_groups, group = self.ps.world_size // self.engine_tp, self.ps.rank // self.engine_tp
+        share = -(-len(prompt_ids) // num_groups)
+        mine = prompt_ids[group * share : (group + 1) * share]
+        mine_seeds = seeds[group * share : (group + 1) * share] if seeds is not None else None
+        self.engine.wake_up()
+        local = self.engine.generate(mine, num_generations, seeds=mine_seeds) if mine else Rollout.empty()
+        self.engine.sleep()
+        gathered: list = [None] * self.ps.world_size
+        dist.all_gather_object(gathered, local)
+        return Rollout.concat(gathered[:: self.engine_tp])
+
+    def generate_async(self, prompt_ids: list[list[int]], num_generations: int,
+                       seeds: list[int] | None = None) -> GeneratedRollout:
+        """`generate`, run now: the engine shares the trainer's devices, so nothing overlaps (collective now)."""
+        return GeneratedRollout(self.generate(prompt_ids, num_generations, seeds))
+
+    def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        return self.engine.prompt_logprobs(sequences, temperature)
+
+    def prompt_logprobs_each(self, sequences: list[list[int]], temperature: float) -> list[list[list[float]]]:
+        """One replica: this rank's engine."""
+        return [self.engine.prompt_logprobs(sequences, temperature)]
+
+    def sync_weights(self, chunks: list, *, verify: bool) -> dict[str, float]:
+        """Bucketed in-process loads on every rank (engine/rollout/colocated_sync.py), digests checked with
+        `verify` (collective)."""
+        return sync_colocated(chunks, self.ps, self.dims, self.engine, self.bucket_mb, self.plan if verify else None)
+
+    def submit_turn(self, request: TurnRequest) -> None:
+        """Into this rank's engine (with engine TP > 1 every rank of its TP group makes the same turn calls)."""
+        self.engine.add_turn(request)
+
+    def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
+        """Steps the engine (every turn in flight advances together) until one finishes; `timeout_s` is unused:
+        a step returns within the engine's own time."""
+        return self.engine.step_turns()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class GeneratedRollout:
+    """A `PendingRollout` that is already complete (colocated `generate_async`)."""
+
+    regenerated = False
+
+    def __init__(self, rollout: Rollout):
+        import time
+
+        self.rollout, self.done_at = rollout, time.perf_counter()
+
+    def result(self) -> Rollout:
+        return self.rollout

@@ -1,0 +1,132 @@
+"""Server mode's `RolloutEngine` (engine/rollout/protocol.py): one or several rollout servers (engine/rollout/
+server.py) on other processes or nodes.
+
+Owns: `ServerRollout`: the shared HTTP handle (engine/rollout/client.py `SharedRolloutClient`: rank 0 asks, every
+rank gets the round; several servers split it), one weight-transfer link per server (engine/rollout/server_sync.py
+`ServerSync`, shard to shard) with the first sync at connection (the servers outlive trainer runs: whatever they
+hold, the first round samples from the trainer's weights), the restart recovery (a lost server is waited for, synced
+again with the weights last pushed, and asked again), and one sample's next turn as its own request (a bounded pool
+of rank 0's threads, servers taken in turn).
+
+Must not: import vLLM, or read Megatron's global parallel state (it gets `ps`).
+
+Test: tests/integration/test_rollout_server.py (two servers: split rounds, a stale one named, a restart recovered,
+turns), tests/integration/test_async_rollout.py (`generate_async`); tests/unit/test_rollout_protocol.py.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import replace
+
+from engine.config import GenerationConfig, RolloutConfig
+from engine.policy.hf_convert import ModelDims
+from engine.policy.parallel import ParallelState
+from engine.rollout.client import PendingGenerate, connect_rollout_server
+from engine.rollout.protocol import TurnRequest, TurnResult
+from engine.rollout.rollouts import Rollout
+from engine.rollout.server_sync import build_server_sync, sync_server
+
+MAX_TURNS_IN_FLIGHT = 64
+"""Rank 0's threads for turn requests (each holds one HTTP request open)."""
+
+
+class ServerRollout:
+    """The rollout server(s) as the trainer's engine (module docstring)."""
+
+    runs_apart = True
+
+    def __init__(self, rollout: RolloutConfig, generation: GenerationConfig, ps: ParallelState, dims: ModelDims,
+                 chunks: list, *, ffn_hidden_size: int, dtype: str, verify: bool):
+        """Connect (waits up to `rollout.vllm_server_timeout` for every server's health check), join one transfer
+        group per server and push `chunks` (the policy's Megatron chunks), verified with `verify`. Collective."""
+        self.ps, self.dims, self.generation = ps, dims, generation
+        self.client = connect_rollout_server(rollout, generation, ps.rank, on_restart=self._resync)
+        self.links = [build_server_sync(ps, dims, health["vllm_tensor_parallel_size"], ffn_hidden_size=ffn_hidden_size,
+                                        dtype=dtype, group_port=rollout.vllm_group_port + i,
+                                        timeout_s=rollout.vllm_server_timeout, bucket_mb=rollout.weight_sync_bucket_mb,
+                                        server=i)
+                      for i, health in enumerate(self.client.healths)]
+        self._pushed: tuple[list, bool] | None = None  # the chunks last pushed and whether that sync was verified
+        self.last_sync: dict[str, float] = {}
+        """The last sync's metrics, summed over the servers."""
+        self.last_sync_each: list[dict[str, float]] = []
+        """The last sync's metrics per server (`weight_sync/rejoined`: joined afresh after a restart)."""
+        self._turns: dict[Future, TurnRequest] = {}
+        self._turn_pool: ThreadPoolExecutor | None = None
+        self._next_server = 0
+        self.sync_weights(chunks, verify=verify)
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
+        """Rank 0 asks the server(s), every rank gets the round (collective)."""
+        return self.client.generate(prompt_ids, num_generations, seeds=seeds)
+
+    def generate_async(self, prompt_ids: list[list[int]], num_generations: int,
+                       seeds: list[int] | None = None) -> PendingGenerate:
+        """The requests run on rank 0's background thread while the trainer trains; `result()` is collective."""
+        return self.client.generate_async(prompt_ids, num_generations, seeds=seeds)
+
+    def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        return self.client.prompt_logprobs(sequences, temperature)
+
+    def prompt_logprobs_each(self, sequences: list[list[int]], temperature: float) -> list[list[list[float]]]:
+        """Every server's log-probs (each holds its own copy of the weights)."""
+        return self.client.prompt_logprobs_each(sequences, temperature)
+
+    def sync_weights(self, chunks: list, *, verify: bool) -> dict[str, float]:
+        """One sync into each server in turn, each through its own transfer group (collective); the stats summed.
+        A failure raises WeightSyncError on every rank and leaves the trainer untouched."""
+        self.last_sync_each = [sync_server(chunks, self.ps, self.dims, self.client, link, verify=verify)
+                               for link in self.links]
+        total: dict[str, float] = {}
+        for key, value in (item for stats in self.last_sync_each for item in stats.items()):
+            total[key] = total.get(key, 0.0) + value
+        self._pushed = (chunks, verify)
+        self.last_sync = total | {"weight_sync/servers": float(len(self.links)),
+                                  "weight_sync/server_restarts": float(self.client.num_restarts)}
+        return self.last_sync
+
+    def _resync(self) -> None:
+        """A restarted server: push the weights last pushed again, as that sync did (collective)."""
+        chunks, verify = self._pushed
+        self.sync_weights(chunks, verify=verify)
+
+    def submit_turn(self, request: TurnRequest) -> None:
+        """Rank 0 only: the turn goes to the next server as its own request (one completion, `max_tokens` at most,
+        the trainer's sampling settings), on a background thread."""
+        if not self.client.clients:
+            raise RuntimeError(f"rank {self.ps.rank}: turns are asked by rank {self.client.src}, which holds the "
+                               "HTTP clients")
+        if self._turn_pool is None:
+            self._turn_pool = ThreadPoolExecutor(MAX_TURNS_IN_FLIGHT, thread_name_prefix="rollout-turn")
+        client = self.client.clients[self._next_server % len(self.client.clients)]
+        self._next_server += 1
+        generation = replace(self.generation, max_completion_length=request.max_tokens)
+        seeds = None if request.seed is None else [request.seed]
+        future = self._turn_pool.submit(client.generate, [list(request.prompt_ids)], 1, seeds, generation,
+                                        self.client.structured_outputs_regex)
+        self._turns[future] = request
+
+    def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
+        """The turns whose requests have answered (at least one, unless `timeout_s` passes or none is in flight); a
+        failed request raises its RolloutServerError here."""
+        if not self._turns:
+            return []
+        finished, _ = wait(list(self._turns), timeout=timeout_s, return_when=FIRST_COMPLETED)
+        done = []
+        for future in finished:
+            request, rollout = self._turns.pop(future), future.result()
+            done.append(TurnResult(request.key, rollout.completion_ids[0], rollout.sampling_logprobs[0],
+                                   rollout.is_truncated[0]))
+        return done
+
+    def sleep(self) -> None:
+        """No-op: the servers have accelerators of their own."""
+
+    def wake_up(self) -> None:
+        """No-op (see `sleep`)."""
+
+    def close(self) -> None:
+        if self._turn_pool is not None:
+            self._turn_pool.shutdown(wait=True)
+        self.client.close()
