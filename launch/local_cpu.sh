@@ -6,8 +6,8 @@
 #   NPROC=2 launch/local_cpu.sh parallel.tp_size=2              # TP=2 on 2 processes
 #   DRY_RUN=1 NPROC=2 launch/local_cpu.sh parallel.tp_size=2    # validate + plan at world size 2, train nothing
 #
-# `grpo-engine train` runs the GRPO loop once the trainer issue lands; until then it validates, writes the resolved
-# config and exits 2. `make demo` is what trains on CPU today.
+# `grpo-engine train` validates, writes the resolved config into train.output_dir and runs the GRPO loop (exit 0 at
+# the end of training); `--dry-run` validates and plans only (exit 0 only if the plan fits).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

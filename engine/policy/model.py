@@ -371,7 +371,7 @@ def _policy_class():
 
 def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainConfig | None = None
                  ) -> list[torch.nn.Module]:
-    """Build this rank's model chunks (one per virtual pipeline stage) of a Qwen2 / Llama model.
+    """Build this rank's model chunks (one per virtual pipeline stage) of a model of `SUPPORTED_MODEL_TYPES`.
 
     Args:
         hf_config: transformers PretrainedConfig.

@@ -7,7 +7,8 @@ installs the CPU compatibility layer first (engine/policy/cpu_compat.py).
 
 Must not: be read from anywhere else for groups (components receive `ParallelState` or its groups as arguments).
 
-Test: `pytest tests/distributed` (layouts TP=2, PP=2, TP=2 x PP=2 on gloo) and tests/unit/test_parallel.py.
+Test: tests/distributed/test_parallel_state.py (ranks and groups per layout, a world that does not fit); every
+layout test under tests/distributed runs on it.
 """
 
 from __future__ import annotations

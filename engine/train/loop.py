@@ -67,9 +67,9 @@ from engine.policy.step import forward_logprobs, grpo_forward_backward
 from engine.rollout.rollouts import Rollout
 from engine.train.checkpoint import Progress, StopSignal, is_save_step
 from engine.train.prompt_rounds import PromptRounds, shuffle_order
-from engine.train.run import Run, build_run, check_finite, draw_prompts, export_policy, resume, save_run, sync_and_verify
+from engine.train.run import Run, build_run, check_finite, export_policy, resume, save_run, sync_and_verify
 from engine.train.rollout_pipeline import RolloutPipeline, rewind_rounds_ahead
-from engine.train.sampling import Scored, evaluate, keep_best_in_groups, sample_and_score
+from engine.train.sampling import Scored, draw_prompts, evaluate, keep_best_in_groups, sample_and_score
 
 
 def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
@@ -90,8 +90,8 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                     tokenizer=tokenizer, group_filter_func=group_filter_func, dynamic_prompts_fn=dynamic_prompts_fn)
     cfg, ps, derived = run.cfg, run.ps, run.derived
     progress = resume(run)  # model, optimizer, scheduler, RNG, data position, step; the weights into the engines
-    before = evaluate(run)
-    rounds = PromptRounds(len(run.train_prompts), derived.num_prompts_per_generation, cfg.train.seed,
+    before = evaluate(run.sampler)
+    rounds = PromptRounds(len(run.sampler.train_prompts), derived.num_prompts_per_generation, cfg.train.seed,
                           cfg.train.shuffle_dataset, start=progress.rounds_done)
     step, last, num_tokens = progress.step, {}, progress.num_tokens
     saved_at = progress.step if run.resume_from else None
@@ -104,9 +104,9 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
         #    r + k is asked for now and generated while this one trains
         if run.pipeline is not None:
             run.pipeline.fill(run.policy_version)
-        scored = sample_and_score(run, rounds, step)
+        scored = sample_and_score(run.sampler, rounds, step, version=run.policy_version, pipeline=run.pipeline)
         # 2. GFPO keeps the best num_remains_in_group completions of each group; advantages over whole groups
-        scored = keep_best_in_groups(run, scored)
+        scored = keep_best_in_groups(run.sampler, scored)
         adv = compute_advantages(scored.rewards, scored.group_size, run.rewards.weights,
                                  cfg.grpo.scale_rewards, cfg.reward.multi_objective_aggregation)
         log_completions(run, scored, adv.advantages)
@@ -156,7 +156,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     stop.uninstall()
     if saved_at != step:  # the end of training, or the round boundary SIGUSR1 asked for
         save_run(run, Progress(step, rounds.position, num_tokens))
-    after = evaluate(run) if not stop.stopping else None
+    after = evaluate(run.sampler) if not stop.stopping else None
     if export_dir is not None:
         export_policy(run, export_dir)
     elif cfg.checkpoint.save_hf_at_end and not stop.stopping:
@@ -179,7 +179,7 @@ def start_pipeline(run: Run, rounds: PromptRounds, progress: Progress) -> None:
         rewind_rounds_ahead(state, rounds)  # rounds an asynchronous run generated ahead are sampled again
         return
     total_rounds = -(-run.total_steps // per_round)
-    run.pipeline = RolloutPipeline(run.engine, lambda: draw_prompts(run, rounds), k, seed=run.cfg.train.seed,
+    run.pipeline = RolloutPipeline(run.engine, lambda: draw_prompts(run.sampler, rounds), k, seed=run.cfg.train.seed,
                                    num_generations=run.cfg.grpo.num_generations, version=run.policy_version,
                                    steps_per_round=per_round, total_rounds=total_rounds)
     run.pipeline.restore(state)

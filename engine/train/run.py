@@ -22,7 +22,6 @@ tests/integration/test_trainer.py, tests/integration/test_resume.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,10 +41,11 @@ from engine.rollout.protocol import RolloutEngine
 from engine.rollout.sync_check import logprob_health
 from engine.train.checkpoint import (Progress, agree_on_resume_checkpoint, describe_model, load_checkpoint,
                                      read_progress, save_checkpoint)
-from engine.train.data import PromptBatch, PromptDataset
+from engine.train.data import PromptBatch
 from engine.train.metric_logger import MetricLogger
 from engine.train.prompt_queue import PromptQueue
 from engine.train.rewards import RewardFunctions
+from engine.train.sampling import RoundSampler
 from engine.validation import Derived, validate
 
 if TYPE_CHECKING:
@@ -71,21 +71,15 @@ class Run:
     """The KL reference (None when `grpo.beta` is 0)."""
     engine: RolloutEngine
     """Colocated vLLM or the rollout server(s), chosen once (engine/rollout/protocol.py)."""
-    train_prompts: PromptDataset
-    eval_prompts: PromptDataset | None
     rewards: RewardFunctions
     logger: MetricLogger | None
     """Rank 0 only."""
+    sampler: RoundSampler
+    """Sampling and scoring rounds: the engine, rewards, prompts, hooks and curriculum queue, with the `grpo`,
+    `data` and `generation` sections (engine/train/sampling.py)."""
     loss_config: PolicyLossConfig
     settings: LogprobSettings
     total_steps: int
-    group_filter: Callable | None = None
-    """GFPO's `group_filter_func` (the object given, else imported from `grpo.group_filter_func`), or None."""
-    dynamic_prompts: Callable | None = None
-    """The `dynamic_prompts_fn` hook (the object given, else imported from `data.dynamic_prompts_fn`), or None."""
-    prompt_queue: PromptQueue | None = None
-    """The prompts the hook returned, waiting for rounds of their own (engine/train/prompt_queue.py); None without
-    the hook."""
     last_probe: dict | None = None
     """The last round's first micro-batch: the weight-sync verification probe (also after a server restart)."""
     resume_from: Path | None = None
@@ -183,13 +177,14 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
                                implementation=cfg.kernels.loss_implementation,
                                workspace_mb=cfg.kernels.loss_workspace_mb,
                                terms_implementation=cfg.kernels.loss_terms_implementation)
+    num_prompts = derived.num_prompts_per_generation
+    queue = PromptQueue(cfg.data.dynamic_prompts_queue_rounds * num_prompts) if dynamic_prompts is not None else None
+    sampler = RoundSampler(engine, rewards, tokenizer, ps, train_prompts, eval_prompts, logger, cfg.grpo, cfg.data,
+                           cfg.generation, seed=cfg.train.seed, num_prompts=num_prompts, total_steps=total_steps,
+                           group_filter=group_filter, dynamic_prompts=dynamic_prompts, prompt_queue=queue)
     entropy = AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy)
-    run = Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, optimizer, reference, engine, train_prompts,
-              eval_prompts, rewards, logger, loss_config, settings, total_steps, group_filter, dynamic_prompts,
-              resume_from=resume_from, entropy=entropy)
-    if dynamic_prompts is not None:
-        run.prompt_queue = PromptQueue(cfg.data.dynamic_prompts_queue_rounds * derived.num_prompts_per_generation)
-    return run
+    return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, optimizer, reference, engine, rewards, logger,
+               sampler, loss_config, settings, total_steps, resume_from=resume_from, entropy=entropy)
 
 
 def build_engine(cfg: EngineConfig, ps: ParallelState, dims: ModelDims, model_dir: Path, chunks: list, *,
@@ -252,14 +247,6 @@ def _total_steps(cfg: EngineConfig, derived: Derived, num_prompts: int) -> int:
     return rounds * derived.optimizer_steps_per_generation
 
 
-def draw_prompts(run: Run, rounds) -> tuple[PromptBatch, bool]:
-    """The next round's P prompts: the curriculum queue's front when P wait (engine/train/prompt_queue.py), else
-    the dataset's next round; and whether they came from the dataset (the data position moved)."""
-    num_prompts = run.derived.num_prompts_per_generation
-    queued = run.prompt_queue.take(num_prompts) if run.prompt_queue is not None else None
-    return (queued, False) if queued is not None else (run.train_prompts.select(next(rounds)), True)
-
-
 def resume(run: Run) -> Progress:
     """Restore `run.resume_from` (model, optimizer, scheduler, RNG, data position, step; collective), then load the
     restored policy into every engine, which started from the Hugging Face weights. Progress() when not resuming."""
@@ -270,11 +257,12 @@ def resume(run: Run) -> Progress:
     entropy = progress.loop_state.get("entropy", {})
     run.entropy.coef = entropy.get("coef", run.entropy.coef)
     run.entropy.last_entropy = entropy.get("last_entropy", run.entropy.last_entropy)
-    if run.prompt_queue is not None:  # the prompts the dynamic-prompts hook returned, still waiting
-        run.prompt_queue.restore(progress.loop_state.get("prompt_queue"))
+    queue = run.sampler.prompt_queue
+    if queue is not None:  # the prompts the dynamic-prompts hook returned, still waiting
+        queue.restore(progress.loop_state.get("prompt_queue"))
         pending = progress.loop_state.get("pending_prompts")  # a checkpoint from before the queue: its one choice
         if pending is not None:
-            run.prompt_queue.push(PromptBatch(**pending))
+            queue.push(PromptBatch(**pending))
     sync_weights(run)
     return progress
 
@@ -282,7 +270,7 @@ def resume(run: Run) -> Progress:
 def save_run(run: Run, progress: Progress) -> int:
     """Write `<output_dir>/checkpoint-<step>` (collective), keep the newest `save_total_limit`; returns the step."""
     entropy = {"coef": run.entropy.coef, "last_entropy": run.entropy.last_entropy}
-    queue = run.prompt_queue.state() if run.prompt_queue is not None else None
+    queue = run.sampler.prompt_queue.state() if run.sampler.prompt_queue is not None else None
     in_flight = run.pipeline.state() if run.pipeline is not None else None  # asynchronous rollout's complete rounds
     progress = replace(progress, loop_state=progress.loop_state | {
         "entropy": entropy, "prompt_queue": queue, "policy_version": run.policy_version,

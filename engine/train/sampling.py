@@ -1,7 +1,9 @@
 """Sampling and scoring one generation batch: G completions per prompt from every engine, the rewards, DAPO's
 dynamic sampling, the curriculum hook's next prompts, GFPO's filter, and the held-out evaluation.
 
-Owns: `Scored` (one generation batch with its (B, K) rewards),
+Owns: `RoundSampler` (the components and config sections sampling reads: the engine, rewards, tokenizer, prompts,
+hooks and the curriculum queue; `grpo`, `data`, `generation`; never the root config), `draw_prompts` (the next
+round's P prompts: the curriculum queue's, else the dataset's), `Scored` (one generation batch with its (B, K) rewards),
 `sample_and_score` (with `grpo.use_dynamic_sampling`, further rounds until enough groups' rewards vary),
 `queue_prompts` (the user's `dynamic_prompts_fn` on rank 0, broadcast, its prompts queued), `keep_best_in_groups` (GFPO's
 `group_filter_func` on rank 0, broadcast), `score` (the reward functions on rank 0 with TRL's contract, broadcast)
@@ -19,8 +21,10 @@ test_group_filter.py, test_dynamic_prompts.py.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,12 +32,56 @@ import torch.distributed as dist
 from engine.grpo.advantages import aggregate_rewards
 from engine.grpo.dynamic_sampling import assemble_rounds, find_informative_groups, is_dynamic_batch_full, select_dynamic_batch
 from engine.grpo.group_filter import filter_groups
+from engine.config import DataConfig, GenerationConfig, GRPOConfigSection
 from engine.policy.parallel import ParallelState
+from engine.rollout.protocol import RolloutEngine
 from engine.rollout.rollouts import Rollout
-from engine.train.data import PromptBatch
-from engine.train.prompt_rounds import sampling_seeds
-from engine.train.rollout_pipeline import staleness_metrics
-from engine.train.run import Run, draw_prompts
+from engine.train.data import PromptBatch, PromptDataset
+from engine.train.metric_logger import MetricLogger
+from engine.train.prompt_queue import PromptQueue
+from engine.train.prompt_rounds import PromptRounds, sampling_seeds
+from engine.train.rewards import RewardFunctions
+from engine.train.rollout_pipeline import RolloutPipeline, staleness_metrics
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+@dataclass
+class RoundSampler:
+    """What sampling and scoring a round reads (engine/train/run.py `build_run` makes it once)."""
+
+    engine: RolloutEngine
+    rewards: RewardFunctions
+    tokenizer: PreTrainedTokenizerBase
+    ps: ParallelState
+    train_prompts: PromptDataset
+    eval_prompts: PromptDataset | None
+    logger: MetricLogger | None
+    """Rank 0 only (the reward functions' `log_extra` / `log_metric`)."""
+    grpo: GRPOConfigSection
+    data: DataConfig
+    generation: GenerationConfig
+    seed: int
+    """`train.seed`: the rounds' vLLM sampling seeds (engine/train/prompt_rounds.py)."""
+    num_prompts: int
+    """P: prompts per generation round."""
+    total_steps: int
+    """Optimizer steps of the run (the reward functions' `trainer_state.max_steps`)."""
+    group_filter: Callable | None = None
+    """GFPO's `group_filter_func` (the object given, else imported from `grpo.group_filter_func`), or None."""
+    dynamic_prompts: Callable | None = None
+    """The `dynamic_prompts_fn` hook (the object given, else imported from `data.dynamic_prompts_fn`), or None."""
+    prompt_queue: PromptQueue | None = None
+    """The prompts the hook returned, waiting for rounds of their own (engine/train/prompt_queue.py); None without
+    the hook."""
+
+
+def draw_prompts(sampler: RoundSampler, rounds: PromptRounds) -> tuple[PromptBatch, bool]:
+    """The next round's P prompts: the curriculum queue's front when P wait (engine/train/prompt_queue.py), else
+    the dataset's next round; and whether they came from the dataset (the data position moved)."""
+    queued = sampler.prompt_queue.take(sampler.num_prompts) if sampler.prompt_queue is not None else None
+    return (queued, False) if queued is not None else (sampler.train_prompts.select(next(rounds)), True)
 
 
 @dataclass
@@ -51,35 +99,40 @@ class Scored:
     stats: dict = field(default_factory=dict)
 
 
-def sample_and_score(run: Run, rounds, step: int) -> Scored:
+def sample_and_score(sampler: RoundSampler, rounds: PromptRounds, step: int, *, version: int,
+                     pipeline: RolloutPipeline | None = None) -> Scored:
     """G completions for each prompt of the next round, scored. With `grpo.use_dynamic_sampling` (DAPO), further
     rounds of P prompts until P groups whose rewards vary are found (at most `dynamic_sampling_max_rounds`), then
     the batch is assembled from those groups, topped up with uninformative ones when short
-    (engine/grpo/dynamic_sampling.py). Every rank makes the same choices: the rewards are broadcast before choosing."""
-    grpo, g = run.cfg.grpo, run.cfg.grpo.num_generations
-    num_prompts = run.derived.num_prompts_per_generation
+    (engine/grpo/dynamic_sampling.py). Every rank makes the same choices: the rewards are broadcast before choosing.
+
+    Args:
+        version: the policy version the trainer holds (rounds trained): it samples what is generated now.
+        pipeline: asynchronous rollout: round r's first attempt was generated ahead (engine/train/rollout_pipeline.py).
+    """
+    grpo, g, num_prompts = sampler.grpo, sampler.grpo.num_generations, sampler.num_prompts
     parts, informative, seconds = [], [], {"time/rollout_s": 0.0, "time/reward_s": 0.0}
     versions = []  # the policy version that sampled each completion of every attempt
     for attempt in range(grpo.dynamic_sampling_max_rounds if grpo.use_dynamic_sampling else 1):
         start = time.perf_counter()
-        if attempt == 0 and run.pipeline is not None:  # asynchronous rollout: generated while the last round trained
-            pending = run.pipeline.take()
-            picked, rollout, version = pending.picked, pending.rollout, pending.version
+        if attempt == 0 and pipeline is not None:  # asynchronous rollout: generated while the last round trained
+            pending = pipeline.take()
+            picked, rollout, sampled_by = pending.picked, pending.rollout, pending.version
         else:
-            picked, _ = draw_prompts(run, rounds)
-            seeds = sampling_seeds(run.cfg.train.seed, step, attempt, picked.indices)
-            rollout, version = run.engine.generate(picked.prompt_ids, g, seeds), run.policy_version
-        versions.append([version] * len(rollout.completion_ids))
+            picked, _ = draw_prompts(sampler, rounds)
+            seeds = sampling_seeds(sampler.seed, step, attempt, picked.indices)
+            rollout, sampled_by = sampler.engine.generate(picked.prompt_ids, g, seeds), version
+        versions.append([sampled_by] * len(rollout.completion_ids))
         middle = time.perf_counter()
-        rewards, completions = score(run, picked, rollout, step)
-        queue_prompts(run, picked, completions, rewards)
+        rewards, completions = score(sampler, picked, rollout, step)
+        queue_prompts(sampler, picked, completions, rewards)
         seconds["time/rollout_s"] += middle - start
         seconds["time/reward_s"] += time.perf_counter() - middle
         parts.append(Scored(picked, rollout, rewards, completions, g))
         if not grpo.use_dynamic_sampling:
-            stats = seconds | staleness_metrics(versions[0], run.policy_version) | curriculum_metrics(run)
+            stats = seconds | staleness_metrics(versions[0], version) | curriculum_metrics(sampler)
             return replace(parts[0], stats=stats)
-        informative.append(find_informative_groups(aggregate_rewards(rewards, run.rewards.weights), g))
+        informative.append(find_informative_groups(aggregate_rewards(rewards, sampler.rewards.weights), g))
         if is_dynamic_batch_full(informative, num_prompts):
             break
     selection = select_dynamic_batch(informative, num_prompts)
@@ -92,18 +145,18 @@ def sample_and_score(run: Run, rounds, step: int) -> Scored:
     starts = [sum(len(q.rollout) for q in parts[:i]) for i in range(len(parts))]  # each round's first row
     rows = assemble_rounds([list(range(start, start + len(p.rollout))) for start, p in zip(starts, parts)], selection, g)
     rollout = Rollout.concat([p.rollout for p in parts]).select(rows)
-    completions = per_row(lambda p: p.completions) if run.ps.rank == 0 else []
-    stats = seconds | staleness_metrics(assemble_rounds(versions, selection, g), run.policy_version) | curriculum_metrics(run) | {
+    completions = per_row(lambda p: p.completions) if sampler.ps.rank == 0 else []
+    stats = seconds | staleness_metrics(assemble_rounds(versions, selection, g), version) | curriculum_metrics(sampler) | {
                        "dynamic_sampling/rounds": len(parts),
                        "dynamic_sampling/informative_fraction": selection.num_informative / num_prompts}
     return Scored(picked, rollout, per_row(lambda p: p.rewards), completions, g, stats)
 
 
-def queue_prompts(run: Run, picked: PromptBatch, completions: list, rewards: torch.Tensor) -> None:
+def queue_prompts(sampler: RoundSampler, picked: PromptBatch, completions: list, rewards: torch.Tensor) -> None:
     """The user's `dynamic_prompts_fn` (rank 0) gets this round's results, one element per sample
     (engine/grpo/dynamic_prompts.py); the rows it returns are broadcast, tokenized on every rank like the dataset's
     (same checks) and queued for rounds of their own (engine/train/prompt_queue.py). Nothing without the hook."""
-    if run.dynamic_prompts is None:
+    if sampler.dynamic_prompts is None:
         return
     import datasets
 
@@ -111,58 +164,59 @@ def queue_prompts(run: Run, picked: PromptBatch, completions: list, rewards: tor
     from engine.grpo.dynamic_prompts import call_dynamic_prompts_fn
 
     rows = [None]
-    if run.ps.rank == 0:
-        aggregated = aggregate_rewards(rewards, run.rewards.weights)  # (B,)
+    if sampler.ps.rank == 0:
+        aggregated = aggregate_rewards(rewards, sampler.rewards.weights)  # (B,)
         metas = [{k: v[i] for k, v in picked.columns.items()} for i in range(len(picked.prompts))]  # P dicts
-        rows = [call_dynamic_prompts_fn(run.dynamic_prompts, picked.prompts, completions, aggregated, metas)]
+        rows = [call_dynamic_prompts_fn(sampler.dynamic_prompts, picked.prompts, completions, aggregated, metas)]
     dist.broadcast_object_list(rows, src=0)
     names = dict.fromkeys(name for row in rows[0] for name in row)  # rows may carry different columns: None fills
     dataset = datasets.Dataset.from_dict({name: [row.get(name) for row in rows[0]] for name in names})
-    data = run.cfg.data
-    prepared = prepare_prompts(dataset, run.tokenizer, max_prompt_length=data.max_prompt_length,
-                               overlong_prompt_policy="error", chat_template_kwargs=run.cfg.generation.chat_template_kwargs)
-    run.prompt_queue.push(prepared.select(range(len(prepared))))
+    prepared = prepare_prompts(dataset, sampler.tokenizer, max_prompt_length=sampler.data.max_prompt_length,
+                               overlong_prompt_policy="error",
+                               chat_template_kwargs=sampler.generation.chat_template_kwargs)
+    sampler.prompt_queue.push(prepared.select(range(len(prepared))))
 
 
-def curriculum_metrics(run: Run) -> dict[str, float]:
+def curriculum_metrics(sampler: RoundSampler) -> dict[str, float]:
     """`curriculum/queued` and `curriculum/dropped` with the hook, after this round's prompts were queued."""
-    return run.prompt_queue.metrics() if run.prompt_queue is not None else {}
+    return sampler.prompt_queue.metrics() if sampler.prompt_queue is not None else {}
 
 
-def keep_best_in_groups(run: Run, scored: Scored) -> Scored:
+def keep_best_in_groups(sampler: RoundSampler, scored: Scored) -> Scored:
     """GFPO: keep the `num_remains_in_group` best completions of each group by the user's `group_filter_func`
     (called on rank 0 with aligned groups, engine/grpo/group_filter.py); the kept rows are broadcast. Without
     `num_remains_in_group`, the batch as it is."""
-    k = run.cfg.grpo.num_remains_in_group
+    k = sampler.grpo.num_remains_in_group
     if k is None:
         return scored
     keep = torch.empty(len(scored.picked.prompts) * k, dtype=torch.long)  # (P * k,)
-    if run.ps.rank == 0:
-        rewards = aggregate_rewards(scored.rewards, run.rewards.weights)  # (P * G,)
-        keep = filter_groups(run.group_filter, scored.completions, rewards, scored.group_size, k)
-    keep = _broadcast_from_rank0(keep, run.ps)
+    if sampler.ps.rank == 0:
+        rewards = aggregate_rewards(scored.rewards, sampler.rewards.weights)  # (P * G,)
+        keep = filter_groups(sampler.group_filter, scored.completions, rewards, scored.group_size, k)
+    keep = _broadcast_from_rank0(keep, sampler.ps)
     rows = keep.tolist()
     rollout = scored.rollout.select(rows)
     completions = [scored.completions[i] for i in rows] if scored.completions else []
     return replace(scored, rollout=rollout, rewards=scored.rewards[keep], completions=completions, group_size=k)
 
 
-def score(run: Run, picked, rollout: Rollout, step: int) -> tuple[torch.Tensor, list]:
+def score(sampler: RoundSampler, picked: PromptBatch, rollout: Rollout, step: int) -> tuple[torch.Tensor, list]:
     """(B, K) rewards, NaN = None, and the decoded completions (rank 0; [] elsewhere): rank 0 calls the reward
     functions with TRL's contract, then broadcasts the rewards."""
-    g = run.cfg.grpo.num_generations
-    rewards = torch.empty(len(rollout.completion_ids), len(run.rewards.names))
+    g = sampler.grpo.num_generations
+    rewards = torch.empty(len(rollout.completion_ids), len(sampler.rewards.names))
     completions = []
-    if run.ps.rank == 0:
-        texts = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if run.train_prompts.is_conversational else texts
+    if sampler.ps.rank == 0:
+        texts = sampler.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        is_conversational = sampler.train_prompts.is_conversational
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational else texts
         prompts = [p for p in picked.prompts for _ in range(g)]
         columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()}
-        state = SimpleNamespace(global_step=step, max_steps=run.total_steps)
-        log = run.logger
-        rewards = run.rewards(prompts, completions, rollout.completion_ids, columns, trainer_state=state,
-                              log_extra=log.log_extra, log_metric=log.log_metric)
-    rewards = _broadcast_from_rank0(rewards, run.ps)
+        state = SimpleNamespace(global_step=step, max_steps=sampler.total_steps)
+        log = sampler.logger
+        rewards = sampler.rewards(prompts, completions, rollout.completion_ids, columns, trainer_state=state,
+                                  log_extra=log.log_extra, log_metric=log.log_metric)
+    rewards = _broadcast_from_rank0(rewards, sampler.ps)
     return rewards, completions
 
 
@@ -173,28 +227,29 @@ def _broadcast_from_rank0(tensor: torch.Tensor, ps: ParallelState) -> torch.Tens
     return on_device.cpu()
 
 
-def evaluate(run: Run) -> float | None:
+def evaluate(sampler: RoundSampler) -> float | None:
     """Mean weighted reward over the held-out prompts, `grpo.num_generations_eval` sampled completions each (None =
     num_generations, TRL's meaning), on the whole eval set or its first `data.eval_max_prompts` prompts (a printed
     line says so when that cuts). The same value on every rank; None without an eval set."""
-    if run.eval_prompts is None:
+    if sampler.eval_prompts is None:
         return None
-    grpo, limit, total = run.cfg.grpo, run.cfg.data.eval_max_prompts, len(run.eval_prompts)
+    grpo, limit, total = sampler.grpo, sampler.data.eval_max_prompts, len(sampler.eval_prompts)
     num_prompts = total if limit is None else min(limit, total)
     g = grpo.num_generations_eval or grpo.num_generations
-    if num_prompts < total and run.ps.rank == 0:
+    if num_prompts < total and sampler.ps.rank == 0:
         print(f"evaluation: the first {num_prompts} of {total} held-out prompts (data.eval_max_prompts={limit}), "
               f"{g} completions each", flush=True)
-    picked = run.eval_prompts.select(list(range(num_prompts)))
-    rollout = run.engine.generate(picked.prompt_ids, g)
+    picked = sampler.eval_prompts.select(list(range(num_prompts)))
+    rollout = sampler.engine.generate(picked.prompt_ids, g)
     mean = torch.zeros(1)
-    if run.ps.rank == 0:
-        texts = run.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if run.eval_prompts.is_conversational else texts
+    if sampler.ps.rank == 0:
+        texts = sampler.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        is_conversational = sampler.eval_prompts.is_conversational
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational else texts
         prompts = [p for p in picked.prompts for _ in range(g)]  # prompt-major, as the engine returns them
         columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()}
-        rewards = run.rewards(prompts, completions, rollout.completion_ids, columns)  # (P * g, K)
-        weights = run.rewards.weights if run.rewards.weights is not None else torch.ones(rewards.shape[1])
+        rewards = sampler.rewards(prompts, completions, rollout.completion_ids, columns)  # (P * g, K)
+        weights = sampler.rewards.weights if sampler.rewards.weights is not None else torch.ones(rewards.shape[1])
         mean[0] = torch.nanmean((rewards * weights).nansum(1))
-    mean = _broadcast_from_rank0(mean, run.ps)
+    mean = _broadcast_from_rank0(mean, sampler.ps)
     return float(mean)
