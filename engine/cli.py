@@ -62,11 +62,11 @@ def cmd_plan(args) -> int:
             f"{shape.gpus_per_node} = {shape.train_gpus}; the planner sizes the cluster shape (--train-nodes, ...)"
         )
     plan = build_plan(cfg, shape)
-    d = plan.derived
+    derived = plan.derived
     print(format_plan(plan))
     print(
-        f"generation: {d.num_prompts_per_generation} prompts x {cfg.grpo.num_generations} = "
-        f"{d.generation_batch_size} completions per round, serving {d.optimizer_steps_per_generation} optimizer step(s)"
+        f"generation: {derived.num_prompts_per_generation} prompts x {cfg.grpo.num_generations} = "
+        f"{derived.generation_batch_size} completions per round, serving {derived.optimizer_steps_per_generation} optimizer step(s)"
     )
     if plan.problems:
         print("plan: layout does not fit:\n  - " + "\n  - ".join(plan.problems), file=sys.stderr)

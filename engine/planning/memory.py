@@ -201,10 +201,10 @@ def _stage_expert_params(dims: ModelDims, cfg: EngineConfig) -> tuple[float, str
     return params, text
 
 
-def _expert_dp(cfg: EngineConfig, d: Derived) -> int:
+def _expert_dp(cfg: EngineConfig, derived: Derived) -> int:
     """Expert data-parallel size: the ranks of a stage (tp x dp) over ep x expert_tp (Megatron's expert grid)."""
     par = cfg.parallel
-    return max(par.tp_size * d.dp_size // (par.ep_size * par.expert_tp_size), 1)
+    return max(par.tp_size * derived.dp_size // (par.ep_size * par.expert_tp_size), 1)
 
 
 def alltoall_term(cfg: EngineConfig, dims: ModelDims) -> Term:
@@ -304,14 +304,14 @@ def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
     return Term("loss workspace", text, workspace + hidden + rows + stats), note
 
 
-def _stage_terms(cfg: EngineConfig, dims: ModelDims, d: Derived, stage: int) -> list[Term]:
+def _stage_terms(cfg: EngineConfig, dims: ModelDims, derived: Derived, stage: int) -> list[Term]:
     """Training memory of one GPU of pipeline stage `stage`, before any colocated vLLM."""
     params, params_text = _stage_params(dims, cfg, stage)
     experts, experts_text = _stage_expert_params(dims, cfg)
     wbytes, gbytes, obytes, opt_text = _optimizer_bytes(cfg)
     dist = cfg.optimizer.use_distributed_optimizer
-    shard = d.dp_size if dist else 1
-    shard_text = f" / dp {d.dp_size} (distributed optimizer)" if dist else " (not distributed: replicated over DP)"
+    shard = derived.dp_size if dist else 1
+    shard_text = f" / dp {derived.dp_size} (distributed optimizer)" if dist else " (not distributed: replicated over DP)"
     total = params + experts
     terms = [
         Term("weights", f"{params_text} = {format_count(params)} params x {wbytes} B", params * wbytes),
@@ -319,7 +319,7 @@ def _stage_terms(cfg: EngineConfig, dims: ModelDims, d: Derived, stage: int) -> 
         Term("optimizer", f"{format_count(params)} x {obytes} B ({opt_text}){shard_text}", params * obytes / shard),
     ]
     if experts:
-        edp = _expert_dp(cfg, d) if dist else 1
+        edp = _expert_dp(cfg, derived) if dist else 1
         edp_text = (f" / expert dp = tp*dp/(ep*expert_tp) = {edp} (distributed optimizer)" if dist
                     else " (not distributed)")
         terms.insert(1, Term("expert weights", f"{experts_text} = {format_count(experts)} params x {wbytes} B",
@@ -331,19 +331,19 @@ def _stage_terms(cfg: EngineConfig, dims: ModelDims, d: Derived, stage: int) -> 
             "reference", f"{format_count(params)} x {wbytes} B" if on_gpu else "offloaded to CPU (model.offload_reference)",
             params * wbytes if on_gpu else 0.0,
         ))
-    terms.append(activation_term(cfg, dims, stage, d.num_microbatches))
+    terms.append(activation_term(cfg, dims, stage, derived.num_microbatches))
     if dims.is_moe:
         terms.append(alltoall_term(cfg, dims))
     return terms
 
 
-def training_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d: Derived) -> Budget:
+def training_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, derived: Derived) -> Budget:
     """The worst pipeline stage's GPU (first: most activations; last: the LM head and the loss)."""
     pp, cap = cfg.parallel.pp_size, shape.gpu_memory_gib * GIB
     loss, loss_note = loss_terms(cfg, dims)
     reserve = Term("reserve", "CUDA context, NCCL buffers, fragmentation (--reserve-gib)", shape.reserve_gib * GIB)
-    stages = {0: _stage_terms(cfg, dims, d, 0)}
-    stages[pp - 1] = (_stage_terms(cfg, dims, d, pp - 1) if pp > 1 else stages[0]) + [loss]
+    stages = {0: _stage_terms(cfg, dims, derived, 0)}
+    stages[pp - 1] = (_stage_terms(cfg, dims, derived, pp - 1) if pp > 1 else stages[0]) + [loss]
     notes = [loss_note]
     if cfg.rollout.vllm_mode == "colocate":
         stages = {k: _with_colocated_vllm(cfg, terms, shape) for k, terms in stages.items()}
@@ -365,10 +365,10 @@ def training_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d: 
 def _with_colocated_vllm(cfg: EngineConfig, terms: list[Term], shape: ClusterShape) -> list[Term]:
     """Colocate: vLLM's share sits next to the trainer's state; with sleep mode only while generating, when the
     activations and the loss workspace are free, so it adds max(0, share - (activations + loss))."""
-    ro = cfg.rollout
-    share = ro.vllm_gpu_memory_utilization * shape.gpu_memory_gib * GIB
-    share_text = f"{ro.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {format_gib(share)}"
-    if not ro.vllm_enable_sleep_mode:
+    rollout = cfg.rollout
+    share = rollout.vllm_gpu_memory_utilization * shape.gpu_memory_gib * GIB
+    share_text = f"{rollout.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {format_gib(share)}"
+    if not rollout.vllm_enable_sleep_mode:
         return terms + [Term("vLLM (colocated)", f"{share_text}, held through training (sleep mode off)", share)]
     transient = sum(t.nbytes for t in terms if t.label in ("activations", "loss workspace"))
     text = (
@@ -392,10 +392,10 @@ def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str]:
     return params, text
 
 
-def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> tuple[int, int, str]:
+def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, derived: Derived) -> tuple[int, int, str]:
     """(vLLM engines, completions on the busiest engine per generation round, the arithmetic)."""
     vtp, g = cfg.rollout.vllm_tensor_parallel_size, cfg.grpo.num_generations
-    prompts = d.num_prompts_per_generation
+    prompts = derived.num_prompts_per_generation
     servers = num_rollout_servers(cfg, shape)
     if servers:
         per_server = -(-prompts // servers)
@@ -406,19 +406,19 @@ def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> tup
     return engines, seqs, f"ceil({prompts} prompts x {g} generations / {engines} engines)"
 
 
-def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d: Derived) -> Budget:
+def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, derived: Derived) -> Budget:
     """One vLLM GPU: weights at vLLM's TP and the KV cache of its engine's share of a generation round, within
     vLLM's share of the GPU."""
-    ro, vtp = cfg.rollout, cfg.rollout.vllm_tensor_parallel_size
-    server = ro.vllm_mode == "server"
-    engines, seqs, seqs_text = _engine_sequences(cfg, shape, d)
+    rollout, vtp = cfg.rollout, cfg.rollout.vllm_tensor_parallel_size
+    server = rollout.vllm_mode == "server"
+    engines, seqs, seqs_text = _engine_sequences(cfg, shape, derived)
     prompt, completion, _ = sequence_lengths(cfg)
     tokens = -(-(prompt + completion) // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
     kv_heads = max(dims.num_kv_heads // vtp, 1)
     params, weights_text = _vllm_weights(dims, vtp)
     wbytes = _optimizer_bytes(cfg)[0]
     per_token = 2 * dims.num_layers * kv_heads * dims.d * wbytes
-    share = ro.vllm_gpu_memory_utilization * shape.gpu_memory_gib * GIB
+    share = rollout.vllm_gpu_memory_utilization * shape.gpu_memory_gib * GIB
     reserve = shape.reserve_gib * GIB
     terms = [
         Term("weights", f"{weights_text} = {format_count(params)} params x {wbytes} B", params * wbytes),
@@ -447,10 +447,10 @@ def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, d:
             f"each inference node uses vLLM TP {vtp} of its {shape.gpus_per_node} GPUs: {idle} idle per node "
             f"(one engine per rollout server); raise rollout.vllm_tensor_parallel_size to use them"
         )
-    limit_text = f"vLLM's share {ro.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {format_gib(share)}"
+    limit_text = f"vLLM's share {rollout.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {format_gib(share)}"
     hint = (
         f"the KV room holds {concurrency:.2f} sequences at full length: lower the generation round "
-        f"(per_device_train_batch_size x dp x steps_per_generation = {d.generation_batch_size}) or "
+        f"(per_device_train_batch_size x dp x steps_per_generation = {derived.generation_batch_size}) or "
         "generation.max_completion_length, or raise rollout.vllm_tensor_parallel_size"
         + (", or add inference nodes (rollout server replicas)" if server else "")
     )

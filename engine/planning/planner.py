@@ -56,7 +56,7 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
         ConfigError (validation) or PlanError (layout, model, sequence bound), with the arithmetic.
     """
     dims = dims or load_model_dims(cfg.model.name_or_path)
-    d = validate(cfg, shape.train_gpus)
+    derived = validate(cfg, shape.train_gpus)
     check_layout(cfg, dims, shape)
     par = cfg.parallel
     prompt, completion, source = sequence_lengths(cfg)
@@ -69,20 +69,20 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
         f"({'tied' if dims.tie_word_embeddings else 'untied'} embeddings) + {dims.hidden_size}",
         f"cluster: {shape.train_nodes} training node(s) + {shape.infer_nodes} inference node(s), "
         f"{shape.gpus_per_node} GPUs per node, {shape.gpu_memory_gib:g} GiB per GPU",
-        _rollout_line(cfg, shape, d),
-        *_async_lines(cfg, d, *sequence_lengths(cfg)[:2]),
-        *_routes_lines(cfg, dims, d, prompt, completion),
-        f"training layout: tp*pp*dp = {par.tp_size}*{par.pp_size}*{d.dp_size} = {d.world_size} GPUs = "
+        _rollout_line(cfg, shape, derived),
+        *_async_lines(cfg, derived, *sequence_lengths(cfg)[:2]),
+        *_routes_lines(cfg, dims, derived, prompt, completion),
+        f"training layout: tp*pp*dp = {par.tp_size}*{par.pp_size}*{derived.dp_size} = {derived.world_size} GPUs = "
         f"{shape.train_nodes} node(s) x {shape.gpus_per_node}; {dims.num_layers} layers / pp {par.pp_size} = "
         f"{dims.num_layers // par.pp_size} per stage",
         f"activation recompute: {plan_recompute(cfg, dims).describe()} (train.gradient_checkpointing, "
         "train.recompute_*)",
-        f"batch: {d.micro_batch_size} completion(s) x ({prompt} prompt ({source}) + {completion} completion = "
-        f"{prompt + completion} tokens) per micro-batch, {d.num_microbatches} micro-batches per step, "
-        f"{d.generation_batch_size} completions per generation round",
+        f"batch: {derived.micro_batch_size} completion(s) x ({prompt} prompt ({source}) + {completion} completion = "
+        f"{prompt + completion} tokens) per micro-batch, {derived.num_microbatches} micro-batches per step, "
+        f"{derived.generation_batch_size} completions per generation round",
     ]
-    budgets = [training_budget(cfg, dims, shape, d), inference_budget(cfg, dims, shape, d)]
-    return Plan(header, budgets, d, shape)
+    budgets = [training_budget(cfg, dims, shape, derived), inference_budget(cfg, dims, shape, derived)]
+    return Plan(header, budgets, derived, shape)
 
 
 def _experts_text(dims: ModelDims) -> str:
@@ -94,9 +94,9 @@ def _experts_text(dims: ModelDims) -> str:
             f"{dims.num_experts_per_tok} routed per token: {format_count(active)} expert params active)")
 
 
-def _rollout_line(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> str:
+def _rollout_line(cfg: EngineConfig, shape: ClusterShape, derived: Derived) -> str:
     """Where generation runs: the server replicas and how a round's prompts are split, or the colocated engines."""
-    vtp, prompts = cfg.rollout.vllm_tensor_parallel_size, d.num_prompts_per_generation
+    vtp, prompts = cfg.rollout.vllm_tensor_parallel_size, derived.num_prompts_per_generation
     servers = num_rollout_servers(cfg, shape)
     if not servers:
         return (f"rollout: colocated, train GPUs / vLLM TP = {shape.train_gpus} / {vtp} = {shape.train_gpus // vtp} "
@@ -108,28 +108,28 @@ def _rollout_line(cfg: EngineConfig, shape: ClusterShape, d: Derived) -> str:
     )
 
 
-def _async_lines(cfg: EngineConfig, d: Derived, prompt: int, completion: int) -> list[str]:
+def _async_lines(cfg: EngineConfig, derived: Derived, prompt: int, completion: int) -> list[str]:
     """Asynchronous rollout (`rollout.max_staleness` k > 0, engine/train/rollout_pipeline.py): what it costs."""
     k = cfg.rollout.max_staleness
     if k == 0 or cfg.rollout.vllm_mode != "server":
         return []
-    held = k * d.generation_batch_size * (prompt + completion) * 12  # int64 token id + float32 log-prob per token
+    held = k * derived.generation_batch_size * (prompt + completion) * 12  # int64 token id + float32 log-prob per token
     return [f"asynchronous rollout: max_staleness {k}: round r is sampled by policy version r - {k} while the trainer "
             f"trains; no extra GPU memory on either side (one weight copy each, the push happens between rounds); "
             f"the {k} complete round(s) waiting are token ids and log-probs on the trainer's hosts and in each "
-            f"checkpoint: {k} x {d.generation_batch_size} completions x {prompt + completion} tokens x 12 B = "
+            f"checkpoint: {k} x {derived.generation_batch_size} completions x {prompt + completion} tokens x 12 B = "
             f"{held / 2**20:.1f} MiB as packed numbers (Python lists and the checkpoint's JSON take a few times that)"]
 
 
-def _routes_lines(cfg: EngineConfig, dims: ModelDims, d: Derived, prompt: int, completion: int) -> list[str]:
+def _routes_lines(cfg: EngineConfig, dims: ModelDims, derived: Derived, prompt: int, completion: int) -> list[str]:
     """MoE: the routed experts every round carries (engine/rollout/rollouts.py), for routing replay or the agreement
     metric: host memory on every training rank (the round is held whole) and HTTP transfer in server mode."""
     if not dims.is_moe or cfg.rollout.vllm_return_routed_experts is False:
         return []
     width = 1 if dims.num_experts <= 256 else 2  # uint8 ids up to 256 experts (int16 in the trainer beyond)
-    per_round = d.generation_batch_size * (prompt + completion) * dims.num_layers * dims.num_experts_per_tok * width
+    per_round = derived.generation_batch_size * (prompt + completion) * dims.num_layers * dims.num_experts_per_tok * width
     use = "replayed in training (R3)" if cfg.model.moe_enable_routing_replay else "compared (moe/router_agreement)"
-    return [f"routed experts: {use}; per round {d.generation_batch_size} completions x {prompt + completion} tokens x "
+    return [f"routed experts: {use}; per round {derived.generation_batch_size} completions x {prompt + completion} tokens x "
             f"{dims.num_layers} layers x top-{dims.num_experts_per_tok} x {width} B = {per_round / 2**30:.2f} GiB "
             f"on every training rank's host (and over HTTP from the servers); "
             f"rollout.vllm_return_routed_experts=false drops them"]

@@ -233,9 +233,9 @@ def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> Non
     Raises:
         PlanError listing the problems.
     """
-    par, ro = cfg.parallel, cfg.rollout
+    par, rollout = cfg.parallel, cfg.rollout
     tp, pp, vpp, gpn = par.tp_size, par.pp_size, par.virtual_pipeline_size or 1, shape.gpus_per_node
-    vtp = ro.vllm_tensor_parallel_size
+    vtp = rollout.vllm_tensor_parallel_size
     problems = []
     if gpn % tp:
         problems.append(
@@ -271,7 +271,7 @@ def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> Non
             f"rollout.vllm_tensor_parallel_size={vtp} > {gpn} GPUs per node: vLLM's TP spans nodes only under Ray, "
             "which this engine does not use"
         )
-    if ro.vllm_mode == "server":
+    if rollout.vllm_mode == "server":
         _check_rollout_servers(cfg, shape, problems)
     elif shape.infer_nodes:
         problems.append(
@@ -300,12 +300,12 @@ def _check_rollout_servers(cfg: EngineConfig, shape: ClusterShape, problems: lis
         )
 
 
-def node_roles(cfg: EngineConfig, shape: ClusterShape, d: Derived, node_rank: int) -> str:
+def node_roles(cfg: EngineConfig, shape: ClusterShape, derived: Derived, node_rank: int) -> str:
     """What training node `node_rank` holds under Megatron's rank order (TP fastest, then DP, then PP)."""
     tp, first = cfg.parallel.tp_size, node_rank * shape.gpus_per_node
     ranks = range(first, first + shape.gpus_per_node)
-    stages = sorted({r // (tp * d.dp_size) for r in ranks})
-    replicas = sorted({(r // tp) % d.dp_size for r in ranks})
+    stages = sorted({r // (tp * derived.dp_size) for r in ranks})
+    replicas = sorted({(r // tp) % derived.dp_size for r in ranks})
     return (
         f"node rank {node_rank} of {shape.train_nodes}: global ranks {ranks.start}-{ranks.stop - 1}, pipeline "
         f"stage(s) {','.join(map(str, stages))}, data-parallel rank(s) {','.join(map(str, replicas))}"
