@@ -5,32 +5,8 @@ Owns: `save_checkpoint` / `load_checkpoint` of everything a run needs to continu
 `agree_on_resume_checkpoint` for all ranks), `rotate_checkpoints` (keep the newest `save_total_limit`), `is_save_step`,
 `read_progress`, `describe_model`, and `StopSignal` (SIGUSR1: save at the next round boundary, then exit).
 
-A checkpoint is the directory `<output_dir>/checkpoint-<step>` (HF Trainer's naming) holding
-- the model chunks' and the Megatron optimizer's `sharded_state_dict()` saved with `megatron.core.dist_checkpointing`
-  (torch_dist backend: every tensor is stored with its global shape and this rank's offsets, so the checkpoint loads
-  at another TP x PP x DP layout; the distributed optimizer's state in its `fully_reshardable` form);
-- `rng/rank-<r>.pt`: every rank's python, numpy, torch (and CUDA) generator states and Megatron's model-parallel
-  RNG tracker states (restored only at the same layout: at another layout the ranks' streams do not correspond);
-- `trainer_state.json`, written last: format, step, rounds of prompts consumed (the data position), the LR
-  scheduler's state, the layout it was written at, the model's identity and the resolved run config;
-- with TR-DPO (`grpo.sync_ref_model`) the reference's chunks too, keys under `reference.` (`has_reference` in the
-  state): after a sync the reference is no longer the Hugging Face checkpoint, and a resumed run continues with it.
-
-Atomicity: every rank writes into `checkpoint-<step>.tmp` next to the final directory; after a barrier (every rank
-finished) rank 0 fsyncs the files and renames the directory into place. A crash while saving leaves at most a
-`*.tmp` directory, which `latest` ignores (with a log line) and the next save of that step replaces; the previous
-checkpoints are untouched until the new one is in place (rotation runs after the rename).
-A Megatron writer process killed during the save fails the save with a CheckpointError
-(engine/train/checkpoint_writers.py) instead of hanging it.
-Test hook: `GRPO_CHECKPOINT_CRASH_BEFORE_RENAME=<step>` SIGKILLs rank 0 after checkpoint-<step> is fully
-written but before the rename (tests/integration/test_resume.py; a real kill cannot be timed into that window).
-
-Limits: the padded vocabulary (make_vocab_size_divisible_by * tp_size) must be the same at save and load (true for
-the shipped configs at TP 1 and 2; Qwen2.5's 151936 pads differently at TP 8): a mismatch fails with the
-tensor named. Megatron 0.16's distributed optimizer cannot load its own `fully_reshardable` state when the inner
-optimizer is torch's Adam (CPU: no Apex / Transformer Engine) because it expects a per-parameter `step` tensor in
-the loaded state, and it gives every parameter one shared step tensor; `_load_optimizer_state` loads the step
-through the regular path, the tensors without it, and gives each parameter its own step.
+The format and how a save stays atomic: `save_checkpoint`; what cannot be loaded, and a Megatron 0.16
+workaround: `load_checkpoint`.
 
 Must not: read Megatron's global parallel state (ps carries the layout), know the GRPO loop, touch vLLM.
 
@@ -363,6 +339,27 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, policy_optimizer, p
             Hugging Face weights), saved under `reference.`; None = not saved.
     Returns:
         the checkpoint directory.
+
+    A checkpoint is the directory `<output_dir>/checkpoint-<step>` (HF Trainer's naming) holding
+    - the model chunks' and the Megatron optimizer's `sharded_state_dict()` saved with
+      `megatron.core.dist_checkpointing` (torch_dist backend: every tensor is stored with its global shape and this
+      rank's offsets, so the checkpoint loads at another TP x PP x DP layout; the distributed optimizer's state in its
+      `fully_reshardable` form);
+    - `rng/rank-<r>.pt`: every rank's python, numpy, torch (and CUDA) generator states and Megatron's model-parallel
+      RNG tracker states (restored only at the same layout: at another layout the ranks' streams do not correspond);
+    - `trainer_state.json`, written last: format, step, rounds of prompts consumed (the data position), the LR
+      scheduler's state, the layout it was written at, the model's identity and the resolved run config;
+    - with TR-DPO (`grpo.sync_ref_model`) the reference's chunks too, keys under `reference.` (`has_reference` in the
+      state): after a sync the reference is no longer the Hugging Face checkpoint, and a resumed run continues with it.
+
+    Atomicity: every rank writes into `checkpoint-<step>.tmp` next to the final directory; after a barrier (every rank
+    finished) rank 0 fsyncs the files and renames the directory into place. A crash while saving leaves at most a
+    `*.tmp` directory, which `latest` ignores (with a log line) and the next save of that step replaces; the previous
+    checkpoints are untouched until the new one is in place (rotation runs after the rename).
+    A Megatron writer process killed during the save fails the save with a CheckpointError
+    (engine/train/checkpoint_writers.py) instead of hanging it.
+    Test hook: `GRPO_CHECKPOINT_CRASH_BEFORE_RENAME=<step>` SIGKILLs rank 0 after checkpoint-<step> is fully
+    written but before the rename (tests/integration/test_resume.py; a real kill cannot be timed into that window).
     """
     from megatron.core import dist_checkpointing
 
@@ -428,6 +425,13 @@ def load_checkpoint(path: str | Path, policy_optimizer, ps: ParallelState, *, mo
 
     Raises:
         CheckpointError when the checkpoint is incomplete, written for another model, or cannot be read.
+
+    Limits: the padded vocabulary (make_vocab_size_divisible_by * tp_size) must be the same at save and load (true for
+    the shipped configs at TP 1 and 2; Qwen2.5's 151936 pads differently at TP 8): a mismatch fails with the
+    tensor named. Megatron 0.16's distributed optimizer cannot load its own `fully_reshardable` state when the inner
+    optimizer is torch's Adam (CPU: no Apex / Transformer Engine) because it expects a per-parameter `step` tensor in
+    the loaded state, and it gives every parameter one shared step tensor; `_load_optimizer_state` loads the step
+    through the regular path, the tensors without it, and gives each parameter its own step.
     """
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException

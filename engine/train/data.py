@@ -8,6 +8,8 @@ format in every row; tokenizing the prompts as TRL 1.16 does (anchors/trl.md §2
 `tokenizer(text=prompts)` (special tokens added, no template), conversational ones with
 `apply_chat_template(add_generation_prompt=True, **chat_template_kwargs)`; and the overlong-prompt policy.
 
+The builtin task: `build_arithmetic_dataset`.
+
 Never truncates a prompt (anchors/trl.md §7 #12: silent truncation gives all-zero rewards nobody notices): a prompt
 longer than `data.max_prompt_length` (or longer than `max_model_length - max_completion_length`, when the caller
 passes the model's context) is an error naming the row, its length and the limit, or with
@@ -17,13 +19,6 @@ passes the model's context) is an error naming the row, its length and the limit
 Must not: generate, decode completions, sample batches (the trainer's repeat sampler picks indices and calls
 `PromptDataset.select`), or read the root config (it takes `cfg.data` and `cfg.generation`). Streaming / iterable
 datasets are not supported: the length policy needs every prompt tokenized before the first step.
-
-The builtin task (`builtin:arithmetic`): every problem `a + b` or `a - b` (a >= b, results never negative) with
-operands 0..99 (10,000 + 5,050 = 15,050 problems), shuffled with a fixed seed; the test split takes the first
-`ARITHMETIC_NUM_TEST` problems that do not appear in the tiny model's corpus, the train split the first
-`ARITHMETIC_NUM_TRAIN` of the rest, so the splits never overlap. Rows match the corpus format:
-    {"prompt": "Question: what is 12 + 7? Answer:", "answer": "19"}
-and a completion the reward functions score as correct looks like " <think> 12 + 7 = 19 </think> <answer>19</answer>".
 
 Test: `pytest tests/unit/test_data.py` (local files in tmp_path, the tiny tokenizer; no network).
 """
@@ -437,6 +432,14 @@ def build_arithmetic_dataset(split: Literal["train", "test"]) -> datasets.Datase
     Returns:
         A Dataset with columns `prompt` (str, "Question: what is 12 + 7? Answer:") and `answer` (str, "19");
         the same rows in every process and on every machine.
+
+    The builtin task (`builtin:arithmetic`): every problem `a + b` or `a - b` (a >= b, results never negative) with
+    operands 0..99 (10,000 + 5,050 = 15,050 problems), shuffled with a fixed seed; the test split takes the first
+    `ARITHMETIC_NUM_TEST` problems that do not appear in the tiny model's corpus, the train split the first
+    `ARITHMETIC_NUM_TRAIN` of the rest, so the splits never overlap. Rows match the corpus format:
+        {"prompt": "Question: what is 12 + 7? Answer:", "answer": "19"}
+    and a completion the reward functions score as correct looks like
+        " <think> 12 + 7 = 19 </think> <answer>19</answer>".
     """
     if split not in ("train", "test"):
         raise DatasetError(f"{BUILTIN_ARITHMETIC} has the splits 'train' and 'test', not {split!r}")

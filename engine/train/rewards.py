@@ -6,26 +6,8 @@ every function on one batch (sync ones in turn, async ones concurrently) and ret
 `engine.grpo.advantages.compute_advantages` takes. The built-in functions themselves are
 engine/train/builtin_rewards.py's.
 
-Contract (TRL 1.16 `GRPOTrainer._calculate_rewards`, anchors/trl.md §2.1-2.2):
-    func(prompts=..., completions=..., completion_ids=..., **reward_kwargs) -> list[float | None]   (B values)
-    reward_kwargs = every dataset column except prompt / completion / completion_ids, as B-long lists aligned with
-    the rows (a prompt's row repeated for each of its G completions), plus `trainer_state`, `log_extra(column,
-    values)` and `log_metric(name, value)`. Sync functions run one after the other in the caller's thread; async
-    functions (`async def`, or a callable instance with an async `__call__`, or a partial of either) run
-    concurrently with `asyncio.gather` on a daemon event-loop thread started only if one exists. `None` means "not
-    applicable" and becomes NaN. Names are TRL's `get_callable_name` (partials unwrapped, instances by `__name__`
-    or class name; reward models by the directory's last component).
-Differences from TRL, all stricter: a function that raises is re-run row by row to name the first failing row
-(its log_extra / log_metric calls are discarded during that search); a non-numeric or infinite value is an error
-naming the row, and so is NaN (TRL's nansum would read it as None: return None for that); a round where every
-function returned None for every completion is an error (nothing to learn from); a dataset column that collides with `trainer_state` / `log_extra` / `log_metric` is an error;
-two functions with the same name get `_2`, `_3` suffixes so their metrics do not overwrite each other.
-
-Built-in names for `reward.reward_funcs`: accuracy, exact_match, think_format, think_answer_format, length (also
-under their function names). `accuracy` needs the reference answer in an `answer` column (or TRL's `solution`).
-Reward models: a local directory with an `AutoModelForSequenceClassification` checkpoint and its tokenizer is
-supported (scored as TRL does: prompt + completion text, or the chat template of prompt + completion messages;
-reward = logits[:, 0]); hub names are refused with a message (download the model and pass the directory).
+TRL's contract and where this engine is stricter: `RewardFunctions`; the built-in names and reward models:
+`build_reward_funcs`.
 
 Must not: define reward functions (engine/train/builtin_rewards.py), aggregate or normalise rewards
 (engine/grpo/advantages.py), gather across ranks, log (the caller passes `MetricLogger.log_extra` / `log_metric` as
@@ -245,6 +227,12 @@ def build_reward_funcs(reward_cfg: RewardConfig, generation_cfg: GenerationConfi
         generation_cfg: the `generation` section (sizes `length`, renders reward-model chats); optional.
     Returns:
         `RewardFunctions`.
+
+    Built-in names for `reward.reward_funcs`: accuracy, exact_match, think_format, think_answer_format, length (also
+    under their function names). `accuracy` needs the reference answer in an `answer` column (or TRL's `solution`).
+    Reward models: a local directory with an `AutoModelForSequenceClassification` checkpoint and its tokenizer is
+    supported (scored as TRL does: prompt + completion text, or the chat template of prompt + completion messages;
+    reward = logits[:, 0]); hub names are refused with a message (download the model and pass the directory).
     """
     return RewardFunctions(reward_cfg.reward_funcs, reward_cfg.reward_weights, generation_cfg)
 
@@ -253,6 +241,22 @@ class RewardFunctions:
     """K reward functions called on one batch of B completions with TRL's contract; returns (B, K) float32.
 
     Use as a context manager, or call `close()`, to stop the event-loop thread of async functions.
+
+    Contract (TRL 1.16 `GRPOTrainer._calculate_rewards`, anchors/trl.md §2.1-2.2):
+        func(prompts=..., completions=..., completion_ids=..., **reward_kwargs) -> list[float | None]   (B values)
+        reward_kwargs = every dataset column except prompt / completion / completion_ids, as B-long lists aligned with
+        the rows (a prompt's row repeated for each of its G completions), plus `trainer_state`, `log_extra(column,
+        values)` and `log_metric(name, value)`. Sync functions run one after the other in the caller's thread; async
+        functions (`async def`, or a callable instance with an async `__call__`, or a partial of either) run
+        concurrently with `asyncio.gather` on a daemon event-loop thread started only if one exists. `None` means "not
+        applicable" and becomes NaN. Names are TRL's `get_callable_name` (partials unwrapped, instances by `__name__`
+        or class name; reward models by the directory's last component).
+    Differences from TRL, all stricter: a function that raises is re-run row by row to name the first failing row (its
+    log_extra / log_metric calls are discarded during that search); a non-numeric or infinite value is an error naming
+    the row, and so is NaN (TRL's nansum would read it as None: return None for that); a round where every function
+    returned None for every completion is an error (nothing to learn from); a dataset column that collides with
+    `trainer_state` / `log_extra` / `log_metric` is an error; two functions with the same name get `_2`, `_3` suffixes
+    so their metrics do not overwrite each other.
     """
 
     def __init__(
