@@ -13,6 +13,7 @@ tests/unit/test_rollout_protocol.py (the protocol's methods).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -111,8 +112,6 @@ class GeneratedRollout:
     regenerated = False
 
     def __init__(self, rollout: Rollout):
-        import time
-
         self.rollout, self.done_at = rollout, time.perf_counter()
 
     def result(self) -> Rollout:
