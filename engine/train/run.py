@@ -22,7 +22,7 @@ tests/integration/test_trainer.py, tests/integration/test_resume.py.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -182,11 +182,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     resume_from = agree_on_resume_checkpoint(cfg.checkpoint.resume_from_checkpoint, run_dir, ps)
     resume_step = read_progress(resume_from).step if resume_from is not None else None  # later log lines are dropped
     logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps, resume_step=resume_step) if ps.rank == 0 else None
-    loss_config = build_loss_config(cfg)
+    loss_config = PolicyLossConfig.from_sections(cfg.grpo, cfg.generation)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
-                               implementation=cfg.kernels.loss_implementation,
-                               workspace_mb=cfg.kernels.loss_workspace_mb,
-                               terms_implementation=cfg.kernels.loss_terms_implementation)
+                               kernels=cfg.kernels)
     run = Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, popt, reference, engine, train_prompts,
               eval_prompts, rewards, logger, loss_config, settings, total_steps,
               group_filter, dynamic_prompts, resume_from=resume_from, entropy=AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy))
@@ -229,13 +227,6 @@ def resolve_hooks(cfg: EngineConfig, group_filter_func=None,
                                  f"train(cfg, {name}=...))") from error
         resolved.append(given)
     return cfg, resolved[0], resolved[1]
-
-
-def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:
-    """The loss hyperparameters: every PolicyLossConfig field takes the `grpo` field of the same (TRL) name."""
-    names = {f.name for f in fields(PolicyLossConfig)} - {"max_completion_length"}
-    return PolicyLossConfig(**{name: getattr(cfg.grpo, name) for name in names},
-                            max_completion_length=cfg.generation.max_completion_length)
 
 
 def _total_steps(cfg: EngineConfig, d: Derived, num_prompts: int) -> int:
