@@ -33,7 +33,7 @@ import yaml
 from engine.config_files import (ConfigError, apply_overrides, config_to_dict, describe_callable,  # noqa: F401
                                  write_resolved_config)
 from engine.grpo.settings import (ImportanceSamplingLevel, ISMode, KLEstimator, LossType, MultiObjectiveAggregation,
-                                  ScaleRewards)
+                                  ScaleRewards, TermsImplementation)
 
 
 def _aliases(**mapping: Any) -> dict:
@@ -415,7 +415,7 @@ class CheckpointConfig:
 class KernelsConfig:
     loss_implementation: Literal["auto", "triton", "torch_chunked", "reference"] = "auto"
     """`auto` = the Triton kernel on GPU, the chunked torch path on CPU. `reference` materialises the logits."""
-    loss_terms_implementation: Literal["auto", "torch", "triton"] = "auto"
+    loss_terms_implementation: TermsImplementation = "auto"
     """The GRPO loss's per-token terms (ratio, clipping, masks, KL and their gradient): `triton` = one fused kernel
     (kernels/grpo_token_terms.py), `torch` = the reference torch code of engine/grpo/policy_loss.py; `auto` = triton
     on GPU, torch on CPU (where the Triton interpreter is far slower: benchmarks/results/grpo_token_terms.csv)."""

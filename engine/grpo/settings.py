@@ -1,7 +1,7 @@
 """The GRPO maths' settings: the choices it offers (Literal types) and the loss's hyperparameters, defined once.
 
-Owns: `LossType`, `ImportanceSamplingLevel`, `KLEstimator`, `ISMode`, `ScaleRewards`, `MultiObjectiveAggregation`
-(engine/config.py types its fields with them) and `PolicyLossConfig`, the record the loss reads. Meanings and
+Owns: `LossType`, `ImportanceSamplingLevel`, `KLEstimator`, `ISMode`, `ScaleRewards`, `MultiObjectiveAggregation`,
+`TermsImplementation` (engine/config.py types its fields with them) and `PolicyLossConfig`, the record the loss reads. Meanings and
 defaults are not here: every `PolicyLossConfig` field is the `grpo` config field of the same (TRL) name, documented
 and defaulted once in engine/config.py (`max_completion_length`: the `generation` field). Build one with
 `PolicyLossConfig.from_sections(cfg.grpo, cfg.generation)`.
@@ -24,6 +24,7 @@ KLEstimator = Literal["k1", "k2", "k3"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 ScaleRewards = Literal["group", "batch", "none"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
+TermsImplementation = Literal["auto", "torch", "triton"]
 
 LOSS_TYPES = typing.get_args(LossType)
 IMPORTANCE_SAMPLING_LEVELS = typing.get_args(ImportanceSamplingLevel)
@@ -31,6 +32,7 @@ KL_ESTIMATORS = typing.get_args(KLEstimator)
 IS_MODES = typing.get_args(ISMode)
 SCALE_REWARDS = typing.get_args(ScaleRewards)
 MULTI_OBJECTIVE_AGGREGATIONS = typing.get_args(MultiObjectiveAggregation)
+TERMS_IMPLEMENTATIONS = typing.get_args(TermsImplementation)
 
 
 @dataclass(frozen=True, kw_only=True)

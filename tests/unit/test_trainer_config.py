@@ -3,7 +3,7 @@
 
 import pytest
 
-from engine.config import load_config
+from engine.config import KernelsConfig, load_config
 from engine.grpo.policy_loss import PolicyLossConfig
 from engine.train.run import resolve_hooks
 from engine.validation import validate
@@ -33,6 +33,15 @@ def test_the_config_types_its_fields_with_the_maths_own_choices():
     assert (grpo["importance_sampling_level"], grpo["vllm_importance_sampling_mode"]) == (
         settings.ImportanceSamplingLevel, settings.ISMode)
     assert reward["multi_objective_aggregation"] == settings.MultiObjectiveAggregation
+    assert typing.get_type_hints(KernelsConfig)["loss_terms_implementation"] == settings.TermsImplementation
+
+
+def test_the_kernels_section_offers_exactly_the_kernels_implementations():
+    import typing
+
+    from kernels import IMPLEMENTATIONS  # kernels/ imports torch: engine/config.py cannot import its Literal
+
+    assert typing.get_args(typing.get_type_hints(KernelsConfig)["loss_implementation"]) == IMPLEMENTATIONS
 
 
 def harder_first(prompts, completions, rewards, metas):
