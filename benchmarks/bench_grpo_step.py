@@ -86,6 +86,7 @@ def build_batch(vocab_size: int, batch: int, prompt_len: int, completion_len: in
 
 def make_step(popt, ps, batch: dict, micro_batch: int, vocab_size: int, implementation: str):
     """The zero-argument GRPO optimizer step (zero_grad, DAPO forward/backward over micro-batches, Adam step)."""
+    from engine.config import GenerationConfig, GRPOConfigSection, KernelsConfig
     from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
     from engine.policy.batch import split_microbatches
     from engine.policy.step import LogprobSettings, grpo_forward_backward
@@ -93,8 +94,10 @@ def make_step(popt, ps, batch: dict, micro_batch: int, vocab_size: int, implemen
     mask = batch["completion_mask"]
     micro = split_microbatches({k: v.to(ps.device) for k, v in batch.items()}, micro_batch)
     normalizer = LossNormalizer(num_tokens=float(mask.sum()), num_sequences=float(mask.shape[0]))
-    settings = LogprobSettings(vocab_size=vocab_size, implementation=implementation)
-    loss_config = PolicyLossConfig(loss_type="dapo", epsilon_high=0.28)
+    settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0,
+                               kernels=KernelsConfig(loss_implementation=implementation))
+    loss_config = PolicyLossConfig.from_sections(GRPOConfigSection(loss_type="dapo", epsilon_high=0.28),
+                                                 GenerationConfig())
 
     def step():
         popt.zero_grad()

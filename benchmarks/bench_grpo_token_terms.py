@@ -34,16 +34,19 @@ if not torch.cuda.is_available():
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, time_fn  # noqa: E402
 from engine.grpo.policy_loss import (  # noqa: E402
     PolicyLossBatch,
-    PolicyLossConfig,
     build_loss_normalizer,
     compute_policy_loss,
     compute_vllm_importance_sampling_ratio,
 )
+from engine.config import GenerationConfig, GRPOConfigSection, KernelsConfig  # noqa: E402
+from engine.grpo.settings import PolicyLossConfig  # noqa: E402
 from kernels import build_lm_head_problem, lm_head_logprob_entropy  # noqa: E402
 
 BENCH = "grpo_token_terms"
 SEQUENCE_LENGTH = 256
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WORKSPACE_MB = 128.0
+"""The LM head's tile budget in the recorded rows (git 62d1be5); the engine's default is kernels.loss_workspace_mb."""
 
 
 def build_loss_call(num_tokens: int, device: torch.device, terms: str):
@@ -57,9 +60,11 @@ def build_loss_call(num_tokens: int, device: torch.device, terms: str):
     batch = PolicyLossBatch(
         mask=mask, advantages=torch.randn(batch_size, generator=gen).to(device), old_logprobs=old,
         ref_logprobs=logprobs + 0.1 * torch.randn(shape, generator=gen).to(device), sampling_logprobs=old,
-        importance_sampling_ratio=compute_vllm_importance_sampling_ratio(old, old + 0.05, mask, "token_truncate"),
+        importance_sampling_ratio=compute_vllm_importance_sampling_ratio(
+            old, old + 0.05, mask, "token_truncate", None, 3.0),
     )
-    config = PolicyLossConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28)
+    config = PolicyLossConfig.from_sections(GRPOConfigSection(loss_type="dapo", beta=0.04, epsilon_high=0.28,
+                                                              use_bias_correction_kl=False), GenerationConfig())
     normalizer = build_loss_normalizer(mask)
 
     def run():
@@ -75,7 +80,7 @@ def build_lm_head_call(num_tokens: int, hidden: int, vocab: int, dtype: torch.dt
 
     def run():
         xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
-        lp, ent = lm_head_logprob_entropy(xr, wr, y)
+        lp, ent = lm_head_logprob_entropy(xr, wr, y, workspace_mb=WORKSPACE_MB, implementation="auto")
         (lp.sum() + ent.sum()).backward()
 
     return run
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         "terms_triton": build_loss_call(args.tokens, device, "triton"),
     }
     config = {"H": args.hidden, "V": args.vocab, "dtype": args.dtype, "T": SEQUENCE_LENGTH, "loss_type": "dapo",
+              "workspace_mb": WORKSPACE_MB,
               "triton_interpreter": os.environ.get("TRITON_INTERPRET") == "1", "torch_threads": torch.get_num_threads()}
     rows = []
     for variant, call in calls.items():

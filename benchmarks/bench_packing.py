@@ -97,11 +97,14 @@ def distribution_batch(name: str, args, vocab_size: int) -> dict:
 
 def make_pass(popt, ps, micro: list[dict], normalizer, vocab_size: int):
     """The zero-argument forward+backward of one step over `micro` (zero_grad + grpo_forward_backward)."""
+    from engine.config import GenerationConfig, GRPOConfigSection, KernelsConfig
     from engine.grpo.policy_loss import PolicyLossConfig
     from engine.policy.step import LogprobSettings, grpo_forward_backward
 
-    settings = LogprobSettings(vocab_size=vocab_size, implementation="auto")  # Triton on CUDA, chunked torch on CPU
-    loss_config = PolicyLossConfig(loss_type="dapo", epsilon_high=0.28)
+    settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0,
+                               kernels=KernelsConfig(loss_implementation="auto"))  # Triton on CUDA, chunked torch on CPU
+    loss_config = PolicyLossConfig.from_sections(GRPOConfigSection(loss_type="dapo", epsilon_high=0.28),
+                                                 GenerationConfig())
 
     def forward_backward():
         popt.zero_grad()

@@ -78,14 +78,16 @@ def _planned_bytes(args, variant: str) -> float:
 
 def measure(args, ps, variant: str) -> dict:
     """(peak extra MiB, per-call ms samples) of one forward + backward with `variant`'s recompute."""
-    from engine.config import ModelConfig, TrainConfig
+    from engine.config import KernelsConfig, ModelConfig, TrainConfig
     from engine.policy.model import build_policy, init_weights_by_name
     from engine.policy.step import LogprobSettings, completion_logprobs, run_schedule
 
     hf = _hf_config(args)
     chunks = build_policy(hf, ModelConfig(dtype="float32", transformer_impl="local"), ps, TrainConfig(**VARIANTS[variant]))
     init_weights_by_name(chunks, ps, seed=0)
-    batch, settings = _batch(args.seq), LogprobSettings(vocab_size=1024, implementation="torch_chunked")
+    batch = _batch(args.seq)
+    settings = LogprobSettings(vocab_size=1024, temperature=1.0,
+                               kernels=KernelsConfig(loss_implementation="torch_chunked"))
 
     def loss_fn(model, hidden, b):
         return completion_logprobs(model, hidden, b, ps, settings)[0].sum(), {}

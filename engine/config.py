@@ -32,11 +32,8 @@ import yaml
 
 from engine.config_files import (ConfigError, apply_overrides, config_to_dict, describe_callable,  # noqa: F401
                                  write_resolved_config)
-
-
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
-ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-ScaleRewards = Literal["group", "batch", "none"]
+from engine.grpo.settings import (ImportanceSamplingLevel, ISMode, KLEstimator, LossType, MultiObjectiveAggregation,
+                                  ScaleRewards, TermsImplementation)
 
 
 def _aliases(**mapping: Any) -> dict:
@@ -88,7 +85,7 @@ class ParallelConfig:
     pp_size: int = 1
     """Megatron pipeline-parallel size (stages)."""
     dp_size: int | None = None
-    """Data-parallel size. None = world_size / (tp_size * pp_size)."""
+    """Data-parallel size (model replicas); None = world_size / (tp_size * pp_size)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (activations split along the sequence in the TP region). Needs tp_size > 1."""
     virtual_pipeline_size: int | None = None
@@ -134,8 +131,8 @@ class TrainConfig:
     `recompute_num_layers` / `recompute_modules` say (default: full, uniform, one layer per unit: each transformer
     layer keeps only its input and runs its forward again in the backward). False = every activation is kept."""
     recompute_granularity: Literal["full", "selective"] = "full"
-    """Megatron-LM's name. `full`: whole transformer layers are recomputed (`recompute_method`, `recompute_num_layers`);
-    `selective`: only the submodules in `recompute_modules`, in every layer."""
+    """What the activation recompute reruns (Megatron-LM's name): `full` = whole transformer layers (`recompute_method`,
+    `recompute_num_layers`); `selective` = only the submodules in `recompute_modules`, in every layer."""
     recompute_method: Literal["uniform", "block"] | None = None
     """Megatron-LM's name; full granularity only. `uniform`: the layers of each model chunk are cut into units of
     `recompute_num_layers` layers, each unit keeps only its input; `block`: the first `recompute_num_layers` layers of
@@ -178,9 +175,9 @@ class GRPOConfigSection:
     num_iterations: int = 1
     """mu: optimisation passes over each generation batch."""
     beta: float = 0.0
-    """KL coefficient; 0 loads no reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Engine option (TRL has k3 only)."""
+    """KL penalty coefficient against the reference model; 0 = no KL term and no reference model is loaded."""
+    kl_estimator: KLEstimator = "k3"
+    """Per-token KL estimator (Schulman's k1 / k2 / k3); engine-only, TRL has k3 only."""
     epsilon: float = 0.2
     """Lower clip of the importance ratio (1 - epsilon); also the upper one when epsilon_high is None."""
     epsilon_high: float | None = None
@@ -189,25 +186,25 @@ class GRPOConfigSection:
     """Two-sided clipping (INTELLECT-2): the ratio is also capped at delta (> 1 + epsilon)."""
     loss_type: LossType = "dapo"
     """The policy loss and its normaliser, TRL's loss types (engine/grpo/policy_loss.py)."""
-    importance_sampling_level: Literal["token", "sequence"] = "token"
+    importance_sampling_level: ImportanceSamplingLevel = "token"
     """`token`: a ratio per token; `sequence`: one per sequence (GSPO)."""
     sapo_temperature_pos: float = 1.0
-    """SAPO: gate temperature for positive advantages."""
+    """SAPO (loss_type sapo): temperature of the soft gate sigmoid(tau (r - 1)) for tokens with positive advantage."""
     sapo_temperature_neg: float = 1.05
-    """SAPO: gate temperature for negative advantages."""
+    """SAPO (loss_type sapo): temperature of the soft gate for tokens with negative advantage."""
     vespo_k_pos: float = 2.0
-    """VESPO: k for positive advantages."""
+    """VESPO (loss_type vespo): shape k of the gamma weight phi(W) for sequences with advantage >= 0."""
     vespo_lambda_pos: float = 3.0
-    """VESPO: lambda for positive advantages."""
+    """VESPO (loss_type vespo): rate lambda of the gamma weight phi(W) for sequences with advantage >= 0."""
     vespo_k_neg: float = 3.0
-    """VESPO: k for negative advantages."""
+    """VESPO (loss_type vespo): shape k of the gamma weight phi(W) for sequences with negative advantage."""
     vespo_lambda_neg: float = 2.0
-    """VESPO: lambda for negative advantages."""
+    """VESPO (loss_type vespo): rate lambda of the gamma weight phi(W) for sequences with negative advantage."""
     scale_rewards: ScaleRewards = field(default="group", metadata=_aliases(true="group", false="none"))
     """`group`: divide by the group std; `batch`: by the batch std; `none`: no scaling (Dr. GRPO).
     TRL's True / False are accepted and mean group / none."""
     mask_truncated_completions: bool = False
-    """Completions cut by max_completion_length get no loss."""
+    """Completions cut by max_completion_length (no EOS) get no loss (DAPO's overlong filtering)."""
     use_bias_correction_kl: bool = True
     """Multiply the k3 KL by the (non-detached) importance ratio (DeepSeek-V3.2). TRL 1.16's default; 1.10 had False."""
     sync_ref_model: bool = False
@@ -223,13 +220,13 @@ class GRPOConfigSection:
     use_adaptive_entropy: bool = False
     """Adapt entropy_coef towards entropy_target after every optimizer step (Skywork-OR1)."""
     entropy_coef_min: float = 0.0
-    """Adaptive entropy: lower bound of the coefficient."""
+    """Adaptive entropy (use_adaptive_entropy): lower bound of the entropy coefficient."""
     entropy_coef_max: float = 1.0
-    """Adaptive entropy: upper bound of the coefficient."""
+    """Adaptive entropy (use_adaptive_entropy): upper bound of the entropy coefficient."""
     entropy_coef_delta: float = 0.005
     """Adaptive entropy: step of the coefficient per optimizer step."""
     entropy_target: float = 0.2
-    """Nats."""
+    """Adaptive entropy: the token-mean policy entropy (nats) the coefficient steers towards."""
     off_policy_mask_threshold: float | None = None
     """DeepSeek-V3.2: drop sequences with A < 0 whose mean KL(sampler || policy) exceeds this; None = off."""
     vllm_importance_sampling_correction: bool = True
@@ -237,9 +234,9 @@ class GRPOConfigSection:
     vllm_importance_sampling_mode: ISMode = "sequence_mask"
     """How that ratio is applied: truncated or masked, per token or per sequence."""
     vllm_importance_sampling_clip_min: float | None = None
-    """Lower bound of that ratio; None = none."""
+    """Lower bound of the vLLM importance-sampling ratio (truncated or masked below it); None = no bound."""
     vllm_importance_sampling_clip_max: float | None = 3.0
-    """Upper bound of that ratio (TRL's former vllm_importance_sampling_cap)."""
+    """Upper bound of the vLLM importance-sampling ratio (TRL's former vllm_importance_sampling_cap); None = none."""
     num_remains_in_group: int | None = None
     """GFPO: keep the top-k completions of each group (by `group_filter_func`); None = keep all. The generation
     batch (per_device_train_batch_size * dp * steps_per_generation) counts the k survivors of each prompt, so
@@ -262,17 +259,17 @@ class GenerationConfig:
     max_completion_length: int = 512
     """Tokens sampled at most per completion (vLLM's max_tokens)."""
     temperature: float = 1.0
-    """Also divides the training logits."""
+    """Sampling temperature (vLLM's); the trainer divides its logits by it too, so log-probs match the sampler's."""
     top_p: float = 1.0
     """Nucleus sampling (vLLM's top_p)."""
     top_k: int = 0
-    """0 disables it."""
+    """Sample among the k most likely tokens only (vLLM's top_k); 0 = no limit (vLLM's -1)."""
     min_p: float | None = None
     """vLLM's min_p; None = off."""
     repetition_penalty: float = 1.0
-    """vLLM's repetition_penalty."""
+    """Penalty on tokens already in the prompt or completion (vLLM's repetition_penalty); 1.0 = none."""
     generation_kwargs: dict[str, Any] | None = None
-    """Extra vLLM SamplingParams; override the fields above."""
+    """Extra vLLM SamplingParams keyword arguments; they override the fields above; None = none."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra keyword arguments of the tokenizer's chat template for conversational prompts."""
 
@@ -327,7 +324,7 @@ class RolloutConfig:
     """TCP port of the weight-transfer group (on global rank 0's host; server i of `vllm_server_base_urls` uses
     `vllm_group_port + i`)."""
     weight_sync_bucket_mb: int = 512
-    """Size of one flattened transfer bucket."""
+    """Size, MiB, of one flattened weight-transfer bucket (trainer -> vLLM, every sync)."""
     verify_weight_sync: bool = True
     """After every sync, check that every engine rank holds, bit for bit, what the trainer sent it (per-tensor digests,
     engine/rollout/weight_digest.py: a WeightSyncError names any tensor that differs, and the engine rank), and log
@@ -340,7 +337,7 @@ class RewardConfig:
     """Built-in names (engine/train/rewards.py), `module:function` import paths, or reward-model paths."""
     reward_weights: list[float] | None = None
     """One weight per reward function; None = all 1.0."""
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    multi_objective_aggregation: MultiObjectiveAggregation = "sum_then_normalize"
     """Several rewards: weighted sum then normalise, or normalise each then sum."""
 
 
@@ -349,19 +346,19 @@ class OptimizerConfig:
     """Megatron's optimizer, with TrainingArguments names (TRL changes learning_rate to 1e-6)."""
 
     optim: Literal["adam", "sgd"] = "adam"
-    """Megatron's adam is AdamW (decoupled weight decay)."""
+    """Megatron's optimizer: `adam` is AdamW (decoupled weight decay), `sgd` plain SGD."""
     learning_rate: float = 1e-6
-    """Peak learning rate (TRL's GRPO default 1e-6)."""
+    """Peak learning rate, reached after warmup (TRL's GRPO default 1e-6)."""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW)."""
     adam_beta1: float = 0.9
-    """Adam beta1."""
+    """Adam's decay rate of the first-moment (gradient mean) estimate."""
     adam_beta2: float = 0.999
-    """Adam beta2."""
+    """Adam's decay rate of the second-moment (squared gradient) estimate."""
     adam_epsilon: float = 1e-8
-    """Adam epsilon."""
+    """Adam's term added to the denominator sqrt(v) for numerical stability."""
     max_grad_norm: float = 1.0
-    """0 disables clipping."""
+    """Clip the global gradient L2 norm (all ranks) to this before each step; 0 = no clipping."""
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "linear"
     """Learning-rate decay after warmup (Megatron's OptimizerParamScheduler)."""
     warmup_steps: int = 0
@@ -418,7 +415,7 @@ class CheckpointConfig:
 class KernelsConfig:
     loss_implementation: Literal["auto", "triton", "torch_chunked", "reference"] = "auto"
     """`auto` = the Triton kernel on GPU, the chunked torch path on CPU. `reference` materialises the logits."""
-    loss_terms_implementation: Literal["auto", "torch", "triton"] = "auto"
+    loss_terms_implementation: TermsImplementation = "auto"
     """The GRPO loss's per-token terms (ratio, clipping, masks, KL and their gradient): `triton` = one fused kernel
     (kernels/grpo_token_terms.py), `torch` = the reference torch code of engine/grpo/policy_loss.py; `auto` = triton
     on GPU, torch on CPU (where the Triton interpreter is far slower: benchmarks/results/grpo_token_terms.csv)."""
@@ -433,13 +430,13 @@ class LoggingConfig:
     logging_steps: int = 10
     """Optimizer steps between logged records (metrics.jsonl, progress, report_to); the last step always."""
     report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
-    """JSONL is always written; these are added."""
+    """Metric sinks besides the JSONL file, which is always written (metrics.jsonl); [] = JSONL only."""
     run_name: str | None = None
     """Name of the run for W&B / TensorBoard."""
     log_completions: bool = False
     """Log a table of prompts, completions, rewards and advantages."""
     num_completions_to_print: int | None = None
-    """Rows of that table printed; None = all."""
+    """Rows of the completions table (log_completions) printed; None = all."""
     verbose: bool = False
     """Show vLLM's INFO logs and the known-harmless library warnings (engine/log_filters.py); the environment
     variable GRPO_ENGINE_VERBOSE=1 does the same whatever this says. TRL's `log_level` 'info' / 'debug' sets it."""

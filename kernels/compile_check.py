@@ -14,7 +14,7 @@ once. Nothing is cached across runs (a fresh temporary cache, `always_compile`).
 
 The launch points (`LAUNCH_POINTS`) are the GPU suite's sweep (benchmarks/gpu/lm_head.py `GPU`: N in 2048, 8192,
 16384; H in 1536, 4096; V = 151936) and the GPU tests' shape (tests/kernels/test_fused_logprob.py: N=64, H=48,
-V=300), in every dtype the launchers accept, with the default tiles (`default_tiles`) and the default workspace.
+V=300), in every dtype the launchers accept, with the default tiles (`default_tiles`), at `LAUNCH_WORKSPACES_MB`.
 NOTE: meta tensors have data_ptr 0, so every pointer is taken as 16-byte aligned; a real slab of an odd-H problem
 may not be (Triton then compiles a less vectorised variant that this check does not see).
 
@@ -52,7 +52,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from kernels.chunked_logprob import DEFAULT_WORKSPACE_MB, plan_tiles
+from kernels.chunked_logprob import plan_tiles
 from kernels.fused_logprob import (
     SUPPORTED_DTYPES,
     KernelLaunch,
@@ -75,6 +75,9 @@ LAUNCH_POINTS = (
     (64, 48, 300),
 )
 """(N, H, V) of the GPU suite's sweep (benchmarks/gpu/lm_head.py) and the GPU tests (tests/kernels/)."""
+LAUNCH_WORKSPACES_MB = (128.0, 1024.0)
+"""`workspace_mb` of the recorded benchmark runs (128) and the engine's `kernels.loss_workspace_mb` default (1024;
+tests/kernels/test_compile_check.py checks that the engine's default is here): the backward's slab shapes follow."""
 _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -105,18 +108,19 @@ def lm_head_launches(num_rows: int, hidden_size: int, vocab: int, dtype: torch.d
     """The launches of one forward + backward of the fused log-prob at (N, H, V) on a GPU: the statistics kernel,
     and the dz kernel with and without the entropy gradient on the backward's first and last slab."""
     tiles = default_tiles(torch.device("cuda"), dtype) if tiles is None else tiles
-    workspace_bytes = int(DEFAULT_WORKSPACE_MB * 2**20)
 
     def meta(*shape, dt=dtype):
         return torch.empty(*shape, dtype=dt, device="meta")
 
     hidden, weight = meta(num_rows, hidden_size), meta(vocab, hidden_size)
     ids, per_row = meta(num_rows, dt=torch.int64), meta(num_rows, dt=torch.float32)
-    stats, _ = build_stats_launch(hidden, weight, ids, 1.0, workspace_bytes, tiles, NUM_SMS[arch], True)
-    launches = [stats]
-    plan = plan_tiles(num_rows, vocab, workspace_bytes, dtype.itemsize)
-    slabs = {(plan.rows, plan.cols), (num_rows - (num_rows - 1) // plan.rows * plan.rows,
-                                      vocab - (vocab - 1) // plan.cols * plan.cols)}
+    launches, slabs = [], set()
+    for workspace_bytes in (int(mb * 2**20) for mb in LAUNCH_WORKSPACES_MB):
+        stats, _ = build_stats_launch(hidden, weight, ids, 1.0, workspace_bytes, tiles, NUM_SMS[arch], True)
+        launches.append(stats)
+        plan = plan_tiles(num_rows, vocab, workspace_bytes, dtype.itemsize)
+        slabs |= {(plan.rows, plan.cols), (num_rows - (num_rows - 1) // plan.rows * plan.rows,
+                                           vocab - (vocab - 1) // plan.cols * plan.cols)}
     for rows, cols in sorted(slabs):
         for grad_entropy in (per_row[:rows], None):
             launch, _ = build_dz_launch(hidden[:rows], weight[:cols], ids[:rows], per_row[:rows], per_row[:rows],

@@ -1,32 +1,17 @@
-"""Triton LM-head log-prob and entropy: logits tiles live in registers only, never in memory.
+"""The LM-head log-prob's tile primitives in Triton: the logits tiles live in registers only, never in memory.
 
-What it fuses (design D1, anchors/kernels.md §11.2-11.4):
-- Forward, `_stats_fwd_kernel`: the LM-head GEMM tile z = x W^T / T (fp32 accumulator, K loop over H) with the
-  online-softmax epilogue: per row the running max m, s = sum e^(z - m), q = sum e^(z - m)(z - m) and the target
-  logit t. 1-D grid over (row block, vocabulary split) pairs in grouped order (GROUP_N row blocks sweep the splits
-  together so a W split is reused from L2); each program writes its (4, BLOCK_N) partial state to a
-  (num_splits, 4, N) float32 buffer, merged afterwards in split order by `softmax_stats.merge_stats`. No atomics:
-  two passes give bitwise-equal results.
-- Backward, `_dz_kernel`: recompute a logits tile and write dz = [g_lp 1{v=y} - p (g_lp + g_H (z - E[z]))] / T
-  in X's dtype into a (rows, cols) slab; the two GEMMs dX += dz W_slab (float32 accumulator) and dW_slab = dz^T X
-  (all rows in one GEMM) run in cuBLAS through the loop shared with the torch path
-  (`chunked_logprob.backward_tiles`). The slab is the only large temporary: rows x cols x itemsize <= workspace.
-- The autograd Function, the TP exchange (one all-gather of 4 floats per token in the forward, the dX all-reduce
-  in the backward) and the result conversion are shared with the chunked path (`LogprobEntropyFunction`): the
-  two implementations differ only in these two tile primitives.
+Owns two kernels and their launchers (`build_stats_launch`, `build_dz_launch`; kernels/compile_check.py compiles
+exactly these launches): `_stats_fwd_kernel`, the GEMM tile z = x W^T / T (fp32 accumulator) with the online-softmax
+epilogue, each program writing its (4, BLOCK_N) partial state (m, s, q, t) to a (num_splits, 4, N) float32 buffer
+merged in split order (no atomics: two passes are bitwise equal); and `_dz_kernel`, the backward's recomputed
+dz = [g_lp 1{v=y} - p (g_lp + g_H (z - E[z]))] / T written once in X's dtype into a (rows, cols) slab, whose two
+GEMMs run in cuBLAS in the loop shared with the torch path (kernels/lm_head_logprob.py `backward_tiles`). Dtypes:
+bf16 / fp16 (tensor cores) and fp32 (IEEE dot, no TF32); int64 offsets (N * V can exceed 2^31); columns past the
+shard's real rows are -inf in the forward and never stored in the backward.
 
-Memory: forward O(N * num_splits) floats (bounded by `workspace_mb`); backward one dz slab (rows x cols x itemsize
-<= `workspace_mb`), a float32 (N, H) dX accumulator and one float32 (rows, H) slab product for bf16/fp16 inputs,
-and the gradients themselves. Never an (N, V_local) tensor.
-Dtypes: bfloat16 / float16 (tensor cores) and float32 (IEEE fp32 dot, no TF32, to match the fp32 reference);
-statistics, log-probs and entropies are float32. int64 offsets throughout (N * V can exceed 2^31).
-Masking: columns >= the shard's real rows (Megatron vocab padding, or the tail of a tile) are -inf in the
-forward and never stored in the backward.
-TP: see kernels/chunked_logprob.py; X is replicated, dX is returned summed over the TP group, dW stays local.
-
-Runs on CUDA tensors, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1 set before triton is
-imported; tests/conftest.py does it without CUDA). NOTE: triton 3.9's interpreter computes `tl.dot` of bf16
-operands wrongly (garbage ~1e10), so under the interpreter the operands are upcast to float32 before the dot.
+Must not: import engine/, hold a (N, V_local) tensor, or run on CPU tensors without TRITON_INTERPRET=1 (set before
+triton is imported; tests/conftest.py does it without CUDA). NOTE: triton 3.9's interpreter computes `tl.dot` of
+bf16 operands wrongly (garbage ~1e10), so under the interpreter the operands are upcast to float32 before the dot.
 
 Test: `pytest tests/kernels/test_fused_logprob.py` (interpreter on CPU, or real on a GPU).
 """
@@ -37,17 +22,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from kernels.chunked_logprob import (
-    DEFAULT_WORKSPACE_MB,
-    LogprobEntropyFunction,
-    TileOps,
-    check_lm_head_inputs,
-)
-from kernels.softmax_stats import NUM_STATS, build_vocab_shard, merge_stats
+from kernels.softmax_stats import NUM_STATS, merge_stats
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PROGRAMS_PER_SM = 2
@@ -221,7 +199,7 @@ def _dz_kernel(x_ptr, w_ptr, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_p
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_triton_operands(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+def check_triton_operands(hidden: torch.Tensor, weight: torch.Tensor) -> None:
     """Device, dtype and layout the kernels need."""
     if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the Triton path needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
@@ -290,7 +268,7 @@ def triton_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_i
         workspace_bytes: bound on the partial-state buffer and its merge.
         tiles: block sizes; None = `default_tiles`.
     """
-    _check_triton_operands(hidden, weight_valid)
+    check_triton_operands(hidden, weight_valid)
     tiles = default_tiles(hidden.device, hidden.dtype) if tiles is None else tiles
     launch, parts = build_stats_launch(hidden, weight_valid, local_ids, inv_temperature, workspace_bytes, tiles,
                                        _num_sms(hidden.device), hidden.is_cuda)
@@ -316,7 +294,7 @@ def triton_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.T
     Returns:
         (rows, cols) dz in x's dtype.
     """
-    _check_triton_operands(x_rows, w_cols)
+    check_triton_operands(x_rows, w_cols)
     tiles = default_tiles(x_rows.device, x_rows.dtype) if tiles is None else tiles
     launch, dz = build_dz_launch(x_rows, w_cols, tile_ids, lse, mean_logit, grad_logprobs, grad_entropy,
                                  inv_temperature, tiles, x_rows.is_cuda)
@@ -342,53 +320,3 @@ def build_dz_launch(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.
                      num_stages=tiles.num_stages, **_dot_settings(x_rows.dtype, is_gpu)),
     )
     return launch, dz
-
-
-def build_triton_tile_ops(tiles: TritonTiles | None = None) -> TileOps:
-    """The Triton primitives for `LogprobEntropyFunction`; the backward slab costs itemsize bytes per element."""
-    return TileOps(
-        local_stats=lambda *args: triton_local_stats(*args, tiles=tiles),
-        tile_dz=lambda *args: triton_tile_dz(*args, tiles=tiles),
-        dz_bytes_per_element=lambda dtype: dtype.itemsize,
-    )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Functional entry
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def triton_logprob_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    token_ids: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    vocab_size: int | None = None,
-    tp_group: dist.ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    workspace_mb: float = DEFAULT_WORKSPACE_MB,
-    tiles: TritonTiles | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-prob and entropy of the sampled tokens with the fused Triton kernels.
-
-    Args:
-        hidden: (N, H) last hidden states of the completion tokens; the same on every TP rank.
-        weight: (V_local, H) this rank's LM-head shard, same dtype (float32, bfloat16 or float16).
-        token_ids: (N,) int64 global ids of the sampled tokens, in [0, vocab_size).
-        temperature: the sampling temperature T (logits are divided by it).
-        vocab_size: the real vocabulary; global rows >= it are Megatron padding, masked. None = no padding.
-        tp_group: the TP group the vocabulary is split over; None = W is the whole head.
-        vocab_start: global id of local row 0; None = tp_rank * V_local.
-        workspace_mb: bound on the backward dz slab (and the forward partial states), MiB.
-        tiles: block sizes; None = `default_tiles(hidden.device, hidden.dtype)`.
-
-    Returns:
-        (logprobs, entropy), each (N,) float32, differentiable w.r.t. hidden and weight; dX comes back summed over
-        the TP group, dW local. NaN log-prob for ids outside the vocabulary.
-    """
-    check_lm_head_inputs(hidden, weight, token_ids, temperature)
-    _check_triton_operands(hidden, weight)
-    shard = build_vocab_shard(weight.shape[0], vocab_size, tp_group, vocab_start)
-    return LogprobEntropyFunction.apply(hidden, weight, token_ids, shard, temperature, tp_group,
-                                        int(workspace_mb * 2**20), build_triton_tile_ops(tiles))

@@ -1,19 +1,14 @@
-"""The public entry of the LM-head log-prob kernel: one contract, an explicit choice of implementation.
+"""The LM-head log-prob kernel's autograd Function and entries: hidden states + LM-head shard -> per-token log-prob
+and entropy, never materialising the (N, V_local) logits (Liger's order: tile primitives -> Function -> entry).
 
-Owns: `lm_head_logprob_entropy`, which flattens leading token dims, picks the implementation from its
-`implementation` argument ("auto" = Triton when X is on CUDA, else the chunked torch path; never an environment
-variable) and restores the token shape of the results. The contract, identical for every implementation:
-
-    (X (..., H) completion tokens, W (V_local, H) the local LM-head shard, sampled global token ids (...),
-     temperature T, real vocab size, optional TP group + vocab_start)
-    -> (logprobs (...), entropy (...)) float32 (float64 for float64 inputs), of softmax(X W^T / T) restricted to
-       the real vocabulary; differentiable: the backward consumes d loss / d logprobs and d loss / d entropy and
-       returns dX (summed over the TP group: X is replicated, Megatron's column-parallel convention) and the
-       local dW. The GRPO maths is not here: engine/grpo/policy_loss.py (the torch reference) and the fused
-       per-token terms kernel after it (kernels/grpo_token_terms.py).
-
-Under sequence parallelism, pass the all-gathered X (as Megatron's output layer does); the returned dX is then the
-full sum for all N rows, and each rank keeps its own rows (an all-reduce where Megatron would reduce-scatter).
+Owns: `TileOps` (the two tile primitives an implementation supplies: kernels/chunked_logprob.py in torch,
+kernels/fused_logprob.py in Triton), the backward loop shared by both (`backward_tiles`: recomputed dz tiles, vocab
+chunks outer, dX += dz W_slab in float32, dW_slab = dz^T X), `LogprobEntropyFunction` (TP: the (4, N) softmax state
+all-gathered in the forward, dX all-reduced in the backward, kernels/softmax_stats.py), and the entries
+`chunked_logprob_entropy`, `triton_logprob_entropy` and `lm_head_logprob_entropy` (`implementation`: "auto" = Triton
+on CUDA, else chunked torch; "reference" materialises the logits, kernels/reference.py). The contract, the same
+for every implementation, is `lm_head_logprob_entropy`'s docstring. Memory: the tile temporaries stay within
+`workspace_mb` (`plan_tiles`); measured figures: benchmarks/bench_fused_logprob.py.
 
 Must not: import engine/, read environment variables, or hold (N, V_local) logits outside implementation="reference".
 
@@ -22,17 +17,194 @@ Test: `pytest tests/kernels` (each implementation against kernels/reference.py, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+import typing
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from kernels.chunked_logprob import DEFAULT_WORKSPACE_MB, check_lm_head_inputs, chunked_logprob_entropy
-from kernels.fused_logprob import triton_logprob_entropy
+from kernels.chunked_logprob import (
+    TORCH_TEMPS_PER_ELEMENT,
+    accumulation_dtype,
+    matmul_acc,
+    plan_tiles,
+    torch_local_stats,
+    torch_tile_dz,
+)
+from kernels.fused_logprob import TritonTiles, check_triton_operands, triton_local_stats, triton_tile_dz
 from kernels.reference import reference_logprob_entropy
+from kernels.softmax_stats import (
+    VocabShard,
+    all_reduce_hidden_grad,
+    build_vocab_shard,
+    empty_stats,
+    finalize_stats,
+    reduce_stats_over_tp,
+)
 
 Implementation = Literal["auto", "triton", "torch_chunked", "reference"]
-IMPLEMENTATIONS = ("auto", "triton", "torch_chunked", "reference")
+IMPLEMENTATIONS = typing.get_args(Implementation)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tile primitives of each implementation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileOps:
+    """The two primitives an implementation supplies to `LogprobEntropyFunction`."""
+
+    local_stats: Callable[..., torch.Tensor]
+    """(hidden, weight_valid, local_ids, inv_temperature, workspace_bytes) -> (4, N) state of the shard."""
+    tile_dz: Callable[..., torch.Tensor]
+    """(x_rows, w_cols, tile_ids, lse, mean_logit, g_lp, g_H | None, inv_temperature) -> (rows, cols) dz."""
+    dz_bytes_per_element: Callable[[torch.dtype], int]
+    """Bytes of tile temporaries per logit element in the backward, given the input dtype."""
+
+
+TORCH_TILE_OPS = TileOps(
+    local_stats=torch_local_stats,
+    tile_dz=torch_tile_dz,
+    dz_bytes_per_element=lambda dtype: TORCH_TEMPS_PER_ELEMENT * accumulation_dtype(dtype).itemsize,
+)
+
+
+def build_triton_tile_ops(tiles: TritonTiles | None = None) -> TileOps:
+    """The Triton primitives for `LogprobEntropyFunction`; the backward slab costs itemsize bytes per element."""
+    return TileOps(
+        local_stats=lambda *args: triton_local_stats(*args, tiles=tiles),
+        tile_dz=lambda *args: triton_tile_dz(*args, tiles=tiles),
+        dz_bytes_per_element=lambda dtype: dtype.itemsize,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Backward loop
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _add_matmul_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b, accumulated in out's dtype."""
+    if a.dtype == out.dtype and b.dtype == out.dtype:
+        out.addmm_(a, b)
+    else:
+        out.add_(matmul_acc(a, b, out.dtype))
+
+
+def backward_tiles(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    shard: VocabShard,
+    local_ids: torch.Tensor,
+    lse: torch.Tensor,
+    mean_logit: torch.Tensor,
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    inv_temperature: float,
+    workspace_bytes: int,
+    ops: TileOps,
+    needs_dx: bool,
+    needs_dw: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dX (N, H) and dW (V_local, H) (None where not needed) from recomputed dz tiles, vocab chunks outer.
+
+    dX is this shard's partial sum (not yet reduced over TP); padded rows of dW are zero. lse, mean_logit and the
+    upstream gradients are (N,) in the accumulation dtype; local_ids are relative to the shard's first row.
+    """
+    num_rows, num_cols = hidden.shape[0], shard.num_valid
+    acc_dtype = lse.dtype
+    plan = plan_tiles(num_rows, num_cols, workspace_bytes, ops.dz_bytes_per_element(hidden.dtype))
+    dx_acc = torch.zeros(hidden.shape, dtype=acc_dtype, device=hidden.device) if needs_dx else None  # (N, H)
+    dw = torch.zeros_like(weight) if needs_dw else None  # (V_local, H)
+    is_one_row_chunk = plan.rows >= num_rows
+    for c0 in range(0, num_cols, plan.cols):
+        w_cols = weight[c0:min(c0 + plan.cols, num_cols)]  # (cols, H)
+        dw_acc = None if (dw is None or is_one_row_chunk) else torch.zeros(w_cols.shape, dtype=acc_dtype,
+                                                                           device=weight.device)  # (cols, H)
+        for r0 in range(0, num_rows, plan.rows):
+            r1 = min(r0 + plan.rows, num_rows)
+            x_rows = hidden[r0:r1]  # (rows, H)
+            g_ent = None if grad_entropy is None else grad_entropy[r0:r1]
+            dz = ops.tile_dz(x_rows, w_cols, local_ids[r0:r1] - c0, lse[r0:r1], mean_logit[r0:r1],
+                             grad_logprobs[r0:r1], g_ent, inv_temperature)  # (rows, cols)
+            if dx_acc is not None:
+                _add_matmul_(dx_acc[r0:r1], dz, w_cols)
+            if dw_acc is not None:
+                _add_matmul_(dw_acc, dz.T, x_rows)
+            elif dw is not None:
+                torch.mm(dz.T, x_rows, out=dw[c0:c0 + w_cols.shape[0]])  # all N rows in one GEMM: one rounding
+            del dz
+        if dw_acc is not None:
+            dw[c0:c0 + w_cols.shape[0]] = dw_acc
+    dx = None if dx_acc is None else dx_acc.to(hidden.dtype)
+    return dx, dw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Autograd Function and entries
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_lm_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+                         temperature: float) -> None:
+    """Shapes, dtypes and devices every implementation requires."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden (N, H) and weight (V_local, H); got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if token_ids.shape != hidden.shape[:1] or token_ids.dtype != torch.int64:
+        raise ValueError(f"need token_ids (N,) = ({hidden.shape[0]},) int64; got {tuple(token_ids.shape)} "
+                         f"{token_ids.dtype}")
+    if hidden.dtype != weight.dtype or not hidden.dtype.is_floating_point:
+        raise ValueError(f"hidden and weight must share a floating dtype; got {hidden.dtype} and {weight.dtype}")
+    if not (hidden.device == weight.device == token_ids.device):
+        raise ValueError(f"hidden, weight, token_ids on {hidden.device}, {weight.device}, {token_ids.device}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+class LogprobEntropyFunction(torch.autograd.Function):
+    """(hidden, weight) -> (logprobs, entropy) with a recompute backward; tile primitives from `TileOps`.
+
+    Backward returns dX summed over the TP group (every rank gets the same full d loss / d X, for the replicated
+    X) and this shard's dW. The upstream gradients must be the same on every TP rank (the loss is computed
+    redundantly from the replicated log-probs), as in Megatron.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, token_ids, shard: VocabShard, temperature: float, tp_group,
+                workspace_bytes: int, ops: TileOps):
+        ctx.set_materialize_grads(False)
+        inv_temperature = 1.0 / temperature
+        local_ids = token_ids - shard.vocab_start  # (N,)
+        if shard.num_valid > 0:
+            stats = ops.local_stats(hidden, weight[:shard.num_valid], local_ids, inv_temperature, workspace_bytes)
+        else:
+            stats = empty_stats(hidden.shape[0], accumulation_dtype(hidden.dtype), hidden.device)  # (4, N)
+        result = finalize_stats(reduce_stats_over_tp(stats, tp_group), token_ids, shard.vocab_size)
+        ctx.save_for_backward(hidden, weight, local_ids, result.lse, result.mean_logit)
+        ctx.config = (shard, inv_temperature, tp_group, workspace_bytes, ops)
+        return result.logprobs, result.entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, local_ids, lse, mean_logit = ctx.saved_tensors
+        shard, inv_temperature, tp_group, workspace_bytes, ops = ctx.config
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.to(lse.dtype)
+        grad_entropy = None if grad_entropy is None else grad_entropy.to(lse.dtype)
+        dx, dw = None, None
+        if shard.num_valid > 0:
+            dx, dw = backward_tiles(hidden, weight, shard, local_ids, lse, mean_logit, grad_logprobs, grad_entropy,
+                                    inv_temperature, workspace_bytes, ops, needs_dx, needs_dw)
+        if needs_dx:
+            dx = torch.zeros_like(hidden) if dx is None else dx
+            all_reduce_hidden_grad(dx, tp_group)  # NOTE: every rank must reach this collective, padding-only too
+        if needs_dw and dw is None:
+            dw = torch.zeros_like(weight)
+        return dx, dw, None, None, None, None, None, None
 
 
 def resolve_implementation(implementation: Implementation, device: torch.device) -> str:
@@ -49,12 +221,13 @@ def lm_head_logprob_entropy(
     weight: torch.Tensor,
     token_ids: torch.Tensor,
     *,
+    workspace_mb: float,
+    implementation: Implementation,
     temperature: float = 1.0,
     vocab_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
-    workspace_mb: float = DEFAULT_WORKSPACE_MB,
-    implementation: Implementation = "auto",
+    tiles: TritonTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob and entropy of the sampled tokens under softmax(X W^T / T), never materialising logits.
 
@@ -63,17 +236,21 @@ def lm_head_logprob_entropy(
             same on every rank of `tp_group`.
         weight: (V_local, H) this rank's LM-head shard (rows of the Megatron-padded vocabulary).
         token_ids: (...) int64 global ids of the sampled tokens, in [0, vocab_size).
-        temperature: the sampling temperature T.
+        workspace_mb: bound on the extra (tile) memory, MiB (the torch tiles' temporaries; Triton: the backward dz
+            slab and the forward partial states); ignored by "reference".
+        implementation: "auto" (triton on CUDA, else torch_chunked), "triton" (CUDA tensors or the interpreter;
+            float32 / bfloat16 / float16), "torch_chunked" or "reference".
+        temperature: the sampling temperature T (the logits are divided by it).
         vocab_size: the real vocabulary; global rows >= it are padding, masked to -inf. None = no padding.
         tp_group: the TP group the vocabulary is split over; None = W is the whole head.
         vocab_start: global id of local row 0; None = tp_rank * V_local (Megatron's even split).
-        workspace_mb: bound on the extra (tile) memory, MiB; ignored by "reference".
-        implementation: "auto" (triton on CUDA, else torch_chunked), "triton", "torch_chunked" or "reference".
+        tiles: Triton block sizes; None = `default_tiles(hidden.device, hidden.dtype)`.
 
     Returns:
-        (logprobs, entropy), each shaped like token_ids, float32 (float64 for float64 inputs). Under
-        torch.no_grad (old / reference log-prob passes) nothing is saved. NaN log-prob for ids outside
-        [0, vocab_size).
+        (logprobs, entropy), each shaped like token_ids, float32 (float64 for float64 inputs). Differentiable: the
+        backward takes d loss / d logprobs and d loss / d entropy and returns dX summed over the TP group (X is
+        replicated, Megatron's column-parallel convention) and the local dW. Under torch.no_grad (old / reference
+        log-prob passes) nothing is saved. NaN log-prob for ids outside [0, vocab_size).
     """
     token_shape = token_ids.shape
     if hidden.shape[:-1] != token_shape:
@@ -81,12 +258,27 @@ def lm_head_logprob_entropy(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     flat_ids = token_ids.reshape(-1)  # (N,)
     check_lm_head_inputs(flat_hidden, weight, flat_ids, temperature)
-    common = dict(temperature=temperature, vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start)
     chosen = resolve_implementation(implementation, hidden.device)
-    if chosen == "triton":
-        logprobs, entropy = triton_logprob_entropy(flat_hidden, weight, flat_ids, workspace_mb=workspace_mb, **common)
-    elif chosen == "torch_chunked":
-        logprobs, entropy = chunked_logprob_entropy(flat_hidden, weight, flat_ids, workspace_mb=workspace_mb, **common)
+    if chosen == "reference":
+        logprobs, entropy = reference_logprob_entropy(flat_hidden, weight, flat_ids, temperature=temperature,
+                                                      vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start)
     else:
-        logprobs, entropy = reference_logprob_entropy(flat_hidden, weight, flat_ids, **common)
+        if chosen == "triton":
+            check_triton_operands(flat_hidden, weight)
+        ops = build_triton_tile_ops(tiles) if chosen == "triton" else TORCH_TILE_OPS
+        shard = build_vocab_shard(weight.shape[0], vocab_size, tp_group, vocab_start)
+        logprobs, entropy = LogprobEntropyFunction.apply(flat_hidden, weight, flat_ids, shard, temperature, tp_group,
+                                                         int(workspace_mb * 2**20), ops)
     return logprobs.reshape(token_shape), entropy.reshape(token_shape)  # (...)
+
+
+def chunked_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+                            **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lm_head_logprob_entropy` on the tiled plain-torch path (CPU, CI, float64 tests); same keyword arguments."""
+    return lm_head_logprob_entropy(hidden, weight, token_ids, implementation="torch_chunked", **options)
+
+
+def triton_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
+                           **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lm_head_logprob_entropy` on the fused Triton kernels (GPU, or the interpreter); same keyword arguments."""
+    return lm_head_logprob_entropy(hidden, weight, token_ids, implementation="triton", **options)

@@ -1,20 +1,15 @@
 """Plain-torch reference for the LM-head log-prob and entropy: materialises the (N, V_local) logits.
 
-Owns:
-- `reference_logprob_entropy`: the same function as the fused kernels (same arguments, same TP convention), written
-  the obvious way with autograd: logits = X W^T / T in float32 (float64 for float64 inputs), padded vocabulary rows
-  masked to -inf, then per token lse, target logit - lse, and entropy = lse - E_p[z]. Under TP it follows Megatron's
-  vocab-parallel recipe: all-reduce MAX of the row max, all-reduce SUM of sum-exp, of sum-exp-times-logit and of
-  the target logit; X enters through `copy_to_tp_region`, so dX is summed over the TP group as in the fused paths.
-  bf16/fp16 inputs: the GEMM runs in the input dtype (bf16 logits, as a model's lm_head produces them) and is then
-  copied to float32, which is the naive path RL trainers take (anchors/kernels.md §3); the fused paths are more
-  accurate than this (fp32 logits), so tests compare bf16 kernels with the reference on upcast inputs.
-  Tests compare every implementation with it (float64 where possible); the benchmark uses it as the baseline.
-  Memory: several (N, V_local) float32 tensors live at once (logits, masked logits, exponentials, products, kept
-  for autograd).
-- `build_lm_head_problem`: seeded inputs (X, W, token ids) with a chosen logit spread, shared by tests and benchmarks.
+Owns `reference_logprob_entropy`, the same function and TP convention as the fused entries written the obvious way
+with autograd: logits = X W^T / T in float32 (float64 for float64 inputs; bf16/fp16 inputs: the GEMM in the input
+dtype then copied to float32, the naive path RL trainers take, anchors/kernels.md §3; the fused paths keep float32
+logits, so tests compare bf16 kernels with it on upcast inputs), padded rows masked to -inf,
+lse, target logit - lse, entropy = lse - E_p[z]; under TP Megatron's vocab-parallel recipe through its region
+mappings (`copy_to_tp_region`, `reduce_from_tp_region`, `all_reduce_max`). Tests compare every implementation with
+it; benchmarks use it as the baseline. Also `build_lm_head_problem`: seeded inputs (X, W, token ids) with a chosen
+logit spread, shared by tests and benchmarks.
 
-Must not: be used in training at scale (it holds the logits), import Triton or engine/.
+Must not: be used in training at scale (several (N, V_local) float32 tensors live at once), import Triton or engine/.
 
 Test: `pytest tests/kernels/test_reference.py` (against torch.log_softmax on hand-built cases).
 """
@@ -24,12 +19,54 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels.softmax_stats import (
-    all_reduce_max,
-    build_vocab_shard,
-    copy_to_tp_region,
-    reduce_from_tp_region,
-)
+from kernels.softmax_stats import all_reduce_hidden_grad, build_vocab_shard
+
+
+class _CopyToTPRegion(torch.autograd.Function):
+    """Identity forward, all-reduce backward (Megatron `copy_to_tensor_model_parallel_region`)."""
+
+    @staticmethod
+    def forward(ctx, x, tp_group):
+        ctx.tp_group = tp_group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_hidden_grad(grad.clone(), ctx.tp_group), None
+
+
+class _ReduceFromTPRegion(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward (Megatron `reduce_from_tensor_model_parallel_region`): the
+    result is replicated and every rank's downstream computes the same loss from it."""
+
+    @staticmethod
+    def forward(ctx, x, tp_group):
+        out = x.clone()
+        dist.all_reduce(out, group=tp_group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tp_region(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """x itself; its gradient is summed over the TP group. Identity without a group."""
+    return x if tp_group is None else _CopyToTPRegion.apply(x, tp_group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum of x over the TP group, with the gradient passed through unchanged. Identity without a group."""
+    return x if tp_group is None else _ReduceFromTPRegion.apply(x, tp_group)
+
+
+def all_reduce_max(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Element-wise max over the TP group (no gradient). Identity without a group."""
+    if tp_group is None:
+        return x
+    out = x.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=tp_group)
+    return out
 
 
 def reference_logprob_entropy(

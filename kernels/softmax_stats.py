@@ -11,7 +11,7 @@ Owns:
   on every rank (so every rank holds bitwise the same log-probs);
 - `finalize_stats`: state -> log-prob, entropy, and the (lse, E[z]) the backward needs;
 - `VocabShard`: which global ids this LM-head shard holds and which of them are Megatron padding;
-- Megatron's two region mappings (`copy_to_tp_region`, `reduce_from_tp_region`) for the autograd reference.
+- `all_reduce_hidden_grad`: the backward's dX sum over the TP group.
 
 Must not: compute logits, know about Triton, or import engine/. Collectives take the process group as an argument.
 
@@ -157,50 +157,3 @@ def all_reduce_hidden_grad(grad_hidden: torch.Tensor, tp_group: dist.ProcessGrou
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(grad_hidden, group=tp_group)
     return grad_hidden
-
-
-class _CopyToTPRegion(torch.autograd.Function):
-    """Identity forward, all-reduce backward (Megatron `copy_to_tensor_model_parallel_region`)."""
-
-    @staticmethod
-    def forward(ctx, x, tp_group):
-        ctx.tp_group = tp_group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_hidden_grad(grad.clone(), ctx.tp_group), None
-
-
-class _ReduceFromTPRegion(torch.autograd.Function):
-    """All-reduce (sum) forward, identity backward (Megatron `reduce_from_tensor_model_parallel_region`): the
-    result is replicated and every rank's downstream computes the same loss from it."""
-
-    @staticmethod
-    def forward(ctx, x, tp_group):
-        out = x.clone()
-        dist.all_reduce(out, group=tp_group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def copy_to_tp_region(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """x itself; its gradient is summed over the TP group. Identity without a group."""
-    return x if tp_group is None else _CopyToTPRegion.apply(x, tp_group)
-
-
-def reduce_from_tp_region(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum of x over the TP group, with the gradient passed through unchanged. Identity without a group."""
-    return x if tp_group is None else _ReduceFromTPRegion.apply(x, tp_group)
-
-
-def all_reduce_max(x: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Element-wise max over the TP group (no gradient). Identity without a group."""
-    if tp_group is None:
-        return x
-    out = x.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=tp_group)
-    return out

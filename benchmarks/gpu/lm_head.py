@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}")
     for name in ("vocab", "tile_tokens", "iters", "warmup"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
-    parser.add_argument("--workspace-mb", type=float, default=bench_fused_logprob.DEFAULT_WORKSPACE_MB)
+    parser.add_argument("--workspace-mb", type=float, default=bench_fused_logprob.WORKSPACE_MB)
     args = parser.parse_args(argv)
     for name, value in (CPU if args.cpu else GPU).items():
         if getattr(args, name) is None:

@@ -11,20 +11,7 @@ when a row is unscorable, because a silent all-None row is a reward-function bug
 Layout: rows are grouped as TRL's RepeatSampler lays them out: the G completions of one prompt are G consecutive
 rows, so `rewards.view(-1, G)` gives one group per row (B = P * G).
 
-Maths (TRL 1.16 `GRPOTrainer._generate_and_score_completions`, anchors/trl.md §3.2; GRPO: arXiv:2402.03300):
-    sum_then_normalize:  r = nansum_k w_k R_k;  A = (r - mean_group(r)) / (std + 1e-4)
-        std = Bessel nanstd over the group (`group`) or over the whole batch (`batch`, Lite PPO arXiv:2508.08221,
-        the group mean is kept); `none` (Dr. GRPO arXiv:2503.20783) skips the division.
-    normalize_then_sum (GDPO): Z_k = group-normalised R_k;  r = nansum_k w_k Z_k;  A = batch-normalised r
-        (ignores `scale_rewards`, as TRL does).
-    A row where every function returned None is unscorable: its reward is NaN (left out of the group mean and std)
-    and its advantage is 0.
-The 1e-4 is added to the std (not inside a square root) and the std is Bessel-corrected (n - 1), as in TRL; the
-DeepSeekMath paper writes the plain std. One deliberate difference: where every scored reward of a group (or, for the
-batch normalisation, of the batch) is equal, the centred reward is exactly 0; TRL subtracts a floating-point mean and
-leaves residues (rewards 0.7, 0.7, 0.7 give advantages of 1e-12 after the division by 1e-4). A group with fewer
-than two scorable rows has a NaN std, so its advantages are NaN before the final `nan_to_num` and end up 0: such a
-group carries no signal.
+The maths, and where it differs from TRL: `compute_advantages`.
 
 Test: `pytest tests/unit/test_advantages.py` (hand-computed values); equality with TRL on the same rewards:
 `pytest tests/unit/test_trl_parity.py`.
@@ -36,12 +23,9 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-ScaleRewards = Literal["group", "batch", "none"]
-MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
+from engine.grpo.settings import SCALE_REWARDS, MultiObjectiveAggregation, ScaleRewards
 
 STD_EPSILON = 1e-4
 """Added to the std before dividing (TRL's constant)."""
@@ -144,11 +128,26 @@ def aggregate_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tens
 def compute_advantages(
     rewards_per_func: torch.Tensor,
     num_generations: int,
-    reward_weights: torch.Tensor | None = None,
-    scale_rewards: ScaleRewards = "group",
-    multi_objective_aggregation: MultiObjectiveAggregation = "sum_then_normalize",
+    reward_weights: torch.Tensor | None,
+    scale_rewards: ScaleRewards,
+    multi_objective_aggregation: MultiObjectiveAggregation,
 ) -> Advantages:
     """Group-relative advantages of one generation batch (every rank's rows).
+
+    Maths (TRL 1.16 `GRPOTrainer._generate_and_score_completions`, anchors/trl.md §3.2; GRPO: arXiv:2402.03300):
+        sum_then_normalize:  r = nansum_k w_k R_k;  A = (r - mean_group(r)) / (std + 1e-4)
+            std = Bessel nanstd over the group (`group`) or over the whole batch (`batch`, Lite PPO
+            arXiv:2508.08221, the group mean is kept); `none` (Dr. GRPO arXiv:2503.20783) skips the division.
+        normalize_then_sum (GDPO): Z_k = group-normalised R_k;  r = nansum_k w_k Z_k;  A = batch-normalised r
+            (ignores `scale_rewards`, as TRL does).
+        A row where every function returned None is unscorable: its reward is NaN (left out of the group mean and
+        std) and its advantage is 0.
+    The 1e-4 is added to the std (not inside a square root) and the std is Bessel-corrected (n - 1), as in TRL; the
+    DeepSeekMath paper writes the plain std. One deliberate difference: where every scored reward of a group (or, for
+    the batch normalisation, of the batch) is equal, the centred reward is exactly 0; TRL subtracts a floating-point
+    mean and leaves residues (rewards 0.7, 0.7, 0.7 give advantages of 1e-12 after the division by 1e-4). A group
+    with fewer than two scorable rows has a NaN std, so its advantages are NaN before the final `nan_to_num` and end
+    up 0: such a group carries no signal.
 
     Args:
         rewards_per_func: (B, K) float rewards of K reward functions; NaN = the function returned None.
@@ -168,7 +167,7 @@ def compute_advantages(
         raise ValueError(
             f"the batch of {num_rows} rows is not a whole number of groups of num_generations={num_generations}"
         )
-    if scale_rewards not in ("group", "batch", "none"):
+    if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
     is_unscorable = find_unscorable_rows(rewards_per_func)  # (B,)
     if is_unscorable.any():

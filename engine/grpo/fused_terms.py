@@ -19,11 +19,10 @@ import os
 import torch
 
 from engine.grpo.loss_statistics import CLIPPED_LOSS_TYPES
+from engine.grpo.settings import TERMS_IMPLEMENTATIONS, TermsImplementation
 
-TERMS_IMPLEMENTATIONS = ("auto", "torch", "triton")
 
-
-def resolve_terms_implementation(implementation: str, device: torch.device) -> str:
+def resolve_terms_implementation(implementation: TermsImplementation, device: torch.device) -> str:
     """"auto" -> "triton" on CUDA, "torch" elsewhere; other names are checked and returned."""
     if implementation not in TERMS_IMPLEMENTATIONS:
         raise ValueError(f"terms_implementation must be one of {TERMS_IMPLEMENTATIONS}, got {implementation!r}")

@@ -1,66 +1,14 @@
 """The GRPO policy loss, per token, for every `loss_type`, and its normalisation.
 
-Owns: the importance ratio (token level, or sequence level = GSPO), the surrogate of each `loss_type`
-(grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo), `epsilon` / `epsilon_high` / `delta` clipping, the KL
-penalty (k1 / k2 / k3 estimators, `use_bias_correction_kl`), the masks that multiply the per-token loss (off-policy
-sequence mask, top-entropy mask, vLLM importance-sampling correction, truncated completions), the entropy bonus
-(fixed and adaptive), and the normalisers. It returns the sums and counts the metrics need (computed by
-engine/grpo/loss_statistics.py; engine/grpo/metrics.py turns them into values), not the metrics.
+Owns: the importance ratio (token level, or sequence level = GSPO), the surrogate of each `loss_type` (grpo, bnpo,
+dr_grpo, dapo, cispo, sapo, luspo, vespo), epsilon / epsilon_high / delta clipping, the k1 / k2 / k3 KL, the masks
+(off-policy, top-entropy, vLLM importance sampling, truncated completions), the entropy bonus (fixed and adaptive)
+and the normalisers (`LossNormalizer`: ours, layout-independent; `TRLNormalizer`: TRL 1.16's, for comparison). The
+torch code here is the reference of the maths; the fused per-token terms kernel (engine/grpo/fused_terms.py) is held
+equal to it. The order of operations, the papers and where we differ from TRL: `compute_policy_loss`.
 
-Must not: run a model, compute logits, talk to process groups, read the config tree or log. Everything here is a pure
-function of tensors; anything that needs every rank (the global token count, the entropy quantile across ranks) is
-computed by the caller and passed in.
-
-THE CONTRACT WITH THE FUSED KERNELS: the loss takes per-token `logprobs (B, T)` and, when an entropy term is on,
-    `entropy (B, T)` as autograd tensors (the fused LM-head kernel's outputs; its backward consumes d loss / d logprobs
-    and d loss / d entropy). The torch code here is the one reference of the maths. With `terms_implementation`
-    "triton" ("auto" on CUDA) the per-token terms (ratio, surrogate, masks, KL, their d / d logprob) run in one Triton
-    kernel instead (kernels/grpo_token_terms.py via engine/grpo/fused_terms.py), held equal to this code to fp32
-    rounding by tests/kernels/test_grpo_token_terms.py; the per-sequence reductions (GSPO weights, VESPO phi, the
-    off-policy mask), the normalisers and the entropy bonus stay here. Float32 (or float64 in tests, torch terms only).
-
-Order of operations (TRL 1.16 `GRPOTrainer._compute_loss`, anchors/trl.md §3.3-3.9): ratio -> surrogate ->
-x off-policy mask -> x entropy mask -> x vLLM IS ratio (not for vespo) -> + beta * KL -> normalise -> - entropy bonus.
-The KL is added after the masks, so they do not apply to it (TRL's choice, kept).
-
-Normalisation: where and why we differ from TRL.
-    TRL normalises grpo / sapo / bnpo / dr_grpo / luspo per micro-batch (its own token or sequence count) and divides
-    by the gradient-accumulation steps; the gradient then depends on how the generation batch is cut into
-    micro-batches, accumulation steps and data-parallel ranks (a micro-batch of short completions weighs as much as one
-    of long completions). dapo / cispo / vespo divide by the token count of the whole generation batch, which does not
-    depend on the layout.
-    Our default (`LossNormalizer`) makes *every* loss type layout-independent: the caller counts, once per generation
-    batch, the loss tokens `num_tokens` and sequences `num_sequences` of the sequences one optimizer step covers (all
-    ranks), and each micro-batch's loss is its share of the whole-batch loss:
-        grpo, sapo:      sum_i [sum_t m L / max(sum_t m, 1)] / num_sequences     (per-sequence mean, batch mean)
-        bnpo, dapo, cispo, vespo:  sum m L / num_tokens                       (bnpo == dapo once its batch is global)
-        dr_grpo:         sum m L / (num_sequences * max_completion_length)
-        luspo:           sum_i sum_t m L / num_sequences
-        entropy bonus:   sum H m_eff / num_tokens
-    so the sum of the per-micro-batch losses over any split (micro-batch size x accumulation steps x DP ranks) equals
-    the whole-batch loss, and so does the gradient. The trainer must therefore SUM gradients over micro-batches and
-    DP ranks (a DDP wrapper that averages over dp_size must be compensated by scaling the loss by dp_size).
-    `TRLNormalizer` reproduces TRL 1.16 exactly (same per-micro-batch arithmetic, GA division, dapo's
-    num_items_in_batch / num_processes * GA / steps_per_generation) for comparison tests. With one micro-batch, one
-    rank and GA = 1 the two agree for every loss type, except that with `top_entropy_quantile < 1` TRL's entropy bonus
-    is a mean over the kept tokens (a count only known per micro-batch) and ours divides by `num_tokens`.
-    The entropy mask threshold is a statistic of whatever entropies are given (TRL: the micro-batch on all ranks);
-    pass `entropy_threshold` computed once over the generation batch to make the masked loss layout-independent too.
-
-Papers (and where we differ): GRPO arXiv:2402.03300; DAPO arXiv:2503.14476 (token-level normalisation, clip-higher);
-Dr. GRPO arXiv:2503.20783; GSPO arXiv:2507.18071 (sequence-level ratio = length-normalised log-ratio mean);
-CISPO (MiniMax-M1) arXiv:2506.13585; SAPO arXiv:2511.20347; LUSPO arXiv:2602.05261; VESPO arXiv:2602.10693;
-two-sided clipping (INTELLECT-2) arXiv:2505.07291; top-entropy tokens arXiv:2506.01939; adaptive entropy
-(Skywork-OR1) arXiv:2505.22312; off-policy mask and bias-corrected KL (DeepSeek-V3.2) arXiv:2512.02556. The k1/k2
-estimators (http://joschu.net/blog/kl-approx.html) are our addition; TRL has k3 only. The entropy-mask quantile is
-taken in the entropies' own dtype when it is float64 (TRL casts to float32, which can flip a tie in float64 tests), and
-the SAPO temperatures and VESPO k / lambda are in the inputs' dtype (TRL's `torch.where` on Python floats rounds them to
-float32, e.g. 1.05 -> 1.0499999523); both differences vanish in float32 training.
-
-TRL version: the reference is TRL 1.16 (the pinned test dependency), which differs from the 1.10 snapshot described in
-anchors/trl.md: dapo / cispo / vespo divide by num_items_in_batch / num_processes * GA / steps_per_generation (1.10:
-no GA / steps_per_generation factor), the entropy bonus is a mean over its tokens / GA for every loss type (1.10: the
-dapo normaliser for dapo / cispo / vespo), and `use_bias_correction_kl` defaults to True in TRL 1.16's GRPOConfig.
+Must not: run a model, compute logits, talk to process groups, read the config tree or log. Anything that needs
+every rank (the global token count, the entropy quantile) is computed by the caller and passed in.
 
 Test: `pytest tests/unit/test_policy_loss.py` (hand-computed edge cases, layout independence) and
 `pytest tests/unit/test_trl_parity.py` (equality with TRL 1.16 `_compute_loss`, loss and gradients, in float64).
@@ -70,78 +18,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from engine.grpo.fused_terms import fused_per_token_loss, resolve_terms_implementation
 from engine.grpo.loss_statistics import CLIPPED_LOSS_TYPES, compute_loss_statistics
-
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PolicyLossConfig:
-    """Hyperparameters of the loss, with TRL's names; the trainer fills it from the `grpo` config section."""
-
-    loss_type: LossType = "dapo"
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    epsilon: float = 0.2
-    """Lower clip: the ratio is clipped at 1 - epsilon."""
-    epsilon_high: float | None = None
-    """Upper clip 1 + epsilon_high; None = epsilon. For cispo: the cap on the IS weight itself."""
-    delta: float | None = None
-    """Two-sided clipping: the unclipped ratio is also capped at delta (clipped losses only)."""
-    beta: float = 0.0
-    """KL coefficient; 0 = no reference log-probs needed."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    use_bias_correction_kl: bool = False
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    top_entropy_quantile: float = 1.0
-    """rho: keep only the top-rho entropy tokens in the policy loss; 1 = all."""
-    entropy_coef: float = 0.0
-    """Fixed entropy-bonus coefficient (adaptive mode: its starting value, see `update_entropy_coef`)."""
-    use_adaptive_entropy: bool = False
-    off_policy_mask_threshold: float | None = None
-    max_completion_length: int = 512
-    """Dr. GRPO's constant L (tokens)."""
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.importance_sampling_level not in ("token", "sequence"):
-            level = self.importance_sampling_level
-            raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
-        if not 0.0 <= self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
-
-    @property
-    def epsilon_low(self) -> float:
-        return self.epsilon
-
-    @property
-    def resolved_epsilon_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def is_entropy_bonus_enabled(self) -> bool:
-        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
+from engine.grpo.settings import IS_MODES, KL_ESTIMATORS, ISMode, KLEstimator, PolicyLossConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class LossNormalizer:
     """Layout-independent denominators (the default): counted once per generation batch over the sequences one
-    optimizer step covers, on every rank. See the module docstring."""
+    optimizer step covers, on every rank.
+
+    TRL normalises grpo / sapo / bnpo / dr_grpo / luspo per micro-batch (its own token or sequence count) and divides
+    by the gradient-accumulation steps; the gradient then depends on how the generation batch is cut into
+    micro-batches, accumulation steps and data-parallel ranks (a micro-batch of short completions weighs as much as
+    one of long completions). dapo / cispo / vespo divide by the token count of the whole generation batch, which
+    does not depend on the layout. Ours makes *every* loss type layout-independent: each micro-batch's loss is its
+    share of the whole-batch loss,
+        grpo, sapo:      sum_i [sum_t m L / max(sum_t m, 1)] / num_sequences     (per-sequence mean, batch mean)
+        bnpo, dapo, cispo, vespo:  sum m L / num_tokens                       (bnpo == dapo once its batch is global)
+        dr_grpo:         sum m L / (num_sequences * max_completion_length)
+        luspo:           sum_i sum_t m L / num_sequences
+        entropy bonus:   sum H m_eff / num_tokens
+    so the sum of the per-micro-batch losses over any split (micro-batch size x accumulation steps x DP ranks)
+    equals the whole-batch loss, and so does the gradient. The trainer must therefore SUM gradients over
+    micro-batches and DP ranks (a DDP wrapper that averages over dp_size must be compensated by scaling the loss by
+    dp_size). The entropy-mask threshold is a statistic of whatever entropies are given (TRL: the micro-batch on all
+    ranks); pass `entropy_threshold` computed once over the generation batch to make the masked loss
+    layout-independent too.
+    """
 
     num_tokens: float
     """Loss-mask tokens (after truncation masking) of the optimizer step's sequences, all ranks."""
@@ -151,7 +58,16 @@ class LossNormalizer:
 
 @dataclass(frozen=True, kw_only=True)
 class TRLNormalizer:
-    """TRL 1.16's per-micro-batch normalisation, reproduced for comparison (layout-dependent; module docstring)."""
+    """TRL 1.16's per-micro-batch normalisation, reproduced for comparison (layout-dependent; `LossNormalizer`).
+
+    The same per-micro-batch arithmetic, GA division, and dapo's num_items_in_batch / num_processes * GA /
+    steps_per_generation. With one micro-batch, one rank and GA = 1 the two agree for every loss type, except that
+    with `top_entropy_quantile < 1` TRL's entropy bonus is a mean over the kept tokens (a count only known per
+    micro-batch) and ours divides by `num_tokens`. TRL 1.16 (the pinned test dependency) differs from the 1.10
+    snapshot of anchors/trl.md: dapo / cispo / vespo divide by num_items_in_batch / num_processes * GA /
+    steps_per_generation (1.10: no GA / steps_per_generation factor), and the entropy bonus is a mean over its tokens
+    / GA for every loss type (1.10: the dapo normaliser for dapo / cispo / vespo).
+    """
 
     num_items_in_batch: float
     """Loss-mask tokens of the whole generation batch, all ranks (dapo / cispo / vespo)."""
@@ -241,9 +157,9 @@ def compute_vllm_importance_sampling_ratio(
     old_logprobs: torch.Tensor,
     sampling_logprobs: torch.Tensor,
     mask: torch.Tensor,
-    vllm_importance_sampling_mode: str = "sequence_mask",
-    vllm_importance_sampling_clip_min: float | None = None,
-    vllm_importance_sampling_clip_max: float | None = 3.0,
+    vllm_importance_sampling_mode: ISMode,
+    vllm_importance_sampling_clip_min: float | None,
+    vllm_importance_sampling_clip_max: float | None,
 ) -> torch.Tensor:
     """Importance weight between the trainer's and the inference engine's sampling distribution (once per generation).
 
@@ -344,7 +260,7 @@ def select_high_entropy_tokens(
     return ((entropy.detach() * mask) >= threshold) & mask.bool()
 
 
-def estimate_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def estimate_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi (Schulman's k1 / k2 / k3).
 
     With d = l_ref - l_theta: k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (TRL's, unbiased and >= 0).
@@ -451,9 +367,21 @@ def compute_policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float | None = None,
     entropy_threshold: torch.Tensor | float | None = None,
-    terms_implementation: str = "auto",
+    terms_implementation: str,
 ) -> PolicyLossOutput:
     """The GRPO loss of one micro-batch.
+
+    Order of operations (TRL 1.16 `GRPOTrainer._compute_loss`, anchors/trl.md §3.3-3.9): ratio -> surrogate ->
+    x off-policy mask -> x entropy mask -> x vLLM IS ratio (not for vespo) -> + beta * KL -> normalise -> - entropy
+    bonus. The KL is added after the masks, so they do not apply to it (TRL's choice, kept). The per-token terms take
+    `logprobs` (and `entropy`, when an entropy term is on) as autograd tensors: the fused LM-head kernel's backward
+    consumes d loss / d logprobs and d loss / d entropy. Float32 (or float64 in tests, torch terms only).
+
+    Papers: GRPO arXiv:2402.03300; DAPO 2503.14476; Dr. GRPO 2503.20783; GSPO 2507.18071 (sequence ratio = mean
+    log-ratio); CISPO 2506.13585; SAPO 2511.20347; LUSPO 2602.05261; VESPO 2602.10693; two-sided clipping 2505.07291;
+    top-entropy tokens 2506.01939; adaptive entropy 2505.22312; off-policy mask, bias-corrected KL 2512.02556. Ours
+    only: k1 / k2 (joschu.net/blog/kl-approx.html), a float64 entropy quantile, SAPO / VESPO constants in the inputs'
+    dtype (TRL rounds them to float32); normalisation: `LossNormalizer` (ours), `TRLNormalizer` (TRL's).
 
     Args:
         logprobs: (B, T) per-token log-probs of the sampled tokens under the current policy (autograd; from the

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import KernelsConfig
 from engine.policy.parallel import ParallelState
 
 
@@ -175,16 +176,14 @@ def lm_forward_backward(
 
 @dataclass(frozen=True)
 class LogprobSettings:
-    """How per-token log-probs are computed from the last hidden states (fields from `generation` and `kernels`)."""
+    """How per-token log-probs are computed from the last hidden states."""
 
     vocab_size: int
     """The real vocabulary; Megatron's padded rows above it are masked."""
-    temperature: float = 1.0
-    implementation: str = "auto"
-    """kernels.lm_head_logprob_entropy implementation: auto | triton | torch_chunked | reference."""
-    workspace_mb: float = 1024.0
-    terms_implementation: str = "auto"
-    """The GRPO loss's per-token terms (`kernels.loss_terms_implementation`): auto | torch | triton."""
+    temperature: float
+    """Divides the logits: `generation.temperature` (1.0 for the weight-sync probe)."""
+    kernels: KernelsConfig
+    """The `kernels` config section: the log-prob and loss-terms implementations and the workspace."""
 
 
 def completion_logprobs(
@@ -225,7 +224,7 @@ def completion_logprobs(
     logprobs, entropy = lm_head_logprob_entropy(
         x, unwrap(model).lm_head_weight(), batch["completion_ids"][mask],
         temperature=settings.temperature, vocab_size=settings.vocab_size, tp_group=ps.groups.tp,
-        workspace_mb=settings.workspace_mb, implementation=settings.implementation,
+        workspace_mb=settings.kernels.loss_workspace_mb, implementation=settings.kernels.loss_implementation,
     )  # (N,), (N,)
     zeros = zeros.to(logprobs.dtype)
     return zeros.masked_scatter(mask, logprobs), zeros.masked_scatter(mask, entropy)
@@ -284,7 +283,7 @@ def grpo_forward_backward(
             importance_sampling_ratio=batch.get("importance_sampling_ratio"),
         )
         out = compute_policy_loss(logprobs, inputs, loss_config, normalizer, entropy=entropy, entropy_coef=entropy_coef,
-                                  terms_implementation=settings.terms_implementation)
+                                  terms_implementation=settings.kernels.loss_terms_implementation)
         return out.loss * scale, {"output": _detached(out)}
 
     return [v["output"] for v in run_schedule(model, ps, microbatches, loss_fn)]

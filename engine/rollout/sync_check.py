@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from engine.config import KernelsConfig
 from engine.policy.parallel import ParallelState
 from engine.policy.step import LogprobSettings, forward_logprobs
 
@@ -66,7 +67,7 @@ def logprob_differences(chunks, ps: ParallelState, engine, probe: dict, vocab_si
     (float64, NaN -> inf), the mask of the compared ones, and the trainer's log-probs, (k, L - 1) each; token j + 1
     of row i at [i, j]. Every rank queries its engine(s); [] on ranks without the last pipeline stage.
     """
-    settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0, implementation="auto")
+    settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0, kernels=KernelsConfig())  # the defaults
     full, sequences = full_sequence_probe(probe)
     trainer = forward_logprobs(chunks, ps, [full], settings)
     # NOTE: every rank queries its engine, also where there is nothing to compare: the ranks of one vLLM TP group

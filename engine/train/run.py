@@ -19,7 +19,7 @@ is chosen here only); the whole run: tests/integration/test_trainer.py, tests/in
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -169,11 +169,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     resume_from = agree_on_resume_checkpoint(cfg.checkpoint.resume_from_checkpoint, run_dir, ps)
     resume_step = read_progress(resume_from).step if resume_from is not None else None  # later log lines are dropped
     logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps, resume_step=resume_step) if ps.rank == 0 else None
-    loss_config = build_loss_config(cfg)
+    loss_config = PolicyLossConfig.from_sections(cfg.grpo, cfg.generation)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
-                               implementation=cfg.kernels.loss_implementation,
-                               workspace_mb=cfg.kernels.loss_workspace_mb,
-                               terms_implementation=cfg.kernels.loss_terms_implementation)
+                               kernels=cfg.kernels)
     num_prompts = derived.num_prompts_per_generation
     queue = PromptQueue(cfg.data.dynamic_prompts_queue_rounds * num_prompts) if dynamic_prompts is not None else None
     sampler = RoundSampler(engine, rewards, tokenizer, ps, train_prompts, eval_prompts, logger, cfg.grpo, cfg.data,
@@ -228,13 +226,6 @@ def resolve_hooks(cfg: EngineConfig, group_filter_func=None,
                                  f"train(cfg, {name}=...))") from error
         resolved.append(given)
     return cfg, resolved[0], resolved[1]
-
-
-def build_loss_config(cfg: EngineConfig) -> PolicyLossConfig:
-    """The loss hyperparameters: every PolicyLossConfig field takes the `grpo` field of the same (TRL) name."""
-    names = {f.name for f in fields(PolicyLossConfig)} - {"max_completion_length"}
-    return PolicyLossConfig(**{name: getattr(cfg.grpo, name) for name in names},
-                            max_completion_length=cfg.generation.max_completion_length)
 
 
 def _total_steps(cfg: EngineConfig, derived: Derived, num_prompts: int) -> int:

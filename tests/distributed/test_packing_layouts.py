@@ -85,8 +85,8 @@ def _packing_steps(tp: int, pp: int, dp: int, model_dir: str, out_root: str, dty
 def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
     from transformers import AutoConfig
 
-    from engine.config import OptimizerConfig
-    from engine.grpo.policy_loss import PolicyLossConfig
+    from engine.config import KernelsConfig, OptimizerConfig
+    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
     from engine.policy.hf_convert import ModelDims
     from engine.policy.model import build_policy, policy_shape
@@ -100,8 +100,9 @@ def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     opt_cfg = OptimizerConfig(learning_rate=1e-3, adam_epsilon=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0)
     popt = build_optimizer(opt_cfg, chunks, ps, total_steps=1)
-    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.9, implementation="torch_chunked")
-    loss_config = PolicyLossConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
+    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.9,
+                               kernels=KernelsConfig(loss_implementation="torch_chunked"))
+    loss_config = build_loss_config(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
 
     spec = build_microbatch_spec(train_cfg, model_cfg, ps, micro_batch_size=MICRO_BATCH, pad_token_id=0)
     [(micro, normalizer)] = round_microbatches(_global_batch(), spec, global_batch_size=NUM_SEQUENCES,

@@ -17,13 +17,14 @@ def _check(tp: int, model_dir: str) -> dict:
     from transformers import AutoConfig
 
     from engine.policy.batch import pack_completions, split_microbatches
-    from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from engine.config import KernelsConfig, ModelConfig, OptimizerConfig, ParallelConfig
     from engine.policy.hf_checkpoint import load_hf_checkpoint
     from engine.policy.hf_convert import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.grpo.policy_loss import LossNormalizer
+    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.reference import ReferencePolicy
     from engine.policy.step import LogprobSettings, completion_logprobs, forward_logprobs, grpo_forward_backward, run_schedule
 
@@ -40,7 +41,8 @@ def _check(tp: int, model_dir: str) -> dict:
     batch = pack_completions([[5, 6, 7], [8, 9]] * 2, [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (4, 2, 5, 3)], 0)
     batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
     micro = split_microbatches(batch, 2)
-    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.7, implementation="torch_chunked")
+    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.7,
+                               kernels=KernelsConfig(loss_implementation="torch_chunked"))
 
     first = forward_logprobs(popt.model, ps, micro, settings)
     second = forward_logprobs(popt.model, ps, micro, settings)
@@ -55,13 +57,14 @@ def _check(tp: int, model_dir: str) -> dict:
     popt.zero_grad()
     micro_old = [mb | {"old_logprobs": lp} for mb, (lp, _) in zip(micro, first)]
     normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
-    loss_config = PolicyLossConfig(loss_type="dapo", beta=0.04)
+    loss_config = build_loss_config(loss_type="dapo", beta=0.04, use_bias_correction_kl=False)
     micro_old = [mb | {"ref_logprobs": lp + 0.1} for mb, (lp, _) in zip(micro_old, first)]
-    triton_terms = grpo_forward_backward(popt.model, ps, micro_old, loss_config, normalizer,
-                                         dataclasses.replace(settings, terms_implementation="triton"))
+    def with_terms(name: str):
+        return dataclasses.replace(settings, kernels=dataclasses.replace(settings.kernels, loss_terms_implementation=name))
+
+    triton_terms = grpo_forward_backward(popt.model, ps, micro_old, loss_config, normalizer, with_terms("triton"))
     try:  # the setting reaches the loss: a bad name is refused there
-        grpo_forward_backward(popt.model, ps, micro_old, loss_config, normalizer,
-                              dataclasses.replace(settings, terms_implementation="fused"))
+        grpo_forward_backward(popt.model, ps, micro_old, loss_config, normalizer, with_terms("fused"))
         is_refused = False
     except ValueError as error:
         is_refused = "terms_implementation" in str(error)
@@ -129,7 +132,8 @@ def _mix_over_steps(popt, reference, ps, micro, settings, num_tokens: float, *, 
     """Optimizer steps with engine/train/loop.py's TR-DPO rule (mix after every sync_steps-th step); the reference
     must end as ref <- alpha * policy_s + (1 - alpha) * ref applied at each sync step s, from the saved weights."""
     from engine.config import GRPOConfigSection
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.grpo.policy_loss import LossNormalizer
+    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.step import forward_logprobs, grpo_forward_backward, unwrap
     from engine.policy.reference import mix_reference_if_due
 
@@ -140,7 +144,8 @@ def _mix_over_steps(popt, reference, ps, micro, settings, num_tokens: float, *, 
         old = forward_logprobs(popt.model, ps, micro, settings)
         popt.zero_grad()
         grpo_forward_backward(popt.model, ps, [mb | {"old_logprobs": lp} for mb, (lp, _) in zip(micro, old)],
-                              PolicyLossConfig(loss_type="dapo"), LossNormalizer(num_tokens=num_tokens, num_sequences=4.0),
+                              build_loss_config(loss_type="dapo"),
+                              LossNormalizer(num_tokens=num_tokens, num_sequences=4.0),
                               settings)
         popt.step()
         mix_reference_if_due(reference, popt.model, gr, step)

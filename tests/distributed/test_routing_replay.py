@@ -104,14 +104,15 @@ def _recompute_checks(chunks, ps, batch: dict, settings, random_routes) -> dict:
 
 
 def _check(model_dir: str, tp: int, ep: int) -> dict:
-    from engine.config import ParallelConfig
+    from engine.config import KernelsConfig, ParallelConfig
     from engine.policy.routing_replay import take_router_agreement
     from engine.policy.step import LogprobSettings, completion_logprobs, run_schedule
 
     ps, hf_config, chunks, _ = build_from_hf(model_dir, ParallelConfig(tp_size=tp, ep_size=ep, sequence_parallel=tp > 1))
     batch = _batch()
     rows, seq_len = batch["tokens"].shape
-    settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
+    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=1.0,
+                               kernels=KernelsConfig(loss_implementation="torch_chunked"))
     chunk = chunks[0]
     own = _own_routes(chunk, batch, ps)
     scores = torch.rand(rows, seq_len, LAYERS, NUM_EXPERTS, generator=torch.Generator().manual_seed(6))

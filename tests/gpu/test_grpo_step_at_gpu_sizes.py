@@ -27,16 +27,19 @@ pytestmark = [pytest.mark.gpu,
 
 def _step_gradients(popt, ps, batch: dict, vocab_size: int, implementation: str) -> tuple[float, dict]:
     """One GRPO forward/backward: (loss, {parameter name: gradient in float32})."""
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.grpo.policy_loss import LossNormalizer
+    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.batch import split_microbatches
     from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from engine.config import KernelsConfig
 
     mask = batch["completion_mask"]
     micro = split_microbatches({k: v.to(ps.device) for k, v in batch.items()}, 2)
     normalizer = LossNormalizer(num_tokens=float(mask.sum()), num_sequences=float(mask.shape[0]))
-    settings = LogprobSettings(vocab_size=vocab_size, implementation=implementation)
+    settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0,
+                               kernels=KernelsConfig(loss_implementation=implementation))
     popt.zero_grad()
-    outputs = grpo_forward_backward(popt.model, ps, micro, PolicyLossConfig(loss_type="dapo", epsilon_high=0.28),
+    outputs = grpo_forward_backward(popt.model, ps, micro, build_loss_config(loss_type="dapo", epsilon_high=0.28),
                                     normalizer, settings)
     grads = {}
     for chunk in popt.model:

@@ -19,20 +19,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_logprob import triton_logprob_entropy
+from kernels import triton_logprob_entropy
 from kernels.reference import build_lm_head_problem, reference_logprob_entropy
 
 pytestmark = pytest.mark.gpu
 
 QWEN_VOCAB_ROWS, QWEN_VOCAB = 151936, 151643
 """Qwen2.5's LM head: 151936 rows, of which the tokenizer's 151643 are real (the rest is padding)."""
+WORKSPACE_MB = 128.0
+"""The kernel's backward dz slab bound (a 16K-row x 4K-column bf16 slab)."""
 
 
 def _run(fn, hidden, weight, ids, vocab_size, seed=0):
     """Forward, then a backward of a fixed random combination of log-probs and entropies: (lp, ent, dX, dW)."""
     x = hidden.detach().clone().requires_grad_(True)
     w = weight.detach().clone().requires_grad_(True)
-    lp, ent = fn(x, w, ids, temperature=0.9, vocab_size=vocab_size)
+    workspace = dict(workspace_mb=WORKSPACE_MB) if fn is triton_logprob_entropy else {}
+    lp, ent = fn(x, w, ids, temperature=0.9, vocab_size=vocab_size, **workspace)
     gen = torch.Generator(device=hidden.device).manual_seed(seed)
     g_lp = torch.randn(lp.shape, generator=gen, device=hidden.device)  # (N,)
     g_ent = torch.randn(ent.shape, generator=gen, device=hidden.device)  # (N,)

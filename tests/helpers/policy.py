@@ -141,12 +141,12 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     Returns {"loss": the summed micro-batch losses on the last stage's TP rank 0, else None, "grad_norm",
     "layer_forwards": this rank's transformer-layer forwards during the step (recompute doubles them)}.
     """
-    from engine.config import OptimizerConfig
-    from engine.grpo.policy_loss import PolicyLossConfig
+    from engine.config import KernelsConfig, OptimizerConfig
     from engine.policy.hf_checkpoint import export_hf_checkpoint
     from engine.policy.optimizer import build_optimizer
     from engine.policy.packing import MicrobatchSpec, round_microbatches
     from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from tests.helpers.grpo_settings import build_loss_config
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, model_cfg, train=train)
     opt_cfg = OptimizerConfig(learning_rate=LEARNING_RATE, adam_epsilon=1e-4, lr_scheduler_type="constant",
@@ -156,8 +156,9 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
                           micro_batch_size=micro_batch_size, multiple=width_multiple)
     ((microbatches, normalizer),) = round_microbatches(global_batch(), spec, global_batch_size=GLOBAL_BATCH,
                                                        dp_size=ps.dp_size, dp_rank=ps.dp_rank)
-    loss_config = PolicyLossConfig(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
-    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.9, implementation="torch_chunked")
+    loss_config = build_loss_config(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
+    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.9,
+                               kernels=KernelsConfig(loss_implementation="torch_chunked"))
     popt.zero_grad()
     layer_forwards = count_layer_forwards(chunks)
     outputs = grpo_forward_backward(popt.model, ps, microbatches, loss_config, normalizer, settings)
@@ -206,11 +207,12 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
     holds one wrong element in each, and the verification's error (`flip_error`) must name exactly those.
     Every trainer rank trains on rank 0's samples. Returns the differences, the errors, the sync stats and the sampled
     completions' lengths and log-probs."""
-    from engine.config import GenerationConfig, OptimizerConfig, RolloutConfig
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.config import GenerationConfig, KernelsConfig, OptimizerConfig, RolloutConfig
+    from engine.grpo.policy_loss import LossNormalizer
     from engine.policy.batch import pack_completions
     from engine.policy.optimizer import build_optimizer
     from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from tests.helpers.grpo_settings import build_loss_config
     from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
     from engine.rollout.sync_check import logprob_health
     from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
@@ -241,9 +243,10 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
         before = logprob_max()
         sync()  # the checkpoint's weights, as the trainer holds them: verified
         normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
-        settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
+        settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=1.0,
+                                   kernels=KernelsConfig(loss_implementation="torch_chunked"))
         popt.zero_grad()
-        grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer, settings)
+        grpo_forward_backward(popt.model, ps, [batch], build_loss_config(loss_type="dapo"), normalizer, settings)
         popt.step()
         stale_error = weight_sync_error(lambda: sync(load=False))
         stats = sync(bucket_mb=0.25)

@@ -277,9 +277,11 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.grpo.policy_loss import LossNormalizer
+    from tests.helpers.grpo_settings import build_loss_config
     from engine.rollout.client import connect_rollout_server
     from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from engine.config import KernelsConfig
     from engine.models.tiny_model import resolve_builtin_model
     from engine.rollout.server_sync import build_server_sync, sync_server, verify_server
     from engine.rollout.sync_check import WeightSyncError, logprob_health
@@ -314,8 +316,9 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     before = logprob_max()
     normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
     popt.zero_grad()
-    grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer,
-                          LogprobSettings(vocab_size=vocab, implementation="torch_chunked"))
+    grpo_forward_backward(popt.model, ps, [batch], build_loss_config(loss_type="dapo"), normalizer,
+                          LogprobSettings(vocab_size=vocab, temperature=1.0,
+                                          kernels=KernelsConfig(loss_implementation="torch_chunked")))
     popt.step()
     stale_error = weight_sync_error(lambda: verify_server(popt.model, ps, engine, link))
     stats = sync_server(popt.model, ps, dims, engine, link)
@@ -471,8 +474,10 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.grpo.policy_loss import LossNormalizer
+    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from engine.config import KernelsConfig
     from engine.models.tiny_model import resolve_builtin_model
     from engine.rollout.server_rollout import ServerRollout
     from engine.rollout.server_sync import sync_server, verify_server
@@ -521,8 +526,9 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
 
     normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=8.0)
     popt.zero_grad()
-    grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer,
-                          LogprobSettings(vocab_size=vocab, implementation="torch_chunked"))
+    grpo_forward_backward(popt.model, ps, [batch], build_loss_config(loss_type="dapo"), normalizer,
+                          LogprobSettings(vocab_size=vocab, temperature=1.0,
+                                          kernels=KernelsConfig(loss_implementation="torch_chunked")))
     popt.step()
     sync_server(popt.model, ps, dims, shared, engine.links[0])  # the second server is left stale
     out["stale_error"] = weight_sync_error(lambda: [verify_server(popt.model, ps, shared, link)

@@ -35,10 +35,12 @@ qkv_proj and gate_up_proj, a row-parallel linear, a bias and two norms."""
 
 def _bf16_large_steps(model_dir: str) -> dict:
     from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
-    from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
+    from engine.grpo.policy_loss import LossNormalizer
+    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.batch import pack_completions
     from engine.policy.optimizer import build_optimizer
     from engine.policy.step import LogprobSettings, grpo_forward_backward
+    from engine.config import KernelsConfig
     from engine.rollout.colocated_sync import build_colocated_plan, iter_hf_buckets, sync_colocated
     from engine.rollout.sync_check import logprob_health
     from engine.rollout.colocated import ColocatedRollout
@@ -59,10 +61,11 @@ def _bf16_large_steps(model_dir: str) -> dict:
         batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
         batch["advantages"] = torch.tensor([1.0, -1.0] * 12)
         normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=24.0)
-        settings = LogprobSettings(vocab_size=hf_config.vocab_size, implementation="torch_chunked")
+        settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=1.0,
+                                   kernels=KernelsConfig(loss_implementation="torch_chunked"))
         for _ in range(3):  # every sync at lr 0.1 verifies (it raises otherwise)
             popt.zero_grad()
-            grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer, settings)
+            grpo_forward_backward(popt.model, ps, [batch], build_loss_config(loss_type="dapo"), normalizer, settings)
             popt.step()
             sync_colocated(popt.model, ps, dims, engine, 512, plan)
             health = logprob_health(popt.model, ps, engine, batch, hf_config.vocab_size)
@@ -70,7 +73,7 @@ def _bf16_large_steps(model_dir: str) -> dict:
             out["max"].append(health["weight_sync/logprob_diff_max"])
             out["weight_max"].append(max(float(p.abs().max()) for p in chunks[0].parameters()))
         popt.zero_grad()
-        grpo_forward_backward(popt.model, ps, [batch], PolicyLossConfig(loss_type="dapo"), normalizer, settings)
+        grpo_forward_backward(popt.model, ps, [batch], build_loss_config(loss_type="dapo"), normalizer, settings)
         popt.step()
         for bucket in iter_hf_buckets(popt.model, ps, dims, 512):  # every tensor but decoder layer 1's
             engine.load_weights([(name, t) for name, t in bucket if ".layers.1." not in name])

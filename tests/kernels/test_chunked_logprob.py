@@ -8,7 +8,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kernels.chunked_logprob import MIN_TILE_COLS, chunked_logprob_entropy, plan_tiles
+from kernels.chunked_logprob import MIN_TILE_COLS, plan_tiles
+from kernels.lm_head_logprob import chunked_logprob_entropy
 from kernels.reference import build_lm_head_problem, reference_logprob_entropy
 
 F64 = torch.float64
@@ -77,7 +78,7 @@ def test_chunked_gradient_when_only_one_output_is_used(use_logprobs, use_entropy
 def test_chunked_frozen_weight_gets_only_hidden_gradient():
     x, w, y, vocab_size, _ = _case("flat_t1")
     x = x.clone().requires_grad_(True)
-    lp, ent = chunked_logprob_entropy(x, w, y, vocab_size=vocab_size)
+    lp, ent = chunked_logprob_entropy(x, w, y, vocab_size=vocab_size, workspace_mb=WORKSPACES_MB[0])
     (lp.sum() + ent.sum()).backward()
     x_ref = x.detach().clone().requires_grad_(True)
     lp_ref, ent_ref = reference_logprob_entropy(x_ref, w, y, vocab_size=vocab_size)
@@ -99,9 +100,11 @@ def test_chunked_two_passes_are_bitwise_equal_forward_and_backward():
 def test_chunked_no_grad_mode_returns_the_same_values_and_keeps_no_graph():
     x, w, y, vocab_size, temperature = _case("moderate_padded_t1.6", dtype=torch.float32)
     x.requires_grad_(True)
-    lp, ent = chunked_logprob_entropy(x, w, y, temperature=temperature, vocab_size=vocab_size)
+    lp, ent = chunked_logprob_entropy(x, w, y, temperature=temperature, vocab_size=vocab_size,
+                                      workspace_mb=WORKSPACES_MB[0])
     with torch.no_grad():
-        lp_ng, ent_ng = chunked_logprob_entropy(x, w, y, temperature=temperature, vocab_size=vocab_size)
+        lp_ng, ent_ng = chunked_logprob_entropy(x, w, y, temperature=temperature, vocab_size=vocab_size,
+                                      workspace_mb=WORKSPACES_MB[0])
     assert lp.grad_fn is not None and lp_ng.grad_fn is None and ent_ng.grad_fn is None
     assert torch.equal(lp.detach(), lp_ng) and torch.equal(ent.detach(), ent_ng)
     assert lp_ng.dtype == torch.float32
@@ -111,7 +114,7 @@ def test_chunked_float32_is_close_to_float64_reference_at_logits_up_to_50():
     x, w, y, vocab_size, temperature = _case("peaked_abs50_padded_t0.7")
     g_lp, g_ent = _upstream(N)
     got = _run(chunked_logprob_entropy, x.float(), w.float(), y, g_lp.float(), g_ent.float(),
-               temperature=temperature, vocab_size=vocab_size)
+               temperature=temperature, vocab_size=vocab_size, workspace_mb=WORKSPACES_MB[0])
     want = _run(reference_logprob_entropy, x, w, y, g_lp, g_ent, temperature=temperature, vocab_size=vocab_size)
     # fp32 logits of magnitude 70 (50 / 0.7) carry ~70 * 2^-24 * sqrt(H) ~ 3e-5 of rounding.
     for a, b in zip(got, want):
@@ -121,7 +124,8 @@ def test_chunked_float32_is_close_to_float64_reference_at_logits_up_to_50():
 def test_chunked_bfloat16_inputs_match_reference_on_the_same_rounded_inputs():
     x, w, y, vocab_size, temperature = _case("moderate_padded_t1.6")
     xb, wb = x.bfloat16(), w.bfloat16()
-    lp, ent = chunked_logprob_entropy(xb, wb, y, temperature=temperature, vocab_size=vocab_size)
+    lp, ent = chunked_logprob_entropy(xb, wb, y, temperature=temperature, vocab_size=vocab_size,
+                                      workspace_mb=WORKSPACES_MB[0])
     lp_ref, ent_ref = reference_logprob_entropy(xb.double(), wb.double(), y, temperature=temperature,
                                                 vocab_size=vocab_size)
     assert lp.dtype == torch.float32
@@ -171,5 +175,5 @@ def test_chunked_ids_outside_the_real_vocab_give_nan_not_a_wrong_value():
     x, w, y, vocab_size, _ = _case("peaked_abs50_padded_t0.7")
     y = y.clone()
     y[:2] = torch.tensor([vocab_size, -1])  # a padding row id and a negative id
-    lp, ent = chunked_logprob_entropy(x, w, y, vocab_size=vocab_size)
+    lp, ent = chunked_logprob_entropy(x, w, y, vocab_size=vocab_size, workspace_mb=WORKSPACES_MB[0])
     assert lp[:2].isnan().all() and not lp[2:].isnan().any() and not ent.isnan().any()

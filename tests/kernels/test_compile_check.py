@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.gpu import lm_head
-from kernels.compile_check import LAUNCH_POINTS, MAX_SPILL_BYTES, SHARED_MEMORY_LIMIT_BYTES
+from engine.config import KernelsConfig
+from kernels.compile_check import LAUNCH_POINTS, LAUNCH_WORKSPACES_MB, MAX_SPILL_BYTES, SHARED_MEMORY_LIMIT_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_stats_fwd_kernel", "_dz_kernel", "_grpo_token_terms_kernel"}
@@ -33,6 +34,7 @@ def test_launch_points_are_the_gpu_suites_sweep():
     points = {(n, h, lm_head.GPU["vocab"]) for n in map(int, lm_head.GPU["tokens"].split(","))
               for h in map(int, lm_head.GPU["hidden"].split(","))}
     assert points <= set(LAUNCH_POINTS)
+    assert KernelsConfig().loss_workspace_mb in LAUNCH_WORKSPACES_MB  # the slabs an engine run launches by default
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80_without_spills():

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kernels.chunked_logprob import torch_tile_dz
-from kernels.fused_logprob import TritonTiles, triton_logprob_entropy, triton_tile_dz
+from kernels.fused_logprob import TritonTiles, triton_tile_dz
+from kernels.lm_head_logprob import triton_logprob_entropy
 from kernels.reference import build_lm_head_problem, reference_logprob_entropy
 
 F64 = torch.float64
@@ -32,6 +33,8 @@ TILES = {
                                split_cols=64),
 }
 TOL = dict(rtol=1e-4, atol=2e-4)
+WORKSPACE_MB = 128.0
+"""Where a test does not choose the slabs: one backward slab holds the whole (64 x 300) problem."""
 
 
 def _case(name: str):
@@ -92,7 +95,7 @@ def test_triton_dz_tile_matches_torch_dz_tile(with_entropy_grad):
 def test_triton_two_passes_are_bitwise_equal_forward_and_backward():
     x, w, y, vocab_size, temperature = _case("peaked_abs50_padded_t0.7")
     g_lp, g_ent = _upstream(N)
-    kwargs = dict(temperature=temperature, vocab_size=vocab_size, tiles=TILES["small_split"])
+    kwargs = dict(temperature=temperature, vocab_size=vocab_size, tiles=TILES["small_split"], workspace_mb=WORKSPACE_MB)
     first = _run(triton_logprob_entropy, *_to_device(torch.float32, x, w, y), g_lp, g_ent, **kwargs)
     second = _run(triton_logprob_entropy, *_to_device(torch.float32, x, w, y), g_lp, g_ent, **kwargs)
     for a, b in zip(first, second):
@@ -104,7 +107,7 @@ def test_triton_bfloat16_matches_reference_on_the_same_rounded_inputs():
     xb, wb = x.bfloat16(), w.bfloat16()
     g_lp, g_ent = _upstream(N)
     got = _run(triton_logprob_entropy, *_to_device(torch.bfloat16, xb, wb, y), g_lp, g_ent,
-               temperature=temperature, vocab_size=vocab_size)
+               temperature=temperature, vocab_size=vocab_size, workspace_mb=WORKSPACE_MB)
     want = _run(reference_logprob_entropy, xb.double(), wb.double(), y, g_lp, g_ent, temperature=temperature,
                 vocab_size=vocab_size)
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
@@ -117,9 +120,10 @@ def test_triton_no_grad_mode_returns_the_same_values_and_keeps_no_graph():
     x, w, y, vocab_size, temperature = _case("flat_t1")
     x, w, y = _to_device(torch.float32, x, w, y)
     x.requires_grad_(True)
-    lp, ent = triton_logprob_entropy(x, w, y, temperature=temperature, vocab_size=vocab_size)
+    kwargs = dict(temperature=temperature, vocab_size=vocab_size, workspace_mb=WORKSPACE_MB)
+    lp, ent = triton_logprob_entropy(x, w, y, **kwargs)
     with torch.no_grad():
-        lp_ng, ent_ng = triton_logprob_entropy(x, w, y, temperature=temperature, vocab_size=vocab_size)
+        lp_ng, ent_ng = triton_logprob_entropy(x, w, y, **kwargs)
     assert lp.grad_fn is not None and lp_ng.grad_fn is None
     assert torch.equal(lp.detach(), lp_ng) and torch.equal(ent.detach(), ent_ng)
 
@@ -127,7 +131,7 @@ def test_triton_no_grad_mode_returns_the_same_values_and_keeps_no_graph():
 def test_triton_refuses_float64_and_points_to_the_chunked_path():
     x, w, y, _, _ = _case("flat_t1")
     with pytest.raises(TypeError, match="torch_chunked"):
-        triton_logprob_entropy(*_to_device(F64, x, w, y))
+        triton_logprob_entropy(*_to_device(F64, x, w, y), workspace_mb=WORKSPACE_MB)
 
 
 
@@ -135,5 +139,6 @@ def test_triton_ids_outside_the_real_vocab_give_nan_not_a_wrong_value():
     x, w, y, vocab_size, _ = _case("peaked_abs50_padded_t0.7")
     y = y.clone()
     y[:2] = torch.tensor([vocab_size, -1])  # a padding row id (inside the padded shard) and a negative id
-    lp, ent = triton_logprob_entropy(*_to_device(torch.float32, x, w, y), vocab_size=vocab_size)
+    lp, ent = triton_logprob_entropy(*_to_device(torch.float32, x, w, y), vocab_size=vocab_size,
+                                     workspace_mb=WORKSPACE_MB)
     assert lp[:2].isnan().all() and not lp[2:].isnan().any() and not ent.isnan().any()

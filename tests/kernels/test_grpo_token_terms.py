@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from engine.grpo.policy_loss import (
-    LOSS_TYPES,
     PolicyLossBatch,
-    PolicyLossConfig,
     build_loss_normalizer,
     compute_policy_loss,
     compute_vllm_importance_sampling_ratio,
 )
+from engine.grpo.settings import LOSS_TYPES
+from tests.helpers.grpo_settings import build_loss_config
 
 B, T = 3, 7
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,8 +49,8 @@ def _batch(level: str, index: int, input_dtype: torch.dtype):
     return logprobs, entropy, batch
 
 
-def _config(loss_type: str, level: str, index: int) -> PolicyLossConfig:
-    return PolicyLossConfig(
+def _config(loss_type: str, level: str, index: int):
+    return build_loss_config(
         loss_type=loss_type, importance_sampling_level=level, epsilon=0.2,
         epsilon_high=0.28 if loss_type != "cispo" else 1.5, delta=1.4 if index % 2 == 0 else None,
         beta=0.04 if index % 4 != 3 else 0.0, kl_estimator=KL_ESTIMATORS[index % 3],

@@ -22,8 +22,8 @@ def test_auto_is_triton_on_cuda_and_chunked_torch_elsewhere():
 
 def test_auto_on_cpu_gives_exactly_the_chunked_result():
     x, w, y = build_lm_head_problem(24, 16, 100, vocab_size=97, seed=1)
-    got = lm_head_logprob_entropy(x, w, y, vocab_size=97, temperature=0.8)
-    want = chunked_logprob_entropy(x, w, y, vocab_size=97, temperature=0.8)
+    got = lm_head_logprob_entropy(x, w, y, vocab_size=97, temperature=0.8, workspace_mb=1.0, implementation="auto")
+    want = chunked_logprob_entropy(x, w, y, vocab_size=97, temperature=0.8, workspace_mb=1.0)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -31,9 +31,10 @@ def test_auto_on_cpu_gives_exactly_the_chunked_result():
 def test_every_implementation_keeps_the_token_shape_and_agrees(implementation):
     x, w, y = build_lm_head_problem(3 * 8, 16, 100, vocab_size=97, logit_std=5.0, seed=2)
     hidden, ids = x.reshape(3, 8, 16).to(DEVICE), y.reshape(3, 8).to(DEVICE)  # (B, T, H), (B, T)
-    lp, ent = lm_head_logprob_entropy(hidden, w.to(DEVICE), ids, vocab_size=97, implementation=implementation)
+    lp, ent = lm_head_logprob_entropy(hidden, w.to(DEVICE), ids, vocab_size=97, workspace_mb=1.0,
+                                      implementation=implementation)
     assert lp.shape == ent.shape == (3, 8) and lp.dtype == ent.dtype == torch.float32
-    lp_flat, ent_flat = lm_head_logprob_entropy(x, w, y, vocab_size=97, implementation="reference")
+    lp_flat, ent_flat = lm_head_logprob_entropy(x, w, y, vocab_size=97, workspace_mb=1.0, implementation="reference")
     torch.testing.assert_close(lp.cpu().reshape(-1), lp_flat, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent.cpu().reshape(-1), ent_flat, rtol=1e-5, atol=1e-5)
 
@@ -41,4 +42,4 @@ def test_every_implementation_keeps_the_token_shape_and_agrees(implementation):
 def test_mismatched_token_shape_is_refused():
     x, w, y = build_lm_head_problem(8, 16, 100, seed=3)
     with pytest.raises(ValueError, match="must match token_ids"):
-        lm_head_logprob_entropy(x, w, y[:4])
+        lm_head_logprob_entropy(x, w, y[:4], workspace_mb=1.0, implementation="auto")

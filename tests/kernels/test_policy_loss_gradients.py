@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.grpo.policy_loss import PolicyLossBatch, PolicyLossConfig, build_loss_normalizer, compute_policy_loss
+from engine.grpo.policy_loss import PolicyLossBatch, build_loss_normalizer, compute_policy_loss
 from kernels import lm_head_logprob_entropy, reference_logprob_entropy
 from kernels.reference import build_lm_head_problem
+from tests.helpers.grpo_settings import build_loss_config
 
 F64 = torch.float64
 B, T, H, V_ROWS, VOCAB, TEMPERATURE = 4, 16, 32, 300, 290, 0.9
@@ -63,8 +64,8 @@ def test_grpo_loss_gradients_through_kernel_match_autograd_through_reference(los
                                     dtype=F64, seed=9)
     hidden, ids = x.reshape(B, T, H), y.reshape(B, T)  # (B, T, H), (B, T)
     batch = _batch(hidden, w, ids)
-    config = PolicyLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01,
-                              epsilon_high=0.28)
+    config = build_loss_config(loss_type=loss_type, importance_sampling_level=level, beta=0.04, entropy_coef=0.01,
+                              epsilon_high=0.28, use_bias_correction_kl=False)
     want = _loss_grads(hidden, w, ids, batch, config, "reference", F64)
     dtype, rtol = IMPLEMENTATIONS[implementation]
     got = _loss_grads(hidden, w, ids, batch, config, implementation, dtype)
@@ -77,6 +78,6 @@ def test_entropy_bonus_changes_the_kernel_gradient():
     x, w, y = build_lm_head_problem(B * T, H, V_ROWS, vocab_size=VOCAB, logit_std=4.0, dtype=F64, seed=9)
     hidden, ids = x.reshape(B, T, H), y.reshape(B, T)
     batch = _batch(hidden, w, ids)
-    grads = [_loss_grads(hidden, w, ids, batch, PolicyLossConfig(entropy_coef=coef), "torch_chunked", F64)[1]
+    grads = [_loss_grads(hidden, w, ids, batch, build_loss_config(entropy_coef=coef), "torch_chunked", F64)[1]
              for coef in (0.0, 0.5)]
     assert (grads[0] - grads[1]).abs().max() > 1e-3 * grads[0].abs().max()

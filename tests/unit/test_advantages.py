@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from engine.grpo.advantages import aggregate_rewards, compute_advantages, nanstd, rewards_to_tensor
+from engine.grpo.advantages import aggregate_rewards, nanstd, rewards_to_tensor
+from tests.helpers.grpo_settings import compute_default_advantages
 
 NAN = float("nan")
 EPS = 1e-4
@@ -17,7 +18,7 @@ EPS = 1e-4
 def _no_warning_advantages(*args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        return compute_advantages(*args, **kwargs)
+        return compute_default_advantages(*args, **kwargs)
 
 
 def test_advantages_group_scaling_by_hand():
@@ -51,7 +52,7 @@ def test_weighted_rewards_skip_none_and_an_all_none_row_gets_zero_advantage_and_
     # f0 = [1, None, 3, None], f1 = [None, None, 1, 2], weights (1, 2): r = [1, unscorable, 5, 4]
     rewards = rewards_to_tensor([[1.0, None, 3.0, None], [None, None, 1.0, 2.0]], dtype=torch.float64)
     with pytest.warns(UserWarning, match=r"All reward functions returned None for 1 of 4 completions \(rows \[1\]"):
-        result = compute_advantages(rewards, 4, reward_weights=torch.tensor([1.0, 2.0]))
+        result = compute_default_advantages(rewards, 4, reward_weights=torch.tensor([1.0, 2.0]))
     assert result.is_unscorable.tolist() == [False, True, False, False]
     mean, std = 10 / 3, math.sqrt(((1 - 10 / 3) ** 2 + (5 - 10 / 3) ** 2 + (4 - 10 / 3) ** 2) / 2)
     expected = [(1 - mean) / (std + EPS), 0.0, (5 - mean) / (std + EPS), (4 - mean) / (std + EPS)]
@@ -62,7 +63,7 @@ def test_weighted_rewards_skip_none_and_an_all_none_row_gets_zero_advantage_and_
 def test_all_none_rewards_give_zero_advantages_and_a_warning():
     rewards = rewards_to_tensor([[None] * 4, [None] * 4])
     with pytest.warns(UserWarning, match="All reward functions returned None for 4 of 4"):
-        result = compute_advantages(rewards, 2)
+        result = compute_default_advantages(rewards, 2)
     assert result.advantages.tolist() == [0.0] * 4
     assert result.is_unscorable.all()
 
@@ -70,7 +71,7 @@ def test_all_none_rewards_give_zero_advantages_and_a_warning():
 def test_a_group_with_one_scorable_row_carries_no_signal():
     rewards = rewards_to_tensor([[5.0, None, 1.0, 2.0]])  # row 1 unscorable: group 0 has one valid reward
     with pytest.warns(UserWarning):
-        result = compute_advantages(rewards, 2, scale_rewards="group")
+        result = compute_default_advantages(rewards, 2, scale_rewards="group")
     assert result.advantages[:2].tolist() == [0.0, 0.0]
     assert result.advantages[2] < 0 < result.advantages[3]
 
@@ -102,12 +103,12 @@ def test_aggregate_rewards_weights_and_marks_unscorable_rows_nan():
 
 def test_bad_inputs_are_rejected_with_a_message():
     with pytest.raises(ValueError, match="not a whole number of groups"):
-        compute_advantages(torch.zeros(5, 1), 2)
+        compute_default_advantages(torch.zeros(5, 1), 2)
     with pytest.raises(ValueError, match="scale_rewards"):
-        compute_advantages(torch.zeros(4, 1), 2, scale_rewards=True)
+        compute_default_advantages(torch.zeros(4, 1), 2, scale_rewards=True)
     with pytest.raises(ValueError, match="reward_weights has 1 entries but there are 2"):
-        compute_advantages(torch.zeros(4, 2), 2, reward_weights=torch.tensor([1.0]))
+        compute_default_advantages(torch.zeros(4, 2), 2, reward_weights=torch.tensor([1.0]))
     with pytest.raises(ValueError, match="multi_objective_aggregation"):
-        compute_advantages(torch.zeros(4, 1), 2, multi_objective_aggregation="mean")
+        compute_default_advantages(torch.zeros(4, 1), 2, multi_objective_aggregation="mean")
     with pytest.raises(ValueError, match="reward function 1 returned 1 rewards"):
         rewards_to_tensor([[1.0, 2.0], [1.0]])

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from engine.grpo.advantages import compute_advantages
+from tests.helpers.grpo_settings import compute_default_advantages
 from engine.grpo.group_filter import filter_groups, select_top_k_in_groups, split_into_groups
 
 G = 4
@@ -60,7 +60,7 @@ def test_advantages_are_computed_over_the_survivors_only():
     kept = filter_groups(lambda group_completions, group_rewards: [[-len(c) for c in g] for g in group_completions],
                          completions, rewards, G, 2)
     assert kept.tolist() == [0, 2, 4, 6]  # survivors: rewards [1, 2] and [0, 3]
-    result = compute_advantages(rewards[kept].unsqueeze(1), num_generations=2)
+    result = compute_default_advantages(rewards[kept].unsqueeze(1), num_generations=2)
     a = 0.5 / (math.sqrt(0.5) + 1e-4)
     b = 1.5 / (math.sqrt(4.5) + 1e-4)
     assert result.advantages.tolist() == pytest.approx([-a, a, -b, b])

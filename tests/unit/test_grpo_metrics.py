@@ -13,7 +13,8 @@ from engine.grpo.metrics import (
     compute_reward_metrics,
     compute_sampling_metrics,
 )
-from engine.grpo.policy_loss import LossNormalizer, PolicyLossBatch, PolicyLossConfig, compute_policy_loss
+from engine.grpo.policy_loss import LossNormalizer, PolicyLossBatch, compute_policy_loss
+from tests.helpers.grpo_settings import build_loss_config
 
 NAN = float("nan")
 
@@ -66,23 +67,24 @@ def test_loss_metrics_by_hand():
                             old_logprobs=torch.tensor([[-0.5], [0.5], [0.0], [-0.5]], dtype=torch.float64),
                             ref_logprobs=torch.zeros(4, 1, dtype=torch.float64))
     entropy = torch.tensor([[1.0], [2.0], [3.0], [100.0]], dtype=torch.float64)
-    out = compute_policy_loss(logprobs, batch, PolicyLossConfig(loss_type="grpo", beta=0.1), LossNormalizer(
-        num_tokens=3, num_sequences=4), entropy=entropy)
+    config = build_loss_config(loss_type="grpo", beta=0.1, use_bias_correction_kl=False)
+    out = compute_policy_loss(logprobs, batch, config, LossNormalizer(num_tokens=3, num_sequences=4), entropy=entropy,
+                              terms_implementation="torch")
     metrics = compute_loss_metrics(out)
     assert metrics == pytest.approx({
         "kl": 0.0, "entropy": 2.0, "clip_ratio/low_mean": 1 / 3, "clip_ratio/high_mean": 1 / 3,
         "clip_ratio/region_mean": 2 / 3, "clip_ratio/low_min": 0.0, "clip_ratio/high_max": 1.0,
     })
     assert "policy_loss" in compute_loss_metrics(out, include_policy_loss=True)
-    cispo = compute_policy_loss(logprobs, batch, PolicyLossConfig(loss_type="cispo", epsilon_high=1.2),
-                                LossNormalizer(num_tokens=3, num_sequences=4))
+    cispo = compute_policy_loss(logprobs, batch, build_loss_config(loss_type="cispo", epsilon_high=1.2),
+                                LossNormalizer(num_tokens=3, num_sequences=4), terms_implementation="torch")
     assert compute_loss_metrics(cispo) == pytest.approx({"cispo_clip_ratio": 1 / 3})
 
 
 def test_min_max_loss_metrics_are_nan_when_every_sequence_is_empty():
     batch = PolicyLossBatch(mask=torch.zeros(2, 3), advantages=torch.ones(2))
-    out = compute_policy_loss(torch.zeros(2, 3), batch, PolicyLossConfig(loss_type="dapo"),
-                              LossNormalizer(num_tokens=0, num_sequences=2))
+    out = compute_policy_loss(torch.zeros(2, 3), batch, build_loss_config(loss_type="dapo"),
+                              LossNormalizer(num_tokens=0, num_sequences=2), terms_implementation="torch")
     metrics = compute_loss_metrics(out)
     assert math.isnan(metrics["clip_ratio/low_min"]) and math.isnan(metrics["clip_ratio/high_max"])
     assert metrics["clip_ratio/region_mean"] == 0.0

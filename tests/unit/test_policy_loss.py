@@ -12,11 +12,8 @@ import pytest
 import torch
 
 from engine.grpo.policy_loss import (
-    IS_MODES,
-    LOSS_TYPES,
     LossNormalizer,
     PolicyLossBatch,
-    PolicyLossConfig,
     TRLNormalizer,
     build_loss_normalizer,
     compute_entropy_threshold,
@@ -30,13 +27,15 @@ from engine.grpo.policy_loss import (
     select_high_entropy_tokens,
     update_entropy_coef,
 )
+from engine.grpo.settings import IS_MODES, LOSS_TYPES
+from tests.helpers.grpo_settings import build_loss_config
 
 F64 = torch.float64
 
 
 def _loss_and_grad(config, logprobs, batch, normalizer, **kwargs):
     leaf = logprobs.clone().requires_grad_(True)
-    out = compute_policy_loss(leaf, batch, config, normalizer, **kwargs)
+    out = compute_policy_loss(leaf, batch, config, normalizer, **{"terms_implementation": "torch", **kwargs})
     out.loss.backward()
     return out, leaf.grad
 
@@ -52,11 +51,11 @@ def test_single_token_completions_clip_and_average_by_hand():
                             old_logprobs=torch.tensor([[-1.5], [-0.9]], dtype=F64))
     r1 = math.exp(-0.1)
     for loss_type in ("grpo", "dapo", "bnpo", "luspo"):
-        out, grad = _loss_and_grad(PolicyLossConfig(loss_type=loss_type), logprobs, batch,
+        out, grad = _loss_and_grad(build_loss_config(loss_type=loss_type), logprobs, batch,
                                    LossNormalizer(num_tokens=2, num_sequences=2))
         assert out.loss.item() == pytest.approx((-1.2 + r1) / 2, abs=1e-12), loss_type
         torch.testing.assert_close(grad, torch.tensor([[0.0], [r1 / 2]], dtype=F64))
-    out, _ = _loss_and_grad(PolicyLossConfig(loss_type="dr_grpo", max_completion_length=4), logprobs, batch,
+    out, _ = _loss_and_grad(build_loss_config(loss_type="dr_grpo", max_completion_length=4), logprobs, batch,
                             LossNormalizer(num_tokens=2, num_sequences=2))
     assert out.loss.item() == pytest.approx((-1.2 + r1) / (2 * 4), abs=1e-12)
 
@@ -69,21 +68,21 @@ def test_ratios_far_outside_the_clip_range_by_hand():
                             old_logprobs=logprobs - log_ratio)
     norm = LossNormalizer(num_tokens=4, num_sequences=4)
     big, small = math.exp(20.0), math.exp(-20.0)
-    out, grad = _loss_and_grad(PolicyLossConfig(loss_type="dapo", epsilon_high=0.28), logprobs, batch, norm)
+    out, grad = _loss_and_grad(build_loss_config(loss_type="dapo", epsilon_high=0.28), logprobs, batch, norm)
     per_row = torch.tensor([-1.28, big, -small, 0.8], dtype=F64)  # A<0 with a huge ratio is not clipped (PPO-clip)
     assert out.loss.item() == pytest.approx(per_row.sum().item() / 4, rel=1e-12)
     torch.testing.assert_close(grad, torch.tensor([[0.0], [big / 4], [-small / 4], [0.0]], dtype=F64))
     metrics = {k: (v[0] / v[1]).item() for k, v in out.sums.items()}
     assert metrics == {"clip_ratio/low_mean": 0.25, "clip_ratio/high_mean": 0.25, "clip_ratio/region_mean": 0.5}
-    out, grad = _loss_and_grad(PolicyLossConfig(loss_type="dapo", delta=3.0), logprobs, batch, norm)  # two-sided
+    out, grad = _loss_and_grad(build_loss_config(loss_type="dapo", delta=3.0), logprobs, batch, norm)  # two-sided
     assert out.loss.item() == pytest.approx((-1.2 + 3.0 - small + 0.8) / 4, rel=1e-12)
     assert grad[1].item() == 0.0
-    out, grad = _loss_and_grad(PolicyLossConfig(loss_type="cispo", epsilon_high=5.0), logprobs, batch, norm)
+    out, grad = _loss_and_grad(build_loss_config(loss_type="cispo", epsilon_high=5.0), logprobs, batch, norm)
     # cispo: -sg(min(r, 5)) A logp: rows (5, 5, r_small, r_small) * A * (-1) per row, gradient -sg(.) A
     assert out.loss.item() == pytest.approx((5.0 - 5.0 + small - small) / 4, abs=1e-12)
     torch.testing.assert_close(grad, torch.tensor([[-5.0], [5.0], [-small], [small]], dtype=F64) / 4)
     assert (out.sums["cispo_clip_ratio"][0] / out.sums["cispo_clip_ratio"][1]).item() == 0.25
-    out, grad = _loss_and_grad(PolicyLossConfig(loss_type="sapo"), logprobs, batch, norm)
+    out, grad = _loss_and_grad(build_loss_config(loss_type="sapo"), logprobs, batch, norm)
     # sapo: sigmoid(tau (r - 1)) * 4 / tau saturates: 4 for A>0 (tau 1), 4/1.05 for A<0; ~0 at r -> 0
     expected = (-4.0 + 4 / 1.05 - 4 * torch.sigmoid(torch.tensor(-1.0, dtype=F64)).item()
                 + 4 / 1.05 * torch.sigmoid(torch.tensor(-1.05, dtype=F64)).item()) / 4
@@ -108,7 +107,8 @@ def test_beta_adds_the_kl_after_the_masks():
     ref = torch.tensor([[-1.5, -1.0]], dtype=F64)
     batch = PolicyLossBatch(mask=torch.ones(1, 2), advantages=-torch.ones(1, dtype=F64), ref_logprobs=ref,
                             sampling_logprobs=logprobs + 1.0)
-    config = PolicyLossConfig(loss_type="dapo", beta=0.5, kl_estimator="k2", off_policy_mask_threshold=0.0)
+    config = build_loss_config(loss_type="dapo", beta=0.5, kl_estimator="k2", off_policy_mask_threshold=0.0,
+                               use_bias_correction_kl=False)
     out, grad = _loss_and_grad(config, logprobs, batch, LossNormalizer(num_tokens=2, num_sequences=1))
     assert out.loss.item() == pytest.approx(0.5 * (0.5 * 0.25 + 0.5 * 1.0) / 2)
     torch.testing.assert_close(grad, 0.5 * torch.tensor([[0.5, -1.0]], dtype=F64) / 2)  # d k2 / d logp = -d
@@ -127,10 +127,13 @@ def test_fully_masked_batch_has_zero_loss_and_gradient_and_no_nan(loss_type, imp
     old = logprobs + 0.5
     batch = PolicyLossBatch(
         mask=mask, advantages=torch.tensor([1.0, -1.0, 0.5], dtype=F64), old_logprobs=old, ref_logprobs=logprobs - 1,
-        sampling_logprobs=old - 1, importance_sampling_ratio=compute_vllm_importance_sampling_ratio(old, old - 1, mask),
+        sampling_logprobs=old - 1,
+        importance_sampling_ratio=compute_vllm_importance_sampling_ratio(
+            old, old - 1, mask, "sequence_mask", None, 3.0),
     )
-    config = PolicyLossConfig(loss_type=loss_type, importance_sampling_level=importance_sampling_level, beta=0.1,
-                              top_entropy_quantile=0.5, entropy_coef=0.1, off_policy_mask_threshold=0.1)
+    config = build_loss_config(loss_type=loss_type, importance_sampling_level=importance_sampling_level, beta=0.1,
+                              top_entropy_quantile=0.5, entropy_coef=0.1, off_policy_mask_threshold=0.1,
+                               use_bias_correction_kl=False)
     out, grad = _loss_and_grad(config, logprobs, batch, normalizer, entropy=entropy)
     assert out.loss.item() == 0.0 and torch.isfinite(out.loss)
     assert torch.equal(grad, torch.zeros_like(grad))
@@ -194,12 +197,13 @@ def test_adaptive_entropy_coefficient_steps_and_gates():
 
 def test_config_rejects_unknown_loss_type_and_bad_quantile():
     with pytest.raises(ValueError, match="loss_type"):
-        PolicyLossConfig(loss_type="ppo")
+        build_loss_config(loss_type="ppo")
     with pytest.raises(ValueError, match="top_entropy_quantile"):
-        PolicyLossConfig(top_entropy_quantile=1.5)
+        build_loss_config(top_entropy_quantile=1.5)
     with pytest.raises(ValueError, match="ref_logprobs"):
         compute_policy_loss(torch.zeros(1, 1), PolicyLossBatch(mask=torch.ones(1, 1), advantages=torch.zeros(1)),
-                            PolicyLossConfig(beta=0.1), LossNormalizer(num_tokens=1, num_sequences=1))
+                            build_loss_config(beta=0.1, use_bias_correction_kl=False),
+                            LossNormalizer(num_tokens=1, num_sequences=1), terms_implementation="torch")
 
 
 # --- layout independence ----------------------------------------------------------------------------------------------
@@ -239,7 +243,7 @@ def _summed_over_split(config, logprobs, entropy, batch, normalizer, micro_batch
     leaf, entropy_leaf = logprobs.clone().requires_grad_(True), entropy.clone().requires_grad_(True)
     total = sum(
         compute_policy_loss(leaf[rows], _rows(batch, rows), config, normalizer, entropy=entropy_leaf[rows],
-                            **kwargs).loss
+                            **{"terms_implementation": "torch", **kwargs}).loss
         for rows in micro_batches
     )
     total.backward()
@@ -265,9 +269,9 @@ def test_loss_and_gradient_do_not_depend_on_micro_batch_accumulation_or_dp_split
     for seed, (beta, is_mode, quantile) in enumerate([(0.0, None, 1.0), (0.04, "token_truncate", 1.0),
                                                       (0.04, "sequence_mask", 0.5)]):
         logprobs, entropy, batch = _random_batch(seed, is_mode=is_mode)
-        config = PolicyLossConfig(loss_type=loss_type, importance_sampling_level=importance_sampling_level, beta=beta,
+        config = build_loss_config(loss_type=loss_type, importance_sampling_level=importance_sampling_level, beta=beta,
                                   top_entropy_quantile=quantile, entropy_coef=0.01, epsilon_high=0.28,
-                                  max_completion_length=6)
+                                  max_completion_length=6, use_bias_correction_kl=False)
         normalizer = build_loss_normalizer(batch.mask)  # once, over the whole generation batch
         threshold = compute_entropy_threshold(entropy, batch.mask, quantile)  # once, likewise
         layouts = _layouts(12, seed)
@@ -285,7 +289,7 @@ def test_trl_normalizer_depends_on_the_split_which_is_why_it_is_not_the_default(
     # TRL averages per micro-batch then divides by GA: two micro-batches of unequal token counts weigh tokens
     # differently from the whole batch; this pins that the TRL-exact mode really is TRL's (layout-dependent) one.
     logprobs, entropy, batch = _random_batch(7)
-    config = PolicyLossConfig(loss_type=loss_type, max_completion_length=6)
+    config = build_loss_config(loss_type=loss_type, max_completion_length=6)
     whole = _summed_over_split(config, logprobs, entropy, batch, TRLNormalizer(num_items_in_batch=1.0),
                                [list(range(12))])
     split = _summed_over_split(config, logprobs, entropy, batch,
@@ -309,7 +313,7 @@ def test_build_loss_normalizer_counts_tokens_and_sequences():
 @pytest.mark.parametrize("is_mode", IS_MODES)
 def test_importance_sampling_ratio_multiplies_the_policy_term_but_not_the_kl(is_mode):
     logprobs, _, batch = _random_batch(11, is_mode=is_mode)
-    config = PolicyLossConfig(loss_type="dapo", beta=0.0)
+    config = build_loss_config(loss_type="dapo", beta=0.0)
     norm = build_loss_normalizer(batch.mask)
     with_is, _ = _loss_and_grad(config, logprobs, batch, norm)
     without = PolicyLossBatch(mask=batch.mask, advantages=batch.advantages, old_logprobs=batch.old_logprobs)
@@ -318,6 +322,7 @@ def test_importance_sampling_ratio_multiplies_the_policy_term_but_not_the_kl(is_
     zero = PolicyLossBatch(mask=batch.mask, advantages=batch.advantages * 0, old_logprobs=batch.old_logprobs,
                            ref_logprobs=batch.ref_logprobs,
                            importance_sampling_ratio=torch.zeros_like(batch.importance_sampling_ratio))
-    kl_only, _ = _loss_and_grad(PolicyLossConfig(loss_type="dapo", beta=1.0), logprobs, zero, norm)
-    expected = (estimate_kl(logprobs, batch.ref_logprobs) * batch.mask).sum() / norm.num_tokens
+    kl_only, _ = _loss_and_grad(build_loss_config(loss_type="dapo", beta=1.0, use_bias_correction_kl=False), logprobs,
+                                zero, norm)
+    expected = (estimate_kl(logprobs, batch.ref_logprobs, "k3") * batch.mask).sum() / norm.num_tokens
     assert kl_only.loss.item() == pytest.approx(expected.item())

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from engine.grpo.advantages import compute_advantages
+from tests.helpers.grpo_settings import compute_default_advantages
 from engine.config import GenerationConfig, RewardConfig
 from engine.train.builtin_rewards import (
     SoftOverlongPunishment,
@@ -119,7 +119,7 @@ def test_none_becomes_nan_in_a_b_by_k_float32_tensor_that_compute_advantages_acc
                                                            [False, False]]))
     assert rewards[2:].tolist() == [[0.0, 2.0], [1.0, 1.0]]
     with pytest.warns(UserWarning, match="All reward functions returned None"):
-        result = compute_advantages(rewards, num_generations=4, reward_weights=funcs.weights)
+        result = compute_default_advantages(rewards, num_generations=4, reward_weights=funcs.weights)
     assert result.advantages[1] == 0.0
 
 

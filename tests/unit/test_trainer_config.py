@@ -3,8 +3,9 @@
 
 import pytest
 
-from engine.config import load_config
-from engine.train.run import build_loss_config, resolve_hooks
+from engine.config import KernelsConfig, load_config
+from engine.grpo.policy_loss import PolicyLossConfig
+from engine.train.run import resolve_hooks
 from engine.validation import validate
 
 
@@ -12,10 +13,35 @@ def test_loss_config_takes_every_field_from_grpo_section():
     cfg = load_config(None, ["grpo.loss_type=cispo", "grpo.epsilon_high=5.0", "grpo.beta=0.04", "grpo.delta=1.5",
                              "grpo.use_bias_correction_kl=false", "grpo.top_entropy_quantile=0.2",
                              "generation.max_completion_length=77"])
-    loss = build_loss_config(cfg)
+    loss = PolicyLossConfig.from_sections(cfg.grpo, cfg.generation)
     assert (loss.loss_type, loss.epsilon_high, loss.beta, loss.delta) == ("cispo", 5.0, 0.04, 1.5)
     assert loss.use_bias_correction_kl is False and loss.top_entropy_quantile == 0.2
     assert loss.max_completion_length == 77
+    defaults = load_config(None)  # the loss has no defaults of its own: the config's are the ones it runs with
+    assert PolicyLossConfig.from_sections(defaults.grpo, defaults.generation).use_bias_correction_kl is True
+
+
+def test_the_config_types_its_fields_with_the_maths_own_choices():
+    import typing
+
+    from engine.config import GRPOConfigSection, RewardConfig
+    from engine.grpo import settings
+
+    grpo, reward = typing.get_type_hints(GRPOConfigSection), typing.get_type_hints(RewardConfig)
+    assert (grpo["loss_type"], grpo["scale_rewards"], grpo["kl_estimator"]) == (
+        settings.LossType, settings.ScaleRewards, settings.KLEstimator)
+    assert (grpo["importance_sampling_level"], grpo["vllm_importance_sampling_mode"]) == (
+        settings.ImportanceSamplingLevel, settings.ISMode)
+    assert reward["multi_objective_aggregation"] == settings.MultiObjectiveAggregation
+    assert typing.get_type_hints(KernelsConfig)["loss_terms_implementation"] == settings.TermsImplementation
+
+
+def test_the_kernels_section_offers_exactly_the_kernels_implementations():
+    import typing
+
+    from kernels import IMPLEMENTATIONS  # kernels/ imports torch: engine/config.py cannot import its Literal
+
+    assert typing.get_args(typing.get_type_hints(KernelsConfig)["loss_implementation"]) == IMPLEMENTATIONS
 
 
 def harder_first(prompts, completions, rewards, metas):

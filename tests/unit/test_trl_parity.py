@@ -31,10 +31,7 @@ from engine.grpo.metrics import (
     compute_sampling_metrics,
 )
 from engine.grpo.policy_loss import (
-    IS_MODES,
-    LOSS_TYPES,
     PolicyLossBatch,
-    PolicyLossConfig,
     TRLNormalizer,
     build_loss_normalizer,
     compute_policy_loss,
@@ -44,6 +41,8 @@ from engine.grpo.policy_loss import (
     mask_truncated_completions,
     update_entropy_coef,
 )
+from engine.grpo.settings import IS_MODES, LOSS_TYPES
+from tests.helpers.grpo_settings import build_loss_config
 
 ATOL = 1e-6
 EOS, PAD = 1, 0
@@ -266,7 +265,7 @@ def _compare(trl_grpo, config, logprobs, entropy, batch, normalizer, *, our_norm
     leaves = [x.clone().requires_grad_(True) for x in (logprobs, entropy, logprobs, entropy)]
     coef = entropy_coef_to_apply(config.entropy_coef, math.inf, 0.9) if config.use_adaptive_entropy else None
     ours = compute_policy_loss(leaves[0], batch, config, our_normalizer or normalizer, entropy=leaves[1],
-                               entropy_coef=coef)
+                               entropy_coef=coef, terms_implementation="torch")
     trl_loss, trainer = _trl_compute_loss(trl_grpo, config, leaves[2], leaves[3], batch, normalizer)
     torch.testing.assert_close(ours.loss, trl_loss, atol=ATOL, rtol=0, msg=lambda m: f"{label} loss: {m}")
     ours.loss.backward()
@@ -286,10 +285,10 @@ def test_loss_and_gradient_match_trl_for_every_option(trl_grpo, loss_type, impor
     options = itertools.product([0.0, 0.04], [None, *IS_MODES], [1.0, 0.4], [False, True], [None, 0.05])
     for seed, (beta, is_mode, quantile, truncate, off_policy) in enumerate(options):
         logprobs, entropy, batch = _random_loss_inputs(seed, truncate=truncate, is_mode=is_mode)
-        config = PolicyLossConfig(
+        config = build_loss_config(
             loss_type=loss_type, importance_sampling_level=importance_sampling_level, beta=beta,
             epsilon_high=5.0 if loss_type == "cispo" else 0.28, top_entropy_quantile=quantile,
-            off_policy_mask_threshold=off_policy, max_completion_length=5,
+            off_policy_mask_threshold=off_policy, max_completion_length=5, use_bias_correction_kl=False,
         )
         normalizer = TRLNormalizer(num_items_in_batch=float(batch.mask.sum() * 3), gradient_accumulation_steps=2,
                                    steps_per_generation=4)
@@ -301,7 +300,7 @@ def test_loss_and_gradient_match_trl_for_every_option(trl_grpo, loss_type, impor
 def test_loss_matches_trl_with_delta_bias_corrected_kl_on_policy_and_several_processes(trl_grpo, loss_type):
     for seed, level in enumerate(["token", "sequence"]):
         logprobs, entropy, batch = _random_loss_inputs(100 + seed, is_mode="token_truncate")
-        config = PolicyLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.1, delta=1.5,
+        config = build_loss_config(loss_type=loss_type, importance_sampling_level=level, beta=0.1, delta=1.5,
                                   use_bias_correction_kl=True, epsilon=0.1, epsilon_high=0.2)
         normalizer = TRLNormalizer(num_items_in_batch=40.0, num_processes=2, gradient_accumulation_steps=3,
                                    steps_per_generation=6)
@@ -315,8 +314,9 @@ def test_loss_matches_trl_with_delta_bias_corrected_kl_on_policy_and_several_pro
 def test_entropy_bonus_and_adaptive_coefficient_match_trl(trl_grpo, loss_type, use_adaptive_entropy):
     for seed, quantile in enumerate([1.0, 0.5]):
         logprobs, entropy, batch = _random_loss_inputs(200 + seed)
-        config = PolicyLossConfig(loss_type=loss_type, entropy_coef=0.03, use_adaptive_entropy=use_adaptive_entropy,
-                                  top_entropy_quantile=quantile, beta=0.02)
+        config = build_loss_config(loss_type=loss_type, entropy_coef=0.03, use_adaptive_entropy=use_adaptive_entropy,
+                                  top_entropy_quantile=quantile, beta=0.02,
+                                   use_bias_correction_kl=False)
         normalizer = TRLNormalizer(num_items_in_batch=float(batch.mask.sum()), gradient_accumulation_steps=2,
                                    steps_per_generation=2)
         ours, trainer = _compare(trl_grpo, config, logprobs, entropy, batch, normalizer, label=f"quantile={quantile}")
@@ -332,8 +332,8 @@ def test_entropy_bonus_and_adaptive_coefficient_match_trl(trl_grpo, loss_type, u
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_default_global_normalizer_equals_trl_on_one_micro_batch(trl_grpo, loss_type, importance_sampling_level):
     logprobs, entropy, batch = _random_loss_inputs(300, is_mode="sequence_mask")
-    config = PolicyLossConfig(loss_type=loss_type, importance_sampling_level=importance_sampling_level, beta=0.05,
-                              entropy_coef=0.01, max_completion_length=5)
+    config = build_loss_config(loss_type=loss_type, importance_sampling_level=importance_sampling_level, beta=0.05,
+                              entropy_coef=0.01, max_completion_length=5, use_bias_correction_kl=False)
     trl_normalizer = TRLNormalizer(num_items_in_batch=float(batch.mask.sum()))  # one rank, GA = 1, one micro-batch
     ours = build_loss_normalizer(batch.mask)
     _compare(trl_grpo, config, logprobs, entropy, batch, trl_normalizer, our_normalizer=ours)
