@@ -5,5 +5,6 @@ them only through it), the server-mode transport (weight_transport.py), the colo
 trainer's half of a server sync (server_sync.py) and the verification (sync_check.py: exact per-tensor digests,
 weight_digest.py, of what each engine rank holds against what the trainer sent).
 
-May import: engine.config, engine.validation, engine.log_filters, engine.models, engine.policy.
+May import: engine.config, engine.validation, engine.log_filters, engine.sampling_settings, engine.models,
+engine.policy.
 """
