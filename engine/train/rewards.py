@@ -17,8 +17,9 @@ Contract (TRL 1.16 `GRPOTrainer._calculate_rewards`, anchors/trl.md §2.1-2.2):
     or class name; reward models by the directory's last component).
 Differences from TRL, all stricter: a function that raises is re-run row by row to name the first failing row
 (its log_extra / log_metric calls are discarded during that search); a non-numeric or infinite value is an error
-naming the row, and so is NaN (TRL's nansum would read it as None: return None for that); a round where every
-function returned None for every completion is an error (nothing to learn from); a dataset column that collides with `trainer_state` / `log_extra` / `log_metric` is an error;
+naming the row, and so is NaN (TRL's nansum would read it as None: return None for that); a row no function scored
+gets TRL's warning ("All reward functions returned None for the following kwargs: ...", with the dataset's columns)
+and advantage 0, as in TRL; a dataset column that collides with `trainer_state` / `log_extra` / `log_metric` is an error;
 two functions with the same name get `_2`, `_3` suffixes so their metrics do not overwrite each other.
 
 Built-in names for `reward.reward_funcs`: accuracy, exact_match, think_format, think_answer_format, length (also
@@ -41,6 +42,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import logging
 import math
 import threading
 import time
@@ -57,6 +59,8 @@ if TYPE_CHECKING:
     from engine.config import GenerationConfig, RewardConfig
 
 RewardFunc = Callable[..., Any]
+logger = logging.getLogger(__name__)
+
 RESERVED_KWARGS = ("trainer_state", "log_extra", "log_metric")
 """Keyword arguments the caller adds next to the dataset columns."""
 EXCLUDED_COLUMNS = ("prompt", "completion", "completion_ids")
@@ -347,13 +351,20 @@ class RewardFunctions:
         if pending:
             for k, output in self._run_async(pending, base, kwargs):
                 rewards[:, k] = self._to_column(k, output, num_rows)
-        if num_rows and bool(torch.isnan(rewards).all()):
-            columns = sorted(key for key in kwargs if key not in RESERVED_KWARGS)
-            raise RewardFunctionError(
-                f"every reward function ({', '.join(self.names)}) returned None for all {num_rows} completions: the "
-                f"round has no reward to learn from. A function that returns None when it cannot find what it "
-                f"needs (e.g. its reference-answer column) is the usual cause; dataset columns: {columns}")
+        unscorable = torch.isnan(rewards).all(dim=1)  # (B,)
+        if bool(unscorable.any()):
+            self._warn_unscorable(int(unscorable.nonzero()[0, 0]), base, kwargs)
         return rewards
+
+    def _warn_unscorable(self, row: int, base: dict, kwargs: dict) -> None:
+        """TRL's warning (its words) for the first row no function scored; the row's advantage becomes 0."""
+        row_kwargs = {key: value[row] for key, value in kwargs.items()
+                      if key not in RESERVED_KWARGS and isinstance(value, list)}
+        row_kwargs |= {"prompt": base["prompts"][row], "completion": base["completions"][row]}
+        logger.warning(f"All reward functions returned None for the following kwargs:\n{row_kwargs}\nPlease ensure "
+                       f"that at least one reward function returns a valid reward. (reward functions: "
+                       f"{', '.join(self.names)}; a function that returns None when it cannot find its reference-"
+                       f"answer column is the usual cause; dataset columns: {sorted(set(kwargs) - set(RESERVED_KWARGS))})")
 
     def _run_async(self, indices: list[int], base: dict, kwargs: dict) -> list[tuple[int, Any]]:
         """Run the async functions concurrently on the event-loop thread; (k, output) in order."""
