@@ -225,8 +225,9 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
         )
     if gr.loss_type == "vespo" and gr.vllm_importance_sampling_correction and gr.vllm_importance_sampling_mode.startswith("sequence"):
         problems.append(
-            "grpo.loss_type='vespo' folds the IS ratio into its token weights: set "
-            "grpo.vllm_importance_sampling_mode to 'token_truncate' or 'token_mask'"
+            "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. Got: "
+            f"{gr.vllm_importance_sampling_mode}. (grpo.loss_type='vespo' folds the IS ratio into its token weights: "
+            "set grpo.vllm_importance_sampling_mode to 'token_truncate' or 'token_mask')"
         )
     k = gr.num_remains_in_group
     if k is not None and not 2 <= k < gr.num_generations:

@@ -1,22 +1,19 @@
-"""TRL's own behaviour where TRL defines it: its warnings, its static helpers, its reward-model hub ids.
+"""TRL's own behaviour where TRL defines it: its construction-time warnings, its static helpers, vespo's IS mode.
 
-Owns (issue #27 items 6 and 9):
+Owns (issue #27 item 6; reward models by hub id, item 9, are engine/train/rewards.py's `resolve_reward_func`):
 - `warn_objective_settings(args)`: the warnings TRL's GRPOTrainer logs at construction about the objective
   (sequence-level importance sampling with a loss that sums per-token terms; luspo at token level; vespo at
   sequence level), word for word, on the `logging` logger of engine/api/trl_trainer.py (TRL logs them with
   `logger.warning`, so a test reads them with pytest's `caplog`);
 - `get_off_policy_mask` and `get_high_entropy_mask`: TRL's GRPOTrainer helpers with TRL's signatures, computed by
   the engine's own maths (engine/grpo/policy_loss.py), bound onto `GRPOTrainer`;
-- `load_hub_reward_model(name)`: a reward model named by hub id (`reward_funcs="org/model"`), from the Hugging Face
-  cache as TRL's `AutoModelForSequenceClassification.from_pretrained` finds it (offline when HF_HUB_OFFLINE=1),
-  else downloaded, loaded by the engine's `RewardModelReward`.
 - `vespo_importance_sampling_mode(...)`: the vLLM IS mode a vespo run gets when the user named none (TRL without
   vLLM has no IS correction; with vLLM it requires a token mode).
 
 Must not: implement maths (engine/grpo/*), run the loop, import trl (a test-only dependency) or vLLM.
 
-Test: tests/unit/test_trl_api.py (warnings, helpers against TRL's own expectations, hub reward models from a
-temporary HF cache with HF_HUB_OFFLINE=1).
+Test: tests/unit/test_trl_compat.py (warnings, helpers against TRL's own expected values, vespo's mode, hub reward
+models from a temporary HF cache with HF_HUB_OFFLINE=1).
 """
 
 from __future__ import annotations
@@ -85,30 +82,3 @@ def get_high_entropy_mask(trainer: Any, entropies: torch.Tensor, mask: torch.Ten
         return torch.zeros_like(entropies, dtype=torch.bool)
     cutoff = compute_entropy_threshold(entropies.float(), mask, 1.0 - threshold)
     return select_high_entropy_tokens(entropies.float(), mask, cutoff) & mask.bool()
-
-
-def load_hub_reward_model(name: str, generation: Any = None, trust_remote_code: bool = False) -> Any:
-    """A reward model named by hub id -> the engine's `RewardModelReward`, loaded from the local snapshot (the HF
-    cache first, as TRL's `from_pretrained` finds it; offline with HF_HUB_OFFLINE=1; else downloaded), named as TRL
-    names it (the id's last component: `rewards/<name>/mean`).
-
-    Raises:
-        ValueError naming the id when it is neither cached nor downloadable (engine/models/hub.py's advice).
-    """
-    from engine.models.hub import resolve_hub_model
-    from engine.train.rewards import resolve_reward_func
-
-    try:
-        snapshot = resolve_hub_model(name, trust_remote_code)
-    except ValueError as err:
-        raise ValueError(f"reward_funcs: {err}") from err
-    reward = resolve_reward_func(snapshot, generation)
-    reward.__name__ = name.split("/")[-1]
-    return reward
-
-
-def looks_like_hub_id(spec: str) -> bool:
-    """`org/model` (one slash, no colon, not an existing path): how TRL tells a hub reward model from a function."""
-    from pathlib import Path
-
-    return spec.count("/") == 1 and ":" not in spec and not spec.startswith((".", "/", "~")) and not Path(spec).exists()

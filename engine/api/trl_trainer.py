@@ -393,8 +393,6 @@ def resolve_reward_funcs(reward_funcs: Any, processing_classes: Any, output_dir:
     for i, (func, tokenizer) in enumerate(zip(funcs, processing_classes)):
         if isinstance(func, torch.nn.Module):
             func = _save_reward_model(func, tokenizer, output_dir / "reward_models" / str(i))
-        if isinstance(func, str) and trl_compat.looks_like_hub_id(func):  # TRL: a reward model's hub id
-            func = trl_compat.load_hub_reward_model(func, cfg.generation, cfg.model.trust_remote_code)
         if isinstance(func, (str, os.PathLike)):
             func = resolve_reward_func(str(func), cfg.generation)
         if not callable(func):

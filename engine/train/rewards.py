@@ -98,7 +98,21 @@ _BUILTIN_ALIASES = {f"{name}_reward": name for name in BUILTIN_REWARDS if name !
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reward models (local directories)
+# reward models (local directories, hub ids)
+
+
+def _hub_reward_model(name: str, generation_cfg: GenerationConfig | None) -> RewardModelReward:
+    """A reward model by hub id, from its local snapshot; `rewards/<last component of the id>/...` as in TRL."""
+    from engine.models.hub import resolve_hub_model
+
+    try:
+        snapshot = resolve_hub_model(name)
+    except ValueError as err:
+        raise RewardFunctionError(f"reward function {name!r} (a reward model's hub id): {err}") from err
+    reward = RewardModelReward(snapshot, generation_cfg.chat_template_kwargs if generation_cfg is not None else None)
+    reward.__name__ = name.split("/")[-1]
+    return reward
+
 
 
 class RewardModelReward:
@@ -151,14 +165,16 @@ def resolve_reward_func(spec: str | RewardFunc, generation_cfg: GenerationConfig
 
     Args:
         spec: a callable (returned as is); a built-in name (`BUILTIN_REWARDS`, or its function name); a
-            `module:function` import path (dots allowed after the colon: `module:Class.method`); or a local
-            directory holding a sequence-classification reward model.
+            `module:function` import path (dots allowed after the colon: `module:Class.method`); a local
+            directory holding a sequence-classification reward model; or such a model's hub id (`org/model`, TRL's
+            `reward_funcs="org/model"`): the Hugging Face cache first, offline with HF_HUB_OFFLINE=1, else
+            downloaded (engine/models/hub.py), named by the id's last component as TRL names it.
         generation_cfg: sizes `length` (max_completion_length) and renders reward-model chats (chat_template_kwargs).
     Returns:
         The callable.
     Raises:
         RewardFunctionError: unknown name (with suggestions), failed import, missing attribute, not callable, a hub
-            reward model.
+            id neither cached nor downloadable.
     """
     if isinstance(spec, torch.nn.Module):
         raise RewardFunctionError(f"reward model objects ({type(spec).__name__}) are not supported: save it with its "
@@ -178,12 +194,11 @@ def resolve_reward_func(spec: str | RewardFunc, generation_cfg: GenerationConfig
         return RewardModelReward(path, kwargs)
     if ":" in spec:
         return _import_reward_func(spec)
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return _hub_reward_model(spec, generation_cfg)
     known = sorted(BUILTIN_REWARDS)
     close = difflib.get_close_matches(spec, known + sorted(_BUILTIN_ALIASES), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    if "/" in spec:
-        hint += (" Reward models from the Hugging Face hub are not supported yet: download the model and give its "
-                 "local directory.")
     raise RewardFunctionError(
         f"unknown reward function {spec!r}.{hint} Use a built-in name ({', '.join(known)}), a 'module:function' "
         "import path, or a local reward-model directory."
