@@ -222,11 +222,11 @@ def worker(nodes_file: Path, outcomes: Path, timeout_s: int) -> None:
             f.write(json.dumps(result) + "\n")
 
 
-def record(results: list[dict], trl_commit: str, keyword: str | None) -> None:
-    """Four rows (passed / failed / skipped / total) in benchmarks/results/trl_yardstick.csv."""
+def record(results: list[dict], trl_commit: str, env) -> None:
+    """Four rows (passed / failed / skipped / total) in benchmarks/results/trl_yardstick.csv; `env` is captured
+    when the run starts (the git sha of the tree the tests ran on)."""
     counts = Counter("failed" if r["outcome"] in ("failed", "error", "timeout") else r["outcome"] for r in results)
-    env = capture_env("cpu")
-    config = {"trl_commit": trl_commit, "selection": keyword or "all", "one_process_per_test": True}
+    config = {"trl_commit": trl_commit, "one_process_per_test": True}
     rows = [make_row(env, bench="trl_yardstick", variant="engine", mode="test_grpo_trainer", metric=name,
                      unit="tests", x_name="trl_commit", x_value=trl_commit, p20=value, p50=value, p80=value,
                      n_iters=1, config=config)
@@ -252,6 +252,7 @@ def main() -> None:
     if args.test_file is None or args.trl_commit is None:
         parser.error("test_file and --trl-commit are required")
     args.out.mkdir(parents=True, exist_ok=True)
+    env_info = capture_env("cpu")
     work = Path(tempfile.mkdtemp(prefix="trl_yardstick_"))
     test_path, env = prepare(args.test_file.resolve(), work)
     nodes = collect(test_path, env, args.keyword)
@@ -283,7 +284,7 @@ def main() -> None:
     for reason, n in causes.most_common():
         print(f"{n:4d}  {reason}")
     if not args.keyword and not args.no_record:
-        record(results, args.trl_commit, args.keyword)
+        record(results, args.trl_commit, env_info)
         print(f"rows appended to {CSV_PATH}")
     shutil.rmtree(work, ignore_errors=True)
 
