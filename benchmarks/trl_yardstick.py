@@ -257,7 +257,7 @@ def main() -> None:
     test_path, env = prepare(args.test_file.resolve(), work)
     nodes = collect(test_path, env, args.keyword)
     print(f"{len(nodes)} tests, {args.jobs} at a time, in {work}", flush=True)
-    outcomes = args.out / "outcomes.jsonl"
+    outcomes = (args.out / "outcomes.jsonl").resolve()  # the workers run in the temporary package
     outcomes.write_text("")
     shards = [nodes[i::args.jobs] for i in range(args.jobs)]
     procs = []
@@ -283,7 +283,9 @@ def main() -> None:
     causes = Counter(r["reason"][:160] for r in results if r["outcome"] not in ("passed", "skipped"))
     for reason, n in causes.most_common():
         print(f"{n:4d}  {reason}")
-    if not args.keyword and not args.no_record:
+    if missing:
+        print(f"{len(missing)} tests never ran (a worker died): no rows recorded")
+    elif not args.keyword and not args.no_record:
         record(results, args.trl_commit, env_info)
         print(f"rows appended to {CSV_PATH}")
     shutil.rmtree(work, ignore_errors=True)
