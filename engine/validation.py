@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from engine.config import ConfigError, EngineConfig, ParallelConfig, TrainConfig
 from engine.recompute import RECOMPUTE_MODULES, REFUSED_RECOMPUTE_MODULES
+from engine.sampling_settings import reshaping_settings, sampling_logprobs_mode, translate_generation_kwargs
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ def validate(cfg: EngineConfig, world_size: int) -> Derived:
         _check_batches(cfg, derive(cfg, world_size), problems)
     _check_objective(cfg, problems)
     _check_rollout(cfg, world_size, problems)
+    _check_sampling(cfg, problems)
     _check_rest(cfg, problems)
     _check_recompute(cfg.train, problems)
     if problems:
@@ -223,8 +225,9 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
         )
     if gr.loss_type == "vespo" and gr.vllm_importance_sampling_correction and gr.vllm_importance_sampling_mode.startswith("sequence"):
         problems.append(
-            "grpo.loss_type='vespo' folds the IS ratio into its token weights: set "
-            "grpo.vllm_importance_sampling_mode to 'token_truncate' or 'token_mask'"
+            "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. Got: "
+            f"{gr.vllm_importance_sampling_mode}. (grpo.loss_type='vespo' folds the IS ratio into its token weights: "
+            "set grpo.vllm_importance_sampling_mode to 'token_truncate' or 'token_mask')"
         )
     k = gr.num_remains_in_group
     if k is not None and not 2 <= k < gr.num_generations:
@@ -291,6 +294,32 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
             f"rollout.vllm_max_model_length={max_len} leaves no room for a prompt next to "
             f"generation.max_completion_length={gen.max_completion_length}"
         )
+
+
+def _check_sampling(cfg: EngineConfig, problems: list[str]) -> None:
+    """generation_kwargs keys vLLM can honour; the sampler's log-probs, where a setting reads them, of the trainer's
+    distribution (engine/sampling_settings.py says which)."""
+    gen, gr = cfg.generation, cfg.grpo
+    try:
+        translate_generation_kwargs(gen.generation_kwargs)
+    except ValueError as err:
+        problems.append(str(err))
+        return
+    kwarg_temperature = (gen.generation_kwargs or {}).get("temperature", gen.temperature)
+    if kwarg_temperature != gen.temperature:
+        problems.append(f"generation.generation_kwargs['temperature']={kwarg_temperature} differs from "
+                        f"generation.temperature={gen.temperature}, which divides the trainer's logits: set "
+                        "generation.temperature instead")
+    readers = [name for name, on in (("grpo.vllm_importance_sampling_correction=True", gr.vllm_importance_sampling_correction),
+                                     (f"grpo.off_policy_mask_threshold={gr.off_policy_mask_threshold}",
+                                      gr.off_policy_mask_threshold is not None)) if on]
+    if readers and sampling_logprobs_mode(gen) is None:
+        problems.append(
+            f"generation.temperature={gen.temperature} with {', '.join(reshaping_settings(gen))}: vLLM reports the "
+            "sampled tokens' log-probs either before the temperature or after the truncation / penalties, never of "
+            "the trainer's distribution (the model's softmax at the temperature), and "
+            f"{' and '.join(readers)} would read them; set generation.temperature=1.0 (vLLM's raw log-probs are "
+            "then the trainer's) or turn those off")
 
 
 def _check_rest(cfg: EngineConfig, problems: list[str]) -> None:

@@ -31,6 +31,7 @@ import math
 import warnings
 from typing import Any
 
+from engine.api.trl_compat import vespo_importance_sampling_mode
 from engine.config import ConfigError, EngineConfig, build_config, config_to_dict, describe_callable, find_field
 
 TRL_DEFAULT_OUTPUT_DIR = "trainer_output"
@@ -180,6 +181,11 @@ class GRPOConfig:
         for name, reason in REFUSED.items():
             if kwargs.get(name):
                 raise NotImplementedError(f"GRPOConfig({name}={kwargs[name]!r}): {reason}")
+        if kwargs.get("loss_type") == "vespo" and kwargs.get("use_vllm") is not True:
+            # TRL without vLLM has no IS correction; here vLLM always samples: the token mode TRL's vespo accepts
+            kwargs["vllm_importance_sampling_mode"] = vespo_importance_sampling_mode(
+                "vespo", kwargs.get("vllm_importance_sampling_mode", "sequence_mask"),
+                "vllm_importance_sampling_mode" in kwargs)
         if kwargs.get("use_vllm") is True:
             del kwargs["use_vllm"]  # what runs anyway: nothing to warn about
         ignored = {name: (kwargs.pop(name), NO_EFFECT[name]) for name in list(kwargs) if name in NO_EFFECT}

@@ -43,6 +43,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.models.hub import resolve_hub_model
+from engine.api import trl_compat
 from engine.api.trl_config import GFPOConfig, GRPOConfig
 
 __all__ = ["GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer"]
@@ -99,13 +100,14 @@ class GRPOTrainer:
             warnings.warn("group_filter_func is not used: num_remains_in_group is not set (GFPO trains on the "
                           "num_remains_in_group best-scored completions of each group)", UserWarning, stacklevel=2)
         self.args = args
+        trl_compat.warn_objective_settings(args.loss_type, args.importance_sampling_level)
         cfg = args.to_engine_config()
         self.output_dir = Path(cfg.train.output_dir)
         self.processing_class = _check_tokenizer(processing_class)
         self.train_dataset = _check_dataset(train_dataset, "train_dataset")
         self.eval_dataset = _check_dataset(eval_dataset, "eval_dataset")
         if self.train_dataset is None and "dataset_name" not in args.explicit_names:
-            raise ValueError("GRPOTrainer needs a train_dataset: a datasets.Dataset with a 'prompt' column (or set "
+            raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column (or set "
                              "GRPOConfig(dataset_name=...) to a local file, a hub name or builtin:arithmetic)")
         model_path = resolve_model(model, self.output_dir, processing_class, cfg.model.trust_remote_code)
         self.reward_funcs = resolve_reward_funcs(reward_funcs, reward_processing_classes, self.output_dir, cfg)
@@ -123,6 +125,9 @@ class GRPOTrainer:
         self.model_path = Path(model_path)
         self.state = _TrainerState(global_step=0, max_steps=cfg.train.max_steps, log_history=[])
         self._trained = False
+
+    get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
+    get_high_entropy_mask = trl_compat.get_high_entropy_mask  # TRL's signature: (self, entropies, mask, threshold)
 
     def _check_layout(self) -> None:
         """Batch geometry and objective checks before anything starts (the world size torchrun gives, else 1), with
@@ -368,10 +373,11 @@ def resolve_reward_funcs(reward_funcs: Any, processing_classes: Any, output_dir:
     from engine.train.rewards import RewardModelReward, resolve_reward_func
 
     if reward_funcs is None:
-        raise ValueError("GRPOTrainer needs reward_funcs: a callable, a reward-model path, or a list of them")
+        raise ValueError("No reward source provided. Pass `reward_funcs`: a callable, a reward-model path or hub id, "
+                         "or a list of them")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
-        raise ValueError("reward_funcs is empty: GRPO needs at least one reward function")
+        raise ValueError("No reward source provided: reward_funcs is empty (GRPO needs at least one reward function)")
     if processing_classes is None:
         processing_classes = [None] * len(funcs)
     elif not isinstance(processing_classes, (list, tuple)):

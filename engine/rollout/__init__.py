@@ -7,5 +7,6 @@ colocated sync (colocated_sync.py), the trainer's half of a server sync (server_
 (sync_check.py: exact per-tensor digests, weight_digest.py, of what each engine rank holds against what the trainer
 sent).
 
-May import: engine.config, engine.validation, engine.log_filters, engine.models, engine.policy.
+May import: engine.config, engine.validation, engine.log_filters, engine.sampling_settings, engine.models,
+engine.policy.
 """

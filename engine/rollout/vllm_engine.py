@@ -28,6 +28,7 @@ import torch
 from engine.config import GenerationConfig, RolloutConfig
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
+from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
 
 
 def _moe_layers(names: list[str]) -> list[int]:
@@ -134,14 +135,11 @@ def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | No
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    kwargs = dict(
-        n=num_generations, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k if gen.top_k > 0 else -1,
-        min_p=gen.min_p or 0.0, repetition_penalty=gen.repetition_penalty, max_tokens=gen.max_completion_length,
-        logprobs=0, seed=seed,
-    )
+    kwargs = sampling_kwargs(gen) | dict(n=num_generations, logprobs=0, seed=seed)
     if regex is not None:  # rollout.vllm_structured_outputs_regex (TRL's name): vLLM's structured outputs
         kwargs["structured_outputs"] = StructuredOutputsParams(regex=regex)
-    kwargs.update(gen.generation_kwargs or {})
+    elif isinstance(kwargs.get("structured_outputs"), dict):  # generation_kwargs' dict form, as TRL accepts it
+        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
     return SamplingParams(**kwargs)
 
 
@@ -153,8 +151,9 @@ class VLLMEngine:
     """One vLLM `LLM` with this project's settings; `ColocatedEngine` and `ServerEngine` choose its executor.
 
     - `generate(prompt_ids, num_generations)`: G sampled completions per prompt with the sampled tokens' log-probs
-      (after temperature: `logprobs_mode="processed_logprobs"`, the quantity the trainer's log-probs are compared
-      with) and whether each completion was cut by max_completion_length;
+      of the trainer's distribution (the model's softmax at the temperature: vLLM's `processed_logprobs`, or
+      `raw_logprobs` when top_k / top_p / min_p / penalties are set; NaN where vLLM reports no such log-prob, see
+      engine/sampling_settings.py) and whether each completion was cut by max_completion_length;
     - `prompt_logprobs(sequences)`: the engine's log-probs of given token sequences (weight-sync verification);
     - `load_weights(named_tensors)`: vLLM's own in-place reload path (`reload_weights`) with Hugging Face names and
       full tensors; in-process, so the tensors are not copied between processes;
@@ -184,10 +183,12 @@ class VLLMEngine:
         """Completions are constrained to match this regex (vLLM's structured outputs); None = unconstrained."""
         self.tensor_parallel_size = rollout.vllm_tensor_parallel_size
         self.can_sleep = on_gpu and rollout.vllm_enable_sleep_mode
+        self.logprobs_mode = sampling_logprobs_mode(generation) or "processed_logprobs"
+        """vLLM's logprobs_mode: the one whose sampled-token log-probs are the trainer's (sampling_settings.py)."""
         settings = dict(
             model=str(model_dir), dtype=dtype, seed=seed, tensor_parallel_size=rollout.vllm_tensor_parallel_size,
             gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, max_model_len=rollout.vllm_max_model_length,
-            enable_sleep_mode=self.can_sleep, enforce_eager=not on_gpu, logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.can_sleep, enforce_eager=not on_gpu, logprobs_mode=self.logprobs_mode,
             enable_prefix_caching=False, model_impl=rollout.vllm_model_impl,
             # the checkpoint-loading progress bar only where vLLM logs at INFO (verbose, engine/log_filters.py)
             use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),
@@ -236,12 +237,15 @@ class VLLMEngine:
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         captured = self.llm.collective_rpc("grpo_take_routes")[0] if self.captures_routes else None
         rollout = Rollout.empty()
+        reports_logprobs = reports_trainer_logprobs(self.logprobs_mode, gen)  # else NaN: unavailable
         for prompt, output in zip(prompt_ids, outputs):
             for completion in output.outputs:
                 ids = list(completion.token_ids)
                 rollout.prompt_ids.append(list(prompt))
                 rollout.completion_ids.append(ids)
-                rollout.sampling_logprobs.append([lp[t].logprob for t, lp in zip(ids, completion.logprobs)])
+                rollout.sampling_logprobs.append([lp[t].logprob for t, lp in zip(ids, completion.logprobs)]
+                                                 if reports_logprobs
+                                                 else [float("nan")] * len(ids))
                 rollout.is_truncated.append(completion.finish_reason == "length")
                 if self.returns_routes:  # the tokens the engine ran: prompt + completion without its last token
                     routes = _routes_of(list(prompt) + ids[:-1], completion, captured, len(rollout.completion_ids) - 1)

@@ -23,6 +23,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import logging
 import math
 import threading
 import time
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from engine.config import GenerationConfig, RewardConfig
 
 RewardFunc = Callable[..., Any]
+logger = logging.getLogger(__name__)
+
 RESERVED_KWARGS = ("trainer_state", "log_extra", "log_metric")
 """Keyword arguments the caller adds next to the dataset columns."""
 EXCLUDED_COLUMNS = ("prompt", "completion", "completion_ids")
@@ -77,7 +80,21 @@ _BUILTIN_ALIASES = {f"{name}_reward": name for name in BUILTIN_REWARDS if name !
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reward models (local directories)
+# reward models (local directories, hub ids)
+
+
+def _hub_reward_model(name: str, generation_cfg: GenerationConfig | None) -> RewardModelReward:
+    """A reward model by hub id, from its local snapshot; `rewards/<last component of the id>/...` as in TRL."""
+    from engine.models.hub import resolve_hub_model
+
+    try:
+        snapshot = resolve_hub_model(name)
+    except ValueError as err:
+        raise RewardFunctionError(f"reward function {name!r} (a reward model's hub id): {err}") from err
+    reward = RewardModelReward(snapshot, generation_cfg.chat_template_kwargs if generation_cfg is not None else None)
+    reward.__name__ = name.split("/")[-1]
+    return reward
+
 
 
 class RewardModelReward:
@@ -130,14 +147,16 @@ def resolve_reward_func(spec: str | RewardFunc, generation_cfg: GenerationConfig
 
     Args:
         spec: a callable (returned as is); a built-in name (`BUILTIN_REWARDS`, or its function name); a
-            `module:function` import path (dots allowed after the colon: `module:Class.method`); or a local
-            directory holding a sequence-classification reward model.
+            `module:function` import path (dots allowed after the colon: `module:Class.method`); a local
+            directory holding a sequence-classification reward model; or such a model's hub id (`org/model`, TRL's
+            `reward_funcs="org/model"`): the Hugging Face cache first, offline with HF_HUB_OFFLINE=1, else
+            downloaded (engine/models/hub.py), named by the id's last component as TRL names it.
         generation_cfg: sizes `length` (max_completion_length) and renders reward-model chats (chat_template_kwargs).
     Returns:
         The callable.
     Raises:
         RewardFunctionError: unknown name (with suggestions), failed import, missing attribute, not callable, a hub
-            reward model.
+            id neither cached nor downloadable.
     """
     if isinstance(spec, torch.nn.Module):
         raise RewardFunctionError(f"reward model objects ({type(spec).__name__}) are not supported: save it with its "
@@ -157,12 +176,11 @@ def resolve_reward_func(spec: str | RewardFunc, generation_cfg: GenerationConfig
         return RewardModelReward(path, kwargs)
     if ":" in spec:
         return _import_reward_func(spec)
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return _hub_reward_model(spec, generation_cfg)
     known = sorted(BUILTIN_REWARDS)
     close = difflib.get_close_matches(spec, known + sorted(_BUILTIN_ALIASES), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    if "/" in spec:
-        hint += (" Reward models from the Hugging Face hub are not supported yet: download the model and give its "
-                 "local directory.")
     raise RewardFunctionError(
         f"unknown reward function {spec!r}.{hint} Use a built-in name ({', '.join(known)}), a 'module:function' "
         "import path, or a local reward-model directory."
@@ -232,7 +250,7 @@ def build_reward_funcs(reward_cfg: RewardConfig, generation_cfg: GenerationConfi
     under their function names). `accuracy` needs the reference answer in an `answer` column (or TRL's `solution`).
     Reward models: a local directory with an `AutoModelForSequenceClassification` checkpoint and its tokenizer is
     supported (scored as TRL does: prompt + completion text, or the chat template of prompt + completion messages;
-    reward = logits[:, 0]); hub names are refused with a message (download the model and pass the directory).
+    reward = logits[:, 0]); so is a hub id (`org/model`): the HF cache first, offline with HF_HUB_OFFLINE=1.
     """
     return RewardFunctions(reward_cfg.reward_funcs, reward_cfg.reward_weights, generation_cfg)
 
@@ -253,8 +271,8 @@ class RewardFunctions:
         or class name; reward models by the directory's last component).
     Differences from TRL, all stricter: a function that raises is re-run row by row to name the first failing row (its
     log_extra / log_metric calls are discarded during that search); a non-numeric or infinite value is an error naming
-    the row, and so is NaN (TRL's nansum would read it as None: return None for that); a round where every function
-    returned None for every completion is an error (nothing to learn from); a dataset column that collides with
+    the row, and so is NaN (TRL's nansum would read it as None: return None for that); a row no function scored gets
+    TRL's warning (its words, with the dataset's columns) and advantage 0, as in TRL; a dataset column that collides with
     `trainer_state` / `log_extra` / `log_metric` is an error; two functions with the same name get `_2`, `_3` suffixes
     so their metrics do not overwrite each other.
     """
@@ -352,13 +370,20 @@ class RewardFunctions:
         if pending:
             for k, output in self._run_async(pending, base, kwargs):
                 rewards[:, k] = self._to_column(k, output, num_rows)
-        if num_rows and bool(torch.isnan(rewards).all()):
-            columns = sorted(key for key in kwargs if key not in RESERVED_KWARGS)
-            raise RewardFunctionError(
-                f"every reward function ({', '.join(self.names)}) returned None for all {num_rows} completions: the "
-                f"round has no reward to learn from. A function that returns None when it cannot find what it "
-                f"needs (e.g. its reference-answer column) is the usual cause; dataset columns: {columns}")
+        unscorable = torch.isnan(rewards).all(dim=1)  # (B,)
+        if bool(unscorable.any()):
+            self._warn_unscorable(int(unscorable.nonzero()[0, 0]), base, kwargs)
         return rewards
+
+    def _warn_unscorable(self, row: int, base: dict, kwargs: dict) -> None:
+        """TRL's warning (its words) for the first row no function scored; the row's advantage becomes 0."""
+        row_kwargs = {key: value[row] for key, value in kwargs.items()
+                      if key not in RESERVED_KWARGS and isinstance(value, list)}
+        row_kwargs |= {"prompt": base["prompts"][row], "completion": base["completions"][row]}
+        logger.warning(f"All reward functions returned None for the following kwargs:\n{row_kwargs}\nPlease ensure "
+                       f"that at least one reward function returns a valid reward. (reward functions: "
+                       f"{', '.join(self.names)}; a function that returns None when it cannot find its reference-"
+                       f"answer column is the usual cause; dataset columns: {sorted(set(kwargs) - set(RESERVED_KWARGS))})")
 
     def _run_async(self, indices: list[int], base: dict, kwargs: dict) -> list[tuple[int, Any]]:
         """Run the async functions concurrently on the event-loop thread; (k, output) in order."""

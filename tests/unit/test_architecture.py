@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
-TOP_MODULES = {"config", "validation", "recompute", "log_filters"}
+TOP_MODULES = {"config", "validation", "recompute", "log_filters", "sampling_settings"}
 """Top-level modules (each folder still declares the ones it uses): the one typed config tree, its one validation
-function, the activation recompute that runs (recompute.py: the model and the planner share it), and the
-known-harmless library warnings (log_filters.py: imports nothing of the engine's)."""
+function, the activation recompute that runs (recompute.py: the model and the planner share it), the
+known-harmless library warnings (log_filters.py: imports nothing of the engine's), and the sampling settings vLLM
+receives with the log-probs it must report (sampling_settings.py: the rollout engine and the validation share it)."""
 MAX_LINES = 620
 """STYLE.md's ~600 lines, with a little slack."""
 

@@ -161,7 +161,7 @@ def test_a_nan_reward_names_the_function_and_the_row():
         _score(RewardFunctions([ratio]), ["12", "33", "22"])
 
 
-def test_none_from_every_function_for_every_row_is_an_error():
+def test_none_from_every_function_for_a_row_is_trls_warning_and_nan(caplog):
     def needs_solution(completions, solution=None, **kwargs):  # the dataset calls it `answer`: never found
         return [None if solution is None else float(c == s) for c, s in zip(completions, solution or completions)]
 
@@ -169,12 +169,20 @@ def test_none_from_every_function_for_every_row_is_an_error():
         return [None] * len(completions)
 
     funcs = RewardFunctions([needs_solution, only_code])
-    with pytest.raises(RewardFunctionError, match=r"every reward function \(needs_solution, only_code\) returned None "
-                                                  r"for all 3 completions.*dataset columns: \['answer'\]"):
-        _score(funcs, ["a", "b", "c"], {"answer": ["1", "2", "3"]})
-    # one unscorable row among scorable ones stays TRL's None (NaN), not an error
-    mixed = RewardFunctions([lambda completions, **kw: [None, 1.0]])
-    assert torch.isnan(_score(mixed, ["a", "b"])[0, 0]) and _score(mixed, ["a", "b"])[1, 0] == 1.0
+    with caplog.at_level("WARNING"):
+        rewards = _score(funcs, ["a", "b", "c"], {"answer": ["1", "2", "3"]})
+    assert torch.isnan(rewards).all()  # TRL: NaN rows, advantage 0 (engine/grpo/advantages.py)
+    assert "All reward functions returned None for the following kwargs:\n{'answer': '1', 'prompt': 'Q', " in caplog.text
+    assert "(reward functions: needs_solution, only_code;" in caplog.text and "dataset columns: ['answer']" in caplog.text
+    caplog.clear()
+    mixed = RewardFunctions([lambda completions, **kw: [None, 1.0], lambda completions, **kw: [None, None]])
+    with caplog.at_level("WARNING"):
+        scored = _score(mixed, ["a", "b"])
+    assert torch.isnan(scored[0]).all() and scored[1, 0] == 1.0 and "'completion': 'a'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _score(RewardFunctions([lambda completions, **kw: [1.0, None], lambda completions, **kw: [None, 2.0]]), ["a", "b"])
+    assert not caplog.text  # a row scored by some function is not warned about
 
 
 # --- models ------------------------------------------------------------------------------------------------------

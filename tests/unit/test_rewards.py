@@ -238,8 +238,6 @@ def test_import_paths_resolve_and_unknown_names_fail_with_a_suggestion():
             is SoftOverlongPunishment.__call__)
     with pytest.raises(RewardFunctionError, match=r"unknown reward function 'acuracy'\. Did you mean 'accuracy'\?"):
         RewardFunctions(["acuracy"])
-    with pytest.raises(RewardFunctionError, match="hub are not supported yet: download the model"):
-        resolve_reward_func("org/reward-model")
     with pytest.raises(RewardFunctionError, match="cannot import module 'no_such_module_xyz'"):
         resolve_reward_func("no_such_module_xyz:f")
     with pytest.raises(RewardFunctionError, match="'engine.train.rewards' has no attribute 'nope'"):

@@ -293,7 +293,7 @@ def test_trainer_refuses_iterable_and_split_dict_datasets(tmp_path):
     with pytest.raises(ValueError, match="no 'prompt' column.*rename_column"):
         GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path),
                     train_dataset=datasets.Dataset.from_dict({"question": ["a"]}))
-    with pytest.raises(ValueError, match="needs a train_dataset"):
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
         GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path))
 
 
