@@ -1,7 +1,7 @@
 """The yardstick of issue #27: TRL's own GRPOTrainer tests, run against this engine with only the import changed.
 
 What it does, offline:
-1. copies TRL's `tests/test_grpo_trainer.py` (the path given) and its siblings `__init__.py`, `conftest.py`,
+1. copies TRL's test file (`<trl checkout>/tests/test_grpo_trainer.py`) (the path given) and its siblings `__init__.py`, `conftest.py`,
    `testing_utils.py`, `testing_constants.py` into a temporary package, changing only
    `from trl import GRPOConfig, GRPOTrainer` to `from engine import GRPOConfig, GRPOTrainer` (TRL's files are never
    copied into this project: the script takes the path of a TRL checkout's file);

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PATH = re.compile(r"\btests/[\w/.-]*\w(?:::\w+)?")
+PATH = re.compile(r"(?<![\w/:])tests/[\w/.-]*\w(?:::\w+)?")
 
 
 def _docstrings(path: Path) -> list[str]:
