@@ -190,7 +190,11 @@ atexit.register(close_worlds)  # NOTE: registered after multiprocessing's own ex
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
     """Call fn(*args) on `world_size` gloo ranks; return [rank 0's value, rank 1's value, ...]."""
     world = _worlds.pop(world_size, None) or _World(world_size)
-    outcome, reusable = world.run(next(_task_ids), fn, args, timeout_s)
+    try:
+        outcome, reusable = world.run(next(_task_ids), fn, args, timeout_s)
+    except BaseException:  # e.g. pytest-timeout's alarm or Ctrl-C while the ranks run: they must not outlive it
+        world.close()
+        raise
     if reusable:
         _worlds[world_size] = world
     else:
