@@ -114,9 +114,9 @@ def _serve(rank, world_size, tasks, results) -> None:
         status, payload, reusable = _run_body(body)
         results.put((rank, task_id, status, payload, reusable))
         if not reusable:
-            break
+            return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
     results.close()
-    results.join_thread()  # the report is out; skip the interpreter's exit, which can hang on what a body left
+    results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
     os._exit(0)
 
 

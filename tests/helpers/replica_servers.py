@@ -8,7 +8,7 @@ test_rollout_server.py) start them once instead of once each (a server costs 20-
 Between tests the pair is reset to what a fresh pair would offer: a server that died (tests kill one on purpose) is
 restarted on its port; a test may also put a replacement into the list it was given. What a server holds otherwise
 needs no reset: every trainer joins a new weight-transfer group and syncs its weights before its first round (and
-verifies them by digest), and the engine resets its prefix cache on every weight update. The pair is stopped after
+verifies them by digest), and the engine runs without prefix caching. The pair is stopped after
 the last test that uses it, so it does not hold memory through the rest of the session.
 
 Must not: start servers for a run that selects no test using them.
