@@ -13,7 +13,8 @@ previous body's, and Megatron's groups, are destroyed after it; the next one ren
 the environment, working directory, default dtype, grad mode and thread count restored. A world is not reused, but
 shut down and started afresh by the next call, when a body failed on any rank, timed out, or left something a fresh
 process would not have: vLLM imported (its engines keep processes, threads and global state) or child processes
-alive. `close_worlds()` (run at exit) stops the kept worlds.
+alive. `close_worlds()` (run at exit) stops the kept worlds; a rank also exits by itself once the test process is
+gone.
 
 Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next
 beyond what is listed above (tests/distributed/test_launcher.py checks the list).
@@ -29,6 +30,7 @@ import pickle
 import queue
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -92,6 +94,13 @@ def _run_body(body: bytes) -> tuple[str, bytes | str, bool]:
     return status, payload, status == "ok" and torn_down and _is_reusable()
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Exit this rank as soon as the test process is gone, whatever its main thread is doing (even a hung body)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def _serve(rank, world_size, tasks, results) -> None:
     """A rank of a long-lived world: run each (task id, port, pickled body) it is sent until told to stop."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -99,14 +108,9 @@ def _serve(rank, world_size, tasks, results) -> None:
     import torch
 
     torch.set_num_threads(1)
-    parent = os.getppid()
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     while True:
-        try:
-            task = tasks.get(timeout=5.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                os._exit(0)  # the test process is gone: do not linger as an orphan
-            continue
+        task = tasks.get()
         if task is None:
             break
         task_id, port, body = task
@@ -171,6 +175,9 @@ class _World:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
                 proc.join(timeout=5)
 
 
