@@ -1,5 +1,7 @@
 """Shared test set-up: the gpu marker skips without CUDA (and gpu-marked tests live in tests/gpu); the Triton interpreter is on without a GPU; a full run
-fails if a tier collected no tests (so an import error or a misnamed file cannot make a tier vanish silently)."""
+fails if a tier collected no tests (so an import error or a misnamed file cannot make a tier vanish silently).
+Plugins: tests/timings.py (where the suite's time goes) and tests/helpers/replica_servers.py (one pair of rollout
+servers for the session); tests/distributed/launcher.py keeps one gloo world per size for the session."""
 
 import os
 
@@ -10,7 +12,9 @@ if not torch.cuda.is_available():
     # NOTE: must be set before triton is imported anywhere; kernels then run under the numpy interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["tests.timings"]  # --timings-file: where the suite's time goes (python -m tests.timings FILE)
+# tests.timings: --timings-file, where the suite's time goes (python -m tests.timings FILE);
+# tests.helpers.replica_servers: the session's pair of rollout servers (fixture `replica_servers`)
+pytest_plugins = ["tests.timings", "tests.helpers.replica_servers"]
 
 TIERS = ("unit", "distributed", "kernels", "integration")
 

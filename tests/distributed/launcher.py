@@ -1,22 +1,42 @@
 """Run a test function in N processes joined by a gloo process group; report each rank's failure.
 
-`run_distributed(fn, world_size, *args)` spawns `world_size` processes with torchrun's environment (RANK,
-LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), calls `fn(*args)` in each, and returns the per-rank return
-values (pickled, so tensors come back by value). If any rank raises, or dies, or the whole run exceeds the timeout,
-it raises AssertionError with every failing rank's traceback (a rank stuck in a collective behind a failed peer is
-terminated and reported as such). `fn` must be importable at module level (spawn pickles it by name).
+`run_distributed(fn, world_size, *args)` calls `fn(*args)` on `world_size` ranks with torchrun's environment (RANK,
+LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and returns the per-rank return values (pickled, so tensors come
+back by value). If any rank raises, or dies, or the whole run exceeds the timeout, it raises AssertionError with every
+failing rank's traceback (a rank stuck in a collective behind a failed peer is terminated and reported as such).
+`fn` must be importable at module level (spawn pickles it by name).
+
+Long-lived worlds (issue #32): starting a rank (a spawned Python that imports torch and Megatron) costs 6-12 s on a
+2-core machine, more than most test bodies, so the processes of a world of each size are kept for the session and
+run test body after test body. Each body still starts from what a fresh rank would see: no process group (the
+previous body's, and Megatron's groups, are destroyed after it; the next one rendezvouses on a fresh MASTER_PORT),
+the environment, working directory, default dtype, grad mode and thread count restored. A world is not reused, but
+shut down and started afresh by the next call, when a body failed on any rank, timed out, or left something a fresh
+process would not have: vLLM imported (its engines keep processes, threads and global state) or child processes
+alive. `close_worlds()` (run at exit) stops the kept worlds; a rank also exits by itself once the test process is
+gone.
+
+Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next
+beyond what is listed above (tests/distributed/test_launcher.py checks the list).
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
+import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see close_worlds' atexit)
 import os
 import pickle
 import queue
 import socket
+import sys
+import threading
 import time
 import traceback
 
 import torch.multiprocessing as mp
+
+ERROR_GRACE_S = 20.0  # after a rank fails, how long the others get to report before they count as stuck
 
 
 def _free_port() -> int:
@@ -25,63 +45,171 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )
+def _has_live_children() -> bool:
+    """Whether this process has a child that is not a zombie (any kind: multiprocessing, subprocess, vLLM's)."""
+    me = str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                state, ppid = stat.read().rsplit(")", 1)[1].split()[:2]
+        except OSError:  # the process ended while we looked
+            continue
+        if ppid == me and state != "Z":
+            return True
+    return False
+
+
+def _is_reusable() -> bool:
+    """Whether this rank is still as a fresh one would be after a body (see the module docstring)."""
+    return "vllm" not in sys.modules and not _has_live_children()
+
+
+def _run_body(body: bytes) -> tuple[str, bytes | str, bool]:
+    """Run one pickled (fn, args) on this rank; then tear its groups down and restore the process-wide state it may
+    have changed. Returns (status, pickled value or traceback, whether this rank can take another body)."""
+    import torch
+
+    env, cwd = dict(os.environ), os.getcwd()
+    dtype, grad_enabled = torch.get_default_dtype(), torch.is_grad_enabled()
+    try:
+        fn, args = pickle.loads(body)
+        status, payload = "ok", pickle.dumps(fn(*args))
+    except BaseException:  # noqa: BLE001 - report everything, including assertion errors and SystemExit
+        status, payload = "error", traceback.format_exc()
+    torn_down = True
+    try:
+        from engine.policy.parallel import destroy_parallel
+
+        destroy_parallel()
+    except Exception:  # noqa: BLE001 - teardown after a failure must not mask the failure
+        torn_down = False
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(grad_enabled)
+    torch.set_num_threads(1)
+    return status, payload, status == "ok" and torn_down and _is_reusable()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """Exit this rank as soon as the test process is gone, whatever its main thread is doing (even a hung body)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _serve(rank, world_size, tasks, results) -> None:
+    """A rank of a long-lived world: run each (task id, port, pickled body) it is sent until told to stop."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      OMP_NUM_THREADS="1")
     import torch
 
     torch.set_num_threads(1)
-    try:
-        value = fn(*args)
-        results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException:  # noqa: BLE001 - report everything, including assertion errors and SystemExit
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        from engine.policy.parallel import destroy_parallel
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, port, body = task
+        os.environ["MASTER_PORT"] = str(port)
+        status, payload, reusable = _run_body(body)
+        results.put((rank, task_id, status, payload, reusable))
+        if not reusable:
+            return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
+    results.close()
+    results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
+    os._exit(0)
 
-        try:
-            destroy_parallel()
-        except Exception:  # noqa: BLE001 - teardown after a failure must not mask the failure
-            pass
+
+class _World:
+    """The processes of one world size, each with its own task queue, and the queue they all report into."""
+
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_serve, args=(r, world_size, self.tasks[r], self.results))
+                      for r in range(world_size)]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, task_id: int, fn, args, timeout_s: float) -> tuple[dict[int, tuple[str, object]], bool]:
+        """Send one body to every rank; return {rank: (status, payload)} of the ranks that reported, and whether
+        every rank can take another body."""
+        port, body = _free_port(), pickle.dumps((fn, args))
+        for task in self.tasks:
+            task.put((task_id, port, body))
+        outcome: dict[int, tuple[str, object]] = {}
+        reusable = True
+        deadline = time.monotonic() + timeout_s
+        first_error_at = None
+        while len(outcome) < self.world_size:
+            now = time.monotonic()
+            if now > deadline or (first_error_at is not None and now > first_error_at + ERROR_GRACE_S):
+                break
+            try:
+                rank, reported_task, status, payload, rank_reusable = self.results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in outcome]
+                for r in dead:
+                    outcome[r] = ("error", f"rank {r} died with exit code {self.procs[r].exitcode} before reporting")
+                    first_error_at = first_error_at or time.monotonic()
+                continue
+            if reported_task != task_id:
+                continue
+            outcome[rank] = (status, payload)
+            reusable = reusable and rank_reusable
+            if status == "error" and first_error_at is None:
+                first_error_at = time.monotonic()
+        return outcome, reusable and len(outcome) == self.world_size
+
+    def close(self) -> None:
+        for proc, task in zip(self.procs, self.tasks):
+            if proc.is_alive():
+                task.put(None)
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+_worlds: dict[int, _World] = {}
+_task_ids = itertools.count()
+
+
+def close_worlds() -> None:
+    """Stop every kept world (at exit; also usable between tests that must not share a world)."""
+    while _worlds:
+        _worlds.popitem()[1].close()
+
+
+atexit.register(close_worlds)  # NOTE: registered after multiprocessing's own exit handler, so it runs before it
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
     """Call fn(*args) on `world_size` gloo ranks; return [rank 0's value, rank 1's value, ...]."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    outcome: dict[int, tuple[str, object]] = {}
-    deadline = time.monotonic() + timeout_s
-    first_error_at = None
-    while len(outcome) < world_size:
-        now = time.monotonic()
-        if now > deadline or (first_error_at is not None and now > first_error_at + 20):
-            break
-        try:
-            rank, status, payload = results.get(timeout=1.0)
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outcome and p.exitcode]
-            for r in dead:
-                outcome[r] = ("error", f"rank {r} died with exit code {procs[r].exitcode} before reporting")
-                first_error_at = first_error_at or time.monotonic()
-            continue
-        outcome[rank] = (status, payload)
-        if status == "error" and first_error_at is None:
-            first_error_at = time.monotonic()
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5)
+    world = _worlds.pop(world_size, None) or _World(world_size)
+    try:
+        outcome, reusable = world.run(next(_task_ids), fn, args, timeout_s)
+    except BaseException:  # e.g. pytest-timeout's alarm or Ctrl-C while the ranks run: they must not outlive it
+        world.close()
+        raise
+    if reusable:
+        _worlds[world_size] = world
+    else:
+        world.close()
     failures = [f"--- rank {r}: {outcome[r][1]}" for r in sorted(outcome) if outcome[r][0] == "error"]
     missing = [r for r in range(world_size) if r not in outcome]
     if missing:
-        why = "timed out" if first_error_at is None else "did not finish after another rank failed"
+        why = "timed out" if not failures else "did not finish after another rank failed"
         failures.append(f"--- ranks {missing} {why} (terminated)")
     if failures:
         raise AssertionError(f"{fn.__name__} failed on {world_size} ranks:\n" + "\n".join(failures))

@@ -19,7 +19,6 @@ learning rate (2e-3) that moves the policy measurably each step without collapsi
 """
 
 import json
-import secrets
 import signal
 from pathlib import Path
 
@@ -37,18 +36,10 @@ def digit_fraction(completions, **kwargs):
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    token = secrets.token_hex(16)
-    tmp = tmp_path_factory.mktemp("servers")
-    started = []
-    try:
-        for replica in range(2):
-            started.append(Server(tmp, token, "generation.max_completion_length=10", replica=replica, num_replicas=2))
-        yield started
-    finally:
-        for server in started:
-            server.stop()
+@pytest.fixture
+def servers(replica_servers):
+    """The session's two replica servers (tests/helpers/replica_servers.py), both running."""
+    return replica_servers
 
 
 def _command(run_dir: Path, servers, k: int, *overrides: str) -> list[str]:
@@ -183,7 +174,7 @@ def test_k1_keeps_gfpo_and_the_curriculum_hook_and_survives_a_server_killed_with
             assert marker.exists(), f"the reward never killed the server:\n{_tail(tmp_path / 'k.log')}"
             servers[1].proc.wait(timeout=30)
             servers[1] = Server(tmp_path, servers[0].token, "generation.max_completion_length=10",
-                                port=servers[1].port, replica=1, num_replicas=2)  # the fixture stops it
+                                port=servers[1].port, replica=1, num_replicas=2)  # the pool stops it
             status = trainer.wait(timeout=400)
         finally:
             if trainer.poll() is None:

