@@ -44,6 +44,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.models.hub import resolve_hub_model
 from engine.api.trl_config import GFPOConfig, GRPOConfig
+from engine.api.trl_surface import TrainerSurface, eval_sets, is_stream
 
 __all__ = ["GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer"]
 
@@ -57,7 +58,7 @@ INITIAL_MODEL_DIR = "initial_model"
 # GRPOTrainer
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerSurface):
     """TRL's `GRPOTrainer` signature over `engine.train.loop.train` (full fine-tuning with Megatron, vLLM rollout).
 
     Args:
@@ -86,7 +87,7 @@ class GRPOTrainer:
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None, group_filter_func: Any = None):
-        _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
+        _refuse_unsupported(model, optimizers, quantization_config, peft_config, tools, rollout_func,
                             environment_factory)
         if args is None:
             args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO")
@@ -101,9 +102,12 @@ class GRPOTrainer:
         self.args = args
         cfg = args.to_engine_config()
         self.output_dir = Path(cfg.train.output_dir)
-        self.processing_class = _check_tokenizer(processing_class)
-        self.train_dataset = _check_dataset(train_dataset, "train_dataset")
-        self.eval_dataset = _check_dataset(eval_dataset, "eval_dataset")
+        self._processing_class = _check_tokenizer(processing_class)
+        self.train_dataset = train_dataset if is_stream(train_dataset) else _check_dataset(train_dataset,
+                                                                                            "train_dataset")
+        self.eval_dataset = eval_dataset
+        self._eval_sets = eval_sets(eval_dataset, cfg.data.eval_max_prompts)
+        engine_eval = self._eval_sets[None] if self._eval_sets and list(self._eval_sets) == [None] else None
         if self.train_dataset is None and "dataset_name" not in args.explicit_names:
             raise ValueError("GRPOTrainer needs a train_dataset: a datasets.Dataset with a 'prompt' column (or set "
                              "GRPOConfig(dataset_name=...) to a local file, a hub name or builtin:arithmetic)")
@@ -113,16 +117,17 @@ class GRPOTrainer:
         data = {}
         if self.train_dataset is not None:
             data["dataset_name"] = "<GRPOTrainer train_dataset>"
-            if self.eval_dataset is None:
+            if engine_eval is None:
                 data["dataset_test_split"] = None
         reward = {"reward_funcs": [_reward_spec(f) for f in self.reward_funcs]}
         self._cfg = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, name_or_path=str(model_path)),
             data=dataclasses.replace(cfg.data, **data), reward=dataclasses.replace(cfg.reward, **reward))
+        self._engine_eval_dataset = engine_eval  # scored before and after training by the engine
         self._check_layout()
         self.model_path = Path(model_path)
-        self.state = _TrainerState(global_step=0, max_steps=cfg.train.max_steps, log_history=[])
         self._trained = False
+        self._init_trainer_surface(model, callbacks, is_stream(train_dataset))
 
     def _check_layout(self) -> None:
         """Batch geometry and objective checks before anything starts (the world size torchrun gives, else 1), with
@@ -159,20 +164,23 @@ class GRPOTrainer:
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from_checkpoint=where))
         start, old_history = time.perf_counter(), _read_history(self.output_dir)
         with _spawn_children_skip_main_script():
-            summary = train(cfg, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
-                            reward_funcs=self.reward_funcs, tokenizer=self.processing_class,
+            summary = train(cfg, train_dataset=self._train_rows(), eval_dataset=self._engine_eval_dataset,
+                            reward_funcs=self.reward_funcs, tokenizer=self._processing_class,
                             **self.args.in_memory_callables,  # group_filter_func / dynamic_prompts_fn objects
-                            export_dir=self.output_dir / FINAL_MODEL_DIR)
+                            export_dir=self.output_dir / FINAL_MODEL_DIR, hooks=self._hooks)
         runtime = time.perf_counter() - start
         self._trained = True
+        self._model = self._model_object  # trainer.model: reloaded from the export when read
+        self._model_is_stale = True
         history = _new_records(old_history, _read_history(self.output_dir))
         params = _count_non_embedding_parameters(self.output_dir / FINAL_MODEL_DIR)
         final = final_record(history, steps=summary["steps"], start_step=summary.get("start_step", 0),
                              runtime_s=runtime, samples_per_step=self._derived.global_batch_size,
                              total_flos=6.0 * params * summary.get("num_tokens", 0) * cfg.grpo.num_iterations)
         history.append(final)  # HF's Trainer logs it last: `trainer.state.log_history[-1]["train_loss"]`
-        self.state = _TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history,
-                                   epoch=final.get("epoch"), total_flos=final["total_flos"])
+        state = self.state
+        state.global_step, state.max_steps, state.log_history = summary["steps"], summary["steps"], history
+        state.epoch, state.total_flos = final.get("epoch"), final["total_flos"]
         metrics = {k: v for k, v in final.items() if k != "step"}  # as HF: the record without its step
         for key in ("eval_reward_before", "eval_reward_after"):
             if summary.get(key) is not None:
@@ -191,8 +199,8 @@ class GRPOTrainer:
             for item in source.iterdir():
                 if item.is_file():
                     _link_or_copy(item, target / item.name)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(target)
+        if self._processing_class is not None:
+            self._processing_class.save_pretrained(target)
 
 
 class GFPOTrainer(GRPOTrainer):
@@ -228,20 +236,7 @@ def _spawn_children_skip_main_script():
         main.__spec__ = previous
 
 
-@dataclasses.dataclass
-class _TrainerState:
-    """The parts of transformers' TrainerState that scripts read after training."""
-
-    global_step: int
-    max_steps: int
-    log_history: list[dict]
-    """This run's records of metrics.jsonl (one per logged step, TRL's names, `step`, `epoch`), then HF's final
-    record (`final_record`). Empty but for the final record on a rank that cannot read output_dir."""
-    epoch: float | None = None
-    total_flos: float = 0.0
-
-
-def _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
+def _refuse_unsupported(model, optimizers, quantization_config, peft_config, tools, rollout_func,
                         environment_factory) -> None:
     """NotImplementedError for TRL features this engine does not have."""
     if peft_config is not None or type(model).__name__.startswith("Peft"):
@@ -251,9 +246,6 @@ def _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_
         raise NotImplementedError("custom optimizers / schedulers are not supported: the optimizer is Megatron's "
                                   "distributed optimizer, set through GRPOConfig (optim, learning_rate, "
                                   "weight_decay, adam_*, lr_scheduler_type, warmup_*)")
-    if callbacks:
-        raise NotImplementedError("callbacks are not supported (the loop has no hooks); metrics go to "
-                                  "output_dir/metrics.jsonl and to report_to")
     if quantization_config is not None:
         raise NotImplementedError("quantization_config is not supported: the policy trains in model.dtype")
     for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):

@@ -46,6 +46,7 @@ Run: `grpo-engine train configs/tiny_cpu.yaml`; test: tests/integration/test_tra
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -66,15 +67,31 @@ from engine.policy.routing_replay import (ROUTE_KEYS, clear_router_agreement, pa
                                           take_router_agreement)
 from engine.policy.step import forward_logprobs, grpo_forward_backward
 from engine.rollout.vllm_engine import Rollout
-from engine.train.checkpoint import Progress, StopSignal, is_save_step
+from engine.train.checkpoint import Progress, StopSignal, checkpoint_dir, is_save_step
+from engine.train.hooks import LoopHooks, on_rank0, scheduled_evaluation
 from engine.train.prompt_rounds import PromptRounds, shuffle_order
 from engine.train.run import Run, build_run, check_finite, export_policy, resume, save_run, sync_and_verify
 from engine.train.rollout_pipeline import RolloutPipeline, rewind_rounds_ahead
+from engine.train.evaluation import evaluate_sets, tokenize_eval_sets
 from engine.train.sampling import Scored, evaluate, keep_best_in_groups, sample_and_score
 
 
-def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
-          export_dir: str | Path | None = None, group_filter_func=None, dynamic_prompts_fn=None) -> dict:
+def train(cfg: EngineConfig, **inputs) -> dict:
+    """Run GRPO (`run_rounds`); on any exception, first release what the run holds (`abort`: engines, reward
+    threads, Megatron's parallel state, the process group), so that a new run can start in the same process."""
+    held: dict = {}
+    try:
+        return run_rounds(cfg, held, **inputs)
+    except BaseException:
+        if "stop" in held:
+            held["stop"].uninstall()
+        abort(held.get("run"))
+        raise
+
+
+def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_dataset=None, reward_funcs=None,
+               tokenizer=None, export_dir: str | Path | None = None, group_filter_func=None, dynamic_prompts_fn=None,
+               hooks: LoopHooks | None = None) -> dict:
     """Run GRPO from a config; returns the held-out reward before and after (rank 0), the last metrics, and this
     call's optimizer steps (`start_step` -> `steps`, `start_step` > 0 when resumed) and tokens (`num_tokens`).
 
@@ -83,12 +100,16 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     replaces `cfg.reward.reward_funcs`, `tokenizer` replaces the model directory's; `export_dir` receives the final
     policy as a Hugging Face checkpoint (collective); `group_filter_func` / `dynamic_prompts_fn` (any callables:
     functions of the user's script, lambdas, instances) replace `cfg.grpo.group_filter_func` /
-    `cfg.data.dynamic_prompts_fn` (see engine/train/run.py `resolve_hooks`).
+    `cfg.data.dynamic_prompts_fn` (see engine/train/run.py `resolve_hooks`); `hooks` (engine/train/hooks.py) hear of
+    the run's progress on rank 0 and may ask for evaluations, checkpoints and a stop. `held` receives the run and
+    the signal handler as they are built (`train` releases them on an exception).
     """
+    hooks = hooks if hooks is not None else LoopHooks()
     quiet_library_logs(cfg.logging.verbose)  # before Megatron and vLLM are imported (engine/log_filters.py)
-    stop = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
-    run = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs,
-                    tokenizer=tokenizer, group_filter_func=group_filter_func, dynamic_prompts_fn=dynamic_prompts_fn)
+    stop = held["stop"] = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
+    run = held["run"] = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                  reward_funcs=reward_funcs, tokenizer=tokenizer, group_filter_func=group_filter_func,
+                                  dynamic_prompts_fn=dynamic_prompts_fn)
     cfg, ps, d = run.cfg, run.ps, run.derived
     progress = resume(run)  # model, optimizer, scheduler, RNG, data position, step; the weights into the engines
     before = evaluate(run)
@@ -97,8 +118,12 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     step, last, num_tokens = progress.step, {}, progress.num_tokens
     saved_at = progress.step if run.resume_from else None
     start_pipeline(run, rounds, progress)  # server mode, max_staleness k > 0: rounds generated ahead of training
+    eval_sets: dict = {}  # the hooks' eval datasets, tokenized at their first evaluation
+    if on_rank0(ps, hooks.train_begin, step, run.total_steps).evaluate:  # eval_on_start
+        scheduled_evaluation(run, hooks, step, eval_sets)
     while step < run.total_steps:
         start = time.perf_counter()
+        epoch_before = epoch(run, rounds)
         # 1. rollout and rewards: G completions for each prompt of the round, scored on rank 0 and broadcast;
         #    with dynamic sampling (DAPO), further rounds until the batch holds enough groups whose rewards vary.
         #    Asynchronous (k > 0): this round was generated by version r - k while earlier rounds trained; round
@@ -120,6 +145,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
         outputs, stats = [], {}
         for _ in range(cfg.grpo.num_iterations):
             for micro, normalizer in steps:
+                on_rank0(ps, hooks.step_begin, step)
                 run.popt.zero_grad()
                 out = grpo_forward_backward(run.popt.model, ps, micro, run.loss_config, normalizer, run.settings,
                                             entropy_coef=run.entropy.coef_to_apply(cfg.grpo))
@@ -127,6 +153,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                 stats = run.popt.step() | run.entropy.update(cfg.grpo, ps, out)
                 step += 1
                 mix_reference_if_due(run.reference, run.popt.model, cfg.grpo, step)  # TR-DPO
+                on_rank0(ps, hooks.step_end, step)
         run.policy_version += 1
         check_finite(run, step, [o.loss for out in outputs for o in out])  # a diverged policy is never synced
         t_train = time.perf_counter()
@@ -148,24 +175,46 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                                   "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start),
                                   "epoch": epoch(run, rounds)}
         last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings | moe)
-        # 6. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
+        # 6. the hooks (callbacks): evaluate, save or stop when asked
+        asked = report_round(run, hooks, step, epoch_before, timings["epoch"])
+        if asked.evaluate:
+            scheduled_evaluation(run, hooks, step, eval_sets)
+        # 7. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
         if stop.agreed(ps):
             break
-        if is_save_step(cfg.checkpoint.save_steps, step, len(steps) * cfg.grpo.num_iterations):
+        if asked.save or is_save_step(cfg.checkpoint.save_steps, step, len(steps) * cfg.grpo.num_iterations):
             saved_at = save_run(run, Progress(step, rounds.position, num_tokens))
+            on_rank0(ps, hooks.saved, step, checkpoint_dir(cfg.train.output_dir, step))
+        if asked.stop:
+            break
     stop.uninstall()
     if saved_at != step:  # the end of training, or the round boundary SIGUSR1 asked for
         save_run(run, Progress(step, rounds.position, num_tokens))
+        on_rank0(ps, hooks.saved, step, checkpoint_dir(cfg.train.output_dir, step))
     after = evaluate(run) if not stop.stopping else None
     if export_dir is not None:
         export_policy(run, export_dir)
     elif cfg.checkpoint.save_hf_at_end and not stop.stopping:
         export_policy(run, Path(cfg.train.output_dir) / "hf")
+    on_rank0(ps, hooks.train_end, step)
     summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank,
                "stopped_by_signal": stop.stopping, "start_step": progress.step,
                "num_tokens": num_tokens - progress.num_tokens}  # this call's steps from start_step, and its tokens
     finish(run, summary)
     return summary
+
+
+def report_round(run: Run, hooks: LoopHooks, step: int, epoch_before: float, epoch_after: float):
+    """The hooks hear of the round (epoch boundaries, the logged record); returns their agreed `Decision`."""
+    ps = run.ps
+    if int(epoch_before) == epoch_before:
+        on_rank0(ps, hooks.epoch_begin, epoch_before)
+    record = run.logger.last_record if ps.rank == 0 and run.logger.last_record_step == step else None
+    log_now = (lambda: run.logger.log_now(step)) if ps.rank == 0 else None
+    decision = on_rank0(ps, hooks.round_end, step, record, epoch_after, log_now)
+    if int(epoch_after) > int(epoch_before):
+        on_rank0(ps, hooks.epoch_end, epoch_after)
+    return decision
 
 
 def start_pipeline(run: Run, rounds: PromptRounds, progress: Progress) -> None:
@@ -316,3 +365,31 @@ def finish(run: Run, summary: dict) -> None:
     run.rewards.close()
     run.engine.close()
     destroy_parallel()
+
+
+def abort(run: Run | None) -> None:
+    """After an exception: close what `run` holds (None: `build_run` did not finish), each part even if another
+    fails, then tear down Megatron's parallel state and the process group (no collectives: a rank may be gone)."""
+    if run is not None:
+        for part in (run.logger, run.rewards, run.engine):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.close()
+    destroy_parallel()
+
+
+def evaluate_only(cfg: EngineConfig, *, train_dataset, eval_datasets: dict, reward_funcs, tokenizer, num_generations: int,
+                   batch_size: int, metric_key_prefix: str = "eval") -> dict[str, float]:
+    """Build a run of `cfg`'s model (every rank), evaluate `eval_datasets` on it and tear it down (also when the
+    evaluation raises): `GRPOTrainer.evaluate()` before or after `train()`."""
+    run = None
+    try:
+        run = build_run(cfg, train_dataset=train_dataset, reward_funcs=reward_funcs, tokenizer=tokenizer)
+        sets = tokenize_eval_sets(run, eval_datasets)
+        metrics = evaluate_sets(run, sets, num_generations=num_generations, batch_size=batch_size,
+                                metric_key_prefix=metric_key_prefix)
+    except BaseException:
+        abort(run)
+        raise
+    finish(run, {})
+    return metrics
