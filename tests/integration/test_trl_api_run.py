@@ -166,3 +166,140 @@ def test_script_hooks_defined_in_main_train_save_and_resume(tmp_path):
     config = (out / "config.yaml").read_text()
     assert "group_filter_func: __main__:GroupFilter()" in config
     assert "dynamic_prompts_fn: __main__:curriculum_fn" in config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL's trainer surface in one process: callbacks, scheduled evaluation of a dict of eval sets, a streaming train
+# set resumed at its position, trainer.model before / after, a failed train() and a new trainer training after it
+
+
+def _arithmetic_rows(start: int, stop: int):
+    from engine.train.data import build_arithmetic_dataset
+
+    yield from build_arithmetic_dataset("train").select(range(start, stop))
+
+
+def accuracy(completions, answer, **kwargs):
+    return [float(f"<answer>{a}" in c) for c, a in zip(completions, answer, strict=True)]
+
+
+class _FailingReward:
+    """Records the prompts of its first call, then raises: a train() that fails mid-run in a user's code."""
+
+    __name__ = "accuracy"
+
+    def __init__(self):
+        self.prompts = None
+
+    def __call__(self, prompts, completions, answer, **kwargs):
+        if self.prompts is None:  # the engine calls again row by row to name the failing row
+            self.prompts = list(prompts)
+        raise RuntimeError("reward service unavailable")
+
+
+def _recording_callback():
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        """Every event with the state's step; asks for a checkpoint after step 1 and a stop after step 2."""
+
+        def __init__(self):
+            self.events, self.logs, self.evals = [], [], []
+
+        def __getattribute__(self, name):
+            if name.startswith("on_") and name not in ("on_step_end", "on_log", "on_evaluate"):
+                def record(args, state, control, **kwargs):
+                    self.events.append((name, state.global_step))
+                return record
+            return super().__getattribute__(name)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.events.append(("on_step_end", state.global_step))
+            control.should_save = state.global_step == 1
+            control.should_training_stop = state.global_step == 2
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.events.append(("on_log", state.global_step))
+            self.logs.append(dict(logs))
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.events.append(("on_evaluate", state.global_step))
+            self.evals.append(dict(metrics))
+
+    return Recorder()
+
+
+def _surface_in_one_process(output_dir: str) -> dict:
+    import datasets
+    import torch
+
+    from engine import GRPOConfig, GRPOTrainer
+    from engine.train.data import build_arithmetic_dataset
+
+    out = Path(output_dir)
+    held_out = build_arithmetic_dataset("test")
+    stream = datasets.IterableDataset.from_generator(_arithmetic_rows, gen_kwargs={"start": 0, "stop": 64})
+
+    def args(**kw):
+        return GRPOConfig(output_dir=str(out / "run"), max_steps=3, per_device_train_batch_size=8, num_generations=4,
+                          max_completion_length=12, learning_rate=1e-3, logging_steps=1, report_to="none",
+                          vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256, num_generations_eval=2,
+                          per_device_eval_batch_size=2, eval_max_prompts=2, **kw)
+
+    recorder = _recording_callback()
+    first = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy, train_dataset=stream,
+                        eval_dataset={"easy": held_out.select(range(4)), "hard": held_out.select(range(4, 8))},
+                        args=args(eval_strategy="steps", eval_steps=2), callbacks=[recorder])
+    before = {n: p.detach().clone() for n, p in first.model.named_parameters()}
+    first.train()
+    after = dict(first.model.named_parameters())
+    changed = [n for n in before if not torch.equal(before[n], after[n].detach())]
+    failing = _FailingReward()
+    second = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=failing, train_dataset=stream, args=args())
+    try:
+        second.train(resume_from_checkpoint=True)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    third = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy, train_dataset=stream, args=args())
+    third.train(resume_from_checkpoint=True)
+    evaluated = third.evaluate(eval_dataset=held_out.select(range(4)))
+    return {"events": recorder.events, "logs": recorder.logs, "evals": recorder.evals, "changed": changed,
+            "num_params": len(before), "history": first.state.log_history, "global_step": first.state.global_step,
+            "error": error, "failing_prompts": failing.prompts, "third_step": third.state.global_step,
+            "third_history": third.state.log_history, "evaluated": evaluated,
+            "stream_prompts": [r["prompt"] for r in _arithmetic_rows(0, 6)],
+            "checkpoints": sorted(p.name for p in (out / "run").glob("checkpoint-*"))}
+
+
+@pytest.mark.slow
+def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp_path):
+    """One process, four engine starts: (1) a streaming train set, a callback, two named eval sets evaluated every 2
+    steps; the callback saves after step 1 and stops after step 2 of 3. (2) a new trainer resumes at step 2 and its
+    reward function raises: train() fails mid-run. (3) a new trainer in the same process resumes and trains step 3
+    (its round: the stream's next rows), (4) then evaluates."""
+    result = run_distributed(_surface_in_one_process, 1, str(tmp_path))[0]
+    events = result["events"]
+    names = [name for name, _ in events]
+    assert names[:3] == ["on_init_end", "on_train_begin", "on_epoch_begin"]
+    assert events[3:7] == [("on_step_begin", 0), ("on_step_end", 1), ("on_log", 1), ("on_save", 1)]
+    assert ("on_evaluate", 2) in events and ("on_step_end", 3) not in events  # should_training_stop honoured
+    assert names[-2:] == ["on_save", "on_train_end"] and result["global_step"] == 2
+    assert result["checkpoints"] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]  # 1: the callback's should_save
+    assert {"loss", "reward", "rewards/accuracy/mean", "completions/mean_length", "learning_rate", "grad_norm",
+            "num_tokens", "epoch"} <= set(result["logs"][0])
+    [evaluation] = result["evals"]
+    for name in ("easy", "hard"):
+        for key in ("reward", "reward_std", "rewards/accuracy/mean", "completions/mean_length", "runtime",
+                    "samples_per_second", "steps_per_second"):
+            assert f"eval_{name}_{key}" in evaluation, (name, key, sorted(evaluation))
+    assert any(f"eval_easy_reward" in r for r in result["history"])  # log_history holds the evaluation too
+    assert result["history"][-1]["step"] == 2 and "train_loss" in result["history"][-1]
+    assert len(result["changed"]) == result["num_params"], "trainer.model after train() holds the trained weights"
+    assert "raised RuntimeError: reward service unavailable" in result["error"]
+    # the resumed round samples the stream's rows 4-5 (position 2 rounds of 2 prompts, recorded by the checkpoint)
+    assert sorted(set(result["failing_prompts"])) == sorted(result["stream_prompts"][4:6])
+    assert result["third_step"] == 3
+    assert {"eval_reward", "eval_rewards/accuracy/mean", "eval_completions/mean_length", "epoch"} <= set(
+        result["evaluated"])
+    assert result["third_history"][-1]["eval_reward"] == result["evaluated"]["eval_reward"]
