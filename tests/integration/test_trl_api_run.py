@@ -261,13 +261,20 @@ def _surface_in_one_process(output_dir: str) -> dict:
         error = None
     except RuntimeError as exc:
         error = str(exc)
-    third = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy, train_dataset=stream, args=args())
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.tiny_model import resolve_builtin_model
+
+    obj = AutoModelForCausalLM.from_pretrained(resolve_builtin_model("builtin:tiny-qwen2-arith", out / "cache"))
+    initial = {n: p.detach().clone() for n, p in obj.named_parameters()}
+    third = GRPOTrainer(model=obj, reward_funcs=accuracy, train_dataset=stream, args=args())
     third.train(resume_from_checkpoint=True)
+    obj_trained = third.model is obj and all(not torch.equal(initial[n], p) for n, p in obj.named_parameters())
     evaluated = third.evaluate(eval_dataset=held_out.select(range(4)))
     return {"events": recorder.events, "logs": recorder.logs, "evals": recorder.evals, "changed": changed,
             "num_params": len(before), "history": first.state.log_history, "global_step": first.state.global_step,
             "error": error, "failing_prompts": failing.prompts, "third_step": third.state.global_step,
-            "third_history": third.state.log_history, "evaluated": evaluated,
+            "third_history": third.state.log_history, "object_trained_in_place": obj_trained, "evaluated": evaluated,
             "stream_prompts": [r["prompt"] for r in _arithmetic_rows(0, 6)],
             "checkpoints": sorted(p.name for p in (out / "run").glob("checkpoint-*"))}
 
@@ -277,7 +284,8 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
     """One process, four engine starts: (1) a streaming train set, a callback, two named eval sets evaluated every 2
     steps; the callback saves after step 1 and stops after step 2 of 3. (2) a new trainer resumes at step 2 and its
     reward function raises: train() fails mid-run. (3) a new trainer in the same process resumes and trains step 3
-    (its round: the stream's next rows), (4) then evaluates."""
+    (its round: the stream's next rows) from a model object, which holds the trained weights after, (4) then
+    evaluates."""
     result = run_distributed(_surface_in_one_process, 1, str(tmp_path))[0]
     events = result["events"]
     names = [name for name, _ in events]
@@ -300,6 +308,7 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
     # the resumed round samples the stream's rows 4-5 (position 2 rounds of 2 prompts, recorded by the checkpoint)
     assert sorted(set(result["failing_prompts"])) == sorted(result["stream_prompts"][4:6])
     assert result["third_step"] == 3
+    assert result["object_trained_in_place"], "a model object given to GRPOTrainer holds the trained weights after"
     assert {"eval_reward", "eval_rewards/accuracy/mean", "eval_completions/mean_length", "epoch"} <= set(
         result["evaluated"])
     assert result["third_history"][-1]["eval_reward"] == result["evaluated"]["eval_reward"]
