@@ -101,10 +101,17 @@ TRANSLATED: dict[str, str] = {
 }
 """TRL names that map onto engine fields of another name (see `GRPOConfig._translate`), with what they become."""
 
-TRAINER_ARGUMENTS: dict[str, Any] = {"eval_strategy": "no", "eval_steps": None, "eval_on_start": False,
-                                     "per_device_eval_batch_size": 8}
-"""TRL arguments GRPOTrainer acts on itself (the evaluation schedule, engine/api/trl_callbacks.py `EvalSchedule`),
-with HF's defaults; they are not engine fields."""
+TRAINER_ARGUMENTS: dict[str, tuple[Any, str]] = {
+    "eval_strategy": ("no", "'steps' / 'epoch': GRPOTrainer evaluates its eval_dataset(s) during train() (TRL's eval "
+                            "metrics, `eval_<name>_*` for a dict); 'no': only trainer.evaluate()"),
+    "eval_steps": (None, "evaluate every eval_steps optimizer steps (a float < 1: a fraction of max_steps; None: "
+                         "logging_steps)"),
+    "eval_on_start": (False, "evaluate once before the first step"),
+    "per_device_eval_batch_size": (8, "completions per evaluation step and rank: x world size must be a multiple of "
+                                      "num_generations_eval; sets eval_steps_per_second"),
+}
+"""TRL arguments GRPOTrainer acts on itself (the evaluation schedule, engine/api/trl_callbacks.py `EvalSchedule`):
+name -> (HF's default, what it does); they are not engine fields."""
 
 CALLABLE_FIELDS = ("group_filter_func", "dynamic_prompts_fn")
 """Engine fields naming a user hook as `module:function`; a callable object is kept in memory and recorded by its
@@ -257,7 +264,7 @@ class GRPOConfig:
         if name in self._ignored:
             return self._ignored[name][0]
         if name in TRAINER_ARGUMENTS:
-            return self._trainer_arguments.get(name, TRAINER_ARGUMENTS[name])
+            return self._trainer_arguments.get(name, TRAINER_ARGUMENTS[name][0])
         if name in CALLABLE_FIELDS and callable(self._kwargs.get(name)):
             return self._kwargs[name]  # the object given, as on TRL's config (the tree holds its description)
         try:

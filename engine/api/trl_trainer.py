@@ -3,22 +3,26 @@
 A TRL GRPO script runs here with its import line changed (`from engine import GRPOConfig, GRPOTrainer`) and, where
 the model is a hub name and the machine is offline, the model path. `examples/` holds such scripts.
 
-Owns: `GRPOTrainer`: refusals with a message for what this engine does not do (PEFT, custom optimizers, callbacks,
-tools, iterable datasets), resolving `model` (a local directory, a `builtin:` name, a hub name from the local cache or
+Owns: `GRPOTrainer`: refusals with a message for what this engine does not do (PEFT, custom optimizers, tools),
+resolving `model` (a local directory, a `builtin:` name, a hub name from the local cache or
 a download, a `PreTrainedModel` saved under output_dir) and `reward_funcs` (callables, config strings, reward-model
 directories or objects with their `reward_processing_classes`), checking the batch geometry before anything starts,
 and handing datasets, reward callables, the tokenizer and the user hooks (`group_filter_func`,
 `dynamic_prompts_fn`: any callable, a function of the script, a lambda or an instance) to `engine.train.loop.train` in
 memory. `train()` returns transformers' `TrainOutput` and leaves `state.log_history` as HF's Trainer does: the
 per-step records, then the final one (train_runtime, train_samples_per_second, train_steps_per_second, total_flos,
-train_loss, epoch, step; `final_record`); `save_model()` writes a Hugging Face checkpoint of the trained policy.
+train_loss, epoch, step; `final_record`); `save_model()` writes a Hugging Face checkpoint of the trained policy. TRL's other attributes and methods
+(`model`, `ref_model`, `processing_class`, `reward_processing_classes`, `state`, callbacks, `evaluate()`, streaming
+datasets) are engine/api/trl_surface.py's `TrainerSurface`; callbacks and the evaluation schedule
+engine/api/trl_callbacks.py's.
 `GRPOConfig` (the argument mapping) lives in engine/api/trl_config.py. `GFPOTrainer` / `GFPOConfig` are TRL's
 experimental GFPO names (trl.experimental.gfpo, TRL <= 1.7.1), also at `engine.experimental.gfpo`.
 
 Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP);
-generation always uses vLLM; `eval_dataset` is scored before and after training (held-out reward, one completion
-per prompt) rather than on an `eval_strategy` schedule; `train()` runs once per trainer (the engine tears its
-process group down at the end). Under torchrun every rank runs the script, so every rank builds the same objects;
+generation always uses vLLM; a single `eval_dataset` is also scored before and after training (held-out reward,
+`eval_reward_before` / `_after`), besides TRL's `eval_strategy` schedule; `train()` runs once per trainer (the
+engine tears its process group down at the end, and on any exception, so a new trainer can train in the same
+process). Under torchrun every rank runs the script, so every rank builds the same objects;
 files written on the way (a saved `PreTrainedModel`) are written by rank 0 and awaited by the others.
 
 Must not: implement any part of the loop (engine/train/loop.py), import vLLM or Megatron at import time (importing
@@ -69,13 +73,17 @@ class GRPOTrainer(TrainerSurface):
             directory), a sequence-classification `PreTrainedModel`, or a list of these. TRL's calling contract.
         args: `GRPOConfig` (this module's); None = TRL's `GRPOConfig("<model name>-GRPO")`.
         train_dataset: `datasets.Dataset` with a `prompt` column (text, or a list of messages); every other column
-            reaches the reward functions. Iterable (streaming) datasets are refused.
-        eval_dataset: `datasets.Dataset` scored before and after training (held-out reward), or None.
+            reaches the reward functions. A streaming `datasets.IterableDataset` needs max_steps: the rows the run
+            draws are read once, in the stream's order (not shuffled, as TRL), at `train()`.
+        eval_dataset: a `datasets.Dataset` or `IterableDataset`, or a dict / DatasetDict of them (metrics
+            `eval_<name>_*`): evaluated on TRL's `eval_strategy` schedule and by `evaluate()`; a single Dataset is
+            also scored before and after training (held-out reward).
         processing_class: the tokenizer (chat template for conversational prompts, `chat_template_kwargs` applied);
             None = the model's own.
         reward_processing_classes: tokenizers of reward models (one per reward function, None for callables).
-        callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's;
-            anything but their defaults is refused with a message.
+        callbacks: transformers `TrainerCallback` instances or classes (engine/api/trl_callbacks.py).
+        optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's; anything but
+            their defaults is refused with a message.
         group_filter_func: GFPO's filter (TRL's experimental GFPOTrainer argument): any callable
             `f(group_completions, group_rewards, **kw) -> [P][G]` scores, higher = keep (a function, a lambda, an
             instance with `__call__`), kept in memory; used with `num_remains_in_group` (without it: a warning,

@@ -38,6 +38,12 @@ and synced into the engines is engine/train/run.py's; sampling and scoring a rou
 curriculum hook, GFPO's filter) and the held-out evaluation are engine/train/sampling.py's. This module keeps the
 round's order, the batch it trains on and the record it logs.
 
+Hook points (engine/train/hooks.py `LoopHooks`; GRPOTrainer's callbacks, engine/api/trl_callbacks.py): train
+begin, epoch begin / end, each optimizer step's begin / end, the round's logged record; on rank 0, their requests
+(evaluate: engine/train/evaluation.py, save, stop) agreed by every rank at the round boundary. `train` releases
+what a run holds on any exception (`abort`: engines, reward threads, Megatron's parallel state, the process group),
+so a failed run leaves the process able to start another; `evaluate_only` builds a run just to evaluate.
+
 Must not: hold maths (engine/grpo/advantages.py, engine/grpo/policy_loss.py), import vLLM (engine/rollout/vllm_engine.py), or read
 Megatron's global parallel state (engine/policy/parallel.py hands out groups).
 
