@@ -55,11 +55,12 @@ def _train_with_objects(output_dir: str, tp: int = 1) -> dict:
                       use_vllm=True, vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256,
                       chat_template_kwargs={"plain": True}, report_to="none", tp_size=tp,
                       num_generations_eval=2, eval_max_prompts=6)
+    recorder = _recording_callback()
     trainer = GRPOTrainer(model=model, reward_funcs=answer_tag, args=args, train_dataset=dataset,
-                          eval_dataset=dataset.select(range(8)), processing_class=tokenizer)
+                          eval_dataset=dataset.select(range(8)), processing_class=tokenizer, callbacks=[recorder])
     result = trainer.train()
     trainer.save_model()
-    return {"global_step": result.global_step, "training_loss": result.training_loss, "metrics": result.metrics,
+    return {"step_ends": [s for name, s in recorder.events if name == "on_step_end"],"global_step": result.global_step, "training_loss": result.training_loss, "metrics": result.metrics,
             "state_step": trainer.state.global_step, "history": trainer.state.log_history, "num_prompts": len(dataset)}
 
 
@@ -75,6 +76,8 @@ def test_trainer_uses_the_given_model_tokenizer_template_kwargs_and_eval_dataset
     cut = "evaluation: the first 6 of 8 held-out prompts (data.eval_max_prompts=6), 2 completions each"
     assert (printed.out + printed.err).count(cut) == 2, "printed once by rank 0 before and once after training"
     assert [r["global_step"] for r in results] == [2] * tp  # every rank's train() returns the run's step count
+    # callbacks: once per step in the user's process (rank 0), however many ranks train
+    assert [r["step_ends"] for r in results] == [[1, 2]] + [[]] * (tp - 1)
     result = results[0]
     assert result["global_step"] == result["state_step"] == 2
     # log_history as HF's Trainer leaves it: one record per logged step, then the final record
@@ -197,11 +200,11 @@ class _FailingReward:
         raise RuntimeError("reward service unavailable")
 
 
-def _recording_callback():
+def _recording_callback(save_at: int | None = None, stop_at: int | None = None):
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
-        """Every event with the state's step; asks for a checkpoint after step 1 and a stop after step 2."""
+        """Every event with the state's step; asks for a checkpoint after step `save_at` and a stop after `stop_at`."""
 
         def __init__(self):
             self.events, self.logs, self.evals = [], [], []
@@ -215,8 +218,8 @@ def _recording_callback():
 
         def on_step_end(self, args, state, control, **kwargs):
             self.events.append(("on_step_end", state.global_step))
-            control.should_save = state.global_step == 1
-            control.should_training_stop = state.global_step == 2
+            control.should_save = state.global_step == save_at
+            control.should_training_stop = state.global_step == stop_at
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.events.append(("on_log", state.global_step))
@@ -246,7 +249,7 @@ def _surface_in_one_process(output_dir: str) -> dict:
                           vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256, num_generations_eval=2,
                           per_device_eval_batch_size=2, eval_max_prompts=2, **kw)
 
-    recorder = _recording_callback()
+    recorder = _recording_callback(save_at=1, stop_at=2)
     first = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy, train_dataset=stream,
                         eval_dataset={"easy": held_out.select(range(4)), "hard": held_out.select(range(4, 8))},
                         args=args(eval_strategy="steps", eval_steps=2), callbacks=[recorder])
