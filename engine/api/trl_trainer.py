@@ -185,6 +185,7 @@ class GRPOTrainer(TrainerSurface):
         final = final_record(history, steps=summary["steps"], start_step=summary.get("start_step", 0),
                              runtime_s=runtime, samples_per_step=self._derived.global_batch_size,
                              total_flos=6.0 * params * summary.get("num_tokens", 0) * cfg.grpo.num_iterations)
+        history, final = merge_unlogged_step(history, final, cfg.logging.logging_steps)
         history.append(final)  # HF's Trainer logs it last: `trainer.state.log_history[-1]["train_loss"]`
         state = self.state
         state.global_step, state.max_steps, state.log_history = summary["steps"], summary["steps"], history
@@ -492,6 +493,26 @@ def final_record(history: list[dict], *, steps: int, start_step: int, runtime_s:
         record["epoch"] = epochs[-1]
     record["step"] = steps
     return record
+
+
+HF_STEP_KEYS = ("loss", "grad_norm", "learning_rate", "epoch", "step", "elapsed_s")
+"""Keys of a step record that HF's Trainer logs itself (or the engine adds), not TRL's step metrics."""
+
+
+def merge_unlogged_step(history: list[dict], final: dict, logging_steps: int) -> tuple[list[dict], dict]:
+    """TRL's log_history when the last step is not a logging step: the engine logs it anyway (its record is the
+    last of `history`), TRL instead merges the metrics gathered since the last logging step into the final record
+    (`GRPOTrainer.log`), so `log_history[-1]` holds `reward`, `rewards/<name>/mean`, ... next to `train_loss`.
+    Returns the history without that record and the final record with its TRL metrics (before epoch and step)."""
+    step = final.get("step")
+    if not history or history[-1].get("step") != step or not step or step % logging_steps == 0 \
+            or "loss" not in history[-1]:
+        return history, final
+    *kept, last = history
+    merged = {k: v for k, v in final.items() if k not in ("epoch", "step")}
+    merged |= {k: v for k, v in last.items() if k not in HF_STEP_KEYS and k not in merged}
+    merged |= {k: final[k] for k in ("epoch", "step") if k in final}
+    return kept, merged
 
 
 def _count_non_embedding_parameters(model_dir: Path) -> int:

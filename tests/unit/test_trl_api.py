@@ -611,3 +611,18 @@ def test_trainer_reads_a_stream_for_max_steps_in_its_order(tmp_path):
     taken = trainer._train_rows()
     assert taken["prompt"] == rows["prompt"][:6]  # 3 rounds x 2 prompts (8 completions, 4 per prompt)
     assert len(consumed) <= 7 and trainer._train_rows() is taken
+
+
+def test_final_record_takes_the_unlogged_last_steps_metrics_as_trl():
+    """TRL merges the metrics of steps after the last logging step into the final record (log_history[-1]["reward"]);
+    at a logging step the record stays where it is."""
+    from engine.api.trl_trainer import merge_unlogged_step
+
+    history = [{"loss": 1.0, "reward": 0.5, "epoch": 0.5, "step": 10, "elapsed_s": 3.0},
+               {"loss": 2.0, "reward": 0.7, "rewards/f/mean": 0.7, "grad_norm": 1.0, "epoch": 0.6, "step": 12}]
+    final = {"train_runtime": 4.0, "total_flos": 7.0, "train_loss": 1.5, "epoch": 0.6, "step": 12}
+    kept, merged = merge_unlogged_step(history, final, logging_steps=10)
+    assert kept == history[:1]
+    assert list(merged) == ["train_runtime", "total_flos", "train_loss", "reward", "rewards/f/mean", "epoch", "step"]
+    assert merged["reward"] == 0.7
+    assert merge_unlogged_step(history, final, logging_steps=2) == (history, final)  # step 12: a logging step
