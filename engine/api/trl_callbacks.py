@@ -139,10 +139,11 @@ class TrainerHooks(LoopHooks):
                 self.state.num_input_tokens_seen = int(logs["num_tokens"])
             self.state.log_history.append({**logs, "step": step})
             self.event("on_log", logs=logs)
-        self.control.should_log = False
         c = self.control
-        return Decision(evaluate=c.should_evaluate and bool(self.eval_sets), save=c.should_save,
-                        stop=c.should_training_stop)
+        decision = Decision(evaluate=c.should_evaluate and bool(self.eval_sets), save=c.should_save,
+                            stop=c.should_training_stop)
+        c.should_log = c.should_evaluate = c.should_save = False  # handed to the loop, which acts on them
+        return decision
 
     def evaluated(self, step: int, metrics: dict) -> None:
         self.state.log_history.append({**metrics, "epoch": self.state.epoch, "step": step})

@@ -2,8 +2,8 @@
 caller may ask of the loop in return (evaluate now, save now, stop).
 
 Owns: `LoopHooks` (the no-op base the loop calls; engine/api/trl_callbacks.py implements it with transformers'
-callbacks), `Decision` (the caller's requests at a round boundary), `on_rank0` (a hook runs once per run, on rank 0:
-the user's process however many ranks train; its result is broadcast so every rank acts alike) and
+callbacks), `Decision` (the caller's requests at a round boundary), `on_rank0` (a hook runs once, on rank 0: the user's
+process however many ranks train; a decision is broadcast so every rank acts alike) and
 `scheduled_evaluation` (a requested evaluation on every rank, reported back through the hooks).
 
 Must not: hold loop logic (engine/train/loop.py decides where each hook is called), import transformers' callback
@@ -72,10 +72,11 @@ class LoopHooks:
         """After the last round (before the final checkpoint and export)."""
 
 
-def on_rank0(ps, hook: Callable, *args) -> Any:
-    """`hook(*args)` on rank 0, its result broadcast to every rank (collective)."""
+def on_rank0(ps, hook: Callable, *args, agree: bool = True) -> Any:
+    """`hook(*args)` on rank 0; with `agree` its result is broadcast to every rank (collective), else only rank 0's
+    call returns it (a notification: no collective)."""
     result = [hook(*args) if ps.rank == 0 else None]
-    if ps.world_size > 1:
+    if agree and ps.world_size > 1:
         dist.broadcast_object_list(result, src=0)
     return result[0]
 

@@ -626,3 +626,37 @@ def test_final_record_takes_the_unlogged_last_steps_metrics_as_trl():
     assert list(merged) == ["train_runtime", "total_flos", "train_loss", "reward", "rewards/f/mean", "epoch", "step"]
     assert merged["reward"] == 0.7
     assert merge_unlogged_step(history, final, logging_steps=2) == (history, final)  # step 12: a logging step
+
+
+def test_trainer_hooks_follow_the_eval_schedule_and_a_callbacks_should_log():
+    """The hooks the loop calls (engine/train/hooks.py), driven by hand: eval_strategy='epoch' asks for an evaluation
+    at a finished pass, 'steps' every eval_steps; a callback's should_log on a skipped step writes the window now."""
+    from transformers import TrainerCallback
+
+    from engine.api.trl_callbacks import EvalSchedule, TrainerHooks
+
+    class AskLog(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_log = state.global_step == 3
+
+    def hooks(**kw):
+        args = _config(output_dir="x", max_steps=6, logging_steps=5, **kw)
+        return TrainerHooks(args, [AskLog], None, {None: _prompts()}, EvalSchedule.from_args(args), world_size=1)
+
+    by_epoch = hooks(eval_strategy="epoch")
+    by_epoch.train_begin(0, 6)
+    by_epoch.step_end(1)
+    assert not by_epoch.round_end(1, None, 0.5).evaluate
+    by_epoch.step_end(2)
+    by_epoch.epoch_end(1.0)
+    assert by_epoch.round_end(2, None, 1.0).evaluate
+    by_steps = hooks(eval_strategy="steps", eval_steps=2)
+    by_steps.train_begin(0, 6)
+    asked, written = [], {"reward": 1.0, "step": 3}
+    for step in (1, 2, 3):
+        by_steps.step_end(step)
+        decision = by_steps.round_end(step, None, step / 6, log_now=lambda: asked.append(1) or written)
+        assert decision.evaluate == (step == 2)
+    assert asked == [1] and by_steps.state.log_history == [{"reward": 1.0, "step": 3}]
+    by_steps.step_end(6)
+    assert by_steps.round_end(6, None, 1.0).stop  # max_steps: HF's should_training_stop
