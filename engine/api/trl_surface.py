@@ -122,6 +122,9 @@ class TrainerSurface:
         self._model_object = model if isinstance(model, PreTrainedModel) else None
         self._model, self._model_is_stale, self._ref_model, self._stream_rows = self._model_object, False, None, None
         if streamed:
+            if (getattr(self.args, "accelerator_config", None) or {}).get("dispatch_batches") is True:
+                raise ValueError("Iterable datasets require `dispatch_batches=False` (GRPOConfig(accelerator_config="
+                                 "{'dispatch_batches': True}) was given): each process reads the stream itself")
             if self._cfg.train.max_steps <= 0:
                 raise ValueError("train_dataset is an IterableDataset (streaming): it has no length, so max_steps "
                                  "has to be set (GRPOConfig(max_steps=...))")

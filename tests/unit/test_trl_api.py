@@ -288,6 +288,9 @@ def test_trainer_refuses_split_dicts_for_training_and_streams_without_max_steps(
     with pytest.raises(ValueError, match=r"IterableDataset.*max_steps has to be set"):
         GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, max_steps=-1),
                     train_dataset=iterable)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"Iterable datasets require `dispatch_batches"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=iterable,
+                    args=GRPOConfig(output_dir=str(tmp_path), accelerator_config={"dispatch_batches": True}))
     with pytest.raises(TypeError, match=r"dataset\['train'\]"):
         GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path),
                     train_dataset=datasets.DatasetDict({"train": _prompts()}))
