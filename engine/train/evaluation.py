@@ -31,7 +31,7 @@ def eval_prefix(name: str | None, metric_key_prefix: str = "eval") -> str:
     return f"{metric_key_prefix}_" if name is None else f"{metric_key_prefix}_{name}_"
 
 
-def evaluation_metrics(run, prompts, *, num_generations: int, batch_size: int) -> dict[str, float]:
+def evaluation_metrics(run, prompts, *, num_generations: int, batch_size: int, loss_of=None) -> dict[str, float]:
     """One held-out set, TRL's names without the prefix (rank 0's values; {} on other ranks).
 
     Args:
@@ -39,6 +39,7 @@ def evaluation_metrics(run, prompts, *, num_generations: int, batch_size: int) -
         num_generations: completions per prompt (TRL's `num_generations_eval`, else `num_generations`).
         batch_size: completions per evaluation step (HF's `per_device_eval_batch_size` * world size), for
             `steps_per_second`.
+        loss_of: `loss_of(run, rollout, advantages) -> float` (collective), TRL's `loss`; None = no loss.
     """
     start = time.perf_counter()
     limit = run.cfg.data.eval_max_prompts
@@ -46,11 +47,18 @@ def evaluation_metrics(run, prompts, *, num_generations: int, batch_size: int) -
     from engine.train.sampling import score_held_out
 
     rollout, rewards = score_held_out(run, prompts, num_prompts, num_generations)
+    advantages = torch.zeros(len(rollout.completion_ids), dtype=torch.float64)
+    if run.ps.rank == 0:
+        adv = compute_advantages(rewards, num_generations, run.rewards.weights, run.cfg.grpo.scale_rewards,
+                                 run.cfg.reward.multi_objective_aggregation)
+        advantages = adv.advantages.double()
+    on_device = advantages.to(run.ps.device)
+    dist.broadcast(on_device, src=0)
+    loss = loss_of(run, rollout, on_device.cpu().float()) if loss_of is not None else None
     if run.ps.rank != 0:
         return {}
-    adv = compute_advantages(rewards, num_generations, run.rewards.weights, run.cfg.grpo.scale_rewards,
-                             run.cfg.reward.multi_objective_aggregation)
-    metrics = compute_reward_metrics(rewards, run.rewards.names, adv.is_std_zero, run.rewards.weights)
+    metrics = {} if loss is None else {"loss": loss}
+    metrics |= compute_reward_metrics(rewards, run.rewards.names, adv.is_std_zero, run.rewards.weights)
     lengths = torch.tensor([float(len(c)) for c in rollout.completion_ids])
     metrics |= compute_completion_metrics(lengths, torch.tensor(rollout.is_truncated, dtype=torch.bool))
     runtime = time.perf_counter() - start
@@ -60,13 +68,14 @@ def evaluation_metrics(run, prompts, *, num_generations: int, batch_size: int) -
     return metrics
 
 
-def evaluate_sets(run, sets: dict, *, num_generations: int, batch_size: int,
-                  metric_key_prefix: str = "eval") -> dict[str, float]:
+def evaluate_sets(run, sets: dict, *, num_generations: int, batch_size: int, metric_key_prefix: str = "eval",
+                  loss_of=None) -> dict[str, float]:
     """Every named set (None = the single eval set): `<prefix>_<name>_<metric>` keys, the same dict on every rank
     (rank 0's, broadcast)."""
     merged: dict[str, float] = {}
     for name, prompts in sets.items():
-        metrics = evaluation_metrics(run, prompts, num_generations=num_generations, batch_size=batch_size)
+        metrics = evaluation_metrics(run, prompts, num_generations=num_generations, batch_size=batch_size,
+                                     loss_of=loss_of)
         merged |= {eval_prefix(name, metric_key_prefix) + key: value for key, value in metrics.items()}
     shared = [merged]
     dist.broadcast_object_list(shared, src=0)

@@ -81,9 +81,10 @@ def on_rank0(ps, hook: Callable, *args, agree: bool = True) -> Any:
     return result[0]
 
 
-def scheduled_evaluation(run, hooks: LoopHooks, step: int, prepared: dict) -> dict:
+def scheduled_evaluation(run, hooks: LoopHooks, step: int, prepared: dict, loss_of: Callable | None = None) -> dict:
     """Evaluate the hooks' eval sets now (every rank), log the record and report it (rank 0); `prepared` caches
-    the tokenized sets between calls. Returns the `eval_*` metrics."""
+    the tokenized sets between calls; `loss_of` computes the eval loss (engine/train/loop.py `eval_loss`). Returns the
+    `eval_*` metrics."""
     from engine.train.evaluation import evaluate_sets, tokenize_eval_sets
 
     if not hooks.eval_sets:
@@ -91,7 +92,7 @@ def scheduled_evaluation(run, hooks: LoopHooks, step: int, prepared: dict) -> di
     if not prepared:
         prepared.update(tokenize_eval_sets(run, hooks.eval_sets))
     g = hooks.eval_num_generations or run.cfg.grpo.num_generations_eval or run.cfg.grpo.num_generations
-    metrics = evaluate_sets(run, prepared, num_generations=g, batch_size=hooks.eval_batch_size)
+    metrics = evaluate_sets(run, prepared, num_generations=g, batch_size=hooks.eval_batch_size, loss_of=loss_of)
     if run.ps.rank == 0:
         run.logger.sinks.write(step, {"step": step, **metrics})
         hooks.evaluated(step, metrics)

@@ -126,7 +126,7 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     start_pipeline(run, rounds, progress)  # server mode, max_staleness k > 0: rounds generated ahead of training
     eval_sets: dict = {}  # the hooks' eval datasets, tokenized at their first evaluation
     if on_rank0(ps, hooks.train_begin, step, run.total_steps).evaluate:  # eval_on_start
-        scheduled_evaluation(run, hooks, step, eval_sets)
+        scheduled_evaluation(run, hooks, step, eval_sets, loss_of=eval_loss)
     while step < run.total_steps:
         start = time.perf_counter()
         epoch_before = epoch(run, rounds)
@@ -186,7 +186,7 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
         # 6. the hooks (callbacks): evaluate, save or stop when asked
         asked = report_round(run, hooks, step, epoch_before, timings["epoch"])
         if asked.evaluate:
-            scheduled_evaluation(run, hooks, step, eval_sets)
+            scheduled_evaluation(run, hooks, step, eval_sets, loss_of=eval_loss)
         # 7. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
         if stop.agreed(ps):
             break
@@ -319,6 +319,39 @@ def add_old_and_ref_logprobs(run: Run, steps: list) -> dict:
     return {} if agreement is None else {"moe/router_agreement": agreement}
 
 
+def eval_loss(run: Run, rollout: Rollout, advantages: torch.Tensor) -> float:
+    """TRL's eval loss: the GRPO loss of held-out completions under the current policy (old log-probs = the
+    policy's, so the ratio is 1; the vLLM IS correction and beta's KL as in training), the whole set as one batch
+    (rows padded with masked copies to whole micro-batches of every DP rank). Collective; every rank gets it."""
+    from engine.grpo.policy_loss import PolicyLossBatch, compute_policy_loss
+    from engine.policy.packing import round_microbatches
+
+    ps = run.ps
+    batch = build_round(run, rollout, advantages, 0)
+    num_rows = batch["tokens"].shape[0]
+    pad = -num_rows % (ps.dp_size * run.derived.micro_batch_size)
+    if pad:
+        batch = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in batch.items()}
+        batch["completion_mask"][num_rows:] = 0
+    spec = build_microbatch_spec(run.cfg.train, run.cfg.model, ps, micro_batch_size=run.derived.micro_batch_size,
+                                 pad_token_id=run.tokenizer.pad_token_id or 0)
+    steps = round_microbatches(batch, spec, global_batch_size=num_rows + pad, dp_size=ps.dp_size, dp_rank=ps.dp_rank)
+    add_old_and_ref_logprobs(run, steps)
+    total = torch.zeros(1, dtype=torch.float64, device=ps.device)
+    if ps.is_last_stage and ps.tp_rank == 0:
+        for micro, normalizer in steps:
+            for mb in micro:
+                inputs = PolicyLossBatch(
+                    mask=mb["completion_mask"], advantages=mb["advantages"], old_logprobs=mb["old_logprobs"],
+                    ref_logprobs=mb.get("ref_logprobs"), sampling_logprobs=mb.get("sampling_logprobs"),
+                    importance_sampling_ratio=mb.get("importance_sampling_ratio"))
+                out = compute_policy_loss(mb["old_logprobs"], inputs, run.loss_config, normalizer,
+                                          terms_implementation=run.settings.terms_implementation)
+                total += out.loss.detach().double().to(ps.device)
+    dist.all_reduce(total)  # the last stage's DP ranks hold the parts; every other rank adds 0
+    return float(total)
+
+
 def log_completions(run: Run, scored: Scored, advantages: torch.Tensor) -> None:
     """Rank 0: the completions table rows of this batch (prompt, completion, each reward, advantage)."""
     if run.ps.rank != 0:
@@ -393,7 +426,7 @@ def evaluate_only(cfg: EngineConfig, *, train_dataset, eval_datasets: dict, rewa
         run = build_run(cfg, train_dataset=train_dataset, reward_funcs=reward_funcs, tokenizer=tokenizer)
         sets = tokenize_eval_sets(run, eval_datasets)
         metrics = evaluate_sets(run, sets, num_generations=num_generations, batch_size=batch_size,
-                                metric_key_prefix=metric_key_prefix)
+                                metric_key_prefix=metric_key_prefix, loss_of=eval_loss)
     except BaseException:
         abort(run)
         raise

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.launcher import run_distributed
 
@@ -200,6 +201,19 @@ class _FailingReward:
         raise RuntimeError("reward service unavailable")
 
 
+class _TokenCount:
+    """Reward = the completion's length in tokens (recorded): the eval loss is then known in closed form."""
+
+    __name__ = "token_count"
+
+    def __init__(self):
+        self.rewards = []
+
+    def __call__(self, completions, completion_ids, **kwargs):
+        self.rewards += [float(len(ids)) for ids in completion_ids]
+        return [float(len(ids)) for ids in completion_ids]
+
+
 def _recording_callback(save_at: int | None = None, stop_at: int | None = None):
     from transformers import TrainerCallback
 
@@ -273,11 +287,15 @@ def _surface_in_one_process(output_dir: str) -> dict:
     third = GRPOTrainer(model=obj, reward_funcs=accuracy, train_dataset=stream, args=args())
     third.train(resume_from_checkpoint=True)
     obj_trained = third.model is obj and all(not torch.equal(initial[n], p) for n, p in obj.named_parameters())
-    evaluated = third.evaluate(eval_dataset=held_out.select(range(4)))
+    lengths = _TokenCount()
+    fourth = GRPOTrainer(model=str(out / "run" / "final_model"), reward_funcs=lengths, train_dataset=stream,
+                         args=args(vllm_importance_sampling_correction=False))
+    evaluated = fourth.evaluate(eval_dataset=held_out.select(range(4)))
     return {"events": recorder.events, "logs": recorder.logs, "evals": recorder.evals, "changed": changed,
             "num_params": len(before), "history": first.state.log_history, "global_step": first.state.global_step,
             "error": error, "failing_prompts": failing.prompts, "third_step": third.state.global_step,
-            "third_history": third.state.log_history, "object_trained_in_place": obj_trained, "evaluated": evaluated,
+            "fourth_history": fourth.state.log_history, "object_trained_in_place": obj_trained,
+            "eval_lengths": lengths.rewards, "evaluated": evaluated,
             "stream_prompts": [r["prompt"] for r in _arithmetic_rows(0, 6)],
             "checkpoints": sorted(p.name for p in (out / "run").glob("checkpoint-*"))}
 
@@ -287,8 +305,8 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
     """One process, four engine starts: (1) a streaming train set, a callback, two named eval sets evaluated every 2
     steps; the callback saves after step 1 and stops after step 2 of 3. (2) a new trainer resumes at step 2 and its
     reward function raises: train() fails mid-run. (3) a new trainer in the same process resumes and trains step 3
-    (its round: the stream's next rows) from a model object, which holds the trained weights after, (4) then
-    evaluates."""
+    (its round: the stream's next rows) from a model object, which holds the trained weights after, (4) a trainer
+    of the trained model evaluates (TRL's eval loss checked in closed form)."""
     result = run_distributed(_surface_in_one_process, 1, str(tmp_path))[0]
     events = result["events"]
     names = [name for name, _ in events]
@@ -301,7 +319,7 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
             "num_tokens", "epoch"} <= set(result["logs"][0])
     [evaluation] = result["evals"]
     for name in ("easy", "hard"):
-        for key in ("reward", "reward_std", "rewards/accuracy/mean", "completions/mean_length", "runtime",
+        for key in ("loss", "reward", "reward_std", "rewards/accuracy/mean", "completions/mean_length", "runtime",
                     "samples_per_second", "steps_per_second"):
             assert f"eval_{name}_{key}" in evaluation, (name, key, sorted(evaluation))
     assert any(f"eval_easy_reward" in r for r in result["history"])  # log_history holds the evaluation too
@@ -312,6 +330,13 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
     assert sorted(set(result["failing_prompts"])) == sorted(result["stream_prompts"][4:6])
     assert result["third_step"] == 3
     assert result["object_trained_in_place"], "a model object given to GRPOTrainer holds the trained weights after"
-    assert {"eval_reward", "eval_rewards/accuracy/mean", "eval_completions/mean_length", "epoch"} <= set(
+    assert {"eval_loss", "eval_reward", "eval_rewards/token_count/mean", "eval_completions/mean_length", "epoch"} <= set(
         result["evaluated"])
-    assert result["third_history"][-1]["eval_reward"] == result["evaluated"]["eval_reward"]
+    assert all(math.isfinite(m[f"eval_{n}_loss"]) for m in result["evals"] for n in ("easy", "hard"))
+    assert result["fourth_history"][-1]["eval_reward"] == result["evaluated"]["eval_reward"]
+    # the eval loss in closed form: DAPO, ratio 1, no IS correction, beta 0, reward = tokens L, 2 per prompt:
+    # -sum(A L) / sum(L) with A = (L - group mean) / (group std + 1e-4)
+    lengths = torch.tensor(result["eval_lengths"], dtype=torch.float64).view(-1, 2)
+    advantages = (lengths - lengths.mean(1, keepdim=True)) / (lengths.std(1, keepdim=True) + 1e-4)
+    expected = float(-(advantages * lengths).sum() / lengths.sum())
+    assert result["evaluated"]["eval_loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6), (expected, lengths)
