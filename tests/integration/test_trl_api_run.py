@@ -55,13 +55,14 @@ def _train_with_objects(output_dir: str, tp: int = 1) -> dict:
                       num_generations=4, max_completion_length=32, learning_rate=1e-5, logging_steps=1,
                       use_vllm=True, vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256,
                       chat_template_kwargs={"plain": True}, report_to="none", tp_size=tp,
-                      num_generations_eval=2, eval_max_prompts=6)
+                      num_generations_eval=2, eval_max_prompts=6, eval_strategy="steps", eval_steps=2)
     recorder = _recording_callback()
     trainer = GRPOTrainer(model=model, reward_funcs=answer_tag, args=args, train_dataset=dataset,
                           eval_dataset=dataset.select(range(8)), processing_class=tokenizer, callbacks=[recorder])
     result = trainer.train()
     trainer.save_model()
-    return {"step_ends": [s for name, s in recorder.events if name == "on_step_end"],"global_step": result.global_step, "training_loss": result.training_loss, "metrics": result.metrics,
+    return {"step_ends": [s for name, s in recorder.events if name == "on_step_end"], "evals": recorder.evals,
+            "global_step": result.global_step, "training_loss": result.training_loss, "metrics": result.metrics,
             "state_step": trainer.state.global_step, "history": trainer.state.log_history, "num_prompts": len(dataset)}
 
 
@@ -80,9 +81,14 @@ def test_trainer_uses_the_given_model_tokenizer_template_kwargs_and_eval_dataset
     # callbacks: once per step in the user's process (rank 0), however many ranks train
     assert [r["step_ends"] for r in results] == [[1, 2]] + [[]] * (tp - 1)
     result = results[0]
+    # eval_strategy="steps", eval_steps=2: one scheduled evaluation (its loss over the TP ranks), in log_history
+    [evaluation] = result["evals"]
+    assert math.isfinite(evaluation["eval_loss"]) and evaluation["eval_rewards/answer_tag/mean"] > 0.5
+    evaluations = [r for r in result["history"] if "eval_loss" in r]
+    assert [(r["step"], r["eval_loss"]) for r in evaluations] == [(2, evaluation["eval_loss"])]
     assert result["global_step"] == result["state_step"] == 2
     # log_history as HF's Trainer leaves it: one record per logged step, then the final record
-    *steps, final = result["history"]
+    *steps, final = [r for r in result["history"] if "eval_loss" not in r]
     assert [r["step"] for r in steps] == [1, 2]
     rounds_per_epoch = result["num_prompts"] // 2  # 8 completions per round / 4 generations = 2 prompts
     assert [r["epoch"] for r in steps] == [1 / rounds_per_epoch, 2 / rounds_per_epoch]
@@ -97,6 +103,7 @@ def test_trainer_uses_the_given_model_tokenizer_template_kwargs_and_eval_dataset
     assert result["metrics"]["eval_reward_before"] > 0.5  # eval_dataset scored, with the plain template
     run_dir = tmp_path / "run"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "eval_loss" not in r]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["rewards/answer_tag/mean"] > 0.5 for r in records), records
     assert (run_dir / "initial_model" / "config.json").is_file()  # the model object, saved for Megatron and vLLM
