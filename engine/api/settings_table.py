@@ -2,7 +2,8 @@
 
 Owns: the table of every config field (engine/config.py's dataclasses, by dotted path: its default, the first sentence
 of its docstring, and the modules that read it) and of every other keyword TRL's `GRPOConfig` accepts here
-(engine/api/trl_config.py: `TRANSLATED` names and what they become, `NO_EFFECT` names with the reason the one
+(engine/api/trl_config.py: `TRANSLATED` names and what they become, `TRAINER_ARGUMENTS` (GRPOTrainer's evaluation
+schedule), `NO_EFFECT` names with the reason the one
 warning gives, `REFUSED` names with the reason of their error). Nothing is described by hand here: the field
 docstrings and the three maps are the sources, so fields other modules add or remove appear after a regeneration.
 
@@ -28,7 +29,7 @@ import sys
 import tokenize
 from pathlib import Path
 
-from engine.api.trl_config import CALLABLE_FIELDS, NO_EFFECT, REFUSED, TRANSLATED
+from engine.api.trl_config import CALLABLE_FIELDS, NO_EFFECT, REFUSED, TRAINER_ARGUMENTS, TRANSLATED
 from engine.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -143,6 +144,10 @@ def render(repo: Path = REPO) -> str:
               for row in setting_rows(repo)]
     lines += ["", "## TRL names translated onto the fields above", "", "| TRL argument | becomes |", "|---|---|"]
     lines += [f"| `{name}` | {_cell(target)} |" for name, target in TRANSLATED.items()]
+    lines += ["", "## TRL names GRPOTrainer acts on itself (the evaluation schedule)", "",
+              "| TRL argument | default | what it does |", "|---|---|---|"]
+    lines += [f"| `{name}` | {_cell(repr(default))} | {_cell(meaning)} |"
+              for name, (default, meaning) in TRAINER_ARGUMENTS.items()]
     lines += ["", "## TRL names with no effect here (accepted; named in one UserWarning with the reason)", "",
               "| TRL argument | why it has no effect |", "|---|---|"]
     lines += [f"| `{name}` | {_cell(reason)} |" for name, reason in sorted(NO_EFFECT.items())]

@@ -65,9 +65,8 @@ NO_EFFECT: dict[str, str] = {
              "logging_strategy", "logging_first_step", "logging_nan_inf_filter", "log_level_replica",
              "disable_tqdm", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
              "log_multimodal", "log_unique_prompts", "log_completions_hub_repo", "skip_memory_metrics", "debug"),
-    **_group("eval_dataset is scored before and after training (held-out reward), not on a schedule",
-             "eval_strategy", "eval_steps", "eval_delay", "per_device_eval_batch_size", "prediction_loss_only",
-             "eval_on_start", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
+    **_group("evaluation reports TRL's reward and completion metrics (no eval loss, no best-model tracking)",
+             "eval_delay", "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
              "include_for_metrics", "batch_eval_metrics", "metric_for_best_model", "greater_is_better"),
     **_group("checkpoints are written every save_steps (0: only at the end)",
              "save_strategy", "save_only_model", "enable_jit_checkpoint", "restore_callback_states_from_checkpoint"),
@@ -103,6 +102,18 @@ TRANSLATED: dict[str, str] = {
 }
 """TRL names that map onto engine fields of another name (see `GRPOConfig._translate`), with what they become."""
 
+TRAINER_ARGUMENTS: dict[str, tuple[Any, str]] = {
+    "eval_strategy": ("no", "'steps' / 'epoch': GRPOTrainer evaluates its eval_dataset(s) during train() (TRL's eval "
+                            "metrics, `eval_<name>_*` for a dict); 'no': only trainer.evaluate()"),
+    "eval_steps": (None, "evaluate every eval_steps optimizer steps (a float < 1: a fraction of max_steps; None: "
+                         "logging_steps)"),
+    "eval_on_start": (False, "evaluate once before the first step"),
+    "per_device_eval_batch_size": (8, "completions per evaluation step and rank: x world size must be a multiple of "
+                                      "num_generations_eval; sets eval_steps_per_second"),
+}
+"""TRL arguments GRPOTrainer acts on itself (the evaluation schedule, engine/api/trl_callbacks.py `EvalSchedule`):
+name -> (HF's default, what it does); they are not engine fields."""
+
 CALLABLE_FIELDS = ("group_filter_func", "dynamic_prompts_fn")
 """Engine fields naming a user hook as `module:function`; a callable object is kept in memory and recorded by its
 description (`config.describe_callable`)."""
@@ -117,7 +128,7 @@ def known_argument_names() -> list[str]:
     """Every keyword `GRPOConfig` accepts: the engine's fields (TRL's names plus engine knobs) and TRL's others."""
     from engine.config import _FLAT_INDEX
 
-    return sorted(set(_FLAT_INDEX) | set(NO_EFFECT) | set(REFUSED) | set(TRANSLATED))
+    return sorted(set(_FLAT_INDEX) | set(NO_EFFECT) | set(REFUSED) | set(TRANSLATED) | set(TRAINER_ARGUMENTS))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -142,7 +153,10 @@ class GRPOConfig:
     # -- building ---------------------------------------------------------------------------------------------------
 
     def _build(self, warn_names: list[str]) -> None:
-        flat, ignored = self._translate(dict(self._kwargs))
+        given = dict(self._kwargs)
+        trainer_arguments = {name: given.pop(name) for name in TRAINER_ARGUMENTS if name in given}
+        object.__setattr__(self, "_trainer_arguments", trainer_arguments)
+        flat, ignored = self._translate(given)
         nested: dict[str, dict[str, Any]] = {}
         for name, value in flat.items():
             section, leaf = find_field(name)
@@ -255,6 +269,8 @@ class GRPOConfig:
             return self._engine.model.dtype == {"bf16": "bfloat16", "fp16": "float16"}[name]
         if name in self._ignored:
             return self._ignored[name][0]
+        if name in TRAINER_ARGUMENTS:
+            return self._trainer_arguments.get(name, TRAINER_ARGUMENTS[name][0])
         if name in CALLABLE_FIELDS and callable(self._kwargs.get(name)):
             return self._kwargs[name]  # the object given, as on TRL's config (the tree holds its description)
         try:

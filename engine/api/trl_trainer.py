@@ -3,22 +3,26 @@
 A TRL GRPO script runs here with its import line changed (`from engine import GRPOConfig, GRPOTrainer`) and, where
 the model is a hub name and the machine is offline, the model path. `examples/` holds such scripts.
 
-Owns: `GRPOTrainer`: refusals with a message for what this engine does not do (PEFT, custom optimizers, callbacks,
-tools, iterable datasets), resolving `model` (a local directory, a `builtin:` name, a hub name from the local cache or
+Owns: `GRPOTrainer`: refusals with a message for what this engine does not do (PEFT, custom optimizers, tools),
+resolving `model` (a local directory, a `builtin:` name, a hub name from the local cache or
 a download, a `PreTrainedModel` saved under output_dir) and `reward_funcs` (callables, config strings, reward-model
 directories or objects with their `reward_processing_classes`), checking the batch geometry before anything starts,
 and handing datasets, reward callables, the tokenizer and the user hooks (`group_filter_func`,
 `dynamic_prompts_fn`: any callable, a function of the script, a lambda or an instance) to `engine.train.loop.train` in
 memory. `train()` returns transformers' `TrainOutput` and leaves `state.log_history` as HF's Trainer does: the
 per-step records, then the final one (train_runtime, train_samples_per_second, train_steps_per_second, total_flos,
-train_loss, epoch, step; `final_record`); `save_model()` writes a Hugging Face checkpoint of the trained policy.
+train_loss, epoch, step; `final_record`); `save_model()` writes a Hugging Face checkpoint of the trained policy. TRL's other attributes and methods
+(`model`, `ref_model`, `processing_class`, `reward_processing_classes`, `state`, callbacks, `evaluate()`, streaming
+datasets) are engine/api/trl_surface.py's `TrainerSurface`; callbacks and the evaluation schedule
+engine/api/trl_callbacks.py's.
 `GRPOConfig` (the argument mapping) lives in engine/api/trl_config.py. `GFPOTrainer` / `GFPOConfig` are TRL's
 experimental GFPO names (trl.experimental.gfpo, TRL <= 1.7.1), also at `engine.experimental.gfpo`.
 
 Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP);
-generation always uses vLLM; `eval_dataset` is scored before and after training (held-out reward, one completion
-per prompt) rather than on an `eval_strategy` schedule; `train()` runs once per trainer (the engine tears its
-process group down at the end). Under torchrun every rank runs the script, so every rank builds the same objects;
+generation always uses vLLM; a single `eval_dataset` is also scored before and after training (held-out reward,
+`eval_reward_before` / `_after`), besides TRL's `eval_strategy` schedule; `train()` runs once per trainer (the
+engine tears its process group down at the end, and on any exception, so a new trainer can train in the same
+process). Under torchrun every rank runs the script, so every rank builds the same objects;
 files written on the way (a saved `PreTrainedModel`) are written by rank 0 and awaited by the others.
 
 Must not: implement any part of the loop (engine/train/loop.py), import vLLM or Megatron at import time (importing
@@ -45,6 +49,7 @@ from engine.config import EngineConfig
 from engine.models.hub import resolve_hub_model
 from engine.api import trl_compat
 from engine.api.trl_config import GFPOConfig, GRPOConfig
+from engine.api.trl_surface import TrainerSurface, eval_sets, is_stream
 
 __all__ = ["GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer"]
 
@@ -58,7 +63,7 @@ INITIAL_MODEL_DIR = "initial_model"
 # GRPOTrainer
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerSurface):
     """TRL's `GRPOTrainer` signature over `engine.train.loop.train` (full fine-tuning with Megatron, vLLM rollout).
 
     Args:
@@ -69,13 +74,17 @@ class GRPOTrainer:
             directory), a sequence-classification `PreTrainedModel`, or a list of these. TRL's calling contract.
         args: `GRPOConfig` (this module's); None = TRL's `GRPOConfig("<model name>-GRPO")`.
         train_dataset: `datasets.Dataset` with a `prompt` column (text, or a list of messages); every other column
-            reaches the reward functions. Iterable (streaming) datasets are refused.
-        eval_dataset: `datasets.Dataset` scored before and after training (held-out reward), or None.
+            reaches the reward functions. A streaming `datasets.IterableDataset` needs max_steps: the rows the run
+            draws are read once, in the stream's order (not shuffled, as TRL), at `train()`.
+        eval_dataset: a `datasets.Dataset` or `IterableDataset`, or a dict / DatasetDict of them (metrics
+            `eval_<name>_*`): evaluated on TRL's `eval_strategy` schedule and by `evaluate()`; a single Dataset is
+            also scored before and after training (held-out reward).
         processing_class: the tokenizer (chat template for conversational prompts, `chat_template_kwargs` applied);
             None = the model's own.
         reward_processing_classes: tokenizers of reward models (one per reward function, None for callables).
-        callbacks, optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's;
-            anything but their defaults is refused with a message.
+        callbacks: transformers `TrainerCallback` instances or classes (engine/api/trl_callbacks.py).
+        optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's; anything but
+            their defaults is refused with a message.
         group_filter_func: GFPO's filter (TRL's experimental GFPOTrainer argument): any callable
             `f(group_completions, group_rewards, **kw) -> [P][G]` scores, higher = keep (a function, a lambda, an
             instance with `__call__`), kept in memory; used with `num_remains_in_group` (without it: a warning,
@@ -87,7 +96,7 @@ class GRPOTrainer:
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None, group_filter_func: Any = None):
-        _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
+        _refuse_unsupported(model, optimizers, quantization_config, peft_config, tools, rollout_func,
                             environment_factory)
         if args is None:
             args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO")
@@ -103,9 +112,12 @@ class GRPOTrainer:
         trl_compat.warn_objective_settings(args.loss_type, args.importance_sampling_level)
         cfg = args.to_engine_config()
         self.output_dir = Path(cfg.train.output_dir)
-        self.processing_class = _check_tokenizer(processing_class)
-        self.train_dataset = _check_dataset(train_dataset, "train_dataset")
-        self.eval_dataset = _check_dataset(eval_dataset, "eval_dataset")
+        self._processing_class = _check_tokenizer(processing_class)
+        self.train_dataset = train_dataset if is_stream(train_dataset) else _check_dataset(train_dataset,
+                                                                                            "train_dataset")
+        self.eval_dataset = eval_dataset
+        self._eval_sets = eval_sets(eval_dataset, cfg.data.eval_max_prompts)
+        engine_eval = self._eval_sets[None] if self._eval_sets and list(self._eval_sets) == [None] else None
         if self.train_dataset is None and "dataset_name" not in args.explicit_names:
             raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column (or set "
                              "GRPOConfig(dataset_name=...) to a local file, a hub name or builtin:arithmetic)")
@@ -115,16 +127,17 @@ class GRPOTrainer:
         data = {}
         if self.train_dataset is not None:
             data["dataset_name"] = "<GRPOTrainer train_dataset>"
-            if self.eval_dataset is None:
+            if engine_eval is None:
                 data["dataset_test_split"] = None
         reward = {"reward_funcs": [_reward_spec(f) for f in self.reward_funcs]}
         self._cfg = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, name_or_path=str(model_path)),
             data=dataclasses.replace(cfg.data, **data), reward=dataclasses.replace(cfg.reward, **reward))
+        self._engine_eval_dataset = engine_eval  # scored before and after training by the engine
         self._check_layout()
         self.model_path = Path(model_path)
-        self.state = _TrainerState(global_step=0, max_steps=cfg.train.max_steps, log_history=[])
         self._trained = False
+        self._init_trainer_surface(model, callbacks, is_stream(train_dataset))
 
     get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
     get_high_entropy_mask = trl_compat.get_high_entropy_mask  # TRL's signature: (self, entropies, mask, threshold)
@@ -164,20 +177,24 @@ class GRPOTrainer:
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from_checkpoint=where))
         start, old_history = time.perf_counter(), _read_history(self.output_dir)
         with _spawn_children_skip_main_script():
-            summary = train(cfg, train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
-                            reward_funcs=self.reward_funcs, tokenizer=self.processing_class,
+            summary = train(cfg, train_dataset=self._train_rows(), eval_dataset=self._engine_eval_dataset,
+                            reward_funcs=self.reward_funcs, tokenizer=self._processing_class,
                             **self.args.in_memory_callables,  # group_filter_func / dynamic_prompts_fn objects
-                            export_dir=self.output_dir / FINAL_MODEL_DIR)
+                            export_dir=self.output_dir / FINAL_MODEL_DIR, hooks=self._hooks)
         runtime = time.perf_counter() - start
         self._trained = True
+        self._model = self._model_object  # trainer.model: reloaded from the export when read
+        self._model_is_stale = True
         history = _new_records(old_history, _read_history(self.output_dir))
         params = _count_non_embedding_parameters(self.output_dir / FINAL_MODEL_DIR)
         final = final_record(history, steps=summary["steps"], start_step=summary.get("start_step", 0),
                              runtime_s=runtime, samples_per_step=self._derived.global_batch_size,
                              total_flos=6.0 * params * summary.get("num_tokens", 0) * cfg.grpo.num_iterations)
+        history, final = merge_unlogged_step(history, final, cfg.logging.logging_steps)
         history.append(final)  # HF's Trainer logs it last: `trainer.state.log_history[-1]["train_loss"]`
-        self.state = _TrainerState(global_step=summary["steps"], max_steps=summary["steps"], log_history=history,
-                                   epoch=final.get("epoch"), total_flos=final["total_flos"])
+        state = self.state
+        state.global_step, state.max_steps, state.log_history = summary["steps"], summary["steps"], history
+        state.epoch, state.total_flos = final.get("epoch"), final["total_flos"]
         metrics = {k: v for k, v in final.items() if k != "step"}  # as HF: the record without its step
         for key in ("eval_reward_before", "eval_reward_after"):
             if summary.get(key) is not None:
@@ -196,8 +213,8 @@ class GRPOTrainer:
             for item in source.iterdir():
                 if item.is_file():
                     _link_or_copy(item, target / item.name)
-        if self.processing_class is not None:
-            self.processing_class.save_pretrained(target)
+        if self._processing_class is not None:
+            self._processing_class.save_pretrained(target)
 
 
 class GFPOTrainer(GRPOTrainer):
@@ -233,20 +250,7 @@ def _spawn_children_skip_main_script():
         main.__spec__ = previous
 
 
-@dataclasses.dataclass
-class _TrainerState:
-    """The parts of transformers' TrainerState that scripts read after training."""
-
-    global_step: int
-    max_steps: int
-    log_history: list[dict]
-    """This run's records of metrics.jsonl (one per logged step, TRL's names, `step`, `epoch`), then HF's final
-    record (`final_record`). Empty but for the final record on a rank that cannot read output_dir."""
-    epoch: float | None = None
-    total_flos: float = 0.0
-
-
-def _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_config, tools, rollout_func,
+def _refuse_unsupported(model, optimizers, quantization_config, peft_config, tools, rollout_func,
                         environment_factory) -> None:
     """NotImplementedError for TRL features this engine does not have."""
     if peft_config is not None or type(model).__name__.startswith("Peft"):
@@ -256,9 +260,6 @@ def _refuse_unsupported(model, callbacks, optimizers, quantization_config, peft_
         raise NotImplementedError("custom optimizers / schedulers are not supported: the optimizer is Megatron's "
                                   "distributed optimizer, set through GRPOConfig (optim, learning_rate, "
                                   "weight_decay, adam_*, lr_scheduler_type, warmup_*)")
-    if callbacks:
-        raise NotImplementedError("callbacks are not supported (the loop has no hooks); metrics go to "
-                                  "output_dir/metrics.jsonl and to report_to")
     if quantization_config is not None:
         raise NotImplementedError("quantization_config is not supported: the policy trains in model.dtype")
     for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
@@ -498,6 +499,26 @@ def final_record(history: list[dict], *, steps: int, start_step: int, runtime_s:
         record["epoch"] = epochs[-1]
     record["step"] = steps
     return record
+
+
+HF_STEP_KEYS = ("loss", "grad_norm", "learning_rate", "epoch", "step", "elapsed_s")
+"""Keys of a step record that HF's Trainer logs itself (or the engine adds), not TRL's step metrics."""
+
+
+def merge_unlogged_step(history: list[dict], final: dict, logging_steps: int) -> tuple[list[dict], dict]:
+    """TRL's log_history when the last step is not a logging step: the engine logs it anyway (its record is the
+    last of `history`), TRL instead merges the metrics gathered since the last logging step into the final record
+    (`GRPOTrainer.log`), so `log_history[-1]` holds `reward`, `rewards/<name>/mean`, ... next to `train_loss`.
+    Returns the history without that record and the final record with its TRL metrics (before epoch and step)."""
+    step = final.get("step")
+    if not history or history[-1].get("step") != step or not step or step % logging_steps == 0 \
+            or "loss" not in history[-1]:
+        return history, final
+    *kept, last = history
+    merged = {k: v for k, v in final.items() if k not in ("epoch", "step")}
+    merged |= {k: v for k, v in last.items() if k not in HF_STEP_KEYS and k not in merged}
+    merged |= {k: final[k] for k in ("epoch", "step") if k in final}
+    return kept, merged
 
 
 def _count_non_embedding_parameters(model_dir: Path) -> int:

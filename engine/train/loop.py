@@ -12,12 +12,18 @@ engine/train/rollout_pipeline.py; checkpoints and SIGUSR1: engine/train/checkpoi
 Must not: hold maths (engine/grpo/), ask which mode the engine runs in, import vLLM, or read Megatron's global
 parallel state (engine/policy/parallel.py hands out groups).
 
+Hook points (engine/train/hooks.py `LoopHooks`, GRPOTrainer's callbacks: engine/api/trl_callbacks.py): train begin,
+epoch begin / end, each optimizer step's begin / end, the round's logged record, on rank 0; their requests (evaluate:
+engine/train/evaluation.py, save, stop) are agreed by every rank at the round boundary. `train` releases what a run
+holds on any exception (`abort`), so a failed run leaves the process able to start another.
+
 Run: `grpo-engine train configs/tiny_cpu.yaml`; test: tests/integration/test_trainer.py (colocated),
 tests/integration/test_rollout_server.py and test_async_rollout.py (server), tests/integration/test_resume.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,15 +44,31 @@ from engine.policy.routing_replay import (ROUTE_KEYS, clear_router_agreement, pa
                                           take_router_agreement)
 from engine.policy.step import forward_logprobs, grpo_forward_backward
 from engine.rollout.rollouts import Rollout
-from engine.train.checkpoint import Progress, StopSignal, is_save_step
+from engine.train.checkpoint import Progress, StopSignal, checkpoint_dir, is_save_step
+from engine.train.evaluation import evaluate_sets, tokenize_eval_sets
+from engine.train.hooks import LoopHooks, on_rank0, scheduled_evaluation
 from engine.train.prompt_rounds import PromptRounds, shuffle_order
 from engine.train.run import Run, build_run, check_finite, export_policy, resume, save_run, sync_and_verify
 from engine.train.rollout_pipeline import RolloutPipeline, rewind_rounds_ahead
 from engine.train.sampling import Scored, draw_prompts, evaluate, keep_best_in_groups, sample_and_score
 
 
-def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
-          export_dir: str | Path | None = None, group_filter_func=None, dynamic_prompts_fn=None) -> dict:
+def train(cfg: EngineConfig, **inputs) -> dict:
+    """Run GRPO (`run_rounds`); on any exception, first release what the run holds (`abort`: engines, reward
+    threads, Megatron's parallel state, the process group), so that a new run can start in the same process."""
+    held: dict = {}
+    try:
+        return run_rounds(cfg, held, **inputs)
+    except BaseException:
+        if "stop" in held:
+            held["stop"].uninstall()
+        abort(held.get("run"))
+        raise
+
+
+def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_dataset=None, reward_funcs=None,
+               tokenizer=None, export_dir: str | Path | None = None, group_filter_func=None, dynamic_prompts_fn=None,
+               hooks: LoopHooks | None = None) -> dict:
     """Run GRPO from a config; returns the held-out reward before and after (rank 0), the last metrics, and this
     call's optimizer steps (`start_step` -> `steps`, `start_step` > 0 when resumed) and tokens (`num_tokens`).
 
@@ -62,12 +84,16 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     optimizer, scheduler, RNG, data position, step and the loop's carried state (adaptive entropy, the curriculum
     queue, rounds generated ahead) before the first round, and loads the restored weights into the engines. Rounds
     do not depend on history (engine/train/prompt_rounds.py), so a resumed run logs what the uninterrupted one
-    would have. With `save_hf_at_end` the final policy is also exported to `<output_dir>/hf`.
+    would have. With `save_hf_at_end` the final policy is also exported to `<output_dir>/hf`. `hooks`
+    (engine/train/hooks.py) hear of the run's progress on rank 0 and may ask for evaluations, checkpoints and a stop;
+    `held` receives the run and the signal handler as they are built (`train` releases them on an exception).
     """
+    hooks = hooks if hooks is not None else LoopHooks()
     quiet_library_logs(cfg.logging.verbose)  # before Megatron and vLLM are imported (engine/log_filters.py)
-    stop = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
-    run = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset, reward_funcs=reward_funcs,
-                    tokenizer=tokenizer, group_filter_func=group_filter_func, dynamic_prompts_fn=dynamic_prompts_fn)
+    stop = held["stop"] = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
+    run = held["run"] = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                                  reward_funcs=reward_funcs, tokenizer=tokenizer, group_filter_func=group_filter_func,
+                                  dynamic_prompts_fn=dynamic_prompts_fn)
     cfg, ps, derived = run.cfg, run.ps, run.derived
     progress = resume(run)  # model, optimizer, scheduler, RNG, data position, step; the weights into the engines
     before = evaluate(run.sampler)
@@ -76,8 +102,14 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
     step, last, num_tokens = progress.step, {}, progress.num_tokens
     saved_at = progress.step if run.resume_from else None
     start_pipeline(run, rounds, progress)  # max_staleness k > 0 (server mode): rounds generated ahead of training
+    eval_sets: dict = {}  # the hooks' eval datasets, tokenized at their first evaluation
+    if on_rank0(ps, hooks.train_begin, step, run.total_steps).evaluate:  # eval_on_start
+        scheduled_evaluation(run, hooks, step, eval_sets, loss_of=eval_loss)
     while step < run.total_steps:
         start = time.perf_counter()
+        epoch_before = epoch(run, rounds)
+        if epoch_before == int(epoch_before):  # this round starts a pass over the dataset
+            on_rank0(ps, hooks.epoch_begin, epoch_before, agree=False)
         # 1. rollout and rewards: G completions for each prompt of the round, scored on rank 0 and broadcast;
         #    with dynamic sampling (DAPO), further rounds until the batch holds enough groups whose rewards vary.
         #    Asynchronous (k > 0): this round was generated by version r - k while earlier rounds trained; round
@@ -99,6 +131,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
         outputs, stats = [], {}
         for _ in range(cfg.grpo.num_iterations):
             for optimizer_step in steps:
+                on_rank0(ps, hooks.step_begin, step, agree=False)
                 run.optimizer.zero_grad()
                 out = grpo_forward_backward(run.optimizer.model, ps, optimizer_step.microbatches, run.loss_config,
                                             optimizer_step.normalizer, run.settings,
@@ -107,6 +140,7 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                 stats = run.optimizer.step() | run.entropy.update(cfg.grpo, ps, out)
                 step += 1
                 mix_reference_if_due(run.reference, run.optimizer.model, cfg.grpo, step)  # TR-DPO
+                on_rank0(ps, hooks.step_end, step, agree=False)
         run.policy_version += 1
         check_finite(run, step, [o.loss for out in outputs for o in out])  # a diverged policy is never synced
         t_train = time.perf_counter()
@@ -128,24 +162,44 @@ def train(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_fu
                                   "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start),
                                   "epoch": epoch(run, rounds)}
         last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings | moe)
-        # 6. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
+        # 6. the hooks (callbacks): evaluate, save or stop when asked
+        asked = report_round(run, hooks, step, epoch_before, timings["epoch"])
+        if asked.evaluate:
+            scheduled_evaluation(run, hooks, step, eval_sets, loss_of=eval_loss)
+        # 7. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
         if stop.agreed(ps):
             break
-        if is_save_step(cfg.checkpoint.save_steps, step, len(steps) * cfg.grpo.num_iterations):
+        if asked.save or is_save_step(cfg.checkpoint.save_steps, step, len(steps) * cfg.grpo.num_iterations):
             saved_at = save_run(run, Progress(step, rounds.position, num_tokens))
+            on_rank0(ps, hooks.saved, step, checkpoint_dir(cfg.train.output_dir, step), agree=False)
+        if asked.stop:
+            break
     stop.uninstall()
     if saved_at != step:  # the end of training, or the round boundary SIGUSR1 asked for
         save_run(run, Progress(step, rounds.position, num_tokens))
+        on_rank0(ps, hooks.saved, step, checkpoint_dir(cfg.train.output_dir, step), agree=False)
     after = evaluate(run.sampler) if not stop.stopping else None
     if export_dir is not None:
         export_policy(run, export_dir)
     elif cfg.checkpoint.save_hf_at_end and not stop.stopping:
         export_policy(run, Path(cfg.train.output_dir) / "hf")
+    on_rank0(ps, hooks.train_end, step, agree=False)
     summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank,
                "stopped_by_signal": stop.stopping, "start_step": progress.step,
                "num_tokens": num_tokens - progress.num_tokens}  # this call's steps from start_step, and its tokens
     finish(run, summary)
     return summary
+
+
+def report_round(run: Run, hooks: LoopHooks, step: int, epoch_before: float, epoch_after: float):
+    """The hooks hear of the round's end (a finished pass first: it may ask for an evaluation, then the logged
+    record); returns their agreed `Decision`."""
+    ps = run.ps
+    if int(epoch_after) > int(epoch_before):
+        on_rank0(ps, hooks.epoch_end, epoch_after, agree=False)
+    record = run.logger.last_record if ps.rank == 0 and run.logger.last_record_step == step else None
+    log_now = (lambda: run.logger.log_now(step)) if ps.rank == 0 else None
+    return on_rank0(ps, hooks.round_end, step, record, epoch_after, log_now)
 
 
 def start_pipeline(run: Run, rounds: PromptRounds, progress: Progress) -> None:
@@ -262,6 +316,39 @@ def add_old_and_ref_logprobs(run: Run, steps: list[OptimizerStep]) -> dict:
     return {} if agreement is None else {"moe/router_agreement": agreement}
 
 
+def eval_loss(run: Run, rollout: Rollout, advantages: torch.Tensor) -> float:
+    """TRL's eval loss: the GRPO loss of held-out completions under the current policy (old log-probs = the
+    policy's, so the ratio is 1; the vLLM IS correction and beta's KL as in training), the whole set as one batch
+    (rows padded with masked copies to whole micro-batches of every DP rank). Collective; every rank gets it."""
+    from engine.grpo.policy_loss import PolicyLossBatch, compute_policy_loss
+
+    ps = run.ps
+    batch = build_round(run, rollout, advantages, 0)
+    num_rows = batch["tokens"].shape[0]
+    pad = -num_rows % (ps.dp_size * run.derived.micro_batch_size)
+    if pad:
+        batch = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in batch.items()}
+        batch["completion_mask"][num_rows:] = 0
+    spec = build_microbatch_spec(run.cfg.train, run.cfg.model, ps, micro_batch_size=run.derived.micro_batch_size,
+                                 pad_token_id=run.tokenizer.pad_token_id or 0)
+    steps = [OptimizerStep(micro, normalizer) for micro, normalizer in round_microbatches(
+        batch, spec, global_batch_size=num_rows + pad, dp_size=ps.dp_size, dp_rank=ps.dp_rank)]
+    add_old_and_ref_logprobs(run, steps)
+    total = torch.zeros(1, dtype=torch.float64, device=ps.device)
+    if ps.is_last_stage and ps.tp_rank == 0:
+        for optimizer_step in steps:
+            for mb in optimizer_step.microbatches:
+                inputs = PolicyLossBatch(
+                    mask=mb["completion_mask"], advantages=mb["advantages"], old_logprobs=mb["old_logprobs"],
+                    ref_logprobs=mb.get("ref_logprobs"), sampling_logprobs=mb.get("sampling_logprobs"),
+                    importance_sampling_ratio=mb.get("importance_sampling_ratio"))
+                out = compute_policy_loss(mb["old_logprobs"], inputs, run.loss_config, optimizer_step.normalizer,
+                                          terms_implementation=run.settings.kernels.loss_terms_implementation)
+                total += out.loss.detach().double().to(ps.device)
+    dist.all_reduce(total)  # the last stage's DP ranks hold the parts; every other rank adds 0
+    return float(total)
+
+
 def log_completions(run: Run, scored: Scored, advantages: torch.Tensor) -> None:
     """Rank 0: the completions table rows of this batch (prompt, completion, each reward, advantage)."""
     if run.ps.rank != 0:
@@ -315,3 +402,31 @@ def finish(run: Run, summary: dict) -> None:
     run.rewards.close()
     run.engine.close()
     destroy_parallel()
+
+
+def abort(run: Run | None) -> None:
+    """After an exception: close what `run` holds (None: `build_run` did not finish), each part even if another
+    fails, then tear down Megatron's parallel state and the process group (no collectives: a rank may be gone)."""
+    if run is not None:
+        for part in (run.logger, run.rewards, run.engine):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.close()
+    destroy_parallel()
+
+
+def evaluate_only(cfg: EngineConfig, *, train_dataset, eval_datasets: dict, reward_funcs, tokenizer, num_generations: int,
+                   batch_size: int, metric_key_prefix: str = "eval") -> dict[str, float]:
+    """Build a run of `cfg`'s model (every rank), evaluate `eval_datasets` on it and tear it down (also when the
+    evaluation raises): `GRPOTrainer.evaluate()` before or after `train()`."""
+    run = None
+    try:
+        run = build_run(cfg, train_dataset=train_dataset, reward_funcs=reward_funcs, tokenizer=tokenizer)
+        sets = tokenize_eval_sets(run, eval_datasets)
+        metrics = evaluate_sets(run, sets, num_generations=num_generations, batch_size=batch_size,
+                                metric_key_prefix=metric_key_prefix, loss_of=eval_loss)
+    except BaseException:
+        abort(run)
+        raise
+    finish(run, {})
+    return metrics

@@ -96,6 +96,9 @@ class MetricLogger:
         self._last_step: int | None = None
         self._last_logged_step: int | None = None
         self._last_printed_step: int | None = None
+        self.last_record: dict[str, Any] | None = None
+        """The last record written (the loop's hooks hear it: `on_log`), and its step."""
+        self.last_record_step: int | None = None
         self._closed = False
         self.sinks = MetricSinks(output_dir, logging_cfg.report_to, run_name=logging_cfg.run_name,
                                  run_config=run_config, resume_step=resume_step)
@@ -189,6 +192,12 @@ class MetricLogger:
         self._update_progress(step, record)
         return record
 
+    def log_now(self, step: int) -> dict[str, Any] | None:
+        """Write the window now (a callback's `should_log` on a step logging_steps skips); None when empty."""
+        if not any(self._window.values()):
+            return None
+        return self._flush(step)
+
     def log_eval(self, step: int, metrics: Mapping[str, float | None]) -> dict[str, Any]:
         """Write evaluation metrics at once, under TRL's `eval_` prefix.
 
@@ -224,6 +233,7 @@ class MetricLogger:
             self._print_completions(table)
         self.sinks.write(step, {k: _nan_to_none(v) for k, v in record.items()}, table)
         self._last_logged_step = step
+        self.last_record, self.last_record_step = record, step  # what the loop's hooks hear (on_log)
         return record
 
     def _print_completions(self, frame: Any) -> None:

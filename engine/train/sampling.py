@@ -7,7 +7,8 @@ round's P prompts: the curriculum queue's, else the dataset's), `Scored` (one ge
 `sample_and_score` (with `grpo.use_dynamic_sampling`, further rounds until enough groups' rewards vary),
 `queue_prompts` (the user's `dynamic_prompts_fn` on rank 0, broadcast, its prompts queued), `keep_best_in_groups` (GFPO's
 `group_filter_func` on rank 0, broadcast), `score` (the reward functions on rank 0 with TRL's contract, broadcast)
-and `evaluate` (mean weighted reward of `num_generations_eval` completions per held-out prompt). Every rank makes the same choices:
+`score_held_out` (held-out completions scored on rank 0; engine/train/evaluation.py reports TRL's eval metrics of
+them) and `evaluate` (mean weighted reward of `num_generations_eval` completions per held-out prompt). Every rank makes the same choices:
 whatever rank 0 decides is broadcast before anyone uses it.
 
 Must not: hold maths (engine/grpo/: advantages, dynamic sampling, group filtering), build or train the model
@@ -227,6 +228,25 @@ def _broadcast_from_rank0(tensor: torch.Tensor, ps: ParallelState) -> torch.Tens
     return on_device.cpu()
 
 
+def score_held_out(sampler: RoundSampler, prompts: PromptDataset, num_prompts: int,
+                   g: int) -> tuple[Rollout, torch.Tensor]:
+    """`g` completions of each of the first `num_prompts` prompts, scored on rank 0 (TRL's reward contract).
+
+    Returns:
+        the rollout (every rank) and the (num_prompts * g, K) rewards (rank 0; NaN = None; empty elsewhere).
+    """
+    picked = prompts.select(list(range(num_prompts)))
+    rollout = sampler.engine.generate(picked.prompt_ids, g)
+    rewards = torch.empty(0)
+    if sampler.ps.rank == 0:
+        texts = sampler.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts.is_conversational else texts
+        repeated = [p for p in picked.prompts for _ in range(g)]  # prompt-major, as the engine returns them
+        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()}
+        rewards = sampler.rewards(repeated, completions, rollout.completion_ids, columns)  # (P * g, K)
+    return rollout, rewards
+
+
 def evaluate(sampler: RoundSampler) -> float | None:
     """Mean weighted reward over the held-out prompts, `grpo.num_generations_eval` sampled completions each (None =
     num_generations, TRL's meaning), on the whole eval set or its first `data.eval_max_prompts` prompts (a printed
@@ -239,16 +259,9 @@ def evaluate(sampler: RoundSampler) -> float | None:
     if num_prompts < total and sampler.ps.rank == 0:
         print(f"evaluation: the first {num_prompts} of {total} held-out prompts (data.eval_max_prompts={limit}), "
               f"{g} completions each", flush=True)
-    picked = sampler.eval_prompts.select(list(range(num_prompts)))
-    rollout = sampler.engine.generate(picked.prompt_ids, g)
+    _, rewards = score_held_out(sampler, sampler.eval_prompts, num_prompts, g)
     mean = torch.zeros(1)
     if sampler.ps.rank == 0:
-        texts = sampler.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        is_conversational = sampler.eval_prompts.is_conversational
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational else texts
-        prompts = [p for p in picked.prompts for _ in range(g)]  # prompt-major, as the engine returns them
-        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()}
-        rewards = sampler.rewards(prompts, completions, rollout.completion_ids, columns)  # (P * g, K)
         weights = sampler.rewards.weights if sampler.rewards.weights is not None else torch.ones(rewards.shape[1])
         mean[0] = torch.nanmean((rewards * weights).nansum(1))
     mean = _broadcast_from_rank0(mean, sampler.ps)

@@ -9,6 +9,7 @@ import warnings
 
 import datasets
 import pytest
+import torch
 
 from engine import GRPOConfig, GRPOTrainer
 from engine.config import ConfigError, EngineConfig, config_to_dict
@@ -89,14 +90,14 @@ def test_grpo_config_wrong_type_names_the_field():
 
 def test_grpo_config_arguments_without_effect_warn_once_naming_each():
     with pytest.warns(UserWarning) as record:
-        args = GRPOConfig(dataloader_num_workers=4, eval_strategy="steps", torch_compile=True, learning_rate=1e-6)
+        args = GRPOConfig(dataloader_num_workers=4, eval_delay=2, torch_compile=True, learning_rate=1e-6)
     assert len(record) == 1
     message = str(record[0].message)
-    for name in ("dataloader_num_workers=4", "eval_strategy='steps'", "torch_compile=True"):
+    for name in ("dataloader_num_workers=4", "eval_delay=2", "torch_compile=True"):
         assert name in message
     assert "learning_rate" not in message
     assert args.dataloader_num_workers == 4  # kept, readable like on TRL's config
-    assert args.ignored_arguments == {"dataloader_num_workers": 4, "eval_strategy": "steps", "torch_compile": True}
+    assert args.ignored_arguments == {"dataloader_num_workers": 4, "eval_delay": 2, "torch_compile": True}
 
 
 def test_grpo_config_never_prints_a_hub_token():
@@ -273,7 +274,6 @@ def test_trainer_unknown_reward_name_fails_before_training(tmp_path):
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"peft_config": object()}, NotImplementedError, "full fine-tuning"),
     ({"optimizers": (object(), None)}, NotImplementedError, "distributed optimizer"),
-    ({"callbacks": [object()]}, NotImplementedError, "callbacks"),
     ({"tools": [print]}, NotImplementedError, "tools"),
     ({"quantization_config": object()}, NotImplementedError, "quantization"),
     ({"processing_class": object()}, NotImplementedError, "tokenizer"),
@@ -283,10 +283,14 @@ def test_trainer_refuses_what_this_engine_does_not_do(tmp_path, kwargs, error, m
         GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(), **kwargs)
 
 
-def test_trainer_refuses_iterable_and_split_dict_datasets(tmp_path):
+def test_trainer_refuses_split_dicts_for_training_and_streams_without_max_steps(tmp_path):
     iterable = _prompts().to_iterable_dataset()
-    with pytest.raises(NotImplementedError, match="iterable.*from_list"):
-        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=iterable)
+    with pytest.raises(ValueError, match=r"IterableDataset.*max_steps has to be set"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, max_steps=-1),
+                    train_dataset=iterable)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"Iterable datasets require `dispatch_batches"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=iterable,
+                    args=GRPOConfig(output_dir=str(tmp_path), accelerator_config={"dispatch_batches": True}))
     with pytest.raises(TypeError, match=r"dataset\['train'\]"):
         GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path),
                     train_dataset=datasets.DatasetDict({"train": _prompts()}))
@@ -512,3 +516,150 @@ def test_gfpo_needs_a_filter_and_warns_about_an_unused_one(tmp_path, trainer_nam
     with pytest.warns(UserWarning, match="group_filter_func is not used: num_remains_in_group is not set"):
         trainer_class(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(), args=_small_args(tmp_path),
                       group_filter_func=GroupFilter())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TRL's trainer surface without training: attributes, callbacks, the evaluation schedule, streams
+
+
+def _recorder_class():
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def on_init_end(self, args, state, control, **kwargs):
+            self.events.append(("on_init_end", type(state).__name__, type(control).__name__, args.output_dir))
+
+    return Recorder
+
+
+def test_trainer_attributes_and_callback_list_as_trl(tmp_path):
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase, PrinterCallback, TrainerState
+
+    recorder_cls = _recorder_class()
+    recorder = recorder_cls()
+    args = _small_args(tmp_path)
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=args, train_dataset=_prompts(),
+                          callbacks=[recorder, PrinterCallback])
+    assert recorder.events == [("on_init_end", "TrainerState", "TrainerControl", str(tmp_path / "run"))]
+    assert isinstance(trainer.state, TrainerState) and trainer.state.global_step == 0
+    assert trainer.state.max_steps == 2
+    assert trainer.args is args and trainer.reward_funcs == [reward_len]
+    assert trainer.reward_processing_classes == [None]
+    assert trainer.ref_model is None  # beta = 0: no reference, as TRL
+    assert isinstance(trainer.processing_class, PreTrainedTokenizerBase)
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert names == ["FlowCallback", "Recorder", "PrinterCallback"]  # a class is instantiated, as HF
+    assert trainer.pop_callback(PrinterCallback).__class__ is PrinterCallback
+    trainer.remove_callback(recorder)
+    trainer.add_callback(recorder_cls)
+    assert [type(c).__name__ for c in trainer.callback_handler.callbacks] == ["FlowCallback", "Recorder"]
+    model = trainer.model  # the initial weights, as a transformers model
+    assert isinstance(model, PreTrainedModel) and trainer.model is model
+    from engine.models.tiny_model import resolve_builtin_model
+    from safetensors.torch import load_file
+
+    saved = load_file(str(next(resolve_builtin_model(TINY, tmp_path / "run" / "models").glob("*.safetensors"))))
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(model.get_parameter(name), saved[name])
+
+
+def test_trainer_model_object_is_the_given_object(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.tiny_model import resolve_builtin_model
+
+    source = resolve_builtin_model(TINY, tmp_path / "cache")
+    model = AutoModelForCausalLM.from_pretrained(source)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts())
+    assert trainer.model is model
+
+
+def test_trainer_evaluation_schedule_checks(tmp_path):
+    with pytest.raises(ValueError, match=r"eval_strategy='steps'.*no eval_dataset"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, eval_strategy="steps"),
+                    train_dataset=_prompts())
+    with pytest.raises(ValueError, match=r"eval_strategy='sometimes'"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, eval_strategy="sometimes"),
+                    train_dataset=_prompts(), eval_dataset=_prompts())
+    with pytest.raises(ValueError, match=r"per_device_eval_batch_size=3.*num_generations_eval=2"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(), eval_dataset=_prompts(),
+                    args=_small_args(tmp_path, eval_strategy="steps", per_device_eval_batch_size=3,
+                                     num_generations_eval=2))
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
+                          eval_dataset={"a": _prompts(2), "b": _prompts(3).to_iterable_dataset()},
+                          args=_small_args(tmp_path, eval_strategy="steps", eval_steps=0.5, eval_on_start=True))
+    schedule = trainer._hooks.schedule
+    assert (schedule.strategy, schedule.steps, schedule.on_start) == ("steps", 1, True)  # 0.5 of max_steps=2
+    assert {k: len(v) for k, v in trainer._eval_sets.items()} == {"a": 2, "b": 3}
+    assert trainer.engine_config.data.dataset_test_split is None  # a dict is evaluated on the schedule only
+
+
+def test_trainer_reads_a_stream_for_max_steps_in_its_order(tmp_path):
+    rows = _prompts(40, answer="1")
+    consumed = []
+
+    def stream():
+        for row in rows:
+            consumed.append(row["prompt"])
+            yield row
+
+    iterable = datasets.IterableDataset.from_generator(stream)
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, max_steps=3),
+                          train_dataset=iterable)
+    assert consumed == []  # nothing read before train()
+    assert trainer.engine_config.train.shuffle_dataset is False  # the stream's order, as TRL
+    taken = trainer._train_rows()
+    assert taken["prompt"] == rows["prompt"][:6]  # 3 rounds x 2 prompts (8 completions, 4 per prompt)
+    assert len(consumed) <= 7 and trainer._train_rows() is taken
+
+
+def test_final_record_takes_the_unlogged_last_steps_metrics_as_trl():
+    """TRL merges the metrics of steps after the last logging step into the final record (log_history[-1]["reward"]);
+    at a logging step the record stays where it is."""
+    from engine.api.trl_trainer import merge_unlogged_step
+
+    history = [{"loss": 1.0, "reward": 0.5, "epoch": 0.5, "step": 10, "elapsed_s": 3.0},
+               {"loss": 2.0, "reward": 0.7, "rewards/f/mean": 0.7, "grad_norm": 1.0, "epoch": 0.6, "step": 12}]
+    final = {"train_runtime": 4.0, "total_flos": 7.0, "train_loss": 1.5, "epoch": 0.6, "step": 12}
+    kept, merged = merge_unlogged_step(history, final, logging_steps=10)
+    assert kept == history[:1]
+    assert list(merged) == ["train_runtime", "total_flos", "train_loss", "reward", "rewards/f/mean", "epoch", "step"]
+    assert merged["reward"] == 0.7
+    assert merge_unlogged_step(history, final, logging_steps=2) == (history, final)  # step 12: a logging step
+
+
+def test_trainer_hooks_follow_the_eval_schedule_and_a_callbacks_should_log():
+    """The hooks the loop calls (engine/train/hooks.py), driven by hand: eval_strategy='epoch' asks for an evaluation
+    at a finished pass, 'steps' every eval_steps; a callback's should_log on a skipped step writes the window now."""
+    from transformers import TrainerCallback
+
+    from engine.api.trl_callbacks import EvalSchedule, TrainerHooks
+
+    class AskLog(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_log = state.global_step == 3
+
+    def hooks(**kw):
+        args = _config(output_dir="x", max_steps=6, logging_steps=5, **kw)
+        return TrainerHooks(args, [AskLog], None, {None: _prompts()}, EvalSchedule.from_args(args), world_size=1)
+
+    by_epoch = hooks(eval_strategy="epoch")
+    by_epoch.train_begin(0, 6)
+    by_epoch.step_end(1)
+    assert not by_epoch.round_end(1, None, 0.5).evaluate
+    by_epoch.step_end(2)
+    by_epoch.epoch_end(1.0)
+    assert by_epoch.round_end(2, None, 1.0).evaluate
+    by_steps = hooks(eval_strategy="steps", eval_steps=2)
+    by_steps.train_begin(0, 6)
+    asked, written = [], {"reward": 1.0, "step": 3}
+    for step in (1, 2, 3):
+        by_steps.step_end(step)
+        decision = by_steps.round_end(step, None, step / 6, log_now=lambda: asked.append(1) or written)
+        assert decision.evaluate == (step == 2)
+    assert asked == [1] and by_steps.state.log_history == [{"reward": 1.0, "step": 3}]
+    by_steps.step_end(6)
+    assert by_steps.round_end(6, None, 1.0).stop  # max_steps: HF's should_training_stop

@@ -1,0 +1,271 @@
+"""What `GRPOTrainer` exposes beyond running the loop, as TRL's trainer has it: the policy as a transformers model,
+streaming and named datasets, and a failed run's clean-up contract.
+
+Owns: `load_causal_lm` (a Hugging Face checkpoint directory as a `PreTrainedModel` on this process's CPU, or the
+trained weights copied into the user's own model object), `model_directory` (where the policy's weights are: a
+`builtin:` name resolved as the engine resolves it), `materialise_stream` (the rows of a streaming
+`datasets.IterableDataset` a run of `max_steps` steps draws, in the stream's order, read once), and
+`eval_sets` (TRL's `eval_dataset`: one dataset, a dict / `DatasetDict` of named ones, iterable or not, as
+name -> `datasets.Dataset`).
+
+Must not: start the engine, import Megatron or vLLM, or import trl.
+
+Test: tests/unit/test_trl_api.py (datasets), tests/integration/test_trl_api_run.py (`trainer.model` before and after
+`train()`, streams, eval dicts).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+
+def model_directory(name_or_path: str | Path, output_dir: Path) -> Path:
+    """The directory holding `name_or_path`'s weights (a `builtin:` name is written where the engine writes it:
+    `<output_dir>/models`, engine/train/run.py `build_run`)."""
+    name = str(name_or_path)
+    if name.startswith("builtin:"):
+        from engine.models.tiny_model import resolve_builtin_model
+
+        return Path(resolve_builtin_model(name, output_dir / "models"))
+    return Path(name)
+
+
+def load_causal_lm(model_dir: Path, into: Any = None) -> Any:
+    """`AutoModelForCausalLM` of `model_dir` in the checkpoint's dtype; with `into` (the user's own model
+    object), its parameters are overwritten with the checkpoint's and `into` is returned (TRL trains the object
+    it was given)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype="auto")
+    if into is None:
+        return loaded
+    with torch.no_grad():
+        own = dict(into.named_parameters())
+        for name, tensor in loaded.named_parameters():
+            if name not in own:
+                raise ValueError(f"the trained checkpoint {model_dir} has {name!r}, which the model object lacks")
+            own[name].copy_(tensor.to(own[name].dtype))
+    return into
+
+
+def is_stream(dataset: Any) -> bool:
+    """A streaming (`datasets.IterableDataset`) dataset."""
+    import datasets
+
+    return isinstance(dataset, datasets.IterableDataset)
+
+
+def materialise_stream(dataset: Any, num_rows: int, name: str) -> Any:
+    """The first `num_rows` rows of a stream, in its order, as a `datasets.Dataset` (fewer when it ends first; the
+    run then wraps round to its start, as HF's Trainer re-iterates an exhausted iterable dataset).
+
+    Raises:
+        ValueError: the stream is empty or has no `prompt` column.
+    """
+    import datasets
+
+    rows = list(itertools.islice(iter(dataset), num_rows))
+    if not rows:
+        raise ValueError(f"{name}: the iterable dataset yielded no rows")
+    if "prompt" not in rows[0]:
+        raise ValueError(f"{name}: the iterable dataset's rows have no 'prompt' column (columns: {list(rows[0])})")
+    return datasets.Dataset.from_list(rows)
+
+
+def stream_rows_needed(max_steps: int, optimizer_steps_per_generation: int, num_prompts_per_generation: int) -> int:
+    """Prompts a run of `max_steps` optimizer steps draws: whole rounds of `num_prompts_per_generation`."""
+    rounds = -(-max_steps // max(optimizer_steps_per_generation, 1))
+    return rounds * num_prompts_per_generation
+
+
+def eval_sets(eval_dataset: Any, max_prompts: int | None) -> dict | None:
+    """TRL's `eval_dataset` as name -> `datasets.Dataset` (None: the one unnamed set), or None without one.
+    Streams are read up to `max_prompts` rows (data.eval_max_prompts), else whole."""
+    import datasets
+
+    if eval_dataset is None:
+        return None
+    named = dict(eval_dataset) if isinstance(eval_dataset, (dict, datasets.DatasetDict, datasets.IterableDatasetDict)) \
+        else {None: eval_dataset}
+    sets = {}
+    for name, dataset in named.items():
+        label = "eval_dataset" if name is None else f"eval_dataset[{name!r}]"
+        if is_stream(dataset):
+            dataset = materialise_stream(dataset, max_prompts if max_prompts is not None else 2**62, label)
+        if not isinstance(dataset, datasets.Dataset):
+            raise TypeError(f"{label} must be a datasets.Dataset or IterableDataset, got {type(dataset).__name__}")
+        if "prompt" not in dataset.column_names:
+            raise ValueError(f"{label} has no 'prompt' column (columns: {dataset.column_names})")
+        sets[name] = dataset
+    return sets
+
+
+class TrainerSurface:
+    """TRL's trainer attributes and methods around `GRPOTrainer.train()`: `model`, `ref_model`, `processing_class`,
+    `reward_processing_classes`, `state`, the callback list (`add_callback` / `pop_callback` / `remove_callback`)
+    and `evaluate()`. Mixed into GRPOTrainer (engine/api/trl_trainer.py), whose `__init__` calls
+    `_init_trainer_surface` last."""
+
+    def _init_trainer_surface(self, model: Any, callbacks: list | None, streamed: bool) -> None:
+        """The model object (if one was given), the callback hooks with their TrainerState, the stream check;
+        then HF's `on_init_end`."""
+        import dataclasses
+        import os
+
+        from transformers import PreTrainedModel
+
+        from engine.api.trl_callbacks import EvalSchedule, TrainerHooks
+
+        self._model_object = model if isinstance(model, PreTrainedModel) else None
+        self._model, self._model_is_stale, self._ref_model, self._stream_rows = self._model_object, False, None, None
+        if streamed:
+            if (getattr(self.args, "accelerator_config", None) or {}).get("dispatch_batches") is True:
+                raise ValueError("Iterable datasets require `dispatch_batches=False` (GRPOConfig(accelerator_config="
+                                 "{'dispatch_batches': True}) was given): each process reads the stream itself")
+            if self._cfg.train.max_steps <= 0:
+                raise ValueError("train_dataset is an IterableDataset (streaming): it has no length, so max_steps "
+                                 "has to be set (GRPOConfig(max_steps=...))")
+            # as TRL: an iterable dataset is read in its own order (no sampler shuffles it)
+            self._cfg = dataclasses.replace(self._cfg, train=dataclasses.replace(self._cfg.train,
+                                                                                   shuffle_dataset=False))
+        schedule = EvalSchedule.from_args(self.args)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if schedule.strategy != "no" and not self._eval_sets:
+            raise ValueError(f"GRPOConfig(eval_strategy={schedule.strategy!r}) evaluates during training, but no "
+                             "eval_dataset was passed to GRPOTrainer: pass one or set eval_strategy='no'")
+        g = self._cfg.grpo.num_generations_eval or self._cfg.grpo.num_generations
+        if schedule.is_on and (schedule.batch_size * world) % g:
+            raise ValueError(f"per_device_eval_batch_size={schedule.batch_size} x {world} process(es) = "
+                             f"{schedule.batch_size * world} completions per evaluation step is not a multiple of "
+                             f"num_generations_eval={g} (num_generations when unset)")
+        self._hooks = TrainerHooks(self.args, list(callbacks or []), self._processing_class,
+                                   self._eval_sets if schedule.is_on else None, schedule, world)
+        self._hooks.state.max_steps = self._cfg.train.max_steps
+        self._hooks.event("on_init_end")
+
+    # -- TRL's attributes -------------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> Any:
+        """transformers' `TrainerState` (global_step, log_history, epoch, ...), shared with the callbacks."""
+        return self._hooks.state
+
+    @property
+    def callback_handler(self) -> Any:
+        """transformers' `CallbackHandler` holding the callbacks (HF's flow callback first)."""
+        return self._hooks.handler
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a `TrainerCallback` instance or class (a class is instantiated), as HF's Trainer."""
+        self._hooks.handler.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove and return a callback (an instance, or the first of a class); None if absent."""
+        return self._hooks.handler.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
+        self._hooks.handler.remove_callback(callback)
+
+    def _current_model_dir(self) -> Path:
+        """The policy's weights now: the export after `train()`, else the initial model."""
+        if self._trained:
+            return self.output_dir / "final_model"
+        return model_directory(self.model_path, self.output_dir)
+
+    @property
+    def model(self) -> Any:
+        """The policy as a transformers `PreTrainedModel` on this process's CPU: the initial weights before
+        `train()`, the trained ones after (loaded from `<output_dir>/final_model` when first read; a model
+        object passed as `model` is that object, its parameters overwritten with the trained ones). It holds
+        the whole model in memory: for a model too large for one process, load the export with
+        `AutoModelForCausalLM.from_pretrained(f"{args.output_dir}/final_model", device_map="auto")` instead."""
+        if self._model is None or self._model_is_stale:
+            self._model = load_causal_lm(self._current_model_dir(), into=self._model_object)
+            self._model_is_stale = False
+        return self._model
+
+    @property
+    def ref_model(self) -> Any:
+        """TRL's reference model: None when beta == 0 (none is built), else the initial weights (a transformers
+        model, loaded when first read).
+
+        Raises:
+            NotImplementedError: after a `sync_ref_model` run (the mixed reference is not exported)."""
+        if self._cfg.grpo.beta == 0:
+            return None
+        if self._cfg.grpo.sync_ref_model and self._trained:
+            raise NotImplementedError("ref_model after a sync_ref_model run: the reference was mixed towards the "
+                                      "policy in Megatron's shards and is not exported")
+        if self._ref_model is None:
+            self._ref_model = load_causal_lm(model_directory(self.model_path, self.output_dir))
+        return self._ref_model
+
+    @property
+    def processing_class(self) -> Any:
+        """The tokenizer given, else the model's own (loaded when first read)."""
+        if self._processing_class is None:
+            from transformers import AutoTokenizer
+
+            self._processing_class = AutoTokenizer.from_pretrained(model_directory(self.model_path,
+                                                                                   self.output_dir))
+        return self._processing_class
+
+    @property
+    def reward_processing_classes(self) -> list:
+        """One entry per reward function, as TRL: a reward model's tokenizer, None for a callable."""
+        from engine.train.rewards import RewardModelReward
+
+        return [f.tokenizer if isinstance(f, RewardModelReward) else None for f in self.reward_funcs]
+
+    # -- data -------------------------------------------------------------------------------------------------------
+
+    def _train_rows(self) -> Any:
+        """The train dataset the engine reads: a stream's rows for max_steps steps (read once), else as given."""
+        if not is_stream(self.train_dataset):
+            return self.train_dataset
+        if self._stream_rows is None:
+            d = self._derived
+            needed = stream_rows_needed(self._cfg.train.max_steps, d.optimizer_steps_per_generation,
+                                        d.num_prompts_per_generation)
+            self._stream_rows = materialise_stream(self.train_dataset, needed, "train_dataset")
+        return self._stream_rows
+
+    # -- evaluation -------------------------------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: Any = None, metric_key_prefix: str = "eval") -> dict:
+        """TRL's `evaluate`: completions of the eval set(s) by the current policy (the trained one after
+        `train()`), scored by the reward functions; returns `<prefix>_reward`, `<prefix>_rewards/<name>/mean`,
+        `<prefix>_completions/mean_length`, ... (`<prefix>_<name>_*` for each set of a dict), HF's
+        `<prefix>_runtime` / `_samples_per_second` / `_steps_per_second`, and `epoch`. Starts the engine for the
+        call (every rank under torchrun); logged to `state.log_history` and heard by the callbacks
+        (`on_evaluate`).
+
+        Raises:
+            ValueError: no eval dataset here or at construction.
+        """
+        import dataclasses
+
+        from engine.train.loop import evaluate_only
+
+        sets = eval_sets(eval_dataset, self._cfg.data.eval_max_prompts) if eval_dataset is not None \
+            else self._eval_sets
+        if not sets:
+            raise ValueError("evaluate() needs an eval_dataset: pass one here or to GRPOTrainer")
+        cfg = self._cfg
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, name_or_path=str(self._current_model_dir())),
+            train=dataclasses.replace(cfg.train, output_dir=str(self.output_dir / "evaluate")),
+            checkpoint=dataclasses.replace(cfg.checkpoint, resume_from_checkpoint=None))
+        g = cfg.grpo.num_generations_eval or cfg.grpo.num_generations
+        metrics = evaluate_only(cfg, train_dataset=self._train_rows(), eval_datasets=sets,
+                                 reward_funcs=self.reward_funcs, tokenizer=self._processing_class,
+                                 num_generations=g, batch_size=self._hooks.eval_batch_size,
+                                 metric_key_prefix=metric_key_prefix)
+        metrics["epoch"] = self.state.epoch or 0.0
+        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        self._hooks.event("on_evaluate", metrics=metrics)
+        return metrics
