@@ -61,18 +61,18 @@ def resolve_dp_size(parallel: ParallelConfig, world_size: int) -> int:
 def derive(cfg: EngineConfig, world_size: int) -> Derived:
     """Batch geometry of a config (call `validate` first for messages about every problem at once)."""
     dp = resolve_dp_size(cfg.parallel, world_size)
-    tr = cfg.train
-    per_round = tr.per_device_train_batch_size * dp
-    if tr.generation_batch_size is not None:
-        steps_per_generation = tr.generation_batch_size // per_round if per_round else 0
+    train = cfg.train
+    per_round = train.per_device_train_batch_size * dp
+    if train.generation_batch_size is not None:
+        steps_per_generation = train.generation_batch_size // per_round if per_round else 0
     else:
-        steps_per_generation = tr.steps_per_generation or tr.gradient_accumulation_steps
+        steps_per_generation = train.steps_per_generation or train.gradient_accumulation_steps
     generation_batch_size = per_round * steps_per_generation
-    ga = tr.gradient_accumulation_steps
+    ga = train.gradient_accumulation_steps
     return Derived(
         world_size=world_size,
         dp_size=dp,
-        micro_batch_size=tr.per_device_train_batch_size,
+        micro_batch_size=train.per_device_train_batch_size,
         num_microbatches=ga,
         global_batch_size=per_round * ga,
         steps_per_generation=steps_per_generation,
@@ -127,159 +127,162 @@ def _check_parallel(cfg: EngineConfig, world_size: int, problems: list[str]) -> 
         )
 
 
-def _check_batches(cfg: EngineConfig, d: Derived, problems: list[str]) -> None:
-    tr, g = cfg.train, cfg.grpo.num_generations
-    if tr.per_device_train_batch_size < 1 or tr.gradient_accumulation_steps < 1:
+def _check_batches(cfg: EngineConfig, derived: Derived, problems: list[str]) -> None:
+    train, g = cfg.train, cfg.grpo.num_generations
+    if train.per_device_train_batch_size < 1 or train.gradient_accumulation_steps < 1:
         problems.append(
             "train.per_device_train_batch_size and train.gradient_accumulation_steps must be >= 1, got "
-            f"{tr.per_device_train_batch_size} and {tr.gradient_accumulation_steps}"
+            f"{train.per_device_train_batch_size} and {train.gradient_accumulation_steps}"
         )
         return
     # The messages about the batch and num_generations open with TRL 1.16's own (GRPOConfig.__post_init__), whose
     # `world_size` is the data-parallel size here, and go on with the engine's dotted fields and arithmetic.
-    per_round = tr.per_device_train_batch_size * d.dp_size
-    if tr.generation_batch_size is not None and tr.steps_per_generation is not None:
+    per_round = train.per_device_train_batch_size * derived.dp_size
+    if train.generation_batch_size is not None and train.steps_per_generation is not None:
         problems.append(
             "'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time "
-            f"(train.generation_batch_size={tr.generation_batch_size}, "
-            f"train.steps_per_generation={tr.steps_per_generation}: set one of them)"
+            f"(train.generation_batch_size={train.generation_batch_size}, "
+            f"train.steps_per_generation={train.steps_per_generation}: set one of them)"
         )
-    if tr.generation_batch_size is not None and tr.generation_batch_size % per_round:
+    if train.generation_batch_size is not None and train.generation_batch_size % per_round:
         problems.append(
-            f"generation_batch_size ({tr.generation_batch_size}) must be divisible by the global batch size "
-            f"({per_round}). (train.generation_batch_size={tr.generation_batch_size} must be a multiple of "
-            f"per_device_train_batch_size*dp_size = {tr.per_device_train_batch_size}*{d.dp_size} = {per_round})"
+            f"generation_batch_size ({train.generation_batch_size}) must be divisible by the global batch size "
+            f"({per_round}). (train.generation_batch_size={train.generation_batch_size} must be a multiple of "
+            f"per_device_train_batch_size*dp_size = {train.per_device_train_batch_size}*{derived.dp_size} = "
+            f"{per_round})"
         )
-    elif tr.steps_per_generation is not None and tr.steps_per_generation < 1:
-        problems.append(f"train.steps_per_generation must be >= 1, got {tr.steps_per_generation}")
-    elif cfg.grpo.num_remains_in_group and d.generation_batch_size % cfg.grpo.num_remains_in_group:
+    elif train.steps_per_generation is not None and train.steps_per_generation < 1:
+        problems.append(f"train.steps_per_generation must be >= 1, got {train.steps_per_generation}")
+    elif cfg.grpo.num_remains_in_group and derived.generation_batch_size % cfg.grpo.num_remains_in_group:
         k = cfg.grpo.num_remains_in_group
         problems.append(
             f"generation batch = per_device_train_batch_size*dp_size*steps_per_generation = "
-            f"{tr.per_device_train_batch_size}*{d.dp_size}*{d.steps_per_generation} = {d.generation_batch_size} "
+            f"{train.per_device_train_batch_size}*{derived.dp_size}*{derived.steps_per_generation} = "
+            f"{derived.generation_batch_size} "
             f"completions is not divisible by grpo.num_remains_in_group={k}: with GFPO the batch holds the k "
             "survivors of each group"
         )
-    elif g >= 1 and not cfg.grpo.num_remains_in_group and d.generation_batch_size % g:
-        valid = [n for n in range(2, d.generation_batch_size + 1) if d.generation_batch_size % n == 0]
+    elif g >= 1 and not cfg.grpo.num_remains_in_group and derived.generation_batch_size % g:
+        valid = [n for n in range(2, derived.generation_batch_size + 1) if derived.generation_batch_size % n == 0]
         problems.append(
-            f"generation_batch_size ({d.generation_batch_size}) must be divisible by num_generations ({g}). Given "
+            f"generation_batch_size ({derived.generation_batch_size}) must be divisible by num_generations ({g}). Given "
             f"the current generation batch size, the valid values for the number of generations are: {valid}. "
             f"(generation batch = per_device_train_batch_size*dp_size*steps_per_generation = "
-            f"{tr.per_device_train_batch_size}*{d.dp_size}*{d.steps_per_generation} = {d.generation_batch_size} "
+            f"{train.per_device_train_batch_size}*{derived.dp_size}*{derived.steps_per_generation} = "
+            f"{derived.generation_batch_size} "
             f"completions; grpo.num_generations={g} would split groups across batches)"
         )
-    elif d.steps_per_generation % tr.gradient_accumulation_steps:
+    elif derived.steps_per_generation % train.gradient_accumulation_steps:
         problems.append(
-            f"steps_per_generation={d.steps_per_generation} must be a multiple of "
-            f"train.gradient_accumulation_steps={tr.gradient_accumulation_steps}: an optimizer step would mix two "
+            f"steps_per_generation={derived.steps_per_generation} must be a multiple of "
+            f"train.gradient_accumulation_steps={train.gradient_accumulation_steps}: an optimizer step would mix two "
             "generation batches"
         )
-    if tr.max_steps == 0 or tr.max_steps < -1:
-        problems.append(f"train.max_steps must be -1 (use num_train_epochs) or >= 1, got {tr.max_steps}")
-    if tr.max_steps == -1 and tr.num_train_epochs <= 0:
-        problems.append(f"train.num_train_epochs must be > 0 when train.max_steps=-1, got {tr.num_train_epochs}")
+    if train.max_steps == 0 or train.max_steps < -1:
+        problems.append(f"train.max_steps must be -1 (use num_train_epochs) or >= 1, got {train.max_steps}")
+    if train.max_steps == -1 and train.num_train_epochs <= 0:
+        problems.append(f"train.num_train_epochs must be > 0 when train.max_steps=-1, got {train.num_train_epochs}")
 
 
 def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
-    gr = cfg.grpo
-    if gr.num_generations < 2:
+    grpo = cfg.grpo
+    if grpo.num_generations < 2:
         problems.append(
             "GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
-            f"{gr.num_generations}, which is less than the minimum required. (grpo.num_generations="
-            f"{gr.num_generations}: advantages are relative to the group)"
+            f"{grpo.num_generations}, which is less than the minimum required. (grpo.num_generations="
+            f"{grpo.num_generations}: advantages are relative to the group)"
         )
-    if gr.num_generations_eval is not None and gr.num_generations_eval < 1:
-        problems.append(f"grpo.num_generations_eval must be >= 1, got {gr.num_generations_eval}")
+    if grpo.num_generations_eval is not None and grpo.num_generations_eval < 1:
+        problems.append(f"grpo.num_generations_eval must be >= 1, got {grpo.num_generations_eval}")
     if cfg.data.eval_max_prompts is not None and cfg.data.eval_max_prompts < 1:
         problems.append(f"data.eval_max_prompts must be >= 1 or null (all), got {cfg.data.eval_max_prompts}")
-    if gr.num_iterations < 1:
-        problems.append(f"grpo.num_iterations must be >= 1, got {gr.num_iterations}")
-    if gr.beta < 0:
-        problems.append(f"grpo.beta must be >= 0, got {gr.beta}")
-    if gr.epsilon < 0 or (gr.epsilon_high is not None and gr.epsilon_high < 0):
-        problems.append(f"grpo.epsilon and grpo.epsilon_high must be >= 0, got {gr.epsilon} and {gr.epsilon_high}")
-    if gr.delta is not None and gr.delta <= 1 + gr.epsilon:
-        problems.append(f"grpo.delta={gr.delta} must exceed 1 + epsilon = 1 + {gr.epsilon} = {1 + gr.epsilon}")
-    if not 0.0 <= gr.top_entropy_quantile <= 1.0:
-        problems.append(f"grpo.top_entropy_quantile must be in [0, 1], got {gr.top_entropy_quantile}")
-    if gr.use_adaptive_entropy and gr.entropy_coef_min > gr.entropy_coef_max:
+    if grpo.num_iterations < 1:
+        problems.append(f"grpo.num_iterations must be >= 1, got {grpo.num_iterations}")
+    if grpo.beta < 0:
+        problems.append(f"grpo.beta must be >= 0, got {grpo.beta}")
+    if grpo.epsilon < 0 or (grpo.epsilon_high is not None and grpo.epsilon_high < 0):
+        problems.append(f"grpo.epsilon and grpo.epsilon_high must be >= 0, got {grpo.epsilon} and {grpo.epsilon_high}")
+    if grpo.delta is not None and grpo.delta <= 1 + grpo.epsilon:
+        problems.append(f"grpo.delta={grpo.delta} must exceed 1 + epsilon = 1 + {grpo.epsilon} = {1 + grpo.epsilon}")
+    if not 0.0 <= grpo.top_entropy_quantile <= 1.0:
+        problems.append(f"grpo.top_entropy_quantile must be in [0, 1], got {grpo.top_entropy_quantile}")
+    if grpo.use_adaptive_entropy and grpo.entropy_coef_min > grpo.entropy_coef_max:
         problems.append(
-            f"grpo.entropy_coef_min={gr.entropy_coef_min} > grpo.entropy_coef_max={gr.entropy_coef_max}"
+            f"grpo.entropy_coef_min={grpo.entropy_coef_min} > grpo.entropy_coef_max={grpo.entropy_coef_max}"
         )
-    if gr.sync_ref_model and gr.beta == 0:
+    if grpo.sync_ref_model and grpo.beta == 0:
         problems.append("grpo.sync_ref_model needs a reference model, i.e. grpo.beta > 0 (got beta=0)")
-    if gr.sync_ref_model and gr.ref_model_sync_steps < 1:
+    if grpo.sync_ref_model and grpo.ref_model_sync_steps < 1:
         problems.append(f"grpo.ref_model_sync_steps must be >= 1 (optimizer steps between reference syncs), got "
-                        f"{gr.ref_model_sync_steps}")
-    if not 0.0 <= gr.ref_model_mixup_alpha <= 1.0:
-        problems.append(f"grpo.ref_model_mixup_alpha must be in [0, 1], got {gr.ref_model_mixup_alpha}")
-    lo, hi = gr.vllm_importance_sampling_clip_min, gr.vllm_importance_sampling_clip_max
+                        f"{grpo.ref_model_sync_steps}")
+    if not 0.0 <= grpo.ref_model_mixup_alpha <= 1.0:
+        problems.append(f"grpo.ref_model_mixup_alpha must be in [0, 1], got {grpo.ref_model_mixup_alpha}")
+    lo, hi = grpo.vllm_importance_sampling_clip_min, grpo.vllm_importance_sampling_clip_max
     if lo is not None and hi is not None and lo >= hi:
         problems.append(
             f"grpo.vllm_importance_sampling_clip_min={lo} must be < grpo.vllm_importance_sampling_clip_max={hi}"
         )
-    if gr.vllm_importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
+    if grpo.vllm_importance_sampling_mode.endswith("_truncate") and lo is None and hi is None:
         problems.append(
-            f"grpo.vllm_importance_sampling_mode={gr.vllm_importance_sampling_mode!r} needs clip_min or clip_max"
+            f"grpo.vllm_importance_sampling_mode={grpo.vllm_importance_sampling_mode!r} needs clip_min or clip_max"
         )
-    if gr.loss_type == "vespo" and gr.vllm_importance_sampling_correction and gr.vllm_importance_sampling_mode.startswith("sequence"):
+    if grpo.loss_type == "vespo" and grpo.vllm_importance_sampling_correction and grpo.vllm_importance_sampling_mode.startswith("sequence"):
         problems.append(
             "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. Got: "
-            f"{gr.vllm_importance_sampling_mode}. (grpo.loss_type='vespo' folds the IS ratio into its token weights: "
+            f"{grpo.vllm_importance_sampling_mode}. (grpo.loss_type='vespo' folds the IS ratio into its token weights: "
             "set grpo.vllm_importance_sampling_mode to 'token_truncate' or 'token_mask')"
         )
-    k = gr.num_remains_in_group
-    if k is not None and not 2 <= k < gr.num_generations:
+    k = grpo.num_remains_in_group
+    if k is not None and not 2 <= k < grpo.num_generations:
         problems.append(
-            f"grpo.num_remains_in_group={k} must satisfy 2 <= k < num_generations={gr.num_generations} "
+            f"grpo.num_remains_in_group={k} must satisfy 2 <= k < num_generations={grpo.num_generations} "
             "(GFPO keeps k of the G completions; advantages need 2)"
         )
-    if k is not None and gr.group_filter_func is None:
+    if k is not None and grpo.group_filter_func is None:
         problems.append(
             f"grpo.num_remains_in_group={k} needs grpo.group_filter_func to score the completions of each group: "
             "GFPOTrainer(group_filter_func=...) (any callable), or a 'module:function' import path"
         )
-    if gr.dynamic_sampling_max_rounds < 1:
-        problems.append(f"grpo.dynamic_sampling_max_rounds must be >= 1, got {gr.dynamic_sampling_max_rounds}")
+    if grpo.dynamic_sampling_max_rounds < 1:
+        problems.append(f"grpo.dynamic_sampling_max_rounds must be >= 1, got {grpo.dynamic_sampling_max_rounds}")
 
 
 def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> None:
-    ro, gen = cfg.rollout, cfg.generation
-    if ro.vllm_tensor_parallel_size < 1:
-        problems.append(f"rollout.vllm_tensor_parallel_size must be >= 1, got {ro.vllm_tensor_parallel_size}")
-    elif ro.vllm_mode == "colocate" and world_size % ro.vllm_tensor_parallel_size:
+    rollout, gen = cfg.rollout, cfg.generation
+    if rollout.vllm_tensor_parallel_size < 1:
+        problems.append(f"rollout.vllm_tensor_parallel_size must be >= 1, got {rollout.vllm_tensor_parallel_size}")
+    elif rollout.vllm_mode == "colocate" and world_size % rollout.vllm_tensor_parallel_size:
         problems.append(
-            f"rollout.vllm_tensor_parallel_size={ro.vllm_tensor_parallel_size} must divide the world size "
-            f"{world_size} in colocate mode ({world_size} % {ro.vllm_tensor_parallel_size} = "
-            f"{world_size % ro.vllm_tensor_parallel_size})"
+            f"rollout.vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} must divide the world size "
+            f"{world_size} in colocate mode ({world_size} % {rollout.vllm_tensor_parallel_size} = "
+            f"{world_size % rollout.vllm_tensor_parallel_size})"
         )
-    if not 0.0 < ro.vllm_gpu_memory_utilization <= 1.0:
-        problems.append(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {ro.vllm_gpu_memory_utilization}")
-    if ro.vllm_server_base_urls is not None:
-        urls = ro.vllm_server_base_urls
+    if not 0.0 < rollout.vllm_gpu_memory_utilization <= 1.0:
+        problems.append(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {rollout.vllm_gpu_memory_utilization}")
+    if rollout.vllm_server_base_urls is not None:
+        urls = rollout.vllm_server_base_urls
         if not urls:
             problems.append("rollout.vllm_server_base_urls is an empty list: give one URL per rollout server, or null")
-        elif ro.vllm_server_base_url is not None:
+        elif rollout.vllm_server_base_url is not None:
             problems.append("rollout.vllm_server_base_url and rollout.vllm_server_base_urls are both set: keep one")
         elif len({u.rstrip("/") for u in urls}) != len(urls):
             problems.append(f"rollout.vllm_server_base_urls lists a server twice: {urls}")
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad:
             problems.append(f"rollout.vllm_server_base_urls must be http(s):// URLs, got {bad}")
-    if ro.max_staleness < 0:
-        problems.append(f"rollout.max_staleness must be >= 0 (0 = synchronous), got {ro.max_staleness}")
-    elif ro.max_staleness > 0 and ro.vllm_mode != "server":
-        problems.append(f"rollout.max_staleness={ro.max_staleness} needs rollout.vllm_mode=server: a colocated engine "
+    if rollout.max_staleness < 0:
+        problems.append(f"rollout.max_staleness must be >= 0 (0 = synchronous), got {rollout.max_staleness}")
+    elif rollout.max_staleness > 0 and rollout.vllm_mode != "server":
+        problems.append(f"rollout.max_staleness={rollout.max_staleness} needs rollout.vllm_mode=server: a colocated engine "
                         "shares the trainer's accelerators, so generation cannot overlap training; set it to 0")
-    if cfg.model.moe_enable_routing_replay and ro.vllm_return_routed_experts is False:
+    if cfg.model.moe_enable_routing_replay and rollout.vllm_return_routed_experts is False:
         problems.append("model.moe_enable_routing_replay replays the engine's routed experts, but "
                         "rollout.vllm_return_routed_experts=false asks the engine for none: leave it unset (on for MoE)")
-    if ro.vllm_request_timeout <= 0 or ro.vllm_server_timeout <= 0:
+    if rollout.vllm_request_timeout <= 0 or rollout.vllm_server_timeout <= 0:
         problems.append(f"rollout.vllm_request_timeout and rollout.vllm_server_timeout must be > 0, got "
-                        f"{ro.vllm_request_timeout} and {ro.vllm_server_timeout}")
-    if ro.weight_sync_bucket_mb < 1:
-        problems.append(f"rollout.weight_sync_bucket_mb must be >= 1, got {ro.weight_sync_bucket_mb}")
+                        f"{rollout.vllm_request_timeout} and {rollout.vllm_server_timeout}")
+    if rollout.weight_sync_bucket_mb < 1:
+        problems.append(f"rollout.weight_sync_bucket_mb must be >= 1, got {rollout.weight_sync_bucket_mb}")
     if gen.max_completion_length < 1:
         problems.append(f"generation.max_completion_length must be >= 1, got {gen.max_completion_length}")
     if gen.temperature <= 0:
@@ -288,7 +291,7 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
         problems.append(f"generation.top_p must be in (0, 1], got {gen.top_p}")
     if gen.top_k < 0:
         problems.append(f"generation.top_k must be >= 0 (0 disables it), got {gen.top_k}")
-    max_len = ro.vllm_max_model_length
+    max_len = rollout.vllm_max_model_length
     if max_len is not None and max_len <= gen.max_completion_length:
         problems.append(
             f"rollout.vllm_max_model_length={max_len} leaves no room for a prompt next to "
@@ -299,7 +302,7 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
 def _check_sampling(cfg: EngineConfig, problems: list[str]) -> None:
     """generation_kwargs keys vLLM can honour; the sampler's log-probs, where a setting reads them, of the trainer's
     distribution (engine/sampling_settings.py says which)."""
-    gen, gr = cfg.generation, cfg.grpo
+    gen, grpo = cfg.generation, cfg.grpo
     try:
         translate_generation_kwargs(gen.generation_kwargs)
     except ValueError as err:
@@ -310,9 +313,9 @@ def _check_sampling(cfg: EngineConfig, problems: list[str]) -> None:
         problems.append(f"generation.generation_kwargs['temperature']={kwarg_temperature} differs from "
                         f"generation.temperature={gen.temperature}, which divides the trainer's logits: set "
                         "generation.temperature instead")
-    readers = [name for name, on in (("grpo.vllm_importance_sampling_correction=True", gr.vllm_importance_sampling_correction),
-                                     (f"grpo.off_policy_mask_threshold={gr.off_policy_mask_threshold}",
-                                      gr.off_policy_mask_threshold is not None)) if on]
+    readers = [name for name, on in (("grpo.vllm_importance_sampling_correction=True", grpo.vllm_importance_sampling_correction),
+                                     (f"grpo.off_policy_mask_threshold={grpo.off_policy_mask_threshold}",
+                                      grpo.off_policy_mask_threshold is not None)) if on]
     if readers and sampling_logprobs_mode(gen) is None:
         problems.append(
             f"generation.temperature={gen.temperature} with {', '.join(reshaping_settings(gen))}: vLLM reports the "
@@ -362,34 +365,34 @@ def _check_rest(cfg: EngineConfig, problems: list[str]) -> None:
         problems.append(f"logging.logging_steps must be >= 1, got {cfg.logging.logging_steps}")
 
 
-def _check_recompute(tr: TrainConfig, problems: list[str]) -> None:
+def _check_recompute(train: TrainConfig, problems: list[str]) -> None:
     """The `train.recompute_*` settings among themselves (the layer counts need the model: `resolve_recompute`)."""
-    given = {name: value for name, value in (("recompute_method", tr.recompute_method),
-                                             ("recompute_num_layers", tr.recompute_num_layers),
-                                             ("recompute_modules", tr.recompute_modules)) if value is not None}
-    if tr.recompute_granularity != "full":
-        given = {"recompute_granularity": tr.recompute_granularity, **given}
-    if not tr.gradient_checkpointing:
+    given = {name: value for name, value in (("recompute_method", train.recompute_method),
+                                             ("recompute_num_layers", train.recompute_num_layers),
+                                             ("recompute_modules", train.recompute_modules)) if value is not None}
+    if train.recompute_granularity != "full":
+        given = {"recompute_granularity": train.recompute_granularity, **given}
+    if not train.gradient_checkpointing:
         if given:
             shown = ", ".join(f"train.{k}={v!r}" for k, v in given.items())
             problems.append(f"{shown}: no effect with train.gradient_checkpointing=false (no activation recompute); "
                             "remove it or turn gradient_checkpointing on")
         return
     full_only = [k for k in ("recompute_method", "recompute_num_layers") if k in given]
-    if tr.recompute_granularity == "selective" and full_only:
+    if train.recompute_granularity == "selective" and full_only:
         problems.append(f"train.{' and train.'.join(full_only)} apply to train.recompute_granularity=full only: "
                         "Megatron's selective recompute covers every layer (set the modules with "
                         "train.recompute_modules)")
-    if tr.recompute_granularity == "full" and tr.recompute_modules is not None:
-        problems.append(f"train.recompute_modules={tr.recompute_modules} applies to train.recompute_granularity="
+    if train.recompute_granularity == "full" and train.recompute_modules is not None:
+        problems.append(f"train.recompute_modules={train.recompute_modules} applies to train.recompute_granularity="
                         "selective only: full recompute reruns whole layers")
-    if tr.recompute_num_layers is not None and tr.recompute_num_layers < 1:
-        problems.append(f"train.recompute_num_layers must be >= 1 or null, got {tr.recompute_num_layers}")
-    for module in tr.recompute_modules or []:
+    if train.recompute_num_layers is not None and train.recompute_num_layers < 1:
+        problems.append(f"train.recompute_num_layers must be >= 1 or null, got {train.recompute_num_layers}")
+    for module in train.recompute_modules or []:
         if module in REFUSED_RECOMPUTE_MODULES:
             problems.append(f"train.recompute_modules: {module!r} {REFUSED_RECOMPUTE_MODULES[module]}")
         elif module not in RECOMPUTE_MODULES:
             problems.append(f"train.recompute_modules: unknown module {module!r}; available: {list(RECOMPUTE_MODULES)}")
-    if tr.recompute_modules is not None and not tr.recompute_modules:
+    if train.recompute_modules is not None and not train.recompute_modules:
         problems.append("train.recompute_modules=[] recomputes nothing: give modules, or null for ['core_attn'], or "
                         "train.gradient_checkpointing=false")
