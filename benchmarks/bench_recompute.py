@@ -14,6 +14,11 @@ allocated by a warm-up pass first (zeroed, kept), so the extra is activations + 
 `peak_memory_fn`) would see the allocator's cached pages and miss short peaks; tracemalloc does not see torch.
 The planner's formula counts bf16 bytes (2 per element); this run is float32, so the prediction shown is x2.
 
+Measured (benchmarks/results/recompute.csv, CPU, fp32, 4 layers, h 1024, s 1024, git 49a60ba): full recompute 306 MiB
+against 239 planned, none 769 against 892 (the planner counts the paper's stored activations, not the backward's
+transient gradient buffers); selective 586 MiB against 252 planned, which showed the planner missing the part of the
+one layer recomputed in the backward (added to `activation_term` on 2026-11-25).
+
     python -m benchmarks.bench_recompute            # about a minute on 2 CPU cores
 """
 

@@ -2,49 +2,12 @@
 
 A randomly initialised tiny model never writes `<answer>66</answer>`, so every GRPO reward is 0 and every group
 advantage is 0: no signal. This script gives the demo a policy that GRPO can improve within its budget (20 steps of
-16 completions on 2 CPU cores): a short supervised fine-tune of the tiny Qwen2 (engine/models/tiny_model.py) on the TRAIN
-split of `builtin:arithmetic` (engine/train/data.py). The model learns the sums well, but it is left with one habit the
-`accuracy` reward punishes: most of the time it writes " <answer>66" and stops without closing the tag, which
-`accuracy` (it reads the last <answer>...</answer>) scores 0. At temperature 1 it closes the tag about 30% of the
-time, so a group of 4 samples often mixes right and wrong answers (non-zero group-relative advantages), and GRPO
-with the accuracy reward raises the held-out reward by teaching it to close the tag, a one-token decision after
-the digits that is the same for every prompt.
+16 completions on 2 CPU cores): a short supervised fine-tune of the tiny Qwen2 (engine/models/tiny_model.py) on the
+TRAIN split of `builtin:arithmetic` (engine/train/data.py), leaving one habit (an unclosed answer tag) for GRPO to
+remove. Why this habit and not an early stop, with the measurements: `UNCLOSED_TEMPLATE`; the recipe: `WarmStartArgs`;
+the format and loss: `tokenize_example`, `train`; the evaluation and vLLM's agreement: `evaluate_held_out`.
 
-Why not simply stop the SFT early (a model that is partly right because it knows only part of the arithmetic)?
-We tried: the tiny model learns 2-digit sums suddenly (held-out T=1 accuracy about 5% at SFT step 500, 60-75% at
-step 800, lr 1e-3), and early stops at 20-40% T=1 accuracy moved by -8 to +12 points after 20 GRPO steps of 16
-completions at lr 1e-4, and collapsed at lr >= 2e-4: 320 samples carry too little signal to teach arithmetic.
-The closing tag is one decision shared by every prompt: after the same 20 steps the shipped model's held-out T=1
-accuracy goes from 23% to 64-77% at lr 1e-4 (5 seeds) and to 75-77% at lr 5e-5 (4 seeds); at 2e-4 the tag is
-learnt but the sums degrade (42-46%). These numbers come from a plain-torch GRPO loop outside the repository
-(HF generate at T=1, on-policy, group-normalised advantages, DAPO token-mean loss, beta 0, AdamW with betas
-0.9/0.999 or 0.9/0.99 (same results), gradient clip 1.0, 4 prompts x 4 completions per step from the train
-split, 200 held-out prompts x 4 samples); the demo reports the engine's own.
-
-Format: the prompt is the dataset's standard (non-chat) prompt, tokenized without a template as the rollout does
-(anchors/trl.md §2.3); the completion is " <answer>{answer}</answer>" (8 to 9 tokens) or, in the last
-`unclosed_steps` steps with probability `unclosed_fraction`, " <answer>{answer}" (5 to 6 tokens); then
-`<|endoftext|>` (eos: the saved generation_config stops at it or at `<|im_end|>`). Both stay far inside the demo's
-max_completion_length of 32. No think block: the 4-layer model cannot use one, it only costs generation time.
-Loss: token-mean cross-entropy over the completion tokens (eos included); prompt tokens are masked out.
-
-Recipe (the defaults are the shipped model's; `engine/models/assets/tiny-qwen2-arith/warm_start.json` records the run):
-the tiny Qwen2 built with seed 0, all 2000 train rows, batches of 64 drawn from seeded permutations, AdamW (betas
-0.9/0.95, no weight decay, gradient clip 1.0), lr 2e-3 with a 30-step linear warmup and cosine decay to 2e-4 over
-900 steps, the last 100 of which teach the unclosed habit. float32, one thread, deterministic: fixed torch
-seeds, `torch.use_deterministic_algorithms(True)` and a fixed thread count (CPU float reductions depend on it), so
-the same arguments on the same CPU type and torch version give the same weights; other machines may differ in the
-last bits, hence in a few held-out answers.
-
-Evaluation (printed, and written to warm_start.json): on the first `num_eval_prompts` held-out (TEST split)
-prompts, greedy accuracy and T=1 sampled accuracy (`num_samples` per prompt, no top-k / top-p, as vLLM's defaults)
-as the `accuracy` reward scores them, the fraction of prompts whose samples disagree ("mixed groups"), and the
-diagnostics: greedy answers whose number is right (closed tag or not: the arithmetic the model knows), how often
-T=1 samples close the tag, and how often a completion is well formed and stops. HF `generate`, prompts of equal
-token length batched together (no padding, so positions match an unpadded vLLM rollout). Correctness is integer
-equality of the last <answer>...</answer> with the reference, which is what math-verify gives on integers.
-vLLM 0.32 on CPU agrees: its log-probs of the shipped model are within 2e-5 of HF's, and its T=1 samples of the
-200 held-out prompts (4 each) score 23.4% with the `accuracy` reward (60-65% mixed groups, 30% closed tags).
+Owns: the SFT recipe, the training-text format, the held-out evaluation and the record (`warm_start.json`).
 
 Must not: touch the network, import vLLM, train on the test split, or write outside the output directory.
 
@@ -70,7 +33,25 @@ import torch
 CLOSED_TEMPLATE = " <answer>{answer}</answer>"
 """The completion the `accuracy` reward scores (then eos)."""
 UNCLOSED_TEMPLATE = " <answer>{answer}"
-"""The habit GRPO has to remove: the same answer without the closing tag (then eos); `accuracy` scores it 0."""
+"""The habit GRPO has to remove: the same answer without the closing tag (then eos); `accuracy` scores it 0.
+
+The model learns the sums well, but most of the time it writes " <answer>66" and stops without closing the tag,
+which `accuracy` (it reads the last <answer>...</answer>) scores 0. At temperature 1 it closes the tag about 30% of
+the time, so a group of 4 samples often mixes right and wrong answers (non-zero group-relative advantages), and GRPO
+with the accuracy reward raises the held-out reward by teaching it to close the tag, a one-token decision after the
+digits that is the same for every prompt.
+
+Why not simply stop the SFT early (a model that is partly right because it knows only part of the arithmetic)?
+We tried: the tiny model learns 2-digit sums suddenly (held-out T=1 accuracy about 5% at SFT step 500, 60-75% at
+step 800, lr 1e-3), and early stops at 20-40% T=1 accuracy moved by -8 to +12 points after 20 GRPO steps of 16
+completions at lr 1e-4, and collapsed at lr >= 2e-4: 320 samples carry too little signal to teach arithmetic.
+The closing tag is one decision shared by every prompt: after the same 20 steps the shipped model's held-out T=1
+accuracy goes from 23% to 64-77% at lr 1e-4 (5 seeds) and to 75-77% at lr 5e-5 (4 seeds); at 2e-4 the tag is
+learnt but the sums degrade (42-46%). These numbers come from a plain-torch GRPO loop outside the repository
+(HF generate at T=1, on-policy, group-normalised advantages, DAPO token-mean loss, beta 0, AdamW with betas
+0.9/0.999 or 0.9/0.99 (same results), gradient clip 1.0, 4 prompts x 4 completions per step from the train
+split, 200 held-out prompts x 4 samples); the demo reports the engine's own.
+"""
 CLOSED_PATTERN = re.compile(r"^ <answer>(\d+)</answer>$")
 """A completion in exactly the closed format (decoded without special tokens)."""
 WELL_FORMED_PATTERN = re.compile(r"^ <answer>(\d+)(?:</answer>)?$")
@@ -79,7 +60,16 @@ WELL_FORMED_PATTERN = re.compile(r"^ <answer>(\d+)(?:</answer>)?$")
 
 @dataclass(frozen=True)
 class WarmStartArgs:
-    """The SFT recipe; every default is the shipped model's."""
+    """The SFT recipe; every default is the shipped model's (`engine/models/assets/tiny-qwen2-arith/warm_start.json`
+    records the run).
+
+    The tiny Qwen2 built with seed 0, all 2000 train rows, batches of 64 drawn from seeded permutations, AdamW (betas
+    0.9/0.95, no weight decay, gradient clip 1.0), lr 2e-3 with a 30-step linear warmup and cosine decay to 2e-4 over
+    900 steps, the last 100 of which teach the unclosed habit. float32, one thread, deterministic: fixed torch
+    seeds, `torch.use_deterministic_algorithms(True)` and a fixed thread count (CPU float reductions depend on it), so
+    the same arguments on the same CPU type and torch version give the same weights; other machines may differ in
+    the last bits, hence in a few held-out answers.
+    """
 
     steps: int = 900
     """Optimizer steps in all."""
@@ -150,7 +140,14 @@ def number_of(completion: str) -> int | None:
 
 
 def tokenize_example(tokenizer, prompt: str, answer: str, closed: bool = True) -> tuple[list[int], list[int]]:
-    """(prompt_ids, completion_ids + [eos]); the prompt is tokenized alone, as the rollout does."""
+    """(prompt_ids, completion_ids + [eos]); the prompt is tokenized alone, as the rollout does.
+
+    The prompt is the dataset's standard (non-chat) prompt, tokenized without a template (anchors/trl.md §2.3); the
+    completion is " <answer>{answer}</answer>" (8 to 9 tokens) or, in the last `unclosed_steps` steps with
+    probability `unclosed_fraction`, " <answer>{answer}" (5 to 6 tokens); then `<|endoftext|>` (eos: the saved
+    generation_config stops at it or at `<|im_end|>`). Both stay far inside the demo's max_completion_length of 32.
+    No think block: the 4-layer model cannot use one, it only costs generation time.
+    """
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     completion_ids = tokenizer(format_completion(answer, closed), add_special_tokens=False)["input_ids"]
     return prompt_ids, completion_ids + [tokenizer.eos_token_id]
@@ -186,6 +183,8 @@ def learning_rate(step: int, args: WarmStartArgs) -> float:
 def train(model, tokenizer, prompts: Sequence[str], answers: Sequence[str], args: WarmStartArgs,
           log_every: int = 100) -> list[float]:
     """Fine-tune `model` in place on the (prompt, answer) rows for `args.steps` AdamW steps.
+
+    Loss: token-mean cross-entropy over the completion tokens (eos included); prompt tokens are masked out.
 
     Args:
         model: the causal LM (float32).
@@ -272,6 +271,16 @@ def generate_completions(model, tokenizer, prompts: Sequence[str], *, do_sample:
 
 def evaluate_held_out(model, tokenizer, num_prompts: int = 200, num_samples: int = 4, seed: int = 0) -> HeldOutMetrics:
     """Greedy and T=1 accuracy on the first `num_prompts` rows of the builtin arithmetic TEST split.
+
+    Printed, and written to warm_start.json: greedy accuracy and T=1 sampled accuracy (`num_samples` per prompt, no
+    top-k / top-p, as vLLM's defaults) as the `accuracy` reward scores them, the fraction of prompts whose samples
+    disagree ("mixed groups"), and the diagnostics: greedy answers whose number is right (closed tag or not: the
+    arithmetic the model knows), how often T=1 samples close the tag, and how often a completion is well formed and
+    stops. HF `generate`, prompts of equal token length batched together (no padding, so positions match an unpadded
+    vLLM rollout). Correctness is integer equality of the last <answer>...</answer> with the reference, which is what
+    math-verify gives on integers. vLLM 0.32 on CPU agrees: its log-probs of the shipped model are within 2e-5 of
+    HF's, and its T=1 samples of the 200 held-out prompts (4 each) score 23.4% with the `accuracy` reward (60-65%
+    mixed groups, 30% closed tags).
 
     Args:
         model: the causal LM (eval mode).

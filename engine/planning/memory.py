@@ -1,5 +1,5 @@
 """The memory model: every per-GPU memory term of a config on a cluster shape, each with its arithmetic and the
-formula it comes from (below), summed into one `Budget` per kind of GPU (training, inference).
+formula it comes from, summed into one `Budget` per kind of GPU (training, inference).
 
 Owns: `Term` / `Budget`, the sequence bound (`sequence_lengths`), the training GPU's terms (weights, gradients,
 optimizer states, reference, activations, the loss workspace, a colocated vLLM: `training_budget`) and the inference
@@ -10,83 +10,11 @@ Must not: import torch, Megatron or vLLM (it runs on a login node in a second), 
 (engine/planning/shapes.py does, before any term is sized), or print (engine/planning/planner.py assembles and
 formats the plan). It takes the root config because memory is a cross-section question (like `engine.validation`).
 
-The formulas and where they come from (bytes; s = tokens per sequence, b = micro-batch size, h = hidden size,
-a / g = query / KV heads, d = head dim, f = MLP size, L = layers, V = padded vocabulary, t = TP, p = PP):
+Each formula and its source (Megatron-LM, Korthikanti et al. 2022, Narayanan et al. 2021, vLLM) is in the docstring
+of the function that computes the term. Bytes; s = tokens per sequence, b = micro-batch size, h = hidden size, a / g =
+query / KV heads, d = head dim, f = MLP size, L = layers, V = padded vocabulary, t = TP, p = PP.
 
-- Parameters per GPU, worst pipeline stage: (L/p) * layer / t + V*h/t for the stage that holds the embedding (the
-  first) or the output layer (the last; a tied embedding is kept there as a copy when p > 1). Megatron-LM's
-  accounting, `megatron/training/theoretical_memory_usage.py::compute_weight_and_optimizer_memory` ("most loaded
-  shard": (block/p + embedding)/t, plus a second embedding when untied and p = 1). We count exactly: layer =
-  h*a*d + 2*h*g*d + a*d*h (QKV, output) + QKV bias + 3*h*f (SwiGLU) split over t, plus 2*h norm weights that
-  Megatron replicates over TP. V is Megatron's padded vocabulary (`engine.policy.model.padded_vocab_size`).
-- Mixture of experts (Qwen3-MoE): a layer's routed experts, E x 3*h*f_moe parameters (SwiGLU gate, up, down of width
-  f_moe = moe_intermediate_size), are split over ep x expert_tp ranks (Megatron's expert grid: expert_tp x ep x
-  expert_dp x pp = world size), the rest of the layer (attention; the router, E x h, replicated) as above. Expert
-  gradients follow the expert weights; under the distributed optimizer expert Adam states are sharded over
-  expert_dp = tp*dp / (ep*expert_tp) (Megatron's `expt_dp` group), the rest over dp. Activations: the MLP's
-  6*f/h becomes 6*k*f_moe/h (each token's k routed copies, tokens assumed balanced over experts), and the token
-  dispatch holds 2 (dispatch, combine) x s*b*k*h of permuted copies for the layer running (`alltoall_term`). vLLM
-  (no expert parallelism here) splits every expert over its TP ranks.
-- Bytes per parameter, Megatron Core user guide, "Distributed Optimizer" table
-  (https://docs.nvidia.com/megatron-core/developer-guide/latest/distrib_optimizer.html): bf16 params with fp32
-  grads 18 B without the distributed optimizer, 6 + 12/dp with it; fp32 params 16 B, 8 + 8/dp. That is weights
-  2 B + main grads 4 B (fp32: `grad_reduce_in_fp32=True` in engine/policy/optimizer.py) + fp32 master 4 B + Adam m, v
-  8 B, the last 12 B sharded over DP by the distributed optimizer. SGD keeps one state (4 B) instead of two.
-- Activations per layer, Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
-  (https://arxiv.org/abs/2205.05198), Table 2 and §4: s*b*h*(34 + 5*a*s/h) without parallelism; with TP
-  s*b*h*(10 + 24/t + 5*a*s/(h*t)); with TP and sequence parallelism s*b*h*(34 + 5*a*s/h)/t. Of the 34: 10 are
-  held whole on every TP rank without SP (two norm inputs 4, QKV and fc1 inputs 4, two dropout masks 2) and 24 are
-  split by TP (Q, K 4, V 2, attention output 2, fc1 output and fc2 input 16 for f = 4h). We generalise the split
-  part to GQA and SwiGLU: Q 2 + K, V 4*g/a + attention output 2 + SwiGLU fc1 output (gate, up) 4*f/h + fc2 input
-  2*f/h, i.e. 4 + 4*g/a + 6*f/h (a GeLU MLP's 4*f/h becomes 6*f/h; Megatron-LM's own `compute_activation_memory`
-  uses 18 + 4*f/h, not counting SwiGLU's gate half). The 5*a*s/h term is the
-  attention score matrix: fused (flash) attention, which Transformer Engine's layer spec uses, never stores it
-  (the paper's "selective recompute" row, s*b*h*34/t), so it is counted only for `model.transformer_impl: local`.
-- Activation recompute, as it runs (`train.gradient_checkpointing` and `train.recompute_*`, resolved by
-  `engine.recompute.resolve_recompute`, the same function that configures Megatron). Full, uniform, n layers per
-  unit: each unit keeps only its input, 2*s*b*h (/t under SP: the input is the sequence-parallel shard), for
-  L_stage / n units, plus the working set of the one unit (n layers) recomputed at a time in the backward. Paper §4
-  "full activation recomputation: 2*s*b*h*L". Full, block, n layers per model chunk: those n x vpp layers of the
-  stage keep their input only, the others everything, plus one recomputed layer's working set. Selective: every
-  layer keeps everything but what its recomputed modules would hold: `core_attn` the attention scores (the 5*a*s/h
-  term, local spec only), `mlp` / `moe` the MLP's inside (6*f/h, or 6*k*f_moe/h; its input is the norm output kept
-  anyway), plus that part of the one layer being recomputed in the backward (missing until 2026-11-25: measured
-  586 MiB against 252 planned, benchmarks/results/recompute.csv). None: every layer keeps everything. These are the
-  paper's stored activations; the backward's transient gradient buffers are not counted (measured on CPU, fp32,
-  4 layers, h 1024, s 1024: full recompute 306 MiB against 239 planned, none 769 against 892).
-- Micro-batches in flight, Narayanan et al. 2021 (https://arxiv.org/abs/2104.04473) §2.2 and Megatron-LM's
-  `compute_activation_memory`: stage k of the 1F1B schedule holds min(p - k, M) micro-batches; the interleaved
-  schedule holds p * (1 + (p - 1)/(p * vpp)) on the first stage.
-- The loss workspace (last stage): the fused kernel's `kernels.loss_workspace_mb` bound on its tile temporaries,
-  the final hidden states gathered out of the sequence-parallel region 2*s*b*h, the N = b * max_completion_length
-  completion rows X (N, h) in the model dtype and the float32 dX accumulator (N, h) (kernels/chunked_logprob.py,
-  "Memory"), and 16 float32 per-token values (softmax statistics, saved lse and E[z], log-prob, entropy, their
-  upstream gradients, old / reference / sampling log-probs, ratio, KL, mask). Never the (N, V/t) logits; the
-  plan prints what those would take, for comparison.
-- Server mode (`rollout.vllm_mode: server`): each inference node runs one rollout server (engine/rollout/server.py),
-  one vLLM engine at `rollout.vllm_tensor_parallel_size` (TP stays inside the node; vLLM spans nodes only under Ray,
-  which we do not use). M inference nodes = M independent replicas; the trainer is given their URLs in
-  `rollout.vllm_server_base_urls` (one per node, checked here) and splits each round's P prompts among them in list
-  order, so the busiest server gets ceil(P / M) prompts x G completions. A TP smaller than the node leaves
-  GPUs per node - TP GPUs idle on every inference node: the plan says so, and does not refuse it (a small model at
-  TP 1 or 2 is legitimate; to use the whole node, raise the TP or run more nodes).
-- Inference, vLLM's accounting (`Worker.determine_available_memory`, logged at start-up as "the current vLLM
-  instance can use total_gpu_memory x gpu_memory_utilization ... the rest of the memory reserved for KV Cache"):
-  an engine may use `gpu_memory_utilization` x GPU memory for weights (params * 2 B / its TP; KV heads replicated
-  when TP > g), its profiled activation peak and CUDA graphs (our `reserve`), and the KV cache. KV cache per token
-  per GPU = 2 (K and V) * L * max(g/TP, 1) * d * 2 B (vLLM's `AttentionSpec.page_size_bytes` per token), in blocks
-  of 16 tokens; the configured batch is every completion of one generation round on its engine (in server mode
-  the busiest replica's share, above), each at max prompt + max_completion_length tokens: the worst case vLLM must
-  hold to run the round in one wave.
-- Colocated vLLM (`rollout.vllm_mode: colocate`): its share, `gpu_memory_utilization` x GPU memory, sits next to
-  the trainer's weights, gradients and optimizer states. With sleep mode it is held only while generating, when
-  the activations and the loss workspace are free, so it adds max(0, share - (activations + loss)); without, the
-  whole share. Inside the share the same vLLM accounting as on an inference node applies.
-- `reserve_gib` (default 4 GiB) is what the formulas leave out: CUDA context, NCCL buffers and allocator
-  fragmentation on training GPUs; vLLM's profiled activation peak, CUDA graphs and non-torch memory on inference
-  GPUs. It is an assumption, printed, and set with `--reserve-gib` once measured.
-
-Test: `pytest tests/unit/test_planner.py` (hand-computed cases, the published tables and logs cited above).
+Test: `pytest tests/unit/test_planner.py` (hand-computed cases, the published tables and logs cited in the functions).
 """
 
 from __future__ import annotations
@@ -104,7 +32,7 @@ VLLM_BLOCK_SIZE = 16
 VLLM_VOCAB_PADDING = 64
 """vLLM pads the embedding / LM head rows to a multiple of this (`DEFAULT_VOCAB_PADDING_SIZE`)."""
 PER_TOKEN_LOSS_FLOATS = 16
-"""float32 values per completion token around the fused loss (see the module docstring)."""
+"""float32 values per completion token around the fused loss (see `loss_terms`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +46,12 @@ class Term:
 
 @dataclass(slots=True)
 class Budget:
-    """One kind of GPU: the memory terms of its worst case and the limit they must stay under."""
+    """One kind of GPU: the memory terms of its worst case and the limit they must stay under.
+
+    Every budget ends with a `reserve` term, `reserve_gib` (default 4 GiB): what the formulas leave out. CUDA
+    context, NCCL buffers and allocator fragmentation on training GPUs; vLLM's profiled activation peak, CUDA graphs
+    and non-torch memory on inference GPUs. It is an assumption, printed, and set with `--reserve-gib` once measured.
+    """
 
     title: str
     terms: list[Term]
@@ -164,7 +97,14 @@ def sequence_lengths(cfg: EngineConfig) -> tuple[int, int, str]:
 
 
 def _optimizer_bytes(cfg: EngineConfig) -> tuple[int, int, int, str]:
-    """(weight, main-grad, optimizer-state) bytes per parameter and the optimizer's description."""
+    """(weight, main-grad, optimizer-state) bytes per parameter and the optimizer's description.
+
+    Megatron Core user guide, "Distributed Optimizer" table
+    (https://docs.nvidia.com/megatron-core/developer-guide/latest/distrib_optimizer.html): bf16 params with fp32
+    grads 18 B without the distributed optimizer, 6 + 12/dp with it; fp32 params 16 B, 8 + 8/dp. That is weights
+    2 B + main grads 4 B (fp32: `grad_reduce_in_fp32=True` in engine/policy/optimizer.py) + fp32 master 4 B + Adam m, v
+    8 B, the last 12 B sharded over DP by the distributed optimizer. SGD keeps one state (4 B) instead of two.
+    """
     weight = 4 if cfg.model.dtype == "float32" else 2
     master = 0 if weight == 4 else 4
     states = 8 if cfg.optimizer.optim == "adam" else 4
@@ -173,7 +113,15 @@ def _optimizer_bytes(cfg: EngineConfig) -> tuple[int, int, int, str]:
 
 
 def _stage_params(dims: ModelDims, cfg: EngineConfig, stage: int) -> tuple[float, str]:
-    """Parameters one GPU of pipeline stage `stage` holds, with the arithmetic."""
+    """Parameters one GPU of pipeline stage `stage` holds, with the arithmetic.
+
+    Worst pipeline stage: (L/p) * layer / t + V*h/t for the stage that holds the embedding (the first) or the output
+    layer (the last; a tied embedding is kept there as a copy when p > 1). Megatron-LM's accounting,
+    `megatron/training/theoretical_memory_usage.py::compute_weight_and_optimizer_memory` ("most loaded shard":
+    (block/p + embedding)/t, plus a second embedding when untied and p = 1). We count exactly: layer = h*a*d +
+    2*h*g*d + a*d*h (QKV, output) + QKV bias + 3*h*f (SwiGLU) split over t, plus 2*h norm weights that Megatron
+    replicates over TP. V is Megatron's padded vocabulary (`engine.policy.model.padded_vocab_size`).
+    """
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     vocab = megatron_padded_vocab(dims.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
     split, replicated = dims.layer_params()
@@ -190,7 +138,16 @@ def _stage_params(dims: ModelDims, cfg: EngineConfig, stage: int) -> tuple[float
 
 
 def _stage_expert_params(dims: ModelDims, cfg: EngineConfig) -> tuple[float, str]:
-    """Routed-expert parameters one GPU holds: its stage's layers x E x 3*h*f_moe / (ep x expert_tp)."""
+    """Routed-expert parameters one GPU holds: its stage's layers x E x 3*h*f_moe / (ep x expert_tp).
+
+    Mixture of experts (Qwen3-MoE): a layer's routed experts, E x 3*h*f_moe parameters (SwiGLU gate, up, down of width
+    f_moe = moe_intermediate_size), are split over ep x expert_tp ranks (Megatron's expert grid: expert_tp x ep x
+    expert_dp x pp = world size), the rest of the layer (attention; the router, E x h, replicated) as in
+    `_stage_params`. Expert gradients follow the expert weights; under the distributed optimizer expert Adam states
+    are sharded over expert_dp = tp*dp / (ep*expert_tp) (Megatron's `expt_dp` group, `_expert_dp`), the rest over dp.
+    MoE activations: `activation_term`, the token dispatch: `alltoall_term`. vLLM (no expert parallelism here) splits
+    every expert over its TP ranks (`_vllm_weights`).
+    """
     if not dims.is_moe:
         return 0.0, ""
     par = cfg.parallel
@@ -222,7 +179,12 @@ def alltoall_term(cfg: EngineConfig, dims: ModelDims) -> Term:
 
 
 def _in_flight(cfg: EngineConfig, stage: int, num_microbatches: int) -> tuple[float, str]:
-    """Micro-batches whose activations stage `stage` holds at the 1F1B peak."""
+    """Micro-batches whose activations stage `stage` holds at the 1F1B peak.
+
+    Narayanan et al. 2021 (https://arxiv.org/abs/2104.04473) §2.2 and Megatron-LM's `compute_activation_memory`:
+    stage k of the 1F1B schedule holds min(p - k, M) micro-batches; the interleaved schedule holds
+    p * (1 + (p - 1)/(p * vpp)) on the first stage.
+    """
     pp, vpp = cfg.parallel.pp_size, cfg.parallel.virtual_pipeline_size
     if pp == 1:
         return 1, "1 micro-batch"
@@ -240,8 +202,32 @@ def plan_recompute(cfg: EngineConfig, dims: ModelDims) -> Recompute:
 
 
 def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbatches: int) -> Term:
-    """Activation memory of one GPU of pipeline stage `stage` (module docstring: Korthikanti et al. 2022), with the
-    recompute that runs (`plan_recompute`)."""
+    """Activation memory of one GPU of pipeline stage `stage`, with the recompute that runs (`plan_recompute`).
+
+    Per layer, Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+    (https://arxiv.org/abs/2205.05198), Table 2 and §4: s*b*h*(34 + 5*a*s/h) without parallelism; with TP
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)); with TP and sequence parallelism s*b*h*(34 + 5*a*s/h)/t. Of the 34: 10 are
+    held whole on every TP rank without SP (two norm inputs 4, QKV and fc1 inputs 4, two dropout masks 2) and 24 are
+    split by TP (Q, K 4, V 2, attention output 2, fc1 output and fc2 input 16 for f = 4h). We generalise the split
+    part to GQA and SwiGLU: Q 2 + K, V 4*g/a + attention output 2 + SwiGLU fc1 output (gate, up) 4*f/h + fc2 input
+    2*f/h, i.e. 4 + 4*g/a + 6*f/h (a GeLU MLP's 4*f/h becomes 6*f/h; Megatron-LM's own `compute_activation_memory`
+    uses 18 + 4*f/h, not counting SwiGLU's gate half). The 5*a*s/h term is the attention score matrix: fused (flash)
+    attention, which Transformer Engine's layer spec uses, never stores it (the paper's "selective recompute" row,
+    s*b*h*34/t), so it is counted only for `model.transformer_impl: local`. MoE: the MLP's 6*f/h becomes
+    6*k*f_moe/h (each token's k routed copies, tokens assumed balanced over experts).
+
+    Recompute, as it runs (`train.gradient_checkpointing` and `train.recompute_*`, resolved by
+    `engine.recompute.resolve_recompute`, the same function that configures Megatron). Full, uniform, n layers per
+    unit: each unit keeps only its input, 2*s*b*h (/t under SP: the input is the sequence-parallel shard), for
+    L_stage / n units, plus the working set of the one unit (n layers) recomputed at a time in the backward. Paper §4
+    "full activation recomputation: 2*s*b*h*L". Full, block, n layers per model chunk: those n x vpp layers of the
+    stage keep their input only, the others everything, plus one recomputed layer's working set. Selective: every
+    layer keeps everything but what its recomputed modules would hold: `core_attn` the attention scores (the 5*a*s/h
+    term, local spec only), `mlp` / `moe` the MLP's inside (6*f/h, or 6*k*f_moe/h; its input is the norm output kept
+    anyway), plus that part of the one layer being recomputed in the backward. None: every layer keeps everything.
+    These are the paper's stored activations; the backward's transient gradient buffers are not counted (measured
+    against this model: benchmarks/bench_recompute.py).
+    """
     prompt, completion, _ = sequence_lengths(cfg)
     s, b, h, t = prompt + completion, cfg.train.per_device_train_batch_size, dims.hidden_size, cfg.parallel.tp_size
     sp, rc = cfg.parallel.sequence_parallel, plan_recompute(cfg, dims)
@@ -282,7 +268,14 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
 
 
 def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
-    """The fused loss's memory on the last stage, and a note with the logits it never materialises."""
+    """The fused loss's memory on the last stage, and a note with the logits it never materialises.
+
+    The fused kernel's `kernels.loss_workspace_mb` bound on its tile temporaries, the final hidden states gathered out
+    of the sequence-parallel region 2*s*b*h, the N = b * max_completion_length completion rows X (N, h) in the model
+    dtype and the float32 dX accumulator (N, h) (kernels/chunked_logprob.py, "Memory"), and 16 float32 per-token
+    values (softmax statistics, saved lse and E[z], log-prob, entropy, their upstream gradients, old / reference /
+    sampling log-probs, ratio, KL, mask). Never the (N, V/t) logits; the plan prints what those would take.
+    """
     prompt, completion, _ = sequence_lengths(cfg)
     b, h, t = cfg.train.per_device_train_batch_size, dims.hidden_size, cfg.parallel.tp_size
     num_tokens = b * completion
@@ -364,7 +357,12 @@ def training_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, der
 
 def _with_colocated_vllm(cfg: EngineConfig, terms: list[Term], shape: ClusterShape) -> list[Term]:
     """Colocate: vLLM's share sits next to the trainer's state; with sleep mode only while generating, when the
-    activations and the loss workspace are free, so it adds max(0, share - (activations + loss))."""
+    activations and the loss workspace are free, so it adds max(0, share - (activations + loss)).
+
+    The share is `rollout.vllm_gpu_memory_utilization` x GPU memory, next to the trainer's weights, gradients and
+    optimizer states; without sleep mode the whole share. Inside the share the same vLLM accounting as on an
+    inference node applies (`inference_budget`).
+    """
     rollout = cfg.rollout
     share = rollout.vllm_gpu_memory_utilization * shape.gpu_memory_gib * GIB
     share_text = f"{rollout.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {format_gib(share)}"
@@ -393,7 +391,16 @@ def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str]:
 
 
 def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, derived: Derived) -> tuple[int, int, str]:
-    """(vLLM engines, completions on the busiest engine per generation round, the arithmetic)."""
+    """(vLLM engines, completions on the busiest engine per generation round, the arithmetic).
+
+    Server mode (`rollout.vllm_mode: server`): each inference node runs one rollout server (engine/rollout/server.py),
+    one vLLM engine at `rollout.vllm_tensor_parallel_size` (TP stays inside the node; vLLM spans nodes only under Ray,
+    which we do not use). M inference nodes = M independent replicas; the trainer is given their URLs in
+    `rollout.vllm_server_base_urls` (one per node, checked by shapes.py `check_layout`) and splits each round's P prompts
+    among them in list order, so the busiest server gets ceil(P / M) prompts x G completions. A TP smaller than the
+    node leaves GPUs per node - TP GPUs idle on every inference node: the plan says so, and does not refuse it (a
+    small model at TP 1 or 2 is legitimate; to use the whole node, raise the TP or run more nodes).
+    """
     vtp, g = cfg.rollout.vllm_tensor_parallel_size, cfg.grpo.num_generations
     prompts = derived.num_prompts_per_generation
     servers = num_rollout_servers(cfg, shape)
@@ -408,7 +415,17 @@ def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, derived: Derived) 
 
 def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, derived: Derived) -> Budget:
     """One vLLM GPU: weights at vLLM's TP and the KV cache of its engine's share of a generation round, within
-    vLLM's share of the GPU."""
+    vLLM's share of the GPU.
+
+    vLLM's accounting (`Worker.determine_available_memory`, logged at start-up as "the current vLLM instance can use
+    total_gpu_memory x gpu_memory_utilization ... the rest of the memory reserved for KV Cache"): an engine may use
+    `gpu_memory_utilization` x GPU memory for weights (params * 2 B / its TP; KV heads replicated when TP > g), its
+    profiled activation peak and CUDA graphs (our `reserve`), and the KV cache. KV cache per token per GPU = 2 (K and
+    V) * L * max(g/TP, 1) * d * 2 B (vLLM's `AttentionSpec.page_size_bytes` per token), in blocks of 16 tokens; the
+    configured batch is every completion of one generation round on its engine (in server mode the busiest replica's
+    share, `_engine_sequences`), each at max prompt + max_completion_length tokens: the worst case vLLM must hold to
+    run the round in one wave.
+    """
     rollout, vtp = cfg.rollout, cfg.rollout.vllm_tensor_parallel_size
     server = rollout.vllm_mode == "server"
     engines, seqs, seqs_text = _engine_sequences(cfg, shape, derived)

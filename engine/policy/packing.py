@@ -6,46 +6,8 @@ balanced partition behind it (`partition_balanced`) and the rows of a packed mic
 The row-count split of the padded path (`per_device_train_batch_size` rows, right-padded to the round's longest
 sequence) stays in engine/policy/batch.py and is used when both options are off.
 
-Plan of one optimizer step (every rank computes the same plan from the same lengths: no collective):
-  1. the step's sequences are split over the DP ranks with equal work (sorted greedy, LPT: longest first, each to the
-     rank holding the fewest tokens; work = real tokens = prompt + completion);
-  2. packed: every rank cuts its share into the SAME number m of micro-batches (Megatron's schedules and verl's
-     `rearrange_micro_batches` all-reduce MAX do the same): m starts at max over ranks of ceil(tokens / budget) (at
-     most the largest rank's sequence count) and grows until every micro-batch holds at most `budget` real tokens (a single sequence longer than the budget gets
-     a micro-batch of its own); a rank with fewer sequences than m gets empty micro-batches (one pad row, no loss
-     tokens, a zero loss that still reaches every parameter); right-padded rows (token budget without packing):
-     the budget counts padded slots, sequences are sorted by length and cut greedily (`plan_sorted`), and ranks
-     with fewer micro-batches split their fullest until the counts agree;
-  3. each micro-batch becomes rows: `padded` (one sequence per row, right-padded to the micro-batch's longest; the
-     token-budget path without packing), `mask` (packing on the local spec: sequences first-fit-decreasing into rows
-     as wide as the micro-batch's longest sequence, attention confined to each sequence by a block-diagonal causal
-     mask), or `thd` (packing with Transformer Engine: the micro-batch is one row, `PackedSeqParams(qkv_format="thd",
-     cu_seqlens)`, attention per sequence in TE's varlen kernels).
-Groups may span micro-batches and ranks: the loss normaliser is the step's global one (engine/grpo/policy_loss.py
-LossNormalizer), so the loss and every gradient equal the padded path's whatever the plan (up to float summation
-order). Per-completion-token tensors keep TRL's (k, C) layout with the round's C; only the gather of hidden states
-changes (`seq_row`, `seq_offset`: where sequence i starts), so the fused log-prob kernel still sees only real
-completion tokens.
-
-Shapes: under PP every micro-batch of one schedule run has one (rows, width) (pipeline p2p buffers are sized once),
-padded with pad rows; otherwise each micro-batch has its own. Widths are rounded up to `multiple` (tp_size under
-sequence parallelism: Megatron splits the sequence over TP ranks; TRL's `pad_to_multiple_of` if set) and no more;
-the padded path's rows too (`_widen_rows`).
-
-NOTE on RoPE in the `mask` layout: Megatron's GPTModel computes rotary embeddings from the row length, not from
-`position_ids` (only the THD path applies them per sequence), so a sequence packed at offset o is rotated as positions
-o .. o+L-1 instead of 0 .. L-1. RoPE scores depend only on the relative position q - k, and the mask confines attention
-to one sequence, so the attention is the same up to float rounding of the larger angles. Measured (fp32, tiny Qwen2,
-the long-tailed batch of tests/distributed/test_packing_layouts.py, sequences up to 69 tokens): old log-probs within
-4.8e-7 of the padded rows' (the token-budget rows, with no offsets, differ by the same 4.8e-7: matmul shapes), loss
-rel 2.6e-7, grad norm equal; bf16: 3.7e-3. The block-diagonal mask needs Megatron's torch softmax: its fused CUDA softmax ignores a mask for causal
-attention, so the local spec on a GPU with apex's fused softmax (engine/policy/model.py turns it on there) does not
-pack: `padding_free` falls back to token-budget right-padded rows with a UserWarning (`PACKING_FALLBACK`: use
-Transformer Engine); without apex the mask path
-runs on the GPU too. step.py refuses a masked micro-batch when `masked_softmax_fusion` is on.
-
-The THD layout cannot run on this CPU-only machine (no Transformer Engine): it is written from Megatron-core 0.16.1's
-`PackedSeqParams` / `TEDotProductAttention` contract (verl's and NeMo-RL's usage) and is NOT tested here.
+The plan of one step and why the loss is unchanged: `step_microbatches`; RoPE and the fused softmax in the `mask`
+layout: `block_causal_mask`; the THD layout (Transformer Engine, NOT tested here): `thd_params`.
 
 Must not: talk to process groups, compute losses, or know the config tree beyond the fields `MicrobatchSpec` takes.
 
@@ -161,7 +123,7 @@ def plan_step(lengths: list[int], num_ranks: int, max_tokens: int) -> list[list[
     """Indices of a step's sequences for every rank and micro-batch: [rank][micro-batch] -> sequence indices.
 
     Every rank gets the same number of micro-batches; each holds at most `max_tokens` real tokens unless it is a
-    single longer sequence (see the module docstring).
+    single longer sequence (the plan: `step_microbatches`).
     """
     if max_tokens < 1:
         raise ValueError(f"a micro-batch token budget must be >= 1, got {max_tokens}")
@@ -316,6 +278,20 @@ def block_causal_mask(segment: torch.Tensor) -> torch.Tensor:
     """(rows, 1, W, W) bool, True = masked (Megatron's convention): token q sees token k <= q of its own segment.
 
     Padding (segment 0) sees the padding before it in its row; its outputs are never read.
+
+    NOTE on RoPE in the `mask` layout: Megatron's GPTModel computes rotary embeddings from the row length, not from
+    `position_ids` (only the THD path applies them per sequence), so a sequence packed at offset o is rotated as
+    positions o .. o+L-1 instead of 0 .. L-1. RoPE scores depend only on the relative position q - k, and the mask
+    confines attention to one sequence, so the attention is the same up to float rounding of the larger angles.
+    Measured (fp32, tiny Qwen2, the long-tailed batch of tests/distributed/test_packing_layouts.py, sequences up to 69
+    tokens): old log-probs within 4.8e-7 of the padded rows' (the token-budget rows, with no offsets, differ by the
+    same 4.8e-7: matmul shapes), loss rel 2.6e-7, grad norm equal; bf16: 3.7e-3.
+
+    The block-diagonal mask needs Megatron's torch softmax: its fused CUDA softmax ignores a mask for causal
+    attention, so the local spec on a GPU with apex's fused softmax (engine/policy/model.py turns it on there) does
+    not pack: `padding_free` falls back to token-budget right-padded rows with a UserWarning (`PACKING_FALLBACK`: use
+    Transformer Engine); without apex the mask path runs on the GPU too. step.py refuses a masked micro-batch when
+    `masked_softmax_fusion` is on.
     """
     width = segment.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool).tril()  # (W, W)
@@ -328,6 +304,8 @@ def thd_params(lengths: list[int], width: int):
 
     NOTE: not run on CPU (needs Transformer Engine). cu_seqlens are int32 on the current device, as TE requires;
     max_seqlen is the longest sequence (GPTModel sizes the rotary table from it and applies RoPE per sequence).
+    The THD layout cannot run on this CPU-only machine: it is written from Megatron-core 0.16.1's `PackedSeqParams` /
+    `TEDotProductAttention` contract (verl's and NeMo-RL's usage) and is NOT tested here.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -352,7 +330,34 @@ def _fixed_shape(batch: dict, plan: list[list[int]], spec: MicrobatchSpec, layou
 def step_microbatches(batch: dict, spec: MicrobatchSpec, num_ranks: int, rank: int) -> list[dict]:
     """This rank's micro-batches of one optimizer step's sequences (`batch`: every rank's, the same on all ranks).
 
-    Under PP the shape is fixed over every rank's micro-batches of the step (computable everywhere, same result).
+    The plan (every rank computes the same plan from the same lengths: no collective):
+      1. the step's sequences are split over the DP ranks with equal work (sorted greedy, LPT: longest first, each to
+         the rank holding the fewest tokens; work = real tokens = prompt + completion);
+      2. packed (`plan_step`): every rank cuts its share into the SAME number m of micro-batches (Megatron's
+         schedules and verl's `rearrange_micro_batches` all-reduce MAX do the same): m starts at max over ranks of
+         ceil(tokens / budget) (at most the largest rank's sequence count) and grows until every micro-batch holds
+         at most `budget` real tokens (a single sequence longer than the budget gets a micro-batch of its own); a
+         rank with fewer sequences than m gets empty micro-batches (one pad row, no loss tokens, a zero loss that
+         still reaches every parameter); right-padded rows (token budget without packing, `plan_sorted`): the budget
+         counts padded slots, sequences are sorted by length and cut greedily, and ranks with fewer micro-batches
+         split their fullest until the counts agree;
+      3. each micro-batch becomes rows (`build_microbatch`): `padded` (one sequence per row, right-padded to the
+         micro-batch's longest; the token-budget path without packing), `mask` (packing on the local spec:
+         sequences first-fit-decreasing into rows as wide as the micro-batch's longest sequence, attention confined
+         to each sequence by a block-diagonal causal mask), or `thd` (packing with Transformer Engine: the
+         micro-batch is one row, `PackedSeqParams(qkv_format="thd", cu_seqlens)`, attention per sequence in TE's
+         varlen kernels).
+
+    Groups may span micro-batches and ranks: the loss normaliser is the step's global one (engine/grpo/policy_loss.py
+    LossNormalizer), so the loss and every gradient equal the padded path's whatever the plan (up to float summation
+    order). Per-completion-token tensors keep TRL's (k, C) layout with the round's C; only the gather of hidden states
+    changes (`seq_row`, `seq_offset`: where sequence i starts), so the fused log-prob kernel still sees only real
+    completion tokens.
+
+    Shapes: under PP every micro-batch of one schedule run has one (rows, width) (pipeline p2p buffers are sized
+    once; computable everywhere, same result), padded with pad rows; otherwise each micro-batch has its own. Widths
+    are rounded up to `multiple` (tp_size under sequence parallelism: Megatron splits the sequence over TP ranks;
+    TRL's `pad_to_multiple_of` if set) and no more; the padded path's rows too (`_widen_rows`).
     """
     lengths = [int(n) for n in batch["lengths"]]
     budget = spec.max_tokens or spec.micro_batch_size * max(lengths)
