@@ -1,46 +1,19 @@
 """The per-token GRPO terms in one Triton kernel: importance ratio, surrogate, KL, masks, and d loss / d log-prob.
 
-What it fuses: given the per-token log-probs of the fused LM-head kernel (kernels/fused_logprob.py), one
-elementwise pass computes, per token, everything engine/grpo/policy_loss.py's torch code computes between the
-log-probs and the normaliser (that torch code is the reference; `tests/kernels/test_grpo_token_terms.py` holds the
-two equal to fp32 rounding for every loss type, both importance-sampling levels, forward and backward):
+Given the per-token log-probs of the fused LM-head kernel (kernels/fused_logprob.py), one elementwise pass computes,
+per token, everything engine/grpo/policy_loss.py's torch code computes between the log-probs and the normaliser
+(that torch code is the reference), with the derivatives, so the backward is one multiply by the upstream gradient.
 
-    r = exp(l - l_old) (token level) or exp(w_i) (sequence level: w_i given, see below)
-    surrogate  clipped (grpo, bnpo, dr_grpo, dapo, luspo): -min(min(r, delta) A, clamp(r, 1 - eps, 1 + eps_high) A)
-               cispo: -min(r, eps_high) A l (the cap without gradient);  sapo: -sigmoid(tau (r - 1)) 4 / tau A
-               vespo: -phi A l (phi per sequence and sign of A, without gradient)
-    loss_t   = surrogate x off-policy mask x top-entropy mask x vLLM IS ratio (each optional, in TRL's order)
-               + beta KL, KL = k1 / k2 / k3 of d = l_ref - l (x r with `use_bias_correction_kl`)
-and, in the same pass, the derivatives d loss_t / d l and (sequence level) d loss_t / d w_i, with autograd's
-conventions at the kinks (min: a tie splits the gradient in halves; clamp passes it on the closed interval), so the
-backward is one multiply by the upstream gradient: no second pass over the GRPO maths and no saved intermediates.
-
-Where the sequence-level reduction lives: in torch, before the kernel. GSPO's w_i = sum_t m (l - l_old) /
-max(sum_t m, 1), VESPO's phi_i and the off-policy mask (a per-sequence mean KL) each need a whole row before any of
-that row's tokens can be finished: a grid-wide dependency, so a Triton version is a second launch in any case, and
-torch's masked row sum is one launch already. The kernel reads the per-sequence values (B,) by row; autograd carries
-d loss / d w_i back through torch's reduction (the row sum of d loss_t / d w_i, done in the Function's backward).
-
-Why not inside `_stats_fwd_kernel`'s epilogue: a token's log-prob exists only after the vocabulary splits (and the
-TP ranks) are merged (`softmax_stats.merge_stats` / `reduce_stats_over_tp`); the statistics kernel sees one split.
-This kernel is the epilogue of that merge, on (B, T) log-probs.
-
-Is it worth it? These are O(B T) elementwise operations next to the O(N V H) LM-head GEMMs. Measured on the 2-core
-CPU VM (benchmarks/bench_grpo_token_terms.py, benchmarks/results/grpo_token_terms.csv, git 62d1be5; N = 2048 tokens,
-H = 512, V = 32000, fp32, forward + backward): the whole torch loss (terms, normaliser, metric sums) 0.39 ms against
-14955 ms for the chunked LM head (2.6e-5 of it); the Triton terms under the interpreter 13.8 ms (35x the torch
-terms), so "auto" keeps torch off CUDA. On a GPU the gain is launches and memory passes (~25-40 small torch kernels
-forward + backward -> 1 + 1), not FLOPs; it has not been timed on a GPU (none was lent), and next to the LM-head
-GEMMs it cannot be more than a small fraction of a step.
-
-Inputs and dtypes: (B, T) float32 or float64 log-prob tensors (bf16 / fp16 per-token inputs are upcast to the
-log-probs' dtype first, as torch's type promotion does); per-sequence inputs as (B,) / (B, 1). NaN handling at the
-kinks follows IEEE min/max, not torch's NaN propagation (NaN log-probs are an error upstream: kernels/softmax_stats.py).
+Owns: `TokenTermParams`, the kernel and its launcher, `_TokenTermsFunction` and the entry `grpo_token_terms` (the
+formulas, the kinks, inputs and dtypes, and why it is its own kernel: there). Whether it pays (measured):
+benchmarks/bench_grpo_token_terms.py.
 
 Must not: import engine/ (the caller maps its config onto `TokenTermParams`), normalise (the normalisers stay in
-engine/grpo/policy_loss.py), or keep tensors beyond the two gradient coefficients.
+engine/grpo/policy_loss.py), reduce over a sequence (GSPO's w_i, VESPO's phi_i and the off-policy mask arrive as
+inputs: `_TokenTermsFunction`), or keep tensors beyond the two gradient coefficients.
 
-Test: `pytest tests/kernels/test_grpo_token_terms.py` (interpreter on CPU, or real on a GPU).
+Test: `pytest tests/kernels/test_grpo_token_terms.py` (interpreter on CPU, or real on a GPU; equal to the torch terms
+to fp32 rounding for every loss type, both importance-sampling levels, forward and backward).
 """
 
 from __future__ import annotations
@@ -255,7 +228,14 @@ def build_token_terms_launch(logprobs: torch.Tensor, old_logprobs: torch.Tensor 
 
 
 class _TokenTermsFunction(torch.autograd.Function):
-    """(logprobs, seq_log_weights) -> (per-token loss, ratio, KL); the backward is grad x the saved derivatives."""
+    """(logprobs, seq_log_weights) -> (per-token loss, ratio, KL); the backward is grad x the saved derivatives.
+
+    Where the sequence-level reduction lives: in torch, before the kernel. GSPO's w_i = sum_t m (l - l_old) /
+    max(sum_t m, 1), VESPO's phi_i and the off-policy mask (a per-sequence mean KL) each need a whole row before any
+    of that row's tokens can be finished: a grid-wide dependency, so a Triton version is a second launch in any case,
+    and torch's masked row sum is one launch already. The kernel reads the per-sequence values (B,) by row; autograd
+    carries d loss / d w_i back through torch's reduction (the row sum of d loss_t / d w_i, done in `backward`).
+    """
 
     @staticmethod
     def forward(ctx, logprobs, seq_log_weights, inputs: dict, params: TokenTermParams):
@@ -293,6 +273,28 @@ def grpo_token_terms(
     phi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The unnormalised per-token GRPO loss, with the ratio and KL the metrics read, in one fused kernel.
+
+    Per token (l = logprobs):
+
+        r = exp(l - l_old) (token level) or exp(w_i) (sequence level: w_i given, `_TokenTermsFunction`)
+        surrogate  clipped (grpo, bnpo, dr_grpo, dapo, luspo): -min(min(r, delta) A, clamp(r, 1 - eps, 1 + eps_high) A)
+                   cispo: -min(r, eps_high) A l (the cap without gradient);  sapo: -sigmoid(tau (r - 1)) 4 / tau A
+                   vespo: -phi A l (phi per sequence and sign of A, without gradient)
+        loss_t   = surrogate x off-policy mask x top-entropy mask x vLLM IS ratio (each optional, in TRL's order)
+                   + beta KL, KL = k1 / k2 / k3 of d = l_ref - l (x r with `use_bias_correction_kl`)
+
+    and, in the same pass, the derivatives d loss_t / d l and (sequence level) d loss_t / d w_i, with autograd's
+    conventions at the kinks (min: a tie splits the gradient in halves; clamp passes it on the closed interval), so
+    the backward is one multiply by the upstream gradient: no second pass over the GRPO maths and no saved
+    intermediates.
+
+    Why not inside `_stats_fwd_kernel`'s epilogue: a token's log-prob exists only after the vocabulary splits (and
+    the TP ranks) are merged (`softmax_stats.merge_stats` / `reduce_stats_over_tp`); the statistics kernel sees one
+    split. This kernel is the epilogue of that merge, on (B, T) log-probs.
+
+    Inputs and dtypes: (B, T) float32 log-prob tensors (bf16 / fp16 per-token inputs are upcast to the log-probs'
+    dtype first, as torch's type promotion does); per-sequence inputs as (B,) / (B, 1). NaN handling at the kinks
+    follows IEEE min/max, not torch's NaN propagation (NaN log-probs are an error upstream: kernels/softmax_stats.py).
 
     Args:
         logprobs: (B, T) float32 current log-probs (autograd: receives d loss / d logprobs).

@@ -1,39 +1,15 @@
 """Tiny models without a hub: a small Qwen2- or Llama-architecture causal LM with random weights and a byte-level
 BPE tokenizer trained in-process on `engine/models/assets/tiny_corpus.txt`, saved in Hugging Face format.
 
-Owns: the tiny tokenizer (training, special tokens, chat template), the tiny model configs, building and caching
-the saved checkpoints, and the builtin names that `ModelConfig.name_or_path` accepts: `builtin:tiny-<family>`
+Owns: the tiny tokenizer (training, special tokens, chat template: `build_tiny_tokenizer`, `CHAT_TEMPLATE`), the
+tiny model configs (shapes and why: `tiny_model_config`), building and caching the saved checkpoints
+(`ensure_tiny_model`), and the builtin names that `ModelConfig.name_or_path` accepts: `builtin:tiny-<family>`
 (random weights, built on demand) and `builtin:tiny-qwen2-arith` (the tiny Qwen2 after the SFT warm start of
-engine/demo/warm_start.py, shipped as package data in `engine/models/assets/tiny-qwen2-arith/`: the demo's starting policy).
-Tests, the demo and the benchmarks use these models; real-model configs name a local directory or a hub name
-instead.
+engine/demo/warm_start.py, shipped as package data in `engine/models/assets/tiny-qwen2-arith/`: the demo's starting
+policy). Tests, the demo and the benchmarks use these models; real-model configs name a local directory or a hub name.
 
 Must not: touch the network, import vLLM or Megatron, or depend on anything outside `transformers`,
 `tokenizers` and `torch`. It only writes inside the directory it is given.
-
-Shapes (every family): hidden 128, 4 layers, 4 query heads and 2 KV heads of head_dim 32 (= 128 / 4; vLLM's CPU
-attention refuses head_dim < 32, CPU_STACK.md; Qwen3 and Qwen3-MoE: head_dim 64, so heads x head_dim = 256 != hidden),
-GQA ratio 2, MLP 352 (Qwen3-MoE: 4 experts of width 64, top-2), vocabulary `TINY_VOCAB_SIZE` = 400.
-400 is deliberately not a multiple of 128 (400 = 3 * 128 + 16), so Megatron's vocab padding (to 512 at
-make_vocab_size_divisible_by=128) and vLLM's per-rank padding are exercised. Qwen2 has a QKV bias, Llama none.
-841,856 parameters (untied qwen2): building one takes ~0.2 s once transformers is imported.
-
-Tokenizer: Qwen2's pre-tokenizer regex (every digit its own pre-token, so numbers are digit tokens and the model
-sees "19" as "1", "9"), byte-level BPE, 3 special tokens first in the vocabulary: `<|endoftext|>` = 0 (eos and
-pad, as in Qwen2 base models), `<|im_start|>` = 1, `<|im_end|>` = 2. There is no BOS token (Qwen-style: nothing is
-prepended); the model config's bos_token_id is `<|endoftext|>`, as in Qwen2's config. The saved
-generation_config stops at `<|endoftext|>` or `<|im_end|>` (the end of an assistant turn); vLLM reads those as
-stop tokens. `padding_side="left"`: batched generation needs prompts right-aligned. Training the BPE is
-deterministic (same merges in every process: the `tokenizers` trainer breaks count ties by pair order), so the
-vocabulary, the saved tokenizer and the model bytes for a seed never change unless the corpus does.
-
-The chat template is Qwen2's ChatML without the default system prompt that Qwen2 injects (it would add ~12 tokens
-to every prompt of a 1024-position model):
-    <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n
-
-Caching: `ensure_tiny_model` builds into a temporary sibling directory and renames it into place, so a directory
-named after a model is always complete; its name carries a fingerprint of the corpus and the factory version, so
-a changed corpus never reuses a stale build.
 
 Test: `python -m pytest tests/unit/test_tiny_model.py` (fast) and
 `python -m pytest tests/integration/test_tiny_model_vllm.py` (vLLM on CPU loads the model; logprobs match HF).
@@ -106,7 +82,10 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- endif %}"
 )
-"""Qwen2's ChatML template without the injected default system prompt (see the module docstring)."""
+"""Qwen2's ChatML template without the default system prompt that Qwen2 injects (it would add ~12 tokens to every
+prompt of a 1024-position model):
+    <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n
+"""
 
 _HIDDEN_SIZE = 128
 _NUM_HEADS = 4
@@ -149,6 +128,15 @@ def _trained_tokenizer_json() -> str:
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Build the tiny byte-level BPE tokenizer, trained in-process on the embedded corpus.
 
+    Qwen2's pre-tokenizer regex (every digit its own pre-token, so numbers are digit tokens and the model sees "19"
+    as "1", "9"), byte-level BPE, 3 special tokens first in the vocabulary: `<|endoftext|>` = 0 (eos and pad, as in
+    Qwen2 base models), `<|im_start|>` = 1, `<|im_end|>` = 2. There is no BOS token (Qwen-style: nothing is
+    prepended); the model config's bos_token_id is `<|endoftext|>`, as in Qwen2's config. The saved
+    generation_config stops at `<|endoftext|>` or `<|im_end|>` (the end of an assistant turn); vLLM reads those as
+    stop tokens. `padding_side="left"`: batched generation needs prompts right-aligned. Training the BPE is
+    deterministic (same merges in every process: the `tokenizers` trainer breaks count ties by pair order), so the
+    vocabulary, the saved tokenizer and the model bytes for a seed never change unless the corpus does.
+
     Returns:
         A new `PreTrainedTokenizerFast` with `TINY_VOCAB_SIZE` tokens; `<|endoftext|>` (id 0) is eos and pad,
         `<|im_start|>` = 1, `<|im_end|>` = 2, no bos, `padding_side="left"`, and a Qwen-style ChatML
@@ -176,6 +164,13 @@ def tiny_model_config(
     family: str = "qwen2", *, vocab_size: int | None = None, tie_word_embeddings: bool = False
 ) -> PretrainedConfig:
     """The tiny model's Hugging Face config.
+
+    Shapes (every family): hidden 128, 4 layers, 4 query heads and 2 KV heads of head_dim 32 (= 128 / 4; vLLM's CPU
+    attention refuses head_dim < 32, CPU_STACK.md; Qwen3 and Qwen3-MoE: head_dim 64, so heads x head_dim = 256 !=
+    hidden), GQA ratio 2, MLP 352 (Qwen3-MoE: 4 experts of width 64, top-2), vocabulary `TINY_VOCAB_SIZE` = 400.
+    400 is deliberately not a multiple of 128 (400 = 3 * 128 + 16), so Megatron's vocab padding (to 512 at
+    make_vocab_size_divisible_by=128) and vLLM's per-rank padding are exercised. Qwen2 has a QKV bias, Llama none.
+    841,856 parameters (untied qwen2): building one takes ~0.2 s once transformers is imported.
 
     Args:
         family: "qwen2" (QKV bias), "llama" (no bias anywhere), "qwen3" (per-head q/k RMSNorm, no bias, head_dim
@@ -303,6 +298,10 @@ def ensure_tiny_model(
     cache_dir: str | Path, family: str = "qwen2", seed: int = 0, tie_word_embeddings: bool = False
 ) -> Path:
     """Return a cached tiny model under `cache_dir`, building it first if it is missing or incomplete.
+
+    It builds into a temporary sibling directory and renames it into place, so a directory named after a model is
+    always complete; its name carries a fingerprint of the corpus and the factory version, so a changed corpus never
+    reuses a stale build.
 
     Safe when several processes call it at once: each builds in its own temporary directory under `cache_dir`
     and renames it into place; the first rename wins and the others discard their copy (same bytes anyway).

@@ -3,34 +3,14 @@
 R3 (anchors/frameworks.md Q6 #3; NVIDIA/Megatron-LM#4168): the experts the inference engine routed each token to are
 replayed in the training forward, so training and sampling run the same experts even where their routers disagree
 (bf16 kernels, different reductions): without it ~10% of routing decisions differ and GRPO runs on Qwen3-30B-A3B
-collapsed. A micro-batch that carries `routed_experts` (b, T, L, k) int64 (global layer L, top-k expert ids; what vLLM
-returns per sequence as `routed_experts` [seq_len, L, k]) is either
-- replayed (`model.moe_enable_routing_replay`): each MoE layer's router takes the given top-k instead of computing it
-  (Megatron's `RouterReplayAction.REPLAY_FORWARD`; the probabilities are the router's own scores at those experts,
-  renormalised as usual, so the router still gets gradients), or
-- recorded and compared (off): `router_agreement` counts the (token, layer) pairs where the trainer picked the same
-  set of k experts as the engine, over the real tokens only.
-Positions the engine gave no routes for (padding; the last sampled token, which vLLM never runs) must still hold k
-distinct ids; `pad_routes` fills them with 0..k-1 (their hidden states are read by no log-prob).
-Packed micro-batches (`input_ids` rows, engine/policy/packing.py) carry the routes in the same rows as
-`input_routes` (rows, W, L, k) with `input_routes_valid` (rows, W), True where the engine routed the token.
-The agreement is accumulated per model chunk (`take_router_agreement` sums it over the ranks and resets it): the
-loop reads it after the old-log-prob forward, where trainer and engine hold the same weights.
+collapsed. Measured on the tiny MoE: benchmarks/bench_routing_replay.py.
 
-Token order: Megatron's router sees the layer input (s, b, H) flattened to (s*b, H), so route row s_i*b + b_i is token
-(b_i, s_i); under sequence parallelism each TP rank holds s/tp of the sequence.
+Owns: setting each router per forward (`begin_forward`: replay or record, the routes' layout and token order;
+`end_forward` / `finish_schedule`: the routes activation recompute replays), the agreement metric
+(`router_agreement` ... `take_router_agreement`) and the engine's routes as tensors (`pad_routes`, `routes_dtype`).
 
 Must not: read Megatron's global parallel state (each router's own `router_replay` object is set, never the static
 list of all instances, which other models built in the same process would also be on), or touch vLLM.
-Activation recompute (`train.gradient_checkpointing`): a recomputed layer runs its forward again in the backward, and
-its router must take the same experts then, or the gradient belongs to another forward. Every forward that will be
-recomputed (a training forward, grad enabled, of a layer that full recompute or selective `moe` recompute covers:
-`_recomputed_layers`) keeps the top-k its router used, the replayed routes or its own choice alike, in Megatron's
-per-router FIFO (`RouterReplay.replay_backward_list`), and between forwards the routers stand at
-`REPLAY_BACKWARD`, so each recomputed forward pops the top-k of its own forward. Megatron's schedules run the
-backwards of a model chunk in the order of its forwards (1F1B, interleaved or not), which is the FIFO's order.
-`run_schedule` starts every pass with empty queues and checks they are empty after it (`finish_schedule`). The
-agreement is counted once per forward, in `forward_step`, never in a recomputed forward (which does not record).
 
 Test: tests/distributed/test_routing_replay.py (EP2, and TP2 x EP2 with sequence parallelism).
 """
@@ -56,7 +36,11 @@ def _moe_routers(chunk: torch.nn.Module):
 
 
 def _router_order(per_token: torch.Tensor, ps: ParallelState) -> torch.Tensor:
-    """(b, T, ...) -> (s*b [/tp], ...): the router's token order (this TP rank's sequence shard under SP)."""
+    """(b, T, ...) -> (s*b [/tp], ...): the router's token order (this TP rank's sequence shard under SP).
+
+    Megatron's router sees the layer input (s, b, H) flattened to (s*b, H), so route row s_i*b + b_i is token
+    (b_i, s_i); under sequence parallelism each TP rank holds s/tp of the sequence.
+    """
     x = per_token.transpose(0, 1)  # (T, b, ...)
     if ps.sequence_parallel and ps.tp_size > 1:
         step = x.shape[0] // ps.tp_size
@@ -86,6 +70,18 @@ def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay
                   will_backward: bool = False) -> bool:
     """Set every MoE router of `chunk` for this micro-batch's forward; returns whether routes were recorded (so
     `router_agreement` can be asked after the forward).
+
+    A micro-batch that carries `routed_experts` (b, T, L, k) int64 (global layer L, top-k expert ids; what vLLM
+    returns per sequence as `routed_experts` [seq_len, L, k]) is either
+    - replayed (`model.moe_enable_routing_replay`): each MoE layer's router takes the given top-k instead of computing
+      it (Megatron's `RouterReplayAction.REPLAY_FORWARD`; the probabilities are the router's own scores at those
+      experts, renormalised as usual, so the router still gets gradients), or
+    - recorded and compared (off): `router_agreement` counts the (token, layer) pairs where the trainer picked the
+      same set of k experts as the engine, over the real tokens only.
+    Positions the engine gave no routes for (padding; the last sampled token, which vLLM never runs) must still hold
+    k distinct ids (`pad_routes`). Packed micro-batches (`input_ids` rows, engine/policy/packing.py) carry the routes
+    in the same rows as `input_routes` (rows, W, L, k) with `input_routes_valid` (rows, W), True where the engine
+    routed the token. Recompute: `end_forward`.
 
     replay: True = use the batch's `routed_experts`; False = record the trainer's own choice.
     will_backward: a training forward whose backward follows (recomputed layers then keep their top-k: `end_forward`).
@@ -159,7 +155,10 @@ def record_router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelSta
 
 def take_router_agreement(chunks: list[torch.nn.Module], ps: ParallelState) -> float | None:
     """The fraction of (token, layer) pairs routed alike by trainer and engine since the last call, over every
-    rank's chunks (a collective: every rank calls it); the counts are reset. None when nothing was compared."""
+    rank's chunks (a collective: every rank calls it); the counts are reset. None when nothing was compared.
+
+    The agreement is accumulated per model chunk (`record_router_agreement`); the loop reads it after the
+    old-log-prob forward, where trainer and engine hold the same weights."""
     counts = torch.tensor([getattr(getattr(c, "module", c), "router_agreement_counts", (0, 0)) for c in chunks],
                           dtype=torch.float64).sum(0)  # (2,); chunks may sit inside Megatron's DDP wrapper
     clear_router_agreement(chunks)
@@ -177,7 +176,18 @@ def clear_router_agreement(chunks: list[torch.nn.Module]) -> None:
 def end_forward(chunk: torch.nn.Module) -> None:
     """After a forward: each router to be recomputed queues the top-k it used (replayed or its own) for its
     recomputed forward and stands at REPLAY_BACKWARD; the others are cleared (the next forward routes by itself
-    unless `begin_forward` sets it)."""
+    unless `begin_forward` sets it).
+
+    Activation recompute (`train.gradient_checkpointing`): a recomputed layer runs its forward again in the backward,
+    and its router must take the same experts then, or the gradient belongs to another forward. Every forward that
+    will be recomputed (a training forward, grad enabled, of a layer that full recompute or selective `moe` recompute
+    covers: `_recomputed_layers`) keeps the top-k its router used, the replayed routes or its own choice alike, in
+    Megatron's per-router FIFO (`RouterReplay.replay_backward_list`), and between forwards the routers stand at
+    `REPLAY_BACKWARD`, so each recomputed forward pops the top-k of its own forward. Megatron's schedules run the
+    backwards of a model chunk in the order of its forwards (1F1B, interleaved or not), which is the FIFO's order.
+    `run_schedule` starts every pass with empty queues and checks they are empty after it (`finish_schedule`). The
+    agreement is counted once per forward, in `forward_step`, never in a recomputed forward (which does not record).
+    """
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     for _, router in _moe_routers(chunk):
