@@ -5,22 +5,7 @@ Owns: `sampling_kwargs(gen)` (the `generation` section as vLLM `SamplingParams` 
 `GenerationConfig` names a TRL user passes in `generation_kwargs` (TRL hands them to `generate()` when vLLM is off;
 this engine always samples with vLLM), the errors for keys vLLM has no meaning for, and
 `sampling_logprobs_mode(gen)`: the vLLM `logprobs_mode` whose sampled-token log-probs are of the trainer's
-distribution.
-
-Which distribution (issue #27 item 7). The trainer's log-probs are the model's own softmax at the sampling
-temperature over the whole vocabulary, `log softmax(z / T)[y]`, as TRL's and verl's trainers compute them: that is
-the policy being optimised. vLLM's `processed_logprobs` (what TRL asks vLLM for) are taken after penalties, min_p,
-top_k and top_p, i.e. renormalised over the truncated support: with `top_k=10, top_p=0.9` on the tiny models they
-sit ~3.3 nats/token above the trainer's, the IS weight exp(sum of the differences) is ~1e-12 and nothing learns
-(TRL's open issue huggingface/trl#6789). Making the trainer compute the processed distribution instead would need
-the sampler's kept-token set per position inside the fused LM-head kernel (vocab-parallel top-p is a global sort)
-and would change the objective to the truncated policy; we keep the trainer's (TRL's and verl's) objective and ask
-vLLM for the same quantity: with truncation or penalties in play, `raw_logprobs` (the model's softmax before any
-processing) equals it at T = 1. vLLM 0.32 has no mode "after temperature, before truncation", so for T != 1 with
-truncation no vLLM log-prob is of the trainer's distribution: `sampling_logprobs_mode` returns None, the engine
-reports NaN (unavailable), and engine/validation.py refuses the settings that would silently read them (the vLLM
-IS correction, the off-policy mask). The truncation itself (sampling from the truncated policy, training the full
-one) stays uncorrected, as in TRL and verl.
+distribution (which distribution, and why not vLLM's processed one: there).
 
 Must not: import vLLM (engine/rollout/vllm_engine.py builds `SamplingParams` from `sampling_kwargs`) or anything of
 the engine's but its config.
@@ -113,6 +98,21 @@ def sampling_logprobs_mode(gen: GenerationConfig) -> str | None:
 
     Returns "processed_logprobs" (temperature only), "raw_logprobs" (truncation or penalties at T = 1), or None
     (truncation or penalties at T != 1: vLLM 0.32 reports no log-prob of that distribution).
+
+    Which distribution (issue #27 item 7). The trainer's log-probs are the model's own softmax at the sampling
+    temperature over the whole vocabulary, `log softmax(z / T)[y]`, as TRL's and verl's trainers compute them: that
+    is the policy being optimised. vLLM's `processed_logprobs` (what TRL asks vLLM for) are taken after penalties,
+    min_p, top_k and top_p, i.e. renormalised over the truncated support: with `top_k=10, top_p=0.9` on the tiny
+    models they sit ~3.3 nats/token above the trainer's, the IS weight exp(sum of the differences) is ~1e-12 and
+    nothing learns (TRL's open issue huggingface/trl#6789). Making the trainer compute the processed distribution
+    instead would need the sampler's kept-token set per position inside the fused LM-head kernel (vocab-parallel
+    top-p is a global sort) and would change the objective to the truncated policy; we keep the trainer's (TRL's and
+    verl's) objective and ask vLLM for the same quantity: with truncation or penalties in play, `raw_logprobs` (the
+    model's softmax before any processing) equals it at T = 1. vLLM 0.32 has no mode "after temperature, before
+    truncation", so for T != 1 with truncation no vLLM log-prob is of the trainer's distribution: this returns None,
+    the engine reports NaN (unavailable), and engine/validation.py refuses the settings that would silently read
+    them (the vLLM IS correction, the off-policy mask). The truncation itself (sampling from the truncated policy,
+    training the full one) stays uncorrected, as in TRL and verl.
     """
     if not reshaping_settings(gen):
         return "processed_logprobs"

@@ -1,22 +1,9 @@
 """Compile-only check of every Triton kernel in kernels/ for sm_90 and sm_80, at the launches a GPU run makes.
 
-What it does: builds each kernel's launch exactly as the launcher would on a GPU (the launchers' own
-`build_*_launch` functions, on "meta" tensors: same dtypes, shapes, strides, block sizes, num_warps, num_stages and
-integer specialisation), turns it into a `triton.compiler.ASTSource` the way `JITFunction.run` does, and compiles it
-with `triton.compile(..., target=GPUTarget("cuda", arch, 32))` down to a cubin (ptxas ships in the triton wheel, no
-GPU or driver is needed). Per compiled kernel it reports registers and spill bytes (ptxas -v, captured through
-`knobs.nvidia.dump_ptxas_log`) and the shared memory the launch needs (`metadata.shared`), and fails on:
-- a compile error (Triton front end, LLVM or ptxas);
-- shared memory over the per-block limit (`SHARED_MEMORY_LIMIT_BYTES`: sm_90 227 KiB, sm_80 163 KiB dynamic);
-- any spill (`MAX_SPILL_BYTES` = 0 at the chosen tiles: the kernels' defaults were picked so that nothing spills).
-Launches whose specialisation is the same (signature, divisibility attributes, constexprs, options) are compiled
-once. Nothing is cached across runs (a fresh temporary cache, `always_compile`).
-
-The launch points (`LAUNCH_POINTS`) are the GPU suite's sweep (benchmarks/gpu/lm_head.py `GPU`: N in 2048, 8192,
-16384; H in 1536, 4096; V = 151936) and the GPU tests' shape (tests/kernels/test_fused_logprob.py: N=64, H=48,
-V=300), in every dtype the launchers accept, with the default tiles (`default_tiles`), at `LAUNCH_WORKSPACES_MB`.
-NOTE: meta tensors have data_ptr 0, so every pointer is taken as 16-byte aligned; a real slab of an odd-H problem
-may not be (Triton then compiles a less vectorised variant that this check does not see).
+Owns: building each kernel's launch as its launcher would on a GPU (`lm_head_launches`, `token_terms_launches`: the
+launchers' own `build_*_launch` on "meta" tensors), compiling it to a cubin without a GPU (`_specialise`,
+`compile_launch`: how, and what fails), the launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's
+sweep and the GPU tests' shape) and the report (`CompileReport`, `format_table`).
 
 Must not: run under TRITON_INTERPRET=1 (triton.jit then returns interpreted functions, which have no compiler IR):
 `check_kernels` raises; the test runs it in a subprocess without that variable. It relies on Triton internals that
@@ -74,7 +61,12 @@ LAUNCH_POINTS = (
     *((n, h, 151936) for n in (2048, 8192, 16384) for h in (1536, 4096)),
     (64, 48, 300),
 )
-"""(N, H, V) of the GPU suite's sweep (benchmarks/gpu/lm_head.py) and the GPU tests (tests/kernels/)."""
+"""(N, H, V) of the GPU suite's sweep (benchmarks/gpu/lm_head.py `GPU`: N in 2048, 8192, 16384; H in 1536, 4096;
+V = 151936) and the GPU tests' shape (tests/kernels/test_fused_logprob.py: N=64, H=48, V=300), checked in every dtype
+the launchers accept, with the default tiles (`default_tiles`), at `LAUNCH_WORKSPACES_MB`.
+
+NOTE: meta tensors have data_ptr 0, so every pointer is taken as 16-byte aligned; a real slab of an odd-H problem may
+not be (Triton then compiles a less vectorised variant that this check does not see)."""
 LAUNCH_WORKSPACES_MB = (128.0, 1024.0)
 """`workspace_mb` of the recorded benchmark runs (128) and the engine's `kernels.loss_workspace_mb` default (1024;
 tests/kernels/test_compile_check.py checks that the engine's default is here): the backward's slab shapes follow."""
@@ -158,7 +150,12 @@ def token_terms_launches(num_rows: int) -> list[KernelLaunch]:
 
 
 def _specialise(launch: KernelLaunch, arch: int) -> tuple[triton.compiler.ASTSource, dict, str]:
-    """(ASTSource, compile options, cache key) of a launch, as `JITFunction.run` builds them."""
+    """(ASTSource, compile options, cache key) of a launch, as `JITFunction.run` builds them.
+
+    The launch carries the GPU run's dtypes, shapes, strides, block sizes, num_warps, num_stages and integer
+    specialisation; launches whose specialisation is the same (signature, divisibility attributes, constexprs,
+    options: the cache key) are compiled once.
+    """
     fn = launch.kernel
     backend = make_backend(GPUTarget("cuda", arch, 32))
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -187,7 +184,16 @@ def _variant(launch: KernelLaunch) -> str:
 
 
 def compile_launch(launch: KernelLaunch, arch: int, source: tuple | None = None) -> CompileReport:
-    """Compile one launch for sm_<arch> and check it (shared memory, spills); errors are reported, not raised."""
+    """Compile one launch for sm_<arch> and check it (shared memory, spills); errors are reported, not raised.
+
+    `triton.compile(..., target=GPUTarget("cuda", arch, 32))` down to a cubin (ptxas ships in the triton wheel, no GPU
+    or driver is needed), in a fresh temporary cache (`_fresh_compiler`: nothing is cached across runs). It reports
+    registers and spill bytes (ptxas -v, captured through `knobs.nvidia.dump_ptxas_log`) and the shared memory the
+    launch needs (`metadata.shared`), and fails on:
+    - a compile error (Triton front end, LLVM or ptxas);
+    - shared memory over the per-block limit (`SHARED_MEMORY_LIMIT_BYTES`: sm_90 227 KiB, sm_80 163 KiB dynamic);
+    - any spill (`MAX_SPILL_BYTES` = 0 at the chosen tiles: the kernels' defaults were picked so that nothing spills).
+    """
     src, options, _ = source or _specialise(launch, arch)
     limit = SHARED_MEMORY_LIMIT_BYTES[arch]
     dtype = str(launch.args[0].dtype).removeprefix("torch.")

@@ -1,29 +1,15 @@
 """TRL-compatible API: `GRPOConfig` and `GRPOTrainer` with TRL 1.16's arguments, run by this engine's loop.
 
 A TRL GRPO script runs here with its import line changed (`from engine import GRPOConfig, GRPOTrainer`) and, where
-the model is a hub name and the machine is offline, the model path. `examples/` holds such scripts.
+the model is a hub name and the machine is offline, the model path. `examples/` holds such scripts. How we differ
+from TRL (all loud): `GRPOTrainer`.
 
-Owns: `GRPOTrainer`: refusals with a message for what this engine does not do (PEFT, custom optimizers, tools),
-resolving `model` (a local directory, a `builtin:` name, a hub name from the local cache or
-a download, a `PreTrainedModel` saved under output_dir) and `reward_funcs` (callables, config strings, reward-model
-directories or objects with their `reward_processing_classes`), checking the batch geometry before anything starts,
-and handing datasets, reward callables, the tokenizer and the user hooks (`group_filter_func`,
-`dynamic_prompts_fn`: any callable, a function of the script, a lambda or an instance) to `engine.train.loop.train` in
-memory. `train()` returns transformers' `TrainOutput` and leaves `state.log_history` as HF's Trainer does: the
-per-step records, then the final one (train_runtime, train_samples_per_second, train_steps_per_second, total_flos,
-train_loss, epoch, step; `final_record`); `save_model()` writes a Hugging Face checkpoint of the trained policy. TRL's other attributes and methods
-(`model`, `ref_model`, `processing_class`, `reward_processing_classes`, `state`, callbacks, `evaluate()`, streaming
-datasets) are engine/api/trl_surface.py's `TrainerSurface`; callbacks and the evaluation schedule
-engine/api/trl_callbacks.py's.
-`GRPOConfig` (the argument mapping) lives in engine/api/trl_config.py. `GFPOTrainer` / `GFPOConfig` are TRL's
-experimental GFPO names (trl.experimental.gfpo, TRL <= 1.7.1), also at `engine.experimental.gfpo`.
-
-Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP);
-generation always uses vLLM; a single `eval_dataset` is also scored before and after training (held-out reward,
-`eval_reward_before` / `_after`), besides TRL's `eval_strategy` schedule; `train()` runs once per trainer (the
-engine tears its process group down at the end, and on any exception, so a new trainer can train in the same
-process). Under torchrun every rank runs the script, so every rank builds the same objects;
-files written on the way (a saved `PreTrainedModel`) are written by rank 0 and awaited by the others.
+Owns: `GRPOTrainer` (refusals, resolving `model` and `reward_funcs`, the batch-geometry check, handing everything to
+`engine.train.loop.train` in memory; `train()` and its HF-style `log_history`: `GRPOTrainer.train`, `final_record`;
+`save_model()`) and TRL's experimental `GFPOTrainer` (trl.experimental.gfpo, TRL <= 1.7.1, also at
+`engine.experimental.gfpo`). TRL's other attributes and methods (`model`, `ref_model`, `state`, `evaluate()`,
+streaming datasets) are engine/api/trl_surface.py's `TrainerSurface`; callbacks and the evaluation schedule
+engine/api/trl_callbacks.py's; the argument mapping `GRPOConfig` engine/api/trl_config.py's.
 
 Must not: implement any part of the loop (engine/train/loop.py), import vLLM or Megatron at import time (importing
 `engine` stays light), or import trl (a test-only dependency).
@@ -65,6 +51,20 @@ INITIAL_MODEL_DIR = "initial_model"
 
 class GRPOTrainer(TrainerSurface):
     """TRL's `GRPOTrainer` signature over `engine.train.loop.train` (full fine-tuning with Megatron, vLLM rollout).
+
+    It refuses with a message what this engine does not do (PEFT, custom optimizers, tools), resolves `model` (a
+    local directory, a `builtin:` name, a hub name from the local cache or a download, a `PreTrainedModel` saved under
+    output_dir) and `reward_funcs` (callables, config strings, reward-model directories or objects with their
+    `reward_processing_classes`), checks the batch geometry before anything starts, and hands datasets, reward
+    callables, the tokenizer and the user hooks (`group_filter_func`, `dynamic_prompts_fn`: any callable, a function
+    of the script, a lambda or an instance) to `engine.train.loop.train` in memory.
+
+    Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP);
+    generation always uses vLLM; a single `eval_dataset` is also scored before and after training (held-out reward,
+    `eval_reward_before` / `_after`), besides TRL's `eval_strategy` schedule; `train()` runs once per trainer (the
+    engine tears its process group down at the end, and on any exception, so a new trainer can train in the same
+    process). Under torchrun every rank runs the script, so every rank builds the same objects; files written on the
+    way (a saved `PreTrainedModel`) are written by rank 0 and awaited by the others.
 
     Args:
         model: a local Hugging Face checkpoint directory, a `builtin:` name (engine/models/tiny_model.py), a hub name (the
@@ -157,6 +157,9 @@ class GRPOTrainer(TrainerSurface):
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
               ignore_keys_for_eval: Any = None):
         """Run GRPO; returns `transformers.trainer_utils.TrainOutput(global_step, training_loss, metrics)`.
+
+        Leaves `state.log_history` as HF's Trainer does: the per-step records, then the final one (train_runtime,
+        train_samples_per_second, train_steps_per_second, total_flos, train_loss, epoch, step; `final_record`).
 
         Args:
             resume_from_checkpoint: a checkpoint directory, or True for the newest under output_dir.

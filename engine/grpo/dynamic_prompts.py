@@ -1,34 +1,13 @@
 """Dynamic prompts: the user hook that picks the next generation's prompts from the last one's results (curricula).
 
-Owns: the call contract of `dynamic_prompts_fn(prompts, completions, rewards, metas) -> new prompts`, laying the
-generation out one element per sample for it, and the validation of what it returns, with an error that names the
-hook and says what was expected and what came back.
+Owns: the call contract of `dynamic_prompts_fn(prompts, completions, rewards, metas) -> new prompts` (the documented
+hook of a TRL fork; TRL itself has none: `call_dynamic_prompts_fn`), laying the generation out one element per sample
+for it, and the validation of what it returns (`rows_for_next_generation`), with an error that names the hook and
+says what was expected and what came back.
 
 Must not: generate, touch the dataset or sampler, queue, or loop; the trainer (engine/train/sampling.py
 `queue_prompts`) calls `call_dynamic_prompts_fn` on rank 0 after each generation (also within DAPO dynamic
 sampling) and queues the returned rows (engine/train/prompt_queue.py; the queue travels in checkpoints).
-
-Contract (the documented hook of a TRL fork, `GRPOConfig(dynamic_prompts_fn=curriculum_fn)`; TRL itself has none).
-The four lists are zipped element by element, ONE ELEMENT PER SAMPLE, B = P * G of them, group by group:
-    prompts      prompts[i] the prompt of sample i (each group's prompt repeated G times): a str, or a list of
-                 {"role", "content"} messages
-    completions  completions[i] that sample's completion as the reward functions saw it (str, or a message list
-                 for conversational data)
-    rewards      rewards[i] a python float, the sample's aggregated weighted reward (float('nan') = unscorable)
-    metas        metas[i] a dict of the row's other dataset columns (everything but "prompt", e.g. the answer)
-  returns prompts to train next, a list (or tuple) of length P (one per group: taken as they are) or B (one per
-  sample: deduplicated in order, each distinct prompt once, so a group whose samples get different prompts, as in the
-  seed's documented example, yields each of them). Each becomes a group of G completions of its own: the trainer
-  queues them and draws every round's P prompts from the queue before the dataset (engine/train/prompt_queue.py has
-  the policy, its cap and what happens past it). Each element is a prompt (str or message list) or a dataset row
-  {"prompt": ..., **columns}. Columns reach the reward functions as TRL's reward
-  kwargs do:
-    * a dict row brings its own columns (and only those);
-    * a str / message prompt equal to one of this generation's prompts keeps that row's columns (the row of the
-      same group if its prompt is equal, else the first equal one), so rewards that read e.g. `answer` keep
-      working on retried prompts;
-    * a brand-new str / message prompt has no columns of its own (its value is None in columns other rows have);
-      to keep a column (e.g. `answer` for a prompt with a hint appended), return a row {"prompt": ..., "answer": ...}.
 
 Test: `pytest tests/unit/test_dynamic_prompts.py`.
 """
@@ -58,6 +37,16 @@ def call_dynamic_prompts_fn(
     metas: Sequence[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Call the hook with one element per sample and turn its answer into the next generation's P rows.
+
+    The contract (a TRL fork's `GRPOConfig(dynamic_prompts_fn=curriculum_fn)`). The four lists are zipped element by
+    element, ONE ELEMENT PER SAMPLE, B = P * G of them, group by group:
+        prompts      prompts[i] the prompt of sample i (each group's prompt repeated G times): a str, or a list of
+                     {"role", "content"} messages
+        completions  completions[i] that sample's completion as the reward functions saw it (str, or a message list
+                     for conversational data)
+        rewards      rewards[i] a python float, the sample's aggregated weighted reward (float('nan') = unscorable)
+        metas        metas[i] a dict of the row's other dataset columns (everything but "prompt", e.g. the answer)
+    and it returns the prompts to train next (what they may be: `rows_for_next_generation`).
 
     Args:
         dynamic_prompts_fn: the user's hook.
@@ -91,7 +80,20 @@ def call_dynamic_prompts_fn(
 def rows_for_next_generation(
     returned: Any, prompts: Sequence[Any], metas: Sequence[dict[str, Any]], num_generations: int
 ) -> list[dict[str, Any]]:
-    """Check the hook's return value and turn it into the next generation's rows (see the module docstring).
+    """Check the hook's return value and turn it into the next generation's rows.
+
+    The hook returns a list (or tuple) of length P (one per group: taken as they are) or B (one per sample:
+    deduplicated in order, each distinct prompt once, so a group whose samples get different prompts, as in the
+    seed's documented example, yields each of them). Each becomes a group of G completions of its own: the trainer
+    queues them and draws every round's P prompts from the queue before the dataset (engine/train/prompt_queue.py has
+    the policy, its cap and what happens past it). Each element is a prompt (str or message list) or a dataset row
+    {"prompt": ..., **columns}. Columns reach the reward functions as TRL's reward kwargs do:
+      * a dict row brings its own columns (and only those);
+      * a str / message prompt equal to one of this generation's prompts keeps that row's columns (the row of the
+        same group if its prompt is equal, else the first equal one), so rewards that read e.g. `answer` keep
+        working on retried prompts;
+      * a brand-new str / message prompt has no columns of its own (its value is None in columns other rows have);
+        to keep a column (e.g. `answer` for a prompt with a hint appended), return a row {"prompt": ..., "answer": ...}.
 
     Args:
         returned: what dynamic_prompts_fn returned.
