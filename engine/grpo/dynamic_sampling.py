@@ -2,27 +2,12 @@
 
 Owns: which groups carry signal (`find_informative_groups`), whether the rounds so far fill a batch
 (`is_dynamic_batch_full`), which (round, group) pairs make up the batch (`select_dynamic_batch`), and assembling
-tensors or lists from the rounds in that order (`assemble_rounds`).
+tensors or lists from the rounds in that order (`assemble_rounds`; how the loop strings them together: there).
 
-Must not: generate, score, or loop. The trainer's loop (a later issue) reads top to bottom:
-    rounds = []
-    for _ in range(dynamic_sampling_max_rounds):
-        generate P prompts x G; rewards = aggregate_rewards(...); rounds.append(find_informative_groups(rewards, G))
-        if is_dynamic_batch_full(rounds, P): break
-    selection = select_dynamic_batch(rounds, P); batch = assemble_rounds(per-round tensors, selection, G)
-and only then computes advantages over the assembled batch (every kept group is whole, so group statistics are the
-ones the filter saw).
+Paper: DAPO arXiv:2503.14476 §3.2 ("over-sample and filter out prompts with accuracy 0 or 1"); how we differ:
+`find_informative_groups` (what is filtered) and `select_dynamic_batch` (too few or too many groups).
 
-Paper: DAPO arXiv:2503.14476 §3.2 ("over-sample and filter out prompts with accuracy 0 or 1"). Differences:
-  * DAPO filters on the accuracy reward; we filter on the aggregated (weighted) reward the advantages use, so a
-    group is dropped exactly when its advantages would all be zero. Rows whose reward is None (NaN) are ignored; a
-    group with fewer than two scored rows is uninformative.
-  * "Zero variance" is TRL's test for `frac_reward_zero_std`: the Bessel std is close to 0 (torch.isclose).
-  * When `dynamic_sampling_max_rounds` rounds do not yield enough informative groups, verl raises; we fill the rest
-    of the batch with uninformative groups (advantage 0, so no policy-gradient signal; they still carry the KL term)
-    to keep the batch geometry (micro-batches x DP ranks) fixed. `fill_with_uninformative=False` returns the short
-    batch instead.
-  * Extra informative groups beyond P are dropped, earliest rounds first kept (as DAPO/verl trim the excess).
+Must not: generate, score, or loop (engine/train/sampling.py `sample_and_score` does).
 
 Test: `pytest tests/unit/test_dynamic_sampling.py`.
 """
@@ -50,6 +35,12 @@ class DynamicBatchSelection:
 
 def find_informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """Groups whose rewards are not all equal.
+
+    Differences from DAPO (arXiv:2503.14476 §3.2):
+      * DAPO filters on the accuracy reward; we filter on the aggregated (weighted) reward the advantages use, so a
+        group is dropped exactly when its advantages would all be zero. Rows whose reward is None (NaN) are ignored;
+        a group with fewer than two scored rows is uninformative.
+      * "Zero variance" is TRL's test for `frac_reward_zero_std`: the Bessel std is close to 0 (torch.isclose).
 
     Args:
         rewards: (B,) aggregated rewards of one round (NaN = unscorable), G consecutive rows per prompt.
@@ -81,6 +72,13 @@ def select_dynamic_batch(
     informative_per_round: Sequence[torch.Tensor], num_prompts: int, fill_with_uninformative: bool = True
 ) -> DynamicBatchSelection:
     """Pick the groups of one batch: informative ones first (earliest rounds first), then fill if short.
+
+    Differences from DAPO / verl:
+      * When `dynamic_sampling_max_rounds` rounds do not yield enough informative groups, verl raises; we fill the
+        rest of the batch with uninformative groups (advantage 0, so no policy-gradient signal; they still carry the
+        KL term) to keep the batch geometry (micro-batches x DP ranks) fixed. `fill_with_uninformative=False`
+        returns the short batch instead.
+      * Extra informative groups beyond P are dropped, earliest rounds first kept (as DAPO/verl trim the excess).
 
     Args:
         informative_per_round: one (P_r,) bool tensor per generation round.
@@ -127,6 +125,15 @@ def assemble_rounds(
     per_round: Sequence[torch.Tensor | Sequence[Any]], selection: DynamicBatchSelection, num_generations: int
 ) -> torch.Tensor | list[Any]:
     """Concatenate the selected rows of every round (tensors along dim 0, or plain lists).
+
+    The trainer (engine/train/sampling.py `sample_and_score`) reads top to bottom:
+        rounds = []
+        for _ in range(dynamic_sampling_max_rounds):
+            generate P prompts x G; rewards = aggregate_rewards(...); rounds.append(find_informative_groups(rewards, G))
+            if is_dynamic_batch_full(rounds, P): break
+        selection = select_dynamic_batch(rounds, P); batch = assemble_rounds(per-round tensors, selection, G)
+    and only then computes advantages over the assembled batch (every kept group is whole, so group statistics are
+    the ones the filter saw).
 
     Args:
         per_round: one item per round: a tensor with B_r rows on dim 0, or a list of B_r per-row values.

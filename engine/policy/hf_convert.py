@@ -1,24 +1,12 @@
 """Hugging Face <-> Megatron: the declarative name and layout map of each model family, and the pure conversions.
 
-Owns: `TensorMap` entries (Megatron global name, HF names, layout kind) for Qwen2 / Qwen2.5, Llama-3, Qwen3 (per-head
-q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables (`MOE_MAPS`:
-Qwen3-MoE; Mixtral as a second table), and the three conversions every user of the map needs:
+Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) for Qwen2 / Qwen2.5, Llama-3, Qwen3
+(per-head q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables
+(`MOE_MAPS`: Qwen3-MoE; Mixtral as a second table; experts: `TensorMap`; tied embeddings: `family_map`), and the
+three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
 - `to_hf`: the HF tensors from a global Megatron tensor (the inverse).
-Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md §6.4-6.5), so each is explicit:
-  replicated  norms: same on every TP rank;
-  column      split along dim 0;   row  split along dim 1;
-  vocab       split along dim 0 after padding the vocabulary to `padded_vocab` rows (zeros; never sampled);
-  qkv         Megatron's fused QKV: per query group g, [q heads of g; k_g; v_g] (GQA-interleaved), TP splits whole
-              groups, so rank r holds groups [r*G/tp, (r+1)*G/tp);
-  gate_up     Megatron's fused SwiGLU fc1 = [gate; up]; TP rank r holds [gate_r; up_r] (partition_stride 2).
-Experts: a name with `{e}` is one expert's tensor; Megatron's global name carries the global expert index (a rank
-holds experts [ep_rank*E/ep, (ep_rank+1)*E/ep) as `local_experts.0..`; engine/policy/model.py `global_param_names`
-renames them), and its TP split is over the expert-TP group (`is_expert`), not the attention's TP group. The router
-(`mlp.router.weight`, (E, H)) is replicated.
-Tied embeddings: HF stores one `model.embed_tokens.weight`; Megatron's last stage holds a copy as
-`output_layer.weight` (kept equal by Megatron's embedding group), which is loaded from it and never exported.
 
 Must not: touch process groups, files other than through the `read` callback, or vLLM (the weight-sync module reads
 these maps to plan its transfers).
@@ -35,6 +23,15 @@ from typing import Literal, Protocol
 import torch
 
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
+"""How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md
+§6.4-6.5), so each is explicit:
+  replicated  norms: same on every TP rank;
+  column      split along dim 0;   row  split along dim 1;
+  vocab       split along dim 0 after padding the vocabulary to `padded_vocab` rows (zeros; never sampled);
+  qkv         Megatron's fused QKV: per query group g, [q heads of g; k_g; v_g] (GQA-interleaved), TP splits whole
+              groups, so rank r holds groups [r*G/tp, (r+1)*G/tp);
+  gate_up     Megatron's fused SwiGLU fc1 = [gate; up]; TP rank r holds [gate_r; up_r] (partition_stride 2).
+"""
 
 
 class TensorSource(Protocol):
@@ -61,6 +58,14 @@ class DictSource:
 
 @dataclass(frozen=True)
 class TensorMap:
+    """One Megatron parameter and its HF tensors.
+
+    Experts: a name with `{e}` is one expert's tensor; Megatron's global name carries the global expert index (a rank
+    holds experts [ep_rank*E/ep, (ep_rank+1)*E/ep) as `local_experts.0..`; engine/policy/model.py
+    `global_param_names` renames them), and its TP split is over the expert-TP group (`is_expert`), not the
+    attention's TP group. The router (`mlp.router.weight`, (E, H)) is replicated.
+    """
+
     megatron: str
     """Global Megatron name; `{i}` stands for the layer index, `{e}` for the (global) expert index."""
     hf: tuple[str, ...]
@@ -142,7 +147,10 @@ MOE_MAPS: dict[str, tuple[TensorMap, ...]] = {
 
 def family_map(dims: ModelDims) -> list[TensorMap]:
     """The map of the Qwen2 / Llama / Qwen3 family (identical names; Qwen2 adds the QKV bias, Qwen3 the q/k norms;
-    MoE families swap the dense MLP for their `MOE_MAPS` table)."""
+    MoE families swap the dense MLP for their `MOE_MAPS` table).
+
+    Tied embeddings: HF stores one `model.embed_tokens.weight`; Megatron's last stage holds a copy as
+    `output_layer.weight` (kept equal by Megatron's embedding group), which is loaded from it and never exported."""
     attn = "model.layers.{i}.self_attn"
     entries = [
         TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),

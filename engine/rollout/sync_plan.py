@@ -2,22 +2,12 @@
 trainer rank (pp_rank, tp_rank, virtual chunk) holds and where it sits in that rank's local Megatron shard, and which
 box the vLLM weight loader of each engine TP rank narrows to.
 
-Layouts: knows both (STYLE.md rule 4; with engine/rollout/weight_transport.py, which executes the plan and knows them
-only through it). The trainer's through engine/policy/hf_convert.py's map: Megatron's GQA-interleaved QKV,
-[gate_r; up_r] fc1, padded vocabulary, PP / virtual-PP layer placement, tied embeddings (`_trainer_boxes` is the
-inverse of hf_convert's `read_megatron_shard`; MoE experts from the expert-parallel rank that owns them, split over
-the expert-TP group). The senders (`TrainerLayout.sender_of`): in each stage, the dp_rank-0 ranks send the dense
-tensors (one per tp_rank) and the expert-data-parallel-rank-0 ranks send the experts (one per (ep_rank, expert
-tp_rank)); by Megatron's rank order (tp-cp-ep-dp-pp, tp fastest) these are the first max(tp, expert_tp * ep) ranks of
-each stage. The engine's by restating vLLM's loader rules (`_engine_box`):
-QKVParallelLinear with KV-head replication when engine_tp > num_kv_heads, MergedColumnParallelLinear,
-RowParallelLinear on dim 1, VocabParallelEmbedding / ParallelLMHead with vLLM's padding to 64, norms replicated, MoE
-(FusedMoE without expert parallelism: each expert's gate / up split by rows, down by columns; the router replicated). A
-vLLM upgrade that changes those rules changes `_engine_box` and `VLLM_VOCAB_PADDING`.
-
-`build_sync_plan` is pure (no processes, no tensors). `SyncPlan.transfers()` (every piece x engine-rank overlap) and
-`SyncPlan.buckets()` derive the wire schedule both ends of the transport follow; `SyncPlan.spec()` is a small
-JSON-able dict from which `build_sync_plan_from_spec` rebuilds the same plan on the inference server.
+Owns: knowledge of both layouts (STYLE.md rule 4; with engine/rollout/weight_transport.py, which executes the plan and
+knows them only through it): the trainer's in `_trainer_boxes` and `TrainerLayout` (who sends), the engine's in
+`_engine_box` (vLLM's loader rules restated). `build_sync_plan` is pure (no processes, no tensors);
+`SyncPlan.transfers()` (every piece x engine-rank overlap) and `SyncPlan.buckets()` derive the wire schedule both
+ends of the transport follow; `SyncPlan.spec()` is a small JSON-able dict from which `build_sync_plan_from_spec`
+rebuilds the same plan on the inference server.
 
 Must not: move tensors, open process groups, talk to a server, import vLLM (its rules are restated here and checked
 against an emulation of its loaders by the test).
@@ -50,7 +40,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """The trainer's model-parallel layout; layers are assigned to stages as engine/policy/model.py's Megatron does."""
+    """The trainer's model-parallel layout; layers are assigned to stages as engine/policy/model.py's Megatron does.
+
+    The senders (`sender_of`): in each stage, the dp_rank-0 ranks send the dense tensors (one per tp_rank) and the
+    expert-data-parallel-rank-0 ranks send the experts (one per (ep_rank, expert tp_rank)); by Megatron's rank order
+    (tp-cp-ep-dp-pp, tp fastest) these are the first max(tp, expert_tp * ep) ranks of each stage.
+    """
 
     tp_size: int
     pp_size: int = 1
@@ -335,7 +330,11 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
 
 def _trainer_boxes(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims, tp_rank: int, tp_size: int):
     """(HF box, local start) of each piece of HF tensor `part` of an entry on trainer TP rank `tp_rank`: the
-    inverse of hf_convert.read_megatron_shard."""
+    inverse of hf_convert.read_megatron_shard.
+
+    The trainer's layout through engine/policy/hf_convert.py's map: Megatron's GQA-interleaved QKV, [gate_r; up_r]
+    fc1, padded vocabulary, PP / virtual-PP layer placement, tied embeddings; MoE experts from the expert-parallel
+    rank that owns them, split over the expert-TP group."""
     zeros = (0,) * len(shape)
     if kind == "replicated":
         return [(full_box(shape), zeros)]
@@ -362,7 +361,13 @@ def _trainer_boxes(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims
 
 def _engine_box(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims, rank: int, engine_tp: int) -> Box:
     """The box of an HF tensor that vLLM's weight loader on engine TP rank `rank` narrows to (linear.py,
-    vocab_parallel_embedding.py of vLLM 0.32)."""
+    vocab_parallel_embedding.py of vLLM 0.32).
+
+    vLLM's loader rules, restated: QKVParallelLinear with KV-head replication when engine_tp > num_kv_heads,
+    MergedColumnParallelLinear, RowParallelLinear on dim 1, VocabParallelEmbedding / ParallelLMHead with vLLM's
+    padding to 64, norms replicated, MoE (FusedMoE without expert parallelism: each expert's gate / up split by rows,
+    down by columns; the router replicated). A vLLM upgrade that changes those rules changes `_engine_box` and
+    `VLLM_VOCAB_PADDING`."""
     if kind == "replicated":
         return full_box(shape)
     if kind == "vocab":  # VocabParallelEmbedding / ParallelLMHead: org vocab padded to 64, split, tail clipped

@@ -1,27 +1,18 @@
 """Server-mode weight transport: the trainer's sender ranks -> the engine's workers, shard to shard, over a process
 group of their own (`WeightTransferGroup`): `send_weights` on the trainer, `receive_weights` in vLLM's workers.
 
-The group joins the trainer's sender ranks (`sender_index`: dp_rank 0 for the dense tensors, expert-data-parallel rank
-0 for the experts) and the engine's workers; each sender sends only the boxes of its own
-shards that each engine rank reads (nobody gathers the model), one flat buffer per (bucket, sender, engine rank)
-behind a small header; both sides derive the bucket schedule from (plan, bucket_mb), so there is no metadata
-handshake, and a mismatch, a dead peer or a timeout raises WeightSyncError naming the bucket and the peer. What it
-costs (GB/s by bucket size, against a per-tensor protocol): benchmarks/bench_weight_sync.py's docstring.
-
-Layouts: knows both only through the plan's boxes (engine/rollout/sync_plan.py decides them). Of its own it knows
-the trainer's parameter names (`_local_params`: global Megatron names, Transformer Engine's norm names mapped to the
-local spec's) and one fact of vLLM's loaders: they narrow a full-shape HF tensor to their rank's box before
-copying, so a receiver fills only that box (`receive_weights`).
-
-Verification: `sender_digests` is each sender's share of the digests of what every engine rank must hold (engine/
-rollout/server_sync.py sums and compares them with the engine's own).
+Owns: the group, the wire protocol (each sender sends only the boxes of its own shards that each engine rank reads,
+nobody gathers the model; both sides derive the bucket schedule from (plan, bucket_mb), so there is no metadata
+handshake, and a mismatch, a dead peer or a timeout raises WeightSyncError naming the bucket and the peer), the
+trainer's parameter names (`local_params`) and each sender's share of the weight digests (`sender_digests`).
+Layouts: only through the plan's boxes (engine/rollout/sync_plan.py) and one fact of vLLM's loaders (`receive_weights`).
+What it costs (GB/s by bucket size, against a per-tensor protocol): benchmarks/bench_weight_sync.py's docstring.
 
 Must not: import vLLM (`receive_weights` runs inside vLLM's workers, which call it), build or change the plan,
 talk HTTP (engine/rollout/server_sync.py drives the server), touch the default process group.
 
 Test: tests/distributed/test_weight_transport.py (real Megatron shards to receiver processes over gloo, every
 layout, the tiny Qwen3-MoE at EP2 and at expert TP 2; a dead receiver fails the sender within the timeout).
-Benchmark: benchmarks/bench_weight_sync.py.
 """
 
 from __future__ import annotations
@@ -58,6 +49,7 @@ def tensor_buckets(plan: SyncPlan) -> list[list[int]]:
 class WeightTransferGroup:
     """A process group of its own (not the default world) joining the trainer's sender ranks and the engine's
     workers: ranks [0, senders) are trainer ranks by (pp_rank, tp_rank), then engine workers by engine TP rank.
+    The senders (`sender_index`): dp_rank 0 for the dense tensors, expert-data-parallel rank 0 for the experts.
     Gloo on CPU, NCCL with CUDA (the NCCL path is written but, like every GPU path here, tested only on CPU)."""
 
     def __init__(self, pg, store, rank: int, world_size: int, timeout: timedelta, device: torch.device):
@@ -172,7 +164,9 @@ def _box_shape(box: Box) -> tuple[int, ...]:
 
 
 def local_params(chunks) -> dict[tuple[int, str], torch.Tensor]:
-    """(virtual chunk, global Megatron name with local-spec norm names) -> this rank's parameter."""
+    """(virtual chunk, global Megatron name with local-spec norm names) -> this rank's parameter.
+
+    Global Megatron names; Transformer Engine's norm names mapped to the local spec's (`TE_NAMES`)."""
     params = {}
     for vp, chunk in enumerate(chunks):
         model = unwrap(chunk)
@@ -188,7 +182,8 @@ def sender_digests(chunks, ps: ParallelState, plan: SyncPlan) -> torch.Tensor:
     """This rank's share of the digests of what every engine rank must hold (engine/rollout/weight_digest.py): per
     (plan tensor, engine rank), the summed `box_digest`s of the boxes this rank sends there, in the plan's dtype (what
     `send_weights` puts on the wire), placed in that engine rank's box; zeros on ranks that send nothing. Summed over
-    the trainer's ranks (an all-reduce) they are the digests of the engine ranks' boxes.
+    the trainer's ranks (an all-reduce) they are the digests of the engine ranks' boxes (engine/rollout/server_sync.py
+    sums and compares them with the engine's own).
 
     Returns:
         int64 (len(plan.tensors), plan.engine_tp) on `ps.device`.
