@@ -3,19 +3,11 @@ mapped onto the typed tree of engine/config.py.
 
 Owns: turning TRL's flat keyword arguments into the tree (`config.find_field`: every leaf carries TRL's name, and the
 engine's own knobs such as tp_size are accepted the same way), the table of TRL arguments that mean nothing here
-(accepted, then named in one warning with the reason), the arguments refused with a message (push_to_hub, ...), and
-the TRL values that need translating (`bf16` / `fp16` / `model_init_kwargs["dtype"]` -> model.dtype, `warmup_steps`
-< 1 -> warmup_ratio, fractional `logging_steps` / `save_steps`, `report_to` forms, `lr_scheduler_type` and `optim`
-names, `pad_to_multiple_of="auto"`, JSON strings from TRL's command line, the deprecated
-`vllm_importance_sampling_cap`, `log_level` 'info' / 'debug' -> logging.verbose, `gradient_checkpointing_kwargs`:
-torch.utils.checkpoint's `use_reentrant` / `preserve_rng_state` named in the warning, other keys refused,
-`_translate_checkpointing_kwargs`; `router_aux_loss_coef` -> model.moe_aux_loss_coeff), and the user hooks
-`group_filter_func` / `dynamic_prompts_fn`: any callable (a
-function of the user's script, a lambda, an instance) is kept as the object (`in_memory_callables`, handed to
-`engine.train.loop.train` by GRPOTrainer) while the tree records its description (`config.describe_callable`), so the
-resolved config and checkpoints stay plain data; a `module:function` string stays a string. A TRL config at TRL's
-defaults is the engine's defaults (tested), except `output_dir`: `trainer_output`, as TRL. `GFPOConfig` is TRL's
-experimental GFPO config (trl.experimental.gfpo, TRL <= 1.7.1): this one, `num_remains_in_group` included.
+(accepted, then named in one warning with the reason), the arguments refused with a message (push_to_hub, ...), the
+TRL values that need translating, and the user hooks kept as objects (both listed in `GRPOConfig`'s docstring). A TRL
+config at TRL's defaults is the engine's defaults (tested), except `output_dir`: `trainer_output`, as TRL.
+`GFPOConfig` is TRL's experimental GFPO config (trl.experimental.gfpo, TRL <= 1.7.1): this one, `num_remains_in_group`
+included.
 
 Must not: import torch, Megatron, vLLM or trl (importing `engine` stays light; trl is a test-only dependency), or
 change a value silently: every TRL argument either lands in a field, is named in the warning, or raises.
@@ -143,6 +135,18 @@ class GRPOConfig:
     Attributes read and write the engine fields of the same names (`args.learning_rate`, `args.max_steps = 5`);
     `to_engine_config()` returns the tree. Unknown names raise TypeError with a close match; TRL names with no
     effect here are kept (readable as attributes) and named in one UserWarning.
+
+    Translated values: `bf16` / `fp16` / `model_init_kwargs["dtype"]` -> model.dtype, `warmup_steps` < 1 ->
+    warmup_ratio, fractional `logging_steps` / `save_steps`, `report_to` forms, `lr_scheduler_type` and `optim`
+    names, `pad_to_multiple_of="auto"`, JSON strings from TRL's command line, the deprecated
+    `vllm_importance_sampling_cap`, `log_level` 'info' / 'debug' -> logging.verbose, `gradient_checkpointing_kwargs`
+    (torch.utils.checkpoint's `use_reentrant` / `preserve_rng_state` named in the warning, other keys refused:
+    `_translate_checkpointing_kwargs`), `router_aux_loss_coef` -> model.moe_aux_loss_coeff.
+
+    The user hooks `group_filter_func` / `dynamic_prompts_fn`: any callable (a function of the user's script, a
+    lambda, an instance) is kept as the object (`in_memory_callables`, handed to `engine.train.loop.train` by
+    GRPOTrainer) while the tree records its description (`config.describe_callable`), so the resolved config and
+    checkpoints stay plain data; a `module:function` string stays a string.
     """
 
     def __init__(self, output_dir: str | None = None, **kwargs: Any):

@@ -2,25 +2,13 @@
 
 Owns: `install_cpu_compat()`, which is idempotent and does nothing when CUDA is available. Megatron-core asks for
 `torch.cuda.current_device()`, creates tensors with `device="cuda"`, moves them with `.cuda()` and forks the CUDA
-RNG tracker even with `use_cpu_initialization=True` (CPU_STACK.md). This module:
-
-- enters a `TorchFunctionMode` that rewrites any `device=` naming CUDA (a string, an int, a torch.device) to the
-  CPU, turns `Tensor.cuda()` into a no-op and `Tensor.to(<cuda>)` into `.to("cpu")`, and makes `Tensor.type()`
-  (no arguments) name CPU tensors as the device's (`torch.cuda.FloatTensor`), which Megatron's distributed
-  optimizer checks;
-- points `torch.cuda.current_device`, `synchronize`, `set_device`, the RNG state get/set and `manual_seed` at the
-  CPU (the CPU generator plays the role of the device generator, so Megatron's RNG tracker forks and restores it
-  exactly as it would the CUDA one);
-- routes Megatron's `_get_cuda_rng_state` / `_set_cuda_rng_state` to the CPU generator;
-- runs Megatron's activation recompute (`CheckpointFunction.backward`, which runs a layer's forward again) inside
-  that mode too: torch calls autograd backward functions with no TorchFunctionMode active, so the recomputed
-  forward would otherwise create `device="cuda"` tensors (the causal mask) and fail (`_recompute_in_mode`);
-- stands a no-op stream in for `torch.cuda.Stream` / `current_stream` / `stream()` (MoE's all-to-all dispatcher moves
-  its split sizes to the host on a side stream; on the CPU all work is in order), and gives that dispatcher its split
-  sizes as numpy on the CPU too (`_host_split_sizes`).
+RNG tracker even with `use_cpu_initialization=True` (CPU_STACK.md); what it patches, and why each: there
+(`_CudaToCpu`, `_recompute_in_mode`, `_CpuStream`, `_host_split_sizes`).
 
 Must not: change anything when CUDA exists; be imported for its side effects (call `install_cpu_compat`).
-Only `engine/policy/parallel.py` calls it. Test: the distributed tier (tests/distributed) runs Megatron through it.
+Only `engine/policy/parallel.py` calls it.
+
+Test: the distributed tier (tests/distributed) runs Megatron through it.
 """
 
 from __future__ import annotations
@@ -43,7 +31,9 @@ def _is_cuda(device) -> bool:
 
 
 class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA device arguments to the CPU (see the module docstring)."""
+    """Rewrites CUDA device arguments to the CPU: any `device=` naming CUDA (a string, an int, a torch.device) becomes
+    the CPU, `Tensor.cuda()` a no-op and `Tensor.to(<cuda>)` `.to("cpu")`, and `Tensor.type()` (no arguments) names
+    CPU tensors as the device's (`torch.cuda.FloatTensor`), which Megatron's distributed optimizer checks."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -115,7 +105,18 @@ def _recompute_in_mode(mcore_random) -> None:
 
 
 def install_cpu_compat() -> bool:
-    """Install the compatibility layer once, if and only if CUDA is absent. Returns True when it is active."""
+    """Install the compatibility layer once, if and only if CUDA is absent. Returns True when it is active.
+
+    It enters the `_CudaToCpu` mode; points `torch.cuda.current_device`, `synchronize`, `set_device`, the RNG state
+    get/set and `manual_seed` at the CPU (the CPU generator plays the role of the device generator, so Megatron's RNG
+    tracker forks and restores it exactly as it would the CUDA one); routes Megatron's `_get_cuda_rng_state` /
+    `_set_cuda_rng_state` to the CPU generator; runs Megatron's activation recompute inside the mode too
+    (`_recompute_in_mode`: torch calls autograd backward functions with no TorchFunctionMode active, so the
+    recomputed forward would otherwise create `device="cuda"` tensors, the causal mask, and fail); stands a no-op
+    stream in for `torch.cuda.Stream` / `current_stream` / `stream()` (`_CpuStream`: MoE's all-to-all dispatcher
+    moves its split sizes to the host on a side stream; on the CPU all work is in order), and gives that dispatcher
+    its split sizes as numpy on the CPU too (`_host_split_sizes`).
+    """
     global _installed, _mode
     if torch.cuda.is_available():
         return False

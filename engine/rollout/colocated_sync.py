@@ -1,13 +1,5 @@
 """Colocated weight sync: the trainer's Megatron (TP, PP) shards -> the vLLM engine in the same process, as full HF
-tensors in buckets (`sync_colocated`, `iter_hf_buckets`). Per pipeline stage in order:
-  1. the stage's TP ranks all-gather each parameter's shards and convert it to HF tensors (no rank ever holds more
-     than one bucket of the model at a time beyond its own shards);
-  2. HF tensors are packed into flat buckets of `bucket_mb`; the stage broadcasts each bucket (one metadata object,
-     one flat tensor) to the other stages of its pipeline group;
-  3. every rank loads each bucket into its own engine as it arrives (`engine.load_weights`, vLLM's in-place reload);
-  4. with a plan (`build_colocated_plan`), every rank digests the box of each tensor its engine rank holds as it
-     loads it (engine/rollout/weight_digest.py), asks its engine for the digests of what it then holds, and the
-     ranks agree on the outcome (engine/rollout/sync_check.py `check_digests`, `raise_on_every_rank`).
+tensors in buckets (`sync_colocated`: the steps, `iter_hf_buckets`).
 
 Layouts: knows the trainer's only, through engine/policy/hf_checkpoint.py's `iter_hf_tensors` (gather and convert
 to HF names and shapes). The engine's needs no knowledge here: vLLM's loaders narrow full HF tensors themselves, and
@@ -114,6 +106,17 @@ def build_colocated_plan(dims: ModelDims, engine_tp: int, *, ffn_hidden_size: in
 def sync_colocated(chunks, ps: ParallelState, dims: ModelDims, engine, bucket_mb: float, plan: SyncPlan | None = None,
                    *, load: bool = True) -> dict[str, float]:
     """Push the policy's current weights into this rank's colocated engine (collective: every rank calls it).
+
+    Per pipeline stage in order:
+      1. the stage's TP ranks all-gather each parameter's shards and convert it to HF tensors (no rank ever holds
+         more than one bucket of the model at a time beyond its own shards);
+      2. HF tensors are packed into flat buckets of `bucket_mb`; the stage broadcasts each bucket (one metadata
+         object, one flat tensor) to the other stages of its pipeline group;
+      3. every rank loads each bucket into its own engine as it arrives (`engine.load_weights`, vLLM's in-place
+         reload);
+      4. with a plan (`build_colocated_plan`), every rank digests the box of each tensor its engine rank holds as it
+         loads it (engine/rollout/weight_digest.py), asks its engine for the digests of what it then holds, and the
+         ranks agree on the outcome (engine/rollout/sync_check.py `check_digests`, `raise_on_every_rank`).
 
     Args:
         plan: from `build_colocated_plan`: verify that every engine rank holds, bit for bit, its box of every tensor

@@ -2,23 +2,13 @@
 prompts once (chat template for conversational prompts) and the prompt-length policy.
 
 Owns: resolving `data.dataset_name` (a hub name, a local json / jsonl / parquet / arrow / csv file, a local directory
-of such files or one written by `save_to_disk`, or `builtin:arithmetic`) to one split; checking that rows have a
-`prompt` that is either a str (standard) or a list of {"role", "content"} messages (conversational), with the same
-format in every row; tokenizing the prompts as TRL 1.16 does (anchors/trl.md §2.3): standard prompts with
-`tokenizer(text=prompts)` (special tokens added, no template), conversational ones with
-`apply_chat_template(add_generation_prompt=True, **chat_template_kwargs)`; and the overlong-prompt policy.
-
-The builtin task: `build_arithmetic_dataset`.
-
-Never truncates a prompt (anchors/trl.md §7 #12: silent truncation gives all-zero rewards nobody notices): a prompt
-longer than `data.max_prompt_length` (or longer than `max_model_length - max_completion_length`, when the caller
-passes the model's context) is an error naming the row, its length and the limit, or with
-`data.overlong_prompt_policy="drop"` the row is dropped with a warning that gives the count. TRL removed
-`max_prompt_length` (#4847) and lets vLLM fail or cut; this engine checks once, up front.
+of such files or one written by `save_to_disk`, or `builtin:arithmetic`: `build_arithmetic_dataset`) to one split;
+checking the `prompt` format, tokenizing the prompts as TRL 1.16 does and the overlong-prompt policy
+(`prepare_prompts`: how, and why a prompt is never truncated).
 
 Must not: generate, decode completions, sample batches (the trainer's repeat sampler picks indices and calls
-`PromptDataset.select`), or read the root config (it takes `cfg.data` and `cfg.generation`). Streaming / iterable
-datasets are not supported: the length policy needs every prompt tokenized before the first step.
+`PromptDataset.select`), truncate a prompt, or read the root config (it takes `cfg.data` and `cfg.generation`).
+Streaming / iterable datasets are not supported: the length policy needs every prompt tokenized before the first step.
 
 Test: `pytest tests/unit/test_data.py` (local files in tmp_path, the tiny tokenizer; no network).
 """
@@ -285,6 +275,17 @@ def prepare_prompts(
     max_completion_length: int | None = None,
 ) -> PromptDataset:
     """Check the prompt format, tokenize every prompt and apply the overlong-prompt policy.
+
+    Rows have a `prompt` that is either a str (standard) or a list of {"role", "content"} messages (conversational),
+    with the same format in every row. Prompts are tokenized as TRL 1.16 does (anchors/trl.md §2.3): standard prompts
+    with `tokenizer(text=prompts)` (special tokens added, no template), conversational ones with
+    `apply_chat_template(add_generation_prompt=True, **chat_template_kwargs)`.
+
+    Never truncates a prompt (anchors/trl.md §7 #12: silent truncation gives all-zero rewards nobody notices): a
+    prompt longer than `data.max_prompt_length` (or longer than `max_model_length - max_completion_length`, when the
+    caller passes the model's context) is an error naming the row, its length and the limit, or with
+    `data.overlong_prompt_policy="drop"` the row is dropped with a warning that gives the count. TRL removed
+    `max_prompt_length` (#4847) and lets vLLM fail or cut; this engine checks once, up front.
 
     Args:
         dataset: rows with a `prompt` column (str, or a list of {"role", "content"} messages) and any others.

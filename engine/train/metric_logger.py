@@ -1,23 +1,15 @@
 """The metric logger: collects TRL's metrics between log steps and hands one record per log step to its sinks, with
 a progress display, the completions table, GPU readings and phase timings.
 
-Owns: `MetricLogger` (one per run, on the main process only), the logging window (values added between two log
-steps are averaged, NaNs dropped, as TRL's `GRPOTrainer.log`; `LAST_VALUE_METRICS` keep their newest value, as HF's
-Trainer does for the learning rate and TRL for `num_tokens`; NaN and None are written as null), the progress display
-(a tqdm bar with ETA, reward, KL, length and step time on a terminal; otherwise plain lines on log steps, about
-`PLAIN_LINES` per run), `log_completions` (TRL's table: step, prompt, completion, one column per reward function, the
-`log_extra` columns in sorted order, advantage; printed here, written by the sinks), GPU memory and utilisation
-through nvidia-ml-py (nothing when there is no GPU or no NVML), and `PhaseTimer` (time/rollout_s, time/logprob_s,
+Owns: `MetricLogger` (one per run, on the main process only: the logging window, the progress display,
+`log_completions` and how each differs from TRL: there), `GpuMonitor` (GPU memory and utilisation through
+nvidia-ml-py; nothing when there is no GPU or no NVML), and `PhaseTimer` (time/rollout_s, time/logprob_s,
 time/train_s, time/sync_s, tokens_per_s).
 
 Must not: write files or talk to backends itself (engine/train/metric_sinks.py owns metrics.jsonl, TensorBoard, W&B,
 the parquet tables and the PNG), compute metric values from tensors (engine/grpo/metrics.py does, under TRL's
 names), talk to process groups (the caller reduces first and builds the logger on the main process only), or read
 the root config.
-
-Differences from TRL: the completions table holds every row added since the previous log step (TRL keeps the last
-generation batch's rows in a bounded deque; `max_completion_rows` gives the same bound); completions are printed
-as plain text rather than with rich.
 
 Test: `pytest tests/unit/test_metrics.py`.
 """
@@ -50,6 +42,17 @@ PLAIN_LINES = 10
 
 class MetricLogger:
     """Collects metrics between log steps and writes them out every `logging_steps` optimizer steps.
+
+    The logging window: values added between two log steps are averaged, NaNs dropped, as TRL's `GRPOTrainer.log`;
+    `LAST_VALUE_METRICS` keep their newest value, as HF's Trainer does for the learning rate and TRL for
+    `num_tokens`; NaN and None are written as null. The progress display: a tqdm bar with ETA, reward, KL, length and
+    step time on a terminal; otherwise plain lines on log steps, about `PLAIN_LINES` per run. `log_completions` is
+    TRL's table: step, prompt, completion, one column per reward function, the `log_extra` columns in sorted order,
+    advantage; printed here, written by the sinks.
+
+    Differences from TRL: the completions table holds every row added since the previous log step (TRL keeps the last
+    generation batch's rows in a bounded deque; `max_completion_rows` gives the same bound); completions are printed
+    as plain text rather than with rich.
 
     Typical use (main process only):
         logger = MetricLogger(cfg.logging, cfg.train.output_dir, max_steps=total_steps)
