@@ -1,19 +1,10 @@
 """Quiet by default: vLLM's log level, and the known-harmless warnings of vLLM, Megatron and torch, in one place.
 
 Owns: the verbosity switch (`logging.verbose`, or the environment variable `GRPO_ENGINE_VERBOSE=1`, which turns
-everything back on whatever the config says) and, when not verbose:
-- vLLM's log level WARNING: `VLLM_LOGGING_LEVEL`, read once when vLLM is imported and inherited by vLLM's worker
-  processes (a value the user exported is kept);
-- `HARMLESS_VLLM_LOGS`: vLLM warnings, each matched by its logger and message, dropped by a `logging.Filter` on
-  that logger (in this process: vLLM's worker processes, TP > 1 in server mode, get the level only);
-- `HARMLESS_WARNINGS`: Python warnings of Megatron and vLLM, matched by message (and module), ignored through
-  `warnings.filterwarnings`.
-Each entry says why it is harmless; README.md ("What you may see, and why it is harmless") lists the same. Any
-other warning stays visible: nothing is filtered by level or by library wholesale.
-
-Not filtered (printed once per engine start, from C++): torch's `Warning: NUMA binding: Using MEMBIND policy ...`,
-which vLLM's CPU worker triggers when it binds its memory to the NUMA node of its cores. Only TORCH_CPP_LOG_LEVEL
-could hide it, and that would hide every C++ warning.
+everything back on whatever the config says: `is_verbose`), what is quieted when not verbose (`quiet_library_logs`),
+and the two lists, `HARMLESS_VLLM_LOGS` and `HARMLESS_WARNINGS`. Each entry says why it is harmless; README.md ("What
+you may see, and why it is harmless") lists the same. Any other warning stays visible: nothing is filtered by level
+or by library wholesale. What is not filtered, and why: `quiet_library_logs`.
 
 Must not: import vLLM or Megatron. `quiet_library_logs` runs before either is imported: at the top of
 `engine.train.loop.train` and of the rollout server's `main`.
@@ -128,7 +119,19 @@ def is_verbose(verbose: bool = False) -> bool:
 def quiet_library_logs(verbose: bool = False) -> bool:
     """Unless verbose (`is_verbose(verbose)`): vLLM at WARNING and the known-harmless warnings filtered, for this
     process and the vLLM processes it starts. Call it before vLLM and Megatron are imported; calling it again adds
-    nothing. Returns whether the run is verbose."""
+    nothing. Returns whether the run is verbose.
+
+    - vLLM's log level WARNING: `VLLM_LOGGING_LEVEL`, read once when vLLM is imported and inherited by vLLM's worker
+      processes (a value the user exported is kept);
+    - `HARMLESS_VLLM_LOGS`: vLLM warnings, each matched by its logger and message, dropped by a `logging.Filter` on
+      that logger (in this process: vLLM's worker processes, TP > 1 in server mode, get the level only);
+    - `HARMLESS_WARNINGS`: Python warnings of Megatron and vLLM, matched by message (and module), ignored through
+      `warnings.filterwarnings`.
+
+    Not filtered (printed once per engine start, from C++): torch's `Warning: NUMA binding: Using MEMBIND policy ...`,
+    which vLLM's CPU worker triggers when it binds its memory to the NUMA node of its cores. Only TORCH_CPP_LOG_LEVEL
+    could hide it, and that would hide every C++ warning.
+    """
     if is_verbose(verbose):
         return True
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

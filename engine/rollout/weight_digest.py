@@ -1,19 +1,9 @@
 """Exact weight digests: what the weight-sync verification compares (engine/rollout/sync_check.py `check_digests`).
 
-A digest of a box of a tensor (what one engine rank holds of one Hugging Face tensor) is the sum, mod 2**64, over its
-elements of `bits(x) * w(k)`: `bits` the element's bit pattern read as a signed integer of its size (bfloat16 and
-float16 as int16, float32 as int32; never a float value, so -0.0, NaN payloads and denormals count as what they are),
-`w(k)` the product of an odd 64-bit mix of each of its coordinates k in the box (splitmix64's finaliser, low bit
-set; one weight per row and one per column, so one multiply per element). So:
-- one changed element (any bit of any element) always changes the digest: the change of `bits` is a nonzero integer
-  below 2**32 and odd `w(k)` is invertible mod 2**64;
-- a moved element (rows swapped, a layout off by one) changes it too, up to a 2**-64-scale coincidence (the weights of
-  two positions differ pseudo-randomly);
-- the digest of a box is the sum of the digests of any pieces it is cut into, each computed where it lives
-  (`box_digest(piece, start, box_shape)`): the trainer's senders digest what they send, slice by slice, and the sums
-  meet the engine's digests of its parameters.
-Integer arithmetic only, on the tensor's own device (int64 multiplies and sums wrap mod 2**64 on CPU and CUDA), in
-chunks of `CHUNK_ELEMENTS` (a bounded int64 temporary; no host copy).
+Owns: the digest of a box of a tensor (what one engine rank holds of one Hugging Face tensor: `box_digest`, the
+definition and what it catches: there), its position weights (`position_weights`) and the whole-tensor digest
+(`tensor_digest`). Integer arithmetic only, on the tensor's own device (int64 multiplies and sums wrap mod 2**64 on
+CPU and CUDA), in chunks of `CHUNK_ELEMENTS` (a bounded int64 temporary; no host copy).
 
 Must not: know any layout (the callers pass boxes), import vLLM or Megatron (it runs on both sides).
 
@@ -60,8 +50,19 @@ def box_digest(values: torch.Tensor, start: tuple[int, ...] | None = None,
                box_shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """The digest of `values` placed at `start` inside a box of `box_shape` (default: the whole box is `values`).
 
-    An element at box coordinates (c0, c1, ...) weighs w_0(c0) * w_1(c1) * ... (odd: a product of odd numbers), so
-    the work per element is one int64 conversion, one multiply and a sum (the weights are per row and per column).
+    The digest is the sum, mod 2**64, over the elements of `bits(x) * w(k)`: `bits` the element's bit pattern read as
+    a signed integer of its size (bfloat16 and float16 as int16, float32 as int32; never a float value, so -0.0, NaN
+    payloads and denormals count as what they are), `w(k)` the product of an odd 64-bit mix of each of its
+    coordinates k in the box: an element at (c0, c1, ...) weighs w_0(c0) * w_1(c1) * ... (`position_weights`; odd: a
+    product of odd numbers), so the work per element is one int64 conversion, one multiply and a sum (the weights
+    are per row and per column). So:
+    - one changed element (any bit of any element) always changes the digest: the change of `bits` is a nonzero
+      integer below 2**32 and odd `w(k)` is invertible mod 2**64;
+    - a moved element (rows swapped, a layout off by one) changes it too, up to a 2**-64-scale coincidence (the
+      weights of two positions differ pseudo-randomly);
+    - the digest of a box is the sum of the digests of any pieces it is cut into, each computed where it lives
+      (`box_digest(piece, start, box_shape)`): the trainer's senders digest what they send, slice by slice, and the
+      sums meet the engine's digests of its parameters.
 
     Args:
         values: any dtype, any strides, on any device; (d0, d1, ...) with the box's number of dimensions.

@@ -4,18 +4,13 @@
     engine/train/run.py) -> rewards (rank 0, broadcast) -> advantages -> old / ref log-probs -> num_iterations x
     optimizer steps over micro-batches -> weight sync, verified -> metrics -> checkpoint on schedule
 
-Owns: `train`, the round's order, the batch it trains on (`build_round`, `per_step_microbatches`: TRL's batch
-semantics) and the record it logs (`log_round`: TRL's metric names). Built once, resumed, saved and synced:
-engine/train/run.py; sampled and scored: engine/train/sampling.py; generated ahead (`rollout.max_staleness` > 0):
-engine/train/rollout_pipeline.py; checkpoints and SIGUSR1: engine/train/checkpoint.py.
+Owns: `train`, the round's order and its hook points (`run_rounds`), the batch it trains on (`build_round`,
+`per_step_microbatches`: TRL's batch semantics) and the record it logs (`log_round`: TRL's metric names). Built once,
+resumed, saved and synced: engine/train/run.py; sampled and scored: engine/train/sampling.py; generated ahead
+(`rollout.max_staleness` > 0): engine/train/rollout_pipeline.py; checkpoints and SIGUSR1: engine/train/checkpoint.py.
 
 Must not: hold maths (engine/grpo/), ask which mode the engine runs in, import vLLM, or read Megatron's global
 parallel state (engine/policy/parallel.py hands out groups).
-
-Hook points (engine/train/hooks.py `LoopHooks`, GRPOTrainer's callbacks: engine/api/trl_callbacks.py): train begin,
-epoch begin / end, each optimizer step's begin / end, the round's logged record, on rank 0; their requests (evaluate:
-engine/train/evaluation.py, save, stop) are agreed by every rank at the round boundary. `train` releases what a run
-holds on any exception (`abort`), so a failed run leaves the process able to start another.
 
 Run: `grpo-engine train configs/tiny_cpu.yaml`; test: tests/integration/test_trainer.py (colocated),
 tests/integration/test_rollout_server.py and test_async_rollout.py (server), tests/integration/test_resume.py.
@@ -78,6 +73,10 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     policy as a Hugging Face checkpoint (collective); `group_filter_func` / `dynamic_prompts_fn` (any callables:
     functions of the user's script, lambdas, instances) replace `cfg.grpo.group_filter_func` /
     `cfg.data.dynamic_prompts_fn` (see engine/train/run.py `resolve_hooks`).
+
+    Hook points (engine/train/hooks.py `LoopHooks`, GRPOTrainer's callbacks: engine/api/trl_callbacks.py): train
+    begin, epoch begin / end, each optimizer step's begin / end, the round's logged record, on rank 0; their requests
+    (evaluate: engine/train/evaluation.py, save, stop) are agreed by every rank at the round boundary.
 
     Checkpoints: every `checkpoint.save_steps` optimizer steps at the end of a round, at the end of training, and at
     the end of the round in which SIGUSR1 arrived (then the run exits); `resume_from_checkpoint` restores model,
