@@ -4,18 +4,10 @@ Owns: cutting per-row lists into groups of G, calling the user's `group_filter_f
 what it returns, and the top-k selection. Advantages are then computed over the survivors only
 (`compute_advantages(rewards_per_func[kept], num_generations=num_remains_in_group, ...)`, see the test).
 
-Must not: compute advantages itself, generate, or touch process groups (the caller passes every rank's rows).
-
 Paper: GFPO, "Sample More to Think Less", arXiv:2508.09726 (sample G, train on the k shortest / most token-efficient).
-TRL (trl.experimental.gfpo, v0.23-v1.7) differences, anchors/trl.md §6:
-  * TRL handed the filter `[completions[i : i + G] for i in range(N // G)]`: overlapping windows starting at i
-    instead of i*G, so every group after the first saw the wrong completions next to its rewards. We slice
-    `[i*G : (i+1)*G]` (`split_into_groups`), and tests/unit/test_group_filter.py pins the alignment.
-  * TRL used `torch.topk` (unstable on ties, survivors in score order). We break ties towards the earlier completion
-    and keep the survivors in their original order, so the selection is deterministic.
-  * TRL's advantages over the survivors ignored None rewards and `multi_objective_aggregation`; ours reuse
-    `compute_advantages`, so both hold.
-  * We reject scores that are not a finite [P][G] array with a message, instead of failing inside topk.
+How we differ from TRL (trl.experimental.gfpo, v0.23-v1.7; anchors/trl.md §6): `filter_groups`.
+
+Must not: compute advantages itself, generate, or touch process groups (the caller passes every rank's rows).
 
 Test: `pytest tests/unit/test_group_filter.py`.
 """
@@ -78,6 +70,18 @@ def filter_groups(
     **kwargs: Any,
 ) -> torch.Tensor:
     """Call the user's filter on aligned groups and return the rows to keep.
+
+    Differences from TRL (trl.experimental.gfpo, v0.23-v1.7), anchors/trl.md §6:
+      * TRL handed the filter `[completions[i : i + G] for i in range(N // G)]`: overlapping windows starting at i
+        instead of i*G, so every group after the first saw the wrong completions next to its rewards. We slice
+        `[i*G : (i+1)*G]` (`split_into_groups`), and tests/unit/test_group_filter.py pins the alignment.
+      * TRL used `torch.topk` (unstable on ties, survivors in score order). We break ties towards the earlier
+        completion and keep the survivors in their original order (`select_top_k_in_groups`), so the selection is
+        deterministic.
+      * TRL's advantages over the survivors ignored None rewards and `multi_objective_aggregation`; ours reuse
+        `compute_advantages`, so both hold.
+      * We reject scores that are not a finite [P][G] array with a message (`_check_scores`), instead of failing
+        inside topk.
 
     Args:
         group_filter_func: see `GroupFilterFunc`.

@@ -4,17 +4,12 @@ Owns: the values of `reward`, `reward_std`, `rewards/{name}/mean`, `rewards/{nam
 `completions/*` (lengths, clipped ratio, terminated lengths) and `sampling/*` (vLLM importance sampling); and turning
 a `PolicyLossOutput`'s sums (made inside the loss by engine/grpo/loss_statistics.py) into `kl`, `entropy`,
 `clip_ratio/*`, `cispo_clip_ratio`, `vespo/phi_seq_mean` and `policy_loss`. Imports run one way: metrics.py ->
-policy_loss.py -> loss_statistics.py.
+policy_loss.py -> loss_statistics.py. Differences from TRL: `compute_sampling_metrics`, `compute_loss_metrics`.
 
-Must not: log, write files, keep history or talk to process groups (the logger of a later issue, engine/train/metric_logger.py,
-does that). Inputs are the gathered tensors of the generation batch (every rank's rows); for the loss metrics the
-caller all-reduces `sums` and gathers `seq_min` / `seq_max` over ranks first. Each function returns plain floats for
-one generation batch (or one micro-batch, for the loss metrics); TRL averages those per-call values over the logging
-window, dropping NaNs, and so should the logger.
-
-Differences from TRL: the `sampling/*` values are computed over all rows at once; TRL takes a per-rank mean/min/max and
-then averages the per-rank means (equal on one rank). With single-token completions (T = 1) TRL's loss metrics and
-its sequence-mode IS metrics take the (B, 1) tensors as per-sequence values and ignore the mask; we keep the mask.
+Must not: log, write files, keep history or talk to process groups (engine/train/metric_logger.py does that). Inputs
+are the gathered tensors of the generation batch (every rank's rows); for the loss metrics the caller all-reduces
+`sums` and gathers `seq_min` / `seq_max` over ranks first. Each function returns plain floats for one generation batch
+(or one micro-batch, for the loss metrics); the logger averages those over the logging window, dropping NaNs, as TRL.
 
 Test: `pytest tests/unit/test_grpo_metrics.py` (hand-computed values); equality with TRL 1.16 on the same inputs:
 `pytest tests/unit/test_trl_parity.py`.
@@ -96,6 +91,10 @@ def compute_sampling_metrics(
 ) -> dict[str, float]:
     """Trainer-vs-vLLM mismatch metrics (only when the vLLM importance-sampling correction is on).
 
+    Differences from TRL: the values are computed over all rows at once; TRL takes a per-rank mean/min/max and then
+    averages the per-rank means (equal on one rank). With single-token completions (T = 1) TRL's sequence-mode IS
+    metrics take the (B, 1) tensors as per-sequence values and ignore the mask; we keep the mask.
+
     Args:
         old_logprobs: (B, T) trainer log-probs at generation time.
         sampling_logprobs: (B, T) vLLM log-probs; NaN tokens are left out.
@@ -123,6 +122,9 @@ def compute_sampling_metrics(
 
 def compute_loss_metrics(output: PolicyLossOutput, include_policy_loss: bool = False) -> dict[str, float]:
     """The loss metrics of one micro-batch (after the caller reduced its sums over ranks).
+
+    Differences from TRL: with single-token completions (T = 1) TRL's loss metrics take the (B, 1) tensors as
+    per-sequence values and ignore the mask; we keep the mask.
 
     Args:
         output: from `compute_policy_loss`.

@@ -1,15 +1,9 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config into Megatron's `TransformerConfig`
-(GQA, QKV bias, Qwen3's per-head q/k RMSNorm, SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings, vocabulary padded
-for TP; dropout, `dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`), the layer spec choice (Transformer
-Engine when it imports, Megatron's local spec otherwise, whose row-parallel linears are swapped through the
-ModuleSpec for ones that pass their own TP group on: `_row_parallel_linear_class`, and whose norms are ones that
-allow sequence parallelism: `LocalRMSNorm`), Megatron's activation recompute from the `train` section
-(`train.gradient_checkpointing` and `recompute_*`, resolved and checked against the layers by
-engine.recompute.resolve_recompute; MoE routers replay their forward's routes in the recomputed forward:
-engine/policy/routing_replay.py), `build_policy`, and the rule that takes a global tensor to this rank's
-TP shard (`take_tp_shard`), which checkpoint conversion reuses.
+(`build_transformer_config`: what it translates, and activation recompute; dropout: `dropout_settings`; MoE router and
+experts with expert parallelism: `moe_settings`), the layer spec choice (`_layer_spec`), `build_policy`, and the rule
+that takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
@@ -68,6 +62,12 @@ def _dtype(name: str) -> torch.dtype:
 
 def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainConfig | None = None):
     """Megatron TransformerConfig equivalent to a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config.
+
+    Translates GQA, QKV bias, Qwen3's per-head q/k RMSNorm, SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings,
+    the vocabulary padded for TP, dropout and MoE; and Megatron's activation recompute from the `train` section
+    (`train.gradient_checkpointing` and `recompute_*`, resolved and checked against the layers by
+    engine.recompute.resolve_recompute; MoE routers replay their forward's routes in the recomputed forward:
+    engine/policy/routing_replay.py).
 
     Args:
         hf_config: transformers PretrainedConfig (model_type in SUPPORTED_MODEL_TYPES).
@@ -244,6 +244,9 @@ def rope_settings(hf_config) -> dict:
 
 
 def _layer_spec(cfg: ModelConfig, qk_layernorm: bool = False, num_experts: int | None = None):
+    """Transformer Engine's layer spec when it imports, Megatron's local spec otherwise, whose row-parallel linears
+    are swapped through the ModuleSpec for ones that pass their own TP group on (`_row_parallel_linear_class`), and
+    whose norms are ones that allow sequence parallelism (`LocalRMSNorm`)."""
     impl = cfg.transformer_impl
     if impl == "auto":
         try:
