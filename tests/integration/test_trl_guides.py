@@ -70,15 +70,22 @@ def run_guide(script: Path, cwd: Path, *args: str, env: dict | None = None) -> d
 
 
 def check_trl_history(result: dict, reward_names: list[str], steps: int) -> list[dict]:
-    """TRL's metric names in every step record and HF's final record last; returns the step records."""
+    """TRL's metric names in every step record and HF's final record last; when the last step is not a logging
+    step (TRL's default logging_steps is 10), TRL merges its metrics into the final record instead of a record of
+    its own. Returns the records holding step metrics (the final one included when it holds them)."""
     *records, final = result["log_history"]
-    assert records and records[-1]["step"] == steps == result["global_step"]
     expected = TRL_STEP_METRICS | {f"rewards/{n}/{s}" for n in reward_names for s in ("mean", "std")}
+    assert final["step"] == steps == result["global_step"] and math.isfinite(final["train_loss"])
     for record in records:
         assert expected <= set(record), f"missing TRL metrics: {sorted(expected - set(record))}"
-    assert list(final) == FINAL_RECORD and final["step"] == steps
-    assert math.isfinite(final["train_loss"])
-    return records
+    if records and records[-1]["step"] == steps:  # a logging step: HF's final record alone
+        assert list(final) == FINAL_RECORD
+        return records
+    # TRL's metrics of the unlogged steps; HF's loss / grad_norm / learning_rate are logged on logging steps only
+    merged = expected - {"loss", "grad_norm", "learning_rate"}
+    assert merged <= set(final), f"missing TRL metrics in the final record: {sorted(merged - set(final))}"
+    assert set(FINAL_RECORD) <= set(final) and list(final)[-2:] == FINAL_RECORD[-2:], list(final)
+    return [*records, final]
 
 
 def count_moved_weights(saved: Path) -> int:
