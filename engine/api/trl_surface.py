@@ -228,9 +228,9 @@ class TrainerSurface:
         if not is_stream(self.train_dataset):
             return self.train_dataset
         if self._stream_rows is None:
-            d = self._derived
-            needed = stream_rows_needed(self._cfg.train.max_steps, d.optimizer_steps_per_generation,
-                                        d.num_prompts_per_generation)
+            derived = self._derived
+            needed = stream_rows_needed(self._cfg.train.max_steps, derived.optimizer_steps_per_generation,
+                                        derived.num_prompts_per_generation)
             self._stream_rows = materialise_stream(self.train_dataset, needed, "train_dataset")
         return self._stream_rows
 

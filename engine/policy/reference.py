@@ -86,10 +86,11 @@ class ReferencePolicy:
                 ref.copy_(mixed)
 
 
-def mix_reference_if_due(reference: ReferencePolicy | None, policy_chunks: list, gr: GRPOConfigSection, step: int) -> None:
+def mix_reference_if_due(reference: ReferencePolicy | None, policy_chunks: list, grpo: GRPOConfigSection,
+                         step: int) -> None:
     """TR-DPO (`grpo.sync_ref_model`): after optimizer step `step`, when it is a multiple of `ref_model_sync_steps`
     (TRL's SyncRefModelCallback.on_step_end: `global_step % ref_model_sync_steps == 0`), mix the reference towards
     the policy with `ref_model_mixup_alpha` (`ReferencePolicy.mix_from`). engine/train/loop.py calls it after every
     optimizer step."""
-    if gr.sync_ref_model and step % gr.ref_model_sync_steps == 0:
-        reference.mix_from(policy_chunks, gr.ref_model_mixup_alpha)
+    if grpo.sync_ref_model and step % grpo.ref_model_sync_steps == 0:
+        reference.mix_from(policy_chunks, grpo.ref_model_mixup_alpha)

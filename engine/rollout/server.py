@@ -532,11 +532,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.rollout.se
     except (ValueError, RolloutServerError) as exc:
         print(f"rollout_server: refusing to start: {exc}", file=sys.stderr)
         return 2
-    cfg, ro = settings.cfg, settings.cfg.rollout
+    cfg, rollout = settings.cfg, settings.cfg.rollout
     quiet_library_logs(cfg.logging.verbose)  # before vLLM is imported (engine/log_filters.py)
     server = RolloutServer((settings.host, settings.port), token, max_body_mb=settings.max_body_mb,
                            read_timeout_s=settings.read_timeout_s)
-    server.tensor_parallel_size = ro.vllm_tensor_parallel_size
+    server.tensor_parallel_size = rollout.vllm_tensor_parallel_size
     server.replica = (settings.node_rank, settings.num_nodes)
     server.log_requests = settings.log_requests
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.rollout.se
     where = " (every interface)" if settings.host in ("0.0.0.0", "::", "") else " (this interface only)"
     print(f"rollout_server: replica {settings.node_rank} of {settings.num_nodes} listening on "
           f"http://{settings.host}:{server.server_address[1]}{where} (token from ${TOKEN_ENV}); loading "
-          f"{cfg.model.name_or_path} at vLLM TP {ro.vllm_tensor_parallel_size}", file=sys.stderr, flush=True)
+          f"{cfg.model.name_or_path} at vLLM TP {rollout.vllm_tensor_parallel_size}", file=sys.stderr, flush=True)
     engine = None
     try:
         from engine.rollout.vllm_engine import ServerEngine
@@ -554,7 +554,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.rollout.se
                                       trust_remote_code=cfg.model.trust_remote_code)
         server.model = model_identity(model_dir, cfg.model.name_or_path, cfg.model.trust_remote_code)
         dtype = resolve_dtype(settings.dtype, model_dir, cfg.model.dtype)
-        engine = ServerEngine(model_dir, ro, cfg.generation, seed=cfg.train.seed, dtype=dtype,
+        engine = ServerEngine(model_dir, rollout, cfg.generation, seed=cfg.train.seed, dtype=dtype,
                               **settings.engine_options)
         server.engine = engine
         print(f"rollout_server: engine ready ({dtype})", file=sys.stderr, flush=True)
