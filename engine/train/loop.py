@@ -271,6 +271,12 @@ class OptimizerStep:
     normalizer: LossNormalizer
 
 
+def microbatch_spec(run: Run):
+    """How this run cuts rows into micro-batches (padded, or packed by tokens: engine/policy/packing.py)."""
+    return build_microbatch_spec(run.cfg.train, run.cfg.model, run.ps, micro_batch_size=run.derived.micro_batch_size,
+                                 pad_token_id=run.tokenizer.pad_token_id or 0)
+
+
 def per_step_microbatches(run: Run, batch: dict) -> list[OptimizerStep]:
     """For each optimizer step of the round: this DP rank's micro-batches and the step's global normaliser.
 
@@ -281,8 +287,7 @@ def per_step_microbatches(run: Run, batch: dict) -> list[OptimizerStep]:
     engine/grpo/policy_loss.py)."""
     derived, ps = run.derived, run.ps
     rows = {k: (v[: derived.generation_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    spec = build_microbatch_spec(run.cfg.train, run.cfg.model, ps, micro_batch_size=derived.micro_batch_size,
-                                 pad_token_id=run.tokenizer.pad_token_id or 0)
+    spec = microbatch_spec(run)
     steps = round_microbatches(rows, spec, global_batch_size=derived.global_batch_size, dp_size=ps.dp_size,
                                dp_rank=ps.dp_rank)
     return [OptimizerStep(microbatches, normalizer) for microbatches, normalizer in steps]
@@ -293,8 +298,7 @@ def add_old_and_ref_logprobs(run: Run, steps: list[OptimizerStep]) -> dict:
     last stage (the only stage that computes the loss). Packed: over micro-batches of the forward-only budget.
     Returns `moe/router_agreement` where the engine's routes were compared with the trainer's (MoE, replay off)."""
     grpo = run.cfg.grpo
-    spec = build_microbatch_spec(run.cfg.train, run.cfg.model, run.ps, micro_batch_size=run.derived.micro_batch_size,
-                                 pad_token_id=run.tokenizer.pad_token_id or 0)
+    spec = microbatch_spec(run)
     micro = [mb for optimizer_step in steps for mb in optimizer_step.microbatches]
     routed = "routed_experts" in micro[0]
     if routed:
@@ -328,8 +332,7 @@ def eval_loss(run: Run, rollout: Rollout, advantages: torch.Tensor) -> float:
     if pad:
         batch = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in batch.items()}
         batch["completion_mask"][num_rows:] = 0
-    spec = build_microbatch_spec(run.cfg.train, run.cfg.model, ps, micro_batch_size=run.derived.micro_batch_size,
-                                 pad_token_id=run.tokenizer.pad_token_id or 0)
+    spec = microbatch_spec(run)
     steps = [OptimizerStep(micro, normalizer) for micro, normalizer in round_microbatches(
         batch, spec, global_batch_size=num_rows + pad, dp_size=ps.dp_size, dp_rank=ps.dp_rank)]
     add_old_and_ref_logprobs(run, steps)
