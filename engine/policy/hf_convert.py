@@ -12,6 +12,15 @@ Must not: touch process groups, files other than through the `read` callback, or
 these maps to plan its transfers).
 
 Test: tests/unit/test_hf_convert.py (pure), tests/distributed/test_checkpoint_layouts.py (round trips, logits).
+
+Why not mbridge (issue #30, measured with mbridge 0.15.1 on megatron-core 0.16.1, CPU): its `get_model` fails
+(`NameError: TENorm`: the layer spec is hard-wired to Transformer Engine; DeepSeek-V3 and Gemma 3 likewise); its
+name maps know only TE's fused norm names and grouped-gemm expert names, so loading into this engine's local-spec
+model fails (Qwen2 loads, 0 of 51 tensors different from this loader, only after 2 map entries are patched in;
+Mixtral's `local_experts.<j>` are unknown to it and its export fails on transformers 5's `head_dim=None`); TP rank 0
+reads whole HF tensors and scatters them (no per-rank slices); export all-gathers every tensor to every rank and
+allocates on `torch.cuda.current_device()` (PP broadcast, expert bias); no GPT-OSS, Gemma 2, Cohere 2 or Nemotron-H.
+Its per-family tables (~100 lines each) are what `TensorMap` tables are here, so the project keeps this converter.
 """
 
 from __future__ import annotations
