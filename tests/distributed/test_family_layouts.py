@@ -8,7 +8,8 @@ Megatron's groups are rebuilt between them, the process group is kept):
 (b) one GRPO optimizer step at EP2 (x DP2) and at TP2 x EP2 with sequence parallelism equals the step at EP1 (x DP2,
     the same micro-batches): summed loss, gradient norm and every updated weight, with the load-balancing aux loss
     on (z-loss too where no SP: test_qwen3_layouts.py says why not under SP), so the router's extra gradients go
-    through expert parallelism; the router and the experts move.
+    through expert parallelism; the router and the experts move;
+(c) routing replay (R3) and the router-agreement metric at EP2: test_routing_replay.py's checks, on Mixtral.
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
 same MoE code path; this file checks what Mixtral adds: its config translation and its names.
 """
@@ -17,6 +18,8 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
+from tests.distributed.test_routing_replay import _check as _replay_check
+from tests.distributed.test_routing_replay import check_replay_results
 from tests.helpers.policy import grpo_step_and_export, hf_logits, hf_tensors, logits_and_export
 
 LOGIT_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)]
@@ -45,6 +48,8 @@ def _all_layouts(model_dir: str, out_root: str) -> dict:
         results[f"step-{name}"] = grpo_step_and_export(model_dir, parallel, model_cfg, f"{out_root}/step-{name}",
                                                        width_multiple=2)
         destroy_parallel(keep_process_group=True)
+    results["replay-ep2"] = _replay_check(model_dir, 1, 2)
+    destroy_parallel(keep_process_group=True)
     return results
 
 
@@ -95,3 +100,8 @@ def test_mixtral_grpo_step_equals_ep1(launched, layout, reference):
     assert any(".block_sparse_moe.experts.3." in n for n in moved), "the experts train"
     for name, weight in after1.items():
         torch.testing.assert_close(after[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_mixtral_routing_replay_and_router_agreement_at_ep2(launched):
+    check_replay_results([r["replay-ep2"] for r in launched[2]])
