@@ -10,7 +10,7 @@ Must not: read Megatron's global parallel state (it receives a ParallelState), o
 
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
 tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step at EP2
-and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
+and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
 parallelism too; also: no "tp_group is None" fallback warning from Megatron; and the step with full recompute equals
 the step without it, bit for bit, at TP2 and PP2), tests/unit/test_recompute.py (settings to Megatron's fields).
 """
