@@ -121,13 +121,15 @@ class TrainerSurface:
 
         self._model_object = model if isinstance(model, PreTrainedModel) else None
         self._model, self._model_is_stale, self._ref_model, self._stream_rows = self._model_object, False, None, None
+        self._entropy_coef = None  # the adaptive controller's last value, after train()
         if streamed:
-            if (getattr(self.args, "accelerator_config", None) or {}).get("dispatch_batches") is True:
+            if self.args.accelerator_config.dispatch_batches is True:
                 raise ValueError("Iterable datasets require `dispatch_batches=False` (GRPOConfig(accelerator_config="
                                  "{'dispatch_batches': True}) was given): each process reads the stream itself")
             if self._cfg.train.max_steps <= 0:
                 raise ValueError("train_dataset is an IterableDataset (streaming): it has no length, so max_steps "
                                  "has to be set (GRPOConfig(max_steps=...))")
+            self.args.set_for_stream()  # as TRL: dispatch_batches=False, dataloader_num_workers=0
             # as TRL: an iterable dataset is read in its own order (no sampler shuffles it)
             self._cfg = dataclasses.replace(self._cfg, train=dataclasses.replace(self._cfg.train,
                                                                                    shuffle_dataset=False))
@@ -221,7 +223,53 @@ class TrainerSurface:
 
         return [f.tokenizer if isinstance(f, RewardModelReward) else None for f in self.reward_funcs]
 
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy-bonus coefficient: args.entropy_coef before `train()`, the adaptive controller's last value
+        after it (TRL's attribute; set it through GRPOConfig(entropy_coef=...))."""
+        return self._entropy_coef if self._entropy_coef is not None else self._cfg.grpo.entropy_coef
+
+    @property
+    def _entropy_bonus_enabled(self) -> bool:
+        """TRL's flag: the entropy bonus is in the loss (entropy_coef != 0 or use_adaptive_entropy)."""
+        return self._cfg.grpo.entropy_coef != 0.0 or self._cfg.grpo.use_adaptive_entropy
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's flag: the policy is a MoE model (its config has `output_router_logits`) trained with a non-zero
+        load-balancing loss (model.moe_aux_loss_coeff, TRL's router_aux_loss_coef; None: the config's)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_directory(self.model_path, self.output_dir))
+        config = getattr(config, "text_config", None) or config
+        coef = self._cfg.model.moe_aux_loss_coeff
+        coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+        return hasattr(config, "output_router_logits") and bool(coef)
+
     # -- data -------------------------------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> Any:
+        """TRL's method, for inspection: a `torch.utils.data.DataLoader` over the train rows (a stream's rows
+        for max_steps, else the dataset) in batches of per_device_train_batch_size, as lists of row dicts, with
+        args.dataloader_num_workers workers (0 for a stream, as TRL). The engine does not train from it: it
+        tokenizes every prompt up front and samples its own batches (engine/train/sampling.py)."""
+        return _row_loader(self._train_rows(), self.args.per_device_train_batch_size,
+                           self.args.dataloader_num_workers)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """TRL's method, for inspection: as `get_train_dataloader`, over an eval set (the one given, else the only
+        one, else a name of the dict given at construction) in batches of per_device_eval_batch_size; an iterable
+        eval set gets 0 workers (TRL's scoped override: args.dataloader_num_workers is left as it is)."""
+        given = self.eval_dataset if eval_dataset is None or isinstance(eval_dataset, str) else eval_dataset
+        if isinstance(eval_dataset, str):
+            given = given[eval_dataset]
+        if given is None:
+            raise ValueError("get_eval_dataloader needs an eval_dataset: pass one here or to GRPOTrainer")
+        workers = 0 if is_stream(given) else self.args.dataloader_num_workers
+        sets = eval_sets(given, self._cfg.data.eval_max_prompts)
+        if len(sets) != 1:
+            raise ValueError(f"get_eval_dataloader: eval_dataset has {len(sets)} sets {list(sets)}; name one")
+        return _row_loader(next(iter(sets.values())), self._hooks.schedule.batch_size, workers)
 
     def _train_rows(self) -> Any:
         """The train dataset the engine reads: a stream's rows for max_steps steps (read once), else as given."""
@@ -269,3 +317,11 @@ class TrainerSurface:
         self.state.log_history.append({**metrics, "step": self.state.global_step})
         self._hooks.event("on_evaluate", metrics=metrics)
         return metrics
+
+
+def _row_loader(dataset: Any, batch_size: int, num_workers: int) -> Any:
+    """A DataLoader of `dataset`'s rows (dicts) in batches (lists) of `batch_size`, in order."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      collate_fn=lambda rows: rows)

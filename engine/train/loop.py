@@ -185,7 +185,8 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     on_rank0(ps, hooks.train_end, step, agree=False)
     summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank,
                "stopped_by_signal": stop.stopping, "start_step": progress.step,
-               "num_tokens": num_tokens - progress.num_tokens}  # this call's steps from start_step, and its tokens
+               "num_tokens": num_tokens - progress.num_tokens,  # this call's steps from start_step, and its tokens
+               "entropy_coef": run.entropy.coef}  # the adaptive controller's last coefficient (TRL's attribute)
     finish(run, summary)
     return summary
 

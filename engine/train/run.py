@@ -109,9 +109,10 @@ class AdaptiveEntropy:
     def update(self, grpo: GRPOConfigSection, ps: ParallelState, outputs: list) -> dict[str, float]:
         """After an optimizer step: the world entropy of its micro-batches (summed over the last stage's DP ranks;
         collective), then the controller's step. Returns {"entropy_coef": the new coefficient} (TRL logs it so:
-        0.01 + 0.005 * global_step while the entropy stays below the target)."""
+        0.01 + 0.005 * global_step while the entropy stays below the target); a static bonus (coef != 0, not
+        adaptive) returns its fixed coefficient, as TRL logs it whenever the bonus is on."""
         if not self.enabled:
-            return {}
+            return {"entropy_coef": self.coef} if self.coef else {}
         window = torch.zeros(2, dtype=torch.float64, device=ps.device)  # [sum H m_eff, sum m_eff]
         if ps.is_last_stage and ps.tp_rank == 0:
             for out in outputs:
