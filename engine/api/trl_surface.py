@@ -51,6 +51,33 @@ def load_causal_lm(model_dir: Path, into: Any = None) -> Any:
     return into
 
 
+def check_fits_in_memory(model_dir: Path, available_bytes: int | None = None, fraction: float = 0.8) -> None:
+    """Refuse to load a checkpoint whose safetensors files exceed `fraction` of this machine's available memory
+    (`MemAvailable`; `available_bytes` overrides it), naming how to load the export instead (a sharded 70B run's
+    `trainer.model` would otherwise take the process down)."""
+    size = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    if available_bytes is None:
+        available_bytes = _available_memory()
+    if available_bytes is not None and size > fraction * available_bytes:
+        raise MemoryError(
+            f"trainer.model would load {size / 2**30:.1f} GiB of weights ({model_dir}) into this process, with "
+            f"{available_bytes / 2**30:.1f} GiB of memory available: load the export where it fits instead, e.g. "
+            f"AutoModelForCausalLM.from_pretrained('{model_dir}', device_map='auto', torch_dtype='auto') on a "
+            "machine with enough GPU / CPU memory, or serve it with vLLM")
+
+
+def _available_memory() -> int | None:
+    """`MemAvailable` of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def is_stream(dataset: Any) -> bool:
     """A streaming (`datasets.IterableDataset`) dataset."""
     import datasets
@@ -122,6 +149,7 @@ class TrainerSurface:
         self._model_object = model if isinstance(model, PreTrainedModel) else None
         self._model, self._model_is_stale, self._ref_model, self._stream_rows = self._model_object, False, None, None
         self._entropy_coef = None  # the adaptive controller's last value, after train()
+        self._ref_is_mixed = False  # self._ref_model is a TR-DPO run's mixed reference
         if streamed:
             if self.args.accelerator_config.dispatch_batches is True:
                 raise ValueError("Iterable datasets require `dispatch_batches=False` (GRPOConfig(accelerator_config="
@@ -183,9 +211,11 @@ class TrainerSurface:
         """The policy as a transformers `PreTrainedModel` on this process's CPU: the initial weights before
         `train()`, the trained ones after (loaded from `<output_dir>/final_model` when first read; a model
         object passed as `model` is that object, its parameters overwritten with the trained ones). It holds
-        the whole model in memory: for a model too large for one process, load the export with
-        `AutoModelForCausalLM.from_pretrained(f"{args.output_dir}/final_model", device_map="auto")` instead."""
+        the whole model in memory: a checkpoint over 80% of the available memory raises MemoryError naming how to
+        load the export instead (`check_fits_in_memory`; e.g. `AutoModelForCausalLM.from_pretrained(
+        f"{args.output_dir}/final_model", device_map="auto")` where it fits)."""
         if self._model is None or self._model_is_stale:
+            check_fits_in_memory(self._current_model_dir())
             self._model = load_causal_lm(self._current_model_dir(), into=self._model_object)
             self._model_is_stale = False
         return self._model
@@ -193,17 +223,15 @@ class TrainerSurface:
     @property
     def ref_model(self) -> Any:
         """TRL's reference model: None when beta == 0 (none is built), else the initial weights (a transformers
-        model, loaded when first read).
-
-        Raises:
-            NotImplementedError: after a `sync_ref_model` run (the mixed reference is not exported)."""
+        model, loaded when first read); after a TR-DPO run (sync_ref_model) the mixed reference the run ended with
+        (`<output_dir>/final_model_reference`, exported next to the policy)."""
         if self._cfg.grpo.beta == 0:
             return None
-        if self._cfg.grpo.sync_ref_model and self._trained:
-            raise NotImplementedError("ref_model after a sync_ref_model run: the reference was mixed towards the "
-                                      "policy in Megatron's shards and is not exported")
-        if self._ref_model is None:
-            self._ref_model = load_causal_lm(model_directory(self.model_path, self.output_dir))
+        mixed = self._cfg.grpo.sync_ref_model and self._trained
+        if self._ref_model is None or mixed != self._ref_is_mixed:
+            where = self.output_dir / "final_model_reference" if mixed else model_directory(self.model_path,
+                                                                                            self.output_dir)
+            self._ref_model, self._ref_is_mixed = load_causal_lm(where), mixed
         return self._ref_model
 
     @property

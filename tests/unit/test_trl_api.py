@@ -705,3 +705,14 @@ def test_trainer_names_a_reward_pad_token_outside_the_vocabulary(tmp_path):
     with pytest.raises(ValueError, match=r"reward_processing_classes\[0\].pad_token = '<\|not_a_token\|>' is not in"):
         GRPOTrainer(model=TINY, reward_funcs=directory, args=_small_args(tmp_path), train_dataset=_prompts(),
                     reward_processing_classes=[tokenizer])
+
+
+def test_trainer_model_refuses_a_checkpoint_larger_than_the_memory(tmp_path):
+    from engine.api.trl_surface import check_fits_in_memory
+    from engine.models.tiny_model import resolve_builtin_model
+
+    directory = resolve_builtin_model(TINY, tmp_path / "cache")
+    size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    check_fits_in_memory(directory, available_bytes=2 * size)
+    with pytest.raises(MemoryError, match=r"trainer.model would load .* GiB .*from_pretrained\(.*device_map='auto'"):
+        check_fits_in_memory(directory, available_bytes=size)
