@@ -2,10 +2,11 @@
 rounds: resume, save, export, and push the policy's weights into the engine, verified.
 
 Owns: `build_run` (parallel state, validation, the resolved config in the run directory, model, reference,
-optimizer, data, rewards, logger, the loss config, the round sampler), `build_engine` (the one place that picks the
+optimizer, data, rewards, logger, the loss config, the round sampler; a failure after the engine started closes
+it: `close_on_error`), `build_engine` (the one place that picks the
 `RolloutEngine` by `rollout.vllm_mode`), `resolve_hooks` (the user's GFPO filter and curriculum hook: objects in
 memory, else the config's `module:function`), `AdaptiveEntropy` (the adaptive entropy-bonus controller's state),
-`resume` / `save_run` / `export_policy`, `check_finite` (a diverged policy stops the run before its weights are
+`resume` / `save_run` / `export_policy` / `export_reference` (TR-DPO's mixed reference), `check_finite` (a diverged policy stops the run before its weights are
 synced: `TrainingDivergedError`) and `sync_weights` / `sync_and_verify` (the engine's verified sync, and the log-prob
 probe's health metrics).
 

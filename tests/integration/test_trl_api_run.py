@@ -339,7 +339,9 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
     steps; the callback saves after step 1 and stops after step 2 of 3. (2) a new trainer resumes at step 2 and its
     reward function raises: train() fails mid-run. (3) a new trainer in the same process resumes and trains step 3
     (its round: the stream's next rows) from a model object, which holds the trained weights after, (4) a trainer
-    of the trained model evaluates (TRL's eval loss checked in closed form)."""
+    of the trained model evaluates (TRL's eval loss, averaged per eval batch, checked in closed form), (5) a TR-DPO
+    run's trainer.ref_model is the mixed reference and a static entropy bonus logs its coefficient. Between (1) and
+    (2) a build that fails after its engine started (a missing checkpoint) leaves no engine running."""
     result = run_distributed(_surface_in_one_process, 1, str(tmp_path))[0]
     events = result["events"]
     names = [name for name, _ in events]
