@@ -274,6 +274,34 @@ class TrainerSurface:
         coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
         return hasattr(config, "output_router_logits") and bool(coef)
 
+    @property
+    def _logs(self) -> dict:
+        """TRL's completion log (a private attribute TRL's tests read): the last logged completions table
+        (`<output_dir>/completions/*.parquet`, written with `log_completions=True`; empty without one) as
+        {"images": [], "prompt", "completion", "rewards": {name: values}, "advantages", "extra": {column: values}}
+        (extra: the reward functions' `log_extra` columns)."""
+        from engine.train.metric_sinks import COMPLETIONS_DIR
+
+        logs: dict = {"images": [], "prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
+        tables = sorted((self.output_dir / COMPLETIONS_DIR).glob("completions_*.parquet"))
+        if not tables:
+            return logs
+        import pandas as pd
+
+        frame = pd.read_parquet(tables[-1])
+        names = set(self.reward_func_names)
+        for column in frame.columns:
+            values = frame[column].tolist()
+            if column in ("prompt", "completion"):
+                logs[column] = values
+            elif column == "advantage":
+                logs["advantages"] = values
+            elif column in names:
+                logs["rewards"][column] = values
+            elif column != "step":
+                logs["extra"][column] = values
+        return logs
+
     # -- data -------------------------------------------------------------------------------------------------------
 
     def get_train_dataloader(self) -> Any:

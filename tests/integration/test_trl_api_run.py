@@ -194,6 +194,12 @@ def accuracy(completions, answer, **kwargs):
     return [float(f"<answer>{a}" in c) for c, a in zip(completions, answer, strict=True)]
 
 
+def accuracy_logged(completions, answer, log_extra=None, **kwargs):
+    """`accuracy`, also logging each completion's first 5 characters as a completions-table column."""
+    log_extra("head", [c[:5] for c in completions])
+    return accuracy(completions, answer)
+
+
 class _FailingReward:
     """Records the prompts of its first call, then raises: a train() that fails mid-run in a user's code."""
 
@@ -312,9 +318,10 @@ def _surface_in_one_process(output_dir: str) -> dict:
                          args=args(vllm_importance_sampling_correction=False, temperature=2.0))
     evaluated = fourth.evaluate(eval_dataset=held_out.select(range(4)))
     # (5) TR-DPO: after train(), ref_model is the reference mixed towards the policy (alpha 0.5 after its one step)
-    fifth = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy, train_dataset=stream,
+    fifth = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy_logged, train_dataset=stream,
                         args=args(max_steps=1, output_dir=str(out / "trdpo"), beta=0.1, sync_ref_model=True,
-                                  ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, entropy_coef=0.01))
+                                  ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, entropy_coef=0.01,
+                                  log_completions=True))
     ref_before = {n: p.detach().clone() for n, p in fifth.ref_model.named_parameters()}
     fifth.train()
     trained, mixed = dict(fifth.model.named_parameters()), dict(fifth.ref_model.named_parameters())
@@ -330,7 +337,8 @@ def _surface_in_one_process(output_dir: str) -> dict:
             "stream_prompts": [r["prompt"] for r in _arithmetic_rows(0, 6)],
             "checkpoints": sorted(p.name for p in (out / "run").glob("checkpoint-*")),
             "bad_build": bad_build, "live_engines": live_engines, "mix_error": mix_error,
-            "trdpo_entropy_coef": fifth.entropy_coef, "trdpo_history": fifth.state.log_history}
+            "trdpo_entropy_coef": fifth.entropy_coef, "trdpo_history": fifth.state.log_history,
+            "trdpo_logs": fifth._logs}
 
 
 @pytest.mark.slow
@@ -381,3 +389,6 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
     assert result["mix_error"] <= 1.01, "ref_model after TR-DPO: 0.5 * initial + 0.5 * trained, rounded to bf16"
     # a static entropy bonus logs its coefficient (TRL's record; logged at step 1, before the final record)
     assert result["trdpo_entropy_coef"] == 0.01 and result["trdpo_history"][-2]["entropy_coef"] == 0.01
+    logs = result["trdpo_logs"]  # TRL's private completion log: the last table, log_extra columns under "extra"
+    assert len(logs["completion"]) == 8 and list(logs["rewards"]) == ["accuracy_logged"]
+    assert logs["extra"]["head"] == [c[:5] for c in logs["completion"]] and len(logs["advantages"]) == 8
