@@ -116,6 +116,33 @@ _LOG_LEVELS = {"debug": True, "info": True, "warning": False, "error": False, "c
 """TRL's `log_level` -> `logging.verbose` (vLLM's INFO logs and the known-harmless warnings, engine/log_filters.py)."""
 
 
+ACCELERATOR_DEFAULTS: dict[str, Any] = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                                        "use_seedable_sampler": True, "non_blocking": False,
+                                        "gradient_accumulation_kwargs": None, "use_configured_state": False}
+"""transformers' `AcceleratorConfig` fields and defaults: `args.accelerator_config` reads as such an object (the
+values have no effect here; a streamed train_dataset sets dispatch_batches=False, as TRL: every rank reads it)."""
+
+
+class AcceleratorSettings:
+    """`args.accelerator_config` as transformers' `AcceleratorConfig` reads (attributes; `to_dict()`): the values
+    given (a dict or JSON string) over transformers' defaults. No effect in this engine (named in the warning)."""
+
+    def __init__(self, given: Any):
+        values = json.loads(given) if isinstance(given, str) else dict(given or {})
+        unknown = sorted(set(values) - set(ACCELERATOR_DEFAULTS))
+        if unknown:
+            raise TypeError(f"GRPOConfig(accelerator_config=...): unknown key(s) {unknown}; transformers' "
+                            f"AcceleratorConfig has {sorted(ACCELERATOR_DEFAULTS)}")
+        self.__dict__.update({**ACCELERATOR_DEFAULTS, **values})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict."""
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"AcceleratorSettings({self.__dict__})"
+
+
 def known_argument_names() -> list[str]:
     """Every keyword `GRPOConfig` accepts: the engine's fields (TRL's names plus engine knobs) and TRL's others."""
     from engine.config import _FLAT_INDEX
@@ -206,6 +233,8 @@ class GRPOConfig:
                 "vllm_importance_sampling_mode" in kwargs)
         if kwargs.get("use_vllm") is True:
             del kwargs["use_vllm"]  # what runs anyway: nothing to warn about
+        if "accelerator_config" in kwargs:
+            AcceleratorSettings(kwargs["accelerator_config"])  # transformers' keys only (TypeError naming others)
         ignored = {name: (kwargs.pop(name), NO_EFFECT[name]) for name in list(kwargs) if name in NO_EFFECT}
         for name in REFUSED:
             kwargs.pop(name, None)
@@ -271,6 +300,8 @@ class GRPOConfig:
             raise AttributeError(name)
         if name in ("bf16", "fp16"):
             return self._engine.model.dtype == {"bf16": "bfloat16", "fp16": "float16"}[name]
+        if name == "accelerator_config":
+            return AcceleratorSettings(self._ignored.get(name, (None,))[0])
         if name in self._ignored:
             return self._ignored[name][0]
         if name in TRAINER_ARGUMENTS:
@@ -294,6 +325,16 @@ class GRPOConfig:
         except Exception:
             object.__setattr__(self, "_kwargs", previous)
             raise
+
+    def set_for_stream(self) -> None:
+        """What TRL sets for a streamed (iterable) train_dataset, without a warning: accelerator_config's
+        dispatch_batches = False and dataloader_num_workers = 0 (both without effect here: every rank reads the
+        stream itself, and the engine samples its own batches)."""
+        accelerator = {**AcceleratorSettings(self._ignored.get("accelerator_config", (None,))[0]).to_dict(),
+                       "dispatch_batches": False}
+        kwargs = {**self._kwargs, "accelerator_config": accelerator, "dataloader_num_workers": 0}
+        object.__setattr__(self, "_kwargs", kwargs)
+        self._build(warn_names=[])
 
     def replace(self, **changes: Any) -> GRPOConfig:
         """A copy with some arguments changed (only the changed ones can warn)."""
