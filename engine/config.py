@@ -55,8 +55,6 @@ class ModelConfig:
     disable_dropout: bool = False
     """Whether the policy trains without dropout (True) or with the HF config's `attention_dropout` / `hidden_dropout`
     (False, TRL's default; engine/policy/model.py `dropout_settings`); log-prob-only forwards never drop."""
-    cast_lm_head_to_fp32: bool = False
-    """ScaleRL: run the LM head in float32. Requires untied embeddings."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times tp_size; padded rows are never sampled."""
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"

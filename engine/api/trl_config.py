@@ -57,7 +57,7 @@ NO_EFFECT: dict[str, str] = {
              "logging_strategy", "logging_first_step", "logging_nan_inf_filter", "log_level_replica",
              "disable_tqdm", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
              "log_multimodal", "log_unique_prompts", "log_completions_hub_repo", "skip_memory_metrics", "debug"),
-    **_group("evaluation reports TRL's reward and completion metrics (no eval loss, no best-model tracking)",
+    **_group("evaluation reports TRL's metrics (reward, completions, eval_loss); no best-model tracking",
              "eval_delay", "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
              "include_for_metrics", "batch_eval_metrics", "metric_for_best_model", "greater_is_better"),
     **_group("checkpoints are written every save_steps (0: only at the end)",
@@ -69,6 +69,9 @@ NO_EFFECT: dict[str, str] = {
              "use_transformers_paged"),
     **_group("script flags for HF's example scripts", "do_train", "do_eval", "do_predict"),
     **_group("tool calling is not supported", "max_tool_calling_iterations"),
+    **_group("the LM head's logits are always computed in float32 here (the fused kernel upcasts the hidden states "
+             "and the model.dtype weight; the optimizer keeps float32 master weights); the weight itself stays in "
+             "model.dtype", "cast_lm_head_to_fp32"),
 }
 """Accepted and named in one warning (the engine behaves as the reason says, whatever the value)."""
 

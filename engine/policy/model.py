@@ -387,8 +387,6 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     policy_class = _policy_class()
     config = build_transformer_config(hf_config, cfg, ps, train)
     shape = policy_shape(hf_config, cfg, ps.tp_size)
-    if cfg.cast_lm_head_to_fp32 and shape.tie_word_embeddings:
-        raise ValueError("model.cast_lm_head_to_fp32 needs untied embeddings; this checkpoint ties them")
     spec = _layer_spec(cfg, config.qk_layernorm, config.num_moe_experts)
     num_chunks = ps.vpp_size or 1
     chunks = []

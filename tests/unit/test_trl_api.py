@@ -100,6 +100,12 @@ def test_grpo_config_arguments_without_effect_warn_once_naming_each():
     assert args.ignored_arguments == {"dataloader_num_workers": 4, "eval_delay": 2, "torch_compile": True}
 
 
+def test_grpo_config_cast_lm_head_to_fp32_is_named_with_why_logits_are_float32_already():
+    with pytest.warns(UserWarning, match=r"cast_lm_head_to_fp32=True \(the LM head's logits are always computed in "
+                                         r"float32"):
+        GRPOConfig(cast_lm_head_to_fp32=True)
+
+
 def test_grpo_config_never_prints_a_hub_token():
     with pytest.warns(UserWarning) as record:
         args = GRPOConfig(hub_token="hf_secret123")
