@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from tests.distributed.launcher import run_distributed
+from tests.distributed.launcher import close_worlds, run_distributed
 
 
 def _dirty_the_rank(leave_child: bool) -> int:
@@ -71,3 +71,53 @@ def test_a_world_left_with_a_child_process_or_a_failure_is_replaced():
     assert failed_pid not in left_child, "a world with a leftover child process was reused"
     after = [s["pid"] for s in run_distributed(_fresh_state, 1, os.getcwd())]
     assert failed_pid not in after, "a world whose body failed was reused"
+
+
+def _start_vllm_groups() -> int:
+    """What an engine of TP = world size leaves in a rank: vLLM imported, its world and TP groups on the trainer's
+    process group (external_launcher's way), its VLLM_* cache frozen; one all-reduce through its TP group."""
+    import vllm.envs
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as vps
+
+    from engine.config import ParallelConfig
+    from engine.policy.parallel import init_parallel
+
+    world = int(os.environ["WORLD_SIZE"])
+    init_parallel(ParallelConfig(), seed=0)
+    with set_current_vllm_config(VllmConfig()):
+        vps.init_distributed_environment(world, int(os.environ["RANK"]), "env://", int(os.environ["LOCAL_RANK"]),
+                                         "gloo")
+        vps.ensure_model_parallel_initialized(world, 1)
+    vllm.envs.enable_envs_cache()
+    return int(vps.get_tp_group().all_reduce(torch.ones(1)).item())
+
+
+def _vllm_state() -> dict:
+    import torch.distributed as dist
+    import vllm.envs
+    from vllm.distributed import parallel_state as vps
+
+    from tests.distributed import launcher
+
+    return {"pid": os.getpid(), "released": list(launcher._vllm_releases), "pg_was_up": dist.is_initialized(),
+            "vllm_world": vps._WORLD is not None, "vllm_groups": vps.model_parallel_is_initialized(),
+            "envs_cached": vllm.envs._is_envs_cache_enabled(), "again": _start_vllm_groups()}
+
+
+def test_a_world_that_ran_vllm_is_kept_with_vllms_state_released():
+    """A body that imported vLLM and started its groups (as every colocated engine does) leaves a world the next
+    body can use: the same processes (no 10-20 s restart per in-process-engine test), vLLM's groups, its frozen
+    VLLM_* cache and the process group released, and vLLM's groups can be started again on the next rendezvous.
+    The world is stopped after, so the rest of the tier runs on ranks that never imported vLLM."""
+    try:
+        pids = run_distributed(_dirty_the_rank, 2, False)
+        assert run_distributed(_start_vllm_groups, 2) == [2, 2]
+        states = run_distributed(_vllm_state, 2)
+    finally:
+        close_worlds()
+    assert [s["pid"] for s in states] == pids, "the world that ran vLLM was not kept"
+    for s in states:
+        assert s["released"] == [s["pid"]], s
+        assert not (s["pg_was_up"] or s["vllm_world"] or s["vllm_groups"] or s["envs_cached"]), s
+        assert s["again"] == 2, s
