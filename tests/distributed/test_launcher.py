@@ -1,8 +1,10 @@
 """tests/distributed/launcher.py: a kept world runs body after body, each starting as a fresh rank would; a failed
-body's world, or one a body left a child process in, is replaced; the failing rank's traceback is reported.
+body's world, or one a body left a child process in, is replaced; the failing rank's traceback is reported; a world
+whose body started vLLM's groups (as every in-process engine does) is kept, with vLLM's state released.
 
 Runs on the world of 2 that the distributed tier keeps anyway (under a second when it is warm) and, where a world
-must be replaced, on worlds of 1 (the cheapest to start)."""
+must be replaced, on worlds of 1 (the cheapest to start). The vLLM test stops its world of 2 after it (one restart,
+about 10 s), so the rest of the tier runs on ranks that never imported vLLM."""
 
 import os
 import re
