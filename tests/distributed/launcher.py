@@ -15,7 +15,9 @@ shut down and started afresh by the next call, when a body failed on any rank, t
 process would not have: child processes alive or a vLLM engine not dropped. A body that built in-process vLLM
 engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
 (`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
-import-time settings included), which saves the next such body 10-20 s of rank start and imports.
+import-time settings included), which saves the next such body 10-20 s of rank start and imports. Such a rank ends
+with a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP groups made in /dev/shm (their names
+do not depend on the run: a leftover one makes every later engine TP 2 on the machine fail, errno 17).
 `close_worlds()` (run at exit) stops the kept worlds; a rank also exits by itself once the test process is gone.
 
 Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next
@@ -148,6 +150,8 @@ def _serve(rank, world_size, tasks, results) -> None:
         results.put((rank, task_id, status, payload, reusable))
         if not reusable:
             return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
+    if "vllm" in sys.modules:
+        return  # a normal exit: vLLM's CPU shared memory (/dev/shm) is unlinked at exit, never by os._exit
     results.close()
     results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
     os._exit(0)
@@ -201,7 +205,7 @@ class _World:
             if proc.is_alive():
                 task.put(None)
         for proc in self.procs:
-            proc.join(timeout=5)
+            proc.join(timeout=30)  # a rank that ran vLLM exits through its exit handlers (see _serve)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
