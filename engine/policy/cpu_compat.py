@@ -87,6 +87,10 @@ def _host_split_sizes() -> None:
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
+    # NOTE: its side stream is made once per process, from whatever torch.cuda.Stream is at the first MoE layer;
+    # vLLM's CPU worker, once imported, puts its own placeholder there for good (record_event() returns None), so a
+    # MoE model built after a vLLM engine in one process would fail in its first dispatch. Ours, made now.
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _CPU_STREAM
 
 
 def _recompute_in_mode(mcore_random) -> None:

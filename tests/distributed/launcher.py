@@ -12,9 +12,13 @@ run test body after test body. Each body still starts from what a fresh rank wou
 previous body's, and Megatron's groups, are destroyed after it; the next one rendezvouses on a fresh MASTER_PORT),
 the environment, working directory, default dtype, grad mode and thread count restored. A world is not reused, but
 shut down and started afresh by the next call, when a body failed on any rank, timed out, or left something a fresh
-process would not have: vLLM imported (its engines keep processes, threads and global state) or child processes
-alive. `close_worlds()` (run at exit) stops the kept worlds; a rank also exits by itself once the test process is
-gone.
+process would not have: child processes alive or a vLLM engine not dropped. A body that built in-process vLLM
+engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
+(`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
+import-time settings included), which saves the next such body 10-20 s of rank start and imports. Such a rank ends
+with a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP groups made in /dev/shm (their names
+do not depend on the run: a leftover one makes every later engine TP 2 on the machine fail, errno 17).
+`close_worlds()` (run at exit) stops the kept worlds; a rank also exits by itself once the test process is gone.
 
 Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next
 beyond what is listed above (tests/distributed/test_launcher.py checks the list).
@@ -61,9 +65,33 @@ def _has_live_children() -> bool:
     return False
 
 
+def _holds_a_vllm_engine() -> bool:
+    """Whether a vLLM `LLM` object outlived its body (a body must close and drop the engines it builds)."""
+    if "vllm.entrypoints.llm" not in sys.modules:
+        return False
+    import gc
+
+    llm_class = sys.modules["vllm.entrypoints.llm"].LLM
+    gc.collect()
+    return any(isinstance(obj, llm_class) for obj in gc.get_objects())
+
+
+def _release_vllm() -> None:
+    """vLLM's own clean-up between engines in one process, as its test suite does: its groups and the process group,
+    its cache of VLLM_* variables (frozen once an engine starts), the garbage its engine left."""
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    _vllm_releases.append(os.getpid())
+
+
+_vllm_releases: list[int] = []
+"""This rank's pid once per body after which vLLM's state was released (read by tests/distributed/test_launcher.py)."""
+
+
 def _is_reusable() -> bool:
     """Whether this rank is still as a fresh one would be after a body (see the module docstring)."""
-    return "vllm" not in sys.modules and not _has_live_children()
+    return not _has_live_children() and not _holds_a_vllm_engine()
 
 
 def _run_body(body: bytes) -> tuple[str, bytes | str, bool]:
@@ -82,6 +110,9 @@ def _run_body(body: bytes) -> tuple[str, bytes | str, bool]:
     try:
         from engine.policy.parallel import destroy_parallel
 
+        destroy_parallel(keep_process_group=True)  # Megatron's groups, then vLLM's (if imported), then the group
+        if "vllm" in sys.modules:
+            _release_vllm()
         destroy_parallel()
     except Exception:  # noqa: BLE001 - teardown after a failure must not mask the failure
         torn_down = False
@@ -119,6 +150,8 @@ def _serve(rank, world_size, tasks, results) -> None:
         results.put((rank, task_id, status, payload, reusable))
         if not reusable:
             return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
+    if "vllm" in sys.modules:
+        return  # a normal exit: vLLM's CPU shared memory (/dev/shm) is unlinked at exit, never by os._exit
     results.close()
     results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
     os._exit(0)
@@ -172,7 +205,7 @@ class _World:
             if proc.is_alive():
                 task.put(None)
         for proc in self.procs:
-            proc.join(timeout=5)
+            proc.join(timeout=30)  # a rank that ran vLLM exits through its exit handlers (see _serve)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)

@@ -1,16 +1,19 @@
 """tests/distributed/launcher.py: a kept world runs body after body, each starting as a fresh rank would; a failed
-body's world, or one a body left a child process in, is replaced; the failing rank's traceback is reported.
+body's world, or one a body left a child process in, is replaced; the failing rank's traceback is reported; a world
+whose body started vLLM's groups (as every in-process engine does) is kept, with vLLM's state released.
 
 Runs on the world of 2 that the distributed tier keeps anyway (under a second when it is warm) and, where a world
-must be replaced, on worlds of 1 (the cheapest to start)."""
+must be replaced, on worlds of 1 (the cheapest to start). The vLLM test stops its world of 2 after it (one restart,
+about 10 s), so the rest of the tier runs on ranks that never imported vLLM."""
 
+import glob
 import os
 import re
 
 import pytest
 import torch
 
-from tests.distributed.launcher import run_distributed
+from tests.distributed.launcher import close_worlds, run_distributed
 
 
 def _dirty_the_rank(leave_child: bool) -> int:
@@ -71,3 +74,65 @@ def test_a_world_left_with_a_child_process_or_a_failure_is_replaced():
     assert failed_pid not in left_child, "a world with a leftover child process was reused"
     after = [s["pid"] for s in run_distributed(_fresh_state, 1, os.getcwd())]
     assert failed_pid not in after, "a world whose body failed was reused"
+
+
+SHM_PREFIX = "grpo-launcher-test-"
+"""VLLM_DIST_IDENT of the test's vLLM groups: their CPU shared memory is /dev/shm/<it><port>-tp:..-cpushm_<rank>."""
+
+
+def _start_vllm_groups() -> int:
+    """What an engine of TP = world size leaves in a rank: vLLM imported, its world and TP groups on the trainer's
+    process group (external_launcher's way) with their shared memory in /dev/shm, its VLLM_* cache frozen; one
+    all-reduce through its TP group."""
+    import vllm._C  # noqa: F401 - its ops, the CPU shared-memory communicator's among them
+    import vllm.envs
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as vps
+
+    from engine.config import ParallelConfig
+    from engine.policy.parallel import init_parallel
+
+    world = int(os.environ["WORLD_SIZE"])
+    os.environ["VLLM_DIST_IDENT"] = SHM_PREFIX + os.environ["MASTER_PORT"]
+    init_parallel(ParallelConfig(), seed=0)
+    with set_current_vllm_config(VllmConfig()):
+        vps.init_distributed_environment(world, int(os.environ["RANK"]), "env://", int(os.environ["LOCAL_RANK"]),
+                                         "gloo")
+        vps.ensure_model_parallel_initialized(world, 1)
+    vllm.envs.enable_envs_cache()
+    return int(vps.get_tp_group().all_reduce(torch.ones(1)).item())
+
+
+def _vllm_state() -> dict:
+    import torch.distributed as dist
+    import vllm.envs
+    from vllm.distributed import parallel_state as vps
+
+    from tests.distributed import launcher
+
+    return {"pid": os.getpid(), "released": list(launcher._vllm_releases), "pg_was_up": dist.is_initialized(),
+            "vllm_world": vps._WORLD is not None, "vllm_groups": vps.model_parallel_is_initialized(),
+            "envs_cached": vllm.envs._is_envs_cache_enabled(), "again": _start_vllm_groups()}
+
+
+def test_a_world_that_ran_vllm_is_kept_with_vllms_state_released():
+    """A body that imported vLLM and started its groups (as every colocated engine does) leaves a world the next
+    body can use: the same processes (no 10-20 s restart per in-process-engine test), vLLM's groups, its frozen
+    VLLM_* cache and the process group released, and vLLM's groups can be started again on the next rendezvous.
+    The world is stopped after, so the rest of the tier runs on ranks that never imported vLLM, and stopping it
+    unlinks the shared memory vLLM's TP groups made."""
+    try:
+        pids = run_distributed(_dirty_the_rank, 2, False)
+        assert run_distributed(_start_vllm_groups, 2) == [2, 2]
+        states = run_distributed(_vllm_state, 2)
+        made = glob.glob(f"/dev/shm/{SHM_PREFIX}*")
+    finally:
+        close_worlds()
+    assert len(made) >= 4, f"vLLM's TP groups made no shared memory of their own to check: {made}"
+    left = glob.glob(f"/dev/shm/{SHM_PREFIX}*")
+    assert not left, f"the stopped world left vLLM's shared memory behind (later engines would fail): {left}"
+    assert [s["pid"] for s in states] == pids, "the world that ran vLLM was not kept"
+    for s in states:
+        assert s["released"] == [s["pid"]], s
+        assert not (s["pg_was_up"] or s["vllm_world"] or s["vllm_groups"] or s["envs_cached"]), s
+        assert s["again"] == 2, s

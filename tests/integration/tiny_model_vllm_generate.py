@@ -1,15 +1,18 @@
-"""Helper program for tests/integration/test_tiny_model_vllm.py: generate with vLLM (CPU) from a saved tiny model
-and write the prompts, the sampled tokens and their logprobs to a JSON file.
+"""Helper for tests/integration/test_tiny_model_vllm.py: generate with vLLM (CPU) from a saved tiny model; the
+prompts, the sampled tokens and their logprobs.
 
-It is a separate program so that vLLM's global state stays out of the pytest process. With vLLM's default
-executor the engine core is a spawned process that re-imports `__main__`, which needs the
-`if __name__ == "__main__":` guard (CPU_STACK.md); the test runs it with the engine core in this process instead.
+The test calls `generate_in_process` in a kept rank of tests/distributed/launcher.py (world size 1), so vLLM's
+global state stays out of the pytest process and the rank's start-up and imports are shared with the other
+in-process-engine tests; the engine core runs in that process, as the colocated engine runs it. By hand, as a
+program that writes a JSON file (with vLLM's default executor the engine core is a spawned process that re-imports
+`__main__`, which needs the `if __name__ == "__main__":` guard, CPU_STACK.md):
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/integration/tiny_model_vllm_generate.py MODEL_DIR OUT.json
 """
 
 import argparse
 import json
+import os
 import time
 
 
@@ -63,7 +66,15 @@ def generate(model_dir: str, num_prompts: int, max_tokens: int, seed: int) -> di
             "token_ids": token_ids,
             "logprobs": logprobs,
         })
+    llm.llm_engine.engine_core.shutdown()
     return {"startup_s": startup_s, "generate_s": generate_s, "samples": samples}
+
+
+def generate_in_process(model_dir: str, num_prompts: int, max_tokens: int, seed: int) -> dict:
+    """`generate` with the engine core in this process and 1 GiB of KV cache (the environment is the caller's to
+    restore: the launcher does)."""
+    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    return generate(model_dir, num_prompts, max_tokens, seed)
 
 
 def main() -> None:
