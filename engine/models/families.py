@@ -3,7 +3,8 @@
 Owns: `SUPPORTED_MODEL_TYPES` (what engine/policy/model.py translates), `MOE_MODEL_TYPES`, the refusal of any other
 family (`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
 `MISSING_FEATURES`) and of the Mixtral / GLM-4.5 settings it would not reproduce, and `moe_shape` (expert count, top-k
-and expert width under each family's own field names), `dense_layers` and `shared_expert_width` (GLM-4.5). The policy, the converter and the planner all read these.
+and expert width under each family's own field names), `dense_layers` and `shared_expert_width` (GLM-4.5). The
+policy, the converter and the planner all read these.
 
 Must not: import torch, Megatron or vLLM (the planner runs on a login node); translate anything itself.
 

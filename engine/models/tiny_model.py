@@ -184,13 +184,16 @@ def tiny_model_config(
         family: "qwen2" (QKV bias), "llama" (no bias anywhere), "qwen3" (per-head q/k RMSNorm, no bias, head_dim
             `TINY_QWEN3_HEAD_DIM`), "qwen3_moe" (Qwen3 attention; every layer's MLP is `TINY_MOE_EXPERTS` routed
             SwiGLU experts of width `TINY_MOE_FFN`, top-`TINY_MOE_TOP_K`, probabilities renormalised) or "mixtral"
-            (Llama attention, head_dim 32; the same experts under Mixtral's names, `intermediate_size` = 64).
+            (Llama attention, head_dim 32; the same experts under Mixtral's names, `intermediate_size` = 64) or
+            "glm4_moe" (GLM-4.5: `_tiny_glm4_moe_config`; its expert-score correction bias is random, N(0, 0.05^2),
+            where HF initialises zeros, so that tests see it).
         vocab_size: embedding rows; None = the tokenizer's size (`TINY_VOCAB_SIZE`). A larger value leaves rows no
             token maps to (as real checkpoints do); a smaller one is refused.
         tie_word_embeddings: share the input embedding with the LM head.
 
     Returns:
-        A `Qwen2Config`, `LlamaConfig`, `Qwen3Config`, `Qwen3MoeConfig` or `MixtralConfig`: hidden 128, 4 layers, 4 heads / 2 KV
+        A `Qwen2Config`, `LlamaConfig`, `Qwen3Config`, `Qwen3MoeConfig`, `MixtralConfig` or `Glm4MoeConfig`: hidden
+        128, 4 layers, 4 heads / 2 KV
         heads (head_dim 32; Qwen3 64), MLP 352,
         1024 positions, RoPE theta 1e4, RMSNorm eps 1e-6, SiLU, no dropout, float32, special-token ids from
         the tokenizer.
@@ -409,7 +412,7 @@ def resolve_builtin_model(
 ) -> Path:
     """Resolve a builtin model name to a saved model directory.
 
-    `builtin:tiny-qwen2` / `-llama` / `-qwen3` / `-qwen3_moe` / `-mixtral` are random-weight
+    `builtin:tiny-qwen2` / `-llama` / `-qwen3` / `-qwen3_moe` / `-mixtral` / `-glm4_moe` are random-weight
     models, built into `cache_dir` if needed.
     `builtin:tiny-qwen2-arith` is shipped: the tiny Qwen2 after the SFT warm start of `engine/demo/warm_start.py`
     (package data, returned as is: read-only, never built, `cache_dir` and `seed` unused).

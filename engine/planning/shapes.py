@@ -123,8 +123,8 @@ _QWEN3 = {
 }
 def _glm4_moe(h, layers, ffn, experts, moe_ffn, dense, qk_norm):
     return ModelDims(h, layers, 96, 8, ffn, 151552, False, True, head_dim=128, qk_norm=qk_norm, num_experts=experts,
-                     num_experts_per_tok=8, moe_intermediate_size=moe_ffn, dense_layers=dense, shared_expert_size=moe_ffn,
-                     expert_bias=True)
+                     num_experts_per_tok=8, moe_intermediate_size=moe_ffn, dense_layers=dense,
+                     shared_expert_size=moe_ffn, expert_bias=True)
 
 
 _GLM45 = _glm4_moe(5120, 92, 12288, 160, 1536, 3, True)

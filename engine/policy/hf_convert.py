@@ -2,7 +2,8 @@
 
 Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) for Qwen2 / Qwen2.5, Llama-3, Qwen3
 (per-head q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables
-(`MOE_MAPS`: Qwen3-MoE; Mixtral as a second table; experts: `TensorMap`; tied embeddings: `family_map`), and the
+(`MOE_MAPS`: Qwen3-MoE; Mixtral and GLM-4.5 MoE as more tables; experts: `TensorMap`; tied embeddings: `family_map`;
+GLM's dense first layers: `layer_entries`), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;

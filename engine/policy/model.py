@@ -1,16 +1,19 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
-Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral Hugging Face config into Megatron's
+Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE HF config into Megatron's
 `TransformerConfig` (`build_transformer_config`: what it translates, and activation recompute; dropout:
-`dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`; the families refused and what
-they lack: engine/models/families.py), the layer spec choice (`_layer_spec`), `build_policy`, and the rule
+`dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`, GLM-4.5's router, shared expert
+and dense first layers: `glm4_moe_router_settings`; the families refused and what they lack:
+engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`), `build_policy`, the
+weights that are buffers (`WEIGHT_BUFFERS`: GLM's frozen expert bias), and the rule
 that takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
 tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step at EP2
-and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
+and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral and
+GLM-4.5 MoE), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
 parallelism too; also: no "tp_group is None" fallback warning from Megatron; and the step with full recompute equals
 the step without it, bit for bit, at TP2 and PP2), tests/unit/test_recompute.py (settings to Megatron's fields).
 """
@@ -226,10 +229,10 @@ def glm4_moe_router_settings(hf_config) -> dict:
     `routed_scaling_factor`; a shared expert of `shared_expert_width` runs on every token; the first
     `first_k_dense_replace` layers are dense MLPs of `intermediate_size` (`moe_layer_freq`, built by `_decoder_spec`).
 
-    The expert bias stays frozen (`moe_router_bias_update_rate=0`): its update rule (aux-loss-free balancing: +/- a
-    rate per step by each expert's token count) is a pre-training load-balancer; RL post-training keeps the routing
-    the checkpoint was balanced with, so the policy, the frozen reference and vLLM route alike and routing replay
-    replays the routes the engine chose. It is loaded, exported and synced like a weight (`global_param_names`).
+    The expert bias stays frozen (`_freeze_expert_bias`): its update rule (aux-loss-free balancing: +/- a rate per
+    step by each expert's token count) is a pre-training load-balancer; RL post-training keeps the routing the
+    checkpoint was balanced with, so the policy, the frozen reference and vLLM route alike and routing replay replays
+    the routes the engine chose. It is loaded, exported and synced like a weight (`global_param_names`).
     """
     if hf_config.model_type != "glm4_moe":
         return {}
@@ -238,8 +241,7 @@ def glm4_moe_router_settings(hf_config) -> dict:
     return dict(
         moe_router_score_function="sigmoid",
         moe_router_dtype="fp32",
-        moe_router_enable_expert_bias=True,
-        moe_router_bias_update_rate=0.0,
+        moe_router_enable_expert_bias=True,  # builds the buffer; its updates are switched off after the build
         moe_router_num_groups=groups if groups > 1 else None,
         moe_router_group_topk=int(hf_config.topk_group) if groups > 1 else None,
         moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
@@ -262,7 +264,8 @@ def rope_settings(hf_config) -> dict:
     """GPTModel's RoPE keyword arguments for an HF config; refuses RoPE variants Megatron would not reproduce.
 
     transformers >= 5 keeps theta in `rope_parameters` (a missing `rope_theta` attribute must not silently become
-    Megatron's default 10000: Qwen2.5 uses 1e6), and GLM-4.5's `partial_rotary_factor` there too. Llama-3.1's `llama3` scaling maps to Megatron's `rope_scaling`,
+    Megatron's default 10000: Qwen2.5 uses 1e6), and GLM-4.5's `partial_rotary_factor` there too. Llama-3.1's
+    `llama3` scaling maps to Megatron's `rope_scaling`,
     whose low/high frequency factors and original length are fixed at 1, 4 and 8192.
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -461,7 +464,23 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
         )
         cast_params_to_dtype(chunks[-1], config.params_dtype)
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
+    if config.moe_router_enable_expert_bias:
+        _freeze_expert_bias(chunks, config)
     return chunks
+
+
+def _freeze_expert_bias(chunks: list[torch.nn.Module], config) -> None:
+    """Keep the routers' expert bias (GLM-4.5's) as loaded: no token counting in the forward, no update in
+    `finalize_model_grads` (glm4_moe_router_settings says why). The routers still add it to their scores.
+
+    NOTE: megatron-core 0.16.1's token counting (`TopKRouter._apply_expert_bias`, training forwards) fails with the
+    engine's MoE padding mask: `routing_map & ~padding_mask` broadcasts (tokens, E) against (tokens,).
+    """
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(module, "expert_bias", None) is not None:
+                module.enable_expert_bias = False
+    config.moe_router_enable_expert_bias = False  # finalize_model_grads reads it: neither counts reset nor updates
 
 
 @torch.no_grad()

@@ -65,8 +65,8 @@ def test_planner_mixtral_shapes_give_the_published_parameter_count_and_read_a_sa
 
 @pytest.mark.parametrize("change,cause", [
     ({"norm_topk_prob": False}, "norm_topk_prob=false: Megatron's sigmoid router always renormalises"),
-    ({"n_group": 2, "topk_group": 1, "num_experts_per_tok": 4}, r"n_group=2, topk_group=1, num_experts_per_tok=4: "
-                                                                r"Megatron scores a group by its top .* = 4 experts, HF by its top 2")])
+    ({"n_group": 2, "topk_group": 1, "num_experts_per_tok": 4},
+     r"n_group=2, topk_group=1, num_experts_per_tok=4: Megatron scores a group by its top .* = 4 experts, HF by its top 2")])
 def test_glm4_moe_router_settings_megatron_computes_differently_are_refused(change, cause):
     config = tiny_model_config("glm4_moe")
     check_model_type(config)  # the tiny model's own (2 groups, 1 per token, top-2) and GLM-4.5's defaults pass
