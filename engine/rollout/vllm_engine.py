@@ -31,6 +31,13 @@ from engine.rollout.rollouts import Rollout
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
 
 
+LIVE_PARAMS = ("e_score_correction_bias",)
+"""Parameters never repacked, digested as held even in a layer whose digests were recorded at its load: GLM-4.5's
+router bias, a parameter vLLM's gate shares with the experts layer. NOTE: vllm 0.32's layerwise reload loads it
+through the experts layer and processes the gate without it, so the gate's digest recorded then (`grpo_track_loads`)
+is of the old bias (a changed bias was reported wrong after a sync that loaded it; the held value was right)."""
+
+
 def _moe_layers(names: list[str]) -> list[int]:
     """Decoder layers with routed-expert tensors among HF names (Qwen3-MoE's `model.layers.<i>.mlp.experts.<e>...`,
     Mixtral's `model.layers.<i>.block_sparse_moe.experts.<e>...`)."""
@@ -507,6 +514,9 @@ class WeightReceiverExtension:
         for name, module in model.named_modules():
             recorded = getattr(module, "_grpo_loaded_digests", None)
             digests |= recorded if recorded is not None else _module_digests(name, module, packed, dtype)
+            if recorded is not None and any(p.endswith(LIVE_PARAMS) for p, _ in module.named_parameters(recurse=False)):
+                digests |= {k: v for k, v in _module_digests(name, module, packed, dtype).items()
+                            if k.endswith(LIVE_PARAMS)}
         return {"engine_rank": self.grpo_engine_rank(),
                 "digests": {name: [int(digest), held] for name, (digest, held) in digests.items()}}
 

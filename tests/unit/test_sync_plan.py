@@ -10,8 +10,8 @@ GQA with 4 KV heads tied; a vocabulary of 100 (vLLM pads to 128, so engine TP 8'
 
 Mixture of experts (Qwen3-MoE, 8 experts, q/k norms; Mixtral's and GLM-4.5's names, GLM's dense first layer, expert
 bias and shared expert, at two layouts): at EP1/EP2/EP4, EP2 x PP2, EP2 x TP2 and expert TP 2, every rank of the
-world (data-parallel copies included) holds what Megatron's own rank generator gives it (its TP shard of the dense tensors, its EP rank's experts split over its expert-TP rank), and each
-transfer is read from the rank the plan names as its sender (`TrainerLayout.sender_of` of that rank's Megatron
+world (data-parallel copies included) holds what Megatron's own rank generator gives it (its TP shard of the dense
+tensors, its EP rank's experts split over its expert-TP rank), and each transfer is read from the rank the plan names as its sender (`TrainerLayout.sender_of` of that rank's Megatron
 ranks): a piece sent by a rank that does not hold it fails, as does a sender outside the group or two ranks claiming
 one group rank."""
 
