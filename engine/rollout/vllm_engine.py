@@ -32,8 +32,9 @@ from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, 
 
 
 LIVE_PARAMS = ("e_score_correction_bias",)
-"""Parameters never repacked, digested as held even in a layer whose digests were recorded at its load: GLM-4.5's
-router bias, a parameter vLLM's gate shares with the experts layer. NOTE: vllm 0.32's layerwise reload loads it
+"""Parameters never repacked, digested as held (float32, as the trainer sends them: engine/policy/hf_convert.py
+FLOAT32_TENSORS) even in a layer whose digests were recorded at its load: GLM-4.5's router bias, a parameter vLLM's
+gate shares with the experts layer. NOTE: vllm 0.32's layerwise reload loads it
 through the experts layer and processes the gate without it, so the gate's digest recorded then (`grpo_track_loads`)
 is of the old bias (a changed bias was reported wrong after a sync that loaded it; the held value was right)."""
 
@@ -92,7 +93,7 @@ def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict
         if tensor.numel() == 0 or tensor.is_meta:
             continue  # repacked by the CPU backend: see `WeightReceiverExtension.grpo_track_loads`
         for hf_name, view in _hf_parts(name, module, param, tensor.detach(), packed):
-            if view.dtype == dtype:
+            if view.dtype == dtype or hf_name.endswith(LIVE_PARAMS):  # GLM's float32 router bias: sent as float32
                 out[hf_name] = (box_digest(view), str(tensor.dtype))
                 continue
             narrowed = view.to(dtype)
