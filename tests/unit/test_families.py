@@ -109,3 +109,19 @@ def test_planner_glm4_moe_shapes_count_the_checkpoint_s_parameters(tmp_path):
     assert KNOWN_MODELS["zai-org/glm-4.5-air"].total_params() == 106_852_251_264
     assert KNOWN_MODELS["zai-org/glm-4.5"].total_params() == pytest.approx(355e9, rel=0.01)
     assert KNOWN_MODELS["zai-org/glm-4.5-air"].total_params() == pytest.approx(106e9, rel=0.01)
+
+
+def test_glm4_moe_server_mode_sync_below_float32_is_refused_naming_the_bias():
+    """Server-mode sync sends every tensor in one dtype: GLM's float32 router bias would arrive rounded (colocated
+    sync keeps it float32: tests/integration/test_family_weight_sync.py); float32 and the other families pass."""
+    from engine.rollout.server_sync import build_server_sync
+
+    ps = SimpleNamespace(tp_size=1, pp_size=1, vpp_size=None, ep_size=1, etp_size=1, rank=0, world_size=1, pp_rank=0,
+                         tp_rank=0, dp_rank=0, ep_rank=0, etp_rank=0, edp_rank=0, dp_size=1)  # one process
+    glm, mixtral = (ModelDims.from_hf(tiny_model_config(f), padded_vocab=512) for f in ("glm4_moe", "mixtral"))
+    kwargs = dict(ffn_hidden_size=352, group_port=0, timeout_s=1.0, bucket_mb=1.0)
+    with pytest.raises(ValueError, match=r"bfloat16: the model's float32 tensors \(model.layers.1.mlp.gate."
+                                         r"e_score_correction_bias and 2 more: GLM-4.5's router bias\)"):
+        build_server_sync(ps, glm, 1, dtype="bfloat16", **kwargs)
+    for dims, dtype in ((glm, "float32"), (mixtral, "bfloat16")):
+        assert build_server_sync(ps, dims, 1, dtype=dtype, **kwargs).plan.dtype == dtype
