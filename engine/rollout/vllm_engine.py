@@ -32,11 +32,8 @@ from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, 
 
 
 LIVE_PARAMS = ("e_score_correction_bias",)
-"""Parameters never repacked, digested as held (float32, as the trainer sends them: engine/policy/hf_convert.py
-FLOAT32_TENSORS) even in a layer whose digests were recorded at its load: GLM-4.5's router bias, a parameter vLLM's
-gate shares with the experts layer. NOTE: vllm 0.32's layerwise reload loads it
-through the experts layer and processes the gate without it, so the gate's digest recorded then (`grpo_track_loads`)
-is of the old bias (a changed bias was reported wrong after a sync that loaded it; the held value was right)."""
+"""GLM-4.5's router bias: digested as held (float32, as sent), even where a layer's digests were recorded: vllm 0.32
+reloads it through the experts layer sharing it, after the gate's digest was recorded (`grpo_track_loads`)."""
 
 
 def _moe_layers(names: list[str]) -> list[int]:
@@ -515,7 +512,7 @@ class WeightReceiverExtension:
         for name, module in model.named_modules():
             recorded = getattr(module, "_grpo_loaded_digests", None)
             digests |= recorded if recorded is not None else _module_digests(name, module, packed, dtype)
-            if recorded is not None and any(p.endswith(LIVE_PARAMS) for p, _ in module.named_parameters(recurse=False)):
+            if recorded is not None:  # recorded at the load: but LIVE_PARAMS as held now
                 digests |= {k: v for k, v in _module_digests(name, module, packed, dtype).items()
                             if k.endswith(LIVE_PARAMS)}
         return {"engine_rank": self.grpo_engine_rank(),
