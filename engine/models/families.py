@@ -8,8 +8,8 @@ policy, the converter and the planner all read these.
 
 Must not: import torch, Megatron or vLLM (the planner runs on a login node); translate anything itself.
 
-Test: tests/unit/test_families.py (refusals name the cause; moe_shape of each MoE family; the planner's Mixtral
-shapes give the published parameter count).
+Test: tests/unit/test_families.py (refusals name the cause; moe_shape of each MoE family; the planner's Mixtral and
+GLM-4.5 shapes give the published parameter counts).
 """
 
 from __future__ import annotations
