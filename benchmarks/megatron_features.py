@@ -7,8 +7,8 @@ first line of the error where one fails. Prints one `OK` / `FAIL` line per featu
 Measured with megatron-core 0.16.1 on CPU (README "Model families"): sliding-window attention (also alternating),
 learnable-softmax attention sinks, the clamped SwiGLU with the +1 linear offset, sigmoid routing with expert bias,
 group-limited top-k and scaling, shared experts, dense first layers (`moe_layer_freq`) and partial rotary build and
-train; expert biases fail in the backward (SequentialMLP's in-place bias add on a view of the TP reduction) and the
-local MLA spec fails to build (`DotProductAttention` has no `k_channels`). Megatron has no logit soft-capping, no
+train; expert biases fail in the backward (SequentialMLP's in-place bias add on a view of the TP reduction; with the
+experts' fc2 output copied they train: a fix the project's own spec can carry) and the local MLA spec fails to build (`DotProductAttention` has no `k_channels`). Megatron has no logit soft-capping, no
 post-attention / post-MLP norms and no embedding scaling at all (Gemma 2 / 3).
 """
 
@@ -31,6 +31,8 @@ FEATURES = [  # (name, TransformerConfig keywords, GPTModel rotary_percent, how 
      {"activation_func_clamp_value": 7.0, "glu_linear_offset": 1.0}, 1.0, "layer"),
     ("linear biases, dense", {"add_bias_linear": True}, 1.0, "layer"),
     ("expert biases (add_bias_linear in MoE): GPT-OSS", {**MOE, "add_bias_linear": True}, 1.0, "layer"),
+    ("expert biases, the experts' fc2 output copied (`_CopiedOutputRowParallel`): GPT-OSS",
+     {**MOE, "add_bias_linear": True}, 1.0, "fc2_copy"),
     ("sigmoid routing + expert bias + 2 groups top-1 + scaling 2.5: GLM-4.5, DeepSeek-V3",
      {**MOE, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "moe_router_num_groups": 2,
       "moe_router_group_topk": 1, "moe_router_topk_scaling_factor": 2.5, "moe_router_pre_softmax": True}, 1.0, "layer"),
@@ -40,6 +42,32 @@ FEATURES = [  # (name, TransformerConfig keywords, GPTModel rotary_percent, how 
     ("partial rotary (rotary_percent=0.5): GLM-4.5", {}, 0.5, "layer"),
     ("multi-latent attention (local MLA spec): DeepSeek-V3", MLA, 1.0, "mla"),
 ]
+
+
+def _copied_output_row_parallel():
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class _CopiedOutputRowParallel(RowParallelLinear):
+        """Returns a fresh output tensor when it also returns its bias: megatron-core 0.16.1's MLP adds an expert's
+        bias in place (`output += output_bias * probs`, mlp.py), but at TP1 `_ReduceFromModelParallelRegion` returns
+        its input as a view, which autograd refuses to modify in place."""
+
+        def forward(self, *args, **kwargs):
+            output, bias = super().forward(*args, **kwargs)
+            return (output.clone() if bias is not None else output), bias
+
+    return _CopiedOutputRowParallel
+
+
+def _experts_fc2(spec, fc2):
+    """The local MoE layer spec with the experts' linear_fc2 replaced."""
+    import dataclasses
+
+    mlp = spec.submodules.mlp
+    experts = dataclasses.replace(mlp.submodules.experts, submodules=dataclasses.replace(
+        mlp.submodules.experts.submodules, linear_fc2=fc2))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=dataclasses.replace(
+        mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))))
 
 
 def probe(name: str, extra: dict, rotary_percent: float, spec_kind: str) -> str:
@@ -61,6 +89,8 @@ def probe(name: str, extra: dict, rotary_percent: float, spec_kind: str) -> str:
         else:
             spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=config.num_moe_experts,
                                             multi_latent_attention=spec_kind == "mla")
+        if spec_kind == "fc2_copy":
+            spec = _experts_fc2(spec, _copied_output_row_parallel())
         model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=64,
                          position_embedding_type="rope", rotary_percent=rotary_percent)
         tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))  # (b, s)

@@ -45,7 +45,7 @@ def _aliases(**mapping: Any) -> dict:
 class ModelConfig:
     name_or_path: str = "builtin:tiny-qwen2"
     """Hugging Face checkpoint: a local directory or a hub name. `builtin:tiny-qwen2` / `builtin:tiny-llama` /
-    `builtin:tiny-qwen3` / `builtin:tiny-qwen3_moe` / `builtin:tiny-mixtral` build the project's tiny random-weight model in-process (engine/models/tiny_model.py) and cache it under the run directory;
+    `builtin:tiny-qwen3` / `builtin:tiny-qwen3_moe` / `builtin:tiny-mixtral` / `builtin:tiny-glm4_moe` build the project's tiny random-weight model in-process (engine/models/tiny_model.py) and cache it under the run directory;
     `builtin:tiny-qwen2-arith` is the shipped warm-started tiny Qwen2 of the demo (engine/demo/warm_start.py)."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter and activation dtype of the policy (TRL's `bf16=True` -> bfloat16). Softmax statistics and the

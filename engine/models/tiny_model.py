@@ -30,6 +30,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
+    Glm4MoeConfig,
     LlamaConfig,
     MixtralConfig,
     PretrainedConfig,
@@ -39,7 +40,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral")
+TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
 """Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
 
 TINY_QWEN3_HEAD_DIM = 64
@@ -47,7 +48,13 @@ TINY_QWEN3_HEAD_DIM = 64
 Qwen3 models take 4 x 64 = 256 != hidden 128, so a conversion that assumes hidden / heads fails their tests."""
 
 TINY_MOE_EXPERTS, TINY_MOE_TOP_K, TINY_MOE_FFN = 4, 2, 64
-"""The tiny Qwen3-MoE and Mixtral: 4 routed experts per layer, 2 per token, expert MLP width 64 (no shared expert)."""
+"""The tiny Qwen3-MoE, Mixtral and GLM-4.5 MoE: 4 routed experts per layer, 2 per token, expert MLP width 64 (GLM
+adds one shared expert of that width)."""
+
+TINY_GLM_GROUPS, TINY_GLM_SCALING, TINY_GLM_DENSE_LAYERS = 2, 2.5, 1
+"""The tiny GLM-4.5 MoE's router: experts in 2 groups, 1 group per token (group-limited top-k, which GLM-4.5's own
+n_group=1 leaves unused, so that a test sees it), routed weights scaled by 2.5 (GLM-4.5's routed_scaling_factor);
+its first layer is dense (GLM-4.5-Air: first_k_dense_replace=1)."""
 
 TINY_VOCAB_SIZE = 400
 """Tokenizer (and default model) vocabulary: 256 bytes + 3 specials + 141 merges. Not a multiple of 128."""
@@ -177,13 +184,16 @@ def tiny_model_config(
         family: "qwen2" (QKV bias), "llama" (no bias anywhere), "qwen3" (per-head q/k RMSNorm, no bias, head_dim
             `TINY_QWEN3_HEAD_DIM`), "qwen3_moe" (Qwen3 attention; every layer's MLP is `TINY_MOE_EXPERTS` routed
             SwiGLU experts of width `TINY_MOE_FFN`, top-`TINY_MOE_TOP_K`, probabilities renormalised) or "mixtral"
-            (Llama attention, head_dim 32; the same experts under Mixtral's names, `intermediate_size` = 64).
+            (Llama attention, head_dim 32; the same experts under Mixtral's names, `intermediate_size` = 64) or
+            "glm4_moe" (GLM-4.5: `_tiny_glm4_moe_config`; its expert-score correction bias is random, N(0, 0.05^2),
+            where HF initialises zeros, so that tests see it).
         vocab_size: embedding rows; None = the tokenizer's size (`TINY_VOCAB_SIZE`). A larger value leaves rows no
             token maps to (as real checkpoints do); a smaller one is refused.
         tie_word_embeddings: share the input embedding with the LM head.
 
     Returns:
-        A `Qwen2Config`, `LlamaConfig`, `Qwen3Config`, `Qwen3MoeConfig` or `MixtralConfig`: hidden 128, 4 layers, 4 heads / 2 KV
+        A `Qwen2Config`, `LlamaConfig`, `Qwen3Config`, `Qwen3MoeConfig`, `MixtralConfig` or `Glm4MoeConfig`: hidden
+        128, 4 layers, 4 heads / 2 KV
         heads (head_dim 32; Qwen3 64), MLP 352,
         1024 positions, RoPE theta 1e4, RMSNorm eps 1e-6, SiLU, no dropout, float32, special-token ids from
         the tokenizer.
@@ -230,7 +240,25 @@ def tiny_model_config(
         return MixtralConfig(**{**common, "intermediate_size": TINY_MOE_FFN}, num_local_experts=TINY_MOE_EXPERTS,
                              num_experts_per_tok=TINY_MOE_TOP_K, sliding_window=None, router_jitter_noise=0.0,
                              router_aux_loss_coef=0.001)
+    if family == "glm4_moe":
+        return _tiny_glm4_moe_config(common)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
+
+
+def _tiny_glm4_moe_config(common: dict) -> Glm4MoeConfig:
+    """GLM-4.5's architecture at the tiny shapes: QKV bias and per-head q/k RMSNorm (GLM-4.5's `use_qk_norm`), RoPE
+    on half of each head (`partial_rotary_factor` 0.5), a dense first layer of width 352, then MoE layers of 4
+    sigmoid-routed experts (top-2 of the group-limited scores + the expert-score correction bias, renormalised,
+    x `TINY_GLM_SCALING`) plus one always-on shared expert."""
+    rope = {"rope_type": "default", "rope_theta": common["rope_theta"], "partial_rotary_factor": 0.5}
+    common = {k: v for k, v in common.items() if k != "rope_theta"}
+    return Glm4MoeConfig(
+        **common, head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=True, use_qk_norm=True, rope_parameters=rope,
+        partial_rotary_factor=0.5, moe_intermediate_size=TINY_MOE_FFN, n_routed_experts=TINY_MOE_EXPERTS,
+        num_experts_per_tok=TINY_MOE_TOP_K, n_shared_experts=1, n_group=TINY_GLM_GROUPS, topk_group=1,
+        routed_scaling_factor=TINY_GLM_SCALING, norm_topk_prob=True, first_k_dense_replace=TINY_GLM_DENSE_LAYERS,
+        num_nextn_predict_layers=0,
+    )
 
 
 def _generation_config(config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
@@ -266,6 +294,9 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        for name, buffer in model.named_buffers():  # HF initialises GLM's expert bias to 0: make it count in tests
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.05 * torch.randn(buffer.shape))
     model.generation_config = _generation_config(config, tokenizer)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)
@@ -381,7 +412,7 @@ def resolve_builtin_model(
 ) -> Path:
     """Resolve a builtin model name to a saved model directory.
 
-    `builtin:tiny-qwen2` / `-llama` / `-qwen3` / `-qwen3_moe` / `-mixtral` are random-weight
+    `builtin:tiny-qwen2` / `-llama` / `-qwen3` / `-qwen3_moe` / `-mixtral` / `-glm4_moe` are random-weight
     models, built into `cache_dir` if needed.
     `builtin:tiny-qwen2-arith` is shipped: the tiny Qwen2 after the SFT warm start of `engine/demo/warm_start.py`
     (package data, returned as is: read-only, never built, `cache_dir` and `seed` unused).

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import ConfigError, EngineConfig
-from engine.models.families import moe_shape
+from engine.models.families import dense_layers, moe_shape, shared_expert_width
 from engine.validation import Derived
 
 DEFAULT_GPUS_PER_NODE = 8
@@ -58,6 +58,13 @@ class ModelDims:
     """MoE: routed experts per layer (0 = dense MLP of intermediate_size)."""
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    dense_layers: int = 0
+    """MoE: the first layers with a dense MLP of intermediate_size (GLM-4.5's first_k_dense_replace). The memory plan
+    sizes every layer as an MoE layer (an upper bound: GLM-4.5 has 3 dense of 92); `total_params` counts exactly."""
+    shared_expert_size: int = 0
+    """MoE: the always-on shared expert's width (GLM-4.5: n_shared_experts x moe_intermediate_size), TP-split."""
+    expert_bias: bool = False
+    """MoE: the router's E float32 expert-score correction bias (GLM-4.5), replicated."""
 
     @property
     def d(self) -> int:
@@ -72,8 +79,9 @@ class ModelDims:
         (`expert_params`); an MoE layer's router (E x h) is replicated."""
         h, a, g, d = self.hidden_size, self.num_heads, self.num_kv_heads, self.d
         attention = h * a * d + 2 * h * g * d + a * d * h + ((a + 2 * g) * d if self.qkv_bias else 0)
-        replicated = 2 * h + (2 * d if self.qk_norm else 0) + self.num_experts * h
-        return attention + (0 if self.is_moe else 3 * h * self.intermediate_size), replicated
+        replicated = 2 * h + (2 * d if self.qk_norm else 0) + self.num_experts * (h + self.expert_bias)
+        mlp = 3 * h * (self.shared_expert_size if self.is_moe else self.intermediate_size)
+        return attention + mlp, replicated
 
     def expert_params(self) -> int:
         """Parameters of one layer's routed experts (E x 3 x h x f_moe: SwiGLU gate, up, down); split over EP x ETP."""
@@ -83,7 +91,11 @@ class ModelDims:
         """Parameters of the Hugging Face checkpoint (unpadded vocabulary)."""
         split, replicated = self.layer_params()
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (split + replicated + self.expert_params()) + embeddings + self.hidden_size
+        moe_layer = split + replicated + self.expert_params()
+        h = self.hidden_size  # a dense first layer: the MoE layer less router, bias, shared expert and experts
+        dense_layer = moe_layer - self.expert_params() - self.num_experts * (h + self.expert_bias) + 3 * h * (
+            self.intermediate_size - self.shared_expert_size)
+        return (self.num_layers - self.dense_layers) * moe_layer + self.dense_layers * dense_layer + embeddings + h
 
 
 def _qwen2(h, layers, heads, kv, ffn, vocab, tied):
@@ -109,6 +121,16 @@ _QWEN3 = {
     "30b-a3b": _qwen3(2048, 48, 32, 4, 6144, 151936, False, 128, 8, 768),
     "235b-a22b": _qwen3(4096, 94, 64, 4, 12288, 151936, False, 128, 8, 1536),
 }
+def _glm4_moe(h, layers, ffn, experts, moe_ffn, dense, qk_norm):
+    return ModelDims(h, layers, 96, 8, ffn, 151552, False, True, head_dim=128, qk_norm=qk_norm, num_experts=experts,
+                     num_experts_per_tok=8, moe_intermediate_size=moe_ffn, dense_layers=dense,
+                     shared_expert_size=moe_ffn, expert_bias=True)
+
+
+_GLM45 = _glm4_moe(5120, 92, 12288, 160, 1536, 3, True)
+_GLM45_AIR = _glm4_moe(4096, 46, 10944, 128, 1408, 1, False)
+"""GLM-4.5 (355B-A32B) and GLM-4.5-Air (106B-A12B), from their config.json; their one multi-token-prediction layer
+(`num_nextn_predict_layers`) is neither built by the engine nor by transformers, so not counted."""
 _MIXTRAL_8X7B = ModelDims(4096, 32, 32, 8, 14336, 32000, False, False, num_experts=8, num_experts_per_tok=2,
                           moe_intermediate_size=14336)
 _LLAMA_8B = _llama(4096, 32, 32, 8, 14336, 128256)
@@ -133,6 +155,11 @@ KNOWN_MODELS: dict[str, ModelDims] = {
     "builtin:tiny-mixtral": ModelDims(128, 4, 4, 2, 64, 400, False, False, num_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=64),
     **{f"mistralai/mixtral-8x7b{suffix}": _MIXTRAL_8X7B for suffix in ("-v0.1", "-instruct-v0.1")},
+    **{f"zai-org/glm-4.5{suffix}": _GLM45 for suffix in ("", "-base")},
+    **{f"zai-org/glm-4.5-air{suffix}": _GLM45_AIR for suffix in ("", "-base")},
+    "builtin:tiny-glm4_moe": ModelDims(128, 4, 4, 2, 352, 400, False, True, qk_norm=True, num_experts=4,
+                                       num_experts_per_tok=2, moe_intermediate_size=64, dense_layers=1,
+                                       shared_expert_size=64, expert_bias=True),
 }
 """Dimensions of the models the shipped configs name, from each model's config.json on the Hugging Face hub,
 keyed by lower-case hub name. Qwen2 has a QKV bias, Llama none."""
@@ -149,7 +176,8 @@ def load_model_dims(name_or_path: str) -> ModelDims:
         hf = json.loads(config_file.read_text())
         hf = hf.get("text_config", hf)
         head_dim = hf.get("head_dim") or 0
-        experts, top_k, expert_ffn = moe_shape(SimpleNamespace(**hf))
+        config = SimpleNamespace(**hf)
+        experts, top_k, expert_ffn = moe_shape(config)
         return ModelDims(
             hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
@@ -157,8 +185,10 @@ def load_model_dims(name_or_path: str) -> ModelDims:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
             head_dim=0 if head_dim * hf["num_attention_heads"] == hf["hidden_size"] else head_dim,
-            qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe"),
+            qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
             num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn,
+            dense_layers=dense_layers(config), shared_expert_size=shared_expert_width(config),
+            expert_bias=hf.get("model_type") == "glm4_moe",
         )
     dims = KNOWN_MODELS.get(name_or_path.lower())
     if dims is None:

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.policy.hf_convert import ModelDims, expert_index, family_map, find_entry, read_megatron_shard, to_hf
-from engine.policy.model import global_param_names
+from engine.policy.hf_convert import (FLOAT32_TENSORS, ModelDims, expert_index, family_map, find_entry,
+                                     read_megatron_shard, to_hf)
+from engine.policy.model import get_weight, global_param_names
 from engine.policy.parallel import ParallelState
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -81,7 +82,7 @@ def load_hf_checkpoint(chunks: list[torch.nn.Module], ps: ParallelState, model_d
     entries = family_map(dims)
     for chunk in chunks:
         for name, global_name in global_param_names(chunk).items():
-            param = chunk.get_parameter(name)
+            param = get_weight(chunk, name)
             entry, layer = find_entry(entries, global_name)
             tp_rank, tp_size = (ps.etp_rank, ps.etp_size) if entry.is_expert else (ps.tp_rank, ps.tp_size)
             shard = read_megatron_shard(entry, layer, dims, src, tp_rank, tp_size, expert_index(global_name))
@@ -113,7 +114,7 @@ def iter_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims):
     for name, global_name in global_param_names(chunk).items():
         if global_name == "output_layer.weight" and dims.tie_word_embeddings:
             continue  # the tied head is exported once, as the embedding
-        param = chunk.get_parameter(name)
+        param = get_weight(chunk, name)
         entry, layer = find_entry(entries, global_name)
         if not entry.is_expert:
             yield from to_hf(entry, layer, dims, merge_tp_shards(_gather(param, ps.tp_size, ps.groups.tp), param)).items()
@@ -150,7 +151,8 @@ def export_hf_checkpoint(
     file = f"model-{ps.pp_rank + 1:05d}-of-{ps.pp_size:05d}.safetensors"
     writer = ps.tp_rank == 0 and ps.dp_rank == 0
     if writer:
-        cast = {k: (v.to(dtype) if dtype else v).contiguous() for k, v in tensors.items()}
+        cast = {k: (v.to(dtype) if dtype and not k.endswith(FLOAT32_TENSORS) else v).contiguous()
+                for k, v in tensors.items()}
         save_file(cast, tmp / file, metadata={"format": "pt"})
     names = sorted(tensors) if writer else []
     per_rank: list = [None] * ps.world_size

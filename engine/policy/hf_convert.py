@@ -2,7 +2,8 @@
 
 Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) for Qwen2 / Qwen2.5, Llama-3, Qwen3
 (per-head q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables
-(`MOE_MAPS`: Qwen3-MoE; Mixtral as a second table; experts: `TensorMap`; tied embeddings: `family_map`), and the
+(`MOE_MAPS`: Qwen3-MoE; Mixtral and GLM-4.5 MoE as more tables; experts: `TensorMap`; tied embeddings: `family_map`;
+GLM's dense first layers: `layer_entries`), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
@@ -31,7 +32,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from engine.models.families import moe_shape
+from engine.models.families import dense_layers, moe_shape, shared_expert_width
 
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
 """How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md
@@ -109,6 +110,10 @@ class ModelDims:
     """MoE: each expert's MLP width (HF moe_intermediate_size)."""
     moe_map: str = ""
     """MoE: the key of the expert table in `MOE_MAPS` (the HF model_type)."""
+    dense_layers: int = 0
+    """MoE: the first layers whose MLP is dense (GLM-4.5's first_k_dense_replace)."""
+    shared_expert_ffn: int = 0
+    """MoE: the always-on shared expert's MLP width (GLM-4.5; 0 = none)."""
 
     @classmethod
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
@@ -125,10 +130,12 @@ class ModelDims:
             padded_vocab=padded_vocab,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
             qkv_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(getattr(hf_config, "use_qk_norm", False)),
             num_experts=experts,
             moe_ffn_hidden_size=expert_ffn,
             moe_map=model_type if experts else "",
+            dense_layers=dense_layers(hf_config),
+            shared_expert_ffn=shared_expert_width(hf_config),
         )
 
 
@@ -151,13 +158,35 @@ MOE_MAPS: dict[str, tuple[TensorMap, ...]] = {
         TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
                   ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",), "row"),
     ),
+    # GLM-4.5: Qwen3-MoE's expert names, the router's float32 expert-score correction bias (Megatron: a buffer, see
+    # engine/policy/model.py WEIGHT_BUFFERS) and one shared expert, a dense SwiGLU MLP split over the attention's TP.
+    "glm4_moe": (
+        TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.gate.weight",), "replicated"),
+        TensorMap("decoder.layers.{i}.mlp.router.expert_bias", ("model.layers.{i}.mlp.gate.e_score_correction_bias",),
+                  "replicated"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
+                  ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                   "model.layers.{i}.mlp.experts.{e}.up_proj.weight"), "gate_up"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+                  ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "row"),
+        TensorMap("decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight",
+                  ("model.layers.{i}.mlp.shared_experts.gate_proj.weight",
+                   "model.layers.{i}.mlp.shared_experts.up_proj.weight"), "gate_up"),
+        TensorMap("decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight",
+                  ("model.layers.{i}.mlp.shared_experts.down_proj.weight",), "row"),
+    ),
 }
 """The MoE MLP of each family, replacing the dense `linear_fc1` / `linear_fc2` entries; `{e}` = expert index."""
+
+FLOAT32_TENSORS = ("e_score_correction_bias",)
+"""HF tensors kept in float32 whatever the model's dtype (transformers' `_keep_in_fp32_modules_strict` for GLM-4.5's
+expert bias; Megatron's router keeps it float32 too): an export in bf16 does not round them."""
 
 
 def family_map(dims: ModelDims) -> list[TensorMap]:
     """The map of the Qwen2 / Llama / Qwen3 family (identical names; Qwen2 adds the QKV bias, Qwen3 the q/k norms;
-    MoE families swap the dense MLP for their `MOE_MAPS` table).
+    MoE families swap the dense MLP for their `MOE_MAPS` table; GLM-4.5, with dense first layers, has both: which
+    entries a given layer has is `layer_entries`).
 
     Tied embeddings: HF stores one `model.embed_tokens.weight`; Megatron's last stage holds a copy as
     `output_layer.weight` (kept equal by Megatron's embedding group), which is loaded from it and never exported."""
@@ -177,7 +206,7 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
     ]
     if dims.num_experts:
         entries += MOE_MAPS[dims.moe_map]
-    else:
+    if not dims.num_experts or dims.dense_layers:
         entries += [
             TensorMap(
                 "decoder.layers.{i}.mlp.linear_fc1.weight",
@@ -201,6 +230,14 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
     head = "model.embed_tokens.weight" if dims.tie_word_embeddings else "lm_head.weight"
     entries.append(TensorMap("output_layer.weight", (head,), "vocab"))
     return entries
+
+
+def layer_entries(dims: ModelDims, layer: int) -> list[TensorMap]:
+    """The `family_map` entries decoder layer `layer` has: a dense first layer (`dims.dense_layers`) no MoE entries,
+    an MoE layer no dense MLP."""
+    dense = not dims.num_experts or layer < dims.dense_layers
+    return [e for e in family_map(dims) if "{i}" in e.megatron
+            and (".mlp." not in e.megatron or (".mlp.linear_fc" in e.megatron) == dense)]
 
 
 # Transformer Engine's layer spec fuses the norms into the next linear layer.

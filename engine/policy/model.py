@@ -1,16 +1,19 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
-Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral Hugging Face config into Megatron's
+Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE HF config into Megatron's
 `TransformerConfig` (`build_transformer_config`: what it translates, and activation recompute; dropout:
-`dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`; the families refused and what
-they lack: engine/models/families.py), the layer spec choice (`_layer_spec`), `build_policy`, and the rule
+`dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`, GLM-4.5's router, shared expert
+and dense first layers: `glm4_moe_router_settings`; the families refused and what they lack:
+engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`), `build_policy`, the
+weights that are buffers (`WEIGHT_BUFFERS`: GLM's frozen expert bias), and the rule
 that takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
 tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step at EP2
-and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
+and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral and
+GLM-4.5 MoE), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
 parallelism too; also: no "tp_group is None" fallback warning from Megatron; and the step with full recompute equals
 the step without it, bit for bit, at TP2 and PP2), tests/unit/test_recompute.py (settings to Megatron's fields).
 """
@@ -25,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
-from engine.models.families import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, moe_shape
+from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, dense_layers, moe_shape,
+                                    shared_expert_width)
 from engine.policy.parallel import ParallelState
 from engine.recompute import resolve_recompute
 
@@ -35,7 +39,8 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 def has_qk_norm(hf_config) -> bool:
-    return hf_config.model_type in QK_NORM_MODEL_TYPES
+    """Qwen3's q/k norms, or GLM-4.5's when its config says `use_qk_norm` (GLM-4.5: true, GLM-4.5-Air: false)."""
+    return hf_config.model_type in QK_NORM_MODEL_TYPES or bool(getattr(hf_config, "use_qk_norm", False))
 
 
 
@@ -161,7 +166,7 @@ def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
 
 
 def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
-    """TransformerConfig's MoE keywords for a Qwen3-MoE or Mixtral config ({} for a dense model).
+    """TransformerConfig's MoE keywords for a Qwen3-MoE, Mixtral or GLM-4.5 MoE config ({} for a dense model).
 
     Router, from the HF config: softmax scores over the routed experts, top `num_experts_per_tok`; HF's
     `norm_topk_prob=True` (softmax over all experts, top-k, renormalised; Mixtral always) is Megatron's default
@@ -172,6 +177,7 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     `parallel.expert_tp_size`). Aux / z-loss coefficients come from the `model` section (`moe_aux_loss_coeff`,
     `moe_z_loss_coeff`); no token dropping (capacity None), as HF and vLLM. TP > 1 needs sequence parallelism
     (Megatron's MoELayer refuses to train without it; the local spec runs it too: `LocalRMSNorm`).
+    GLM-4.5 MoE: `glm4_moe_router_settings`.
     """
     experts, top_k, expert_ffn = moe_shape(hf_config)
     if not experts:
@@ -181,10 +187,10 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
                              "set it to 0")
         return {}
     _define_te_general_gemm()
-    sparse_step, dense_layers = getattr(hf_config, "decoder_sparse_step", 1), getattr(hf_config, "mlp_only_layers", [])
-    if sparse_step != 1 or dense_layers:
+    sparse_step, dense_only = getattr(hf_config, "decoder_sparse_step", 1), getattr(hf_config, "mlp_only_layers", [])
+    if sparse_step != 1 or dense_only:
         raise ValueError(f"{hf_config.model_type} with decoder_sparse_step={sparse_step}, "
-                         f"mlp_only_layers={dense_layers}: only "
+                         f"mlp_only_layers={dense_only}: only "
                          "every-layer MoE (step 1, no dense layers) is supported")
     if ps.tp_size > 1 and not ps.sequence_parallel:
         raise ValueError(f"{hf_config.model_type} at parallel.tp_size={ps.tp_size} needs "
@@ -195,7 +201,7 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     aux = cfg.moe_aux_loss_coeff
     if aux is None:
         aux = float(getattr(hf_config, "router_aux_loss_coef", 0.0))
-    return dict(
+    return {**dict(
         num_moe_experts=experts,
         moe_ffn_hidden_size=expert_ffn,
         moe_router_topk=top_k,
@@ -211,6 +217,36 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
         moe_enable_routing_replay=True,
         expert_model_parallel_size=ps.ep_size,
         expert_tensor_parallel_size=ps.etp_size,
+    ), **glm4_moe_router_settings(hf_config)}
+
+
+def glm4_moe_router_settings(hf_config) -> dict:
+    """GLM-4.5 MoE's router and layer pattern in TransformerConfig's keywords ({} for other families).
+
+    Sigmoid scores in float32 (HF computes the router in float32); the top-k is chosen on scores + the expert-score
+    correction bias (`e_score_correction_bias`, Megatron's `router.expert_bias` buffer, float32), within the
+    `topk_group` best of `n_group` groups; the chosen experts' plain scores are renormalised and multiplied by
+    `routed_scaling_factor`; a shared expert of `shared_expert_width` runs on every token; the first
+    `first_k_dense_replace` layers are dense MLPs of `intermediate_size` (`moe_layer_freq`, built by `_decoder_spec`).
+
+    The expert bias stays frozen (`_freeze_expert_bias`): its update rule (aux-loss-free balancing: +/- a rate per
+    step by each expert's token count) is a pre-training load-balancer; RL post-training keeps the routing the
+    checkpoint was balanced with, so the policy, the frozen reference and vLLM route alike and routing replay replays
+    the routes the engine chose. It is loaded, exported and synced like a weight (`global_param_names`).
+    """
+    if hf_config.model_type != "glm4_moe":
+        return {}
+    groups = int(hf_config.n_group)
+    first_dense, layers = dense_layers(hf_config), hf_config.num_hidden_layers
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_dtype="fp32",
+        moe_router_enable_expert_bias=True,  # builds the buffer; its updates are switched off after the build
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=int(hf_config.topk_group) if groups > 1 else None,
+        moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
+        moe_shared_expert_intermediate_size=shared_expert_width(hf_config) or None,
+        moe_layer_freq=[0] * first_dense + [1] * (layers - first_dense),
     )
 
 
@@ -228,7 +264,8 @@ def rope_settings(hf_config) -> dict:
     """GPTModel's RoPE keyword arguments for an HF config; refuses RoPE variants Megatron would not reproduce.
 
     transformers >= 5 keeps theta in `rope_parameters` (a missing `rope_theta` attribute must not silently become
-    Megatron's default 10000: Qwen2.5 uses 1e6). Llama-3.1's `llama3` scaling maps to Megatron's `rope_scaling`,
+    Megatron's default 10000: Qwen2.5 uses 1e6), and GLM-4.5's `partial_rotary_factor` there too. Llama-3.1's
+    `llama3` scaling maps to Megatron's `rope_scaling`,
     whose low/high frequency factors and original length are fixed at 1, 4 and 8192.
     """
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -236,8 +273,11 @@ def rope_settings(hf_config) -> dict:
     if theta is None:
         raise ValueError(f"{hf_config.model_type} config has no rope_theta (looked in rope_parameters and rope_theta)")
     rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        return {"rotary_base": float(theta)}
+    partial = float(params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None) or 1.0))
+    if rope_type == "default":  # GLM-4.5: RoPE on the first half of each head (Megatron's rotary_percent, HF's order)
+        return {"rotary_base": float(theta), **({"rotary_percent": partial} if partial != 1.0 else {})}
+    if partial != 1.0:
+        raise ValueError(f"RoPE {params} with partial_rotary_factor={partial}: only the default RoPE is supported")
     fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if rope_type == "llama3" and all(float(params.get(k, -1)) == v for k, v in fixed.items()):
         return {"rotary_base": float(theta), "rope_scaling": True, "rope_scaling_factor": float(params["factor"])}
@@ -268,11 +308,13 @@ def _layer_spec(cfg: ModelConfig, qk_layernorm: bool = False, num_experts: int |
     qk_norms = {"q_layernorm": norm, "k_layernorm": norm} if qk_layernorm else {}
     attention = dataclasses.replace(layer.self_attention, submodules=dataclasses.replace(
         layer.self_attention.submodules, linear_proj=row_parallel, **qk_norms))
-    if num_experts:  # MoELayer: the experts' SequentialMLP holds the row-parallel fc2 (shared experts: none here)
-        experts = layer.mlp.submodules.experts
+    if num_experts:  # MoELayer: the experts' SequentialMLP and the shared expert's MLP hold row-parallel fc2s
+        experts, shared = layer.mlp.submodules.experts, layer.mlp.submodules.shared_experts
         experts = dataclasses.replace(experts, submodules=dataclasses.replace(experts.submodules,
                                                                               linear_fc2=row_parallel))
-        mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules, experts=experts))
+        shared = dataclasses.replace(shared, submodules=dataclasses.replace(shared.submodules, linear_fc2=row_parallel))
+        mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules, experts=experts,
+                                                                            shared_experts=shared))
     else:
         mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules,
                                                                             linear_fc2=row_parallel))
@@ -300,18 +342,26 @@ class LocalRMSNorm:
         return norm
 
 
-def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None):
+def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, dense_spec=None):
     """GPTModel's decoder spec: the layer spec for Transformer Engine; for the local spec a TransformerBlock spec whose
-    final norm is `LocalRMSNorm` too (a bare layer spec gets Megatron's `WrappedTorchNorm` there)."""
+    final norm is `LocalRMSNorm` too (a bare layer spec gets Megatron's `WrappedTorchNorm` there). With dense first
+    layers (GLM-4.5's, `config.moe_layer_freq` 0) those layers get `dense_spec`, chosen by their global index."""
     from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
     if layer_spec.submodules.input_layernorm is not LocalRMSNorm:
+        if pattern:
+            raise ValueError("dense first layers (GLM-4.5's first_k_dense_replace) are built on the local spec only: "
+                             "set model.transformer_impl: local")
         return layer_spec
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=ps.pp_rank)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=ps.pp_rank)
+    specs = [dense_spec if pattern and not pattern[offset + i] else layer_spec for i in range(num_layers)]
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * num_layers, layer_norm=LocalRMSNorm))
+        layer_specs=specs, layer_norm=LocalRMSNorm))
 
 
 def _row_parallel_linear_class():
@@ -388,6 +438,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     config = build_transformer_config(hf_config, cfg, ps, train)
     shape = policy_shape(hf_config, cfg, ps.tp_size)
     spec = _layer_spec(cfg, config.qk_layernorm, config.num_moe_experts)
+    dense_spec = _layer_spec(cfg, config.qk_layernorm) if isinstance(config.moe_layer_freq, list) else None
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -396,7 +447,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
         chunks.append(
             policy_class(
                 config=config,
-                transformer_layer_spec=_decoder_spec(spec, config, ps, vp_stage if ps.vpp_size else None),
+                transformer_layer_spec=_decoder_spec(spec, config, ps, vp_stage if ps.vpp_size else None, dense_spec),
                 vocab_size=shape.padded_vocab_size,
                 max_sequence_length=hf_config.max_position_embeddings,
                 pre_process=is_first,
@@ -411,7 +462,23 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
         )
         cast_params_to_dtype(chunks[-1], config.params_dtype)
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
+    if config.moe_router_enable_expert_bias:
+        _freeze_expert_bias(chunks, config)
     return chunks
+
+
+def _freeze_expert_bias(chunks: list[torch.nn.Module], config) -> None:
+    """Keep the routers' expert bias (GLM-4.5's) as loaded: no token counting in the forward, no update in
+    `finalize_model_grads` (glm4_moe_router_settings says why). The routers still add it to their scores.
+
+    NOTE: megatron-core 0.16.1's token counting (`TopKRouter._apply_expert_bias`, training forwards) fails with the
+    engine's MoE padding mask: `routing_map & ~padding_mask` broadcasts (tokens, E) against (tokens,).
+    """
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(module, "expert_bias", None) is not None:
+                module.enable_expert_bias = False
+    config.moe_router_enable_expert_bias = False  # finalize_model_grads reads it: neither counts reset nor updates
 
 
 @torch.no_grad()
@@ -446,13 +513,30 @@ def take_tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, t
     return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in blocks], dim=dim)
 
 
+WEIGHT_BUFFERS = (".router.expert_bias",)
+"""Buffers that are weights of the checkpoint (GLM-4.5's frozen expert-score correction bias): loaded, exported and
+synced with the parameters (`global_param_names`, `get_weight`), never trained."""
+
+
+def named_weights(chunk: torch.nn.Module):
+    """(name, tensor) of every parameter, then of every `WEIGHT_BUFFERS` buffer."""
+    yield from chunk.named_parameters()
+    yield from ((n, b) for n, b in chunk.named_buffers() if n.endswith(WEIGHT_BUFFERS))
+
+
+def get_weight(chunk: torch.nn.Module, name: str) -> torch.Tensor:
+    """The parameter, or weight buffer, of a `named_weights` name."""
+    return chunk.get_buffer(name) if name.endswith(WEIGHT_BUFFERS) else chunk.get_parameter(name)
+
+
 def global_param_names(chunk: torch.nn.Module) -> dict[str, str]:
-    """Local parameter name -> global name (the name it has in a TP=1, PP=1, EP=1 model: layer indices made global,
-    and an MoE layer's `local_experts.<j>` made `local_experts.<global expert index>`)."""
+    """Local name -> global name of every parameter and weight buffer (`named_weights`): the name it has in a TP=1,
+    PP=1, EP=1 model (layer indices made global, and an MoE layer's `local_experts.<j>` made
+    `local_experts.<global expert index>`)."""
     names = {}
     layers = getattr(getattr(chunk, "decoder", None), "layers", [])
     offsets = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
-    for name, _ in chunk.named_parameters():
+    for name, _ in named_weights(chunk):
         parts = name.split(".")
         if parts[:2] == ["decoder", "layers"]:
             local_layer = int(parts[2])

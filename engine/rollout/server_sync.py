@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.policy.hf_convert import ModelDims
+from engine.policy.hf_convert import FLOAT32_TENSORS, ModelDims
 from engine.policy.parallel import ParallelState
 from engine.rollout.server import model_mismatch
 from engine.rollout.sync_check import WeightSyncError, check_digests, raise_on_every_rank
@@ -71,6 +71,11 @@ def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn
     layout = TrainerLayout(ps.tp_size, ps.pp_size, ps.vpp_size, ep_size=ps.ep_size, expert_tp_size=ps.etp_size)
     plan = build_sync_plan(dims, layout, engine_tp,
                            ffn_hidden_size=ffn_hidden_size, dtype=dtype)
+    wide = [t.name for t in plan.tensors if t.name.endswith(FLOAT32_TENSORS)]
+    if wide and dtype != "float32":  # NOTE: the transport sends one dtype; colocated sync keeps these float32
+        raise ValueError(f"server-mode weight sync in {dtype}: the model's float32 tensors ({wide[0]} and "
+                         f"{len(wide) - 1} more: GLM-4.5's router bias) would arrive rounded to {dtype}; use "
+                         "rollout.vllm_mode: colocate or model.dtype: float32")
     sender_index(plan, ps)  # a rank order the plan does not know is refused here, before any server is asked
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
     return ServerSync(plan, host, group_port, timeout_s, bucket_mb, server=server)

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names
+from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names, layer_entries
 
 
 Box = tuple[tuple[int, int], ...]
@@ -294,10 +294,9 @@ def _entries_in_load_order(dims: ModelDims):
     """(TensorMap, layer, expert) in the order vLLM is fed: embedding, every layer's tensors (each expert's in expert
     order), final norm, LM head."""
     entries = family_map(dims)
-    layer_entries = [e for e in entries if "{i}" in e.megatron]
     yield next(e for e in entries if e.megatron.startswith("embedding.")), None, None
     for layer in range(dims.num_layers):
-        for entry in layer_entries:
+        for entry in layer_entries(dims, layer):  # GLM-4.5's dense first layers: a dense MLP, no experts
             for expert in range(dims.num_experts) if entry.is_expert else [None]:
                 yield entry, layer, expert
     yield next(e for e in entries if e.megatron == "decoder.final_layernorm.weight"), None, None
@@ -313,6 +312,9 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
     if entry.is_expert:  # one expert's gate / up (f_moe, H) or down (H, f_moe)
         f = dims.moe_ffn_hidden_size
         return [(f, hidden), (f, hidden)] if entry.kind == "gate_up" else [(hidden, f)]
+    if ".shared_experts." in entry.megatron:  # GLM-4.5's shared expert: gate / up (f_s, H), down (H, f_s)
+        f = dims.shared_expert_ffn
+        return [(f, hidden), (f, hidden)] if entry.kind == "gate_up" else [(hidden, f)]
     if entry.kind == "gate_up":
         return [(ffn, hidden), (ffn, hidden)]
     if entry.kind == "vocab":
@@ -322,6 +324,8 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
             return [(dims.head_dim,)]
         if entry.megatron.endswith(".router.weight"):  # MoE router (E, H), vLLM's ReplicatedLinear gate
             return [(dims.num_experts, hidden)]
+        if entry.megatron.endswith(".router.expert_bias"):  # GLM-4.5's e_score_correction_bias (E,)
+            return [(dims.num_experts,)]
         return [(hidden,)]
     if entry.kind == "row":  # o_proj (H, heads*head_dim), down_proj (H, ffn)
         return [(hidden, q_out if "linear_proj" in entry.megatron else ffn)]
@@ -405,8 +409,10 @@ def _check_layouts(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, ffn:
     if dims.num_experts and dims.moe_ffn_hidden_size % trainer.expert_tp_size:
         problems.append(f"trainer: moe_ffn_hidden_size={dims.moe_ffn_hidden_size} % expert_tp_size="
                         f"{trainer.expert_tp_size} != 0")
+    if dims.shared_expert_ffn % trainer.tp_size:
+        problems.append(f"trainer: shared_expert_ffn={dims.shared_expert_ffn} % tp_size={trainer.tp_size} != 0")
     for what, n in (("num_heads", dims.num_heads), ("ffn_hidden_size", ffn),
-                    ("moe_ffn_hidden_size", dims.moe_ffn_hidden_size)):
+                    ("moe_ffn_hidden_size", dims.moe_ffn_hidden_size), ("shared_expert_ffn", dims.shared_expert_ffn)):
         if n % engine_tp:
             problems.append(f"engine: {what}={n} % engine_tp={engine_tp} != 0")
     vllm_vocab = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING

@@ -31,6 +31,11 @@ from engine.rollout.rollouts import Rollout
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
 
 
+LIVE_PARAMS = ("e_score_correction_bias",)
+"""GLM-4.5's router bias: digested as held (float32, as sent), even where a layer's digests were recorded: vllm 0.32
+reloads it through the experts layer sharing it, after the gate's digest was recorded (`grpo_track_loads`)."""
+
+
 def _moe_layers(names: list[str]) -> list[int]:
     """Decoder layers with routed-expert tensors among HF names (Qwen3-MoE's `model.layers.<i>.mlp.experts.<e>...`,
     Mixtral's `model.layers.<i>.block_sparse_moe.experts.<e>...`)."""
@@ -85,7 +90,7 @@ def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict
         if tensor.numel() == 0 or tensor.is_meta:
             continue  # repacked by the CPU backend: see `WeightReceiverExtension.grpo_track_loads`
         for hf_name, view in _hf_parts(name, module, param, tensor.detach(), packed):
-            if view.dtype == dtype:
+            if view.dtype == dtype or hf_name.endswith(LIVE_PARAMS):  # GLM's float32 router bias: sent as float32
                 out[hf_name] = (box_digest(view), str(tensor.dtype))
                 continue
             narrowed = view.to(dtype)
@@ -507,6 +512,9 @@ class WeightReceiverExtension:
         for name, module in model.named_modules():
             recorded = getattr(module, "_grpo_loaded_digests", None)
             digests |= recorded if recorded is not None else _module_digests(name, module, packed, dtype)
+            if recorded is not None:  # recorded at the load: but LIVE_PARAMS as held now
+                digests |= {k: v for k, v in _module_digests(name, module, packed, dtype).items()
+                            if k.endswith(LIVE_PARAMS)}
         return {"engine_rank": self.grpo_engine_rank(),
                 "digests": {name: [int(digest), held] for name, (digest, held) in digests.items()}}
 

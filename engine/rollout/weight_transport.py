@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from engine.policy.hf_convert import TE_NAMES, ModelDims
-from engine.policy.model import global_param_names
+from engine.policy.model import get_weight, global_param_names
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap
 from engine.rollout.sync_check import WeightSyncError
@@ -173,7 +173,7 @@ def local_params(chunks) -> dict[tuple[int, str], torch.Tensor]:
         for name, global_name in global_param_names(model).items():
             for local, te in TE_NAMES.items():
                 global_name = global_name.replace(te, local)
-            params[(vp, global_name)] = model.get_parameter(name)
+            params[(vp, global_name)] = get_weight(model, name)
     return params
 
 

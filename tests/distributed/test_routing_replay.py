@@ -52,6 +52,9 @@ def _own_routes(chunk, batch: dict, ps) -> torch.Tensor:
         chunk(batch["tokens"], batch["position_ids"], attention_mask=None)
     per_layer = []
     for layer in chunk.decoder.layers:
+        if getattr(layer.mlp, "router", None) is None:  # GLM-4.5's dense first layer: no routes (the engine's filler)
+            per_layer.append(torch.arange(TOP_K).expand(rows, seq_len, TOP_K))
+            continue
         recorded = layer.mlp.router.router_replay.get_recorded_indices()  # (s*b [/tp], k)
         if ps.sequence_parallel:
             shards = [torch.empty_like(recorded) for _ in range(ps.tp_size)]
@@ -137,7 +140,8 @@ def _check(model_dir: str, tp: int, ep: int) -> dict:
     chunk.routing_replay = False
     off_random, _, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
     recompute = _recompute_checks(chunks, ps, batch, settings, random_routes)
-    valid_pairs = int((batch["lengths"] - 1).sum()) * LAYERS
+    moe_layers = sum(getattr(layer.mlp, "router", None) is not None for layer in chunk.decoder.layers)
+    valid_pairs = int((batch["lengths"] - 1).sum()) * moe_layers
     return {"tp_rank": ps.tp_rank, "none": none, "none_fraction": none_fraction, "agree_own": agree_own, "own_fraction": own_fraction,
             "agree_random": agree_random, "random_fraction": random_fraction,
             "valid_pairs": valid_pairs, "replay_own_equal": torch.equal(replay_own, plain),

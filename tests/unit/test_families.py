@@ -2,7 +2,10 @@
 families labs post-train (the TRL yardstick's gemma2 / cohere2 / glm4_moe / gpt_oss / nemotron_h, DeepSeek-V3, Gemma
 3), what the translation lacks; Mixtral's settings the engine would not reproduce are refused; `moe_shape` reads each
 MoE family's own field names (the policy, the converter and the planner agree on them); the planner's Mixtral shapes
-give the published parameter count and a saved tiny Mixtral's config.json the builtin table's shape."""
+give the published parameter count and a saved tiny Mixtral's config.json the builtin table's shape; GLM-4.5 MoE is
+supported: its router settings Megatron computes differently are refused, its dense first layers, shared expert and
+q/k norm are read, and the planner counts its parameters (tiny: exactly transformers'; GLM-4.5 / -Air: the published
+figures)."""
 
 from types import SimpleNamespace
 
@@ -14,14 +17,13 @@ from engine.models.tiny_model import tiny_model_config
 from engine.policy.hf_convert import ModelDims
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "cohere2", "glm4_moe", "gpt_oss", "nemotron_h", "deepseek_v3",
-                                        "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["gemma2", "cohere2", "gpt_oss", "nemotron_h", "deepseek_v3", "gemma3_text"])
 def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
     config = AutoConfig.for_model(model_type)
     with pytest.raises(ValueError, match=rf"model_type '{model_type}' .*not supported \(missing: ") as error:
         check_model_type(config)
     assert MISSING_FEATURES[model_type] in str(error.value)
-    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral" in str(error.value)
+    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe" in str(error.value)
 
 
 def test_unknown_family_is_refused_with_the_supported_list_only():
@@ -59,3 +61,67 @@ def test_planner_mixtral_shapes_give_the_published_parameter_count_and_read_a_sa
     assert KNOWN_MODELS["mistralai/mixtral-8x7b-v0.1"].total_params() == 46_702_792_704  # the model card's 46.7B
     model_dir = build_tiny_model(tmp_path / "mixtral", "mixtral")
     assert load_model_dims(str(model_dir)) == KNOWN_MODELS["builtin:tiny-mixtral"]
+
+
+@pytest.mark.parametrize("change,cause", [
+    ({"norm_topk_prob": False}, "norm_topk_prob=false: Megatron's sigmoid router always renormalises"),
+    ({"n_group": 2, "topk_group": 1, "num_experts_per_tok": 4},
+     r"n_group=2, topk_group=1, num_experts_per_tok=4: Megatron scores a group by its top .* = 4 experts, HF by its top 2")])
+def test_glm4_moe_router_settings_megatron_computes_differently_are_refused(change, cause):
+    config = tiny_model_config("glm4_moe")
+    check_model_type(config)  # the tiny model's own (2 groups, 1 per token, top-2) and GLM-4.5's defaults pass
+    check_model_type(AutoConfig.for_model("glm4_moe"))
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(config)
+
+
+def test_glm4_moe_shape_dense_layers_shared_expert_and_qk_norm():
+    from engine.models.families import dense_layers, shared_expert_width
+
+    config = tiny_model_config("glm4_moe")
+    assert (moe_shape(config), dense_layers(config), shared_expert_width(config)) == ((4, 2, 64), 1, 64)
+    dims = ModelDims.from_hf(config, padded_vocab=512)
+    assert (dims.num_experts, dims.moe_ffn_hidden_size, dims.moe_map, dims.qkv_bias, dims.qk_norm, dims.dense_layers,
+            dims.shared_expert_ffn) == (4, 64, "glm4_moe", True, True, 1, 64)
+    air = AutoConfig.for_model("glm4_moe")  # transformers' defaults are GLM-4.5-Air's: no q/k norm
+    assert (dense_layers(air), shared_expert_width(air), ModelDims.from_hf(air, 151552).qk_norm) == (1, 1408, False)
+    assert dense_layers(tiny_model_config("qwen3_moe")) == shared_expert_width(tiny_model_config("mixtral")) == 0
+
+
+def test_planner_glm4_moe_shapes_count_the_checkpoint_s_parameters(tmp_path):
+    """The tiny GLM's planner shapes give exactly the parameters (+ the expert-bias buffers) transformers builds; the
+    GLM-4.5 / -Air shapes (their config.json) give 352.8B / 106.85B, the published (rounded) 355B / 106B within 1%
+    (the one multi-token-prediction layer each checkpoint also ships, ~4.0B / ~2.4B, is not built: not counted)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.tiny_model import build_tiny_model
+    from engine.planning.shapes import KNOWN_MODELS, load_model_dims
+
+    model = AutoModelForCausalLM.from_config(tiny_model_config("glm4_moe"), dtype=torch.float32)
+    built = sum(p.numel() for p in model.parameters()) + sum(
+        b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert KNOWN_MODELS["builtin:tiny-glm4_moe"].total_params() == built == 806_796
+    assert load_model_dims(str(build_tiny_model(tmp_path / "glm", "glm4_moe"))) == KNOWN_MODELS["builtin:tiny-glm4_moe"]
+    assert KNOWN_MODELS["zai-org/glm-4.5"].total_params() == 352_797_829_024
+    assert KNOWN_MODELS["zai-org/glm-4.5-air"].total_params() == 106_852_251_264
+    assert KNOWN_MODELS["zai-org/glm-4.5"].total_params() == pytest.approx(355e9, rel=0.01)
+    assert KNOWN_MODELS["zai-org/glm-4.5-air"].total_params() == pytest.approx(106e9, rel=0.01)
+
+
+def test_glm4_moe_server_mode_sync_below_float32_is_refused_naming_the_bias():
+    """Server-mode sync sends every tensor in one dtype: GLM's float32 router bias would arrive rounded (colocated
+    sync keeps it float32: tests/integration/test_family_weight_sync.py); float32 and the other families pass."""
+    from engine.rollout.server_sync import build_server_sync
+
+    ps = SimpleNamespace(tp_size=1, pp_size=1, vpp_size=None, ep_size=1, etp_size=1, rank=0, world_size=1, pp_rank=0,
+                         tp_rank=0, dp_rank=0, ep_rank=0, etp_rank=0, edp_rank=0, dp_size=1)  # one process
+    glm, mixtral = (ModelDims.from_hf(tiny_model_config(f), padded_vocab=512) for f in ("glm4_moe", "mixtral"))
+    kwargs = dict(ffn_hidden_size=352, group_port=0, timeout_s=1.0, bucket_mb=1.0)
+    with pytest.raises(ValueError, match=r"bfloat16: the model's float32 tensors \(model.layers.1.mlp.gate."
+                                         r"e_score_correction_bias and 2 more: GLM-4.5's router bias\)"):
+        build_server_sync(ps, glm, 1, dtype="bfloat16", **kwargs)
+    for dims, dtype in ((glm, "float32"), (mixtral, "bfloat16")):
+        assert build_server_sync(ps, dims, 1, dtype=dtype, **kwargs).plan.dtype == dtype

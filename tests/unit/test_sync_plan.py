@@ -8,10 +8,10 @@ what they read from the full HF tensors. A NaN reaching a loader, a wrong box or
 Models: MHA with QKV bias (untied), GQA 4 tied with bias, MQA untied (1 KV head < engine TP: replicated KV heads),
 GQA with 4 KV heads tied; a vocabulary of 100 (vLLM pads to 128, so engine TP 8's last rank reads no rows).
 
-Mixture of experts (Qwen3-MoE, 8 experts, q/k norms; Mixtral's names at two layouts): at EP1/EP2/EP4, EP2 x PP2,
-EP2 x TP2 and expert TP 2, every rank of the world (data-parallel copies included) holds what Megatron's own rank
-generator gives it (its TP shard of the dense tensors, its EP rank's experts split over its expert-TP rank), and each
-transfer is read from the rank the plan names as its sender (`TrainerLayout.sender_of` of that rank's Megatron
+Mixture of experts (Qwen3-MoE, 8 experts, q/k norms; Mixtral's and GLM-4.5's names, GLM's dense first layer, expert
+bias and shared expert, at two layouts): at EP1/EP2/EP4, EP2 x PP2, EP2 x TP2 and expert TP 2, every rank of the
+world (data-parallel copies included) holds what Megatron's own rank generator gives it (its TP shard of the dense
+tensors, its EP rank's experts split over its expert-TP rank), and each transfer is read from the rank the plan names as its sender (`TrainerLayout.sender_of` of that rank's Megatron
 ranks): a piece sent by a rank that does not hold it fails, as does a sender outside the group or two ranks claiming
 one group rank."""
 
@@ -20,7 +20,7 @@ import json
 import pytest
 import torch
 
-from engine.policy.hf_convert import DictSource, ModelDims, family_map, hf_names, read_megatron_shard
+from engine.policy.hf_convert import DictSource, ModelDims, family_map, hf_names, layer_entries, read_megatron_shard
 from engine.policy.model import padded_vocab_size
 from engine.rollout.sync_plan import TrainerLayout, build_sync_plan, build_sync_plan_from_spec
 from tests.helpers.sync_plan import apply_plan
@@ -48,10 +48,13 @@ def _dims(model: str, trainer_tp: int) -> ModelDims:
 
 def _moe_dims(trainer_tp: int, moe_map: str = "qwen3_moe") -> ModelDims:
     """Qwen3-MoE: 4 heads of 8 over 2 KV heads (q width 32 != hidden 16), q/k norms, 8 experts of width 8; Mixtral:
-    the same without q/k norms, under Mixtral's names (`_MIXTRAL_NAMES`)."""
+    the same without q/k norms, under Mixtral's names (`_MIXTRAL_NAMES`); GLM-4.5: Qwen3-MoE's plus the QKV bias, a
+    dense first layer (MLP width FFN), the router's expert bias and a shared expert of width 8 in the MoE layers."""
+    glm = moe_map == "glm4_moe"
     return ModelDims(num_layers=LAYERS, hidden_size=16, num_heads=4, num_groups=2, head_dim=8, vocab_size=VOCAB,
-                     padded_vocab=padded_vocab_size(VOCAB, 8, trainer_tp), tie_word_embeddings=False, qkv_bias=False,
-                     qk_norm=moe_map == "qwen3_moe", num_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_map=moe_map)
+                     padded_vocab=padded_vocab_size(VOCAB, 8, trainer_tp), tie_word_embeddings=False, qkv_bias=glm,
+                     qk_norm=moe_map != "mixtral", num_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_map=moe_map,
+                     dense_layers=1 if glm else 0, shared_expert_ffn=MOE_FFN if glm else 0)
 
 
 _MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
@@ -79,8 +82,13 @@ def _hf_model(dims: ModelDims, seed: int) -> dict[str, torch.Tensor]:
         shapes |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
                    f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
                    f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q)}
-        if dims.num_experts:  # Qwen3MoeSparseMoeBlock: the router `gate` and each expert's gate / up / down
+        if dims.num_experts and i >= dims.dense_layers:  # the router `gate` and each expert's gate / up / down
             shapes[f"{p}.mlp.gate.weight"] = (dims.num_experts, h)
+            if dims.shared_expert_ffn:  # GLM-4.5's Glm4MoeMoE: the router's bias and the shared expert
+                shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (dims.num_experts,)
+                s = dims.shared_expert_ffn
+                shapes |= {f"{p}.mlp.shared_experts.{x}_proj.weight": (s, h) for x in ("gate", "up")}
+                shapes[f"{p}.mlp.shared_experts.down_proj.weight"] = (h, s)
             f = dims.moe_ffn_hidden_size
             for e in range(dims.num_experts):
                 shapes |= {f"{p}.mlp.experts.{e}.{x}_proj.weight": (f, h) for x in ("gate", "up")}
@@ -125,8 +133,8 @@ def _vllm_loaded(name: str, full: torch.Tensor, dims: ModelDims, rank: int, etp:
     FusedMoE without expert parallelism narrows each expert's gate / up by rows and down by columns, the router is a
     ReplicatedLinear."""
     name = _renamed(name, to_mixtral=False)  # Mixtral's loader narrows its experts and router alike
-    if "norm" in name or name.endswith(".mlp.gate.weight"):
-        return full  # RMSNorm, MoE router: not sharded
+    if "norm" in name or name.endswith((".mlp.gate.weight", ".e_score_correction_bias")):
+        return full  # RMSNorm, MoE router and its bias: not sharded
     if "embed_tokens" in name or "lm_head" in name:  # VocabParallelEmbedding._get_indices, pad to 64
         per = -(-VOCAB // 64) * 64 // etp
         start, stop = min(rank * per, VOCAB), min((rank + 1) * per, VOCAB)
@@ -212,7 +220,7 @@ def _moe_holdings(hf: dict, dims: ModelDims, ranks: list[dict]) -> list[dict]:
         for entry in family_map(dims):
             for layer in range(LAYERS) if "{i}" in entry.megatron else [None]:
                 stage = _megatron_holder(layer, entry.megatron, pp, 1)[0]
-                if stage != r["pp"]:
+                if stage != r["pp"] or (layer is not None and entry not in layer_entries(dims, layer)):
                     continue
                 for expert in range(dims.num_experts) if entry.is_expert else [None]:
                     if expert is not None and expert // (dims.num_experts // ep) != r["ep"]:
@@ -224,8 +232,8 @@ def _moe_holdings(hf: dict, dims: ModelDims, ranks: list[dict]) -> list[dict]:
     return holdings
 
 
-MOE_CASES = [(*layout, "qwen3_moe") for layout in MOE_LAYOUTS] + [(2, 2, 2, 1, 2, "mixtral"),
-                                                                     (1, 1, 2, 2, 4, "mixtral")]
+MOE_CASES = [(*layout, "qwen3_moe") for layout in MOE_LAYOUTS] + [
+    (2, 2, 2, 1, 2, "mixtral"), (1, 1, 2, 2, 4, "mixtral"), (2, 2, 2, 1, 2, "glm4_moe"), (1, 1, 2, 2, 4, "glm4_moe")]
 
 
 @pytest.mark.parametrize("tp,pp,ep,etp,dp,moe_map", MOE_CASES,
@@ -237,6 +245,8 @@ def test_moe_plan_sends_each_expert_from_its_ep_rank_and_feeds_every_vllm_rank_w
     if moe_map == "mixtral":
         hf = {_renamed(name, to_mixtral=True): tensor for name, tensor in hf.items()}
         assert any(".block_sparse_moe.experts.7.w3." in name for name in hf)
+    if moe_map == "glm4_moe":
+        assert "model.layers.0.mlp.up_proj.weight" in hf and "model.layers.1.mlp.gate.e_score_correction_bias" in hf
     ranks = _megatron_ranks(tp, pp, ep, etp, dp)
     holdings = _moe_holdings(hf, dims, ranks)
     layout = TrainerLayout(tp, pp, ep_size=ep, expert_tp_size=etp)

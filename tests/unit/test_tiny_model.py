@@ -141,12 +141,14 @@ def test_config_dims_head_dim_gqa_and_bias(family):
     model = AutoModelForCausalLM.from_config(config)
     names = {name for name, _ in model.named_parameters()}
     has_qkv_bias = "model.layers.0.self_attn.q_proj.bias" in names
-    assert has_qkv_bias == (family == "qwen2")
+    assert has_qkv_bias == (family in ("qwen2", "glm4_moe"))
     assert "model.layers.0.self_attn.o_proj.bias" not in names
     assert "model.layers.0.mlp.gate_proj.bias" not in names
-    assert ("model.layers.0.self_attn.q_norm.weight" in names) == family.startswith("qwen3")
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (family.startswith("qwen3") or family == "glm4_moe")
     # the router (transformers 5 names Mixtral's `mlp.gate` in memory; saved as `block_sparse_moe.gate`)
     assert ("model.layers.0.mlp.gate.weight" in names) == (family in ("qwen3_moe", "mixtral"))
+    # GLM-4.5's layer 0 is dense: its routers are from layer 1 on
+    assert ("model.layers.1.mlp.gate.weight" in names) == (family in ("qwen3_moe", "mixtral", "glm4_moe"))
 
 
 def test_config_vocab_size_override_and_unknown_family():
