@@ -68,7 +68,6 @@ NO_EFFECT: dict[str, str] = {
              "use_transformers_continuous_batching", "transformers_continuous_batching_config",
              "use_transformers_paged"),
     **_group("script flags for HF's example scripts", "do_train", "do_eval", "do_predict"),
-    **_group("tool calling is not supported", "max_tool_calling_iterations"),
 }
 """Accepted and named in one warning (the engine behaves as the reason says, whatever the value)."""
 

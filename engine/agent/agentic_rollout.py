@@ -1,0 +1,111 @@
+"""One round of agentic rollouts, whichever of TRL's three entry points the run uses: `tools`,
+`environment_factory` (engine/agent/environments.py), or the user's `rollout_func` (engine/agent/rollout_func.py).
+
+Owns: `AgenticRollout` (built once by engine/train/run.py on every rank: the toolbox, the environment pool, the
+chat template's `tools` and the checks; `generate` makes one round on the rank that drives it), `AgenticRound` (the
+round's rollout, its `tools/*` metrics and the per-row values the reward functions receive: `environments`,
+`rollout_func`'s extra keys, the conversations as completions).
+
+A sample's prompt is the dataset's prompt rendered with the tools' schemas (`chat_template_kwargs()`); with
+environments, `reset(**row)`'s observation is appended to the last user message and the prompt rendered again for
+that rollout (each of the G rollouts of a prompt has its own environment). The caller (engine/train/sampling.py)
+runs `generate` on rank 0 only and broadcasts the rollout: the tools and environments live in rank 0's process, as
+the reward functions do.
+
+Must not: import vLLM, touch process groups, or compute rewards.
+
+Test: tests/integration/test_agentic.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.agent.chat_tokens import check_renders_tools
+from engine.agent.environments import EnvironmentPool, environment_tools
+from engine.agent.multi_turn import MultiTurnSettings, Sample, generate_multi_turn
+from engine.agent.rollout_func import call_rollout_func
+from engine.agent.toolbox import Toolbox
+from engine.config import GenerationConfig
+from engine.rollout.protocol import RolloutEngine
+from engine.rollout.rollouts import Rollout
+
+
+@dataclass
+class AgenticRound:
+    """A round's rows and what the reward functions receive besides the dataset columns (rank 0)."""
+
+    rollout: Rollout
+    columns: dict[str, list] = field(default_factory=dict)
+    """Per-row values for the reward functions: `environments`, rollout_func's extra keys."""
+    completions: list | None = None
+    """Per row, the conversation after the prompt as messages (assistant turns and tool messages); None = the
+    decoded completion as single-turn rows have it."""
+
+
+class AgenticRollout:
+    """The run's multi-turn machinery (module docstring)."""
+
+    def __init__(self, *, tools: list | None, environment_factory, rollout_func: Callable | None, tokenizer,
+                 generation: GenerationConfig, model_name: str):
+        self.tokenizer, self.generation = tokenizer, generation
+        self.toolbox = Toolbox(list(tools or []), max_concurrent=generation.max_concurrent_tool_calls,
+                               timeout_s=generation.tool_call_timeout_s)
+        self.environments = EnvironmentPool(environment_factory) if environment_factory is not None else None
+        self.rollout_func = rollout_func
+        env_schemas = [s for schemas in (self.environments.schemas.values() if self.environments else []) for s in schemas]
+        self.schemas = self.toolbox.schemas + list({s["function"]["name"]: s for s in env_schemas}.values())
+        if self.schemas:
+            check_renders_tools(tokenizer, self.schemas, model_name, generation.chat_template_kwargs)
+
+    def chat_template_kwargs(self) -> dict | None:
+        """The generation's template kwargs plus the tools' schemas (the prompts show the tools)."""
+        if not self.schemas:
+            return self.generation.chat_template_kwargs
+        return dict(self.generation.chat_template_kwargs or {}) | {"tools": self.schemas}
+
+    def generate(self, engine: RolloutEngine, prompts: list, prompt_ids: list[list[int]], columns: dict[str, list],
+                 num_generations: int, seeds: list[int] | None) -> AgenticRound:
+        """G rollouts per prompt, prompt-major (as `RolloutEngine.generate`). `prompts`: the dataset's prompts
+        (text or messages); `columns`: their other dataset columns (P values each)."""
+        g = num_generations
+        rows = [{"prompt": p} | {k: v[i] for k, v in columns.items()} for i, p in enumerate(prompts)]
+        if self.rollout_func is not None:
+            rollout, extra = call_rollout_func(self.rollout_func, [p for p in prompts for _ in range(g)], self.tokenizer)
+            return AgenticRound(rollout, extra)
+        seed_of = lambda i, j: None if seeds is None else (seeds[i] * 1009 + j) % (2**31)  # noqa: E731
+        samples = [Sample(prompt_ids[i], seed_of(i, j), {}) for i in range(len(prompts)) for j in range(g)]
+        out_columns = {}
+        if self.environments is not None:
+            names = [row.get("environment") if self.environments.is_multi else None for row in rows for _ in range(g)]
+            envs = self.environments.take(names)
+            for s, (k, env) in zip(samples, enumerate(envs)):
+                row = dict(rows[k // g])
+                row.pop("environment", None) if self.environments.is_multi else None
+                observation = env.reset(**row)
+                s.tools = environment_tools(env)
+                if observation is not None:
+                    s.prompt_ids = self._prompt_with_observation(row["prompt"], observation)
+            out_columns["environments"] = envs
+        settings = MultiTurnSettings(self.generation.max_completion_length,
+                                     self.generation.max_tool_calling_iterations, self.chat_template_kwargs())
+        rollout, metrics = generate_multi_turn(engine, samples, self.tokenizer, self.toolbox, settings)
+        rollout.stats = metrics
+        return AgenticRound(rollout, out_columns)
+
+    def _prompt_with_observation(self, prompt, observation) -> list[int]:
+        """The prompt rendered with the observation appended to its last user message (TRL's place for it)."""
+        if isinstance(prompt, str):
+            raise ValueError("environment_factory: reset() returned an observation for a text prompt; use "
+                             "conversational prompts (a list of messages), TRL appends it to the last user message")
+        messages = copy.deepcopy(list(prompt))
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        messages[last_user]["content"] = f"{messages[last_user]['content']}{observation}"
+        out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                 return_dict=False, **(self.chat_template_kwargs() or {}))
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def close(self) -> None:
+        self.toolbox.close()
