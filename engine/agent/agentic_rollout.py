@@ -33,6 +33,11 @@ from engine.rollout.protocol import RolloutEngine
 from engine.rollout.rollouts import Rollout
 
 
+PROMPTS_KEY = "prompts"
+"""In `AgenticRound.columns`: the rows' prompts as the model saw them (with reset()'s observations); they replace the
+dataset's prompts in the reward functions' `prompts`."""
+
+
 @dataclass
 class AgenticRound:
     """A round's rows and what the reward functions receive besides the dataset columns (rank 0)."""
@@ -77,7 +82,7 @@ class AgenticRollout:
             return AgenticRound(rollout, extra)
         seed_of = lambda i, j: None if seeds is None else (seeds[i] * 1009 + j) % (2**31)  # noqa: E731
         samples = [Sample(prompt_ids[i], seed_of(i, j), {}) for i in range(len(prompts)) for j in range(g)]
-        out_columns = {}
+        out_columns, shown = {}, []
         if self.environments is not None:
             names = [row.get("environment") if self.environments.is_multi else None for row in rows for _ in range(g)]
             envs = self.environments.take(names)
@@ -86,26 +91,35 @@ class AgenticRollout:
                 row.pop("environment", None) if self.environments.is_multi else None
                 observation = env.reset(**row)
                 s.tools = environment_tools(env)
+                prompt = row["prompt"]
                 if observation is not None:
-                    s.prompt_ids = self._prompt_with_observation(row["prompt"], observation)
+                    prompt = _with_observation(prompt, observation)
+                    s.prompt_ids = self._tokenize(prompt)
+                shown.append(prompt)
             out_columns["environments"] = envs
+            out_columns[PROMPTS_KEY] = shown
         settings = MultiTurnSettings(self.generation.max_completion_length,
                                      self.generation.max_tool_calling_iterations, self.chat_template_kwargs())
         rollout, metrics = generate_multi_turn(engine, samples, self.tokenizer, self.toolbox, settings)
         rollout.stats = metrics
         return AgenticRound(rollout, out_columns)
 
-    def _prompt_with_observation(self, prompt, observation) -> list[int]:
-        """The prompt rendered with the observation appended to its last user message (TRL's place for it)."""
-        if isinstance(prompt, str):
-            raise ValueError("environment_factory: reset() returned an observation for a text prompt; use "
-                             "conversational prompts (a list of messages), TRL appends it to the last user message")
-        messages = copy.deepcopy(list(prompt))
-        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-        messages[last_user]["content"] = f"{messages[last_user]['content']}{observation}"
+    def _tokenize(self, messages: list) -> list[int]:
+        """A conversational prompt's ids, rendered as the dataset's are (with the tools)."""
         out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                  return_dict=False, **(self.chat_template_kwargs() or {}))
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def close(self) -> None:
         self.toolbox.close()
+
+
+def _with_observation(prompt, observation) -> list:
+    """The prompt with reset()'s observation appended to its last user message (TRL's place for it)."""
+    if isinstance(prompt, str):
+        raise ValueError("environment_factory: reset() returned an observation for a text prompt; use "
+                         "conversational prompts (a list of messages): TRL appends it to the last user message")
+    messages = copy.deepcopy(list(prompt))
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    messages[last_user]["content"] = f"{messages[last_user]['content']}{observation}"
+    return messages

@@ -10,7 +10,8 @@ How the suffix is found: a stand-in conversation [user, assistant with a tool ca
 with the generation prompt; the suffix is what follows the assistant turn's `stop_token_id` (the token the model
 stopped on; the turns before it, counted by rendering [user] alone, end with it too). The assistant turn is not the
 last message there, so it is rendered as the whole conversation renders it (Qwen3's template, e.g., adds an empty
-think block to a last assistant turn only). The next turn's prompt is then prompt ids +
+think block to a last assistant turn only). A turn that ended on another stop token than the template's own end of
+turn (`<|endoftext|>` where the template writes `<|im_end|>`) is followed by the same suffix, as TRL does. The next turn's prompt is then prompt ids +
 completion ids + suffix ids: tests/unit/test_agent_tokens.py checks that this equals the chat template's rendering of
 the whole conversation, token for token, for the Qwen2.5, Qwen3 and Llama 3.1 templates.
 
@@ -95,13 +96,16 @@ def tool_suffix_ids(tokenizer, tool_messages: list[dict], stop_token_id: int,
     stand_in = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     head = _render_ids(tokenizer, stand_in[:1], add_generation_prompt=False, **kwargs)
     full = _render_ids(tokenizer, stand_in + tool_messages, add_generation_prompt=True, **kwargs)
-    stops = [i for i, t in enumerate(full) if t == stop_token_id]
-    num_before = head.count(stop_token_id)  # turns before the assistant's (system, user) end with it too
-    if len(stops) <= num_before or full[: stops[num_before - 1] + 1] != head[: stops[num_before - 1] + 1]:
-        raise ValueError(f"the chat template does not end an assistant turn with the token the model stopped on, "
-                         f"{stop_token_id} ({tokenizer.convert_ids_to_tokens(stop_token_id)!r}): tool results "
-                         "cannot be appended as token ids")
-    return full[stops[num_before] + 1:]
+    special = set(tokenizer.all_special_ids)
+    turn_end = next((t for t in reversed(head) if t in special), None)  # the template's end of a turn
+    for stop in dict.fromkeys(t for t in (stop_token_id, turn_end) if t is not None):
+        stops = [i for i, t in enumerate(full) if t == stop]
+        num_before = head.count(stop)  # turns before the assistant's (system, user) end with it too
+        if len(stops) > num_before and full[: stops[num_before - 1] + 1] == head[: stops[num_before - 1] + 1]:
+            return full[stops[num_before] + 1:]
+    raise ValueError(f"the chat template ends an assistant turn with neither the token the model stopped on, "
+                     f"{stop_token_id} ({tokenizer.convert_ids_to_tokens(stop_token_id)!r}), nor a special token: "
+                     "tool results cannot be appended as token ids")
 
 
 def _render_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:

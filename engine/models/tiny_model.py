@@ -92,9 +92,11 @@ TOOL_CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- set start = 1 %}{%- endif %}"
-    "{{- 'Tools:\\n<tools>\\n' }}"
-    "{%- for tool in tools %}{{- tool | tojson + '\\n' }}{%- endfor %}"
-    "{{- '</tools>\\nCall one with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"
+    "{{- 'Tools:\\n' }}"
+    "{%- for tool in tools %}{%- set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{- f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + '): ' + f['description'] + '\\n' }}"
+    "{%- endfor %}"
+    "{{- 'Call one with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages[start:] %}"
     "{%- if message['role'] == 'tool' %}"
@@ -115,7 +117,8 @@ TOOL_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 """`CHAT_TEMPLATE` that also renders tools (issue #28; the builtin models keep `CHAT_TEMPLATE`, which refuses the
-`tool` role, so their saved checkpoints do not change): the tools' JSON schemas in a system message, an assistant's
+`tool` role, so their saved checkpoints do not change): one line per tool in a system message, `name(args):
+description` (compact: the JSON schemas would fill most of the tiny models' 1024 positions), an assistant's
 `tool_calls` as Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a tool message as Qwen2.5
 does, `<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>`. Without tools and tool messages it
 renders exactly what `CHAT_TEMPLATE` renders. Set it with `tokenizer.chat_template = TOOL_CHAT_TEMPLATE`."""

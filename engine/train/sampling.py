@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from engine.agent.agentic_rollout import AgenticRollout
+from engine.agent.agentic_rollout import PROMPTS_KEY, AgenticRollout
 from engine.agent.chat_tokens import completion_messages
 from engine.grpo.advantages import aggregate_rewards
 from engine.grpo.dynamic_sampling import assemble_rounds, find_informative_groups, is_dynamic_batch_full, select_dynamic_batch
@@ -236,8 +236,9 @@ def score(sampler: RoundSampler, picked: PromptBatch, rollout: Rollout, step: in
         if rollout.tool_mask is not None and is_conversational:
             completions = [completion_messages(sampler.tokenizer, ids, mask)
                            for ids, mask in zip(rollout.completion_ids, rollout.tool_mask)]
-        prompts = [p for p in picked.prompts for _ in range(g)]
-        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()} | (extra or {})
+        extra = dict(extra or {})
+        prompts = extra.pop(PROMPTS_KEY, None) or [p for p in picked.prompts for _ in range(g)]
+        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()} | extra
         state = SimpleNamespace(global_step=step, max_steps=sampler.total_steps)
         log = sampler.logger
         rewards = sampler.rewards(prompts, completions, rollout.completion_ids, columns, trainer_state=state,
@@ -267,6 +268,7 @@ def score_held_out(sampler: RoundSampler, prompts: PromptDataset, num_prompts: i
         texts = sampler.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts.is_conversational else texts
         repeated = [p for p in picked.prompts for _ in range(g)]  # prompt-major, as the engine returns them
+        repeated = extra.pop(PROMPTS_KEY, None) or repeated
         columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()} | extra
         rewards = sampler.rewards(repeated, completions, rollout.completion_ids, columns)  # (P * g, K)
     return rollout, rewards
