@@ -8,7 +8,8 @@ round's rollout, its `tools/*` metrics and the per-row values the reward functio
 
 A sample's prompt is the dataset's prompt rendered with the tools' schemas (`chat_template_kwargs()`); with
 environments, `reset(**row)`'s observation is appended to the last user message and the prompt rendered again for
-that rollout (each of the G rollouts of a prompt has its own environment). The caller (engine/train/sampling.py)
+that rollout (each of the G rollouts of a prompt has its own environment); with a dict of environments, each
+rollout's prompt shows the run's tools and its own environment's only (TRL). The caller (engine/train/sampling.py)
 runs `generate` on rank 0 only and broadcasts the rollout: the tools and environments live in rank 0's process, as
 the reward functions do.
 
@@ -94,7 +95,8 @@ class AgenticRollout:
                 prompt = row["prompt"]
                 if observation is not None:
                     prompt = _with_observation(prompt, observation)
-                    s.prompt_ids = self._tokenize(prompt)
+                if observation is not None or self.environments.is_multi:  # multi: only its environment's tools
+                    s.prompt_ids = self._tokenize(prompt, self.toolbox.schemas + self.environments.schemas[names[k]])
                 shown.append(prompt)
             out_columns["environments"] = envs
             out_columns[PROMPTS_KEY] = shown
@@ -104,10 +106,14 @@ class AgenticRollout:
         rollout.stats = metrics
         return AgenticRound(rollout, out_columns)
 
-    def _tokenize(self, messages: list) -> list[int]:
-        """A conversational prompt's ids, rendered as the dataset's are (with the tools)."""
+    def _tokenize(self, messages: list, schemas: list[dict]) -> list[int]:
+        """A conversational prompt's ids, rendered as the dataset's are, showing the tools `schemas`."""
+        if isinstance(messages, str):
+            raise ValueError("environment_factory: reset() returned an observation for a text prompt, or several "
+                             "environments need their own tools in it; use conversational prompts (lists of messages)")
+        kwargs = dict(self.generation.chat_template_kwargs or {}) | ({"tools": schemas} if schemas else {})
         out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                                 return_dict=False, **(self.chat_template_kwargs() or {}))
+                                                 return_dict=False, **kwargs)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     def close(self) -> None:
@@ -117,8 +123,7 @@ class AgenticRollout:
 def _with_observation(prompt, observation) -> list:
     """The prompt with reset()'s observation appended to its last user message (TRL's place for it)."""
     if isinstance(prompt, str):
-        raise ValueError("environment_factory: reset() returned an observation for a text prompt; use "
-                         "conversational prompts (a list of messages): TRL appends it to the last user message")
+        return prompt + str(observation)
     messages = copy.deepcopy(list(prompt))
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     messages[last_user]["content"] = f"{messages[last_user]['content']}{observation}"

@@ -63,3 +63,11 @@ def placeholder_dataset(num_rows: int):
     import datasets
 
     return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * num_rows})
+
+
+def with_placeholder_prompts(dataset):
+    """A dataset without a `prompt` column (the environments own the data, e.g. only an `environment` column) gets
+    TRL's placeholder: an empty user message per row; others are returned as they are."""
+    if dataset is None or "prompt" in getattr(dataset, "column_names", ["prompt"]):
+        return dataset
+    return dataset.add_column("prompt", [[{"role": "user", "content": ""}]] * len(dataset))

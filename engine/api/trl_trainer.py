@@ -34,7 +34,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.models.hub import resolve_hub_model
 from engine.api import trl_compat
-from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic
+from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic, with_placeholder_prompts
 from engine.api.trl_config import GFPOConfig, GRPOConfig
 from engine.api.trl_surface import TrainerSurface, eval_sets, is_stream
 
@@ -114,6 +114,8 @@ class GRPOTrainer(TrainerSurface):
         cfg = args.to_engine_config()
         self.output_dir = Path(cfg.train.output_dir)
         self._processing_class = _check_tokenizer(processing_class)
+        if environment_factory is not None and not is_stream(train_dataset):  # TRL: reset() may own the prompt
+            train_dataset = with_placeholder_prompts(train_dataset)
         self.train_dataset = train_dataset if is_stream(train_dataset) else _check_dataset(train_dataset,
                                                                                             "train_dataset")
         self.eval_dataset = eval_dataset

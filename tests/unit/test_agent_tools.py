@@ -191,3 +191,22 @@ def test_rollout_func_rows_and_errors_name_the_key_and_the_counts():
         call_rollout_func(lambda p: good, ["p", "q", "r"], tokenizer)
     with pytest.raises(ValueError, match="row 1 of 'env_mask' has 1 values for its 2 completion tokens"):
         call_rollout_func(lambda p: good | {"env_mask": [[1, 1], [1]]}, ["p", "q"], tokenizer)
+
+
+def test_multi_turn_is_refused_where_it_cannot_run():
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from engine.train.run import build_agentic
+
+    tokenizer = build_tiny_tokenizer()
+    base = EngineConfig()
+    asynchronous = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, vllm_mode="server", max_staleness=1))
+    with pytest.raises(ValueError, match="tools with rollout.max_staleness=1"):
+        build_agentic(asynchronous, {"tools": [add]}, tokenizer, "m")
+    engine_tp = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, vllm_tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="environment_factory with rollout.vllm_tensor_parallel_size=2"):
+        build_agentic(engine_tp, {"environment_factory": Counter}, tokenizer, "m")
+    assert build_agentic(base, {"tools": None, "environment_factory": None, "rollout_func": None}, tokenizer, "m") is None
+    with pytest.raises(ValueError, match="chat template of m cannot render tool calls"):
+        build_agentic(base, {"tools": [add]}, tokenizer, "m")
