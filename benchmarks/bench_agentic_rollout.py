@@ -18,7 +18,10 @@ Rows (benchmarks/results/agentic_rollout.csv, via benchmarks/harness.py): rollou
 per variant (p20/p50/p80 over `--repeats` interleaved runs), the speed-up, and the tool calls made; plots in
 benchmarks/results/plots/. CPU times are this machine's: compare the variants of one run.
 
-Run: `python -m benchmarks.bench_agentic_rollout [--prompts 8] [--generations 4] [--repeats 2]` (~3 min on 2 cores).
+Run: `python -m benchmarks.bench_agentic_rollout [--median-s 0.2] [--prompts 8] [--generations 4] [--repeats 2]`
+(~6 min on 2 idle cores; x = the tool's median latency, one run per value). On CPU the tiny model's generation
+(about 12k tokens a round) takes as long as the tools' latency at 0.2 s, so the speed-up is bounded by it; the gap
+grows with the tools' share (larger `--median-s`, or a GPU, where generation is fast).
 """
 
 from __future__ import annotations
@@ -186,17 +189,17 @@ def main(argv: list[str] | None = None) -> None:
     num_samples = args.prompts * args.generations
     env = capture_env("cpu")
     config = {"prompts": args.prompts, "generations": args.generations, "max_calls": args.max_calls,
-              "median_s": args.median_s, "sigma": args.sigma, "pool": args.pool,
+              "sigma": args.sigma, "pool": args.pool,
               "max_completion_length": args.max_completion_length, "model": "builtin:tiny-qwen2-arith"}
     rows = []
     for variant, values in seconds.items():
         for metric, unit, xs in (("rollout_wall_s", "s", values), ("samples_per_s", "1/s", [num_samples / v for v in values])):
             rows.append(make_row(env, bench="agentic_rollout", variant=variant, mode="cpu", metric=metric, unit=unit,
-                                 x_name="samples", x_value=num_samples, p20=percentiles(xs)[0], p50=percentiles(xs)[1],
+                                 x_name="tool_median_s", x_value=args.median_s, p20=percentiles(xs)[0], p50=percentiles(xs)[1],
                                  p80=percentiles(xs)[2], n_iters=len(xs), config=config | {"tool_calls": made[variant]}))
     ratio = [a / b for a, b in zip(seconds["lockstep"], seconds["engine"])]
     rows.append(make_row(env, bench="agentic_rollout", variant="engine_vs_lockstep", mode="cpu", metric="speedup",
-                         unit="x", x_name="samples", x_value=num_samples, p20=percentiles(ratio)[0],
+                         unit="x", x_name="tool_median_s", x_value=args.median_s, p20=percentiles(ratio)[0],
                          p50=percentiles(ratio)[1], p80=percentiles(ratio)[2], n_iters=len(ratio), config=config))
     path = append_rows(args.out, rows)
     print(f"lock-step {statistics.median(seconds['lockstep']):.2f} s, engine {statistics.median(seconds['engine']):.2f} s: "

@@ -433,12 +433,12 @@ def abort(run: Run | None) -> None:
 
 
 def evaluate_only(cfg: EngineConfig, *, train_dataset, eval_datasets: dict, reward_funcs, tokenizer, num_generations: int,
-                   batch_size: int, metric_key_prefix: str = "eval") -> dict[str, float]:
+                   batch_size: int, metric_key_prefix: str = "eval", agentic: dict | None = None) -> dict[str, float]:
     """Build a run of `cfg`'s model (every rank), evaluate `eval_datasets` on it and tear it down (also when the
     evaluation raises): `GRPOTrainer.evaluate()` before or after `train()`."""
     run = None
     try:
-        run = build_run(cfg, train_dataset=train_dataset, reward_funcs=reward_funcs, tokenizer=tokenizer)
+        run = build_run(cfg, train_dataset=train_dataset, reward_funcs=reward_funcs, tokenizer=tokenizer, agentic=agentic)
         sets = tokenize_eval_sets(run, eval_datasets)
         metrics = evaluate_sets(run, sets, num_generations=num_generations, batch_size=batch_size,
                                 metric_key_prefix=metric_key_prefix, loss_of=eval_loss)
