@@ -122,6 +122,9 @@ class GRPOTrainer(TrainerSurface):
         self._eval_sets = eval_sets(eval_dataset, cfg.data.eval_max_prompts)
         engine_eval = self._eval_sets[None] if self._eval_sets and list(self._eval_sets) == [None] else None
         if self.train_dataset is None and environment_factory is not None and "dataset_name" not in args.explicit_names:
+            if isinstance(environment_factory, dict):  # TRL: each row's `environment` column picks its environment
+                raise ValueError("environment_factory as a dict (several environments) requires a `train_dataset` "
+                                 "with an `environment` column naming each row's environment")
             if cfg.train.max_steps <= 0:  # TRL: the environment owns the data (reset() supplies the prompt)
                 raise ValueError("environment_factory without train_dataset: set GRPOConfig(max_steps=...) > 0 to "
                                  "define the training length (the environments' reset() supply the prompts)")

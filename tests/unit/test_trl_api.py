@@ -313,6 +313,8 @@ def test_trainer_refuses_bad_agentic_inputs_at_construction_naming_the_culprit(t
         make(tools=[lookup], rollout_func=lambda prompts, trainer: {})
     with pytest.raises(ValueError, match="environment_factory without train_dataset.*max_steps"):
         GRPOTrainer(model=TINY, args=_small_args(tmp_path, max_steps=-1), environment_factory=dict)
+    with pytest.raises(ValueError, match="requires a `train_dataset`"):
+        GRPOTrainer(model=TINY, args=_small_args(tmp_path), environment_factory={"a": dict, "b": dict})
     tool_ready = build_tiny_tokenizer()
     tool_ready.chat_template = TOOL_CHAT_TEMPLATE
     trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(),
