@@ -29,7 +29,7 @@ from engine.agent.environments import EnvironmentPool, environment_tools
 from engine.agent.multi_turn import MultiTurnSettings, Sample, generate_multi_turn
 from engine.agent.rollout_func import call_rollout_func
 from engine.agent.toolbox import Toolbox
-from engine.config import GenerationConfig
+from engine.config import GenerationConfig, RolloutConfig
 from engine.rollout.protocol import RolloutEngine
 from engine.rollout.rollouts import Rollout
 
@@ -128,3 +128,16 @@ def _with_observation(prompt, observation) -> list:
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     messages[last_user]["content"] = f"{messages[last_user]['content']}{observation}"
     return messages
+
+
+def check_layout(rollout: RolloutConfig, given: list[str]) -> None:
+    """ValueError where multi-turn rollouts cannot run: asynchronous rollout (`max_staleness` > 0 generates
+    single-turn rounds ahead), or a colocated vLLM engine over several ranks (rank 0 drives every sample through its
+    own engine). `given`: the agentic arguments the run has (named in the message)."""
+    names = ", ".join(given)
+    if rollout.max_staleness > 0:
+        raise ValueError(f"{names} with rollout.max_staleness={rollout.max_staleness}: multi-turn rollouts are "
+                         "generated synchronously; set max_staleness=0")
+    if rollout.vllm_mode == "colocate" and rollout.vllm_tensor_parallel_size > 1:
+        raise ValueError(f"{names} with rollout.vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} "
+                         "(colocate): rank 0 drives every sample through its own engine; use 1 or server mode")

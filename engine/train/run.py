@@ -191,17 +191,11 @@ def build_agentic(cfg: EngineConfig, agentic: dict | None, tokenizer, model_name
     """The run's `AgenticRollout` (engine/agent/), or None without tools, environments or rollout_func. Refused:
     asynchronous rollout (`rollout.max_staleness` > 0 generates single-turn rounds ahead) and a colocated vLLM
     engine over several ranks (rank 0 drives every sample through its own engine)."""
-    from engine.agent.agentic_rollout import AgenticRollout
+    from engine.agent.agentic_rollout import AgenticRollout, check_layout
 
     if not agentic or not any(v is not None and v != [] for v in agentic.values()):
         return None
-    given = ", ".join(k for k, v in agentic.items() if v)
-    if cfg.rollout.max_staleness > 0:
-        raise ValueError(f"{given} with rollout.max_staleness={cfg.rollout.max_staleness}: multi-turn rollouts are "
-                         "generated synchronously; set max_staleness=0")
-    if cfg.rollout.vllm_mode == "colocate" and cfg.rollout.vllm_tensor_parallel_size > 1:
-        raise ValueError(f"{given} with rollout.vllm_tensor_parallel_size={cfg.rollout.vllm_tensor_parallel_size} "
-                         "(colocate): rank 0 drives every sample through its own engine; use 1 or server mode")
+    check_layout(cfg.rollout, [k for k, v in agentic.items() if v])
     return AgenticRollout(tools=agentic.get("tools"), environment_factory=agentic.get("environment_factory"),
                           rollout_func=agentic.get("rollout_func"), tokenizer=tokenizer, generation=cfg.generation,
                           model_name=model_name)
