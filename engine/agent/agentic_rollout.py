@@ -59,7 +59,8 @@ class AgenticRollout:
         self.tokenizer, self.generation = tokenizer, generation
         self.toolbox = Toolbox(list(tools or []), max_concurrent=generation.max_concurrent_tool_calls,
                                timeout_s=generation.tool_call_timeout_s)
-        self.environments = EnvironmentPool(environment_factory) if environment_factory is not None else None
+        self.environments = (environment_factory if isinstance(environment_factory, EnvironmentPool) or
+                             environment_factory is None else EnvironmentPool(environment_factory))
         self.rollout_func = rollout_func
         env_schemas = [s for schemas in (self.environments.schemas.values() if self.environments else []) for s in schemas]
         self.schemas = self.toolbox.schemas + list({s["function"]["name"]: s for s in env_schemas}.values())

@@ -50,7 +50,7 @@ def resolve_agentic(trainer: Any, tools: list | None, rollout_func: Any, environ
     if schemas and tokenizer is not None:
         check_renders_tools(tokenizer, schemas, model_name, chat_template_kwargs)
     bound = (lambda prompts: rollout_func(prompts, trainer)) if rollout_func is not None else None
-    return AgenticInputs({"tools": list(tools or []) or None, "environment_factory": environment_factory,
+    return AgenticInputs({"tools": list(tools or []) or None, "environment_factory": pool,  # built once, reused
                           "rollout_func": bound}, pool.reward_functions() if pool else [])
 
 

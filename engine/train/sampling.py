@@ -152,7 +152,9 @@ def sample_and_score(sampler: RoundSampler, rounds: PromptRounds, step: int, *, 
     rows = assemble_rounds([list(range(start, start + len(p.rollout))) for start, p in zip(starts, parts)], selection, g)
     rollout = Rollout.concat([p.rollout for p in parts]).select(rows)
     completions = per_row(lambda p: p.completions) if sampler.ps.rank == 0 else []
-    stats = seconds | staleness_metrics(assemble_rounds(versions, selection, g), version) | curriculum_metrics(sampler) | {
+    tool_stats = [p.rollout.stats for p in parts if p.rollout.stats]  # multi-turn: the attempts' mean
+    stats = {k: sum(t[k] for t in tool_stats) / len(tool_stats) for k in (tool_stats[0] if tool_stats else {})}
+    stats |= seconds | staleness_metrics(assemble_rounds(versions, selection, g), version) | curriculum_metrics(sampler) | {
                        "dynamic_sampling/rounds": len(parts),
                        "dynamic_sampling/informative_fraction": selection.num_informative / num_prompts}
     return Scored(picked, rollout, per_row(lambda p: p.rewards), completions, g, stats)

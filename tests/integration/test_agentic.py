@@ -161,3 +161,64 @@ def test_tools_and_environments_in_a_real_run(tmp_path):
     assert [max(r["resets"]) for r in rows] == [1, 2]
     assert "(abacus ready)" in json.dumps(rows[0]["prompts"])
     assert all(h["completions/mean_length"] < 200 for h in history)
+
+
+def _rollout_func_rows(tokenizer_dir: str):
+    """A user's rollout_func: fixed rows (prompt, a model turn, 3 context tokens masked by env_mask, a model turn
+    ending in EOS), one per incoming prompt, with an extra per-row key for the reward function."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    calls = []
+    turn = tokenizer("<answer>4</answer>", add_special_tokens=False)["input_ids"]
+    completion = turn + [5, 6, 7] + turn + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    mask = [1] * len(turn) + [0, 0, 0] + [1] * (len(turn) + 1)
+
+    def rollout_func(prompts, trainer):
+        calls.append((len(prompts), trainer.args.max_steps))
+        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for p in prompts]
+        return {"prompt_ids": ids, "completion_ids": [completion] * len(prompts),
+                "logprobs": [[-1.0] * len(completion)] * len(prompts), "env_mask": [mask] * len(prompts),
+                "row": list(range(len(prompts)))}
+
+    return rollout_func, calls, sum(mask)
+
+
+def _train_with_rollout_func(output_dir: str) -> dict:
+    import datasets
+
+    from engine import GRPOConfig, GRPOTrainer
+    from engine.models.tiny_model import resolve_builtin_model
+
+    source = resolve_builtin_model("builtin:tiny-qwen2-arith", Path(output_dir) / "cache")
+    rollout_func, calls, num_model_tokens = _rollout_func_rows(str(source))
+    seen = []
+
+    def reward(completions, row, **kwargs):
+        seen.append(list(row))
+        return [float(r % 2) for r in row]
+
+    dataset = datasets.load_dataset("json", data_files=str(REPO / "examples/data/math_conversational.jsonl"),
+                                    split="train").select(range(8))
+    args = GRPOConfig(output_dir=str(Path(output_dir) / "run"), max_steps=1, per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=64, learning_rate=1e-5, logging_steps=1,
+                      vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256, report_to="none")
+    trainer = GRPOTrainer(model=str(source), reward_funcs=reward, args=args, train_dataset=dataset,
+                          rollout_func=rollout_func)
+    trainer.train()
+    record = next(h for h in trainer.state.log_history if "completions/mean_length" in h)
+    return {"calls": calls, "seen": seen, "mean_length": record["completions/mean_length"],
+            "num_model_tokens": num_model_tokens, "loss": record.get("loss")}
+
+
+@pytest.mark.slow
+def test_rollout_func_rows_train_with_env_mask_and_extra_keys(tmp_path):
+    """rollout_func's rows are what trains: called once per round with one prompt per row (P * G) and the trainer,
+    its extra key reaches the reward function row by row, env_mask is the tool mask (the length metric counts only
+    its 1s)."""
+    (result,) = run_distributed(_train_with_rollout_func, 1, str(tmp_path))
+    assert result["calls"] == [(8, 1)]
+    assert result["seen"] == [list(range(8))]
+    assert result["mean_length"] == result["num_model_tokens"]
+    assert result["loss"] is not None
