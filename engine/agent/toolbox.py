@@ -9,6 +9,7 @@ What the model sees (TRL's meaning): the tool's return value as `str(value)` (a 
 arguments, an exception, or a call past `generation.tool_call_timeout_s` become `{"error": "..."}` and count in
 `tools/failure_frequency`; the run goes on. A timed-out coroutine is cancelled; a timed-out plain function cannot be
 stopped by Python: its thread keeps its pool slot until the function returns (say so in the tool if it can hang).
+A call's timeout counts from its start request, so a call queued behind a full pool can time out unrun.
 
 Must not: generate, tokenize, or know samples (engine/agent/multi_turn.py).
 

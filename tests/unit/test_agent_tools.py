@@ -85,12 +85,23 @@ def test_what_the_model_sees_of_each_kind_of_call():
 
 
 def test_calls_of_different_samples_run_at_once_in_the_bounded_pool():
-    box = Toolbox([nap], max_concurrent=4, timeout_s=None)
+    import threading
+
+    barrier = threading.Barrier(4, timeout=10)
+
+    def meet(n: int) -> str:
+        """Wait until 4 calls are running at once (a pool that ran them one by one would break the barrier).
+
+        Args:
+            n: the caller
+        """
+        barrier.wait()
+        return f"met {n}"
+
+    box = Toolbox([meet], max_concurrent=4, timeout_s=None)
     try:
-        start = time.perf_counter()
-        futures = [box.start(ToolCall("nap", {"seconds": 0.3}))[0] for _ in range(4)]
-        assert [f.result() for f in futures] == ["awake"] * 4
-        assert time.perf_counter() - start < 0.9  # 4 x 0.3 s one after another would take 1.2 s
+        futures = [box.start(ToolCall("meet", {"n": i}))[0] for i in range(4)]
+        assert [f.result() for f in futures] == [f"met {i}" for i in range(4)]
     finally:
         box.close()
 
