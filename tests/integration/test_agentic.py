@@ -1,15 +1,16 @@
 """Agentic GRPO end to end on CPU (issue #28): GRPOTrainer with `tools` and an `environment_factory` together,
-real in-process vLLM and real Megatron, one run (~1-2 min on 2 cores) that checks several behaviours:
+real in-process vLLM and real Megatron, one run (~1-1.5 min on 2 cores) that checks several behaviours:
 
 - multi-turn rows: every tool call is executed and its message appended as token ids (the reward function gets the
   conversation: assistant turns and tool messages), at most `max_tool_calling_iterations` tool rounds per sample;
 - a tool that raises, one that hangs past `tool_call_timeout_s`, an unknown tool, one returning a dict: the model
-  sees {"error": ...} or str(value), `tools/failure_frequency` counts them, the run goes on; the hanging calls of
-  different samples overlap (the round takes about one timeout, not one per call);
+  sees {"error": ...} or str(value), `tools/failure_frequency` counts them, the run goes on (that calls of
+  different samples overlap is tests/unit/test_agent_tools.py's);
 - the environment pool: instances reused across rounds (reset once per rollout), their method a tool, `get_reward`
   a reward function (named after the class), `environments=` passed to the reward functions, reset()'s
   observation in the prompt;
-- the completion-length metrics count the model's tokens only.
+- the completion-length metrics count the model's tokens only;
+- `rollout_func` (a second run): its rows train, `env_mask` is the tool mask, its extra keys reach the rewards.
 
 The tiny model knows no tool-call format, so `vllm_structured_outputs_regex` makes every turn a Hermes tool call:
 what is tested is the engine's machinery, not the model's skill.
