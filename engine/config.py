@@ -270,6 +270,12 @@ class GenerationConfig:
     """Extra vLLM SamplingParams keyword arguments; they override the fields above; None = none."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra keyword arguments of the tokenizer's chat template for conversational prompts."""
+    max_tool_calling_iterations: int | None = None
+    """Tool rounds one sample may make (TRL's name; with tools); None = until max_completion_length is spent."""
+    tool_call_timeout_s: float | None = None
+    """Seconds one tool call may run; past it the model sees {"error": ...}. None = no limit (TRL's behaviour)."""
+    max_concurrent_tool_calls: int = 16
+    """Tool calls running at once over all samples of a round (TRL runs those of different samples one by one)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -289,6 +289,13 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
         problems.append(f"generation.temperature must be > 0 (it divides the logits), got {gen.temperature}")
     if not 0.0 < gen.top_p <= 1.0:
         problems.append(f"generation.top_p must be in (0, 1], got {gen.top_p}")
+    if gen.max_tool_calling_iterations is not None and gen.max_tool_calling_iterations < 1:
+        problems.append(f"generation.max_tool_calling_iterations must be >= 1 or None, got "
+                        f"{gen.max_tool_calling_iterations}")
+    if gen.tool_call_timeout_s is not None and gen.tool_call_timeout_s <= 0:
+        problems.append(f"generation.tool_call_timeout_s must be > 0 or None, got {gen.tool_call_timeout_s}")
+    if gen.max_concurrent_tool_calls < 1:
+        problems.append(f"generation.max_concurrent_tool_calls must be >= 1, got {gen.max_concurrent_tool_calls}")
     if gen.top_k < 0:
         problems.append(f"generation.top_k must be >= 0 (0 disables it), got {gen.top_k}")
     max_len = rollout.vllm_max_model_length

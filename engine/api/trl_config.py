@@ -68,7 +68,6 @@ NO_EFFECT: dict[str, str] = {
              "use_transformers_continuous_batching", "transformers_continuous_batching_config",
              "use_transformers_paged"),
     **_group("script flags for HF's example scripts", "do_train", "do_eval", "do_predict"),
-    **_group("tool calling is not supported", "max_tool_calling_iterations"),
     **_group("the LM head's logits are always computed in float32 here (the fused kernel upcasts the hidden states "
              "and the model.dtype weight; the optimizer keeps float32 master weights); the weight itself stays in "
              "model.dtype", "cast_lm_head_to_fp32"),

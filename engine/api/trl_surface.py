@@ -368,7 +368,8 @@ class TrainerSurface:
         metrics = evaluate_only(cfg, train_dataset=self._train_rows(), eval_datasets=sets,
                                  reward_funcs=self.reward_funcs, tokenizer=self._processing_class,
                                  num_generations=g, batch_size=self._hooks.eval_batch_size,
-                                 metric_key_prefix=metric_key_prefix)
+                                 metric_key_prefix=metric_key_prefix,
+                                 agentic=getattr(self, "_agentic", None) and self._agentic.loop_inputs or None)
         metrics["epoch"] = self.state.epoch or 0.0
         self.state.log_history.append({**metrics, "step": self.state.global_step})
         self._hooks.event("on_evaluate", metrics=metrics)

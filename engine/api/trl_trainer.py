@@ -34,6 +34,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.models.hub import resolve_hub_model
 from engine.api import trl_compat
+from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic, with_placeholder_prompts
 from engine.api.trl_config import GFPOConfig, GRPOConfig
 from engine.api.trl_surface import TrainerSurface, eval_sets, is_stream
 
@@ -52,7 +53,7 @@ INITIAL_MODEL_DIR = "initial_model"
 class GRPOTrainer(TrainerSurface):
     """TRL's `GRPOTrainer` signature over `engine.train.loop.train` (full fine-tuning with Megatron, vLLM rollout).
 
-    It refuses with a message what this engine does not do (PEFT, custom optimizers, tools), resolves `model` (a
+    It refuses with a message what this engine does not do (PEFT, custom optimizers), resolves `model` (a
     local directory, a `builtin:` name, a hub name from the local cache or a download, a `PreTrainedModel` saved under
     output_dir) and `reward_funcs` (callables, config strings, reward-model directories or objects with their
     `reward_processing_classes`), checks the batch geometry before anything starts, and hands datasets, reward
@@ -83,8 +84,9 @@ class GRPOTrainer(TrainerSurface):
             None = the model's own.
         reward_processing_classes: tokenizers of reward models (one per reward function, None for callables).
         callbacks: transformers `TrainerCallback` instances or classes (engine/api/trl_callbacks.py).
-        optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's; anything but
-            their defaults is refused with a message.
+        optimizers, quantization_config, peft_config: TRL's; anything but their defaults is refused with a message.
+        tools, environment_factory, rollout_func: TRL's multi-turn arguments, with TRL's meaning (engine/api/
+            trl_agentic.py checks them now; engine/agent/ runs them: each sample advances on its own).
         group_filter_func: GFPO's filter (TRL's experimental GFPOTrainer argument): any callable
             `f(group_completions, group_rewards, **kw) -> [P][G]` scores, higher = keep (a function, a lambda, an
             instance with `__call__`), kept in memory; used with `num_remains_in_group` (without it: a warning,
@@ -96,8 +98,7 @@ class GRPOTrainer(TrainerSurface):
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None, group_filter_func: Any = None):
-        _refuse_unsupported(model, optimizers, quantization_config, peft_config, tools, rollout_func,
-                            environment_factory)
+        _refuse_unsupported(model, optimizers, quantization_config, peft_config)
         if args is None:
             args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO")
         elif not isinstance(args, GRPOConfig):
@@ -113,15 +114,36 @@ class GRPOTrainer(TrainerSurface):
         cfg = args.to_engine_config()
         self.output_dir = Path(cfg.train.output_dir)
         self._processing_class = _check_tokenizer(processing_class)
+        if environment_factory is not None and not is_stream(train_dataset):  # TRL: reset() may own the prompt
+            train_dataset = with_placeholder_prompts(train_dataset)
         self.train_dataset = train_dataset if is_stream(train_dataset) else _check_dataset(train_dataset,
                                                                                             "train_dataset")
         self.eval_dataset = eval_dataset
         self._eval_sets = eval_sets(eval_dataset, cfg.data.eval_max_prompts)
         engine_eval = self._eval_sets[None] if self._eval_sets and list(self._eval_sets) == [None] else None
+        if self.train_dataset is None and environment_factory is not None and "dataset_name" not in args.explicit_names:
+            if isinstance(environment_factory, dict):  # TRL: each row's `environment` column picks its environment
+                raise ValueError("environment_factory as a dict (several environments) requires a `train_dataset` "
+                                 "with an `environment` column naming each row's environment")
+            if cfg.train.max_steps <= 0:  # TRL: the environment owns the data (reset() supplies the prompt)
+                raise ValueError("environment_factory without train_dataset: set GRPOConfig(max_steps=...) > 0 to "
+                                 "define the training length (the environments' reset() supply the prompts)")
+            self.train_dataset = placeholder_dataset(PLACEHOLDER_ROWS)
         if self.train_dataset is None and "dataset_name" not in args.explicit_names:
             raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column (or set "
                              "GRPOConfig(dataset_name=...) to a local file, a hub name or builtin:arithmetic)")
         model_path = resolve_model(model, self.output_dir, processing_class, cfg.model.trust_remote_code)
+        self._agentic = resolve_agentic(self, tools, rollout_func, environment_factory, model_name=str(model_path),
+                                        tokenizer=self._processing_class or _local_tokenizer(model_path),
+                                        chat_template_kwargs=cfg.generation.chat_template_kwargs)
+        if self._agentic.reward_funcs:  # environments' get_reward, weight 1 (TRL)
+            reward_funcs = [*(reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] * (
+                reward_funcs is not None))] + self._agentic.reward_funcs
+            if reward_processing_classes is not None:
+                reward_processing_classes = [*reward_processing_classes] + [None] * len(self._agentic.reward_funcs)
+            if cfg.reward.reward_weights is not None:
+                cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, reward_weights=[
+                    *cfg.reward.reward_weights, *[1.0] * len(self._agentic.reward_funcs)]))
         self.reward_funcs = resolve_reward_funcs(reward_funcs, reward_processing_classes, self.output_dir, cfg)
         self.reward_func_names = _reward_names(self.reward_funcs)
         data = {}
@@ -183,7 +205,8 @@ class GRPOTrainer(TrainerSurface):
             summary = train(cfg, train_dataset=self._train_rows(), eval_dataset=self._engine_eval_dataset,
                             reward_funcs=self.reward_funcs, tokenizer=self._processing_class,
                             **self.args.in_memory_callables,  # group_filter_func / dynamic_prompts_fn objects
-                            export_dir=self.output_dir / FINAL_MODEL_DIR, hooks=self._hooks)
+                            export_dir=self.output_dir / FINAL_MODEL_DIR, hooks=self._hooks,
+                            agentic=self._agentic.loop_inputs or None)
         runtime = time.perf_counter() - start
         self._trained = True
         self._model = self._model_object  # trainer.model: reloaded from the export when read
@@ -254,8 +277,7 @@ def _spawn_children_skip_main_script():
         main.__spec__ = previous
 
 
-def _refuse_unsupported(model, optimizers, quantization_config, peft_config, tools, rollout_func,
-                        environment_factory) -> None:
+def _refuse_unsupported(model, optimizers, quantization_config, peft_config) -> None:
     """NotImplementedError for TRL features this engine does not have."""
     if peft_config is not None or type(model).__name__.startswith("Peft"):
         raise NotImplementedError("peft_config / PEFT models are not supported: this engine does full fine-tuning "
@@ -266,9 +288,15 @@ def _refuse_unsupported(model, optimizers, quantization_config, peft_config, too
                                   "weight_decay, adam_*, lr_scheduler_type, warmup_*)")
     if quantization_config is not None:
         raise NotImplementedError("quantization_config is not supported: the policy trains in model.dtype")
-    for name, value in (("tools", tools), ("rollout_func", rollout_func), ("environment_factory", environment_factory)):
-        if value:
-            raise NotImplementedError(f"{name} is not supported: single-turn generation only")
+
+
+def _local_tokenizer(model_path: Any) -> Any:
+    """The model directory's tokenizer, or None when there is none yet (a builtin model built at train())."""
+    if not (Path(str(model_path)) / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
 
 
 def _model_name(model: Any) -> str:

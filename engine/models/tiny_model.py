@@ -95,6 +95,42 @@ prompt of a 1024-position model):
     <|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n
 """
 
+TOOL_CHAT_TEMPLATE = (
+    "{%- set start = 0 %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- set start = 1 %}{%- endif %}"
+    "{{- 'Tools:\\n' }}"
+    "{%- for tool in tools %}{%- set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{- f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + '): ' + f['description'] + '\\n' }}"
+    "{%- endfor %}"
+    "{{- 'Call one with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[start:] %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif message['role'] in ['system', 'user', 'assistant'] %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set f = call['function'] if call['function'] is defined else call %}"
+    "{{- '<tool_call>' + {'name': f['name'], 'arguments': f['arguments']} | tojson + '</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- raise_exception('unknown chat role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+"""`CHAT_TEMPLATE` that also renders tools (issue #28; the builtin models keep `CHAT_TEMPLATE`, which refuses the
+`tool` role, so their saved checkpoints do not change): one line per tool in a system message, `name(args):
+description` (compact: the JSON schemas would fill most of the tiny models' 1024 positions), an assistant's
+`tool_calls` as Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a tool message as Qwen2.5
+does, `<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>`. Without tools and tool messages it
+renders exactly what `CHAT_TEMPLATE` renders. Set it with `tokenizer.chat_template = TOOL_CHAT_TEMPLATE`."""
+
 _HIDDEN_SIZE = 128
 _NUM_HEADS = 4
 _NUM_KV_HEADS = 2

@@ -92,9 +92,9 @@ class ColocatedRollout:
         self.engine.add_turn(request)
 
     def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
-        """Steps the engine (every turn in flight advances together) until one finishes; `timeout_s` is unused:
-        a step returns within the engine's own time."""
-        return self.engine.step_turns()
+        """Steps the engine (every turn in flight advances together) until one finishes; with `timeout_s` (the
+        caller has other work: tool calls of other samples) one step at most, whose time is the engine's own."""
+        return self.engine.step_turns(max_steps=None if timeout_s is None else 1)
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -1,7 +1,7 @@
 """One generate call's completions (`Rollout`) and the MoE routes that travel with them.
 
 Owns: `Rollout` (prompt-major rows: prompt ids, completion ids, the engine's sampled-token log-probs, truncation,
-and for MoE policies the experts the engine routed every token to), its row operations (`concat`, `select`), its
+for multi-turn rows the tool mask (0 on tool tokens: in the context, no gradient), and for MoE policies the experts the engine routed every token to), its row operations (`concat`, `select`), its
 JSON form (`to_json` / `from_json`: HTTP answers of the rollout server, async-rollout rounds in checkpoints), and the
 routes' compact encoding (`encode_routes` / `decode_routes`: base64 of the narrowest integer type, because a round's
 routes are tokens x layers x top-k ids: as JSON lists they would dwarf everything else).
@@ -42,6 +42,9 @@ class Rollout:
     routed_experts: list[np.ndarray] | None = None
     """MoE: per row, the engine's routed experts [prompt + completion - 1, layers, top-k] (integer array), for routing
     replay (engine/policy/routing_replay.py). None when the engine was not asked for routes."""
+    tool_mask: list[list[int]] | None = None
+    """Multi-turn rows (engine/agent/): per row, one 0/1 per completion token, 0 on the tokens of tool messages
+    (they are context, never trained on); TRL's `tool_mask`. None = every completion token is the model's."""
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -61,6 +64,8 @@ class Rollout:
         filled = [p for p in parts if len(p)]
         if filled and all(p.routed_experts is not None for p in filled):
             out.routed_experts = [r for p in filled for r in p.routed_experts]
+        if any(p.tool_mask is not None for p in filled):  # a part without one: all its tokens are the model's
+            out.tool_mask = [m for p in filled for m in (p.tool_mask or [[1] * len(c) for c in p.completion_ids])]
         return out
 
     def select(self, rows: list[int]) -> Rollout:
@@ -69,6 +74,8 @@ class Rollout:
         out = Rollout(*(pick(getattr(self, name)) for name in ROW_FIELDS))
         if self.routed_experts is not None:
             out.routed_experts = pick(self.routed_experts)
+        if self.tool_mask is not None:
+            out.tool_mask = pick(self.tool_mask)
         return out
 
     def to_json(self, with_prompts: bool = True) -> dict:
@@ -77,6 +84,8 @@ class Rollout:
         out = {name: getattr(self, name) for name in ROW_FIELDS if with_prompts or name != "prompt_ids"}
         if self.routed_experts is not None:
             out["routed_experts"] = encode_routes(self.routed_experts)
+        if self.tool_mask is not None:
+            out["tool_mask"] = self.tool_mask
         return out
 
     @classmethod
@@ -86,6 +95,7 @@ class Rollout:
         out = cls(prompts, *(values[name] for name in ROW_FIELDS[1:]))
         if values.get("routed_experts") is not None:
             out.routed_experts = decode_routes(values["routed_experts"])
+        out.tool_mask = values.get("tool_mask")
         if len(out.routed_experts or out.completion_ids) != len(out.completion_ids):
             raise ValueError(f"{len(out.routed_experts)} rows of routed experts for {len(out.completion_ids)} completions")
         return out

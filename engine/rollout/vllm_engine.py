@@ -272,10 +272,13 @@ class VLLMEngine:
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
         self._turns[request_id] = request
 
-    def step_turns(self) -> list[TurnResult]:
-        """Run engine steps until at least one turn finishes (none in flight: at once); the finished ones."""
+    def step_turns(self, max_steps: int | None = None) -> list[TurnResult]:
+        """Run engine steps until at least one turn finishes (none in flight: at once), or `max_steps` steps ran
+        (None = no limit); the finished ones."""
         done: list[TurnResult] = []
-        while self._turns and not done:
+        steps = 0
+        while self._turns and not done and (max_steps is None or steps < max_steps):
+            steps += 1
             for output in self.llm.llm_engine.step():
                 request = self._turns.pop(output.request_id, None) if output.finished else None
                 if request is not None:

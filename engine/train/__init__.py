@@ -7,5 +7,5 @@ TRL's contract; builtin_rewards.py: the built-ins), the metric logger (metric_lo
 function of seed and round).
 
 May import: engine.config, engine.validation, engine.log_filters, engine.models, engine.grpo, engine.policy,
-engine.rollout.
+engine.rollout, engine.agent.
 """

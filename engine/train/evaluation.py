@@ -100,6 +100,6 @@ def tokenize_eval_sets(run, datasets: dict) -> dict:
     from engine.train.data import load_prompts
 
     max_len = run.cfg.rollout.vllm_max_model_length or AutoConfig.from_pretrained(run.model_dir).max_position_embeddings
-    return {name: load_prompts(run.cfg.data, run.tokenizer, run.cfg.generation, split="test",
+    return {name: load_prompts(run.cfg.data, run.tokenizer, run.sampler.generation, split="test",  # tools shown
                                max_model_length=max_len, dataset=dataset)
             for name, dataset in datasets.items()}

@@ -64,7 +64,7 @@ def train(cfg: EngineConfig, **inputs) -> dict:
 
 def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_dataset=None, reward_funcs=None,
                tokenizer=None, export_dir: str | Path | None = None, group_filter_func=None, dynamic_prompts_fn=None,
-               hooks: LoopHooks | None = None) -> dict:
+               hooks: LoopHooks | None = None, agentic: dict | None = None) -> dict:
     """Run GRPO from a config; returns the held-out reward before and after (rank 0), the last metrics, and this
     call's optimizer steps (`start_step` -> `steps`, `start_step` > 0 when resumed) and tokens (`num_tokens`).
 
@@ -73,7 +73,8 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     replaces `cfg.reward.reward_funcs`, `tokenizer` replaces the model directory's; `export_dir` receives the final
     policy as a Hugging Face checkpoint (collective); `group_filter_func` / `dynamic_prompts_fn` (any callables:
     functions of the user's script, lambdas, instances) replace `cfg.grpo.group_filter_func` /
-    `cfg.data.dynamic_prompts_fn` (see engine/train/run.py `resolve_hooks`).
+    `cfg.data.dynamic_prompts_fn` (see engine/train/run.py `resolve_hooks`); `agentic` holds TRL's `tools`,
+    `environment_factory` and `rollout_func` (multi-turn rollouts, engine/agent/; engine/train/run.py `build_agentic`).
 
     Hook points (engine/train/hooks.py `LoopHooks`, GRPOTrainer's callbacks: engine/api/trl_callbacks.py): train
     begin, epoch begin / end, each optimizer step's begin / end, the round's logged record, on rank 0; their requests
@@ -93,7 +94,7 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     stop = held["stop"] = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
     run = held["run"] = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset,
                                   reward_funcs=reward_funcs, tokenizer=tokenizer, group_filter_func=group_filter_func,
-                                  dynamic_prompts_fn=dynamic_prompts_fn)
+                                  dynamic_prompts_fn=dynamic_prompts_fn, agentic=agentic)
     cfg, ps, derived = run.cfg, run.ps, run.derived
     progress = resume(run)  # model, optimizer, scheduler, RNG, data position, step; the weights into the engines
     before = evaluate(run.sampler)
@@ -251,6 +252,9 @@ def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int)
     for i, row in enumerate(rollout.sampling_logprobs):
         sampling[i, : len(row)] = torch.tensor(row)
     is_truncated = torch.tensor(rollout.is_truncated, dtype=torch.bool)  # (B,)
+    if rollout.tool_mask is not None:  # multi-turn: tool tokens are context only (TRL's completion_mask * tool_mask)
+        mask = batch["completion_mask"] = mask * pad_rows(rollout.tool_mask, mask.shape[1])  # (B, C)
+        batch["num_model_tokens"] = mask.sum(1)  # (B,) the length metrics count the model's tokens only
     if run.cfg.grpo.mask_truncated_completions:
         batch["completion_mask"] = mask_truncated_completions(mask, is_truncated)
     batch |= {"advantages": advantages.float(), "sampling_logprobs": sampling, "is_truncated": is_truncated}
@@ -264,6 +268,14 @@ def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int)
                                              routes_dtype(rollout.routed_experts))
     order = shuffle_order(mask.shape[0], run.cfg.train.seed, step)
     return {k: v[order] for k, v in batch.items()}
+
+
+def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
+    """(B, width) float32: each row's values, right-padded with 0."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
 
 
 @dataclass
@@ -392,6 +404,7 @@ def log_round(run: Run, step: int, rewards_per_func, adv, batch: dict, steps: li
     metrics = compute_reward_metrics(rewards_per_func, run.rewards.names, adv.is_std_zero, run.rewards.weights)
     lengths = batch["completion_mask"].sum(1) if not run.cfg.grpo.mask_truncated_completions else torch.tensor(
         [float((row != 0).sum()) for row in batch["completion_ids"]])
+    lengths = batch.get("num_model_tokens", lengths)  # multi-turn: tool tokens are not the model's
     metrics |= compute_completion_metrics(lengths, batch["is_truncated"])
     metrics |= compute_loss_metrics(_merge_outputs(all_outputs), include_policy_loss=run.loss_config.is_entropy_bonus_enabled)
     pairs = [s for _, parts in gathered for s in parts]
@@ -407,6 +420,8 @@ def finish(run: Run, summary: dict) -> None:
     if run.logger is not None:
         run.logger.close()
     run.rewards.close()
+    if run.sampler.agentic is not None:
+        run.sampler.agentic.close()
     run.engine.close()
     destroy_parallel()
 
@@ -423,12 +438,12 @@ def abort(run: Run | None) -> None:
 
 
 def evaluate_only(cfg: EngineConfig, *, train_dataset, eval_datasets: dict, reward_funcs, tokenizer, num_generations: int,
-                   batch_size: int, metric_key_prefix: str = "eval") -> dict[str, float]:
+                   batch_size: int, metric_key_prefix: str = "eval", agentic: dict | None = None) -> dict[str, float]:
     """Build a run of `cfg`'s model (every rank), evaluate `eval_datasets` on it and tear it down (also when the
     evaluation raises): `GRPOTrainer.evaluate()` before or after `train()`."""
     run = None
     try:
-        run = build_run(cfg, train_dataset=train_dataset, reward_funcs=reward_funcs, tokenizer=tokenizer)
+        run = build_run(cfg, train_dataset=train_dataset, reward_funcs=reward_funcs, tokenizer=tokenizer, agentic=agentic)
         sets = tokenize_eval_sets(run, eval_datasets)
         metrics = evaluate_sets(run, sets, num_generations=num_generations, batch_size=batch_size,
                                 metric_key_prefix=metric_key_prefix, loss_of=eval_loss)

@@ -128,9 +128,10 @@ class AdaptiveEntropy:
 
 
 def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, reward_funcs=None, tokenizer=None,
-              group_filter_func=None, dynamic_prompts_fn=None) -> Run:
+              group_filter_func=None, dynamic_prompts_fn=None, agentic: dict | None = None) -> Run:
     """Parallel state, model, reference, optimizer, engine, data, rewards, logger (every rank); the keyword-only
-    inputs replace what the config names (see engine/train/loop.py `train`)."""
+    inputs replace what the config names (see engine/train/loop.py `train`). `agentic`: TRL's `tools`,
+    `environment_factory` and `rollout_func` (engine/agent/agentic_rollout.py), None = single-turn."""
     from transformers import AutoConfig, AutoTokenizer
 
     from engine.train.data import load_prompts
@@ -160,9 +161,12 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     reference = ReferencePolicy.build(hf_config, cfg.model, ps, model_dir, dims) if cfg.grpo.beta != 0 else None
     max_len = cfg.rollout.vllm_max_model_length or hf_config.max_position_embeddings
-    train_prompts = load_prompts(cfg.data, tokenizer, cfg.generation, split="train", max_model_length=max_len,
+    multi_turn = build_agentic(cfg, agentic, tokenizer, name)
+    generation = cfg.generation if multi_turn is None else replace(  # the prompts show the tools
+        cfg.generation, chat_template_kwargs=multi_turn.chat_template_kwargs())
+    train_prompts = load_prompts(cfg.data, tokenizer, generation, split="train", max_model_length=max_len,
                                  dataset=train_dataset)
-    eval_prompts = load_prompts(cfg.data, tokenizer, cfg.generation, split="test", max_model_length=max_len,
+    eval_prompts = load_prompts(cfg.data, tokenizer, generation, split="test", max_model_length=max_len,
                                 dataset=eval_dataset)
     opened: list = []  # closed when the rest raises: a failed build_run leaks no engine (a new trainer trains)
     with close_on_error(opened):
@@ -186,8 +190,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
         queue = (PromptQueue(cfg.data.dynamic_prompts_queue_rounds * num_prompts) if dynamic_prompts is not None
                  else None)
         sampler = RoundSampler(engine, rewards, tokenizer, ps, train_prompts, eval_prompts, logger, cfg.grpo, cfg.data,
-                               cfg.generation, seed=cfg.train.seed, num_prompts=num_prompts, total_steps=total_steps,
-                               group_filter=group_filter, dynamic_prompts=dynamic_prompts, prompt_queue=queue)
+                               generation, seed=cfg.train.seed, num_prompts=num_prompts, total_steps=total_steps,
+                               group_filter=group_filter, dynamic_prompts=dynamic_prompts, prompt_queue=queue,
+                               agentic=multi_turn)
         entropy = AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy)
         return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, optimizer, reference, engine, rewards,
                    logger, sampler, loss_config, settings, total_steps, resume_from=resume_from, entropy=entropy)
@@ -204,6 +209,20 @@ def close_on_error(opened: list):
             with contextlib.suppress(Exception):
                 part.close()
         raise
+
+
+def build_agentic(cfg: EngineConfig, agentic: dict | None, tokenizer, model_name: str):
+    """The run's `AgenticRollout` (engine/agent/), or None without tools, environments or rollout_func. Refused:
+    asynchronous rollout (`rollout.max_staleness` > 0 generates single-turn rounds ahead) and a colocated vLLM
+    engine over several ranks (rank 0 drives every sample through its own engine)."""
+    from engine.agent.agentic_rollout import AgenticRollout, check_layout
+
+    if not agentic or not any(v is not None and v != [] for v in agentic.values()):
+        return None
+    check_layout(cfg.rollout, [k for k, v in agentic.items() if v])
+    return AgenticRollout(tools=agentic.get("tools"), environment_factory=agentic.get("environment_factory"),
+                          rollout_func=agentic.get("rollout_func"), tokenizer=tokenizer, generation=cfg.generation,
+                          model_name=model_name)
 
 
 def build_engine(cfg: EngineConfig, ps: ParallelState, dims: ModelDims, model_dir: Path, chunks: list, *,

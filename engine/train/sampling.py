@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from engine.agent.agentic_rollout import PROMPTS_KEY, AgenticRollout
+from engine.agent.chat_tokens import completion_messages
 from engine.grpo.advantages import aggregate_rewards
 from engine.grpo.dynamic_sampling import assemble_rounds, find_informative_groups, is_dynamic_batch_full, select_dynamic_batch
 from engine.grpo.group_filter import filter_groups
@@ -76,6 +78,9 @@ class RoundSampler:
     prompt_queue: PromptQueue | None = None
     """The prompts the hook returned, waiting for rounds of their own (engine/train/prompt_queue.py); None without
     the hook."""
+    agentic: AgenticRollout | None = None
+    """Multi-turn rollouts (`tools`, `environment_factory`, `rollout_func`; engine/agent/), driven on rank 0;
+    None = single-turn `engine.generate`."""
 
 
 def draw_prompts(sampler: RoundSampler, rounds: PromptRounds) -> tuple[PromptBatch, bool]:
@@ -118,20 +123,20 @@ def sample_and_score(sampler: RoundSampler, rounds: PromptRounds, step: int, *, 
         start = time.perf_counter()
         if attempt == 0 and pipeline is not None:  # asynchronous rollout: generated while the last round trained
             pending = pipeline.take()
-            picked, rollout, sampled_by = pending.picked, pending.rollout, pending.version
+            picked, rollout, sampled_by, extra = pending.picked, pending.rollout, pending.version, {}
         else:
             picked, _ = draw_prompts(sampler, rounds)
             seeds = sampling_seeds(sampler.seed, step, attempt, picked.indices)
-            rollout, sampled_by = sampler.engine.generate(picked.prompt_ids, g, seeds), version
+            (rollout, extra), sampled_by = generate(sampler, picked, g, seeds), version
         versions.append([sampled_by] * len(rollout.completion_ids))
         middle = time.perf_counter()
-        rewards, completions = score(sampler, picked, rollout, step)
+        rewards, completions = score(sampler, picked, rollout, step, extra)
         queue_prompts(sampler, picked, completions, rewards)
         seconds["time/rollout_s"] += middle - start
         seconds["time/reward_s"] += time.perf_counter() - middle
         parts.append(Scored(picked, rollout, rewards, completions, g))
         if not grpo.use_dynamic_sampling:
-            stats = seconds | staleness_metrics(versions[0], version) | curriculum_metrics(sampler)
+            stats = seconds | staleness_metrics(versions[0], version) | curriculum_metrics(sampler) | rollout.stats
             return replace(parts[0], stats=stats)
         informative.append(find_informative_groups(aggregate_rewards(rewards, sampler.rewards.weights), g))
         if is_dynamic_batch_full(informative, num_prompts):
@@ -147,10 +152,26 @@ def sample_and_score(sampler: RoundSampler, rounds: PromptRounds, step: int, *, 
     rows = assemble_rounds([list(range(start, start + len(p.rollout))) for start, p in zip(starts, parts)], selection, g)
     rollout = Rollout.concat([p.rollout for p in parts]).select(rows)
     completions = per_row(lambda p: p.completions) if sampler.ps.rank == 0 else []
-    stats = seconds | staleness_metrics(assemble_rounds(versions, selection, g), version) | curriculum_metrics(sampler) | {
+    tool_stats = [p.rollout.stats for p in parts if p.rollout.stats]  # multi-turn: the attempts' mean
+    stats = {k: sum(t[k] for t in tool_stats) / len(tool_stats) for k in (tool_stats[0] if tool_stats else {})}
+    stats |= seconds | staleness_metrics(assemble_rounds(versions, selection, g), version) | curriculum_metrics(sampler) | {
                        "dynamic_sampling/rounds": len(parts),
                        "dynamic_sampling/informative_fraction": selection.num_informative / num_prompts}
     return Scored(picked, rollout, per_row(lambda p: p.rewards), completions, g, stats)
+
+
+def generate(sampler: RoundSampler, picked: PromptBatch, g: int, seeds: list[int] | None) -> tuple[Rollout, dict]:
+    """G completions per prompt of `picked` on every rank, and (rank 0) the per-row values the reward functions
+    receive besides the dataset columns. Multi-turn (engine/agent/): rank 0 drives every sample, then broadcasts."""
+    if sampler.agentic is None:
+        return sampler.engine.generate(picked.prompt_ids, g, seeds), {}
+    held: list = [None]
+    extra: dict = {}
+    if sampler.ps.rank == 0:
+        agentic = sampler.agentic.generate(sampler.engine, picked.prompts, picked.prompt_ids, picked.columns, g, seeds)
+        held, extra = [agentic.rollout], agentic.columns
+    dist.broadcast_object_list(held, src=0)
+    return held[0], extra
 
 
 def queue_prompts(sampler: RoundSampler, picked: PromptBatch, completions: list, rewards: torch.Tensor) -> None:
@@ -201,9 +222,12 @@ def keep_best_in_groups(sampler: RoundSampler, scored: Scored) -> Scored:
     return replace(scored, rollout=rollout, rewards=scored.rewards[keep], completions=completions, group_size=k)
 
 
-def score(sampler: RoundSampler, picked: PromptBatch, rollout: Rollout, step: int) -> tuple[torch.Tensor, list]:
+def score(sampler: RoundSampler, picked: PromptBatch, rollout: Rollout, step: int,
+          extra: dict | None = None) -> tuple[torch.Tensor, list]:
     """(B, K) rewards, NaN = None, and the decoded completions (rank 0; [] elsewhere): rank 0 calls the reward
-    functions with TRL's contract, then broadcasts the rewards."""
+    functions with TRL's contract, then broadcasts the rewards. `extra`: per-row values besides the dataset's
+    columns (multi-turn: `environments`, rollout_func's keys). Multi-turn completions of conversational prompts are
+    messages: assistant turns and tool messages (engine/agent/chat_tokens.py `completion_messages`)."""
     g = sampler.grpo.num_generations
     rewards = torch.empty(len(rollout.completion_ids), len(sampler.rewards.names))
     completions = []
@@ -211,8 +235,12 @@ def score(sampler: RoundSampler, picked: PromptBatch, rollout: Rollout, step: in
         texts = sampler.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         is_conversational = sampler.train_prompts.is_conversational
         completions = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational else texts
-        prompts = [p for p in picked.prompts for _ in range(g)]
-        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()}
+        if rollout.tool_mask is not None and is_conversational:
+            completions = [completion_messages(sampler.tokenizer, ids, mask)
+                           for ids, mask in zip(rollout.completion_ids, rollout.tool_mask)]
+        extra = dict(extra or {})
+        prompts = extra.pop(PROMPTS_KEY, None) or [p for p in picked.prompts for _ in range(g)]
+        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()} | extra
         state = SimpleNamespace(global_step=step, max_steps=sampler.total_steps)
         log = sampler.logger
         rewards = sampler.rewards(prompts, completions, rollout.completion_ids, columns, trainer_state=state,
@@ -236,13 +264,14 @@ def score_held_out(sampler: RoundSampler, prompts: PromptDataset, num_prompts: i
         the rollout (every rank) and the (num_prompts * g, K) rewards (rank 0; NaN = None; empty elsewhere).
     """
     picked = prompts.select(list(range(num_prompts)))
-    rollout = sampler.engine.generate(picked.prompt_ids, g)
+    rollout, extra = generate(sampler, picked, g, None)  # multi-turn as in training
     rewards = torch.empty(0)
     if sampler.ps.rank == 0:
         texts = sampler.tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if prompts.is_conversational else texts
         repeated = [p for p in picked.prompts for _ in range(g)]  # prompt-major, as the engine returns them
-        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()}
+        repeated = extra.pop(PROMPTS_KEY, None) or repeated
+        columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()} | extra
         rewards = sampler.rewards(repeated, completions, rollout.completion_ids, columns)  # (P * g, K)
     return rollout, rewards
 

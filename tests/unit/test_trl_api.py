@@ -280,13 +280,52 @@ def test_trainer_unknown_reward_name_fails_before_training(tmp_path):
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"peft_config": object()}, NotImplementedError, "full fine-tuning"),
     ({"optimizers": (object(), None)}, NotImplementedError, "distributed optimizer"),
-    ({"tools": [print]}, NotImplementedError, "tools"),
     ({"quantization_config": object()}, NotImplementedError, "quantization"),
     ({"processing_class": object()}, NotImplementedError, "tokenizer"),
 ])
 def test_trainer_refuses_what_this_engine_does_not_do(tmp_path, kwargs, error, match):
     with pytest.raises(error, match=match):
         GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(), **kwargs)
+
+
+def test_trainer_refuses_bad_agentic_inputs_at_construction_naming_the_culprit(tmp_path):
+    from engine.models.tiny_model import TOOL_CHAT_TEMPLATE, build_tiny_tokenizer
+
+    def lookup(key: str) -> str:
+        """Look a key up.
+
+        Args:
+            key: the key
+        """
+        return key
+
+    def undocumented(key: str) -> str:
+        return key
+
+    class NoReset:
+        pass
+
+    make = lambda **kw: GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path),  # noqa: E731
+                                    train_dataset=_prompts(), **kw)
+    with pytest.raises(ValueError, match="tool 'undocumented'.*no docstring"):
+        make(tools=[lookup, undocumented])
+    with pytest.raises(TypeError, match="NoReset has no reset"):
+        make(environment_factory=NoReset)
+    plain = build_tiny_tokenizer()  # the builtin template: no tools, no tool role
+    with pytest.raises(ValueError, match="chat template of builtin:tiny-qwen2-arith.*cannot render tool calls"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(),
+                    processing_class=plain, tools=[lookup])
+    with pytest.raises(ValueError, match="rollout_func builds whole rollouts"):
+        make(tools=[lookup], rollout_func=lambda prompts, trainer: {})
+    with pytest.raises(ValueError, match="environment_factory without train_dataset.*max_steps"):
+        GRPOTrainer(model=TINY, args=_small_args(tmp_path, max_steps=-1), environment_factory=dict)
+    with pytest.raises(ValueError, match="requires a `train_dataset`"):
+        GRPOTrainer(model=TINY, args=_small_args(tmp_path), environment_factory={"a": dict, "b": dict})
+    tool_ready = build_tiny_tokenizer()
+    tool_ready.chat_template = TOOL_CHAT_TEMPLATE
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(),
+                          processing_class=tool_ready, tools=[lookup])
+    assert trainer._agentic.loop_inputs["tools"] == [lookup]
 
 
 def test_trainer_refuses_split_dicts_for_training_and_streams_without_max_steps(tmp_path):

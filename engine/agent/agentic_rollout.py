@@ -1,0 +1,144 @@
+"""One round of agentic rollouts, whichever of TRL's three entry points the run uses: `tools`,
+`environment_factory` (engine/agent/environments.py), or the user's `rollout_func` (engine/agent/rollout_func.py).
+
+Owns: `AgenticRollout` (built once by engine/train/run.py on every rank: the toolbox, the environment pool, the
+chat template's `tools` and the checks; `generate` makes one round on the rank that drives it), `AgenticRound` (the
+round's rollout, its `tools/*` metrics and the per-row values the reward functions receive: `environments`,
+`rollout_func`'s extra keys, the conversations as completions).
+
+A sample's prompt is the dataset's prompt rendered with the tools' schemas (`chat_template_kwargs()`); with
+environments, `reset(**row)`'s observation is appended to the last user message and the prompt rendered again for
+that rollout (each of the G rollouts of a prompt has its own environment); with a dict of environments, each
+rollout's prompt shows the run's tools and its own environment's only (TRL). The caller (engine/train/sampling.py)
+runs `generate` on rank 0 only and broadcasts the rollout: the tools and environments live in rank 0's process, as
+the reward functions do.
+
+Must not: import vLLM, touch process groups, or compute rewards.
+
+Test: tests/integration/test_agentic.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.agent.chat_tokens import check_renders_tools
+from engine.agent.environments import EnvironmentPool, environment_tools
+from engine.agent.multi_turn import MultiTurnSettings, Sample, generate_multi_turn
+from engine.agent.rollout_func import call_rollout_func
+from engine.agent.toolbox import Toolbox
+from engine.config import GenerationConfig, RolloutConfig
+from engine.rollout.protocol import RolloutEngine
+from engine.rollout.rollouts import Rollout
+
+
+PROMPTS_KEY = "prompts"
+"""In `AgenticRound.columns`: the rows' prompts as the model saw them (with reset()'s observations); they replace the
+dataset's prompts in the reward functions' `prompts`."""
+
+
+@dataclass
+class AgenticRound:
+    """A round's rows and what the reward functions receive besides the dataset columns (rank 0)."""
+
+    rollout: Rollout
+    columns: dict[str, list] = field(default_factory=dict)
+    """Per-row values for the reward functions: `environments`, rollout_func's extra keys."""
+    completions: list | None = None
+    """Per row, the conversation after the prompt as messages (assistant turns and tool messages); None = the
+    decoded completion as single-turn rows have it."""
+
+
+class AgenticRollout:
+    """The run's multi-turn machinery (module docstring)."""
+
+    def __init__(self, *, tools: list | None, environment_factory, rollout_func: Callable | None, tokenizer,
+                 generation: GenerationConfig, model_name: str):
+        self.tokenizer, self.generation = tokenizer, generation
+        self.toolbox = Toolbox(list(tools or []), max_concurrent=generation.max_concurrent_tool_calls,
+                               timeout_s=generation.tool_call_timeout_s)
+        self.environments = (environment_factory if isinstance(environment_factory, EnvironmentPool) or
+                             environment_factory is None else EnvironmentPool(environment_factory))
+        self.rollout_func = rollout_func
+        env_schemas = [s for schemas in (self.environments.schemas.values() if self.environments else []) for s in schemas]
+        self.schemas = self.toolbox.schemas + list({s["function"]["name"]: s for s in env_schemas}.values())
+        if self.schemas:
+            check_renders_tools(tokenizer, self.schemas, model_name, generation.chat_template_kwargs)
+
+    def chat_template_kwargs(self) -> dict | None:
+        """The generation's template kwargs plus the tools' schemas (the prompts show the tools)."""
+        if not self.schemas:
+            return self.generation.chat_template_kwargs
+        return dict(self.generation.chat_template_kwargs or {}) | {"tools": self.schemas}
+
+    def generate(self, engine: RolloutEngine, prompts: list, prompt_ids: list[list[int]], columns: dict[str, list],
+                 num_generations: int, seeds: list[int] | None) -> AgenticRound:
+        """G rollouts per prompt, prompt-major (as `RolloutEngine.generate`). `prompts`: the dataset's prompts
+        (text or messages); `columns`: their other dataset columns (P values each)."""
+        g = num_generations
+        rows = [{"prompt": p} | {k: v[i] for k, v in columns.items()} for i, p in enumerate(prompts)]
+        if self.rollout_func is not None:
+            rollout, extra = call_rollout_func(self.rollout_func, [p for p in prompts for _ in range(g)], self.tokenizer)
+            return AgenticRound(rollout, extra)
+        seed_of = lambda i, j: None if seeds is None else (seeds[i] * 1009 + j) % (2**31)  # noqa: E731
+        samples = [Sample(prompt_ids[i], seed_of(i, j), {}) for i in range(len(prompts)) for j in range(g)]
+        out_columns, shown = {}, []
+        if self.environments is not None:
+            names = [row.get("environment") if self.environments.is_multi else None for row in rows for _ in range(g)]
+            envs = self.environments.take(names)
+            for s, (k, env) in zip(samples, enumerate(envs)):
+                row = dict(rows[k // g])
+                row.pop("environment", None) if self.environments.is_multi else None
+                observation = env.reset(**row)
+                s.tools = environment_tools(env)
+                prompt = row["prompt"]
+                if observation is not None:
+                    prompt = _with_observation(prompt, observation)
+                if observation is not None or self.environments.is_multi:  # multi: only its environment's tools
+                    s.prompt_ids = self._tokenize(prompt, self.toolbox.schemas + self.environments.schemas[names[k]])
+                shown.append(prompt)
+            out_columns["environments"] = envs
+            out_columns[PROMPTS_KEY] = shown
+        settings = MultiTurnSettings(self.generation.max_completion_length,
+                                     self.generation.max_tool_calling_iterations, self.chat_template_kwargs())
+        rollout, metrics = generate_multi_turn(engine, samples, self.tokenizer, self.toolbox, settings)
+        rollout.stats = metrics
+        return AgenticRound(rollout, out_columns)
+
+    def _tokenize(self, messages: list, schemas: list[dict]) -> list[int]:
+        """A conversational prompt's ids, rendered as the dataset's are, showing the tools `schemas`."""
+        if isinstance(messages, str):
+            raise ValueError("environment_factory: reset() returned an observation for a text prompt, or several "
+                             "environments need their own tools in it; use conversational prompts (lists of messages)")
+        kwargs = dict(self.generation.chat_template_kwargs or {}) | ({"tools": schemas} if schemas else {})
+        out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                 return_dict=False, **kwargs)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def close(self) -> None:
+        self.toolbox.close()
+
+
+def _with_observation(prompt, observation) -> list:
+    """The prompt with reset()'s observation appended to its last user message (TRL's place for it)."""
+    if isinstance(prompt, str):
+        return prompt + str(observation)
+    messages = copy.deepcopy(list(prompt))
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    messages[last_user]["content"] = f"{messages[last_user]['content']}{observation}"
+    return messages
+
+
+def check_layout(rollout: RolloutConfig, given: list[str]) -> None:
+    """ValueError where multi-turn rollouts cannot run: asynchronous rollout (`max_staleness` > 0 generates
+    single-turn rounds ahead), or a colocated vLLM engine over several ranks (rank 0 drives every sample through its
+    own engine). `given`: the agentic arguments the run has (named in the message)."""
+    names = ", ".join(given)
+    if rollout.max_staleness > 0:
+        raise ValueError(f"{names} with rollout.max_staleness={rollout.max_staleness}: multi-turn rollouts are "
+                         "generated synchronously; set max_staleness=0")
+    if rollout.vllm_mode == "colocate" and rollout.vllm_tensor_parallel_size > 1:
+        raise ValueError(f"{names} with rollout.vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} "
+                         "(colocate): rank 0 drives every sample through its own engine; use 1 or server mode")

@@ -1,0 +1,225 @@
+"""Agentic GRPO end to end on CPU (issue #28): GRPOTrainer with `tools` and an `environment_factory` together,
+real in-process vLLM and real Megatron, one run (~1-1.5 min on 2 cores) that checks several behaviours:
+
+- multi-turn rows: every tool call is executed and its message appended as token ids (the reward function gets the
+  conversation: assistant turns and tool messages), at most `max_tool_calling_iterations` tool rounds per sample;
+- a tool that raises, one that hangs past `tool_call_timeout_s`, an unknown tool, one returning a dict: the model
+  sees {"error": ...} or str(value), `tools/failure_frequency` counts them, the run goes on (that calls of
+  different samples overlap is tests/unit/test_agent_tools.py's);
+- the environment pool: instances reused across rounds (reset once per rollout), their method a tool, `get_reward`
+  a reward function (named after the class), `environments=` passed to the reward functions, reset()'s
+  observation in the prompt;
+- the completion-length metrics count the model's tokens only;
+- `rollout_func` (a second run): its rows train, `env_mask` is the tool mask, its extra keys reach the rewards.
+
+The tiny model knows no tool-call format, so `vllm_structured_outputs_regex` makes every turn a Hermes tool call:
+what is tested is the engine's machinery, not the model's skill.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launcher import run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 2.0
+NAMES = ["add", "boom", "hang", "pair", "bead", "nope"]
+REGEX = (r'<tool_call>\{"name": "(' + "|".join(NAMES) + r')", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>')
+
+
+def add(a: int, b: int) -> int:
+    """Add two digits.
+
+    Args:
+        a: first
+        b: second
+    """
+    return a + b
+
+
+def boom(a: int, b: int) -> str:
+    """Raise.
+
+    Args:
+        a: first
+        b: second
+    """
+    raise ValueError(f"boom {a}")
+
+
+def hang(a: int, b: int) -> str:
+    """Hang.
+
+    Args:
+        a: first
+        b: second
+    """
+    time.sleep(4 * TIMEOUT_S)
+    return "late"
+
+
+async def pair(a: int, b: int) -> dict:
+    """Pair two digits.
+
+    Args:
+        a: first
+        b: second
+    """
+    return {"a": a, "b": b}
+
+
+class Abacus:
+    """An environment: beads moved so far; rewarded when any were."""
+
+    built = 0
+
+    def __init__(self):
+        type(self).built += 1
+        self.total, self.resets = 0, 0
+
+    def reset(self, **row) -> str:
+        self.total = 0
+        self.resets += 1
+        return " (abacus ready)"
+
+    def bead(self, a: int, b: int) -> str:
+        """Move beads.
+
+        Args:
+            a: first
+            b: second
+        """
+        self.total += a + b
+        return str(self.total)
+
+    def get_reward(self) -> float:
+        return float(self.total > 0)
+
+
+def _record(path: str):
+    def seen(prompts, completions, completion_ids, environments, **kwargs):
+        with open(path, "a") as f:
+            f.write(json.dumps({"prompts": prompts, "completions": completions,
+                                "environments": [id(e) for e in environments],
+                                "resets": [e.resets for e in environments]}) + "\n")
+        return [0.0] * len(completions)
+    return seen
+
+
+def _train(output_dir: str) -> dict:
+    import datasets
+
+    from engine import GRPOConfig, GRPOTrainer
+    from engine.models.tiny_model import TOOL_CHAT_TEMPLATE, resolve_builtin_model
+    from transformers import AutoTokenizer
+
+    source = resolve_builtin_model("builtin:tiny-qwen2-arith", Path(output_dir) / "cache")
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    dataset = datasets.load_dataset("json", data_files=str(REPO / "examples/data/math_conversational.jsonl"),
+                                    split="train").select(range(8))
+    record = str(Path(output_dir) / "rewards.jsonl")
+    args = GRPOConfig(output_dir=str(Path(output_dir) / "run"), max_steps=2, per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=200, learning_rate=1e-5, logging_steps=1,
+                      vllm_gpu_memory_utilization=0.15, vllm_max_model_length=512, report_to="none",
+                      vllm_structured_outputs_regex=REGEX, max_tool_calling_iterations=2,
+                      tool_call_timeout_s=TIMEOUT_S, max_concurrent_tool_calls=16)
+    trainer = GRPOTrainer(model=str(source), reward_funcs=_record(record), args=args, train_dataset=dataset,
+                          processing_class=tokenizer, tools=[add, boom, hang, pair], environment_factory=Abacus)
+    start = time.perf_counter()
+    trainer.train()
+    rows = [json.loads(line) for line in open(record)]
+    history = [h for h in trainer.state.log_history if "tools/call_frequency" in h]
+    return {"rows": rows, "history": history, "built": Abacus.built, "seconds": time.perf_counter() - start,
+            "reward_names": trainer.reward_func_names}
+
+
+@pytest.mark.slow
+def test_tools_and_environments_in_a_real_run(tmp_path):
+    (result,) = run_distributed(_train, 1, str(tmp_path))
+    rows, history = result["rows"], result["history"]
+    assert result["reward_names"][-1] == "Abacus"  # get_reward appended, named after the class
+    assert len(history) == 2 and all(h["tools/call_frequency"] > 0 for h in history)
+    assert all(0 < h["tools/failure_frequency"] < 1 for h in history)
+    completions = [c for r in rows for c in r["completions"]]
+    tool_texts = [m["content"] for c in completions for m in c if m["role"] == "tool"]
+    assert any("boom 1" in t or "ValueError: boom" in t for t in tool_texts) or not any('"boom"' in json.dumps(c)
+                                                                                        for c in completions)
+    joined = "\n".join(tool_texts)
+    for name, seen in (("hang", "timed out after 2.0 s"), ("nope", "unknown tool 'nope'"), ("pair", "{'a': ")):
+        if any(f'"name": "{name}"' in m["content"] for c in completions for m in c if m["role"] == "assistant"):
+            assert seen in joined, (name, joined[:2000])
+    for c in completions:  # at most 2 tool rounds: assistant, tool, assistant, tool, assistant
+        assert [m["role"] for m in c][:5] == ["assistant", "tool", "assistant", "tool", "assistant"][: len(c)]
+        assert sum(m["role"] == "tool" for m in c) <= 2
+    # the environment pool: 8 rollouts a round, 8 instances reused (+1 built at construction), each reset per round
+    assert result["built"] <= 8 + 1
+    assert [max(r["resets"]) for r in rows] == [1, 2]
+    assert "(abacus ready)" in json.dumps(rows[0]["prompts"])
+    assert all(h["completions/mean_length"] < 200 for h in history)
+
+
+def _rollout_func_rows(tokenizer_dir: str):
+    """A user's rollout_func: fixed rows (prompt, a model turn, 3 context tokens masked by env_mask, a model turn
+    ending in EOS), one per incoming prompt, with an extra per-row key for the reward function."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    calls = []
+    turn = tokenizer("<answer>4</answer>", add_special_tokens=False)["input_ids"]
+    completion = turn + [5, 6, 7] + turn + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    mask = [1] * len(turn) + [0, 0, 0] + [1] * (len(turn) + 1)
+
+    def rollout_func(prompts, trainer):
+        calls.append((len(prompts), trainer.args.max_steps))
+        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for p in prompts]
+        return {"prompt_ids": ids, "completion_ids": [completion] * len(prompts),
+                "logprobs": [[-1.0] * len(completion)] * len(prompts), "env_mask": [mask] * len(prompts),
+                "row": list(range(len(prompts)))}
+
+    return rollout_func, calls, sum(mask)
+
+
+def _train_with_rollout_func(output_dir: str) -> dict:
+    import datasets
+
+    from engine import GRPOConfig, GRPOTrainer
+    from engine.models.tiny_model import resolve_builtin_model
+
+    source = resolve_builtin_model("builtin:tiny-qwen2-arith", Path(output_dir) / "cache")
+    rollout_func, calls, num_model_tokens = _rollout_func_rows(str(source))
+    seen = []
+
+    def reward(completions, row, **kwargs):
+        seen.append(list(row))
+        return [float(r % 2) for r in row]
+
+    dataset = datasets.load_dataset("json", data_files=str(REPO / "examples/data/math_conversational.jsonl"),
+                                    split="train").select(range(8))
+    args = GRPOConfig(output_dir=str(Path(output_dir) / "run"), max_steps=1, per_device_train_batch_size=8,
+                      num_generations=4, max_completion_length=64, learning_rate=1e-5, logging_steps=1,
+                      vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256, report_to="none")
+    trainer = GRPOTrainer(model=str(source), reward_funcs=reward, args=args, train_dataset=dataset,
+                          rollout_func=rollout_func)
+    trainer.train()
+    record = next(h for h in trainer.state.log_history if "completions/mean_length" in h)
+    return {"calls": calls, "seen": seen, "mean_length": record["completions/mean_length"],
+            "num_model_tokens": num_model_tokens, "loss": record.get("loss")}
+
+
+@pytest.mark.slow
+def test_rollout_func_rows_train_with_env_mask_and_extra_keys(tmp_path):
+    """rollout_func's rows are what trains: called once per round with one prompt per row (P * G) and the trainer,
+    its extra key reaches the reward function row by row, env_mask is the tool mask (the length metric counts only
+    its 1s)."""
+    (result,) = run_distributed(_train_with_rollout_func, 1, str(tmp_path))
+    assert result["calls"] == [(8, 1)]
+    assert result["seen"] == [list(range(8))]
+    assert result["mean_length"] == result["num_model_tokens"]
+    assert result["loss"] is not None
