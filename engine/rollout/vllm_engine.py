@@ -1,10 +1,8 @@
 """Generation with vLLM: the only module that imports vLLM (STYLE.md rule 4).
 
-Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) in two roles, `ColocatedEngine` and `ServerEngine`,
-and `WeightReceiverExtension`, the vLLM worker extension through which a server's workers receive weights. What
-each offers: the class docstrings (`VLLMEngine`: generation, prompt log-probs, in-place weight loads, turns, routed
-experts, sampling settings). The trainer calls it through engine/rollout/colocated.py (colocated) or through the
-rollout server (engine/rollout/server.py).
+Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`, and
+`WeightReceiverExtension`, the worker extension through which a server's workers receive weights; what each offers:
+the class docstrings. The trainer calls it through engine/rollout/colocated.py or the rollout server (server.py).
 
 Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's
 parallel state.
@@ -275,8 +273,7 @@ class VLLMEngine:
     def step_turns(self, max_steps: int | None = None) -> list[TurnResult]:
         """Run engine steps until at least one turn finishes (none in flight: at once), or `max_steps` steps ran
         (None = no limit); the finished ones."""
-        done: list[TurnResult] = []
-        steps = 0
+        done, steps = [], 0
         while self._turns and not done and (max_steps is None or steps < max_steps):
             steps += 1
             for output in self.llm.llm_engine.step():
