@@ -1,0 +1,350 @@
+"""LoRA adapters on the Megatron policy's parallel linears (issue #29), from a `peft.LoraConfig`-like setting.
+
+Owns: the HF-module -> Megatron-linear map (`HF_TARGETS`), the checks of an adapter setting (`LoraSettings`,
+`lora_settings_from_peft`), the adapters themselves (`LoraAdapter`, one per Megatron linear, one (A, B) pair per HF
+module fused into it, so q/k/v and gate/up keep PEFT's separate adapters), `apply_lora` (freezes the base, attaches
+the adapters, initialises them by global name like engine/policy/model.py `init_weights_by_name`), `merged_lora`
+(W + scaling * B A in fp32, rounded once, for the weight sync and merged exports) and `lora_tensors_for_peft` (the
+gathered adapter tensors under PEFT's key names).
+
+TP rules (x is the linear's input, h = x A^T of width r, delta = scaling * h B^T added to the base output):
+  column-parallel (linear_qkv, linear_fc1): A (r, in) replicated, B (out / tp, r) sharded; h's gradient is summed
+    over TP (`copy_to_tensor_model_parallel_region`); with sequence parallelism h is gathered over the sequence
+    (x is s / tp tokens) and A's gradient is partial: A is marked `sequence_parallel` (Megatron's
+    finalize_model_grads sums it over TP, like the norms).
+  row-parallel (linear_proj, linear_fc2): A (r, in / tp) sharded, B (out, r) replicated; h is a partial sum,
+    all-reduced (`reduce_from_tensor_model_parallel_region`) or, with sequence parallelism, reduce-scattered over
+    the sequence, and then B's gradient is partial: B is marked `sequence_parallel`.
+Adapters are held in the model's dtype (params_dtype); Megatron's optimizer keeps fp32 main copies of them in
+bf16 runs. The merge for sync/export is computed in fp32 from those parameters.
+
+Must not: read Megatron's global parallel state (groups come from ParallelState), know vLLM's layout.
+
+Test: tests/unit/test_lora.py (settings, the merge and the PEFT keys vs peft's own model),
+tests/distributed/test_lora_layouts.py (the LoRA GRPO step at TP2, TP2+SP, PP2, DP2 = the single-process step;
+PEFT export loads in peft with equal logits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+HF_TARGETS: dict[str, tuple[str, str]] = {
+    # HF module -> (Megatron linear inside a layer, part of its output)
+    "q_proj": ("self_attention.linear_qkv", "q"),
+    "k_proj": ("self_attention.linear_qkv", "k"),
+    "v_proj": ("self_attention.linear_qkv", "v"),
+    "o_proj": ("self_attention.linear_proj", "all"),
+    "gate_proj": ("mlp.linear_fc1", "gate"),
+    "up_proj": ("mlp.linear_fc1", "up"),
+    "down_proj": ("mlp.linear_fc2", "all"),
+}
+"""Every linear of a Qwen2 / Llama / Qwen3 layer, by the HF module name PEFT's target_modules uses."""
+HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+PEFT_PREFIX = "base_model.model.model.layers."
+WEIGHT_SYNC_MODES = ("merged", "adapter")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A checked adapter setting (from the `lora` config section or a `peft.LoraConfig`)."""
+
+    r: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: tuple[str, ...]
+    """HF module names, in HF_TARGETS' order."""
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's scale of B A: lora_alpha / r, or lora_alpha / sqrt(r) with rslora (arXiv:2312.03732)."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+def resolve_target_modules(target_modules, setting: str = "lora.target_modules") -> tuple[str, ...]:
+    """HF module names from PEFT's `target_modules` ("all-linear", a list of names, or one name).
+
+    Raises ValueError naming the setting for a name that matches no linear of the model (a regex string too:
+    PEFT's regex form is not supported here; list the names)."""
+    if target_modules is None:
+        raise ValueError(f"{setting} is not set: name the HF modules to adapt (e.g. ['q_proj', 'v_proj']) or "
+                         f"'all-linear'; known: {', '.join(HF_TARGETS)}")
+    if isinstance(target_modules, str):
+        target_modules = list(HF_TARGETS) if target_modules == "all-linear" else [target_modules]
+    names = list(target_modules)
+    unknown = [n for n in names if n not in HF_TARGETS]
+    if unknown or not names:
+        raise ValueError(f"{setting}: {unknown or names} match no linear of the model (regular expressions are not "
+                         f"supported); use 'all-linear' or names from: {', '.join(HF_TARGETS)}")
+    return tuple(n for n in HF_TARGETS if n in names)
+
+
+def lora_settings_from_peft(peft_config) -> LoraSettings:
+    """A `peft.LoraConfig` checked and turned into LoraSettings; every PEFT option this engine cannot act on is
+    refused by its name (modules_to_save, bias, DoRA, per-layer patterns, non-default init, fan_in_fan_out)."""
+    refusals = {
+        "bias": (getattr(peft_config, "bias", "none") != "none", "only 'none' is supported"),
+        "modules_to_save": (bool(getattr(peft_config, "modules_to_save", None)),
+                            "training the LM head or embeddings in full next to adapters is not supported"),
+        "use_dora": (bool(getattr(peft_config, "use_dora", False)), "DoRA is not supported"),
+        "layers_to_transform": (getattr(peft_config, "layers_to_transform", None) is not None,
+                                "every layer gets adapters"),
+        "rank_pattern": (bool(getattr(peft_config, "rank_pattern", None)), "one rank for every module"),
+        "alpha_pattern": (bool(getattr(peft_config, "alpha_pattern", None)), "one alpha for every module"),
+        "init_lora_weights": (getattr(peft_config, "init_lora_weights", True) is not True,
+                              "only PEFT's default init (A Kaiming-uniform, B = 0)"),
+        "fan_in_fan_out": (bool(getattr(peft_config, "fan_in_fan_out", False)), "not for these models"),
+        "lora_bias": (bool(getattr(peft_config, "lora_bias", False)), "not supported"),
+    }
+    for name, (refused, why) in refusals.items():
+        if refused:
+            raise ValueError(f"peft_config.{name}={getattr(peft_config, name)!r}: {why}")
+    targets = resolve_target_modules(getattr(peft_config, "target_modules", None), "peft_config.target_modules")
+    return LoraSettings(r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
+                        lora_dropout=float(peft_config.lora_dropout), target_modules=targets,
+                        use_rslora=bool(getattr(peft_config, "use_rslora", False)))
+
+
+def _part_sizes(linear_path: str, config) -> dict[str, int]:
+    """Global output rows of each HF part of one Megatron linear (TP=1 layout)."""
+    heads, groups, head_dim = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    if linear_path.endswith("linear_qkv"):
+        return {"q": heads * head_dim, "k": groups * head_dim, "v": groups * head_dim}
+    if linear_path.endswith("linear_fc1"):
+        return {"gate": config.ffn_hidden_size, "up": config.ffn_hidden_size}
+    if linear_path.endswith("linear_proj"):
+        return {"all": config.hidden_size}
+    return {"all": config.hidden_size}
+
+
+def _in_features(linear_path: str, config) -> int:
+    if linear_path.endswith("linear_proj"):
+        return config.num_attention_heads * config.kv_channels
+    if linear_path.endswith("linear_fc2"):
+        return config.ffn_hidden_size
+    return config.hidden_size
+
+
+class LoraAdapter(torch.nn.Module):
+    """The adapters of one Megatron linear: `lora_A[hf]` and `lora_B[hf]` for each HF module fused into it.
+
+    Shapes on a TP rank (column-parallel): A (r, in), B (out_part / tp, r); (row-parallel): A (r, in / tp),
+    B (out, r). Runs as a forward hook of the linear (`hook`): the base's own forward is untouched.
+    """
+
+    def __init__(self, linear_path: str, hf_names: list[str], settings: LoraSettings, config, ps):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.linear_path, self.hf_names = linear_path, list(hf_names)
+        self.is_row = linear_path in ROW_PARALLEL
+        self.scaling, self.dropout = settings.scaling, settings.lora_dropout
+        self.tp_group, self.tp_size = ps.groups.tp, ps.tp_size
+        self.sequence_parallel = bool(config.sequence_parallel) and ps.tp_size > 1
+        self.merged = False
+        sizes, in_features, r = _part_sizes(linear_path, config), _in_features(linear_path, config), settings.r
+        self.parts = [HF_TARGETS[name][1] for name in hf_names]
+        self.local_sizes = {part: size // (1 if self.is_row else ps.tp_size) for part, size in sizes.items()}
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.head_dim = config.kv_channels
+        for name in hf_names:
+            out = sizes[HF_TARGETS[name][1]]
+            if r > min(out, in_features):
+                raise ValueError(f"lora.r={r} is larger than {name}'s smaller dimension ({out} x {in_features}): "
+                                 "a rank above min(out, in) adds no capacity")
+        dtype = config.params_dtype
+        self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        for name in hf_names:
+            out = sizes[HF_TARGETS[name][1]]
+            a_shape = (r, in_features // ps.tp_size) if self.is_row else (r, in_features)
+            b_shape = (out, r) if self.is_row else (out // ps.tp_size, r)
+            a, b = torch.nn.Parameter(torch.zeros(a_shape, dtype=dtype)), torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype))
+            set_tensor_model_parallel_attributes(a, self.is_row and ps.tp_size > 1, 1, 1)
+            set_tensor_model_parallel_attributes(b, not self.is_row and ps.tp_size > 1, 0, 1)
+            (b if self.is_row else a).sequence_parallel = self.sequence_parallel
+            self.lora_A[name], self.lora_B[name] = a, b
+
+    def hook(self, linear, args, output):
+        """Forward hook of the base linear: (out, bias) -> (out + scaling * delta(x), bias)."""
+        if self.merged:
+            return output
+        out, bias = output
+        return out + self.delta(args[0]).to(out.dtype), bias
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """scaling * B A x in this rank's output layout; x (s or s / tp, b, in or in / tp)."""
+        from megatron.core.tensor_parallel import mappings
+
+        x = F.dropout(x, p=self.dropout, training=self.training) if self.dropout else x
+        a = torch.cat([self.lora_A[n] for n in self.hf_names], dim=0)  # (parts * r, in_local)
+        h = F.linear(x.to(a.dtype), a)  # (s_local, b, parts * r)
+        if self.is_row:  # partial sums over the input shards
+            h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if self.sequence_parallel
+                 else mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
+        elif self.sequence_parallel:
+            h = mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
+        else:
+            h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        pieces = {self.parts[i]: F.linear(chunk, self.lora_B[n])
+                  for i, (n, chunk) in enumerate(zip(self.hf_names, h.chunk(len(self.hf_names), dim=-1)))}
+        return self.scaling * self._arrange(pieces, h.shape[:-1])
+
+    def _arrange(self, pieces: dict[str, torch.Tensor], lead: torch.Size) -> torch.Tensor:
+        """This rank's output layout from per-part outputs (missing parts are zero): QKV interleaved per query
+        group [q heads of g; k_g; v_g], fc1 [gate; up] (engine/policy/hf_convert.py Kind)."""
+        some = next(iter(pieces.values()))
+        full = {p: pieces.get(p, some.new_zeros(*lead, size)) for p, size in self.local_sizes.items()}
+        if "q" in full:
+            groups = self.local_sizes["k"] // self.head_dim
+            q = full["q"].reshape(*lead, groups, self.heads_per_group * self.head_dim)
+            k, v = (full[p].reshape(*lead, groups, self.head_dim) for p in ("k", "v"))
+            return torch.cat([q, k, v], dim=-1).reshape(*lead, -1)
+        return torch.cat([full[p] for p in self.local_sizes], dim=-1)
+
+    @torch.no_grad()
+    def weight_delta(self) -> torch.Tensor:
+        """scaling * B A for this rank's shard of the base weight, in fp32, in Megatron's local layout."""
+        pieces = {}
+        for name, part in zip(self.hf_names, self.parts):
+            pieces[part] = self.lora_B[name].float() @ self.lora_A[name].float()  # (out_local, in_local)
+        in_local = next(iter(pieces.values())).shape[1]
+        rows = self._arrange({p: t.t() for p, t in pieces.items()}, torch.Size([in_local]))  # (in_local, out_local)
+        return self.scaling * rows.t()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron dist-checkpoint entries: A split on dim 1 (row-parallel) or B on dim 0 (column-parallel)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        axis = {k: (1 if k.startswith("lora_A") else 0) for k, v in state.items()
+                if getattr(v, "tensor_model_parallel", False)}
+        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets)
+
+
+def _linear(layer: torch.nn.Module, path: str) -> torch.nn.Module:
+    module = layer
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def lora_adapters(chunks) -> list[tuple[int, LoraAdapter]]:
+    """(global layer index, adapter) of every adapter in the chunks (DDP-wrapped or not)."""
+    found = []
+    for chunk in chunks:
+        model = getattr(chunk, "module", chunk)
+        for layer in getattr(getattr(model, "decoder", None), "layers", []):
+            for path in dict.fromkeys(p for p, _ in HF_TARGETS.values()):
+                adapter = getattr(_linear(layer, path), "lora", None)
+                if adapter is not None:
+                    found.append((layer.layer_number - 1, adapter))
+    return found
+
+
+def is_lora_param(name: str) -> bool:
+    return ".lora.lora_A." in name or ".lora.lora_B." in name
+
+
+@torch.no_grad()
+def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: int = 0) -> int:
+    """Freeze every base parameter and attach adapters to the target linears of every layer of the chunks.
+
+    A is PEFT's Kaiming-uniform (bound 1 / sqrt(in_features)) drawn from the global name (the same global adapter at
+    every layout), B is zero. Returns the number of adapter parameters on this rank.
+    """
+    for chunk in chunks:
+        if getattr(chunk.config, "num_moe_experts", None) and any(
+                HF_TARGETS[n][0].startswith("mlp") for n in settings.target_modules):
+            raise ValueError(f"lora.target_modules {list(settings.target_modules)}: adapters on MoE expert linears "
+                             "(gate_proj / up_proj / down_proj of an MoE model) are not supported; target the "
+                             "attention (q_proj, k_proj, v_proj, o_proj)")
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+    count = 0
+    for chunk in chunks:
+        for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
+            by_linear: dict[str, list[str]] = {}
+            for name in settings.target_modules:
+                by_linear.setdefault(HF_TARGETS[name][0], []).append(name)
+            for path, names in by_linear.items():
+                linear = _linear(layer, path)
+                adapter = LoraAdapter(path, names, settings, chunk.config, ps)
+                _init_adapter(adapter, layer.layer_number - 1, ps, seed)
+                linear.add_module("lora", adapter)
+                linear.register_forward_hook(adapter.hook)
+                count += sum(p.numel() for p in adapter.parameters())
+        _make_inputs_require_grad(chunk)
+    return count
+
+
+def _init_adapter(adapter: LoraAdapter, layer: int, ps, seed: int) -> None:
+    from engine.policy.model import take_tp_shard
+
+    for name, a in adapter.lora_A.items():
+        full_in = a.shape[1] * (ps.tp_size if adapter.is_row else 1)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{layer}.{name}.lora_A".encode()))
+        full = (torch.rand(a.shape[0], full_in, generator=gen) * 2 - 1) / math.sqrt(full_in)
+        a.copy_(take_tp_shard(full, a, ps.tp_rank, ps.tp_size).to(a.dtype))
+
+
+def _make_inputs_require_grad(chunk: torch.nn.Module) -> None:
+    """NOTE: with the embedding frozen, the first layer's input does not require grad, and Megatron's (reentrant)
+    activation recompute then returns outputs without a graph: the adapters inside would get no gradient. The
+    embedding's output is made to require grad (what transformers' `enable_input_require_grads` does for PEFT)."""
+    embedding = getattr(chunk, "embedding", None)
+    if embedding is not None:
+        embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+
+
+@contextlib.contextmanager
+def merged_lora(chunks):
+    """Within the block every adapted base weight holds W + scaling * B A (computed in fp32, rounded once to W's
+    dtype) and the adapters are off, so a reader of the base parameters (weight sync, HF export) sees the merged
+    model; the original W objects are restored after (no unmerge rounding)."""
+    saved = []
+    try:
+        for _, adapter in lora_adapters(chunks):
+            linear = _owner_linear(chunks, adapter)
+            weight = linear.weight
+            saved.append((weight, weight.data, adapter))
+            weight.data = (weight.data.float() + adapter.weight_delta()).to(weight.dtype)
+            adapter.merged = True
+        yield
+    finally:
+        for weight, data, adapter in saved:
+            weight.data = data
+            adapter.merged = False
+
+
+def _owner_linear(chunks, adapter: LoraAdapter) -> torch.nn.Module:
+    for chunk in chunks:
+        for module in getattr(chunk, "module", chunk).modules():
+            if getattr(module, "lora", None) is adapter:
+                return module
+    raise KeyError(adapter.linear_path)
+
+
+@torch.no_grad()
+def lora_tensors_for_peft(chunks, ps) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of this pipeline stage, TP shards gathered (collective over the TP group), under PEFT's
+    saved key names (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`, ...)."""
+    from engine.policy.hf_checkpoint import _gather
+    from engine.policy.model import merge_tp_shards
+
+    tensors = {}
+    for layer, adapter in lora_adapters(chunks):
+        for name in adapter.hf_names:
+            key = f"{PEFT_PREFIX}{layer}.{HF_PARENT[name]}.{name}"
+            for which, param in (("lora_A", adapter.lora_A[name]), ("lora_B", adapter.lora_B[name])):
+                full = merge_tp_shards(_gather(param.data, ps.tp_size, ps.groups.tp), param)
+                tensors[f"{key}.{which}.weight"] = full.contiguous()
+    return tensors
