@@ -75,3 +75,14 @@ def lora_logits_and_exports(model_dir: str, parallel, out_dir: str, settings_ove
         merged = logits()
         export_hf_checkpoint(chunks, ps, f"{out_dir}/merged", hf_config, dims, tokenizer_dir=model_dir)
     return {"logits": with_adapters, "merged_logits": merged, "after_merge": logits()}
+
+
+def optimizer_state_numel(popt) -> int:
+    """Elements of this rank's Adam first-moment state (its DP shard with the distributed optimizer)."""
+    from engine.train.checkpoint import _inner_optimizers
+
+    total = 0
+    for inner in _inner_optimizers(popt.optimizer):
+        for state in inner.optimizer.state.values():
+            total += state["exp_avg"].numel() if "exp_avg" in state else 0
+    return total
