@@ -83,8 +83,10 @@ class GRPOTrainer(TrainerSurface):
             None = the model's own.
         reward_processing_classes: tokenizers of reward models (one per reward function, None for callables).
         callbacks: transformers `TrainerCallback` instances or classes (engine/api/trl_callbacks.py).
-        optimizers, quantization_config, peft_config, tools, rollout_func, environment_factory: TRL's; anything but
-            their defaults is refused with a message.
+        peft_config: a `peft.LoraConfig`: LoRA adapters on the frozen Megatron policy (the `lora` config section;
+            engine/policy/lora.py); save_model() then writes a PEFT adapter.
+        optimizers, quantization_config, tools, rollout_func, environment_factory: TRL's; anything but their defaults
+            is refused with a message.
         group_filter_func: GFPO's filter (TRL's experimental GFPOTrainer argument): any callable
             `f(group_completions, group_rewards, **kw) -> [P][G]` scores, higher = keep (a function, a lambda, an
             instance with `__call__`), kept in memory; used with `num_remains_in_group` (without it: a warning,
@@ -133,6 +135,11 @@ class GRPOTrainer(TrainerSurface):
         self._cfg = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, name_or_path=str(model_path)),
             data=dataclasses.replace(cfg.data, **data), reward=dataclasses.replace(cfg.reward, **reward))
+        if peft_config is not None:  # LoRA on the Megatron policy (engine/policy/lora.py)
+            from engine.policy.lora import lora_fields_from_peft
+
+            self._cfg = dataclasses.replace(self._cfg, lora=dataclasses.replace(self._cfg.lora,
+                                                                                **lora_fields_from_peft(peft_config)))
         self._engine_eval_dataset = engine_eval  # scored before and after training by the engine
         self._check_layout()
         self.model_path = Path(model_path)
@@ -256,9 +263,9 @@ def _spawn_children_skip_main_script():
 def _refuse_unsupported(model, optimizers, quantization_config, peft_config, tools, rollout_func,
                         environment_factory) -> None:
     """NotImplementedError for TRL features this engine does not have."""
-    if peft_config is not None or type(model).__name__.startswith("Peft"):
-        raise NotImplementedError("peft_config / PEFT models are not supported: this engine does full fine-tuning "
-                                  "with Megatron (tensor / pipeline / data parallel); drop peft_config")
+    if type(model).__name__.startswith("Peft"):
+        raise NotImplementedError("a PEFT model is not supported: pass the base model (or its name) and the adapter "
+                                  "setting as peft_config=LoraConfig(...); the engine puts the adapters on Megatron")
     if optimizers is not None and tuple(optimizers) != (None, None):
         raise NotImplementedError("custom optimizers / schedulers are not supported: the optimizer is Megatron's "
                                   "distributed optimizer, set through GRPOConfig (optim, learning_rate, "

@@ -105,13 +105,51 @@ def lora_settings_from_peft(peft_config) -> LoraSettings:
         "fan_in_fan_out": (bool(getattr(peft_config, "fan_in_fan_out", False)), "not for these models"),
         "lora_bias": (bool(getattr(peft_config, "lora_bias", False)), "not supported"),
     }
+    peft_type = str(getattr(getattr(peft_config, "peft_type", None), "value", getattr(peft_config, "peft_type", "")))
+    if peft_type != "LORA":
+        raise ValueError(f"peft_config: {type(peft_config).__name__} ({peft_type or 'no peft_type'}) is not supported; "
+                         "only peft.LoraConfig")
+    refusals |= {name: (bool(getattr(peft_config, name, None)), "not supported")
+                 for name in ("exclude_modules", "target_parameters", "layer_replication", "trainable_token_indices",
+                              "use_qalora", "layers_pattern")}
     for name, (refused, why) in refusals.items():
         if refused:
             raise ValueError(f"peft_config.{name}={getattr(peft_config, name)!r}: {why}")
-    targets = resolve_target_modules(getattr(peft_config, "target_modules", None), "peft_config.target_modules")
+    targets = getattr(peft_config, "target_modules", None)
+    targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
+                                     (sorted(targets) if isinstance(targets, set) else targets),
+                                     "peft_config.target_modules")
     return LoraSettings(r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
                         lora_dropout=float(peft_config.lora_dropout), target_modules=targets,
                         use_rslora=bool(getattr(peft_config, "use_rslora", False)))
+
+
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
+"""PEFT's default target_modules for Qwen2 / Llama / Qwen3 (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)."""
+
+
+def lora_settings_from_config(section) -> LoraSettings:
+    """LoraSettings from the `lora` config section (engine/config.py LoraConfig; use_peft must be true).
+
+    Raises ValueError naming the field: rank < 1, dropout outside [0, 1), target modules that match nothing."""
+    if section.lora_r < 1:
+        raise ValueError(f"lora.lora_r={section.lora_r}: the rank must be >= 1")
+    if not 0.0 <= section.lora_dropout < 1.0:
+        raise ValueError(f"lora.lora_dropout={section.lora_dropout}: must be in [0, 1)")
+    targets = section.lora_target_modules
+    targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
+                                     ("all-linear" if targets == ["all-linear"] else targets),
+                                     "lora.lora_target_modules")
+    return LoraSettings(r=section.lora_r, lora_alpha=float(section.lora_alpha), lora_dropout=section.lora_dropout,
+                        target_modules=targets, use_rslora=section.use_rslora)
+
+
+def lora_fields_from_peft(peft_config) -> dict:
+    """The `lora` config section's fields (engine/config.py LoraConfig) for a checked `peft.LoraConfig`."""
+    settings = lora_settings_from_peft(peft_config)
+    return {"use_peft": True, "lora_r": settings.r, "lora_alpha": peft_config.lora_alpha,
+            "lora_dropout": settings.lora_dropout, "lora_target_modules": list(settings.target_modules),
+            "use_rslora": settings.use_rslora}
 
 
 def _part_sizes(linear_path: str, config) -> dict[str, int]:
@@ -280,6 +318,7 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
                 adapter = LoraAdapter(path, names, settings, chunk.config, ps)
                 _init_adapter(adapter, layer.layer_number - 1, ps, seed)
                 linear.add_module("lora", adapter)
+                object.__setattr__(adapter, "base_linear", linear)  # not a submodule: the linear owns the adapter
                 linear.register_forward_hook(adapter.hook)
                 count += sum(p.numel() for p in adapter.parameters())
         _make_inputs_require_grad(chunk)
@@ -309,12 +348,13 @@ def _make_inputs_require_grad(chunk: torch.nn.Module) -> None:
 def merged_lora(chunks):
     """Within the block every adapted base weight holds W + scaling * B A (computed in fp32, rounded once to W's
     dtype) and the adapters are off, so a reader of the base parameters (weight sync, HF export) sees the merged
-    model; the original W objects are restored after (no unmerge rounding)."""
+    model; the original W objects are restored after (no unmerge rounding). No adapters: nothing happens.
+    NOTE: the merged copies of the adapted weights exist together for the block (one extra copy of those weights on
+    each rank, transient), as TRL's merge / unmerge around its sync holds the merged model."""
     saved = []
     try:
         for _, adapter in lora_adapters(chunks):
-            linear = _owner_linear(chunks, adapter)
-            weight = linear.weight
+            weight = adapter.base_linear.weight
             saved.append((weight, weight.data, adapter))
             weight.data = (weight.data.float() + adapter.weight_delta()).to(weight.dtype)
             adapter.merged = True
@@ -323,14 +363,6 @@ def merged_lora(chunks):
         for weight, data, adapter in saved:
             weight.data = data
             adapter.merged = False
-
-
-def _owner_linear(chunks, adapter: LoraAdapter) -> torch.nn.Module:
-    for chunk in chunks:
-        for module in getattr(chunk, "module", chunk).modules():
-            if getattr(module, "lora", None) is adapter:
-                return module
-    raise KeyError(adapter.linear_path)
 
 
 @torch.no_grad()
