@@ -265,7 +265,8 @@ class LoraAdapter(torch.nn.Module):
         state = self.state_dict(prefix="", keep_vars=True)
         axis = {k: (1 if k.startswith("lora_A") else 0) for k, v in state.items()
                 if getattr(v, "tensor_model_parallel", False)}
-        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets)
+        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
 def _linear(layer: torch.nn.Module, path: str) -> torch.nn.Module:
@@ -319,10 +320,31 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
                 _init_adapter(adapter, layer.layer_number - 1, ps, seed)
                 linear.add_module("lora", adapter)
                 object.__setattr__(adapter, "base_linear", linear)  # not a submodule: the linear owns the adapter
+                linear.sharded_state_dict = _sharded_state_dict_with_adapter(linear, adapter)
                 linear.register_forward_hook(adapter.hook)
                 count += sum(p.numel() for p in adapter.parameters())
         _make_inputs_require_grad(chunk)
     return count
+
+
+def _sharded_state_dict_with_adapter(linear: torch.nn.Module, adapter: LoraAdapter):
+    """The linear's dist-checkpoint entries with its adapter's, each split as its own TP attributes say.
+
+    NOTE: Megatron's Column/RowParallelLinear.sharded_state_dict takes the linear's whole (recursive) state_dict and
+    marks every entry but weight / bias as replicated over TP: the adapter's TP-sharded halves would be saved from one
+    TP rank only and loaded into every rank (same shapes: silently wrong). The adapter is left out of the base's call
+    and adds its own entries (`LoraAdapter.sharded_state_dict`)."""
+    base_method = type(linear).sharded_state_dict
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        del linear._modules["lora"]
+        try:
+            entries = base_method(linear, prefix, sharded_offsets, metadata)
+        finally:
+            linear._modules["lora"] = adapter
+        return entries | adapter.sharded_state_dict(f"{prefix}lora.", sharded_offsets, metadata)
+
+    return sharded_state_dict
 
 
 def _init_adapter(adapter: LoraAdapter, layer: int, ps, seed: int) -> None:
@@ -378,5 +400,5 @@ def lora_tensors_for_peft(chunks, ps) -> dict[str, torch.Tensor]:
             key = f"{PEFT_PREFIX}{layer}.{HF_PARENT[name]}.{name}"
             for which, param in (("lora_A", adapter.lora_A[name]), ("lora_B", adapter.lora_B[name])):
                 full = merge_tp_shards(_gather(param.data, ps.tp_size, ps.groups.tp), param)
-                tensors[f"{key}.{which}.weight"] = full.contiguous()
+                tensors[f"{key}.{which}.weight"] = full.clone()  # at TP1 `full` is the live parameter
     return tensors
