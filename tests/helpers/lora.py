@@ -16,7 +16,7 @@ SETTINGS = dict(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=("q_proj",
 
 
 def lora_settings(**overrides):
-    from engine.policy.lora import LoraSettings
+    from engine.lora_settings import LoraSettings
 
     return LoraSettings(**(SETTINGS | overrides))
 
