@@ -5,5 +5,5 @@ Owns: planner.py (`build_plan`, `format_plan`: the plan and its printout), shape
 cluster shape, the layout checks, what each node holds), memory.py (every per-GPU memory term, with the formulas and
 their sources).
 
-May import: engine.config, engine.validation, engine.recompute.
+May import: engine.config, engine.validation, engine.recompute, engine.lora_settings.
 """
