@@ -144,6 +144,7 @@ class GRPOTrainer(TrainerSurface):
         self._check_layout()
         self.model_path = Path(model_path)
         self._trained = False
+        self._peft_config = peft_config  # trainer.model is then a peft.PeftModel (trl_surface.py)
         self._init_trainer_surface(model, callbacks, is_stream(train_dataset))
 
     get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
