@@ -150,9 +150,14 @@ def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool) -> dict:
 
 @pytest.mark.slow
 def test_lora_checkpoint_resumes_exactly_at_tp2_and_resharded_to_tp1(model_dir, tmp_path):
-    """Saved at TP2, loaded at TP2 and at TP1: the adapters equal the saved ones bit for bit, and the next step
-    (Adam moments, step count and the warmup LR restored) lands on the source's next adapters bit for bit."""
+    """Saved at TP2 (adapters and their optimizer state only: smaller than the base), loaded at TP2 and at TP1: the
+    adapters equal the saved ones bit for bit, and the next step (Adam moments, step count and the warmup LR
+    restored) lands on the source's next adapters bit for bit."""
     source = run_distributed(_lora_checkpoint, 2, 2, str(model_dir), str(tmp_path), True)[0]
+    saved = sum(f.stat().st_size for f in tmp_path.glob("checkpoint-1/**/*") if f.is_file())
+    adapters = sum(t.numel() * 4 for t in source["checkpoint"].values())  # fp32: weights, then Adam m, v, master
+    base = (model_dir / "model.safetensors").stat().st_size
+    assert saved < 8 * adapters + 2**20 < base, f"{saved} B saved: the frozen base ({base} B) must not be in it"
     for tp in (2, 1):
         target = run_distributed(_lora_checkpoint, tp, tp, str(model_dir), str(tmp_path), False)[0]
         for key in ("checkpoint", "next"):
