@@ -253,7 +253,8 @@ def _make_inputs_require_grad(chunk: torch.nn.Module) -> None:
     embedding's output is made to require grad (what transformers' `enable_input_require_grads` does for PEFT)."""
     embedding = getattr(chunk, "embedding", None)
     if embedding is not None:
-        embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+        embedding.register_forward_hook(
+            lambda module, args, output: output.requires_grad_(True) if torch.is_grad_enabled() else output)
 
 
 @contextlib.contextmanager
