@@ -83,8 +83,9 @@ def lora_settings_from_peft(peft_config) -> LoraSettings:
     }
     peft_type = str(getattr(getattr(peft_config, "peft_type", None), "value", getattr(peft_config, "peft_type", "")))
     if peft_type != "LORA":
-        raise ValueError(f"peft_config: {type(peft_config).__name__} ({peft_type or 'no peft_type'}) is not supported; "
-                         "only peft.LoraConfig")
+        kind = " (prompt-learning: virtual tokens)" if getattr(peft_config, "is_prompt_learning", False) else ""
+        raise ValueError(f"peft_config: {type(peft_config).__name__} ({peft_type or 'no peft_type'}){kind} is not "
+                         "supported; only peft.LoraConfig")
     refusals |= {name: (bool(getattr(peft_config, name, None)), "not supported")
                  for name in ("exclude_modules", "target_parameters", "layer_replication", "trainable_token_indices",
                               "use_qalora", "layers_pattern")}

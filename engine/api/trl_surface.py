@@ -140,8 +140,9 @@ class TrainerSurface:
 
         from engine.api.trl_callbacks import EvalSchedule, TrainerHooks
 
-        self._model_object = model if isinstance(model, PreTrainedModel) else None
-        if getattr(self, "_peft_config", None) is not None and self._model_object is not None:
+        is_peft_model = hasattr(model, "peft_config") and hasattr(model, "active_adapter")
+        self._model_object = model if isinstance(model, PreTrainedModel) or is_peft_model else None
+        if getattr(self, "_peft_config", None) is not None and self._model_object is not None and not is_peft_model:
             from peft import get_peft_model  # TRL wraps the model it is given, as here
 
             self._model_object = get_peft_model(self._model_object, self._peft_config)

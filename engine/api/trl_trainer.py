@@ -98,6 +98,9 @@ class GRPOTrainer(TrainerSurface):
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None, group_filter_func: Any = None):
+        given_model = model  # trainer.model is this object (a PeftModel's adapters set after train())
+        if peft_config is None and type(model).__name__.startswith("Peft"):  # TRL takes a PeftModel too
+            model, peft_config = _split_peft_model(model)
         _refuse_unsupported(model, optimizers, quantization_config, peft_config, tools, rollout_func,
                             environment_factory)
         if args is None:
@@ -145,7 +148,7 @@ class GRPOTrainer(TrainerSurface):
         self.model_path = Path(model_path)
         self._trained = False
         self._peft_config = peft_config  # trainer.model is then a peft.PeftModel (trl_surface.py)
-        self._init_trainer_surface(model, callbacks, is_stream(train_dataset))
+        self._init_trainer_surface(given_model, callbacks, is_stream(train_dataset))
 
     get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
     get_high_entropy_mask = trl_compat.get_high_entropy_mask  # TRL's signature: (self, entropies, mask, threshold)
@@ -261,12 +264,20 @@ def _spawn_children_skip_main_script():
         main.__spec__ = previous
 
 
+def _split_peft_model(model: Any) -> tuple[Any, Any]:
+    """A `peft.PeftModel` as (a copy of its base model without adapters, its active adapter's config): the engine
+    puts adapters of that setting on Megatron (its initial adapter weights are not carried over: PEFT's init)."""
+    import copy
+
+    return copy.deepcopy(model).unload(), model.peft_config[model.active_adapter]
+
+
 def _refuse_unsupported(model, optimizers, quantization_config, peft_config, tools, rollout_func,
                         environment_factory) -> None:
     """NotImplementedError for TRL features this engine does not have."""
     if type(model).__name__.startswith("Peft"):
-        raise NotImplementedError("a PEFT model is not supported: pass the base model (or its name) and the adapter "
-                                  "setting as peft_config=LoraConfig(...); the engine puts the adapters on Megatron")
+        raise NotImplementedError("a PEFT model together with peft_config: pass one of them (the base model and "
+                                  "peft_config=LoraConfig(...), or the PeftModel alone)")
     if optimizers is not None and tuple(optimizers) != (None, None):
         raise NotImplementedError("custom optimizers / schedulers are not supported: the optimizer is Megatron's "
                                   "distributed optimizer, set through GRPOConfig (optim, learning_rate, "

@@ -1,10 +1,12 @@
 """LoRA adapters on the Megatron policy's parallel linears (issue #29), from a `peft.LoraConfig`-like setting.
 
-Owns (the setting itself, HF_TARGETS and its checks: engine/lora_settings.py): the adapters themselves (`LoraAdapter`, one per Megatron linear, one (A, B) pair per HF
-module fused into it, so q/k/v and gate/up keep PEFT's separate adapters), `apply_lora` (freezes the base, attaches
-the adapters, initialises them by global name like engine/policy/model.py `init_weights_by_name`), `merged_lora`
+Owns (the setting, HF_TARGETS and their checks: engine/lora_settings.py): the adapters (`LoraAdapter`, one per
+Megatron linear, one (A, B) pair per HF module fused into it, so q/k/v and gate/up keep PEFT's separate adapters),
+`apply_lora` (freezes the base, attaches the adapters as forward hooks, initialises them by global name like
+engine/policy/model.py `init_weights_by_name`; their dist-checkpoint entries are TP-sharded), `merged_lora`
 (W + scaling * B A in fp32, rounded once, for the weight sync and merged exports) and `lora_tensors_for_peft` (the
-gathered adapter tensors under PEFT's key names).
+gathered adapter tensors under PEFT's key names). Dropout (lora_dropout) draws from torch's default generator, the
+same on every TP rank, as Megatron's hidden dropout.
 
 TP rules (x is the linear's input, h = x A^T of width r, delta = scaling * h B^T added to the base output):
   column-parallel (linear_qkv, linear_fc1): A (r, in) replicated, B (out / tp, r) sharded; h's gradient is summed
@@ -19,9 +21,9 @@ bf16 runs. The merge for sync/export is computed in fp32 from those parameters.
 
 Must not: read Megatron's global parallel state (groups come from ParallelState), know vLLM's layout.
 
-Test: tests/unit/test_lora.py (settings, the merge and the PEFT keys vs peft's own model),
-tests/distributed/test_lora_layouts.py (the LoRA GRPO step at TP2, TP2+SP, PP2, DP2 = the single-process step;
-PEFT export loads in peft with equal logits).
+Test: tests/distributed/test_lora_layouts.py (logits = peft.PeftModel's at TP1 / TP2, the merged view and export;
+the LoRA GRPO step at TP2, TP2+SP, PP2, DP2 = the single-process step; checkpoints TP2 -> TP2 / TP1 exact),
+tests/unit/test_lora.py (bad ranks), tests/integration/test_lora_run.py (the run, merged sync, export, resume).
 """
 
 from __future__ import annotations
@@ -87,15 +89,16 @@ class LoraAdapter(torch.nn.Module):
         for name in hf_names:
             out = sizes[HF_TARGETS[name][1]]
             if r > min(out, in_features):
-                raise ValueError(f"lora.lora_r (peft r)={r} is larger than {name}'s smaller dimension ({out} x {in_features}): "
-                                 "a rank above min(out, in) adds no capacity")
+                raise ValueError(f"lora.lora_r (peft r)={r} is larger than {name}'s smaller dimension "
+                                 f"({out} x {in_features}): a rank above min(out, in) adds no capacity")
         dtype = config.params_dtype
         self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         for name in hf_names:
             out = sizes[HF_TARGETS[name][1]]
             a_shape = (r, in_features // ps.tp_size) if self.is_row else (r, in_features)
             b_shape = (out, r) if self.is_row else (out // ps.tp_size, r)
-            a, b = torch.nn.Parameter(torch.zeros(a_shape, dtype=dtype)), torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype))
+            a = torch.nn.Parameter(torch.zeros(a_shape, dtype=dtype))
+            b = torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype))
             set_tensor_model_parallel_attributes(a, self.is_row and ps.tp_size > 1, 1, 1)
             set_tensor_model_parallel_attributes(b, not self.is_row and ps.tp_size > 1, 0, 1)
             (b if self.is_row else a).sequence_parallel = self.sequence_parallel

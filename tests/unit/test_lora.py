@@ -60,7 +60,8 @@ def test_rank_larger_than_the_layer_is_refused():
     ps = SimpleNamespace(tp_size=1, groups=SimpleNamespace(tp=None))
     settings = lora_settings_from_config(build_config({"lora": {"use_peft": True, "lora_r": 65,
                                                                 "lora_target_modules": ["k_proj"]}}).lora)
-    with pytest.raises(ValueError, match=r"lora.lora_r \(peft r\)=65 is larger than k_proj's smaller dimension \(64 x 128\)"):
+    with pytest.raises(ValueError, match=r"lora.lora_r \(peft r\)=65 is larger than k_proj's smaller dimension "
+                                         r"\(64 x 128\)"):
         LoraAdapter("self_attention.linear_qkv", ["k_proj"], settings, _megatron_config(params_dtype=torch.float32), ps)
 
 
