@@ -60,6 +60,10 @@ HUB_MODELS = {
 """TRL's tiny hub models -> (the engine's builtin family, causal LM or random sequence-classification reward model).
 Other hub ids (VLMs, other families) are not in the cache: offline, they fail as a missing model."""
 
+LLAMA_32_TOKENS = {"llama": ["<|finetune_right_pad_id|>"]}
+"""Special tokens of TRL's tiny Llama 3.2 hub tokenizer that its tests name (test_train_different_reward_model pads
+with `<|finetune_right_pad_id|>`), added to the reward-model stand-in's tokenizer (and its embedding resized)."""
+
 PLUGIN = '''"""Serves load_dataset("trl-internal-testing/zen", ...) from the yardstick's save_to_disk copy (offline), and
 stands in for availability checks trl.import_utils lacks."""
 import os
@@ -116,7 +120,11 @@ def build_cache(hub_cache: Path, work: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(source)
         config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         torch.manual_seed(0)
-        AutoModelForSequenceClassification.from_config(config).save_pretrained(snapshot)
+        model = AutoModelForSequenceClassification.from_config(config)
+        if family in LLAMA_32_TOKENS:  # the hub's Llama 3.2 tokenizer names these; TRL's tests set one as pad
+            tokenizer.add_special_tokens({"additional_special_tokens": LLAMA_32_TOKENS[family]})
+            model.resize_token_embeddings(len(tokenizer))
+        model.save_pretrained(snapshot)
         tokenizer.save_pretrained(snapshot)
 
 

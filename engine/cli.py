@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("tiny-model", help="build the tiny random-weight model and tokenizer in HF format")
     p.add_argument("output_dir")
-    p.add_argument("--family", default="qwen2", choices=["qwen2", "llama", "qwen3", "qwen3_moe"])  # TINY_FAMILIES
+    p.add_argument("--family", default="qwen2", choices=["qwen2", "llama", "qwen3", "qwen3_moe", "mixtral"])  # TINY_FAMILIES
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.set_defaults(func=cmd_tiny_model)

@@ -45,7 +45,7 @@ def _aliases(**mapping: Any) -> dict:
 class ModelConfig:
     name_or_path: str = "builtin:tiny-qwen2"
     """Hugging Face checkpoint: a local directory or a hub name. `builtin:tiny-qwen2` / `builtin:tiny-llama` /
-    `builtin:tiny-qwen3` / `builtin:tiny-qwen3_moe` build the project's tiny random-weight model in-process (engine/models/tiny_model.py) and cache it under the run directory;
+    `builtin:tiny-qwen3` / `builtin:tiny-qwen3_moe` / `builtin:tiny-mixtral` build the project's tiny random-weight model in-process (engine/models/tiny_model.py) and cache it under the run directory;
     `builtin:tiny-qwen2-arith` is the shipped warm-started tiny Qwen2 of the demo (engine/demo/warm_start.py)."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter and activation dtype of the policy (TRL's `bf16=True` -> bfloat16). Softmax statistics and the
@@ -55,8 +55,6 @@ class ModelConfig:
     disable_dropout: bool = False
     """Whether the policy trains without dropout (True) or with the HF config's `attention_dropout` / `hidden_dropout`
     (False, TRL's default; engine/policy/model.py `dropout_settings`); log-prob-only forwards never drop."""
-    cast_lm_head_to_fp32: bool = False
-    """ScaleRL: run the LM head in float32. Requires untied embeddings."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times tp_size; padded rows are never sampled."""
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"

@@ -57,7 +57,7 @@ NO_EFFECT: dict[str, str] = {
              "logging_strategy", "logging_first_step", "logging_nan_inf_filter", "log_level_replica",
              "disable_tqdm", "project", "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id",
              "log_multimodal", "log_unique_prompts", "log_completions_hub_repo", "skip_memory_metrics", "debug"),
-    **_group("evaluation reports TRL's reward and completion metrics (no eval loss, no best-model tracking)",
+    **_group("evaluation reports TRL's metrics (reward, completions, eval_loss); no best-model tracking",
              "eval_delay", "prediction_loss_only", "eval_do_concat_batches", "eval_use_gather_object", "eval_accumulation_steps",
              "include_for_metrics", "batch_eval_metrics", "metric_for_best_model", "greater_is_better"),
     **_group("checkpoints are written every save_steps (0: only at the end)",
@@ -69,6 +69,9 @@ NO_EFFECT: dict[str, str] = {
              "use_transformers_paged"),
     **_group("script flags for HF's example scripts", "do_train", "do_eval", "do_predict"),
     **_group("tool calling is not supported", "max_tool_calling_iterations"),
+    **_group("the LM head's logits are always computed in float32 here (the fused kernel upcasts the hidden states "
+             "and the model.dtype weight; the optimizer keeps float32 master weights); the weight itself stays in "
+             "model.dtype", "cast_lm_head_to_fp32"),
 }
 """Accepted and named in one warning (the engine behaves as the reason says, whatever the value)."""
 
@@ -114,6 +117,33 @@ _SCHEDULERS = {"linear": "linear", "cosine": "cosine", "constant": "constant", "
 _REPORT_BACKENDS = ("tensorboard", "wandb")
 _LOG_LEVELS = {"debug": True, "info": True, "warning": False, "error": False, "critical": False, "passive": False}
 """TRL's `log_level` -> `logging.verbose` (vLLM's INFO logs and the known-harmless warnings, engine/log_filters.py)."""
+
+
+ACCELERATOR_DEFAULTS: dict[str, Any] = {"split_batches": False, "dispatch_batches": None, "even_batches": True,
+                                        "use_seedable_sampler": True, "non_blocking": False,
+                                        "gradient_accumulation_kwargs": None, "use_configured_state": False}
+"""transformers' `AcceleratorConfig` fields and defaults: `args.accelerator_config` reads as such an object (the
+values have no effect here; a streamed train_dataset sets dispatch_batches=False, as TRL: every rank reads it)."""
+
+
+class AcceleratorSettings:
+    """`args.accelerator_config` as transformers' `AcceleratorConfig` reads (attributes; `to_dict()`): the values
+    given (a dict or JSON string) over transformers' defaults. No effect in this engine (named in the warning)."""
+
+    def __init__(self, given: Any):
+        values = json.loads(given) if isinstance(given, str) else dict(given or {})
+        unknown = sorted(set(values) - set(ACCELERATOR_DEFAULTS))
+        if unknown:
+            raise TypeError(f"GRPOConfig(accelerator_config=...): unknown key(s) {unknown}; transformers' "
+                            f"AcceleratorConfig has {sorted(ACCELERATOR_DEFAULTS)}")
+        self.__dict__.update({**ACCELERATOR_DEFAULTS, **values})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict."""
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"AcceleratorSettings({self.__dict__})"
 
 
 def known_argument_names() -> list[str]:
@@ -206,6 +236,8 @@ class GRPOConfig:
                 "vllm_importance_sampling_mode" in kwargs)
         if kwargs.get("use_vllm") is True:
             del kwargs["use_vllm"]  # what runs anyway: nothing to warn about
+        if "accelerator_config" in kwargs:
+            AcceleratorSettings(kwargs["accelerator_config"])  # transformers' keys only (TypeError naming others)
         ignored = {name: (kwargs.pop(name), NO_EFFECT[name]) for name in list(kwargs) if name in NO_EFFECT}
         for name in REFUSED:
             kwargs.pop(name, None)
@@ -271,6 +303,8 @@ class GRPOConfig:
             raise AttributeError(name)
         if name in ("bf16", "fp16"):
             return self._engine.model.dtype == {"bf16": "bfloat16", "fp16": "float16"}[name]
+        if name == "accelerator_config":
+            return AcceleratorSettings(self._ignored.get(name, (None,))[0])
         if name in self._ignored:
             return self._ignored[name][0]
         if name in TRAINER_ARGUMENTS:
@@ -294,6 +328,16 @@ class GRPOConfig:
         except Exception:
             object.__setattr__(self, "_kwargs", previous)
             raise
+
+    def set_for_stream(self) -> None:
+        """What TRL sets for a streamed (iterable) train_dataset, without a warning: accelerator_config's
+        dispatch_batches = False and dataloader_num_workers = 0 (both without effect here: every rank reads the
+        stream itself, and the engine samples its own batches)."""
+        accelerator = {**AcceleratorSettings(self._ignored.get("accelerator_config", (None,))[0]).to_dict(),
+                       "dispatch_batches": False}
+        kwargs = {**self._kwargs, "accelerator_config": accelerator, "dataloader_num_workers": 0}
+        object.__setattr__(self, "_kwargs", kwargs)
+        self._build(warn_names=[])
 
     def replace(self, **changes: Any) -> GRPOConfig:
         """A copy with some arguments changed (only the changed ones can warn)."""

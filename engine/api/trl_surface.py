@@ -72,6 +72,33 @@ def _load_peft_adapter(adapter_dir: Path, into: Any = None) -> Any:
     return into
 
 
+def check_fits_in_memory(model_dir: Path, available_bytes: int | None = None, fraction: float = 0.8) -> None:
+    """Refuse to load a checkpoint whose safetensors files exceed `fraction` of this machine's available memory
+    (`MemAvailable`; `available_bytes` overrides it), naming how to load the export instead (a sharded 70B run's
+    `trainer.model` would otherwise take the process down)."""
+    size = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    if available_bytes is None:
+        available_bytes = _available_memory()
+    if available_bytes is not None and size > fraction * available_bytes:
+        raise MemoryError(
+            f"trainer.model would load {size / 2**30:.1f} GiB of weights ({model_dir}) into this process, with "
+            f"{available_bytes / 2**30:.1f} GiB of memory available: load the export where it fits instead, e.g. "
+            f"AutoModelForCausalLM.from_pretrained('{model_dir}', device_map='auto', torch_dtype='auto') on a "
+            "machine with enough GPU / CPU memory, or serve it with vLLM")
+
+
+def _available_memory() -> int | None:
+    """`MemAvailable` of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def is_stream(dataset: Any) -> bool:
     """A streaming (`datasets.IterableDataset`) dataset."""
     import datasets
@@ -147,13 +174,16 @@ class TrainerSurface:
 
             self._model_object = get_peft_model(self._model_object, self._peft_config)
         self._model, self._model_is_stale, self._ref_model, self._stream_rows = self._model_object, False, None, None
+        self._entropy_coef = None  # the adaptive controller's last value, after train()
+        self._ref_is_mixed = False  # self._ref_model is a TR-DPO run's mixed reference
         if streamed:
-            if (getattr(self.args, "accelerator_config", None) or {}).get("dispatch_batches") is True:
+            if self.args.accelerator_config.dispatch_batches is True:
                 raise ValueError("Iterable datasets require `dispatch_batches=False` (GRPOConfig(accelerator_config="
                                  "{'dispatch_batches': True}) was given): each process reads the stream itself")
             if self._cfg.train.max_steps <= 0:
                 raise ValueError("train_dataset is an IterableDataset (streaming): it has no length, so max_steps "
                                  "has to be set (GRPOConfig(max_steps=...))")
+            self.args.set_for_stream()  # as TRL: dispatch_batches=False, dataloader_num_workers=0
             # as TRL: an iterable dataset is read in its own order (no sampler shuffles it)
             self._cfg = dataclasses.replace(self._cfg, train=dataclasses.replace(self._cfg.train,
                                                                                    shuffle_dataset=False))
@@ -207,8 +237,9 @@ class TrainerSurface:
         """The policy as a transformers `PreTrainedModel` on this process's CPU: the initial weights before
         `train()`, the trained ones after (loaded from `<output_dir>/final_model` when first read; a model
         object passed as `model` is that object, its parameters overwritten with the trained ones). It holds
-        the whole model in memory: for a model too large for one process, load the export with
-        `AutoModelForCausalLM.from_pretrained(f"{args.output_dir}/final_model", device_map="auto")` instead."""
+        the whole model in memory: a checkpoint over 80% of the available memory raises MemoryError naming how to
+        load the export instead (`check_fits_in_memory`; e.g. `AutoModelForCausalLM.from_pretrained(
+        f"{args.output_dir}/final_model", device_map="auto")` where it fits)."""
         if self._model is None or self._model_is_stale:
             peft_config = getattr(self, "_peft_config", None)
             if peft_config is not None and self._model_object is None:  # LoRA: a PeftModel, as TRL's
@@ -219,6 +250,7 @@ class TrainerSurface:
                 if not self._trained:
                     self._model = self._model_object
                     return self._model
+            check_fits_in_memory(self._current_model_dir())
             self._model = load_causal_lm(self._current_model_dir(), into=self._model_object)
             self._model_is_stale = False
         return self._model
@@ -226,17 +258,15 @@ class TrainerSurface:
     @property
     def ref_model(self) -> Any:
         """TRL's reference model: None when beta == 0 (none is built), else the initial weights (a transformers
-        model, loaded when first read).
-
-        Raises:
-            NotImplementedError: after a `sync_ref_model` run (the mixed reference is not exported)."""
+        model, loaded when first read); after a TR-DPO run (sync_ref_model) the mixed reference the run ended with
+        (`<output_dir>/final_model_reference`, exported next to the policy)."""
         if self._cfg.grpo.beta == 0:
             return None
-        if self._cfg.grpo.sync_ref_model and self._trained:
-            raise NotImplementedError("ref_model after a sync_ref_model run: the reference was mixed towards the "
-                                      "policy in Megatron's shards and is not exported")
-        if self._ref_model is None:
-            self._ref_model = load_causal_lm(model_directory(self.model_path, self.output_dir))
+        mixed = self._cfg.grpo.sync_ref_model and self._trained
+        if self._ref_model is None or mixed != self._ref_is_mixed:
+            where = self.output_dir / "final_model_reference" if mixed else model_directory(self.model_path,
+                                                                                            self.output_dir)
+            self._ref_model, self._ref_is_mixed = load_causal_lm(where), mixed
         return self._ref_model
 
     @property
@@ -256,7 +286,81 @@ class TrainerSurface:
 
         return [f.tokenizer if isinstance(f, RewardModelReward) else None for f in self.reward_funcs]
 
+    @property
+    def entropy_coef(self) -> float:
+        """The entropy-bonus coefficient: args.entropy_coef before `train()`, the adaptive controller's last value
+        after it (TRL's attribute; set it through GRPOConfig(entropy_coef=...))."""
+        return self._entropy_coef if self._entropy_coef is not None else self._cfg.grpo.entropy_coef
+
+    @property
+    def _entropy_bonus_enabled(self) -> bool:
+        """TRL's flag: the entropy bonus is in the loss (entropy_coef != 0 or use_adaptive_entropy)."""
+        return self._cfg.grpo.entropy_coef != 0.0 or self._cfg.grpo.use_adaptive_entropy
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's flag: the policy is a MoE model (its config has `output_router_logits`) trained with a non-zero
+        load-balancing loss (model.moe_aux_loss_coeff, TRL's router_aux_loss_coef; None: the config's)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_directory(self.model_path, self.output_dir))
+        config = getattr(config, "text_config", None) or config
+        coef = self._cfg.model.moe_aux_loss_coeff
+        coef = getattr(config, "router_aux_loss_coef", 0.0) if coef is None else coef
+        return hasattr(config, "output_router_logits") and bool(coef)
+
+    @property
+    def _logs(self) -> dict:
+        """TRL's completion log (a private attribute TRL's tests read): the last logged completions table
+        (`<output_dir>/completions/*.parquet`, written with `log_completions=True`; empty without one) as
+        {"images": [], "prompt", "completion", "rewards": {name: values}, "advantages", "extra": {column: values}}
+        (extra: the reward functions' `log_extra` columns)."""
+        from engine.train.metric_sinks import COMPLETIONS_DIR
+
+        logs: dict = {"images": [], "prompt": [], "completion": [], "rewards": {}, "advantages": [], "extra": {}}
+        tables = sorted((self.output_dir / COMPLETIONS_DIR).glob("completions_*.parquet"))
+        if not tables:
+            return logs
+        import pandas as pd
+
+        frame = pd.read_parquet(tables[-1])
+        names = set(self.reward_func_names)
+        for column in frame.columns:
+            values = frame[column].tolist()
+            if column in ("prompt", "completion"):
+                logs[column] = values
+            elif column == "advantage":
+                logs["advantages"] = values
+            elif column in names:
+                logs["rewards"][column] = values
+            elif column != "step":
+                logs["extra"][column] = values
+        return logs
+
     # -- data -------------------------------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> Any:
+        """TRL's method, for inspection: a `torch.utils.data.DataLoader` over the train rows (a stream's rows
+        for max_steps, else the dataset) in batches of per_device_train_batch_size, as lists of row dicts, with
+        args.dataloader_num_workers workers (0 for a stream, as TRL). The engine does not train from it: it
+        tokenizes every prompt up front and samples its own batches (engine/train/sampling.py)."""
+        return _row_loader(self._train_rows(), self.args.per_device_train_batch_size,
+                           self.args.dataloader_num_workers)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """TRL's method, for inspection: as `get_train_dataloader`, over an eval set (the one given, else the only
+        one, else a name of the dict given at construction) in batches of per_device_eval_batch_size; an iterable
+        eval set gets 0 workers (TRL's scoped override: args.dataloader_num_workers is left as it is)."""
+        given = self.eval_dataset if eval_dataset is None or isinstance(eval_dataset, str) else eval_dataset
+        if isinstance(eval_dataset, str):
+            given = given[eval_dataset]
+        if given is None:
+            raise ValueError("get_eval_dataloader needs an eval_dataset: pass one here or to GRPOTrainer")
+        workers = 0 if is_stream(given) else self.args.dataloader_num_workers
+        sets = eval_sets(given, self._cfg.data.eval_max_prompts)
+        if len(sets) != 1:
+            raise ValueError(f"get_eval_dataloader: eval_dataset has {len(sets)} sets {list(sets)}; name one")
+        return _row_loader(next(iter(sets.values())), self._hooks.schedule.batch_size, workers)
 
     def _train_rows(self) -> Any:
         """The train dataset the engine reads: a stream's rows for max_steps steps (read once), else as given."""
@@ -304,3 +408,11 @@ class TrainerSurface:
         self.state.log_history.append({**metrics, "step": self.state.global_step})
         self._hooks.event("on_evaluate", metrics=metrics)
         return metrics
+
+
+def _row_loader(dataset: Any, batch_size: int, num_workers: int) -> Any:
+    """A DataLoader of `dataset`'s rows (dicts) in batches (lists) of `batch_size`, in order."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                      collate_fn=lambda rows: rows)

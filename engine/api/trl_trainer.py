@@ -199,6 +199,7 @@ class GRPOTrainer(TrainerSurface):
         self._trained = True
         self._model = self._model_object  # trainer.model: reloaded from the export when read
         self._model_is_stale = True
+        self._entropy_coef = summary.get("entropy_coef")
         history = _new_records(old_history, _read_history(self.output_dir))
         params = _count_non_embedding_parameters(self.output_dir / FINAL_MODEL_DIR)
         final = final_record(history, steps=summary["steps"], start_step=summary.get("start_step", 0),
@@ -420,6 +421,11 @@ def resolve_reward_funcs(reward_funcs: Any, processing_classes: Any, output_dir:
             func = resolve_reward_func(str(func), cfg.generation)
         if not callable(func):
             raise TypeError(f"reward_funcs[{i}] is a {type(func).__name__}: expected a callable, a str or a model")
+        if tokenizer is not None and tokenizer.pad_token is not None \
+                and tokenizer.pad_token not in tokenizer.get_vocab():
+            raise ValueError(f"reward_processing_classes[{i}].pad_token = {tokenizer.pad_token!r} is not in that "
+                             f"tokenizer's vocabulary (pad_token_id {tokenizer.pad_token_id}): the reward model "
+                             "could not find where each padded row ends; set a pad_token the tokenizer has")
         if isinstance(func, RewardModelReward) and tokenizer is not None:
             func.tokenizer = tokenizer
             if tokenizer.pad_token is None:

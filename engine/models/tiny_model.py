@@ -31,6 +31,7 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -38,7 +39,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe")
+TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral")
 """Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
 
 TINY_QWEN3_HEAD_DIM = 64
@@ -46,7 +47,7 @@ TINY_QWEN3_HEAD_DIM = 64
 Qwen3 models take 4 x 64 = 256 != hidden 128, so a conversion that assumes hidden / heads fails their tests."""
 
 TINY_MOE_EXPERTS, TINY_MOE_TOP_K, TINY_MOE_FFN = 4, 2, 64
-"""The tiny Qwen3-MoE: 4 routed experts per layer, 2 per token, expert MLP width 64 (no shared expert)."""
+"""The tiny Qwen3-MoE and Mixtral: 4 routed experts per layer, 2 per token, expert MLP width 64 (no shared expert)."""
 
 TINY_VOCAB_SIZE = 400
 """Tokenizer (and default model) vocabulary: 256 bytes + 3 specials + 141 merges. Not a multiple of 128."""
@@ -174,14 +175,15 @@ def tiny_model_config(
 
     Args:
         family: "qwen2" (QKV bias), "llama" (no bias anywhere), "qwen3" (per-head q/k RMSNorm, no bias, head_dim
-            `TINY_QWEN3_HEAD_DIM`) or "qwen3_moe" (Qwen3 attention; every layer's MLP is `TINY_MOE_EXPERTS` routed
-            SwiGLU experts of width `TINY_MOE_FFN`, top-`TINY_MOE_TOP_K`, probabilities renormalised).
+            `TINY_QWEN3_HEAD_DIM`), "qwen3_moe" (Qwen3 attention; every layer's MLP is `TINY_MOE_EXPERTS` routed
+            SwiGLU experts of width `TINY_MOE_FFN`, top-`TINY_MOE_TOP_K`, probabilities renormalised) or "mixtral"
+            (Llama attention, head_dim 32; the same experts under Mixtral's names, `intermediate_size` = 64).
         vocab_size: embedding rows; None = the tokenizer's size (`TINY_VOCAB_SIZE`). A larger value leaves rows no
             token maps to (as real checkpoints do); a smaller one is refused.
         tie_word_embeddings: share the input embedding with the LM head.
 
     Returns:
-        A `Qwen2Config`, `LlamaConfig`, `Qwen3Config` or `Qwen3MoeConfig`: hidden 128, 4 layers, 4 heads / 2 KV
+        A `Qwen2Config`, `LlamaConfig`, `Qwen3Config`, `Qwen3MoeConfig` or `MixtralConfig`: hidden 128, 4 layers, 4 heads / 2 KV
         heads (head_dim 32; Qwen3 64), MLP 352,
         1024 positions, RoPE theta 1e4, RMSNorm eps 1e-6, SiLU, no dropout, float32, special-token ids from
         the tokenizer.
@@ -224,6 +226,10 @@ def tiny_model_config(
             num_experts_per_tok=TINY_MOE_TOP_K, moe_intermediate_size=TINY_MOE_FFN, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, **common,
         )
+    if family == "mixtral":  # Llama attention (head_dim 32, no bias); its one MLP width is the experts'
+        return MixtralConfig(**{**common, "intermediate_size": TINY_MOE_FFN}, num_local_experts=TINY_MOE_EXPERTS,
+                             num_experts_per_tok=TINY_MOE_TOP_K, sliding_window=None, router_jitter_noise=0.0,
+                             router_aux_loss_coef=0.001)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 
@@ -375,7 +381,7 @@ def resolve_builtin_model(
 ) -> Path:
     """Resolve a builtin model name to a saved model directory.
 
-    `builtin:tiny-qwen2` / `builtin:tiny-llama` / `builtin:tiny-qwen3` / `builtin:tiny-qwen3_moe` are random-weight
+    `builtin:tiny-qwen2` / `-llama` / `-qwen3` / `-qwen3_moe` / `-mixtral` are random-weight
     models, built into `cache_dir` if needed.
     `builtin:tiny-qwen2-arith` is shipped: the tiny Qwen2 after the SFT warm start of `engine/demo/warm_start.py`
     (package data, returned as is: read-only, never built, `cache_dir` and `seed` unused).

@@ -18,10 +18,12 @@ Test: `pytest tests/unit/test_planner.py` (known models against the hub's config
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import ConfigError, EngineConfig
+from engine.models.families import moe_shape
 from engine.validation import Derived
 
 DEFAULT_GPUS_PER_NODE = 8
@@ -37,8 +39,8 @@ class PlanError(ConfigError):
 
 @dataclass(frozen=True, slots=True)
 class ModelDims:
-    """The Hugging Face config numbers the plan needs (Qwen2 / Llama / Qwen3: GQA, SwiGLU, RMSNorm; Qwen3-MoE: routed
-    experts in every layer instead of the dense MLP)."""
+    """The Hugging Face config numbers the plan needs (Qwen2 / Llama / Qwen3: GQA, SwiGLU, RMSNorm; Qwen3-MoE and
+    Mixtral: routed experts in every layer instead of the dense MLP)."""
 
     hidden_size: int
     num_layers: int
@@ -107,6 +109,8 @@ _QWEN3 = {
     "30b-a3b": _qwen3(2048, 48, 32, 4, 6144, 151936, False, 128, 8, 768),
     "235b-a22b": _qwen3(4096, 94, 64, 4, 12288, 151936, False, 128, 8, 1536),
 }
+_MIXTRAL_8X7B = ModelDims(4096, 32, 32, 8, 14336, 32000, False, False, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=14336)
 _LLAMA_8B = _llama(4096, 32, 32, 8, 14336, 128256)
 _LLAMA_70B = _llama(8192, 80, 64, 8, 28672, 128256)
 
@@ -126,6 +130,9 @@ KNOWN_MODELS: dict[str, ModelDims] = {
     "builtin:tiny-qwen3": ModelDims(128, 4, 4, 2, 352, 400, False, False, head_dim=64, qk_norm=True),
     "builtin:tiny-qwen3_moe": ModelDims(128, 4, 4, 2, 352, 400, False, False, head_dim=64, qk_norm=True, num_experts=4,
                                         num_experts_per_tok=2, moe_intermediate_size=64),
+    "builtin:tiny-mixtral": ModelDims(128, 4, 4, 2, 64, 400, False, False, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=64),
+    **{f"mistralai/mixtral-8x7b{suffix}": _MIXTRAL_8X7B for suffix in ("-v0.1", "-instruct-v0.1")},
 }
 """Dimensions of the models the shipped configs name, from each model's config.json on the Hugging Face hub,
 keyed by lower-case hub name. Qwen2 has a QKV bias, Llama none."""
@@ -142,7 +149,7 @@ def load_model_dims(name_or_path: str) -> ModelDims:
         hf = json.loads(config_file.read_text())
         hf = hf.get("text_config", hf)
         head_dim = hf.get("head_dim") or 0
-        moe = hf.get("model_type") == "qwen3_moe"
+        experts, top_k, expert_ffn = moe_shape(SimpleNamespace(**hf))
         return ModelDims(
             hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
@@ -151,9 +158,7 @@ def load_model_dims(name_or_path: str) -> ModelDims:
             qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
             head_dim=0 if head_dim * hf["num_attention_heads"] == hf["hidden_size"] else head_dim,
             qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe"),
-            num_experts=hf["num_experts"] if moe else 0,
-            num_experts_per_tok=hf["num_experts_per_tok"] if moe else 0,
-            moe_intermediate_size=hf["moe_intermediate_size"] if moe else 0,
+            num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn,
         )
     dims = KNOWN_MODELS.get(name_or_path.lower())
     if dims is None:

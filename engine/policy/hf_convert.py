@@ -12,6 +12,15 @@ Must not: touch process groups, files other than through the `read` callback, or
 these maps to plan its transfers).
 
 Test: tests/unit/test_hf_convert.py (pure), tests/distributed/test_checkpoint_layouts.py (round trips, logits).
+
+Why not mbridge (issue #30, measured with mbridge 0.15.1 on megatron-core 0.16.1, CPU): its `get_model` fails
+(`NameError: TENorm`: the layer spec is hard-wired to Transformer Engine; DeepSeek-V3 and Gemma 3 likewise); its
+name maps know only TE's fused norm names and grouped-gemm expert names, so loading into this engine's local-spec
+model fails (Qwen2 loads, 0 of 51 tensors different from this loader, only after 2 map entries are patched in;
+Mixtral's `local_experts.<j>` are unknown to it and its export fails on transformers 5's `head_dim=None`); TP rank 0
+reads whole HF tensors and scatters them (no per-rank slices); export all-gathers every tensor to every rank and
+allocates on `torch.cuda.current_device()` (PP broadcast, expert bias); no GPT-OSS, Gemma 2, Cohere 2 or Nemotron-H.
+Its per-family tables (~100 lines each) are what `TensorMap` tables are here, so the project keeps this converter.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
+
+from engine.models.families import moe_shape
 
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
 """How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md
@@ -103,7 +114,7 @@ class ModelDims:
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
         heads = hf_config.num_attention_heads
         model_type = hf_config.model_type
-        is_moe = model_type in MOE_MAPS
+        experts, _, expert_ffn = moe_shape(hf_config)
         return cls(
             num_layers=hf_config.num_hidden_layers,
             hidden_size=hf_config.hidden_size,
@@ -115,9 +126,9 @@ class ModelDims:
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
             qkv_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            num_experts=int(hf_config.num_experts if is_moe else 0),
-            moe_ffn_hidden_size=int(hf_config.moe_intermediate_size if is_moe else 0),
-            moe_map=model_type if is_moe else "",
+            num_experts=experts,
+            moe_ffn_hidden_size=expert_ffn,
+            moe_map=model_type if experts else "",
         )
 
 
@@ -130,8 +141,7 @@ MOE_MAPS: dict[str, tuple[TensorMap, ...]] = {
         TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
                   ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "row"),
     ),
-    # Mixtral's checkpoint names for the same three Megatron tensors (w1 = gate, w3 = up, w2 = down). A table only:
-    # engine/policy/model.py builds qwen3_moe; a Mixtral model needs its config translated there too.
+    # Mixtral's checkpoint names for the same three Megatron tensors (w1 = gate, w3 = up, w2 = down).
     "mixtral": (
         TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.block_sparse_moe.gate.weight",),
                   "replicated"),

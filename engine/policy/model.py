@@ -1,15 +1,16 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
-Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config into Megatron's `TransformerConfig`
-(`build_transformer_config`: what it translates, and activation recompute; dropout: `dropout_settings`; MoE router and
-experts with expert parallelism: `moe_settings`), the layer spec choice (`_layer_spec`), `build_policy`, and the rule
+Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral Hugging Face config into Megatron's
+`TransformerConfig` (`build_transformer_config`: what it translates, and activation recompute; dropout:
+`dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`; the families refused and what
+they lack: engine/models/families.py), the layer spec choice (`_layer_spec`), `build_policy`, and the rule
 that takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
 tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step at EP2
-and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
+and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
 parallelism too; also: no "tp_group is None" fallback warning from Megatron; and the step with full recompute equals
 the step without it, bit for bit, at TP2 and PP2), tests/unit/test_recompute.py (settings to Megatron's fields).
 """
@@ -24,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
+from engine.models.families import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, moe_shape
 from engine.policy.parallel import ParallelState
 from engine.recompute import resolve_recompute
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 """Families with a per-head RMSNorm on queries and keys before RoPE (HF `q_norm` / `k_norm`; Megatron's
 `qk_layernorm`, norms over kv_channels = head_dim)."""
@@ -35,6 +36,7 @@ QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 def has_qk_norm(hf_config) -> bool:
     return hf_config.model_type in QK_NORM_MODEL_TYPES
+
 
 
 @dataclass(frozen=True)
@@ -80,11 +82,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     """
     from megatron.core.transformer import TransformerConfig
 
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model.name_or_path: model_type {hf_config.model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    check_model_type(hf_config)
     num_layers = hf_config.num_hidden_layers
     chunks = ps.pp_size * (ps.vpp_size or 1)
     if num_layers % chunks:
@@ -107,7 +105,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     has_te, has_softmax_kernel = (find_spec(name) is not None for name in ("transformer_engine",
                                                                          "scaled_masked_softmax_cuda"))
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    recompute = resolve_recompute(train or TrainConfig(), num_layers, chunks, hf_config.model_type == "qwen3_moe")
+    recompute = resolve_recompute(train or TrainConfig(), num_layers, chunks, hf_config.model_type in MOE_MODEL_TYPES)
     if "layernorm" in recompute.modules and not has_te:
         raise ValueError(
             "train.recompute_modules: 'layernorm' needs Transformer Engine: megatron-core 0.16.1's "
@@ -163,18 +161,20 @@ def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
 
 
 def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
-    """TransformerConfig's MoE keywords for a Qwen3-MoE config ({} for a dense model).
+    """TransformerConfig's MoE keywords for a Qwen3-MoE or Mixtral config ({} for a dense model).
 
-    Router, from the HF config: softmax scores over `num_experts`, top `num_experts_per_tok`; HF's
-    `norm_topk_prob=True` (softmax over all experts, top-k, renormalised) is Megatron's default top-k-then-softmax
-    (`moe_router_pre_softmax=False`: the same probabilities); `norm_topk_prob=False` is `pre_softmax=True`. Every
-    layer is an MoE layer (`decoder_sparse_step=1`, no `mlp_only_layers`; other patterns are refused). Experts are
-    Megatron's SequentialMLP (local spec) of width `moe_intermediate_size`, split over `parallel.ep_size` ranks (and
+    Router, from the HF config: softmax scores over the routed experts, top `num_experts_per_tok`; HF's
+    `norm_topk_prob=True` (softmax over all experts, top-k, renormalised; Mixtral always) is Megatron's default
+    top-k-then-softmax (`moe_router_pre_softmax=False`: the same probabilities); `norm_topk_prob=False` is
+    `pre_softmax=True`. Every layer is an MoE layer (Qwen3-MoE: `decoder_sparse_step=1`, no `mlp_only_layers`; other
+    patterns are refused). Experts are Megatron's SequentialMLP (local spec) of each expert's width (`moe_shape`:
+    Qwen3-MoE's `moe_intermediate_size`, Mixtral's `intermediate_size`), split over `parallel.ep_size` ranks (and
     `parallel.expert_tp_size`). Aux / z-loss coefficients come from the `model` section (`moe_aux_loss_coeff`,
     `moe_z_loss_coeff`); no token dropping (capacity None), as HF and vLLM. TP > 1 needs sequence parallelism
     (Megatron's MoELayer refuses to train without it; the local spec runs it too: `LocalRMSNorm`).
     """
-    if hf_config.model_type != "qwen3_moe":
+    experts, top_k, expert_ffn = moe_shape(hf_config)
+    if not experts:
         if cfg.moe_aux_loss_coeff:  # as TRL refuses router_aux_loss_coef on a dense model
             raise ValueError(f"model.moe_aux_loss_coeff={cfg.moe_aux_loss_coeff} (TRL's router_aux_loss_coef) weights "
                              f"the MoE load-balancing loss, but model_type {hf_config.model_type!r} has no MoE layers: "
@@ -183,12 +183,13 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     _define_te_general_gemm()
     sparse_step, dense_layers = getattr(hf_config, "decoder_sparse_step", 1), getattr(hf_config, "mlp_only_layers", [])
     if sparse_step != 1 or dense_layers:
-        raise ValueError(f"qwen3_moe with decoder_sparse_step={sparse_step}, mlp_only_layers={dense_layers}: only "
+        raise ValueError(f"{hf_config.model_type} with decoder_sparse_step={sparse_step}, "
+                         f"mlp_only_layers={dense_layers}: only "
                          "every-layer MoE (step 1, no dense layers) is supported")
     if ps.tp_size > 1 and not ps.sequence_parallel:
-        raise ValueError(f"qwen3_moe at parallel.tp_size={ps.tp_size} needs parallel.sequence_parallel=true: "
+        raise ValueError(f"{hf_config.model_type} at parallel.tp_size={ps.tp_size} needs "
+                         "parallel.sequence_parallel=true: "
                          "megatron-core's MoELayer refuses to train MoE with TP > 1 without it (moe_layer.py forward)")
-    experts = hf_config.num_experts
     if experts % ps.ep_size:
         raise ValueError(f"num_experts={experts} is not divisible by parallel.ep_size={ps.ep_size}")
     aux = cfg.moe_aux_loss_coeff
@@ -196,8 +197,8 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
         aux = float(getattr(hf_config, "router_aux_loss_coef", 0.0))
     return dict(
         num_moe_experts=experts,
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
-        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_ffn_hidden_size=expert_ffn,
+        moe_router_topk=top_k,
         moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", True)),
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="aux_loss" if aux else "none",
@@ -337,9 +338,7 @@ def _row_parallel_linear_class():
 
 def policy_shape(hf_config, cfg: ModelConfig, tp_size: int) -> PolicyShape:
     """The layout-independent shape facts of a model (the first thing read from a config: its family is checked)."""
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model.name_or_path: model_type {hf_config.model_type!r} ({type(hf_config).__name__}) is not "
-                         f"supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    check_model_type(hf_config)
     return PolicyShape(
         vocab_size=hf_config.vocab_size,
         padded_vocab_size=padded_vocab_size(hf_config.vocab_size, cfg.make_vocab_size_divisible_by, tp_size),
@@ -388,8 +387,6 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     policy_class = _policy_class()
     config = build_transformer_config(hf_config, cfg, ps, train)
     shape = policy_shape(hf_config, cfg, ps.tp_size)
-    if cfg.cast_lm_head_to_fp32 and shape.tie_word_embeddings:
-        raise ValueError("model.cast_lm_head_to_fp32 needs untied embeddings; this checkpoint ties them")
     spec = _layer_spec(cfg, config.qk_layernorm, config.num_moe_experts)
     num_chunks = ps.vpp_size or 1
     chunks = []

@@ -475,7 +475,28 @@ def connect_rollout_server(rollout: RolloutConfig, generation: GenerationConfig,
     shared = SharedRolloutClient(clients, rank, generation, num_servers=len(urls), on_restart=on_restart)
     shared.structured_outputs_regex = rollout.vllm_structured_outputs_regex
     shared.reconnect()
+    for server, health in enumerate(shared.healths):
+        problem = logprobs_mode_mismatch(health.get("logprobs_mode"), generation)
+        if problem:
+            raise RolloutServerError(f"rollout server {shared.describe(server)}: {problem}")
     return shared
+
+
+def logprobs_mode_mismatch(server_mode: str | None, generation: GenerationConfig) -> str:
+    """Why a server whose vLLM engine reports `server_mode` log-probs (its /health `logprobs_mode`, fixed by the
+    generation section it was started with) cannot give this trainer the log-probs of its sampled tokens under
+    `generation` (they would come back NaN and the vLLM IS correction would silently act as 1); "" when it can, or
+    when no vLLM mode can (T != 1 with truncation: engine/validation.py handles that) or the server does not say."""
+    from engine.sampling_settings import reports_trainer_logprobs, reshaping_settings, sampling_logprobs_mode
+
+    needed = sampling_logprobs_mode(generation)
+    if server_mode is None or needed is None or reports_trainer_logprobs(server_mode, generation):
+        return ""
+    settings = ", ".join(reshaping_settings(generation)) or "temperature only"
+    return (f"its vLLM engine reports {server_mode} of the sampled tokens, but this run samples with {settings}, "
+            f"whose log-probs the trainer compares with need {needed} (engine/sampling_settings.py): they would be "
+            "NaN and the vLLM importance-sampling correction would act as 1. Start the server with the run's "
+            "generation settings (its config, or the same generation.* overrides)")
 
 
 class _Failure(Exception):

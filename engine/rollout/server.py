@@ -189,7 +189,7 @@ class _Handler(BaseHTTPRequestHandler):
     compared in constant time; a request without it gets 401 and touches nothing):
     | endpoint | body -> answer |
     |---|---|
-    | GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret); authorized (whether the request's bearer token is this server's; only when it has one) |
+    | GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret), logprobs_mode (the vLLM log-prob mode its generation settings chose; a trainer whose sampling needs another is refused at connection); authorized (whether the request's bearer token is this server's; only when it has one) |
     | POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null), structured_outputs_regex (the trainer's `rollout.vllm_structured_outputs_regex`; absent = the server's own) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
     | POST /prompt_logprobs | sequences, temperature -> logprobs (of every token after the first) |
     | POST /weights/init | host, port, world_size, first_engine_rank, timeout_s, plan (SyncPlan.spec()), bucket_mb -> ranks; the workers join the trainer's transfer group (the call returns once the trainer's senders have joined) |
@@ -239,7 +239,8 @@ class _Handler(BaseHTTPRequestHandler):
                   "vllm_tensor_parallel_size": self.server.tensor_parallel_size,
                   "num_engine_calls": self.server.num_engine_calls, "instance_id": self.server.instance_id,
                   "num_weight_updates": self.server.num_weight_updates,
-                  "replica": self.server.replica[0], "num_replicas": self.server.replica[1], "model": self.server.model}
+                  "replica": self.server.replica[0], "num_replicas": self.server.replica[1], "model": self.server.model,
+                  "logprobs_mode": self.server.engine.logprobs_mode if ready else None}
         header = self.headers.get("Authorization")
         if header:  # the client learns at connection whether its token is this server's (what a 401 would say)
             answer["authorized"] = self.server.is_authorized(header)

@@ -32,8 +32,9 @@ from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, 
 
 
 def _moe_layers(names: list[str]) -> list[int]:
-    """Decoder layers with routed-expert tensors among HF names (`model.layers.<i>.mlp.experts.<e>...`)."""
-    return sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and ".mlp.experts." in n})
+    """Decoder layers with routed-expert tensors among HF names (Qwen3-MoE's `model.layers.<i>.mlp.experts.<e>...`,
+    Mixtral's `model.layers.<i>.block_sparse_moe.experts.<e>...`)."""
+    return sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and ".experts." in n})
 
 
 def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict) -> list[tuple[str, torch.Tensor]]:

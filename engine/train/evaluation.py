@@ -2,7 +2,7 @@
 under TRL's metric names with the `eval_` prefix (`eval_<name>_` for each set of a dict of eval datasets).
 
 Owns: `evaluation_metrics` (one set: TRL's reward and completion metrics plus HF's `runtime` / `samples_per_second` /
-`steps_per_second`), `evaluate_sets` (several named sets, `eval_<name>_*` keys) and `tokenize_eval_sets`.
+`steps_per_second`; `loss` averaged per evaluation batch: `batch_mean_loss`), `evaluate_sets` (several named sets, `eval_<name>_*` keys) and `tokenize_eval_sets`.
 Generating and scoring the held-out prompts is engine/train/sampling.py's `score_held_out`; a run built only to
 evaluate (`GRPOTrainer.evaluate()`) is engine/train/loop.py's `evaluate_only`.
 
@@ -31,6 +31,16 @@ def eval_prefix(name: str | None, metric_key_prefix: str = "eval") -> str:
     return f"{metric_key_prefix}_" if name is None else f"{metric_key_prefix}_{name}_"
 
 
+def batch_mean_loss(run, rollout, advantages: torch.Tensor, batch_size: int, loss_of) -> float:
+    """HF's `eval_loss`: `loss_of` of each evaluation batch (`batch_size` rows in order, the last one shorter),
+    averaged over the rows (HF repeats each batch's loss once per sample before the mean). Collective."""
+    total = 0.0
+    for start in range(0, len(rollout), max(batch_size, 1)):
+        rows = list(range(start, min(start + max(batch_size, 1), len(rollout))))
+        total += loss_of(run, rollout.select(rows), advantages[rows]) * len(rows)
+    return total / max(len(rollout), 1)
+
+
 def evaluation_metrics(run, prompts, *, num_generations: int, batch_size: int, loss_of=None) -> dict[str, float]:
     """One held-out set, TRL's names without the prefix (rank 0's values; {} on other ranks).
 
@@ -39,7 +49,8 @@ def evaluation_metrics(run, prompts, *, num_generations: int, batch_size: int, l
         num_generations: completions per prompt (TRL's `num_generations_eval`, else `num_generations`).
         batch_size: completions per evaluation step (HF's `per_device_eval_batch_size` * world size), for
             `steps_per_second`.
-        loss_of: `loss_of(run, rollout, advantages) -> float` (collective), TRL's `loss`; None = no loss.
+        loss_of: `loss_of(run, rollout, advantages) -> float` (collective), TRL's `loss` of one evaluation batch;
+            None = no loss.
     """
     start = time.perf_counter()
     limit = run.cfg.data.eval_max_prompts
@@ -54,7 +65,7 @@ def evaluation_metrics(run, prompts, *, num_generations: int, batch_size: int, l
         advantages = adv.advantages.double()
     on_device = advantages.to(run.ps.device)
     dist.broadcast(on_device, src=0)
-    loss = loss_of(run, rollout, on_device.cpu().float()) if loss_of is not None else None
+    loss = None if loss_of is None else batch_mean_loss(run, rollout, on_device.cpu().float(), batch_size, loss_of)
     if run.ps.rank != 0:
         return {}
     metrics = {} if loss is None else {"loss": loss}

@@ -43,7 +43,8 @@ from engine.train.checkpoint import Progress, StopSignal, checkpoint_dir, is_sav
 from engine.train.evaluation import evaluate_sets, tokenize_eval_sets
 from engine.train.hooks import LoopHooks, on_rank0, scheduled_evaluation
 from engine.train.prompt_rounds import PromptRounds, shuffle_order
-from engine.train.run import Run, build_run, check_finite, export_policy, resume, save_run, sync_and_verify
+from engine.train.run import (REFERENCE_EXPORT_SUFFIX, Run, build_run, check_finite, export_policy, export_reference,
+                              resume, save_run, sync_and_verify)
 from engine.train.rollout_pipeline import RolloutPipeline, rewind_rounds_ahead
 from engine.train.sampling import Scored, draw_prompts, evaluate, keep_best_in_groups, sample_and_score
 
@@ -180,12 +181,15 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     after = evaluate(run.sampler) if not stop.stopping else None
     if export_dir is not None:
         export_policy(run, export_dir)
+        if run.reference is not None and cfg.grpo.sync_ref_model:  # TRL's trainer.ref_model after TR-DPO
+            export_reference(run, f"{export_dir}{REFERENCE_EXPORT_SUFFIX}")
     elif cfg.checkpoint.save_hf_at_end and not stop.stopping:
         export_policy(run, Path(cfg.train.output_dir) / "hf")
     on_rank0(ps, hooks.train_end, step, agree=False)
     summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank,
                "stopped_by_signal": stop.stopping, "start_step": progress.step,
-               "num_tokens": num_tokens - progress.num_tokens}  # this call's steps from start_step, and its tokens
+               "num_tokens": num_tokens - progress.num_tokens,  # this call's steps from start_step, and its tokens
+               "entropy_coef": run.entropy.coef}  # the adaptive controller's last coefficient (TRL's attribute)
     finish(run, summary)
     return summary
 
@@ -321,8 +325,9 @@ def add_old_and_ref_logprobs(run: Run, steps: list[OptimizerStep]) -> dict:
 
 def eval_loss(run: Run, rollout: Rollout, advantages: torch.Tensor) -> float:
     """TRL's eval loss: the GRPO loss of held-out completions under the current policy (old log-probs = the
-    policy's, so the ratio is 1; the vLLM IS correction and beta's KL as in training), the whole set as one batch
-    (rows padded with masked copies to whole micro-batches of every DP rank). Collective; every rank gets it."""
+    policy's, so the ratio is 1; the vLLM IS correction and beta's KL as in training) of one evaluation batch
+    (engine/train/evaluation.py `batch_mean_loss` averages the batches), its rows padded with masked copies to whole
+    micro-batches of every DP rank. Collective; every rank gets it."""
     from engine.grpo.policy_loss import PolicyLossBatch, compute_policy_loss
 
     ps = run.ps

@@ -2,10 +2,11 @@
 rounds: resume, save, export, and push the policy's weights into the engine, verified.
 
 Owns: `build_run` (parallel state, validation, the resolved config in the run directory, model, reference,
-optimizer, data, rewards, logger, the loss config, the round sampler), `build_engine` (the one place that picks the
+optimizer, data, rewards, logger, the loss config, the round sampler; a failure after the engine started closes
+it: `close_on_error`), `build_engine` (the one place that picks the
 `RolloutEngine` by `rollout.vllm_mode`), `resolve_hooks` (the user's GFPO filter and curriculum hook: objects in
 memory, else the config's `module:function`), `AdaptiveEntropy` (the adaptive entropy-bonus controller's state),
-`resume` / `save_run` / `export_policy`, `check_finite` (a diverged policy stops the run before its weights are
+`resume` / `save_run` / `export_policy` / `export_reference` (TR-DPO's mixed reference), `check_finite` (a diverged policy stops the run before its weights are
 synced: `TrainingDivergedError`) and `sync_weights` / `sync_and_verify` (the engine's verified sync, and the log-prob
 probe's health metrics).
 
@@ -18,6 +19,7 @@ is chosen here only); the whole run: tests/integration/test_trainer.py, tests/in
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 from dataclasses import dataclass, field, replace
@@ -114,9 +116,10 @@ class AdaptiveEntropy:
     def update(self, grpo: GRPOConfigSection, ps: ParallelState, outputs: list) -> dict[str, float]:
         """After an optimizer step: the world entropy of its micro-batches (summed over the last stage's DP ranks;
         collective), then the controller's step. Returns {"entropy_coef": the new coefficient} (TRL logs it so:
-        0.01 + 0.005 * global_step while the entropy stays below the target)."""
+        0.01 + 0.005 * global_step while the entropy stays below the target); a static bonus (coef != 0, not
+        adaptive) returns its fixed coefficient, as TRL logs it whenever the bonus is on."""
         if not self.enabled:
-            return {}
+            return {"entropy_coef": self.coef} if self.coef else {}
         window = torch.zeros(2, dtype=torch.float64, device=ps.device)  # [sum H m_eff, sum m_eff]
         if ps.is_last_stage and ps.tp_rank == 0:
             for out in outputs:
@@ -169,25 +172,47 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
                                  dataset=train_dataset)
     eval_prompts = load_prompts(cfg.data, tokenizer, cfg.generation, split="test", max_model_length=max_len,
                                 dataset=eval_dataset)
-    rewards = (build_reward_funcs(cfg.reward, cfg.generation) if reward_funcs is None
-               else RewardFunctions(reward_funcs, cfg.reward.reward_weights, cfg.generation))
-    total_steps = _total_steps(cfg, derived, len(train_prompts))
-    optimizer = build_optimizer(cfg.optimizer, chunks, ps, total_steps=total_steps)
-    engine = build_engine(cfg, ps, dims, model_dir, optimizer.model, ffn_hidden_size=hf_config.intermediate_size)
-    resume_from = agree_on_resume_checkpoint(cfg.checkpoint.resume_from_checkpoint, run_dir, ps)
-    resume_step = read_progress(resume_from).step if resume_from is not None else None  # later log lines are dropped
-    logger = MetricLogger(cfg.logging, run_dir, max_steps=total_steps, resume_step=resume_step) if ps.rank == 0 else None
-    loss_config = PolicyLossConfig.from_sections(cfg.grpo, cfg.generation)
-    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
-                               kernels=cfg.kernels)
-    num_prompts = derived.num_prompts_per_generation
-    queue = PromptQueue(cfg.data.dynamic_prompts_queue_rounds * num_prompts) if dynamic_prompts is not None else None
-    sampler = RoundSampler(engine, rewards, tokenizer, ps, train_prompts, eval_prompts, logger, cfg.grpo, cfg.data,
-                           cfg.generation, seed=cfg.train.seed, num_prompts=num_prompts, total_steps=total_steps,
-                           group_filter=group_filter, dynamic_prompts=dynamic_prompts, prompt_queue=queue)
-    entropy = AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy)
-    return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, optimizer, reference, engine, rewards, logger,
-               sampler, loss_config, settings, total_steps, resume_from=resume_from, entropy=entropy, lora=lora)
+    opened: list = []  # closed when the rest raises: a failed build_run leaks no engine (a new trainer trains)
+    with close_on_error(opened):
+        rewards = (build_reward_funcs(cfg.reward, cfg.generation) if reward_funcs is None
+                   else RewardFunctions(reward_funcs, cfg.reward.reward_weights, cfg.generation))
+        opened.append(rewards)
+        total_steps = _total_steps(cfg, derived, len(train_prompts))
+        optimizer = build_optimizer(cfg.optimizer, chunks, ps, total_steps=total_steps)
+        engine = build_engine(cfg, ps, dims, model_dir, optimizer.model,
+                              ffn_hidden_size=hf_config.intermediate_size)
+        opened.append(engine)
+        resume_from = agree_on_resume_checkpoint(cfg.checkpoint.resume_from_checkpoint, run_dir, ps)
+        # a resumed run drops its log lines after the checkpoint's step
+        resume_step = read_progress(resume_from).step if resume_from is not None else None
+        logger = (MetricLogger(cfg.logging, run_dir, max_steps=total_steps, resume_step=resume_step)
+                  if ps.rank == 0 else None)
+        loss_config = PolicyLossConfig.from_sections(cfg.grpo, cfg.generation)
+        settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=cfg.generation.temperature,
+                                   kernels=cfg.kernels)
+        num_prompts = derived.num_prompts_per_generation
+        queue = (PromptQueue(cfg.data.dynamic_prompts_queue_rounds * num_prompts) if dynamic_prompts is not None
+                 else None)
+        sampler = RoundSampler(engine, rewards, tokenizer, ps, train_prompts, eval_prompts, logger, cfg.grpo, cfg.data,
+                               cfg.generation, seed=cfg.train.seed, num_prompts=num_prompts, total_steps=total_steps,
+                               group_filter=group_filter, dynamic_prompts=dynamic_prompts, prompt_queue=queue)
+        entropy = AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy)
+        return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, optimizer, reference, engine, rewards,
+                   logger, sampler, loss_config, settings, total_steps, resume_from=resume_from, entropy=entropy,
+                   lora=lora)
+
+
+@contextlib.contextmanager
+def close_on_error(opened: list):
+    """On an exception inside the block, `close()` every part in `opened` (each even if another fails), then
+    re-raise: `build_run`'s engine and reward functions do not outlive a failed build."""
+    try:
+        yield
+    except BaseException:
+        for part in reversed(opened):
+            with contextlib.suppress(Exception):
+                part.close()
+        raise
 
 
 def build_engine(cfg: EngineConfig, ps: ParallelState, dims: ModelDims, model_dir: Path, chunks: list, *,
@@ -314,6 +339,28 @@ def export_policy(run: Run, out_dir: str | Path) -> None:
         with merged_lora(run.chunks):
             export_hf_checkpoint(run.chunks, run.ps, out_dir.with_name(out_dir.name + "_merged"), hf_config,
                                  run.dims, tokenizer_dir=run.model_dir, dtype=dtype)
+
+
+REFERENCE_EXPORT_SUFFIX = "_reference"
+"""`<export_dir><suffix>`: where a TR-DPO run (`grpo.sync_ref_model`) writes its mixed reference next to the policy."""
+
+
+def export_reference(run: Run, out_dir: str | Path) -> None:
+    """Write the TR-DPO reference (mixed towards the policy during the run) as a Hugging Face checkpoint, as
+    `export_policy` writes the policy (collective; an offloaded reference is brought to the device for it)."""
+    from transformers import AutoConfig
+
+    from engine.policy.hf_checkpoint import export_hf_checkpoint
+
+    reference = run.reference
+    if reference.offload:
+        reference._move(reference.device)
+    try:
+        export_hf_checkpoint(reference.chunks, run.ps, out_dir, AutoConfig.from_pretrained(run.model_dir), run.dims,
+                             tokenizer_dir=run.model_dir, dtype=getattr(torch, run.cfg.model.dtype))
+    finally:
+        if reference.offload:
+            reference._move(torch.device("cpu"))
 
 
 def sync_weights(run: Run) -> dict:

@@ -165,7 +165,12 @@ def launched(tmp_path_factory):
 
 @pytest.mark.parametrize("tp,ep", LAYOUTS, ids=["ep2", "tp2_ep2_sp"])
 def test_router_agreement_and_routing_replay(launched, tp, ep):
-    for r in (rank[(tp, ep)] for rank in launched):
+    check_replay_results([rank[(tp, ep)] for rank in launched])
+
+
+def check_replay_results(results: list[dict]) -> None:
+    """Assert what `_check` measured on every rank (tests/distributed/test_family_layouts.py reuses it: Mixtral)."""
+    for r in results:
         assert r["none"] is None and r["none_fraction"] is None, "no routes in the batch: no agreement metric"
         if r["tp_rank"] == 0:  # the counts of a TP group's whole sequence, kept on its rank 0
             assert r["agree_own"] == [r["valid_pairs"]] * 2, "recording against its own routes agrees everywhere"

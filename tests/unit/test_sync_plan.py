@@ -8,11 +8,12 @@ what they read from the full HF tensors. A NaN reaching a loader, a wrong box or
 Models: MHA with QKV bias (untied), GQA 4 tied with bias, MQA untied (1 KV head < engine TP: replicated KV heads),
 GQA with 4 KV heads tied; a vocabulary of 100 (vLLM pads to 128, so engine TP 8's last rank reads no rows).
 
-Mixture of experts (Qwen3-MoE, 8 experts, q/k norms): at EP1/EP2/EP4, EP2 x PP2, EP2 x TP2 and expert TP 2, every
-rank of the world (data-parallel copies included) holds what Megatron's own rank generator gives it (its TP shard of
-the dense tensors, its EP rank's experts split over its expert-TP rank), and each transfer is read from the rank the
-plan names as its sender (`TrainerLayout.sender_of` of that rank's Megatron ranks): a piece sent by a rank that does
-not hold it fails, as does a sender outside the group or two ranks claiming one group rank."""
+Mixture of experts (Qwen3-MoE, 8 experts, q/k norms; Mixtral's names at two layouts): at EP1/EP2/EP4, EP2 x PP2,
+EP2 x TP2 and expert TP 2, every rank of the world (data-parallel copies included) holds what Megatron's own rank
+generator gives it (its TP shard of the dense tensors, its EP rank's experts split over its expert-TP rank), and each
+transfer is read from the rank the plan names as its sender (`TrainerLayout.sender_of` of that rank's Megatron
+ranks): a piece sent by a rank that does not hold it fails, as does a sender outside the group or two ranks claiming
+one group rank."""
 
 import json
 
@@ -45,11 +46,25 @@ def _dims(model: str, trainer_tp: int) -> ModelDims:
                      tie_word_embeddings=tied, qkv_bias=bias)
 
 
-def _moe_dims(trainer_tp: int) -> ModelDims:
-    """Qwen3-MoE: 4 heads of 8 over 2 KV heads (q width 32 != hidden 16), q/k norms, 8 experts of width 8."""
+def _moe_dims(trainer_tp: int, moe_map: str = "qwen3_moe") -> ModelDims:
+    """Qwen3-MoE: 4 heads of 8 over 2 KV heads (q width 32 != hidden 16), q/k norms, 8 experts of width 8; Mixtral:
+    the same without q/k norms, under Mixtral's names (`_MIXTRAL_NAMES`)."""
     return ModelDims(num_layers=LAYERS, hidden_size=16, num_heads=4, num_groups=2, head_dim=8, vocab_size=VOCAB,
                      padded_vocab=padded_vocab_size(VOCAB, 8, trainer_tp), tie_word_embeddings=False, qkv_bias=False,
-                     qk_norm=True, num_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_map="qwen3_moe")
+                     qk_norm=moe_map == "qwen3_moe", num_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_map=moe_map)
+
+
+_MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
+                  (".gate_proj.", ".w1."), (".up_proj.", ".w3."), (".down_proj.", ".w2."))
+"""Qwen3-MoE's expert and router names -> Mixtral's (an expert's gate / up / down are w1 / w3 / w2)."""
+
+
+def _renamed(name: str, to_mixtral: bool) -> str:
+    if ".experts." not in name and ".gate." not in name:
+        return name
+    for qwen, mixtral in _MIXTRAL_NAMES:
+        name = name.replace(qwen, mixtral) if to_mixtral else name.replace(mixtral, qwen)
+    return name
 
 
 def _hf_model(dims: ModelDims, seed: int) -> dict[str, torch.Tensor]:
@@ -109,6 +124,7 @@ def _vllm_loaded(name: str, full: torch.Tensor, dims: ModelDims, rank: int, etp:
     """What vLLM's weight loader of engine TP rank `rank` copies out of an HF tensor (its `narrow` calls); MoE:
     FusedMoE without expert parallelism narrows each expert's gate / up by rows and down by columns, the router is a
     ReplicatedLinear."""
+    name = _renamed(name, to_mixtral=False)  # Mixtral's loader narrows its experts and router alike
     if "norm" in name or name.endswith(".mlp.gate.weight"):
         return full  # RMSNorm, MoE router: not sharded
     if "embed_tokens" in name or "lm_head" in name:  # VocabParallelEmbedding._get_indices, pad to 64
@@ -208,11 +224,19 @@ def _moe_holdings(hf: dict, dims: ModelDims, ranks: list[dict]) -> list[dict]:
     return holdings
 
 
-@pytest.mark.parametrize("tp,pp,ep,etp,dp", MOE_LAYOUTS, ids=[f"tp{a}_pp{b}_ep{c}_etp{d}_dp{e}" for a, b, c, d, e in
-                                                             MOE_LAYOUTS])
-def test_moe_plan_sends_each_expert_from_its_ep_rank_and_feeds_every_vllm_rank_what_it_loads(tp, pp, ep, etp, dp):
-    dims = _moe_dims(tp)
+MOE_CASES = [(*layout, "qwen3_moe") for layout in MOE_LAYOUTS] + [(2, 2, 2, 1, 2, "mixtral"),
+                                                                     (1, 1, 2, 2, 4, "mixtral")]
+
+
+@pytest.mark.parametrize("tp,pp,ep,etp,dp,moe_map", MOE_CASES,
+                         ids=[f"tp{a}_pp{b}_ep{c}_etp{d}_dp{e}_{m}" for a, b, c, d, e, m in MOE_CASES])
+def test_moe_plan_sends_each_expert_from_its_ep_rank_and_feeds_every_vllm_rank_what_it_loads(tp, pp, ep, etp, dp,
+                                                                                               moe_map):
+    dims = _moe_dims(tp, moe_map)
     hf = _hf_model(dims, seed=ep * 10 + tp)
+    if moe_map == "mixtral":
+        hf = {_renamed(name, to_mixtral=True): tensor for name, tensor in hf.items()}
+        assert any(".block_sparse_moe.experts.7.w3." in name for name in hf)
     ranks = _megatron_ranks(tp, pp, ep, etp, dp)
     holdings = _moe_holdings(hf, dims, ranks)
     layout = TrainerLayout(tp, pp, ep_size=ep, expert_tp_size=etp)

@@ -100,6 +100,12 @@ def test_grpo_config_arguments_without_effect_warn_once_naming_each():
     assert args.ignored_arguments == {"dataloader_num_workers": 4, "eval_delay": 2, "torch_compile": True}
 
 
+def test_grpo_config_cast_lm_head_to_fp32_is_named_with_why_logits_are_float32_already():
+    with pytest.warns(UserWarning, match=r"cast_lm_head_to_fp32=True \(the LM head's logits are always computed in "
+                                         r"float32"):
+        GRPOConfig(cast_lm_head_to_fp32=True)
+
+
 def test_grpo_config_never_prints_a_hub_token():
     with pytest.warns(UserWarning) as record:
         args = GRPOConfig(hub_token="hf_secret123")
@@ -663,3 +669,56 @@ def test_trainer_hooks_follow_the_eval_schedule_and_a_callbacks_should_log():
     assert asked == [1] and by_steps.state.log_history == [{"reward": 1.0, "step": 3}]
     by_steps.step_end(6)
     assert by_steps.round_end(6, None, 1.0).stop  # max_steps: HF's should_training_stop
+
+
+def test_trainer_flags_loaders_and_stream_settings_as_trl(tmp_path):
+    """TRL's `entropy_coef` / `_entropy_bonus_enabled` / `aux_loss_enabled`, `args.accelerator_config`, the
+    settings a streamed train set forces (dispatch_batches False, 0 workers) and the inspection loaders."""
+    stream = _prompts().to_iterable_dataset()
+    args = _small_args(tmp_path)
+    with pytest.warns(UserWarning, match="dataloader_num_workers=4"):
+        args.dataloader_num_workers = 4
+    assert args.accelerator_config.dispatch_batches is None  # transformers' default
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=args, train_dataset=stream)
+    assert args.dataloader_num_workers == 0 and args.accelerator_config.dispatch_batches is False
+    assert trainer.get_train_dataloader().num_workers == 0
+    assert (trainer.entropy_coef, trainer._entropy_bonus_enabled, trainer.aux_loss_enabled) == (0.0, False, False)
+    with pytest.raises(AttributeError):
+        trainer.entropy_coef = 0.5  # no effect: refused (GRPOConfig(entropy_coef=...) sets it)
+    args = _small_args(tmp_path, entropy_coef=0.1, per_device_eval_batch_size=4)
+    with pytest.warns(UserWarning):
+        args.dataloader_num_workers = 2
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=args, train_dataset=_prompts(),
+                          eval_dataset=stream)
+    assert (trainer.entropy_coef, trainer._entropy_bonus_enabled) == (0.1, True)
+    loader = trainer.get_train_dataloader()
+    assert loader.num_workers == 2 and args.dataloader_num_workers == 2  # a map-style train set keeps them
+    assert trainer.get_eval_dataloader().num_workers == 0  # an iterable eval set: 0, not persisted
+    loader.num_workers = 0
+    assert [len(b) for b in loader] == [8] and next(iter(loader))[0] == _prompts()[0]
+    with pytest.raises(TypeError, match="AcceleratorConfig has"):
+        GRPOConfig(accelerator_config={"dispatch_batch": False})
+
+
+def test_trainer_names_a_reward_pad_token_outside_the_vocabulary(tmp_path):
+    from transformers import AutoTokenizer
+
+    from engine.models.tiny_model import resolve_builtin_model
+
+    directory = resolve_builtin_model(TINY, tmp_path / "cache")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.pad_token = "<|not_a_token|>"
+    with pytest.raises(ValueError, match=r"reward_processing_classes\[0\].pad_token = '<\|not_a_token\|>' is not in"):
+        GRPOTrainer(model=TINY, reward_funcs=directory, args=_small_args(tmp_path), train_dataset=_prompts(),
+                    reward_processing_classes=[tokenizer])
+
+
+def test_trainer_model_refuses_a_checkpoint_larger_than_the_memory(tmp_path):
+    from engine.api.trl_surface import check_fits_in_memory
+    from engine.models.tiny_model import resolve_builtin_model
+
+    directory = resolve_builtin_model(TINY, tmp_path / "cache")
+    size = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+    check_fits_in_memory(directory, available_bytes=2 * size)
+    with pytest.raises(MemoryError, match=r"trainer.model would load .* GiB .*from_pretrained\(.*device_map='auto'"):
+        check_fits_in_memory(directory, available_bytes=size)
