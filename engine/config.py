@@ -430,6 +430,27 @@ class KernelsConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LoraConfig:
+    """LoRA on the frozen policy (engine/policy/lora.py; TRL ModelConfig's names; GRPOTrainer's peft_config fills it).
+    vLLM gets W + scale * B A (fp32, rounded once) by the verified sync; adapter-only sync is not implemented."""
+
+    use_peft: bool = False
+    """Train LoRA adapters on a frozen base instead of every weight; the other lora_* fields need it."""
+    lora_r: int = 16
+    """The adapters' rank r (A: r x in, B: out x r), at most the smaller side of every adapted linear."""
+    lora_alpha: int = 32
+    """The adapters' scale numerator: delta W = lora_alpha / r * B A (lora_alpha / sqrt(r) with use_rslora)."""
+    lora_dropout: float = 0.05
+    """Dropout probability on each adapter's input (training forwards only)."""
+    lora_target_modules: list[str] | None = None
+    """HF module names (q/k/v/o_proj, gate/up/down_proj) or ['all-linear']; None = PEFT's default, q_proj + v_proj."""
+    use_rslora: bool = False
+    """Rank-stabilised scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
+    lora_save_merged: bool = False
+    """Final export: `<output_dir>/hf` holds the PEFT adapter; this also writes the merged model to `hf_merged`."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LoggingConfig:
     logging_steps: int = 10
     """Optimizer steps between logged records (metrics.jsonl, progress, report_to); the last step always."""
@@ -460,6 +481,7 @@ class EngineConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------

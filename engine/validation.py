@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import ConfigError, EngineConfig, ParallelConfig, TrainConfig
+from engine.config import ConfigError, EngineConfig, LoraConfig, ParallelConfig, TrainConfig
 from engine.recompute import RECOMPUTE_MODULES, REFUSED_RECOMPUTE_MODULES
 from engine.sampling_settings import reshaping_settings, sampling_logprobs_mode, translate_generation_kwargs
 
@@ -97,6 +97,7 @@ def validate(cfg: EngineConfig, world_size: int) -> Derived:
     _check_sampling(cfg, problems)
     _check_rest(cfg, problems)
     _check_recompute(cfg.train, problems)
+    _check_lora(cfg, problems)
     if problems:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
     return derive(cfg, world_size)
@@ -403,3 +404,24 @@ def _check_recompute(train: TrainConfig, problems: list[str]) -> None:
     if train.recompute_modules is not None and not train.recompute_modules:
         problems.append("train.recompute_modules=[] recomputes nothing: give modules, or null for ['core_attn'], or "
                         "train.gradient_checkpointing=false")
+
+
+def _check_lora(cfg: EngineConfig, problems: list[str]) -> None:
+    """The `lora` section: its fields need use_peft; the adapter setting itself (engine/policy/lora.py); LoRA with
+    settings it cannot act with."""
+    from engine.lora_settings import lora_settings_from_config
+
+    section, defaults = cfg.lora, LoraConfig()
+    if not section.use_peft:
+        changed = [f"lora.{name}={getattr(section, name)!r}" for name in LoraConfig.__dataclass_fields__
+                   if name != "use_peft" and getattr(section, name) != getattr(defaults, name)]
+        if changed:
+            problems.append(f"{', '.join(changed)}: no effect without lora.use_peft=true (full fine-tuning)")
+        return
+    try:
+        lora_settings_from_config(section)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if cfg.grpo.sync_ref_model:
+        problems.append("grpo.sync_ref_model with lora.use_peft: the policy's base weights are frozen, so syncing them "
+                        "into the reference changes nothing (the adapters are not in the reference); set it false")

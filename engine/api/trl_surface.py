@@ -39,6 +39,8 @@ def load_causal_lm(model_dir: Path, into: Any = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
+    if (Path(model_dir) / "adapter_config.json").exists():
+        return _load_peft_adapter(Path(model_dir), into)
     loaded = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype="auto")
     if into is None:
         return loaded
@@ -48,6 +50,25 @@ def load_causal_lm(model_dir: Path, into: Any = None) -> Any:
             if name not in own:
                 raise ValueError(f"the trained checkpoint {model_dir} has {name!r}, which the model object lacks")
             own[name].copy_(tensor.to(own[name].dtype))
+    return into
+
+
+def _load_peft_adapter(adapter_dir: Path, into: Any = None) -> Any:
+    """A PEFT adapter directory (a LoRA run's export, engine/policy/peft_adapter.py): a `peft.PeftModel` on the base
+    its adapter_config.json names, or, with `into` (a PeftModel), its adapter weights set from the file."""
+    import json
+
+    from peft import PeftModel, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    if into is None:
+        base_dir = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+        return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype="auto"),
+                                         adapter_dir)
+    result = set_peft_model_state_dict(into, load_file(str(adapter_dir / "adapter_model.safetensors")))
+    if result.unexpected_keys:
+        raise ValueError(f"the trained adapter {adapter_dir} has {result.unexpected_keys[:3]}, which the model lacks")
     return into
 
 
@@ -146,7 +167,12 @@ class TrainerSurface:
 
         from engine.api.trl_callbacks import EvalSchedule, TrainerHooks
 
-        self._model_object = model if isinstance(model, PreTrainedModel) else None
+        is_peft_model = hasattr(model, "peft_config") and hasattr(model, "active_adapter")
+        self._model_object = model if isinstance(model, PreTrainedModel) or is_peft_model else None
+        if getattr(self, "_peft_config", None) is not None and self._model_object is not None and not is_peft_model:
+            from peft import get_peft_model  # TRL wraps the model it is given, as here
+
+            self._model_object = get_peft_model(self._model_object, self._peft_config)
         self._model, self._model_is_stale, self._ref_model, self._stream_rows = self._model_object, False, None, None
         self._entropy_coef = None  # the adaptive controller's last value, after train()
         self._ref_is_mixed = False  # self._ref_model is a TR-DPO run's mixed reference
@@ -215,6 +241,15 @@ class TrainerSurface:
         load the export instead (`check_fits_in_memory`; e.g. `AutoModelForCausalLM.from_pretrained(
         f"{args.output_dir}/final_model", device_map="auto")` where it fits)."""
         if self._model is None or self._model_is_stale:
+            peft_config = getattr(self, "_peft_config", None)
+            if peft_config is not None and self._model_object is None:  # LoRA: a PeftModel, as TRL's
+                from peft import get_peft_model
+
+                base = load_causal_lm(model_directory(self.model_path, self.output_dir))
+                self._model_object = get_peft_model(base, peft_config)
+                if not self._trained:
+                    self._model = self._model_object
+                    return self._model
             check_fits_in_memory(self._current_model_dir())
             self._model = load_causal_lm(self._current_model_dir(), into=self._model_object)
             self._model_is_stale = False

@@ -84,7 +84,9 @@ class GRPOTrainer(TrainerSurface):
             None = the model's own.
         reward_processing_classes: tokenizers of reward models (one per reward function, None for callables).
         callbacks: transformers `TrainerCallback` instances or classes (engine/api/trl_callbacks.py).
-        optimizers, quantization_config, peft_config: TRL's; anything but their defaults is refused with a message.
+        peft_config: a `peft.LoraConfig`: LoRA adapters on the frozen Megatron policy (the `lora` config section;
+            engine/policy/lora.py); save_model() then writes a PEFT adapter.
+        optimizers, quantization_config: TRL's; anything but their defaults is refused with a message.
         tools, environment_factory, rollout_func: TRL's multi-turn arguments, with TRL's meaning (engine/api/
             trl_agentic.py checks them now; engine/agent/ runs them: each sample advances on its own).
         group_filter_func: GFPO's filter (TRL's experimental GFPOTrainer argument): any callable
@@ -98,6 +100,9 @@ class GRPOTrainer(TrainerSurface):
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None, group_filter_func: Any = None):
+        given_model = model  # trainer.model is this object (a PeftModel's adapters set after train())
+        if peft_config is None and type(model).__name__.startswith("Peft"):  # TRL takes a PeftModel too
+            model, peft_config = _split_peft_model(model)
         _refuse_unsupported(model, optimizers, quantization_config, peft_config)
         if args is None:
             args = GRPOConfig(output_dir=f"{_model_name(model)}-GRPO")
@@ -155,11 +160,17 @@ class GRPOTrainer(TrainerSurface):
         self._cfg = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, name_or_path=str(model_path)),
             data=dataclasses.replace(cfg.data, **data), reward=dataclasses.replace(cfg.reward, **reward))
+        if peft_config is not None:  # LoRA on the Megatron policy (engine/policy/lora.py)
+            from engine.lora_settings import lora_fields_from_peft
+
+            self._cfg = dataclasses.replace(self._cfg, lora=dataclasses.replace(self._cfg.lora,
+                                                                                **lora_fields_from_peft(peft_config)))
         self._engine_eval_dataset = engine_eval  # scored before and after training by the engine
         self._check_layout()
         self.model_path = Path(model_path)
         self._trained = False
-        self._init_trainer_surface(model, callbacks, is_stream(train_dataset))
+        self._peft_config = peft_config  # trainer.model is then a peft.PeftModel (trl_surface.py)
+        self._init_trainer_surface(given_model, callbacks, is_stream(train_dataset))
 
     get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
     get_high_entropy_mask = trl_compat.get_high_entropy_mask  # TRL's signature: (self, entropies, mask, threshold)
@@ -277,11 +288,19 @@ def _spawn_children_skip_main_script():
         main.__spec__ = previous
 
 
+def _split_peft_model(model: Any) -> tuple[Any, Any]:
+    """A `peft.PeftModel` as (a copy of its base model without adapters, its active adapter's config): the engine
+    puts adapters of that setting on Megatron (its initial adapter weights are not carried over: PEFT's init)."""
+    import copy
+
+    return copy.deepcopy(model).unload(), model.peft_config[model.active_adapter]
+
+
 def _refuse_unsupported(model, optimizers, quantization_config, peft_config) -> None:
     """NotImplementedError for TRL features this engine does not have."""
-    if peft_config is not None or type(model).__name__.startswith("Peft"):
-        raise NotImplementedError("peft_config / PEFT models are not supported: this engine does full fine-tuning "
-                                  "with Megatron (tensor / pipeline / data parallel); drop peft_config")
+    if type(model).__name__.startswith("Peft"):
+        raise NotImplementedError("a PEFT model together with peft_config: pass one of them (the base model and "
+                                  "peft_config=LoraConfig(...), or the PeftModel alone)")
     if optimizers is not None and tuple(optimizers) != (None, None):
         raise NotImplementedError("custom optimizers / schedulers are not supported: the optimizer is Megatron's "
                                   "distributed optimizer, set through GRPOConfig (optim, learning_rate, "

@@ -5,5 +5,6 @@ Owns: planner.py (`build_plan`, `format_plan`: the plan and its printout), shape
 cluster shape, the layout checks, what each node holds), memory.py (every per-GPU memory term, with the formulas and
 their sources).
 
-May import: engine.config, engine.validation, engine.recompute, engine.models (families.py: no torch).
+May import: engine.config, engine.validation, engine.recompute, engine.models (families.py: no torch),
+engine.lora_settings.
 """

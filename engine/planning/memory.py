@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.lora_settings import lora_settings_from_config
 from engine.planning.shapes import ClusterShape, ModelDims, PlanError, megatron_padded_vocab, num_rollout_servers
 from engine.recompute import Recompute, resolve_recompute
 from engine.validation import Derived
@@ -297,21 +298,50 @@ def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
     return Term("loss workspace", text, workspace + hidden + rows + stats), note
 
 
+def _stage_adapter_params(dims: ModelDims, cfg: EngineConfig) -> tuple[float, str]:
+    """LoRA adapter parameters one GPU holds (engine/policy/lora.py's TP rules), with the arithmetic.
+
+    Per layer and target of input width i, output width o, rank r: column-parallel (q/k/v, gate/up) A r*i replicated
+    + B o*r / tp; row-parallel (o_proj, down_proj) A r*i / tp + B o*r replicated."""
+    if not cfg.lora.use_peft:
+        return 0.0, ""
+    h, a, g, d, f = dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.d, dims.intermediate_size
+    sizes = {"q_proj": (h, a * d, False), "k_proj": (h, g * d, False), "v_proj": (h, g * d, False),
+             "o_proj": (a * d, h, True), "gate_proj": (h, f, False), "up_proj": (h, f, False), "down_proj": (f, h, True)}
+    settings, tp = lora_settings_from_config(cfg.lora), cfg.parallel.tp_size
+    r, layers = settings.r, dims.num_layers // cfg.parallel.pp_size
+    per_layer = sum(r * i / (tp if row else 1) + o * r / (1 if row else tp)
+                    for i, o, row in (sizes[name] for name in settings.target_modules))
+    text = (f"adapters: {layers} layers x r {r} x ({' + '.join(settings.target_modules)}; column: A r*in + B out*r/"
+            f"{tp}, row: A r*in/{tp} + B out*r)")
+    return layers * per_layer, text
+
+
 def _stage_terms(cfg: EngineConfig, dims: ModelDims, derived: Derived, stage: int) -> list[Term]:
-    """Training memory of one GPU of pipeline stage `stage`, before any colocated vLLM."""
+    """Training memory of one GPU of pipeline stage `stage`, before any colocated vLLM. With LoRA the base (and the
+    experts) are frozen: gradients and optimizer state are the adapters' only (`_stage_adapter_params`)."""
     params, params_text = _stage_params(dims, cfg, stage)
     experts, experts_text = _stage_expert_params(dims, cfg)
+    adapters, adapters_text = _stage_adapter_params(dims, cfg)
     wbytes, gbytes, obytes, opt_text = _optimizer_bytes(cfg)
     dist = cfg.optimizer.use_distributed_optimizer
     shard = derived.dp_size if dist else 1
     shard_text = f" / dp {derived.dp_size} (distributed optimizer)" if dist else " (not distributed: replicated over DP)"
-    total = params + experts
+    trained = adapters if adapters else params
+    total = adapters if adapters else params + experts
     terms = [
-        Term("weights", f"{params_text} = {format_count(params)} params x {wbytes} B", params * wbytes),
+        Term("weights", f"{params_text} = {format_count(params)} params x {wbytes} B" + (" (frozen)" if adapters else ""),
+             params * wbytes),
         Term("main grads", f"{format_count(total)} x {gbytes} B (fp32, grad_reduce_in_fp32)", total * gbytes),
-        Term("optimizer", f"{format_count(params)} x {obytes} B ({opt_text}){shard_text}", params * obytes / shard),
+        Term("optimizer", f"{format_count(trained)} x {obytes} B ({opt_text}){shard_text}", trained * obytes / shard),
     ]
-    if experts:
+    if adapters:
+        terms.insert(1, Term("adapter weights", f"{adapters_text} = {format_count(adapters)} params x {wbytes} B",
+                             adapters * wbytes))
+    if experts and adapters:
+        terms.insert(1, Term("expert weights", f"{experts_text} = {format_count(experts)} params x {wbytes} B (frozen)",
+                             experts * wbytes))
+    elif experts:
         edp = _expert_dp(cfg, derived) if dist else 1
         edp_text = (f" / expert dp = tp*dp/(ep*expert_tp) = {edp} (distributed optimizer)" if dist
                     else " (not distributed)")

@@ -3,5 +3,5 @@ parallel.py), the CPU compatibility layer, the GPTModel built from a Hugging Fac
 conversion and checkpoints, the optimizer, one pass of Megatron's schedule with the GRPO loss (step.py), the frozen
 reference model, and completions as micro-batches (batch.py).
 
-May import: engine.config, engine.validation, engine.recompute, engine.grpo, engine.models.
+May import: engine.config, engine.validation, engine.recompute, engine.lora_settings, engine.grpo, engine.models.
 """

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from engine.policy.hf_convert import (FLOAT32_TENSORS, ModelDims, expert_index, family_map, find_entry,
                                      read_megatron_shard, to_hf)
+from engine.policy.lora import is_lora_param
 from engine.policy.model import get_weight, global_param_names
 from engine.policy.parallel import ParallelState
 
@@ -82,6 +83,8 @@ def load_hf_checkpoint(chunks: list[torch.nn.Module], ps: ParallelState, model_d
     entries = family_map(dims)
     for chunk in chunks:
         for name, global_name in global_param_names(chunk).items():
+            if is_lora_param(name):
+                continue  # adapters are not in an HF checkpoint (engine/policy/lora.py)
             param = get_weight(chunk, name)
             entry, layer = find_entry(entries, global_name)
             tp_rank, tp_size = (ps.etp_rank, ps.etp_size) if entry.is_expert else (ps.tp_rank, ps.tp_size)
@@ -114,6 +117,8 @@ def iter_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims):
     for name, global_name in global_param_names(chunk).items():
         if global_name == "output_layer.weight" and dims.tie_word_embeddings:
             continue  # the tied head is exported once, as the embedding
+        if is_lora_param(name):
+            continue  # adapters: merged into the base (engine/policy/lora.py merged_lora) or saved for PEFT
         param = get_weight(chunk, name)
         entry, layer = find_entry(entries, global_name)
         if not entry.is_expert:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from engine.config import GenerationConfig, RolloutConfig
 from engine.policy.hf_convert import ModelDims
+from engine.policy.lora import merged_lora
 from engine.policy.parallel import ParallelState
 from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
 from engine.rollout.protocol import TurnRequest, TurnResult
@@ -84,8 +85,10 @@ class ColocatedRollout:
 
     def sync_weights(self, chunks: list, *, verify: bool) -> dict[str, float]:
         """Bucketed in-process loads on every rank (engine/rollout/colocated_sync.py), digests checked with
-        `verify` (collective)."""
-        return sync_colocated(chunks, self.ps, self.dims, self.engine, self.bucket_mb, self.plan if verify else None)
+        `verify` (collective). LoRA adapters are sent merged into their base weights (engine/policy/lora.py)."""
+        with merged_lora(chunks):
+            return sync_colocated(chunks, self.ps, self.dims, self.engine, self.bucket_mb,
+                                  self.plan if verify else None)
 
     def submit_turn(self, request: TurnRequest) -> None:
         """Into this rank's engine (with engine TP > 1 every rank of its TP group makes the same turn calls)."""

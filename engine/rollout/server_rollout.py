@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from engine.config import GenerationConfig, RolloutConfig
 from engine.policy.hf_convert import ModelDims
+from engine.policy.lora import merged_lora
 from engine.policy.parallel import ParallelState
 from engine.rollout.client import PendingGenerate, connect_rollout_server
 from engine.rollout.protocol import TurnRequest, TurnResult
@@ -75,9 +76,11 @@ class ServerRollout:
 
     def sync_weights(self, chunks: list, *, verify: bool) -> dict[str, float]:
         """One sync into each server in turn, each through its own transfer group (collective); the stats summed.
-        A failure raises WeightSyncError on every rank and leaves the trainer untouched."""
-        self.last_sync_each = [sync_server(chunks, self.ps, self.dims, self.client, link, verify=verify)
-                               for link in self.links]
+        A failure raises WeightSyncError on every rank and leaves the trainer untouched. LoRA adapters are sent
+        merged into their base weights (engine/policy/lora.py)."""
+        with merged_lora(chunks):
+            self.last_sync_each = [sync_server(chunks, self.ps, self.dims, self.client, link, verify=verify)
+                                   for link in self.links]
         total: dict[str, float] = {}
         for key, value in (item for stats in self.last_sync_each for item in stats.items()):
             total[key] = total.get(key, 0.0) + value

@@ -6,6 +6,6 @@ TRL's contract; builtin_rewards.py: the built-ins), the metric logger (metric_lo
 (metric_sinks.py: JSONL, TensorBoard, W&B, parquet, PNG), and the prompt rounds (what each round samples, as a
 function of seed and round).
 
-May import: engine.config, engine.validation, engine.log_filters, engine.models, engine.grpo, engine.policy,
-engine.rollout, engine.agent.
+May import: engine.config, engine.validation, engine.log_filters, engine.lora_settings, engine.models, engine.grpo,
+engine.policy, engine.rollout, engine.agent.
 """

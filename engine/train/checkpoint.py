@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from engine.policy.lora import is_lora_param
 from engine.policy.parallel import ParallelState
 from engine.train.checkpoint_writers import WriterWatch
 
@@ -260,15 +261,26 @@ def _sharded_state_dict(policy_optimizer, is_loading: bool, reference: list | No
 
     chunks = [unwrap(m) for m in policy_optimizer.model]
     if len(chunks) == 1:
-        model = {"model": chunks[0].sharded_state_dict()}
+        model = {"model": _model_state(chunks[0])}
     else:
-        model = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        model = {f"model{i}": _model_state(chunk) for i, chunk in enumerate(chunks)}
     merged = {k: v for part in model.values() for k, v in part.items()}
     optimizer = policy_optimizer.optimizer.sharded_state_dict(merged, is_loading=is_loading,
                                                               metadata=_OPTIMIZER_METADATA)
     frozen = {f"reference{i}": chunk.sharded_state_dict(prefix=REFERENCE_PREFIX)
               for i, chunk in enumerate(reference or [])}
     return model | {"optimizer": optimizer} | frozen
+
+
+def _has_adapters(chunk) -> bool:
+    return any(is_lora_param(name) for name, _ in chunk.named_parameters())
+
+
+def _model_state(chunk) -> dict:
+    """A chunk's sharded state; with LoRA adapters only theirs (the frozen base is the Hugging Face checkpoint the
+    run loads before resuming: engine/train/run.py `build_run`)."""
+    state = chunk.sharded_state_dict()
+    return {k: v for k, v in state.items() if is_lora_param(k)} if _has_adapters(chunk) else state
 
 
 def _capture_rng() -> dict:
@@ -344,7 +356,8 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, policy_optimizer, p
     - the model chunks' and the Megatron optimizer's `sharded_state_dict()` saved with
       `megatron.core.dist_checkpointing` (torch_dist backend: every tensor is stored with its global shape and this
       rank's offsets, so the checkpoint loads at another TP x PP x DP layout; the distributed optimizer's state in its
-      `fully_reshardable` form);
+      `fully_reshardable` form); with LoRA adapters only theirs (and their optimizer state): the frozen base is the
+      Hugging Face checkpoint the run loads first;
     - `rng/rank-<r>.pt`: every rank's python, numpy, torch (and CUDA) generator states and Megatron's model-parallel
       RNG tracker states (restored only at the same layout: at another layout the ranks' streams do not correspond);
     - `trainer_state.json`, written last: format, step, rounds of prompts consumed (the data position), the LR
@@ -455,7 +468,13 @@ def load_checkpoint(path: str | Path, policy_optimizer, ps: ParallelState, *, mo
                                          str(path))
         chunks = [unwrap(m) for m in policy_optimizer.model]
         for i, chunk in enumerate(chunks):
-            chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+            adapters_only = _has_adapters(chunk)  # LoRA: the base stays as loaded from the HF checkpoint
+            result = chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"],
+                                           strict=not adapters_only)
+            missing = [k for k in result.missing_keys if is_lora_param(k)] if adapters_only else []
+            if missing or (adapters_only and result.unexpected_keys):
+                raise CheckpointError(f"{path}: adapters missing {missing[:3]}, unexpected "
+                                      f"{result.unexpected_keys[:3]} (lora.* settings differ from the saved run's?)")
         for i, chunk in enumerate(reference or []):
             prefixed = loaded[f"reference{i}"]
             chunk.load_state_dict({k.removeprefix(REFERENCE_PREFIX): v for k, v in prefixed.items()}, strict=True)

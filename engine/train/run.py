@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,8 +31,10 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, GRPOConfigSection, config_to_dict, write_resolved_config
 from engine.grpo.policy_loss import PolicyLossConfig, entropy_coef_to_apply, update_entropy_coef
+from engine.lora_settings import LoraSettings, lora_settings_from_config
 from engine.models.model_dir import resolve_model_dir
 from engine.policy.hf_convert import ModelDims
+from engine.policy.lora import apply_lora, merged_lora
 from engine.policy.optimizer import PolicyOptimizer
 from engine.policy.parallel import ParallelState, init_parallel
 from engine.policy.reference import ReferencePolicy
@@ -88,6 +91,8 @@ class Run:
     """Rounds trained so far: the version of the policy the trainer holds (and last pushed into the engines)."""
     pipeline: RolloutPipeline | None = None
     """With `rollout.max_staleness` > 0 (server mode): the rounds generated ahead (engine/train/rollout_pipeline.py)."""
+    lora: LoraSettings | None = None
+    """With `lora.use_peft`: the adapters on the frozen policy (engine/policy/lora.py)."""
 
 
 class TrainingDivergedError(RuntimeError):
@@ -159,6 +164,9 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
                          f"({hf_config.model_type}) has no mixture-of-experts layers: set it to false")
     chunks = build_policy(hf_config, cfg.model, ps, cfg.train)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
+    lora = lora_settings_from_config(cfg.lora) if cfg.lora.use_peft else None
+    if lora is not None:  # before the optimizer: it then holds the adapters only
+        apply_lora(chunks, lora, ps, seed=cfg.train.seed)
     reference = ReferencePolicy.build(hf_config, cfg.model, ps, model_dir, dims) if cfg.grpo.beta != 0 else None
     max_len = cfg.rollout.vllm_max_model_length or hf_config.max_position_embeddings
     multi_turn = build_agentic(cfg, agentic, tokenizer, name)
@@ -195,7 +203,8 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
                                agentic=multi_turn)
         entropy = AdaptiveEntropy(cfg.grpo.entropy_coef, enabled=cfg.grpo.use_adaptive_entropy)
         return Run(cfg, ps, derived, Path(model_dir), tokenizer, dims, chunks, optimizer, reference, engine, rewards,
-                   logger, sampler, loss_config, settings, total_steps, resume_from=resume_from, entropy=entropy)
+                   logger, sampler, loss_config, settings, total_steps, resume_from=resume_from, entropy=entropy,
+                   lora=lora)
 
 
 @contextlib.contextmanager
@@ -326,14 +335,29 @@ def _model_identity(run: Run) -> dict:
 
 def export_policy(run: Run, out_dir: str | Path) -> None:
     """Write the current policy as a Hugging Face checkpoint in the model's dtype, with the model directory's
-    config and tokenizer files (collective: every rank calls it)."""
+    config and tokenizer files (collective: every rank calls it). With LoRA: a PEFT adapter directory instead
+    (engine/policy/peft_adapter.py, with the tokenizer files), and with `lora.lora_save_merged` the merged model as
+    an HF checkpoint to `<out_dir>_merged` too."""
     from transformers import AutoConfig
 
-    from engine.policy.hf_checkpoint import export_hf_checkpoint
+    from engine.policy.hf_checkpoint import TOKENIZER_FILES, export_hf_checkpoint
+    from engine.policy.peft_adapter import save_peft_adapter
 
     dtype = getattr(torch, run.cfg.model.dtype)
-    export_hf_checkpoint(run.chunks, run.ps, out_dir, AutoConfig.from_pretrained(run.model_dir), run.dims,
-                         tokenizer_dir=run.model_dir, dtype=dtype)
+    hf_config = AutoConfig.from_pretrained(run.model_dir)
+    if run.lora is None:
+        export_hf_checkpoint(run.chunks, run.ps, out_dir, hf_config, run.dims, tokenizer_dir=run.model_dir, dtype=dtype)
+        return
+    out_dir = Path(out_dir)
+    save_peft_adapter(run.chunks, run.ps, out_dir, run.lora, base_model_name_or_path=str(run.model_dir), dtype=dtype)
+    if run.ps.rank == 0:
+        for name in TOKENIZER_FILES:
+            if (run.model_dir / name).exists():
+                shutil.copy2(run.model_dir / name, out_dir / name)
+    if run.cfg.lora.lora_save_merged:
+        with merged_lora(run.chunks):
+            export_hf_checkpoint(run.chunks, run.ps, out_dir.with_name(out_dir.name + "_merged"), hf_config,
+                                 run.dims, tokenizer_dir=run.model_dir, dtype=dtype)
 
 
 REFERENCE_EXPORT_SUFFIX = "_reference"

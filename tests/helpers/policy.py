@@ -128,7 +128,8 @@ def global_batch() -> dict:
 
 
 def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, width_multiple: int = 1,
-                         padding_free: bool = False, micro_batch_size: int = MICRO_BATCH, train=None) -> dict:
+                         padding_free: bool = False, micro_batch_size: int = MICRO_BATCH, train=None,
+                         lora=None) -> dict:
     """Rank function body: one GRPO optimizer step on `global_batch` at `parallel`, the result exported to `out_dir`.
 
     DAPO loss with beta > 0, Megatron's distributed optimizer (Adam, epsilon 1e-4: see test_grpo_step_layouts.py) with
@@ -138,6 +139,8 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     compared), or with `padding_free` its packed path (rows of packed sequences, block-diagonal mask, at most
     `micro_batch_size` x the longest sequence tokens per micro-batch).
     `train` (engine.config.TrainConfig) sets the activation recompute (None: TrainConfig()'s full recompute).
+    `lora` (engine.policy.lora.LoraSettings): adapters on the frozen base, B perturbed (tests/helpers/lora.py), the
+    result written as a PEFT adapter instead (the adapters before the step to `<out_dir>_initial`), plus "optimizer_numel": the elements of this rank's optimizer state.
     Returns {"loss": the summed micro-batch losses on the last stage's TP rank 0, else None, "grad_norm",
     "layer_forwards": this rank's transformer-layer forwards during the step (recompute doubles them)}.
     """
@@ -149,6 +152,14 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     from tests.helpers.grpo_settings import build_loss_config
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, model_cfg, train=train)
+    if lora is not None:
+        from engine.policy.lora import apply_lora
+        from engine.policy.peft_adapter import save_peft_adapter
+        from tests.helpers.lora import perturb_lora_b
+
+        apply_lora(chunks, lora, ps)
+        perturb_lora_b(chunks, ps)
+        save_peft_adapter(chunks, ps, f"{out_dir}_initial", lora, base_model_name_or_path=model_dir)
     opt_cfg = OptimizerConfig(learning_rate=LEARNING_RATE, adam_epsilon=1e-4, lr_scheduler_type="constant",
                               max_grad_norm=1.0)
     popt = build_optimizer(opt_cfg, chunks, ps, total_steps=1)
@@ -163,10 +174,17 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     layer_forwards = count_layer_forwards(chunks)
     outputs = grpo_forward_backward(popt.model, ps, microbatches, loss_config, normalizer, settings)
     stats = popt.step()
-    export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims)
+    extra = {}
+    if lora is not None:
+        from tests.helpers.lora import optimizer_state_numel
+
+        save_peft_adapter(chunks, ps, out_dir, lora, base_model_name_or_path=model_dir)
+        extra["optimizer_numel"] = optimizer_state_numel(popt)
+    else:
+        export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims)
     reports = ps.is_last_stage and ps.tp_rank == 0
     return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"],
-            "layer_forwards": layer_forwards[0]}
+            "layer_forwards": layer_forwards[0]} | extra
 
 
 def flip_bits(chunks, ps, plan, names: list[str]) -> None:

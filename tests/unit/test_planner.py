@@ -22,7 +22,9 @@ from engine.planning.shapes import (
 CONFIGS = Path(__file__).parents[2] / "configs"
 QWEN_72B = CONFIGS / "qwen2.5-72b_tp8_pp4_split_4x1.yaml"
 LLAMA_70B = CONFIGS / "llama3.1-70b_tp8_pp4_split_4x1.yaml"
-GPU_CONFIGS = [QWEN_72B, LLAMA_70B, CONFIGS / "qwen2.5-7b_tp2_dp4_1node.yaml", CONFIGS / "qwen2.5-0.5b_tp1_1gpu.yaml"]
+LLAMA_70B_LORA = CONFIGS / "llama3.1-70b_lora_tp8_split_1x1.yaml"
+GPU_CONFIGS = [QWEN_72B, LLAMA_70B, CONFIGS / "qwen2.5-7b_tp2_dp4_1node.yaml", CONFIGS / "qwen2.5-0.5b_tp1_1gpu.yaml",
+               LLAMA_70B_LORA]
 TWO_URLS = "rollout.vllm_server_base_urls=[http://gpu005:8000,http://gpu006:8000]"
 
 
@@ -72,6 +74,29 @@ def test_72b_training_gpu_terms_equal_the_hand_computed_arithmetic():
     n = 2 * 8192
     assert terms["loss workspace"] == pytest.approx(1024 * 2**20 + 2 * sbh + n * h * (2 + 4) + n * 16 * 4)
     assert plan.budget("training GPU").total_bytes / GIB == pytest.approx(46.69, abs=0.005)
+
+
+def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
+    """LoRA (configs/llama3.1-70b_lora_tp8_split_1x1.yaml): the base's bf16 weights, the adapters' weights, and
+    fp32 gradients and Adam state for the adapters only; 1 training node, where the full fine-tune does not fit."""
+    plan = _plan(LLAMA_70B_LORA)
+    assert plan.shape.train_nodes == 1 and plan.shape.infer_nodes == 1 and not plan.problems
+    terms = _terms(plan.budget("training GPU"))
+    # r = 32 on every linear of a Llama-3.1-70B layer, TP 8 (column: A r*in + B out*r/8, row: A r*in/8 + B out*r)
+    h, kv, f, r, t = 8192, 1024, 28672, 32, 8
+    per_layer = ((r * h + h * r / t) + 2 * (r * h + kv * r / t) + (r * h / t + h * r) + 2 * (r * h + f * r / t)
+                 + (r * f / t + h * r))
+    assert per_layer == 2_252_800
+    adapters = 80 * per_layer
+    base = 80 * ((2 * h * h + 2 * h * kv + 3 * h * f) / t + 2 * h) + 2 * 129024 * h / t
+    assert terms["weights"] == pytest.approx(base * 2)
+    assert terms["adapter weights"] == pytest.approx(adapters * 2)
+    assert terms["main grads"] == pytest.approx(adapters * 4)
+    assert terms["optimizer"] == pytest.approx(adapters * 12)
+    assert plan.budget("training GPU").total_bytes / GIB == pytest.approx(28.72, abs=0.005)
+    full = _plan(LLAMA_70B_LORA, ["lora.use_peft=false", "lora.lora_r=16", "lora.lora_alpha=32",
+                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null"])
+    assert full.budget("training GPU").total_bytes > 79.1 * GIB, "the full fine-tune must not fit on one node"
 
 
 def test_72b_inference_gpu_holds_the_whole_generation_round_in_kv_cache():

@@ -278,7 +278,7 @@ def test_trainer_unknown_reward_name_fails_before_training(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"peft_config": object()}, NotImplementedError, "full fine-tuning"),
+    ({"peft_config": object()}, ValueError, "only peft.LoraConfig"),
     ({"optimizers": (object(), None)}, NotImplementedError, "distributed optimizer"),
     ({"quantization_config": object()}, NotImplementedError, "quantization"),
     ({"processing_class": object()}, NotImplementedError, "tokenizer"),

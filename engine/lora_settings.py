@@ -1,0 +1,129 @@
+"""The LoRA adapter setting (issue #29): which HF modules get adapters, rank, scale, dropout; checked here, from the
+`lora` config section or a `peft.LoraConfig` (GRPOTrainer's peft_config).
+
+Owns: `HF_TARGETS` (the HF module names an adapter can target, and the Megatron linear and output part each lives in),
+`LoraSettings`, `resolve_target_modules`, `lora_settings_from_config`, `lora_settings_from_peft` (every PEFT option
+the engine cannot act on refused by name) and `lora_fields_from_peft` (the config section's fields).
+
+Must not: import torch, Megatron or peft (a LoraConfig is read by attribute), or build adapters
+(engine/policy/lora.py does).
+
+Test: tests/unit/test_lora.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+HF_TARGETS: dict[str, tuple[str, str]] = {
+    # HF module -> (Megatron linear inside a layer, part of its output)
+    "q_proj": ("self_attention.linear_qkv", "q"),
+    "k_proj": ("self_attention.linear_qkv", "k"),
+    "v_proj": ("self_attention.linear_qkv", "v"),
+    "o_proj": ("self_attention.linear_proj", "all"),
+    "gate_proj": ("mlp.linear_fc1", "gate"),
+    "up_proj": ("mlp.linear_fc1", "up"),
+    "down_proj": ("mlp.linear_fc2", "all"),
+}
+"""Every linear of a Qwen2 / Llama / Qwen3 layer, by the HF module name PEFT's target_modules uses."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A checked adapter setting (from the `lora` config section or a `peft.LoraConfig`)."""
+
+    r: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: tuple[str, ...]
+    """HF module names, in HF_TARGETS' order."""
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's scale of B A: lora_alpha / r, or lora_alpha / sqrt(r) with rslora (arXiv:2312.03732)."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+def resolve_target_modules(target_modules, setting: str = "lora.target_modules") -> tuple[str, ...]:
+    """HF module names from PEFT's `target_modules` ("all-linear", a list of names, or one name).
+
+    Raises ValueError naming the setting for a name that matches no linear of the model (a regex string too:
+    PEFT's regex form is not supported here; list the names)."""
+    if target_modules is None:
+        raise ValueError(f"{setting} is not set: name the HF modules to adapt (e.g. ['q_proj', 'v_proj']) or "
+                         f"'all-linear'; known: {', '.join(HF_TARGETS)}")
+    if isinstance(target_modules, str):
+        target_modules = list(HF_TARGETS) if target_modules == "all-linear" else [target_modules]
+    names = list(target_modules)
+    unknown = [n for n in names if n not in HF_TARGETS]
+    if unknown or not names:
+        raise ValueError(f"{setting}: {unknown or names} match no linear of the model (regular expressions are not "
+                         f"supported); use 'all-linear' or names from: {', '.join(HF_TARGETS)}")
+    return tuple(n for n in HF_TARGETS if n in names)
+
+
+def lora_settings_from_peft(peft_config) -> LoraSettings:
+    """A `peft.LoraConfig` checked and turned into LoraSettings; every PEFT option this engine cannot act on is
+    refused by its name (modules_to_save, bias, DoRA, per-layer patterns, non-default init, fan_in_fan_out)."""
+    refusals = {
+        "bias": (getattr(peft_config, "bias", "none") != "none", "only 'none' is supported"),
+        "modules_to_save": (bool(getattr(peft_config, "modules_to_save", None)),
+                            "training the LM head or embeddings in full next to adapters is not supported"),
+        "use_dora": (bool(getattr(peft_config, "use_dora", False)), "DoRA is not supported"),
+        "layers_to_transform": (getattr(peft_config, "layers_to_transform", None) is not None,
+                                "every layer gets adapters"),
+        "rank_pattern": (bool(getattr(peft_config, "rank_pattern", None)), "one rank for every module"),
+        "alpha_pattern": (bool(getattr(peft_config, "alpha_pattern", None)), "one alpha for every module"),
+        "init_lora_weights": (getattr(peft_config, "init_lora_weights", True) is not True,
+                              "only PEFT's default init (A Kaiming-uniform, B = 0)"),
+        "fan_in_fan_out": (bool(getattr(peft_config, "fan_in_fan_out", False)), "not for these models"),
+        "lora_bias": (bool(getattr(peft_config, "lora_bias", False)), "not supported"),
+    }
+    peft_type = str(getattr(getattr(peft_config, "peft_type", None), "value", getattr(peft_config, "peft_type", "")))
+    if peft_type != "LORA":
+        kind = " (prompt-learning: virtual tokens)" if getattr(peft_config, "is_prompt_learning", False) else ""
+        raise ValueError(f"peft_config: {type(peft_config).__name__} ({peft_type or 'no peft_type'}){kind} is not "
+                         "supported; only peft.LoraConfig")
+    refusals |= {name: (bool(getattr(peft_config, name, None)), "not supported")
+                 for name in ("exclude_modules", "target_parameters", "layer_replication", "trainable_token_indices",
+                              "use_qalora", "layers_pattern")}
+    for name, (refused, why) in refusals.items():
+        if refused:
+            raise ValueError(f"peft_config.{name}={getattr(peft_config, name)!r}: {why}")
+    targets = getattr(peft_config, "target_modules", None)
+    targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
+                                     (sorted(targets) if isinstance(targets, set) else targets),
+                                     "peft_config.target_modules")
+    return LoraSettings(r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
+                        lora_dropout=float(peft_config.lora_dropout), target_modules=targets,
+                        use_rslora=bool(getattr(peft_config, "use_rslora", False)))
+
+
+PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
+"""PEFT's default target_modules for Qwen2 / Llama / Qwen3 (its TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING)."""
+
+
+def lora_settings_from_config(section) -> LoraSettings:
+    """LoraSettings from the `lora` config section (engine/config.py LoraConfig; use_peft must be true).
+
+    Raises ValueError naming the field: rank < 1, dropout outside [0, 1), target modules that match nothing."""
+    if section.lora_r < 1:
+        raise ValueError(f"lora.lora_r={section.lora_r}: the rank must be >= 1")
+    if not 0.0 <= section.lora_dropout < 1.0:
+        raise ValueError(f"lora.lora_dropout={section.lora_dropout}: must be in [0, 1)")
+    targets = section.lora_target_modules
+    targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
+                                     ("all-linear" if targets == ["all-linear"] else targets),
+                                     "lora.lora_target_modules")
+    return LoraSettings(r=section.lora_r, lora_alpha=float(section.lora_alpha), lora_dropout=section.lora_dropout,
+                        target_modules=targets, use_rslora=section.use_rslora)
+
+
+def lora_fields_from_peft(peft_config) -> dict:
+    """The `lora` config section's fields (engine/config.py LoraConfig) for a checked `peft.LoraConfig`."""
+    settings = lora_settings_from_peft(peft_config)
+    return {"use_peft": True, "lora_r": settings.r, "lora_alpha": peft_config.lora_alpha,
+            "lora_dropout": settings.lora_dropout, "lora_target_modules": list(settings.target_modules),
+            "use_rslora": settings.use_rslora}

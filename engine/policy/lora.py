@@ -1,0 +1,306 @@
+"""LoRA adapters on the Megatron policy's parallel linears (issue #29), from a `peft.LoraConfig`-like setting.
+
+Owns (the setting, HF_TARGETS and their checks: engine/lora_settings.py): the adapters (`LoraAdapter`, one per
+Megatron linear, one (A, B) pair per HF module fused into it, so q/k/v and gate/up keep PEFT's separate adapters),
+`apply_lora` (freezes the base, attaches the adapters as forward hooks, initialises them by global name like
+engine/policy/model.py `init_weights_by_name`; their dist-checkpoint entries are TP-sharded), `merged_lora`
+(W + scaling * B A in fp32, rounded once, for the weight sync and merged exports) and `lora_tensors_for_peft` (the
+gathered adapter tensors under PEFT's key names). Dropout (lora_dropout) draws from torch's default generator, the
+same on every TP rank, as Megatron's hidden dropout.
+
+TP rules (x is the linear's input, h = x A^T of width r, delta = scaling * h B^T added to the base output):
+  column-parallel (linear_qkv, linear_fc1): A (r, in) replicated, B (out / tp, r) sharded; h's gradient is summed
+    over TP (`copy_to_tensor_model_parallel_region`); with sequence parallelism h is gathered over the sequence
+    (x is s / tp tokens) and A's gradient is partial: A is marked `sequence_parallel` (Megatron's
+    finalize_model_grads sums it over TP, like the norms).
+  row-parallel (linear_proj, linear_fc2): A (r, in / tp) sharded, B (out, r) replicated; h is a partial sum,
+    all-reduced (`reduce_from_tensor_model_parallel_region`) or, with sequence parallelism, reduce-scattered over
+    the sequence, and then B's gradient is partial: B is marked `sequence_parallel`.
+Adapters are held in the model's dtype (params_dtype); Megatron's optimizer keeps fp32 main copies of them in
+bf16 runs. The merge for sync/export is computed in fp32 from those parameters.
+
+Must not: read Megatron's global parallel state (groups come from ParallelState), know vLLM's layout.
+
+Test: tests/distributed/test_lora_layouts.py (logits = peft.PeftModel's at TP1 / TP2, the merged view and export;
+the LoRA GRPO step at TP2, TP2+SP, PP2, DP2 = the single-process step; checkpoints TP2 -> TP2 / TP1 exact),
+tests/unit/test_lora.py (bad ranks), tests/integration/test_lora_run.py (the run, merged sync, export, resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+from engine.lora_settings import HF_TARGETS, LoraSettings
+
+HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+PEFT_PREFIX = "base_model.model.model.layers."
+WEIGHT_SYNC_MODES = ("merged", "adapter")
+
+
+def _part_sizes(linear_path: str, config) -> dict[str, int]:
+    """Global output rows of each HF part of one Megatron linear (TP=1 layout)."""
+    heads, groups, head_dim = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    if linear_path.endswith("linear_qkv"):
+        return {"q": heads * head_dim, "k": groups * head_dim, "v": groups * head_dim}
+    if linear_path.endswith("linear_fc1"):
+        return {"gate": config.ffn_hidden_size, "up": config.ffn_hidden_size}
+    if linear_path.endswith("linear_proj"):
+        return {"all": config.hidden_size}
+    return {"all": config.hidden_size}
+
+
+def _in_features(linear_path: str, config) -> int:
+    if linear_path.endswith("linear_proj"):
+        return config.num_attention_heads * config.kv_channels
+    if linear_path.endswith("linear_fc2"):
+        return config.ffn_hidden_size
+    return config.hidden_size
+
+
+class LoraAdapter(torch.nn.Module):
+    """The adapters of one Megatron linear: `lora_A[hf]` and `lora_B[hf]` for each HF module fused into it.
+
+    Shapes on a TP rank (column-parallel): A (r, in), B (out_part / tp, r); (row-parallel): A (r, in / tp),
+    B (out, r). Runs as a forward hook of the linear (`hook`): the base's own forward is untouched.
+    """
+
+    def __init__(self, linear_path: str, hf_names: list[str], settings: LoraSettings, config, ps):
+        super().__init__()
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.linear_path, self.hf_names = linear_path, list(hf_names)
+        self.is_row = linear_path in ROW_PARALLEL
+        self.scaling, self.dropout = settings.scaling, settings.lora_dropout
+        self.tp_group, self.tp_size = ps.groups.tp, ps.tp_size
+        self.sequence_parallel = bool(config.sequence_parallel) and ps.tp_size > 1
+        self.merged = False
+        sizes, in_features, r = _part_sizes(linear_path, config), _in_features(linear_path, config), settings.r
+        self.parts = [HF_TARGETS[name][1] for name in hf_names]
+        self.local_sizes = {part: size // (1 if self.is_row else ps.tp_size) for part, size in sizes.items()}
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.head_dim = config.kv_channels
+        for name in hf_names:
+            out = sizes[HF_TARGETS[name][1]]
+            if r > min(out, in_features):
+                raise ValueError(f"lora.lora_r (peft r)={r} is larger than {name}'s smaller dimension "
+                                 f"({out} x {in_features}): a rank above min(out, in) adds no capacity")
+        dtype = config.params_dtype
+        self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
+        for name in hf_names:
+            out = sizes[HF_TARGETS[name][1]]
+            a_shape = (r, in_features // ps.tp_size) if self.is_row else (r, in_features)
+            b_shape = (out, r) if self.is_row else (out // ps.tp_size, r)
+            a = torch.nn.Parameter(torch.zeros(a_shape, dtype=dtype))
+            b = torch.nn.Parameter(torch.zeros(b_shape, dtype=dtype))
+            set_tensor_model_parallel_attributes(a, self.is_row and ps.tp_size > 1, 1, 1)
+            set_tensor_model_parallel_attributes(b, not self.is_row and ps.tp_size > 1, 0, 1)
+            (b if self.is_row else a).sequence_parallel = self.sequence_parallel
+            self.lora_A[name], self.lora_B[name] = a, b
+
+    def hook(self, linear, args, output):
+        """Forward hook of the base linear: (out, bias) -> (out + scaling * delta(x), bias)."""
+        if self.merged:
+            return output
+        out, bias = output
+        return out + self.delta(args[0]).to(out.dtype), bias
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """scaling * B A x in this rank's output layout; x (s or s / tp, b, in or in / tp)."""
+        from megatron.core.tensor_parallel import mappings
+
+        x = F.dropout(x, p=self.dropout, training=self.training) if self.dropout else x
+        a = torch.cat([self.lora_A[n] for n in self.hf_names], dim=0)  # (parts * r, in_local)
+        h = F.linear(x.to(a.dtype), a)  # (s_local, b, parts * r)
+        if self.is_row:  # partial sums over the input shards
+            h = (mappings.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if self.sequence_parallel
+                 else mappings.reduce_from_tensor_model_parallel_region(h, group=self.tp_group))
+        elif self.sequence_parallel:
+            h = mappings.gather_from_sequence_parallel_region(h, group=self.tp_group)
+        else:
+            h = mappings.copy_to_tensor_model_parallel_region(h, group=self.tp_group)
+        pieces = {self.parts[i]: F.linear(chunk, self.lora_B[n])
+                  for i, (n, chunk) in enumerate(zip(self.hf_names, h.chunk(len(self.hf_names), dim=-1)))}
+        return self.scaling * self._arrange(pieces, h.shape[:-1])
+
+    def _arrange(self, pieces: dict[str, torch.Tensor], lead: torch.Size) -> torch.Tensor:
+        """This rank's output layout from per-part outputs (missing parts are zero): QKV interleaved per query
+        group [q heads of g; k_g; v_g], fc1 [gate; up] (engine/policy/hf_convert.py Kind)."""
+        some = next(iter(pieces.values()))
+        full = {p: pieces.get(p, some.new_zeros(*lead, size)) for p, size in self.local_sizes.items()}
+        if "q" in full:
+            groups = self.local_sizes["k"] // self.head_dim
+            q = full["q"].reshape(*lead, groups, self.heads_per_group * self.head_dim)
+            k, v = (full[p].reshape(*lead, groups, self.head_dim) for p in ("k", "v"))
+            return torch.cat([q, k, v], dim=-1).reshape(*lead, -1)
+        return torch.cat([full[p] for p in self.local_sizes], dim=-1)
+
+    @torch.no_grad()
+    def weight_delta(self) -> torch.Tensor:
+        """scaling * B A for this rank's shard of the base weight, in fp32, in Megatron's local layout."""
+        pieces = {}
+        for name, part in zip(self.hf_names, self.parts):
+            pieces[part] = self.lora_B[name].float() @ self.lora_A[name].float()  # (out_local, in_local)
+        in_local = next(iter(pieces.values())).shape[1]
+        rows = self._arrange({p: t.t() for p, t in pieces.items()}, torch.Size([in_local]))  # (in_local, out_local)
+        return self.scaling * rows.t()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron dist-checkpoint entries: A split on dim 1 (row-parallel) or B on dim 0 (column-parallel)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        state = self.state_dict(prefix="", keep_vars=True)
+        axis = {k: (1 if k.startswith("lora_A") else 0) for k, v in state.items()
+                if getattr(v, "tensor_model_parallel", False)}
+        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
+def _linear(layer: torch.nn.Module, path: str) -> torch.nn.Module:
+    module = layer
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def lora_adapters(chunks) -> list[tuple[int, LoraAdapter]]:
+    """(global layer index, adapter) of every adapter in the chunks (DDP-wrapped or not)."""
+    found = []
+    for chunk in chunks:
+        model = getattr(chunk, "module", chunk)
+        for layer in getattr(getattr(model, "decoder", None), "layers", []):
+            for path in dict.fromkeys(p for p, _ in HF_TARGETS.values()):
+                adapter = getattr(_linear(layer, path), "lora", None)
+                if adapter is not None:
+                    found.append((layer.layer_number - 1, adapter))
+    return found
+
+
+def is_lora_param(name: str) -> bool:
+    return ".lora.lora_A." in name or ".lora.lora_B." in name
+
+
+@torch.no_grad()
+def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: int = 0) -> int:
+    """Freeze every base parameter and attach adapters to the target linears of every layer of the chunks.
+
+    A is PEFT's Kaiming-uniform (bound 1 / sqrt(in_features)) drawn from the global name (the same global adapter at
+    every layout), B is zero. Returns the number of adapter parameters on this rank.
+    """
+    for chunk in chunks:
+        if getattr(chunk.config, "num_moe_experts", None) and any(
+                HF_TARGETS[n][0].startswith("mlp") for n in settings.target_modules):
+            raise ValueError(f"lora.target_modules {list(settings.target_modules)}: adapters on MoE expert linears "
+                             "(gate_proj / up_proj / down_proj of an MoE model) are not supported; target the "
+                             "attention (q_proj, k_proj, v_proj, o_proj)")
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+    count = 0
+    for chunk in chunks:
+        for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
+            by_linear: dict[str, list[str]] = {}
+            for name in settings.target_modules:
+                by_linear.setdefault(HF_TARGETS[name][0], []).append(name)
+            for path, names in by_linear.items():
+                linear = _linear(layer, path)
+                adapter = LoraAdapter(path, names, settings, chunk.config, ps)
+                _init_adapter(adapter, layer.layer_number - 1, ps, seed)
+                linear.add_module("lora", adapter)
+                object.__setattr__(adapter, "base_linear", linear)  # not a submodule: the linear owns the adapter
+                linear.sharded_state_dict = _sharded_state_dict_with_adapter(linear, adapter)
+                linear.register_forward_hook(adapter.hook)
+                count += sum(p.numel() for p in adapter.parameters())
+        _make_inputs_require_grad(chunk)
+    return count
+
+
+def _sharded_state_dict_with_adapter(linear: torch.nn.Module, adapter: LoraAdapter):
+    """The linear's dist-checkpoint entries with its adapter's, each split as its own TP attributes say.
+
+    NOTE: Megatron's Column/RowParallelLinear.sharded_state_dict takes the linear's whole (recursive) state_dict and
+    marks every entry but weight / bias as replicated over TP: the adapter's TP-sharded halves would be saved from one
+    TP rank only and loaded into every rank (same shapes: silently wrong). The adapter is left out of the base's call
+    and adds its own entries (`LoraAdapter.sharded_state_dict`)."""
+    base_method = type(linear).sharded_state_dict
+
+    def sharded_state_dict(prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        del linear._modules["lora"]
+        try:
+            entries = base_method(linear, prefix, sharded_offsets, metadata)
+        finally:
+            linear._modules["lora"] = adapter
+        return entries | adapter.sharded_state_dict(f"{prefix}lora.", sharded_offsets, metadata)
+
+    return sharded_state_dict
+
+
+def _init_adapter(adapter: LoraAdapter, layer: int, ps, seed: int) -> None:
+    from engine.policy.model import take_tp_shard
+
+    for name, a in adapter.lora_A.items():
+        full_in = a.shape[1] * (ps.tp_size if adapter.is_row else 1)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{layer}.{name}.lora_A".encode()))
+        full = (torch.rand(a.shape[0], full_in, generator=gen) * 2 - 1) / math.sqrt(full_in)
+        a.copy_(take_tp_shard(full, a, ps.tp_rank, ps.tp_size).to(a.dtype))
+
+
+def _make_inputs_require_grad(chunk: torch.nn.Module) -> None:
+    """NOTE: with the embedding frozen, the first layer's input does not require grad, and Megatron's (reentrant)
+    activation recompute then returns outputs without a graph: the adapters inside would get no gradient. The
+    embedding's output is made to require grad (what transformers' `enable_input_require_grads` does for PEFT)."""
+    embedding = getattr(chunk, "embedding", None)
+    if embedding is not None:
+        embedding.register_forward_hook(
+            lambda module, args, output: output.requires_grad_(True) if torch.is_grad_enabled() else output)
+
+
+@contextlib.contextmanager
+def merged_lora(chunks):
+    """Within the block every adapted base weight holds W + scaling * B A (computed in fp32, rounded once to W's
+    dtype) and the adapters are off, so a reader of the base parameters (weight sync, HF export) sees the merged
+    model; the original W objects are restored after (no unmerge rounding). No adapters: nothing happens.
+    NOTE: the merged copies of the adapted weights exist together for the block (one extra copy of those weights on
+    each rank, transient), as TRL's merge / unmerge around its sync holds the merged model."""
+    saved = []
+    try:
+        for _, adapter in lora_adapters(chunks):
+            weight = adapter.base_linear.weight
+            saved.append((weight, weight.data, adapter))
+            weight.data = (weight.data.float() + adapter.weight_delta()).to(weight.dtype)
+            adapter.merged = True
+        yield
+    finally:
+        for weight, data, adapter in saved:
+            weight.data = data
+            adapter.merged = False
+
+
+@torch.no_grad()
+def lora_tensors_for_peft(chunks, ps) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of this pipeline stage, TP shards gathered (collective over the TP group), under PEFT's
+    saved key names (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`, ...)."""
+    from engine.policy.model import merge_tp_shards
+
+    tensors = {}
+    for layer, adapter in lora_adapters(chunks):
+        for name in adapter.hf_names:
+            key = f"{PEFT_PREFIX}{layer}.{HF_PARENT[name]}.{name}"
+            for which, param in (("lora_A", adapter.lora_A[name]), ("lora_B", adapter.lora_B[name])):
+                full = merge_tp_shards(_gather_tp(param.data, ps), param)
+                tensors[f"{key}.{which}.weight"] = full.clone()  # at TP1 `full` is the live parameter
+    return tensors
+
+
+def _gather_tp(tensor: torch.Tensor, ps) -> list[torch.Tensor]:
+    """Every TP rank's shard of `tensor`, in TP-rank order (collective over the TP group)."""
+    if ps.tp_size == 1:
+        return [tensor]
+    shards = [torch.empty_like(tensor) for _ in range(ps.tp_size)]
+    torch.distributed.all_gather(shards, tensor.contiguous(), group=ps.groups.tp)
+    return shards

@@ -1,0 +1,167 @@
+"""LoRA on the Megatron policy (issue #29): the adapters are PEFT's, at every layout.
+
+1. Logits and outputs: with adapters on every linear of the tiny Qwen2 (q/k/v in the fused QKV, gate/up in the fused
+   fc1, o_proj and down_proj row-parallel; B perturbed, since PEFT's B = 0 would make every check trivial), at TP1
+   and TP2 the engine's logits equal `peft.PeftModel.from_pretrained(hf_base, saved_adapter)`'s, the adapters change
+   the logits, the merged view (`merged_lora`: W + scaling B A) gives the same logits, the merged HF export loads in
+   transformers with the same logits, and leaving the merged view restores the base exactly.
+2. The GRPO step (tests/helpers/policy.py grpo_step_and_export: DAPO, beta > 0, clipping, the distributed
+   optimizer, full recompute) with adapters at TP2, TP2 + sequence parallelism, PP2 and DP2 equals the
+   single-process step in fp32: loss, gradient norm and every updated adapter tensor (read back from the saved PEFT
+   adapters); the base is frozen (the optimizer state holds exactly the adapters' elements).
+"""
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_distributed
+from tests.helpers.lora import lora_logits_and_exports, lora_settings
+from tests.helpers.policy import grpo_step_and_export, hf_tensors, tokens
+
+
+def _lora_step(tp, pp, dp, sp, model_dir, out_dir):
+    from engine.config import ModelConfig, ParallelConfig
+
+    parallel = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp)
+    return grpo_step_and_export(model_dir, parallel, ModelConfig(dtype="float32"), out_dir, tp if sp else 1,
+                                lora=lora_settings())
+
+
+def _adapter_tensors(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from engine.models.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("lora") / "qwen2", "qwen2", seed=5)
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_lora_logits_equal_peft_and_merged_export(model_dir, tmp_path, tp):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ParallelConfig
+
+    result = run_distributed(lora_logits_and_exports, tp, str(model_dir), ParallelConfig(tp_size=tp), str(tmp_path))[0]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tokens(base.config.vocab_size)
+    with torch.no_grad():
+        plain = base(ids).logits
+        with_peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(ids).logits
+    assert (with_peft - plain).abs().max() > 0.1, "the perturbed adapters should move the logits"
+    torch.testing.assert_close(result["logits"], with_peft, rtol=0, atol=1e-5)
+    torch.testing.assert_close(result["merged_logits"], result["logits"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
+    assert torch.equal(result["after_merge"], result["logits"]), "leaving merged_lora must restore the base exactly"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_ref") / "adapter"
+    result = run_distributed(_lora_step, 1, 1, 1, 1, False, str(model_dir), str(out))[0]
+    return result, _adapter_tensors(out), _adapter_tensors(out.with_name("adapter_initial"))
+
+
+def _num_adapter_elements(tensors: dict) -> int:
+    return sum(t.numel() for t in tensors.values())
+
+
+def test_lora_step_trains_only_adapters(reference):
+    from tests.helpers.lora import SETTINGS
+
+    result, tensors, initial = reference
+    assert len(tensors) == 2 * 7 * 4, "A and B of 7 modules in each of the 4 layers"
+    unchanged = [name for name, t in tensors.items() if torch.equal(t, initial[name])]
+    assert not unchanged, f"the step left adapters unchanged (no gradient reached them): {unchanged}"
+    assert result["optimizer_numel"] == _num_adapter_elements(tensors), "the optimizer holds adapter state only"
+    assert result["grad_norm"] > 0 and SETTINGS["r"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,dp,sp", [(2, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, False)],
+                         ids=["tp2", "tp2_sp", "pp2", "dp2"])
+def test_lora_grpo_step_matches_single_process(model_dir, reference, tmp_path, tp, pp, dp, sp):
+    ref, ref_tensors, _ = reference
+    results = run_distributed(_lora_step, tp * pp * dp, tp, pp, dp, sp, str(model_dir), str(tmp_path / "adapter"))
+    loss = sum(r["loss"] for r in results if r["loss"] is not None)
+    assert loss == pytest.approx(ref["loss"], rel=1e-5)
+    assert all(r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) for r in results)
+    tensors = _adapter_tensors(tmp_path / "adapter")
+    assert sorted(tensors) == sorted(ref_tensors)
+    for name, expected in ref_tensors.items():
+        torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    if tp == 1:  # PP stages hold their layers' adapters, DP ranks their shares of them: each element once
+        assert sum(r["optimizer_numel"] for r in results) == _num_adapter_elements(ref_tensors)
+
+
+@torch.no_grad()
+def _adapter_step(chunks, popt, ps, seed: int) -> None:
+    """One optimizer step whose adapter gradients are fixed functions of (seed, global name): layout-independent."""
+    import zlib
+
+    from engine.policy.model import global_param_names, take_tp_shard
+
+    popt.zero_grad()
+    for chunk in chunks:
+        for name, global_name in global_param_names(chunk).items():
+            param = chunk.get_parameter(name)
+            if not param.requires_grad:
+                continue
+            shape = list(param.shape)
+            if getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= ps.tp_size
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(global_name.encode()))
+            param.main_grad.copy_(take_tp_shard(1e-4 * torch.randn(shape, generator=gen), param, ps.tp_rank,
+                                                ps.tp_size))
+    popt.step()
+
+
+def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool) -> dict:
+    """Source (`save`): adapters, one fixed step, save, a second step. Target: load, the same second step. Returns
+    the adapters (PEFT names, full tensors) after loading / saving and after the second step."""
+    from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from engine.policy.lora import apply_lora, lora_tensors_for_peft
+    from engine.policy.optimizer import build_optimizer
+    from engine.train.checkpoint import Progress, find_latest_checkpoint, load_checkpoint, save_checkpoint
+    from tests.helpers.lora import perturb_lora_b
+    from tests.helpers.policy import build_from_hf
+
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(tp_size=tp), ModelConfig(dtype="float32"))
+    apply_lora(chunks, lora_settings(), ps)
+    perturb_lora_b(chunks, ps, seed=3 if save else 4)  # the target starts elsewhere: loading must overwrite it
+    popt = build_optimizer(OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=3),
+                           chunks, ps, total_steps=10)
+    identity = {"model_type": hf_config.model_type, "padded_vocab_size": dims.padded_vocab}
+    if save:
+        _adapter_step(chunks, popt, ps, seed=1)
+        save_checkpoint(run_dir, Progress(step=1, rounds_done=1), popt, ps, model=identity)
+    else:
+        load_checkpoint(find_latest_checkpoint(run_dir), popt, ps, model=identity)
+    at_checkpoint = lora_tensors_for_peft(chunks, ps)
+    _adapter_step(chunks, popt, ps, seed=2)
+    return {"checkpoint": at_checkpoint, "next": lora_tensors_for_peft(chunks, ps)}
+
+
+@pytest.mark.slow
+def test_lora_checkpoint_resumes_exactly_at_tp2_and_resharded_to_tp1(model_dir, tmp_path):
+    """Saved at TP2 (adapters and their optimizer state only: smaller than the base), loaded at TP2 and at TP1: the
+    adapters equal the saved ones bit for bit, and the next step (Adam moments, step count and the warmup LR
+    restored) lands on the source's next adapters bit for bit."""
+    source = run_distributed(_lora_checkpoint, 2, 2, str(model_dir), str(tmp_path), True)[0]
+    saved = sum(f.stat().st_size for f in tmp_path.glob("checkpoint-1/**/*") if f.is_file())
+    adapters = sum(t.numel() * 4 for t in source["checkpoint"].values())  # fp32: weights, then Adam m, v, master
+    base = (model_dir / "model.safetensors").stat().st_size
+    assert saved < 8 * adapters + 2**20 < base, f"{saved} B saved: the frozen base ({base} B) must not be in it"
+    for tp in (2, 1):
+        target = run_distributed(_lora_checkpoint, tp, tp, str(model_dir), str(tmp_path), False)[0]
+        for key in ("checkpoint", "next"):
+            assert sorted(target[key]) == sorted(source[key])
+            bad = {name: float((target[key][name] - tensor).abs().max()) for name, tensor in source[key].items()
+                   if not torch.equal(target[key][name], tensor)}
+            assert not bad, f"tp{tp} {key}: differ (max abs): {bad}"

@@ -1,0 +1,94 @@
+"""LoRA settings (engine/policy/lora.py, the `lora` section's validation, GRPOTrainer's peft_config): what is
+accepted maps onto the right Megatron linears, and every bad input fails with a message naming the setting.
+The adapters' numbers (PEFT equality, layouts, checkpoints) are tested in tests/distributed/test_lora_layouts.py."""
+
+from types import SimpleNamespace
+
+import pytest
+from peft import LoraConfig as PeftLoraConfig
+
+from engine.config import ConfigError, build_config
+from engine.lora_settings import (lora_fields_from_peft, lora_settings_from_config, lora_settings_from_peft,
+                                  resolve_target_modules)
+from engine.policy.lora import LoraAdapter
+from engine.validation import validate
+
+
+def test_target_modules_all_linear_and_names_in_model_order():
+    assert resolve_target_modules("all-linear") == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj")
+    assert resolve_target_modules(["v_proj", "q_proj"]) == ("q_proj", "v_proj")
+
+
+@pytest.mark.parametrize("targets", [["lm_head"], ["q_proj", "qkv"], [], ".*proj"])
+def test_target_modules_matching_nothing_are_refused_by_name(targets):
+    with pytest.raises(ValueError, match=r"lora.target_modules: .* match no linear"):
+        resolve_target_modules(targets)
+
+
+def test_peft_config_maps_to_settings_and_config_fields():
+    peft = PeftLoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=["q_proj", "down_proj"],
+                          use_rslora=True, task_type="CAUSAL_LM")
+    settings = lora_settings_from_peft(peft)
+    assert settings.target_modules == ("q_proj", "down_proj") and settings.r == 8
+    assert settings.scaling == pytest.approx(16 / 8 ** 0.5)
+    fields = lora_fields_from_peft(peft)
+    cfg = build_config({"lora": fields})
+    assert lora_settings_from_config(cfg.lora) == settings
+    assert lora_settings_from_peft(PeftLoraConfig(r=4)).target_modules == ("q_proj", "v_proj"), "PEFT's default"
+    assert lora_settings_from_peft(PeftLoraConfig(r=4, lora_alpha=8)).scaling == 2.0
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"), ({"bias": "all"}, "bias"), ({"use_dora": True}, "use_dora"),
+    ({"layers_to_transform": [0]}, "layers_to_transform"), ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
+    ({"init_lora_weights": "gaussian"}, "init_lora_weights"), ({"exclude_modules": ["k_proj"]}, "exclude_modules"),
+])
+def test_peft_options_the_engine_cannot_act_on_are_refused_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=rf"peft_config.{name}="):
+        lora_settings_from_peft(PeftLoraConfig(r=4, target_modules=["q_proj"], **kwargs))
+
+
+def _megatron_config(**overrides):
+    return SimpleNamespace(**({"num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 32, "hidden_size": 128,
+                               "ffn_hidden_size": 256, "sequence_parallel": False, "params_dtype": None} | overrides))
+
+
+def test_rank_larger_than_the_layer_is_refused():
+    import torch
+
+    ps = SimpleNamespace(tp_size=1, groups=SimpleNamespace(tp=None))
+    settings = lora_settings_from_config(build_config({"lora": {"use_peft": True, "lora_r": 65,
+                                                                "lora_target_modules": ["k_proj"]}}).lora)
+    with pytest.raises(ValueError, match=r"lora.lora_r \(peft r\)=65 is larger than k_proj's smaller dimension "
+                                         r"\(64 x 128\)"):
+        LoraAdapter("self_attention.linear_qkv", ["k_proj"], settings, _megatron_config(params_dtype=torch.float32), ps)
+
+
+@pytest.mark.parametrize("lora,grpo,message", [
+    ({"lora_r": 8}, {}, r"lora.lora_r=8: no effect without lora.use_peft=true"),
+    ({"use_peft": True, "lora_r": 0}, {}, r"lora.lora_r=0: the rank must be >= 1"),
+    ({"use_peft": True, "lora_dropout": 1.0}, {}, r"lora.lora_dropout=1.0: must be in \[0, 1\)"),
+    ({"use_peft": True, "lora_target_modules": ["query"]}, {}, r"lora.lora_target_modules: \['query'\] match no"),
+    ({"use_peft": True}, {"sync_ref_model": True}, r"grpo.sync_ref_model with lora.use_peft"),
+])
+def test_lora_config_validation_names_the_setting(lora, grpo, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(build_config({"lora": lora, "grpo": grpo}), 1)
+
+
+def test_grpo_trainer_takes_peft_config(tmp_path):
+    from datasets import Dataset
+
+    from engine import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, num_generations=4)
+    trainer = GRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                          args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1="] * 4}),
+                          peft_config=PeftLoraConfig(r=8, lora_alpha=32, target_modules="all-linear"))
+    lora = trainer._cfg.lora
+    assert lora.use_peft and lora.lora_r == 8 and lora.lora_alpha == 32 and len(lora.lora_target_modules) == 7
+    with pytest.raises(ValueError, match=r"peft_config.modules_to_save="):
+        GRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                    args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1="] * 4}),
+                    peft_config=PeftLoraConfig(r=8, modules_to_save=["lm_head"]))
