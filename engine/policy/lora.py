@@ -162,10 +162,12 @@ class LoraAdapter(torch.nn.Module):
                                                    dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
 
-def _linear(layer: torch.nn.Module, path: str) -> torch.nn.Module:
+def _linear(layer: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    """The layer's linear at `path` (`self_attention.linear_qkv`, ...), None where the layer has none (MoE layers
+    have no `mlp.linear_fc1`)."""
     module = layer
     for part in path.split("."):
-        module = getattr(module, part)
+        module = getattr(module, part, None)
     return module
 
 

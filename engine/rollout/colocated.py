@@ -95,9 +95,9 @@ class ColocatedRollout:
         self.engine.add_turn(request)
 
     def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
-        """Steps the engine (every turn in flight advances together) until one finishes; with `timeout_s` (the
-        caller has other work: tool calls of other samples) one step at most, whose time is the engine's own."""
-        return self.engine.step_turns(max_steps=None if timeout_s is None else 1)
+        """Steps the engine (every turn in flight advances together) until one finishes or, after a whole step,
+        `timeout_s` has passed (a short one, when the caller has tool calls running: one step)."""
+        return self.engine.step_turns(timeout_s)
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -18,6 +18,7 @@ import glob
 import json
 import logging
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,8 +36,7 @@ reloads it through the experts layer sharing it, after the gate's digest was rec
 
 
 def _moe_layers(names: list[str]) -> list[int]:
-    """Decoder layers with routed-expert tensors among HF names (Qwen3-MoE's `model.layers.<i>.mlp.experts.<e>...`,
-    Mixtral's `model.layers.<i>.block_sparse_moe.experts.<e>...`)."""
+    """Decoder layers with routed-expert tensors among HF names (`model.layers.<i>.<mlp|block_sparse_moe>.experts`)."""
     return sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and ".experts." in n})
 
 
@@ -270,12 +270,11 @@ class VLLMEngine:
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
         self._turns[request_id] = request
 
-    def step_turns(self, max_steps: int | None = None) -> list[TurnResult]:
-        """Run engine steps until at least one turn finishes (none in flight: at once), or `max_steps` steps ran
-        (None = no limit); the finished ones."""
-        done, steps = [], 0
-        while self._turns and not done and (max_steps is None or steps < max_steps):
-            steps += 1
+    def step_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
+        """Run engine steps until at least one turn finishes (none in flight: at once) or, after a whole step,
+        `timeout_s` has passed (None = no limit); the finished ones."""
+        done, deadline = [], None if timeout_s is None else time.monotonic() + timeout_s
+        while self._turns and not done:
             for output in self.llm.llm_engine.step():
                 request = self._turns.pop(output.request_id, None) if output.finished else None
                 if request is not None:
@@ -283,6 +282,8 @@ class VLLMEngine:
                     ids = list(completion.token_ids)
                     done.append(TurnResult(request.key, ids, [lp[t].logprob for t, lp in zip(ids, completion.logprobs)],
                                            completion.finish_reason == "length"))
+            if deadline is not None and time.monotonic() >= deadline:
+                break
         return done
 
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
@@ -504,8 +505,7 @@ class WeightReceiverExtension:
 
     def grpo_weight_digests(self) -> dict:
         """{"engine_rank", "digests": {HF name: [digest, dtype held]}}: this rank's box of every HF tensor it holds,
-        read from its parameters (engine/rollout/weight_digest.py), or, for the layers the CPU backend repacked, as
-        their loaders last wrote them (`grpo_track_loads`)."""
+        read from its parameters (weight_digest.py) or, where the CPU backend repacked, as loaded (grpo_track_loads)."""
         model = self.model_runner.model
         packed, dtype = getattr(model, "packed_modules_mapping", {}), self.grpo_digest_dtype()
         digests = {}
