@@ -67,7 +67,7 @@ class TurnEngine:
         self.engine.add_turn(request)
 
     def collect_turns(self, timeout_s=None):
-        return self.engine.step_turns(max_steps=None if timeout_s is None else 1)
+        return self.engine.step_turns(timeout_s)  # as ColocatedRollout.collect_turns
 
     def wake_up(self) -> None:
         self.engine.wake_up()
