@@ -41,13 +41,11 @@ def lora_logits_and_exports(model_dir: str, parallel, out_dir: str, settings_ove
     """Rank function: the policy with (perturbed) adapters: its full-vocabulary logits of tests/helpers/policy.py
     `tokens` (last stage, TP rank 0; None elsewhere), the same within `merged_lora`, the PEFT adapter written to
     `<out_dir>/adapter` and the merged model exported as an HF checkpoint to `<out_dir>/merged`."""
-    import torch.distributed as dist
-
     from engine.policy.hf_checkpoint import export_hf_checkpoint
     from engine.policy.lora import apply_lora, merged_lora
     from engine.policy.peft_adapter import save_peft_adapter
-    from engine.policy.step import lm_head_logits, run_schedule
-    from tests.helpers.policy import SEQ, BATCH, build_from_hf, tokens
+    from engine.policy.step import run_schedule
+    from tests.helpers.policy import SEQ, BATCH, build_from_hf, gathered_logits_fn, tokens
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
     settings = lora_settings(**(settings_overrides or {}))
@@ -56,13 +54,7 @@ def lora_logits_and_exports(model_dir: str, parallel, out_dir: str, settings_ove
     for chunk in chunks:
         chunk.eval()
     batch = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
-
-    def logits_fn(model, hidden, _batch):
-        local = lm_head_logits(hidden, model.lm_head_weight(), ps)  # (s, b, V_pad / tp)
-        shards = [torch.empty_like(local) for _ in range(ps.tp_size)]
-        dist.all_gather(shards, local.contiguous(), group=ps.groups.tp)
-        full = torch.cat(shards, dim=-1).transpose(0, 1)  # (b, s, V_pad)
-        return full.sum() * 0, {"logits": full[..., : hf_config.vocab_size].detach().clone()}
+    logits_fn = gathered_logits_fn(ps, hf_config.vocab_size)
 
     def logits():
         with torch.no_grad():

@@ -71,27 +71,35 @@ def logits_and_export(model_dir: str, parallel, out_dir: str) -> torch.Tensor | 
     The chunks are in eval mode (a forward-only pass either way: no dropout in these models); Megatron's MoE layer
     refuses TP > 1 in training mode without sequence parallelism.
     """
-    import torch.distributed as dist
-
     from engine.policy.hf_checkpoint import export_hf_checkpoint
-    from engine.policy.step import lm_head_logits, run_schedule
+    from engine.policy.step import run_schedule
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
     for chunk in chunks:
         chunk.eval()
     batch = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+    logits_fn = gathered_logits_fn(ps, hf_config.vocab_size)
+    with torch.no_grad():
+        values = run_schedule(chunks, ps, [batch], logits_fn, forward_only=True)
+    export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims, tokenizer_dir=model_dir)
+    return values[0]["logits"] if values and ps.tp_rank == 0 else None
+
+
+def gathered_logits_fn(ps, vocab_size: int):
+    """A `run_schedule` loss function that returns the last stage's full-vocabulary logits (b, s, V), gathered over
+    the TP group (loss 0): the forward `logits_and_export` and the LoRA helpers compare with HF's."""
+    import torch.distributed as dist
+
+    from engine.policy.step import lm_head_logits
 
     def logits_fn(model, hidden, _batch):
         local = lm_head_logits(hidden, model.lm_head_weight(), ps)  # (s, b, V_pad / tp)
         shards = [torch.empty_like(local) for _ in range(ps.tp_size)]
         dist.all_gather(shards, local.contiguous(), group=ps.groups.tp)
         full = torch.cat(shards, dim=-1).transpose(0, 1)  # (b, s, V_pad)
-        return full.sum() * 0, {"logits": full[..., : hf_config.vocab_size].detach().clone()}
+        return full.sum() * 0, {"logits": full[..., :vocab_size].detach().clone()}
 
-    with torch.no_grad():
-        values = run_schedule(chunks, ps, [batch], logits_fn, forward_only=True)
-    export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims, tokenizer_dir=model_dir)
-    return values[0]["logits"] if values and ps.tp_rank == 0 else None
+    return logits_fn
 
 
 def hf_logits(model_dir) -> torch.Tensor:
