@@ -20,6 +20,8 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from engine.train.step_schedule import rounds_for_steps
+
 
 def model_directory(name_or_path: str | Path, output_dir: Path) -> Path:
     """The directory holding `name_or_path`'s weights (a `builtin:` name is written where the engine writes it:
@@ -123,10 +125,11 @@ def materialise_stream(dataset: Any, num_rows: int, name: str) -> Any:
     return datasets.Dataset.from_list(rows)
 
 
-def stream_rows_needed(max_steps: int, optimizer_steps_per_generation: int, num_prompts_per_generation: int) -> int:
-    """Prompts a run of `max_steps` optimizer steps draws: whole rounds of `num_prompts_per_generation`."""
-    rounds = -(-max_steps // max(optimizer_steps_per_generation, 1))
-    return rounds * num_prompts_per_generation
+def stream_rows_needed(max_steps: int, derived, num_iterations: int, gradient_accumulation_steps: int) -> int:
+    """Prompts a run of `max_steps` optimizer steps draws: whole rounds of `num_prompts_per_generation` (the
+    rounds' micro-steps may span optimizer steps: engine/train/step_schedule.py)."""
+    rounds = rounds_for_steps(max_steps, derived.steps_per_generation * num_iterations, gradient_accumulation_steps)
+    return rounds * derived.num_prompts_per_generation
 
 
 def eval_sets(eval_dataset: Any, max_prompts: int | None) -> dict | None:
@@ -368,8 +371,8 @@ class TrainerSurface:
             return self.train_dataset
         if self._stream_rows is None:
             derived = self._derived
-            needed = stream_rows_needed(self._cfg.train.max_steps, derived.optimizer_steps_per_generation,
-                                        derived.num_prompts_per_generation)
+            needed = stream_rows_needed(self._cfg.train.max_steps, derived, self._cfg.grpo.num_iterations,
+                                        self._cfg.train.gradient_accumulation_steps)
             self._stream_rows = materialise_stream(self.train_dataset, needed, "train_dataset")
         return self._stream_rows
 
