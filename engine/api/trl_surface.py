@@ -17,10 +17,17 @@ Test: tests/unit/test_trl_api.py (datasets), tests/integration/test_trl_api_run.
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 from engine.train.step_schedule import rounds_for_steps
+
+INITIAL_MODEL_DIR = "initial_model"
+"""Under output_dir: a `PreTrainedModel` passed as `model` (or assigned to `trainer.model`), saved so that Megatron
+and vLLM can load it."""
 
 
 def model_directory(name_or_path: str | Path, output_dir: Path) -> Path:
@@ -154,6 +161,42 @@ def eval_sets(eval_dataset: Any, max_prompts: int | None) -> dict | None:
     return sets
 
 
+def write_once(target: Path, write) -> None:
+    """Rank 0 calls `write(staging_dir)` and renames it to `target`; other ranks (torchrun) wait for `target`."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        write(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+        return
+    deadline = time.monotonic() + 1800
+    while not (target / "config.json").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not write {target} within 30 minutes")
+        time.sleep(1.0)
+
+
+def save_model_object(model: Any, tokenizer: Any, target: Path, no_source: str) -> str:
+    """A transformers model object and its tokenizer (or the one of its `name_or_path`) -> `target`, written once
+    (atomically, by one rank); returns the directory."""
+    from transformers import AutoTokenizer
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, safe_serialization=True)
+        tok = tokenizer
+        if tok is None:
+            source = getattr(model.config, "_name_or_path", "")
+            if not source:
+                raise ValueError(no_source)
+            tok = AutoTokenizer.from_pretrained(source)
+        tok.save_pretrained(staging)
+
+    write_once(target, write)
+    return str(target)
+
+
 class TrainerSurface:
     """TRL's trainer attributes and methods around `GRPOTrainer.train()`: `model`, `ref_model`, `processing_class`,
     `reward_processing_classes`, `state`, the callback list (`add_callback` / `pop_callback` / `remove_callback`)
@@ -257,6 +300,34 @@ class TrainerSurface:
             self._model = load_causal_lm(self._current_model_dir(), into=self._model_object)
             self._model_is_stale = False
         return self._model
+
+    @model.setter
+    def model(self, value: Any) -> None:
+        """`trainer.model = m` before `train()`, as on HF's Trainer: the transformers `PreTrainedModel` `m` becomes
+        the policy the run trains (and `trainer.model`), with its weights as they are now: it is saved under
+        `<output_dir>/initial_model`, which Megatron and vLLM load. Where the assignment could not act (anything
+        but a `PreTrainedModel`, after `train()`, with a `peft_config`) it raises, naming why."""
+        import dataclasses
+
+        from transformers import PreTrainedModel
+
+        if not isinstance(value, PreTrainedModel):
+            raise TypeError(f"trainer.model must be a transformers PreTrainedModel, got {type(value).__name__}: the "
+                            "engine trains a Megatron copy of the policy built from a checkpoint, so only a model it "
+                            "can save as one replaces the policy (or pass model=... to GRPOTrainer)")
+        if getattr(self, "_trained", False):
+            raise RuntimeError("trainer.model cannot be replaced after train(): the run is over and the engine torn "
+                               "down; build a new GRPOTrainer(model=...) to train or evaluate another model")
+        if getattr(self, "_peft_config", None) is not None:
+            raise RuntimeError("trainer.model cannot be replaced on a trainer with a peft_config: pass the model "
+                               "to GRPOTrainer(model=..., peft_config=...) instead")
+        path = save_model_object(value, self.processing_class, self.output_dir / INITIAL_MODEL_DIR,
+                                 "trainer.model: a model without a name_or_path needs the trainer's processing_class")
+        self.model_path = Path(path)
+        self._cfg = dataclasses.replace(self._cfg, model=dataclasses.replace(self._cfg.model, name_or_path=path))
+        self._check_layout()
+        self._model_object = self._model = value
+        self._model_is_stale = False
 
     @property
     def ref_model(self) -> Any:

@@ -384,6 +384,33 @@ def test_trainer_saves_a_model_object_and_loads_it_from_output_dir(tmp_path):
     assert (tmp_path / "export" / "config.json").is_file() and not (tmp_path / "run" / FINAL_MODEL_DIR).exists()
 
 
+def test_assigning_trainer_model_replaces_the_policy_or_says_why_it_cannot(tmp_path):
+    """TRL's (HF Trainer's) `trainer.model = m` before train(): m's weights are what the engine loads; a stand-in
+    object (TRL's rollout_func tests assign a SimpleNamespace) is refused, naming the type."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.tiny_model import resolve_builtin_model
+
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts())
+    with pytest.raises(TypeError, match="trainer.model must be a transformers PreTrainedModel, got SimpleNamespace"):
+        trainer.model = SimpleNamespace(training=True)
+    assert trainer.engine_config.model.name_or_path == TINY  # a refused assignment changed nothing
+    replacement = AutoModelForCausalLM.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
+    with torch.no_grad():
+        replacement.lm_head.weight.mul_(0.5)
+    trainer.model = replacement
+    saved = tmp_path / "run" / INITIAL_MODEL_DIR
+    assert trainer.engine_config.model.name_or_path == str(saved) and trainer.model is replacement
+    reloaded = AutoModelForCausalLM.from_pretrained(saved)
+    assert torch.equal(reloaded.lm_head.weight, replacement.lm_head.weight)
+    trainer._trained = True
+    with pytest.raises(RuntimeError, match="cannot be replaced after train"):
+        trainer.model = replacement
+
+
 def test_trainer_gives_a_reward_model_its_processing_class(tmp_path):
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
