@@ -37,7 +37,7 @@ from engine.policy.parallel import destroy_parallel
 from engine.policy.reference import mix_reference_if_due
 from engine.policy.routing_replay import (ROUTE_KEYS, clear_router_agreement, pad_routes, routes_dtype,
                                           take_router_agreement)
-from engine.policy.step import forward_logprobs, grpo_forward_backward
+from engine.policy.step import clear_moe_aux_loss, forward_logprobs, grpo_forward_backward, take_moe_aux_loss
 from engine.rollout.rollouts import Rollout
 from engine.train.checkpoint import Progress, StopSignal, checkpoint_dir, is_save_step
 from engine.train.evaluation import evaluate_sets, tokenize_eval_sets
@@ -137,7 +137,9 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
         t_logprob = time.perf_counter()
         outputs, stats = [], {}
         ends_pass = int(epoch(run, rounds)) > int(epoch_before)
-        for optimizer_step in schedule.take(units, ends_pass=ends_pass, steps_left=run.total_steps - step):
+        trained = schedule.take(units, ends_pass=ends_pass, steps_left=run.total_steps - step)
+        clear_moe_aux_loss()
+        for optimizer_step in trained:
             on_rank0(ps, hooks.step_begin, step, agree=False)
             run.optimizer.zero_grad()
             out = grpo_forward_backward(run.optimizer.model, ps, optimizer_step.microbatches, run.loss_config,
@@ -149,6 +151,8 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
             mix_reference_if_due(run.reference, run.optimizer.model, cfg.grpo, step)  # TR-DPO
             on_rank0(ps, hooks.step_end, step, agree=False)
         run.policy_version += bool(outputs)  # a round whose slices were all carried changed no weight
+        aux = take_moe_aux_loss(run.optimizer.model, ps, sum(len(s.microbatches) for s in trained))
+        moe |= {} if aux is None else {"aux_loss": aux}  # TRL's key: MoE load-balancing loss, unweighted
         check_finite(run, step, [o.loss for out in outputs for o in out])  # a diverged policy is never synced
         t_train = time.perf_counter()
         # 4. weight sync into every engine, verified on a probe of this round (asynchronous: once round r + k,

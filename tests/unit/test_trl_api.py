@@ -147,7 +147,7 @@ def test_grpo_config_router_aux_loss_coef_is_the_moe_aux_loss_coefficient():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # translated, not in the no-effect warning
         assert GRPOConfig(router_aux_loss_coef=0.01).to_engine_config().model.moe_aux_loss_coeff == 0.01
-        assert GRPOConfig(router_aux_loss_coef=None).to_engine_config().model.moe_aux_loss_coeff == 0.0
+        assert GRPOConfig(router_aux_loss_coef=None).to_engine_config().model.moe_aux_loss_coeff is None
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 means moe_aux_loss_coeff=0.01"):
         GRPOConfig(router_aux_loss_coef=0.01, moe_aux_loss_coeff=0.02)
 
