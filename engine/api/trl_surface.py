@@ -371,6 +371,38 @@ class TrainerSurface:
         """TRL's flag: the entropy bonus is in the loss (entropy_coef != 0 or use_adaptive_entropy)."""
         return self._cfg.grpo.entropy_coef != 0.0 or self._cfg.grpo.use_adaptive_entropy
 
+    @_entropy_bonus_enabled.setter
+    def _entropy_bonus_enabled(self, value: bool) -> None:
+        """TRL's tests assign the flag after `entropy_coef` / `use_adaptive_entropy`: it is derived from them here,
+        so an assignment that agrees is accepted and one that does not raises, naming the settings to change."""
+        if bool(value) != self._entropy_bonus_enabled:
+            raise ValueError(f"_entropy_bonus_enabled={value} contradicts entropy_coef={self.entropy_coef} and "
+                             f"use_adaptive_entropy={self.use_adaptive_entropy}, from which it follows: set those")
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        """Before `train()`: the coefficient the run starts from (grpo.entropy_coef); after it, an error."""
+        self._set_grpo_before_train("entropy_coef", float(value))
+
+    @property
+    def use_adaptive_entropy(self) -> bool:
+        """TRL's attribute: the Skywork-OR1 adaptive entropy controller is on (grpo.use_adaptive_entropy)."""
+        return self._cfg.grpo.use_adaptive_entropy
+
+    @use_adaptive_entropy.setter
+    def use_adaptive_entropy(self, value: bool) -> None:
+        """Before `train()`: switches the adaptive controller (grpo.use_adaptive_entropy); after it, an error."""
+        self._set_grpo_before_train("use_adaptive_entropy", bool(value))
+
+    def _set_grpo_before_train(self, name: str, value: Any) -> None:
+        """TRL's trainer attribute `name` assigned: the run's grpo.<name>, checked again; refused after train()."""
+        import dataclasses
+
+        if getattr(self, "_trained", False):
+            raise RuntimeError(f"trainer.{name} cannot be changed after train(): the run is over")
+        self._cfg = dataclasses.replace(self._cfg, grpo=dataclasses.replace(self._cfg.grpo, **{name: value}))
+        self._check_layout()
+
     @property
     def aux_loss_enabled(self) -> bool:
         """TRL's flag: the policy is a MoE model (its config has `output_router_logits`) trained with a non-zero

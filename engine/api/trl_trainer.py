@@ -172,6 +172,7 @@ class GRPOTrainer(TrainerSurface):
 
     get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
     get_high_entropy_mask = trl_compat.get_high_entropy_mask  # TRL's signature: (self, entropies, mask, threshold)
+    _get_per_token_logps_and_entropies = trl_compat.get_per_token_logps_and_entropies  # TRL's private signature
 
     def _check_layout(self) -> None:
         """Batch geometry and objective checks before anything starts (the world size torchrun gives, else 1), with
