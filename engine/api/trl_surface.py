@@ -402,6 +402,7 @@ class TrainerSurface:
             raise RuntimeError(f"trainer.{name} cannot be changed after train(): the run is over")
         self._cfg = dataclasses.replace(self._cfg, grpo=dataclasses.replace(self._cfg.grpo, **{name: value}))
         self._check_layout()
+        setattr(self.args, name, value)  # trainer.args says what the run does
 
     @property
     def aux_loss_enabled(self) -> bool:

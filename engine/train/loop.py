@@ -175,7 +175,7 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
         if outputs:  # TRL logs on optimizer steps: a round that trained none is not a record of its own
             last = log_round(run, step, scored.rewards, adv, batch, units, outputs, stats | sync | timings | moe)
         # 6. the hooks (callbacks): evaluate, save or stop when asked
-        asked = report_round(run, hooks, step, epoch_before, timings["epoch"])
+        asked = report_round(run, hooks, step, epoch_before, timings["epoch"], trained=bool(outputs))
         if asked.evaluate:
             scheduled_evaluation(run, hooks, step, eval_sets, loss_of=eval_loss)
         # 7. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule. A
@@ -209,13 +209,14 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     return summary
 
 
-def report_round(run: Run, hooks: LoopHooks, step: int, epoch_before: float, epoch_after: float):
+def report_round(run: Run, hooks: LoopHooks, step: int, epoch_before: float, epoch_after: float, *,
+                 trained: bool = True):
     """The hooks hear of the round's end (a finished pass first: it may ask for an evaluation, then the logged
-    record); returns their agreed `Decision`."""
+    record, none when the round trained no step: its slices were all carried); returns their agreed `Decision`."""
     ps = run.ps
     if int(epoch_after) > int(epoch_before):
         on_rank0(ps, hooks.epoch_end, epoch_after, agree=False)
-    record = run.logger.last_record if ps.rank == 0 and run.logger.last_record_step == step else None
+    record = run.logger.last_record if ps.rank == 0 and trained and run.logger.last_record_step == step else None
     log_now = (lambda: run.logger.log_now(step)) if ps.rank == 0 else None
     return on_rank0(ps, hooks.round_end, step, record, epoch_after, log_now)
 

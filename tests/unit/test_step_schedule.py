@@ -64,3 +64,10 @@ def test_deferred_save_warning_names_the_interval():
     message = deferred_save_warning(2, 4, 1, 3)
     assert "checkpoint.save_steps=2" in message and "every 3 rounds = 4 optimizer steps" in message
     assert deferred_save_warning(0, 4, 1, 3) is None and deferred_save_warning(2, 4, 1, 2) is None
+
+
+def test_rounds_smaller_than_a_step_train_none_until_enough_are_carried():
+    schedule = StepSchedule(3, 1)  # steps_per_generation=1, gradient_accumulation_steps=3
+    taken = [schedule.take(_slices(r, 1), ends_pass=False, steps_left=100) for r in range(3)]
+    assert [len(steps) for steps in taken] == [0, 0, 1]
+    assert _ids(taken[2][0]) == [(0, 0), (1, 0), (2, 0)]

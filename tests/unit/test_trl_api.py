@@ -749,8 +749,9 @@ def test_trainer_flags_loaders_and_stream_settings_as_trl(tmp_path):
     assert args.dataloader_num_workers == 0 and args.accelerator_config.dispatch_batches is False
     assert trainer.get_train_dataloader().num_workers == 0
     assert (trainer.entropy_coef, trainer._entropy_bonus_enabled, trainer.aux_loss_enabled) == (0.0, False, False)
-    with pytest.raises(AttributeError):
-        trainer.entropy_coef = 0.5  # no effect: refused (GRPOConfig(entropy_coef=...) sets it)
+    trainer.entropy_coef = 0.5  # TRL's attribute: before train() it is the run's coefficient
+    assert (trainer.engine_config.grpo.entropy_coef, trainer.args.entropy_coef, trainer._entropy_bonus_enabled) == (
+        0.5, 0.5, True)
     args = _small_args(tmp_path, entropy_coef=0.1, per_device_eval_batch_size=4)
     with pytest.warns(UserWarning):
         args.dataloader_num_workers = 2
