@@ -66,7 +66,8 @@ def cmd_plan(args) -> int:
     print(format_plan(plan))
     print(
         f"generation: {derived.num_prompts_per_generation} prompts x {cfg.grpo.num_generations} = "
-        f"{derived.generation_batch_size} completions per round, serving {derived.optimizer_steps_per_generation} optimizer step(s)"
+        f"{derived.generation_batch_size} completions per round, serving {derived.steps_per_generation * cfg.grpo.num_iterations}/"
+        f"{cfg.train.gradient_accumulation_steps} optimizer step(s)"
     )
     if plan.problems:
         print("plan: layout does not fit:\n  - " + "\n  - ".join(plan.problems), file=sys.stderr)

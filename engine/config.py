@@ -61,9 +61,9 @@ class ModelConfig:
     """Megatron layer spec: `auto` = Transformer Engine when it imports (GPU), the local spec otherwise."""
     offload_reference: bool = False
     """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
-    moe_aux_loss_coeff: float | None = 0.0
-    """MoE models: load-balancing aux loss coefficient (Megatron's per-micro-batch `aux_loss`); 0 = off (RL
-    fine-tuning usually keeps the pretrained router as is); None = the HF config's `router_aux_loss_coef`."""
+    moe_aux_loss_coeff: float | None = None
+    """MoE models: load-balancing aux loss coefficient (Megatron's per-micro-batch `aux_loss`, logged as TRL's
+    `aux_loss`); None = the HF config's `router_aux_loss_coef` (as TRL), 0 = off (keeps the pretrained router)."""
     moe_z_loss_coeff: float | None = None
     """MoE models: router z-loss coefficient (ST-MoE); None = off."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"

@@ -173,16 +173,27 @@ def _check_batches(cfg: EngineConfig, derived: Derived, problems: list[str]) -> 
             f"{derived.generation_batch_size} "
             f"completions; grpo.num_generations={g} would split groups across batches)"
         )
-    elif derived.steps_per_generation % train.gradient_accumulation_steps:
-        problems.append(
-            f"steps_per_generation={derived.steps_per_generation} must be a multiple of "
-            f"train.gradient_accumulation_steps={train.gradient_accumulation_steps}: an optimizer step would mix two "
-            "generation batches"
-        )
+    elif (derived.steps_per_generation * cfg.grpo.num_iterations) % train.gradient_accumulation_steps:
+        _check_spanning_steps(cfg, derived, problems)
     if train.max_steps == 0 or train.max_steps < -1:
         problems.append(f"train.max_steps must be -1 (use num_train_epochs) or >= 1, got {train.max_steps}")
     if train.max_steps == -1 and train.num_train_epochs <= 0:
         problems.append(f"train.num_train_epochs must be > 0 when train.max_steps=-1, got {train.num_train_epochs}")
+
+
+def _check_spanning_steps(cfg: EngineConfig, derived: Derived, problems: list[str]) -> None:
+    """Optimizer steps that span generation rounds (engine/train/step_schedule.py) are built for one pipeline stage
+    and synchronous rollouts only."""
+    micro = f"steps_per_generation*num_iterations = {derived.steps_per_generation}*{cfg.grpo.num_iterations}"
+    why = (f"{micro} micro-steps per round is not a multiple of train.gradient_accumulation_steps="
+           f"{cfg.train.gradient_accumulation_steps}, so optimizer steps span generation rounds")
+    if cfg.parallel.pp_size > 1:
+        problems.append(f"{why}, which needs parallel.pp_size=1 (the carried slices and the next round's differ in "
+                        f"width, and a pipeline needs one), got pp_size={cfg.parallel.pp_size}: make the micro-steps "
+                        "fill whole optimizer steps")
+    if cfg.rollout.max_staleness > 0:
+        problems.append(f"{why}, which needs rollout.max_staleness=0 (the asynchronous pipeline counts whole steps "
+                        f"per round), got {cfg.rollout.max_staleness}")
 
 
 def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:

@@ -7,6 +7,8 @@ Owns (issue #27 item 6; reward models by hub id, item 9, are engine/train/reward
   `logger.warning`, so a test reads them with pytest's `caplog`);
 - `get_off_policy_mask` and `get_high_entropy_mask`: TRL's GRPOTrainer helpers with TRL's signatures, computed by
   the engine's own maths (engine/grpo/policy_loss.py), bound onto `GRPOTrainer`;
+- `get_per_token_logps_and_entropies`: TRL's private `_get_per_token_logps_and_entropies` on a transformers
+  model, by the engine's LM-head maths (kernels/lm_head_logprob.py);
 - `vespo_importance_sampling_mode(...)`: the vLLM IS mode a vespo run gets when the user named none (TRL without
   vLLM has no IS correction; with vLLM it requires a token mode).
 
@@ -82,3 +84,44 @@ def get_high_entropy_mask(trainer: Any, entropies: torch.Tensor, mask: torch.Ten
         return torch.zeros_like(entropies, dtype=torch.bool)
     cutoff = compute_entropy_threshold(entropies.float(), mask, 1.0 - threshold)
     return select_high_entropy_tokens(entropies.float(), mask, cutoff) & mask.bool()
+
+
+def get_per_token_logps_and_entropies(trainer: Any, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                                      logits_to_keep: int, batch_size: int | None = None, compute_entropy: bool = False,
+                                      compute_aux_loss: bool = False, **multimodal: Any) -> tuple:
+    """TRL's private `GRPOTrainer._get_per_token_logps_and_entropies` on a transformers causal LM (`trainer.model`):
+    the decoder's last hidden states of the positions that predict the last `logits_to_keep` tokens, then the
+    engine's LM-head maths (kernels/lm_head_logprob.py: softmax of X W^T / temperature, never the full logits),
+    in chunks of `batch_size` rows.
+
+    Returns:
+        (logps (B, logits_to_keep), entropies (B, logits_to_keep) or None, None). As TRL, the entropies carry a
+        gradient only while the entropy bonus is on (`trainer._entropy_bonus_enabled`); detached otherwise.
+    Raises:
+        NotImplementedError: `compute_aux_loss` (the engine's MoE aux loss is Megatron's, logged as `aux_loss`) or
+            multimodal inputs (text models only).
+    """
+    from kernels.lm_head_logprob import lm_head_logprob_entropy
+
+    given = sorted(k for k, v in multimodal.items() if v is not None)
+    if compute_aux_loss or given:
+        raise NotImplementedError(f"_get_per_token_logps_and_entropies: {'compute_aux_loss' if compute_aux_loss else given}"
+                                  " is not supported here (text models; the MoE aux loss is the trainer's, logged as "
+                                  "aux_loss)")
+    cfg = trainer.engine_config
+    weight = model.get_output_embeddings().weight  # (V, H)
+    batch_size = batch_size or input_ids.size(0)
+    logps, entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        ids, mask = input_ids[start:start + batch_size], attention_mask[start:start + batch_size]  # (b, T)
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # (b, T, H)
+        hidden = hidden[:, -logits_to_keep - 1:-1]  # (b, K, H): position t predicts token t + 1
+        logp, entropy = lm_head_logprob_entropy(hidden, weight, ids[:, -logits_to_keep:],
+                                                workspace_mb=cfg.kernels.loss_workspace_mb,
+                                                implementation=cfg.kernels.loss_implementation,
+                                                temperature=cfg.generation.temperature)
+        logps.append(logp)
+        entropies.append(entropy if trainer._entropy_bonus_enabled else entropy.detach())
+    import torch
+
+    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None

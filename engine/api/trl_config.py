@@ -91,8 +91,8 @@ TRANSLATED: dict[str, str] = {
     "gradient_checkpointing_kwargs": "torch.utils.checkpoint's use_reentrant / preserve_rng_state are named in the "
                                      "no-effect warning (Megatron's recompute always restores the RNG state and "
                                      "re-enters); other keys are refused",
-    "router_aux_loss_coef": "model.moe_aux_loss_coeff (MoE load-balancing loss weight); None (TRL's default: the "
-                            "model config's value) leaves model.moe_aux_loss_coeff's default 0 (off)",
+    "router_aux_loss_coef": "model.moe_aux_loss_coeff (MoE load-balancing loss weight); None (TRL's default) is "
+                            "the model config's router_aux_loss_coef, as TRL",
 }
 """TRL names that map onto engine fields of another name (see `GRPOConfig._translate`), with what they become."""
 
@@ -243,7 +243,7 @@ class GRPOConfig:
         _translate_dtype(kwargs, ignored)
         _translate_checkpointing_kwargs(kwargs, ignored)
         aux = kwargs.pop("router_aux_loss_coef", None)
-        if aux is not None:  # transformers' MoE name; None (TRL's default) keeps the engine's 0 (off)
+        if aux is not None:  # transformers' MoE name; None (TRL's default): the model config's value, as TRL
             _set_once(kwargs, "moe_aux_loss_coeff", float(aux), "router_aux_loss_coef")
         cap = kwargs.pop("vllm_importance_sampling_cap", None)
         if cap is not None:  # TRL's deprecated name

@@ -17,8 +17,17 @@ Test: tests/unit/test_trl_api.py (datasets), tests/integration/test_trl_api_run.
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import time
 from pathlib import Path
 from typing import Any
+
+from engine.train.step_schedule import rounds_for_steps
+
+INITIAL_MODEL_DIR = "initial_model"
+"""Under output_dir: a `PreTrainedModel` passed as `model` (or assigned to `trainer.model`), saved so that Megatron
+and vLLM can load it."""
 
 
 def model_directory(name_or_path: str | Path, output_dir: Path) -> Path:
@@ -123,10 +132,11 @@ def materialise_stream(dataset: Any, num_rows: int, name: str) -> Any:
     return datasets.Dataset.from_list(rows)
 
 
-def stream_rows_needed(max_steps: int, optimizer_steps_per_generation: int, num_prompts_per_generation: int) -> int:
-    """Prompts a run of `max_steps` optimizer steps draws: whole rounds of `num_prompts_per_generation`."""
-    rounds = -(-max_steps // max(optimizer_steps_per_generation, 1))
-    return rounds * num_prompts_per_generation
+def stream_rows_needed(max_steps: int, derived, num_iterations: int, gradient_accumulation_steps: int) -> int:
+    """Prompts a run of `max_steps` optimizer steps draws: whole rounds of `num_prompts_per_generation` (the
+    rounds' micro-steps may span optimizer steps: engine/train/step_schedule.py)."""
+    rounds = rounds_for_steps(max_steps, derived.steps_per_generation * num_iterations, gradient_accumulation_steps)
+    return rounds * derived.num_prompts_per_generation
 
 
 def eval_sets(eval_dataset: Any, max_prompts: int | None) -> dict | None:
@@ -149,6 +159,42 @@ def eval_sets(eval_dataset: Any, max_prompts: int | None) -> dict | None:
             raise ValueError(f"{label} has no 'prompt' column (columns: {dataset.column_names})")
         sets[name] = dataset
     return sets
+
+
+def write_once(target: Path, write) -> None:
+    """Rank 0 calls `write(staging_dir)` and renames it to `target`; other ranks (torchrun) wait for `target`."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        staging = target.with_name(target.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        write(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(staging, target)
+        return
+    deadline = time.monotonic() + 1800
+    while not (target / "config.json").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not write {target} within 30 minutes")
+        time.sleep(1.0)
+
+
+def save_model_object(model: Any, tokenizer: Any, target: Path, no_source: str) -> str:
+    """A transformers model object and its tokenizer (or the one of its `name_or_path`) -> `target`, written once
+    (atomically, by one rank); returns the directory."""
+    from transformers import AutoTokenizer
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging, safe_serialization=True)
+        tok = tokenizer
+        if tok is None:
+            source = getattr(model.config, "_name_or_path", "")
+            if not source:
+                raise ValueError(no_source)
+            tok = AutoTokenizer.from_pretrained(source)
+        tok.save_pretrained(staging)
+
+    write_once(target, write)
+    return str(target)
 
 
 class TrainerSurface:
@@ -255,6 +301,34 @@ class TrainerSurface:
             self._model_is_stale = False
         return self._model
 
+    @model.setter
+    def model(self, value: Any) -> None:
+        """`trainer.model = m` before `train()`, as on HF's Trainer: the transformers `PreTrainedModel` `m` becomes
+        the policy the run trains (and `trainer.model`), with its weights as they are now: it is saved under
+        `<output_dir>/initial_model`, which Megatron and vLLM load. Where the assignment could not act (anything
+        but a `PreTrainedModel`, after `train()`, with a `peft_config`) it raises, naming why."""
+        import dataclasses
+
+        from transformers import PreTrainedModel
+
+        if not isinstance(value, PreTrainedModel):
+            raise TypeError(f"trainer.model must be a transformers PreTrainedModel, got {type(value).__name__}: the "
+                            "engine trains a Megatron copy of the policy built from a checkpoint, so only a model it "
+                            "can save as one replaces the policy (or pass model=... to GRPOTrainer)")
+        if getattr(self, "_trained", False):
+            raise RuntimeError("trainer.model cannot be replaced after train(): the run is over and the engine torn "
+                               "down; build a new GRPOTrainer(model=...) to train or evaluate another model")
+        if getattr(self, "_peft_config", None) is not None:
+            raise RuntimeError("trainer.model cannot be replaced on a trainer with a peft_config: pass the model "
+                               "to GRPOTrainer(model=..., peft_config=...) instead")
+        path = save_model_object(value, self.processing_class, self.output_dir / INITIAL_MODEL_DIR,
+                                 "trainer.model: a model without a name_or_path needs the trainer's processing_class")
+        self.model_path = Path(path)
+        self._cfg = dataclasses.replace(self._cfg, model=dataclasses.replace(self._cfg.model, name_or_path=path))
+        self._check_layout()
+        self._model_object = self._model = value
+        self._model_is_stale = False
+
     @property
     def ref_model(self) -> Any:
         """TRL's reference model: None when beta == 0 (none is built), else the initial weights (a transformers
@@ -296,6 +370,39 @@ class TrainerSurface:
     def _entropy_bonus_enabled(self) -> bool:
         """TRL's flag: the entropy bonus is in the loss (entropy_coef != 0 or use_adaptive_entropy)."""
         return self._cfg.grpo.entropy_coef != 0.0 or self._cfg.grpo.use_adaptive_entropy
+
+    @_entropy_bonus_enabled.setter
+    def _entropy_bonus_enabled(self, value: bool) -> None:
+        """TRL's tests assign the flag after `entropy_coef` / `use_adaptive_entropy`: it is derived from them here,
+        so an assignment that agrees is accepted and one that does not raises, naming the settings to change."""
+        if bool(value) != self._entropy_bonus_enabled:
+            raise ValueError(f"_entropy_bonus_enabled={value} contradicts entropy_coef={self.entropy_coef} and "
+                             f"use_adaptive_entropy={self.use_adaptive_entropy}, from which it follows: set those")
+
+    @entropy_coef.setter
+    def entropy_coef(self, value: float) -> None:
+        """Before `train()`: the coefficient the run starts from (grpo.entropy_coef); after it, an error."""
+        self._set_grpo_before_train("entropy_coef", float(value))
+
+    @property
+    def use_adaptive_entropy(self) -> bool:
+        """TRL's attribute: the Skywork-OR1 adaptive entropy controller is on (grpo.use_adaptive_entropy)."""
+        return self._cfg.grpo.use_adaptive_entropy
+
+    @use_adaptive_entropy.setter
+    def use_adaptive_entropy(self, value: bool) -> None:
+        """Before `train()`: switches the adaptive controller (grpo.use_adaptive_entropy); after it, an error."""
+        self._set_grpo_before_train("use_adaptive_entropy", bool(value))
+
+    def _set_grpo_before_train(self, name: str, value: Any) -> None:
+        """TRL's trainer attribute `name` assigned: the run's grpo.<name>, checked again; refused after train()."""
+        import dataclasses
+
+        if getattr(self, "_trained", False):
+            raise RuntimeError(f"trainer.{name} cannot be changed after train(): the run is over")
+        self._cfg = dataclasses.replace(self._cfg, grpo=dataclasses.replace(self._cfg.grpo, **{name: value}))
+        self._check_layout()
+        setattr(self.args, name, value)  # trainer.args says what the run does
 
     @property
     def aux_loss_enabled(self) -> bool:
@@ -368,8 +475,8 @@ class TrainerSurface:
             return self.train_dataset
         if self._stream_rows is None:
             derived = self._derived
-            needed = stream_rows_needed(self._cfg.train.max_steps, derived.optimizer_steps_per_generation,
-                                        derived.num_prompts_per_generation)
+            needed = stream_rows_needed(self._cfg.train.max_steps, derived, self._cfg.grpo.num_iterations,
+                                        self._cfg.train.gradient_accumulation_steps)
             self._stream_rows = materialise_stream(self.train_dataset, needed, "train_dataset")
         return self._stream_rows
 

@@ -36,14 +36,12 @@ from engine.models.hub import resolve_hub_model
 from engine.api import trl_compat
 from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic, with_placeholder_prompts
 from engine.api.trl_config import GFPOConfig, GRPOConfig
-from engine.api.trl_surface import TrainerSurface, eval_sets, is_stream
+from engine.api.trl_surface import INITIAL_MODEL_DIR, TrainerSurface, eval_sets, is_stream, save_model_object
 
 __all__ = ["GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer"]
 
 FINAL_MODEL_DIR = "final_model"
 """Under output_dir: the trained policy as a Hugging Face checkpoint, written at the end of `train()`."""
-INITIAL_MODEL_DIR = "initial_model"
-"""Under output_dir: a `PreTrainedModel` passed as `model`, saved so that Megatron and vLLM can load it."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -174,6 +172,7 @@ class GRPOTrainer(TrainerSurface):
 
     get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
     get_high_entropy_mask = trl_compat.get_high_entropy_mask  # TRL's signature: (self, entropies, mask, threshold)
+    _get_per_token_logps_and_entropies = trl_compat.get_per_token_logps_and_entropies  # TRL's private signature
 
     def _check_layout(self) -> None:
         """Batch geometry and objective checks before anything starts (the world size torchrun gives, else 1), with
@@ -380,27 +379,10 @@ def resolve_model(model: Any, output_dir: Path, processing_class: Any = None, tr
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
-        return _save_model_object(model, processing_class, output_dir / INITIAL_MODEL_DIR,
+        return save_model_object(model, processing_class, output_dir / INITIAL_MODEL_DIR,
                                   "model is a PreTrainedModel without a name_or_path: pass processing_class")
     raise TypeError(f"model must be a path, a hub name, a builtin: name or a transformers PreTrainedModel, got "
                     f"{type(model).__name__}")
-
-
-def write_once(target: Path, write) -> None:
-    """Rank 0 calls `write(staging_dir)` and renames it to `target`; other ranks (torchrun) wait for `target`."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        staging = target.with_name(target.name + ".tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        write(staging)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
-        return
-    deadline = time.monotonic() + 1800
-    while not (target / "config.json").is_file():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 did not write {target} within 30 minutes")
-        time.sleep(1.0)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -465,27 +447,8 @@ def resolve_reward_funcs(reward_funcs: Any, processing_classes: Any, output_dir:
 
 def _save_reward_model(model: Any, tokenizer: Any, target: Path) -> str:
     """A sequence-classification model object -> a local directory with its tokenizer."""
-    return _save_model_object(model, tokenizer, target,
+    return save_model_object(model, tokenizer, target,
                               "a reward model object without a name_or_path needs its reward_processing_class")
-
-
-def _save_model_object(model: Any, tokenizer: Any, target: Path, no_source: str) -> str:
-    """A transformers model object and its tokenizer (or the one of its `name_or_path`) -> `target`, written once
-    (atomically, by one rank); returns the directory."""
-    from transformers import AutoTokenizer
-
-    def write(staging: Path) -> None:
-        model.save_pretrained(staging, safe_serialization=True)
-        tok = tokenizer
-        if tok is None:
-            source = getattr(model.config, "_name_or_path", "")
-            if not source:
-                raise ValueError(no_source)
-            tok = AutoTokenizer.from_pretrained(source)
-        tok.save_pretrained(staging)
-
-    write_once(target, write)
-    return str(target)
 
 
 def _reward_names(funcs: list) -> list[str]:

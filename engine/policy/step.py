@@ -293,3 +293,33 @@ def _detached(out):
     from dataclasses import replace
 
     return replace(out, loss=out.loss.detach().clone(), policy_loss=out.policy_loss.detach().clone())
+
+
+def take_moe_aux_loss(chunks: list[torch.nn.Module], ps: ParallelState, num_microbatches: int) -> float | None:
+    """TRL's `aux_loss` metric: the MoE load-balancing loss (unweighted by its coefficient, as HF models return
+    it) of the training forwards since the last call, averaged over layers and this rank's `num_microbatches`,
+    then over DP ranks (Megatron's tracker, reduced over PP and TP/CP as Megatron logs it); the tracker is reset.
+    None when the policy has no MoE layers or the aux loss is off. Collective when on (every rank calls it).
+
+    The tracker counts each router once per micro-batch: it records only forwards with gradients, and a recomputed
+    layer's first forward runs without them (Megatron's checkpoint). Megatron's loss is per layer (switch loss of
+    that layer's router); HF's pools every layer's router statistics before the product: close, not equal."""
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker,
+                                                         reduce_aux_losses_tracker_across_ranks)
+
+    config = unwrap(chunks[0]).config
+    if not getattr(config, "num_moe_experts", None) or not config.moe_aux_loss_coeff or not num_microbatches:
+        return None
+    name = "load_balancing_loss"
+    reduce_aux_losses_tracker_across_ranks([name], pg_collection=ps.groups)
+    values = get_moe_layer_wise_logging_tracker()[name]["values"]  # (num_layers,) summed over micro-batches
+    value = float(values.sum()) / values.numel() / num_microbatches
+    clear_aux_losses_tracker()
+    return value
+
+
+def clear_moe_aux_loss() -> None:
+    """Reset Megatron's aux-loss tracker (local), before the training forwards `take_moe_aux_loss` reports."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    clear_aux_losses_tracker()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from engine.config import EngineConfig
 from engine.grpo.advantages import compute_advantages
 from engine.grpo.metrics import compute_completion_metrics, compute_loss_metrics, compute_reward_metrics, compute_sampling_metrics
-from engine.grpo.policy_loss import LossNormalizer, compute_vllm_importance_sampling_ratio
+from engine.grpo.policy_loss import compute_vllm_importance_sampling_ratio
 from engine.log_filters import quiet_library_logs
 from engine.policy.batch import pack_completions
 from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs
@@ -37,7 +37,7 @@ from engine.policy.parallel import destroy_parallel
 from engine.policy.reference import mix_reference_if_due
 from engine.policy.routing_replay import (ROUTE_KEYS, clear_router_agreement, pad_routes, routes_dtype,
                                           take_router_agreement)
-from engine.policy.step import forward_logprobs, grpo_forward_backward
+from engine.policy.step import clear_moe_aux_loss, forward_logprobs, grpo_forward_backward, take_moe_aux_loss
 from engine.rollout.rollouts import Rollout
 from engine.train.checkpoint import Progress, StopSignal, checkpoint_dir, is_save_step
 from engine.train.evaluation import evaluate_sets, tokenize_eval_sets
@@ -47,6 +47,7 @@ from engine.train.run import (REFERENCE_EXPORT_SUFFIX, Run, build_run, check_fin
                               resume, save_run, sync_and_verify)
 from engine.train.rollout_pipeline import RolloutPipeline, rewind_rounds_ahead
 from engine.train.sampling import Scored, draw_prompts, evaluate, keep_best_in_groups, sample_and_score
+from engine.train.step_schedule import OptimizerStep, StepSchedule, deferred_save_warning, uses_carried_slices
 
 
 def train(cfg: EngineConfig, **inputs) -> dict:
@@ -81,7 +82,9 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     (evaluate: engine/train/evaluation.py, save, stop) are agreed by every rank at the round boundary.
 
     Checkpoints: every `checkpoint.save_steps` optimizer steps at the end of a round, at the end of training, and at
-    the end of the round in which SIGUSR1 arrived (then the run exits); `resume_from_checkpoint` restores model,
+    the end of the round in which SIGUSR1 arrived (then the run exits); when optimizer steps span rounds
+    (engine/train/step_schedule.py) a save or stop that falls due while slices are carried waits for the next round
+    that carries none; `resume_from_checkpoint` restores model,
     optimizer, scheduler, RNG, data position, step and the loop's carried state (adaptive entropy, the curriculum
     queue, rounds generated ahead) before the first round, and loads the restored weights into the engines. Rounds
     do not depend on history (engine/train/prompt_rounds.py), so a resumed run logs what the uninterrupted one
@@ -104,6 +107,8 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     saved_at = progress.step if run.resume_from else None
     start_pipeline(run, rounds, progress)  # max_staleness k > 0 (server mode): rounds generated ahead of training
     eval_sets: dict = {}  # the hooks' eval datasets, tokenized at their first evaluation
+    schedule = step_schedule(run)  # which slices of which rounds form each optimizer step
+    save_due = False  # a checkpoint fell due while slices were carried: written at the next boundary without any
     if on_rank0(ps, hooks.train_begin, step, run.total_steps).evaluate:  # eval_on_start
         scheduled_evaluation(run, hooks, step, eval_sets, loss_of=eval_loss)
     while step < run.total_steps:
@@ -125,24 +130,29 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
         log_completions(run, scored, adv.advantages)
         batch = build_round(run, scored.rollout, adv.advantages, step)  # every rank: the whole round, rows shuffled
         # 3. old (and reference) log-probs of this rank's rows, then num_iterations passes of optimizer steps
-        steps = per_step_microbatches(run, batch)
+        #    (with slices carried from the last round first, when steps span rounds: engine/train/step_schedule.py)
+        units = per_step_microbatches(run, batch, slices=schedule.units_per_step > 1)
         t_reward = time.perf_counter()
-        moe = add_old_and_ref_logprobs(run, steps)
+        moe = add_old_and_ref_logprobs(run, units)
         t_logprob = time.perf_counter()
         outputs, stats = [], {}
-        for _ in range(cfg.grpo.num_iterations):
-            for optimizer_step in steps:
-                on_rank0(ps, hooks.step_begin, step, agree=False)
-                run.optimizer.zero_grad()
-                out = grpo_forward_backward(run.optimizer.model, ps, optimizer_step.microbatches, run.loss_config,
-                                            optimizer_step.normalizer, run.settings,
-                                            entropy_coef=run.entropy.coef_to_apply(cfg.grpo))
-                outputs.append(out)
-                stats = run.optimizer.step() | run.entropy.update(cfg.grpo, ps, out)
-                step += 1
-                mix_reference_if_due(run.reference, run.optimizer.model, cfg.grpo, step)  # TR-DPO
-                on_rank0(ps, hooks.step_end, step, agree=False)
-        run.policy_version += 1
+        ends_pass = int(epoch(run, rounds)) > int(epoch_before)
+        trained = schedule.take(units, ends_pass=ends_pass, steps_left=run.total_steps - step)
+        clear_moe_aux_loss()
+        for optimizer_step in trained:
+            on_rank0(ps, hooks.step_begin, step, agree=False)
+            run.optimizer.zero_grad()
+            out = grpo_forward_backward(run.optimizer.model, ps, optimizer_step.microbatches, run.loss_config,
+                                        optimizer_step.normalizer, run.settings,
+                                        entropy_coef=run.entropy.coef_to_apply(cfg.grpo))
+            outputs.append(out)
+            stats = run.optimizer.step() | run.entropy.update(cfg.grpo, ps, out)
+            step += 1
+            mix_reference_if_due(run.reference, run.optimizer.model, cfg.grpo, step)  # TR-DPO
+            on_rank0(ps, hooks.step_end, step, agree=False)
+        run.policy_version += bool(outputs)  # a round whose slices were all carried changed no weight
+        aux = take_moe_aux_loss(run.optimizer.model, ps, sum(len(s.microbatches) for s in trained))
+        moe |= {} if aux is None else {"aux_loss": aux}  # TRL's key: MoE load-balancing loss, unweighted
         check_finite(run, step, [o.loss for out in outputs for o in out])  # a diverged policy is never synced
         t_train = time.perf_counter()
         # 4. weight sync into every engine, verified on a probe of this round (asynchronous: once round r + k,
@@ -151,8 +161,8 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
             run.pipeline.complete(run.policy_version)
         t_wait = time.perf_counter()
         # the probe routes by itself on both sides: the engine's routes of this round came from the old weights
-        run.last_probe = {k: v for k, v in steps[0].microbatches[0].items() if k not in ROUTE_KEYS}
-        sync = sync_and_verify(run)
+        run.last_probe = {k: v for k, v in units[0].microbatches[0].items() if k not in ROUTE_KEYS}
+        sync = sync_and_verify(run) if outputs else {}
         end = time.perf_counter()
         # 5. metrics (TRL names), logged on rank 0
         round_tokens = sum(map(len, scored.rollout.prompt_ids)) + sum(map(len, scored.rollout.completion_ids))
@@ -162,15 +172,19 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
                                   "time/sync_s": end - t_wait, "step_time": end - start,
                                   "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start),
                                   "epoch": epoch(run, rounds)}
-        last = log_round(run, step, scored.rewards, adv, batch, steps, outputs, stats | sync | timings | moe)
+        if outputs:  # TRL logs on optimizer steps: a round that trained none is not a record of its own
+            last = log_round(run, step, scored.rewards, adv, batch, units, outputs, stats | sync | timings | moe)
         # 6. the hooks (callbacks): evaluate, save or stop when asked
-        asked = report_round(run, hooks, step, epoch_before, timings["epoch"])
+        asked = report_round(run, hooks, step, epoch_before, timings["epoch"], trained=bool(outputs))
         if asked.evaluate:
             scheduled_evaluation(run, hooks, step, eval_sets, loss_of=eval_loss)
-        # 7. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule
-        if stop.agreed(ps):
+        # 7. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule. A
+        #    checkpoint holds no carried slice: while some are carried, both wait for the next round without any
+        if stop.agreed(ps) and not schedule.carried:
             break
-        if asked.save or is_save_step(cfg.checkpoint.save_steps, step, len(steps) * cfg.grpo.num_iterations):
+        save_due = save_due or asked.save or is_save_step(cfg.checkpoint.save_steps, step, len(outputs))
+        if save_due and not schedule.carried:
+            save_due = False
             saved_at = save_run(run, Progress(step, rounds.position, num_tokens))
             on_rank0(ps, hooks.saved, step, checkpoint_dir(cfg.train.output_dir, step), agree=False)
         if asked.stop:
@@ -195,13 +209,14 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     return summary
 
 
-def report_round(run: Run, hooks: LoopHooks, step: int, epoch_before: float, epoch_after: float):
+def report_round(run: Run, hooks: LoopHooks, step: int, epoch_before: float, epoch_after: float, *,
+                 trained: bool = True):
     """The hooks hear of the round's end (a finished pass first: it may ask for an evaluation, then the logged
-    record); returns their agreed `Decision`."""
+    record, none when the round trained no step: its slices were all carried); returns their agreed `Decision`."""
     ps = run.ps
     if int(epoch_after) > int(epoch_before):
         on_rank0(ps, hooks.epoch_end, epoch_after, agree=False)
-    record = run.logger.last_record if ps.rank == 0 and run.logger.last_record_step == step else None
+    record = run.logger.last_record if ps.rank == 0 and trained and run.logger.last_record_step == step else None
     log_now = (lambda: run.logger.log_now(step)) if ps.rank == 0 else None
     return on_rank0(ps, hooks.round_end, step, record, epoch_after, log_now)
 
@@ -278,23 +293,31 @@ def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
     return out
 
 
-@dataclass
-class OptimizerStep:
-    """One optimizer step of a round: this DP rank's micro-batches and the step's global loss normaliser."""
-
-    microbatches: list[dict]
-    """Padded rows, or rows by tokens and packed (engine/policy/packing.py), as engine/policy/batch.py lays them out."""
-    normalizer: LossNormalizer
-
-
 def microbatch_spec(run: Run):
     """How this run cuts rows into micro-batches (padded, or packed by tokens: engine/policy/packing.py)."""
     return build_microbatch_spec(run.cfg.train, run.cfg.model, run.ps, micro_batch_size=run.derived.micro_batch_size,
                                  pad_token_id=run.tokenizer.pad_token_id or 0)
 
 
-def per_step_microbatches(run: Run, batch: dict) -> list[OptimizerStep]:
-    """For each optimizer step of the round: this DP rank's micro-batches and the step's global normaliser.
+def step_schedule(run: Run) -> StepSchedule:
+    """The run's schedule: whole optimizer steps per unit when a round's micro-steps fill whole steps, else one
+    micro-step slice per unit and gradient_accumulation_steps of them per step, carried across rounds; with a
+    warning on rank 0 where that defers scheduled checkpoints."""
+    import warnings
+
+    train, grpo, derived = run.cfg.train, run.cfg.grpo, run.derived
+    if not uses_carried_slices(derived.steps_per_generation, grpo.num_iterations, train.gradient_accumulation_steps):
+        return StepSchedule(1, grpo.num_iterations)
+    message = deferred_save_warning(run.cfg.checkpoint.save_steps, derived.steps_per_generation, grpo.num_iterations,
+                                    train.gradient_accumulation_steps)
+    if message and run.ps.rank == 0:
+        warnings.warn(message, stacklevel=2)
+    return StepSchedule(train.gradient_accumulation_steps, grpo.num_iterations)
+
+
+def per_step_microbatches(run: Run, batch: dict, *, slices: bool = False) -> list[OptimizerStep]:
+    """For each optimizer step of the round (`slices`: each micro-step slice of per_device * dp completions, when
+    steps span rounds): this DP rank's micro-batches and the step's (slice's) global normaliser.
 
     TRL's batch semantics: per_device_train_batch_size counts completions per data-parallel rank per micro-batch; a
     round holds per_device * dp * steps_per_generation completions (shuffled by `build_round`), cut into optimizer
@@ -304,8 +327,8 @@ def per_step_microbatches(run: Run, batch: dict) -> list[OptimizerStep]:
     derived, ps = run.derived, run.ps
     rows = {k: (v[: derived.generation_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     spec = microbatch_spec(run)
-    steps = round_microbatches(rows, spec, global_batch_size=derived.global_batch_size, dp_size=ps.dp_size,
-                               dp_rank=ps.dp_rank)
+    size = derived.micro_batch_size * ps.dp_size if slices else derived.global_batch_size
+    steps = round_microbatches(rows, spec, global_batch_size=size, dp_size=ps.dp_size, dp_rank=ps.dp_rank)
     return [OptimizerStep(microbatches, normalizer) for microbatches, normalizer in steps]
 
 
@@ -411,7 +434,7 @@ def log_round(run: Run, step: int, rewards_per_func, adv, batch: dict, steps: li
     if pairs and pairs[0][3] is not None:
         old, samp, mask, ratio = (torch.cat([p[i] for p in pairs]) for i in range(4))
         metrics |= compute_sampling_metrics(old, samp, mask, ratio)
-    metrics |= {"loss": float(sum(o.loss for o in all_outputs)) / max(len(steps), 1)} | extra
+    metrics |= {"loss": float(sum(o.loss for o in all_outputs)) / max(len(outputs), 1)} | extra
     run.logger.step(step, metrics)
     return metrics
 

@@ -48,6 +48,7 @@ from engine.train.metric_logger import MetricLogger
 from engine.train.prompt_queue import PromptQueue
 from engine.train.rewards import RewardFunctions
 from engine.train.sampling import RoundSampler
+from engine.train.step_schedule import count_total_steps, uses_carried_slices
 from engine.validation import Derived, validate
 
 if TYPE_CHECKING:
@@ -283,6 +284,10 @@ def resolve_hooks(cfg: EngineConfig, group_filter_func=None,
 def _total_steps(cfg: EngineConfig, derived: Derived, num_prompts: int) -> int:
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
+    micro_steps = derived.steps_per_generation * cfg.grpo.num_iterations
+    if uses_carried_slices(derived.steps_per_generation, cfg.grpo.num_iterations, cfg.train.gradient_accumulation_steps):
+        return count_total_steps(num_prompts // derived.num_prompts_per_generation, micro_steps,
+                                 cfg.train.gradient_accumulation_steps, cfg.train.num_train_epochs)
     rounds = math.ceil(cfg.train.num_train_epochs * num_prompts / derived.num_prompts_per_generation)
     return rounds * derived.optimizer_steps_per_generation
 

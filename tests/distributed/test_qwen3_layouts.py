@@ -36,6 +36,7 @@ STEP_LAYOUTS = [  # (name, tp, ep, dtype, packed, micro-batch rows, z-loss) of t
     ("ep1_bf16", 1, 1, "bfloat16", False, 2, 1e-3), ("ep2_bf16", 1, 2, "bfloat16", False, 2, 1e-3),
     # sequence parallel: z-loss off (see test_qwen3_moe_grpo_step_equals_ep1)
     ("ep1_no_z", 1, 1, "float32", False, 2, 0.0), ("tp2_ep2_sp", 2, 2, "float32", False, 2, 0.0),
+    ("ep1_no_z_no_aux", 1, 1, "float32", False, 2, 0.0),  # the aux loss off: test_moe_aux_loss_acts_on_the_gradient
     ("tp2_ep2_sp_mb8", 2, 2, "float32", False, 8, 0.0), ("tp2_ep2_sp_packed", 2, 2, "float32", True, 8, 0.0),
     ("ep2_no_recompute", 1, 2, "float32", False, 2, 1e-3),
 ]
@@ -57,7 +58,8 @@ def _all_layouts(model_dirs: dict, out_root: str) -> dict:
         destroy_parallel(keep_process_group=True)
     for name, tp, ep, dtype, packed, rows, z_loss in STEP_LAYOUTS:
         parallel = ParallelConfig(tp_size=tp, ep_size=ep, sequence_parallel=tp > 1)
-        model_cfg = ModelConfig(dtype=dtype, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=z_loss)
+        model_cfg = ModelConfig(dtype=dtype, moe_aux_loss_coeff=0.0 if name.endswith("no_aux") else 1e-2,
+                                moe_z_loss_coeff=z_loss)
         results[f"step-{name}"] = grpo_step_and_export(model_dirs["qwen3_moe"], parallel, model_cfg,
                                                        f"{out_root}/step-{name}", width_multiple=2,
                                                        padding_free=packed, micro_batch_size=rows,
@@ -117,6 +119,19 @@ def test_qwen3_moe_grpo_step_equals_ep1(launched, layout, reference):
     assert any(".mlp.gate." in n for n in moved) and any(".experts.3." in n for n in moved), "router and experts train"
     for name, weight in after1.items():
         torch.testing.assert_close(after[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.slow
+def test_moe_aux_loss_acts_on_the_gradient(launched):
+    """model.moe_aux_loss_coeff (TRL's router_aux_loss_coef; by default the HF config's) acts: the same step with
+    the load-balancing loss at 1e-2 and at 0 reports the same GRPO loss (the aux loss is not in it) but moves the
+    routers differently, and with a larger gradient norm."""
+    loss_on, norm_on, after_on = _step(launched, "ep1_no_z")
+    loss_off, norm_off, after_off = _step(launched, "ep1_no_z_no_aux")
+    assert loss_on == pytest.approx(loss_off, rel=1e-6)
+    assert norm_on != pytest.approx(norm_off, rel=1e-7)
+    gates = [n for n in after_on if ".mlp.gate." in n]
+    assert gates and all(not torch.equal(after_on[n], after_off[n]) for n in gates), "every router feels the aux loss"
 
 
 @pytest.mark.slow

@@ -252,3 +252,36 @@ def test_sigusr1_saves_at_the_next_round_boundary_and_exits_cleanly(tmp_path):
     assert read_progress(run_dir / f"checkpoint-{last_step}").rounds_done == last_step  # one optimizer step per round
     assert "stopped by SIGUSR1" in log.read_text()
     assert not (run_dir / "hf").exists(), "a stopped run skips the final Hugging Face export"
+
+
+SPANNING = ("train.per_device_train_batch_size=4", "train.steps_per_generation=4",
+            "train.gradient_accumulation_steps=3", "train.max_steps=8", "checkpoint.save_steps=1")
+"""TRL's accepted `steps_per_generation=4, gradient_accumulation_steps=3`: 4 micro-steps of 4 completions per round
+(4 prompts x 4 generations), 3 per optimizer step, so steps span rounds (engine/train/step_schedule.py)."""
+
+
+@pytest.mark.slow
+def test_optimizer_steps_spanning_rounds_train_the_carried_slices_and_resume_exactly(tmp_path):
+    """Rounds 1..6 train 1, 1, 2, 1, 1, 2 optimizer steps (the carried slices are trained with the next round's,
+    never dropped: dropping them would take 8 rounds and log 8 rows); a checkpoint is due every step but holds no
+    carried slice, so it is written at steps 4 and 8 only, with the warning naming why; a run resumed from
+    checkpoint-4 logs what the uninterrupted one did at steps 5, 6 and 8, bit for bit."""
+    from engine.train.checkpoint import list_checkpoints, read_progress
+
+    straight, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    assert _run(_command(straight, *SPANNING), _env(), tmp_path / "a.log") == 0, _tail(tmp_path / "a.log")
+    expected = _rows(straight)
+    assert sorted(expected) == [1, 2, 4, 5, 6, 8], "one row per round, at its last optimizer step"
+    assert [s for s, _ in list_checkpoints(straight)] == [4, 8]
+    assert read_progress(straight / "checkpoint-4").rounds_done == 3
+    assert "every 3 rounds = 4 optimizer steps" in (tmp_path / "a.log").read_text()
+    assert all(expected[s]["grad_norm"] > 0 for s in expected)
+
+    command = _command(resumed, *SPANNING, f"checkpoint.resume_from_checkpoint={straight / 'checkpoint-4'}")
+    assert _run(command, _env(), tmp_path / "b.log") == 0, _tail(tmp_path / "b.log")
+    actual = _rows(resumed)
+    assert sorted(actual) == [5, 6, 8]
+    for step in actual:
+        differing = {k: (expected[step].get(k), actual[step].get(k)) for k in expected[step] | actual[step]
+                     if expected[step].get(k) != actual[step].get(k)}
+        assert not differing, f"step {step}: uninterrupted vs resumed differ in {differing}"

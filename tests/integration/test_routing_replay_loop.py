@@ -66,6 +66,8 @@ def test_colocated_bf16_ep2_router_agreement_then_replay_closes_the_routing_gap(
     for step in (1, 2):
         assert 0.9 < off[step]["moe/router_agreement"] <= 1.0, off[step]["moe/router_agreement"]
         assert "moe/router_agreement" not in on[step], "replayed routes are not compared"
+        # TRL's `aux_loss`: the load-balancing loss, on by default (the tiny Qwen3-MoE's router_aux_loss_coef)
+        assert 0 < off[step]["aux_loss"] < 10 and 0 < on[step]["aux_loss"] < 10
         for rows in (off, on):
             assert rows[step]["weight_sync/digest_s"] > 0, "every bf16 sync verified (digests)"
     gap_off, gap_on = (rows[1]["sampling/sampling_logp_difference/max"] for rows in (off, on))

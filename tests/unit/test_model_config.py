@@ -48,6 +48,14 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
     settings = moe_settings(Qwen3MoeConfig(num_experts=4), ModelConfig(), SimpleNamespace(**{**vars(ps),
                                                                                            "sequence_parallel": True}))
     assert settings["num_moe_experts"] == 4 and settings["expert_model_parallel_size"] == 2
+    # the load-balancing coefficient follows the HF config's router_aux_loss_coef by default (TRL's default)
+    sp = SimpleNamespace(**{**vars(ps), "sequence_parallel": True})
+    for given, expected in ((None, 0.003), (0.0, 0.0), (0.02, 0.02)):
+        settings = moe_settings(Qwen3MoeConfig(num_experts=4, router_aux_loss_coef=0.003),
+                                ModelConfig(moe_aux_loss_coeff=given), sp)
+        assert settings["moe_aux_loss_coeff"] == expected
+        assert settings["moe_router_load_balancing_type"] == ("aux_loss" if expected else "none")
+    assert ModelConfig().moe_aux_loss_coeff is None
 
 
 def test_moe_aux_loss_on_a_dense_model_is_refused_and_dropout_follows_the_switch():

@@ -147,7 +147,7 @@ def test_grpo_config_router_aux_loss_coef_is_the_moe_aux_loss_coefficient():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # translated, not in the no-effect warning
         assert GRPOConfig(router_aux_loss_coef=0.01).to_engine_config().model.moe_aux_loss_coeff == 0.01
-        assert GRPOConfig(router_aux_loss_coef=None).to_engine_config().model.moe_aux_loss_coeff == 0.0
+        assert GRPOConfig(router_aux_loss_coef=None).to_engine_config().model.moe_aux_loss_coeff is None
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 means moe_aux_loss_coeff=0.01"):
         GRPOConfig(router_aux_loss_coef=0.01, moe_aux_loss_coeff=0.02)
 
@@ -382,6 +382,33 @@ def test_trainer_saves_a_model_object_and_loads_it_from_output_dir(tmp_path):
     # before train(), save_model writes the model as given (TRL saves the current weights)
     trainer.save_model(str(tmp_path / "export"))
     assert (tmp_path / "export" / "config.json").is_file() and not (tmp_path / "run" / FINAL_MODEL_DIR).exists()
+
+
+def test_assigning_trainer_model_replaces_the_policy_or_says_why_it_cannot(tmp_path):
+    """TRL's (HF Trainer's) `trainer.model = m` before train(): m's weights are what the engine loads; a stand-in
+    object (TRL's rollout_func tests assign a SimpleNamespace) is refused, naming the type."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.tiny_model import resolve_builtin_model
+
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts())
+    with pytest.raises(TypeError, match="trainer.model must be a transformers PreTrainedModel, got SimpleNamespace"):
+        trainer.model = SimpleNamespace(training=True)
+    assert trainer.engine_config.model.name_or_path == TINY  # a refused assignment changed nothing
+    replacement = AutoModelForCausalLM.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
+    with torch.no_grad():
+        replacement.lm_head.weight.mul_(0.5)
+    trainer.model = replacement
+    saved = tmp_path / "run" / INITIAL_MODEL_DIR
+    assert trainer.engine_config.model.name_or_path == str(saved) and trainer.model is replacement
+    reloaded = AutoModelForCausalLM.from_pretrained(saved)
+    assert torch.equal(reloaded.lm_head.weight, replacement.lm_head.weight)
+    trainer._trained = True
+    with pytest.raises(RuntimeError, match="cannot be replaced after train"):
+        trainer.model = replacement
 
 
 def test_trainer_gives_a_reward_model_its_processing_class(tmp_path):
@@ -722,8 +749,9 @@ def test_trainer_flags_loaders_and_stream_settings_as_trl(tmp_path):
     assert args.dataloader_num_workers == 0 and args.accelerator_config.dispatch_batches is False
     assert trainer.get_train_dataloader().num_workers == 0
     assert (trainer.entropy_coef, trainer._entropy_bonus_enabled, trainer.aux_loss_enabled) == (0.0, False, False)
-    with pytest.raises(AttributeError):
-        trainer.entropy_coef = 0.5  # no effect: refused (GRPOConfig(entropy_coef=...) sets it)
+    trainer.entropy_coef = 0.5  # TRL's attribute: before train() it is the run's coefficient
+    assert (trainer.engine_config.grpo.entropy_coef, trainer.args.entropy_coef, trainer._entropy_bonus_enabled) == (
+        0.5, 0.5, True)
     args = _small_args(tmp_path, entropy_coef=0.1, per_device_eval_batch_size=4)
     with pytest.warns(UserWarning):
         args.dataloader_num_workers = 2

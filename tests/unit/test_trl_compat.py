@@ -79,6 +79,35 @@ def test_get_high_entropy_mask_selects_the_top_quantile_of_unmasked_tokens():
     assert not GRPOTrainer.get_high_entropy_mask(None, entropies, torch.zeros_like(mask), 0.5).any()
 
 
+def test_per_token_logps_and_entropies_are_the_models_and_carry_grad_only_with_the_entropy_bonus(tmp_path):
+    """TRL's private `_get_per_token_logps_and_entropies` on `trainer.model`: the log-probs and entropies of the
+    last `logits_to_keep` tokens under softmax(logits / temperature), as the model's own logits give them; the
+    entropies differentiable only while the entropy bonus is on (TRL's test_entropy_bonus_flows_gradients), whose
+    switches are the run's settings."""
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
+                          args=_args(tmp_path, entropy_coef=0.1, temperature=0.7))
+    model = trainer.model
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0]])
+    mask = torch.ones_like(ids)
+    logps, entropies, aux = trainer._get_per_token_logps_and_entropies(model, ids, mask, logits_to_keep=4,
+                                                                        batch_size=1, compute_entropy=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, -5:-1].float() / 0.7  # (2, 4, V)
+    expected = torch.log_softmax(logits, -1)
+    torch.testing.assert_close(logps, expected.gather(-1, ids[:, -4:, None]).squeeze(-1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(entropies, -(expected.exp() * expected).sum(-1), rtol=1e-4, atol=1e-4)
+    assert aux is None and entropies.requires_grad and logps.requires_grad
+    trainer.entropy_coef = 0.0
+    trainer.use_adaptive_entropy = False
+    trainer._entropy_bonus_enabled = False  # agrees with the two settings above
+    assert trainer.engine_config.grpo.entropy_coef == 0.0 and not trainer._entropy_bonus_enabled
+    _, entropies, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, 4, compute_entropy=True)
+    assert not entropies.requires_grad
+    with pytest.raises(ValueError, match="_entropy_bonus_enabled=True contradicts entropy_coef=0.0"):
+        trainer._entropy_bonus_enabled = True
+    with pytest.raises(NotImplementedError, match="compute_aux_loss"):
+        trainer._get_per_token_logps_and_entropies(model, ids, mask, 4, compute_aux_loss=True)
+
+
 def _cache_reward_model(cache, repo_id: str) -> None:
     """A random sequence-classification model in a Hugging Face cache layout (refs/main -> snapshots/<sha>)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer

@@ -42,8 +42,15 @@ def _cfg(**sections):
             r"'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time",
         ),
         (
-            {"train": {"steps_per_generation": 3, "gradient_accumulation_steps": 2}}, 1,
-            r"steps_per_generation=3 must be a multiple of train.gradient_accumulation_steps=2",
+            {"train": {"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "parallel": {"pp_size": 2}}, 2,
+            r"steps_per_generation\*num_iterations = 3\*1 micro-steps per round is not a multiple of "
+            r"train.gradient_accumulation_steps=2, so optimizer steps span generation rounds, which needs "
+            r"parallel.pp_size=1",
+        ),
+        (
+            {"train": {"steps_per_generation": 3, "gradient_accumulation_steps": 2},
+             "rollout": {"vllm_mode": "server", "max_staleness": 1}}, 1,
+            r"which needs rollout.max_staleness=0",
         ),
         ({"parallel": {"sequence_parallel": True}}, 1, r"sequence_parallel needs parallel.tp_size > 1"),
         ({"parallel": {"virtual_pipeline_size": 2}}, 1, r"virtual_pipeline_size=2 needs parallel.pp_size > 1"),
