@@ -245,8 +245,10 @@ def build_engine(cfg: EngineConfig, ps: ParallelState, dims: ModelDims, model_di
     if cfg.rollout.vllm_mode == "server":
         return ServerRollout(cfg.rollout, cfg.generation, ps, dims, chunks, ffn_hidden_size=ffn_hidden_size,
                              dtype=cfg.model.dtype, verify=cfg.rollout.verify_weight_sync)
+    adapter_only = cfg.lora.use_peft and cfg.lora.lora_weight_sync == "adapter"  # engine/rollout/adapter_sync.py
+    adapter = lora_settings_from_config(cfg.lora) if adapter_only else None
     return ColocatedRollout.build(model_dir, cfg.rollout, cfg.generation, ps, dims, seed=cfg.train.seed,
-                                  dtype=cfg.model.dtype, ffn_hidden_size=ffn_hidden_size)
+                                  dtype=cfg.model.dtype, ffn_hidden_size=ffn_hidden_size, adapter=adapter)
 
 
 def resolve_hooks(cfg: EngineConfig, group_filter_func=None,
