@@ -479,7 +479,7 @@ class WeightReceiverExtension(LoraReceiver):
 
         model = self.model_runner.model
         packed = getattr(model, "packed_modules_mapping", {})
-        names = {id(module): name for name, module in model.named_modules()}
+        names = {id(m): n.removesuffix(".base_layer") for n, m in model.named_modules()}  # LoRA: vllm_lora.py
         count = 0
         for module in model.modules():
             method = getattr(module, "quant_method", None)
