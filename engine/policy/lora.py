@@ -242,13 +242,18 @@ def _sharded_state_dict_with_adapter(linear: torch.nn.Module, adapter: LoraAdapt
     return sharded_state_dict
 
 
+def initial_lora_a(layer: int, hf_name: str, r: int, in_features: int, seed: int) -> torch.Tensor:
+    """The initial A (r, in_features), float32, of HF module `hf_name` of decoder layer `layer` (global index): PEFT's
+    Kaiming-uniform bound 1 / sqrt(in_features), drawn from the global name and the seed (every layout alike)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{layer}.{hf_name}.lora_A".encode()))
+    return (torch.rand(r, in_features, generator=gen) * 2 - 1) / math.sqrt(in_features)
+
+
 def _init_adapter(adapter: LoraAdapter, layer: int, ps, seed: int) -> None:
     from engine.policy.model import take_tp_shard
 
     for name, a in adapter.lora_A.items():
-        full_in = a.shape[1] * (ps.tp_size if adapter.is_row else 1)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{layer}.{name}.lora_A".encode()))
-        full = (torch.rand(a.shape[0], full_in, generator=gen) * 2 - 1) / math.sqrt(full_in)
+        full = initial_lora_a(layer, name, a.shape[0], a.shape[1] * (ps.tp_size if adapter.is_row else 1), seed)
         a.copy_(take_tp_shard(full, a, ps.tp_rank, ps.tp_size).to(a.dtype))
 
 
