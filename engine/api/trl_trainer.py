@@ -248,9 +248,9 @@ class GRPOTrainer(TrainerSurface):
         if int(os.environ.get("RANK", "0")) != 0:
             return
         if self._cfg.lora.use_peft and not self._trained:  # the initial PEFT adapter, as TRL's PeftModel saves
-            from engine.policy.peft_adapter import write_initial_adapter
+            from engine.train.run import export_initial_adapter
 
-            write_initial_adapter(self._cfg, target)
+            export_initial_adapter(self._cfg, target)
         elif source.resolve() != target.resolve():
             target.mkdir(parents=True, exist_ok=True)
             for item in source.iterdir():

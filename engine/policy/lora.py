@@ -4,8 +4,8 @@ Owns (the setting, HF_TARGETS and their checks: engine/lora_settings.py): the ad
 Megatron linear, one (A, B) pair per HF module fused into it, so q/k/v and gate/up keep PEFT's separate adapters),
 `apply_lora` (freezes the base, attaches the adapters as forward hooks, initialises them by global name like
 engine/policy/model.py `init_weights_by_name`; their dist-checkpoint entries are TP-sharded), `merged_lora`
-(W + scaling * B A in fp32, rounded once, for the weight sync and merged exports) and `lora_tensors_for_peft` (the
-gathered adapter tensors under PEFT's key names). Dropout (lora_dropout) draws from torch's default generator, the
+(W + scaling * B A in fp32, rounded once, for the weight sync and merged exports), `adapters_disabled` (the base
+alone: the KL reference) and `lora_tensors_for_peft` (the gathered adapter tensors under PEFT's key names). Dropout (lora_dropout) draws from torch's default generator, the
 same on every TP rank, as Megatron's hidden dropout.
 
 TP rules (x is the linear's input, h = x A^T of width r, delta = scaling * h B^T added to the base output):
@@ -81,6 +81,7 @@ class LoraAdapter(torch.nn.Module):
         self.tp_group, self.tp_size = ps.groups.tp, ps.tp_size
         self.sequence_parallel = bool(config.sequence_parallel) and ps.tp_size > 1
         self.merged = False
+        self.disabled = False  # `adapters_disabled`: the base alone (the KL reference)
         sizes, in_features, r = _part_sizes(linear_path, config), _in_features(linear_path, config), settings.r
         self.parts = [HF_TARGETS[name][1] for name in hf_names]
         self.local_sizes = {part: size // (1 if self.is_row else ps.tp_size) for part, size in sizes.items()}
@@ -106,7 +107,7 @@ class LoraAdapter(torch.nn.Module):
 
     def hook(self, linear, args, output):
         """Forward hook of the base linear: (out, bias) -> (out + scaling * delta(x), bias)."""
-        if self.merged:
+        if self.merged or self.disabled:
             return output
         out, bias = output
         return out + self.delta(args[0]).to(out.dtype), bias
@@ -286,6 +287,20 @@ def merged_lora(chunks):
         for weight, data, adapter in saved:
             weight.data = data
             adapter.merged = False
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks):
+    """Within the block the chunks run as their frozen base (every adapter off): TRL's reference model with PEFT
+    (`disable_adapter()`), which saves a second copy of the weights (engine/policy/reference.py `base_of`)."""
+    adapters = [adapter for _, adapter in lora_adapters(chunks)]
+    try:
+        for adapter in adapters:
+            adapter.disabled = True
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.disabled = False
 
 
 @torch.no_grad()
