@@ -8,7 +8,7 @@ Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync
 parallel state.
 
 Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server),
-tests/integration/test_routing_replay_loop.py (routed experts, colocated and server).
+tests/integration/test_routing_replay_loop.py (routed experts, colocated and server), test_lora_adapter_sync.py.
 """
 
 from __future__ import annotations
