@@ -5,8 +5,9 @@ Megatron linear, one (A, B) pair per HF module fused into it, so q/k/v and gate/
 `apply_lora` (freezes the base, attaches the adapters as forward hooks, initialises them by global name like
 engine/policy/model.py `init_weights_by_name`; their dist-checkpoint entries are TP-sharded), `merged_lora`
 (W + scaling * B A in fp32, rounded once, for the weight sync and merged exports), `adapters_disabled` (the base
-alone: the KL reference) and `lora_tensors_for_peft` (the gathered adapter tensors under PEFT's key names). Dropout (lora_dropout) draws from torch's default generator, the
-same on every TP rank, as Megatron's hidden dropout.
+alone: the KL reference) and `lora_tensors_for_peft` (the gathered adapter tensors under PEFT's key names). Dropout
+(lora_dropout) draws from torch's default generator, the same on every TP rank, as Megatron's hidden dropout (so the
+input shards of a row-parallel adapter get one mask pattern on every rank; TP > 1 draws other masks than TP 1).
 
 TP rules (x is the linear's input, h = x A^T of width r, delta = scaling * h B^T added to the base output):
   column-parallel (linear_qkv, linear_fc1): A (r, in) replicated, B (out / tp, r) sharded; h's gradient is summed

@@ -11,7 +11,8 @@ Must not: know Megatron's layout (engine/policy/lora.py `lora_tensors_for_peft` 
 collective of the trainer's.
 
 Test: tests/integration/test_lora_adapter_sync.py (real vLLM on CPU: the engine's log-probs with the adapter equal
-the trainer's; a flipped adapter bit is named; without the adapter named in requests the log-probs differ).
+the trainer's; a stale adapter is caught, its tensors named; without the adapter named in requests the log-probs
+differ), tests/integration/test_lora_run.py (the loop at TP2).
 """
 
 from __future__ import annotations
