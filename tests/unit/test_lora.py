@@ -101,3 +101,12 @@ def test_grpo_trainer_takes_peft_config(tmp_path):
         GRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                     args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1="] * 4}),
                     peft_config=PeftLoraConfig(r=8, modules_to_save=["lm_head"]))
+
+
+def test_adapter_sync_starts_vllm_with_the_smallest_lora_rank_that_fits():
+    from engine.rollout.vllm_lora import lora_engine_options
+
+    assert lora_engine_options(4) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    assert lora_engine_options(16)["max_lora_rank"] == 16 and lora_engine_options(17)["max_lora_rank"] == 32
+    with pytest.raises(ValueError, match=r"lora.lora_r=600 with lora.lora_weight_sync=adapter"):
+        lora_engine_options(600)
