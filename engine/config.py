@@ -432,7 +432,7 @@ class KernelsConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoraConfig:
     """LoRA on the frozen policy (engine/policy/lora.py; TRL ModelConfig's names; GRPOTrainer's peft_config fills it).
-    vLLM gets W + scale * B A (fp32, rounded once) by the verified sync; adapter-only sync is not implemented."""
+    vLLM gets W + scale * B A (fp32, rounded once) or the adapters alone (lora_weight_sync), verified either way."""
 
     use_peft: bool = False
     """Train LoRA adapters on a frozen base instead of every weight; the other lora_* fields need it."""
@@ -446,6 +446,9 @@ class LoraConfig:
     """HF module names (q/k/v/o_proj, gate/up/down_proj) or ['all-linear']; None = PEFT's default, q_proj + v_proj."""
     use_rslora: bool = False
     """Rank-stabilised scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
+    lora_weight_sync: Literal["merged", "adapter"] = "merged"
+    """How vLLM gets the adapters: merged into the base weights (the whole model sent) or adapter (A and B alone, into
+    vLLM's LoRA support, named by every request; colocated at engine TP 1: engine/rollout/adapter_sync.py)."""
     lora_save_merged: bool = False
     """Final export: `<output_dir>/hf` holds the PEFT adapter; this also writes the merged model to `hf_merged`."""
 

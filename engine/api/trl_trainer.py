@@ -240,12 +240,17 @@ class GRPOTrainer(TrainerSurface):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the policy as a Hugging Face checkpoint (safetensors, config, tokenizer) to `output_dir`
-        (default: args.output_dir): the trained policy after `train()`, the initial model before it."""
+        (default: args.output_dir): the trained policy after `train()`, the initial model before it; with LoRA a
+        PEFT adapter (before `train()`: the initial one, A as the run draws it, B = 0)."""
         target = Path(output_dir) if output_dir is not None else self.output_dir
         source = self.output_dir / FINAL_MODEL_DIR if self._trained else self.model_path
         if int(os.environ.get("RANK", "0")) != 0:
             return
-        if source.resolve() != target.resolve():
+        if self._cfg.lora.use_peft and not self._trained:  # the initial PEFT adapter, as TRL's PeftModel saves
+            from engine.train.run import export_initial_adapter
+
+            export_initial_adapter(self._cfg, target)
+        elif source.resolve() != target.resolve():
             target.mkdir(parents=True, exist_ok=True)
             for item in source.iterdir():
                 if item.is_file():

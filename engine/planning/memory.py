@@ -348,7 +348,9 @@ def _stage_terms(cfg: EngineConfig, dims: ModelDims, derived: Derived, stage: in
         terms.insert(1, Term("expert weights", f"{experts_text} = {format_count(experts)} params x {wbytes} B",
                              experts * wbytes))
         terms.append(Term("expert optimizer", f"{format_count(experts)} x {obytes} B{edp_text}", experts * obytes / edp))
-    if cfg.grpo.beta > 0:
+    if cfg.grpo.beta > 0 and adapters:  # LoRA: the reference is the policy's base, adapters off (no copy)
+        terms.append(Term("reference", "the policy's frozen base with adapters disabled (no copy)", 0.0))
+    elif cfg.grpo.beta > 0:
         on_gpu = not cfg.model.offload_reference
         terms.append(Term(
             "reference", f"{format_count(params)} x {wbytes} B" if on_gpu else "offloaded to CPU (model.offload_reference)",

@@ -4,9 +4,10 @@ Owns (the setting, HF_TARGETS and their checks: engine/lora_settings.py): the ad
 Megatron linear, one (A, B) pair per HF module fused into it, so q/k/v and gate/up keep PEFT's separate adapters),
 `apply_lora` (freezes the base, attaches the adapters as forward hooks, initialises them by global name like
 engine/policy/model.py `init_weights_by_name`; their dist-checkpoint entries are TP-sharded), `merged_lora`
-(W + scaling * B A in fp32, rounded once, for the weight sync and merged exports) and `lora_tensors_for_peft` (the
-gathered adapter tensors under PEFT's key names). Dropout (lora_dropout) draws from torch's default generator, the
-same on every TP rank, as Megatron's hidden dropout.
+(W + scaling * B A in fp32, rounded once, for the weight sync and merged exports), `adapters_disabled` (the base
+alone: the KL reference) and `lora_tensors_for_peft` (the gathered adapter tensors under PEFT's key names). Dropout
+(lora_dropout) draws from torch's default generator, the same on every TP rank, as Megatron's hidden dropout (so the
+input shards of a row-parallel adapter get one mask pattern on every rank; TP > 1 draws other masks than TP 1).
 
 TP rules (x is the linear's input, h = x A^T of width r, delta = scaling * h B^T added to the base output):
   column-parallel (linear_qkv, linear_fc1): A (r, in) replicated, B (out / tp, r) sharded; h's gradient is summed
@@ -81,6 +82,7 @@ class LoraAdapter(torch.nn.Module):
         self.tp_group, self.tp_size = ps.groups.tp, ps.tp_size
         self.sequence_parallel = bool(config.sequence_parallel) and ps.tp_size > 1
         self.merged = False
+        self.disabled = False  # `adapters_disabled`: the base alone (the KL reference)
         sizes, in_features, r = _part_sizes(linear_path, config), _in_features(linear_path, config), settings.r
         self.parts = [HF_TARGETS[name][1] for name in hf_names]
         self.local_sizes = {part: size // (1 if self.is_row else ps.tp_size) for part, size in sizes.items()}
@@ -106,7 +108,7 @@ class LoraAdapter(torch.nn.Module):
 
     def hook(self, linear, args, output):
         """Forward hook of the base linear: (out, bias) -> (out + scaling * delta(x), bias)."""
-        if self.merged:
+        if self.merged or self.disabled:
             return output
         out, bias = output
         return out + self.delta(args[0]).to(out.dtype), bias
@@ -242,13 +244,18 @@ def _sharded_state_dict_with_adapter(linear: torch.nn.Module, adapter: LoraAdapt
     return sharded_state_dict
 
 
+def initial_lora_a(layer: int, hf_name: str, r: int, in_features: int, seed: int) -> torch.Tensor:
+    """The initial A (r, in_features), float32, of HF module `hf_name` of decoder layer `layer` (global index): PEFT's
+    Kaiming-uniform bound 1 / sqrt(in_features), drawn from the global name and the seed (every layout alike)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{layer}.{hf_name}.lora_A".encode()))
+    return (torch.rand(r, in_features, generator=gen) * 2 - 1) / math.sqrt(in_features)
+
+
 def _init_adapter(adapter: LoraAdapter, layer: int, ps, seed: int) -> None:
     from engine.policy.model import take_tp_shard
 
     for name, a in adapter.lora_A.items():
-        full_in = a.shape[1] * (ps.tp_size if adapter.is_row else 1)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{layer}.{name}.lora_A".encode()))
-        full = (torch.rand(a.shape[0], full_in, generator=gen) * 2 - 1) / math.sqrt(full_in)
+        full = initial_lora_a(layer, name, a.shape[0], a.shape[1] * (ps.tp_size if adapter.is_row else 1), seed)
         a.copy_(take_tp_shard(full, a, ps.tp_rank, ps.tp_size).to(a.dtype))
 
 
@@ -281,6 +288,20 @@ def merged_lora(chunks):
         for weight, data, adapter in saved:
             weight.data = data
             adapter.merged = False
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks):
+    """Within the block the chunks run as their frozen base (every adapter off): TRL's reference model with PEFT
+    (`disable_adapter()`), which saves a second copy of the weights (engine/policy/reference.py `base_of`)."""
+    adapters = [adapter for _, adapter in lora_adapters(chunks)]
+    try:
+        for adapter in adapters:
+            adapter.disabled = True
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.disabled = False
 
 
 @torch.no_grad()

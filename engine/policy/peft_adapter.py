@@ -1,12 +1,15 @@
 """The PEFT adapter directory a TRL user loads: `adapter_config.json` + `adapter_model.safetensors` with PEFT's keys.
 
 Owns: `save_peft_adapter` (collective: TP shards gathered, pipeline stages' tensors collected on rank 0, written by
-rank 0 to `<dir>.tmp` and renamed into place) and `peft_config_of` (the peft.LoraConfig describing LoraSettings).
+rank 0 to `<dir>.tmp` and renamed into place: `write_peft_adapter`), `peft_config_of` (the peft.LoraConfig describing
+LoraSettings) and `initial_peft_tensors` / `write_initial_adapter` (the adapters a run starts from, without the
+policy: save_model() before train()).
 `peft.PeftModel.from_pretrained(hf_base, dir)` then holds the engine's adapters.
 
 Must not: merge adapters into the base (engine/policy/lora.py `merged_lora` with the HF export does that), know vLLM.
 
-Test: tests/distributed/test_lora_layouts.py (peft loads the adapter; its logits equal the engine's).
+Test: tests/distributed/test_lora_layouts.py (peft loads the adapter; its logits equal the engine's; the initial
+adapter = apply_lora's), tests/unit/test_trl_api.py (save_model() before train() writes it).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from engine.lora_settings import LoraSettings
-from engine.policy.lora import lora_tensors_for_peft
+from engine.policy.lora import HF_PARENT, PEFT_PREFIX, initial_lora_a, lora_tensors_for_peft
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -44,22 +48,72 @@ def save_peft_adapter(chunks, ps, out_dir: str | Path, settings: LoraSettings,
     Returns:
         The directory on rank 0, None elsewhere.
     """
-    from safetensors.torch import save_file
-
     tensors = lora_tensors_for_peft(chunks, ps)
     stage_tensors = tensors if ps.tp_rank == 0 and ps.dp_rank == 0 else {}
     per_rank: list = [None] * ps.world_size
     dist.all_gather_object(per_rank, {k: v.cpu() for k, v in stage_tensors.items()})
     out_dir = Path(out_dir)
     if ps.rank == 0:
-        merged = {k: (v.to(dtype) if dtype else v).contiguous() for part in per_rank for k, v in part.items()}
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(merged, tmp / ADAPTER_FILE, metadata={"format": "pt"})
-        peft_config_of(settings, base_model_name_or_path).save_pretrained(tmp)
+        merged = {k: (v.to(dtype) if dtype else v) for part in per_rank for k, v in part.items()}
+        write_peft_adapter(merged, out_dir, settings, base_model_name_or_path)
+    dist.barrier()
+    return out_dir if ps.rank == 0 else None
+
+
+def write_peft_adapter(tensors: dict, out_dir: str | Path, settings: LoraSettings,
+                       base_model_name_or_path: str | None = None, *, replace_dir: bool = True) -> Path:
+    """Write {PEFT key: tensor} and `settings` as a PEFT adapter directory (to `<dir>.tmp`, renamed into place; with
+    `replace_dir` False its files are moved into `out_dir`, whose other files stay)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / ADAPTER_FILE, metadata={"format": "pt"})
+    peft_config_of(settings, base_model_name_or_path).save_pretrained(tmp)
+    if not replace_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for item in tmp.iterdir():
+            os.replace(item, out_dir / item.name)
+        tmp.rmdir()
+    else:
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
-    dist.barrier()
-    return out_dir if ps.rank == 0 else None
+    return out_dir
+
+
+def initial_peft_tensors(settings: LoraSettings, hf_config, seed: int) -> dict[str, torch.Tensor]:
+    """The adapters `apply_lora(..., seed=seed)` starts from, under PEFT's key names, without building the policy:
+    A from engine/policy/lora.py `initial_lora_a`, B zero (float32). What save_model() writes before train()."""
+    heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    hidden, ffn = hf_config.hidden_size, hf_config.intermediate_size
+    shapes = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden),
+              "v_proj": (kv * head_dim, hidden), "o_proj": (hidden, heads * head_dim), "gate_proj": (ffn, hidden),
+              "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
+    tensors = {}
+    for layer in range(hf_config.num_hidden_layers):
+        for name in settings.target_modules:
+            out, in_features = shapes[name]
+            key = f"{PEFT_PREFIX}{layer}.{HF_PARENT[name]}.{name}"
+            tensors[f"{key}.lora_A.weight"] = initial_lora_a(layer, name, settings.r, in_features, seed)
+            tensors[f"{key}.lora_B.weight"] = torch.zeros(out, settings.r)
+    return tensors
+
+
+def write_initial_adapter(cfg, target: str | Path) -> Path:
+    """Write the PEFT adapter the run of `cfg` (engine/config.py EngineConfig, `lora.use_peft`) starts from into
+    `target` (its other files stay): what TRL's save_model() of a PEFT model writes before train()."""
+    from transformers import AutoConfig
+
+    from engine.lora_settings import lora_settings_from_config
+    from engine.models.tiny_model import resolve_builtin_model
+
+    name = cfg.model.name_or_path  # a builtin model: built where the run builds it (engine/train/run.py)
+    model_dir = resolve_builtin_model(name, Path(cfg.train.output_dir) / "models") if name.startswith("builtin:") \
+        else Path(name)
+    settings = lora_settings_from_config(cfg.lora)
+    tensors = initial_peft_tensors(settings, AutoConfig.from_pretrained(model_dir), cfg.train.seed)
+    return write_peft_adapter(tensors, target, settings, base_model_name_or_path=str(model_dir), replace_dir=False)

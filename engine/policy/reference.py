@@ -1,6 +1,7 @@
 """The frozen reference policy for the KL term (beta > 0): same Megatron layout as the policy, never trained.
 
-Owns: `ReferencePolicy` (build from the same Hugging Face checkpoint, forward-only log-probs, optional offload of
+Owns: `ReferencePolicy` (build from the same Hugging Face checkpoint, or with LoRA the policy's own chunks with the
+adapters disabled, `base_of`; forward-only log-probs, optional offload of
 its weights to CPU memory between uses, TR-DPO mixing `ref = alpha * policy + (1 - alpha) * ref` for
 `sync_ref_model`, https://arxiv.org/abs/2404.09656). Its chunks are not wrapped in DDP and have no optimizer state.
 
@@ -34,6 +35,9 @@ from engine.policy.step import LogprobSettings, forward_logprobs, unwrap
 class ReferencePolicy:
     """A frozen copy of the policy in the same layout (one per rank, holding this rank's shards)."""
 
+    adapters_off = False
+    """The chunks are the LoRA policy's own, run with its adapters disabled (`base_of`)."""
+
     def __init__(self, chunks: list[torch.nn.Module], device: torch.device, offload: bool):
         self.chunks, self.device, self.offload = chunks, device, offload
         for chunk in chunks:
@@ -53,6 +57,15 @@ class ReferencePolicy:
         load_hf_checkpoint(chunks, ps, model_dir, dims)
         return cls(chunks, ps.device, cfg.offload_reference)
 
+    @classmethod
+    def base_of(cls, policy_chunks: list[torch.nn.Module], ps: ParallelState) -> ReferencePolicy:
+        """The reference of a LoRA policy: its own chunks with the adapters disabled (the frozen base is the initial
+        model; TRL's PEFT reference), no second copy of the weights. Nothing is frozen or moved here."""
+        reference = cls.__new__(cls)
+        reference.chunks, reference.device, reference.offload = policy_chunks, ps.device, False
+        reference.adapters_off = True
+        return reference
+
     def _move(self, device: torch.device) -> None:
         for chunk in self.chunks:
             for param in chunk.parameters():
@@ -63,6 +76,11 @@ class ReferencePolicy:
         if self.offload:
             self._move(self.device)
         try:
+            if self.adapters_off:
+                from engine.policy.lora import adapters_disabled
+
+                with adapters_disabled(self.chunks):
+                    return forward_logprobs(self.chunks, ps, microbatches, settings)
             return forward_logprobs(self.chunks, ps, microbatches, settings)
         finally:
             if self.offload:

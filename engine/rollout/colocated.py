@@ -4,10 +4,13 @@ Owns: `ColocatedRollout`: a round is shared out among the engines (each vLLM TP 
 of the prompts, woken for it and put to sleep after) and gathered, so every rank holds the whole round; the weight
 sync is engine/rollout/colocated_sync.py's, verified against the plan of what each engine rank holds; one sample's
 next turn goes into this rank's engine (`ColocatedEngine.add_turn`), which runs it with the other turns in flight.
+With LoRA the sync sends the adapters merged into the base (`lora.lora_weight_sync=merged`) or only the adapters into
+vLLM's LoRA slot (`adapter`: engine/rollout/adapter_sync.py; every request then names the adapter).
 
 Must not: import vLLM (engine/rollout/vllm_engine.py), or read Megatron's global parallel state (it gets `ps`).
 
-Test: tests/integration/test_trainer.py (the loop, colocated), tests/integration/test_weight_sync.py (turns);
+Test: tests/integration/test_trainer.py (the loop, colocated), tests/integration/test_weight_sync.py (turns),
+tests/integration/test_lora_adapter_sync.py (adapter sync);
 tests/unit/test_rollout_protocol.py (the protocol's methods).
 """
 
@@ -16,12 +19,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from engine.config import GenerationConfig, RolloutConfig
+from engine.lora_settings import LoraSettings
 from engine.policy.hf_convert import ModelDims
 from engine.policy.lora import merged_lora
 from engine.policy.parallel import ParallelState
+from engine.rollout.adapter_sync import sync_adapter
 from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
@@ -33,29 +39,36 @@ class ColocatedRollout:
     runs_apart = False
 
     def __init__(self, engine, ps: ParallelState, dims: ModelDims, *, engine_tp: int, bucket_mb: float,
-                 ffn_hidden_size: int, dtype: str):
+                 ffn_hidden_size: int, dtype: str, adapter: LoraSettings | None = None):
         """
         Args:
             engine: this rank's engine/rollout/vllm_engine.py `ColocatedEngine`.
             engine_tp: `rollout.vllm_tensor_parallel_size` (ranks rank // engine_tp share one engine).
             bucket_mb: `rollout.weight_sync_bucket_mb`.
+            adapter: the LoRA setting when only adapters are synced (`lora.lora_weight_sync=adapter`; the engine
+                started with LoRA support), else None (full or merged weights).
         """
         self.engine, self.ps, self.dims = engine, ps, dims
+        self.adapter, self.dtype = adapter, getattr(torch, dtype)
         self.engine_tp, self.bucket_mb = engine_tp, bucket_mb
         self.plan = build_colocated_plan(dims, engine_tp, ffn_hidden_size=ffn_hidden_size, dtype=dtype)
         """What each engine rank holds of every HF tensor (the digests' reference)."""
 
     @classmethod
     def build(cls, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, ps: ParallelState,
-              dims: ModelDims, *, seed: int, dtype: str, ffn_hidden_size: int) -> ColocatedRollout:
-        """Start this rank's engine from `model_dir` (the policy's checkpoint: no first sync is needed)."""
+              dims: ModelDims, *, seed: int, dtype: str, ffn_hidden_size: int,
+              adapter: LoraSettings | None = None) -> ColocatedRollout:
+        """Start this rank's engine from `model_dir` (the policy's checkpoint: no first sync is needed; with
+        `adapter`, vLLM's LoRA support on: engine/rollout/vllm_lora.py)."""
         from engine.rollout.vllm_engine import ColocatedEngine
+        from engine.rollout.vllm_lora import lora_engine_options
 
         engine_tp = rollout.vllm_tensor_parallel_size
+        options = lora_engine_options(adapter.r) if adapter is not None else {}
         engine = ColocatedEngine(model_dir, rollout, generation, seed=seed + ps.rank // engine_tp, dtype=dtype,
-                                 world_size=ps.world_size)
+                                 world_size=ps.world_size, **options)
         return cls(engine, ps, dims, engine_tp=engine_tp, bucket_mb=rollout.weight_sync_bucket_mb,
-                   ffn_hidden_size=ffn_hidden_size, dtype=dtype)
+                   ffn_hidden_size=ffn_hidden_size, dtype=dtype, adapter=adapter)
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
         """Every engine generates a contiguous share of the prompts (the ranks of one vLLM TP group the same share);
@@ -85,7 +98,13 @@ class ColocatedRollout:
 
     def sync_weights(self, chunks: list, *, verify: bool) -> dict[str, float]:
         """Bucketed in-process loads on every rank (engine/rollout/colocated_sync.py), digests checked with
-        `verify` (collective). LoRA adapters are sent merged into their base weights (engine/policy/lora.py)."""
+        `verify` (collective). LoRA adapters are sent merged into their base weights (engine/policy/lora.py), or
+        alone into the engine's LoRA slot (`adapter`: engine/rollout/adapter_sync.py)."""
+        if self.adapter is not None:
+            from engine.policy.peft_adapter import peft_config_of
+
+            config = peft_config_of(self.adapter).to_dict()
+            return sync_adapter(chunks, self.ps, self.engine, self.adapter, config, self.dtype, verify=verify)
         with merged_lora(chunks):
             return sync_colocated(chunks, self.ps, self.dims, self.engine, self.bucket_mb,
                                   self.plan if verify else None)

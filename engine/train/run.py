@@ -168,7 +168,8 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     lora = lora_settings_from_config(cfg.lora) if cfg.lora.use_peft else None
     if lora is not None:  # before the optimizer: it then holds the adapters only
         apply_lora(chunks, lora, ps, seed=cfg.train.seed)
-    reference = ReferencePolicy.build(hf_config, cfg.model, ps, model_dir, dims) if cfg.grpo.beta != 0 else None
+    reference = None if cfg.grpo.beta == 0 else (ReferencePolicy.base_of(chunks, ps) if lora is not None else  # no copy
+                                                 ReferencePolicy.build(hf_config, cfg.model, ps, model_dir, dims))
     max_len = cfg.rollout.vllm_max_model_length or hf_config.max_position_embeddings
     multi_turn = build_agentic(cfg, agentic, tokenizer, name)
     generation = cfg.generation if multi_turn is None else replace(  # the prompts show the tools
@@ -246,8 +247,10 @@ def build_engine(cfg: EngineConfig, ps: ParallelState, dims: ModelDims, model_di
     if cfg.rollout.vllm_mode == "server":
         return ServerRollout(cfg.rollout, cfg.generation, ps, dims, chunks, ffn_hidden_size=ffn_hidden_size,
                              dtype=cfg.model.dtype, verify=cfg.rollout.verify_weight_sync)
+    adapter_only = cfg.lora.use_peft and cfg.lora.lora_weight_sync == "adapter"  # engine/rollout/adapter_sync.py
+    adapter = lora_settings_from_config(cfg.lora) if adapter_only else None
     return ColocatedRollout.build(model_dir, cfg.rollout, cfg.generation, ps, dims, seed=cfg.train.seed,
-                                  dtype=cfg.model.dtype, ffn_hidden_size=ffn_hidden_size)
+                                  dtype=cfg.model.dtype, ffn_hidden_size=ffn_hidden_size, adapter=adapter)
 
 
 def resolve_hooks(cfg: EngineConfig, group_filter_func=None,
@@ -336,6 +339,14 @@ def _model_identity(run: Run) -> dict:
     from transformers import AutoConfig
 
     return describe_model(AutoConfig.from_pretrained(run.model_dir), run.dims.padded_vocab)
+
+
+def export_initial_adapter(cfg: EngineConfig, target: str | Path) -> Path:
+    """Before any run (GRPOTrainer.save_model() before train()): the PEFT adapter a LoRA run of `cfg` starts from,
+    into `target` (engine/policy/peft_adapter.py `write_initial_adapter`; one process, no parallel state)."""
+    from engine.policy.peft_adapter import write_initial_adapter
+
+    return write_initial_adapter(cfg, target)
 
 
 def export_policy(run: Run, out_dir: str | Path) -> None:

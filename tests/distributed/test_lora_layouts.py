@@ -9,6 +9,13 @@
    optimizer, full recompute) with adapters at TP2, TP2 + sequence parallelism, PP2 and DP2 equals the
    single-process step in fp32: loss, gradient norm and every updated adapter tensor (read back from the saved PEFT
    adapters); the base is frozen (the optimizer state holds exactly the adapters' elements).
+3. The KL reference of a LoRA policy at TP2 (`ReferencePolicy.base_of`: the policy's chunks with the adapters
+   disabled, TRL's PEFT reference) gives exactly the log-probs of the separate reference copy it replaces, which
+   held a whole second copy of the weights; the adapters are back on after it. lora_dropout (0.5) at TP2 acts in
+   training forwards (the logits differ from the eval forward's, and reproduce under the same seed) and not in eval.
+4. bf16 (TRL's default precision): the LoRA GRPO step on the bf16 base (adapters held in bf16, Megatron's optimizer
+   keeping float32 main copies) equals the float32 step within bf16 tolerance: loss, gradient norm, and the adapters'
+   update (its direction: cosine > 0.9 over every adapter element).
 """
 
 import pytest
@@ -19,11 +26,11 @@ from tests.helpers.lora import lora_logits_and_exports, lora_settings
 from tests.helpers.policy import grpo_step_and_export, hf_tensors, tokens
 
 
-def _lora_step(tp, pp, dp, sp, model_dir, out_dir):
+def _lora_step(tp, pp, dp, sp, model_dir, out_dir, dtype="float32"):
     from engine.config import ModelConfig, ParallelConfig
 
     parallel = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp)
-    return grpo_step_and_export(model_dir, parallel, ModelConfig(dtype="float32"), out_dir, tp if sp else 1,
+    return grpo_step_and_export(model_dir, parallel, ModelConfig(dtype=dtype), out_dir, tp if sp else 1,
                                 lora=lora_settings())
 
 
@@ -165,3 +172,64 @@ def test_lora_checkpoint_resumes_exactly_at_tp2_and_resharded_to_tp1(model_dir, 
             bad = {name: float((target[key][name] - tensor).abs().max()) for name, tensor in source[key].items()
                    if not torch.equal(target[key][name], tensor)}
             assert not bad, f"tp{tp} {key}: differ (max abs): {bad}"
+
+
+def _reference_and_dropout(model_dir: str) -> dict:
+    from engine.config import KernelsConfig, ModelConfig, ParallelConfig
+    from engine.policy.batch import pack_completions
+    from engine.policy.lora import apply_lora
+    from engine.policy.reference import ReferencePolicy
+    from engine.policy.step import LogprobSettings, forward_logprobs, run_schedule
+    from tests.helpers.lora import perturb_lora_b
+    from tests.helpers.policy import BATCH, SEQ, build_from_hf, gathered_logits_fn
+
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(tp_size=2), ModelConfig(dtype="float32"))
+    copy = ReferencePolicy.build(hf_config, ModelConfig(dtype="float32"), ps, model_dir, dims)
+    apply_lora(chunks, lora_settings(lora_dropout=0.5), ps)
+    perturb_lora_b(chunks, ps)
+    ids = tokens(hf_config.vocab_size).tolist()
+    batch = pack_completions([row[:4] for row in ids], [row[4:] for row in ids], pad_token_id=0)
+    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=1.0, kernels=KernelsConfig())
+    base = ReferencePolicy.base_of(chunks, ps)
+    out = {"copy": copy.logprobs(ps, [batch], settings), "base": base.logprobs(ps, [batch], settings),
+           "policy": forward_logprobs(chunks, ps, [batch], settings),
+           "copy_bytes": sum(p.numel() * p.element_size() for c in copy.chunks for p in c.parameters())}
+    full = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+    logits_fn = gathered_logits_fn(ps, hf_config.vocab_size)
+
+    def logits(train: bool, seed: int = 0):
+        torch.manual_seed(seed)
+        for chunk in chunks:
+            chunk.train(train)
+        with torch.no_grad():
+            values = run_schedule(chunks, ps, [full], logits_fn, forward_only=True)
+        return values[0]["logits"]
+
+    out |= {"eval": logits(False), "train": logits(True, 1), "train_again": logits(True, 1),
+            "train_other": logits(True, 2)}
+    return out
+
+
+def test_lora_reference_is_the_base_with_adapters_off_and_dropout_acts_at_tp2(model_dir):
+    results = run_distributed(_reference_and_dropout, 2, str(model_dir))
+    for r in results:
+        (copy, _), (base, _), (policy, _) = r["copy"][0], r["base"][0], r["policy"][0]
+        assert torch.equal(base, copy), "the base with adapters off is not the separate reference"
+        assert (policy - copy).abs().max() > 1e-3, "the adapters do not change the policy's log-probs"
+        assert r["copy_bytes"] > 0.4e6, "the reference copy base_of saves (this rank's shard of the model)"
+        assert (r["train"] - r["eval"]).abs().max() > 1e-3, "lora_dropout does nothing in training forwards"
+        assert torch.equal(r["train"], r["train_again"]), "the same seed draws the same dropout masks"
+        assert (r["train"] - r["train_other"]).abs().max() > 1e-3
+
+
+def test_lora_bf16_step_equals_the_fp32_step_within_bf16_tolerance(model_dir, reference, tmp_path):
+    ref, ref_tensors, ref_initial = reference
+    (result,) = run_distributed(_lora_step, 1, 1, 1, 1, False, str(model_dir), str(tmp_path / "adapter"), "bfloat16")
+    assert result["loss"] == pytest.approx(ref["loss"], rel=2e-2, abs=1e-3)
+    assert result["grad_norm"] == pytest.approx(ref["grad_norm"], rel=5e-2)
+    tensors, initial = _adapter_tensors(tmp_path / "adapter"), _adapter_tensors(tmp_path / "adapter_initial")
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    update = torch.cat([(tensors[k].float() - initial[k].float()).flatten() for k in sorted(ref_tensors)])
+    ref_update = torch.cat([(ref_tensors[k] - ref_initial[k]).flatten() for k in sorted(ref_tensors)])
+    assert update.abs().max() > 0, "the bf16 step did not move the adapters"
+    assert torch.nn.functional.cosine_similarity(update, ref_update, dim=0) > 0.9

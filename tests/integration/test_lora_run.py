@@ -3,7 +3,9 @@ in-process vLLM), adapters on every linear, a high learning rate so they move: e
 (digests) and vLLM's log-probs equal the trainer's (the engine holds the merged W + scale * B A, the trainer computes
 with the adapters); the final export is a PEFT adapter that `peft.PeftModel.from_pretrained` loads on the HF base,
 equal in logits to the merged export (`lora.lora_save_merged`), and different from the base (the adapters trained);
-the checkpoint resumes (the next step continues from the saved adapters and optimizer state)."""
+the checkpoint resumes (the next step continues from the saved adapters and optimizer state). With
+`lora.lora_weight_sync=adapter` (TP=2, two ranks, each with its engine) every round's adapter-only sync verifies, moves
+the adapters only, and vLLM's log-probs (every request naming the adapter) equal the trainer's."""
 
 import json
 
@@ -14,7 +16,7 @@ from tests.distributed.launcher import run_distributed
 from tests.integration.test_trainer import digit_fraction  # noqa: F401 - the reward named below
 
 
-def _train(tp: int, output_dir: str, max_steps: int, resume: bool = False) -> dict:
+def _train(tp: int, output_dir: str, max_steps: int, resume: bool = False, *extra: str) -> dict:
     from engine.config import load_config
     from engine.train.loop import train
 
@@ -23,7 +25,7 @@ def _train(tp: int, output_dir: str, max_steps: int, resume: bool = False) -> di
         "generation.max_completion_length=12", "reward.reward_funcs=[tests.integration.test_trainer:digit_fraction]",
         "optimizer.learning_rate=2e-2", "data.dataset_test_split=null", "lora.use_peft=true", "lora.lora_r=8",
         "lora.lora_target_modules=[all-linear]", "lora.lora_dropout=0.0", "lora.lora_save_merged=true",
-        "checkpoint.save_steps=1", *(["checkpoint.resume_from_checkpoint=latest"] if resume else []),
+        "checkpoint.save_steps=1", *(["checkpoint.resume_from_checkpoint=latest"] if resume else []), *extra,
     ])
     return train(cfg)
 
@@ -52,3 +54,15 @@ def test_lora_run_syncs_merged_weights_exports_a_peft_adapter_and_resumes(tmp_pa
     torch.testing.assert_close(with_adapter, merged_logits, rtol=0, atol=1e-4)
     resumed = run_distributed(_train, 2, 2, str(tmp_path), 3, True)
     assert resumed[0]["start_step"] == 2 and resumed[0]["steps"] == 3
+
+
+@pytest.mark.slow
+def test_lora_run_with_adapter_only_sync(tmp_path):
+    summaries = run_distributed(_train, 2, 2, str(tmp_path), 2, False, "lora.lora_weight_sync=adapter",
+                                "lora.lora_save_merged=false", "checkpoint.save_steps=0")
+    assert summaries[0]["steps"] == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["grad_norm"] > 0 for r in records)
+    for record in records:
+        assert record["weight_sync/logprob_diff_max"] < 1e-3, "vLLM does not apply the synced adapter"
+        assert record["weight_sync/tensors"] == 4 * 7 * 2, "the adapters' A and B only"

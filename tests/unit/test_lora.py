@@ -65,16 +65,25 @@ def test_rank_larger_than_the_layer_is_refused():
         LoraAdapter("self_attention.linear_qkv", ["k_proj"], settings, _megatron_config(params_dtype=torch.float32), ps)
 
 
-@pytest.mark.parametrize("lora,grpo,message", [
+@pytest.mark.parametrize("lora,other,message", [
     ({"lora_r": 8}, {}, r"lora.lora_r=8: no effect without lora.use_peft=true"),
     ({"use_peft": True, "lora_r": 0}, {}, r"lora.lora_r=0: the rank must be >= 1"),
     ({"use_peft": True, "lora_dropout": 1.0}, {}, r"lora.lora_dropout=1.0: must be in \[0, 1\)"),
     ({"use_peft": True, "lora_target_modules": ["query"]}, {}, r"lora.lora_target_modules: \['query'\] match no"),
-    ({"use_peft": True}, {"sync_ref_model": True}, r"grpo.sync_ref_model with lora.use_peft"),
+    ({"use_peft": True}, {"grpo": {"sync_ref_model": True}}, r"grpo.sync_ref_model with lora.use_peft"),
+    ({"lora_weight_sync": "adapter"}, {}, r"lora.lora_weight_sync='adapter': no effect without lora.use_peft"),
+    ({"use_peft": True, "lora_weight_sync": "adapter"}, {"rollout": {"vllm_mode": "server"}},
+     r"lora.lora_weight_sync=adapter with rollout.vllm_mode='server', rollout.vllm_tensor_parallel_size=1"),
+    ({"use_peft": True, "lora_weight_sync": "adapter"}, {"rollout": {"vllm_tensor_parallel_size": 2}},
+     r"adapter-only sync is built for colocated engines at engine TP 1"),
+    ({"use_peft": True, "lora_weight_sync": "adapter", "lora_r": 1024, "lora_target_modules": ["q_proj"]}, {},
+     r"lora.lora_r=1024 with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to 512"),
+    ({"use_peft": True}, {"grpo": {"beta": 0.04}, "model": {"offload_reference": True}},
+     r"model.offload_reference with lora.use_peft: the KL reference is the policy's frozen base"),
 ])
-def test_lora_config_validation_names_the_setting(lora, grpo, message):
+def test_lora_config_validation_names_the_setting(lora, other, message):
     with pytest.raises(ConfigError, match=message):
-        validate(build_config({"lora": lora, "grpo": grpo}), 1)
+        validate(build_config({"lora": lora, **other}), 1)
 
 
 def test_grpo_trainer_takes_peft_config(tmp_path):
@@ -92,3 +101,12 @@ def test_grpo_trainer_takes_peft_config(tmp_path):
         GRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                     args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1="] * 4}),
                     peft_config=PeftLoraConfig(r=8, modules_to_save=["lm_head"]))
+
+
+def test_adapter_sync_starts_vllm_with_the_smallest_lora_rank_that_fits():
+    from engine.rollout.vllm_lora import lora_engine_options
+
+    assert lora_engine_options(4) == {"enable_lora": True, "max_lora_rank": 8, "max_loras": 1}
+    assert lora_engine_options(16)["max_lora_rank"] == 16 and lora_engine_options(17)["max_lora_rank"] == 32
+    with pytest.raises(ValueError, match=r"lora.lora_r=600 with lora.lora_weight_sync=adapter"):
+        lora_engine_options(600)

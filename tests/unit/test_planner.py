@@ -99,6 +99,17 @@ def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
     assert full.budget("training GPU").total_bytes > 79.1 * GIB, "the full fine-tune must not fit on one node"
 
 
+def test_lora_kl_reference_is_the_base_with_adapters_off_so_the_plan_holds_no_reference_copy():
+    """beta > 0 with LoRA: the reference is the policy's frozen base with its adapters disabled (engine/policy/
+    reference.py base_of), no second copy; the full fine-tune's reference holds a whole copy of the weights."""
+    lora = _terms(_plan(LLAMA_70B_LORA, ["grpo.beta=0.04"]).budget("training GPU"))
+    without = _terms(_plan(LLAMA_70B_LORA).budget("training GPU"))
+    assert lora["reference"] == 0 and sum(lora.values()) == pytest.approx(sum(without.values()))
+    full = _plan(LLAMA_70B_LORA, ["grpo.beta=0.04", "lora.use_peft=false", "lora.lora_r=16", "lora.lora_alpha=32",
+                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null"])
+    assert _terms(full.budget("training GPU"))["reference"] == pytest.approx(lora["weights"])
+
+
 def test_72b_inference_gpu_holds_the_whole_generation_round_in_kv_cache():
     terms = _terms(_plan(QWEN_72B).budget("inference GPU"))
     # 2 (K, V) x 80 layers x 1 KV head per GPU (8 / TP 8) x head_dim 128 x 2 B = 40 KiB per token;

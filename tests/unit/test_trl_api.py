@@ -789,3 +789,33 @@ def test_trainer_model_refuses_a_checkpoint_larger_than_the_memory(tmp_path):
     check_fits_in_memory(directory, available_bytes=2 * size)
     with pytest.raises(MemoryError, match=r"trainer.model would load .* GiB .*from_pretrained\(.*device_map='auto'"):
         check_fits_in_memory(directory, available_bytes=size)
+
+
+def test_save_model_before_train_with_peft_writes_the_initial_adapter(tmp_path):
+    """TRL's `save_model()` of a PEFT model before `train()` writes the (initial) adapter, not the base: the adapter
+    loads with peft onto the base, holds A as the run draws it (seeded by name, the run's seed) and B = 0; the
+    output directory's other files stay."""
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.tiny_model import resolve_builtin_model
+    from engine.policy.lora import initial_lora_a
+
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(),
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    (tmp_path / "run").mkdir(exist_ok=True)
+    (tmp_path / "run" / "keep.txt").write_text("x")
+    trainer.save_model()
+    out = tmp_path / "run"
+    assert (out / "keep.txt").exists() and not (out / "model.safetensors").exists()
+    tensors = load_file(out / "adapter_model.safetensors")
+    assert len(tensors) == 4 * 2 * 2
+    key = "base_model.model.model.layers.2.mlp.down_proj"
+    torch.testing.assert_close(tensors[f"{key}.lora_A.weight"],
+                               initial_lora_a(2, "down_proj", 4, 352, trainer.engine_config.train.seed), rtol=0, atol=0)
+    assert all(not t.any() for k, t in tensors.items() if "lora_B" in k)
+    base = AutoModelForCausalLM.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
+    model = PeftModel.from_pretrained(base, out)
+    assert model.peft_config["default"].r == 4 and sorted(model.peft_config["default"].target_modules) == [
+        "down_proj", "q_proj"]

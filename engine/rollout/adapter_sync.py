@@ -1,0 +1,85 @@
+"""Adapter-only weight sync (`lora.lora_weight_sync=adapter`, issue #29), the trainer's side: every LoRA adapter of
+the policy, gathered over TP and PP, goes into each colocated engine's LoRA slot in memory
+(engine/rollout/vllm_lora.py), the frozen base staying as the engine loaded it; then every engine rank's digests of
+the adapter tensors its LoRA layers hold are checked against what was sent.
+
+What vLLM holds: A as sent, and B times the adapter's scale (vLLM folds lora_alpha / r, or / sqrt(r) with rslora, into
+B in the engine's dtype): the expected digest of B is computed by the same operation on the sent tensor.
+
+Must not: import vLLM (the engine's adapter calls are vllm_lora.py's), send the base weights (frozen: the engine loaded
+them from the policy's own checkpoint), know Megatron's layout (engine/policy/lora.py `lora_tensors_for_peft`).
+
+Test: tests/integration/test_lora_adapter_sync.py (real vLLM on CPU, colocated).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from engine.lora_settings import LoraSettings
+from engine.policy.lora import lora_tensors_for_peft
+from engine.policy.parallel import ParallelState
+from engine.rollout.sync_check import check_digests, raise_on_every_rank
+from engine.rollout.weight_digest import box_digest
+
+PEFT_MODEL_PREFIX = "base_model.model."
+
+
+def adapter_tensors(chunks, ps: ParallelState, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every adapter tensor of the policy under PEFT's key names, in `dtype`, on every rank (collective: TP shards
+    gathered, pipeline stages' tensors exchanged over the PP group)."""
+    tensors = {k: v.to(dtype) for k, v in lora_tensors_for_peft(chunks, ps).items()}
+    if ps.pp_size == 1:
+        return tensors
+    stages: list = [None] * ps.pp_size
+    dist.all_gather_object(stages, {k: v.cpu() for k, v in tensors.items()}, group=ps.groups.pp)
+    return {k: v.to(ps.device) for stage in stages for k, v in stage.items()}
+
+
+def expected_digests(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, int]:
+    """{`model.layers.<i>.<parent>.<module>.lora_A|B`: digest} of what an engine holds after loading `tensors`:
+    A as sent, B scaled in its own dtype as vLLM does (`LoRALayerWeights.optimize`: `lora_b *= scaling`)."""
+    out = {}
+    for key, tensor in tensors.items():
+        name = key.removeprefix(PEFT_MODEL_PREFIX).removesuffix(".weight")
+        held = tensor.clone().mul_(scaling) if name.endswith("lora_B") and scaling != 1 else tensor
+        out[name] = int(box_digest(held))
+    return out
+
+
+def sync_adapter(chunks, ps: ParallelState, engine, settings: LoraSettings, peft_config: dict, dtype: torch.dtype,
+                 *, verify: bool, load: bool = True) -> dict[str, float]:
+    """Put the policy's adapters into this rank's colocated engine (collective: every rank calls it).
+
+    Args:
+        engine: engine/rollout/vllm_engine.py `ColocatedEngine` started with vllm_lora.py `lora_engine_options`.
+        peft_config: the adapter's `peft.LoraConfig.to_dict()` (engine/policy/peft_adapter.py `peft_config_of`).
+        dtype: the engine's dtype (vLLM's LoRA dtype: the model's).
+        verify: check every engine rank's digests of the adapter it holds against the sent tensors.
+        load: False only verifies what the engine holds now (the tests' stale engine).
+    Returns:
+        {"weight_sync/seconds", "weight_sync/gib", "weight_sync/tensors", "weight_sync/buckets"}, and with `verify`
+        "weight_sync/digest_s".
+    Raises:
+        WeightSyncError on every rank when any engine rank holds another value in any adapter tensor, naming them.
+    """
+    from engine.rollout.vllm_lora import load_policy_adapter, policy_adapter_digests
+
+    start = time.perf_counter()
+    tensors = adapter_tensors(chunks, ps, dtype)
+    if load:
+        load_policy_adapter(engine, {k: v.cpu() for k, v in tensors.items()}, peft_config)
+    stats = {"weight_sync/gib": sum(t.numel() * t.element_size() for t in tensors.values()) / 2**30,
+             "weight_sync/tensors": len(tensors), "weight_sync/buckets": 1}
+    if verify:
+        began = time.perf_counter()
+        expected = expected_digests(tensors, settings.scaling)
+        (held,) = policy_adapter_digests(engine)
+        error = check_digests(expected, held["digests"], str(dtype).replace("torch.", ""),
+                              f"engine rank {held['engine_rank']} (its LoRA adapter)")
+        raise_on_every_rank(ps, error)
+        stats["weight_sync/digest_s"] = time.perf_counter() - began
+    return stats | {"weight_sync/seconds": time.perf_counter() - start}
