@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, TrainConfig
 from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, dense_layers, moe_shape,
                                     shared_expert_width)
+from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
 from engine.policy.parallel import ParallelState
 from engine.recompute import resolve_recompute
 
@@ -116,7 +117,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
             "train.recompute_modules: 'layernorm' needs Transformer Engine: megatron-core 0.16.1's "
             "CheckpointWithoutOutput (the norms' recompute) reads `fp8 is not None`, true for its default fp8=False, "
             "and then calls Transformer Engine's FP8GlobalStateManager (NameError without it)")
-    return TransformerConfig(
+    config = TransformerConfig(**{**dict(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -151,7 +152,10 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         apply_rope_fusion=not on_cpu and has_te,
         persist_layer_norm=not on_cpu,
         **moe_settings(hf_config, cfg, ps),
-    )
+    ), **gpt_oss_settings(hf_config)})
+    for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
+        setattr(config, name, value)  # GPTModel's YarnRotaryEmbedding reads them with getattr (not config fields)
+    return config
 
 
 def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
@@ -268,6 +272,8 @@ def rope_settings(hf_config) -> dict:
     `llama3` scaling maps to Megatron's `rope_scaling`,
     whose low/high frequency factors and original length are fixed at 1, 4 and 8192.
     """
+    if (yarn := yarn_rope_settings(hf_config)) is not None:  # GPT-OSS: engine/models/gpt_oss.py
+        return yarn[0]
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
@@ -438,6 +444,8 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     config = build_transformer_config(hf_config, cfg, ps, train)
     shape = policy_shape(hf_config, cfg, ps.tp_size)
     spec = _layer_spec(cfg, config.qk_layernorm, config.num_moe_experts)
+    if hf_config.model_type == "gpt_oss":
+        spec = gpt_oss_spec(spec, _row_parallel_linear_class())
     dense_spec = _layer_spec(cfg, config.qk_layernorm) if isinstance(config.moe_layer_freq, list) else None
     num_chunks = ps.vpp_size or 1
     chunks = []
@@ -454,8 +462,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
                 post_process=is_last,
                 parallel_output=True,
                 share_embeddings_and_output_weights=shape.tie_word_embeddings,
-                position_embedding_type="rope",
-                **rope_settings(hf_config),
+                **{"position_embedding_type": "rope", **rope_settings(hf_config)},
                 pg_collection=ps.groups,
                 vp_stage=vp_stage if ps.vpp_size else None,
             )
