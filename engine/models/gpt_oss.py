@@ -141,10 +141,20 @@ def copied_output_row_parallel_class(base):
     at TP1 the row-parallel reduction returns its input as a view, which autograd refuses to modify in place
     ("a view ... is being modified inplace"): expert biases (GPT-OSS) failed in the backward
     (benchmarks/megatron_features.py). The copy costs one (tokens, H) tensor per expert.
+
+    NOTE: megatron-core 0.16.1's RowParallelLinear marks its bias `sequence_parallel` under SP, experts' too, so
+    `finalize_model_grads` sums an expert's fc2-bias gradient over the attention's TP group: at TP2 x EP2 that adds
+    another rank's expert's gradient to it (the GRPO step's grad norm was 0.16% off EP1). An expert's tokens all
+    reach its own rank through the dispatcher, so its bias gradient is whole: the mark is removed for experts.
     """
 
     class CopiedOutputRowParallel(base):
         """See `copied_output_row_parallel_class`."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.bias is not None and self.is_expert:
+                self.bias.sequence_parallel = False
 
         def forward(self, *args, **kwargs):
             output, bias = super().forward(*args, **kwargs)
