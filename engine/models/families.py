@@ -33,7 +33,8 @@ MISSING_FEATURES = {
 _MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
                "mixtral": ("num_local_experts", "intermediate_size"),
                "glm4_moe": ("n_routed_experts", "moe_intermediate_size"),
-               "gpt_oss": ("num_local_experts", "intermediate_size")}
+               "gpt_oss": ("num_local_experts", "intermediate_size"),
+               "deepseek_v3": ("n_routed_experts", "moe_intermediate_size")}  # the planner reads it (not built)
 
 
 def check_model_type(hf_config) -> None:
@@ -112,14 +113,18 @@ def check_gpt_oss(hf_config) -> None:
 
 def dense_layers(hf_config) -> int:
     """How many first decoder layers of an MoE family are dense (GLM-4.5's `first_k_dense_replace`; 0 otherwise)."""
-    return int(getattr(hf_config, "first_k_dense_replace", 0) or 0) if hf_config.model_type == "glm4_moe" else 0
+    return int(getattr(hf_config, "first_k_dense_replace", 0) or 0) if hf_config.model_type in _GLM_LIKE else 0
 
 
 def shared_expert_width(hf_config) -> int:
     """The always-on shared expert's MLP width (GLM-4.5: n_shared_experts x moe_intermediate_size; 0 = none)."""
-    if hf_config.model_type != "glm4_moe":
+    if hf_config.model_type not in _GLM_LIKE:
         return 0
     return int(getattr(hf_config, "n_shared_experts", 0) or 0) * int(hf_config.moe_intermediate_size)
+
+
+_GLM_LIKE = ("glm4_moe", "deepseek_v3")
+"""Families with dense first layers and a shared expert (DeepSeek-V3: read by the planner only; not built)."""
 
 
 def moe_shape(hf_config) -> tuple[int, int, int]:
