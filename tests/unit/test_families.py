@@ -165,3 +165,48 @@ def test_planner_gpt_oss_and_deepseek_v3_shapes_give_the_published_parameter_cou
     (tmp_path / "dsv3").mkdir()
     AutoConfig.for_model("deepseek_v3").save_pretrained(tmp_path / "dsv3")  # transformers' defaults: DeepSeek-V3's
     assert load_model_dims(str(tmp_path / "dsv3")) == KNOWN_MODELS["deepseek-ai/deepseek-v3"]
+
+
+GPT_OSS_CONFIG = "gpt-oss-120b_tp2_ep64_split_8x1.yaml"
+
+
+def _plan(name: str, overrides=()):
+    from pathlib import Path
+
+    from engine.config import load_config
+    from engine.planning.planner import build_plan
+    from engine.planning.shapes import resolve_cluster_shape
+
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    cfg = load_config(path, list(overrides))
+    return path, build_plan(cfg, resolve_cluster_shape(cfg))
+
+
+def test_gpt_oss_120b_split_config_fits_and_its_header_quotes_the_planner():
+    """8 training + 1 inference H100 nodes: EP64 across the training nodes fits (54.35 GiB), the header quotes every
+    total; EP32 on 4 nodes does not (84.77 GiB: the expert Adam states, 40 GiB per GPU)."""
+    from engine.planning.memory import GIB
+
+    path, plan = _plan(GPT_OSS_CONFIG)
+    assert not plan.problems
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    for budget in plan.budgets:
+        assert budget.total_bytes < 80 * GIB and f"{budget.total_bytes / GIB:.2f} GiB" in header, budget.title
+    _, smaller = _plan(GPT_OSS_CONFIG, ["parallel.dp_size=16", "parallel.ep_size=32"])
+    assert any("84.77 GiB > 79.1 GiB" in problem for problem in smaller.problems), smaller.problems
+
+
+def test_deepseek_v3_trains_on_32_h100_nodes_but_one_h100_node_cannot_serve_it():
+    """DeepSeek-V3 (MLA sized, 61 layers: PP 1, the count is prime) at TP8 x DP32 x EP256 on 32 training nodes fits
+    (68.35 GiB: one expert of each layer per GPU); no inference node of 8 x H100 holds it: vLLM at TP 8 needs 165.55
+    GiB of bf16 weights per GPU (671B x 2 B / 8, replicated MLA down-projections added), and the engine runs one vLLM
+    engine per node (no multi-node TP, no FP8 rollout), so no split config is shipped for it."""
+    from engine.planning.memory import GIB
+
+    _, plan = _plan(GPT_OSS_CONFIG, ["model.name_or_path=deepseek-ai/DeepSeek-V3", "model.transformer_impl=auto",
+                                     "parallel.tp_size=8", "parallel.ep_size=256", "generation.max_completion_length=4096"])
+    training, inference = plan.budgets
+    assert f"{training.total_bytes / GIB:.2f}" == "68.35" and training.total_bytes < 79.1 * GIB
+    weights = {t.label: t.nbytes for t in inference.terms}["weights"]
+    assert f"{weights / GIB:.2f}" == "165.55"
+    assert len(plan.problems) == 1 and "inference GPU" in plan.problems[0]
