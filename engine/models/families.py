@@ -2,14 +2,15 @@
 
 Owns: `SUPPORTED_MODEL_TYPES` (what engine/policy/model.py translates), `MOE_MODEL_TYPES`, the refusal of any other
 family (`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
-`MISSING_FEATURES`) and of the Mixtral / GLM-4.5 settings it would not reproduce, and `moe_shape` (expert count, top-k
-and expert width under each family's own field names), `dense_layers` and `shared_expert_width` (GLM-4.5). The
-policy, the converter and the planner all read these.
+`MISSING_FEATURES`) and of the Mixtral / GLM-4.5 / GPT-OSS settings it would not reproduce (`check_gpt_oss`), and
+`moe_shape` (expert count, top-k and expert width under each family's own field names), `dense_layers` and
+`shared_expert_width` (GLM-4.5; DeepSeek-V3's for the planner, which sizes it though it is not built). The policy,
+the converter and the planner all read these; GPT-OSS's own translation is engine/models/gpt_oss.py.
 
 Must not: import torch, Megatron or vLLM (the planner runs on a login node); translate anything itself.
 
-Test: tests/unit/test_families.py (refusals name the cause; moe_shape of each MoE family; the planner's Mixtral and
-GLM-4.5 shapes give the published parameter counts).
+Test: tests/unit/test_families.py (refusals name the cause; moe_shape of each MoE family; the planner's Mixtral,
+GLM-4.5, GPT-OSS and DeepSeek-V3 shapes give the published parameter counts).
 """
 
 from __future__ import annotations

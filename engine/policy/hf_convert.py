@@ -2,8 +2,9 @@
 
 Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) for Qwen2 / Qwen2.5, Llama-3, Qwen3
 (per-head q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables
-(`MOE_MAPS`: Qwen3-MoE; Mixtral and GLM-4.5 MoE as more tables; experts: `TensorMap`; tied embeddings: `family_map`;
-GLM's dense first layers: `layer_entries`), and the
+(`MOE_MAPS`: Qwen3-MoE; Mixtral, GLM-4.5 MoE and GPT-OSS as more tables; experts: `TensorMap`; tied embeddings:
+`family_map`; GLM's dense first layers: `layer_entries`; GPT-OSS's sinks and o_proj bias: `GPT_OSS_ATTENTION`, its
+stacked expert tensors: the `stacked_*` kinds, converted by engine/models/gpt_oss.py), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
@@ -20,7 +21,8 @@ name maps know only TE's fused norm names and grouped-gemm expert names, so load
 model fails (Qwen2 loads, 0 of 51 tensors different from this loader, only after 2 map entries are patched in;
 Mixtral's `local_experts.<j>` are unknown to it and its export fails on transformers 5's `head_dim=None`); TP rank 0
 reads whole HF tensors and scatters them (no per-rank slices); export all-gathers every tensor to every rank and
-allocates on `torch.cuda.current_device()` (PP broadcast, expert bias); no GPT-OSS, Gemma 2, Cohere 2 or Nemotron-H.
+allocates on `torch.cuda.current_device()` (PP broadcast, expert bias); no GPT-OSS (built here since), Gemma 2, Cohere 2
+or Nemotron-H.
 Its per-family tables (~100 lines each) are what `TensorMap` tables are here, so the project keeps this converter.
 """
 

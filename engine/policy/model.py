@@ -1,6 +1,7 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
-Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE HF config into Megatron's
+Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
+spec pieces and YaRN: engine/models/gpt_oss.py) HF config into Megatron's
 `TransformerConfig` (`build_transformer_config`: what it translates, and activation recompute; dropout:
 `dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`, GLM-4.5's router, shared expert
 and dense first layers: `glm4_moe_router_settings`; the families refused and what they lack:
@@ -12,8 +13,8 @@ Must not: read Megatron's global parallel state (it receives a ParallelState), o
 
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
 tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step at EP2
-and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral and
-GLM-4.5 MoE), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
+and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral,
+GLM-4.5 MoE and GPT-OSS), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
 parallelism too; also: no "tp_group is None" fallback warning from Megatron; and the step with full recompute equals
 the step without it, bit for bit, at TP2 and PP2), tests/unit/test_recompute.py (settings to Megatron's fields).
 """
