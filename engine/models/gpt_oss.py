@@ -71,8 +71,8 @@ def gpt_oss_settings(hf_config) -> dict:
 
 
 def yarn_rope_settings(hf_config) -> dict | None:
-    """GPTModel's keywords and the config attributes its YarnRotaryEmbedding and attention read, for a YaRN config
-    (None otherwise): ({"position_embedding_type": "yarn", "rotary_base": theta}, {"yarn_rotary_scaling_factor": ...}).
+    """GPTModel's keywords and the config attributes its YarnRotaryEmbedding and attention read, for a GPT-OSS YaRN
+    config (None otherwise): ({"position_embedding_type": "yarn", "rotary_base": theta}, {"yarn_rotary_scaling_factor": ...}).
 
     The frequencies are HF's (the same ramp between `beta_fast` and `beta_slow` rotations over the original
     positions); HF's `truncate` (default true) is Megatron's `correction_range_round_to_int`. The attention factor
@@ -80,8 +80,8 @@ def yarn_rope_settings(hf_config) -> dict | None:
     0.16.1's attention applies from these attributes (`_yarn_get_concentration_factor_from_config`: mscale None =
     from the factor alone); an explicit `attention_factor` is refused (engine/models/families.py check_gpt_oss)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if params.get("rope_type") != "yarn":
-        return None
+    if hf_config.model_type != "gpt_oss" or params.get("rope_type") != "yarn":
+        return None  # YaRN is translated (and compared with HF) for GPT-OSS only
     original = int(params["original_max_position_embeddings"])
     factor = float(params.get("factor") or hf_config.max_position_embeddings / original)
     attributes = dict(yarn_rotary_scaling_factor=factor, yarn_original_max_position_embeddings=original,
