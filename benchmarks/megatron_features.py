@@ -8,7 +8,8 @@ Measured with megatron-core 0.16.1 on CPU (README "Model families"): sliding-win
 learnable-softmax attention sinks, the clamped SwiGLU with the +1 linear offset, sigmoid routing with expert bias,
 group-limited top-k and scaling, shared experts, dense first layers (`moe_layer_freq`) and partial rotary build and
 train; expert biases fail in the backward (SequentialMLP's in-place bias add on a view of the TP reduction; with the
-experts' fc2 output copied they train: a fix the project's own spec can carry) and the local MLA spec fails to build (`DotProductAttention` has no `k_channels`). Megatron has no logit soft-capping, no
+experts' fc2 output copied they train: the policy's GPT-OSS spec carries that fix, engine/models/gpt_oss.py) and the
+local MLA spec fails to build (`DotProductAttention` has no `k_channels`). Megatron has no logit soft-capping, no
 post-attention / post-MLP norms and no embedding scaling at all (Gemma 2 / 3).
 """
 
@@ -45,18 +46,13 @@ FEATURES = [  # (name, TransformerConfig keywords, GPTModel rotary_percent, how 
 
 
 def _copied_output_row_parallel():
+    """The policy's own fix (engine/models/gpt_oss.py `copied_output_row_parallel_class`) on Megatron's
+    RowParallelLinear: its output copied when it returns a bias."""
     from megatron.core.tensor_parallel import RowParallelLinear
 
-    class _CopiedOutputRowParallel(RowParallelLinear):
-        """Returns a fresh output tensor when it also returns its bias: megatron-core 0.16.1's MLP adds an expert's
-        bias in place (`output += output_bias * probs`, mlp.py), but at TP1 `_ReduceFromModelParallelRegion` returns
-        its input as a view, which autograd refuses to modify in place."""
+    from engine.models.gpt_oss import copied_output_row_parallel_class
 
-        def forward(self, *args, **kwargs):
-            output, bias = super().forward(*args, **kwargs)
-            return (output.clone() if bias is not None else output), bias
-
-    return _CopiedOutputRowParallel
+    return copied_output_row_parallel_class(RowParallelLinear)
 
 
 def _experts_fc2(spec, fc2):

@@ -53,6 +53,7 @@ HUB_MODELS = {
     "trl-internal-testing/tiny-Qwen3ForCausalLM": ("qwen3", "causal"),
     "trl-internal-testing/tiny-Qwen3MoeForCausalLM": ("qwen3_moe", "causal"),
     "trl-internal-testing/tiny-Glm4MoeForCausalLM": ("glm4_moe", "causal"),
+    "trl-internal-testing/tiny-GptOssForCausalLM": ("gpt_oss", "causal"),
     "trl-internal-testing/tiny-LlamaForCausalLM-3.2": ("llama", "causal"),
     "trl-internal-testing/tiny-Qwen2ForSequenceClassification-2.5": ("qwen2", "reward"),
     "trl-internal-testing/tiny-Qwen3ForSequenceClassification": ("qwen3", "reward"),

@@ -2,20 +2,21 @@
 
 Owns: `SUPPORTED_MODEL_TYPES` (what engine/policy/model.py translates), `MOE_MODEL_TYPES`, the refusal of any other
 family (`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
-`MISSING_FEATURES`) and of the Mixtral / GLM-4.5 settings it would not reproduce, and `moe_shape` (expert count, top-k
-and expert width under each family's own field names), `dense_layers` and `shared_expert_width` (GLM-4.5). The
-policy, the converter and the planner all read these.
+`MISSING_FEATURES`) and of the Mixtral / GLM-4.5 / GPT-OSS settings it would not reproduce (`check_gpt_oss`), and
+`moe_shape` (expert count, top-k and expert width under each family's own field names), `dense_layers` and
+`shared_expert_width` (GLM-4.5; DeepSeek-V3's for the planner, which sizes it though it is not built). The policy,
+the converter and the planner all read these; GPT-OSS's own translation is engine/models/gpt_oss.py.
 
 Must not: import torch, Megatron or vLLM (the planner runs on a login node); translate anything itself.
 
-Test: tests/unit/test_families.py (refusals name the cause; moe_shape of each MoE family; the planner's Mixtral and
-GLM-4.5 shapes give the published parameter counts).
+Test: tests/unit/test_families.py (refusals name the cause; moe_shape of each MoE family; the planner's Mixtral,
+GLM-4.5, GPT-OSS and DeepSeek-V3 shapes give the published parameter counts).
 """
 
 from __future__ import annotations
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 """Families with routed-expert MLPs: in every layer, except GLM-4.5's dense first `first_k_dense_replace` layers."""
 
 MISSING_FEATURES = {
@@ -26,14 +27,15 @@ MISSING_FEATURES = {
     "cohere2": "parallel attention + MLP blocks, LayerNorm without bias, logit scaling and sliding-window layers",
     "deepseek_v3": "multi-latent attention (MLA), shared experts, sigmoid group-limited routing with the expert "
                    "bias and dense first layers",
-    "gpt_oss": "attention sinks, alternating sliding-window layers, the clamped SwiGLU and expert biases",
     "nemotron_h": "Mamba-2 (hybrid state-space) layers",
 }
 """Families the engine does not build yet, with what the translation lacks (issue #30): named when one is refused."""
 
 _MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
                "mixtral": ("num_local_experts", "intermediate_size"),
-               "glm4_moe": ("n_routed_experts", "moe_intermediate_size")}
+               "glm4_moe": ("n_routed_experts", "moe_intermediate_size"),
+               "gpt_oss": ("num_local_experts", "intermediate_size"),
+               "deepseek_v3": ("n_routed_experts", "moe_intermediate_size")}  # the planner reads it (not built)
 
 
 def check_model_type(hf_config) -> None:
@@ -51,6 +53,8 @@ def check_model_type(hf_config) -> None:
                          f"supported{missing}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type == "glm4_moe":
         _check_glm4_moe(hf_config)
+    if model_type == "gpt_oss":
+        check_gpt_oss(hf_config)
     if model_type != "mixtral":
         return
     window = getattr(hf_config, "sliding_window", None)
@@ -79,16 +83,49 @@ def _check_glm4_moe(hf_config) -> None:
                          "num_experts_per_tok = 2 x topk_group is supported")
 
 
+def check_gpt_oss(hf_config) -> None:
+    """Refuse GPT-OSS settings the translation would not reproduce: an MXFP4-quantised checkpoint (its expert
+    weights are `*_blocks` / `*_scales`: dequantise it first), layer types other than sliding / full attention, a
+    RoPE other than default or YaRN, an explicit YaRN attention_factor.
+
+    Raises:
+        ValueError naming `model.name_or_path`, the setting and the cause.
+    """
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+        raise ValueError(f"model.name_or_path: gpt_oss with quantization_config ({method}): the MXFP4 expert blocks "
+                         "are not loaded; dequantise the checkpoint to bf16 first (transformers: "
+                         "Mxfp4Config(dequantize=True), then save_pretrained)")
+    kinds = set(hf_config.layer_types)
+    if not kinds <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"model.name_or_path: gpt_oss with layer_types {sorted(kinds)}: only sliding_attention and "
+                         "full_attention are translated")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope.get("attention_factor") is not None:
+        raise ValueError(f"model.name_or_path: gpt_oss with rope_parameters.attention_factor="
+                         f"{rope['attention_factor']}: Megatron derives YaRN's attention factor from the factor (and "
+                         "mscale / mscale_all_dim); an explicit one is not translated")
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"model.name_or_path: gpt_oss with rope_type {rope_type!r}: only yarn (GPT-OSS's own) and "
+                         "default are translated")
+
+
 def dense_layers(hf_config) -> int:
     """How many first decoder layers of an MoE family are dense (GLM-4.5's `first_k_dense_replace`; 0 otherwise)."""
-    return int(getattr(hf_config, "first_k_dense_replace", 0) or 0) if hf_config.model_type == "glm4_moe" else 0
+    return int(getattr(hf_config, "first_k_dense_replace", 0) or 0) if hf_config.model_type in _GLM_LIKE else 0
 
 
 def shared_expert_width(hf_config) -> int:
     """The always-on shared expert's MLP width (GLM-4.5: n_shared_experts x moe_intermediate_size; 0 = none)."""
-    if hf_config.model_type != "glm4_moe":
+    if hf_config.model_type not in _GLM_LIKE:
         return 0
     return int(getattr(hf_config, "n_shared_experts", 0) or 0) * int(hf_config.moe_intermediate_size)
+
+
+_GLM_LIKE = ("glm4_moe", "deepseek_v3")
+"""Families with dense first layers and a shared expert (DeepSeek-V3: read by the planner only; not built)."""
 
 
 def moe_shape(hf_config) -> tuple[int, int, int]:

@@ -31,6 +31,7 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     Glm4MoeConfig,
+    GptOssConfig,
     LlamaConfig,
     MixtralConfig,
     PretrainedConfig,
@@ -40,7 +41,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
+TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 """Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
 
 TINY_QWEN3_HEAD_DIM = 64
@@ -278,6 +279,8 @@ def tiny_model_config(
                              router_aux_loss_coef=0.001)
     if family == "glm4_moe":
         return _tiny_glm4_moe_config(common)
+    if family == "gpt_oss":
+        return _tiny_gpt_oss_config(common)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 
@@ -295,6 +298,38 @@ def _tiny_glm4_moe_config(common: dict) -> Glm4MoeConfig:
         routed_scaling_factor=TINY_GLM_SCALING, norm_topk_prob=True, first_k_dense_replace=TINY_GLM_DENSE_LAYERS,
         num_nextn_predict_layers=0,
     )
+
+
+TINY_GPT_OSS_WINDOW, TINY_GPT_OSS_LIMIT = 4, 0.2
+"""The tiny GPT-OSS's sliding window (4 keys: the tests' 12-token rows cross it) and SwiGLU clamp (GPT-OSS's is 7.0;
+the tiny model's gate / up values are ~0.2, so 0.2 clamps a part of them and a test sees the clamp)."""
+
+
+def _tiny_gpt_oss_config(common: dict) -> GptOssConfig:
+    """GPT-OSS's architecture at the tiny shapes: q/k/v/o biases, learned sinks, sliding-window attention
+    (`TINY_GPT_OSS_WINDOW`) on even layers and full attention on odd ones (GPT-OSS's `layer_types`), YaRN RoPE
+    (factor 16 over 64 original positions), 4 experts of width 64, top-2, with router and expert biases and the
+    clamped SwiGLU (alpha 1.702, limit `TINY_GPT_OSS_LIMIT`)."""
+    rope = {"rope_type": "yarn", "rope_theta": common["rope_theta"], "factor": 16.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "hidden_act")}
+    return GptOssConfig(**{**common, "intermediate_size": TINY_MOE_FFN}, head_dim=_HIDDEN_SIZE // _NUM_HEADS,
+                        num_local_experts=TINY_MOE_EXPERTS, num_experts_per_tok=TINY_MOE_TOP_K,
+                        sliding_window=TINY_GPT_OSS_WINDOW, rope_parameters=rope, attention_bias=True,
+                        swiglu_limit=TINY_GPT_OSS_LIMIT, router_aux_loss_coef=0.001)
+
+
+def _randomise_zero_inits(model) -> None:
+    """Random values where HF initialises zeros or near-zeros that tests must see: GLM's expert-score correction
+    bias (N(0, 0.05^2)); GPT-OSS's expert biases (N(0, 0.1^2)) and sinks (N(0, 1))."""
+    with torch.no_grad():
+        for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.05 * torch.randn(tensor.shape))
+            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                tensor.copy_(0.1 * torch.randn(tensor.shape))
+            elif name.endswith("self_attn.sinks"):
+                tensor.copy_(torch.randn(tensor.shape))
 
 
 def _generation_config(config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
@@ -330,9 +365,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        for name, buffer in model.named_buffers():  # HF initialises GLM's expert bias to 0: make it count in tests
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.05 * torch.randn(buffer.shape))
+        _randomise_zero_inits(model)
     model.generation_config = _generation_config(config, tokenizer)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)

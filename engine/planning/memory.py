@@ -202,6 +202,15 @@ def plan_recompute(cfg: EngineConfig, dims: ModelDims) -> Recompute:
     return resolve_recompute(cfg.train, dims.num_layers, chunks, dims.is_moe)
 
 
+def attention_activations(dims: ModelDims) -> float:
+    """The attention's TP-split activations per layer in units of s*b*h (2-byte elements): GQA's Q 2 + K, V 4*g/a +
+    output 2 = 4 + 4*g/a; MLA (DeepSeek-V3) per head Q and K of d + rope, V and output of v: 4*a*(d + rope + v)/h
+    (DeepSeek-V3: 4*128*(128 + 64 + 128)/7168 = 22.86; its latents, q_lora + kv_lora + rope per token, are small)."""
+    if dims.is_mla:
+        return 4 * dims.num_heads * (dims.d + dims.qk_rope_head_dim + dims.v_head_dim) / dims.hidden_size
+    return 4 + 4 * dims.num_kv_heads / dims.num_heads
+
+
 def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbatches: int) -> Term:
     """Activation memory of one GPU of pipeline stage `stage`, with the recompute that runs (`plan_recompute`).
 
@@ -236,7 +245,7 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     ffn = dims.num_experts_per_tok * dims.moe_intermediate_size if dims.is_moe else dims.intermediate_size
     scores = 5 * dims.num_heads * s / h if cfg.model.transformer_impl == "local" else 0.0
     mlp = 6 * ffn / h  # MoE: each token's k routed copies of f_moe
-    split = 4 + 4 * dims.num_kv_heads / dims.num_heads + mlp + scores
+    split = attention_activations(dims) + mlp + scores
     full_split, removed = split, 0.0
     if rc.granularity == "selective":  # the recomputed modules' insides are not kept
         removed = scores * ("core_attn" in rc.modules) + mlp * bool({"mlp", "moe"} & set(rc.modules))
@@ -467,14 +476,18 @@ def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, de
     params, weights_text = _vllm_weights(dims, vtp)
     wbytes = _optimizer_bytes(cfg)[0]
     per_token = 2 * dims.num_layers * kv_heads * dims.d * wbytes
+    kv_text = f"2 (K, V) x {dims.num_layers} layers x {kv_heads} KV head(s) x {dims.d} x {wbytes} B"
+    if dims.is_mla:  # vLLM's MLA caches the latent and the rope key, whole on every TP rank
+        latent = dims.kv_lora_rank + dims.qk_rope_head_dim
+        per_token = dims.num_layers * latent * wbytes
+        kv_text = f"MLA latent {dims.num_layers} layers x ({dims.kv_lora_rank} + {dims.qk_rope_head_dim}) x {wbytes} B"
     share = rollout.vllm_gpu_memory_utilization * shape.gpu_memory_gib * GIB
     reserve = shape.reserve_gib * GIB
     terms = [
         Term("weights", f"{weights_text} = {format_count(params)} params x {wbytes} B", params * wbytes),
         Term(
             "KV cache",
-            f"2 (K, V) x {dims.num_layers} layers x {kv_heads} KV head(s) x {dims.d} x {wbytes} B = "
-            f"{per_token / 1024:g} KiB/token "
+            f"{kv_text} = {per_token / 1024:g} KiB/token "
             f"x {seqs} sequences ({seqs_text}) x {tokens} tokens ({prompt} + {completion}, in blocks of "
             f"{VLLM_BLOCK_SIZE})",
             seqs * tokens * per_token,

@@ -17,6 +17,7 @@ Test: `pytest tests/unit/test_planner.py` (known models against the hub's config
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 from dataclasses import dataclass
@@ -40,7 +41,9 @@ class PlanError(ConfigError):
 @dataclass(frozen=True, slots=True)
 class ModelDims:
     """The Hugging Face config numbers the plan needs (Qwen2 / Llama / Qwen3: GQA, SwiGLU, RMSNorm; Qwen3-MoE and
-    Mixtral: routed experts in every layer instead of the dense MLP)."""
+    Mixtral: routed experts in every layer instead of the dense MLP; GLM-4.5: dense first layers, a shared expert;
+    GPT-OSS: biases and sinks; DeepSeek-V3: multi-latent attention. The planner sizes parameters and activations,
+    not modules: DeepSeek-V3's MLA is sized though the engine does not build it, engine/models/families.py)."""
 
     hidden_size: int
     num_layers: int
@@ -64,7 +67,21 @@ class ModelDims:
     shared_expert_size: int = 0
     """MoE: the always-on shared expert's width (GLM-4.5: n_shared_experts x moe_intermediate_size), TP-split."""
     expert_bias: bool = False
-    """MoE: the router's E float32 expert-score correction bias (GLM-4.5), replicated."""
+    """MoE: the router's E float32 expert-score correction bias (GLM-4.5, DeepSeek-V3), replicated."""
+    linear_bias: bool = False
+    """GPT-OSS: biases on the attention output (h, replicated), the router (E) and both expert linears (2f + h per
+    expert); its q/k/v bias is `qkv_bias`."""
+    sinks: bool = False
+    """GPT-OSS: one learned attention-sink logit per head (a per layer, TP-split)."""
+    q_lora_rank: int = 0
+    """DeepSeek-V3's multi-latent attention (MLA, 0 = none): the query's low-rank width (0 with MLA = a full-rank
+    query projection)."""
+    kv_lora_rank: int = 0
+    """MLA: the compressed key / value latent width (what vLLM caches per token and layer, with the rope part)."""
+    qk_rope_head_dim: int = 0
+    """MLA: the per-head query / key dimensions that carry RoPE (the shared rope key is kv-latent-side)."""
+    v_head_dim: int = 0
+    """MLA: the per-head value dimension (`head_dim` is the query / key part without RoPE, qk_nope_head_dim)."""
 
     @property
     def d(self) -> int:
@@ -74,18 +91,38 @@ class ModelDims:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def attention_params(self) -> tuple[int, int]:
+        """(TP-split, replicated) parameters of one layer's attention. GQA: q, k, v, o (+ biases, sinks). MLA: the
+        up-projections q_b (q_lora x a x (d + rope)), kv_b (kv_lora x a x (d + v)) and o (a x v x h) are split; the
+        down-projections q_a (h x q_lora), kv_a (h x (kv_lora + rope)) and their RMSNorms are replicated."""
+        h, a, g, d = self.hidden_size, self.num_heads, self.num_kv_heads, self.d
+        if self.is_mla:
+            qk, q_in = d + self.qk_rope_head_dim, self.q_lora_rank or h
+            split = q_in * a * qk + self.kv_lora_rank * a * (d + self.v_head_dim) + a * self.v_head_dim * h
+            down = h * self.q_lora_rank + self.q_lora_rank * bool(self.q_lora_rank)
+            return split, down + h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        split = h * a * d + 2 * h * g * d + a * d * h + ((a + 2 * g) * d if self.qkv_bias else 0)
+        return split + a * self.sinks, h * self.linear_bias
+
     def layer_params(self) -> tuple[int, int]:
         """(TP-split parameters, TP-replicated parameters) of one decoder layer, its experts excepted
-        (`expert_params`); an MoE layer's router (E x h) is replicated."""
-        h, a, g, d = self.hidden_size, self.num_heads, self.num_kv_heads, self.d
-        attention = h * a * d + 2 * h * g * d + a * d * h + ((a + 2 * g) * d if self.qkv_bias else 0)
-        replicated = 2 * h + (2 * d if self.qk_norm else 0) + self.num_experts * (h + self.expert_bias)
+        (`expert_params`); an MoE layer's router (E x h, + E with a bias or an expert-score bias) is replicated."""
+        h, d = self.hidden_size, self.d
+        attention, replicated = self.attention_params()
+        replicated += 2 * h + (2 * d if self.qk_norm else 0) + self.num_experts * (
+            h + self.expert_bias + self.linear_bias)
         mlp = 3 * h * (self.shared_expert_size if self.is_moe else self.intermediate_size)
         return attention + mlp, replicated
 
     def expert_params(self) -> int:
-        """Parameters of one layer's routed experts (E x 3 x h x f_moe: SwiGLU gate, up, down); split over EP x ETP."""
-        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+        """Parameters of one layer's routed experts (E x 3 x h x f_moe: SwiGLU gate, up, down; GPT-OSS + E x (2 f_moe
+        + h) biases); split over EP x ETP."""
+        h, f = self.hidden_size, self.moe_intermediate_size
+        return self.num_experts * (3 * h * f + (2 * f + h) * self.linear_bias)
 
     def total_params(self) -> int:
         """Parameters of the Hugging Face checkpoint (unpadded vocabulary)."""
@@ -93,8 +130,8 @@ class ModelDims:
         embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         moe_layer = split + replicated + self.expert_params()
         h = self.hidden_size  # a dense first layer: the MoE layer less router, bias, shared expert and experts
-        dense_layer = moe_layer - self.expert_params() - self.num_experts * (h + self.expert_bias) + 3 * h * (
-            self.intermediate_size - self.shared_expert_size)
+        dense_layer = moe_layer - self.expert_params() - self.num_experts * (
+            h + self.expert_bias + self.linear_bias) + 3 * h * (self.intermediate_size - self.shared_expert_size)
         return (self.num_layers - self.dense_layers) * moe_layer + self.dense_layers * dense_layer + embeddings + h
 
 
@@ -136,6 +173,23 @@ _MIXTRAL_8X7B = ModelDims(4096, 32, 32, 8, 14336, 32000, False, False, num_exper
 _LLAMA_8B = _llama(4096, 32, 32, 8, 14336, 128256)
 _LLAMA_70B = _llama(8192, 80, 64, 8, 28672, 128256)
 
+def _gpt_oss(layers, experts):
+    return ModelDims(2880, layers, 64, 8, 2880, 201088, False, True, head_dim=64, num_experts=experts,
+                     num_experts_per_tok=4, moe_intermediate_size=2880, linear_bias=True, sinks=True)
+
+
+_GPT_OSS_120B, _GPT_OSS_20B = _gpt_oss(36, 128), _gpt_oss(24, 32)
+"""gpt-oss-120b and gpt-oss-20b from their config.json (hidden 2880, 64 heads of 64, 8 KV heads, experts of width
+2880, top-4, vocabulary 201,088): 116,829,156,672 and 20,914,757,184 parameters, the model card's 116.83B / 20.91B
+(its MXFP4 checkpoint stores the same counts quantised)."""
+_DEEPSEEK_V3 = ModelDims(7168, 61, 128, 128, 18432, 129280, False, False, head_dim=128, num_experts=256,
+                         num_experts_per_tok=8, moe_intermediate_size=2048, dense_layers=3, shared_expert_size=2048,
+                         expert_bias=True, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128)
+"""DeepSeek-V3 / R1 from their config.json (MLA: q_lora 1536, kv_lora 512, 128 heads of 128 + 64 rope, values 128;
+3 dense layers of 18432 then 58 MoE layers of 256 experts of 2048, top-8, one shared expert, sigmoid routing with
+the expert-score bias): 671,026,419,200 parameters, the published 671B; the checkpoint's 685B adds the one
+multi-token-prediction layer (not built, not counted)."""
+
 KNOWN_MODELS: dict[str, ModelDims] = {
     **{f"qwen/qwen2.5-{size}{suffix}": dims for size, dims in _QWEN25.items() for suffix in ("", "-instruct")},
     **{f"qwen/qwen3-{size}{suffix}": dims for size, dims in _QWEN3.items() for suffix in ("", "-base")},
@@ -157,6 +211,11 @@ KNOWN_MODELS: dict[str, ModelDims] = {
     **{f"mistralai/mixtral-8x7b{suffix}": _MIXTRAL_8X7B for suffix in ("-v0.1", "-instruct-v0.1")},
     **{f"zai-org/glm-4.5{suffix}": _GLM45 for suffix in ("", "-base")},
     **{f"zai-org/glm-4.5-air{suffix}": _GLM45_AIR for suffix in ("", "-base")},
+    "openai/gpt-oss-120b": _GPT_OSS_120B,
+    "openai/gpt-oss-20b": _GPT_OSS_20B,
+    **{f"deepseek-ai/deepseek-{name}": _DEEPSEEK_V3 for name in ("v3", "v3-base", "v3-0324", "r1", "r1-0528")},
+    "builtin:tiny-gpt_oss": ModelDims(128, 4, 4, 2, 64, 400, False, True, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=64, linear_bias=True, sinks=True),
     "builtin:tiny-glm4_moe": ModelDims(128, 4, 4, 2, 352, 400, False, True, qk_norm=True, num_experts=4,
                                        num_experts_per_tok=2, moe_intermediate_size=64, dense_layers=1,
                                        shared_expert_size=64, expert_bias=True),
@@ -172,24 +231,25 @@ def load_model_dims(name_or_path: str) -> ModelDims:
         PlanError for a hub name not in the table (the planner never downloads).
     """
     config_file = Path(name_or_path) / "config.json"
-    if config_file.is_file():
+    if config_file.is_file():  # MLA's widths (DeepSeek-V3) replace head_dim: `_mla_fields`
         hf = json.loads(config_file.read_text())
         hf = hf.get("text_config", hf)
         head_dim = hf.get("head_dim") or 0
         config = SimpleNamespace(**hf)
         experts, top_k, expert_ffn = moe_shape(config)
-        return ModelDims(
+        return dataclasses.replace(ModelDims(
             hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
-            head_dim=0 if head_dim * hf["num_attention_heads"] == hf["hidden_size"] else head_dim,
+            head_dim=0 if head_dim * hf["num_attention_heads"] == hf["hidden_size"] else head_dim,  # MLA: below
             qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
             num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn,
             dense_layers=dense_layers(config), shared_expert_size=shared_expert_width(config),
-            expert_bias=hf.get("model_type") == "glm4_moe",
-        )
+            expert_bias=hf.get("model_type") in ("glm4_moe", "deepseek_v3"),
+            linear_bias=hf.get("model_type") == "gpt_oss", sinks=hf.get("model_type") == "gpt_oss",
+        ), **_mla_fields(hf))
     dims = KNOWN_MODELS.get(name_or_path.lower())
     if dims is None:
         known = ", ".join(sorted({k for k in KNOWN_MODELS if not k.endswith("-instruct")}))
@@ -198,6 +258,15 @@ def load_model_dims(name_or_path: str) -> ModelDims:
             f"download; point model.name_or_path at a local directory with its config.json, or use one of: {known}"
         )
     return dims
+
+
+def _mla_fields(hf: dict) -> dict:
+    """A config.json's multi-latent attention widths (DeepSeek-V3: `kv_lora_rank` set), `head_dim` its
+    qk_nope_head_dim; {} without MLA."""
+    if not hf.get("kv_lora_rank"):
+        return {}
+    return dict(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], head_dim=hf["qk_nope_head_dim"])
 
 
 def megatron_padded_vocab(vocab_size: int, divisible_by: int, tp_size: int) -> int:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from engine.policy.hf_convert import (FLOAT32_TENSORS, ModelDims, expert_index, family_map, find_entry,
                                      read_megatron_shard, to_hf)
+from engine.models.gpt_oss import stack_expert_pieces
 from engine.policy.lora import is_lora_param
 from engine.policy.model import get_weight, global_param_names
 from engine.policy.parallel import ParallelState
@@ -153,6 +154,7 @@ def export_hf_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         tensors |= dict(iter_hf_tensors(chunk, ps, dims))
+    tensors = stack_expert_pieces(tensors)  # GPT-OSS: its experts' pieces into the stacked HF tensors
     file = f"model-{ps.pp_rank + 1:05d}-of-{ps.pp_size:05d}.safetensors"
     writer = ps.tp_rank == 0 and ps.dp_rank == 0
     if writer:

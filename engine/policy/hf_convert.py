@@ -2,8 +2,9 @@
 
 Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) for Qwen2 / Qwen2.5, Llama-3, Qwen3
 (per-head q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables
-(`MOE_MAPS`: Qwen3-MoE; Mixtral and GLM-4.5 MoE as more tables; experts: `TensorMap`; tied embeddings: `family_map`;
-GLM's dense first layers: `layer_entries`), and the
+(`MOE_MAPS`: Qwen3-MoE; Mixtral, GLM-4.5 MoE and GPT-OSS as more tables; experts: `TensorMap`; tied embeddings:
+`family_map`; GLM's dense first layers: `layer_entries`; GPT-OSS's sinks and o_proj bias: `GPT_OSS_ATTENTION`, its
+stacked expert tensors: the `stacked_*` kinds, converted by engine/models/gpt_oss.py), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
@@ -20,7 +21,8 @@ name maps know only TE's fused norm names and grouped-gemm expert names, so load
 model fails (Qwen2 loads, 0 of 51 tensors different from this loader, only after 2 map entries are patched in;
 Mixtral's `local_experts.<j>` are unknown to it and its export fails on transformers 5's `head_dim=None`); TP rank 0
 reads whole HF tensors and scatters them (no per-rank slices); export all-gathers every tensor to every rank and
-allocates on `torch.cuda.current_device()` (PP broadcast, expert bias); no GPT-OSS, Gemma 2, Cohere 2 or Nemotron-H.
+allocates on `torch.cuda.current_device()` (PP broadcast, expert bias); no GPT-OSS (built here since), Gemma 2, Cohere 2
+or Nemotron-H.
 Its per-family tables (~100 lines each) are what `TensorMap` tables are here, so the project keeps this converter.
 """
 
@@ -33,8 +35,10 @@ from typing import Literal, Protocol
 import torch
 
 from engine.models.families import dense_layers, moe_shape, shared_expert_width
+from engine.models.gpt_oss import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
 
-Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
+Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up", "stacked_gate_up", "stacked_row",
+               "stacked_replicated"]
 """How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md
 §6.4-6.5), so each is explicit:
   replicated  norms: same on every TP rank;
@@ -42,7 +46,8 @@ Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
   vocab       split along dim 0 after padding the vocabulary to `padded_vocab` rows (zeros; never sampled);
   qkv         Megatron's fused QKV: per query group g, [q heads of g; k_g; v_g] (GQA-interleaved), TP splits whole
               groups, so rank r holds groups [r*G/tp, (r+1)*G/tp);
-  gate_up     Megatron's fused SwiGLU fc1 = [gate; up]; TP rank r holds [gate_r; up_r] (partition_stride 2).
+  gate_up     Megatron's fused SwiGLU fc1 = [gate; up]; TP rank r holds [gate_r; up_r] (partition_stride 2);
+  stacked_*   one expert's slice of a GPT-OSS tensor that stacks every expert (engine/models/gpt_oss.py STACKED_KINDS).
 """
 
 
@@ -175,8 +180,31 @@ MOE_MAPS: dict[str, tuple[TensorMap, ...]] = {
         TensorMap("decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight",
                   ("model.layers.{i}.mlp.shared_experts.down_proj.weight",), "row"),
     ),
+    # GPT-OSS: a router with a bias; every expert's tensors stacked in one HF tensor per layer (`stacked_*` kinds),
+    # with biases on both expert linears.
+    "gpt_oss": (
+        TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.router.weight",), "replicated"),
+        TensorMap("decoder.layers.{i}.mlp.router.bias", ("model.layers.{i}.mlp.router.bias",), "replicated"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
+                  ("model.layers.{i}.mlp.experts.gate_up_proj",), "stacked_gate_up"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.bias",
+                  ("model.layers.{i}.mlp.experts.gate_up_proj_bias",), "stacked_gate_up"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+                  ("model.layers.{i}.mlp.experts.down_proj",), "stacked_row"),
+        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.bias",
+                  ("model.layers.{i}.mlp.experts.down_proj_bias",), "stacked_replicated"),
+    ),
 }
 """The MoE MLP of each family, replacing the dense `linear_fc1` / `linear_fc2` entries; `{e}` = expert index."""
+
+GPT_OSS_ATTENTION = (
+    TensorMap("decoder.layers.{i}.self_attention.linear_proj.bias", ("model.layers.{i}.self_attn.o_proj.bias",),
+              "replicated"),
+    TensorMap("decoder.layers.{i}.self_attention.core_attention.softmax_offset", ("model.layers.{i}.self_attn.sinks",),
+              "column"),
+)
+"""GPT-OSS's attention beyond Llama's: the output projection's bias and the learned per-head sinks (Megatron's
+`softmax_offset`, split over TP by head)."""
 
 FLOAT32_TENSORS = ("e_score_correction_bias",)
 """HF tensors kept in float32 whatever the model's dtype (transformers' `_keep_in_fp32_modules_strict` for GLM-4.5's
@@ -206,6 +234,8 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
     ]
     if dims.num_experts:
         entries += MOE_MAPS[dims.moe_map]
+    if dims.moe_map == "gpt_oss":
+        entries += GPT_OSS_ATTENTION
     if not dims.num_experts or dims.dense_layers:
         entries += [
             TensorMap(
@@ -288,6 +318,9 @@ def read_megatron_shard(
     tensor: `expert` is its global index, tp_rank / tp_size are the expert-TP group's)."""
     names = hf_names(entry, layer, expert)
     every = slice(None)
+    if entry.kind in STACKED_KINDS:  # GPT-OSS: read expert `expert`'s slice of the stacked tensor
+        return read_stacked_expert(entry.kind, names[0], src.read(names[0], (slice(expert, expert + 1),))[0],
+                                   tp_rank, tp_size)
     if entry.kind == "replicated":
         return src.read(names[0], (every,))
     if entry.kind in ("column", "gate_up"):
@@ -333,6 +366,8 @@ def to_hf(entry: TensorMap, layer: int | None, dims: ModelDims, full: torch.Tens
           expert: int | None = None) -> dict[str, torch.Tensor]:
     """The HF tensors of an entry from its global (TP=1) Megatron tensor: the inverse of `to_megatron_global`."""
     names = hf_names(entry, layer, expert)
+    if entry.kind in STACKED_KINDS:  # one expert's piece; the export stacks them (gpt_oss.stack_expert_pieces)
+        return stacked_expert_to_hf(entry.kind, names[0], expert, full)
     if entry.kind == "vocab":
         return {names[0]: full[: dims.vocab_size].clone()}
     if entry.kind == "gate_up":

@@ -1,6 +1,7 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
-Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE HF config into Megatron's
+Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
+spec pieces and YaRN: engine/models/gpt_oss.py) HF config into Megatron's
 `TransformerConfig` (`build_transformer_config`: what it translates, and activation recompute; dropout:
 `dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`, GLM-4.5's router, shared expert
 and dense first layers: `glm4_moe_router_settings`; the families refused and what they lack:
@@ -12,8 +13,8 @@ Must not: read Megatron's global parallel state (it receives a ParallelState), o
 
 Test: tests/distributed/test_megatron_layouts.py (forward + backward at TP=2, PP=2, TP=2 x PP=2 equal to TP=1),
 tests/distributed/test_qwen3_layouts.py (Qwen3 and Qwen3-MoE logits = HF at TP / PP / EP layouts, GRPO step at EP2
-and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral and
-GLM-4.5 MoE), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
+and TP2 x EP2 with sequence parallelism = EP1), tests/distributed/test_family_layouts.py (the same for Mixtral,
+GLM-4.5 MoE and GPT-OSS), tests/distributed/test_grpo_step_layouts.py (TP2 with sequence
 parallelism too; also: no "tp_group is None" fallback warning from Megatron; and the step with full recompute equals
 the step without it, bit for bit, at TP2 and PP2), tests/unit/test_recompute.py (settings to Megatron's fields).
 """
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, TrainConfig
 from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, dense_layers, moe_shape,
                                     shared_expert_width)
+from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
 from engine.policy.parallel import ParallelState
 from engine.recompute import resolve_recompute
 
@@ -116,7 +118,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
             "train.recompute_modules: 'layernorm' needs Transformer Engine: megatron-core 0.16.1's "
             "CheckpointWithoutOutput (the norms' recompute) reads `fp8 is not None`, true for its default fp8=False, "
             "and then calls Transformer Engine's FP8GlobalStateManager (NameError without it)")
-    return TransformerConfig(
+    config = TransformerConfig(**{**dict(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -151,7 +153,10 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         apply_rope_fusion=not on_cpu and has_te,
         persist_layer_norm=not on_cpu,
         **moe_settings(hf_config, cfg, ps),
-    )
+    ), **gpt_oss_settings(hf_config)})
+    for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
+        setattr(config, name, value)  # GPTModel's YarnRotaryEmbedding reads them with getattr (not config fields)
+    return config
 
 
 def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
@@ -268,6 +273,8 @@ def rope_settings(hf_config) -> dict:
     `llama3` scaling maps to Megatron's `rope_scaling`,
     whose low/high frequency factors and original length are fixed at 1, 4 and 8192.
     """
+    if (yarn := yarn_rope_settings(hf_config)) is not None:  # GPT-OSS: engine/models/gpt_oss.py
+        return yarn[0]
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
@@ -438,6 +445,8 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     config = build_transformer_config(hf_config, cfg, ps, train)
     shape = policy_shape(hf_config, cfg, ps.tp_size)
     spec = _layer_spec(cfg, config.qk_layernorm, config.num_moe_experts)
+    if hf_config.model_type == "gpt_oss":
+        spec = gpt_oss_spec(spec, _row_parallel_linear_class())
     dense_spec = _layer_spec(cfg, config.qk_layernorm) if isinstance(config.moe_layer_freq, list) else None
     num_chunks = ps.vpp_size or 1
     chunks = []
@@ -454,8 +463,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
                 post_process=is_last,
                 parallel_output=True,
                 share_embeddings_and_output_weights=shape.tie_word_embeddings,
-                position_embedding_type="rope",
-                **rope_settings(hf_config),
+                **{"position_embedding_type": "rope", **rope_settings(hf_config)},
                 pg_collection=ps.groups,
                 vp_stage=vp_stage if ps.vpp_size else None,
             )

@@ -104,6 +104,7 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
         use_gloo_process_groups=False,
         pg_collection=ps.groups,
     )
+    _count_expert_norms_by_expert_tp(optimizer, ps)
     warmup = _warmup_steps(cfg, total_steps)
     style = {"constant": "constant", "linear": "linear", "cosine": "cosine"}[cfg.lr_scheduler_type]
     scheduler = OptimizerParamScheduler(
@@ -120,3 +121,17 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
         wd_incr_style="constant",
     )
     return PolicyOptimizer(model=model, optimizer=optimizer, scheduler=scheduler)
+
+
+def _count_expert_norms_by_expert_tp(optimizer, ps: ParallelState) -> None:
+    """Give the expert-parallel sub-optimizer the expert-TP group for its gradient norm.
+
+    NOTE: megatron-core 0.16.1 gives every sub-optimizer the attention's TP group (`get_megatron_optimizer`:
+    `setattr(optimizer, 'tp_group', pg_collection.tp)`), and the norm counts a parameter that is not TP-split only on
+    rank 0 of that group. An expert parameter that is not split (the experts' fc2 bias: GPT-OSS) is then left out on
+    the other TP ranks, which hold other experts: at TP2 x EP2 the grad norm was 0.7% below EP1's (and clipping
+    differed). Counted by the expert-TP group (rank 0 there holds the whole bias), it equals EP1's.
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if any(group.get("is_expert_parallel") for group in sub.param_groups):
+            sub.tp_group = ps.groups.expt_tp

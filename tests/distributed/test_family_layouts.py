@@ -1,11 +1,13 @@
 """Mixtral (issue #30: routed experts under Mixtral's checkpoint names, Llama attention, the expert width in
-`intermediate_size`) and GLM-4.5 MoE (sigmoid routing on float32 scores + the expert-score correction bias, 2 expert
+`intermediate_size`), GLM-4.5 MoE (sigmoid routing on float32 scores + the expert-score correction bias, 2 expert
 groups with 1 chosen per token, routed weights x 2.5, a shared expert, a dense first layer, QKV bias, q/k norms, RoPE
-on half of each head) through the sharded Megatron policy on gloo, in ONE launch of 2 ranks (both families, layouts
-one after another; Megatron's groups are rebuilt between them, the process group is kept):
+on half of each head) and GPT-OSS (learned sinks, sliding-window layers of 4 keys alternating with full ones, YaRN,
+q/k/v/o, router and expert biases, the clamped SwiGLU, experts stacked in HF's tensors) through the sharded Megatron
+policy on gloo, in ONE launch of 2 ranks (the families, layouts one after another; Megatron's groups are rebuilt
+between them, the process group is kept):
 
 (a) for every layout, Megatron's logits equal Hugging Face transformers' logits of the same checkpoint
-    (MixtralForCausalLM, Glm4MoeForCausalLM), and the HF export gives back every tensor bit for bit, GLM's float32
+    (MixtralForCausalLM, Glm4MoeForCausalLM, GptOssForCausalLM), and the HF export gives back every tensor bit for bit, GLM's float32
     expert bias included (the checkpoint round trip): EP1 (x DP2), EP2 (x DP2, each rank holds 2 of the 4 experts),
     TP2 x EP2 with sequence parallelism, PP2 (2 layers per stage: GLM's first stage holds the dense layer and an MoE
     layer);
@@ -13,7 +15,8 @@ one after another; Megatron's groups are rebuilt between them, the process group
     the same micro-batches): summed loss, gradient norm and every updated weight, with the load-balancing aux loss
     on (z-loss too where no SP: test_qwen3_layouts.py says why not under SP), so the router's extra gradients go
     through expert parallelism; the router and the experts move (GLM: the shared expert too; its expert bias stays
-    frozen, bit for bit: engine/policy/model.py glm4_moe_router_settings says why);
+    frozen, bit for bit: engine/policy/model.py glm4_moe_router_settings says why; GPT-OSS: sinks, o_proj and expert
+    biases too, and the grad norm at TP2 x EP2 counts every expert's fc2 bias once: engine/policy/optimizer.py);
 (c) routing replay (R3) and the router-agreement metric at EP2: test_routing_replay.py's checks, on both families
     (GLM: the dense layer has no routes; the agreement counts its 3 MoE layers).
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
@@ -30,7 +33,9 @@ from tests.helpers.policy import grpo_step_and_export, hf_logits, hf_tensors, lo
 
 FAMILIES = {"mixtral": {"router": ".block_sparse_moe.gate.", "expert": ".block_sparse_moe.experts.3.w3."},
             "glm4_moe": {"router": ".mlp.gate.weight", "expert": ".mlp.experts.3.up_proj.",
-                         "shared": ".mlp.shared_experts.", "frozen": ".e_score_correction_bias"}}
+                         "shared": ".mlp.shared_experts.", "frozen": ".e_score_correction_bias"},
+            "gpt_oss": {"router": ".mlp.router.bias", "expert": ".mlp.experts.gate_up_proj_bias",
+                        "moved": (".self_attn.sinks", ".self_attn.o_proj.bias", ".mlp.experts.down_proj_bias")}}
 """Each family's tiny model (engine/models/tiny_model.py) and the HF names its checks look for."""
 
 LOGIT_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)]
@@ -119,6 +124,8 @@ def test_family_grpo_step_equals_ep1(launched, family, layout, reference):
     assert any(names["expert"] in n for n in moved), "the experts train"
     if "shared" in names:
         assert any(names["shared"] in n for n in moved), "the shared expert trains"
+    for suffix in names.get("moved", ()):
+        assert any(n.endswith(suffix) for n in moved), f"{suffix} trains"
     frozen = [n for n in before if "frozen" in names and n.endswith(names["frozen"])]
     assert not set(frozen) & set(moved) and len(frozen) == (3 if "frozen" in names else 0), "the expert bias is frozen"
     for name, weight in after1.items():

@@ -97,7 +97,12 @@ def _recompute_checks(chunks, ps, batch: dict, settings, random_routes) -> dict:
     chunk.routing_replay = False
     record = _training_pass(chunks, ps, routed, settings, True, forwards)
     chunk.config.recompute_granularity = "full"
-    return {"replay_recompute_equal": all(torch.equal(g, replay_off_recompute["grads"][n])
+    # NOTE: the attention output bias (GPT-OSS's linear_proj.bias, added in Megatron's bias-dropout-add) sums the
+    # layer's output gradient in another order under recompute: last-bit differences (3.6e-7); routes that were not
+    # replayed change gradients by > 1e-4 (replay_vs_own_routes), so 1e-6 there still tells them apart.
+    return {"replay_recompute_equal": all(torch.equal(g, replay_off_recompute["grads"][n]) if not
+                                          n.endswith("linear_proj.bias") else
+                                          float((g - replay_off_recompute["grads"][n]).abs().max()) <= 1e-6
                                           for n, g in replay_on["grads"].items()),
             "num_grads": len(replay_on["grads"]),
             "replay_vs_own_routes": max(float((g - record["grads"][n]).abs().max())

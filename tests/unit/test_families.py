@@ -5,7 +5,8 @@ MoE family's own field names (the policy, the converter and the planner agree on
 give the published parameter count and a saved tiny Mixtral's config.json the builtin table's shape; GLM-4.5 MoE is
 supported: its router settings Megatron computes differently are refused, its dense first layers, shared expert and
 q/k norm are read, and the planner counts its parameters (tiny: exactly transformers'; GLM-4.5 / -Air: the published
-figures)."""
+figures). GPT-OSS is supported: the settings not translated are refused, and the planner counts gpt-oss-120b / -20b
+and DeepSeek-V3 (MLA sized, not built) at their published totals."""
 
 from types import SimpleNamespace
 
@@ -17,13 +18,13 @@ from engine.models.tiny_model import tiny_model_config
 from engine.policy.hf_convert import ModelDims
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "cohere2", "gpt_oss", "nemotron_h", "deepseek_v3", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["gemma2", "cohere2", "nemotron_h", "deepseek_v3", "gemma3_text"])
 def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
     config = AutoConfig.for_model(model_type)
     with pytest.raises(ValueError, match=rf"model_type '{model_type}' .*not supported \(missing: ") as error:
         check_model_type(config)
     assert MISSING_FEATURES[model_type] in str(error.value)
-    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe" in str(error.value)
+    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss" in str(error.value)
 
 
 def test_unknown_family_is_refused_with_the_supported_list_only():
@@ -125,3 +126,87 @@ def test_glm4_moe_server_mode_sync_below_float32_is_refused_naming_the_bias():
         build_server_sync(ps, glm, 1, dtype="bfloat16", **kwargs)
     for dims, dtype in ((glm, "float32"), (mixtral, "bfloat16")):
         assert build_server_sync(ps, dims, 1, dtype=dtype, **kwargs).plan.dtype == dtype
+
+
+@pytest.mark.parametrize("change,cause", [
+    ({"quantization_config": {"quant_method": "mxfp4"}}, r"quantization_config \(mxfp4\): the MXFP4 expert blocks"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"] * 2}, r"layer_types \['chunked_attention', "),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'linear'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0, "attention_factor": 1.2,
+                          "original_max_position_embeddings": 64}}, "attention_factor=1.2: Megatron derives"),
+])
+def test_gpt_oss_settings_the_translation_would_not_reproduce_are_refused(change, cause):
+    config = tiny_model_config("gpt_oss")
+    check_model_type(config)  # the tiny model's own settings and GPT-OSS's defaults pass
+    check_model_type(AutoConfig.for_model("gpt_oss"))
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(config)
+
+
+def test_planner_gpt_oss_and_deepseek_v3_shapes_give_the_published_parameter_counts(tmp_path):
+    """gpt-oss-120b / -20b: the model card's 116.83B / 20.91B (its biases, sinks and router bias counted); the tiny
+    GPT-OSS: exactly what transformers builds, also read from its saved config.json; DeepSeek-V3: 671B, its MLA
+    (q / kv low-rank projections and norms), dense first layers, shared expert and expert bias counted (the MTP
+    layer, 14B of the checkpoint's 685B, is not built: not counted)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.tiny_model import build_tiny_model
+    from engine.planning.shapes import KNOWN_MODELS, load_model_dims
+
+    assert KNOWN_MODELS["openai/gpt-oss-120b"].total_params() == 116_829_156_672
+    assert KNOWN_MODELS["openai/gpt-oss-20b"].total_params() == 20_914_757_184
+    assert KNOWN_MODELS["deepseek-ai/deepseek-v3"].total_params() == 671_026_419_200
+    model = AutoModelForCausalLM.from_config(tiny_model_config("gpt_oss"), dtype=torch.float32)
+    assert KNOWN_MODELS["builtin:tiny-gpt_oss"].total_params() == sum(p.numel() for p in model.parameters()) == 701_088
+    assert load_model_dims(str(build_tiny_model(tmp_path / "oss", "gpt_oss"))) == KNOWN_MODELS["builtin:tiny-gpt_oss"]
+    (tmp_path / "dsv3").mkdir()
+    AutoConfig.for_model("deepseek_v3").save_pretrained(tmp_path / "dsv3")  # transformers' defaults: DeepSeek-V3's
+    assert load_model_dims(str(tmp_path / "dsv3")) == KNOWN_MODELS["deepseek-ai/deepseek-v3"]
+
+
+GPT_OSS_CONFIG = "gpt-oss-120b_tp2_ep64_split_8x1.yaml"
+
+
+def _plan(name: str, overrides=()):
+    from pathlib import Path
+
+    from engine.config import load_config
+    from engine.planning.planner import build_plan
+    from engine.planning.shapes import resolve_cluster_shape
+
+    path = Path(__file__).resolve().parents[2] / "configs" / name
+    cfg = load_config(path, list(overrides))
+    return path, build_plan(cfg, resolve_cluster_shape(cfg))
+
+
+def test_gpt_oss_120b_split_config_fits_and_its_header_quotes_the_planner():
+    """8 training + 1 inference H100 nodes: EP64 across the training nodes fits (54.35 GiB), the header quotes every
+    total; EP32 on 4 nodes does not (84.77 GiB: the expert Adam states, 40 GiB per GPU)."""
+    from engine.planning.memory import GIB
+
+    path, plan = _plan(GPT_OSS_CONFIG)
+    assert not plan.problems
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
+    for budget in plan.budgets:
+        assert budget.total_bytes < 80 * GIB and f"{budget.total_bytes / GIB:.2f} GiB" in header, budget.title
+    _, smaller = _plan(GPT_OSS_CONFIG, ["parallel.dp_size=16", "parallel.ep_size=32"])
+    assert any("84.77 GiB > 79.1 GiB" in problem for problem in smaller.problems), smaller.problems
+
+
+def test_deepseek_v3_trains_on_32_h100_nodes_but_one_h100_node_cannot_serve_it():
+    """DeepSeek-V3 (MLA sized, 61 layers: PP 1, the count is prime) at TP8 x DP32 x EP256 on 32 training nodes fits
+    (68.35 GiB: one expert of each layer per GPU); no inference node of 8 x H100 holds it: vLLM at TP 8 needs 165.55
+    GiB of bf16 weights per GPU (671B x 2 B / 8, replicated MLA down-projections added), and the engine runs one vLLM
+    engine per node (no multi-node TP, no FP8 rollout), so no split config is shipped for it."""
+    from engine.planning.memory import GIB
+
+    _, plan = _plan(GPT_OSS_CONFIG, ["model.name_or_path=deepseek-ai/DeepSeek-V3", "model.transformer_impl=auto",
+                                     "parallel.tp_size=8", "parallel.ep_size=256", "generation.max_completion_length=4096"])
+    training, inference = plan.budgets
+    assert f"{training.total_bytes / GIB:.2f}" == "68.35" and training.total_bytes < 79.1 * GIB
+    weights = {t.label: t.nbytes for t in inference.terms}["weights"]
+    assert f"{weights / GIB:.2f}" == "165.55"
+    assert len(plan.problems) == 1 and "inference GPU" in plan.problems[0]

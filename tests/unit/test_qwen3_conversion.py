@@ -93,11 +93,14 @@ def test_sync_plan_sends_qwen3_qk_norms_whole_from_tp_rank_0():
 
 def test_moe_maps_have_router_and_three_expert_tensors():
     """Each family: a router and an expert's fc1 / fc2; GLM-4.5 adds the router's bias and the shared expert (a
-    dense gate_up / row pair)."""
+    dense gate_up / row pair); GPT-OSS: a router bias, expert biases, every expert tensor stacked in HF's."""
     extra = {"glm4_moe": [("gate_up", False), ("replicated", False), ("row", False)]}
+    gpt_oss = [("replicated", False)] * 2 + [("stacked_gate_up", True)] * 2 + [("stacked_replicated", True),
+                                                                              ("stacked_row", True)]
     for name, table in MOE_MAPS.items():
         kinds = sorted((e.kind, e.is_expert) for e in table)
-        assert kinds == sorted([("gate_up", True), ("replicated", False), ("row", True)] + extra.get(name, [])), name
+        expected = gpt_oss if name == "gpt_oss" else [("gate_up", True), ("replicated", False), ("row", True)]
+        assert kinds == sorted(expected + extra.get(name, [])), name
 
 
 @pytest.mark.parametrize("name,published", [("qwen/qwen3-30b-a3b", 30_532_122_624), ("qwen/qwen3-8b", 8_190_735_360)])

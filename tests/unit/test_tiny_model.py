@@ -131,7 +131,7 @@ def test_config_dims_head_dim_gqa_and_bias(family):
     assert getattr(config, "head_dim", None) in (None, head_dim)
     assert head_dim >= 32
     assert config.num_attention_heads // config.num_key_value_heads == 2
-    ffn = 64 if family == "mixtral" else 352  # Mixtral's one MLP width is its experts'
+    ffn = 64 if family in ("mixtral", "gpt_oss") else 352  # their one MLP width is their experts'
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (128, 4, ffn)
     assert config.vocab_size == TINY_VOCAB_SIZE and config.vocab_size % 128 != 0
     assert config.rope_parameters["rope_theta"] == 10000.0 and config.rms_norm_eps == 1e-6
@@ -141,8 +141,8 @@ def test_config_dims_head_dim_gqa_and_bias(family):
     model = AutoModelForCausalLM.from_config(config)
     names = {name for name, _ in model.named_parameters()}
     has_qkv_bias = "model.layers.0.self_attn.q_proj.bias" in names
-    assert has_qkv_bias == (family in ("qwen2", "glm4_moe"))
-    assert "model.layers.0.self_attn.o_proj.bias" not in names
+    assert has_qkv_bias == (family in ("qwen2", "glm4_moe", "gpt_oss"))
+    assert ("model.layers.0.self_attn.o_proj.bias" in names) == (family == "gpt_oss")  # GPT-OSS: o_proj too
     assert "model.layers.0.mlp.gate_proj.bias" not in names
     assert ("model.layers.0.self_attn.q_norm.weight" in names) == (family.startswith("qwen3") or family == "glm4_moe")
     # the router (transformers 5 names Mixtral's `mlp.gate` in memory; saved as `block_sparse_moe.gate`)
