@@ -14,15 +14,15 @@ GLM-4.5 shapes give the published parameter counts).
 
 from __future__ import annotations
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
+from engine.models.gemma import GEMMA_MODEL_TYPES, check_gemma
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe") + GEMMA_MODEL_TYPES
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe")
 """Families with routed-expert MLPs: in every layer, except GLM-4.5's dense first `first_k_dense_replace` layers."""
 
 MISSING_FEATURES = {
     "gemma2": "sliding-window / global layer alternation, attention-logit and final-logit soft-capping, the "
               "post-attention / post-feedforward norms, sqrt(hidden)-scaled embeddings and Gemma's (1 + w) RMSNorm",
-    "gemma3_text": "sliding-window / global layer alternation with two RoPE bases, the post-attention / "
-                   "post-feedforward norms, sqrt(hidden)-scaled embeddings and Gemma's (1 + w) RMSNorm",
     "cohere2": "parallel attention + MLP blocks, LayerNorm without bias, logit scaling and sliding-window layers",
     "deepseek_v3": "multi-latent attention (MLA), shared experts, sigmoid group-limited routing with the expert "
                    "bias and dense first layers",
@@ -51,6 +51,8 @@ def check_model_type(hf_config) -> None:
                          f"supported{missing}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type == "glm4_moe":
         _check_glm4_moe(hf_config)
+    if model_type in GEMMA_MODEL_TYPES:
+        check_gemma(hf_config)
     if model_type != "mixtral":
         return
     window = getattr(hf_config, "sliding_window", None)

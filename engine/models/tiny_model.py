@@ -30,6 +30,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
+    Gemma3TextConfig,
     Glm4MoeConfig,
     LlamaConfig,
     MixtralConfig,
@@ -40,7 +41,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe")
+TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gemma3_text")
 """Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
 
 TINY_QWEN3_HEAD_DIM = 64
@@ -278,6 +279,8 @@ def tiny_model_config(
                              router_aux_loss_coef=0.001)
     if family == "glm4_moe":
         return _tiny_glm4_moe_config(common)
+    if family == "gemma3_text":
+        return _tiny_gemma3_config(common)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 
@@ -294,6 +297,25 @@ def _tiny_glm4_moe_config(common: dict) -> Glm4MoeConfig:
         num_experts_per_tok=TINY_MOE_TOP_K, n_shared_experts=1, n_group=TINY_GLM_GROUPS, topk_group=1,
         routed_scaling_factor=TINY_GLM_SCALING, norm_topk_prob=True, first_k_dense_replace=TINY_GLM_DENSE_LAYERS,
         num_nextn_predict_layers=0,
+    )
+
+
+TINY_GEMMA_WINDOW, TINY_GEMMA_QUERY_SCALAR = 4, 48
+"""The tiny Gemma 3: a sliding window of 4 tokens (shorter than the tests' 12-token rows, so the window masks) and
+the attention scale 48 ** -0.5 (not head_dim 32's, so a scale taken from head_dim fails the tests)."""
+
+
+def _tiny_gemma3_config(common: dict) -> Gemma3TextConfig:
+    """Gemma 3's text architecture at the tiny shapes: layers sliding, full, sliding, full (so each PP2 stage holds
+    one of each), RoPE bases 1e4 (sliding) and 1e6 (full), q/k norms, the four (1 + w) norms per layer, gelu-tanh MLP,
+    embeddings x sqrt(128), tied embeddings (Gemma's own; `tie_word_embeddings` is ignored)."""
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "hidden_act", "tie_word_embeddings")}
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    return Gemma3TextConfig(
+        **common, head_dim=_HIDDEN_SIZE // _NUM_HEADS, hidden_activation="gelu_pytorch_tanh", rope_parameters=rope,
+        sliding_window=TINY_GEMMA_WINDOW, query_pre_attn_scalar=TINY_GEMMA_QUERY_SCALAR, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"] * 2, attention_bias=False,
     )
 
 
@@ -333,6 +355,9 @@ def build_tiny_model(
         for name, buffer in model.named_buffers():  # HF initialises GLM's expert bias to 0: make it count in tests
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(0.05 * torch.randn(buffer.shape))
+        for name, param in model.named_parameters():  # HF initialises Gemma's (1 + w) norm weights to 0: make them count
+            if config.model_type == "gemma3_text" and "norm" in name:
+                param.data.copy_(0.1 * torch.randn(param.shape))
     model.generation_config = _generation_config(config, tokenizer)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)

@@ -3,7 +3,7 @@
 Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) for Qwen2 / Qwen2.5, Llama-3, Qwen3
 (per-head q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables
 (`MOE_MAPS`: Qwen3-MoE; Mixtral and GLM-4.5 MoE as more tables; experts: `TensorMap`; tied embeddings: `family_map`;
-GLM's dense first layers: `layer_entries`), and the
+GLM's dense first layers: `layer_entries`; Gemma 3's four norms per layer: `ModelDims.sandwich_norms`), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
@@ -33,6 +33,7 @@ from typing import Literal, Protocol
 import torch
 
 from engine.models.families import dense_layers, moe_shape, shared_expert_width
+from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
 
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up"]
 """How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md
@@ -114,6 +115,8 @@ class ModelDims:
     """MoE: the first layers whose MLP is dense (GLM-4.5's first_k_dense_replace)."""
     shared_expert_ffn: int = 0
     """MoE: the always-on shared expert's MLP width (GLM-4.5; 0 = none)."""
+    sandwich_norms: bool = False
+    """Gemma: four norms per layer under Gemma's names (engine/models/gemma.py GEMMA_NORM_NAMES)."""
 
     @classmethod
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
@@ -130,12 +133,14 @@ class ModelDims:
             padded_vocab=padded_vocab,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
             qkv_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(getattr(hf_config, "use_qk_norm", False)),
+            qk_norm=(model_type in ("qwen3", "qwen3_moe", *GEMMA_MODEL_TYPES)
+                     or bool(getattr(hf_config, "use_qk_norm", False))),
             num_experts=experts,
             moe_ffn_hidden_size=expert_ffn,
             moe_map=model_type if experts else "",
             dense_layers=dense_layers(hf_config),
             shared_expert_ffn=shared_expert_width(hf_config),
+            sandwich_norms=model_type in GEMMA_MODEL_TYPES,
         )
 
 
@@ -229,6 +234,9 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
         )
     head = "model.embed_tokens.weight" if dims.tie_word_embeddings else "lm_head.weight"
     entries.append(TensorMap("output_layer.weight", (head,), "vocab"))
+    if dims.sandwich_norms:  # Gemma: its own names for the two norms above, and the two post-norms
+        entries = [e for e in entries if e.megatron not in GEMMA_NORM_NAMES]
+        entries += [TensorMap(megatron, (hf,), "replicated") for megatron, hf in GEMMA_NORM_NAMES.items()]
     return entries
 
 
