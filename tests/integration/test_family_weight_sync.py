@@ -31,7 +31,14 @@ CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step l
                      "model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.shared_experts.down_proj.weight",
                      "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.gate.weight", "model.embed_tokens.weight"),
                  3 + 14 + 3 * 28, 3 + 6),
+    # tied: embed, norm + per layer q, k, v, o, q / k norms, 4 norms, gate / up / down (trainer TP2 + SP)
+    "gemma3_text": (8, ("model.layers.1.post_attention_layernorm.weight", "model.layers.2.mlp.down_proj.weight",
+                        "model.layers.0.self_attn.q_norm.weight", "model.layers.3.post_feedforward_layernorm.weight",
+                        "model.embed_tokens.weight"),
+                    2 + 4 * 13, 0),
 }
+LAYOUTS = {"gemma3_text": {"tp_size": 2, "sequence_parallel": True}}
+"""The trainer layout of a family when not EP2 (a dense family)."""
 
 
 @pytest.mark.slow
@@ -42,7 +49,8 @@ def test_family_sync_after_step_makes_engine_match_trainer(tmp_path, family):
 
     seed, flips, num_tensors, unchanged = CASES[family]
     model_dir = str(build_tiny_model(tmp_path / family, family, seed=seed))
-    results = run_distributed(sync_after_step, 2, model_dir, ParallelConfig(ep_size=2), 1, flips)
+    parallel = ParallelConfig(**LAYOUTS.get(family, {"ep_size": 2}))
+    results = run_distributed(sync_after_step, 2, model_dir, parallel, 1, flips)
     for rank, r in enumerate(results):
         assert r["before"] < TOLERANCE, f"rank {rank}: engine and trainer disagree on the checkpoint: {r['before']}"
         assert f"holds {num_tensors - unchanged} of {num_tensors} tensors" in r["stale_error"], r["stale_error"]
