@@ -31,13 +31,13 @@ CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step l
                      "model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.shared_experts.down_proj.weight",
                      "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.gate.weight", "model.embed_tokens.weight"),
                  3 + 14 + 3 * 28, 3 + 6),
-    # tied: embed, norm + per layer q, k, v, o, q / k norms, 4 norms, gate / up / down (trainer TP2 + SP)
+    # tied: embed, norm + per layer q, k, v, o, q / k norms, 4 norms, gate / up / down (trainer TP2)
     "gemma3_text": (8, ("model.layers.1.post_attention_layernorm.weight", "model.layers.2.mlp.down_proj.weight",
                         "model.layers.0.self_attn.q_norm.weight", "model.layers.3.post_feedforward_layernorm.weight",
                         "model.embed_tokens.weight"),
                     2 + 4 * 13, 0),
 }
-LAYOUTS = {"gemma3_text": {"tp_size": 2, "sequence_parallel": True}}
+LAYOUTS = {"gemma3_text": {"tp_size": 2}}
 """The trainer layout of a family when not EP2 (a dense family)."""
 
 
