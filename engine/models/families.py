@@ -21,8 +21,6 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe")
 """Families with routed-expert MLPs: in every layer, except GLM-4.5's dense first `first_k_dense_replace` layers."""
 
 MISSING_FEATURES = {
-    "gemma2": "sliding-window / global layer alternation, attention-logit and final-logit soft-capping, the "
-              "post-attention / post-feedforward norms, sqrt(hidden)-scaled embeddings and Gemma's (1 + w) RMSNorm",
     "cohere2": "parallel attention + MLP blocks, LayerNorm without bias, logit scaling and sliding-window layers",
     "deepseek_v3": "multi-latent attention (MLA), shared experts, sigmoid group-limited routing with the expert "
                    "bias and dense first layers",

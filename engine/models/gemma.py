@@ -15,8 +15,9 @@ and PP2; export byte-exact; GRPO step TP2 = TP1).
 
 from __future__ import annotations
 
-GEMMA_MODEL_TYPES = ("gemma3_text",)
-"""Gemma families the policy builds (Gemma 2: engine/models/families.py MISSING_FEATURES says what it lacks)."""
+GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
+"""Gemma families the policy builds. Gemma 2 = Gemma 3's layer without q/k norms, with one RoPE base and
+attention-logit soft-capping; its final-logit soft-capping is refused (`check_gemma`)."""
 
 GEMMA_NORM_NAMES = {
     "decoder.layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
@@ -40,10 +41,16 @@ def check_gemma(hf_config) -> None:
     Raises:
         ValueError naming `model.name_or_path`, the setting and its value.
     """
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(hf_config, field, None) is not None:
-            raise ValueError(f"model.name_or_path: {hf_config.model_type} with {field}={getattr(hf_config, field)}: "
-                             "logit soft-capping is not translated (Gemma 3's own checkpoints ship null)")
+    final_cap = getattr(hf_config, "final_logit_softcapping", None)
+    if final_cap is not None:
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} with final_logit_softcapping={final_cap}: "
+                         "final-logit soft-capping is not translated (the fused LM-head loss kernel, kernels/, computes "
+                         "log-probs from hidden states without logits and does not cap them); only null is supported "
+                         "(Gemma 3's checkpoints ship null, Gemma 2's 30.0)")
+    if hf_config.model_type == "gemma3_text" and getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"model.name_or_path: gemma3_text with attn_logit_softcapping="
+                         f"{hf_config.attn_logit_softcapping}: attention-logit soft-capping is translated for gemma2 "
+                         "only (Gemma 3's checkpoints ship null)")
     if getattr(hf_config, "use_bidirectional_attention", False):
         raise ValueError(f"model.name_or_path: {hf_config.model_type} with use_bidirectional_attention=true: only "
                          "causal attention is supported")
@@ -64,8 +71,10 @@ def check_gemma(hf_config) -> None:
 
 
 def rope_params(hf_config, layer_type: str) -> dict:
-    """The RoPE dict of one layer type ("sliding_attention" / "full_attention"): transformers 5 keeps one RoPE dict per layer type in `rope_parameters`."""
-    return dict((getattr(hf_config, "rope_parameters", None) or {}).get(layer_type) or {})
+    """The RoPE dict of one layer type ("sliding_attention" / "full_attention"): transformers 5 keeps one RoPE dict
+    per layer type in Gemma 3's `rope_parameters`, one for every layer in Gemma 2's."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    return dict(params.get(layer_type) or {}) if layer_type in params else params
 
 
 def gemma_rope_settings(hf_config) -> dict:

@@ -16,12 +16,18 @@ TP2 = TP1), tests/unit/test_families.py (GemmaRMSNorm = HF's Gemma3RMSNorm in bf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 
-from engine.models.gemma import rope_params, gemma_transformer_settings, is_gemma
+from engine.models.gemma import gemma_transformer_settings, is_gemma, rope_params
+
+
+def is_gemma3(hf_config) -> bool:
+    """Gemma 3 has per-head q/k norms; Gemma 2 has not."""
+    return hf_config.model_type == "gemma3_text"
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -109,10 +115,12 @@ def _core_attention_class():
     class GemmaCoreAttention(DotProductAttention):
         """Dot-product attention that applies the sliding window AND the given mask (Megatron's local softmax
         replaces a given mask by the window mask, so packed rows would attend across sequences), in HF's eager
-        order: scores in the input dtype x scale, masked, softmax in float32, cast back."""
+        order: scores in the input dtype x scale, soft-capped (Gemma 2: tanh(s / softcap) x softcap), masked,
+        softmax in float32, cast back."""
 
-        def __init__(self, config, layer_number, *args, **kwargs):
+        def __init__(self, config, layer_number, *args, softcap: float | None = None, **kwargs):
             super().__init__(config, layer_number, *args, **kwargs)
+            self.softcap = softcap
             sliding = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
             self.window = config.window_size[0] + 1 if sliding else None
 
@@ -125,6 +133,8 @@ def _core_attention_class():
             k = key.repeat_interleave(repeat, dim=2).permute(1, 2, 0, 3)  # (b, np, sk, hn)
             v = value.repeat_interleave(repeat, dim=2).permute(1, 2, 0, 3)
             scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale  # (b, np, sq, sk)
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
             sq, sk = scores.shape[-2:]
             rows = torch.arange(sq, device=scores.device)[:, None] + (sk - sq)
             cols = torch.arange(sk, device=scores.device)[None, :]
@@ -147,19 +157,21 @@ def _core_attention_class():
 
 
 def gemma_layer_spec(spec, row_parallel, hf_config):
-    """Gemma's transformer layer from the local spec built with q/k norms (engine/policy/model.py `_layer_spec`):
-    every norm a `GemmaRMSNorm`, the output projections with their post-norms, Gemma's attention modules."""
+    """Gemma's transformer layer from the local spec (engine/policy/model.py `_layer_spec`; Gemma 3 with q/k norms):
+    every norm a `GemmaRMSNorm`, the output projections with their post-norms, Gemma's attention modules (Gemma 2's
+    attention-logit soft-capping in the core attention)."""
     from megatron.core.transformer.enums import AttnMaskType
 
     layer = spec.submodules
     post_norm = _post_norm_class(row_parallel)
     local_base = float(rope_params(hf_config, "sliding_attention")["rope_theta"])
+    core = functools.partial(_core_attention_class(), softcap=getattr(hf_config, "attn_logit_softcapping", None))
+    qk_norms = {"q_layernorm": GemmaRMSNorm, "k_layernorm": GemmaRMSNorm} if is_gemma3(hf_config) else {}
     attention = dataclasses.replace(
         layer.self_attention, module=_self_attention_class(),
         params={"attn_mask_type": AttnMaskType.causal, "local_rotary_base": local_base},
-        submodules=dataclasses.replace(layer.self_attention.submodules, linear_proj=post_norm,
-                                       core_attention=_core_attention_class(), q_layernorm=GemmaRMSNorm,
-                                       k_layernorm=GemmaRMSNorm))
+        submodules=dataclasses.replace(layer.self_attention.submodules, linear_proj=post_norm, core_attention=core,
+                                       **qk_norms))
     mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules, linear_fc2=post_norm))
     return dataclasses.replace(spec, submodules=dataclasses.replace(
         layer, input_layernorm=GemmaRMSNorm, pre_mlp_layernorm=GemmaRMSNorm, self_attention=attention, mlp=mlp))

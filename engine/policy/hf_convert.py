@@ -133,7 +133,7 @@ class ModelDims:
             padded_vocab=padded_vocab,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
             qkv_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
-            qk_norm=(model_type in ("qwen3", "qwen3_moe", *GEMMA_MODEL_TYPES)
+            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
                      or bool(getattr(hf_config, "use_qk_norm", False))),
             num_experts=experts,
             moe_ffn_hidden_size=expert_ffn,
