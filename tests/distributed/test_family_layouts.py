@@ -54,7 +54,8 @@ STEP_LAYOUTS = [("ep1", 1, 1, 1e-3), ("ep2", 1, 2, 1e-3), ("ep1_no_z", 1, 1, 0.0
 
 
 DENSE_STEP_LAYOUTS = [("tp1", 1, False), ("tp2_sp", 2, False), ("tp1_packed", 1, True)]
-"""(name, tp, packed rows) of a dense family's GRPO step (pp1, float32)."""
+"""(name, tp, packed rows) of a dense family's GRPO step (pp1, float32). Packed micro-batches take 4 rows' tokens:
+at 2 (DP2, 4 sequences per rank) no row held two sequences, and ignoring the mask went unnoticed."""
 LOGIT_CASES = ([(family, layout) for family in FAMILIES for layout in LOGIT_LAYOUTS]
                + [(family, layout) for family, case in DENSE_FAMILIES.items() for layout in case["logits"]])
 
@@ -98,7 +99,7 @@ def _dense_layouts(family: str, model_dir: str, out_root: str) -> dict:
         parallel = ParallelConfig(tp_size=tp, sequence_parallel=tp > 1)
         results[f"step-{name}"] = grpo_step_and_export(model_dir, parallel, ModelConfig(dtype="float32"),
                                                        f"{out_root}/step-{name}", width_multiple=2,
-                                                       padding_free=packed)
+                                                       padding_free=packed, micro_batch_size=4 if packed else 2)
         destroy_parallel(keep_process_group=True)
     return results
 
