@@ -1,8 +1,8 @@
-"""Gemma 3 (text): what the engine needs to know about the family's HF config, without torch or Megatron.
+"""Gemma 3 (text) and Gemma 2: what the engine needs to know about their HF configs, without torch or Megatron.
 
-Owns, for `GEMMA_MODEL_TYPES` (HF `gemma3_text`, Gemma3ForCausalLM): `check_gemma` (the Gemma settings refused, each
-naming the cause: soft-capping, bidirectional attention, attention bias, RoPE other than default on the sliding
-layers / default or linear on the global ones), `gemma_transformer_settings` (TransformerConfig fields: the softmax
+Owns, for `GEMMA_MODEL_TYPES` (HF `gemma3_text`, Gemma3ForCausalLM; `gemma2`): `check_gemma` (the settings refused,
+each naming the cause: final-logit soft-capping, Gemma 3's attention soft-capping, bidirectional attention, attention
+bias, RoPE other than default on the sliding layers / default or linear on the global ones), `gemma_transformer_settings` (TransformerConfig fields: the softmax
 scale `query_pre_attn_scalar` ** -0.5, the sliding window and which layers use it), `gemma_rope_settings` (the global
 layers' RoPE) and `GEMMA_NORM_NAMES` (the HF names of the four per-layer norms; engine/policy/hf_convert.py builds
 its entries from them). The Megatron modules are in engine/policy/gemma_layers.py.
