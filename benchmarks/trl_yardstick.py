@@ -58,9 +58,12 @@ HUB_MODELS = {
     "trl-internal-testing/tiny-Qwen2ForSequenceClassification-2.5": ("qwen2", "reward"),
     "trl-internal-testing/tiny-Qwen3ForSequenceClassification": ("qwen3", "reward"),
     "trl-internal-testing/tiny-LlamaForSequenceClassification-3.2": ("llama", "reward"),
+    "trl-internal-testing/tiny-Gemma2ForCausalLM": ("gemma2", "causal"),
 }
 """TRL's tiny hub models -> (the engine's builtin family, causal LM or random sequence-classification reward model).
-Other hub ids (VLMs, other families) are not in the cache: offline, they fail as a missing model."""
+Other hub ids (VLMs, other families) are not in the cache: offline, they fail as a missing model. The Gemma 2
+stand-in (builtin:tiny-gemma2, tied like TRL's) has final_logit_softcapping null: Gemma 2's 30.0, which TRL's tiny
+model keeps, is refused (engine/models/gemma.py)."""
 
 LLAMA_32_TOKENS = {"llama": ["<|finetune_right_pad_id|>"]}
 """Special tokens of TRL's tiny Llama 3.2 hub tokenizer that its tests name (test_train_different_reward_model pads

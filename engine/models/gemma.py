@@ -1,0 +1,102 @@
+"""Gemma 3 (text) and Gemma 2: what the engine needs to know about their HF configs, without torch or Megatron.
+
+Owns, for `GEMMA_MODEL_TYPES` (HF `gemma3_text`, Gemma3ForCausalLM; `gemma2`): `check_gemma` (the settings refused,
+each naming the cause: final-logit soft-capping, Gemma 3's attention soft-capping, bidirectional attention, attention
+bias, RoPE other than default on the sliding layers / default or linear on the global ones), `gemma_transformer_settings` (TransformerConfig fields: the softmax
+scale `query_pre_attn_scalar` ** -0.5, the sliding window and which layers use it), `gemma_rope_settings` (the global
+layers' RoPE) and `GEMMA_NORM_NAMES` (the HF names of the four per-layer norms; engine/policy/hf_convert.py builds
+its entries from them). The Megatron modules are in engine/policy/gemma_layers.py.
+
+Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_gemma`).
+
+Test: tests/unit/test_families.py (refusals), tests/distributed/test_family_layouts.py (logits = HF at TP1, TP2 + SP
+and PP2; export byte-exact; GRPO step TP2 = TP1).
+"""
+
+from __future__ import annotations
+
+GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
+"""Gemma families the policy builds. Gemma 2 = Gemma 3's layer without q/k norms, with one RoPE base and
+attention-logit soft-capping; its final-logit soft-capping is refused (`check_gemma`)."""
+
+GEMMA_NORM_NAMES = {
+    "decoder.layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
+    "decoder.layers.{i}.self_attention.linear_proj.post_layernorm.weight":
+        "model.layers.{i}.post_attention_layernorm.weight",
+    "decoder.layers.{i}.pre_mlp_layernorm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "decoder.layers.{i}.mlp.linear_fc2.post_layernorm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+"""Megatron global name -> HF name of Gemma's four per-layer norms (HF's `post_attention_layernorm` is the norm
+AFTER attention, not Llama's pre-MLP norm)."""
+
+
+def is_gemma(hf_config) -> bool:
+    """Whether the config is one of `GEMMA_MODEL_TYPES` (built with engine/policy/gemma_layers.py)."""
+    return hf_config.model_type in GEMMA_MODEL_TYPES
+
+
+def check_gemma(hf_config) -> None:
+    """Refuse the Gemma settings the translation would not reproduce.
+
+    Raises:
+        ValueError naming `model.name_or_path`, the setting and its value.
+    """
+    final_cap = getattr(hf_config, "final_logit_softcapping", None)
+    if final_cap is not None:
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} with final_logit_softcapping={final_cap}: "
+                         "final-logit soft-capping is not translated (the fused LM-head loss kernel, kernels/, computes "
+                         "log-probs from hidden states without logits and does not cap them); only null is supported "
+                         "(Gemma 3's checkpoints ship null, Gemma 2's 30.0)")
+    if hf_config.model_type == "gemma3_text" and getattr(hf_config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"model.name_or_path: gemma3_text with attn_logit_softcapping="
+                         f"{hf_config.attn_logit_softcapping}: attention-logit soft-capping is translated for gemma2 "
+                         "only (Gemma 3's checkpoints ship null)")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} with use_bidirectional_attention=true: only "
+                         "causal attention is supported")
+    if getattr(hf_config, "attention_bias", False):
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} with attention_bias=true: not translated "
+                         "(Gemma 3's checkpoints have no attention bias)")
+    if set(hf_config.layer_types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} layer_types {sorted(set(hf_config.layer_types))}"
+                         ": only sliding_attention and full_attention are supported")
+    local = rope_params(hf_config, "sliding_attention")
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} sliding-layer RoPE {local}: only the default "
+                         "RoPE is supported there")
+    glob = rope_params(hf_config, "full_attention")
+    if glob.get("rope_type", "default") not in ("default", "linear"):
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} global-layer RoPE {glob}: only the default and "
+                         "linear RoPE are supported")
+
+
+def rope_params(hf_config, layer_type: str) -> dict:
+    """The RoPE dict of one layer type ("sliding_attention" / "full_attention"): transformers 5 keeps one RoPE dict
+    per layer type in Gemma 3's `rope_parameters`, one for every layer in Gemma 2's."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    return dict(params.get(layer_type) or {}) if layer_type in params else params
+
+
+def gemma_rope_settings(hf_config) -> dict:
+    """GPTModel's RoPE keywords: the global (full-attention) layers' base and linear scaling factor."""
+    glob = rope_params(hf_config, "full_attention")
+    settings = {"rotary_base": float(glob["rope_theta"])}
+    if glob.get("rope_type") == "linear":  # HF divides inv_freq by the factor; Megatron the positions: the same angles
+        settings["seq_len_interpolation_factor"] = float(glob["factor"])
+    return settings
+
+
+def gemma_transformer_settings(hf_config) -> dict:
+    """TransformerConfig fields that differ for Gemma: the gelu-tanh gated MLP (no fused bias-activation: Megatron
+    fuses only gelu / swiglu), the softmax scale `query_pre_attn_scalar` ** -0.5, and the sliding window of
+    `sliding_window` tokens (HF: a query sees the keys less than `sliding_window` positions back, Megatron's
+    `window_size` (sliding_window - 1, 0)) on the layers `layer_types` names `sliding_attention`
+    (`window_attn_skip_freq` as a per-layer 0 / 1 list)."""
+    return dict(
+        bias_activation_fusion=False,
+        softmax_scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
+        window_size=(int(hf_config.sliding_window) - 1, 0),
+        window_attn_skip_freq=[int(t == "sliding_attention") for t in hf_config.layer_types],
+    )
+
+
