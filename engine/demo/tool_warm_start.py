@@ -166,7 +166,7 @@ def warm_start_tool_use(source: str | Path, output_dir: str | Path, recipe: Tool
             print(f"[tool warm start] step {step + 1}/{recipe.steps}  loss {sum(losses[-25:]) / len(losses[-25:]):.4f}"
                   f"  {time.perf_counter() - start:.0f} s", flush=True)
             _save(model, tokenizer, Path(output_dir), {
-                "script": "python -m engine.demo.tool_warm_start", "recipe": asdict(recipe), "steps_done": step + 1,
+                "script": "python -m engine.demo.tool_warm_start", "source": str(source), "recipe": asdict(recipe), "steps_done": step + 1,
                 "final_loss": round(sum(losses[-25:]) / len(losses[-25:]), 4),
                 "train_s": round(time.perf_counter() - start), "torch": torch.__version__})
     model.eval()
@@ -209,11 +209,15 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m engine.demo.tool_warm_start")
     parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--source", default="builtin:tiny-qwen2-arith", help="the model to start from (a builtin "
+                        "name or a saved model directory, e.g. an earlier run's output to train it further)")
     for name, value in asdict(ToolWarmStart()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     options = vars(parser.parse_args(argv))
-    output_dir = options.pop("output_dir")
-    source = resolve_builtin_model("builtin:tiny-qwen2-arith", output_dir / "cache")
+    output_dir, source = options.pop("output_dir"), options.pop("source")
+    if source.startswith("builtin:"):
+        source = resolve_builtin_model(source, output_dir / "cache")
+    torch.set_num_threads(1)  # as engine/demo/warm_start.py: a tiny model gains nothing from a second thread
     warm_start_tool_use(source, output_dir, ToolWarmStart(**options))
     return 0
 
