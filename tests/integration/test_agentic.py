@@ -13,7 +13,12 @@ real in-process vLLM and real Megatron, one run (~1-1.5 min on 2 cores) that che
 - `rollout_func` (a second run): its rows train, `env_mask` is the tool mask, its extra keys reach the rewards.
 
 The tiny model knows no tool-call format, so `vllm_structured_outputs_regex` makes every turn a Hermes tool call:
-what is tested is the engine's machinery, not the model's skill.
+what is tested is the engine's machinery, not the model's skill. The shipped tool-calling model
+(`builtin:tiny-qwen2-calc`, examples/004_agentic_calculator.py) calls its tool without a regex; with it, float32:
+- the engine's sampling log-probs of the model's tokens on rows with tool messages equal the trainer's, colocated
+  and in server (split) mode against the session's replica server;
+- a run resumed from checkpoint-1 logs step 2 as the uninterrupted run did (environments rebuilt and reset: their
+  state is not checkpointed).
 """
 
 from __future__ import annotations
