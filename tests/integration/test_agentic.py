@@ -317,14 +317,21 @@ def _calculator_in_server_mode(output_dir: str, url: str, token: str, group_port
 
 
 @pytest.mark.slow
-def test_tool_rows_in_server_mode_match_the_trainers_logprobs(replica_servers, tmp_path):
-    """Server (split) mode with tools: the multi-turn rows come from a rollout server (the session's replica 0,
-    tests/helpers/replica_servers.py), tool calls run in the trainer's process, and the server's sampling log-probs
-    of the model's tokens equal the trainer's (float32, as in the colocated test above)."""
-    from tests.integration.test_rollout_server import _group_port
+def test_tool_rows_in_server_mode_match_the_trainers_logprobs(tmp_path):
+    """Server (split) mode with tools: the multi-turn rows come from a rollout server (a server of its own: the
+    session's replica pair serves 128 positions, a calculator conversation needs ~200), tool calls run in the
+    trainer's process, and the server's sampling log-probs of the model's tokens equal the trainer's (float32, as
+    in the colocated test above)."""
+    import secrets
 
-    server = replica_servers[0]
-    (record,) = run_distributed(_calculator_in_server_mode, 1, str(tmp_path), server.url, server.token, _group_port())
+    from tests.integration.test_rollout_server import Server, _group_port
+
+    server = Server(tmp_path, secrets.token_hex(16), "rollout.vllm_max_model_length=256")
+    try:
+        (record,) = run_distributed(_calculator_in_server_mode, 1, str(tmp_path), server.url, server.token,
+                                    _group_port())
+    finally:
+        server.stop()
     assert record["weight_sync/servers"] == 1, record
     assert record["tools/call_frequency"] > 0.2, record
     assert record["sampling/sampling_logp_difference/mean"] < 1e-3, record
