@@ -138,7 +138,10 @@ def check_layout(rollout: RolloutConfig, given: list[str]) -> None:
     names = ", ".join(given)
     if rollout.max_staleness > 0:
         raise ValueError(f"{names} with rollout.max_staleness={rollout.max_staleness}: multi-turn rollouts are "
-                         "generated synchronously; set max_staleness=0")
+                         "generated synchronously (the asynchronous pipeline asks the servers for whole single-turn "
+                         "rounds, while a multi-turn round is driven turn by turn by rank 0's tool loop, and a round "
+                         "waiting in a checkpoint would hold environment instances, which are not checkpointed); "
+                         "set max_staleness=0")
     if rollout.vllm_mode == "colocate" and rollout.vllm_tensor_parallel_size > 1:
         raise ValueError(f"{names} with rollout.vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} "
                          "(colocate): rank 0 drives every sample through its own engine; use 1 or server mode")

@@ -70,9 +70,11 @@ SPECIAL_TOKENS = (EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
 
 BUILTIN_PREFIX = "builtin:tiny-"
 
-SHIPPED_MODELS = {"qwen2-arith": "assets/tiny-qwen2-arith"}
+SHIPPED_MODELS = {"qwen2-arith": "assets/tiny-qwen2-arith", "qwen2-calc": "assets/tiny-qwen2-calc"}
 """Builtins with trained weights shipped as package data: `builtin:tiny-<key>` -> directory inside `engine`.
-`qwen2-arith` is the tiny Qwen2 after the SFT warm start on the builtin arithmetic task (engine/demo/warm_start.py)."""
+`qwen2-arith` is the tiny Qwen2 after the SFT warm start on the builtin arithmetic task (engine/demo/warm_start.py);
+`qwen2-calc` is `qwen2-arith` taught to call a calculator tool (engine/demo/tool_warm_start.py; its chat template
+is `TOOL_CHAT_TEMPLATE`), the model of examples/004_agentic_calculator.py."""
 
 _FACTORY_VERSION = "1"
 """Bump when the config, tokenizer or build recipe changes, so cached builds are not reused."""

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 ENGINE_IMPORT = "from engine import GRPOConfig, GRPOTrainer"
 TRL_IMPORT = "from trl import GRPOConfig, GRPOTrainer"
-NAMES = ["000_quickstart", "001_math_accuracy", "003_async_rewards_extra_columns"]
+NAMES = ["000_quickstart", "001_math_accuracy", "003_async_rewards_extra_columns", "004_agentic_calculator"]
 
 
 def _run_example(name: str, cwd: Path) -> subprocess.CompletedProcess:
