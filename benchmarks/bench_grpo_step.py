@@ -55,14 +55,16 @@ def model_config(shape: str, num_layers: int | None = None):
     return config
 
 
-def build_policy_and_optimizer(hf_config, dtype: str, ps, attention: str = "sdpa"):
+def build_policy_and_optimizer(hf_config, dtype: str, ps, attention: str = "sdpa", recompute: bool = True):
     """Megatron chunks with random weights and their optimizer (lr 1e-6): (PolicyOptimizer, chunks); `attention` is
-    `model.attention_implementation` (the local spec's core attention)."""
-    from engine.config import ModelConfig, OptimizerConfig
+    `model.attention_implementation` (the local spec's core attention), `recompute` the activation recompute
+    (`train.gradient_checkpointing`: TRL's default and the engine's, full recompute)."""
+    from engine.config import ModelConfig, OptimizerConfig, TrainConfig
     from engine.policy.model import build_policy, init_weights_by_name
     from engine.policy.optimizer import build_optimizer
 
-    chunks = build_policy(hf_config, ModelConfig(dtype=dtype, attention_implementation=attention), ps)
+    chunks = build_policy(hf_config, ModelConfig(dtype=dtype, attention_implementation=attention), ps,
+                          TrainConfig(gradient_checkpointing=recompute))
     init_weights_by_name(chunks, ps, seed=0)
     return build_optimizer(OptimizerConfig(learning_rate=1e-6), chunks, ps, total_steps=1_000_000), chunks
 
