@@ -59,6 +59,10 @@ class ModelConfig:
     """Megatron pads the vocabulary to a multiple of this times tp_size; padded rows are never sampled."""
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     """Megatron layer spec: `auto` = Transformer Engine when it imports (GPU), the local spec otherwise."""
+    attention_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """The local spec's core attention (HF's `attn_implementation` names): `sdpa` = torch's fused attention (no s x s
+    scores kept; engine/policy/sdpa_attention.py), `eager` = Megatron's DotProductAttention. Gemma and GPT-OSS keep
+    their own; Transformer Engine's spec has its own fused attention."""
     offload_reference: bool = False
     """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
     moe_aux_loss_coeff: float | None = None

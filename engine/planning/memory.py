@@ -223,7 +223,8 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     2*f/h, i.e. 4 + 4*g/a + 6*f/h (a GeLU MLP's 4*f/h becomes 6*f/h; Megatron-LM's own `compute_activation_memory`
     uses 18 + 4*f/h, not counting SwiGLU's gate half). The 5*a*s/h term is the attention score matrix: fused (flash)
     attention, which Transformer Engine's layer spec uses, never stores it (the paper's "selective recompute" row,
-    s*b*h*34/t), so it is counted only for `model.transformer_impl: local`. MoE: the MLP's 6*f/h becomes
+    s*b*h*34/t), so it is counted only for `model.transformer_impl: local` with `model.attention_implementation: eager` or GPT-OSS's own attention
+(SDPA, the local spec's default, keeps none either). MoE: the MLP's 6*f/h becomes
     6*k*f_moe/h (each token's k routed copies, tokens assumed balanced over experts).
 
     Recompute, as it runs (`train.gradient_checkpointing` and `train.recompute_*`, resolved by
@@ -233,7 +234,7 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     "full activation recomputation: 2*s*b*h*L". Full, block, n layers per model chunk: those n x vpp layers of the
     stage keep their input only, the others everything, plus one recomputed layer's working set. Selective: every
     layer keeps everything but what its recomputed modules would hold: `core_attn` the attention scores (the 5*a*s/h
-    term, local spec only), `mlp` / `moe` the MLP's inside (6*f/h, or 6*k*f_moe/h; its input is the norm output kept
+    term, local spec with eager attention only), `mlp` / `moe` the MLP's inside (6*f/h, or 6*k*f_moe/h; its input is the norm output kept
     anyway), plus that part of the one layer being recomputed in the backward. None: every layer keeps everything.
     These are the paper's stored activations; the backward's transient gradient buffers are not counted (measured
     against this model: benchmarks/bench_recompute.py).
@@ -243,7 +244,9 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     sp, rc = cfg.parallel.sequence_parallel, plan_recompute(cfg, dims)
     sbh = s * b * h
     ffn = dims.num_experts_per_tok * dims.moe_intermediate_size if dims.is_moe else dims.intermediate_size
-    scores = 5 * dims.num_heads * s / h if cfg.model.transformer_impl == "local" else 0.0
+    # SDPA and TE's fused attention keep no s x s scores; GPT-OSS (sinks) has its own eager attention on the local spec
+    eager = cfg.model.transformer_impl == "local" and (cfg.model.attention_implementation == "eager" or dims.sinks)
+    scores = 5 * dims.num_heads * s / h if eager else 0.0
     mlp = 6 * ffn / h  # MoE: each token's k routed copies of f_moe
     split = attention_activations(dims) + mlp + scores
     full_split, removed = split, 0.0

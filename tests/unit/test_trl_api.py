@@ -143,6 +143,15 @@ def test_grpo_config_conflicting_precisions_are_an_error():
         GRPOConfig(bf16=True, model_init_kwargs={"dtype": "float32"})
 
 
+@pytest.mark.parametrize("attn, implementation", [(None, "sdpa"), ("eager", "eager"), ("sdpa", "sdpa"),
+                                                  ("flash_attention_2", "sdpa")])
+def test_grpo_config_attn_implementation_chooses_the_core_attention(attn, implementation):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # translated, not in the no-effect warning
+        args = _config(model_init_kwargs={"attn_implementation": attn} if attn else None)
+    assert args.to_engine_config().model.attention_implementation == implementation
+
+
 def test_grpo_config_router_aux_loss_coef_is_the_moe_aux_loss_coefficient():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # translated, not in the no-effect warning
