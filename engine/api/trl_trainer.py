@@ -33,7 +33,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.models.hub import resolve_hub_model
-from engine.api import trl_compat
+from engine.api import trl_compat, trl_generate
 from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic, with_placeholder_prompts
 from engine.api.trl_config import GFPOConfig, GRPOConfig
 from engine.api.trl_surface import INITIAL_MODEL_DIR, TrainerSurface, eval_sets, is_stream, save_model_object
@@ -136,7 +136,10 @@ class GRPOTrainer(TrainerSurface):
             raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column (or set "
                              "GRPOConfig(dataset_name=...) to a local file, a hub name or builtin:arithmetic)")
         model_path = resolve_model(model, self.output_dir, processing_class, cfg.model.trust_remote_code)
-        self._agentic = resolve_agentic(self, tools, rollout_func, environment_factory, model_name=str(model_path),
+        self.rollout_func, self._last_loaded_step = rollout_func, 0  # TRL's attributes (`_generate` reads them)
+        rollout = trl_generate.dispatch_override(self, rollout_func, tools, environment_factory,
+                                                 cfg.rollout.max_staleness)  # a subclass's _generate override
+        self._agentic = resolve_agentic(self, tools, rollout, environment_factory, model_name=str(model_path),
                                         tokenizer=self._processing_class or _local_tokenizer(model_path),
                                         chat_template_kwargs=cfg.generation.chat_template_kwargs)
         if self._agentic.reward_funcs:  # environments' get_reward, weight 1 (TRL)
@@ -170,6 +173,12 @@ class GRPOTrainer(TrainerSurface):
         self._peft_config = peft_config  # trainer.model is then a peft.PeftModel (trl_surface.py)
         self._init_trainer_surface(given_model, callbacks, is_stream(train_dataset))
 
+    use_vllm = True
+    """TRL's flag: generation always uses vLLM here."""
+    vllm_generation = trl_generate.EngineWeightSync()
+    """TRL's generation backend handle, as `_generate` uses it (engine/api/trl_generate.py)."""
+    _generate = trl_generate.generate  # TRL's private rollout dispatch; a subclass's override acts (trl_generate.py)
+    _generate_single_turn = trl_generate.generate_single_turn
     get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
     get_high_entropy_mask = trl_compat.get_high_entropy_mask  # TRL's signature: (self, entropies, mask, threshold)
     _get_per_token_logps_and_entropies = trl_compat.get_per_token_logps_and_entropies  # TRL's private signature
