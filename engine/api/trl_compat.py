@@ -10,7 +10,10 @@ Owns (issue #27 item 6; reward models by hub id, item 9, are engine/train/reward
 - `get_per_token_logps_and_entropies`: TRL's private `_get_per_token_logps_and_entropies` on a transformers
   model, by the engine's LM-head maths (kernels/lm_head_logprob.py);
 - `vespo_importance_sampling_mode(...)`: the vLLM IS mode a vespo run gets when the user named none (TRL without
-  vLLM has no IS correction; with vLLM it requires a token mode).
+  vLLM has no IS correction; with vLLM it requires a token mode);
+- HF Trainer's step methods (`training_step`, `_prepare_inputs`, `compute_loss`): `refuse_step_overrides` (a
+  subclass overriding one is refused at construction, naming why and what acts instead) and `training_step`
+  (`trainer.training_step` exists, as on TRL's trainer, and says the same when called).
 
 Must not: implement maths (engine/grpo/*), run the loop, import trl (a test-only dependency) or vLLM.
 
@@ -125,3 +128,29 @@ def get_per_token_logps_and_entropies(trainer: Any, model: Any, input_ids: torch
     import torch
 
     return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+
+STEP_METHODS = ("training_step", "_prepare_inputs", "compute_loss")
+"""HF Trainer's per-micro-step methods that TRL's GRPOTrainer runs in the user's process."""
+
+STEP_METHODS_WHY = (
+    "the engine's training step is Megatron's forward-backward over the engine's own micro-batches (token ids, old "
+    "log-probs, advantages; engine/train/loop.py), run by every rank in its own worker process, not HF Trainer's "
+    "training_step(model, inputs, num_items_in_batch) over the dataloader's raw rows: an override would never be "
+    "called and a patched one would see no call. What acts instead: callbacks (on_step_begin / on_step_end / "
+    "on_log with the step's metrics), reward functions (log_metric / log_extra), a rollout_func or a _generate "
+    "override for the rows, GRPOConfig for the loss")
+
+
+def refuse_step_overrides(trainer_class: type, base: type) -> None:
+    """NotImplementedError when `trainer_class` (a user's subclass of `base`, GRPOTrainer) overrides one of HF
+    Trainer's step methods (`STEP_METHODS`): the override could not act (`STEP_METHODS_WHY`)."""
+    names = [n for n in STEP_METHODS if getattr(trainer_class, n, None) is not getattr(base, n, None)]
+    if names:
+        raise NotImplementedError(f"{trainer_class.__name__} overrides {', '.join(names)}: not supported, because "
+                                  f"{STEP_METHODS_WHY}")
+
+
+def training_step(trainer: Any, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+    """HF Trainer's `training_step`, as TRL's GRPOTrainer has it: not callable here (`STEP_METHODS_WHY`)."""
+    raise NotImplementedError(f"GRPOTrainer.training_step: {STEP_METHODS_WHY}")

@@ -58,7 +58,9 @@ class GRPOTrainer(TrainerSurface):
     callables, the tokenizer and the user hooks (`group_filter_func`, `dynamic_prompts_fn`: any callable, a function
     of the script, a lambda or an instance) to `engine.train.loop.train` in memory.
 
-    Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP);
+    Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP;
+    a subclass overriding HF Trainer's `training_step` / `_prepare_inputs` / `compute_loss` is refused, naming why,
+    while one overriding TRL's `_generate` / `_generate_single_turn` acts: engine/api/trl_generate.py);
     generation always uses vLLM; a single `eval_dataset` is also scored before and after training (held-out reward,
     `eval_reward_before` / `_after`), besides TRL's `eval_strategy` schedule; `train()` runs once per trainer (the
     engine tears its process group down at the end, and on any exception, so a new trainer can train in the same
@@ -98,6 +100,7 @@ class GRPOTrainer(TrainerSurface):
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None, group_filter_func: Any = None):
+        trl_compat.refuse_step_overrides(type(self), GRPOTrainer)  # HF Trainer's step methods cannot act here
         given_model = model  # trainer.model is this object (a PeftModel's adapters set after train())
         if peft_config is None and type(model).__name__.startswith("Peft"):  # TRL takes a PeftModel too
             model, peft_config = _split_peft_model(model)
@@ -179,6 +182,7 @@ class GRPOTrainer(TrainerSurface):
     """TRL's generation backend handle, as `_generate` uses it (engine/api/trl_generate.py)."""
     _generate = trl_generate.generate  # TRL's private rollout dispatch; a subclass's override acts (trl_generate.py)
     _generate_single_turn = trl_generate.generate_single_turn
+    training_step = trl_compat.training_step  # HF Trainer's; refused with why (trl_compat.STEP_METHODS_WHY)
     get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
     get_high_entropy_mask = trl_compat.get_high_entropy_mask  # TRL's signature: (self, entropies, mask, threshold)
     _get_per_token_logps_and_entropies = trl_compat.get_per_token_logps_and_entropies  # TRL's private signature
