@@ -81,6 +81,34 @@ def _load_peft_adapter(adapter_dir: Path, into: Any = None) -> Any:
     return into
 
 
+def cast_lm_head_to_fp32(model: Any) -> Any:
+    """TRL's `cast_lm_head_to_fp32=True` on a transformers causal LM (`trainer.model`), done once: the output
+    embedding's weight (and bias) in float32 and its forward in float32 (logits float32 whatever the hidden
+    states' dtype); with tied word embeddings (one Parameter) the input embedding's outputs are cast back to the
+    model's dtype, so the decoder still runs in it. A PEFT adapter on the LM head is refused, as TRL does."""
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if getattr(head, "_engine_fp32_head", False):
+        return model
+    if hasattr(head, "base_layer"):
+        raise ValueError("`cast_lm_head_to_fp32=True` with a PEFT adapter on lm_head: drop lm_head from the "
+                         "adapter's target modules, or set cast_lm_head_to_fp32=False")
+    dtype = head.weight.dtype
+    head.float()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., V) float32
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+    head.forward, head._engine_fp32_head = forward, True
+    embedding = base.get_input_embeddings()
+    if embedding is not None and embedding.weight is head.weight and dtype != torch.float32:
+        embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
+    return model
+
+
 def check_fits_in_memory(model_dir: Path, available_bytes: int | None = None, fraction: float = 0.8) -> None:
     """Refuse to load a checkpoint whose safetensors files exceed `fraction` of this machine's available memory
     (`MemAvailable`; `available_bytes` overrides it), naming how to load the export instead (a sharded 70B run's
@@ -325,6 +353,8 @@ class TrainerSurface:
             check_fits_in_memory(self._current_model_dir())
             self._model = load_causal_lm(self._current_model_dir(), into=self._model_object)
             self._model_is_stale = False
+        if getattr(self.args, "cast_lm_head_to_fp32", False):
+            cast_lm_head_to_fp32(self._model)
         return self._model
 
     @model.setter
