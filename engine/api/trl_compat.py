@@ -11,6 +11,8 @@ Owns (issue #27 item 6; reward models by hub id, item 9, are engine/train/reward
   model, by the engine's LM-head maths (kernels/lm_head_logprob.py);
 - `vespo_importance_sampling_mode(...)`: the vLLM IS mode a vespo run gets when the user named none (TRL without
   vLLM has no IS correction; with vLLM it requires a token mode);
+- `check_liger_installed(use_liger_kernel)`: TRL's (HF Trainer's) ImportError when `use_liger_kernel=True` and the
+  liger-kernel package is missing, raised after the PEFT checks as TRL raises it after its guards;
 - HF Trainer's step methods (`training_step`, `_prepare_inputs`, `compute_loss`): `refuse_step_overrides` (a
   subclass overriding one is refused at construction, naming why and what acts instead) and `training_step`
   (`trainer.training_step` exists, as on TRL's trainer, and says the same when called).
@@ -154,3 +156,15 @@ def refuse_step_overrides(trainer_class: type, base: type) -> None:
 def training_step(trainer: Any, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
     """HF Trainer's `training_step`, as TRL's GRPOTrainer has it: not callable here (`STEP_METHODS_WHY`)."""
     raise NotImplementedError(f"GRPOTrainer.training_step: {STEP_METHODS_WHY}")
+
+
+def check_liger_installed(use_liger_kernel: bool) -> None:
+    """ImportError, as TRL's trainer raises at construction, when `use_liger_kernel=True` and liger-kernel is not
+    installed (a TRL script that fails there fails here alike). Installed, the setting changes nothing here: it is
+    named in GRPOConfig's no-effect warning (Megatron's kernels and the engine's fused LM-head loss run anyway)."""
+    import importlib.util
+
+    if use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError("use_liger_kernel=True but the liger-kernel package is not installed (TRL raises this too): "
+                          "pip install liger-kernel, or set use_liger_kernel=False; the engine itself runs Megatron's "
+                          "kernels and its own fused LM-head loss either way")

@@ -169,6 +169,7 @@ class GRPOTrainer(TrainerSurface):
 
             self._cfg = dataclasses.replace(self._cfg, lora=dataclasses.replace(self._cfg.lora,
                                                                                 **lora_fields_from_peft(peft_config)))
+        trl_compat.check_liger_installed(bool(getattr(args, "use_liger_kernel", False)))  # after PEFT's, as TRL
         self._engine_eval_dataset = engine_eval  # scored before and after training by the engine
         self._check_layout()
         self.model_path = Path(model_path)

@@ -156,3 +156,17 @@ def test_overriding_hf_trainers_step_methods_is_refused_with_why(tmp_path, metho
     trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_args(tmp_path), train_dataset=_prompts())
     with pytest.raises(NotImplementedError, match="training_step: the engine's training step is Megatron's"):
         trainer.training_step(None, [{"prompt": "p"}], None)
+
+
+def test_use_liger_kernel_without_liger_installed_raises_trls_import_error(tmp_path):
+    """As TRL: `use_liger_kernel=True` without liger-kernel is an ImportError naming the package, at construction."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger-kernel is installed here")
+    with pytest.warns(UserWarning, match="use_liger_kernel"):
+        args = _args(tmp_path, use_liger_kernel=True)
+    with pytest.raises(ImportError, match="liger-kernel package is not installed"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=args, train_dataset=_prompts())
+    GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_args(tmp_path, use_liger_kernel=False),
+                train_dataset=_prompts())
