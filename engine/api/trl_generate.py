@@ -11,6 +11,7 @@ Owns:
 - `dispatch_override(trainer, ...)`: when the trainer's class overrides `_generate` or `_generate_single_turn`,
   the `rollout_func(prompts, trainer)` the engine's loop calls each round instead of its own generation (rank 0,
   the user's process: the same seam as TRL's `rollout_func`, engine/agent/agentic_rollout.py); its rows train.
+  Chosen at construction: `patched_since_construction` refuses at `train()` a method patched in afterwards.
 - `EngineWeightSync`: `trainer.vllm_generation` (TRL's attribute): its `sync_weights()` has nothing to do, because
   the engine loads the policy into vLLM at the end of every round, before the next round generates.
 
@@ -128,6 +129,17 @@ def overridden(trainer_class: type) -> list[str]:
     module's functions), in TRL's call order."""
     own = {"_generate": generate, "_generate_single_turn": generate_single_turn}
     return [name for name in DISPATCH_METHODS if getattr(trainer_class, name, None) is not own[name]]
+
+
+def patched_since_construction(trainer: Any, at_construction: list[str]) -> None:
+    """RuntimeError when the dispatch methods in effect now (the class's, or one assigned on the instance, e.g.
+    `unittest.mock.patch.object`) differ from those found at construction, which chose the rollout: a later patch
+    would silently not act."""
+    now = [n for n in DISPATCH_METHODS if n in vars(trainer) or n in overridden(type(trainer))]
+    if now != at_construction:
+        raise RuntimeError(f"{', '.join(sorted(set(now) ^ set(at_construction)))} changed on the trainer after "
+                           "GRPOTrainer(...) was built: the rollout is chosen at construction, so override "
+                           "_generate / _generate_single_turn in a subclass (or patch the class) before building it")
 
 
 def dispatch_override(trainer: Any, rollout_func: Any, tools: Any, environment_factory: Any,

@@ -142,6 +142,7 @@ class GRPOTrainer(TrainerSurface):
         self.rollout_func, self._last_loaded_step = rollout_func, 0  # TRL's attributes (`_generate` reads them)
         rollout = trl_generate.dispatch_override(self, rollout_func, tools, environment_factory,
                                                  cfg.rollout.max_staleness)  # a subclass's _generate override
+        self._dispatch_overrides = trl_generate.overridden(type(self))
         self._agentic = resolve_agentic(self, tools, rollout, environment_factory, model_name=str(model_path),
                                         tokenizer=self._processing_class or _local_tokenizer(model_path),
                                         chat_template_kwargs=cfg.generation.chat_template_kwargs)
@@ -220,6 +221,7 @@ class GRPOTrainer(TrainerSurface):
         if self._trained:
             raise RuntimeError("train() already ran: the engine's process group and policy are torn down at the end "
                                "of a run; build a new GRPOTrainer (e.g. with model=<output_dir>/final_model)")
+        trl_generate.patched_since_construction(self, self._dispatch_overrides)
         cfg = self._cfg
         if resume_from_checkpoint:
             where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)

@@ -100,6 +100,11 @@ def test_a_subclass_override_of_generate_is_the_rollout_the_loop_calls(tmp_path)
         def _generate(self, prompts):
             return [[1]], [[2]]
 
+    from unittest.mock import patch
+
+    with patch.object(trainer, "_generate_single_turn", lambda *args: None), \
+            pytest.raises(RuntimeError, match="_generate_single_turn changed on the trainer after"):
+        trainer.train()  # refused before anything starts
     broken = _trainer(tmp_path, Broken)
     with pytest.raises(ValueError, match="Broken._generate must return TRL's 8-tuple"):
         call_rollout_func(broken._agentic.loop_inputs["rollout_func"], ["x"], _Tokenizer())
