@@ -144,12 +144,14 @@ STEP_METHODS_WHY = (
     "override for the rows, GRPOConfig for the loss")
 
 
-def refuse_step_overrides(trainer_class: type, base: type) -> None:
-    """NotImplementedError when `trainer_class` (a user's subclass of `base`, GRPOTrainer) overrides one of HF
-    Trainer's step methods (`STEP_METHODS`): the override could not act (`STEP_METHODS_WHY`)."""
-    names = [n for n in STEP_METHODS if getattr(trainer_class, n, None) is not getattr(base, n, None)]
+def refuse_step_overrides(trainer: Any) -> None:
+    """NotImplementedError when HF Trainer's step methods (`STEP_METHODS`) are not GRPOTrainer's own: a user's
+    subclass overrides one, or one was patched onto the class or the trainer (`unittest.mock.patch.object`); the
+    replacement could not act (`STEP_METHODS_WHY`). GRPOTrainer calls it at construction and at `train()`."""
+    own = {"training_step": training_step}
+    names = [n for n in STEP_METHODS if n in vars(trainer) or getattr(type(trainer), n, None) is not own.get(n)]
     if names:
-        raise NotImplementedError(f"{trainer_class.__name__} overrides {', '.join(names)}: not supported, because "
+        raise NotImplementedError(f"{type(trainer).__name__} overrides {', '.join(names)}: not supported, because "
                                   f"{STEP_METHODS_WHY}")
 
 

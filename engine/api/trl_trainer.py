@@ -100,7 +100,7 @@ class GRPOTrainer(TrainerSurface):
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None, group_filter_func: Any = None):
-        trl_compat.refuse_step_overrides(type(self), GRPOTrainer)  # HF Trainer's step methods cannot act here
+        trl_compat.refuse_step_overrides(self)  # HF Trainer's step methods cannot act here
         given_model = model  # trainer.model is this object (a PeftModel's adapters set after train())
         if peft_config is None and type(model).__name__.startswith("Peft"):  # TRL takes a PeftModel too
             model, peft_config = _split_peft_model(model)
@@ -222,6 +222,7 @@ class GRPOTrainer(TrainerSurface):
             raise RuntimeError("train() already ran: the engine's process group and policy are torn down at the end "
                                "of a run; build a new GRPOTrainer (e.g. with model=<output_dir>/final_model)")
         trl_generate.patched_since_construction(self, self._dispatch_overrides)
+        trl_compat.refuse_step_overrides(self)  # e.g. training_step patched onto the class since construction
         cfg = self._cfg
         if resume_from_checkpoint:
             where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)

@@ -156,6 +156,11 @@ def test_overriding_hf_trainers_step_methods_is_refused_with_why(tmp_path, metho
     trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_args(tmp_path), train_dataset=_prompts())
     with pytest.raises(NotImplementedError, match="training_step: the engine's training step is Megatron's"):
         trainer.training_step(None, [{"prompt": "p"}], None)
+    from unittest.mock import patch
+
+    with patch.object(GRPOTrainer, "training_step", wraps=trainer.training_step), \
+            pytest.raises(NotImplementedError, match="GRPOTrainer overrides training_step"):
+        trainer.train()  # patched after construction: refused before anything starts
 
 
 def test_use_liger_kernel_without_liger_installed_raises_trls_import_error(tmp_path):
