@@ -132,12 +132,13 @@ def overridden(trainer_class: type) -> list[str]:
 
 
 def patched_since_construction(trainer: Any, at_construction: list[str]) -> None:
-    """RuntimeError when the dispatch methods in effect now (the class's, or one assigned on the instance, e.g.
-    `unittest.mock.patch.object`) differ from those found at construction, which chose the rollout: a later patch
-    would silently not act."""
+    """RuntimeError when a dispatch method was overridden after construction (on the class, or assigned on the
+    instance, e.g. `unittest.mock.patch.object`) of a trainer built without one: its rollout is the engine's own,
+    chosen then, so the patch would silently not act. (Built with one, every round calls `trainer._generate`
+    afresh, so later patches act.)"""
     now = [n for n in DISPATCH_METHODS if n in vars(trainer) or n in overridden(type(trainer))]
-    if now != at_construction:
-        raise RuntimeError(f"{', '.join(sorted(set(now) ^ set(at_construction)))} changed on the trainer after "
+    if now and not at_construction:
+        raise RuntimeError(f"{', '.join(now)} changed on the trainer after "
                            "GRPOTrainer(...) was built: the rollout is chosen at construction, so override "
                            "_generate / _generate_single_turn in a subclass (or patch the class) before building it")
 

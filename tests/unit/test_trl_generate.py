@@ -102,9 +102,13 @@ def test_a_subclass_override_of_generate_is_the_rollout_the_loop_calls(tmp_path)
 
     from unittest.mock import patch
 
-    with patch.object(trainer, "_generate_single_turn", lambda *args: None), \
+    plain = _trainer(tmp_path)  # built without an override: its rollout is the engine's own
+    with patch.object(plain, "_generate_single_turn", lambda *args: None), \
             pytest.raises(RuntimeError, match="_generate_single_turn changed on the trainer after"):
-        trainer.train()  # refused before anything starts
+        plain.train()  # refused before anything starts
+    with patch.object(GRPOTrainer, "_generate", lambda self, prompts: None), \
+            pytest.raises(RuntimeError, match="_generate changed on the trainer after"):
+        plain.evaluate(eval_dataset=datasets.Dataset.from_dict({"prompt": ["q"] * 4}))
     broken = _trainer(tmp_path, Broken)
     with pytest.raises(ValueError, match="Broken._generate must return TRL's 8-tuple"):
         call_rollout_func(broken._agentic.loop_inputs["rollout_func"], ["x"], _Tokenizer())
