@@ -1,21 +1,17 @@
 """TRL's own behaviour where TRL defines it: its construction-time warnings, its static helpers, vespo's IS mode.
 
-Owns (issue #27 item 6; reward models by hub id, item 9, are engine/train/rewards.py's `resolve_reward_func`):
-- `warn_objective_settings(args)`: the warnings TRL's GRPOTrainer logs at construction about the objective
-  (sequence-level importance sampling with a loss that sums per-token terms; luspo at token level; vespo at
-  sequence level), word for word, on the `logging` logger of engine/api/trl_trainer.py (TRL logs them with
-  `logger.warning`, so a test reads them with pytest's `caplog`);
-- `get_off_policy_mask` and `get_high_entropy_mask`: TRL's GRPOTrainer helpers with TRL's signatures, computed by
-  the engine's own maths (engine/grpo/policy_loss.py), bound onto `GRPOTrainer`;
-- `get_per_token_logps_and_entropies`: TRL's private `_get_per_token_logps_and_entropies` on a transformers
-  model, by the engine's LM-head maths (kernels/lm_head_logprob.py);
-- `vespo_importance_sampling_mode(...)`: the vLLM IS mode a vespo run gets when the user named none (TRL without
-  vLLM has no IS correction; with vLLM it requires a token mode);
-- `check_liger_installed(use_liger_kernel)`: TRL's (HF Trainer's) ImportError when `use_liger_kernel=True` and the
-  liger-kernel package is missing, raised after the PEFT checks as TRL raises it after its guards;
-- HF Trainer's step methods (`training_step`, `_prepare_inputs`, `compute_loss`): `refuse_step_overrides` (a
-  subclass overriding one is refused at construction, naming why and what acts instead) and `training_step`
-  (`trainer.training_step` exists, as on TRL's trainer, and says the same when called).
+Owns (issue #27 items 6 and 9's rest; hub reward models are engine/train/rewards.py's `resolve_reward_func`):
+- `warn_objective_settings(args)`: TRL's construction-time warnings about the objective (sequence-level IS with a
+  token-summed loss; luspo at token level; vespo at sequence level), word for word, on the `logging` logger of
+  engine/api/trl_trainer.py (TRL uses `logger.warning`: tests read them with `caplog`);
+- `get_off_policy_mask`, `get_high_entropy_mask`, `get_per_token_logps_and_entropies`: TRL's GRPOTrainer helpers
+  (the last one private) with TRL's signatures, by the engine's maths (engine/grpo/policy_loss.py,
+  kernels/lm_head_logprob.py), bound onto `GRPOTrainer`;
+- `vespo_importance_sampling_mode(...)`: the vLLM IS mode of a vespo run that named none (a token mode, as TRL);
+- `cast_lm_head_to_fp32(model)`: TRL's float32 LM head on `trainer.model` (training computes float32 logits anyway);
+- `check_liger_installed`: TRL's ImportError for `use_liger_kernel=True` without liger-kernel (after PEFT's checks);
+- HF Trainer's step methods (`training_step`, `_prepare_inputs`, `compute_loss`): `refuse_step_overrides` (an
+  override or patch is refused, naming why and what acts instead) and `training_step`, which says the same.
 
 Must not: implement maths (engine/grpo/*), run the loop, import trl (a test-only dependency) or vLLM.
 
@@ -170,3 +166,31 @@ def check_liger_installed(use_liger_kernel: bool) -> None:
         raise ImportError("use_liger_kernel=True but the liger-kernel package is not installed (TRL raises this too): "
                           "pip install liger-kernel, or set use_liger_kernel=False; the engine itself runs Megatron's "
                           "kernels and its own fused LM-head loss either way")
+
+
+def cast_lm_head_to_fp32(model: Any) -> Any:
+    """TRL's `cast_lm_head_to_fp32=True` on a transformers causal LM (`trainer.model`), done once: the output
+    embedding's weight (and bias) in float32 and its forward in float32 (logits float32 whatever the hidden
+    states' dtype); with tied word embeddings (one Parameter) the input embedding's outputs are cast back to the
+    model's dtype, so the decoder still runs in it. A PEFT adapter on the LM head is refused, as TRL does."""
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if getattr(head, "_engine_fp32_head", False):
+        return model
+    if hasattr(head, "base_layer"):
+        raise ValueError("`cast_lm_head_to_fp32=True` with a PEFT adapter on lm_head: drop lm_head from the "
+                         "adapter's target modules, or set cast_lm_head_to_fp32=False")
+    dtype = head.weight.dtype
+    head.float()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., V) float32
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+    head.forward, head._engine_fp32_head = forward, True
+    embedding = base.get_input_embeddings()
+    if embedding is not None and embedding.weight is head.weight and dtype != torch.float32:
+        embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
+    return model

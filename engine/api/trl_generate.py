@@ -2,24 +2,22 @@
 with TRL 1.16's signatures and return shapes, and a user's override of either acting over the engine's rollout.
 
 Owns:
-- `generate(trainer, prompts)`: TRL's `_generate`: `rollout_func(prompts, trainer)` when the trainer has one (TRL's
-  key check and message; vLLM weights synced first when the step moved, as TRL), else `_generate_single_turn` on
-  the prompts tokenized as the engine tokenizes dataset prompts; the completions decoded. Returns TRL's 8-tuple
-  `(prompt_ids, completion_ids, tool_mask, completions, logprobs, extra_fields, images, tool_images)`.
-- `generate_single_turn(...)`: one completion per row from the engine's own vLLM engine, which only exists inside
-  a round of `train()` / `evaluate()` (engine/agent/rollout_func.py `current_round`); outside one: an error.
-- `dispatch_override(trainer, ...)`: when the trainer's class overrides `_generate` or `_generate_single_turn`,
-  the `rollout_func(prompts, trainer)` the engine's loop calls each round instead of its own generation (rank 0,
-  the user's process: the same seam as TRL's `rollout_func`, engine/agent/agentic_rollout.py); its rows train.
-  Chosen at construction: `patched_since_construction` refuses at `train()` a method patched in afterwards.
-- `EngineWeightSync`: `trainer.vllm_generation` (TRL's attribute): its `sync_weights()` has nothing to do, because
-  the engine loads the policy into vLLM at the end of every round, before the next round generates.
+- `generate`: TRL's `_generate`: `rollout_func(prompts, trainer)` when the trainer has one (TRL's key check and
+  message; weights synced first when the step moved, as TRL), else `_generate_single_turn` on the prompts tokenized
+  as the engine tokenizes dataset prompts; returns TRL's 8-tuple `(prompt_ids, completion_ids, tool_mask,
+  completions, logprobs, extra_fields, images, tool_images)`.
+- `generate_single_turn`: one completion per row from the engine's vLLM engine, which exists only inside a round
+  of `train()` / `evaluate()` (engine/agent/rollout_func.py `current_round`); outside one, an error.
+- `dispatch_override`: a class overriding either method gets a `rollout_func(prompts, trainer)` calling it, which
+  the loop calls each round instead of its own generation (rank 0, the user's process: TRL's `rollout_func` seam,
+  engine/agent/agentic_rollout.py); its rows train. Chosen at construction (`patched_since_construction`).
+- `EngineWeightSync`: `trainer.vllm_generation`; `sync_weights()` has nothing to do (vLLM is synced every round).
 
-Differences from TRL (loud here): text models only (images refused); the rewards see the completions decoded from
-the returned ids (the engine decodes every rollout), not the returned `completions`; TRL's per-call completion
-metrics are the engine's, computed from the rollout the loop receives.
+Differences from TRL: text models only; the rewards see the completions decoded from the returned ids, not the
+returned `completions`; the completion metrics are the engine's, computed from the rollout the loop receives.
 
-Must not: import vLLM or Megatron, or run the loop. Test: tests/unit/test_trl_generate.py.
+Must not: import vLLM or Megatron, or run the loop. Test: tests/unit/test_trl_generate.py,
+tests/integration/test_agentic.py (an override over a real run).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """What `GRPOTrainer` exposes beyond running the loop, as TRL's trainer has it: the policy as a transformers model,
 streaming and named datasets, and a failed run's clean-up contract.
 
+A trainer built without `__init__` (TRL's unit tests: `object.__new__(GRPOTrainer)`) keeps `model`, `state` and
+`processing_class` as plain assigned values (`TrainerSurface._unbuilt`).
+
 Owns: `load_causal_lm` (a Hugging Face checkpoint directory as a `PreTrainedModel` on this process's CPU, or the
 trained weights copied into the user's own model object), `model_directory` (where the policy's weights are: a
 `builtin:` name resolved as the engine resolves it), `materialise_stream` (the rows of a streaming
@@ -79,34 +82,6 @@ def _load_peft_adapter(adapter_dir: Path, into: Any = None) -> Any:
     if result.unexpected_keys:
         raise ValueError(f"the trained adapter {adapter_dir} has {result.unexpected_keys[:3]}, which the model lacks")
     return into
-
-
-def cast_lm_head_to_fp32(model: Any) -> Any:
-    """TRL's `cast_lm_head_to_fp32=True` on a transformers causal LM (`trainer.model`), done once: the output
-    embedding's weight (and bias) in float32 and its forward in float32 (logits float32 whatever the hidden
-    states' dtype); with tied word embeddings (one Parameter) the input embedding's outputs are cast back to the
-    model's dtype, so the decoder still runs in it. A PEFT adapter on the LM head is refused, as TRL does."""
-    import torch
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings()
-    if getattr(head, "_engine_fp32_head", False):
-        return model
-    if hasattr(head, "base_layer"):
-        raise ValueError("`cast_lm_head_to_fp32=True` with a PEFT adapter on lm_head: drop lm_head from the "
-                         "adapter's target modules, or set cast_lm_head_to_fp32=False")
-    dtype = head.weight.dtype
-    head.float()
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., V) float32
-        bias = None if head.bias is None else head.bias.float()
-        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
-
-    head.forward, head._engine_fp32_head = forward, True
-    embedding = base.get_input_embeddings()
-    if embedding is not None and embedding.weight is head.weight and dtype != torch.float32:
-        embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
-    return model
 
 
 def check_fits_in_memory(model_dir: Path, available_bytes: int | None = None, fraction: float = 0.8) -> None:
@@ -354,6 +329,8 @@ class TrainerSurface:
             self._model = load_causal_lm(self._current_model_dir(), into=self._model_object)
             self._model_is_stale = False
         if getattr(self.args, "cast_lm_head_to_fp32", False):
+            from engine.api.trl_compat import cast_lm_head_to_fp32
+
             cast_lm_head_to_fp32(self._model)
         return self._model
 
