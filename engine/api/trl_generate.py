@@ -141,12 +141,12 @@ def patched_since_construction(trainer: Any, at_construction: list[str]) -> None
                            "_generate / _generate_single_turn in a subclass (or patch the class) before building it")
 
 
-def dispatch_override(trainer: Any, rollout_func: Any, tools: Any, environment_factory: Any,
-                      max_staleness: int) -> Any:
+def dispatch_override(trainer: Any, rollout_func: Any, tools: Any, environment_factory: Any, rollout: Any) -> Any:
     """The `rollout_func` the engine gets: the user's as given when no dispatch method is overridden, else
     `_as_rollout_func(trainer)` (which calls the override; a `rollout_func` given too is reached through TRL's
     `_generate`). Raises ValueError for an override together with tools / environment_factory (the engine's
-    multi-turn loop would replace `_generate`'s) or asynchronous rollout (rounds generated ahead, without it)."""
+    multi-turn loop would replace `_generate`'s), asynchronous rollout (rounds generated ahead, without it) or a
+    colocated vLLM engine over several ranks (`rollout`: the config's section; rank 0 generates alone)."""
     names = overridden(type(trainer))
     if not names:
         return rollout_func
@@ -154,8 +154,12 @@ def dispatch_override(trainer: Any, rollout_func: Any, tools: Any, environment_f
     if tools or environment_factory is not None:
         raise ValueError(f"{which} overrides TRL's rollout dispatch, but tools / environment_factory make the "
                          "engine run its own multi-turn loop instead: drop the override or the agentic arguments")
-    if max_staleness > 0:
-        raise ValueError(f"{which} with rollout.max_staleness={max_staleness}: asynchronous rollout generates rounds "
+    if rollout.vllm_mode == "colocate" and rollout.vllm_tensor_parallel_size > 1:
+        raise ValueError(f"{which} with vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} (colocate): "
+                         "the override runs on rank 0, which generates through its own engine alone; use 1 or "
+                         "vllm_mode='server'")
+    if rollout.max_staleness > 0:
+        raise ValueError(f"{which} with rollout.max_staleness={rollout.max_staleness}: asynchronous rollout generates rounds "
                          "ahead with the engine's own single-turn generation, which would skip the override; set "
                          "max_staleness=0")
     return _as_rollout_func

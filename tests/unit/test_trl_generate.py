@@ -135,3 +135,8 @@ def test_an_override_with_tools_or_asynchronous_rollout_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_staleness=1"):
         SingleTurn(model=TINY, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
                    train_dataset=datasets.Dataset.from_dict({"prompt": ["q"] * 4}))
+    args = GRPOConfig(output_dir=str(tmp_path / "tp2"), per_device_train_batch_size=4, num_generations=2,
+                      max_steps=1, report_to="none", vllm_tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"SingleTurn._generate_single_turn with vllm_tensor_parallel_size=2"):
+        SingleTurn(model=TINY, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                   train_dataset=datasets.Dataset.from_dict({"prompt": ["q"] * 4}))
