@@ -69,8 +69,9 @@ NO_EFFECT: dict[str, str] = {
              "use_transformers_paged"),
     **_group("script flags for HF's example scripts", "do_train", "do_eval", "do_predict"),
     **_group("the LM head's logits are always computed in float32 here (the fused kernel upcasts the hidden states "
-             "and the model.dtype weight; the optimizer keeps float32 master weights); the weight itself stays in "
-             "model.dtype", "cast_lm_head_to_fp32"),
+             "and the model.dtype weight, whose float32 master copy the optimizer updates), so training is the same; "
+             "it acts on trainer.model only: its lm_head float32 with float32 logits, as TRL's",
+             "cast_lm_head_to_fp32"),
 }
 """Accepted and named in one warning (the engine behaves as the reason says, whatever the value)."""
 
