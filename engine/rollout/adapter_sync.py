@@ -83,3 +83,74 @@ def sync_adapter(chunks, ps: ParallelState, engine, settings: LoraSettings, peft
         raise_on_every_rank(ps, error)
         stats["weight_sync/digest_s"] = time.perf_counter() - began
     return stats | {"weight_sync/seconds": time.perf_counter() - start}
+
+
+def sync_adapter_server(chunks, ps: ParallelState, dims, engine, link, settings: LoraSettings, peft_config: dict,
+                        dtype: torch.dtype, version: int, *, verify: bool) -> dict[str, float]:
+    """Server mode: put the policy's adapters into one rollout server as vLLM adapter `version` (collective).
+
+    The server must hold the trainer's frozen base: it gets it once per server process, through the full weight sync
+    (engine/rollout/server_sync.py `sync_server`, verified with `verify`), at the first sync and again after a
+    restart. Then rank 0 asks the server (`/lora/update`, in a background thread) to receive the adapter over the
+    link's transfer group and sends it, whole, to every engine rank (weight_transport.py `send_flat`); vLLM shards it
+    itself. Every generate and prompt-log-prob request to that server then names `version` (the server answers 410
+    while it holds another, e.g. after a restart: the client's restart recovery syncs again).
+
+    Args:
+        engine: the trainer's SharedRolloutClient; link: the server's engine/rollout/server_sync.py `ServerSync`.
+    Returns:
+        {"weight_sync/seconds", "weight_sync/gib", "weight_sync/tensors", "weight_sync/messages"}, with `verify`
+        "weight_sync/digest_s"; after a base sync also "weight_sync/base_gib" and "weight_sync/base_seconds".
+    Raises:
+        WeightSyncError on every rank when any part failed or any engine rank holds another value in any adapter
+        tensor (named); the group is then closed (the next sync joins afresh).
+    """
+    from engine.rollout.server_sync import _in_background, _result, agree_on_failure, join_server, sync_server
+    from engine.rollout.weight_transport import send_flat
+
+    start = time.perf_counter()
+    client = engine.clients[link.server] if ps.rank == 0 else None
+    stats: dict[str, float] = {}
+    error, answer = None, None
+    try:  # health (a restarted server: rejoined) and the group
+        stats |= join_server(ps, client, link)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of any rank's failure below
+        error = f"{type(exc).__name__}: {exc}"
+    agree_on_failure(ps, link, error, "the server's adapter is not known to be current")
+    # rank 0 knows the server process (link.instance): one that has not had the trainer's base gets it now
+    needs_base = torch.tensor([float(ps.rank == 0 and link.base_instance != link.instance)], device=ps.device)
+    dist.broadcast(needs_base, src=0)
+    if float(needs_base):
+        base = sync_server(chunks, ps, dims, engine, link, verify=verify)  # frozen: the adapters are not merged
+        stats |= {"weight_sync/base_gib": base["weight_sync/gib"], "weight_sync/base_seconds": base["weight_sync/seconds"]}
+        link.base_instance = link.instance
+    tensors = adapter_tensors(chunks, ps, dtype)
+    names = list(tensors)
+    try:
+        if ps.rank == 0:
+            request = dict(version=version, names=names, shapes=[list(tensors[k].shape) for k in names],
+                           dtype=str(dtype).removeprefix("torch."), verify=verify,  # JSON: PEFT's sets as lists
+                           peft_config={k: sorted(v) if isinstance(v, set) else v for k, v in peft_config.items()})
+            http = _in_background(lambda: client.update_adapter(**request))
+            try:
+                flat = torch.cat([tensors[k].reshape(-1) for k in names])
+                stats |= send_flat(link.group, link.plan, flat, version)
+            finally:
+                answer = _result(http, link.timeout_s, "loading the adapter")
+            client.lora_version = version
+            engine.synced_instance[link.server] = answer.get("instance_id", link.instance)
+    except Exception as exc:  # noqa: BLE001 - every rank learns of any rank's failure below
+        error = f"{type(exc).__name__}: {exc}"
+    agree_on_failure(ps, link, error, "the server's adapter is not known to be current")
+    stats["weight_sync/tensors"] = len(tensors)
+    if verify:
+        began = time.perf_counter()
+        message = ""
+        if ps.rank == 0:
+            expected = expected_digests(tensors, settings.scaling)
+            for held in answer["workers"]:
+                message += check_digests(expected, held["digests"], str(dtype).removeprefix("torch."),
+                                         f"engine rank {held['engine_rank']} of {client.base_url} (its LoRA adapter)")
+        raise_on_every_rank(ps, message)
+        stats["weight_sync/digest_s"] = time.perf_counter() - began
+    return stats | {"weight_sync/seconds": time.perf_counter() - start}

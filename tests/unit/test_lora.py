@@ -72,10 +72,9 @@ def test_rank_larger_than_the_layer_is_refused():
     ({"use_peft": True, "lora_target_modules": ["query"]}, {}, r"lora.lora_target_modules: \['query'\] match no"),
     ({"use_peft": True}, {"grpo": {"sync_ref_model": True}}, r"grpo.sync_ref_model with lora.use_peft"),
     ({"lora_weight_sync": "adapter"}, {}, r"lora.lora_weight_sync='adapter': no effect without lora.use_peft"),
-    ({"use_peft": True, "lora_weight_sync": "adapter"}, {"rollout": {"vllm_mode": "server"}},
-     r"lora.lora_weight_sync=adapter with rollout.vllm_mode='server', rollout.vllm_tensor_parallel_size=1"),
     ({"use_peft": True, "lora_weight_sync": "adapter"}, {"rollout": {"vllm_tensor_parallel_size": 2}},
-     r"adapter-only sync is built for colocated engines at engine TP 1"),
+     r"lora.lora_weight_sync=adapter with rollout.vllm_tensor_parallel_size=2: adapter-only sync is built for "
+     r"engine TP 1"),
     ({"use_peft": True, "lora_weight_sync": "adapter", "lora_r": 1024, "lora_target_modules": ["q_proj"]}, {},
      r"lora.lora_r=1024 with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to 512"),
     ({"use_peft": True}, {"grpo": {"beta": 0.04}, "model": {"offload_reference": True}},
@@ -84,6 +83,11 @@ def test_rank_larger_than_the_layer_is_refused():
 def test_lora_config_validation_names_the_setting(lora, other, message):
     with pytest.raises(ConfigError, match=message):
         validate(build_config({"lora": lora, **other}), 1)
+
+
+def test_adapter_sync_in_server_mode_validates():
+    validate(build_config({"lora": {"use_peft": True, "lora_weight_sync": "adapter"},
+                           "rollout": {"vllm_mode": "server"}}), 1)
 
 
 def test_grpo_trainer_takes_peft_config(tmp_path):
