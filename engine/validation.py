@@ -433,10 +433,6 @@ def _check_lora(cfg: EngineConfig, problems: list[str]) -> None:
         lora_settings_from_config(section)
     except ValueError as exc:
         problems.append(str(exc))
-    if section.lora_weight_sync == "adapter" and cfg.rollout.vllm_tensor_parallel_size > 1:
-        problems.append(f"lora.lora_weight_sync=adapter with rollout.vllm_tensor_parallel_size="
-                        f"{cfg.rollout.vllm_tensor_parallel_size}: adapter-only sync is built for engine TP 1 "
-                        "(colocated or server mode); use lora.lora_weight_sync=merged")
     if cfg.model.offload_reference and cfg.grpo.beta != 0:
         problems.append("model.offload_reference with lora.use_peft: the KL reference is the policy's frozen base with "
                         "its adapters disabled (engine/policy/reference.py base_of), no copy to offload; set it false")

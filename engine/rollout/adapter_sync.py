@@ -23,6 +23,7 @@ from engine.lora_settings import LoraSettings
 from engine.policy.lora import lora_tensors_for_peft
 from engine.policy.parallel import ParallelState
 from engine.rollout.sync_check import check_digests, raise_on_every_rank
+from engine.rollout.sync_plan import SyncPlan
 from engine.rollout.weight_digest import box_digest
 
 PEFT_MODEL_PREFIX = "base_model.model."
@@ -39,19 +40,29 @@ def adapter_tensors(chunks, ps: ParallelState, dtype: torch.dtype) -> dict[str, 
     return {k: v.to(ps.device) for stage in stages for k, v in stage.items()}
 
 
-def expected_digests(tensors: dict[str, torch.Tensor], scaling: float) -> dict[str, int]:
-    """{`model.layers.<i>.<parent>.<module>.lora_A|B`: digest} of what an engine holds after loading `tensors`:
-    A as sent, B scaled in its own dtype as vLLM does (`LoRALayerWeights.optimize`: `lora_b *= scaling`)."""
+def expected_digests(tensors: dict[str, torch.Tensor], scaling: float, plan: SyncPlan | None = None,
+                     engine_rank: int = 0) -> dict[str, int]:
+    """{`model.layers.<i>.<parent>.<module>.lora_A|B`: digest} of what engine rank `engine_rank` holds after loading
+    `tensors`: A as sent, B scaled in its own dtype as vLLM does (`LoRALayerWeights.optimize`: `lora_b *= scaling`),
+    each cut to that rank's share at engine TP > 1. vLLM's LoRA layers shard a full adapter themselves as they shard
+    the base weight (`slice_lora_b` / `slice_lora_a`): B keeps the rows of the base weight's engine box (column
+    parallel: q / k / v with the KV heads' replication, gate / up, by part), A its columns (row parallel: o_proj,
+    down_proj); the boxes are `plan`'s (engine/rollout/sync_plan.py, the base weights' own), not vLLM's word."""
+    boxes = {t.name: t.engine_boxes[engine_rank] for t in plan.tensors} if plan is not None else {}
     out = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(PEFT_MODEL_PREFIX).removesuffix(".weight")
         held = tensor.clone().mul_(scaling) if name.endswith("lora_B") and scaling != 1 else tensor
-        out[name] = int(box_digest(held))
+        box = boxes.get(f"{name.rpartition('.')[0]}.weight")
+        if box is not None:  # (rows, cols) of the base weight this engine rank holds
+            (r0, r1), (c0, c1) = box
+            held = held[r0:r1] if name.endswith("lora_B") else held[:, c0:c1]
+        out[name] = int(box_digest(held.contiguous()))
     return out
 
 
 def sync_adapter(chunks, ps: ParallelState, engine, settings: LoraSettings, peft_config: dict, dtype: torch.dtype,
-                 *, verify: bool, load: bool = True) -> dict[str, float]:
+                 *, verify: bool, load: bool = True, plan: SyncPlan | None = None) -> dict[str, float]:
     """Put the policy's adapters into this rank's colocated engine (collective: every rank calls it).
 
     Args:
@@ -60,6 +71,8 @@ def sync_adapter(chunks, ps: ParallelState, engine, settings: LoraSettings, peft
         dtype: the engine's dtype (vLLM's LoRA dtype: the model's).
         verify: check every engine rank's digests of the adapter it holds against the sent tensors.
         load: False only verifies what the engine holds now (the tests' stale engine).
+        plan: the colocated plan (engine/rollout/colocated_sync.py `build_colocated_plan`): each engine rank's box
+            of the base weights, which its share of the adapter follows at engine TP > 1 (`expected_digests`).
     Returns:
         {"weight_sync/seconds", "weight_sync/gib", "weight_sync/tensors", "weight_sync/buckets"}, and with `verify`
         "weight_sync/digest_s".
@@ -76,8 +89,8 @@ def sync_adapter(chunks, ps: ParallelState, engine, settings: LoraSettings, peft
              "weight_sync/tensors": len(tensors), "weight_sync/buckets": 1}
     if verify:
         began = time.perf_counter()
-        expected = expected_digests(tensors, settings.scaling)
         (held,) = policy_adapter_digests(engine)
+        expected = expected_digests(tensors, settings.scaling, plan, int(held["engine_rank"]))
         error = check_digests(expected, held["digests"], str(dtype).replace("torch.", ""),
                               f"engine rank {held['engine_rank']} (its LoRA adapter)")
         raise_on_every_rank(ps, error)
@@ -147,8 +160,8 @@ def sync_adapter_server(chunks, ps: ParallelState, dims, engine, link, settings:
         began = time.perf_counter()
         message = ""
         if ps.rank == 0:
-            expected = expected_digests(tensors, settings.scaling)
             for held in answer["workers"]:
+                expected = expected_digests(tensors, settings.scaling, link.plan, int(held["engine_rank"]))
                 message += check_digests(expected, held["digests"], str(dtype).removeprefix("torch."),
                                          f"engine rank {held['engine_rank']} of {client.base_url} (its LoRA adapter)")
         raise_on_every_rank(ps, message)

@@ -158,10 +158,6 @@ def _check_lora_support(client: SharedRolloutClient, adapter: LoraSettings) -> N
     max_lora_rank); ValueError naming the server and the fix otherwise (every rank: they all hold the healths)."""
     for server, health in enumerate(client.healths):
         held, url = health.get("max_lora_rank"), client.describe(server)
-        if health["vllm_tensor_parallel_size"] > 1:
-            raise ValueError(f"lora.lora_weight_sync=adapter: rollout server {url} runs vLLM at tensor-parallel size "
-                             f"{health['vllm_tensor_parallel_size']}; adapter-only sync is built for engine TP 1: "
-                             "start it with --tensor_parallel_size 1, or use lora.lora_weight_sync=merged")
         if not held or held < adapter.r:
             raise ValueError(
                 f"lora.lora_weight_sync=adapter: rollout server {url} runs vLLM "

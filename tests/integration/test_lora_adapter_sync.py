@@ -195,13 +195,15 @@ def _sampling_diff(chunks, ps, rollout, vocab: int) -> float:
 
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
-    """A rollout server (engine TP 1, in-process worker) started with the trainer's lora settings (vLLM's LoRA on)."""
+    """A rollout server started with the trainer's lora settings (vLLM's LoRA on) at engine TP 2 (vLLM's workers in
+    processes of their own, each receiving the whole adapter and sharding it itself)."""
     import secrets
 
     from tests.integration.test_rollout_server import Server
 
     srv = Server(tmp_path_factory.mktemp("lora_server"), secrets.token_hex(16), "lora.use_peft=true",
-                 "lora.lora_weight_sync=adapter", "lora.lora_r=4", "lora.lora_target_modules=[all-linear]")
+                 "lora.lora_weight_sync=adapter", "lora.lora_r=4", "lora.lora_target_modules=[all-linear]",
+                 "rollout.vllm_tensor_parallel_size=2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     yield srv
     srv.stop()
 
@@ -210,7 +212,8 @@ def lora_server(tmp_path_factory):
 def test_adapter_sync_into_a_rollout_server_verifies_and_its_requests_name_the_adapter(lora_server):
     from tests.integration.test_rollout_server import _group_port
 
-    assert lora_server.client().health()["max_lora_rank"] == 8, "vLLM's smallest allowed max_lora_rank >= 4"
+    health = lora_server.client().health()
+    assert health["max_lora_rank"] == 8 and health["vllm_tensor_parallel_size"] == 2, health
     (r,) = run_distributed(_server_adapter_sync, 1, lora_server.url, lora_server.token, _group_port(),
                            timeout_s=400)
     assert r["first"]["weight_sync/base_gib"] * 2**30 >= r["model_bytes"] * 0.9, "the connection pushes the base"
@@ -223,6 +226,8 @@ def test_adapter_sync_into_a_rollout_server_verifies_and_its_requests_name_the_a
     assert r["without_adapter"] > 0.05, f"the adapter does not matter to the server: {r['without_adapter']}"
     assert "HTTP 410" in r["old_version_error"] and "names LoRA adapter version" in r["old_version_error"], \
         r["old_version_error"]
-    assert "holds 28 of 56 tensors other than the trainer sent" in r["scale_error"], r["scale_error"]
+    for rank in (0, 1):  # every engine rank's share of each B differs
+        assert f"engine rank {rank} of {lora_server.url} (its LoRA adapter) holds 28 of 56 tensors other than the " \
+               "trainer sent" in r["scale_error"], r["scale_error"]
     assert "lora_B" in r["scale_error"] and "lora_A" not in r["scale_error"], r["scale_error"]
     assert r["after_health"] < SYNC_TOLERANCE, r["after_health"]

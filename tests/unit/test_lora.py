@@ -72,9 +72,6 @@ def test_rank_larger_than_the_layer_is_refused():
     ({"use_peft": True, "lora_target_modules": ["query"]}, {}, r"lora.lora_target_modules: \['query'\] match no"),
     ({"use_peft": True}, {"grpo": {"sync_ref_model": True}}, r"grpo.sync_ref_model with lora.use_peft"),
     ({"lora_weight_sync": "adapter"}, {}, r"lora.lora_weight_sync='adapter': no effect without lora.use_peft"),
-    ({"use_peft": True, "lora_weight_sync": "adapter"}, {"rollout": {"vllm_tensor_parallel_size": 2}},
-     r"lora.lora_weight_sync=adapter with rollout.vllm_tensor_parallel_size=2: adapter-only sync is built for "
-     r"engine TP 1"),
     ({"use_peft": True, "lora_weight_sync": "adapter", "lora_r": 1024, "lora_target_modules": ["q_proj"]}, {},
      r"lora.lora_r=1024 with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to 512"),
     ({"use_peft": True}, {"grpo": {"beta": 0.04}, "model": {"offload_reference": True}},
@@ -85,9 +82,11 @@ def test_lora_config_validation_names_the_setting(lora, other, message):
         validate(build_config({"lora": lora, **other}), 1)
 
 
-def test_adapter_sync_in_server_mode_validates():
-    validate(build_config({"lora": {"use_peft": True, "lora_weight_sync": "adapter"},
-                           "rollout": {"vllm_mode": "server"}}), 1)
+@pytest.mark.parametrize("rollout", [{"vllm_mode": "server"}, {"vllm_tensor_parallel_size": 2},
+                                     {"vllm_mode": "server", "vllm_tensor_parallel_size": 2}])
+def test_adapter_sync_in_server_mode_and_at_engine_tp2_validates(rollout):
+    validate(build_config({"lora": {"use_peft": True, "lora_weight_sync": "adapter"}, "rollout": rollout,
+                           "parallel": {"tp_size": 2}}), 2)
 
 
 def test_grpo_trainer_takes_peft_config(tmp_path):
