@@ -124,6 +124,7 @@ def _server_adapter_sync(url: str, token: str, group_port: int) -> dict:
     """Trainer (one rank, float32, LoRA scale 1.5) against a rollout server started with the trainer's lora settings:
     the connection's sync pushes the frozen base once and the adapter, each later one the adapter alone."""
     import os
+    import warnings
 
     from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
     from engine.models.tiny_model import resolve_builtin_model
@@ -158,19 +159,22 @@ def _server_adapter_sync(url: str, token: str, group_port: int) -> dict:
         (client,) = server.client.clients
         version, client.lora_version = client.lora_version, None  # requests naming no adapter: the base alone
         out["without_adapter"] = logprob_health(popt.model, ps, server, batch, vocab)["weight_sync/logprob_diff_max"]
-        client.lora_version = version - 1  # an adapter version the server no longer holds
+        client.lora_version = version - 1  # an adapter version the server no longer holds (as after a restart)
         try:
             client.prompt_logprobs(prompts, 1.0)
             out["old_version_error"] = ""
         except RolloutServerLost as exc:
             out["old_version_error"] = str(exc)
-        client.lora_version = version
+        with warnings.catch_warnings(record=True) as caught:  # the round: lost, the adapter synced again, asked again
+            warnings.simplefilter("always")
+            out["recovered_rows"] = len(server.generate(prompts, 2).completion_ids)
+        out["recovery"] = ([str(w.message) for w in caught], server.client.num_restarts, client.lora_version, version)
         # the trainer's expected digests of B with another scale than the config vLLM got: B must be caught
-        config = peft_config_of(settings).to_dict()
+        config, version = peft_config_of(settings).to_dict(), server.adapter_version + 1
         out["scale_error"] = weight_sync_error(lambda: sync_adapter_server(
             popt.model, ps, dims, server.client, server.links[0], lora_settings(lora_alpha=8.0), config,
-            torch.float32, version + 1, verify=True))
-        server.adapter_version = version + 1
+            torch.float32, version, verify=True))
+        server.adapter_version = version
         out["after"] = server.sync_weights(popt.model, verify=True)
         out["after_health"] = logprob_health(popt.model, ps, server, batch, vocab)["weight_sync/logprob_diff_max"]
         out["model_bytes"] = sum(p.numel() * p.element_size() for p in chunks[0].parameters() if not p.requires_grad)
@@ -226,8 +230,46 @@ def test_adapter_sync_into_a_rollout_server_verifies_and_its_requests_name_the_a
     assert r["without_adapter"] > 0.05, f"the adapter does not matter to the server: {r['without_adapter']}"
     assert "HTTP 410" in r["old_version_error"] and "names LoRA adapter version" in r["old_version_error"], \
         r["old_version_error"]
+    messages, restarts, version_after, version_before = r["recovery"]
+    assert restarts == 1 and version_after == version_before + 1 and r["recovered_rows"] == 12, r["recovery"]
+    assert any("HTTP 410" in m for m in messages), messages
     for rank in (0, 1):  # every engine rank's share of each B differs
         assert f"engine rank {rank} of {lora_server.url} (its LoRA adapter) holds 28 of 56 tensors other than the " \
                "trainer sent" in r["scale_error"], r["scale_error"]
     assert "lora_B" in r["scale_error"] and "lora_A" not in r["scale_error"], r["scale_error"]
     assert r["after_health"] < SYNC_TOLERANCE, r["after_health"]
+
+
+def _train_against_lora_server(url: str, token: str, group_port: int, output_dir: str) -> dict:
+    import os
+
+    from engine.config import load_config
+    from engine.train.loop import train
+
+    os.environ["GRPO_ENGINE_TOKEN"] = token
+    cfg = load_config("configs/tiny_cpu.yaml", [
+        "rollout.vllm_mode=server", f"rollout.vllm_server_base_url={url}", f"rollout.vllm_group_port={group_port}",
+        "rollout.vllm_server_timeout=60", "train.max_steps=2", f"train.output_dir={output_dir}",
+        "generation.max_completion_length=8", "data.dataset_test_split=null", "optimizer.learning_rate=2e-2",
+        "lora.use_peft=true", "lora.lora_r=4", "lora.lora_target_modules=[all-linear]", "lora.lora_weight_sync=adapter",
+    ])
+    return train(cfg)
+
+
+@pytest.mark.slow
+def test_grpo_loop_with_lora_adapter_sync_in_server_mode(lora_server, tmp_path):
+    import json
+
+    from tests.integration.test_rollout_server import _group_port
+
+    [summary] = run_distributed(_train_against_lora_server, 1, lora_server.url, lora_server.token, _group_port(),
+                                str(tmp_path), timeout_s=400)
+    assert summary["steps"] == 2
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["grad_norm"] > 0 for r in records)
+    for record in records:
+        assert record["weight_sync/tensors"] == 4 * 7 * 2 and "weight_sync/base_gib" not in record, record
+        assert record["weight_sync/digest_s"] > 0, "every sync verified by digests"
+        assert record["weight_sync/logprob_diff_max"] < SYNC_TOLERANCE, "the server does not apply the adapter"
+        assert abs(record["sampling/sampling_logp_difference/mean"]) < SYNC_TOLERANCE, "server and trainer disagree"
+    assert (tmp_path / "hf" / "adapter_config.json").exists(), "the export is a PEFT adapter"
