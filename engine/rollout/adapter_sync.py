@@ -1,15 +1,19 @@
 """Adapter-only weight sync (`lora.lora_weight_sync=adapter`, issue #29), the trainer's side: every LoRA adapter of
-the policy, gathered over TP and PP, goes into each colocated engine's LoRA slot in memory
-(engine/rollout/vllm_lora.py), the frozen base staying as the engine loaded it; then every engine rank's digests of
-the adapter tensors its LoRA layers hold are checked against what was sent.
+the policy, gathered over TP and PP, goes whole into each engine's LoRA slot in memory (engine/rollout/vllm_lora.py),
+the frozen base staying as the engine holds it; then every engine rank's digests of the adapter tensors its LoRA
+layers hold are checked against what was sent. Colocated: `sync_adapter` (this rank's engine). Server mode:
+`sync_adapter_server` (the base once per server process through the full sync, then the adapter alone over the
+server's transfer group as a new vLLM adapter version each sync, which every request to that server names).
 
 What vLLM holds: A as sent, and B times the adapter's scale (vLLM folds lora_alpha / r, or / sqrt(r) with rslora, into
-B in the engine's dtype): the expected digest of B is computed by the same operation on the sent tensor.
+B in the engine's dtype), each engine rank its share at engine TP > 1 (`expected_digests`): the expected digests are
+computed by the same operations on the sent tensors.
 
-Must not: import vLLM (the engine's adapter calls are vllm_lora.py's), send the base weights (frozen: the engine loaded
-them from the policy's own checkpoint), know Megatron's layout (engine/policy/lora.py `lora_tensors_for_peft`).
+Must not: import vLLM (the engine's adapter calls are vllm_lora.py's), send the base weights after the first sync
+(frozen), know Megatron's layout (engine/policy/lora.py `lora_tensors_for_peft`).
 
-Test: tests/integration/test_lora_adapter_sync.py (real vLLM on CPU, colocated).
+Test: tests/integration/test_lora_adapter_sync.py (real vLLM on CPU: colocated; a rollout server at engine TP 2 with
+the loop), tests/integration/test_lora_run.py (the loop at TP 2 into one colocated engine at engine TP 2).
 """
 
 from __future__ import annotations

@@ -6,12 +6,14 @@ rank gets the round; several servers split it), one weight-transfer link per ser
 `ServerSync`, shard to shard) with the first sync at connection (the servers outlive trainer runs: whatever they
 hold, the first round samples from the trainer's weights), the restart recovery (a lost server is waited for, synced
 again with the weights last pushed, and asked again), and one sample's next turn as its own request (a bounded pool
-of rank 0's threads, servers taken in turn).
+of rank 0's threads, servers taken in turn). LoRA: adapters merged into the base, or (`lora.lora_weight_sync=adapter`)
+alone as a new vLLM adapter version each sync, which every request names (engine/rollout/adapter_sync.py).
 
 Must not: import vLLM, or read Megatron's global parallel state (it gets `ps`).
 
 Test: tests/integration/test_rollout_server.py (two servers: split rounds, a stale one named, a restart recovered,
-turns), tests/integration/test_async_rollout.py (`generate_async`); tests/unit/test_rollout_protocol.py.
+turns), tests/integration/test_async_rollout.py (`generate_async`), tests/integration/test_lora_adapter_sync.py
+(adapter-only sync); tests/unit/test_rollout_protocol.py.
 """
 
 from __future__ import annotations

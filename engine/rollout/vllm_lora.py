@@ -1,18 +1,21 @@
 """Adapter-only weight sync into vLLM's LoRA support (`lora.lora_weight_sync=adapter`, issue #29), the vLLM side.
 
 Owns: `lora_engine_options` (the `vllm.LLM` keywords that turn its LoRA support on for one adapter of rank r),
-`policy_lora_request` (the request every generation names once an adapter is loaded) and `LoraReceiver`, mixed into
-the worker extension (engine/rollout/vllm_engine.py `WeightReceiverExtension`): `grpo_load_lora` builds vLLM's
+`policy_lora_request` (the request generations name once an adapter is loaded) and `LoraReceiver`, mixed into the
+worker extension (engine/rollout/vllm_engine.py `WeightReceiverExtension`): `grpo_load_lora` builds vLLM's
 `LoRAModel` from the tensors given in memory (PEFT key names; no directory is written) and puts it in the adapter
-slot in place of the last one; `grpo_lora_digests` digests the adapter tensors as the LoRA layers hold them (their
-stacked slot buffers, B with vLLM's scale folded in), which engine/rollout/adapter_sync.py compares with what it sent.
+slot in place of the last one, `grpo_receive_lora` (server mode) first receives them over the transfer group;
+`grpo_lora_digests` digests the adapter tensors as the LoRA layers hold them (their stacked slot buffers: B with
+vLLM's scale folded in, each engine rank its share), which engine/rollout/adapter_sync.py compares with what it sent.
+Server mode's engine calls: `receive_policy_adapter` (a new adapter version each sync) and `name_policy_adapter`
+(the version a request names, or LookupError).
 
 Must not: know Megatron's layout (engine/policy/lora.py `lora_tensors_for_peft` gives PEFT's tensors), run a
 collective of the trainer's.
 
-Test: tests/integration/test_lora_adapter_sync.py (real vLLM on CPU: the engine's log-probs with the adapter equal
-the trainer's; a stale adapter is caught, its tensors named; without the adapter named in requests the log-probs
-differ), tests/integration/test_lora_run.py (the loop at TP2).
+Test: tests/integration/test_lora_adapter_sync.py (real vLLM on CPU, colocated and a rollout server at engine TP 2:
+the engine's log-probs with the adapter equal the trainer's; a stale adapter is caught, its tensors named; without
+the adapter named in requests the log-probs differ), tests/integration/test_lora_run.py (the loop, engine TP 2).
 """
 
 from __future__ import annotations

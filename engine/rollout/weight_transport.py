@@ -4,7 +4,9 @@ group of their own (`WeightTransferGroup`): `send_weights` on the trainer, `rece
 Owns: the group, the wire protocol (each sender sends only the boxes of its own shards that each engine rank reads,
 nobody gathers the model; both sides derive the bucket schedule from (plan, bucket_mb), so there is no metadata
 handshake, and a mismatch, a dead peer or a timeout raises WeightSyncError naming the bucket and the peer), the
-trainer's parameter names (`local_params`) and each sender's share of the weight digests (`sender_digests`).
+trainer's parameter names (`local_params`) and each sender's share of the weight digests (`sender_digests`); and
+`send_flat` / `receive_flat`: one flat tensor (a LoRA adapter, engine/rollout/adapter_sync.py) from sender 0 to every
+engine rank, whole.
 Layouts: only through the plan's boxes (engine/rollout/sync_plan.py) and one fact of vLLM's loaders (`receive_weights`).
 What it costs (GB/s by bucket size, against a per-tensor protocol): benchmarks/bench_weight_sync.py's docstring.
 
