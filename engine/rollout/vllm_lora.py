@@ -24,20 +24,16 @@ import math
 
 import torch
 
+from engine.lora_settings import vllm_max_lora_rank
+
 LORA_ID = 1
-"""vLLM's integer id of the policy's adapter (one slot: each sync replaces it in place)."""
+"""vLLM's integer id of the colocated policy's adapter (one slot: each sync replaces it; server mode: the version)."""
 LORA_NAME = "policy"
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""vLLM 0.32's allowed `max_lora_rank` values (vllm/config/lora.py MaxLoRARanks)."""
 
 
 def lora_engine_options(rank: int) -> dict:
     """`vllm.LLM` keywords for one adapter of rank `rank` (max_lora_rank: the smallest allowed value >= rank)."""
-    fitting = [r for r in LORA_RANKS if r >= rank]
-    if not fitting:
-        raise ValueError(f"lora.lora_r={rank} with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to "
-                         f"{LORA_RANKS[-1]}; use lora.lora_weight_sync=merged")
-    return {"enable_lora": True, "max_lora_rank": fitting[0], "max_loras": 1}
+    return {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(rank), "max_loras": 1}
 
 
 def policy_lora_request(lora_id: int = LORA_ID):
