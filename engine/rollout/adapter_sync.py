@@ -45,24 +45,36 @@ def adapter_tensors(chunks, ps: ParallelState, dtype: torch.dtype) -> dict[str, 
 
 
 def expected_digests(tensors: dict[str, torch.Tensor], scaling: float, plan: SyncPlan | None = None,
-                     engine_rank: int = 0) -> dict[str, int]:
+                     engine_rank: int = 0, held: dict | None = None) -> dict[str, int]:
     """{`model.layers.<i>.<parent>.<module>.lora_A|B`: digest} of what engine rank `engine_rank` holds after loading
     `tensors`: A as sent, B scaled in its own dtype as vLLM does (`LoRALayerWeights.optimize`: `lora_b *= scaling`),
     each cut to that rank's share at engine TP > 1. vLLM's LoRA layers shard a full adapter themselves as they shard
     the base weight (`slice_lora_b` / `slice_lora_a`): B keeps the rows of the base weight's engine box (column
     parallel: q / k / v with the KV heads' replication, gate / up, by part), A its columns (row parallel: o_proj,
-    down_proj); the boxes are `plan`'s (engine/rollout/sync_plan.py, the base weights' own), not vLLM's word."""
+    down_proj); the boxes are `plan`'s (engine/rollout/sync_plan.py, the base weights' own), not vLLM's word.
+    `held`: the engine rank's digests ({name: [digest, dtype held]}): a tensor vLLM holds in a wider dtype than sent
+    (its LoRA dtype is the engine's: a float32 server fed a bf16 trainer's adapter) is cast to it before B is scaled,
+    as vLLM does (`LoRAModel.from_lora_tensors(dtype=...)`, then `optimize`); a narrower one is not (an error)."""
     boxes = {t.name: t.engine_boxes[engine_rank] for t in plan.tensors} if plan is not None else {}
     out = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(PEFT_MODEL_PREFIX).removesuffix(".weight")
-        held = tensor.clone().mul_(scaling) if name.endswith("lora_B") and scaling != 1 else tensor
+        dtype = _held_dtype(held, name)
+        value = tensor.to(dtype) if dtype is not None and dtype.itemsize > tensor.dtype.itemsize else tensor
+        value = value.clone().mul_(scaling) if name.endswith("lora_B") and scaling != 1 else value
         box = boxes.get(f"{name.rpartition('.')[0]}.weight")
         if box is not None:  # (rows, cols) of the base weight this engine rank holds
             (r0, r1), (c0, c1) = box
-            held = held[r0:r1] if name.endswith("lora_B") else held[:, c0:c1]
-        out[name] = int(box_digest(held.contiguous()))
+            value = value[r0:r1] if name.endswith("lora_B") else value[:, c0:c1]
+        out[name] = int(box_digest(value.contiguous()))
     return out
+
+
+def _held_dtype(held: dict | None, name: str) -> torch.dtype | None:
+    """The floating dtype an engine rank says it holds `name` in (its digests' second field), None when unsaid."""
+    entry = (held or {}).get(name)
+    dtype = getattr(torch, str(entry[1]).removeprefix("torch."), None) if entry else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def sync_adapter(chunks, ps: ParallelState, engine, settings: LoraSettings, peft_config: dict, dtype: torch.dtype,
@@ -94,7 +106,7 @@ def sync_adapter(chunks, ps: ParallelState, engine, settings: LoraSettings, peft
     if verify:
         began = time.perf_counter()
         (held,) = policy_adapter_digests(engine)
-        expected = expected_digests(tensors, settings.scaling, plan, int(held["engine_rank"]))
+        expected = expected_digests(tensors, settings.scaling, plan, int(held["engine_rank"]), held["digests"])
         error = check_digests(expected, held["digests"], str(dtype).replace("torch.", ""),
                               f"engine rank {held['engine_rank']} (its LoRA adapter)")
         raise_on_every_rank(ps, error)
@@ -165,7 +177,8 @@ def sync_adapter_server(chunks, ps: ParallelState, dims, engine, link, settings:
         message = ""
         if ps.rank == 0:
             for held in answer["workers"]:
-                expected = expected_digests(tensors, settings.scaling, link.plan, int(held["engine_rank"]))
+                expected = expected_digests(tensors, settings.scaling, link.plan, int(held["engine_rank"]),
+                                            held["digests"])
                 message += check_digests(expected, held["digests"], str(dtype).removeprefix("torch."),
                                          f"engine rank {held['engine_rank']} of {client.base_url} (its LoRA adapter)")
         raise_on_every_rank(ps, message)

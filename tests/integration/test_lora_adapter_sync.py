@@ -6,6 +6,13 @@ as vLLM's LoRA layers hold them); vLLM's sampling log-probs of a new round and i
 trainer's (with the adapters); the same engine without the adapter named in its requests differs (the test of the
 adapter being applied); after a second step, an engine left with the old adapter is caught by the digests, naming
 adapter tensors. The payload is the adapters alone (far below the model's bytes).
+
+Server mode (one rollout server at engine TP 2, started with the trainer's lora settings, shared by two tests): the
+connection pushes the frozen base once, each later sync the adapter alone as a new version; both engine ranks' shares
+verify; prompt and sampling log-probs equal the trainer's (fp32); requests naming no adapter differ; a request naming
+an old version gets 410 and a round asked so is recovered (resynced, asked again); a wrong B scale is named on both
+engine ranks. The GRPO loop in server mode with adapter sync at bf16 (TRL's default) into the float32 server: every
+sync verified (the server holds the bf16 adapter in fp32), the export a PEFT adapter.
 """
 
 import pytest
@@ -252,6 +259,7 @@ def _train_against_lora_server(url: str, token: str, group_port: int, output_dir
         "rollout.vllm_server_timeout=60", "train.max_steps=2", f"train.output_dir={output_dir}",
         "generation.max_completion_length=8", "data.dataset_test_split=null", "optimizer.learning_rate=2e-2",
         "lora.use_peft=true", "lora.lora_r=4", "lora.lora_target_modules=[all-linear]", "lora.lora_weight_sync=adapter",
+        "model.dtype=bfloat16",  # TRL's default; the server is float32: it holds the bf16 adapter's values in fp32
     ])
     return train(cfg)
 
@@ -267,9 +275,10 @@ def test_grpo_loop_with_lora_adapter_sync_in_server_mode(lora_server, tmp_path):
     assert summary["steps"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r["grad_norm"] > 0 for r in records)
-    for record in records:
+    for record in records:  # the digests decide (a sync that differs raises); bf16 log-probs only roughly agree
         assert record["weight_sync/tensors"] == 4 * 7 * 2 and "weight_sync/base_gib" not in record, record
         assert record["weight_sync/digest_s"] > 0, "every sync verified by digests"
-        assert record["weight_sync/logprob_diff_max"] < SYNC_TOLERANCE, "the server does not apply the adapter"
-        assert abs(record["sampling/sampling_logp_difference/mean"]) < SYNC_TOLERANCE, "server and trainer disagree"
+        # measured (bf16 trainer, fp32 server): p50 0.006 / 0.009, max 0.21 / 0.38, sampling mean 0.002 / 0.014
+        assert record["weight_sync/logprob_diff_p50"] < 0.05, record["weight_sync/logprob_diff_p50"]
+        assert abs(record["sampling/sampling_logp_difference/mean"]) < 0.05, "server and trainer disagree"
     assert (tmp_path / "hf" / "adapter_config.json").exists(), "the export is a PEFT adapter"
