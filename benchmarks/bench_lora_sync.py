@@ -138,7 +138,8 @@ def _start_server(model_dir: Path, rank: int, port: int, log: Path):
     import subprocess
     import sys
 
-    overrides = [f"model.name_or_path={model_dir}", "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
+    overrides = [f"model.name_or_path={model_dir}", "rollout.vllm_mode=server",
+                 "rollout.vllm_gpu_memory_utilization=0.1",
                  "rollout.vllm_max_model_length=256", "lora.use_peft=true", "lora.lora_weight_sync=adapter",
                  f"lora.lora_r={rank}", "lora.lora_target_modules=[all-linear]"]
     with open(log, "w") as out:
@@ -176,7 +177,8 @@ def run_server(args) -> dict[str, list[float]]:
         try:
             cfg = RolloutConfig(vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{port}",
                                 vllm_server_timeout=600.0, weight_sync_bucket_mb=512)
-            rollout = ServerRollout(cfg, GenerationConfig(), ps, dims, chunks, ffn_hidden_size=hf_config.intermediate_size,
+            rollout = ServerRollout(cfg, GenerationConfig(), ps, dims, chunks,
+                                    ffn_hidden_size=hf_config.intermediate_size,
                                     dtype="float32", verify=True, adapter=settings)  # connects: base + adapter v1
             (client,) = rollout.client.clients
             prompts = [[5 + i, 6 + 2 * i, 7 + 3 * i] for i in range(8)]

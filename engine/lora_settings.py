@@ -2,8 +2,9 @@
 `lora` config section or a `peft.LoraConfig` (GRPOTrainer's peft_config).
 
 Owns: `HF_TARGETS` (the HF module names an adapter can target, and the Megatron linear and output part each lives in),
-`VLLM_LORA_RANKS` / `vllm_max_lora_rank` (vLLM's LoRA ranks), `LoraSettings`, `resolve_target_modules`, `lora_settings_from_config`, `lora_settings_from_peft` (every PEFT option
-the engine cannot act on refused by name) and `lora_fields_from_peft` (the config section's fields).
+`VLLM_LORA_RANKS` / `vllm_max_lora_rank` (vLLM's LoRA ranks), `LoraSettings`, `resolve_target_modules`,
+`lora_settings_from_config`, `lora_settings_from_peft` (every PEFT option the engine cannot act on refused by name)
+and `lora_fields_from_peft` (the config section's fields).
 
 Must not: import torch, Megatron or peft (a LoraConfig is read by attribute), or build adapters
 (engine/policy/lora.py does).
@@ -35,7 +36,7 @@ smallest one >= r (`vllm_max_lora_rank`); the planner sizes vLLM's LoRA slot wit
 
 
 def vllm_max_lora_rank(rank: int) -> int:
-    """vLLM's `max_lora_rank` for an adapter of rank `rank`: the smallest allowed value >= rank (ValueError past 512)."""
+    """vLLM's `max_lora_rank` for an adapter of rank `rank`: the smallest allowed one >= rank (ValueError past 512)."""
     fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fitting:
         raise ValueError(f"lora.lora_r={rank} with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to "

@@ -151,7 +151,8 @@ def sync_adapter_server(chunks, ps: ParallelState, dims, engine, link, settings:
     dist.broadcast(needs_base, src=0)
     if float(needs_base):
         base = sync_server(chunks, ps, dims, engine, link, verify=verify)  # frozen: the adapters are not merged
-        stats |= {"weight_sync/base_gib": base["weight_sync/gib"], "weight_sync/base_seconds": base["weight_sync/seconds"]}
+        stats |= {"weight_sync/base_gib": base["weight_sync/gib"],
+                  "weight_sync/base_seconds": base["weight_sync/seconds"]}
         link.base_instance = link.instance
     tensors = adapter_tensors(chunks, ps, dtype)
     names = list(tensors)
