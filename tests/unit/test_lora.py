@@ -113,3 +113,22 @@ def test_adapter_sync_starts_vllm_with_the_smallest_lora_rank_that_fits():
     assert lora_engine_options(16)["max_lora_rank"] == 16 and lora_engine_options(17)["max_lora_rank"] == 32
     with pytest.raises(ValueError, match=r"lora.lora_r=600 with lora.lora_weight_sync=adapter"):
         lora_engine_options(600)
+
+
+def test_adapter_sync_refuses_a_rollout_server_without_lora_support_or_a_smaller_rank():
+    from types import SimpleNamespace
+
+    from engine.rollout.server_rollout import _check_lora_support
+    from tests.helpers.lora import lora_settings
+
+    def servers(*ranks):
+        return SimpleNamespace(healths=[{"max_lora_rank": r} for r in ranks], describe=lambda i: f"http://node{i}:8000")
+
+    settings = lora_settings(r=16)
+    _check_lora_support(servers(16, 32), settings)
+    with pytest.raises(ValueError, match=r"rollout server http://node1:8000 runs vLLM without LoRA support: start it "
+                                         r"with the trainer's config \(lora.use_peft=true lora.lora_weight_sync=adapter "
+                                         r"lora.lora_r=16\)"):
+        _check_lora_support(servers(16, None), settings)
+    with pytest.raises(ValueError, match=r"http://node0:8000 runs vLLM with max_lora_rank 8 < lora.lora_r=16"):
+        _check_lora_support(servers(8), settings)
