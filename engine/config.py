@@ -452,7 +452,8 @@ class LoraConfig:
     """Rank-stabilised scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
     lora_weight_sync: Literal["merged", "adapter"] = "merged"
     """How vLLM gets the adapters: merged into the base weights (the whole model sent) or adapter (A and B alone, into
-    vLLM's LoRA support, named by every request; colocated at engine TP 1: engine/rollout/adapter_sync.py)."""
+    vLLM's LoRA support, named by every request; colocated or server mode, any engine TP; a rollout server turns its
+    LoRA support on from these same lora settings: engine/rollout/adapter_sync.py)."""
     lora_save_merged: bool = False
     """Final export: `<output_dir>/hf` holds the PEFT adapter; this also writes the merged model to `hf_merged`."""
 

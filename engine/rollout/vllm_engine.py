@@ -210,6 +210,8 @@ class VLLMEngine:
             self.llm.collective_rpc("grpo_capture_routes")
         self._turns: dict[str, TurnRequest] = {}  # request id -> the turn it runs
         self.lora_request = None  # every request names it once an adapter is loaded (engine/rollout/vllm_lora.py)
+        self.max_lora_rank = llm_kwargs.get("max_lora_rank") if llm_kwargs.get("enable_lora") else None
+        self.adapter_version = None  # server mode: the adapter version its workers hold (vllm_lora.py)
         self._num_turns = 0
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,

@@ -94,8 +94,15 @@ def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
     assert terms["main grads"] == pytest.approx(adapters * 4)
     assert terms["optimizer"] == pytest.approx(adapters * 12)
     assert plan.budget("training GPU").total_bytes / GIB == pytest.approx(28.72, abs=0.005)
+    # adapter-only sync: vLLM's LoRA slot (max_lora_rank 32 = r, vLLM TP 8 = the trainer's TP: the same shares)
+    inference = _terms(plan.budget("inference GPU"))
+    assert inference["LoRA slot"] == pytest.approx(adapters * 2)
+    assert plan.budget("inference GPU").total_bytes / GIB == pytest.approx(63.26, abs=0.005)
+    merged = _terms(_plan(LLAMA_70B_LORA, ["lora.lora_weight_sync=merged"]).budget("inference GPU"))
+    assert "LoRA slot" not in merged and sum(inference.values()) - sum(merged.values()) == pytest.approx(adapters * 2)
     full = _plan(LLAMA_70B_LORA, ["lora.use_peft=false", "lora.lora_r=16", "lora.lora_alpha=32",
-                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null"])
+                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null",
+                                  "lora.lora_weight_sync=merged"])
     assert full.budget("training GPU").total_bytes > 79.1 * GIB, "the full fine-tune must not fit on one node"
 
 
@@ -106,7 +113,8 @@ def test_lora_kl_reference_is_the_base_with_adapters_off_so_the_plan_holds_no_re
     without = _terms(_plan(LLAMA_70B_LORA).budget("training GPU"))
     assert lora["reference"] == 0 and sum(lora.values()) == pytest.approx(sum(without.values()))
     full = _plan(LLAMA_70B_LORA, ["grpo.beta=0.04", "lora.use_peft=false", "lora.lora_r=16", "lora.lora_alpha=32",
-                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null"])
+                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null",
+                                  "lora.lora_weight_sync=merged"])
     assert _terms(full.budget("training GPU"))["reference"] == pytest.approx(lora["weights"])
 
 
