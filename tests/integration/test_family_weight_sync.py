@@ -16,6 +16,9 @@ bit of one element flipped in experts held by each expert-parallel rank, the rou
 expert and the dense layer's MLP too) and the embedding is caught, and exactly those tensors are named.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.distributed.launcher import run_distributed
@@ -41,8 +44,18 @@ CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step l
                         "model.embed_tokens.weight"),
                     2 + 4 * 13, 0),
 }
+CASES["gpt_oss"] = (8, ("model.layers.0.mlp.experts.1.gate_up_proj_bias", "model.layers.2.self_attn.sinks",
+                         "model.layers.1.mlp.experts.2.down_proj", "model.layers.3.mlp.experts.3.gate_up_proj",
+                         "model.layers.1.mlp.router.bias", "model.embed_tokens.weight"),
+                     3 + 4 * (6 + 2 + 1 + 2 + 2 + 4 * 4), 0)
+# embed, norm, lm_head + per layer q, k, v and their biases, o and its bias, sinks, 2 norms, router and its bias,
+# 4 experts x (gate_up_proj, its bias, down_proj, its bias), each expert its own tensor (vLLM's per-expert names)
 LAYOUTS = {"gemma3_text": {"tp_size": 2}}
 """The trainer layout of a family when not EP2 (a dense family)."""
+CONFIG = {"gpt_oss": {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}}
+"""config.json values a family's tiny model takes here: vLLM's GPT-OSS runs with GPT-OSS's own clamp and norm eps
+whatever the config says (engine/rollout/vllm_engine.py VLLM_GPT_OSS_CONSTANTS), the builtin tiny model has 0.2 (so
+the trainer's tests see the clamp) and 1e-6."""
 
 
 @pytest.mark.slow
@@ -53,6 +66,9 @@ def test_family_sync_after_step_makes_engine_match_trainer(tmp_path, family):
 
     seed, flips, num_tensors, unchanged = CASES[family]
     model_dir = str(build_tiny_model(tmp_path / family, family, seed=seed))
+    if family in CONFIG:
+        path = Path(model_dir) / "config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | CONFIG[family]))
     parallel = ParallelConfig(**LAYOUTS.get(family, {"ep_size": 2}))
     results = run_distributed(sync_after_step, 2, model_dir, parallel, 1, flips)
     for rank, r in enumerate(results):
