@@ -32,7 +32,7 @@ from engine.policy.model import get_weight, global_param_names
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap
 from engine.rollout.sync_check import WeightSyncError
-from engine.rollout.sync_plan import Box, SyncPlan, Transfer, box_slices, full_box
+from engine.rollout.sync_plan import Box, Piece, SyncPlan, Transfer, box_slices, full_box, local_view
 from engine.rollout.weight_digest import box_digest
 
 
@@ -180,6 +180,11 @@ def local_params(chunks) -> dict[tuple[int, str], torch.Tensor]:
     return params
 
 
+def piece_source(params: dict, piece: Piece) -> torch.Tensor:
+    """The local shard a piece's `local_box` indexes: its parameter (`local_params`) in the piece's `local_view`."""
+    return local_view(params[(piece.vp_chunk, piece.megatron)], piece.view)
+
+
 @torch.no_grad()
 def sender_digests(chunks, ps: ParallelState, plan: SyncPlan) -> torch.Tensor:
     """This rank's share of the digests of what every engine rank must hold (engine/rollout/weight_digest.py): per
@@ -199,7 +204,7 @@ def sender_digests(chunks, ps: ParallelState, plan: SyncPlan) -> torch.Tensor:
     for t in plan.transfers():
         if t.sender != me:
             continue
-        src = params[(t.piece.vp_chunk, t.piece.megatron)][box_slices(t.local_box)]
+        src = piece_source(params, t.piece)[box_slices(t.local_box)]
         engine_box = plan.tensors[t.tensor].engine_boxes[t.engine_rank]
         start = tuple(a - e for (a, _), (e, _) in zip(t.hf_box, engine_box))
         sent = src if src.dtype == plan.torch_dtype else src.to(plan.torch_dtype)
@@ -291,7 +296,7 @@ def _pack_payload(transfers: list[Transfer], params, plan: SyncPlan, flat: torch
                   device: torch.device) -> list[torch.Tensor]:
     """The payload messages of one (bucket, sender, engine rank): packed into `flat` (numel,), or, without it, one
     tensor per box (tensor by tensor)."""
-    sources = [params[(t.piece.vp_chunk, t.piece.megatron)][box_slices(t.local_box)] for t in transfers]
+    sources = [piece_source(params, t.piece)[box_slices(t.local_box)] for t in transfers]
     if flat is None:
         return [src.to(device, plan.torch_dtype).contiguous() for src in sources]
     offset = 0
@@ -398,7 +403,7 @@ def _assemble(plan: SyncPlan, bucket: list[int], received, whole: set[int], room
                 out[transfer.tensor] = part.view(plan.tensors[transfer.tensor].shape)
             else:
                 out[transfer.tensor][box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
-    return [(plan.tensors[i].name, out[i]) for i in bucket]
+    return [(plan.tensors[i].name, out[i].view(plan.tensors[i].loader_shape)) for i in bucket]
 
 
 def send_flat(group: WeightTransferGroup, plan: SyncPlan, flat: torch.Tensor, version: int) -> dict[str, float]:
