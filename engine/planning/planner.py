@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.planning.memory import (Budget, format_count, format_gib, inference_budget, plan_recompute,
                                     sequence_lengths, training_budget)
+from engine.planning.sync_memory import receive_budget, training_sync_terms
 from engine.planning.shapes import ClusterShape, ModelDims, check_layout, load_model_dims, num_rollout_servers
 from engine.validation import Derived, validate
 
@@ -81,7 +82,10 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
         f"{prompt + completion} tokens) per micro-batch, {derived.num_microbatches} micro-batches per step, "
         f"{derived.generation_batch_size} completions per generation round",
     ]
-    budgets = [training_budget(cfg, dims, shape, derived), inference_budget(cfg, dims, shape, derived)]
+    budgets = [training_budget(cfg, dims, shape, derived, lambda stage: training_sync_terms(cfg, dims, stage)),
+               inference_budget(cfg, dims, shape, derived)]
+    receive = receive_budget(cfg, dims, shape)
+    budgets += [receive] if receive else []
     return Plan(header, budgets, derived, shape)
 
 
