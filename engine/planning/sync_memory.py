@@ -6,9 +6,9 @@ inference GPU's memory OUTSIDE vLLM's share, where every engine rank's 2 receive
 cache to fill `rollout.vllm_gpu_memory_utilization` x GPU memory; the receive buffers are allocated after that).
 
 Must not: import torch, vLLM or the engine's rollout modules at import time (`grpo-engine plan` imports the planner;
-the sync plan is built, and torch imported, only when a plan is sized: about 2 s on a login node, plus the plan
-itself: Qwen3-235B's 36,945 tensors, measured in the commit that added this module), size anything the transport
-does not allocate.
+the sync plan is built, and torch imported, only when a plan is sized: measured on a loaded 2-core box, the torch
+import ~2.5 s CPU, Qwen3-235B's 36,945-tensor plan and its buffers 0.6-1 s, cached per layout), size anything the
+transport does not allocate.
 
 Test: tests/unit/test_sync_buffers.py (the GPT-OSS-120B header's 13.47 GiB, a config whose share leaves too little
 room refused), tests/unit/test_planner.py (the shipped configs fit, their headers quote the totals).

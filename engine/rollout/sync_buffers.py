@@ -91,15 +91,17 @@ def _bucket_numels(plan: SyncPlan, buckets: list[list[int]]) -> tuple[list[list[
     memo: dict = {}
     receive, send = [], []
     for bucket in buckets:
-        slot, sent = [0] * plan.engine_tp, {}
+        counts: dict[int, list] = {}  # tensors of one geometry share one traffic record: count them, add once
         for index in bucket:
             tensor = plan.tensors[index]
-            payload, whole, senders = _tensor_traffic(plan, tensor, memo)
-            size = math.prod(tensor.shape)
+            traffic = _tensor_traffic(plan, tensor, memo)
+            counts.setdefault(id(traffic), [traffic, math.prod(tensor.shape), 0])[2] += 1
+        slot, sent = [0] * plan.engine_tp, {}
+        for (payload, whole, senders), size, n in counts.values():
             for rank in range(plan.engine_tp):
-                slot[rank] += payload[rank] + (0 if whole[rank] else size)
+                slot[rank] += n * (payload[rank] + (0 if whole[rank] else size))
             for sender, numel in senders:
-                sent[sender] = sent.get(sender, 0) + numel
+                sent[sender] = sent.get(sender, 0) + n * numel
         receive.append(slot)
         send.append(sent)
     return receive, send
