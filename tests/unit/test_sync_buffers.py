@@ -107,3 +107,17 @@ def test_gpt_oss_120b_buffers_are_the_headers_hand_numbers_and_a_share_of_0_9_is
                                           "14.47 GiB > (1 - 0.9) x 79.1 GiB = 7.91 GiB; lower "
                                           "rollout.vllm_gpu_memory_utilization to at most"), refused.problems[0]
     assert "= 0.81" in refused.problems[0] and "rollout.weight_sync_bucket_mb" in refused.problems[0]
+
+
+def test_colocated_term_is_the_largest_bucket_of_full_hf_tensors_by_hand():
+    """Colocated (no transport): the sync gathers a bucket of full HF tensors at a time. Qwen2.5-0.5B (tied, bf16,
+    buckets of >= 512 MiB = 268,435,456 elements): the embedding 151936 x 896 = 136,134,656, then layers of q, o 896 x
+    896, k, v 128 x 896, their biases 1152, gate / up / down 3 x 4864 x 896 and 2 norms of 896 = 14,912,384 each,
+    until the bucket reaches 512 MiB: 9 layers, 270,346,112 elements (the second bucket, the other 15 layers, is
+    smaller); no send or receive slots."""
+    plan = _plan("qwen2.5-0.5b_tp1_1gpu.yaml")
+    layer = 2 * 896 * 896 + 2 * 128 * 896 + 1152 + 3 * 4864 * 896 + 2 * 896
+    assert layer == 14_912_384
+    terms = {t.label: t for t in plan.budget("training GPU").terms}
+    assert terms["weight-sync bucket"].nbytes == (151936 * 896 + 9 * layer) * 2
+    assert "weight-sync send" not in terms and not any(b.title.startswith("inference GPU outside") for b in plan.budgets)
