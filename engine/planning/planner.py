@@ -8,7 +8,8 @@ engine/planning/shapes.py's; every memory term, and the formulas with their sour
 
 Must not: import Megatron or vLLM, or torch other than through the weight-sync plan (engine/planning/sync_memory.py:
 on a loaded 2-core box the torch import costs ~2.5 s CPU and Qwen3-235B's sync plan and buffers ~0.6-1 s), read the
-environment, or touch the network. It takes the root config because memory is a cross-section question (like `engine.validation`).
+environment, or touch the network. It takes the root config because memory is a cross-section question (like
+`engine.validation`).
 
 Test: `pytest tests/unit/test_planner.py` (hand-computed cases, the published tables and logs the memory model
 cites, the shipped configs' headers).
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.planning.memory import (Budget, format_count, format_gib, inference_budget, plan_recompute,
                                     sequence_lengths, training_budget)
-from engine.planning.sync_memory import receive_budget, training_sync_terms
 from engine.planning.shapes import ClusterShape, ModelDims, check_layout, load_model_dims, num_rollout_servers
+from engine.planning.sync_memory import receive_budget, training_sync_terms
 from engine.validation import Derived, validate
 
 

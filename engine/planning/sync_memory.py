@@ -85,12 +85,13 @@ def training_sync_terms(cfg: EngineConfig, dims: ModelDims, stage: int) -> list[
         per_stage = len(buffers.send_numel) // cfg.parallel.pp_size
         senders = range(stage * per_stage, (stage + 1) * per_stage)
         numel = max(buffers.send_numel[s] for s in senders)
-        return [Term("weight-sync send", f"2 slots x {format_count(numel)} elements (the largest of {buffers.num_buckets} "
-                     f"buckets of >= {mb} MiB one sender packs for every engine rank) x {b} B", buffers.send_bytes(senders))]
+        text = (f"2 slots x {format_count(numel)} elements (the largest of {buffers.num_buckets} buckets of >= {mb} "
+                f"MiB one sender packs for every engine rank) x {b} B")
+        return [Term("weight-sync send", text, buffers.send_bytes(senders))]
     copies = 2 if cfg.parallel.pp_size > 1 else 1
-    return [Term("weight-sync bucket", f"{copies} x {format_count(buffers.bucket_numel)} elements (the largest of "
-                 f"{buffers.num_buckets} buckets of >= {mb} MiB of full HF tensors{', + its flat copy (PP)' if copies > 1 else ''}) x {b} B",
-                 copies * buffers.bucket_numel * b)]
+    text = (f"{copies} x {format_count(buffers.bucket_numel)} elements (the largest of {buffers.num_buckets} buckets "
+            f"of >= {mb} MiB of full HF tensors{', + its flat copy (PP)' if copies > 1 else ''}) x {b} B")
+    return [Term("weight-sync bucket", text, copies * buffers.bucket_numel * b)]
 
 
 def receive_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> Budget | None:
@@ -101,7 +102,8 @@ def receive_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> B
     if found is None:
         return None
     buffers, num_tensors = found
-    util, gpu, vtp = cfg.rollout.vllm_gpu_memory_utilization, shape.gpu_memory_gib, cfg.rollout.vllm_tensor_parallel_size
+    util, gpu = cfg.rollout.vllm_gpu_memory_utilization, shape.gpu_memory_gib
+    vtp = cfg.rollout.vllm_tensor_parallel_size
     numel = max(buffers.receive_numel)
     allowance = TRANSFER_GROUP_ALLOWANCE_GIB * GIB
     outside = (1 - util) * gpu * GIB
