@@ -345,8 +345,8 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     """Server (split) mode with tools at DP=2, rounds generated one ahead (max_staleness=1): the multi-turn rows
     come from a rollout server (a server of its own: the session's replica pair serves 128 positions, a calculator
     conversation needs ~250), tool calls run in rank 0's process (it drives every DP rank's rows and broadcasts the
-    round, as the reward functions and environments live there; driving costs ~0.2 ms CPU per turn:
-    benchmarks/bench_agentic_rollout.py `driver_cpu_ms_per_turn`); both ranks train every step.
+    round, as the reward functions and environments live there; driving costs 0.3 ms CPU per turn, 0.3% of a
+    round's wall time: benchmarks/bench_agentic_rollout.py `driver_cpu_ms_per_turn`); both ranks train every step.
     - round 0 (sampled by the weights it trains) has the server's sampling log-probs of the model's tokens equal to
       the trainer's (float32, as in the colocated test above); round 1 was generated while round 0 trained: its
       staleness is exactly 1, its rows keep their tool mask through the background thread and the broadcast (the
@@ -357,7 +357,7 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
       warns, generates round 1 again from the restored weights (staleness 0) with the same prompts, and trains step 2.
     max_completion_length 128: a tool call (~75 tokens of the tiny tokenizer) and its tool message (~39) must fit,
     or the sample ends at the call and no row holds tool tokens (measured at 96: 0 tool messages in every round).
-    Measured (2 cores): round 1 at staleness 1 has min IS ratio 0.76, mean |log-prob gap| 0.006; ~2 min.
+    Measured (2 cores): round 1 at staleness 1 has min IS ratio 0.76, mean |log-prob gap| 0.006 (at DP=1); ~2 min.
     Mutation-checked: the pool handing out leased instances (environment ids overlap), the round's tool mask
     dropped in `PendingAgenticRound.result` (min IS ratio 0.0: tool tokens, sampled log-prob 0.0, enter the
     correction), checkpoints storing multi-turn rounds ahead (the resumed round's rewards lack `environments`:
