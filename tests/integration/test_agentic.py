@@ -279,7 +279,7 @@ def _calculator_runs(output_dir: str) -> dict:
 
     def args(name: str) -> GRPOConfig:
         return GRPOConfig(output_dir=str(Path(output_dir) / name), max_steps=2, save_steps=1, bf16=False,
-                          per_device_train_batch_size=8, num_generations=4, max_completion_length=96,
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=160,
                           max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1,
                           vllm_gpu_memory_utilization=0.15, vllm_max_model_length=512, report_to="none")
 
@@ -289,13 +289,16 @@ def _calculator_runs(output_dir: str) -> dict:
                               train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
         trainer.train(resume_from_checkpoint=resume)
         histories.append([h for h in trainer.state.log_history if "tools/call_frequency" in h])
-    return {"a": histories[0], "b": histories[1]}
+    return {"a": histories[0], "b": histories[1], "tool_results": len(TOOL_RESULTS)}
 
 
 CALC_MODEL = "builtin:tiny-qwen2-calc"
+TOOL_RESULTS: list[str] = []
+"""The tool messages the reward function saw (the rank's process): rows where a tool result reached the model."""
 
 
 def _any_answer(completions, **kwargs):
+    TOOL_RESULTS.extend(m["content"] for c in completions for m in c if m.get("role") == "tool")
     return [float("<answer>" in c[-1]["content"]) for c in completions]
 
 
@@ -304,12 +307,14 @@ def test_tool_rows_logprobs_match_the_trainer_and_a_resumed_run_continues(tmp_pa
     """Without a structured-output regex, the shipped tool-calling model (engine/demo/tool_warm_start.py) calls the
     calculator on its own: on those rows (model turns + tool messages, tool mask applied) vLLM's sampling log-probs
     of the model's tokens equal the trainer's in float32 (the tolerance of tests/integration/test_trainer.py's
-    float32 run: mean gap < 1e-3 nats, IS weights > 0.99; measured: mean 4e-7, max 4e-6). NOTE: removing the tool
-    mask multiply in engine/train/loop.py does not fail this test (the measured gap stays 4e-7): the zero gradient on
+    float32 run: mean gap < 1e-3 nats, IS weights > 0.99). The budget is 160 tokens: a tool call (~75 tokens of the
+    tiny tokenizer) and its tool message (~39) must fit, or every row ends at the call and holds no tool tokens (at
+    96, until git 980065e, none did: the test now counts the tool messages the rewards saw). The zero gradient on
     tool tokens is tests/unit/test_agent_loss_mask.py's. Resume: a run resumed from checkpoint-1 logs step 2 as the uninterrupted
     run did (environments are rebuilt and reset, their state is not checkpointed)."""
     (result,) = run_distributed(_calculator_runs, 1, str(tmp_path))
     a, b = result["a"], result["b"]
+    assert result["tool_results"] > 0, "no tool result reached the model: the rows hold no tool tokens"
     assert [h["step"] for h in a] == [1, 2] and [h["step"] for h in b] == [2], (a, b)
     for record in a + b:
         assert record["tools/call_frequency"] > 0.2, record  # tool rows in every round
