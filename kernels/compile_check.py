@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import itertools
 import json
 import os
 import re
@@ -101,8 +100,9 @@ class CompileReport:
 def lm_head_launches(num_rows: int, hidden_size: int, vocab: int, dtype: torch.dtype, arch: int,
                      tiles: TritonTiles | None = None) -> list[KernelLaunch]:
     """The launches of one forward + backward of the fused log-prob at (N, H, V) on a GPU: the statistics kernel,
-    and the dz kernel with and without the entropy gradient on the backward's first and last slab; each without and
-    with the final-logit soft-cap (`SOFTCAPS`: the HAS_SOFTCAP variants)."""
+    and the dz kernel with and without the entropy gradient on the backward's first and last slab; the statistics
+    kernel and the dz kernel with the entropy gradient (its most registers) also with the final-logit soft-cap
+    (`SOFTCAPS`: the HAS_SOFTCAP variants)."""
     tiles = default_tiles(torch.device("cuda"), dtype) if tiles is None else tiles
 
     def meta(*shape, dt=dtype):
@@ -120,7 +120,7 @@ def lm_head_launches(num_rows: int, hidden_size: int, vocab: int, dtype: torch.d
         slabs |= {(plan.rows, plan.cols), (num_rows - (num_rows - 1) // plan.rows * plan.rows,
                                            vocab - (vocab - 1) // plan.cols * plan.cols)}
     for rows, cols in sorted(slabs):
-        for grad_entropy, softcap in itertools.product((per_row[:rows], None), SOFTCAPS):
+        for grad_entropy, softcap in [(per_row[:rows], cap) for cap in SOFTCAPS] + [(None, None)]:
             launch, _ = build_dz_launch(hidden[:rows], weight[:cols], ids[:rows], per_row[:rows], per_row[:rows],
                                         per_row[:rows], grad_entropy, 1.0, tiles, True, softcap)
             launches.append(launch)
