@@ -422,8 +422,7 @@ def _policy_class():
         """
 
         final_logit_softcap: float | None = None
-        """HF `final_logit_softcapping` (Gemma 2's 30): logits -> cap tanh(logits / cap), applied by the LM-head
-        kernel (kernels/) and `lm_head_logits`; None = off. Set by `build_policy` from the HF config."""
+        """HF `final_logit_softcapping` (Gemma 2), set by `build_policy`: kernels/ and `lm_head_logits` cap by it."""
 
         def _postprocess(self, hidden_states, *args, **kwargs):
             return hidden_states
