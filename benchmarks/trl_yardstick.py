@@ -27,6 +27,7 @@ Must not: be imported by engine/ or tests/, or judge the results (a program, not
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -194,7 +195,8 @@ def run_forked(node: str, work: Path, timeout_s: int) -> dict:
     log.parent.mkdir(exist_ok=True)
     start = time.monotonic()
     pid = os.fork()
-    if pid == 0:  # the test's process
+    if pid == 0:  # the test's process, leading its own process group (its leftovers are killed with it)
+        os.setpgid(0, 0)
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -204,6 +206,8 @@ def run_forked(node: str, work: Path, timeout_s: int) -> dict:
     if done[0] == 0:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # e.g. a spawned checkpoint writer left orphaned
+        os.killpg(pid, 9)
     text = log.read_text(errors="replace")
     seconds = round(time.monotonic() - start, 1)
     if done[0] == 0:

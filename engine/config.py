@@ -59,6 +59,10 @@ class ModelConfig:
     """Megatron pads the vocabulary to a multiple of this times tp_size; padded rows are never sampled."""
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     """Megatron layer spec: `auto` = Transformer Engine when it imports (GPU), the local spec otherwise."""
+    attention_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """The local spec's core attention (HF's `attn_implementation` names): `sdpa` = torch's fused attention (no s x s
+    scores kept; engine/policy/sdpa_attention.py), `eager` = Megatron's DotProductAttention. Gemma and GPT-OSS keep
+    their own; Transformer Engine's spec has its own fused attention."""
     offload_reference: bool = False
     """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
     moe_aux_loss_coeff: float | None = None
@@ -448,7 +452,8 @@ class LoraConfig:
     """Rank-stabilised scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
     lora_weight_sync: Literal["merged", "adapter"] = "merged"
     """How vLLM gets the adapters: merged into the base weights (the whole model sent) or adapter (A and B alone, into
-    vLLM's LoRA support, named by every request; colocated at engine TP 1: engine/rollout/adapter_sync.py)."""
+    vLLM's LoRA support, named by every request; colocated or server mode, any engine TP; a rollout server turns its
+    LoRA support on from these same lora settings: engine/rollout/adapter_sync.py)."""
     lora_save_merged: bool = False
     """Final export: `<output_dir>/hf` holds the PEFT adapter; this also writes the merged model to `hf_merged`."""
 

@@ -2,8 +2,9 @@
 `lora` config section or a `peft.LoraConfig` (GRPOTrainer's peft_config).
 
 Owns: `HF_TARGETS` (the HF module names an adapter can target, and the Megatron linear and output part each lives in),
-`LoraSettings`, `resolve_target_modules`, `lora_settings_from_config`, `lora_settings_from_peft` (every PEFT option
-the engine cannot act on refused by name) and `lora_fields_from_peft` (the config section's fields).
+`VLLM_LORA_RANKS` / `vllm_max_lora_rank` (vLLM's LoRA ranks), `LoraSettings`, `resolve_target_modules`,
+`lora_settings_from_config`, `lora_settings_from_peft` (every PEFT option the engine cannot act on refused by name)
+and `lora_fields_from_peft` (the config section's fields).
 
 Must not: import torch, Megatron or peft (a LoraConfig is read by attribute), or build adapters
 (engine/policy/lora.py does).
@@ -27,6 +28,20 @@ HF_TARGETS: dict[str, tuple[str, str]] = {
     "down_proj": ("mlp.linear_fc2", "all"),
 }
 """Every linear of a Qwen2 / Llama / Qwen3 layer, by the HF module name PEFT's target_modules uses."""
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM 0.32's allowed `max_lora_rank` values (vllm/config/lora.py MaxLoRARanks): adapter-only sync starts vLLM at the
+smallest one >= r (`vllm_max_lora_rank`); the planner sizes vLLM's LoRA slot with it."""
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """vLLM's `max_lora_rank` for an adapter of rank `rank`: the smallest allowed one >= rank (ValueError past 512)."""
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(f"lora.lora_r={rank} with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to "
+                         f"{VLLM_LORA_RANKS[-1]}; use lora.lora_weight_sync=merged")
+    return fitting[0]
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ ENGINE_OWNED_KEYS = {
 }
 """Keys refused with the reason: the engine sets them itself."""
 
+BEAM_SEARCH_KEYS = ("length_penalty", "early_stopping", "num_beam_groups", "diversity_penalty", "constraints")
+"""transformers `GenerationConfig` settings that act only in beam search (`num_beams` > 1)."""
+
 HF_TO_VLLM = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 """Hugging Face `GenerationConfig` names with a vLLM `SamplingParams` equivalent under another name."""
 
@@ -66,7 +69,13 @@ def translate_generation_kwargs(kwargs: dict[str, Any] | None, where: str = "gen
         elif key == "num_beams":
             if value != 1:
                 raise ValueError(f"{where}['num_beams']={value!r}: vLLM's SamplingParams has no beam search (the "
-                                 "engine samples with vLLM); remove the key or set it to 1")
+                                 "engine samples with vLLM; TRL's vLLM path passes the key to SamplingParams too, "
+                                 "which raises TypeError; only TRL without vLLM beam-samples, with transformers' "
+                                 "generate()); remove the key or set it to 1")
+        elif key in BEAM_SEARCH_KEYS:
+            raise ValueError(f"{where}[{key!r}]: a beam-search setting of transformers' generate() (it acts only "
+                             "with num_beams > 1); the engine samples with vLLM, which has no beam search: remove "
+                             "the key")
         elif key in HF_TO_VLLM:
             out[HF_TO_VLLM[key]] = value
         elif key in VLLM_SAMPLING_KEYS:

@@ -433,11 +433,6 @@ def _check_lora(cfg: EngineConfig, problems: list[str]) -> None:
         lora_settings_from_config(section)
     except ValueError as exc:
         problems.append(str(exc))
-    if section.lora_weight_sync == "adapter" and (cfg.rollout.vllm_mode != "colocate"
-                                                  or cfg.rollout.vllm_tensor_parallel_size > 1):
-        problems.append(f"lora.lora_weight_sync=adapter with rollout.vllm_mode={cfg.rollout.vllm_mode!r}, "
-                        f"rollout.vllm_tensor_parallel_size={cfg.rollout.vllm_tensor_parallel_size}: adapter-only sync "
-                        "is built for colocated engines at engine TP 1; use lora.lora_weight_sync=merged")
     if cfg.model.offload_reference and cfg.grpo.beta != 0:
         problems.append("model.offload_reference with lora.use_peft: the KL reference is the policy's frozen base with "
                         "its adapters disabled (engine/policy/reference.py base_of), no copy to offload; set it false")

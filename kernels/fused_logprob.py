@@ -61,9 +61,11 @@ class TritonTiles:
     """Forward: vocabulary columns per program (rounded up to block_v); None = enough splits to fill the GPU."""
 
 
-FP32_TILES = TritonTiles(block_h=16)
-"""float32 on CUDA: 64 x 128 x 16, 8 warps, 3 stages; 202 / 198 registers (sm_90 / sm_80), no spills, 24 KiB shared
-memory (64 x 128 x 32 sits at 255 registers on sm_80; 128 x 128 x 64 spills ~25 KB)."""
+FP32_TILES = TritonTiles(block_h=32)
+"""float32 on CUDA: 64 x 128 x 32, 8 warps, 3 stages: no spills on sm_90 and sm_80 under Triton 3.9 (CI's) and 3.6
+(the lent GPU machine's): at most 202 registers, except 255 for the forward on sm_80 under 3.9. The earlier
+64 x 128 x 16 spilled 16 B in the backward on sm_90 under 3.6 (128 registers: found by the GPU suite on an H200, git
+68db764); 128 x 128 x 64 spills kilobytes under both. Not timed on a GPU (fp32 is not TRL's default)."""
 INTERPRETER_TILES = TritonTiles(block_n=32, block_v=64, block_h=32, group_n=2, num_warps=4, num_stages=1)
 """Under the interpreter: fewer, larger numpy steps; still several tiles on test shapes."""
 

@@ -133,3 +133,5 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-s", type=float, default=240.0, help="no new fit length after this many seconds")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="activation recompute (TRL's default, and the engine's); off here on both sides")

@@ -1,7 +1,8 @@
 """Suite part c: a Megatron-core GRPO optimizer step, fused log-prob kernel against materialised logits.
 
 Measures, for one model shape (benchmarks/bench_grpo_step.py's shapes, random weights, Megatron's local layer spec
-since Transformer Engine is absent on the lent GPU) and each `--implementations` entry (the log-prob path:
+since Transformer Engine is absent on the lent GPU, its attention through torch's SDPA, activation recompute as
+`--gradient-checkpointing` says: off by default, as in part d) and each `--implementations` entry (the log-prob path:
 `triton` = the fused kernel, `reference` = logits materialised, `torch_chunked` = the tiled torch path):
 - the step at the nominal batch (`--batch` completions of `--prompt-len` + `--completion-len` tokens in
   micro-batches of `--micro-batch`, DAPO, off-policy old log-probs): time, completion tokens/s, peak memory
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
     hf_config = model_config(args.shape, args.num_layers)
     ps = init_parallel(ParallelConfig(), seed=0)
     dtype = "float32" if args.shape == "tiny" else "bfloat16"
-    popt, _ = build_policy_and_optimizer(hf_config, dtype, ps)
+    popt, _ = build_policy_and_optimizer(hf_config, dtype, ps, recompute=args.gradient_checkpointing)
     env = capture_env(ps.device)
     print(f"megatron step on {env.device}: {args.shape} ({hf_config.num_hidden_layers} layers), {dtype}, "
           f"mcore {env.mcore_version}, git {env.git_sha or '?'}")
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> None:
     for implementation in args.implementations:
         config = {"shape": args.shape, "batch": args.batch, "micro_batch": args.micro_batch,
                   "prompt_len": args.prompt_len, "completion_len": args.completion_len,
-                  "implementation": implementation, "dtype": dtype, "num_layers": hf_config.num_hidden_layers}
+                  "implementation": implementation, "dtype": dtype, "num_layers": hf_config.num_hidden_layers,
+                  "attention": "sdpa", "gradient_checkpointing": args.gradient_checkpointing}
         step = make_step(popt, ps, batch, args.micro_batch, hf_config.vocab_size, implementation)
         append_rows(args.csv, rows_unless_out_of_memory(
             lambda: _nominal_rows(env, args, implementation, step, completion_tokens, config, ps.device),

@@ -18,8 +18,9 @@ Liger kernels and this step never calls `train()`, the step applies them the sam
 Differences from part c, stated in every row's config: the HF model is built in bf16 on a GPU (as a bf16 checkpoint
 loads), so TRL's AdamW keeps bf16 states (8 bytes per parameter) where Megatron's optimizer keeps fp32 main weights
 and fp32 Adam states; HF attention is SDPA, Megatron's local spec materialises the attention scores.
-`gradient_checkpointing` is off (TRL's default is on) so both sides keep all activations; `--gradient-checkpointing`
-turns it on.
+`gradient_checkpointing` is off (TRL's default is on) on both sides (part c passes the same flag to Megatron's
+recompute), so both keep all activations; `--gradient-checkpointing` turns it on. (Until git 68db764 part c ran
+Megatron with its full recompute while this part ran without: the H200 rows at 68db764 compare unlike steps.)
 
     python -m benchmarks.gpu.trl_step --shape qwen2.5-1.5b --csv /tmp/trl_grpo_step.csv           # one GPU
     python -m benchmarks.gpu.trl_step --shape tiny --batch 4 --micro-batch 2 --prompt-len 8 --completion-len 16 \\
@@ -183,7 +184,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, help="trim the model to this many layers (default: its own)")
     parser.add_argument("--liger", default="off,on", type=lambda s: [v == "on" for v in s.split(",")],
                         help="use_liger_kernel settings to measure, e.g. 'off,on'")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off here as in part c")
     add_step_arguments(parser)
     parser.add_argument("--csv", type=Path, default=RESULTS_DIR / f"{BENCH}.csv")
     run(parser.parse_args(argv))

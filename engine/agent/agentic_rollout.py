@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from engine.agent.chat_tokens import check_renders_tools
 from engine.agent.environments import EnvironmentPool, environment_tools
 from engine.agent.multi_turn import MultiTurnSettings, Sample, generate_multi_turn
-from engine.agent.rollout_func import call_rollout_func
+from engine.agent.rollout_func import RoundEngine, call_rollout_func
 from engine.agent.toolbox import Toolbox
 from engine.config import GenerationConfig, RolloutConfig
 from engine.rollout.protocol import RolloutEngine
@@ -80,7 +80,9 @@ class AgenticRollout:
         g = num_generations
         rows = [{"prompt": p} | {k: v[i] for k, v in columns.items()} for i, p in enumerate(prompts)]
         if self.rollout_func is not None:
-            rollout, extra = call_rollout_func(self.rollout_func, [p for p in prompts for _ in range(g)], self.tokenizer)
+            live = RoundEngine(engine, seeds, g, self.generation.max_completion_length)
+            repeated = [p for p in prompts for _ in range(g)]
+            rollout, extra = call_rollout_func(self.rollout_func, repeated, self.tokenizer, live)
             return AgenticRound(rollout, extra)
         seed_of = lambda i, j: None if seeds is None else (seeds[i] * 1009 + j) % (2**31)  # noqa: E731
         samples = [Sample(prompt_ids[i], seed_of(i, j), {}) for i in range(len(prompts)) for j in range(g)]

@@ -11,6 +11,10 @@ The trainer argument: engine/api/trl_trainer.py passes the `GRPOTrainer` (weight
 end of every round, so the engine holds the current policy when the function runs); the engine's own loop passes
 None.
 
+`RoundEngine` / `current_round()`: while the function runs, the round's rollout engine, seeds and group size, so
+that TRL's `_generate_single_turn` on the trainer (engine/api/trl_generate.py) can generate with the engine from
+inside it (a subclass's `_generate` override calling `super()._generate`).
+
 Must not: generate (the function does), import vLLM.
 
 Test: tests/unit/test_agent_tools.py.
@@ -18,15 +22,39 @@ Test: tests/unit/test_agent_tools.py.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
+from dataclasses import dataclass
 
+from engine.rollout.protocol import RolloutEngine
 from engine.rollout.rollouts import Rollout
 
 REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
 
-def call_rollout_func(rollout_func: Callable, prompts: list, tokenizer) -> tuple[Rollout, dict[str, list]]:
-    """Call `rollout_func(prompts)` (one prompt per row, G copies of each) and check its answer.
+@dataclass(frozen=True)
+class RoundEngine:
+    """The round a rollout_func call belongs to: what generating with the engine from inside it needs."""
+
+    engine: RolloutEngine
+    seeds: list[int] | None
+    """One per prompt of the round (None: unseeded)."""
+    num_generations: int
+    max_completion_length: int
+
+
+_ROUND: contextvars.ContextVar[RoundEngine | None] = contextvars.ContextVar("rollout_round", default=None)
+
+
+def current_round() -> RoundEngine | None:
+    """The round whose rollout_func runs now (this thread), else None."""
+    return _ROUND.get()
+
+
+def call_rollout_func(rollout_func: Callable, prompts: list, tokenizer,
+                      round_engine: RoundEngine | None = None) -> tuple[Rollout, dict[str, list]]:
+    """Call `rollout_func(prompts)` (one prompt per row, G copies of each; `current_round()` is `round_engine`
+    meanwhile) and check its answer.
 
     Returns:
         the rows as a `Rollout` (`tool_mask` = `env_mask` when given) and the extra per-row columns.
@@ -34,7 +62,11 @@ def call_rollout_func(rollout_func: Callable, prompts: list, tokenizer) -> tuple
         ValueError: a missing key, a key with another number of rows than prompts, a row of `logprobs` / `env_mask`
             not as long as its completion.
     """
-    output = rollout_func(prompts)
+    token = _ROUND.set(round_engine)
+    try:
+        output = rollout_func(prompts)
+    finally:
+        _ROUND.reset(token)
     if not isinstance(output, dict):
         raise ValueError(f"rollout_func must return a dict with keys {list(REQUIRED_KEYS)}, got {type(output).__name__}")
     missing = [k for k in REQUIRED_KEYS if k not in output]

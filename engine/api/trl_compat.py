@@ -1,16 +1,17 @@
 """TRL's own behaviour where TRL defines it: its construction-time warnings, its static helpers, vespo's IS mode.
 
-Owns (issue #27 item 6; reward models by hub id, item 9, are engine/train/rewards.py's `resolve_reward_func`):
-- `warn_objective_settings(args)`: the warnings TRL's GRPOTrainer logs at construction about the objective
-  (sequence-level importance sampling with a loss that sums per-token terms; luspo at token level; vespo at
-  sequence level), word for word, on the `logging` logger of engine/api/trl_trainer.py (TRL logs them with
-  `logger.warning`, so a test reads them with pytest's `caplog`);
-- `get_off_policy_mask` and `get_high_entropy_mask`: TRL's GRPOTrainer helpers with TRL's signatures, computed by
-  the engine's own maths (engine/grpo/policy_loss.py), bound onto `GRPOTrainer`;
-- `get_per_token_logps_and_entropies`: TRL's private `_get_per_token_logps_and_entropies` on a transformers
-  model, by the engine's LM-head maths (kernels/lm_head_logprob.py);
-- `vespo_importance_sampling_mode(...)`: the vLLM IS mode a vespo run gets when the user named none (TRL without
-  vLLM has no IS correction; with vLLM it requires a token mode).
+Owns (issue #27 items 6 and 9's rest; hub reward models are engine/train/rewards.py's `resolve_reward_func`):
+- `warn_objective_settings(args)`: TRL's construction-time warnings about the objective (sequence-level IS with a
+  token-summed loss; luspo at token level; vespo at sequence level), word for word, on the `logging` logger of
+  engine/api/trl_trainer.py (TRL uses `logger.warning`: tests read them with `caplog`);
+- `get_off_policy_mask`, `get_high_entropy_mask`, `get_per_token_logps_and_entropies`: TRL's GRPOTrainer helpers
+  (the last one private) with TRL's signatures, by the engine's maths (engine/grpo/policy_loss.py,
+  kernels/lm_head_logprob.py), bound onto `GRPOTrainer`;
+- `vespo_importance_sampling_mode(...)`: the vLLM IS mode of a vespo run that named none (a token mode, as TRL);
+- `cast_lm_head_to_fp32(model)`: TRL's float32 LM head on `trainer.model` (training computes float32 logits anyway);
+- `check_liger_installed`: TRL's ImportError for `use_liger_kernel=True` without liger-kernel (after PEFT's checks);
+- HF Trainer's step methods (`training_step`, `_prepare_inputs`, `compute_loss`): `refuse_step_overrides` (an
+  override or patch is refused, naming why and what acts instead) and `training_step`, which says the same.
 
 Must not: implement maths (engine/grpo/*), run the loop, import trl (a test-only dependency) or vLLM.
 
@@ -127,3 +128,71 @@ def get_per_token_logps_and_entropies(trainer: Any, model: Any, input_ids: torch
     import torch
 
     return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+
+STEP_METHODS = ("training_step", "_prepare_inputs", "compute_loss")
+"""HF Trainer's per-micro-step methods that TRL's GRPOTrainer runs in the user's process."""
+
+STEP_METHODS_WHY = (
+    "the engine's training step is Megatron's forward-backward over the engine's own micro-batches (token ids, old "
+    "log-probs, advantages; engine/train/loop.py), run by every rank in its own worker process, not HF Trainer's "
+    "training_step(model, inputs, num_items_in_batch) over the dataloader's raw rows: an override would never be "
+    "called and a patched one would see no call. What acts instead: callbacks (on_step_begin / on_step_end / "
+    "on_log with the step's metrics), reward functions (log_metric / log_extra), a rollout_func or a _generate "
+    "override for the rows, GRPOConfig for the loss")
+
+
+def refuse_step_overrides(trainer: Any) -> None:
+    """NotImplementedError when HF Trainer's step methods (`STEP_METHODS`) are not GRPOTrainer's own: a user's
+    subclass overrides one, or one was patched onto the class or the trainer (`unittest.mock.patch.object`); the
+    replacement could not act (`STEP_METHODS_WHY`). GRPOTrainer calls it at construction and at `train()`."""
+    own = {"training_step": training_step}
+    names = [n for n in STEP_METHODS if n in vars(trainer) or getattr(type(trainer), n, None) is not own.get(n)]
+    if names:
+        raise NotImplementedError(f"{type(trainer).__name__} overrides {', '.join(names)}: not supported, because "
+                                  f"{STEP_METHODS_WHY}")
+
+
+def training_step(trainer: Any, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+    """HF Trainer's `training_step`, as TRL's GRPOTrainer has it: not callable here (`STEP_METHODS_WHY`)."""
+    raise NotImplementedError(f"GRPOTrainer.training_step: {STEP_METHODS_WHY}")
+
+
+def check_liger_installed(use_liger_kernel: bool) -> None:
+    """ImportError, as TRL's trainer raises at construction, when `use_liger_kernel=True` and liger-kernel is not
+    installed (a TRL script that fails there fails here alike). Installed, the setting changes nothing here: it is
+    named in GRPOConfig's no-effect warning (Megatron's kernels and the engine's fused LM-head loss run anyway)."""
+    import importlib.util
+
+    if use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError("use_liger_kernel=True but the liger-kernel package is not installed (TRL raises this too): "
+                          "pip install liger-kernel, or set use_liger_kernel=False; the engine itself runs Megatron's "
+                          "kernels and its own fused LM-head loss either way")
+
+
+def cast_lm_head_to_fp32(model: Any) -> Any:
+    """TRL's `cast_lm_head_to_fp32=True` on a transformers causal LM (`trainer.model`), done once: the output
+    embedding's weight (and bias) in float32 and its forward in float32 (logits float32 whatever the hidden
+    states' dtype); with tied word embeddings (one Parameter) the input embedding's outputs are cast back to the
+    model's dtype, so the decoder still runs in it. A PEFT adapter on the LM head is refused, as TRL does."""
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if getattr(head, "_engine_fp32_head", False):
+        return model
+    if hasattr(head, "base_layer"):
+        raise ValueError("`cast_lm_head_to_fp32=True` with a PEFT adapter on lm_head: drop lm_head from the "
+                         "adapter's target modules, or set cast_lm_head_to_fp32=False")
+    dtype = head.weight.dtype
+    head.float()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:  # (..., H) -> (..., V) float32
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+    head.forward, head._engine_fp32_head = forward, True
+    embedding = base.get_input_embeddings()
+    if embedding is not None and embedding.weight is head.weight and dtype != torch.float32:
+        embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
+    return model

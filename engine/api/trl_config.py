@@ -69,8 +69,9 @@ NO_EFFECT: dict[str, str] = {
              "use_transformers_paged"),
     **_group("script flags for HF's example scripts", "do_train", "do_eval", "do_predict"),
     **_group("the LM head's logits are always computed in float32 here (the fused kernel upcasts the hidden states "
-             "and the model.dtype weight; the optimizer keeps float32 master weights); the weight itself stays in "
-             "model.dtype", "cast_lm_head_to_fp32"),
+             "and the model.dtype weight, whose float32 master copy the optimizer updates), so training is the same; "
+             "it acts on trainer.model only: its lm_head float32 with float32 logits, as TRL's",
+             "cast_lm_head_to_fp32"),
 }
 """Accepted and named in one warning (the engine behaves as the reason says, whatever the value)."""
 
@@ -84,7 +85,8 @@ REFUSED: dict[str, str] = {
 TRANSLATED: dict[str, str] = {
     "bf16": "model.dtype = bfloat16 (False: float32)",
     "fp16": "model.dtype = float16",
-    "model_init_kwargs": "its dtype / torch_dtype -> model.dtype, trust_remote_code -> model.trust_remote_code; other "
+    "model_init_kwargs": "its dtype / torch_dtype -> model.dtype, trust_remote_code -> model.trust_remote_code, "
+                         "attn_implementation -> model.attention_implementation (eager; any other: sdpa); other "
                          "keys are named in the no-effect warning",
     "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max (TRL's deprecated name)",
     "log_level": "'info' / 'debug' -> logging.verbose = true; 'warning' and quieter -> false; 'passive' leaves it",
@@ -391,6 +393,9 @@ def _translate_dtype(kwargs: dict[str, Any], ignored: dict[str, tuple[Any, str]]
         init.pop(key, None)
     if "trust_remote_code" in init:
         kwargs.setdefault("trust_remote_code", init.pop("trust_remote_code"))
+    attention = init.pop("attn_implementation", None)
+    if attention is not None:  # eager -> eager; sdpa, flash_attention_2 / 3, flex... -> torch's fused SDPA
+        kwargs.setdefault("attention_implementation", "eager" if attention == "eager" else "sdpa")
     for key, value in init.items():
         ignored[f"model_init_kwargs[{key!r}]"] = (value, "the policy is built by Megatron from the checkpoint")
     if "dtype" in kwargs:

@@ -1,6 +1,9 @@
 """What `GRPOTrainer` exposes beyond running the loop, as TRL's trainer has it: the policy as a transformers model,
 streaming and named datasets, and a failed run's clean-up contract.
 
+A trainer built without `__init__` (TRL's unit tests: `object.__new__(GRPOTrainer)`) keeps `model`, `state` and
+`processing_class` as plain assigned values (`TrainerSurface._unbuilt`).
+
 Owns: `load_causal_lm` (a Hugging Face checkpoint directory as a `PreTrainedModel` on this process's CPU, or the
 trained weights copied into the user's own model object), `model_directory` (where the policy's weights are: a
 `builtin:` name resolved as the engine resolves it), `materialise_stream` (the rows of a streaming
@@ -250,10 +253,34 @@ class TrainerSurface:
 
     # -- TRL's attributes -------------------------------------------------------------------------------------------
 
+    def _unbuilt(self) -> dict | None:
+        """A trainer whose `__init__` never ran (TRL's unit tests build one with `object.__new__(GRPOTrainer)` and
+        assign `model`, `state`, `processing_class` to test `_generate` alone) keeps those as plain values: this
+        dict of them. None for a trainer built by `__init__` (its attributes are the properties below)."""
+        if "_cfg" in vars(self):
+            return None
+        return vars(self).setdefault("_unbuilt_attributes", {})
+
+    def _unbuilt_get(self, name: str) -> Any:
+        try:
+            return self._unbuilt()[name]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__}.{name}: the trainer was not built by __init__ and "
+                                 f"{name} was never assigned") from None
+
     @property
     def state(self) -> Any:
         """transformers' `TrainerState` (global_step, log_history, epoch, ...), shared with the callbacks."""
+        if self._unbuilt() is not None:
+            return self._unbuilt_get("state")
         return self._hooks.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """Only on a trainer not built by `__init__` (`_unbuilt`); a built trainer's state is its callbacks'."""
+        if self._unbuilt() is None:
+            raise AttributeError("trainer.state is the TrainerState the callbacks share; change its fields instead")
+        self._unbuilt()["state"] = value
 
     @property
     def callback_handler(self) -> Any:
@@ -286,6 +313,8 @@ class TrainerSurface:
         the whole model in memory: a checkpoint over 80% of the available memory raises MemoryError naming how to
         load the export instead (`check_fits_in_memory`; e.g. `AutoModelForCausalLM.from_pretrained(
         f"{args.output_dir}/final_model", device_map="auto")` where it fits)."""
+        if self._unbuilt() is not None:
+            return self._unbuilt_get("model")
         if self._model is None or self._model_is_stale:
             peft_config = getattr(self, "_peft_config", None)
             if peft_config is not None and self._model_object is None:  # LoRA: a PeftModel, as TRL's
@@ -299,6 +328,10 @@ class TrainerSurface:
             check_fits_in_memory(self._current_model_dir())
             self._model = load_causal_lm(self._current_model_dir(), into=self._model_object)
             self._model_is_stale = False
+        if getattr(self.args, "cast_lm_head_to_fp32", False):
+            from engine.api.trl_compat import cast_lm_head_to_fp32
+
+            cast_lm_head_to_fp32(self._model)
         return self._model
 
     @model.setter
@@ -311,6 +344,9 @@ class TrainerSurface:
 
         from transformers import PreTrainedModel
 
+        if self._unbuilt() is not None:
+            self._unbuilt()["model"] = value
+            return
         if not isinstance(value, PreTrainedModel):
             raise TypeError(f"trainer.model must be a transformers PreTrainedModel, got {type(value).__name__}: the "
                             "engine trains a Megatron copy of the policy built from a checkpoint, so only a model it "
@@ -346,12 +382,22 @@ class TrainerSurface:
     @property
     def processing_class(self) -> Any:
         """The tokenizer given, else the model's own (loaded when first read)."""
+        if self._unbuilt() is not None:
+            return self._unbuilt_get("processing_class")
         if self._processing_class is None:
             from transformers import AutoTokenizer
 
             self._processing_class = AutoTokenizer.from_pretrained(model_directory(self.model_path,
                                                                                    self.output_dir))
         return self._processing_class
+
+    @processing_class.setter
+    def processing_class(self, value: Any) -> None:
+        """Only on a trainer not built by `__init__` (`_unbuilt`); pass processing_class= to GRPOTrainer."""
+        if self._unbuilt() is None:
+            raise AttributeError("trainer.processing_class is fixed at construction: pass processing_class= to "
+                                 "GRPOTrainer (prompts are tokenized with it before training)")
+        self._unbuilt()["processing_class"] = value
 
     @property
     def reward_processing_classes(self) -> list:
@@ -497,6 +543,9 @@ class TrainerSurface:
 
         from engine.train.loop import evaluate_only
 
+        from engine.api.trl_generate import patched_since_construction
+
+        patched_since_construction(self, getattr(self, "_dispatch_overrides", []))  # the rollout chosen at __init__
         sets = eval_sets(eval_dataset, self._cfg.data.eval_max_prompts) if eval_dataset is not None \
             else self._eval_sets
         if not sets:

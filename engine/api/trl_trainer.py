@@ -33,7 +33,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.models.hub import resolve_hub_model
-from engine.api import trl_compat
+from engine.api import trl_compat, trl_generate
 from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic, with_placeholder_prompts
 from engine.api.trl_config import GFPOConfig, GRPOConfig
 from engine.api.trl_surface import INITIAL_MODEL_DIR, TrainerSurface, eval_sets, is_stream, save_model_object
@@ -58,7 +58,9 @@ class GRPOTrainer(TrainerSurface):
     callables, the tokenizer and the user hooks (`group_filter_func`, `dynamic_prompts_fn`: any callable, a function
     of the script, a lambda or an instance) to `engine.train.loop.train` in memory.
 
-    Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP);
+    Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP;
+    a subclass overriding HF Trainer's `training_step` / `_prepare_inputs` / `compute_loss` is refused, naming why,
+    while one overriding TRL's `_generate` / `_generate_single_turn` acts: engine/api/trl_generate.py);
     generation always uses vLLM; a single `eval_dataset` is also scored before and after training (held-out reward,
     `eval_reward_before` / `_after`), besides TRL's `eval_strategy` schedule; `train()` runs once per trainer (the
     engine tears its process group down at the end, and on any exception, so a new trainer can train in the same
@@ -98,6 +100,7 @@ class GRPOTrainer(TrainerSurface):
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list | None = None, rollout_func: Any = None,
                  environment_factory: Any = None, group_filter_func: Any = None):
+        trl_compat.refuse_step_overrides(self)  # HF Trainer's step methods cannot act here
         given_model = model  # trainer.model is this object (a PeftModel's adapters set after train())
         if peft_config is None and type(model).__name__.startswith("Peft"):  # TRL takes a PeftModel too
             model, peft_config = _split_peft_model(model)
@@ -136,7 +139,11 @@ class GRPOTrainer(TrainerSurface):
             raise ValueError("`train_dataset` is required: a datasets.Dataset with a 'prompt' column (or set "
                              "GRPOConfig(dataset_name=...) to a local file, a hub name or builtin:arithmetic)")
         model_path = resolve_model(model, self.output_dir, processing_class, cfg.model.trust_remote_code)
-        self._agentic = resolve_agentic(self, tools, rollout_func, environment_factory, model_name=str(model_path),
+        self.rollout_func, self._last_loaded_step = rollout_func, 0  # TRL's attributes (`_generate` reads them)
+        rollout = trl_generate.dispatch_override(self, rollout_func, tools, environment_factory,
+                                                 cfg.rollout)  # a subclass's _generate override
+        self._dispatch_overrides = trl_generate.overridden(type(self))
+        self._agentic = resolve_agentic(self, tools, rollout, environment_factory, model_name=str(model_path),
                                         tokenizer=self._processing_class or _local_tokenizer(model_path),
                                         chat_template_kwargs=cfg.generation.chat_template_kwargs)
         if self._agentic.reward_funcs:  # environments' get_reward, weight 1 (TRL)
@@ -163,6 +170,7 @@ class GRPOTrainer(TrainerSurface):
 
             self._cfg = dataclasses.replace(self._cfg, lora=dataclasses.replace(self._cfg.lora,
                                                                                 **lora_fields_from_peft(peft_config)))
+        trl_compat.check_liger_installed(bool(getattr(args, "use_liger_kernel", False)))  # after PEFT's, as TRL
         self._engine_eval_dataset = engine_eval  # scored before and after training by the engine
         self._check_layout()
         self.model_path = Path(model_path)
@@ -170,6 +178,13 @@ class GRPOTrainer(TrainerSurface):
         self._peft_config = peft_config  # trainer.model is then a peft.PeftModel (trl_surface.py)
         self._init_trainer_surface(given_model, callbacks, is_stream(train_dataset))
 
+    use_vllm = True
+    """TRL's flag: generation always uses vLLM here."""
+    vllm_generation = trl_generate.EngineWeightSync()
+    """TRL's generation backend handle, as `_generate` uses it (engine/api/trl_generate.py)."""
+    _generate = trl_generate.generate  # TRL's private rollout dispatch; a subclass's override acts (trl_generate.py)
+    _generate_single_turn = trl_generate.generate_single_turn
+    training_step = trl_compat.training_step  # HF Trainer's; refused with why (trl_compat.STEP_METHODS_WHY)
     get_off_policy_mask = staticmethod(trl_compat.get_off_policy_mask)
     get_high_entropy_mask = trl_compat.get_high_entropy_mask  # TRL's signature: (self, entropies, mask, threshold)
     _get_per_token_logps_and_entropies = trl_compat.get_per_token_logps_and_entropies  # TRL's private signature
@@ -206,6 +221,8 @@ class GRPOTrainer(TrainerSurface):
         if self._trained:
             raise RuntimeError("train() already ran: the engine's process group and policy are torn down at the end "
                                "of a run; build a new GRPOTrainer (e.g. with model=<output_dir>/final_model)")
+        trl_generate.patched_since_construction(self, self._dispatch_overrides)
+        trl_compat.refuse_step_overrides(self)  # e.g. training_step patched onto the class since construction
         cfg = self._cfg
         if resume_from_checkpoint:
             where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.lora_settings import lora_settings_from_config
+from engine.lora_settings import lora_settings_from_config, vllm_max_lora_rank
 from engine.planning.shapes import ClusterShape, ModelDims, PlanError, megatron_padded_vocab, num_rollout_servers
 from engine.recompute import Recompute, resolve_recompute
 from engine.validation import Derived
@@ -223,7 +223,8 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     2*f/h, i.e. 4 + 4*g/a + 6*f/h (a GeLU MLP's 4*f/h becomes 6*f/h; Megatron-LM's own `compute_activation_memory`
     uses 18 + 4*f/h, not counting SwiGLU's gate half). The 5*a*s/h term is the attention score matrix: fused (flash)
     attention, which Transformer Engine's layer spec uses, never stores it (the paper's "selective recompute" row,
-    s*b*h*34/t), so it is counted only for `model.transformer_impl: local`. MoE: the MLP's 6*f/h becomes
+    s*b*h*34/t), so it is counted only for `model.transformer_impl: local` with `model.attention_implementation: eager` or GPT-OSS's own attention
+(SDPA, the local spec's default, keeps none either). MoE: the MLP's 6*f/h becomes
     6*k*f_moe/h (each token's k routed copies, tokens assumed balanced over experts).
 
     Recompute, as it runs (`train.gradient_checkpointing` and `train.recompute_*`, resolved by
@@ -233,7 +234,7 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     "full activation recomputation: 2*s*b*h*L". Full, block, n layers per model chunk: those n x vpp layers of the
     stage keep their input only, the others everything, plus one recomputed layer's working set. Selective: every
     layer keeps everything but what its recomputed modules would hold: `core_attn` the attention scores (the 5*a*s/h
-    term, local spec only), `mlp` / `moe` the MLP's inside (6*f/h, or 6*k*f_moe/h; its input is the norm output kept
+    term, local spec with eager attention only), `mlp` / `moe` the MLP's inside (6*f/h, or 6*k*f_moe/h; its input is the norm output kept
     anyway), plus that part of the one layer being recomputed in the backward. None: every layer keeps everything.
     These are the paper's stored activations; the backward's transient gradient buffers are not counted (measured
     against this model: benchmarks/bench_recompute.py).
@@ -243,7 +244,9 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     sp, rc = cfg.parallel.sequence_parallel, plan_recompute(cfg, dims)
     sbh = s * b * h
     ffn = dims.num_experts_per_tok * dims.moe_intermediate_size if dims.is_moe else dims.intermediate_size
-    scores = 5 * dims.num_heads * s / h if cfg.model.transformer_impl == "local" else 0.0
+    # SDPA and TE's fused attention keep no s x s scores; GPT-OSS (sinks) has its own eager attention on the local spec
+    eager = cfg.model.transformer_impl == "local" and (cfg.model.attention_implementation == "eager" or dims.sinks)
+    scores = 5 * dims.num_heads * s / h if eager else 0.0
     mlp = 6 * ffn / h  # MoE: each token's k routed copies of f_moe
     split = attention_activations(dims) + mlp + scores
     full_split, removed = split, 0.0
@@ -307,8 +310,10 @@ def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
     return Term("loss workspace", text, workspace + hidden + rows + stats), note
 
 
-def _stage_adapter_params(dims: ModelDims, cfg: EngineConfig) -> tuple[float, str]:
-    """LoRA adapter parameters one GPU holds (engine/policy/lora.py's TP rules), with the arithmetic.
+def _stage_adapter_params(dims: ModelDims, cfg: EngineConfig, *, tp: int | None = None, layers: int | None = None,
+                          r: int | None = None) -> tuple[float, str]:
+    """LoRA adapter parameters one GPU holds (engine/policy/lora.py's TP rules; vLLM's LoRA layers shard alike), with
+    the arithmetic; tp / layers / r default to the trainer's (parallel.tp_size, a pipeline stage's, lora.lora_r).
 
     Per layer and target of input width i, output width o, rank r: column-parallel (q/k/v, gate/up) A r*i replicated
     + B o*r / tp; row-parallel (o_proj, down_proj) A r*i / tp + B o*r replicated."""
@@ -317,13 +322,27 @@ def _stage_adapter_params(dims: ModelDims, cfg: EngineConfig) -> tuple[float, st
     h, a, g, d, f = dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.d, dims.intermediate_size
     sizes = {"q_proj": (h, a * d, False), "k_proj": (h, g * d, False), "v_proj": (h, g * d, False),
              "o_proj": (a * d, h, True), "gate_proj": (h, f, False), "up_proj": (h, f, False), "down_proj": (f, h, True)}
-    settings, tp = lora_settings_from_config(cfg.lora), cfg.parallel.tp_size
-    r, layers = settings.r, dims.num_layers // cfg.parallel.pp_size
+    settings = lora_settings_from_config(cfg.lora)
+    tp, r = tp or cfg.parallel.tp_size, r or settings.r
+    layers = layers or dims.num_layers // cfg.parallel.pp_size
     per_layer = sum(r * i / (tp if row else 1) + o * r / (1 if row else tp)
                     for i, o, row in (sizes[name] for name in settings.target_modules))
     text = (f"adapters: {layers} layers x r {r} x ({' + '.join(settings.target_modules)}; column: A r*in + B out*r/"
             f"{tp}, row: A r*in/{tp} + B out*r)")
     return layers * per_layer, text
+
+
+def _vllm_lora_slot(dims: ModelDims, cfg: EngineConfig) -> list[Term]:
+    """Adapter-only sync (`lora.lora_weight_sync=adapter`): vLLM's LoRA slot on one engine GPU (one adapter,
+    `max_loras` 1, stacked at vLLM's max_lora_rank, sharded at vLLM's TP as the trainer's TP rules say), allocated
+    with the model, before the KV cache is sized; [] otherwise."""
+    if not (cfg.lora.use_peft and cfg.lora.lora_weight_sync == "adapter"):
+        return []
+    rank = vllm_max_lora_rank(cfg.lora.lora_r)
+    params, text = _stage_adapter_params(dims, cfg, tp=cfg.rollout.vllm_tensor_parallel_size,
+                                         layers=dims.num_layers, r=rank)
+    return [Term("LoRA slot", f"vLLM's max_lora_rank {rank}: {text} = {format_count(params)} params x "
+                 f"{_optimizer_bytes(cfg)[0]} B", params * _optimizer_bytes(cfg)[0])]
 
 
 def _stage_terms(cfg: EngineConfig, dims: ModelDims, derived: Derived, stage: int) -> list[Term]:
@@ -494,14 +513,16 @@ def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, de
         ),
         Term("reserve", "vLLM's activation peak, CUDA graphs, non-torch memory (--reserve-gib)", reserve),
     ]
-    room = share - params * wbytes - reserve
+    slot = _vllm_lora_slot(dims, cfg)
+    terms[1:1] = slot
+    room = share - params * wbytes - reserve - sum(t.nbytes for t in slot)
     concurrency = max(room, 0) / (tokens * per_token)
     if server:
         where = f"{engines} rollout server(s), one per inference node"
     else:
         where = f"{engines} engine(s) on the training GPUs (colocated)"
     title = f"inference GPU (vLLM TP {vtp}, {where}, {seqs} sequences per engine)"
-    notes = [f"KV room = share - weights - reserve = {format_gib(room)}: {concurrency:.2f} sequences of {tokens} tokens "
+    notes = [f"KV room = share - weights{' - LoRA slot' if slot else ''} - reserve = {format_gib(room)}: {concurrency:.2f} sequences of {tokens} tokens "
              f"at once (vLLM logs it as 'Maximum concurrency for {tokens} tokens per request')"]
     idle = shape.gpus_per_node - vtp
     if server and idle > 0:

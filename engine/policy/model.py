@@ -35,6 +35,7 @@ from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
 from engine.policy import gemma_layers
 from engine.policy.parallel import ParallelState
+from engine.policy.sdpa_attention import use_sdpa
 from engine.recompute import resolve_recompute
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -308,6 +309,9 @@ def _layer_spec(cfg: ModelConfig, qk_layernorm: bool = False, num_experts: int |
         except ImportError:
             impl = "local"
     if impl == "transformer_engine":
+        if cfg.attention_implementation == "eager":
+            raise ValueError("model.attention_implementation=eager acts on Megatron's local spec only; Transformer "
+                             "Engine's spec has its own fused attention: set model.transformer_impl: local")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
@@ -461,6 +465,8 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
             raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its post-norms, (1 + w) "
                              "norms and sliding-layer RoPE are project modules): set model.transformer_impl: local")
         spec = gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config)
+    if cfg.attention_implementation == "sdpa":
+        spec, dense_spec = use_sdpa(spec, config), use_sdpa(dense_spec, config)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):

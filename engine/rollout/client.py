@@ -114,6 +114,9 @@ class RolloutClient:
         self.backoff_s = backoff_s
         self.last_instance: str | None = None
         """The server process that answered the last `generate` (its /health `instance_id`)."""
+        self.lora_version: int | None = None
+        """The LoRA adapter version last synced into the server (adapter-only sync): every generate and prompt
+        log-prob request names it (None: the base weights alone)."""
 
     def __repr__(self) -> str:  # never the token
         return f"RolloutClient({self.base_url!r})"
@@ -136,7 +139,7 @@ class RolloutClient:
                 message = body
             cause = (f"401 Unauthorized: {_refused_token(message)}" if exc.code == 401
                      else f"HTTP {exc.code}: {message}")
-            raise _Failure(cause, retry=exc.code in _RETRY_STATUSES) from None
+            raise _Failure(cause, retry=exc.code in _RETRY_STATUSES, lost=exc.code == 410) from None
         except (TimeoutError, socket.timeout):
             raise _Failure(f"no answer within {timeout_s:g} s (timeout)", retry=False) from None
         except urllib.error.URLError as exc:
@@ -157,7 +160,8 @@ class RolloutClient:
             except _Failure as failure:
                 if not failure.retry or attempt + 1 == attempts:
                     tries = f" after {attempt + 1} attempts" if attempt else ""
-                    kind = RolloutServerLost if failure.retry else RolloutServerError  # gone, or loading again
+                    # gone, or loading again, or without the adapter the trainer synced (410: restarted)
+                    kind = RolloutServerLost if failure.retry or failure.lost else RolloutServerError
                     raise kind(
                         f"rollout server {self.base_url}: {method} {endpoint} failed{tries}: {failure.cause}"
                     ) from None
@@ -206,16 +210,19 @@ class RolloutClient:
         `structured_outputs_regex` (None = unconstrained)."""
         payload = {"prompt_ids": prompt_ids, "num_generations": num_generations, "seeds": seeds,
                    "generation": asdict(generation) if generation is not None else None,
-                   "structured_outputs_regex": structured_outputs_regex}
+                   "structured_outputs_regex": structured_outputs_regex, **self._adapter()}
         out = self._request("POST", "/generate", payload, timeout_s=self.request_timeout_s)
         self.last_instance = out.get("instance_id")
         prompts = [list(p) for p in prompt_ids for _ in range(num_generations)]
         return Rollout.from_json(out, prompts)
 
     def prompt_logprobs(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
-        out = self._request("POST", "/prompt_logprobs", {"sequences": sequences, "temperature": temperature},
-                            timeout_s=self.request_timeout_s)
+        out = self._request("POST", "/prompt_logprobs", {"sequences": sequences, "temperature": temperature,
+                                                         **self._adapter()}, timeout_s=self.request_timeout_s)
         return out["logprobs"]
+
+    def _adapter(self) -> dict:
+        return {} if self.lora_version is None else {"lora_version": self.lora_version}
 
     def sleep(self) -> None:
         self._request("POST", "/sleep", {})
@@ -237,6 +244,12 @@ class RolloutClient:
         holds the digests of what it then holds."""
         return self._request("POST", "/weights/update", {"verify": verify}, timeout_s=self.request_timeout_s,
                              idempotent=False)
+
+    def update_adapter(self, **adapter) -> dict:
+        """The server's workers receive the LoRA adapter over the transfer group and load it (adapter-only sync;
+        `adapter`: version, names, shapes, dtype, peft_config, verify); each worker's answer holds, with verify,
+        the digests of the adapter as held."""
+        return self._request("POST", "/lora/update", adapter, timeout_s=self.request_timeout_s, idempotent=False)
 
     def weight_digests(self) -> dict:
         """{"workers": each engine rank's {"engine_rank", "digests"}} of the weights the server holds now."""
@@ -502,9 +515,10 @@ def logprobs_mode_mismatch(server_mode: str | None, generation: GenerationConfig
 class _Failure(Exception):
     """One failed attempt: the cause in words and whether an idempotent request may try again."""
 
-    def __init__(self, cause: str, retry: bool):
+    def __init__(self, cause: str, retry: bool, lost: bool = False):
         super().__init__(cause)
-        self.cause, self.retry = cause, retry
+        self.cause, self.retry, self.lost = cause, retry, lost
+        """lost: the server answered that it lost this trainer's state (410: the LoRA adapter version asked for)."""
 
 
 def _describe(reason) -> str:

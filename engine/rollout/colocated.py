@@ -104,7 +104,8 @@ class ColocatedRollout:
             from engine.policy.peft_adapter import peft_config_of
 
             config = peft_config_of(self.adapter).to_dict()
-            return sync_adapter(chunks, self.ps, self.engine, self.adapter, config, self.dtype, verify=verify)
+            return sync_adapter(chunks, self.ps, self.engine, self.adapter, config, self.dtype, verify=verify,
+                                plan=self.plan)
         with merged_lora(chunks):
             return sync_colocated(chunks, self.ps, self.dims, self.engine, self.bucket_mb,
                                   self.plan if verify else None)

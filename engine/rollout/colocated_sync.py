@@ -27,7 +27,7 @@ from engine.policy.hf_convert import ModelDims
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap
 from engine.rollout.sync_check import check_digests, raise_on_every_rank
-from engine.rollout.sync_plan import SyncPlan, TrainerLayout, box_slices, build_sync_plan
+from engine.rollout.sync_plan import SyncPlan, TrainerLayout, box_slices, build_sync_plan, engine_name
 from engine.rollout.weight_digest import box_digest
 
 
@@ -131,15 +131,17 @@ def sync_colocated(chunks, ps: ParallelState, dims: ModelDims, engine, bucket_mb
     """
     start, num_bytes, num_tensors, num_buckets, digest_s = time.perf_counter(), 0, 0, 0, 0.0
     boxes = {tensor.name: tensor.engine_boxes for tensor in plan.tensors} if plan is not None else {}
+    shapes = {tensor.name: tensor.shape for tensor in plan.tensors} if plan is not None else {}
     engine_rank = engine.engine_rank if plan is not None else None
     expected: dict[str, torch.Tensor] = {}
     for bucket in iter_hf_buckets(chunks, ps, dims, bucket_mb):
+        bucket = [(engine_name(name), tensor) for name, tensor in bucket]  # GPT-OSS: one expert per tensor
         if load:
             engine.load_weights(bucket)
         if plan is not None:
             began = time.perf_counter()
-            expected |= {name: box_digest(tensor[box_slices(boxes[name][engine_rank])]) for name, tensor in bucket
-                         if name in boxes}
+            expected |= {name: box_digest(tensor.view(shapes[name])[box_slices(boxes[name][engine_rank])])
+                         for name, tensor in bucket if name in boxes}
             digest_s += time.perf_counter() - began
         num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
         num_tensors += len(bucket)

@@ -37,6 +37,7 @@ from engine.config import EngineConfig, GenerationConfig, build_config, config_t
 from engine.log_filters import quiet_library_logs
 from engine.models.model_dir import resolve_model_dir
 from engine.rollout.client import TOKEN_ENV, RolloutServerError, read_token
+from engine.rollout.vllm_lora import lora_engine_options, name_policy_adapter, receive_policy_adapter
 
 MAX_BODY_MB = 256
 """Default `--max-body-mb`: a round of 1,024 prompts x 8 completions of 4,096 token ids is ~60 MiB of JSON."""
@@ -106,6 +107,7 @@ class RolloutServer(ThreadingHTTPServer):
     # --- the endpoints' work (called with the engine lock held) -------------------------------------------------
 
     def generate(self, body: dict) -> dict:
+        name_policy_adapter(self.engine, body.get("lora_version"))  # LookupError (410) when another is held
         gen = body.get("generation")
         generation = build_config(gen, GenerationConfig, "generation") if gen is not None else None
         regex = body.get("structured_outputs_regex", self.engine.structured_outputs_regex)  # the trainer's
@@ -115,6 +117,7 @@ class RolloutServer(ThreadingHTTPServer):
                                                       "num_weight_updates": self.num_weight_updates}
 
     def prompt_logprobs(self, body: dict) -> dict:
+        name_policy_adapter(self.engine, body.get("lora_version"))
         return {"logprobs": self.engine.prompt_logprobs(body["sequences"], float(body["temperature"]))}
 
     def init_weights(self, body: dict) -> dict:
@@ -127,6 +130,11 @@ class RolloutServer(ThreadingHTTPServer):
     def update_weights(self, body: dict) -> dict:
         workers = self.engine.receive_weights(verify=bool(body.get("verify", True)))
         self.num_weight_updates += 1
+        return {"workers": workers, "instance_id": self.instance_id}
+
+    def update_adapter(self, body: dict) -> dict:
+        keys = ("version", "names", "shapes", "dtype", "peft_config")
+        workers = receive_policy_adapter(self.engine, **{k: body[k] for k in keys}, verify=bool(body.get("verify", True)))
         return {"workers": workers, "instance_id": self.instance_id}
 
     def weight_digests(self, body: dict) -> dict:
@@ -147,7 +155,7 @@ class RolloutServer(ThreadingHTTPServer):
 
 _ROUTES = {"/generate": RolloutServer.generate, "/prompt_logprobs": RolloutServer.prompt_logprobs,
            "/weights/init": RolloutServer.init_weights, "/weights/update": RolloutServer.update_weights,
-           "/weights/digests": RolloutServer.weight_digests, "/weights/close": RolloutServer.close_weights, "/sleep": RolloutServer.sleep,
+           "/weights/digests": RolloutServer.weight_digests, "/lora/update": RolloutServer.update_adapter, "/weights/close": RolloutServer.close_weights, "/sleep": RolloutServer.sleep,
            "/wake_up": RolloutServer.wake_up}
 
 
@@ -189,11 +197,12 @@ class _Handler(BaseHTTPRequestHandler):
     compared in constant time; a request without it gets 401 and touches nothing):
     | endpoint | body -> answer |
     |---|---|
-    | GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret), logprobs_mode (the vLLM log-prob mode its generation settings chose; a trainer whose sampling needs another is refused at connection); authorized (whether the request's bearer token is this server's; only when it has one) |
-    | POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null), structured_outputs_regex (the trainer's `rollout.vllm_structured_outputs_regex`; absent = the server's own) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
-    | POST /prompt_logprobs | sequences, temperature -> logprobs (of every token after the first) |
+    | GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, max_lora_rank (None: no LoRA support), num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret), logprobs_mode (the vLLM log-prob mode its generation settings chose; a trainer whose sampling needs another is refused at connection); authorized (whether the request's bearer token is this server's; only when it has one) |
+    | POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null), structured_outputs_regex (the trainer's `rollout.vllm_structured_outputs_regex`; absent = the server's own), lora_version (the LoRA adapter to sample with; absent = the base) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
+    | POST /prompt_logprobs | sequences, temperature, lora_version (as /generate) -> logprobs (of every token after the first) |
     | POST /weights/init | host, port, world_size, first_engine_rank, timeout_s, plan (SyncPlan.spec()), bucket_mb -> ranks; the workers join the trainer's transfer group (the call returns once the trainer's senders have joined) |
     | POST /weights/update | verify (default true) -> per-worker stats (with verify: engine_rank and digests of what the worker then holds), instance_id; the workers receive one sync and load it with vLLM's reload_weights |
+    | POST /lora/update | version, names, shapes, dtype, peft_config, verify -> workers (tensors; with verify engine_rank and digests of the adapter as held), instance_id; the workers receive the LoRA adapter's tensors over the transfer group and load it as vLLM adapter `version` (engine/rollout/vllm_lora.py); a /generate or /prompt_logprobs naming `lora_version` runs with it (410 when another is held) |
     | POST /weights/digests | -> workers: each engine rank's engine_rank and digests ({HF name: [digest, dtype]}, engine/rollout/weight_digest.py) of the weights it holds |
     | POST /weights/close | -> the workers leave the transfer group |
     | POST /sleep, /wake_up | vLLM sleep mode where the engine supports it (GPU), otherwise no-ops |
@@ -240,7 +249,8 @@ class _Handler(BaseHTTPRequestHandler):
                   "num_engine_calls": self.server.num_engine_calls, "instance_id": self.server.instance_id,
                   "num_weight_updates": self.server.num_weight_updates,
                   "replica": self.server.replica[0], "num_replicas": self.server.replica[1], "model": self.server.model,
-                  "logprobs_mode": self.server.engine.logprobs_mode if ready else None}
+                  "logprobs_mode": self.server.engine.logprobs_mode if ready else None,
+                  "max_lora_rank": self.server.engine.max_lora_rank if ready else None}
         header = self.headers.get("Authorization")
         if header:  # the client learns at connection whether its token is this server's (what a 401 would say)
             answer["authorized"] = self.server.is_authorized(header)
@@ -272,6 +282,9 @@ class _Handler(BaseHTTPRequestHandler):
                 result = route(self.server, body)
         except _Conflict as exc:
             self._send(409, {"error": f"{path}: {exc}"})
+            return
+        except LookupError as exc:  # the LoRA adapter version a request names is not held (vllm_lora.py)
+            self._send(410, {"error": f"{path}: {exc}"})
             return
         except (KeyError, TypeError, ValueError) as exc:
             self._send(400, {"error": f"bad request to {path}: {type(exc).__name__}: {exc}"})
@@ -555,8 +568,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.rollout.se
                                       trust_remote_code=cfg.model.trust_remote_code)
         server.model = model_identity(model_dir, cfg.model.name_or_path, cfg.model.trust_remote_code)
         dtype = resolve_dtype(settings.dtype, model_dir, cfg.model.dtype)
+        lora = cfg.lora.use_peft and cfg.lora.lora_weight_sync == "adapter"  # adapter-only sync: vLLM's LoRA on
         engine = ServerEngine(model_dir, rollout, cfg.generation, seed=cfg.train.seed, dtype=dtype,
-                              **settings.engine_options)
+                              **settings.engine_options, **(lora_engine_options(cfg.lora.lora_r) if lora else {}))
         server.engine = engine
         print(f"rollout_server: engine ready ({dtype})", file=sys.stderr, flush=True)
         thread.join()

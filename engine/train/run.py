@@ -244,11 +244,11 @@ def build_engine(cfg: EngineConfig, ps: ParallelState, dims: ModelDims, model_di
     from engine.rollout.colocated import ColocatedRollout
     from engine.rollout.server_rollout import ServerRollout
 
-    if cfg.rollout.vllm_mode == "server":
-        return ServerRollout(cfg.rollout, cfg.generation, ps, dims, chunks, ffn_hidden_size=ffn_hidden_size,
-                             dtype=cfg.model.dtype, verify=cfg.rollout.verify_weight_sync)
     adapter_only = cfg.lora.use_peft and cfg.lora.lora_weight_sync == "adapter"  # engine/rollout/adapter_sync.py
     adapter = lora_settings_from_config(cfg.lora) if adapter_only else None
+    if cfg.rollout.vllm_mode == "server":
+        return ServerRollout(cfg.rollout, cfg.generation, ps, dims, chunks, ffn_hidden_size=ffn_hidden_size,
+                             dtype=cfg.model.dtype, verify=cfg.rollout.verify_weight_sync, adapter=adapter)
     return ColocatedRollout.build(model_dir, cfg.rollout, cfg.generation, ps, dims, seed=cfg.train.seed,
                                   dtype=cfg.model.dtype, ffn_hidden_size=ffn_hidden_size, adapter=adapter)
 

@@ -2,8 +2,9 @@
 
 One world of 2 trainer ranks goes through the layouts (TP1, PP1, DP2: the dp_rank 1 rank must send nothing),
 (TP2, PP1), (TP1, PP2, tied embeddings), and the tiny Qwen3-MoE at EP2 x DP2 (rank 1 is no dense sender but holds
-experts 2-3: it sends those) and expert TP 2 x DP2 (each rank holds half of every expert; rank 1 sends that half)
-in turn: it loads the checkpoint into the Megatron policy and
+experts 2-3: it sends those) and expert TP 2 x DP2 (each rank holds half of every expert; rank 1 sends that half),
+and the tiny GPT-OSS at EP2 into engine TP 2 (stacked, interleaved experts cut from fc1 / fc2 views, one tensor per
+expert; the experts' down_proj_bias to engine rank 0 only) in turn: it loads the checkpoint into the Megatron policy and
 sends it with `send_weights` to engine TP 1 and to engine TP 2 (one WeightTransferGroup each, bucketed or
 tensor-by-tensor). Two receiver processes started here (engine ranks 0 and 1; no Megatron, no vLLM) run
 `receive_weights` for the same groups in the same order. Every receiver's filled box of every HF tensor (the box
@@ -36,6 +37,7 @@ LAYOUTS = [
     ("qwen2_tied", 1, 2, 1, 1, [(2, False), (1, True)]),
     ("qwen3_moe", 1, 1, 2, 1, [(2, False)]),
     ("qwen3_moe", 1, 1, 1, 2, [(1, False)]),
+    ("gpt_oss", 1, 1, 2, 1, [(2, False)]),
 ]
 DEAD_PEER = ("qwen2_tied", 1, 2, 1, 1, 2)  # (family, tp, pp, ep, expert_tp, engine_tp): engine rank 1 dies after one
 # bucket
@@ -76,7 +78,8 @@ def _receiver(engine_rank, jobs, results):
                     os._exit(3)  # a crashed engine worker: no clean-up, the kernel closes its sockets
                 buckets.append([name for name, _ in bucket])
                 for name, tensor in bucket:
-                    assert tuple(tensor.shape) == index[name].shape and tensor.dtype == plan.torch_dtype
+                    assert tuple(tensor.shape) == index[name].loader_shape and tensor.dtype == plan.torch_dtype
+                    tensor = tensor.view(index[name].shape)  # GPT-OSS's gate / up: boxes of its (H, I, 2) view
                     box = tuple(slice(a, b) for a, b in index[name].engine_boxes[engine_rank])
                     boxes[name] = tensor[box].clone()
             group.close()
@@ -144,10 +147,20 @@ def _plan(model_dir, tp, pp, ep, etp, engine_tp):
 
 
 def _checkpoint(model_dir) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors; GPT-OSS's stacked experts as one tensor per expert, under vLLM's per-expert names
+    (`...mlp.experts.<e>.gate_up_proj`)."""
     from engine.policy.hf_checkpoint import SafetensorsSource
 
     src = SafetensorsSource(model_dir)
-    return {name: src.read(name, (slice(None),)) for name in src.names()}
+    out = {}
+    for name in src.names():
+        tensor = src.read(name, (slice(None),))
+        if ".mlp.experts.gate_up_proj" in name or ".mlp.experts.down_proj" in name:  # GPT-OSS: (E, ...) stacked
+            prefix, _, leaf = name.rpartition(".")
+            out |= {f"{prefix}.{e}.{leaf}": tensor[e] for e in range(tensor.shape[0])}
+        else:
+            out[name] = tensor
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +171,8 @@ def transfers(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     model_dirs = {"qwen2": str(build_tiny_model(root / "qwen2", "qwen2", seed=1)),
                   "qwen2_tied": str(build_tiny_model(root / "qwen2_tied", "qwen2", seed=2, tie_word_embeddings=True)),
-                  "qwen3_moe": str(build_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=3))}
+                  "qwen3_moe": str(build_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=3)),
+                  "gpt_oss": str(build_tiny_model(root / "gpt_oss", "gpt_oss", seed=4))}
     jobs, sends, stores, plans = [], [], [], []
     for family, tp, pp, ep, etp, modes in LAYOUTS + [(*DEAD_PEER[:5], [(DEAD_PEER[5], False)])]:
         layout_sends = []
@@ -197,7 +211,7 @@ def transfers(tmp_path_factory):
     return [(family, plan, tbt, received[j]) for j, (family, plan, tbt) in enumerate(plans)], outcomes, model_dirs
 
 
-@pytest.mark.parametrize("job", range(8), ids=[f"{f}-tp{tp}_pp{pp}_ep{ep}_etp{etp}-vllm_tp{e}"
+@pytest.mark.parametrize("job", range(9), ids=[f"{f}-tp{tp}_pp{pp}_ep{ep}_etp{etp}-vllm_tp{e}"
                                                 f"{'-tensor_by_tensor' if t else ''}"
                                                 for f, tp, pp, ep, etp, modes in LAYOUTS for e, t in modes])
 def test_receivers_get_exactly_the_checkpoint_slices_their_vllm_rank_loads(transfers, job):
@@ -220,7 +234,8 @@ def test_receivers_get_exactly_the_checkpoint_slices_their_vllm_rank_loads(trans
             assert len(buckets) > 3, "small buckets: the schedule has several"
         for tensor in plan.tensors:
             box = tuple(slice(a, b) for a, b in tensor.engine_boxes[rank])
-            assert torch.equal(boxes[tensor.name], checkpoint[tensor.name][box]), f"engine rank {rank}: {tensor.name}"
+            held = checkpoint[tensor.name].view(tensor.shape)[box]
+            assert torch.equal(boxes[tensor.name], held), f"engine rank {rank}: {tensor.name}"
     # Senders: dp_rank 1 sends nothing (unless it holds experts); together they move exactly what the engines read.
     per_rank = [out[job] for out in outcomes]
     assert all(status == "ok" for status, _, _ in per_rank), per_rank

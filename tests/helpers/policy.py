@@ -227,6 +227,7 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
 def flip_bits(chunks, ps, plan, names: list[str]) -> None:
     """Flip the lowest bit of one element of each named HF tensor in the trainer's own shards (call it again to flip
     it back): the first element that the plan sends to engine rank 0, on the rank that sends it."""
+    from engine.rollout.sync_plan import local_view
     from engine.rollout.weight_transport import local_params, sender_index
 
     params, me = local_params(chunks), sender_index(plan, ps)
@@ -234,7 +235,7 @@ def flip_bits(chunks, ps, plan, names: list[str]) -> None:
         transfer = next(t for t in plan.transfers() if plan.tensors[t.tensor].name == name and t.engine_rank == 0)
         if transfer.sender == me:
             param = params[(transfer.piece.vp_chunk, transfer.piece.megatron)].data
-            bits = param.view({2: torch.int16, 4: torch.int32}[param.element_size()])
+            bits = local_view(param.view({2: torch.int16, 4: torch.int32}[param.element_size()]), transfer.piece.view)
             bits[tuple(start for start, _ in transfer.local_box)] ^= 1
 
 
@@ -328,6 +329,8 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
             sync()
         return {"before": before, "after": after, "stale_error": stale_error, "unchanged": unchanged, "stats": stats, "flip_error": flip_error,
                 "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs,
-                "completion_ids": rollout.completion_ids}
+                "completion_ids": rollout.completion_ids,
+                "routes": [(tuple(r.shape), int(r.min()), int(r.max())) for r in rollout.routed_experts or []],
+                "fed": [len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completion_ids)]}
     finally:
         engine.close()

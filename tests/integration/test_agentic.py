@@ -10,7 +10,8 @@ real in-process vLLM and real Megatron, one run (~1-1.5 min on 2 cores) that che
   a reward function (named after the class), `environments=` passed to the reward functions, reset()'s
   observation in the prompt;
 - the completion-length metrics count the model's tokens only;
-- `rollout_func` (a second run): its rows train, `env_mask` is the tool mask, its extra keys reach the rewards.
+- `rollout_func` (a second run): its rows train, `env_mask` is the tool mask, its extra keys reach the rewards;
+  through a subclass overriding TRL's `_generate`, whose rows train, and `_generate_single_turn` on the engine.
 
 The tiny model knows no tool-call format, so `vllm_structured_outputs_regex` makes every turn a Hermes tool call:
 what is tested is the engine's machinery, not the model's skill. The shipped tool-calling model
@@ -210,22 +211,40 @@ def _train_with_rollout_func(output_dir: str) -> dict:
     args = GRPOConfig(output_dir=str(Path(output_dir) / "run"), max_steps=1, per_device_train_batch_size=8,
                       num_generations=4, max_completion_length=64, learning_rate=1e-5, logging_steps=1,
                       vllm_gpu_memory_utilization=0.15, vllm_max_model_length=256, report_to="none")
-    trainer = GRPOTrainer(model=str(source), reward_funcs=reward, args=args, train_dataset=dataset,
-                          rollout_func=rollout_func)
+    single_turn = []
+
+    class Overriding(GRPOTrainer):
+        """A user's trainer overriding TRL's `_generate`: TRL's own (rollout_func's rows) with the extra column
+        reversed, and the engine's single-turn generation of the same prompts (recorded, not trained)."""
+
+        def _generate(self, prompts):
+            prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = \
+                super()._generate(prompts)
+            ids, lps = self._generate_single_turn(prompt_ids, None, {}, 4)
+            single_turn.extend((len(c), len(lp), max(lp)) for c, lp in zip(ids, lps))
+            extra = {"row": extra["row"][::-1]}
+            return prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images
+
+    trainer = Overriding(model=str(source), reward_funcs=reward, args=args, train_dataset=dataset,
+                         rollout_func=rollout_func)
     trainer.train()
     record = next(h for h in trainer.state.log_history if "completions/mean_length" in h)
     return {"calls": calls, "seen": seen, "mean_length": record["completions/mean_length"],
-            "num_model_tokens": num_model_tokens, "loss": record.get("loss")}
+            "num_model_tokens": num_model_tokens, "loss": record.get("loss"), "single_turn": single_turn}
 
 
 @pytest.mark.slow
 def test_rollout_func_rows_train_with_env_mask_and_extra_keys(tmp_path):
     """rollout_func's rows are what trains: called once per round with one prompt per row (P * G) and the trainer,
     its extra key reaches the reward function row by row, env_mask is the tool mask (the length metric counts only
-    its 1s)."""
+    its 1s). Through a subclass overriding TRL's `_generate` (engine/api/trl_generate.py): the override's rows are
+    what trains (its reversed extra column reaches the rewards), and `_generate_single_turn` called from it
+    generates one completion per row with the run's vLLM engine (log-probs one per token, <= 0)."""
     (result,) = run_distributed(_train_with_rollout_func, 1, str(tmp_path))
     assert result["calls"] == [(8, 1)]
-    assert result["seen"] == [list(range(8))]
+    assert result["seen"] == [list(range(8))[::-1]]
+    assert len(result["single_turn"]) == 8
+    assert all(1 <= n == m <= 64 and top <= 0.0 for n, m, top in result["single_turn"]), result["single_turn"]
     assert result["mean_length"] == result["num_model_tokens"]
     assert result["loss"] is not None
 

@@ -37,8 +37,8 @@ from tests.helpers.replica_servers import MAX_BODY_MB, READ_TIMEOUT_S
 from tests.integration.test_rollout_server import Server, _free_port, _group_port, _sync_into_server
 
 MAX_LOAD_REQUESTS = 200
-WRITE_ENDPOINTS = ("/generate", "/prompt_logprobs", "/weights/init", "/weights/update", "/weights/close", "/sleep",
-                   "/wake_up", "/shutdown", "/no_such_endpoint")
+WRITE_ENDPOINTS = ("/generate", "/prompt_logprobs", "/weights/init", "/weights/update", "/weights/close", "/lora/update",
+                   "/sleep", "/wake_up", "/shutdown", "/no_such_endpoint")
 
 
 @pytest.fixture

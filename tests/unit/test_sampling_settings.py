@@ -41,6 +41,8 @@ def test_hf_generation_names_map_to_vllm_and_meaningless_keys_are_named():
                         ({"no_repeat_ngram_size": 3}, "no_repeat_ngram_size")):
         with pytest.raises(ValueError, match=rf"generation.generation_kwargs\['{key}'\]"):
             translate_generation_kwargs(kwargs)
+    with pytest.raises(ValueError, match=r"\['length_penalty'\]: a beam-search setting"):
+        translate_generation_kwargs({"length_penalty": -0.1})
 
 
 def test_the_logprobs_mode_is_the_one_whose_logprobs_are_the_trainers():

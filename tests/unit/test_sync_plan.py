@@ -370,3 +370,100 @@ def test_layer_placement_matches_megatrons_own_offsets_with_virtual_pipeline():
                 offset = get_transformer_layer_offset(config, v if vpp else None, p)
                 for layer in range(offset, offset + per_chunk):
                     assert layout.holder_of_layer(layer, layers) == (p, v), (pp, vpp, layer)
+
+
+def _gpt_oss_dims(trainer_tp: int) -> ModelDims:
+    """GPT-OSS: Qwen3-MoE's attention shape without q/k norms, with q/k/v/o biases and sinks, 8 experts of width 8
+    stored stacked (`_gpt_oss_model`)."""
+    return ModelDims(num_layers=LAYERS, hidden_size=16, num_heads=4, num_groups=2, head_dim=8, vocab_size=VOCAB,
+                     padded_vocab=padded_vocab_size(VOCAB, 8, trainer_tp), tie_word_embeddings=False, qkv_bias=True,
+                     num_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_map="gpt_oss")
+
+
+def _gpt_oss_model(seed: int) -> dict[str, torch.Tensor]:
+    """Random full HF GPT-OSS tensors, shapes written out from transformers' GptOss modules: sinks (heads,), o_proj
+    bias, router weight and bias, experts stacked: gate_up_proj (E, H, 2I) gate / up interleaved, its bias (E, 2I),
+    down_proj (E, I, H), its bias (E, H)."""
+    dims = _gpt_oss_dims(1)
+    hf = {name: t for name, t in _hf_model(dims, seed).items() if ".mlp." not in name}
+    gen = torch.Generator().manual_seed(seed + 1)
+    h, e, f = dims.hidden_size, EXPERTS, MOE_FFN
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        shapes = {f"{p}.self_attn.sinks": (dims.num_heads,), f"{p}.self_attn.o_proj.bias": (h,),
+                  f"{p}.mlp.router.weight": (e, h), f"{p}.mlp.router.bias": (e,),
+                  f"{p}.mlp.experts.gate_up_proj": (e, h, 2 * f), f"{p}.mlp.experts.gate_up_proj_bias": (e, 2 * f),
+                  f"{p}.mlp.experts.down_proj": (e, f, h), f"{p}.mlp.experts.down_proj_bias": (e, h)}
+        hf |= {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+    return hf
+
+
+def _gpt_oss_vllm_loaded(name: str, full: torch.Tensor, dims: ModelDims, rank: int, etp: int) -> torch.Tensor:
+    """What vLLM 0.32's GptOssForCausalLM of engine TP rank `rank` keeps of an HF tensor, written out from
+    vllm/model_executor/models/gpt_oss.py: sinks narrowed by heads; one expert's tensor (`experts.<e>.<leaf>`, the
+    GptOssRoutedExperts loader): gate_up_proj (H, 2I) narrowed to columns [2I r/tp, 2I (r+1)/tp) and transposed, its
+    bias likewise, down_proj (I, H) to rows [I r/tp, ...) and transposed, down_proj_bias whole on rank 0 and zeros
+    elsewhere; the attention and vocabulary as the other families."""
+    if name.endswith(".sinks"):
+        size = dims.num_heads // etp
+        return full.narrow(0, rank * size, size)
+    if name.endswith(("router.weight", "router.bias", "o_proj.bias")):
+        return full
+    if ".mlp.experts." in name:
+        size = full.shape[-1] // etp if "gate_up" in name else full.shape[0] // etp
+        if name.endswith("gate_up_proj"):
+            return full.narrow(1, rank * size, size).t()
+        if name.endswith("gate_up_proj_bias"):
+            return full.narrow(0, rank * size, size)
+        if name.endswith("down_proj"):
+            return full.narrow(0, rank * size, size).t()
+        return full if rank == 0 else torch.zeros_like(full)
+    return _vllm_loaded(name, full, dims, rank, etp)
+
+
+GPT_OSS_LAYOUTS = [(1, 1, 1, 1, 2), (1, 1, 2, 1, 2), (2, 2, 2, 1, 2), (1, 1, 2, 2, 4), (2, 1, 1, 2, 1)]
+
+
+@pytest.mark.parametrize("tp,pp,ep,etp,dp", GPT_OSS_LAYOUTS,
+                         ids=[f"tp{a}_pp{b}_ep{c}_etp{d}_dp{e}" for a, b, c, d, e in GPT_OSS_LAYOUTS])
+def test_gpt_oss_plan_sends_each_experts_slices_and_feeds_every_vllm_rank_what_its_loaders_keep(tp, pp, ep, etp, dp):
+    """GPT-OSS's stacked, transposed, gate / up interleaved experts: each expert travels as vLLM's per-expert tensor
+    (`experts.<e>.gate_up_proj` ...), cut from the Megatron shards (fc1 [gate_r; up_r], fc2) through the pieces'
+    views; what every engine rank's loaders keep equals what they keep of the full checkpoint."""
+    from engine.rollout.sync_plan import local_view
+
+    dims = _gpt_oss_dims(tp)
+    hf = _gpt_oss_model(seed=ep * 10 + tp)
+    ranks = _megatron_ranks(tp, pp, ep, etp, dp)
+    holdings = _moe_holdings(hf, dims, ranks)
+    layout = TrainerLayout(tp, pp, ep_size=ep, expert_tp_size=etp)
+    senders = {layout.sender_of(r["pp"], r["tp"], r["dp"], r["etp"], r["ep"], r["edp"]): rank
+               for rank, r in enumerate(ranks)}
+    senders.pop(None, None)
+    expected = {}  # per-expert HF tensors, in vLLM's names
+    for name, tensor in hf.items():
+        if ".mlp.experts." not in name:
+            expected[name] = tensor
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        expected |= {f"{prefix}.{e}.{leaf}": tensor[e] for e in range(EXPERTS)}
+    for engine_tp in (1, 2, 4):
+        plan = build_sync_plan(dims, layout, engine_tp, ffn_hidden_size=MOE_FFN)
+        assert {t.name: t.loader_shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in expected.items()}
+        for engine_rank in range(engine_tp):
+            received = {t.name: torch.full(t.shape, float("nan")) for t in plan.tensors}
+            for tr in plan.transfers():
+                if tr.engine_rank != engine_rank:
+                    continue
+                held = holdings[senders[tr.sender]]
+                assert tr.piece.megatron in held, f"group rank {tr.sender} sends {tr.piece.megatron}, not its own"
+                local = local_view(held[tr.piece.megatron], tr.piece.view)[tuple(slice(a, b) for a, b in tr.local_box)]
+                assert tuple(local.shape) == tuple(b - a for a, b in tr.hf_box), "the local box is clipped"
+                received[plan.tensors[tr.tensor].name][tuple(slice(a, b) for a, b in tr.hf_box)] = local
+            shapes = {t.name: t.loader_shape for t in plan.tensors}
+            for name, full in expected.items():
+                got = _gpt_oss_vllm_loaded(name, received[name].view(shapes[name]), dims, engine_rank, engine_tp)
+                want = _gpt_oss_vllm_loaded(name, full, dims, engine_rank, engine_tp)
+                assert torch.equal(got, want), f"engine_tp={engine_tp} rank={engine_rank}: {name}"
+        expert_senders = {tr.sender for tr in plan.transfers() if ".experts." in plan.tensors[tr.tensor].name}
+        assert len(expert_senders) == pp * ep * etp, "every (stage, ep rank, expert-TP rank) sends its own experts"

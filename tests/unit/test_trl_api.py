@@ -102,8 +102,36 @@ def test_grpo_config_arguments_without_effect_warn_once_naming_each():
 
 def test_grpo_config_cast_lm_head_to_fp32_is_named_with_why_logits_are_float32_already():
     with pytest.warns(UserWarning, match=r"cast_lm_head_to_fp32=True \(the LM head's logits are always computed in "
-                                         r"float32"):
+                                         r"float32.*it acts on trainer.model only"):
         GRPOConfig(cast_lm_head_to_fp32=True)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cast_lm_head_to_fp32_gives_trainer_model_a_float32_head_as_trl(tmp_path, tied):
+    """TRL's `cast_lm_head_to_fp32`: `trainer.model.lm_head.weight` is float32 and so are its logits; a tied input
+    embedding still outputs the model's dtype (the decoder runs in bf16); without the setting the head is bf16."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from engine.models.tiny_model import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    ids = torch.tensor([[1, 2, 3]])
+    for cast in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = GRPOConfig(output_dir=str(tmp_path / f"run{cast}"), per_device_train_batch_size=8,
+                              num_generations=4, max_steps=1, cast_lm_head_to_fp32=cast)
+        trainer = GRPOTrainer(model=model if cast else AutoModelForCausalLM.from_config(config).to(torch.bfloat16),
+                              reward_funcs=reward_len, args=args, train_dataset=_prompts(), processing_class=tokenizer)
+        policy = trainer.model
+        expected = torch.float32 if cast else torch.bfloat16
+        assert policy.lm_head.weight.dtype == expected
+        assert policy(ids).logits.dtype == expected
+        assert policy.get_input_embeddings()(ids).dtype == torch.bfloat16
+        assert (policy.lm_head.weight is policy.get_input_embeddings().weight) == tied
 
 
 def test_grpo_config_never_prints_a_hub_token():
@@ -141,6 +169,15 @@ def test_grpo_config_conflicting_precisions_are_an_error():
         GRPOConfig(bf16=True, fp16=True)
     with pytest.raises(ValueError, match="conflicting precisions"):
         GRPOConfig(bf16=True, model_init_kwargs={"dtype": "float32"})
+
+
+@pytest.mark.parametrize("attn, implementation", [(None, "sdpa"), ("eager", "eager"), ("sdpa", "sdpa"),
+                                                  ("flash_attention_2", "sdpa")])
+def test_grpo_config_attn_implementation_chooses_the_core_attention(attn, implementation):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # translated, not in the no-effect warning
+        args = _config(model_init_kwargs={"attn_implementation": attn} if attn else None)
+    assert args.to_engine_config().model.attention_implementation == implementation
 
 
 def test_grpo_config_router_aux_loss_coef_is_the_moe_aux_loss_coefficient():

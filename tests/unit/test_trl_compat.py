@@ -146,3 +146,34 @@ def test_reward_model_by_hub_id_loads_offline_from_the_hf_cache(tmp_path, monkey
     with pytest.raises(RewardFunctionError, match=r"'tiny-org/missing' \(a reward model's hub id\): .*not in the local "
                                                   r"Hugging Face cache and HF_HUB_OFFLINE is set"):
         GRPOTrainer(model=TINY, reward_funcs="tiny-org/missing", args=_args(tmp_path), train_dataset=_prompts())
+
+
+@pytest.mark.parametrize("method", ["training_step", "_prepare_inputs", "compute_loss"])
+def test_overriding_hf_trainers_step_methods_is_refused_with_why(tmp_path, method):
+    """HF Trainer's step methods cannot act (the step is Megatron's, in the ranks' processes): a subclass overriding
+    one is refused at construction, naming it; `trainer.training_step` exists (as TRL's) and says why if called."""
+    subclass = type("MyTrainer", (GRPOTrainer,), {method: lambda self, *args, **kwargs: None})
+    with pytest.raises(NotImplementedError, match=f"MyTrainer overrides {method}: not supported.*Megatron"):
+        subclass(model=TINY, reward_funcs=reward_len, args=_args(tmp_path), train_dataset=_prompts())
+    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_args(tmp_path), train_dataset=_prompts())
+    with pytest.raises(NotImplementedError, match="training_step: the engine's training step is Megatron's"):
+        trainer.training_step(None, [{"prompt": "p"}], None)
+    from unittest.mock import patch
+
+    with patch.object(GRPOTrainer, "training_step", wraps=trainer.training_step), \
+            pytest.raises(NotImplementedError, match="GRPOTrainer overrides training_step"):
+        trainer.train()  # patched after construction: refused before anything starts
+
+
+def test_use_liger_kernel_without_liger_installed_raises_trls_import_error(tmp_path):
+    """As TRL: `use_liger_kernel=True` without liger-kernel is an ImportError naming the package, at construction."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is not None:
+        pytest.skip("liger-kernel is installed here")
+    with pytest.warns(UserWarning, match="use_liger_kernel"):
+        args = _args(tmp_path, use_liger_kernel=True)
+    with pytest.raises(ImportError, match="liger-kernel package is not installed"):
+        GRPOTrainer(model=TINY, reward_funcs=reward_len, args=args, train_dataset=_prompts())
+    GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_args(tmp_path, use_liger_kernel=False),
+                train_dataset=_prompts())

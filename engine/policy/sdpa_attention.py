@@ -1,0 +1,83 @@
+"""The core attention of Megatron's local layer spec through `torch.nn.functional.scaled_dot_product_attention`.
+
+Owns: `sdpa_core_attention_class` (Megatron's `DotProductAttention` with its forward replaced by one SDPA call) and
+`use_sdpa` (the layer spec with it, where the spec's core attention is Megatron's plain `DotProductAttention`).
+
+Why: Megatron's local `DotProductAttention` materialises the (b x heads, s, s) scores and keeps the float32 softmax
+for the backward. On the lent H200 (git 68db764, `benchmarks/results/grpo_step.csv`, no Transformer Engine there) the
+local spec's Qwen2.5-1.5B step fitted at most 16384 completion tokens (it asked for 27.6 GiB of scores at 24576)
+where TRL's HF model with SDPA fitted 32768. SDPA picks a flash / memory-efficient kernel on a GPU (no s x s tensor)
+and a fused kernel on the CPU; the mathematics are the same (`model.attention_implementation: eager` keeps
+Megatron's own).
+
+Must not: change what is attended to. The causal case (no mask given) is SDPA's `is_causal`; a given mask (the packed
+rows' block-diagonal mask of engine/policy/packing.py, True = masked) is passed as SDPA's boolean mask, inverted.
+Sliding windows, attention sinks (`softmax_offset`), soft-capping, an attention bias and THD packing are not handled
+here: the families that need them have their own core attention (engine/policy/gemma_layers.py, engine/models/
+gpt_oss.py), and `use_sdpa` leaves a spec alone unless its core attention is the plain one and the config has no
+window.
+
+Tested: tests/distributed/test_attention_implementation.py (logits and the GRPO step's loss and gradients against
+the eager attention, padded and packed rows, GQA at TP1 and TP2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+
+@functools.cache
+def sdpa_core_attention_class():
+    """`SDPACoreAttention`, a subclass of Megatron's `DotProductAttention` (imported lazily: Megatron is heavy)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPACoreAttention(DotProductAttention):
+        """DotProductAttention whose forward is one `scaled_dot_product_attention` call: query [sq, b, np, hn],
+        key / value [sk, b, ng, hn] (grouped-query heads expanded by SDPA), output [sq, b, np * hn]."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None or attention_bias is not None or self.softmax_offset is not None:
+                raise ValueError("SDPA core attention takes neither packed_seq_params (THD), an attention bias nor "
+                                 "attention sinks: set model.attention_implementation: eager")
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, hn)
+            if attention_mask is None:
+                if q.shape[2] != k.shape[2]:
+                    raise ValueError(f"SDPA core attention: causal attention needs as many keys as queries, got "
+                                     f"{k.shape[2]} keys for {q.shape[2]} queries")
+                mask, causal = None, True
+            else:
+                mask, causal = ~attention_mask, False  # Megatron: True = masked; SDPA: True = attended
+            dropout = self.attention_dropout.p if self.training else 0.0
+            attend = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, attn_mask=mask,
+                                       dropout_p=dropout, is_causal=causal, scale=self.softmax_scale,
+                                       enable_gqa=k.shape[1] != q.shape[1])
+            if dropout and not self.config.sequence_parallel:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    context = attend()
+            else:
+                context = attend()
+            sq, b = query.shape[0], query.shape[1]
+            return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    return SDPACoreAttention
+
+
+def use_sdpa(spec, config):
+    """`spec` (a transformer layer ModuleSpec) with `SDPACoreAttention` as its core attention when that is Megatron's
+    plain `DotProductAttention` and the config has no sliding window; otherwise `spec` unchanged (Transformer
+    Engine's spec, Gemma's and GPT-OSS's attentions)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if spec is None or getattr(config, "window_size", None) is not None:
+        return spec
+    attention = spec.submodules.self_attention
+    if attention.submodules.core_attention is not DotProductAttention:
+        return spec
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=sdpa_core_attention_class()))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
