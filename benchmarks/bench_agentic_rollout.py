@@ -16,7 +16,11 @@ loops are drawn from the same distribution, not the same draws; the tool calls m
 
 Rows (benchmarks/results/agentic_rollout.csv, via benchmarks/harness.py): rollout wall seconds and samples per second
 per variant (p20/p50/p80 over `--repeats` interleaved runs), the speed-up, and the tool calls made; plots in
-benchmarks/results/plots/. CPU times are this machine's: compare the variants of one run.
+benchmarks/results/plots/. Also `driver_cpu_ms_per_turn` / `driver_cpu_share`: the CPU the driving process spends
+per turn outside the engine and the tools (decode + tool-call parsing + the tool message's tokens, replayed on the
+engine variant's last batch, `driver_cpu_per_turn`), and that CPU for the whole round over the round's wall time:
+what rank 0 pays to drive every sample of a round for all DP ranks (engine/train/sampling.py), against having each
+DP rank drive its own rows. CPU times are this machine's: compare the variants of one run.
 
 Run: `python -m benchmarks.bench_agentic_rollout [--median-s 0.2] [--prompts 8] [--generations 4] [--repeats 2]`
 (~6 min on 2 idle cores; x = the tool's median latency, one run per value). On CPU the tiny model's generation
@@ -117,6 +121,33 @@ def run_lockstep(engine: TurnEngine, samples, tokenizer, tool, settings) -> int:
     return calls
 
 
+def driver_cpu_per_turn(samples, tokenizer, settings, repeats: int = 3) -> tuple[float, int]:
+    """(CPU seconds per turn, turns) of the driver's own work on finished `samples`: each model turn decoded and
+    parsed for tool calls, each tool message rendered to tokens (engine/agent/multi_turn.py's per-turn work, without
+    the engine and the tools), best of `repeats` replays (time.thread_time)."""
+    from engine.agent.chat_tokens import parse_tool_calls, tool_suffix_ids
+
+    turns = []  # (model turn ids, the tool messages that followed it or None)
+    for s in samples:
+        runs, start = [], 0
+        for end in range(1, len(s.completion_ids) + 1):
+            if end == len(s.completion_ids) or s.tool_mask[end] != s.tool_mask[start]:
+                runs.append((s.tool_mask[start], s.completion_ids[start:end]))
+                start = end
+        turns += [(ids, i + 1 < len(runs)) for i, (is_model, ids) in enumerate(runs) if is_model]
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        for ids, has_tool_message in turns:
+            calls = parse_tool_calls(tokenizer, tokenizer.decode(ids, skip_special_tokens=False))
+            if has_tool_message and calls:
+                messages = [{"role": "tool", "name": c.name, "content": str(c.arguments.get("a", 0) * 10 +
+                                                                            c.arguments.get("b", 0))} for c in calls]
+                tool_suffix_ids(tokenizer, messages, ids[-1], settings.chat_template_kwargs)
+        best = min(best, time.thread_time() - start)
+    return best / max(len(turns), 1), len(turns)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=8)
@@ -169,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         return [Sample(list(p), None) for p in prompts for _ in range(args.generations)]
 
     seconds = {"lockstep": [], "engine": []}
-    made = {}
+    made, last_engine_batch = {}, []
     for repeat in range(args.repeats + 1):  # the first pair warms the engine up and is left out
         for variant in ("lockstep", "engine"):
             batch = samples()
@@ -181,6 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                 _, metrics = generate_multi_turn(engine, batch, tokenizer, box, settings)
                 box.close()
                 made[variant] = round(metrics["tools/call_frequency"] * len(batch))
+                last_engine_batch = batch
             elapsed = time.perf_counter() - start
             if repeat:
                 seconds[variant].append(elapsed)
@@ -197,6 +229,14 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(make_row(env, bench="agentic_rollout", variant=variant, mode="cpu", metric=metric, unit=unit,
                                  x_name="tool_median_s", x_value=args.median_s, p20=percentiles(xs)[0], p50=percentiles(xs)[1],
                                  p80=percentiles(xs)[2], n_iters=len(xs), config=config | {"tool_calls": made[variant]}))
+    per_turn_s, num_turns = driver_cpu_per_turn(last_engine_batch, tokenizer, settings)
+    share = per_turn_s * num_turns / statistics.median(seconds["engine"])
+    for metric, unit, value in (("driver_cpu_ms_per_turn", "ms", per_turn_s * 1e3), ("driver_cpu_share", "1", share)):
+        rows.append(make_row(env, bench="agentic_rollout", variant="engine", mode="cpu", metric=metric, unit=unit,
+                             x_name="tool_median_s", x_value=args.median_s, p20=value, p50=value, p80=value,
+                             n_iters=1, config=config | {"turns": num_turns}))
+    print(f"driver: {per_turn_s * 1e3:.2f} ms CPU per turn over {num_turns} turns, {share:.1%} of the engine loop's "
+          "wall time", flush=True)
     ratio = [a / b for a, b in zip(seconds["lockstep"], seconds["engine"])]
     rows.append(make_row(env, bench="agentic_rollout", variant="engine_vs_lockstep", mode="cpu", metric="speedup",
                          unit="x", x_name="tool_median_s", x_value=args.median_s, p20=percentiles(ratio)[0],

@@ -63,8 +63,8 @@ HUB_MODELS = {
 }
 """TRL's tiny hub models -> (the engine's builtin family, causal LM or random sequence-classification reward model).
 Other hub ids (VLMs, other families) are not in the cache: offline, they fail as a missing model. The Gemma 2
-stand-in (builtin:tiny-gemma2, tied like TRL's) has final_logit_softcapping null: Gemma 2's 30.0, which TRL's tiny
-model keeps, is refused (engine/models/gemma.py)."""
+stand-in (builtin:tiny-gemma2, tied like TRL's) soft-caps its final logits as TRL's tiny model does (at 0.5, small
+enough to bend the tiny logits; TRL's keeps Gemma 2's 30.0): the LM-head kernel applies the cap (kernels/, `softcap`)."""
 
 LLAMA_32_TOKENS = {"llama": ["<|finetune_right_pad_id|>"]}
 """Special tokens of TRL's tiny Llama 3.2 hub tokenizer that its tests name (test_train_different_reward_model pads

@@ -1,6 +1,7 @@
 """The LM-head log-prob's tile primitives in plain torch: the CPU fallback, and the tile plan both paths share.
 
-What a tile computes (anchors/kernels.md §2, §11.1-11.4): a (rows x cols) block of the logits z = X W^T / T, reduced
+What a tile computes (anchors/kernels.md §2, §11.1-11.4): a (rows x cols) block of the logits z = X W^T / T (with a
+final-logit soft-cap: z = cap tanh(X W^T / cap) / T, and dz gains the factor 1 - tanh^2), reduced
 in the forward to the per-token state (m, s, q, t) of kernels/softmax_stats.py (`torch_local_stats`: row chunks
 outer, vocab chunks inner, merged in a fixed order) and recomputed in the backward into
 dz = [g_lp 1{v=y} - p (g_lp + g_H (z - E_p[z]))] / T (`torch_tile_dz`). `plan_tiles` sizes the tiles so that their
@@ -77,10 +78,20 @@ def matmul_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torc
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _tile_logits(x_rows: torch.Tensor, w_cols: torch.Tensor, inv_temperature: float, softcap: float | None,
+                 acc_dtype: torch.dtype) -> torch.Tensor:
+    """(rows, cols) tempered logits x w^T / T, soft-capped first (cap tanh(x w^T / cap) / T) when softcap is set;
+    in place on the GEMM's result (one temporary)."""
+    z = matmul_acc(x_rows, w_cols.T, acc_dtype)  # (rows, cols)
+    if softcap is None:
+        return z.mul_(inv_temperature)
+    return z.div_(softcap).tanh_().mul_(softcap * inv_temperature)
+
+
 def _torch_tile_stats(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.Tensor,
-                      inv_temperature: float) -> torch.Tensor:
+                      inv_temperature: float, softcap: float | None) -> torch.Tensor:
     """(4, rows) state of one logits tile; tile_ids are ids relative to the tile's first column."""
-    z = matmul_acc(x_rows, w_cols.T, accumulation_dtype(x_rows.dtype)).mul_(inv_temperature)  # (rows, cols)
+    z = _tile_logits(x_rows, w_cols, inv_temperature, softcap, accumulation_dtype(x_rows.dtype))  # (rows, cols)
     is_hit = (tile_ids >= 0) & (tile_ids < z.shape[1])  # (rows,)
     picked = z.gather(1, tile_ids.clamp(0, z.shape[1] - 1)[:, None])[:, 0]  # (rows,)
     target = torch.where(is_hit, picked, torch.zeros_like(picked))
@@ -93,7 +104,7 @@ def _torch_tile_stats(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torc
 
 
 def torch_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_ids: torch.Tensor,
-                      inv_temperature: float, workspace_bytes: int) -> torch.Tensor:
+                      inv_temperature: float, workspace_bytes: int, softcap: float | None = None) -> torch.Tensor:
     """(4, N) state of this shard's real rows, tile by tile (rows outer, vocab inner, fixed order).
 
     Args:
@@ -102,6 +113,7 @@ def torch_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_id
         local_ids: (N,) token ids relative to the shard's first row.
         inv_temperature: 1 / T.
         workspace_bytes: bound on the tile temporaries.
+        softcap: final-logit soft-capping cap (cap tanh(logits / cap), before the temperature); None = off.
     """
     num_rows, num_cols = hidden.shape[0], weight_valid.shape[0]
     acc_dtype = accumulation_dtype(hidden.dtype)
@@ -112,7 +124,7 @@ def torch_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_id
         running = None
         for c0 in range(0, num_cols, plan.cols):
             tile = _torch_tile_stats(x_rows, weight_valid[c0:c0 + plan.cols], local_ids[r0:r0 + plan.rows] - c0,
-                                     inv_temperature)  # (4, rows)
+                                     inv_temperature, softcap)  # (4, rows)
             running = tile if running is None else merge_stats(torch.stack([running, tile]))  # (4, rows)
         stats[:, r0:r0 + plan.rows] = running
     return stats
@@ -120,9 +132,15 @@ def torch_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_id
 
 def torch_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.Tensor, lse: torch.Tensor,
                   mean_logit: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
-                  inv_temperature: float) -> torch.Tensor:
-    """d loss / d (x w^T) of one tile, (rows, cols) in x's dtype; tile_ids relative to the tile's first column."""
-    z = matmul_acc(x_rows, w_cols.T, lse.dtype).mul_(inv_temperature)  # (rows, cols)
+                  inv_temperature: float, softcap: float | None = None) -> torch.Tensor:
+    """d loss / d (x w^T) of one tile, (rows, cols) in x's dtype; tile_ids relative to the tile's first column.
+    Soft-capped: d loss / d z times the cap's derivative 1 - tanh^2(x w^T / cap), at most three live temporaries."""
+    tanh = None
+    if softcap is None:
+        z = matmul_acc(x_rows, w_cols.T, lse.dtype).mul_(inv_temperature)  # (rows, cols)
+    else:
+        tanh = matmul_acc(x_rows, w_cols.T, lse.dtype).div_(softcap).tanh_()  # (rows, cols)
+        z = tanh * (softcap * inv_temperature)
     z.sub_(lse[:, None])  # log p
     probs = torch.exp(z)  # (rows, cols)
     if grad_entropy is None:
@@ -133,4 +151,8 @@ def torch_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.Te
     is_hit = (tile_ids >= 0) & (tile_ids < dz.shape[1])
     hit_grad = torch.where(is_hit, grad_logprobs, torch.zeros_like(grad_logprobs))  # (rows,)
     dz.scatter_add_(1, tile_ids.clamp(0, dz.shape[1] - 1)[:, None], hit_grad[:, None])
+    del z, coef
+    if tanh is not None:
+        dz.mul_(tanh.square_().neg_().add_(1.0))  # d cap tanh(u / cap) / du = 1 - tanh^2
+        del tanh
     return dz.mul_(inv_temperature).to(x_rows.dtype)

@@ -70,6 +70,8 @@ not be (Triton then compiles a less vectorised variant that this check does not 
 LAUNCH_WORKSPACES_MB = (128.0, 1024.0)
 """`workspace_mb` of the recorded benchmark runs (128) and the engine's `kernels.loss_workspace_mb` default (1024;
 tests/kernels/test_compile_check.py checks that the engine's default is here): the backward's slab shapes follow."""
+SOFTCAPS = (None, 30.0)
+"""Final-logit soft-caps compiled: off, and Gemma 2's 30 (any value compiles the same HAS_SOFTCAP variant)."""
 _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -98,7 +100,9 @@ class CompileReport:
 def lm_head_launches(num_rows: int, hidden_size: int, vocab: int, dtype: torch.dtype, arch: int,
                      tiles: TritonTiles | None = None) -> list[KernelLaunch]:
     """The launches of one forward + backward of the fused log-prob at (N, H, V) on a GPU: the statistics kernel,
-    and the dz kernel with and without the entropy gradient on the backward's first and last slab."""
+    and the dz kernel with and without the entropy gradient on the backward's first and last slab; the statistics
+    kernel and the dz kernel with the entropy gradient (its most registers) also with the final-logit soft-cap
+    (`SOFTCAPS`: the HAS_SOFTCAP variants)."""
     tiles = default_tiles(torch.device("cuda"), dtype) if tiles is None else tiles
 
     def meta(*shape, dt=dtype):
@@ -108,15 +112,17 @@ def lm_head_launches(num_rows: int, hidden_size: int, vocab: int, dtype: torch.d
     ids, per_row = meta(num_rows, dt=torch.int64), meta(num_rows, dt=torch.float32)
     launches, slabs = [], set()
     for workspace_bytes in (int(mb * 2**20) for mb in LAUNCH_WORKSPACES_MB):
-        stats, _ = build_stats_launch(hidden, weight, ids, 1.0, workspace_bytes, tiles, NUM_SMS[arch], True)
-        launches.append(stats)
+        for softcap in SOFTCAPS:
+            stats, _ = build_stats_launch(hidden, weight, ids, 1.0, workspace_bytes, tiles, NUM_SMS[arch], True,
+                                          softcap)
+            launches.append(stats)
         plan = plan_tiles(num_rows, vocab, workspace_bytes, dtype.itemsize)
         slabs |= {(plan.rows, plan.cols), (num_rows - (num_rows - 1) // plan.rows * plan.rows,
                                            vocab - (vocab - 1) // plan.cols * plan.cols)}
     for rows, cols in sorted(slabs):
-        for grad_entropy in (per_row[:rows], None):
+        for grad_entropy, softcap in [(per_row[:rows], cap) for cap in SOFTCAPS] + [(None, None)]:
             launch, _ = build_dz_launch(hidden[:rows], weight[:cols], ids[:rows], per_row[:rows], per_row[:rows],
-                                        per_row[:rows], grad_entropy, 1.0, tiles, True)
+                                        per_row[:rows], grad_entropy, 1.0, tiles, True, softcap)
             launches.append(launch)
     return launches
 

@@ -109,10 +109,17 @@ def _grouped_tile(pid, num_row_blocks, num_col_blocks, GROUP_N: tl.constexpr):
 
 
 @triton.jit
+def _tanh(y):
+    """tanh in float32 from one exp: 1 - 2 / (e^(2y) + 1) (+-1 at overflow / underflow, never NaN)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
+
+
+@triton.jit
 def _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stride_x, stride_w, inv_temperature,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_FP32: tl.constexpr,
-                 INPUT_PRECISION: tl.constexpr):
-    """(BLOCK_N, BLOCK_V) float32 tile of x W^T / T; rows/cols are int64 indices (out of range rows/cols read 0)."""
+                 softcap, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_FP32: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) float32 tile of x W^T / T, or of cap tanh(x W^T / cap) / T under HAS_SOFTCAP (the cap
+    before the temperature, as HF and vLLM); rows/cols are int64 indices (out of range rows/cols read 0)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     row_mask = rows < num_rows
     col_mask = cols < num_cols
@@ -127,14 +134,16 @@ def _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stri
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+    if HAS_SOFTCAP:
+        acc = _tanh(acc * (1.0 / softcap)) * softcap
     return acc * inv_temperature
 
 
 @triton.jit
 def _stats_fwd_kernel(x_ptr, w_ptr, ids_ptr, parts_ptr, num_rows, num_cols, hidden_size, split_cols, num_splits,
-                      stride_x, stride_w, inv_temperature, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                      stride_x, stride_w, inv_temperature, softcap, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                       BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr, DOT_FP32: tl.constexpr,
-                      INPUT_PRECISION: tl.constexpr):
+                      INPUT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Partial state (m, s, q, t) of BLOCK_N rows over one vocabulary split -> parts[split, :, rows]."""
     pid = tl.program_id(0).to(tl.int64)
     row_block, split = _grouped_tile(pid, tl.cdiv(num_rows, BLOCK_N), num_splits, GROUP_N)
@@ -152,7 +161,7 @@ def _stats_fwd_kernel(x_ptr, w_ptr, ids_ptr, parts_ptr, num_rows, num_cols, hidd
         cols = c0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = (cols < col_end)[None, :]
         z = _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stride_x, stride_w,
-                         inv_temperature, BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION)
+                         inv_temperature, softcap, BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION, HAS_SOFTCAP)
         t += tl.sum(tl.where(col_mask & (cols[None, :] == ids[:, None]), z, 0.0), axis=1)
         m_new = tl.maximum(m, tl.max(tl.where(col_mask, z, float("-inf")), axis=1))
         alpha = tl.exp(m - m_new)
@@ -170,17 +179,18 @@ def _stats_fwd_kernel(x_ptr, w_ptr, ids_ptr, parts_ptr, num_rows, num_cols, hidd
 
 @triton.jit
 def _dz_kernel(x_ptr, w_ptr, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_ptr, dz_ptr, num_rows, num_cols,
-               hidden_size, stride_x, stride_w, stride_dz, inv_temperature, HAS_ENTROPY_GRAD: tl.constexpr,
+               hidden_size, stride_x, stride_w, stride_dz, inv_temperature, softcap, HAS_ENTROPY_GRAD: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr,
-               DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """dz[rows, cols] = [g_lp 1{col = id} - p (g_lp + g_H (z - E[z]))] / T for one (BLOCK_N, BLOCK_V) tile."""
+               DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """dz[rows, cols] = [g_lp 1{col = id} - p (g_lp + g_H (z - E[z]))] / T for one (BLOCK_N, BLOCK_V) tile, times
+    the cap's derivative 1 - tanh^2 = 1 - (z T / cap)^2 under HAS_SOFTCAP."""
     pid = tl.program_id(0).to(tl.int64)
     row_block, col_block = _grouped_tile(pid, tl.cdiv(num_rows, BLOCK_N), tl.cdiv(num_cols, BLOCK_V), GROUP_N)
     rows = row_block * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     cols = col_block * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
     row_mask = rows < num_rows
     z = _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stride_x, stride_w,
-                     inv_temperature, BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION)
+                     inv_temperature, softcap, BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION, HAS_SOFTCAP)
     lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
     grad_lp = tl.load(grad_lp_ptr + rows, mask=row_mask, other=0.0)
     ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
@@ -191,7 +201,11 @@ def _dz_kernel(x_ptr, w_ptr, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_p
         grad_ent = tl.load(grad_ent_ptr + rows, mask=row_mask, other=0.0)
         coef += grad_ent[:, None] * (z - mean[:, None])
     dz = tl.where(cols[None, :] == ids[:, None], grad_lp[:, None], 0.0) - probs * coef
-    dz = dz * inv_temperature
+    if HAS_SOFTCAP:
+        tanh = z * (1.0 / (softcap * inv_temperature))  # tanh(x w / cap), from the tempered capped logit
+        dz = dz * (inv_temperature * (1.0 - tanh * tanh))
+    else:
+        dz = dz * inv_temperature
     mask = row_mask[:, None] & (cols < num_cols)[None, :]
     tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
@@ -221,6 +235,11 @@ def _dot_settings(dtype: torch.dtype, is_gpu: bool) -> dict[str, object]:
     return dict(DOT_FP32=dot_fp32, INPUT_PRECISION=precision)
 
 
+def _softcap_arg(softcap: float | None) -> float:
+    """The kernels' `softcap` argument: the cap, or 1.0 (unread: HAS_SOFTCAP is off) for None."""
+    return 1.0 if softcap is None else float(softcap)
+
+
 def _num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (1 elsewhere: the interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -238,9 +257,10 @@ def _num_splits(num_rows: int, num_cols: int, tiles: TritonTiles, num_sms: int, 
 
 def build_stats_launch(hidden: torch.Tensor, weight_valid: torch.Tensor, local_ids: torch.Tensor,
                        inv_temperature: float, workspace_bytes: int, tiles: TritonTiles, num_sms: int,
-                       is_gpu: bool) -> tuple[KernelLaunch, torch.Tensor]:
+                       is_gpu: bool, softcap: float | None = None) -> tuple[KernelLaunch, torch.Tensor]:
     """The forward statistics launch and its (num_splits, 4, N) float32 output buffer (tensors may be on "meta":
-    kernels/compile_check.py compiles exactly this launch for a GPU target)."""
+    kernels/compile_check.py compiles exactly this launch for a GPU target). softcap None = no capping (the
+    HAS_SOFTCAP constexpr off: the kernel has no tanh)."""
     num_rows, hidden_size = hidden.shape
     num_cols = weight_valid.shape[0]
     num_splits = _num_splits(num_rows, num_cols, tiles, num_sms, workspace_bytes)
@@ -251,15 +271,17 @@ def build_stats_launch(hidden: torch.Tensor, weight_valid: torch.Tensor, local_i
         kernel=_stats_fwd_kernel,
         grid=(triton.cdiv(num_rows, tiles.block_n) * num_splits,),
         args=(hidden, weight_valid, local_ids.contiguous(), parts, num_rows, num_cols, hidden_size, split_cols,
-              num_splits, hidden.stride(0), weight_valid.stride(0), inv_temperature),
+              num_splits, hidden.stride(0), weight_valid.stride(0), inv_temperature, _softcap_arg(softcap)),
         options=dict(BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v, BLOCK_H=tiles.block_h, GROUP_N=tiles.group_n,
-                     num_warps=tiles.num_warps, num_stages=tiles.num_stages, **_dot_settings(hidden.dtype, is_gpu)),
+                     num_warps=tiles.num_warps, num_stages=tiles.num_stages, HAS_SOFTCAP=softcap is not None,
+                     **_dot_settings(hidden.dtype, is_gpu)),
     )
     return launch, parts
 
 
 def triton_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_ids: torch.Tensor,
-                       inv_temperature: float, workspace_bytes: int, tiles: TritonTiles | None = None) -> torch.Tensor:
+                       inv_temperature: float, workspace_bytes: int, softcap: float | None = None,
+                       tiles: TritonTiles | None = None) -> torch.Tensor:
     """(4, N) float32 softmax state of this shard's real rows (fused GEMM + online softmax, fixed-order merge).
 
     Args:
@@ -268,19 +290,21 @@ def triton_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_i
         local_ids: (N,) int64 ids relative to the shard's first row.
         inv_temperature: 1 / T.
         workspace_bytes: bound on the partial-state buffer and its merge.
+        softcap: final-logit soft-capping cap (logits -> cap tanh(logits / cap) before the temperature); None = off.
         tiles: block sizes; None = `default_tiles`.
     """
     check_triton_operands(hidden, weight_valid)
     tiles = default_tiles(hidden.device, hidden.dtype) if tiles is None else tiles
     launch, parts = build_stats_launch(hidden, weight_valid, local_ids, inv_temperature, workspace_bytes, tiles,
-                                       _num_sms(hidden.device), hidden.is_cuda)
+                                       _num_sms(hidden.device), hidden.is_cuda, softcap)
     launch.run()
     return merge_stats(parts)
 
 
 def triton_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.Tensor, lse: torch.Tensor,
                    mean_logit: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
-                   inv_temperature: float, tiles: TritonTiles | None = None) -> torch.Tensor:
+                   inv_temperature: float, softcap: float | None = None,
+                   tiles: TritonTiles | None = None) -> torch.Tensor:
     """d loss / d (x w^T) of one (rows, cols) slab, written once in x's dtype.
 
     Args:
@@ -291,6 +315,7 @@ def triton_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.T
         grad_logprobs: (rows,) float32 d loss / d logprobs.
         grad_entropy: (rows,) float32 d loss / d entropy, or None (entropy unused: its term is skipped).
         inv_temperature: 1 / T.
+        softcap: final-logit soft-capping cap; None = off.
         tiles: block sizes; None = `default_tiles`.
 
     Returns:
@@ -299,14 +324,15 @@ def triton_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.T
     check_triton_operands(x_rows, w_cols)
     tiles = default_tiles(x_rows.device, x_rows.dtype) if tiles is None else tiles
     launch, dz = build_dz_launch(x_rows, w_cols, tile_ids, lse, mean_logit, grad_logprobs, grad_entropy,
-                                 inv_temperature, tiles, x_rows.is_cuda)
+                                 inv_temperature, tiles, x_rows.is_cuda, softcap)
     launch.run()
     return dz
 
 
 def build_dz_launch(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.Tensor, lse: torch.Tensor,
                     mean_logit: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
-                    inv_temperature: float, tiles: TritonTiles, is_gpu: bool) -> tuple[KernelLaunch, torch.Tensor]:
+                    inv_temperature: float, tiles: TritonTiles, is_gpu: bool,
+                    softcap: float | None = None) -> tuple[KernelLaunch, torch.Tensor]:
     """The backward dz launch and its (rows, cols) output slab in x's dtype (tensors may be on "meta")."""
     num_rows, hidden_size = x_rows.shape
     num_cols = w_cols.shape[0]
@@ -316,8 +342,9 @@ def build_dz_launch(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.
         grid=(triton.cdiv(num_rows, tiles.block_n) * triton.cdiv(num_cols, tiles.block_v),),
         args=(x_rows, w_cols, tile_ids.contiguous(), lse.contiguous(), mean_logit.contiguous(),
               grad_logprobs.contiguous(), lse if grad_entropy is None else grad_entropy.contiguous(), dz,
-              num_rows, num_cols, hidden_size, x_rows.stride(0), w_cols.stride(0), dz.stride(0), inv_temperature),
-        options=dict(HAS_ENTROPY_GRAD=grad_entropy is not None, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v,
+              num_rows, num_cols, hidden_size, x_rows.stride(0), w_cols.stride(0), dz.stride(0), inv_temperature,
+              _softcap_arg(softcap)),
+        options=dict(HAS_ENTROPY_GRAD=grad_entropy is not None, HAS_SOFTCAP=softcap is not None, BLOCK_N=tiles.block_n, BLOCK_V=tiles.block_v,
                      BLOCK_H=tiles.block_h, GROUP_N=tiles.group_n, num_warps=tiles.num_warps,
                      num_stages=tiles.num_stages, **_dot_settings(x_rows.dtype, is_gpu)),
     )

@@ -58,9 +58,10 @@ class TileOps:
     """The two primitives an implementation supplies to `LogprobEntropyFunction`."""
 
     local_stats: Callable[..., torch.Tensor]
-    """(hidden, weight_valid, local_ids, inv_temperature, workspace_bytes) -> (4, N) state of the shard."""
+    """(hidden, weight_valid, local_ids, inv_temperature, workspace_bytes, softcap | None) -> (4, N) state."""
     tile_dz: Callable[..., torch.Tensor]
-    """(x_rows, w_cols, tile_ids, lse, mean_logit, g_lp, g_H | None, inv_temperature) -> (rows, cols) dz."""
+    """(x_rows, w_cols, tile_ids, lse, mean_logit, g_lp, g_H | None, inv_temperature, softcap | None) -> (rows, cols)
+    dz."""
     dz_bytes_per_element: Callable[[torch.dtype], int]
     """Bytes of tile temporaries per logit element in the backward, given the input dtype."""
 
@@ -104,6 +105,7 @@ def backward_tiles(
     grad_logprobs: torch.Tensor,
     grad_entropy: torch.Tensor | None,
     inv_temperature: float,
+    softcap: float | None,
     workspace_bytes: int,
     ops: TileOps,
     needs_dx: bool,
@@ -129,7 +131,7 @@ def backward_tiles(
             x_rows = hidden[r0:r1]  # (rows, H)
             g_ent = None if grad_entropy is None else grad_entropy[r0:r1]
             dz = ops.tile_dz(x_rows, w_cols, local_ids[r0:r1] - c0, lse[r0:r1], mean_logit[r0:r1],
-                             grad_logprobs[r0:r1], g_ent, inv_temperature)  # (rows, cols)
+                             grad_logprobs[r0:r1], g_ent, inv_temperature, softcap)  # (rows, cols)
             if dx_acc is not None:
                 _add_matmul_(dx_acc[r0:r1], dz, w_cols)
             if dw_acc is not None:
@@ -149,7 +151,7 @@ def backward_tiles(
 
 
 def check_lm_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: torch.Tensor,
-                         temperature: float) -> None:
+                         temperature: float, softcap: float | None = None) -> None:
     """Shapes, dtypes and devices every implementation requires."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"need hidden (N, H) and weight (V_local, H); got {tuple(hidden.shape)} and "
@@ -163,6 +165,8 @@ def check_lm_head_inputs(hidden: torch.Tensor, weight: torch.Tensor, token_ids: 
         raise ValueError(f"hidden, weight, token_ids on {hidden.device}, {weight.device}, {token_ids.device}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap (final_logit_softcapping) must be > 0 or None, got {softcap}")
 
 
 class LogprobEntropyFunction(torch.autograd.Function):
@@ -174,37 +178,38 @@ class LogprobEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, token_ids, shard: VocabShard, temperature: float, tp_group,
-                workspace_bytes: int, ops: TileOps):
+    def forward(ctx, hidden, weight, token_ids, shard: VocabShard, temperature: float, softcap: float | None,
+                tp_group, workspace_bytes: int, ops: TileOps):
         ctx.set_materialize_grads(False)
         inv_temperature = 1.0 / temperature
         local_ids = token_ids - shard.vocab_start  # (N,)
         if shard.num_valid > 0:
-            stats = ops.local_stats(hidden, weight[:shard.num_valid], local_ids, inv_temperature, workspace_bytes)
+            stats = ops.local_stats(hidden, weight[:shard.num_valid], local_ids, inv_temperature, workspace_bytes,
+                                    softcap)
         else:
             stats = empty_stats(hidden.shape[0], accumulation_dtype(hidden.dtype), hidden.device)  # (4, N)
         result = finalize_stats(reduce_stats_over_tp(stats, tp_group), token_ids, shard.vocab_size)
         ctx.save_for_backward(hidden, weight, local_ids, result.lse, result.mean_logit)
-        ctx.config = (shard, inv_temperature, tp_group, workspace_bytes, ops)
+        ctx.config = (shard, inv_temperature, softcap, tp_group, workspace_bytes, ops)
         return result.logprobs, result.entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, local_ids, lse, mean_logit = ctx.saved_tensors
-        shard, inv_temperature, tp_group, workspace_bytes, ops = ctx.config
+        shard, inv_temperature, softcap, tp_group, workspace_bytes, ops = ctx.config
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_logprobs = torch.zeros_like(lse) if grad_logprobs is None else grad_logprobs.to(lse.dtype)
         grad_entropy = None if grad_entropy is None else grad_entropy.to(lse.dtype)
         dx, dw = None, None
         if shard.num_valid > 0:
             dx, dw = backward_tiles(hidden, weight, shard, local_ids, lse, mean_logit, grad_logprobs, grad_entropy,
-                                    inv_temperature, workspace_bytes, ops, needs_dx, needs_dw)
+                                    inv_temperature, softcap, workspace_bytes, ops, needs_dx, needs_dw)
         if needs_dx:
             dx = torch.zeros_like(hidden) if dx is None else dx
             all_reduce_hidden_grad(dx, tp_group)  # NOTE: every rank must reach this collective, padding-only too
         if needs_dw and dw is None:
             dw = torch.zeros_like(weight)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 def resolve_implementation(implementation: Implementation, device: torch.device) -> str:
@@ -224,12 +229,14 @@ def lm_head_logprob_entropy(
     workspace_mb: float,
     implementation: Implementation,
     temperature: float = 1.0,
+    softcap: float | None = None,
     vocab_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     tiles: TritonTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-prob and entropy of the sampled tokens under softmax(X W^T / T), never materialising logits.
+    """Per-token log-prob and entropy of the sampled tokens under softmax(X W^T / T), never materialising logits
+    (soft-capped: softmax(cap tanh(X W^T / cap) / T)).
 
     Args:
         hidden: (..., H) last hidden states of the completion tokens (e.g. (N, H) or Megatron's (s, b, H)); the
@@ -241,6 +248,8 @@ def lm_head_logprob_entropy(
         implementation: "auto" (triton on CUDA, else torch_chunked), "triton" (CUDA tensors or the interpreter;
             float32 / bfloat16 / float16), "torch_chunked" or "reference".
         temperature: the sampling temperature T (the logits are divided by it).
+        softcap: final-logit soft-capping (HF `final_logit_softcapping`, Gemma 2): logits -> cap tanh(logits / cap)
+            before the temperature, as HF's model and vLLM's logits processor apply it; None = off (no cost).
         vocab_size: the real vocabulary; global rows >= it are padding, masked to -inf. None = no padding.
         tp_group: the TP group the vocabulary is split over; None = W is the whole head.
         vocab_start: global id of local row 0; None = tp_rank * V_local (Megatron's even split).
@@ -257,18 +266,19 @@ def lm_head_logprob_entropy(
         raise ValueError(f"hidden (..., H) must match token_ids (...): {tuple(hidden.shape)} vs {tuple(token_shape)}")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     flat_ids = token_ids.reshape(-1)  # (N,)
-    check_lm_head_inputs(flat_hidden, weight, flat_ids, temperature)
+    check_lm_head_inputs(flat_hidden, weight, flat_ids, temperature, softcap)
     chosen = resolve_implementation(implementation, hidden.device)
     if chosen == "reference":
         logprobs, entropy = reference_logprob_entropy(flat_hidden, weight, flat_ids, temperature=temperature,
-                                                      vocab_size=vocab_size, tp_group=tp_group, vocab_start=vocab_start)
+                                                      softcap=softcap, vocab_size=vocab_size, tp_group=tp_group,
+                                                      vocab_start=vocab_start)
     else:
         if chosen == "triton":
             check_triton_operands(flat_hidden, weight)
         ops = build_triton_tile_ops(tiles) if chosen == "triton" else TORCH_TILE_OPS
         shard = build_vocab_shard(weight.shape[0], vocab_size, tp_group, vocab_start)
-        logprobs, entropy = LogprobEntropyFunction.apply(flat_hidden, weight, flat_ids, shard, temperature, tp_group,
-                                                         int(workspace_mb * 2**20), ops)
+        logprobs, entropy = LogprobEntropyFunction.apply(flat_hidden, weight, flat_ids, shard, temperature, softcap,
+                                                         tp_group, int(workspace_mb * 2**20), ops)
     return logprobs.reshape(token_shape), entropy.reshape(token_shape)  # (...)
 
 

@@ -1,7 +1,7 @@
 """Plain-torch reference for the LM-head log-prob and entropy: materialises the (N, V_local) logits.
 
 Owns `reference_logprob_entropy`, the same function and TP convention as the fused entries written the obvious way
-with autograd: logits = X W^T / T in float32 (float64 for float64 inputs; bf16/fp16 inputs: the GEMM in the input
+with autograd: logits = X W^T / T (soft-capped first, cap tanh(X W^T / cap), when `softcap` is set) in float32 (float64 for float64 inputs; bf16/fp16 inputs: the GEMM in the input
 dtype then copied to float32, the naive path RL trainers take, anchors/kernels.md §3; the fused paths keep float32
 logits, so tests compare bf16 kernels with it on upcast inputs), padded rows masked to -inf,
 lse, target logit - lse, entropy = lse - E_p[z]; under TP Megatron's vocab-parallel recipe through its region
@@ -75,6 +75,7 @@ def reference_logprob_entropy(
     token_ids: torch.Tensor,
     *,
     temperature: float = 1.0,
+    softcap: float | None = None,
     vocab_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
@@ -86,6 +87,7 @@ def reference_logprob_entropy(
         weight: (V_local, H) this rank's LM-head shard.
         token_ids: (N,) int64 global ids of the sampled tokens.
         temperature: the sampling temperature T; logits are divided by it.
+        softcap: final-logit soft-capping: logits -> cap tanh(logits / cap) before the temperature; None = off.
         vocab_size: the real vocabulary; global rows >= it are padding (masked). None = no padding.
         tp_group: the TP group the vocabulary is split over; None = W is the whole head.
         vocab_start: global id of local row 0; None = tp_rank * V_local.
@@ -98,9 +100,12 @@ def reference_logprob_entropy(
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     hidden = copy_to_tp_region(hidden, tp_group)
     if hidden.dtype in (torch.bfloat16, torch.float16):  # the model's lm_head GEMM, then an fp32 copy (the naive path)
-        logits = (hidden @ weight.T).to(acc_dtype) / temperature  # (N, V_local)
+        logits = (hidden @ weight.T).to(acc_dtype)  # (N, V_local)
     else:
-        logits = (hidden.to(acc_dtype) @ weight.to(acc_dtype).T) / temperature  # (N, V_local)
+        logits = hidden.to(acc_dtype) @ weight.to(acc_dtype).T  # (N, V_local)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
     is_padding = torch.arange(shard.num_local, device=weight.device) >= shard.num_valid  # (V_local,)
     logits = logits.masked_fill(is_padding, float("-inf"))  # (N, V_local)
     row_max = all_reduce_max(logits.detach().amax(-1), tp_group)  # (N,), a constant shift: no gradient

@@ -8,10 +8,12 @@ round's rollout, its `tools/*` metrics and the per-row values the reward functio
 
 A sample's prompt is the dataset's prompt rendered with the tools' schemas (`chat_template_kwargs()`); with
 environments, `reset(**row)`'s observation is appended to the last user message and the prompt rendered again for
-that rollout (each of the G rollouts of a prompt has its own environment); with a dict of environments, each
-rollout's prompt shows the run's tools and its own environment's only (TRL). The caller (engine/train/sampling.py)
-runs `generate` on rank 0 only and broadcasts the rollout: the tools and environments live in rank 0's process, as
-the reward functions do.
+that rollout (each of the G rollouts of a prompt has its own environment, leased to the round until `release`, once
+its rewards are computed); with a dict of environments, each rollout's prompt shows the run's tools and its own
+environment's only (TRL). The caller (engine/train/sampling.py) runs `generate` on rank 0 only and broadcasts the
+rollout: the tools and environments live in rank 0's process, as the reward functions do. With rounds generated
+ahead (`rollout.max_staleness` > 0, server mode), `generate` runs in rank 0's background thread while the trainer
+trains (engine/train/sampling.py `PendingAgenticRound`).
 
 Must not: import vLLM, touch process groups, or compute rewards.
 
@@ -66,6 +68,15 @@ class AgenticRollout:
         self.schemas = self.toolbox.schemas + list({s["function"]["name"]: s for s in env_schemas}.values())
         if self.schemas:
             check_renders_tools(tokenizer, self.schemas, model_name, generation.chat_template_kwargs)
+        self._ahead: AgenticRollout | None = None
+
+    def ahead(self) -> AgenticRollout:
+        """This rollout for rank 0's background thread (rounds generated ahead): the same tools and environment
+        pool, a tokenizer of its own (a fast tokenizer is not safe to share with the trainer's thread)."""
+        if self._ahead is None:
+            self._ahead = copy.copy(self)
+            self._ahead.tokenizer = copy.deepcopy(self.tokenizer)
+        return self._ahead
 
     def chat_template_kwargs(self) -> dict | None:
         """The generation's template kwargs plus the tools' schemas (the prompts show the tools)."""
@@ -119,6 +130,11 @@ class AgenticRollout:
                                                  return_dict=False, **kwargs)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
+    def release(self, columns: dict) -> None:
+        """The round's environments are free again (its rewards were computed; `columns`: `AgenticRound.columns`)."""
+        if self.environments is not None and columns.get("environments"):
+            self.environments.release(columns["environments"])
+
     def close(self) -> None:
         self.toolbox.close()
 
@@ -133,17 +149,23 @@ def _with_observation(prompt, observation) -> list:
     return messages
 
 
-def check_layout(rollout: RolloutConfig, given: list[str]) -> None:
-    """ValueError where multi-turn rollouts cannot run: asynchronous rollout (`max_staleness` > 0 generates
-    single-turn rounds ahead), or a colocated vLLM engine over several ranks (rank 0 drives every sample through its
-    own engine). `given`: the agentic arguments the run has (named in the message)."""
+def check_layout(rollout: RolloutConfig, given: list[str], *, use_dynamic_sampling: bool = False) -> None:
+    """ValueError where multi-turn rollouts cannot run: a colocated vLLM engine over several ranks (rank 0 drives
+    every sample through its own engine); with rounds generated ahead (`max_staleness` > 0), a `rollout_func` (the
+    user's function would run in a background thread while the trainer trains) or DAPO's dynamic sampling (its further
+    attempts would drive turns through the servers' turn channel while the round ahead drives its own there).
+    `given`: the agentic arguments the run has (named in the message)."""
     names = ", ".join(given)
-    if rollout.max_staleness > 0:
-        raise ValueError(f"{names} with rollout.max_staleness={rollout.max_staleness}: multi-turn rollouts are "
-                         "generated synchronously (the asynchronous pipeline asks the servers for whole single-turn "
-                         "rounds, while a multi-turn round is driven turn by turn by rank 0's tool loop, and a round "
-                         "waiting in a checkpoint would hold environment instances, which are not checkpointed); "
-                         "set max_staleness=0")
+    k = rollout.max_staleness
+    if k > 0 and "rollout_func" in given:
+        raise ValueError(f"rollout_func with rollout.max_staleness={k}: rounds generated ahead run in a background "
+                         "thread while the trainer trains, and rollout_func(prompts, trainer) is handed the trainer; "
+                         "set max_staleness=0, or use tools / environment_factory")
+    if k > 0 and use_dynamic_sampling:
+        raise ValueError(f"{names} with rollout.max_staleness={k} and grpo.use_dynamic_sampling: the further "
+                         "attempts of multi-turn dynamic sampling would drive their turns while the round ahead drives "
+                         "its own through the same servers' turn channel; set max_staleness=0 or turn dynamic "
+                         "sampling off")
     if rollout.vllm_mode == "colocate" and rollout.vllm_tensor_parallel_size > 1:
         raise ValueError(f"{names} with rollout.vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} "
                          "(colocate): rank 0 drives every sample through its own engine; use 1 or server mode")

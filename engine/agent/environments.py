@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import Callable
 
 from engine.agent.toolbox import tool_schema
@@ -40,7 +41,11 @@ def environment_tools(instance) -> dict[str, Callable]:
 
 
 class EnvironmentPool:
-    """Instances of each factory, reused across rounds: a round takes as many as it has rollouts of that kind."""
+    """Instances of each factory, reused across rounds: a round takes as many as it has rollouts of that kind.
+
+    An instance taken is leased to its round until `release` (after the round's rewards are computed,
+    engine/train/sampling.py): with rounds generated ahead (`rollout.max_staleness` k > 0) up to k + 1 rounds hold
+    environments at once, and a round must never reset an instance whose `get_reward` is still to be read."""
 
     def __init__(self, environment_factory: Callable | dict[str, Callable]):
         self.factories = dict(environment_factory) if isinstance(environment_factory, dict) else {None: environment_factory}
@@ -59,26 +64,35 @@ class EnvironmentPool:
             except ValueError as e:
                 raise ValueError(f"{shown}: {type(instance).__name__}: {e}") from e
             self.instances[name] = [instance]
+        self._leased: set[int] = set()  # ids of the instances taken and not yet released
+        self._lock = threading.Lock()  # rounds generated ahead take from rank 0's background thread
 
     @property
     def is_multi(self) -> bool:
         return None not in self.factories
 
     def take(self, names: list[str | None]) -> list:
-        """One instance per rollout (`names`: each rollout's factory), reusing the pool's and building more when a
-        round needs more of a kind than were ever built."""
-        used: dict[str | None, int] = {}
+        """One instance per rollout (`names`: each rollout's factory), leased until `release`: the pool's free ones
+        first (the same instances round after round), more built when a round needs more of a kind than are free."""
         out = []
-        for name in names:
-            if name not in self.factories:
-                raise KeyError(f"environment {name!r} (the row's `environment` column) is not one of the "
-                               f"environment_factory keys {sorted(map(str, self.factories))}")
-            i = used[name] = used.get(name, -1) + 1
-            pool = self.instances[name]
-            if i == len(pool):
-                pool.append(self.factories[name]())
-            out.append(pool[i])
+        with self._lock:
+            for name in names:
+                if name not in self.factories:
+                    raise KeyError(f"environment {name!r} (the row's `environment` column) is not one of the "
+                                   f"environment_factory keys {sorted(map(str, self.factories))}")
+                pool = self.instances[name]
+                instance = next((e for e in pool if id(e) not in self._leased), None)
+                if instance is None:
+                    instance = self.factories[name]()
+                    pool.append(instance)
+                self._leased.add(id(instance))
+                out.append(instance)
         return out
+
+    def release(self, instances: list) -> None:
+        """The round's instances are free again (its rewards were computed)."""
+        with self._lock:
+            self._leased.difference_update(id(e) for e in instances)
 
     def num_instances(self) -> int:
         return sum(len(v) for v in self.instances.values())

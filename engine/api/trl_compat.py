@@ -92,7 +92,8 @@ def get_per_token_logps_and_entropies(trainer: Any, model: Any, input_ids: torch
                                       compute_aux_loss: bool = False, **multimodal: Any) -> tuple:
     """TRL's private `GRPOTrainer._get_per_token_logps_and_entropies` on a transformers causal LM (`trainer.model`):
     the decoder's last hidden states of the positions that predict the last `logits_to_keep` tokens, then the
-    engine's LM-head maths (kernels/lm_head_logprob.py: softmax of X W^T / temperature, never the full logits),
+    engine's LM-head maths (kernels/lm_head_logprob.py: softmax of X W^T / temperature, soft-capped first when the
+    config has `final_logit_softcapping` (Gemma 2), never the full logits),
     in chunks of `batch_size` rows.
 
     Returns:
@@ -120,7 +121,8 @@ def get_per_token_logps_and_entropies(trainer: Any, model: Any, input_ids: torch
         logp, entropy = lm_head_logprob_entropy(hidden, weight, ids[:, -logits_to_keep:],
                                                 workspace_mb=cfg.kernels.loss_workspace_mb,
                                                 implementation=cfg.kernels.loss_implementation,
-                                                temperature=cfg.generation.temperature)
+                                                temperature=cfg.generation.temperature,
+                                                softcap=getattr(model.config, "final_logit_softcapping", None))
         logps.append(logp)
         entropies.append(entropy if trainer._entropy_bonus_enabled else entropy.detach())
     import torch

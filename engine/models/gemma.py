@@ -1,7 +1,7 @@
 """Gemma 3 (text) and Gemma 2: what the engine needs to know about their HF configs, without torch or Megatron.
 
 Owns, for `GEMMA_MODEL_TYPES` (HF `gemma3_text`, Gemma3ForCausalLM; `gemma2`): `check_gemma` (the settings refused,
-each naming the cause: final-logit soft-capping, Gemma 3's attention soft-capping, bidirectional attention, attention
+each naming the cause: a non-positive final-logit soft-cap, Gemma 3's attention soft-capping, bidirectional attention, attention
 bias, RoPE other than default on the sliding layers / default or linear on the global ones), `gemma_transformer_settings` (TransformerConfig fields: the softmax
 scale `query_pre_attn_scalar` ** -0.5, the sliding window and which layers use it), `gemma_rope_settings` (the global
 layers' RoPE) and `GEMMA_NORM_NAMES` (the HF names of the four per-layer norms; engine/policy/hf_convert.py builds
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
 """Gemma families the policy builds. Gemma 2 = Gemma 3's layer without q/k norms, with one RoPE base and
-attention-logit soft-capping; its final-logit soft-capping is refused (`check_gemma`)."""
+attention-logit soft-capping; its final-logit soft-capping (`final_logit_softcapping`, 30.0 in every checkpoint) is
+applied by the LM-head loss kernel (kernels/, `softcap`), passed from the policy model (engine/policy/model.py)."""
 
 GEMMA_NORM_NAMES = {
     "decoder.layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
@@ -42,11 +43,9 @@ def check_gemma(hf_config) -> None:
         ValueError naming `model.name_or_path`, the setting and its value.
     """
     final_cap = getattr(hf_config, "final_logit_softcapping", None)
-    if final_cap is not None:
-        raise ValueError(f"model.name_or_path: {hf_config.model_type} with final_logit_softcapping={final_cap}: "
-                         "final-logit soft-capping is not translated (the fused LM-head loss kernel, kernels/, computes "
-                         "log-probs from hidden states without logits and does not cap them); only null is supported "
-                         "(Gemma 3's checkpoints ship null, Gemma 2's 30.0)")
+    if final_cap is not None and not final_cap > 0:
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} with final_logit_softcapping={final_cap}: the "
+                         "cap must be > 0 (logits -> cap tanh(logits / cap)) or null (Gemma 2's checkpoints ship 30.0)")
     if hf_config.model_type == "gemma3_text" and getattr(hf_config, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"model.name_or_path: gemma3_text with attn_logit_softcapping="
                          f"{hf_config.attn_logit_softcapping}: attention-logit soft-capping is translated for gemma2 "

@@ -76,7 +76,7 @@ SHIPPED_MODELS = {"qwen2-arith": "assets/tiny-qwen2-arith", "qwen2-calc": "asset
 `qwen2-calc` is `qwen2-arith` taught to call a calculator tool (engine/demo/tool_warm_start.py; its chat template
 is `TOOL_CHAT_TEMPLATE`), the model of examples/004_agentic_calculator.py."""
 
-_FACTORY_VERSION = "1"
+_FACTORY_VERSION = "2"
 """Bump when the config, tokenizer or build recipe changes, so cached builds are not reused."""
 
 # NOTE: Qwen2's pre-tokenizer pattern; `\p{N}` alone makes every digit a separate pre-token.
@@ -348,16 +348,17 @@ TINY_GEMMA_WINDOW, TINY_GEMMA_QUERY_SCALAR = 4, 48
 the attention scale 48 ** -0.5 (not head_dim 32's, so a scale taken from head_dim fails the tests)."""
 
 
-TINY_GEMMA2_ATTN_SOFTCAP = 0.2
-"""The tiny Gemma 2's attention-logit soft-capping (Gemma 2's own: 50): small enough to bend the tiny model's scores.
-Its final-logit soft-capping is null (Gemma 2's 30.0 is refused: engine/models/gemma.py check_gemma)."""
+TINY_GEMMA2_ATTN_SOFTCAP, TINY_GEMMA2_FINAL_SOFTCAP = 0.2, 0.5
+"""The tiny Gemma 2's attention-logit and final-logit soft-capping (Gemma 2's own: 50 and 30): small enough to bend
+the tiny model's scores and its logits (|logits| up to ~1 uncapped, so tanh(logit / 0.5) is far from linear)."""
 
 
 def _tiny_gemma_config(family: str, common: dict) -> Gemma3TextConfig | Gemma2Config:
     """Gemma 3's text architecture at the tiny shapes: layers sliding, full, sliding, full (so each PP2 stage holds
     one of each), RoPE bases 1e4 (sliding) and 1e6 (full), q/k norms, the four (1 + w) norms per layer, gelu-tanh MLP,
     embeddings x sqrt(128), tied embeddings (Gemma's own; `tie_word_embeddings` is ignored). Gemma 2: the same
-    without q/k norms, one RoPE base (1e4), attention logits soft-capped at `TINY_GEMMA2_ATTN_SOFTCAP`."""
+    without q/k norms, one RoPE base (1e4), attention logits soft-capped at `TINY_GEMMA2_ATTN_SOFTCAP`, final logits at
+    `TINY_GEMMA2_FINAL_SOFTCAP`."""
     common = {k: v for k, v in common.items() if k not in ("rope_theta", "hidden_act", "tie_word_embeddings")}
     shared = dict(**common, head_dim=_HIDDEN_SIZE // _NUM_HEADS, hidden_activation="gelu_pytorch_tanh",
                   sliding_window=TINY_GEMMA_WINDOW, query_pre_attn_scalar=TINY_GEMMA_QUERY_SCALAR,
@@ -365,7 +366,8 @@ def _tiny_gemma_config(family: str, common: dict) -> Gemma3TextConfig | Gemma2Co
                   attention_bias=False)
     if family == "gemma2":
         return Gemma2Config(**shared, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-                            attn_logit_softcapping=TINY_GEMMA2_ATTN_SOFTCAP, final_logit_softcapping=None)
+                            attn_logit_softcapping=TINY_GEMMA2_ATTN_SOFTCAP,
+                            final_logit_softcapping=TINY_GEMMA2_FINAL_SOFTCAP)
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
     return Gemma3TextConfig(**shared, rope_parameters=rope)

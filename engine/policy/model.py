@@ -425,6 +425,9 @@ def _policy_class():
         Multi-token prediction is not supported.
         """
 
+        final_logit_softcap: float | None = None
+        """HF `final_logit_softcapping` (Gemma 2), set by `build_policy`: kernels/ and `lm_head_logits` cap by it."""
+
         def _postprocess(self, hidden_states, *args, **kwargs):
             return hidden_states
 
@@ -487,6 +490,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
         if is_gemma(hf_config):
             gemma_layers.scale_embeddings(chunks[-1], hf_config.hidden_size)
         cast_params_to_dtype(chunks[-1], config.params_dtype)
+        chunks[-1].final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None)
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
     if config.moe_router_enable_expert_bias:
         _freeze_expert_bias(chunks, config)

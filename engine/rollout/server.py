@@ -37,7 +37,7 @@ from engine.config import EngineConfig, GenerationConfig, build_config, config_t
 from engine.log_filters import quiet_library_logs
 from engine.models.model_dir import resolve_model_dir
 from engine.rollout.client import TOKEN_ENV, RolloutServerError, read_token
-from engine.rollout.vllm_lora import lora_engine_options, name_policy_adapter, receive_policy_adapter
+from engine.rollout.vllm_lora import AdapterNotHeld, lora_engine_options, name_policy_adapter, receive_policy_adapter
 
 MAX_BODY_MB = 256
 """Default `--max-body-mb`: a round of 1,024 prompts x 8 completions of 4,096 token ids is ~60 MiB of JSON."""
@@ -107,7 +107,7 @@ class RolloutServer(ThreadingHTTPServer):
     # --- the endpoints' work (called with the engine lock held) -------------------------------------------------
 
     def generate(self, body: dict) -> dict:
-        name_policy_adapter(self.engine, body.get("lora_version"))  # LookupError (410) when another is held
+        name_policy_adapter(self.engine, body.get("lora_version"))  # AdapterNotHeld (410) when another is held
         gen = body.get("generation")
         generation = build_config(gen, GenerationConfig, "generation") if gen is not None else None
         regex = body.get("structured_outputs_regex", self.engine.structured_outputs_regex)  # the trainer's
@@ -283,7 +283,7 @@ class _Handler(BaseHTTPRequestHandler):
         except _Conflict as exc:
             self._send(409, {"error": f"{path}: {exc}"})
             return
-        except LookupError as exc:  # the LoRA adapter version a request names is not held (vllm_lora.py)
+        except AdapterNotHeld as exc:  # the LoRA adapter version a request names is not held (vllm_lora.py)
             self._send(410, {"error": f"{path}: {exc}"})
             return
         except (KeyError, TypeError, ValueError) as exc:

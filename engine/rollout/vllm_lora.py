@@ -8,7 +8,7 @@ slot in place of the last one, `grpo_receive_lora` (server mode) first receives 
 `grpo_lora_digests` digests the adapter tensors as the LoRA layers hold them (their stacked slot buffers: B with
 vLLM's scale folded in, each engine rank its share), which engine/rollout/adapter_sync.py compares with what it sent.
 Server mode's engine calls: `receive_policy_adapter` (a new adapter version each sync) and `name_policy_adapter`
-(the version a request names, or LookupError).
+(the version a request names, or AdapterNotHeld).
 
 Must not: know Megatron's layout (engine/policy/lora.py `lora_tensors_for_peft` gives PEFT's tensors), run a
 collective of the trainer's.
@@ -155,14 +155,19 @@ def receive_policy_adapter(engine, *, version: int, names: list[str], shapes: li
     return stats
 
 
+class AdapterNotHeld(Exception):
+    """A request names a LoRA adapter version this server does not hold (the server answers 410). Not a LookupError:
+    the server's handler answers a KeyError from a malformed body with 400."""
+
+
 def name_policy_adapter(engine, version: int | None) -> None:
-    """Server mode: the next requests run with adapter `version` (None = the base alone). Raises LookupError when
+    """Server mode: the next requests run with adapter `version` (None = the base alone). Raises AdapterNotHeld when
     the engine holds another version (or none): a restarted server, or a sync that failed."""
     if version is None:
         engine.lora_request = None
         return
     if engine.adapter_version != version:
-        raise LookupError(f"the request names LoRA adapter version {version}; this server holds "
-                          f"{'none' if engine.adapter_version is None else engine.adapter_version} (restarted, or "
-                          "the last adapter sync failed): sync the adapter again")
+        raise AdapterNotHeld(f"the request names LoRA adapter version {version}; this server holds "
+                             f"{'none' if engine.adapter_version is None else engine.adapter_version} (restarted, "
+                             "or the last adapter sync failed): sync the adapter again")
     engine.lora_request = policy_lora_request(version)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -46,7 +47,8 @@ from engine.train.prompt_rounds import PromptRounds, shuffle_order
 from engine.train.run import (REFERENCE_EXPORT_SUFFIX, Run, build_run, check_finite, export_policy, export_reference,
                               resume, save_run, sync_and_verify)
 from engine.train.rollout_pipeline import RolloutPipeline, rewind_rounds_ahead
-from engine.train.sampling import Scored, draw_prompts, evaluate, keep_best_in_groups, sample_and_score
+from engine.train.sampling import (PendingAgenticRound, Scored, draw_prompts, evaluate, keep_best_in_groups,
+                                   sample_and_score)
 from engine.train.step_schedule import OptimizerStep, StepSchedule, deferred_save_warning, uses_carried_slices
 
 
@@ -232,10 +234,15 @@ def start_pipeline(run: Run, rounds: PromptRounds, progress: Progress) -> None:
         rewind_rounds_ahead(state, rounds)  # rounds an asynchronous run generated ahead are sampled again
         return
     total_rounds = -(-run.total_steps // per_round)
+    g, multi_turn = run.cfg.grpo.num_generations, run.sampler.agentic is not None  # multi-turn: rank 0 drives turns
+    start = (lambda picked, seeds: PendingAgenticRound(run.sampler, picked, g, seeds)) if multi_turn else None
     run.pipeline = RolloutPipeline(run.engine, lambda: draw_prompts(run.sampler, rounds), k, seed=run.cfg.train.seed,
-                                   num_generations=run.cfg.grpo.num_generations, version=run.policy_version,
-                                   steps_per_round=per_round, total_rounds=total_rounds)
+                                   num_generations=g, version=run.policy_version, steps_per_round=per_round,
+                                   total_rounds=total_rounds, start_round=start, stores_rounds=not multi_turn)
     run.pipeline.restore(state)
+    note = run.pipeline.regenerated_note()
+    if note and run.ps.rank == 0:
+        warnings.warn(note, stacklevel=2)
 
 
 def epoch(run: Run, rounds: PromptRounds) -> float:

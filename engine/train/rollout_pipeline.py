@@ -7,10 +7,11 @@ schedule, what is off-policy and how it is corrected, the interplay with DAPO, t
 checkpoints: `RolloutPipeline`'s docstring.
 
 Must not: import vLLM, hold maths, or run collectives anywhere but in the caller's thread (the background thread
-only makes rank 0's HTTP requests).
+only makes rank 0's HTTP requests, and for multi-turn rounds runs rank 0's tool loop).
 
 Test: tests/integration/test_async_rollout.py (two real servers; k = 0 equals the synchronous loop, k = 1 staleness
-exactly 1 after warm-up, SIGKILL + resume at k = 1). Benchmark: benchmarks/bench_async_rollout.py.
+exactly 1 after warm-up, SIGKILL + resume at k = 1); multi-turn rounds ahead: tests/integration/test_agentic.py
+(server mode, tools and environments, k = 1, resume). Benchmark: benchmarks/bench_async_rollout.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from engine.rollout.protocol import PendingRollout, RolloutEngine
 from engine.rollout.rollouts import Rollout
@@ -40,18 +41,22 @@ class PendingRound:
     rollout: Rollout | None = None
     is_from_dataset: bool = True
     """False when the curriculum hook chose the prompts (the dataset's position did not move)."""
+    extra: dict = field(default_factory=dict)
+    """Rank 0, multi-turn rounds: the per-row values the reward functions receive besides the dataset's columns
+    (`environments`, the prompts as shown: engine/agent/agentic_rollout.py `AgenticRound.columns`); never stored."""
 
-    def to_state(self) -> dict:
-        """JSON values for a checkpoint (a complete round only)."""
+    def to_state(self, with_rollout: bool = True) -> dict:
+        """JSON values for a checkpoint (a complete round only; `with_rollout=False`: its prompts and seeds only,
+        generated again on resume)."""
         return {"index": self.index, "step": self.step, "picked": asdict(self.picked), "seeds": self.seeds,
-                "version": self.version, "rollout": self.rollout.to_json(),
+                "version": self.version, "rollout": self.rollout.to_json() if with_rollout else None,
                 "is_from_dataset": self.is_from_dataset}
 
     @classmethod
     def from_state(cls, state: dict) -> PendingRound:
+        rollout = Rollout.from_json(state["rollout"]) if state["rollout"] is not None else None
         return cls(state["index"], state["step"], PromptBatch(**state["picked"]), list(state["seeds"]),
-                   state["version"], Rollout.from_json(state["rollout"]),
-                   state.get("is_from_dataset", True))
+                   state["version"], rollout, state.get("is_from_dataset", True))
 
 
 class RolloutPipeline:
@@ -85,13 +90,19 @@ class RolloutPipeline:
     Checkpoints: a checkpoint is written at the end of a round's iteration, when no request is in flight; it records
     the k completed rounds waiting to be trained on (their prompts, seeds, completions, sampling log-probs and versions:
     they were sampled by weights the checkpoint no longer holds, so they are stored, not regenerated); resume puts them
-    back and asks for the next round exactly as the uninterrupted run did. A server lost while a round is in flight is
+    back and asks for the next round exactly as the uninterrupted run did. Multi-turn rounds (`start_round` given,
+    `stores_rounds` False: their environment instances and the per-row values their reward functions read cannot be
+    stored) are recorded by their prompts and seeds only: resume generates them again, in order, from the restored
+    weights (their staleness is then 0, and `regenerated_note` says so in a warning), before any new round; the
+    data position and the curriculum's prompts are kept. A server lost while a round is in flight is
     handled as in the synchronous loop (engine/rollout/client.py `SharedRolloutClient`: wait, resync the current
     weights, ask again: that round is then sampled by the current version, and its staleness says so).
     """
 
     def __init__(self, engine: RolloutEngine, draw_prompts: Callable[[], tuple[PromptBatch, bool]], max_staleness: int,
-                 *, seed: int, num_generations: int, version: int, steps_per_round: int, total_rounds: int):
+                 *, seed: int, num_generations: int, version: int, steps_per_round: int, total_rounds: int,
+                 start_round: Callable[[PromptBatch, list[int]], PendingRollout] | None = None,
+                 stores_rounds: bool = True):
         """
         Args:
             engine: the run's engine (one that runs apart: `generate_async` overlaps training).
@@ -103,13 +114,22 @@ class RolloutPipeline:
             version: rounds trained so far (0 on a fresh run; the checkpoint's on resume).
             steps_per_round: optimizer steps per round (round r starts at optimizer step r * steps_per_round).
             total_rounds: rounds the run trains on (none is requested beyond).
+            start_round: starts one round (its prompts, their seeds) and returns its handle; None =
+                `engine.generate_async` (single-turn). Multi-turn: engine/train/sampling.py `PendingAgenticRound`,
+                whose handle also carries the round's `extra`.
+            stores_rounds: False: a checkpoint records the rounds ahead without their rollouts (class docstring).
         """
         if max_staleness < 1:
             raise ValueError(f"the pipeline needs max_staleness >= 1, got {max_staleness} (0 = the synchronous loop)")
         self.engine, self.draw_prompts, self.k = engine, draw_prompts, max_staleness
         self.seed, self.num_generations = seed, num_generations
         self.steps_per_round, self.total_rounds = steps_per_round, total_rounds
+        self.start_round = start_round or (lambda picked, seeds: engine.generate_async(
+            picked.prompt_ids, num_generations, seeds=seeds))
+        self.stores_rounds = stores_rounds
         self.ready: deque[PendingRound] = deque()
+        self.redo: deque[PendingRound] = deque()
+        """Rounds a checkpoint recorded without rollouts: generated again, in order, before any new one."""
         self.in_flight: tuple[PendingRound, PendingRollout] | None = None
         self.next_index = version
         """The next round to request."""
@@ -121,22 +141,28 @@ class RolloutPipeline:
 
     def _request(self, version: int) -> tuple[PendingRound, PendingRollout]:
         """Pick round `next_index`'s prompts (the curriculum queue's next P, else the dataset's next round),
-        its seeds, and start generating it with policy `version` (rank 0's background thread)."""
-        picked, is_from_dataset = self.draw_prompts()
-        step = self.next_index * self.steps_per_round
-        seeds = sampling_seeds(self.seed, step, 0, picked.indices)
-        pending = PendingRound(self.next_index, step, picked, seeds, version=version, is_from_dataset=is_from_dataset)
-        self.next_index += 1
+        its seeds, and start generating it with policy `version` (rank 0's background thread); a round to generate
+        again (`redo`) first, with its own prompts and seeds."""
+        if self.redo:
+            pending = self.redo.popleft()
+            pending.version = version
+        else:
+            picked, is_from_dataset = self.draw_prompts()
+            step = self.next_index * self.steps_per_round
+            seeds = sampling_seeds(self.seed, step, 0, picked.indices)
+            pending = PendingRound(self.next_index, step, picked, seeds, version=version,
+                                   is_from_dataset=is_from_dataset)
+            self.next_index += 1
         if self._done_at is not None:
             self._idle_s += time.perf_counter() - self._done_at
             self._done_at = None
-        handle = self.engine.generate_async(picked.prompt_ids, self.num_generations, seeds=seeds)
-        return pending, handle
+        return pending, self.start_round(pending.picked, pending.seeds)
 
     def _finish(self, pending: PendingRound, handle: PendingRollout, version: int) -> PendingRound:
         """Wait for a request (rank 0), share its rollout with every rank (collective)."""
         start = time.perf_counter()
         pending.rollout = handle.result()
+        pending.extra = getattr(handle, "extra", {})
         self._waited_s += time.perf_counter() - start
         self._done_at = handle.done_at if handle.done_at is not None else time.perf_counter()
         if handle.regenerated:  # a restarted server was resynced with the current weights, which sampled it
@@ -146,10 +172,13 @@ class RolloutPipeline:
     def fill(self, version: int) -> None:
         """Before training round r (the trainer holding policy `version`): rounds r .. r+k-1 complete (generated
         synchronously while fewer: the warm-up, rounds 0 .. k-1, all by version 0), round r+k requested. Collective."""
-        while len(self.ready) < self.k and self.next_index < self.total_rounds and self.in_flight is None:
+        while len(self.ready) < self.k and self._has_more() and self.in_flight is None:
             self.ready.append(self._finish(*self._request(version), version))
-        if self.in_flight is None and self.next_index < self.total_rounds and len(self.ready) <= self.k:
+        if self.in_flight is None and self._has_more() and len(self.ready) <= self.k:
             self.in_flight = self._request(version)  # (more than k ready: a checkpoint of a larger k, drained first)
+
+    def _has_more(self) -> bool:
+        return bool(self.redo) or self.next_index < self.total_rounds
 
     def take(self) -> PendingRound:
         """Round r, the oldest complete one (`fill` has made sure there is one). Not collective."""
@@ -166,7 +195,7 @@ class RolloutPipeline:
 
     def num_dataset_rounds_ahead(self) -> int:
         """Rounds drawn from the dataset but not trained on yet (the data position runs this far ahead of training)."""
-        ahead = list(self.ready) + ([self.in_flight[0]] if self.in_flight is not None else [])
+        ahead = list(self.ready) + list(self.redo) + ([self.in_flight[0]] if self.in_flight is not None else [])
         return sum(p.is_from_dataset for p in ahead)
 
     def take_wait_times(self) -> dict[str, float]:
@@ -176,10 +205,12 @@ class RolloutPipeline:
         return out
 
     def state(self) -> dict:
-        """The checkpoint's record (called with nothing in flight): the complete rounds not yet trained on."""
+        """The checkpoint's record (called with nothing in flight): the complete rounds not yet trained on (without
+        their rollouts when `stores_rounds` is False: class docstring)."""
         if self.in_flight is not None:
             raise RuntimeError("a checkpoint is written between rounds: a request is still in flight")
-        return {"max_staleness": self.k, "next_index": self.next_index, "ready": [p.to_state() for p in self.ready]}
+        rounds = [p.to_state(self.stores_rounds) for p in self.ready] + [p.to_state(False) for p in self.redo]
+        return {"max_staleness": self.k, "next_index": self.next_index, "ready": rounds}
 
     def restore(self, state: dict | None) -> None:
         """Put a checkpoint's complete rounds back (resume). A checkpoint written at a smaller max_staleness, or by
@@ -187,8 +218,19 @@ class RolloutPipeline:
         of a larger max_staleness holds more, which are trained on before the next request."""
         if not state:
             return
-        self.ready = deque(PendingRound.from_state(p) for p in state["ready"])
+        rounds = [PendingRound.from_state(p) for p in state["ready"]]
+        self.ready = deque(p for p in rounds if p.rollout is not None)
+        self.redo = deque(p for p in rounds if p.rollout is None)
         self.next_index = state["next_index"]
+
+    def regenerated_note(self) -> str | None:
+        """After `restore`: the warning for rounds the checkpoint held without rollouts (None when there are none)."""
+        if not self.redo:
+            return None
+        return (f"resumed with {len(self.redo)} multi-turn round(s) generated ahead of the checkpoint (rounds "
+                f"{[p.index for p in self.redo]}): a checkpoint cannot hold their environment instances and reward "
+                "inputs, so it recorded their prompts and seeds only; they are generated again now by the restored "
+                "weights (staleness 0), so the run from here differs from the uninterrupted one")
 
 
 def rewind_rounds_ahead(state: dict | None, rounds) -> None:

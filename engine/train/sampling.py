@@ -8,8 +8,9 @@ round's P prompts: the curriculum queue's, else the dataset's), `Scored` (one ge
 `queue_prompts` (the user's `dynamic_prompts_fn` on rank 0, broadcast, its prompts queued), `keep_best_in_groups` (GFPO's
 `group_filter_func` on rank 0, broadcast), `score` (the reward functions on rank 0 with TRL's contract, broadcast)
 `score_held_out` (held-out completions scored on rank 0; engine/train/evaluation.py reports TRL's eval metrics of
-them) and `evaluate` (mean weighted reward of `num_generations_eval` completions per held-out prompt). Every rank makes the same choices:
-whatever rank 0 decides is broadcast before anyone uses it.
+them), `evaluate` (mean weighted reward of `num_generations_eval` completions per held-out prompt) and
+`PendingAgenticRound` (a multi-turn round generated ahead: rank 0's background thread drives it). Every rank makes
+the same choices: whatever rank 0 decides is broadcast before anyone uses it.
 
 Must not: hold maths (engine/grpo/: advantages, dynamic sampling, group filtering), build or train the model
 (engine/train/run.py, engine/train/loop.py), or import vLLM (engine/rollout/vllm_engine.py).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -123,7 +125,7 @@ def sample_and_score(sampler: RoundSampler, rounds: PromptRounds, step: int, *, 
         start = time.perf_counter()
         if attempt == 0 and pipeline is not None:  # asynchronous rollout: generated while the last round trained
             pending = pipeline.take()
-            picked, rollout, sampled_by, extra = pending.picked, pending.rollout, pending.version, {}
+            picked, rollout, sampled_by, extra = pending.picked, pending.rollout, pending.version, pending.extra
         else:
             picked, _ = draw_prompts(sampler, rounds)
             seeds = sampling_seeds(sampler.seed, step, attempt, picked.indices)
@@ -131,6 +133,7 @@ def sample_and_score(sampler: RoundSampler, rounds: PromptRounds, step: int, *, 
         versions.append([sampled_by] * len(rollout.completion_ids))
         middle = time.perf_counter()
         rewards, completions = score(sampler, picked, rollout, step, extra)
+        release_environments(sampler, extra)
         queue_prompts(sampler, picked, completions, rewards)
         seconds["time/rollout_s"] += middle - start
         seconds["time/reward_s"] += time.perf_counter() - middle
@@ -172,6 +175,58 @@ def generate(sampler: RoundSampler, picked: PromptBatch, g: int, seeds: list[int
         held, extra = [agentic.rollout], agentic.columns
     dist.broadcast_object_list(held, src=0)
     return held[0], extra
+
+
+class PendingAgenticRound:
+    """A multi-turn round generated ahead (engine/train/rollout_pipeline.py, `rollout.max_staleness` > 0, server mode):
+    rank 0's background thread drives its samples' turns against the servers and runs their tools while the trainer
+    trains (`AgenticRollout.generate`, as `generate` does synchronously); `result()` shares the rollout (collective)
+    and keeps the reward functions' per-row values in `extra` (rank 0). Off-policy rows are corrected as single-turn
+    ones: the behaviour log-probs are the engine's per sampled token, tool tokens masked (tool_mask).
+
+    The pipeline's `PendingRollout` (engine/rollout/protocol.py): the pipeline asks one round at a time and pushes
+    weights only between rounds, so the servers never change weights under a turn. A failure on rank 0 (a tool loop
+    error, a lost server) is raised on every rank by `result()`."""
+
+    def __init__(self, sampler: RoundSampler, picked: PromptBatch, num_generations: int, seeds: list[int]):
+        self.sampler = sampler
+        self.done_at: float | None = None
+        self.regenerated = False
+        self.extra: dict = {}
+        self._future = None
+        if sampler.ps.rank == 0:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentic-ahead")
+            self._future = self._executor.submit(self._run, picked, num_generations, seeds)
+
+    def _run(self, picked: PromptBatch, num_generations: int, seeds: list[int]):
+        try:
+            agentic = self.sampler.agentic.ahead()  # its own tokenizer: the trainer's thread decodes meanwhile
+            return agentic.generate(self.sampler.engine, picked.prompts, picked.prompt_ids, picked.columns,
+                                    num_generations, seeds)
+        finally:
+            self.done_at = time.perf_counter()
+
+    def result(self) -> Rollout:
+        """The rollout on every rank (collective)."""
+        held: list = [None]
+        if self.sampler.ps.rank == 0:
+            try:
+                done = self._future.result()
+                held, self.extra = [done.rollout], done.columns
+            except Exception as e:  # noqa: BLE001 - raised on every rank below, not only here
+                held = [RuntimeError(f"a multi-turn round generated ahead failed on rank 0: {type(e).__name__}: {e}")]
+            finally:
+                self._executor.shutdown(wait=False)
+        dist.broadcast_object_list(held, src=0)
+        if isinstance(held[0], Exception):
+            raise held[0]
+        return held[0]
+
+
+def release_environments(sampler: RoundSampler, extra: dict) -> None:
+    """Rank 0, multi-turn: the round's environment instances are free again (its rewards are computed)."""
+    if sampler.agentic is not None and extra:
+        sampler.agentic.release(extra)
 
 
 def queue_prompts(sampler: RoundSampler, picked: PromptBatch, completions: list, rewards: torch.Tensor) -> None:
@@ -273,6 +328,7 @@ def score_held_out(sampler: RoundSampler, prompts: PromptDataset, num_prompts: i
         repeated = extra.pop(PROMPTS_KEY, None) or repeated
         columns = {k: [v for v in values for _ in range(g)] for k, values in picked.columns.items()} | extra
         rewards = sampler.rewards(repeated, completions, rollout.completion_ids, columns)  # (P * g, K)
+        release_environments(sampler, extra)
     return rollout, rewards
 
 

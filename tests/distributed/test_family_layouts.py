@@ -22,8 +22,10 @@ between them, the process group is kept):
 Gemma 3 text (dense; sliding / full layers with two RoPE bases, (1 + w) norms, post-norms, scaled embeddings, tied)
 runs in the same launch: (a) at TP1 (x DP2), TP2 with sequence parallelism and PP2; (b) the GRPO step at TP2 + SP
 and with packed rows (block-causal mask AND the window, TP1) equals the padded TP1 step, every norm moving. Gemma 2
-(the same layer code, attention logits soft-capped, no q/k norms, one RoPE base): (a) at TP1 and TP2 + SP, against
-HF's eager attention (tests/helpers/policy.py hf_logits says why).
+(the same layer code, attention logits soft-capped, no q/k norms, one RoPE base, final logits soft-capped): (a) at TP1
+and TP2 + SP, against HF's eager attention (tests/helpers/policy.py hf_logits says why), the soft-capped logits and
+the fused LM-head kernel's log-probs at temperature 0.9 (the cap applied inside the kernel, vocab-parallel at TP2);
+(b) the GRPO step at TP2 + SP equals the TP1 step.
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
 same MoE code path; this file checks what Mixtral and GLM-4.5 add: their config translation and their names.
 """
@@ -34,7 +36,7 @@ import torch
 from tests.distributed.launcher import run_distributed
 from tests.distributed.test_routing_replay import _check as _replay_check
 from tests.distributed.test_routing_replay import check_replay_results
-from tests.helpers.policy import grpo_step_and_export, hf_logits, hf_tensors, logits_and_export
+from tests.helpers.policy import grpo_step_and_export, hf_logits, hf_logprobs, hf_tensors, logits_and_export
 
 FAMILIES = {"mixtral": {"router": ".block_sparse_moe.gate.", "expert": ".block_sparse_moe.experts.3.w3."},
             "glm4_moe": {"router": ".mlp.gate.weight", "expert": ".mlp.experts.3.up_proj.",
@@ -44,13 +46,16 @@ FAMILIES = {"mixtral": {"router": ".block_sparse_moe.gate.", "expert": ".block_s
 """Each family's tiny model (engine/models/tiny_model.py) and the HF names its checks look for."""
 
 DENSE_FAMILIES = {
-    "gemma3_text": {"logits": [(1, 1, 1), (2, 1, 1), (1, 2, 1)],
+    "gemma3_text": {"logits": [(1, 1, 1), (2, 1, 1), (1, 2, 1)], "steps": ("tp1", "tp2_sp", "tp1_packed"),
                     "moved": (".post_attention_layernorm.", ".post_feedforward_layernorm.", ".pre_feedforward_layernorm.",
                               ".self_attn.q_norm.", ".mlp.gate_proj.")},
-    "gemma2": {"logits": [(1, 1, 1), (2, 1, 1)], "moved": ()},  # Gemma 3's code path + attention soft-capping
+    # Gemma 3's code path + attention and final-logit soft-capping: the log-probs too, and the step at TP2
+    "gemma2": {"logits": [(1, 1, 1), (2, 1, 1)], "logprob_temperature": 0.9, "steps": ("tp1", "tp2_sp"),
+               "moved": (".post_attention_layernorm.", ".mlp.gate_proj.")},
 }
-"""Dense families (no expert layouts, no routing): their logit layouts (tp, pp, ep) and the HF names their GRPO step
-must move (no step where none)."""
+"""Dense families (no expert layouts, no routing): their logit layouts (tp, pp, ep), the temperature of a log-prob
+check against HF's (none where absent), their GRPO step layouts (`DENSE_STEP_LAYOUTS` names) and the HF names the step
+must move."""
 
 LOGIT_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)]
 """(tp, pp, ep) on 2 ranks: dp = 2 / (tp * pp); sequence parallelism at tp > 1."""
@@ -98,9 +103,10 @@ def _dense_layouts(family: str, model_dir: str, out_root: str) -> dict:
     for tp, pp, ep in DENSE_FAMILIES[family]["logits"]:
         name = _layout_name(tp, pp, ep)
         parallel = ParallelConfig(tp_size=tp, pp_size=pp, sequence_parallel=tp > 1)
-        results[name] = logits_and_export(model_dir, parallel, f"{out_root}/{name}")
+        results[name] = logits_and_export(model_dir, parallel, f"{out_root}/{name}",
+                                          DENSE_FAMILIES[family].get("logprob_temperature"))
         destroy_parallel(keep_process_group=True)
-    for name, tp, packed in DENSE_STEP_LAYOUTS if DENSE_FAMILIES[family]["moved"] else []:
+    for name, tp, packed in [s for s in DENSE_STEP_LAYOUTS if s[0] in DENSE_FAMILIES[family]["steps"]]:
         parallel = ParallelConfig(tp_size=tp, sequence_parallel=tp > 1)
         results[f"step-{name}"] = grpo_step_and_export(model_dir, parallel, ModelConfig(dtype="float32"),
                                                        f"{out_root}/step-{name}", width_multiple=2,
@@ -131,7 +137,15 @@ def launched(tmp_path_factory):
 def test_family_logits_match_hf_and_export_is_byte_exact(launched, family, layout):
     model_dir, out_root, results = launched[family]
     name = _layout_name(*layout)
-    logits = [r[name] for r in results if r[name] is not None]
+    temperature = DENSE_FAMILIES.get(family, {}).get("logprob_temperature")
+    if temperature is not None:
+        logprobs = [r[name][1] for r in results if r[name][1] is not None]
+        assert logprobs, "the last stage reports log-probs"
+        want = hf_logprobs(model_dir, temperature)
+        for got in logprobs:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    logits = [r[name] if temperature is None else r[name][0] for r in results]
+    logits = [got for got in logits if got is not None]
     assert logits, "some rank (last stage, TP rank 0) reports logits"
     reference = hf_logits(model_dir)
     for got in logits:
@@ -180,8 +194,8 @@ def test_family_routing_replay_and_router_agreement_at_ep2(launched, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [family for family, case in DENSE_FAMILIES.items() if case["moved"]])
-@pytest.mark.parametrize("layout", ["tp2_sp", "tp1_packed"])
+@pytest.mark.parametrize("family,layout", [(f, s) for f, case in DENSE_FAMILIES.items() for s in case["steps"]
+                                           if s != "tp1"])
 def test_dense_family_grpo_step_equals_tp1(launched, family, layout):
     loss1, grad_norm1, after1 = _step(launched, family, "tp1")
     loss, grad_norm, after = _step(launched, family, layout)

@@ -64,12 +64,14 @@ def tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))  # (B, T)
 
 
-def logits_and_export(model_dir: str, parallel, out_dir: str) -> torch.Tensor | None:
+def logits_and_export(model_dir: str, parallel, out_dir: str, logprob_temperature: float | None = None):
     """Rank function: the full-vocabulary logits (B, T, V) of `tokens` through the policy at `parallel` (on the last
     stage's TP rank 0; None elsewhere), and the policy exported to `out_dir` as an HF checkpoint.
 
     The chunks are in eval mode (a forward-only pass either way: no dropout in these models); Megatron's MoE layer
-    refuses TP > 1 in training mode without sequence parallelism.
+    refuses TP > 1 in training mode without sequence parallelism. With `logprob_temperature`, returns (logits, the
+    engine's log-probs (B, T - PROMPT) of `tokens`' tokens after the first `PROMPT` through the fused LM-head kernel
+    at that temperature (`forward_logprobs`), None off the last stage); compare with `hf_logprobs`.
     """
     from engine.policy.hf_checkpoint import export_hf_checkpoint
     from engine.policy.step import run_schedule
@@ -82,7 +84,31 @@ def logits_and_export(model_dir: str, parallel, out_dir: str) -> torch.Tensor | 
     with torch.no_grad():
         values = run_schedule(chunks, ps, [batch], logits_fn, forward_only=True)
     export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims, tokenizer_dir=model_dir)
-    return values[0]["logits"] if values and ps.tp_rank == 0 else None
+    logits = values[0]["logits"] if values and ps.tp_rank == 0 else None
+    if logprob_temperature is None:
+        return logits
+    from engine.config import KernelsConfig
+    from engine.policy.batch import pack_completions
+    from engine.policy.step import LogprobSettings, forward_logprobs
+
+    rows = tokens(hf_config.vocab_size).tolist()
+    batch = pack_completions([r[:PROMPT] for r in rows], [r[PROMPT:] for r in rows], pad_token_id=0)
+    settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=logprob_temperature,
+                               kernels=KernelsConfig(loss_implementation="torch_chunked"))
+    values = forward_logprobs(chunks, ps, [batch], settings)
+    return logits, (values[0][0] if values else None)
+
+
+PROMPT = 3
+"""Prompt tokens of each `tokens` row in the log-prob check of `logits_and_export` (the rest is the completion)."""
+
+
+def hf_logprobs(model_dir, temperature: float) -> torch.Tensor:
+    """HF's log-probs (B, T - PROMPT) of `tokens`' tokens after the first `PROMPT`: log_softmax of its logits (Gemma 2:
+    already soft-capped by the model) divided by the temperature, as TRL computes them."""
+    logits = hf_logits(model_dir)[:, PROMPT - 1:-1].double() / temperature  # (B, C, V)
+    ids = tokens(logits.shape[-1])[:, PROMPT:]  # (B, C)
+    return torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0].float()
 
 
 def gathered_logits_fn(ps, vocab_size: int):
@@ -93,7 +119,7 @@ def gathered_logits_fn(ps, vocab_size: int):
     from engine.policy.step import lm_head_logits
 
     def logits_fn(model, hidden, _batch):
-        local = lm_head_logits(hidden, model.lm_head_weight(), ps)  # (s, b, V_pad / tp)
+        local = lm_head_logits(hidden, model.lm_head_weight(), ps, model.final_logit_softcap)  # (s, b, V_pad / tp)
         shards = [torch.empty_like(local) for _ in range(ps.tp_size)]
         dist.all_gather(shards, local.contiguous(), group=ps.groups.tp)
         full = torch.cat(shards, dim=-1).transpose(0, 1)  # (b, s, V_pad)

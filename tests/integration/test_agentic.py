@@ -17,9 +17,11 @@ The tiny model knows no tool-call format, so `vllm_structured_outputs_regex` mak
 what is tested is the engine's machinery, not the model's skill. The shipped tool-calling model
 (`builtin:tiny-qwen2-calc`, examples/004_agentic_calculator.py) calls its tool without a regex; with it, float32:
 - the engine's sampling log-probs of the model's tokens on rows with tool messages equal the trainer's, colocated
-  and in server (split) mode against the session's replica server;
+  and in server (split) mode against a server of its own;
 - a run resumed from checkpoint-1 logs step 2 as the uninterrupted run did (environments rebuilt and reset: their
-  state is not checkpointed).
+  state is not checkpointed);
+- server mode with rounds generated one ahead (max_staleness=1): staleness exactly 1, the tool mask in the
+  off-policy correction, environments leased per round, and resume generating the round ahead again.
 """
 
 from __future__ import annotations
@@ -277,7 +279,7 @@ def _calculator_runs(output_dir: str) -> dict:
 
     def args(name: str) -> GRPOConfig:
         return GRPOConfig(output_dir=str(Path(output_dir) / name), max_steps=2, save_steps=1, bf16=False,
-                          per_device_train_batch_size=8, num_generations=4, max_completion_length=96,
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=160,
                           max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1,
                           vllm_gpu_memory_utilization=0.15, vllm_max_model_length=512, report_to="none")
 
@@ -287,13 +289,16 @@ def _calculator_runs(output_dir: str) -> dict:
                               train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
         trainer.train(resume_from_checkpoint=resume)
         histories.append([h for h in trainer.state.log_history if "tools/call_frequency" in h])
-    return {"a": histories[0], "b": histories[1]}
+    return {"a": histories[0], "b": histories[1], "tool_results": len(TOOL_RESULTS)}
 
 
 CALC_MODEL = "builtin:tiny-qwen2-calc"
+TOOL_RESULTS: list[str] = []
+"""The tool messages the reward function saw (the rank's process): rows where a tool result reached the model."""
 
 
 def _any_answer(completions, **kwargs):
+    TOOL_RESULTS.extend(m["content"] for c in completions for m in c if m.get("role") == "tool")
     return [float("<answer>" in c[-1]["content"]) for c in completions]
 
 
@@ -302,12 +307,14 @@ def test_tool_rows_logprobs_match_the_trainer_and_a_resumed_run_continues(tmp_pa
     """Without a structured-output regex, the shipped tool-calling model (engine/demo/tool_warm_start.py) calls the
     calculator on its own: on those rows (model turns + tool messages, tool mask applied) vLLM's sampling log-probs
     of the model's tokens equal the trainer's in float32 (the tolerance of tests/integration/test_trainer.py's
-    float32 run: mean gap < 1e-3 nats, IS weights > 0.99; measured: mean 4e-7, max 4e-6). NOTE: removing the tool
-    mask multiply in engine/train/loop.py does not fail this test (the measured gap stays 4e-7): the zero gradient on
+    float32 run: mean gap < 1e-3 nats, IS weights > 0.99). The budget is 160 tokens: a tool call (~75 tokens of the
+    tiny tokenizer) and its tool message (~39) must fit, or every row ends at the call and holds no tool tokens (at
+    96, until git 980065e, none did: the test now counts the tool messages the rewards saw). The zero gradient on
     tool tokens is tests/unit/test_agent_loss_mask.py's. Resume: a run resumed from checkpoint-1 logs step 2 as the uninterrupted
     run did (environments are rebuilt and reset, their state is not checkpointed)."""
     (result,) = run_distributed(_calculator_runs, 1, str(tmp_path))
     a, b = result["a"], result["b"]
+    assert result["tool_results"] > 0, "no tool result reached the model: the rows hold no tool tokens"
     assert [h["step"] for h in a] == [1, 2] and [h["step"] for h in b] == [2], (a, b)
     for record in a + b:
         assert record["tools/call_frequency"] > 0.2, record  # tool rows in every round
@@ -318,42 +325,95 @@ def test_tool_rows_logprobs_match_the_trainer_and_a_resumed_run_continues(tmp_pa
     assert {k: b[0][k] for k in keys} == {k: a[1][k] for k in keys}
 
 
-def _calculator_in_server_mode(output_dir: str, url: str, token: str, group_port: int) -> dict:
-    """One step of the calculator run against a rollout server (server / split mode): each turn is its own request
-    (engine/rollout/server_rollout.py `submit_turn`), the server sampling with the trainer's synced weights."""
+def _calculator_in_server_mode(output_dir: str, url: str, token: str, group_port: int, name: str) -> dict:
+    """The calculator run against a rollout server (server / split mode) at DP=2 (8 rows a round, 4 per rank),
+    each turn its own request (engine/rollout/server_rollout.py `submit_turn`), rounds generated one ahead
+    (max_staleness=1: rank 0's background thread drives every row's turns and tools, round r+1's while round r
+    trains, and broadcasts the round): run "a", 2 steps, a checkpoint after each; run "b" resumed from a's
+    checkpoint-1, which recorded round 1 (generated ahead) by its prompts and seeds. One run per launcher call:
+    each rendezvouses on a fresh MASTER_PORT."""
     import os
+    import warnings
 
     from engine import GRPOConfig, GRPOTrainer
     from engine.demo.tool_warm_start import calculator_dataset
 
     os.environ["GRPO_ENGINE_TOKEN"] = token
-    args = GRPOConfig(output_dir=str(Path(output_dir) / "server"), max_steps=1, bf16=False, vllm_mode="server",
-                      vllm_server_base_url=url, vllm_group_port=group_port, per_device_train_batch_size=8,
-                      num_generations=4, max_completion_length=96, max_tool_calling_iterations=2, learning_rate=1e-4,
-                      logging_steps=1, report_to="none")
-    trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=_any_answer, args=args,
+    seen = []
+
+    def record(prompts, completions, completion_ids, environments, trainer_state, **kwargs):
+        seen.append({"step": trainer_state.global_step, "prompts": prompts,
+                     "environments": [id(e) for e in environments],
+                     "tool_messages": sum(m["role"] == "tool" for c in completions for m in c),
+                     "mean_tokens": sum(map(len, completion_ids)) / len(completion_ids)})
+        return [0.0] * len(completions)
+
+    resume = str(Path(output_dir) / "a" / "checkpoint-1") if name == "b" else None
+    args = GRPOConfig(output_dir=str(Path(output_dir) / name), max_steps=2, save_steps=1, bf16=False,
+                      vllm_mode="server", vllm_server_base_url=url, vllm_group_port=group_port, max_staleness=1,
+                      per_device_train_batch_size=8 // int(os.environ["WORLD_SIZE"]), num_generations=4,
+                      max_completion_length=128, max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1,
+                      report_to="none")
+    trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=[_any_answer, record], args=args,
                           train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
-    trainer.train()
-    return next(h for h in trainer.state.log_history if "tools/call_frequency" in h)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=resume)
+    return {"history": [h for h in trainer.state.log_history if "tools/call_frequency" in h], "seen": seen,
+            "warnings": [str(w.message) for w in warned if "generated ahead of the checkpoint" in str(w.message)],
+            "step": trainer.state.global_step}
 
 
 @pytest.mark.slow
-def test_tool_rows_in_server_mode_match_the_trainers_logprobs(tmp_path):
-    """Server (split) mode with tools: the multi-turn rows come from a rollout server (a server of its own: the
-    session's replica pair serves 128 positions, a calculator conversation needs ~200), tool calls run in the
-    trainer's process, and the server's sampling log-probs of the model's tokens equal the trainer's (float32, as
-    in the colocated test above)."""
+def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_resume_regenerates_it(tmp_path):
+    """Server (split) mode with tools at DP=2, rounds generated one ahead (max_staleness=1): the multi-turn rows
+    come from a rollout server (a server of its own: the session's replica pair serves 128 positions, a calculator
+    conversation needs ~250), tool calls run in rank 0's process (it drives every DP rank's rows and broadcasts the
+    round, as the reward functions and environments live there; driving costs 0.3 ms CPU per turn, 0.3% of a
+    round's wall time: benchmarks/bench_agentic_rollout.py `driver_cpu_ms_per_turn`); both ranks train every step.
+    - round 0 (sampled by the weights it trains) has the server's sampling log-probs of the model's tokens equal to
+      the trainer's (float32, as in the colocated test above); round 1 was generated while round 0 trained: its
+      staleness is exactly 1, its rows keep their tool mask through the background thread and the broadcast (the
+      rewards see tool messages, the length metric counts the model's tokens only, fewer than the rows hold);
+    - round 1's environments are other instances than round 0's (round 0's get_reward is read after round 1 has
+      reset its own: the pool leases them per round);
+    - resume: checkpoint-1 held round 1 by its prompts and seeds only (environments are not checkpointed), so run B
+      warns, generates round 1 again from the restored weights (staleness 0) with the same prompts, and trains step 2.
+    max_completion_length 128: a tool call (~75 tokens of the tiny tokenizer) and its tool message (~39) must fit,
+    or the sample ends at the call and no row holds tool tokens (measured at 96: 0 tool messages in every round).
+    Measured (2 cores): round 1 at staleness 1 has min IS ratio 0.76, mean |log-prob gap| 0.006 (at DP=1); ~2 min.
+    Mutation-checked: the pool handing out leased instances (environment ids overlap), the round's tool mask
+    dropped in `PendingAgenticRound.result` (min IS ratio 0.0: tool tokens, sampled log-prob 0.0, enter the
+    correction), checkpoints storing multi-turn rounds ahead (the resumed round's rewards lack `environments`:
+    the run fails)."""
     import secrets
 
     from tests.integration.test_rollout_server import Server, _group_port
 
     server = Server(tmp_path, secrets.token_hex(16), "rollout.vllm_max_model_length=256")
     try:
-        (record,) = run_distributed(_calculator_in_server_mode, 1, str(tmp_path), server.url, server.token,
-                                    _group_port())
+        runs = {name: run_distributed(_calculator_in_server_mode, 2, str(tmp_path), server.url, server.token,
+                                      _group_port(), name) for name in ("a", "b")}
     finally:
         server.stop()
-    assert record["weight_sync/servers"] == 1, record
-    assert record["tools/call_frequency"] > 0.2, record
-    assert record["sampling/sampling_logp_difference/mean"] < 1e-3, record
-    assert record["sampling/importance_sampling_ratio/min"] > 0.99, record
+    a, b = runs["a"][0]["history"], runs["b"][0]["history"]
+    by_run = {name: ranks[0]["seen"] for name, ranks in runs.items()}
+    assert [h["step"] for h in a] == [1, 2] and [h["step"] for h in b] == [2], (a, b)
+    assert all(r["step"] == 2 for ranks in runs.values() for r in ranks)  # rank 1 trains every step too
+    assert not runs["a"][1]["seen"] and not runs["b"][1]["seen"]  # rank 0 drives and scores every row
+    assert [h["rollout/staleness_mean"] for h in a] == [0.0, 1.0] and b[0]["rollout/staleness_mean"] == 0.0
+    for record in a + b:
+        assert record["weight_sync/servers"] == 1, record
+        assert record["tools/call_frequency"] > 0.2, record
+        assert record["sampling/importance_sampling_ratio/min"] > 0.5, record
+    for record in (a[0], b[0]):  # sampled by the weights they train
+        assert record["sampling/sampling_logp_difference/mean"] < 1e-3, record
+        assert record["sampling/importance_sampling_ratio/min"] > 0.99, record
+    assert [r["step"] for r in by_run["a"]] == [0, 1] and [r["step"] for r in by_run["b"]] == [1], by_run
+    assert not set(by_run["a"][0]["environments"]) & set(by_run["a"][1]["environments"])
+    for record, rewarded in zip(a + b, by_run["a"] + by_run["b"]):  # the tool mask: in the rewards and the loss
+        assert rewarded["tool_messages"] > 0 and record["completions/mean_length"] < rewarded["mean_tokens"], (
+            {k: v for k, v in rewarded.items() if k != "prompts"}, record)
+    assert by_run["b"][0]["prompts"] == by_run["a"][1]["prompts"]  # round 1 again, its own prompts
+    assert not runs["a"][0]["warnings"] and len(runs["b"][0]["warnings"]) == 1, runs["b"][0]["warnings"]
+    assert "rounds [1]" in runs["b"][0]["warnings"][0]

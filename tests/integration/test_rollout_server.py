@@ -10,7 +10,9 @@ from /health at connection, with the fix; the server refuses to start without a 
 the endpoint and the cause. After a GRPO optimizer step the trainer (TP1 and TP2 -> engine TP2; TP1 ->
 engine TP1) syncs its weights into the server over the transfer group and the server's log-probs equal the
 trainer's (fp32, tolerance 1e-3); a server SIGKILLed mid-sync gives a clear error (not a hang) and leaves the
-trainer's weights bitwise as they were before the sync; the GRPO loop runs against the server, verified each sync.
+trainer's weights bitwise as they were before the sync (that server serves the tiny Gemma 3, tied: its synced LM head
+must follow the reloaded embedding, `grpo_retie_lm_head`; without it 0.10 off after the step); the GRPO loop runs
+against the server, verified each sync.
 Two servers (one per inference node in production): a round's prompts are split between them and, with seeds,
 equal one server's round; both are synced and verified, a stale one is named; one SIGKILLed and restarted on its
 port between rounds is found by the next generate, waited for, synced afresh (its transfer group rejoined) and
@@ -74,15 +76,15 @@ class Server:
     """A rollout server process (stopped by `stop`; its log kept for failure messages)."""
 
     def __init__(self, tmp: Path, token: str, *overrides: str, env: dict | None = None, port: int | None = None,
-                 replica: int = 0, num_replicas: int = 1, trl_flags: bool = False):
-        """trl_flags: start it as `trl vllm-serve` is started (`python -m engine vllm-serve --model ...`, TRL's
-        flags, no config file); else from the run's config and overrides."""
+                 replica: int = 0, num_replicas: int = 1, trl_flags: bool = False, model: str = MODEL):
+        """trl_flags: start it as `trl vllm-serve` is started (`python -m engine vllm-serve --model <model>`, TRL's
+        flags, no config file); else from the run's config and overrides (`model` is then the default MODEL)."""
         self.port, self.token = port or _free_port(), token
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}-{time.monotonic_ns()}.log"
         self.overrides = ["generation.max_completion_length=6", f"train.output_dir={tmp}", *overrides]
         if trl_flags:
-            command = ["-m", "engine", "vllm-serve", "--model", MODEL, "--gpu-memory-utilization", "0.1",
+            command = ["-m", "engine", "vllm-serve", "--model", model, "--gpu-memory-utilization", "0.1",
                        "--max_model_len", "128", "--dtype", "auto", *self.overrides]
         else:
             command = ["-m", "engine.rollout.server", "configs/tiny_cpu.yaml", f"model.name_or_path={MODEL}",
@@ -406,17 +408,23 @@ def test_expert_parallel_trainer_syncs_into_a_moe_server_and_a_stale_one_is_caug
 
 @pytest.mark.slow
 def test_server_killed_mid_sync_gives_a_clear_error_and_leaves_trainer_weights_intact(tmp_path):
+    """Also the server's weight receiver on a tied model whose vLLM class keeps an LM head of its own (the tiny Gemma 3;
+    vLLM's Gemma 2 multiplies with the embedding itself): after the step's sync that LM head must follow the reloaded
+    embedding (engine/rollout/vllm_engine.py `grpo_retie_lm_head`, called per bucket in `grpo_receive_weights`), or
+    `after` fails."""
+    from engine.models.tiny_model import build_tiny_model
     from tests.distributed.launcher import run_distributed
 
+    model_dir = str(build_tiny_model(tmp_path / "gemma3_text", "gemma3_text", seed=8))
     # engine TP 1 (the worker in the server's process), started with TRL's vllm-serve flags and no config file
-    doomed = Server(tmp_path, secrets.token_hex(16), trl_flags=True)
+    doomed = Server(tmp_path, secrets.token_hex(16), trl_flags=True, model=model_dir)
     try:
         [r] = run_distributed(_sync_into_server, 1, 1, doomed.url, doomed.token, _group_port(), doomed.proc.pid,
-                              timeout_s=300)
+                              1, model_dir, timeout_s=300)
     finally:
         doomed.proc.kill()
         doomed.proc.wait()
-    assert r["before"] < TOLERANCE and r["after"] < TOLERANCE  # trainer TP 1 -> engine TP 1 syncs work
+    assert r["before"] < TOLERANCE and r["after"] < TOLERANCE  # trainer TP 1 -> engine TP 1 syncs work, re-tied
     assert "not running the trainer's weights" in r["stale_error"]
     assert "weight sync into the rollout server failed" in r["kill_error"], r["kill_error"]
     assert doomed.url in r["kill_error"] or "engine worker" in r["kill_error"], r["kill_error"]

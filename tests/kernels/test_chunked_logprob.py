@@ -63,6 +63,21 @@ def test_chunked_matches_reference_forward_and_gradients_float64(case, workspace
     assert torch.count_nonzero(got[3][vocab_size:]) == 0  # padded rows of W get no gradient
 
 
+@pytest.mark.parametrize(("use_logprobs", "use_entropy"), [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("workspace_mb", WORKSPACES_MB)
+def test_chunked_softcap_matches_reference_float64(workspace_mb, use_logprobs, use_entropy):
+    """Final-logit soft-capping (cap 20 on logits up to 50, temperature 0.7) over every tile shape, with either
+    gradient alone: the backward's 1 - tanh^2 factor and the forward's cap agree with autograd on the reference."""
+    x, w, y, vocab_size, temperature = _case("peaked_abs50_padded_t0.7")
+    g_lp, g_ent = _upstream(N)
+    g_lp, g_ent = (g_lp if use_logprobs else None), (g_ent if use_entropy else None)
+    common = dict(temperature=temperature, vocab_size=vocab_size, softcap=20.0)
+    got = _run(chunked_logprob_entropy, x, w, y, g_lp, g_ent, workspace_mb=workspace_mb, **common)
+    want = _run(reference_logprob_entropy, x, w, y, g_lp, g_ent, **common)
+    for name, a, b in zip(("logprobs", "entropy", "dX", "dW"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize(("use_logprobs", "use_entropy"), [(True, False), (False, True)])
 def test_chunked_gradient_when_only_one_output_is_used(use_logprobs, use_entropy):
     x, w, y, vocab_size, temperature = _case("moderate_padded_t1.6")
@@ -149,13 +164,14 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_chunked_never_creates_a_tokens_by_vocab_tensor_forward_or_backward():
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_chunked_never_creates_a_tokens_by_vocab_tensor_forward_or_backward(softcap):
     x, w, y = build_lm_head_problem(N, 8, V_ROWS, dtype=torch.float32, seed=11)  # H = 8: W (300 x 8) is small
     x.requires_grad_(True)
     w.requires_grad_(True)
     workspace_mb = 4 * MIN_TILE_COLS * 12 / 2**20  # float32 tiles of 4 x 128
     with _LargestTensor() as mode:
-        lp, ent = chunked_logprob_entropy(x, w, y, workspace_mb=workspace_mb)
+        lp, ent = chunked_logprob_entropy(x, w, y, workspace_mb=workspace_mb, softcap=softcap)
         (lp.sum() + ent.sum()).backward()
     assert mode.largest <= V_ROWS * 8  # dW (V, H) is the largest; a tile is 512, the logits would be 19,200
 

@@ -75,19 +75,21 @@ def test_triton_matches_reference_forward_and_gradients(case, tiles):
     assert torch.count_nonzero(got[3][vocab_size:]) == 0
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("with_entropy_grad", [True, False])
-def test_triton_dz_tile_matches_torch_dz_tile(with_entropy_grad):
+def test_triton_dz_tile_matches_torch_dz_tile(with_entropy_grad, softcap):
     x, w, y, vocab_size, temperature = _case("moderate_padded_t1.6")
     x, w = x.float(), w.float()
-    logits = (x.double() @ w[:vocab_size].double().T) / temperature  # (N, vocab_size)
+    logits = x.double() @ w[:vocab_size].double().T  # (N, vocab_size)
+    logits = (logits if softcap is None else softcap * torch.tanh(logits / softcap)) / temperature
     lse = torch.logsumexp(logits, -1).float()
     mean = (torch.softmax(logits, -1) * logits).sum(-1).float()
     g_lp, g_ent = (g.float() for g in _upstream(N))
     rows, c0, c1 = slice(5, 50), 70, 250  # an interior slab: ids below, inside and above its columns
     args = (x[rows], w[c0:c1], y[rows] - c0, lse[rows], mean[rows], g_lp[rows],
             g_ent[rows] if with_entropy_grad else None)
-    got = triton_tile_dz(*(None if a is None else a.to(DEVICE) for a in args), 1.0 / temperature).cpu()
-    want = torch_tile_dz(*args, 1.0 / temperature)
+    got = triton_tile_dz(*(None if a is None else a.to(DEVICE) for a in args), 1.0 / temperature, softcap).cpu()
+    want = torch_tile_dz(*args, 1.0 / temperature, softcap)
     assert got.shape == (45, 180)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

@@ -60,3 +60,50 @@ def test_bf16_inputs_give_float32_logits_what_cast_lm_head_to_fp32_asks_for(impl
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp.cpu().double(), want, rtol=0, atol=2e-5)
     assert (rounded - want).abs().max() > 1e-3  # bf16 logits would be visibly off: the check can tell them apart
+
+
+SOFTCAP = 20.0
+"""Final-logit soft-cap of the softcap tests: the logits reach |50|, so tanh bends them strongly (Gemma 2 ships 30)."""
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("implementation", ["torch_chunked", "triton"])
+def test_softcap_matches_float64_reference_of_the_capped_logits(implementation, dtype, with_entropy):
+    """Gemma 2's final-logit soft-capping, cap tanh(z / cap) before the temperature: forward and both gradients equal
+    the float64 reference on the same (rounded) inputs, with and without the entropy gradient; uncapped differs."""
+    x, w, y = build_lm_head_problem(64, 48, 300, vocab_size=290, max_abs_logit=50.0, sampled_fraction=0.5,
+                                    dtype=torch.float64, seed=4)
+    x, w = x.to(dtype).double(), w.to(dtype).double()  # the reference sees exactly the kernel's input values
+    gen = torch.Generator().manual_seed(5)
+    g_lp, g_ent = torch.randn(64, generator=gen, dtype=torch.float64), torch.randn(64, generator=gen,
+                                                                                  dtype=torch.float64)
+    common = dict(temperature=0.7, softcap=SOFTCAP, vocab_size=290, workspace_mb=16 * 128 * 4 / 2**20)
+
+    def run(xx, ww, implementation, **extra):
+        xx, ww = xx.clone().requires_grad_(True), ww.clone().requires_grad_(True)
+        lp, ent = lm_head_logprob_entropy(xx, ww, y.to(xx.device), implementation=implementation, **common, **extra)
+        loss = (lp.double().cpu() * g_lp).sum() + ((ent.double().cpu() * g_ent).sum() if with_entropy else 0.0)
+        loss.backward()
+        return [t.detach().cpu().double() for t in (lp, ent, xx.grad, ww.grad)]
+
+    got = run(x.to(DEVICE, dtype), w.to(DEVICE, dtype), implementation)
+    want = run(x, w, "reference")
+    lp_tol = dict(rtol=1e-4, atol=2e-4)
+    grad_rtol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: dz is rounded to bf16 before the gradient GEMMs
+    for name, a, b in zip(("logprobs", "entropy"), got, want):
+        torch.testing.assert_close(a, b, **lp_tol, msg=lambda m, n=name: f"{n}: {m}")
+    for name, a, b in zip(("dX", "dW"), got[2:], want[2:]):
+        torch.testing.assert_close(a, b, rtol=grad_rtol, atol=grad_rtol * b.abs().max().item(),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    assert torch.count_nonzero(got[3][290:]) == 0
+    lp_uncapped, _ = lm_head_logprob_entropy(x, w, y, implementation="reference",
+                                             **{**common, "softcap": None})
+    assert (lp_uncapped - want[0]).abs().max() > 1.0  # the cap changes the answer: the check can tell
+
+
+@pytest.mark.parametrize("softcap", [0.0, -30.0])
+def test_non_positive_softcap_is_refused(softcap):
+    x, w, y = build_lm_head_problem(8, 16, 100, seed=3)
+    with pytest.raises(ValueError, match=r"softcap \(final_logit_softcapping\) must be > 0"):
+        lm_head_logprob_entropy(x, w, y, softcap=softcap, workspace_mb=1.0, implementation="torch_chunked")

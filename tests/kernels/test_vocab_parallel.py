@@ -18,8 +18,9 @@ from tests.distributed.launcher import run_distributed
 F64 = torch.float64
 TP, N, H, V_ROWS = 2, 48, 32, 300
 V_LOCAL = V_ROWS // TP
-# name -> (vocab_size, temperature): real rows end inside shard 1; or inside shard 0 (shard 1 is all padding).
-CASES = {"padding_in_last_shard": (290, 0.8), "last_shard_all_padding": (140, 1.3)}
+# name -> (vocab_size, temperature, final-logit soft-cap): real rows end inside shard 1, logits (std 6) soft-capped at
+# 4 on each shard; or inside shard 0 (shard 1 is all padding), no cap.
+CASES = {"padding_in_last_shard": (290, 0.8, 4.0), "last_shard_all_padding": (140, 1.3, None)}
 # implementation -> (dtype, extra kwargs, rtol/atol vs the float64 reference)
 IMPLEMENTATIONS = {
     "reference": (F64, dict(workspace_mb=8 * 128 * 24 / 2**20), 1e-10),  # ignored by the reference
@@ -33,7 +34,7 @@ SMALL_TILES = TritonTiles(block_n=16, block_v=32, block_h=16, group_n=2, num_war
 
 
 def _problem(case: str):
-    vocab_size, temperature = CASES[case]
+    vocab_size, temperature, _ = CASES[case]
     x, w, y = build_lm_head_problem(N, H, V_ROWS, vocab_size=vocab_size, logit_std=6.0, dtype=F64,
                                     seed=list(CASES).index(case), sampled_fraction=0.5)
     gen = torch.Generator().manual_seed(3)
@@ -56,7 +57,8 @@ def _tp_worker() -> dict:
         for impl, (dtype, extra, _) in IMPLEMENTATIONS.items():
             xx = x.to(dtype).clone().requires_grad_(True)
             ww = w[rank * V_LOCAL:(rank + 1) * V_LOCAL].to(dtype).clone().requires_grad_(True)
-            common = dict(temperature=temperature, vocab_size=vocab_size, tp_group=group, **extra)
+            common = dict(temperature=temperature, softcap=CASES[case][2], vocab_size=vocab_size, tp_group=group,
+                          **extra)
             if impl == "triton":
                 lp, ent = triton_logprob_entropy(xx, ww, y, tiles=SMALL_TILES, **common)
             else:
@@ -75,7 +77,8 @@ def test_tp2_every_implementation_matches_unsplit_reference_with_summed_hidden_g
         if vocab_size > V_LOCAL:
             assert (owner == 0).any() and (owner == 1).any()  # targets on both shards
         x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        lp, ent = reference_logprob_entropy(x, w, y, temperature=temperature, vocab_size=vocab_size)
+        lp, ent = reference_logprob_entropy(x, w, y, temperature=temperature, softcap=CASES[case][2],
+                                            vocab_size=vocab_size)
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         want = (lp.detach(), ent.detach(), x.grad)
         for impl, (_, _, tol) in IMPLEMENTATIONS.items():

@@ -154,7 +154,14 @@ def test_environment_pool_is_reused_and_its_reward_reads_each_rollout():
     pool = EnvironmentPool(Counter)
     assert Counter.built == 1  # one instance now: its reset and tools checked at construction
     first = pool.take([None] * 3)
-    assert Counter.built == 3 and pool.take([None] * 2) == first[:2]  # reused, not rebuilt
+    pool.release(first)
+    again = pool.take([None] * 2)
+    assert Counter.built == 3 and again == first[:2]  # reused, not rebuilt
+    # a round generated ahead (max_staleness > 0) while `again` is leased gets other instances: never one whose
+    # get_reward is still to be read
+    ahead = pool.take([None] * 2)
+    assert ahead == first[2:] + [ahead[1]] and Counter.built == 4 and not {id(e) for e in ahead} & {id(e) for e in again}
+    pool.release(again + ahead)
     assert sorted(environment_tools(first[0])) == ["increment"]
     assert [s["function"]["name"] for s in pool.schemas[None]] == ["increment"]
     for env, start in zip(first, (1, 2, 3)):
@@ -213,8 +220,11 @@ def test_multi_turn_is_refused_where_it_cannot_run():
     tokenizer = build_tiny_tokenizer()
     base = EngineConfig()
     asynchronous = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, vllm_mode="server", max_staleness=1))
-    with pytest.raises(ValueError, match="tools with rollout.max_staleness=1"):
-        build_agentic(asynchronous, {"tools": [add]}, tokenizer, "m")
+    with pytest.raises(ValueError, match="rollout_func with rollout.max_staleness=1"):
+        build_agentic(asynchronous, {"rollout_func": lambda p: {}}, tokenizer, "m")
+    dapo = dataclasses.replace(asynchronous, grpo=dataclasses.replace(base.grpo, use_dynamic_sampling=True))
+    with pytest.raises(ValueError, match="tools with rollout.max_staleness=1 and grpo.use_dynamic_sampling"):
+        build_agentic(dapo, {"tools": [add]}, tokenizer, "m")
     engine_tp = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, vllm_tensor_parallel_size=2))
     with pytest.raises(ValueError, match="environment_factory with rollout.vllm_tensor_parallel_size=2"):
         build_agentic(engine_tp, {"environment_factory": Counter}, tokenizer, "m")

@@ -29,12 +29,17 @@ def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_suppo
     assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma3_text, gemma2" in str(error.value)
 
 
-def test_gemma2_checkpoints_are_refused_naming_final_logit_soft_capping():
-    """Gemma 2's own final_logit_softcapping (30.0): the fused LM-head kernel does not cap logits; null passes."""
-    with pytest.raises(ValueError, match=r"gemma2 with final_logit_softcapping=30.0: final-logit soft-capping is not "
-                                         r"translated \(the fused LM-head loss kernel"):
-        check_model_type(AutoConfig.for_model("gemma2"))
+def test_gemma2_checkpoints_with_final_logit_soft_capping_are_accepted_a_non_positive_cap_refused():
+    """Gemma 2's own final_logit_softcapping (30.0) builds (the LM-head kernel caps the logits: kernels/, `softcap`),
+    as does the tiny Gemma 2 with its cap; a cap <= 0 is refused naming the setting."""
+    config = AutoConfig.for_model("gemma2")
+    assert config.final_logit_softcapping == 30.0
+    check_model_type(config)
+    assert tiny_model_config("gemma2").final_logit_softcapping is not None
     check_model_type(tiny_model_config("gemma2"))
+    config.final_logit_softcapping = 0.0
+    with pytest.raises(ValueError, match=r"gemma2 with final_logit_softcapping=0.0: the cap must be > 0"):
+        check_model_type(config)
 
 
 def test_unknown_family_is_refused_with_the_supported_list_only():
@@ -223,7 +228,7 @@ def test_deepseek_v3_trains_on_32_h100_nodes_but_one_h100_node_cannot_serve_it()
 
 
 @pytest.mark.parametrize("change,cause", [
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0: final-logit soft-capping is not translated"),
+    ({"final_logit_softcapping": -1.0}, "final_logit_softcapping=-1.0: the cap must be > 0"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0: attention-logit soft-capping is translated for "
                                        "gemma2 only"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),

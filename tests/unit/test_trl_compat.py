@@ -79,12 +79,14 @@ def test_get_high_entropy_mask_selects_the_top_quantile_of_unmasked_tokens():
     assert not GRPOTrainer.get_high_entropy_mask(None, entropies, torch.zeros_like(mask), 0.5).any()
 
 
-def test_per_token_logps_and_entropies_are_the_models_and_carry_grad_only_with_the_entropy_bonus(tmp_path):
+@pytest.mark.parametrize("model_name", [TINY, "builtin:tiny-gemma2"])
+def test_per_token_logps_and_entropies_are_the_models_and_carry_grad_only_with_the_entropy_bonus(tmp_path, model_name):
     """TRL's private `_get_per_token_logps_and_entropies` on `trainer.model`: the log-probs and entropies of the
-    last `logits_to_keep` tokens under softmax(logits / temperature), as the model's own logits give them; the
+    last `logits_to_keep` tokens under softmax(logits / temperature), as the model's own logits give them (the tiny
+    Gemma 2's soft-capped by its `final_logit_softcapping`, which the engine's kernel must apply too); the
     entropies differentiable only while the entropy bonus is on (TRL's test_entropy_bonus_flows_gradients), whose
     switches are the run's settings."""
-    trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, train_dataset=_prompts(),
+    trainer = GRPOTrainer(model=model_name, reward_funcs=reward_len, train_dataset=_prompts(),
                           args=_args(tmp_path, entropy_coef=0.1, temperature=0.7))
     model = trainer.model
     ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0]])
