@@ -3,8 +3,9 @@
 
 Owns: planner.py (`build_plan`, `format_plan`: the plan and its printout), shapes.py (the model's dimensions, the
 cluster shape, the layout checks, what each node holds), memory.py (every per-GPU memory term, with the formulas and
-their sources).
+their sources), sync_memory.py (the weight sync's buffers, from the sync plan the transport follows).
 
 May import: engine.config, engine.validation, engine.recompute, engine.models (families.py: no torch),
-engine.lora_settings.
+engine.lora_settings, engine.policy and engine.rollout (sync_memory.py only, inside functions: the sync plan, which
+imports torch).
 """

@@ -390,13 +390,15 @@ def _stage_terms(cfg: EngineConfig, dims: ModelDims, derived: Derived, stage: in
     return terms
 
 
-def training_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, derived: Derived) -> Budget:
-    """The worst pipeline stage's GPU (first: most activations; last: the LM head and the loss)."""
+def training_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, derived: Derived,
+                    sync_terms=lambda stage: []) -> Budget:
+    """The worst pipeline stage's GPU (first: most activations; last: the LM head and the loss); `sync_terms(stage)`:
+    the weight sync's terms of a stage (engine/planning/sync_memory.py `training_sync_terms`)."""
     pp, cap = cfg.parallel.pp_size, shape.gpu_memory_gib * GIB
     loss, loss_note = loss_terms(cfg, dims)
     reserve = Term("reserve", "CUDA context, NCCL buffers, fragmentation (--reserve-gib)", shape.reserve_gib * GIB)
-    stages = {0: _stage_terms(cfg, dims, derived, 0)}
-    stages[pp - 1] = (_stage_terms(cfg, dims, derived, pp - 1) if pp > 1 else stages[0]) + [loss]
+    stages = {0: _stage_terms(cfg, dims, derived, 0) + sync_terms(0)}
+    stages[pp - 1] = (_stage_terms(cfg, dims, derived, pp - 1) + sync_terms(pp - 1) if pp > 1 else stages[0]) + [loss]
     notes = [loss_note]
     if cfg.rollout.vllm_mode == "colocate":
         stages = {k: _with_colocated_vllm(cfg, terms, shape) for k, terms in stages.items()}

@@ -6,8 +6,10 @@ arithmetic, the totals and the verdicts). `grpo-engine plan` and `grpo-engine tr
 `launch/*.slurm` runs it before starting any node. The model and cluster shapes and the layout checks are
 engine/planning/shapes.py's; every memory term, and the formulas with their sources, engine/planning/memory.py's.
 
-Must not: import torch, Megatron or vLLM (it runs on a login node in a second), read the environment, or touch the
-network. It takes the root config because memory is a cross-section question (like `engine.validation`).
+Must not: import Megatron or vLLM, or torch other than through the weight-sync plan (engine/planning/sync_memory.py:
+on a loaded 2-core box the torch import costs ~2.5 s CPU and Qwen3-235B's sync plan and buffers ~0.6-1 s), read the
+environment, or touch the network. It takes the root config because memory is a cross-section question (like
+`engine.validation`).
 
 Test: `pytest tests/unit/test_planner.py` (hand-computed cases, the published tables and logs the memory model
 cites, the shipped configs' headers).
@@ -21,6 +23,7 @@ from engine.config import EngineConfig
 from engine.planning.memory import (Budget, format_count, format_gib, inference_budget, plan_recompute,
                                     sequence_lengths, training_budget)
 from engine.planning.shapes import ClusterShape, ModelDims, check_layout, load_model_dims, num_rollout_servers
+from engine.planning.sync_memory import receive_budget, training_sync_terms
 from engine.validation import Derived, validate
 
 
@@ -81,7 +84,10 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
         f"{prompt + completion} tokens) per micro-batch, {derived.num_microbatches} micro-batches per step, "
         f"{derived.generation_batch_size} completions per generation round",
     ]
-    budgets = [training_budget(cfg, dims, shape, derived), inference_budget(cfg, dims, shape, derived)]
+    budgets = [training_budget(cfg, dims, shape, derived, lambda stage: training_sync_terms(cfg, dims, stage)),
+               inference_budget(cfg, dims, shape, derived)]
+    receive = receive_budget(cfg, dims, shape)
+    budgets += [receive] if receive else []
     return Plan(header, budgets, derived, shape)
 
 

@@ -312,6 +312,7 @@ def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, 
     """
     _check_layouts(dims, trainer, engine_tp, ffn_hidden_size, dtype)
     tensors = []
+    boxes: dict[tuple, tuple] = {}  # (kind, part, shape, split) -> trainer and engine boxes: alike for every layer, expert
     for entry, layer, expert in _entries_in_load_order(dims):
         if entry.megatron == "output_layer.weight" and dims.tie_word_embeddings:
             continue  # vLLM ties lm_head to embed_tokens; HF checkpoints carry only the embedding
@@ -329,11 +330,15 @@ def build_sync_plan(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, *, 
         ep_rank = expert // (dims.num_experts // trainer.ep_size) if entry.is_expert else 0
         view = {"stacked_gate_up": "gate_up", "stacked_row": "t"}.get(entry.kind, "")
         for part, (name, shape) in enumerate(zip(names, shapes)):
+            key = (entry.kind, part, shape, split)
+            if key not in boxes:
+                boxes[key] = ([(tp_rank, box, start) for tp_rank in range(split)
+                               for box, start in _trainer_boxes(entry.kind, part, shape, dims, tp_rank, split)],
+                              tuple(_engine_box(entry.kind, part, shape, dims, rank, engine_tp)
+                                    for rank in range(engine_tp)))
+            trainer_boxes, engine_boxes = boxes[key]
             pieces = [Piece(pp_rank, tp_rank, vp_chunk, megatron, box, start, ep_rank, view)
-                      for tp_rank in range(split)
-                      for box, start in _trainer_boxes(entry.kind, part, shape, dims, tp_rank, split)]
-            engine_boxes = tuple(_engine_box(entry.kind, part, shape, dims, rank, engine_tp)
-                                 for rank in range(engine_tp))
+                      for tp_rank, box, start in trainer_boxes]
             hf_shape = None
             if entry.kind in STACKED_KINDS:  # GPT-OSS: one expert's slice, under vLLM's per-expert name
                 name = engine_name(f"{name}{EXPERT_PIECE}{expert}")

@@ -31,6 +31,7 @@ from engine.policy.hf_convert import TE_NAMES, ModelDims
 from engine.policy.model import get_weight, global_param_names
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap
+from engine.rollout.sync_buffers import receive_slot_numel, send_slot_numel
 from engine.rollout.sync_check import WeightSyncError
 from engine.rollout.sync_plan import Box, Piece, SyncPlan, Transfer, box_slices, full_box, local_view
 from engine.rollout.weight_digest import box_digest
@@ -250,7 +251,7 @@ def send_weights(chunks, ps: ParallelState, dims: ModelDims, group: WeightTransf
     buckets = tensor_buckets(plan) if tensor_by_tensor else plan.buckets(bucket_mb)
     per_bucket = [{rank: ts for (sender, rank), ts in pairs.items() if sender == me}
                   for pairs in _pair_transfers(plan, buckets)]  # per bucket: engine rank -> this sender's transfers
-    most = max((sum(t.numel for ts in pairs.values() for t in ts) for pairs in per_bucket), default=0)
+    most = send_slot_numel(plan, buckets, me)  # what the planner counts (engine/rollout/sync_buffers.py)
     num_bytes, num_messages, pending = 0, 0, []
     for k, pairs in enumerate(per_bucket):
         works = []
@@ -327,7 +328,7 @@ def receive_weights(group: WeightTransferGroup, plan: SyncPlan, bucket_mb: float
     """
     buckets = tensor_buckets(plan) if tensor_by_tensor else plan.buckets(bucket_mb)
     layouts = _receive_layouts(plan, buckets, engine_rank)
-    most = max((payload + assembly for _, _, payload, assembly in layouts), default=0)
+    most = receive_slot_numel(plan, buckets, engine_rank)  # = max of payload + assembly; the planner counts it
     me = plan.engine_group_rank(engine_rank)
 
     def post(k: int):
