@@ -22,7 +22,7 @@ import torch
 
 from engine.policy.hf_convert import DictSource, ModelDims, family_map, hf_names, layer_entries, read_megatron_shard
 from engine.policy.model import padded_vocab_size
-from engine.rollout.sync_plan import TrainerLayout, build_sync_plan, build_sync_plan_from_spec
+from engine.rollout.sync_plan import TrainerLayout, build_sync_plan, build_sync_plan_from_spec, local_view
 from tests.helpers.sync_plan import apply_plan
 
 MOE_FFN, EXPERTS = 8, 8
@@ -266,21 +266,28 @@ def test_moe_plan_sends_each_expert_from_its_ep_rank_and_feeds_every_vllm_rank_w
         plan = build_sync_plan(dims, layout, engine_tp, ffn_hidden_size=FFN)
         assert {t.name: t.shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in hf.items()}
         for engine_rank in range(engine_tp):
-            received = {t.name: torch.full(t.shape, float("nan")) for t in plan.tensors}
-            for tr in plan.transfers():
-                if tr.engine_rank != engine_rank:
-                    continue
-                held = holdings[senders[tr.sender]]
-                assert tr.piece.megatron in held, f"group rank {tr.sender} sends {tr.piece.megatron}, not its own"
-                local = held[tr.piece.megatron][tuple(slice(a, b) for a, b in tr.local_box)]
-                assert tuple(local.shape) == tuple(b - a for a, b in tr.hf_box), "the local box is clipped"
-                received[plan.tensors[tr.tensor].name][tuple(slice(a, b) for a, b in tr.hf_box)] = local
+            received = _received(plan, holdings, senders, engine_rank)
             for name, full in hf.items():
                 got = _vllm_loaded(name, received[name], dims, engine_rank, engine_tp)
                 want = _vllm_loaded(name, full, dims, engine_rank, engine_tp)
                 assert torch.equal(got, want), f"engine_tp={engine_tp} rank={engine_rank}: {name}"
         expert_senders = {tr.sender for tr in plan.transfers() if ".experts." in plan.tensors[tr.tensor].name}
         assert len(expert_senders) == pp * ep * etp, "every (stage, ep rank, expert-TP rank) sends its own experts"
+
+
+def _received(plan, holdings: dict, senders: dict, engine_rank: int) -> dict[str, torch.Tensor]:
+    """What one engine rank receives: every transfer's box of its sender's shard (through the piece's view) written
+    into NaN-filled HF tensors; each sender sends only what it holds, and no box is clipped."""
+    received = {t.name: torch.full(t.shape, float("nan")) for t in plan.tensors}
+    for tr in plan.transfers():
+        if tr.engine_rank != engine_rank:
+            continue
+        held = holdings[senders[tr.sender]]
+        assert tr.piece.megatron in held, f"group rank {tr.sender} sends {tr.piece.megatron}, not its own"
+        local = local_view(held[tr.piece.megatron], tr.piece.view)[tuple(slice(a, b) for a, b in tr.local_box)]
+        assert tuple(local.shape) == tuple(b - a for a, b in tr.hf_box), "the local box is clipped"
+        received[plan.tensors[tr.tensor].name][tuple(slice(a, b) for a, b in tr.hf_box)] = local
+    return received
 
 
 def test_moe_layouts_that_do_not_divide_the_experts_are_rejected_with_the_arithmetic():
@@ -430,8 +437,6 @@ def test_gpt_oss_plan_sends_each_experts_slices_and_feeds_every_vllm_rank_what_i
     """GPT-OSS's stacked, transposed, gate / up interleaved experts: each expert travels as vLLM's per-expert tensor
     (`experts.<e>.gate_up_proj` ...), cut from the Megatron shards (fc1 [gate_r; up_r], fc2) through the pieces'
     views; what every engine rank's loaders keep equals what they keep of the full checkpoint."""
-    from engine.rollout.sync_plan import local_view
-
     dims = _gpt_oss_dims(tp)
     hf = _gpt_oss_model(seed=ep * 10 + tp)
     ranks = _megatron_ranks(tp, pp, ep, etp, dp)
@@ -451,15 +456,7 @@ def test_gpt_oss_plan_sends_each_experts_slices_and_feeds_every_vllm_rank_what_i
         plan = build_sync_plan(dims, layout, engine_tp, ffn_hidden_size=MOE_FFN)
         assert {t.name: t.loader_shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in expected.items()}
         for engine_rank in range(engine_tp):
-            received = {t.name: torch.full(t.shape, float("nan")) for t in plan.tensors}
-            for tr in plan.transfers():
-                if tr.engine_rank != engine_rank:
-                    continue
-                held = holdings[senders[tr.sender]]
-                assert tr.piece.megatron in held, f"group rank {tr.sender} sends {tr.piece.megatron}, not its own"
-                local = local_view(held[tr.piece.megatron], tr.piece.view)[tuple(slice(a, b) for a, b in tr.local_box)]
-                assert tuple(local.shape) == tuple(b - a for a, b in tr.hf_box), "the local box is clipped"
-                received[plan.tensors[tr.tensor].name][tuple(slice(a, b) for a, b in tr.hf_box)] = local
+            received = _received(plan, holdings, senders, engine_rank)
             shapes = {t.name: t.loader_shape for t in plan.tensors}
             for name, full in expected.items():
                 got = _gpt_oss_vllm_loaded(name, received[name].view(shapes[name]), dims, engine_rank, engine_tp)
