@@ -23,6 +23,7 @@ Test: tests/integration/test_agentic.py.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -85,9 +86,12 @@ class AgenticRollout:
         return dict(self.generation.chat_template_kwargs or {}) | {"tools": self.schemas}
 
     def generate(self, engine: RolloutEngine, prompts: list, prompt_ids: list[list[int]], columns: dict[str, list],
-                 num_generations: int, seeds: list[int] | None) -> AgenticRound:
+                 num_generations: int, seeds: list[int] | None, cancelled: threading.Event | None = None
+                 ) -> AgenticRound:
         """G rollouts per prompt, prompt-major (as `RolloutEngine.generate`). `prompts`: the dataset's prompts
-        (text or messages); `columns`: their other dataset columns (P values each)."""
+        (text or messages); `columns`: their other dataset columns (P values each). `cancelled`: a round generated
+        ahead stops issuing turns once it is set (engine/agent/multi_turn.py). A round that raises (or is
+        cancelled) gives its environment instances back before the error leaves."""
         g = num_generations
         rows = [{"prompt": p} | {k: v[i] for k, v in columns.items()} for i, p in enumerate(prompts)]
         if self.rollout_func is not None:
@@ -97,10 +101,24 @@ class AgenticRollout:
             return AgenticRound(rollout, extra)
         seed_of = lambda i, j: None if seeds is None else (seeds[i] * 1009 + j) % (2**31)  # noqa: E731
         samples = [Sample(prompt_ids[i], seed_of(i, j), {}) for i in range(len(prompts)) for j in range(g)]
-        out_columns, shown = {}, []
+        envs, names = [], []
         if self.environments is not None:
             names = [row.get("environment") if self.environments.is_multi else None for row in rows for _ in range(g)]
             envs = self.environments.take(names)
+        try:
+            return self._multi_turn(engine, samples, rows, envs, names, cancelled)
+        except BaseException:
+            if envs:
+                self.environments.release(envs)
+            raise
+
+    def _multi_turn(self, engine: RolloutEngine, samples: list[Sample], rows: list[dict], envs: list,
+                    names: list, cancelled: threading.Event | None) -> AgenticRound:
+        """The round's samples to their ends, each environment (`envs`: one per sample, or none; `names`: their
+        factories) reset first."""
+        out_columns, shown = {}, []
+        g = len(samples) // len(rows)
+        if envs:
             for s, (k, env) in zip(samples, enumerate(envs)):
                 row = dict(rows[k // g])
                 row.pop("environment", None) if self.environments.is_multi else None
@@ -116,7 +134,7 @@ class AgenticRollout:
             out_columns[PROMPTS_KEY] = shown
         settings = MultiTurnSettings(self.generation.max_completion_length,
                                      self.generation.max_tool_calling_iterations, self.chat_template_kwargs())
-        rollout, metrics = generate_multi_turn(engine, samples, self.tokenizer, self.toolbox, settings)
+        rollout, metrics = generate_multi_turn(engine, samples, self.tokenizer, self.toolbox, settings, cancelled)
         rollout.stats = metrics
         return AgenticRound(rollout, out_columns)
 
@@ -137,6 +155,13 @@ class AgenticRollout:
 
     def close(self) -> None:
         self.toolbox.close()
+
+    def abort(self) -> None:
+        """After a failed run: every environment instance back in the pool (the rounds that held them will never be
+        scored) and the tools' threads stopped."""
+        if self.environments is not None:
+            self.environments.release_all()
+        self.close()
 
 
 def _with_observation(prompt, observation) -> list:

@@ -150,8 +150,9 @@ class ServerRollout:
         """No-op (see `sleep`)."""
 
     def close(self) -> None:
+        """Turns not yet sent are dropped; those in flight are waited for (their HTTP answers), then the clients."""
         if self._turn_pool is not None:
-            self._turn_pool.shutdown(wait=True)
+            self._turn_pool.shutdown(wait=True, cancel_futures=True)
         self.client.close()
 
 

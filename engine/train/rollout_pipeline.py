@@ -191,6 +191,18 @@ class RolloutPipeline:
             self.in_flight = None
             self.ready.append(self._finish(pending, handle, version))
 
+    def cancel(self) -> bool:
+        """After a failed run (engine/train/loop.py `abort`; not collective, no rollout is shared): the round in flight,
+        if its handle can be cancelled (a multi-turn round: its thread stops issuing turns and is joined, bounded),
+        is dropped. False when its thread did not stop in time. A single-turn request is left to end (the engine's
+        close waits for its HTTP answer)."""
+        if self.in_flight is None:
+            return True
+        _, handle = self.in_flight
+        self.in_flight = None
+        cancel = getattr(handle, "cancel", None)
+        return cancel() if cancel is not None else True
+
     # --- metrics and state ------------------------------------------------------------------------------------------
 
     def num_dataset_rounds_ahead(self) -> int:

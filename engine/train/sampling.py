@@ -22,9 +22,10 @@ test_group_filter.py, test_dynamic_prompts.py.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -50,6 +51,11 @@ from engine.train.rollout_pipeline import RolloutPipeline, staleness_metrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+CANCEL_JOIN_S = 30.0
+"""After a failed run: how long the background thread of a round generated ahead is waited for once cancelled (it
+stops within engine/agent/multi_turn.py `CANCEL_POLL_S` unless a user's function holds it)."""
 
 
 @dataclass
@@ -194,6 +200,7 @@ class PendingAgenticRound:
         self.regenerated = False
         self.extra: dict = {}
         self._future = None
+        self._cancelled = threading.Event()
         if sampler.ps.rank == 0:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentic-ahead")
             self._future = self._executor.submit(self._run, picked, num_generations, seeds)
@@ -202,9 +209,25 @@ class PendingAgenticRound:
         try:
             agentic = self.sampler.agentic.ahead()  # its own tokenizer: the trainer's thread decodes meanwhile
             return agentic.generate(self.sampler.engine, picked.prompts, picked.prompt_ids, picked.columns,
-                                    num_generations, seeds)
+                                    num_generations, seeds, cancelled=self._cancelled)
         finally:
             self.done_at = time.perf_counter()
+
+    def cancel(self, timeout_s: float = CANCEL_JOIN_S) -> bool:
+        """After a failed run (engine/train/loop.py `abort`; not collective): no further turn is issued, the round's
+        environment instances go back to the pool (`AgenticRollout.generate` releases them as it stops), and the
+        background thread is joined, `timeout_s` at most. False when it did not stop in time (a user's
+        `rollout_func` or environment `reset` still running: it is left to end on its own)."""
+        self._cancelled.set()
+        if self._future is None:
+            return True
+        try:
+            wait([self._future], timeout=timeout_s)
+            stopped = self._future.done()
+            self._executor.shutdown(wait=stopped, cancel_futures=True)
+            return stopped
+        finally:
+            self._future = None
 
     def result(self) -> Rollout:
         """The rollout on every rank (collective)."""
@@ -217,6 +240,7 @@ class PendingAgenticRound:
                 held = [RuntimeError(f"a multi-turn round generated ahead failed on rank 0: {type(e).__name__}: {e}")]
             finally:
                 self._executor.shutdown(wait=False)
+                self._future = None
         dist.broadcast_object_list(held, src=0)
         if isinstance(held[0], Exception):
             raise held[0]

@@ -21,7 +21,9 @@ what is tested is the engine's machinery, not the model's skill. The shipped too
 - a run resumed from checkpoint-1 logs step 2 as the uninterrupted run did (environments rebuilt and reset: their
   state is not checkpointed);
 - server mode with rounds generated one ahead (max_staleness=1): staleness exactly 1, the tool mask in the
-  off-policy correction, environments leased per round, and resume generating the round ahead again.
+  off-policy correction, environments leased per round, and resume generating the round ahead again; abort safety
+  (a reward function raising at step 2 while the round ahead is driven): no engine thread left, every environment
+  instance back in the pool, a second trainer in the same process trains.
 """
 
 from __future__ import annotations
@@ -364,6 +366,53 @@ def _calculator_in_server_mode(output_dir: str, url: str, token: str, group_port
             "step": trainer.state.global_step}
 
 
+ENGINE_THREADS = ("agentic-ahead", "rollout-turn", "rollout-async", "rollout-request", "tool")
+"""Name prefixes of the engine's threads (a round generated ahead, turn requests, single-turn requests, tools)."""
+
+
+def _fails_then_trains(output_dir: str, url: str, token: str, ports: list[int]) -> dict:
+    """Abort safety (DP=1, rounds generated one ahead): a reward function raises at step 2 (round 1, while round 2
+    is driven by rank 0's background thread); then the engine's threads still alive, the environment pool's leased
+    instances, and a second trainer in the same process (one step) against the same server."""
+    import os
+    import threading
+
+    from engine import GRPOConfig, GRPOTrainer
+    from engine.demo.tool_warm_start import calculator_dataset
+
+    os.environ["GRPO_ENGINE_TOKEN"] = token
+
+    def fails_at_step_2(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1:
+            raise RuntimeError("reward fails at step 2")
+        return [0.0] * len(completions)
+
+    def args(name: str, max_steps: int, port: int) -> GRPOConfig:
+        return GRPOConfig(output_dir=str(Path(output_dir) / name), max_steps=max_steps, save_steps=100, bf16=False,
+                          vllm_mode="server", vllm_server_base_url=url, vllm_group_port=port, max_staleness=1,
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=128,
+                          max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1, report_to="none")
+
+    trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=[fails_at_step_2], args=args("c", 4, ports[0]),
+                          train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
+    error = ""
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        error = f"{type(e).__name__}: {e}"
+    engine_threads = lambda: [t.name for t in threading.enumerate() if t.name.startswith(ENGINE_THREADS)]  # noqa: E731
+    deadline = time.monotonic() + 5.0  # idle pool workers leave on their own after shutdown
+    while engine_threads() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pool = trainer._agentic.loop_inputs["environment_factory"]
+    out = {"error": error, "alive": engine_threads(), "leased": pool.num_leased(), "instances": pool.num_instances()}
+    second = GRPOTrainer(model=CALC_MODEL, reward_funcs=[_any_answer], args=args("d", 1, ports[1]),
+                         train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
+    second.train()
+    return out | {"second_step": second.state.global_step,
+                  "second_history": [h for h in second.state.log_history if "tools/call_frequency" in h]}
+
+
 @pytest.mark.slow
 def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_resume_regenerates_it(tmp_path):
     """Server (split) mode with tools at DP=2, rounds generated one ahead (max_staleness=1): the multi-turn rows
@@ -378,7 +427,13 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     - round 1's environments are other instances than round 0's (round 0's get_reward is read after round 1 has
       reset its own: the pool leases them per round);
     - resume: checkpoint-1 held round 1 by its prompts and seeds only (environments are not checkpointed), so run B
-      warns, generates round 1 again from the restored weights (staleness 0) with the same prompts, and trains step 2.
+      warns, generates round 1 again from the restored weights (staleness 0) with the same prompts, and trains step 2;
+    - abort (a third launch, DP=1: a reward function raising on rank 0 would leave rank 1 in its broadcast): the
+      reward raises at step 2 while round 2 is driven ahead; after the error no engine thread is alive (the round
+      ahead cancelled and joined), the pool has every instance back, and a second trainer in the same process trains
+      one step against the same server. ~50 s more (measured on 2 cores, server start included in the standalone
+      measure). Mutation-checked: `abort` not cancelling the pipeline ('agentic-ahead_0' alive), the agentic
+      abort not releasing the leases (8 leased: round 1's, never scored).
     max_completion_length 128: a tool call (~75 tokens of the tiny tokenizer) and its tool message (~39) must fit,
     or the sample ends at the call and no row holds tool tokens (measured at 96: 0 tool messages in every round).
     Measured (2 cores): round 1 at staleness 1 has min IS ratio 0.76, mean |log-prob gap| 0.006 (at DP=1); ~2 min.
@@ -394,8 +449,15 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     try:
         runs = {name: run_distributed(_calculator_in_server_mode, 2, str(tmp_path), server.url, server.token,
                                       _group_port(), name) for name in ("a", "b")}
+        (aborted,) = run_distributed(_fails_then_trains, 1, str(tmp_path), server.url, server.token,
+                                     [_group_port(), _group_port()])
     finally:
         server.stop()
+    # abort safety: the failed run cancelled its round ahead (no engine thread left), gave every environment
+    # instance back, and a second trainer in the same process trains against the same server
+    assert "reward fails at step 2" in aborted["error"], aborted
+    assert aborted["alive"] == [] and aborted["leased"] == 0 and aborted["instances"] >= 8, aborted
+    assert aborted["second_step"] == 1 and len(aborted["second_history"]) == 1, aborted
     a, b = runs["a"][0]["history"], runs["b"][0]["history"]
     by_run = {name: ranks[0]["seen"] for name, ranks in runs.items()}
     assert [h["step"] for h in a] == [1, 2] and [h["step"] for h in b] == [2], (a, b)
