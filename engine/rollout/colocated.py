@@ -119,6 +119,10 @@ class ColocatedRollout:
         `timeout_s` has passed (a short one, when the caller has tool calls running: one step)."""
         return self.engine.step_turns(timeout_s)
 
+    def recover(self, lost: Exception) -> None:
+        """Nothing to recover: the engine lives in this process."""
+        raise lost
+
     def sleep(self) -> None:
         self.engine.sleep()
 

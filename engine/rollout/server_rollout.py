@@ -29,7 +29,7 @@ from engine.policy.hf_convert import ModelDims
 from engine.policy.lora import merged_lora
 from engine.policy.parallel import ParallelState
 from engine.rollout.adapter_sync import sync_adapter_server
-from engine.rollout.client import PendingGenerate, SharedRolloutClient, connect_rollout_server
+from engine.rollout.client import PendingGenerate, RolloutServerLost, SharedRolloutClient, connect_rollout_server
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
 from engine.rollout.server_sync import build_server_sync, sync_server
@@ -122,26 +122,47 @@ class ServerRollout:
                                "HTTP clients")
         if self._turn_pool is None:
             self._turn_pool = ThreadPoolExecutor(MAX_TURNS_IN_FLIGHT, thread_name_prefix="rollout-turn")
-        client = self.client.clients[self._next_server % len(self.client.clients)]
+        server = self._next_server % len(self.client.clients)
         self._next_server += 1
         generation = replace(self.generation, max_completion_length=request.max_tokens)
         seeds = None if request.seed is None else [request.seed]
-        future = self._turn_pool.submit(client.generate, [list(request.prompt_ids)], 1, seeds, generation,
-                                        self.client.structured_outputs_regex)
+        future = self._turn_pool.submit(self._turn, server, list(request.prompt_ids), seeds, generation)
         self._turns[future] = request
+
+    def _turn(self, server: int, prompt_ids: list[int], seeds: list[int] | None,
+              generation: GenerationConfig) -> Rollout:
+        """One turn's request (a turn thread); RolloutServerLost when a process other than the one last synced
+        answered it (a restarted server samples from its checkpoint, not the trainer's weights)."""
+        client = self.client.clients[server]
+        rollout = client.generate([prompt_ids], 1, seeds, generation, self.client.structured_outputs_regex)
+        synced = self.client.synced_instance[server]
+        if synced is not None and client.last_instance not in (None, synced):
+            raise RolloutServerLost(f"rollout server {client.base_url} restarted since the last weight sync (process "
+                                    f"{synced} -> {client.last_instance}): a turn would sample from its checkpoint")
+        return rollout
 
     def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
         """The turns whose requests have answered (at least one, unless `timeout_s` passes or none is in flight); a
-        failed request raises its RolloutServerError here."""
+        failed request raises its RolloutServerError here (RolloutServerLost: a server gone or restarted), and the
+        other turns in flight are dropped with it (their round failed: the caller recovers and asks again)."""
         if not self._turns:
             return []
         finished, _ = wait(list(self._turns), timeout=timeout_s, return_when=FIRST_COMPLETED)
         done = []
         for future in finished:
-            request, rollout = self._turns.pop(future), future.result()
+            request = self._turns.pop(future)
+            try:
+                rollout = future.result()
+            except BaseException:
+                self._turns.clear()
+                raise
             done.append(TurnResult(request.key, rollout.completion_ids[0], rollout.sampling_logprobs[0],
                                    rollout.is_truncated[0]))
         return done
+
+    def recover(self, lost: Exception) -> None:
+        """A lost server (collective): wait for every server, push the weights last pushed again."""
+        self.client.recover(lost)
 
     def sleep(self) -> None:
         """No-op: the servers have accelerators of their own."""

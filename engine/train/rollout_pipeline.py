@@ -96,7 +96,8 @@ class RolloutPipeline:
     weights (their staleness is then 0, and `regenerated_note` says so in a warning), before any new round; the
     data position and the curriculum's prompts are kept. A server lost while a round is in flight is
     handled as in the synchronous loop (engine/rollout/client.py `SharedRolloutClient`: wait, resync the current
-    weights, ask again: that round is then sampled by the current version, and its staleness says so).
+    weights, ask again: that round is then sampled by the current version, and its staleness says so); a multi-turn
+    round the same way (engine/train/sampling.py `PendingAgenticRound.result`: the whole round is generated again).
     """
 
     def __init__(self, engine: RolloutEngine, draw_prompts: Callable[[], tuple[PromptBatch, bool]], max_staleness: int,

@@ -40,6 +40,7 @@ from engine.grpo.dynamic_sampling import assemble_rounds, find_informative_group
 from engine.grpo.group_filter import filter_groups
 from engine.config import DataConfig, GenerationConfig, GRPOConfigSection
 from engine.policy.parallel import ParallelState
+from engine.rollout.client import RolloutServerLost
 from engine.rollout.protocol import RolloutEngine
 from engine.rollout.rollouts import Rollout
 from engine.train.data import PromptBatch, PromptDataset
@@ -174,13 +175,39 @@ def generate(sampler: RoundSampler, picked: PromptBatch, g: int, seeds: list[int
     receive besides the dataset columns. Multi-turn (engine/agent/): rank 0 drives every sample, then broadcasts."""
     if sampler.agentic is None:
         return sampler.engine.generate(picked.prompt_ids, g, seeds), {}
+
+    def drive():
+        return sampler.agentic.generate(sampler.engine, picked.prompts, picked.prompt_ids, picked.columns, g, seeds)
+
+    try:
+        return _shared_round(sampler, drive, "a multi-turn round")
+    except RolloutServerLost as lost:  # as single-turn rounds: wait for the servers, resync, ask once more
+        sampler.engine.recover(lost)
+        return _shared_round(sampler, drive, "a multi-turn round")
+
+
+def _shared_round(sampler: RoundSampler, drive: Callable, what: str) -> tuple[Rollout, dict]:
+    """Rank 0 runs `drive()` (an `AgenticRound`); every rank gets its rollout, rank 0 its reward columns too. A
+    failure reaches every rank: RolloutServerLost (a server gone or restarted: the caller recovers), else the error
+    itself on rank 0 and a RuntimeError naming it on the others (which would otherwise wait in the broadcast)."""
     held: list = [None]
     extra: dict = {}
+    failure: BaseException | None = None
     if sampler.ps.rank == 0:
-        agentic = sampler.agentic.generate(sampler.engine, picked.prompts, picked.prompt_ids, picked.columns, g, seeds)
-        held, extra = [agentic.rollout], agentic.columns
+        try:
+            done = drive()
+            held, extra = [("ok", done.rollout)], done.columns
+        except RolloutServerLost as lost:
+            held = [("lost", str(lost))]
+        except Exception as e:  # noqa: BLE001 - raised on every rank below, not only here
+            failure, held = e, [("error", f"{what} failed on rank 0: {type(e).__name__}: {e}")]
     dist.broadcast_object_list(held, src=0)
-    return held[0], extra
+    status, value = held[0]
+    if status == "lost":
+        raise RolloutServerLost(value)
+    if status == "error":
+        raise failure if failure is not None else RuntimeError(value)
+    return value, extra
 
 
 class PendingAgenticRound:
@@ -192,10 +219,11 @@ class PendingAgenticRound:
 
     The pipeline's `PendingRollout` (engine/rollout/protocol.py): the pipeline asks one round at a time and pushes
     weights only between rounds, so the servers never change weights under a turn. A failure on rank 0 (a tool loop
-    error, a lost server) is raised on every rank by `result()`."""
+    error) is raised on every rank by `result()`; a lost server is recovered from as for a single-turn round
+    (`result`); a failed run cancels the round (`cancel`, engine/train/loop.py `abort`)."""
 
     def __init__(self, sampler: RoundSampler, picked: PromptBatch, num_generations: int, seeds: list[int]):
-        self.sampler = sampler
+        self.sampler, self.request = sampler, (picked, num_generations, seeds)
         self.done_at: float | None = None
         self.regenerated = False
         self.extra: dict = {}
@@ -230,21 +258,27 @@ class PendingAgenticRound:
             self._future = None
 
     def result(self) -> Rollout:
-        """The rollout on every rank (collective)."""
-        held: list = [None]
-        if self.sampler.ps.rank == 0:
+        """The rollout on every rank (collective). A server lost while the round was driven (gone, or restarted
+        since the last sync): as a single-turn round (engine/rollout/client.py `PendingGenerate`), every rank waits
+        for the servers, the current weights are synced into them again, and the round is generated again now
+        (synchronously, same prompts and seeds; `regenerated`: it is sampled by the current version)."""
+        future = self._future
+
+        def done():
             try:
-                done = self._future.result()
-                held, self.extra = [done.rollout], done.columns
-            except Exception as e:  # noqa: BLE001 - raised on every rank below, not only here
-                held = [RuntimeError(f"a multi-turn round generated ahead failed on rank 0: {type(e).__name__}: {e}")]
+                return future.result()
             finally:
                 self._executor.shutdown(wait=False)
-                self._future = None
-        dist.broadcast_object_list(held, src=0)
-        if isinstance(held[0], Exception):
-            raise held[0]
-        return held[0]
+
+        try:
+            rollout, self.extra = _shared_round(self.sampler, done, "a multi-turn round generated ahead")
+        except RolloutServerLost as lost:
+            self.regenerated = True
+            self.sampler.engine.recover(lost)
+            rollout, self.extra = generate(self.sampler, *self.request)
+        finally:
+            self._future = None
+        return rollout
 
 
 def release_environments(sampler: RoundSampler, extra: dict) -> None:

@@ -23,12 +23,14 @@ what is tested is the engine's machinery, not the model's skill. The shipped too
 - server mode with rounds generated one ahead (max_staleness=1): staleness exactly 1, the tool mask in the
   off-policy correction, environments leased per round, and resume generating the round ahead again; abort safety
   (a reward function raising at step 2 while the round ahead is driven): no engine thread left, every environment
-  instance back in the pool, a second trainer in the same process trains.
+  instance back in the pool, a second trainer in the same process trains; and survives the server SIGKILLed (and
+  restarted) with a multi-turn round in flight.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -370,11 +372,13 @@ ENGINE_THREADS = ("agentic-ahead", "rollout-turn", "rollout-async", "rollout-req
 """Name prefixes of the engine's threads (a round generated ahead, turn requests, single-turn requests, tools)."""
 
 
-def _fails_then_trains(output_dir: str, url: str, token: str, ports: list[int]) -> dict:
+def _fails_then_trains(output_dir: str, url: str, token: str, ports: list[int], server_pid: int, marker: str) -> dict:
     """Abort safety (DP=1, rounds generated one ahead): a reward function raises at step 2 (round 1, while round 2
     is driven by rank 0's background thread); then the engine's threads still alive, the environment pool's leased
-    instances, and a second trainer in the same process (one step) against the same server."""
+    instances, and a second trainer in the same process against the same server, 3 steps, whose reward function
+    SIGKILLs the server at step 2 (round 2's turns in flight) and leaves `marker` for the test, which restarts it."""
     import os
+    import signal
     import threading
 
     from engine import GRPOConfig, GRPOTrainer
@@ -406,8 +410,16 @@ def _fails_then_trains(output_dir: str, url: str, token: str, ports: list[int]) 
         time.sleep(0.1)
     pool = trainer._agentic.loop_inputs["environment_factory"]
     out = {"error": error, "alive": engine_threads(), "leased": pool.num_leased(), "instances": pool.num_instances()}
-    second = GRPOTrainer(model=CALC_MODEL, reward_funcs=[_any_answer], args=args("d", 1, ports[1]),
-                         train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
+
+    def kills_the_server_at_step_2(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1 and not Path(marker).exists():
+            os.kill(server_pid, signal.SIGKILL)
+            Path(marker).write_text("killed")
+        return [0.0] * len(completions)
+
+    second = GRPOTrainer(model=CALC_MODEL, reward_funcs=[_any_answer, kills_the_server_at_step_2],
+                         args=args("d", 3, ports[1]), train_dataset=calculator_dataset("train", 64),
+                         environment_factory=Calculator)
     second.train()
     return out | {"second_step": second.state.global_step,
                   "second_history": [h for h in second.state.log_history if "tools/call_frequency" in h]}
@@ -431,9 +443,14 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     - abort (a third launch, DP=1: a reward function raising on rank 0 would leave rank 1 in its broadcast): the
       reward raises at step 2 while round 2 is driven ahead; after the error no engine thread is alive (the round
       ahead cancelled and joined), the pool has every instance back, and a second trainer in the same process trains
-      one step against the same server. ~50 s more (measured on 2 cores, server start included in the standalone
-      measure). Mutation-checked: `abort` not cancelling the pipeline ('agentic-ahead_0' alive), the agentic
-      abort not releasing the leases (8 leased: round 1's, never scored).
+      3 steps against the same server;
+    - a server lost during a round ahead: that second trainer's reward function SIGKILLs the server at step 2 (round
+      2's turns in flight), the test restarts it on its port; as a single-turn round in flight
+      (tests/integration/test_async_rollout.py), the round is asked again once the restarted server is synced with
+      the current weights (staleness 0 at step 3, one restart counted) and the run completes.
+    The third launch costs ~60 s, ~100 s with its server restart (measured on 2 cores). Mutation-checked: `abort`
+    not cancelling the pipeline ('agentic-ahead_0' alive), the agentic abort not releasing the leases (8 leased:
+    round 1's, never scored), `PendingAgenticRound.result` re-raising the lost server (the run fails).
     max_completion_length 128: a tool call (~75 tokens of the tiny tokenizer) and its tool message (~39) must fit,
     or the sample ends at the call and no row holds tool tokens (measured at 96: 0 tool messages in every round).
     Measured (2 cores): round 1 at staleness 1 has min IS ratio 0.76, mean |log-prob gap| 0.006 (at DP=1); ~2 min.
@@ -449,15 +466,37 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     try:
         runs = {name: run_distributed(_calculator_in_server_mode, 2, str(tmp_path), server.url, server.token,
                                       _group_port(), name) for name in ("a", "b")}
-        (aborted,) = run_distributed(_fails_then_trains, 1, str(tmp_path), server.url, server.token,
-                                     [_group_port(), _group_port()])
+        marker = tmp_path / "killed"
+        restarted = []  # the server restarted on its port once the second trainer's reward killed it
+
+        def restart():
+            while not marker.exists() and len(restarted) == 0:
+                time.sleep(0.2)
+            if marker.exists():
+                server.proc.wait(timeout=30)
+                restarted.append(Server(tmp_path, server.token, "rollout.vllm_max_model_length=256", port=server.port))
+
+        watcher = threading.Thread(target=restart, daemon=True)
+        watcher.start()
+        try:
+            (aborted,) = run_distributed(_fails_then_trains, 1, str(tmp_path), server.url, server.token,
+                                         [_group_port(), _group_port()], server.proc.pid, str(marker))
+        finally:
+            restarted.append(None) if not marker.exists() else watcher.join(timeout=120)
     finally:
-        server.stop()
+        for each in [server, *(r for r in restarted if r is not None)]:
+            each.stop()
     # abort safety: the failed run cancelled its round ahead (no engine thread left), gave every environment
     # instance back, and a second trainer in the same process trains against the same server
     assert "reward fails at step 2" in aborted["error"], aborted
     assert aborted["alive"] == [] and aborted["leased"] == 0 and aborted["instances"] >= 8, aborted
-    assert aborted["second_step"] == 1 and len(aborted["second_history"]) == 1, aborted
+    # a server lost while a multi-turn round is driven ahead: as a single-turn round in flight, the round is asked
+    # again once the restarted server is synced with the current weights (staleness 0), and the run completes
+    second = aborted["second_history"]
+    assert aborted["second_step"] == 3 and [h["step"] for h in second] == [1, 2, 3], aborted
+    assert [h["rollout/staleness_mean"] for h in second] == [0.0, 1.0, 0.0], second
+    assert second[-1]["weight_sync/server_restarts"] == 1.0, second[-1]
+    assert all(h["tools/call_frequency"] > 0.2 for h in second), second
     a, b = runs["a"][0]["history"], runs["b"][0]["history"]
     by_run = {name: ranks[0]["seen"] for name, ranks in runs.items()}
     assert [h["step"] for h in a] == [1, 2] and [h["step"] for h in b] == [2], (a, b)
