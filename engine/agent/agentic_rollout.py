@@ -79,6 +79,17 @@ class AgenticRollout:
             self._ahead.tokenizer = copy.deepcopy(self.tokenizer)
         return self._ahead
 
+    def for_round_ahead(self) -> AgenticRollout:
+        """`ahead()` for one round generated ahead, made when the round is issued (the trainer's thread): a
+        `rollout_func` bound to the trainer is bound to a view of it as it is now (engine/api/trl_agentic.py
+        `BoundRolloutFunc.for_round_ahead`: its step, the background thread's tokenizer)."""
+        ahead = self.ahead()
+        if not hasattr(self.rollout_func, "for_round_ahead"):
+            return ahead
+        ahead = copy.copy(ahead)
+        ahead.rollout_func = self.rollout_func.for_round_ahead(ahead.tokenizer)
+        return ahead
+
     def chat_template_kwargs(self) -> dict | None:
         """The generation's template kwargs plus the tools' schemas (the prompts show the tools)."""
         if not self.schemas:
@@ -95,7 +106,7 @@ class AgenticRollout:
         g = num_generations
         rows = [{"prompt": p} | {k: v[i] for k, v in columns.items()} for i, p in enumerate(prompts)]
         if self.rollout_func is not None:
-            live = RoundEngine(engine, seeds, g, self.generation.max_completion_length)
+            live = RoundEngine(engine, seeds, g, self.generation.max_completion_length, cancelled)
             repeated = [p for p in prompts for _ in range(g)]
             rollout, extra = call_rollout_func(self.rollout_func, repeated, self.tokenizer, live)
             return AgenticRound(rollout, extra)
@@ -176,16 +187,13 @@ def _with_observation(prompt, observation) -> list:
 
 def check_layout(rollout: RolloutConfig, given: list[str], *, use_dynamic_sampling: bool = False) -> None:
     """ValueError where multi-turn rollouts cannot run: a colocated vLLM engine over several ranks (rank 0 drives
-    every sample through its own engine); with rounds generated ahead (`max_staleness` > 0), a `rollout_func` (the
-    user's function would run in a background thread while the trainer trains) or DAPO's dynamic sampling (its further
-    attempts would drive turns through the servers' turn channel while the round ahead drives its own there).
+    every sample through its own engine); with rounds generated ahead (`max_staleness` > 0), DAPO's dynamic sampling
+    (its further attempts would drive turns through the servers' turn channel while the round ahead drives its own
+    there). A `rollout_func` with rounds generated ahead runs in the background thread on a view of the trainer
+    (`for_round_ahead`).
     `given`: the agentic arguments the run has (named in the message)."""
     names = ", ".join(given)
     k = rollout.max_staleness
-    if k > 0 and "rollout_func" in given:
-        raise ValueError(f"rollout_func with rollout.max_staleness={k}: rounds generated ahead run in a background "
-                         "thread while the trainer trains, and rollout_func(prompts, trainer) is handed the trainer; "
-                         "set max_staleness=0, or use tools / environment_factory")
     if k > 0 and use_dynamic_sampling:
         raise ValueError(f"{names} with rollout.max_staleness={k} and grpo.use_dynamic_sampling: the further "
                          "attempts of multi-turn dynamic sampling would drive their turns while the round ahead drives "

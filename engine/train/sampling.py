@@ -213,7 +213,9 @@ def _shared_round(sampler: RoundSampler, drive: Callable, what: str) -> tuple[Ro
 class PendingAgenticRound:
     """A multi-turn round generated ahead (engine/train/rollout_pipeline.py, `rollout.max_staleness` > 0, server mode):
     rank 0's background thread drives its samples' turns against the servers and runs their tools while the trainer
-    trains (`AgenticRollout.generate`, as `generate` does synchronously); `result()` shares the rollout (collective)
+    trains (`AgenticRollout.generate`, as `generate` does synchronously; a `rollout_func` runs there too, on a view of
+    the trainer: engine/api/trl_agentic.py `BoundRolloutFunc.for_round_ahead` says what it may touch and why);
+    `result()` shares the rollout (collective)
     and keeps the reward functions' per-row values in `extra` (rank 0). Off-policy rows are corrected as single-turn
     ones: the behaviour log-probs are the engine's per sampled token, tool tokens masked (tool_mask).
 
@@ -230,12 +232,14 @@ class PendingAgenticRound:
         self._future = None
         self._cancelled = threading.Event()
         if sampler.ps.rank == 0:
+            # its own tokenizer (the trainer's thread decodes meanwhile); a rollout_func bound to a view of the
+            # trainer as it is now, at the step the round is issued (engine/api/trl_agentic.py `BoundRolloutFunc`)
+            agentic = sampler.agentic.for_round_ahead()
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentic-ahead")
-            self._future = self._executor.submit(self._run, picked, num_generations, seeds)
+            self._future = self._executor.submit(self._run, agentic, picked, num_generations, seeds)
 
-    def _run(self, picked: PromptBatch, num_generations: int, seeds: list[int]):
+    def _run(self, agentic, picked: PromptBatch, num_generations: int, seeds: list[int]):
         try:
-            agentic = self.sampler.agentic.ahead()  # its own tokenizer: the trainer's thread decodes meanwhile
             return agentic.generate(self.sampler.engine, picked.prompts, picked.prompt_ids, picked.columns,
                                     num_generations, seeds, cancelled=self._cancelled)
         finally:

@@ -24,7 +24,8 @@ what is tested is the engine's machinery, not the model's skill. The shipped too
   off-policy correction, environments leased per round, and resume generating the round ahead again; abort safety
   (a reward function raising at step 2 while the round ahead is driven): no engine thread left, every environment
   instance back in the pool, a second trainer in the same process trains; and survives the server SIGKILLed (and
-  restarted) with a multi-turn round in flight.
+  restarted) with a multi-turn round in flight; rollout_func at max_staleness=1 (background thread, a view of the
+  trainer).
 """
 
 from __future__ import annotations
@@ -391,10 +392,10 @@ def _fails_then_trains(output_dir: str, url: str, token: str, ports: list[int], 
             raise RuntimeError("reward fails at step 2")
         return [0.0] * len(completions)
 
-    def args(name: str, max_steps: int, port: int) -> GRPOConfig:
+    def args(name: str, max_steps: int, port: int, max_completion_length: int = 128) -> GRPOConfig:
         return GRPOConfig(output_dir=str(Path(output_dir) / name), max_steps=max_steps, save_steps=100, bf16=False,
                           vllm_mode="server", vllm_server_base_url=url, vllm_group_port=port, max_staleness=1,
-                          per_device_train_batch_size=8, num_generations=4, max_completion_length=128,
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=max_completion_length,
                           max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1, report_to="none")
 
     trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=[fails_at_step_2], args=args("c", 4, ports[0]),
@@ -421,8 +422,27 @@ def _fails_then_trains(output_dir: str, url: str, token: str, ports: list[int], 
                          args=args("d", 3, ports[1]), train_dataset=calculator_dataset("train", 64),
                          environment_factory=Calculator)
     second.train()
-    return out | {"second_step": second.state.global_step,
-                  "second_history": [h for h in second.state.log_history if "tools/call_frequency" in h]}
+    out |= {"second_step": second.state.global_step,
+            "second_history": [h for h in second.state.log_history if "tools/call_frequency" in h]}
+    calls = []
+
+    def rollout_func(prompts, trainer):  # TRL's contract, generating with the engine through the trainer
+        tokenizer = trainer.processing_class
+        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for p in prompts]
+        completion_ids, logprobs = trainer._generate_single_turn(ids, None, {}, 4)
+        calls.append({"thread": threading.current_thread().name, "step": trainer.state.global_step,
+                      "rows": len(prompts), "view": trainer is not third and isinstance(trainer, GRPOTrainer),
+                      "own_tokenizer": tokenizer is not third.processing_class})
+        return {"prompt_ids": ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    third_args = args("e", 2, ports[2], max_completion_length=32)
+    third = GRPOTrainer(model=CALC_MODEL, reward_funcs=lambda completions, **kw: [len(c[-1]["content"]) / 100.0
+                                                                                for c in completions],
+                        args=third_args, train_dataset=calculator_dataset("train", 64), rollout_func=rollout_func)
+    third.train()
+    return out | {"rollout_func_calls": calls,
+                  "rollout_func_history": [h for h in third.state.log_history if "rollout/staleness_mean" in h]}
 
 
 @pytest.mark.slow
@@ -448,9 +468,15 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
       2's turns in flight), the test restarts it on its port; as a single-turn round in flight
       (tests/integration/test_async_rollout.py), the round is asked again once the restarted server is synced with
       the current weights (staleness 0 at step 3, one restart counted) and the run completes.
-    The third launch costs ~60 s, ~100 s with its server restart (measured on 2 cores). Mutation-checked: `abort`
+    - rollout_func with rounds generated one ahead (a third trainer, 2 steps, generating through
+      `trainer._generate_single_turn`): called in rank 0's background thread on a view of the trainer at the step
+      the round was issued, with its own tokenizer; staleness [0, 1]; its log-probs drive the correction (round 0's
+      gap to the trainer < 1e-3, round 1's above).
+    The third launch costs ~75 s, ~115 s with its server restart (measured on 2 cores). Mutation-checked: `abort`
     not cancelling the pipeline ('agentic-ahead_0' alive), the agentic abort not releasing the leases (8 leased:
-    round 1's, never scored), `PendingAgenticRound.result` re-raising the lost server (the run fails).
+    round 1's, never scored), `PendingAgenticRound.result` re-raising the lost server (the run fails), the round
+    ahead's rollout_func bound to the live trainer (not a view, the trainer's tokenizer, and round 1 saw step 1:
+    the trainer had moved on while it ran).
     max_completion_length 128: a tool call (~75 tokens of the tiny tokenizer) and its tool message (~39) must fit,
     or the sample ends at the call and no row holds tool tokens (measured at 96: 0 tool messages in every round).
     Measured (2 cores): round 1 at staleness 1 has min IS ratio 0.76, mean |log-prob gap| 0.006 (at DP=1); ~2 min.
@@ -480,7 +506,7 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
         watcher.start()
         try:
             (aborted,) = run_distributed(_fails_then_trains, 1, str(tmp_path), server.url, server.token,
-                                         [_group_port(), _group_port()], server.proc.pid, str(marker))
+                                         [_group_port(), _group_port(), _group_port()], server.proc.pid, str(marker))
         finally:
             restarted.append(None) if not marker.exists() else watcher.join(timeout=120)
     finally:
@@ -497,6 +523,15 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     assert [h["rollout/staleness_mean"] for h in second] == [0.0, 1.0, 0.0], second
     assert second[-1]["weight_sync/server_restarts"] == 1.0, second[-1]
     assert all(h["tools/call_frequency"] > 0.2 for h in second), second
+    # rollout_func at max_staleness=1: called in the background thread for each round, one prompt per row, on a view
+    # of the trainer at the step the round was issued (0 for both: round 1 is issued before round 0 trains), with a
+    # tokenizer of its own; the log-probs it returns are the behaviour log-probs of the off-policy correction
+    calls, history = aborted["rollout_func_calls"], aborted["rollout_func_history"]
+    assert [(c["step"], c["rows"]) for c in calls] == [(0, 8), (0, 8)], calls
+    assert all(c["thread"].startswith("agentic-ahead") and c["view"] and c["own_tokenizer"] for c in calls), calls
+    assert [h["rollout/staleness_mean"] for h in history] == [0.0, 1.0], history
+    gaps = [h["sampling/sampling_logp_difference/mean"] for h in history]
+    assert gaps[0] < 1e-3 < gaps[1], gaps  # the engine's log-probs, by the weights it trains / one step stale
     a, b = runs["a"][0]["history"], runs["b"][0]["history"]
     by_run = {name: ranks[0]["seen"] for name, ranks in runs.items()}
     assert [h["step"] for h in a] == [1, 2] and [h["step"] for h in b] == [2], (a, b)
