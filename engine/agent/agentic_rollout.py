@@ -185,20 +185,14 @@ def _with_observation(prompt, observation) -> list:
     return messages
 
 
-def check_layout(rollout: RolloutConfig, given: list[str], *, use_dynamic_sampling: bool = False) -> None:
+def check_layout(rollout: RolloutConfig, given: list[str]) -> None:
     """ValueError where multi-turn rollouts cannot run: a colocated vLLM engine over several ranks (rank 0 drives
-    every sample through its own engine); with rounds generated ahead (`max_staleness` > 0), DAPO's dynamic sampling
-    (its further attempts would drive turns through the servers' turn channel while the round ahead drives its own
-    there). A `rollout_func` with rounds generated ahead runs in the background thread on a view of the trainer
-    (`for_round_ahead`).
-    `given`: the agentic arguments the run has (named in the message)."""
+    every sample through its own engine). With rounds generated ahead (`max_staleness` > 0) a `rollout_func` runs in
+    the background thread on a view of the trainer (`for_round_ahead`), and DAPO's further attempts drive their turns
+    from the trainer's thread while the round ahead drives its own through a turn channel of its own
+    (engine/rollout/server_rollout.py `TurnChannel`). `given`: the agentic arguments the run has (named in the
+    message)."""
     names = ", ".join(given)
-    k = rollout.max_staleness
-    if k > 0 and use_dynamic_sampling:
-        raise ValueError(f"{names} with rollout.max_staleness={k} and grpo.use_dynamic_sampling: the further "
-                         "attempts of multi-turn dynamic sampling would drive their turns while the round ahead drives "
-                         "its own through the same servers' turn channel; set max_staleness=0 or turn dynamic "
-                         "sampling off")
     if rollout.vllm_mode == "colocate" and rollout.vllm_tensor_parallel_size > 1:
         raise ValueError(f"{names} with rollout.vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} "
                          "(colocate): rank 0 drives every sample through its own engine; use 1 or server mode")

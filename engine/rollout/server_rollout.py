@@ -18,6 +18,7 @@ turns), tests/integration/test_async_rollout.py (`generate_async`), tests/integr
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
@@ -64,9 +65,10 @@ class ServerRollout:
         """The last sync's metrics, summed over the servers."""
         self.last_sync_each: list[dict[str, float]] = []
         """The last sync's metrics per server (`weight_sync/rejoined`: joined afresh after a restart)."""
-        self._turns: dict[Future, TurnRequest] = {}
         self._turn_pool: ThreadPoolExecutor | None = None
+        self._turn_lock = threading.Lock()
         self._next_server = 0
+        self._channel = TurnChannel(self)
         self.sync_weights(chunks, verify=verify)
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
@@ -116,18 +118,30 @@ class ServerRollout:
 
     def submit_turn(self, request: TurnRequest) -> None:
         """Rank 0 only: the turn goes to the next server as its own request (one completion, `max_tokens` at most,
-        the trainer's sampling settings), on a background thread."""
+        the trainer's sampling settings), on a background thread (the engine's own turn channel)."""
+        self._channel.submit_turn(request)
+
+    def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
+        """The engine's own channel's finished turns (`TurnChannel.collect_turns`)."""
+        return self._channel.collect_turns(timeout_s)
+
+    def turn_channel(self) -> TurnChannel:
+        """A turn channel of its own (a multi-turn round generated ahead while the trainer's thread drives another
+        round's turns, DAPO's further attempts): its `collect_turns` returns its own turns only."""
+        return TurnChannel(self)
+
+    def _send_turn(self, request: TurnRequest) -> Future:
         if not self.client.clients:
             raise RuntimeError(f"rank {self.ps.rank}: turns are asked by rank {self.client.src}, which holds the "
                                "HTTP clients")
-        if self._turn_pool is None:
-            self._turn_pool = ThreadPoolExecutor(MAX_TURNS_IN_FLIGHT, thread_name_prefix="rollout-turn")
-        server = self._next_server % len(self.client.clients)
-        self._next_server += 1
+        with self._turn_lock:  # channels in two threads
+            if self._turn_pool is None:
+                self._turn_pool = ThreadPoolExecutor(MAX_TURNS_IN_FLIGHT, thread_name_prefix="rollout-turn")
+            server = self._next_server % len(self.client.clients)
+            self._next_server += 1
         generation = replace(self.generation, max_completion_length=request.max_tokens)
         seeds = None if request.seed is None else [request.seed]
-        future = self._turn_pool.submit(self._turn, server, list(request.prompt_ids), seeds, generation)
-        self._turns[future] = request
+        return self._turn_pool.submit(self._turn, server, list(request.prompt_ids), seeds, generation)
 
     def _turn(self, server: int, prompt_ids: list[int], seeds: list[int] | None,
               generation: GenerationConfig) -> Rollout:
@@ -140,6 +154,35 @@ class ServerRollout:
             raise RolloutServerLost(f"rollout server {client.base_url} restarted since the last weight sync (process "
                                     f"{synced} -> {client.last_instance}): a turn would sample from its checkpoint")
         return rollout
+
+    def recover(self, lost: Exception) -> None:
+        """A lost server (collective): wait for every server, push the weights last pushed again."""
+        self.client.recover(lost)
+
+    def sleep(self) -> None:
+        """No-op: the servers have accelerators of their own."""
+
+    def wake_up(self) -> None:
+        """No-op (see `sleep`)."""
+
+    def close(self) -> None:
+        """Turns not yet sent are dropped; those in flight are waited for (their HTTP answers), then the clients."""
+        if self._turn_pool is not None:
+            self._turn_pool.shutdown(wait=True, cancel_futures=True)
+        self.client.close()
+
+
+class TurnChannel:
+    """One driver's turns (rank 0): its requests in flight, sent through the servers' shared pool of turn threads;
+    `collect_turns` sees only them, so two multi-turn rounds can be driven at once (one from the trainer's thread,
+    one ahead in the background) without taking each other's answers."""
+
+    def __init__(self, rollout: ServerRollout):
+        self.rollout = rollout
+        self._turns: dict[Future, TurnRequest] = {}
+
+    def submit_turn(self, request: TurnRequest) -> None:
+        self._turns[self.rollout._send_turn(request)] = request
 
     def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
         """The turns whose requests have answered (at least one, unless `timeout_s` passes or none is in flight); a
@@ -160,21 +203,11 @@ class ServerRollout:
                                    rollout.is_truncated[0]))
         return done
 
-    def recover(self, lost: Exception) -> None:
-        """A lost server (collective): wait for every server, push the weights last pushed again."""
-        self.client.recover(lost)
+    def wake_up(self) -> None:
+        """No-op (the servers' accelerators are their own)."""
 
     def sleep(self) -> None:
-        """No-op: the servers have accelerators of their own."""
-
-    def wake_up(self) -> None:
-        """No-op (see `sleep`)."""
-
-    def close(self) -> None:
-        """Turns not yet sent are dropped; those in flight are waited for (their HTTP answers), then the clients."""
-        if self._turn_pool is not None:
-            self._turn_pool.shutdown(wait=True, cancel_futures=True)
-        self.client.close()
+        """No-op (see `wake_up`)."""
 
 
 def _check_lora_support(client: SharedRolloutClient, adapter: LoraSettings) -> None:

@@ -240,7 +240,8 @@ class PendingAgenticRound:
 
     def _run(self, agentic, picked: PromptBatch, num_generations: int, seeds: list[int]):
         try:
-            return agentic.generate(self.sampler.engine, picked.prompts, picked.prompt_ids, picked.columns,
+            channel = self.sampler.engine.turn_channel()  # its own turns: the trainer's thread may drive others
+            return agentic.generate(channel, picked.prompts, picked.prompt_ids, picked.columns,
                                     num_generations, seeds, cancelled=self._cancelled)
         finally:
             self.done_at = time.perf_counter()

@@ -25,7 +25,7 @@ what is tested is the engine's machinery, not the model's skill. The shipped too
   (a reward function raising at step 2 while the round ahead is driven): no engine thread left, every environment
   instance back in the pool, a second trainer in the same process trains; and survives the server SIGKILLed (and
   restarted) with a multi-turn round in flight; rollout_func at max_staleness=1 (background thread, a view of the
-  trainer).
+  trainer); DAPO's dynamic sampling with tools at max_staleness=1.
 """
 
 from __future__ import annotations
@@ -302,6 +302,13 @@ TOOL_RESULTS: list[str] = []
 """The tool messages the reward function saw (the rank's process): rows where a tool result reached the model."""
 
 
+class QuietCalculator:
+    """The calculator environment without `get_reward` (whose scores would make every group informative)."""
+
+    reset = Calculator.reset
+    calculate = Calculator.calculate
+
+
 def _any_answer(completions, **kwargs):
     TOOL_RESULTS.extend(m["content"] for c in completions for m in c if m.get("role") == "tool")
     return [float("<answer>" in c[-1]["content"]) for c in completions]
@@ -392,11 +399,12 @@ def _fails_then_trains(output_dir: str, url: str, token: str, ports: list[int], 
             raise RuntimeError("reward fails at step 2")
         return [0.0] * len(completions)
 
-    def args(name: str, max_steps: int, port: int, max_completion_length: int = 128) -> GRPOConfig:
+    def args(name: str, max_steps: int, port: int, max_completion_length: int = 128, **more) -> GRPOConfig:
         return GRPOConfig(output_dir=str(Path(output_dir) / name), max_steps=max_steps, save_steps=100, bf16=False,
                           vllm_mode="server", vllm_server_base_url=url, vllm_group_port=port, max_staleness=1,
                           per_device_train_batch_size=8, num_generations=4, max_completion_length=max_completion_length,
-                          max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1, report_to="none")
+                          max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1, report_to="none",
+                          **more)
 
     trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=[fails_at_step_2], args=args("c", 4, ports[0]),
                           train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
@@ -441,8 +449,22 @@ def _fails_then_trains(output_dir: str, url: str, token: str, ports: list[int], 
                                                                                 for c in completions],
                         args=third_args, train_dataset=calculator_dataset("train", 64), rollout_func=rollout_func)
     third.train()
-    return out | {"rollout_func_calls": calls,
-                  "rollout_func_history": [h for h in third.state.log_history if "rollout/staleness_mean" in h]}
+    out |= {"rollout_func_calls": calls,
+            "rollout_func_history": [h for h in third.state.log_history if "rollout/staleness_mean" in h]}
+    scored = []
+
+    def informative_on_second_attempts(completions, **kwargs):  # every round's first attempt all 0: DAPO asks again
+        scored.append(len(completions))
+        if len(scored) % 2:
+            return [0.0] * len(completions)
+        return [len(json.dumps(c)) / 1000.0 for c in completions]
+
+    dapo = args("f", 2, ports[3], use_dynamic_sampling=True, dynamic_sampling_max_rounds=2)
+    fourth = GRPOTrainer(model=CALC_MODEL, reward_funcs=[informative_on_second_attempts], args=dapo,
+                         train_dataset=calculator_dataset("train", 64), environment_factory=QuietCalculator)
+    fourth.train()
+    return out | {"dapo_scored": scored, "dapo_leased": fourth._agentic.loop_inputs["environment_factory"].num_leased(),
+                  "dapo_history": [h for h in fourth.state.log_history if "tools/call_frequency" in h]}
 
 
 @pytest.mark.slow
@@ -472,7 +494,10 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
       `trainer._generate_single_turn`): called in rank 0's background thread on a view of the trainer at the step
       the round was issued, with its own tokenizer; staleness [0, 1]; its log-probs drive the correction (round 0's
       gap to the trainer < 1e-3, round 1's above).
-    The third launch costs ~75 s, ~115 s with its server restart (measured on 2 cores). Mutation-checked: `abort`
+    - DAPO's dynamic sampling with tools at max_staleness=1 (a fourth trainer, 2 steps): the further attempt of
+      each round is driven from the trainer's thread while the round ahead is driven in the background, each
+      through a turn channel of its own (engine/rollout/server_rollout.py `TurnChannel`).
+    The third launch costs ~75 s, ~115 s with its server restart (measured on 2 cores; the DAPO trainer adds ~25 s). Mutation-checked: `abort`
     not cancelling the pipeline ('agentic-ahead_0' alive), the agentic abort not releasing the leases (8 leased:
     round 1's, never scored), `PendingAgenticRound.result` re-raising the lost server (the run fails), the round
     ahead's rollout_func bound to the live trainer (not a view, the trainer's tokenizer, and round 1 saw step 1:
@@ -506,7 +531,7 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
         watcher.start()
         try:
             (aborted,) = run_distributed(_fails_then_trains, 1, str(tmp_path), server.url, server.token,
-                                         [_group_port(), _group_port(), _group_port()], server.proc.pid, str(marker))
+                                         [_group_port() for _ in range(4)], server.proc.pid, str(marker))
         finally:
             restarted.append(None) if not marker.exists() else watcher.join(timeout=120)
     finally:
@@ -532,6 +557,13 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     assert [h["rollout/staleness_mean"] for h in history] == [0.0, 1.0], history
     gaps = [h["sampling/sampling_logp_difference/mean"] for h in history]
     assert gaps[0] < 1e-3 < gaps[1], gaps  # the engine's log-probs, by the weights it trains / one step stale
+    # DAPO's dynamic sampling with tools at max_staleness=1: every round's first attempt is uninformative, so a second
+    # attempt is driven from the trainer's thread while the round ahead drives its own turns (turn channels of their
+    # own); both rounds train from their second attempts, tool rows in them, every environment given back
+    dapo = aborted["dapo_history"]
+    assert aborted["dapo_scored"] == [8, 8, 8, 8], aborted["dapo_scored"]
+    assert [h["dynamic_sampling/rounds"] for h in dapo] == [2, 2], dapo
+    assert all(h["tools/call_frequency"] > 0.0 for h in dapo) and aborted["dapo_leased"] == 0, (dapo, aborted)
     a, b = runs["a"][0]["history"], runs["b"][0]["history"]
     by_run = {name: ranks[0]["seen"] for name, ranks in runs.items()}
     assert [h["step"] for h in a] == [1, 2] and [h["step"] for h in b] == [2], (a, b)
