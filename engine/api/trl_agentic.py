@@ -3,9 +3,9 @@ construction and handed to the loop (engine/agent/ runs them).
 
 Owns: `AgenticInputs` (what `GRPOTrainer` hands to `engine.train.loop.train` as `agentic=`, and the reward
 functions and weights that environments with `get_reward` add), `BoundRolloutFunc` (the user's `rollout_func` bound
-to the trainer, or for a round generated ahead to a `trainer_view` of it) and `resolve_agentic` (the construction-time checks:
-every tool's schema, each environment has `reset` and documented tool methods, the chat template renders tools,
-naming the model; without a train_dataset, `max_steps` and a placeholder dataset, as TRL).
+to the trainer, or for a round generated ahead to a `trainer_view` of it) and `resolve_agentic` (the construction-time
+checks: every tool's schema, each environment has `reset` and documented tool methods, the chat template renders
+tools, naming the model; without a train_dataset, `max_steps` and a placeholder dataset, as TRL).
 
 Must not: run tools or generate (engine/agent/), import vLLM or Megatron.
 

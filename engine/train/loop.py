@@ -459,7 +459,8 @@ def finish(run: Run, summary: dict) -> None:
 def abort(run: Run | None) -> None:
     """After an exception: cancel a multi-turn round generated ahead (no further turn, its thread joined, bounded),
     give every environment instance back, close what `run` holds (None: `build_run` did not finish), each part even
-    if another fails, then tear down Megatron's parallel state and the process group (no collectives: a rank may be gone)."""
+    if another fails, then tear down Megatron's parallel state and the process group (no collectives: a rank may be
+    gone)."""
     if run is not None:
         stopped = True
         if run.pipeline is not None:  # a multi-turn round generated ahead: no more turns, its thread joined

@@ -497,11 +497,13 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     - DAPO's dynamic sampling with tools at max_staleness=1 (a fourth trainer, 2 steps): the further attempt of
       each round is driven from the trainer's thread while the round ahead is driven in the background, each
       through a turn channel of its own (engine/rollout/server_rollout.py `TurnChannel`).
-    The third launch costs ~75 s, ~115 s with its server restart (measured on 2 cores; the DAPO trainer adds ~25 s). Mutation-checked: `abort`
+    The third launch (four trainers, a server restart) adds ~90 s: the whole test took 199 s against 107 s before it
+    (both measured the same hour on the shared 2-core machine, load average 13-17). Mutation-checked: `abort`
     not cancelling the pipeline ('agentic-ahead_0' alive), the agentic abort not releasing the leases (8 leased:
     round 1's, never scored), `PendingAgenticRound.result` re-raising the lost server (the run fails), the round
     ahead's rollout_func bound to the live trainer (not a view, the trainer's tokenizer, and round 1 saw step 1:
-    the trainer had moved on while it ran).
+    the trainer had moved on while it ran), the DAPO round ahead on the engine's own turn channel (KeyError: a turn
+    of the other driver taken).
     max_completion_length 128: a tool call (~75 tokens of the tiny tokenizer) and its tool message (~39) must fit,
     or the sample ends at the call and no row holds tool tokens (measured at 96: 0 tool messages in every round).
     Measured (2 cores): round 1 at staleness 1 has min IS ratio 0.76, mean |log-prob gap| 0.006 (at DP=1); ~2 min.
