@@ -35,7 +35,7 @@ from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
 from engine.policy import gemma_layers
 from engine.policy.parallel import ParallelState
-from engine.policy.sdpa_attention import use_sdpa
+from engine.policy.sdpa_attention import sdpa_blocker, use_sdpa
 from engine.recompute import resolve_recompute
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -296,6 +296,18 @@ def rope_settings(hf_config) -> dict:
     raise ValueError(f"RoPE {params} is not supported: only the default RoPE and llama3 scaling with {fixed}")
 
 
+def _attention_specs(spec, dense_spec, config, implementation: str, model_type: str):
+    """(spec, dense_spec) with the core attention `model.attention_implementation` asks for: eager keeps Megatron's,
+    auto / sdpa swap in SDPA where `sdpa_blocker` allows (auto keeps the layer's own elsewhere; sdpa is refused)."""
+    if implementation == "eager":
+        return spec, dense_spec
+    blocker = sdpa_blocker(spec, config)
+    if blocker is not None and implementation == "sdpa":
+        raise ValueError(f"model.attention_implementation=sdpa cannot act on this {model_type} model: {blocker}; "
+                         "set auto (SDPA where the layer allows it) or eager")
+    return use_sdpa(spec, config), use_sdpa(dense_spec, config)
+
+
 def _layer_spec(cfg: ModelConfig, qk_layernorm: bool = False, num_experts: int | None = None):
     """Transformer Engine's layer spec when it imports, Megatron's local spec otherwise, whose row-parallel linears
     are swapped through the ModuleSpec for ones that pass their own TP group on (`_row_parallel_linear_class`), and
@@ -465,8 +477,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
             raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its post-norms, (1 + w) "
                              "norms and sliding-layer RoPE are project modules): set model.transformer_impl: local")
         spec = gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config)
-    if cfg.attention_implementation == "sdpa":
-        spec, dense_spec = use_sdpa(spec, config), use_sdpa(dense_spec, config)
+    spec, dense_spec = _attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
