@@ -54,6 +54,8 @@ class LoraSettings:
     target_modules: tuple[str, ...]
     """HF module names, in HF_TARGETS' order."""
     use_rslora: bool = False
+    adapter_dtype: str = "float32"
+    """The adapters' parameter dtype: "float32" (PEFT's `autocast_adapter_dtype=True`) or "model" (the policy's)."""
 
     @property
     def scaling(self) -> float:
@@ -111,6 +113,7 @@ def lora_settings_from_peft(peft_config) -> LoraSettings:
     targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
                                      (sorted(targets) if isinstance(targets, set) else targets),
                                      "peft_config.target_modules")
+    # float32 adapters (the default): TRL's get_peft_model(model, peft_config) autocasts them to fp32 over a bf16 base
     return LoraSettings(r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
                         lora_dropout=float(peft_config.lora_dropout), target_modules=targets,
                         use_rslora=bool(getattr(peft_config, "use_rslora", False)))
@@ -133,7 +136,8 @@ def lora_settings_from_config(section) -> LoraSettings:
                                      ("all-linear" if targets == ["all-linear"] else targets),
                                      "lora.lora_target_modules")
     return LoraSettings(r=section.lora_r, lora_alpha=float(section.lora_alpha), lora_dropout=section.lora_dropout,
-                        target_modules=targets, use_rslora=section.use_rslora)
+                        target_modules=targets, use_rslora=section.use_rslora,
+                        adapter_dtype=section.lora_adapter_dtype)
 
 
 def lora_fields_from_peft(peft_config) -> dict:

@@ -352,7 +352,8 @@ def export_initial_adapter(cfg: EngineConfig, target: str | Path) -> Path:
 def export_policy(run: Run, out_dir: str | Path) -> None:
     """Write the current policy as a Hugging Face checkpoint in the model's dtype, with the model directory's
     config and tokenizer files (collective: every rank calls it). With LoRA: a PEFT adapter directory instead
-    (engine/policy/peft_adapter.py, with the tokenizer files), and with `lora.lora_save_merged` the merged model as
+    (engine/policy/peft_adapter.py, with the tokenizer files; the adapters in their own dtype, lora.lora_adapter_dtype,
+    as PEFT saves them), and with `lora.lora_save_merged` the merged model as
     an HF checkpoint to `<out_dir>_merged` too."""
     from transformers import AutoConfig
 
@@ -365,7 +366,7 @@ def export_policy(run: Run, out_dir: str | Path) -> None:
         export_hf_checkpoint(run.chunks, run.ps, out_dir, hf_config, run.dims, tokenizer_dir=run.model_dir, dtype=dtype)
         return
     out_dir = Path(out_dir)
-    save_peft_adapter(run.chunks, run.ps, out_dir, run.lora, base_model_name_or_path=str(run.model_dir), dtype=dtype)
+    save_peft_adapter(run.chunks, run.ps, out_dir, run.lora, base_model_name_or_path=str(run.model_dir))  # as held
     if run.ps.rank == 0:
         for name in TOKENIZER_FILES:
             if (run.model_dir / name).exists():

@@ -65,6 +65,21 @@ def test_rank_larger_than_the_layer_is_refused():
         LoraAdapter("self_attention.linear_qkv", ["k_proj"], settings, _megatron_config(params_dtype=torch.float32), ps)
 
 
+def test_adapters_are_float32_on_a_bf16_base_unless_lora_adapter_dtype_is_model():
+    """PEFT's default (`autocast_adapter_dtype=True`, what TRL's get_peft_model does): fp32 A and B whatever the base's
+    dtype; `lora.lora_adapter_dtype=model` holds them in the model's dtype. A peft_config gets PEFT's default."""
+    import torch
+
+    ps = SimpleNamespace(tp_size=1, groups=SimpleNamespace(tp=None))
+    bf16 = _megatron_config(params_dtype=torch.bfloat16)
+    for dtype, expected in (("float32", torch.float32), ("model", torch.bfloat16)):
+        settings = lora_settings_from_config(build_config({"lora": {"use_peft": True, "lora_adapter_dtype": dtype,
+                                                                    "lora_target_modules": ["q_proj"]}}).lora)
+        adapter = LoraAdapter("self_attention.linear_qkv", ["q_proj"], settings, bf16, ps)
+        assert {p.dtype for p in adapter.parameters()} == {expected}, dtype
+    assert lora_settings_from_peft(PeftLoraConfig(r=4)).adapter_dtype == "float32"
+
+
 @pytest.mark.parametrize("lora,other,message", [
     ({"lora_r": 8}, {}, r"lora.lora_r=8: no effect without lora.use_peft=true"),
     ({"use_peft": True, "lora_r": 0}, {}, r"lora.lora_r=0: the rank must be >= 1"),
@@ -72,6 +87,7 @@ def test_rank_larger_than_the_layer_is_refused():
     ({"use_peft": True, "lora_target_modules": ["query"]}, {}, r"lora.lora_target_modules: \['query'\] match no"),
     ({"use_peft": True}, {"grpo": {"sync_ref_model": True}}, r"grpo.sync_ref_model with lora.use_peft"),
     ({"lora_weight_sync": "adapter"}, {}, r"lora.lora_weight_sync='adapter': no effect without lora.use_peft"),
+    ({"lora_adapter_dtype": "model"}, {}, r"lora.lora_adapter_dtype='model': no effect without lora.use_peft"),
     ({"use_peft": True, "lora_weight_sync": "adapter", "lora_r": 1024, "lora_target_modules": ["q_proj"]}, {},
      r"lora.lora_r=1024 with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to 512"),
     ({"use_peft": True}, {"grpo": {"beta": 0.04}, "model": {"offload_reference": True}},
