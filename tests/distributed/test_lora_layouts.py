@@ -131,9 +131,11 @@ def _adapter_step(chunks, popt, ps, seed: int) -> None:
     popt.step()
 
 
-def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool) -> dict:
+def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: str = "float32",
+                     distributed: bool = True) -> dict:
     """Source (`save`): adapters, one fixed step, save, a second step. Target: load, the same second step. Returns
-    the adapters (PEFT names, full tensors) after loading / saving and after the second step."""
+    the adapters (PEFT names, full tensors) after loading / saving and after the second step. `dtype`: the base's
+    (the adapters float32); `distributed`: optimizer.use_distributed_optimizer."""
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
     from engine.policy.lora import apply_lora, lora_tensors_for_peft
     from engine.policy.optimizer import build_optimizer
@@ -141,11 +143,11 @@ def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool) -> dict:
     from tests.helpers.lora import perturb_lora_b
     from tests.helpers.policy import build_from_hf
 
-    ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(tp_size=tp), ModelConfig(dtype="float32"))
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(tp_size=tp), ModelConfig(dtype=dtype))
     apply_lora(chunks, lora_settings(), ps)
     perturb_lora_b(chunks, ps, seed=3 if save else 4)  # the target starts elsewhere: loading must overwrite it
-    popt = build_optimizer(OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=3),
-                           chunks, ps, total_steps=10)
+    popt = build_optimizer(OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=3,
+                                           use_distributed_optimizer=distributed), chunks, ps, total_steps=10)
     identity = {"model_type": hf_config.model_type, "padded_vocab_size": dims.padded_vocab}
     if save:
         _adapter_step(chunks, popt, ps, seed=1)
@@ -174,6 +176,19 @@ def test_lora_checkpoint_resumes_exactly_at_tp2_and_resharded_to_tp1(model_dir, 
             bad = {name: float((target[key][name] - tensor).abs().max()) for name, tensor in source[key].items()
                    if not torch.equal(target[key][name], tensor)}
             assert not bad, f"tp{tp} {key}: differ (max abs): {bad}"
+
+
+def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, tmp_path):
+    """bf16 base, fp32 adapters (TRL's defaults) with the non-distributed optimizer (configs/tiny_cpu.yaml's): saved
+    and loaded, the adapters and the next step equal the source's bit for bit (megatron-core 0.16.1's bf16
+    non-distributed optimizer could not save fp32 parameters: engine/policy/optimizer.py gives them its fp32 one, as
+    the distributed optimizer's path, whose fp32 checkpoints the TP2 test above covers)."""
+    source = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), True, "bfloat16", False)[0]
+    target = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), False, "bfloat16", False)[0]
+    for key in ("checkpoint", "next"):
+        assert all(t.dtype == torch.float32 for t in source[key].values())
+        bad = [name for name, tensor in source[key].items() if not torch.equal(target[key][name], tensor)]
+        assert not bad and sorted(target[key]) == sorted(source[key]), f"{key}: differ: {bad}"
 
 
 def _reference_and_dropout(model_dir: str) -> dict:
