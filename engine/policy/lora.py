@@ -41,7 +41,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from engine.lora_settings import HF_TARGETS, LoraSettings
+from engine.lora_settings import HF_TARGETS, LoraSettings, refuse_expert_adapters
 
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -204,11 +204,7 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
     every layout), B is zero. Returns the number of adapter parameters on this rank.
     """
     for chunk in chunks:
-        if getattr(chunk.config, "num_moe_experts", None) and any(
-                HF_TARGETS[n][0].startswith("mlp") for n in settings.target_modules):
-            raise ValueError(f"lora.target_modules {list(settings.target_modules)}: adapters on MoE expert linears "
-                             "(gate_proj / up_proj / down_proj of an MoE model) are not supported; target the "
-                             "attention (q_proj, k_proj, v_proj, o_proj)")
+        refuse_expert_adapters(settings, "this model", getattr(chunk.config, "num_moe_experts", None) or 0)
         for param in chunk.parameters():
             param.requires_grad_(False)
     count = 0

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, GRPOConfigSection, config_to_dict, write_resolved_config
 from engine.grpo.policy_loss import PolicyLossConfig, entropy_coef_to_apply, update_entropy_coef
-from engine.lora_settings import LoraSettings, lora_settings_from_config
+from engine.lora_settings import LoraSettings, lora_settings_from_config, refuse_expert_adapters
 from engine.models.model_dir import resolve_model_dir
 from engine.policy.hf_convert import ModelDims
 from engine.policy.lora import apply_lora, merged_lora
@@ -163,9 +163,11 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     if cfg.model.moe_enable_routing_replay and not dims.num_experts:
         raise ValueError(f"model.moe_enable_routing_replay replays routed experts, but {name} "
                          f"({hf_config.model_type}) has no mixture-of-experts layers: set it to false")
+    lora = lora_settings_from_config(cfg.lora) if cfg.lora.use_peft else None
+    if lora is not None:  # before the model is built and loaded
+        refuse_expert_adapters(lora, hf_config.model_type, dims.num_experts)
     chunks = build_policy(hf_config, cfg.model, ps, cfg.train)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
-    lora = lora_settings_from_config(cfg.lora) if cfg.lora.use_peft else None
     if lora is not None:  # before the optimizer: it then holds the adapters only
         apply_lora(chunks, lora, ps, seed=cfg.train.seed)
     reference = None if cfg.grpo.beta == 0 else (ReferencePolicy.base_of(chunks, ps) if lora is not None else  # no copy

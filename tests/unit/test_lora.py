@@ -9,7 +9,7 @@ from peft import LoraConfig as PeftLoraConfig
 
 from engine.config import ConfigError, build_config
 from engine.lora_settings import (lora_fields_from_peft, lora_settings_from_config, lora_settings_from_peft,
-                                  resolve_target_modules)
+                                  refuse_expert_adapters, resolve_target_modules)
 from engine.policy.lora import LoraAdapter
 from engine.validation import validate
 
@@ -78,6 +78,22 @@ def test_adapters_are_float32_on_a_bf16_base_unless_lora_adapter_dtype_is_model(
         adapter = LoraAdapter("self_attention.linear_qkv", ["q_proj"], settings, bf16, ps)
         assert {p.dtype for p in adapter.parameters()} == {expected}, dtype
     assert lora_settings_from_peft(PeftLoraConfig(r=4)).adapter_dtype == "float32"
+
+
+def test_mlp_adapters_on_an_moe_model_are_refused_naming_the_setting_the_experts_and_the_way_out():
+    """At any ep_size: transformers 5 holds every MoE family's experts as 3-D tensors PEFT's target_modules do not
+    match; attention targets pass, and a dense model keeps its MLP adapters."""
+    all_linear = lora_settings_from_peft(PeftLoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(ValueError, match=r"lora.lora_target_modules \(peft_config.target_modules\) includes "
+                                         r"\['gate_proj', 'up_proj', 'down_proj'\], but qwen3_moe routes its MLP through "
+                                         r"128 experts: .*at any parallel.ep_size.*3-D tensors.*Set "
+                                         r"lora.lora_target_modules=\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]"):
+        refuse_expert_adapters(all_linear, "qwen3_moe", 128)
+    with pytest.raises(ValueError, match=r"includes \['down_proj'\].*Set lora.lora_target_modules=\['q_proj'\]"):
+        refuse_expert_adapters(lora_settings_from_peft(PeftLoraConfig(r=4, target_modules=["q_proj", "down_proj"])),
+                               "mixtral", 8)
+    refuse_expert_adapters(lora_settings_from_peft(PeftLoraConfig(r=4)), "qwen3_moe", 128)  # q_proj, v_proj
+    refuse_expert_adapters(all_linear, "qwen2", 0)
 
 
 @pytest.mark.parametrize("lora,other,message", [

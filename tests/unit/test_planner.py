@@ -110,6 +110,15 @@ def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
     assert full.budget("training GPU").total_bytes > 79.1 * GIB, "the full fine-tune must not fit on one node"
 
 
+def test_lora_on_an_moe_model_plans_attention_adapters_and_refuses_expert_ones_as_the_run_does():
+    moe = CONFIGS / "qwen3-30b-a3b_tp2_ep8_split_2x1.yaml"
+    attention = _plan(moe, ["lora.use_peft=true", "lora.lora_target_modules=[q_proj,k_proj,v_proj,o_proj]"])
+    assert _terms(attention.budget("training GPU"))["adapter weights"] > 0
+    with pytest.raises(PlanError, match=r"includes \['gate_proj', 'up_proj', 'down_proj'\], but .* routes its MLP "
+                                        r"through 128 experts"):
+        _plan(moe, ["lora.use_peft=true", "lora.lora_target_modules=[all-linear]"])
+
+
 def test_lora_kl_reference_is_the_base_with_adapters_off_so_the_plan_holds_no_reference_copy():
     """beta > 0 with LoRA: the reference is the policy's frozen base with its adapters disabled (engine/policy/
     reference.py base_of), no second copy; the full fine-tune's reference holds a whole copy of the weights."""
