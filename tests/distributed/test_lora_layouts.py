@@ -18,6 +18,8 @@
    them in bf16, and its step is further from the fp32 step); the step is within bf16 tolerance of the fp32 step; at
    DP2 (the distributed optimizer sharding the fp32 adapter buffers) it equals the single-process bf16 step, at TP2
    it is within the same bf16 tolerance.
+5. MoE (Qwen3-MoE): attention adapters at EP2 x DP2 equal the single-process step; MLP (expert) targets are refused
+   on the built policy, naming the setting.
 """
 
 import pytest
@@ -189,6 +191,58 @@ def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, 
         assert all(t.dtype == torch.float32 for t in source[key].values())
         bad = [name for name, tensor in source[key].items() if not torch.equal(target[key][name], tensor)]
         assert not bad and sorted(target[key]) == sorted(source[key]), f"{key}: differ: {bad}"
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _moe_lora_step(model_dir: str, out_dir: str, ep: int) -> dict:
+    """The LoRA step on the tiny Qwen3-MoE at `ep` with attention adapters; first, all-linear adapters on its built
+    chunks (apply_lora's own guard, Megatron's num_moe_experts): the refusal's message ("" if none)."""
+    from engine.config import ModelConfig, ParallelConfig
+    from engine.policy.lora import apply_lora
+    from engine.policy.parallel import destroy_parallel
+    from tests.helpers.policy import build_from_hf
+
+    refusal = ""
+    if ep == 1:
+        ps, _, chunks, _ = build_from_hf(model_dir, ParallelConfig(), ModelConfig(dtype="float32"))
+        try:
+            apply_lora(chunks, lora_settings(), ps)
+        except ValueError as exc:
+            refusal = str(exc)
+        destroy_parallel(keep_process_group=True)
+    result = grpo_step_and_export(model_dir, ParallelConfig(ep_size=ep), ModelConfig(dtype="float32"), out_dir,
+                                  lora=lora_settings(target_modules=ATTENTION))
+    return result | {"refusal": refusal}
+
+
+@pytest.mark.slow
+def test_lora_on_moe_attention_adapters_at_ep2_match_single_process_and_expert_targets_are_refused(tmp_path):
+    """Qwen3-MoE: attention adapters (the way out the refusal names) train at EP2 x DP2 as in one process (loss, grad
+    norm, adapters; the frozen experts hold no optimizer state); MLP targets are refused on the built policy."""
+    from engine.models.tiny_model import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=7))
+    (single,) = run_distributed(_moe_lora_step, 1, model_dir, str(tmp_path / "ep1"), 1)
+    assert "routes its MLP through 4 experts" in single["refusal"] and "ep_size" in single["refusal"], single["refusal"]
+    results = run_distributed(_moe_lora_step, 2, model_dir, str(tmp_path / "ep2"), 2)
+    assert sum(r["loss"] for r in results) == pytest.approx(single["loss"], rel=1e-5)
+    assert all(r["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5) for r in results)
+    expected, initial = _adapter_tensors(tmp_path / "ep1"), _adapter_tensors(tmp_path / "ep1_initial")
+    tensors = _adapter_tensors(tmp_path / "ep2")
+    assert sorted(tensors) == sorted(expected) and len(expected) == 2 * 4 * _num_layers(model_dir)
+    assert sum(r["optimizer_numel"] for r in results) == single["optimizer_numel"] == _num_adapter_elements(expected)
+    assert any(not torch.equal(expected[k], initial[k]) for k in expected), "the step moved no adapter"
+    for name, value in expected.items():
+        torch.testing.assert_close(tensors[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _num_layers(model_dir: str) -> int:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
 
 
 def _reference_and_dropout(model_dir: str) -> dict:
