@@ -61,9 +61,8 @@ class ModelConfig:
     """Megatron layer spec: `auto` = Transformer Engine when it imports (GPU), the local spec otherwise."""
     attention_implementation: Literal["auto", "sdpa", "eager"] = "auto"
     """The local spec's core attention (HF's `attn_implementation` names): `sdpa` = torch's fused attention (no s x s
-    scores kept; engine/policy/sdpa_attention.py), `eager` = Megatron's DotProductAttention, `auto` = sdpa where the
-    layer's attention is the plain one, else the layer's own (Gemma's and GPT-OSS's, a sliding window, Transformer
-    Engine's fused attention). An explicit `sdpa` where it cannot act is refused, naming why."""
+    scores; engine/policy/sdpa_attention.py; refused where it cannot act), `eager` = Megatron's DotProductAttention,
+    `auto` = sdpa where the layer's attention is the plain one, else the layer's own (Gemma, GPT-OSS, windows, TE)."""
     offload_reference: bool = False
     """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
     moe_aux_loss_coeff: float | None = None
