@@ -20,13 +20,42 @@ from engine.models.tiny_model import tiny_model_config
 from engine.policy.hf_convert import ModelDims
 
 
-@pytest.mark.parametrize("model_type", ["cohere2", "nemotron_h", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["cohere2", "nemotron_h"])
 def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
     config = AutoConfig.for_model(model_type)
     with pytest.raises(ValueError, match=rf"model_type '{model_type}' .*not supported \(missing: ") as error:
         check_model_type(config)
     assert MISSING_FEATURES[model_type] in str(error.value)
     assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma3_text, gemma2" in str(error.value)
+
+
+@pytest.mark.parametrize("change,cause", [
+    ({"topk_method": "greedy"}, "topk_method='greedy': only noaux_tc"),
+    ({"rope_interleave": False}, "rope_interleave=false"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"q_lora_rank": None}, "q_lora_rank=null"),
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2 != num_attention_heads=4"),
+    ({"norm_topk_prob": False}, "deepseek_v3 with norm_topk_prob=false"),
+    ({"n_group": 4, "topk_group": 2}, "deepseek_v3 with n_group=4, topk_group=2, num_experts_per_tok=2"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='linear'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "attention_factor": 1.2,
+                          "original_max_position_embeddings": 64}}, "attention_factor=1.2"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "truncate": False,
+                          "original_max_position_embeddings": 64}}, "truncate=false"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 64}}, "mscale_all_dim=1.0 without mscale")])
+def test_deepseek_v3_settings_the_translation_would_not_reproduce_are_refused_naming_the_field(change, cause):
+    """The tiny DeepSeek-V3 and transformers' defaults (DeepSeek-V3's own: YaRN, noaux_tc, 8 groups / 4 chosen of
+    top-8, one MTP layer whose weights are not read) pass; each setting MLA or the router would compute differently
+    is refused, naming it."""
+    config = tiny_model_config("deepseek_v3")
+    check_model_type(config)
+    check_model_type(AutoConfig.for_model("deepseek_v3"))
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(config)
 
 
 def test_gemma2_checkpoints_with_final_logit_soft_capping_are_accepted_a_non_positive_cap_refused():
