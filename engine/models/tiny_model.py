@@ -321,7 +321,8 @@ def _tiny_deepseek_v3_config(common: dict) -> DeepseekV3Config:
     YaRN (factor 16 over 64 original positions, mscale = mscale_all_dim = 1: the softmax scale grows by the mscale
     squared), a dense first layer of width 352, then `TINY_DEEPSEEK_EXPERTS` sigmoid-routed experts of width 64 in 2
     groups (GLM-4.5's router: 1 group, top-2, + the expert-score correction bias, renormalised, x 2.5) and one shared
-    expert; no multi-token-prediction layer."""
+    expert; no multi-token-prediction layer. `topk_method` / `scoring_func` are not DeepseekV3Config fields (HF
+    always routes so) but DeepSeek-V3's config.json carries them and vLLM reads them: saved as the checkpoint has."""
     rope = {"rope_type": "yarn", "rope_theta": common["rope_theta"], "factor": 16.0, "beta_fast": 32.0,
             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}
     common = {k: v for k, v in common.items() if k not in ("rope_theta", "num_key_value_heads")}
@@ -331,7 +332,8 @@ def _tiny_deepseek_v3_config(common: dict) -> DeepseekV3Config:
         v_head_dim=32, rope_interleave=True, attention_bias=False, moe_intermediate_size=TINY_MOE_FFN,
         n_routed_experts=TINY_DEEPSEEK_EXPERTS, num_experts_per_tok=TINY_MOE_TOP_K, n_shared_experts=1,
         n_group=TINY_GLM_GROUPS, topk_group=1, routed_scaling_factor=TINY_GLM_SCALING, norm_topk_prob=True,
-        first_k_dense_replace=TINY_GLM_DENSE_LAYERS, num_nextn_predict_layers=0,
+        first_k_dense_replace=TINY_GLM_DENSE_LAYERS, num_nextn_predict_layers=0, topk_method="noaux_tc",
+        scoring_func="sigmoid",
     )
 
 

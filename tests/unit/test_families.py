@@ -30,7 +30,8 @@ def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_suppo
 
 
 @pytest.mark.parametrize("change,cause", [
-    ({"topk_method": "greedy"}, "topk_method='greedy': only noaux_tc"),
+    ({"topk_method": "greedy"}, "topk_method='greedy', scoring_func='sigmoid': only noaux_tc with sigmoid"),
+    ({"scoring_func": "softmax"}, "topk_method='noaux_tc', scoring_func='softmax'"),
     ({"rope_interleave": False}, "rope_interleave=false"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"q_lora_rank": None}, "q_lora_rank=null"),
@@ -46,12 +47,14 @@ def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_suppo
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "mscale_all_dim": 1.0,
                           "original_max_position_embeddings": 64}}, "mscale_all_dim=1.0 without mscale")])
 def test_deepseek_v3_settings_the_translation_would_not_reproduce_are_refused_naming_the_field(change, cause):
-    """The tiny DeepSeek-V3 and transformers' defaults (DeepSeek-V3's own: YaRN, noaux_tc, 8 groups / 4 chosen of
-    top-8, one MTP layer whose weights are not read) pass; each setting MLA or the router would compute differently
+    """The tiny DeepSeek-V3 and transformers' defaults with the checkpoint's router fields (DeepSeek-V3's own: YaRN,
+    noaux_tc, 8 groups / 4 chosen of top-8, one MTP layer whose weights are not read) pass; each setting MLA or the router would compute differently
     is refused, naming it."""
     config = tiny_model_config("deepseek_v3")
     check_model_type(config)
-    check_model_type(AutoConfig.for_model("deepseek_v3"))
+    check_model_type(AutoConfig.for_model("deepseek_v3", topk_method="noaux_tc", scoring_func="sigmoid"))
+    with pytest.raises(ValueError, match="topk_method=None, scoring_func=None: only noaux_tc with sigmoid"):
+        check_model_type(AutoConfig.for_model("deepseek_v3"))  # transformers' defaults lack vLLM's router fields
     for key, value in change.items():
         setattr(config, key, value)
     with pytest.raises(ValueError, match=cause):
