@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 from pathlib import Path
 
 MLA_TENSORS = (
@@ -92,9 +93,9 @@ def check_deepseek_v3(hf_config) -> None:
     method, scoring = getattr(hf_config, "topk_method", None), getattr(hf_config, "scoring_func", None)
     if (method, scoring) != ("noaux_tc", "sigmoid"):
         raise ValueError(f"{where} topk_method={method!r}, scoring_func={scoring!r}: only noaux_tc with sigmoid "
-                         "(DeepSeek-V3's config.json: sigmoid scores + the expert-score correction bias, group-limited, "
-                         "as HF always routes) is translated; vLLM reads both (its defaults: no bias, softmax), so a "
-                         "config.json without them would be served with another router")
+                         "(DeepSeek-V3's config.json: sigmoid scores + the expert-score correction bias, "
+                         "group-limited, as HF always routes) is translated; vLLM reads both (its defaults: no "
+                         "bias, softmax), so a config.json without them would be served with another router")
     if not getattr(hf_config, "rope_interleave", True):
         raise ValueError(f"{where} rope_interleave=false: Megatron's MLA reads the rope dims as interleaved pairs "
                          "(DeepSeek-V3's own layout); only rope_interleave true is translated")
@@ -134,6 +135,8 @@ def mla_settings(hf_config) -> dict:
     if hf_config.model_type != "deepseek_v3":
         return {}
     check_deepseek_v3(hf_config)
+    if mtp := int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0):
+        _warn_mtp_dropped(mtp, int(hf_config.num_hidden_layers))
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     theta = float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     settings = dict(multi_latent_attention=True, q_lora_rank=int(hf_config.q_lora_rank),
@@ -150,6 +153,15 @@ def mla_settings(hf_config) -> dict:
                          beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
                          mscale=float(mscale), mscale_all_dim=float(all_dim))
     return settings
+
+
+@functools.cache
+def _warn_mtp_dropped(mtp: int, layers: int) -> None:
+    """Warn (once per process) that a checkpoint's multi-token-prediction layers are neither built nor kept."""
+    logging.getLogger(__name__).warning(
+        "deepseek_v3 with num_nextn_predict_layers=%d: the multi-token-prediction layer weights (model.layers.%d.* on) "
+        "are not loaded, trained or exported (vLLM skips them too without speculative decoding); checkpoints saved by "
+        "the engine lack them", mtp, layers)
 
 
 def mla_attention_specs(spec, dense_spec, sdpa_core_attention=None):
