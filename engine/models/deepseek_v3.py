@@ -164,21 +164,18 @@ def _warn_mtp_dropped(mtp: int, layers: int) -> None:
         "the engine lack them", mtp, layers)
 
 
-def mla_attention_specs(spec, dense_spec, sdpa_core_attention=None):
+def mla_attention_specs(spec, dense_spec):
     """(spec, dense_spec) of engine/policy/model.py `build_policy` (local spec, multi_latent_attention; dense_spec
-    None without dense layers) through `mla_attention_spec` with the project's SDPA core attention (engine/policy/
-    sdpa_attention.py, given by the caller) or, None, Megatron's DotProductAttention (attention_implementation
-    eager)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    core = sdpa_core_attention or DotProductAttention
-    return tuple(mla_attention_spec(s, core) if s is not None else None for s in (spec, dense_spec))
+    None without dense layers), after the attention choice (engine/policy/sdpa_attention.py `attention_specs`:
+    Megatron's DotProductAttention or the project's SDPA one), through `mla_attention_spec` with that core attention."""
+    return tuple(None if s is None else mla_attention_spec(s, s.submodules.self_attention.submodules.core_attention)
+                 for s in (spec, dense_spec))
 
 
 def mla_attention_spec(spec, core_attention):
     """`spec` (the project's local layer spec built with multi_latent_attention=True: engine/policy/model.py
-    `_layer_spec`) with `core_attention` (Megatron's DotProductAttention or the project's SDPA one) taking MLA's
-    keywords, and down projections (q_a, kv_a) replicated over TP.
+    `_layer_spec`) with `core_attention` (Megatron's DotProductAttention or the project's SDPA one, as chosen) taking
+    MLA's keywords, and down projections (q_a, kv_a) replicated over TP.
 
     NOTE: megatron-core 0.16.1's local spec makes the down projections column-parallel: each TP rank computes a slice
     of [kv latent; shared rope key] and all-gathers it. The rope key then feeds every rank's heads, but the gather's

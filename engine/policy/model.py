@@ -36,7 +36,7 @@ from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
 from engine.policy import gemma_layers
 from engine.policy.parallel import ParallelState
-from engine.policy.sdpa_attention import sdpa_core_attention_class, use_sdpa
+from engine.policy.sdpa_attention import attention_specs
 from engine.recompute import resolve_recompute
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -472,11 +472,9 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
             raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its post-norms, (1 + w) "
                              "norms and sliding-layer RoPE are project modules): set model.transformer_impl: local")
         spec = gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config)
+    spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type)
     if mla and spec.submodules.input_layernorm is LocalRMSNorm:  # MLA's keywords to the local core attention
-        spec, dense_spec = mla_attention_specs(spec, dense_spec, cfg.attention_implementation == "sdpa"
-                                               and sdpa_core_attention_class())
-    elif cfg.attention_implementation == "sdpa":
-        spec, dense_spec = use_sdpa(spec, config), use_sdpa(dense_spec, config)
+        spec, dense_spec = mla_attention_specs(spec, dense_spec)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):

@@ -224,13 +224,12 @@ def close_on_error(opened: list):
 
 def build_agentic(cfg: EngineConfig, agentic: dict | None, tokenizer, model_name: str):
     """The run's `AgenticRollout` (engine/agent/), or None without tools, environments or rollout_func. Refused
-    (engine/agent/agentic_rollout.py `check_layout`): a colocated vLLM engine over several ranks, and with rounds
-    generated ahead (`rollout.max_staleness` > 0) a rollout_func or dynamic sampling."""
+    (engine/agent/agentic_rollout.py `check_layout`): a colocated vLLM engine over several ranks."""
     from engine.agent.agentic_rollout import AgenticRollout, check_layout
 
     if not agentic or not any(v is not None and v != [] for v in agentic.values()):
         return None
-    check_layout(cfg.rollout, [k for k, v in agentic.items() if v], use_dynamic_sampling=cfg.grpo.use_dynamic_sampling)
+    check_layout(cfg.rollout, [k for k, v in agentic.items() if v])
     return AgenticRollout(tools=agentic.get("tools"), environment_factory=agentic.get("environment_factory"),
                           rollout_func=agentic.get("rollout_func"), tokenizer=tokenizer, generation=cfg.generation,
                           model_name=model_name)
