@@ -38,6 +38,12 @@ HARMLESS_VLLM_LOGS = (
                 "every weight sync: a rotary embedding holds a cos/sin table computed from the model config, never a "
                 "checkpoint weight, so no synced tensor is meant for it; vLLM keeps the table it has. Every sync is "
                 "verified against the trainer's log-probs (engine/rollout/sync_check.py)"),
+    HarmlessLog("vllm.model_executor.model_loader.reload.inplace",
+                r"Following weights were not loaded from checkpoint: \{'[\w.]+\.mla_attn\.W_(UK_T|UV)'"
+                r"(, '[\w.]+\.mla_attn\.W_(UK_T|UV)')*\}",
+                "every weight sync of an MLA model (DeepSeek-V3): W_UK_T / W_UV are vLLM's absorbed copies of "
+                "kv_b_proj, derived from it after each load, never checkpoint weights; any other weight not loaded "
+                "still shows, and every sync is verified against what the trainer sent (engine/rollout/sync_check.py)"),
     HarmlessLog("vllm.model_executor.models.utils",
                 r"Attempted to load weight \S+ with dtype torch\.float32 into parameter with dtype "
                 r"torch\.(bfloat16|float16)",

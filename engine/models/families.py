@@ -4,7 +4,7 @@ Owns: `SUPPORTED_MODEL_TYPES` (what engine/policy/model.py translates), `MOE_MOD
 family (`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
 `MISSING_FEATURES`) and of the Mixtral / GLM-4.5 / GPT-OSS settings it would not reproduce (`check_gpt_oss`), and
 `moe_shape` (expert count, top-k and expert width under each family's own field names), `dense_layers` and
-`shared_expert_width` (GLM-4.5; DeepSeek-V3's for the planner, which sizes it though it is not built). The policy,
+`shared_expert_width` (GLM-4.5 and DeepSeek-V3; DeepSeek-V3's MLA refusals: engine/models/deepseek_v3.py). The policy,
 the converter and the planner all read these; GPT-OSS's own translation is engine/models/gpt_oss.py, Gemma's
 engine/models/gemma.py.
 
@@ -16,16 +16,16 @@ GLM-4.5, GPT-OSS and DeepSeek-V3 shapes give the published parameter counts).
 
 from __future__ import annotations
 
+from engine.models.deepseek_v3 import check_deepseek_v3
 from engine.models.gemma import GEMMA_MODEL_TYPES, check_gemma
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss") + GEMMA_MODEL_TYPES
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"
+                         ) + GEMMA_MODEL_TYPES + ("deepseek_v3",)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3")
 """Families with routed-expert MLPs: in every layer, except GLM-4.5's dense first `first_k_dense_replace` layers."""
 
 MISSING_FEATURES = {
     "cohere2": "parallel attention + MLP blocks, LayerNorm without bias, logit scaling and sliding-window layers",
-    "deepseek_v3": "multi-latent attention (MLA), shared experts, sigmoid group-limited routing with the expert "
-                   "bias and dense first layers",
     "nemotron_h": "Mamba-2 (hybrid state-space) layers",
 }
 """Families the engine does not build yet, with what the translation lacks (issue #30): named when one is refused."""
@@ -34,7 +34,7 @@ _MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
                "mixtral": ("num_local_experts", "intermediate_size"),
                "glm4_moe": ("n_routed_experts", "moe_intermediate_size"),
                "gpt_oss": ("num_local_experts", "intermediate_size"),
-               "deepseek_v3": ("n_routed_experts", "moe_intermediate_size")}  # the planner reads it (not built)
+               "deepseek_v3": ("n_routed_experts", "moe_intermediate_size")}
 
 
 def check_model_type(hf_config) -> None:
@@ -50,8 +50,10 @@ def check_model_type(hf_config) -> None:
         missing = f" (missing: {MISSING_FEATURES[model_type]})" if model_type in MISSING_FEATURES else ""
         raise ValueError(f"model.name_or_path: model_type {model_type!r} ({type(hf_config).__name__}) is not "
                          f"supported{missing}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if model_type == "glm4_moe":
+    if model_type in _GLM_LIKE:
         _check_glm4_moe(hf_config)
+    if model_type == "deepseek_v3":
+        check_deepseek_v3(hf_config)
     if model_type == "gpt_oss":
         check_gpt_oss(hf_config)
     if model_type in GEMMA_MODEL_TYPES:
@@ -70,16 +72,18 @@ def check_model_type(hf_config) -> None:
 
 
 def _check_glm4_moe(hf_config) -> None:
-    """Refuse the GLM-4.5 MoE router settings Megatron's sigmoid router computes differently: it always renormalises
-    the top-k weights (HF only with `norm_topk_prob`), and it scores an expert group by the sum of its top
-    (top-k / topk_group) experts where HF sums the group's top 2 (GLM-4.5's n_group=1 makes both moot)."""
+    """Refuse the GLM-4.5 MoE (and DeepSeek-V3) router settings Megatron's sigmoid router computes differently: it
+    always renormalises the top-k weights (HF only with `norm_topk_prob`), and it scores an expert group by the sum
+    of its top (top-k / topk_group) experts where HF sums the group's top 2 (GLM-4.5's n_group=1 makes both moot;
+    DeepSeek-V3's 8 of 256 experts, 4 of 8 groups: both take the top 2)."""
     top_k, groups, group_top_k = hf_config.num_experts_per_tok, hf_config.n_group, hf_config.topk_group
     if not hf_config.norm_topk_prob and top_k > 1:
-        raise ValueError("model.name_or_path: glm4_moe with norm_topk_prob=false: Megatron's sigmoid router always "
-                         "renormalises the top-k weights; only norm_topk_prob true (GLM-4.5's own) is supported")
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} with norm_topk_prob=false: Megatron's sigmoid "
+                         "router always renormalises the top-k weights; only norm_topk_prob true (GLM-4.5's and "
+                         "DeepSeek-V3's own) is supported")
     if groups > 1 and top_k // group_top_k != 2:
-        raise ValueError(f"model.name_or_path: glm4_moe with n_group={groups}, topk_group={group_top_k}, "
-                         f"num_experts_per_tok={top_k}: Megatron scores a group by its top num_experts_per_tok // "
+        raise ValueError(f"model.name_or_path: {hf_config.model_type} with n_group={groups}, topk_group="
+                         f"{group_top_k}, num_experts_per_tok={top_k}: Megatron scores a group by its top num_experts_per_tok // "
                          f"topk_group = {top_k // group_top_k} experts, HF by its top 2; only n_group 1 or "
                          "num_experts_per_tok = 2 x topk_group is supported")
 
@@ -126,7 +130,8 @@ def shared_expert_width(hf_config) -> int:
 
 
 _GLM_LIKE = ("glm4_moe", "deepseek_v3")
-"""Families with dense first layers and a shared expert (DeepSeek-V3: read by the planner only; not built)."""
+"""Families with dense first layers, a shared expert and GLM-4.5's sigmoid group-limited router (DeepSeek-V3's MLA:
+engine/models/deepseek_v3.py)."""
 
 
 def moe_shape(hf_config) -> tuple[int, int, int]:

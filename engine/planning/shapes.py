@@ -42,8 +42,8 @@ class PlanError(ConfigError):
 class ModelDims:
     """The Hugging Face config numbers the plan needs (Qwen2 / Llama / Qwen3: GQA, SwiGLU, RMSNorm; Qwen3-MoE and
     Mixtral: routed experts in every layer instead of the dense MLP; GLM-4.5: dense first layers, a shared expert;
-    GPT-OSS: biases and sinks; DeepSeek-V3: multi-latent attention. The planner sizes parameters and activations,
-    not modules: DeepSeek-V3's MLA is sized though the engine does not build it, engine/models/families.py)."""
+    GPT-OSS: biases and sinks; DeepSeek-V3: multi-latent attention, built by engine/models/deepseek_v3.py with the
+    down-projections replicated over TP, as sized here)."""
 
     hidden_size: int
     num_layers: int

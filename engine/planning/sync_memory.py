@@ -49,15 +49,12 @@ def _buffers(converter_dims, layout, engine_tp: int, ffn: int, dtype: str, bucke
 
 
 def plan_sync_buffers(cfg: EngineConfig, dims: ModelDims):
-    """(SyncBuffers, number of HF tensors) of the config's weight sync, or None where the engine builds no sync plan
-    (multi-latent attention: DeepSeek-V3 is planned, not built). Server mode: the trainer's layout into vLLM's TP;
+    """(SyncBuffers, number of HF tensors) of the config's weight sync (DeepSeek-V3: MLA's tensors too). Server mode: the trainer's layout into vLLM's TP;
     colocated: the colocated plan (trainer TP 1: full tensors). Gemma's four norms per layer are not in the planner's
     shape (2 x hidden elements per layer, whole: a few KiB)."""
     from engine.policy.hf_convert import ModelDims as ConverterDims
     from engine.rollout.sync_plan import TrainerLayout
 
-    if dims.is_mla:
-        return None
     par, server = cfg.parallel, cfg.rollout.vllm_mode == "server"
     converter = ConverterDims(
         num_layers=dims.num_layers, hidden_size=dims.hidden_size, num_heads=dims.num_heads,
@@ -65,7 +62,9 @@ def plan_sync_buffers(cfg: EngineConfig, dims: ModelDims):
         padded_vocab=megatron_padded_vocab(dims.vocab_size, cfg.model.make_vocab_size_divisible_by, par.tp_size),
         tie_word_embeddings=dims.tie_word_embeddings, qkv_bias=dims.qkv_bias, qk_norm=dims.qk_norm,
         num_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_intermediate_size, moe_map=_moe_map(dims),
-        dense_layers=dims.dense_layers, shared_expert_ffn=dims.shared_expert_size)
+        dense_layers=dims.dense_layers, shared_expert_ffn=dims.shared_expert_size,
+        **(dict(q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, qk_nope_head_dim=dims.d,
+                qk_rope_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim) if dims.is_mla else {}))
     layout = (TrainerLayout(par.tp_size, par.pp_size, par.virtual_pipeline_size, par.ep_size, par.expert_tp_size)
               if server else TrainerLayout(1))
     return _buffers(converter, layout, cfg.rollout.vllm_tensor_parallel_size, dims.intermediate_size,

@@ -35,6 +35,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from engine.models.deepseek_v3 import MLA_TENSORS, mla_dims
 from engine.models.families import dense_layers, moe_shape, shared_expert_width
 from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
 from engine.models.gpt_oss import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
@@ -123,6 +124,21 @@ class ModelDims:
     """MoE: the always-on shared expert's MLP width (GLM-4.5; 0 = none)."""
     sandwich_norms: bool = False
     """Gemma: four norms per layer under Gemma's names (engine/models/gemma.py GEMMA_NORM_NAMES)."""
+    q_lora_rank: int = 0
+    """DeepSeek-V3's multi-latent attention (MLA; 0 = none): the query latent's width (HF q_lora_rank)."""
+    kv_lora_rank: int = 0
+    """MLA: the key / value latent's width (HF kv_lora_rank); > 0 means MLA's tensors replace q/k/v/o."""
+    qk_nope_head_dim: int = 0
+    """MLA: each head's query / key dims without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA: each head's query / key dims with RoPE (the key's are shared by every head)."""
+    v_head_dim: int = 0
+    """MLA: each head's value dims."""
+
+    @property
+    def mla(self) -> bool:
+        """DeepSeek-V3's multi-latent attention (engine/models/deepseek_v3.py MLA_TENSORS) instead of q/k/v/o."""
+        return self.kv_lora_rank > 0
 
     @classmethod
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
@@ -147,6 +163,7 @@ class ModelDims:
             dense_layers=dense_layers(hf_config),
             shared_expert_ffn=shared_expert_width(hf_config),
             sandwich_norms=model_type in GEMMA_MODEL_TYPES,
+            **mla_dims(hf_config),
         )
 
 
@@ -201,6 +218,7 @@ MOE_MAPS: dict[str, tuple[TensorMap, ...]] = {
                   ("model.layers.{i}.mlp.experts.down_proj_bias",), "stacked_replicated"),
     ),
 }
+MOE_MAPS["deepseek_v3"] = MOE_MAPS["glm4_moe"]  # DeepSeek-V3's checkpoint names are GLM-4.5's
 """The MoE MLP of each family, replacing the dense `linear_fc1` / `linear_fc2` entries; `{e}` = expert index."""
 
 GPT_OSS_ATTENTION = (
@@ -265,6 +283,10 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
         )
     head = "model.embed_tokens.weight" if dims.tie_word_embeddings else "lm_head.weight"
     entries.append(TensorMap("output_layer.weight", (head,), "vocab"))
+    if dims.mla:  # DeepSeek-V3: MLA's projections and latent norms instead of q/k/v/o
+        entries = [e for e in entries if ".self_attention.linear_" not in e.megatron]
+        entries += [TensorMap(f"decoder.layers.{{i}}.{megatron}", (f"model.layers.{{i}}.{hf}",), kind)
+                    for megatron, hf, kind in MLA_TENSORS]
     if dims.sandwich_norms:  # Gemma: its own names for the two norms above, and the two post-norms
         entries = [e for e in entries if e.megatron not in GEMMA_NORM_NAMES]
         entries += [TensorMap(megatron, (hf,), "replicated") for megatron, hf in GEMMA_NORM_NAMES.items()]

@@ -1,10 +1,10 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
-spec pieces and YaRN: engine/models/gpt_oss.py) HF config into Megatron's
-`TransformerConfig` (`build_transformer_config`: what it translates, and activation recompute; dropout:
-`dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`, GLM-4.5's router, shared expert
-and dense first layers: `glm4_moe_router_settings`; the families refused and what they lack:
+spec pieces and YaRN: engine/models/gpt_oss.py) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3.py)
+HF config into Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
+recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`, GLM-4.5's
+router, shared expert and dense first layers: `glm4_moe_router_settings`; the families refused and what they lack:
 engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`), `build_policy`, the
 weights that are buffers (`WEIGHT_BUFFERS`: GLM's frozen expert bias), and the rule
 that takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
+from engine.models.deepseek_v3 import mla_attention_specs, mla_settings
 from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, dense_layers, moe_shape,
                                     shared_expert_width)
 from engine.models.gemma import gemma_rope_settings, is_gemma
@@ -90,7 +91,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     Returns:
         megatron.core.transformer.TransformerConfig.
     """
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_model_type(hf_config)
     num_layers = hf_config.num_hidden_layers
@@ -121,7 +122,8 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
             "train.recompute_modules: 'layernorm' needs Transformer Engine: megatron-core 0.16.1's "
             "CheckpointWithoutOutput (the norms' recompute) reads `fp8 is not None`, true for its default fp8=False, "
             "and then calls Transformer Engine's FP8GlobalStateManager (NameError without it)")
-    config = TransformerConfig(**{**dict(
+    mla = mla_settings(hf_config)  # DeepSeek-V3's multi-latent attention: engine/models/deepseek_v3.py
+    config = (MLATransformerConfig if mla else TransformerConfig)(**{**dict(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -156,7 +158,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         apply_rope_fusion=not on_cpu and has_te,
         persist_layer_norm=not on_cpu,
         **moe_settings(hf_config, cfg, ps),
-    ), **gpt_oss_settings(hf_config)})
+    ), **gpt_oss_settings(hf_config), **mla})
     for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
         setattr(config, name, value)  # GPTModel's YarnRotaryEmbedding reads them with getattr (not config fields)
     return gemma_layers.finish_transformer_config(config, hf_config)  # Gemma's MLP, softmax scale and window
@@ -242,7 +244,7 @@ def glm4_moe_router_settings(hf_config) -> dict:
     checkpoint was balanced with, so the policy, the frozen reference and vLLM route alike and routing replay replays
     the routes the engine chose. It is loaded, exported and synced like a weight (`global_param_names`).
     """
-    if hf_config.model_type != "glm4_moe":
+    if hf_config.model_type not in ("glm4_moe", "deepseek_v3"):  # DeepSeek-V3: the same router and layer pattern
         return {}
     groups = int(hf_config.n_group)
     first_dense, layers = dense_layers(hf_config), hf_config.num_hidden_layers
@@ -278,6 +280,8 @@ def rope_settings(hf_config) -> dict:
     """
     if (yarn := yarn_rope_settings(hf_config)) is not None:  # GPT-OSS: engine/models/gpt_oss.py
         return yarn[0]
+    if hf_config.model_type == "deepseek_v3":  # MLA builds its own RoPE / YaRN (engine/models/deepseek_v3.py)
+        return {}
     if is_gemma(hf_config):  # one RoPE dict per layer type; the sliding layers' own: gemma_layers.GemmaSelfAttention
         return gemma_rope_settings(hf_config)
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -296,10 +300,10 @@ def rope_settings(hf_config) -> dict:
     raise ValueError(f"RoPE {params} is not supported: only the default RoPE and llama3 scaling with {fixed}")
 
 
-def _layer_spec(cfg: ModelConfig, qk_layernorm: bool = False, num_experts: int | None = None):
+def _layer_spec(cfg: ModelConfig, qk_layernorm: bool = False, num_experts: int | None = None, mla: bool = False):
     """Transformer Engine's layer spec when it imports, Megatron's local spec otherwise, whose row-parallel linears
     are swapped through the ModuleSpec for ones that pass their own TP group on (`_row_parallel_linear_class`), and
-    whose norms are ones that allow sequence parallelism (`LocalRMSNorm`)."""
+    whose norms are ones that allow sequence parallelism (`LocalRMSNorm`; MLA's latent norms too: `mla`)."""
     impl = cfg.transformer_impl
     if impl == "auto":
         try:
@@ -314,13 +318,15 @@ def _layer_spec(cfg: ModelConfig, qk_layernorm: bool = False, num_experts: int |
                              "Engine's spec has its own fused attention: set model.transformer_impl: local")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                                          multi_latent_attention=mla)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts,
+                                    multi_latent_attention=mla)
     row_parallel, norm = _row_parallel_linear_class(), LocalRMSNorm
     layer = spec.submodules
-    qk_norms = {"q_layernorm": norm, "k_layernorm": norm} if qk_layernorm else {}
+    qk_norms = {"q_layernorm": norm, ("kv_" if mla else "k_") + "layernorm": norm} if qk_layernorm or mla else {}
     attention = dataclasses.replace(layer.self_attention, submodules=dataclasses.replace(
         layer.self_attention.submodules, linear_proj=row_parallel, **qk_norms))
     if num_experts:  # MoELayer: the experts' SequentialMLP and the shared expert's MLP hold row-parallel fc2s
@@ -456,16 +462,19 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     policy_class = _policy_class()
     config = build_transformer_config(hf_config, cfg, ps, train)
     shape = policy_shape(hf_config, cfg, ps.tp_size)
-    spec = _layer_spec(cfg, config.qk_layernorm, config.num_moe_experts)
+    mla = config.multi_latent_attention
+    spec = _layer_spec(cfg, config.qk_layernorm, config.num_moe_experts, mla)
     if hf_config.model_type == "gpt_oss":
         spec = gpt_oss_spec(spec, _row_parallel_linear_class())
-    dense_spec = _layer_spec(cfg, config.qk_layernorm) if isinstance(config.moe_layer_freq, list) else None
+    dense_spec = _layer_spec(cfg, config.qk_layernorm, mla=mla) if isinstance(config.moe_layer_freq, list) else None
     if is_gemma(hf_config):
         if spec.submodules.input_layernorm is not LocalRMSNorm:
             raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its post-norms, (1 + w) "
                              "norms and sliding-layer RoPE are project modules): set model.transformer_impl: local")
         spec = gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config)
     spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type)
+    if mla and spec.submodules.input_layernorm is LocalRMSNorm:  # MLA's keywords to the local core attention
+        spec, dense_spec = mla_attention_specs(spec, dense_spec)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):

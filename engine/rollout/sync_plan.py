@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from engine.models.deepseek_v3 import mla_hf_shape
 from engine.models.gpt_oss import EXPERT_PIECE, STACKED_KINDS
 from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names, layer_entries
 
@@ -364,6 +365,8 @@ def _entries_in_load_order(dims: ModelDims):
 def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, ...]]:
     """Shapes of an entry's HF tensors."""
     hidden, q_out, kv_out = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
+    if dims.mla and ".self_attention." in entry.megatron:  # DeepSeek-V3's MLA: engine/models/deepseek_v3.py
+        return [mla_hf_shape(entry.megatron, dims)]
     if entry.kind == "qkv":
         outs = (q_out, kv_out, kv_out)
         return [(n,) if entry.megatron.endswith(".bias") else (n, hidden) for n in outs]

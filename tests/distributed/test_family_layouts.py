@@ -2,7 +2,9 @@
 `intermediate_size`), GLM-4.5 MoE (sigmoid routing on float32 scores + the expert-score correction bias, 2 expert
 groups with 1 chosen per token, routed weights x 2.5, a shared expert, a dense first layer, QKV bias, q/k norms, RoPE
 on half of each head) and GPT-OSS (learned sinks, sliding-window layers of 4 keys alternating with full ones, YaRN,
-q/k/v/o, router and expert biases, the clamped SwiGLU, experts stacked in HF's tensors) through the sharded Megatron
+q/k/v/o, router and expert biases, the clamped SwiGLU, experts stacked in HF's tensors) and DeepSeek-V3 (multi-latent
+attention with YaRN and interleaved rope dims, GLM-4.5's router and layer pattern over 8 experts in 2 groups, where
+the group choice and the top-2 within it both act) through the sharded Megatron
 policy on gloo, in ONE launch of 2 ranks (the families, layouts one after another; Megatron's groups are rebuilt
 between them, the process group is kept):
 
@@ -42,7 +44,12 @@ FAMILIES = {"mixtral": {"router": ".block_sparse_moe.gate.", "expert": ".block_s
             "glm4_moe": {"router": ".mlp.gate.weight", "expert": ".mlp.experts.3.up_proj.",
                          "shared": ".mlp.shared_experts.", "frozen": ".e_score_correction_bias"},
             "gpt_oss": {"router": ".mlp.router.bias", "expert": ".mlp.experts.gate_up_proj_bias",
-                        "moved": (".self_attn.sinks", ".self_attn.o_proj.bias", ".mlp.experts.down_proj_bias")}}
+                        "moved": (".self_attn.sinks", ".self_attn.o_proj.bias", ".mlp.experts.down_proj_bias")},
+            "deepseek_v3": {"router": ".mlp.gate.weight", "expert": ".mlp.experts.7.up_proj.",
+                            "shared": ".mlp.shared_experts.", "frozen": ".e_score_correction_bias",
+                            "moved": (".self_attn.q_a_proj.weight", ".self_attn.q_a_layernorm.weight",
+                                      ".self_attn.q_b_proj.weight", ".self_attn.kv_a_proj_with_mqa.weight",
+                                      ".self_attn.kv_a_layernorm.weight", ".self_attn.kv_b_proj.weight")}}
 """Each family's tiny model (engine/models/tiny_model.py) and the HF names its checks look for."""
 
 DENSE_FAMILIES = {

@@ -4,7 +4,8 @@ One world of 2 trainer ranks goes through the layouts (TP1, PP1, DP2: the dp_ran
 (TP2, PP1), (TP1, PP2, tied embeddings), and the tiny Qwen3-MoE at EP2 x DP2 (rank 1 is no dense sender but holds
 experts 2-3: it sends those) and expert TP 2 x DP2 (each rank holds half of every expert; rank 1 sends that half),
 and the tiny GPT-OSS at EP2 into engine TP 2 (stacked, interleaved experts cut from fc1 / fc2 views, one tensor per
-expert; the experts' down_proj_bias to engine rank 0 only) in turn: it loads the checkpoint into the Megatron policy and
+expert; the experts' down_proj_bias to engine rank 0 only), and the tiny DeepSeek-V3 at EP2 into engine TP 2 (MLA:
+q_a / kv_a whole on both engine ranks, q_b / kv_b split by head) in turn: it loads the checkpoint into the Megatron policy and
 sends it with `send_weights` to engine TP 1 and to engine TP 2 (one WeightTransferGroup each, bucketed or
 tensor-by-tensor). Two receiver processes started here (engine ranks 0 and 1; no Megatron, no vLLM) run
 `receive_weights` for the same groups in the same order. Every receiver's filled box of every HF tensor (the box
@@ -38,6 +39,7 @@ LAYOUTS = [
     ("qwen3_moe", 1, 1, 2, 1, [(2, False)]),
     ("qwen3_moe", 1, 1, 1, 2, [(1, False)]),
     ("gpt_oss", 1, 1, 2, 1, [(2, False)]),
+    ("deepseek_v3", 1, 1, 2, 1, [(2, False)]),
 ]
 DEAD_PEER = ("qwen2_tied", 1, 2, 1, 1, 2)  # (family, tp, pp, ep, expert_tp, engine_tp): engine rank 1 dies after one
 # bucket
@@ -172,7 +174,8 @@ def transfers(tmp_path_factory):
     model_dirs = {"qwen2": str(build_tiny_model(root / "qwen2", "qwen2", seed=1)),
                   "qwen2_tied": str(build_tiny_model(root / "qwen2_tied", "qwen2", seed=2, tie_word_embeddings=True)),
                   "qwen3_moe": str(build_tiny_model(root / "qwen3_moe", "qwen3_moe", seed=3)),
-                  "gpt_oss": str(build_tiny_model(root / "gpt_oss", "gpt_oss", seed=4))}
+                  "gpt_oss": str(build_tiny_model(root / "gpt_oss", "gpt_oss", seed=4)),
+                  "deepseek_v3": str(build_tiny_model(root / "deepseek_v3", "deepseek_v3", seed=5))}
     jobs, sends, stores, plans = [], [], [], []
     for family, tp, pp, ep, etp, modes in LAYOUTS + [(*DEAD_PEER[:5], [(DEAD_PEER[5], False)])]:
         layout_sends = []
@@ -211,7 +214,7 @@ def transfers(tmp_path_factory):
     return [(family, plan, tbt, received[j]) for j, (family, plan, tbt) in enumerate(plans)], outcomes, model_dirs
 
 
-@pytest.mark.parametrize("job", range(9), ids=[f"{f}-tp{tp}_pp{pp}_ep{ep}_etp{etp}-vllm_tp{e}"
+@pytest.mark.parametrize("job", range(10), ids=[f"{f}-tp{tp}_pp{pp}_ep{ep}_etp{etp}-vllm_tp{e}"
                                                 f"{'-tensor_by_tensor' if t else ''}"
                                                 for f, tp, pp, ep, etp, modes in LAYOUTS for e, t in modes])
 def test_receivers_get_exactly_the_checkpoint_slices_their_vllm_rank_loads(transfers, job):

