@@ -6,7 +6,8 @@ What it does, offline:
    `from trl import GRPOConfig, GRPOTrainer` to `from engine import GRPOConfig, GRPOTrainer` (TRL's files are never
    copied into this project: the script takes the path of a TRL checkout's file);
 2. fills a temporary Hugging Face cache (HF_HUB_CACHE, HF_HUB_OFFLINE=1) where TRL's tiny hub models resolve to the
-   engine's builtin tiny models of the same family (`HUB_MODELS`): causal LMs as built by engine/models/tiny_model.py,
+   engine's builtin tiny models of the same family (`HUB_MODELS`): causal LMs as built by engine/models/tiny_model.py (with
+   its TOOL_CHAT_TEMPLATE, which renders tools as the hub models' own family templates do),
    sequence-classification reward models with random weights from the same configs;
 3. builds TRL's `trl-internal-testing/zen` dataset by running TRL's own generator (`scripts/generate_zen_dataset.py`
    next to the tests' folder) with its hub upload replaced by `save_to_disk`, and serves `load_dataset` of that name
@@ -108,7 +109,7 @@ def build_cache(hub_cache: Path, work: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    from engine.models.tiny_model import resolve_builtin_model
+    from engine.models.tiny_model import TOOL_CHAT_TEMPLATE, resolve_builtin_model
 
     for repo_id, (family, kind) in HUB_MODELS.items():
         source = resolve_builtin_model(f"builtin:tiny-{family}", work / "builtin")
@@ -120,6 +121,12 @@ def build_cache(hub_cache: Path, work: Path) -> None:
         (repo / "refs" / "main").write_text(FAKE_COMMIT)
         if kind == "causal":
             shutil.copytree(source, snapshot)
+            # TRL's tiny hub models carry their family's own chat template, which renders tools and tool messages;
+            # the builtin models' template refuses the `tool` role. TOOL_CHAT_TEMPLATE renders tools (and, without
+            # them, exactly what the builtin template renders), as the hub models' templates do.
+            tokenizer = AutoTokenizer.from_pretrained(snapshot)
+            tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+            tokenizer.save_pretrained(snapshot)
             continue
         config = AutoConfig.from_pretrained(source, num_labels=1)
         config.architectures = [config.architectures[0].replace("ForCausalLM", "ForSequenceClassification")]

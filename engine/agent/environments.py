@@ -77,9 +77,9 @@ class EnvironmentPool:
         out = []
         with self._lock:
             for name in names:
-                if name not in self.factories:
-                    raise KeyError(f"environment {name!r} (the row's `environment` column) is not one of the "
-                                   f"environment_factory keys {sorted(map(str, self.factories))}")
+                if name not in self.factories:  # TRL's ValueError and words ("not among the environments")
+                    raise ValueError(f"environment {name!r} (the row's `environment` column) is not among the "
+                                     f"environments of environment_factory: {sorted(map(str, self.factories))}")
                 pool = self.instances[name]
                 instance = next((e for e in pool if id(e) not in self._leased), None)
                 if instance is None:
@@ -108,9 +108,11 @@ class EnvironmentPool:
         return sum(len(v) for v in self.instances.values())
 
     def reward_functions(self) -> list[Callable]:
-        """One reward function per factory whose instances have `get_reward` (TRL appends them, weight 1)."""
-        return [environment_reward(type(pool[0])) for pool in self.instances.values()
-                if callable(getattr(pool[0], "get_reward", None))]
+        """One reward function per environment class with `get_reward` (TRL appends them, weight 1; two keys of a
+        dict factory that build the same class share one column, as in TRL)."""
+        classes = dict.fromkeys(type(pool[0]) for pool in self.instances.values()
+                                if callable(getattr(pool[0], "get_reward", None)))
+        return [environment_reward(cls) for cls in classes]
 
 
 def environment_reward(cls: type) -> Callable:

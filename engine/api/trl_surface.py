@@ -407,6 +407,15 @@ class TrainerSurface:
         return [f.tokenizer if isinstance(f, RewardModelReward) else None for f in self.reward_funcs]
 
     @property
+    def reward_weights(self) -> "torch.Tensor":  # noqa: F821 (torch is imported lazily)
+        """The weight of each reward function, float32, as TRL's tensor (args.reward_weights, else 1 each; an
+        environment's `get_reward` column weighs 1). Read-only: set them through GRPOConfig(reward_weights=...)."""
+        import torch
+
+        weights = self._cfg.reward.reward_weights
+        return torch.tensor(weights if weights is not None else [1.0] * len(self.reward_funcs), dtype=torch.float32)
+
+    @property
     def entropy_coef(self) -> float:
         """The entropy-bonus coefficient: args.entropy_coef before `train()`, the adaptive controller's last value
         after it (TRL's attribute; set it through GRPOConfig(entropy_coef=...))."""

@@ -149,6 +149,13 @@ class Counter:
         return float(self.count)
 
 
+class NoReward:
+    """An environment without get_reward."""
+
+    def reset(self, **row) -> None:
+        return None
+
+
 def test_environment_pool_is_reused_and_its_reward_reads_each_rollout():
     Counter.built = 0
     pool = EnvironmentPool(Counter)
@@ -191,8 +198,11 @@ def test_environment_without_reset_or_with_an_undocumented_tool_is_refused():
         EnvironmentPool(NoReset)
     with pytest.raises(ValueError, match="BadTool.*tool 'step'"):
         EnvironmentPool({"bad": BadTool})
-    with pytest.raises(KeyError, match="'other'"):
+    with pytest.raises(ValueError, match="'other'.* not among the environments"):  # TRL's error and words
         EnvironmentPool({"c": Counter}).take(["other"])
+    # two keys building one class with get_reward share one reward column (TRL); a class without it adds none
+    assert [f.__name__ for f in EnvironmentPool({"a": Counter, "b": Counter, "n": NoReward}).reward_functions()] == [
+        "Counter"]
 
 
 def test_rollout_func_rows_and_errors_name_the_key_and_the_counts():

@@ -269,6 +269,10 @@ def test_trainer_builds_the_engine_config_from_its_inputs(tmp_path):
     assert cfg.model.name_or_path == TINY
     assert cfg.reward.reward_funcs == [f"{__name__}:reward_len", "engine.train.builtin_rewards:think_format_reward"]
     assert trainer.reward_func_names == ["reward_len", "think_format_reward"]
+    assert trainer.reward_weights.tolist() == [1.0, 1.0] and trainer.reward_weights.dtype == torch.float32  # TRL's
+    weighted = GRPOTrainer(model=TINY, reward_funcs=[reward_len, "think_format"], train_dataset=_prompts(answer="1"),
+                           args=_small_args(tmp_path, reward_weights=[0.5, 2.0]))
+    assert weighted.reward_weights.tolist() == [0.5, 2.0]
     assert cfg.data.dataset_test_split is None  # no eval_dataset: no held-out evaluation
     with_eval = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path),
                             train_dataset=_prompts(), eval_dataset=_prompts(4))
