@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.agent.chat_tokens import check_renders_tools
-from engine.agent.environments import EnvironmentPool
+from engine.agent.environments import EnvironmentPool, environment_tools
 from engine.agent.toolbox import tool_schema
 
 
@@ -30,6 +30,8 @@ class AgenticInputs:
     """tools / environment_factory / rollout_func (the latter bound to the trainer: `rollout_func(prompts)`)."""
     reward_funcs: list = field(default_factory=list)
     """One per environment with `get_reward` (named after its class, weight 1)."""
+    tools: list = field(default_factory=list)
+    """TRL's `trainer.tools`: the tools given, then each environment's public methods (of its first instance)."""
 
 
 def resolve_agentic(trainer: Any, tools: list | None, rollout_func: Any, environment_factory: Any, *,
@@ -51,8 +53,9 @@ def resolve_agentic(trainer: Any, tools: list | None, rollout_func: Any, environ
     if schemas and tokenizer is not None:
         check_renders_tools(tokenizer, schemas, model_name, chat_template_kwargs)
     bound = BoundRolloutFunc(rollout_func, trainer) if rollout_func is not None else None
+    env_tools = [m for pool_ in (pool.instances.values() if pool else []) for m in environment_tools(pool_[0]).values()]
     return AgenticInputs({"tools": list(tools or []) or None, "environment_factory": pool,  # built once, reused
-                          "rollout_func": bound}, pool.reward_functions() if pool else [])
+                          "rollout_func": bound}, pool.reward_functions() if pool else [], [*(tools or []), *env_tools])
 
 
 class BoundRolloutFunc:

@@ -146,6 +146,7 @@ class GRPOTrainer(TrainerSurface):
         self._agentic = resolve_agentic(self, tools, rollout, environment_factory, model_name=str(model_path),
                                         tokenizer=self._processing_class or _local_tokenizer(model_path),
                                         chat_template_kwargs=cfg.generation.chat_template_kwargs)
+        self.tools = self._agentic.tools  # TRL's attribute: the tools, then the environments' methods
         if self._agentic.reward_funcs:  # environments' get_reward, weight 1 (TRL)
             reward_funcs = [*(reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs] * (
                 reward_funcs is not None))] + self._agentic.reward_funcs

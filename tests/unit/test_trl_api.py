@@ -366,7 +366,28 @@ def test_trainer_refuses_bad_agentic_inputs_at_construction_naming_the_culprit(t
     tool_ready.chat_template = TOOL_CHAT_TEMPLATE
     trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(),
                           processing_class=tool_ready, tools=[lookup])
-    assert trainer._agentic.loop_inputs["tools"] == [lookup]
+    assert trainer._agentic.loop_inputs["tools"] == [lookup] and trainer.tools == [lookup]  # TRL's trainer.tools
+
+    class Shelf:
+        def reset(self, **row) -> None:
+            return None
+
+        def fetch(self, key: str) -> str:
+            """Fetch a key.
+
+            Args:
+                key: the key
+            """
+            return key
+
+        def get_reward(self) -> float:
+            return 1.0
+
+    with_env = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path, reward_weights=[0.5]),
+                           train_dataset=_prompts(), processing_class=tool_ready, tools=[lookup],
+                           environment_factory=Shelf)
+    assert [t.__name__ for t in with_env.tools] == ["lookup", "fetch"]  # get_reward / reset are not tools
+    assert with_env.reward_func_names == ["reward_len", "Shelf"] and with_env.reward_weights.tolist() == [0.5, 1.0]
 
 
 def test_trainer_refuses_split_dicts_for_training_and_streams_without_max_steps(tmp_path):
