@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, TrainConfig
 from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, dense_layers, moe_shape,
                                     shared_expert_width)
+from engine.models.cohere2 import is_cohere2
 from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
-from engine.policy import gemma_layers
+from engine.policy import cohere2_layers, gemma_layers
 from engine.policy.parallel import ParallelState
 from engine.policy.sdpa_attention import use_sdpa
 from engine.recompute import resolve_recompute
@@ -129,7 +130,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         num_query_groups=groups,
         kv_channels=head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
+        layernorm_epsilon=hf_config.layer_norm_eps if is_cohere2(hf_config) else hf_config.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -159,7 +160,8 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     ), **gpt_oss_settings(hf_config)})
     for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
         setattr(config, name, value)  # GPTModel's YarnRotaryEmbedding reads them with getattr (not config fields)
-    return gemma_layers.finish_transformer_config(config, hf_config)  # Gemma's MLP, softmax scale and window
+    config = gemma_layers.finish_transformer_config(config, hf_config)  # Gemma's MLP, softmax scale and window
+    return cohere2_layers.finish_cohere2_config(config, hf_config)  # Cohere 2's LayerNorm, RoPE pairs and window
 
 
 def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
@@ -367,8 +369,8 @@ def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, d
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
-    norm = layer_spec.submodules.input_layernorm  # the local spec's: LocalRMSNorm, or Gemma's GemmaRMSNorm
-    if norm not in (LocalRMSNorm, gemma_layers.GemmaRMSNorm):
+    norm = layer_spec.submodules.input_layernorm  # the local spec's: LocalRMSNorm, or Gemma's / Cohere 2's own
+    if norm not in (LocalRMSNorm, gemma_layers.GemmaRMSNorm, cohere2_layers.CohereLayerNorm):
         if pattern:
             raise ValueError("dense first layers (GLM-4.5's first_k_dense_replace) are built on the local spec only: "
                              "set model.transformer_impl: local")
@@ -427,6 +429,8 @@ def _policy_class():
 
         final_logit_softcap: float | None = None
         """HF `final_logit_softcapping` (Gemma 2), set by `build_policy`: kernels/ and `lm_head_logits` cap by it."""
+        logit_scale: float = 1.0
+        """HF `logit_scale` (Cohere 2's logits x it), set by `build_policy`: engine/policy/step.py applies it."""
 
         def _postprocess(self, hidden_states, *args, **kwargs):
             return hidden_states
@@ -460,11 +464,12 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     if hf_config.model_type == "gpt_oss":
         spec = gpt_oss_spec(spec, _row_parallel_linear_class())
     dense_spec = _layer_spec(cfg, config.qk_layernorm) if isinstance(config.moe_layer_freq, list) else None
-    if is_gemma(hf_config):
+    if is_gemma(hf_config) or is_cohere2(hf_config):
         if spec.submodules.input_layernorm is not LocalRMSNorm:
-            raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its post-norms, (1 + w) "
-                             "norms and sliding-layer RoPE are project modules): set model.transformer_impl: local")
-        spec = gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config)
+            raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its norms, layer and "
+                             "sliding-window attention are project modules): set model.transformer_impl: local")
+        spec = (gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config) if is_gemma(hf_config)
+                else cohere2_layers.cohere2_layer_spec(spec))
     if cfg.attention_implementation == "sdpa":
         spec, dense_spec = use_sdpa(spec, config), use_sdpa(dense_spec, config)
     num_chunks = ps.vpp_size or 1
@@ -491,6 +496,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
             gemma_layers.scale_embeddings(chunks[-1], hf_config.hidden_size)
         cast_params_to_dtype(chunks[-1], config.params_dtype)
         chunks[-1].final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None)
+        chunks[-1].logit_scale = float(hf_config.logit_scale) if is_cohere2(hf_config) else 1.0
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
     if config.moe_router_enable_expert_bias:
         _freeze_expert_bias(chunks, config)

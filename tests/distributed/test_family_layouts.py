@@ -52,6 +52,10 @@ DENSE_FAMILIES = {
     # Gemma 3's code path + attention and final-logit soft-capping: the log-probs too, and the step at TP2
     "gemma2": {"logits": [(1, 1, 1), (2, 1, 1)], "logprob_temperature": 0.9, "steps": ("tp1", "tp2_sp"),
                "moved": (".post_attention_layernorm.", ".mlp.gate_proj.")},
+    # parallel attention + MLP off one bias-free LayerNorm, RoPE on the sliding layers only, logits x logit_scale
+    "cohere2": {"logits": [(1, 1, 1), (2, 1, 1), (1, 2, 1)], "logprob_temperature": 0.9, "steps": ("tp1", "tp2_sp"),
+                "moved": (".input_layernorm.", "model.norm.", ".self_attn.k_proj.", ".mlp.gate_proj.",
+                          "model.embed_tokens.")},
 }
 """Dense families (no expert layouts, no routing): their logit layouts (tp, pp, ep), the temperature of a log-prob
 check against HF's (none where absent), their GRPO step layouts (`DENSE_STEP_LAYOUTS` names) and the HF names the step
