@@ -25,7 +25,10 @@ and with packed rows (block-causal mask AND the window, TP1) equals the padded T
 (the same layer code, attention logits soft-capped, no q/k norms, one RoPE base, final logits soft-capped): (a) at TP1
 and TP2 + SP, against HF's eager attention (tests/helpers/policy.py hf_logits says why), the soft-capped logits and
 the fused LM-head kernel's log-probs at temperature 0.9 (the cap applied inside the kernel, vocab-parallel at TP2);
-(b) the GRPO step at TP2 + SP equals the TP1 step.
+(b) the GRPO step at TP2 + SP equals the TP1 step. Cohere 2 (attention and MLP in parallel off one bias-free
+LayerNorm, interleaved RoPE on the sliding layers only, none on the global ones, logits x logit_scale 0.25, tied): (a)
+at TP1, TP2 + SP and PP2, logits and the kernel's log-probs at temperature 0.9 (logit_scale folded into the kernel's
+temperature); (b) the GRPO step at TP2 + SP equals the TP1 step, every norm, the tied embedding and the MLP moving.
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
 same MoE code path; this file checks what Mixtral and GLM-4.5 add: their config translation and their names.
 """

@@ -8,7 +8,8 @@ q/k norm are read, and the planner counts its parameters (tiny: exactly transfor
 figures). GPT-OSS is supported: the settings not translated are refused, and the planner counts gpt-oss-120b / -20b
 and DeepSeek-V3 (MLA sized, not built) at their published totals. Gemma 3 text is supported: the settings it does not
 translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; its window, scale and norm names are
-read from the config."""
+read from the config. Cohere 2 is supported likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit
+for bit."""
 
 from types import SimpleNamespace
 
@@ -20,13 +21,16 @@ from engine.models.tiny_model import tiny_model_config
 from engine.policy.hf_convert import ModelDims
 
 
-@pytest.mark.parametrize("model_type", ["cohere2", "nemotron_h", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["nemotron_h", "deepseek_v3"])
 def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
     config = AutoConfig.for_model(model_type)
     with pytest.raises(ValueError, match=rf"model_type '{model_type}' .*not supported \(missing: ") as error:
         check_model_type(config)
     assert MISSING_FEATURES[model_type] in str(error.value)
-    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma3_text, gemma2" in str(error.value)
+    assert ("supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma3_text, gemma2, cohere2"
+            in str(error.value))
+    if model_type == "nemotron_h":
+        assert "need the mamba_ssm and causal_conv1d CUDA kernels" in str(error.value)
 
 
 def test_gemma2_checkpoints_with_final_logit_soft_capping_are_accepted_a_non_positive_cap_refused():
@@ -282,4 +286,58 @@ def test_gemma_rms_norm_is_hf_gemma3_rms_norm_bit_for_bit(dtype):
         ours.weight.copy_(0.3 * torch.randn(64, generator=gen))
         hf.weight.copy_(ours.weight)
     x = (3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)
+    assert torch.equal(ours(x), hf(x)) and ours(x).dtype == dtype
+
+
+@pytest.mark.parametrize("change,cause", [
+    ({"attention_bias": True}, "cohere2 with attention_bias=true"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"] * 2}, "layer_types .*chunked_attention"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "only the default RoPE"),
+    ({"logit_scale": 0.0}, "logit_scale=0.0: .* must be > 0"),
+    ({"tie_word_embeddings": False}, "tie_word_embeddings=false: vLLM's Cohere 2")])
+def test_cohere2_settings_the_engine_would_not_reproduce_are_refused(change, cause):
+    config = tiny_model_config("cohere2")
+    check_model_type(config)  # the tiny model's own settings pass
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(config)
+
+
+def test_cohere2_window_rope_norm_and_names_come_from_the_config():
+    """The published default (Command R's shapes, HF's 3-sliding-1-full pattern) builds; the tiny model's window,
+    sliding layers, interleaved RoPE and LayerNorm epsilon are read; the map has one norm per layer, tied head."""
+    from engine.models.cohere2 import cohere2_transformer_settings
+    from engine.policy.hf_convert import family_map
+
+    check_model_type(AutoConfig.for_model("cohere2"))
+    config = tiny_model_config("cohere2")
+    settings = cohere2_transformer_settings(config)
+    assert settings["window_size"] == (3, 0)  # HF: keys less than sliding_window = 4 positions back
+    assert settings["window_attn_skip_freq"] == [1, 0, 1, 0]
+    assert settings["rotary_interleaved"] and settings["normalization"] == "LayerNorm"
+    assert settings["layernorm_epsilon"] == 1e-5
+    assert cohere2_transformer_settings(AutoConfig.for_model("cohere2"))["window_attn_skip_freq"][:4] == [1, 1, 1, 0]
+    names = {e.megatron: e.hf for e in family_map(ModelDims.from_hf(config, padded_vocab=512))}
+    assert "decoder.layers.{i}.pre_mlp_layernorm.weight" not in names
+    assert names["decoder.layers.{i}.input_layernorm.weight"] == ("model.layers.{i}.input_layernorm.weight",)
+    assert names["output_layer.weight"] == ("model.embed_tokens.weight",)  # tied
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cohere_layer_norm_is_hf_cohere2_layer_norm_bit_for_bit(dtype):
+    import torch
+    from transformers.models.cohere2.modeling_cohere2 import Cohere2LayerNorm
+
+    from engine.policy.cohere2_layers import CohereLayerNorm
+
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    ours = CohereLayerNorm(SimpleNamespace(params_dtype=dtype, sequence_parallel=False), 64, eps=1e-5)
+    hf = Cohere2LayerNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+        hf.weight.copy_(ours.weight)
+    x = (0.5 + 3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)  # a mean to subtract
+    assert [n for n, _ in ours.named_parameters()] == ["weight"]  # no bias
     assert torch.equal(ours(x), hf(x)) and ours(x).dtype == dtype
