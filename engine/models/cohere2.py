@@ -55,9 +55,10 @@ def check_cohere2(hf_config) -> None:
 
 def cohere2_transformer_settings(hf_config) -> dict:
     """TransformerConfig fields that differ for Cohere 2: LayerNorm (its weight only: engine/policy/cohere2_layers.py)
-    with `layer_norm_eps`, RoPE on interleaved pairs (HF's cohere `rotate_half`: (x0, x1), (x2, x3), ...) and the sliding window of `sliding_window` tokens (HF: a query sees the keys less than
-    `sliding_window` positions back; Megatron's `window_size` (sliding_window - 1, 0)) on the layers `layer_types` names
-    `sliding_attention` (`window_attn_skip_freq` as a per-layer 0 / 1 list)."""
+    with `layer_norm_eps`, RoPE on interleaved pairs (HF's cohere `rotate_half`: (x0, x1), (x2, x3), ...) and the
+    sliding window of `sliding_window` tokens (HF: a query sees the keys less than `sliding_window` positions back;
+    Megatron's `window_size` (sliding_window - 1, 0)) on the layers `layer_types` names `sliding_attention`
+    (`window_attn_skip_freq` as a per-layer 0 / 1 list)."""
     return dict(
         normalization="LayerNorm",
         layernorm_epsilon=float(hf_config.layer_norm_eps),

@@ -352,3 +352,54 @@ def test_vllm_starts_cohere2_with_the_trainer_s_window(tmp_path):
     tiny_model_config("gemma2").save_pretrained(tmp_path / "gemma2")
     assert vllm_hf_overrides(tmp_path / "cohere2") == {"sliding_window": 3}
     assert vllm_hf_overrides(tmp_path / "gemma2") == {} == vllm_hf_overrides("org/hub-name")
+
+
+def _hf_param_count(config) -> int:
+    """transformers' own parameter count of a causal LM built from `config` on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_planner_gemma_and_cohere2_shapes_count_the_checkpoint_s_parameters(tmp_path):
+    """Gemma-2-27B and Gemma-3-27B (text decoder) at their published counts and transformers' (their config.json shapes
+    written out, the model built on the meta device); four norms per layer, Gemma 3's q/k norms, the 262k vocabulary,
+    tied. The tiny Gemma 2 / 3 and Cohere 2 (one norm per layer): their saved config.json reads as the table's entry
+    (window, sliding layers, soft-capping, ties by family default) and counts exactly transformers' parameters."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from engine.models.tiny_model import build_tiny_model
+    from engine.planning.shapes import KNOWN_MODELS, load_model_dims
+
+    shapes = dict(num_attention_heads=32, num_key_value_heads=16, head_dim=128)
+    gemma2 = Gemma2Config(hidden_size=4608, num_hidden_layers=46, intermediate_size=36864, vocab_size=256000, **shapes)
+    gemma3 = Gemma3TextConfig(hidden_size=5376, num_hidden_layers=62, intermediate_size=21504, vocab_size=262208,
+                              sliding_window=1024, **shapes)
+    assert KNOWN_MODELS["google/gemma-2-27b"].total_params() == _hf_param_count(gemma2) == 27_227_128_320  # 27.2B
+    assert KNOWN_MODELS["google/gemma-3-27b-it"].total_params() == _hf_param_count(gemma3) == 27_009_346_304
+    gemma3.save_pretrained(tmp_path / "g3")
+    assert load_model_dims(str(tmp_path / "g3")) == KNOWN_MODELS["google/gemma-3-27b-it"]  # 52 sliding layers
+    for family in ("gemma2", "gemma3_text", "cohere2"):
+        model_dir = build_tiny_model(tmp_path / family, family)
+        dims = load_model_dims(str(model_dir))
+        assert dims == KNOWN_MODELS[f"builtin:tiny-{family}"], family
+        assert dims.total_params() == _hf_param_count(tiny_model_config(family)), family
+
+
+def test_planner_sizes_sliding_window_kv_cache_and_windowed_attention_scores():
+    """vLLM keeps a sliding layer's last window (+ the block being written) of KV cache; the windowed families' own
+    core attention keeps 6 bytes per score (8 with Gemma 2's soft-capping), the local attention the paper's 5."""
+    from engine.planning.memory import kv_tokens_text, score_bytes
+    from engine.planning.shapes import KNOWN_MODELS
+
+    gemma3 = KNOWN_MODELS["google/gemma-3-27b-it"]
+    assert kv_tokens_text(gemma3, 32768)[0] == 52 * (1024 + 16) + 10 * 32768
+    assert kv_tokens_text(gemma3, 512)[0] == 62 * 512  # shorter than the window: every token everywhere
+    assert kv_tokens_text(KNOWN_MODELS["openai/gpt-oss-120b"], 8704)[0] == 18 * (128 + 16) + 18 * 8704
+    assert kv_tokens_text(KNOWN_MODELS["meta-llama/llama-3.1-8b"], 4096)[0] == 32 * 4096
+    assert [score_bytes(KNOWN_MODELS[name]) for name in ("google/gemma-2-27b", "google/gemma-3-27b-it",
+                                                         "builtin:tiny-cohere2", "openai/gpt-oss-120b",
+                                                         "meta-llama/llama-3.1-8b")] == [8, 6, 6, 5, 5]
