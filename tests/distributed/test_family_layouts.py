@@ -28,7 +28,8 @@ the fused LM-head kernel's log-probs at temperature 0.9 (the cap applied inside 
 (b) the GRPO step at TP2 + SP equals the TP1 step. Cohere 2 (attention and MLP in parallel off one bias-free
 LayerNorm, interleaved RoPE on the sliding layers only, none on the global ones, logits x logit_scale 0.25, tied): (a)
 at TP1, TP2 + SP and PP2, logits and the kernel's log-probs at temperature 0.9 (logit_scale folded into the kernel's
-temperature); (b) the GRPO step at TP2 + SP equals the TP1 step, every norm, the tied embedding and the MLP moving.
+temperature); (b) the GRPO step at TP2 + SP and with packed rows (TP1) equals the padded TP1 step, every norm, the tied
+embedding and the MLP moving.
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
 same MoE code path; this file checks what Mixtral and GLM-4.5 add: their config translation and their names.
 """
@@ -56,7 +57,8 @@ DENSE_FAMILIES = {
     "gemma2": {"logits": [(1, 1, 1), (2, 1, 1)], "logprob_temperature": 0.9, "steps": ("tp1", "tp2_sp"),
                "moved": (".post_attention_layernorm.", ".mlp.gate_proj.")},
     # parallel attention + MLP off one bias-free LayerNorm, RoPE on the sliding layers only, logits x logit_scale
-    "cohere2": {"logits": [(1, 1, 1), (2, 1, 1), (1, 2, 1)], "logprob_temperature": 0.9, "steps": ("tp1", "tp2_sp"),
+    "cohere2": {"logits": [(1, 1, 1), (2, 1, 1), (1, 2, 1)], "logprob_temperature": 0.9,
+                "steps": ("tp1", "tp2_sp", "tp1_packed"),
                 "moved": (".input_layernorm.", "model.norm.", ".self_attn.k_proj.", ".mlp.gate_proj.",
                           "model.embed_tokens.")},
 }
