@@ -7,8 +7,9 @@ engine/policy/gemma_layers.py) and `finish_cohere2_config` (engine/models/cohere
 
 Why a layer subclass: Megatron's TransformerLayer is sequential (x + attn(ln1(x)), then + mlp(ln2(.))); its parallel
 form needs the MLP to read the attention's norm output, which no spec swap gives. Megatron's LayerNorm choices have a
-bias (torch's WrappedTorchNorm, TE / apex); a frozen zero bias would still be a parameter the optimizer, the export
-and the sync would have to skip, so the norm here has none.
+bias: the local spec's WrappedTorchNorm (megatron-core 0.16.1 transformer/torch_norm.py) builds torch.nn.LayerNorm with
+its bias and asserts sequence parallelism off; TE's / apex's have one too. A frozen zero bias would still be a
+parameter the optimizer, the export and the sync would have to skip, so the norm here has none.
 
 Must not: read Megatron's global parallel state, import vLLM.
 
