@@ -59,10 +59,11 @@ class ModelConfig:
     """Megatron pads the vocabulary to a multiple of this times tp_size; padded rows are never sampled."""
     transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
     """Megatron layer spec: `auto` = Transformer Engine when it imports (GPU), the local spec otherwise."""
-    attention_implementation: Literal["sdpa", "eager"] = "sdpa"
+    attention_implementation: Literal["auto", "sdpa", "eager"] = "auto"
     """The local spec's core attention (HF's `attn_implementation` names): `sdpa` = torch's fused attention (no s x s
-    scores kept; engine/policy/sdpa_attention.py), `eager` = Megatron's DotProductAttention. Gemma and GPT-OSS keep
-    their own; Transformer Engine's spec has its own fused attention."""
+    scores kept; engine/policy/sdpa_attention.py), `eager` = Megatron's DotProductAttention, `auto` = sdpa where the
+    layer's attention is the plain one, else the layer's own (Gemma's and GPT-OSS's, a sliding window, Transformer
+    Engine's fused attention). An explicit `sdpa` where it cannot act is refused, naming why."""
     offload_reference: bool = False
     """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
     moe_aux_loss_coeff: float | None = None

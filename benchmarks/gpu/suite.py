@@ -154,7 +154,8 @@ def skip_reason(part: Part, cpu: bool, remaining_s: float, packing_flags: str = 
     return None
 
 
-PACKING_CPU_ARGS = (("--distributions", "demo"), ("--batch", "8"), ("--iters", "1"), ("--warmup", "0"))
+PACKING_CPU_ARGS = (("--distributions", "demo"), ("--batch", "8"), ("--iters", "1"), ("--demo-iters", "1"),
+                    ("--warmup", "0"))
 """bench_packing's flags for the CPU smoke, each passed only where its --help lists it."""
 
 

@@ -86,7 +86,7 @@ TRANSLATED: dict[str, str] = {
     "bf16": "model.dtype = bfloat16 (False: float32)",
     "fp16": "model.dtype = float16",
     "model_init_kwargs": "its dtype / torch_dtype -> model.dtype, trust_remote_code -> model.trust_remote_code, "
-                         "attn_implementation -> model.attention_implementation (eager; any other: sdpa); other "
+                         "attn_implementation -> model.attention_implementation (eager; any other: auto, SDPA where the layer allows it); other "
                          "keys are named in the no-effect warning",
     "vllm_importance_sampling_cap": "grpo.vllm_importance_sampling_clip_max (TRL's deprecated name)",
     "log_level": "'info' / 'debug' -> logging.verbose = true; 'warning' and quieter -> false; 'passive' leaves it",
@@ -394,8 +394,9 @@ def _translate_dtype(kwargs: dict[str, Any], ignored: dict[str, tuple[Any, str]]
     if "trust_remote_code" in init:
         kwargs.setdefault("trust_remote_code", init.pop("trust_remote_code"))
     attention = init.pop("attn_implementation", None)
-    if attention is not None:  # eager -> eager; sdpa, flash_attention_2 / 3, flex... -> torch's fused SDPA
-        kwargs.setdefault("attention_implementation", "eager" if attention == "eager" else "sdpa")
+    if attention is not None:  # eager -> eager; sdpa, flash_attention_2 / 3, flex... -> auto: torch's fused SDPA where
+        # the layer's attention is the plain one, the family's own otherwise (as HF falls back per model)
+        kwargs.setdefault("attention_implementation", "eager" if attention == "eager" else "auto")
     for key, value in init.items():
         ignored[f"model_init_kwargs[{key!r}]"] = (value, "the policy is built by Megatron from the checkpoint")
     if "dtype" in kwargs:

@@ -36,7 +36,7 @@ from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
 from engine.policy import cohere2_layers, gemma_layers
 from engine.policy.parallel import ParallelState
-from engine.policy.sdpa_attention import use_sdpa
+from engine.policy.sdpa_attention import attention_specs
 from engine.recompute import resolve_recompute
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
@@ -470,8 +470,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
                              "sliding-window attention are project modules): set model.transformer_impl: local")
         spec = (gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config) if is_gemma(hf_config)
                 else cohere2_layers.cohere2_layer_spec(spec))
-    if cfg.attention_implementation == "sdpa":
-        spec, dense_spec = use_sdpa(spec, config), use_sdpa(dense_spec, config)
+    spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):

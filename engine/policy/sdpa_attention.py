@@ -1,7 +1,9 @@
 """The core attention of Megatron's local layer spec through `torch.nn.functional.scaled_dot_product_attention`.
 
-Owns: `sdpa_core_attention_class` (Megatron's `DotProductAttention` with its forward replaced by one SDPA call) and
-`use_sdpa` (the layer spec with it, where the spec's core attention is Megatron's plain `DotProductAttention`).
+Owns: `sdpa_core_attention_class` (Megatron's `DotProductAttention` with its forward replaced by one SDPA call),
+`sdpa_blocker` (why a layer spec keeps its own core attention), `use_sdpa` (the layer spec with SDPA, where the
+spec's core attention is Megatron's plain `DotProductAttention` and there is no window) and `attention_specs`
+(`model.attention_implementation` applied to the policy's layer specs, engine/policy/model.py `build_policy`).
 
 Why: Megatron's local `DotProductAttention` materialises the (b x heads, s, s) scores and keeps the float32 softmax
 for the backward. On the lent H200 (git 68db764, `benchmarks/results/grpo_step.csv`, no Transformer Engine there) the
@@ -15,7 +17,7 @@ rows' block-diagonal mask of engine/policy/packing.py, True = masked) is passed 
 Sliding windows, attention sinks (`softmax_offset`), soft-capping, an attention bias and THD packing are not handled
 here: the families that need them have their own core attention (engine/policy/gemma_layers.py, engine/models/
 gpt_oss.py), and `use_sdpa` leaves a spec alone unless its core attention is the plain one and the config has no
-window.
+window (`sdpa_blocker` says which; `attention_specs` refuses an explicit `sdpa` there, `auto` keeps the layer's).
 
 Tested: tests/distributed/test_attention_implementation.py (logits and the GRPO step's loss and gradients against
 the eager attention, padded and packed rows, GQA at TP1 and TP2).
@@ -67,17 +69,38 @@ def sdpa_core_attention_class():
     return SDPACoreAttention
 
 
-def use_sdpa(spec, config):
-    """`spec` (a transformer layer ModuleSpec) with `SDPACoreAttention` as its core attention when that is Megatron's
-    plain `DotProductAttention` and the config has no sliding window; otherwise `spec` unchanged (Transformer
-    Engine's spec, Gemma's and GPT-OSS's attentions)."""
+def sdpa_blocker(spec, config) -> str | None:
+    """Why SDPA cannot be `spec`'s core attention (a sliding window, or a core attention other than Megatron's plain
+    `DotProductAttention`: Transformer Engine's, Gemma's, GPT-OSS's), or None when it can."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    if spec is None or getattr(config, "window_size", None) is not None:
+    if getattr(config, "window_size", None) is not None:
+        return f"the sliding window {tuple(config.window_size)} is applied by the layer's own attention"
+    core = spec.submodules.self_attention.submodules.core_attention
+    if core is not DotProductAttention:
+        name = getattr(core, "__name__", None) or getattr(getattr(core, "func", None), "__name__", repr(core))
+        return f"the layer has its own core attention ({name})"
+    return None
+
+
+def use_sdpa(spec, config):
+    """`spec` (a transformer layer ModuleSpec) with `SDPACoreAttention` as its core attention when `sdpa_blocker`
+    finds nothing against it; otherwise `spec` unchanged."""
+    if spec is None or sdpa_blocker(spec, config) is not None:
         return spec
     attention = spec.submodules.self_attention
-    if attention.submodules.core_attention is not DotProductAttention:
-        return spec
     attention = dataclasses.replace(attention, submodules=dataclasses.replace(
         attention.submodules, core_attention=sdpa_core_attention_class()))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
+
+
+def attention_specs(spec, dense_spec, config, implementation: str, model_type: str):
+    """(spec, dense_spec) with the core attention `model.attention_implementation` asks for: eager keeps Megatron's,
+    auto / sdpa swap in SDPA where `sdpa_blocker` allows (auto keeps the layer's own elsewhere; sdpa is refused)."""
+    if implementation == "eager":
+        return spec, dense_spec
+    blocker = sdpa_blocker(spec, config)
+    if blocker is not None and implementation == "sdpa":
+        raise ValueError(f"model.attention_implementation=sdpa cannot act on this {model_type} model: {blocker}; "
+                         "set auto (SDPA where the layer allows it) or eager")
+    return use_sdpa(spec, config), use_sdpa(dense_spec, config)

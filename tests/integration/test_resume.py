@@ -112,6 +112,24 @@ def _run_until_then_kill(command: list[str], env: dict, log: Path, ready) -> int
         return proc.wait(timeout=60)
 
 
+def _run_and_resume_beside(straight: list[str], resumed: list[str], checkpoint: Path, tmp_path: Path) -> None:
+    """Run `straight` to the end and, as soon as it has written `checkpoint` (renamed into place: complete), start
+    `resumed` from it beside the rest of the straight run (one core each, OMP_NUM_THREADS=1: the runs are
+    independent and bit-exact either way; side by side saves the resumed run's start-up). Both must exit 0."""
+    first = _start(straight, _env(), tmp_path / "a.log")
+    try:
+        deadline = time.monotonic() + 400
+        while first.poll() is None and not (checkpoint / "trainer_state.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (checkpoint / "trainer_state.json").exists(), f"no {checkpoint.name}:\n{_tail(tmp_path / 'a.log')}"
+        second = _start(resumed, _env(), tmp_path / "b.log")
+        assert _finish(second) == 0, _tail(tmp_path / "b.log")
+    except BaseException:
+        _kill_group(first)
+        raise
+    assert _finish(first) == 0, _tail(tmp_path / "a.log")
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the trainer and the helpers it started (checkpoint writers)
@@ -186,10 +204,10 @@ def test_a_run_resumed_with_prompts_waiting_in_the_curriculum_queue_logs_what_th
     and 4 exactly as the uninterrupted run did (the queue, and with it every round's prompts, restored)."""
     straight, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
     steps = ("train.max_steps=4", "checkpoint.save_steps=2")
-    assert _run(_command(straight, *CURRICULUM, *steps), _env(), tmp_path / "a.log") == 0, _tail(tmp_path / "a.log")
-    status = _run(_command(resumed, *CURRICULUM, *steps, f"checkpoint.resume_from_checkpoint={straight / 'checkpoint-2'}"),
-                  _env(), tmp_path / "b.log")
-    assert status == 0, _tail(tmp_path / "b.log")
+    _run_and_resume_beside(_command(straight, *CURRICULUM, *steps),
+                           _command(resumed, *CURRICULUM, *steps,
+                                    f"checkpoint.resume_from_checkpoint={straight / 'checkpoint-2'}"),
+                           straight / "checkpoint-2", tmp_path)
     expected, actual = _rows(straight), _rows(resumed)
     assert expected[2]["curriculum/queued"] > 0, "checkpoint-2 must hold prompts waiting in the curriculum queue"
     assert sorted(actual) == [3, 4]
@@ -269,7 +287,8 @@ def test_optimizer_steps_spanning_rounds_train_the_carried_slices_and_resume_exa
     from engine.train.checkpoint import list_checkpoints, read_progress
 
     straight, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
-    assert _run(_command(straight, *SPANNING), _env(), tmp_path / "a.log") == 0, _tail(tmp_path / "a.log")
+    command = _command(resumed, *SPANNING, f"checkpoint.resume_from_checkpoint={straight / 'checkpoint-4'}")
+    _run_and_resume_beside(_command(straight, *SPANNING), command, straight / "checkpoint-4", tmp_path)
     expected = _rows(straight)
     assert sorted(expected) == [1, 2, 4, 5, 6, 8], "one row per round, at its last optimizer step"
     assert [s for s, _ in list_checkpoints(straight)] == [4, 8]
@@ -277,8 +296,6 @@ def test_optimizer_steps_spanning_rounds_train_the_carried_slices_and_resume_exa
     assert "every 3 rounds = 4 optimizer steps" in (tmp_path / "a.log").read_text()
     assert all(expected[s]["grad_norm"] > 0 for s in expected)
 
-    command = _command(resumed, *SPANNING, f"checkpoint.resume_from_checkpoint={straight / 'checkpoint-4'}")
-    assert _run(command, _env(), tmp_path / "b.log") == 0, _tail(tmp_path / "b.log")
     actual = _rows(resumed)
     assert sorted(actual) == [5, 6, 8]
     for step in actual:

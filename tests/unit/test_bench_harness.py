@@ -156,7 +156,7 @@ def test_peak_memory_cpu_sees_a_large_allocation_freed_before_return():
 
     def fn():
         x = torch.ones(num_bytes // 4, dtype=torch.float32)  # 200 MB, every page written
-        time.sleep(0.02)
+        time.sleep(0.2)  # long enough for the sampling thread to run on a loaded machine (20 ms was not: flaky)
         del x  # freed before returning: only the sampling thread can see it
 
     memory = peak_memory_fn(fn)

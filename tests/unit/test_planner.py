@@ -223,6 +223,7 @@ def _activation_cfg(tp, sp, recompute, impl="local", pp=1, vpp=None, b=2, s=2048
         (4, True, "local", "eager", (34 + 80) / 4),            # tensor + sequence parallel
         (4, True, "transformer_engine", "eager", 34 / 4),      # + selective recompute (fused attention: no scores)
         (4, True, "local", "sdpa", 34 / 4),                    # the local spec's SDPA keeps no scores either
+        (4, True, "local", "auto", 34 / 4),                    # nor does auto (SDPA for the plain attention)
     ],
 )
 def test_activations_per_layer_match_korthikanti_table_2(tp, sp, impl, attention, per_layer):

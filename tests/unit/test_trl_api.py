@@ -171,8 +171,8 @@ def test_grpo_config_conflicting_precisions_are_an_error():
         GRPOConfig(bf16=True, model_init_kwargs={"dtype": "float32"})
 
 
-@pytest.mark.parametrize("attn, implementation", [(None, "sdpa"), ("eager", "eager"), ("sdpa", "sdpa"),
-                                                  ("flash_attention_2", "sdpa")])
+@pytest.mark.parametrize("attn, implementation", [(None, "auto"), ("eager", "eager"), ("sdpa", "auto"),
+                                                  ("flash_attention_2", "auto")])
 def test_grpo_config_attn_implementation_chooses_the_core_attention(attn, implementation):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # translated, not in the no-effect warning
