@@ -451,6 +451,9 @@ class LoraConfig:
     """HF module names (q/k/v/o_proj, gate/up/down_proj) or ['all-linear']; None = PEFT's default, q_proj + v_proj."""
     use_rslora: bool = False
     """Rank-stabilised scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
+    lora_adapter_dtype: Literal["float32", "model"] = "float32"
+    """The adapters' dtype: float32 (PEFT's default: fp32 adapters, gradients, Adam state and LoRA branch over the
+    frozen model.dtype base) or model (adapters in model.dtype with fp32 main copies; = float32 for a float32 model)."""
     lora_weight_sync: Literal["merged", "adapter"] = "merged"
     """How vLLM gets the adapters: merged into the base weights (the whole model sent) or adapter (A and B alone, into
     vLLM's LoRA support, named by every request; colocated or server mode, any engine TP; a rollout server turns its

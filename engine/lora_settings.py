@@ -3,8 +3,8 @@
 
 Owns: `HF_TARGETS` (the HF module names an adapter can target, and the Megatron linear and output part each lives in),
 `VLLM_LORA_RANKS` / `vllm_max_lora_rank` (vLLM's LoRA ranks), `LoraSettings`, `resolve_target_modules`,
-`lora_settings_from_config`, `lora_settings_from_peft` (every PEFT option the engine cannot act on refused by name)
-and `lora_fields_from_peft` (the config section's fields).
+`lora_settings_from_config`, `lora_settings_from_peft` (every PEFT option the engine cannot act on refused by name),
+`refuse_expert_adapters` (MLP targets on an MoE model) and `lora_fields_from_peft` (the config section's fields).
 
 Must not: import torch, Megatron or peft (a LoraConfig is read by attribute), or build adapters
 (engine/policy/lora.py does).
@@ -54,6 +54,8 @@ class LoraSettings:
     target_modules: tuple[str, ...]
     """HF module names, in HF_TARGETS' order."""
     use_rslora: bool = False
+    adapter_dtype: str = "float32"
+    """The adapters' parameter dtype: "float32" (PEFT's `autocast_adapter_dtype=True`) or "model" (the policy's)."""
 
     @property
     def scaling(self) -> float:
@@ -111,6 +113,7 @@ def lora_settings_from_peft(peft_config) -> LoraSettings:
     targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
                                      (sorted(targets) if isinstance(targets, set) else targets),
                                      "peft_config.target_modules")
+    # float32 adapters (the default): TRL's get_peft_model(model, peft_config) autocasts them to fp32 over a bf16 base
     return LoraSettings(r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
                         lora_dropout=float(peft_config.lora_dropout), target_modules=targets,
                         use_rslora=bool(getattr(peft_config, "use_rslora", False)))
@@ -133,7 +136,33 @@ def lora_settings_from_config(section) -> LoraSettings:
                                      ("all-linear" if targets == ["all-linear"] else targets),
                                      "lora.lora_target_modules")
     return LoraSettings(r=section.lora_r, lora_alpha=float(section.lora_alpha), lora_dropout=section.lora_dropout,
-                        target_modules=targets, use_rslora=section.use_rslora)
+                        target_modules=targets, use_rslora=section.use_rslora,
+                        adapter_dtype=section.lora_adapter_dtype)
+
+
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts: int) -> None:
+    """Refuse adapters on the MLP of a model with routed experts (`num_experts` > 0), at any parallel.ep_size.
+
+    NOTE: why they are not built: transformers 5 holds every MoE family's experts as 3-D tensors
+    (`mlp.experts.gate_up_proj` (E, 2f, h), `mlp.experts.down_proj`), not as gate_proj / up_proj / down_proj linears,
+    so PEFT's target_modules match none of them (PEFT reaches them only through `target_parameters`, its ParamWrapper
+    layout, which lora_settings_from_peft refuses): a PEFT adapter that transformers, TRL or vLLM loads could not carry
+    expert adapters trained here. GLM-4.5's dense first layers and shared expert are refused with them (one MLP rule
+    per model). Raises ValueError naming the setting, the modules and the way out (attention targets)."""
+    mlp = [name for name in settings.target_modules if name in MLP_TARGETS]
+    if not num_experts or not mlp:
+        return
+    attention = [name for name in settings.target_modules if name not in MLP_TARGETS]
+    raise ValueError(
+        f"lora.lora_target_modules (peft_config.target_modules) includes {mlp}, but {model_type} routes its MLP "
+        f"through {num_experts} experts: adapters on expert linears are not built (at any parallel.ep_size). "
+        "transformers 5 holds the experts as 3-D tensors (mlp.experts.gate_up_proj / down_proj), which PEFT's "
+        "target_modules do not match (only target_parameters, not supported here), so no loadable PEFT adapter could "
+        f"carry them. Set lora.lora_target_modules={attention or ['q_proj', 'k_proj', 'v_proj', 'o_proj']} (the "
+        "attention; 'all-linear' includes the MLP)")
 
 
 def lora_fields_from_peft(peft_config) -> dict:

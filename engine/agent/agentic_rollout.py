@@ -23,6 +23,7 @@ Test: tests/integration/test_agentic.py.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -78,6 +79,17 @@ class AgenticRollout:
             self._ahead.tokenizer = copy.deepcopy(self.tokenizer)
         return self._ahead
 
+    def for_round_ahead(self) -> AgenticRollout:
+        """`ahead()` for one round generated ahead, made when the round is issued (the trainer's thread): a
+        `rollout_func` bound to the trainer is bound to a view of it as it is now (engine/api/trl_agentic.py
+        `BoundRolloutFunc.for_round_ahead`: its step, the background thread's tokenizer)."""
+        ahead = self.ahead()
+        if not hasattr(self.rollout_func, "for_round_ahead"):
+            return ahead
+        ahead = copy.copy(ahead)
+        ahead.rollout_func = self.rollout_func.for_round_ahead(ahead.tokenizer)
+        return ahead
+
     def chat_template_kwargs(self) -> dict | None:
         """The generation's template kwargs plus the tools' schemas (the prompts show the tools)."""
         if not self.schemas:
@@ -85,22 +97,39 @@ class AgenticRollout:
         return dict(self.generation.chat_template_kwargs or {}) | {"tools": self.schemas}
 
     def generate(self, engine: RolloutEngine, prompts: list, prompt_ids: list[list[int]], columns: dict[str, list],
-                 num_generations: int, seeds: list[int] | None) -> AgenticRound:
+                 num_generations: int, seeds: list[int] | None, cancelled: threading.Event | None = None
+                 ) -> AgenticRound:
         """G rollouts per prompt, prompt-major (as `RolloutEngine.generate`). `prompts`: the dataset's prompts
-        (text or messages); `columns`: their other dataset columns (P values each)."""
+        (text or messages); `columns`: their other dataset columns (P values each). `cancelled`: a round generated
+        ahead stops issuing turns once it is set (engine/agent/multi_turn.py). A round that raises (or is
+        cancelled) gives its environment instances back before the error leaves."""
         g = num_generations
         rows = [{"prompt": p} | {k: v[i] for k, v in columns.items()} for i, p in enumerate(prompts)]
         if self.rollout_func is not None:
-            live = RoundEngine(engine, seeds, g, self.generation.max_completion_length)
+            live = RoundEngine(engine, seeds, g, self.generation.max_completion_length, cancelled)
             repeated = [p for p in prompts for _ in range(g)]
             rollout, extra = call_rollout_func(self.rollout_func, repeated, self.tokenizer, live)
             return AgenticRound(rollout, extra)
         seed_of = lambda i, j: None if seeds is None else (seeds[i] * 1009 + j) % (2**31)  # noqa: E731
         samples = [Sample(prompt_ids[i], seed_of(i, j), {}) for i in range(len(prompts)) for j in range(g)]
-        out_columns, shown = {}, []
+        envs, names = [], []
         if self.environments is not None:
             names = [row.get("environment") if self.environments.is_multi else None for row in rows for _ in range(g)]
             envs = self.environments.take(names)
+        try:
+            return self._multi_turn(engine, samples, rows, envs, names, cancelled)
+        except BaseException:
+            if envs:
+                self.environments.release(envs)
+            raise
+
+    def _multi_turn(self, engine: RolloutEngine, samples: list[Sample], rows: list[dict], envs: list,
+                    names: list, cancelled: threading.Event | None) -> AgenticRound:
+        """The round's samples to their ends, each environment (`envs`: one per sample, or none; `names`: their
+        factories) reset first."""
+        out_columns, shown = {}, []
+        g = len(samples) // len(rows)
+        if envs:
             for s, (k, env) in zip(samples, enumerate(envs)):
                 row = dict(rows[k // g])
                 row.pop("environment", None) if self.environments.is_multi else None
@@ -116,7 +145,7 @@ class AgenticRollout:
             out_columns[PROMPTS_KEY] = shown
         settings = MultiTurnSettings(self.generation.max_completion_length,
                                      self.generation.max_tool_calling_iterations, self.chat_template_kwargs())
-        rollout, metrics = generate_multi_turn(engine, samples, self.tokenizer, self.toolbox, settings)
+        rollout, metrics = generate_multi_turn(engine, samples, self.tokenizer, self.toolbox, settings, cancelled)
         rollout.stats = metrics
         return AgenticRound(rollout, out_columns)
 
@@ -138,6 +167,13 @@ class AgenticRollout:
     def close(self) -> None:
         self.toolbox.close()
 
+    def abort(self) -> None:
+        """After a failed run: every environment instance back in the pool (the rounds that held them will never be
+        scored) and the tools' threads stopped."""
+        if self.environments is not None:
+            self.environments.release_all()
+        self.close()
+
 
 def _with_observation(prompt, observation) -> list:
     """The prompt with reset()'s observation appended to its last user message (TRL's place for it)."""
@@ -149,23 +185,14 @@ def _with_observation(prompt, observation) -> list:
     return messages
 
 
-def check_layout(rollout: RolloutConfig, given: list[str], *, use_dynamic_sampling: bool = False) -> None:
+def check_layout(rollout: RolloutConfig, given: list[str]) -> None:
     """ValueError where multi-turn rollouts cannot run: a colocated vLLM engine over several ranks (rank 0 drives
-    every sample through its own engine); with rounds generated ahead (`max_staleness` > 0), a `rollout_func` (the
-    user's function would run in a background thread while the trainer trains) or DAPO's dynamic sampling (its further
-    attempts would drive turns through the servers' turn channel while the round ahead drives its own there).
-    `given`: the agentic arguments the run has (named in the message)."""
+    every sample through its own engine). With rounds generated ahead (`max_staleness` > 0) a `rollout_func` runs in
+    the background thread on a view of the trainer (`for_round_ahead`), and DAPO's further attempts drive their turns
+    from the trainer's thread while the round ahead drives its own through a turn channel of its own
+    (engine/rollout/server_rollout.py `TurnChannel`). `given`: the agentic arguments the run has (named in the
+    message)."""
     names = ", ".join(given)
-    k = rollout.max_staleness
-    if k > 0 and "rollout_func" in given:
-        raise ValueError(f"rollout_func with rollout.max_staleness={k}: rounds generated ahead run in a background "
-                         "thread while the trainer trains, and rollout_func(prompts, trainer) is handed the trainer; "
-                         "set max_staleness=0, or use tools / environment_factory")
-    if k > 0 and use_dynamic_sampling:
-        raise ValueError(f"{names} with rollout.max_staleness={k} and grpo.use_dynamic_sampling: the further "
-                         "attempts of multi-turn dynamic sampling would drive their turns while the round ahead drives "
-                         "its own through the same servers' turn channel; set max_staleness=0 or turn dynamic "
-                         "sampling off")
     if rollout.vllm_mode == "colocate" and rollout.vllm_tensor_parallel_size > 1:
         raise ValueError(f"{names} with rollout.vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} "
                          "(colocate): rank 0 drives every sample through its own engine; use 1 or server mode")

@@ -94,6 +94,16 @@ class EnvironmentPool:
         with self._lock:
             self._leased.difference_update(id(e) for e in instances)
 
+    def release_all(self) -> None:
+        """Every instance is free again (a failed run: its rounds will never be scored)."""
+        with self._lock:
+            self._leased.clear()
+
+    def num_leased(self) -> int:
+        """Instances taken by rounds and not yet released."""
+        with self._lock:
+            return len(self._leased)
+
     def num_instances(self) -> int:
         return sum(len(v) for v in self.instances.values())
 

@@ -26,6 +26,7 @@ Test: tests/integration/test_agentic.py (real vLLM and Megatron).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -38,6 +39,12 @@ from engine.rollout.rollouts import Rollout
 
 POLL_S = 0.005
 """How long one `collect_turns` waits while tool calls run (server mode: the engine answers on its own time)."""
+CANCEL_POLL_S = 0.1
+"""With a `cancelled` event (a round generated ahead): the longest wait between two looks at it."""
+
+
+class RoundCancelled(Exception):
+    """A round generated ahead was cancelled (the run failed): no further turn was issued."""
 
 
 @dataclass(frozen=True)
@@ -67,10 +74,14 @@ class Sample:
 
 
 def generate_multi_turn(engine: RolloutEngine, samples: list[Sample], tokenizer, toolbox: Toolbox,
-                        settings: MultiTurnSettings) -> tuple[Rollout, dict[str, float]]:
+                        settings: MultiTurnSettings, cancelled: threading.Event | None = None
+                        ) -> tuple[Rollout, dict[str, float]]:
     """Run every sample to its end (module docstring); returns the rows in `samples`' order and the metrics
-    `tools/call_frequency` (calls per sample) and `tools/failure_frequency` (failed calls per call)."""
+    `tools/call_frequency` (calls per sample) and `tools/failure_frequency` (failed calls per call).
+    `cancelled` (a round generated ahead, engine/train/sampling.py): once set, no further turn is issued and
+    `RoundCancelled` is raised within `CANCEL_POLL_S` (turns and tool calls in flight are left to end)."""
     budget = settings.max_completion_length
+    idle_wait = None if cancelled is None else CANCEL_POLL_S
     outcomes: list[ToolOutcome] = []
     waiting: dict[int, Sample] = {}  # samples whose tool calls run
     engine.wake_up()
@@ -79,7 +90,9 @@ def generate_multi_turn(engine: RolloutEngine, samples: list[Sample], tokenizer,
             engine.submit_turn(TurnRequest(key, sample.prompt_ids, max_tokens=budget, seed=sample.seed))
         in_engine = len(samples)
         while in_engine or waiting:
-            finished = engine.collect_turns(timeout_s=POLL_S if waiting else None) if in_engine else []
+            if cancelled is not None and cancelled.is_set():
+                raise RoundCancelled("the round generated ahead was cancelled: the run failed")
+            finished = engine.collect_turns(timeout_s=POLL_S if waiting else idle_wait) if in_engine else []
             in_engine -= len(finished)
             for turn in finished:
                 sample = samples[turn.key]
@@ -91,7 +104,7 @@ def generate_multi_turn(engine: RolloutEngine, samples: list[Sample], tokenizer,
                 else:
                     sample.is_truncated = turn.is_truncated
             if not finished and not in_engine:  # only tools run: sleep until one is done or a deadline passes
-                _wait_for_tools(waiting.values(), toolbox)
+                _wait_for_tools(waiting.values(), toolbox, idle_wait)
             for key in [k for k, s in waiting.items() if _calls_resolved(s, toolbox)]:
                 sample = waiting.pop(key)
                 results = [outcome(name, f, started, toolbox.timeout_s) for name, f, started in sample.calls]
@@ -134,11 +147,11 @@ def _calls_resolved(sample: Sample, toolbox: Toolbox) -> bool:
     return all(f.done() or now >= toolbox.deadline(started) for _, f, started in sample.calls)
 
 
-def _wait_for_tools(samples, toolbox: Toolbox) -> None:
+def _wait_for_tools(samples, toolbox: Toolbox, longest: float | None = None) -> None:
     pending = [(f, started) for s in samples for _, f, started in s.calls if not f.done()]
     if pending:
         deadline = min(toolbox.deadline(started) for _, started in pending)
-        wait([f for f, _ in pending], timeout=max(0.0, min(deadline - time.perf_counter(), 3600.0)),
+        wait([f for f, _ in pending], timeout=max(0.0, min(deadline - time.perf_counter(), longest or 3600.0)),
              return_when=FIRST_COMPLETED)
 
 

@@ -8,8 +8,9 @@ every per-row key, each `logprobs` / `env_mask` row as long as its completion; e
 A completion is truncated when its last token is not the tokenizer's EOS (or it is empty), as TRL decides.
 
 The trainer argument: engine/api/trl_trainer.py passes the `GRPOTrainer` (weights are synced into the engine at the
-end of every round, so the engine holds the current policy when the function runs); the engine's own loop passes
-None.
+end of every round, so the engine holds the current policy when the function runs); for a round generated ahead
+(`rollout.max_staleness` > 0) a view of it as it was when the round was issued, in rank 0's background thread
+(engine/api/trl_agentic.py `BoundRolloutFunc.for_round_ahead`); the engine's own loop passes None.
 
 `RoundEngine` / `current_round()`: while the function runs, the round's rollout engine, seeds and group size, so
 that TRL's `_generate_single_turn` on the trainer (engine/api/trl_generate.py) can generate with the engine from
@@ -23,6 +24,7 @@ Test: tests/unit/test_agent_tools.py.
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +43,8 @@ class RoundEngine:
     """One per prompt of the round (None: unseeded)."""
     num_generations: int
     max_completion_length: int
+    cancelled: threading.Event | None = None
+    """A round generated ahead: set when the run failed (generation from inside the function stops issuing turns)."""
 
 
 _ROUND: contextvars.ContextVar[RoundEngine | None] = contextvars.ContextVar("rollout_round", default=None)

@@ -2,9 +2,10 @@
 construction and handed to the loop (engine/agent/ runs them).
 
 Owns: `AgenticInputs` (what `GRPOTrainer` hands to `engine.train.loop.train` as `agentic=`, and the reward
-functions and weights that environments with `get_reward` add) and `resolve_agentic` (the construction-time checks:
-every tool's schema, each environment has `reset` and documented tool methods, the chat template renders tools,
-naming the model; without a train_dataset, `max_steps` and a placeholder dataset, as TRL).
+functions and weights that environments with `get_reward` add), `BoundRolloutFunc` (the user's `rollout_func` bound
+to the trainer, or for a round generated ahead to a `trainer_view` of it) and `resolve_agentic` (the construction-time
+checks: every tool's schema, each environment has `reset` and documented tool methods, the chat template renders
+tools, naming the model; without a train_dataset, `max_steps` and a placeholder dataset, as TRL).
 
 Must not: run tools or generate (engine/agent/), import vLLM or Megatron.
 
@@ -49,9 +50,48 @@ def resolve_agentic(trainer: Any, tools: list | None, rollout_func: Any, environ
     schemas += [s for per_env in (pool.schemas.values() if pool else []) for s in per_env]
     if schemas and tokenizer is not None:
         check_renders_tools(tokenizer, schemas, model_name, chat_template_kwargs)
-    bound = (lambda prompts: rollout_func(prompts, trainer)) if rollout_func is not None else None
+    bound = BoundRolloutFunc(rollout_func, trainer) if rollout_func is not None else None
     return AgenticInputs({"tools": list(tools or []) or None, "environment_factory": pool,  # built once, reused
                           "rollout_func": bound}, pool.reward_functions() if pool else [])
+
+
+class BoundRolloutFunc:
+    """TRL's `rollout_func(prompts, trainer)` bound to its trainer: the loop calls it with the prompts alone."""
+
+    def __init__(self, rollout_func: Any, trainer: Any):
+        self.rollout_func, self.trainer = rollout_func, trainer
+
+    def __call__(self, prompts: list) -> dict:
+        return self.rollout_func(prompts, self.trainer)
+
+    def for_round_ahead(self, tokenizer: Any) -> BoundRolloutFunc:
+        """Bound to a view of the trainer for a round generated ahead (`rollout.max_staleness` > 0): rank 0's
+        background thread calls it while the trainer trains in the main thread (engine/train/sampling.py
+        `PendingAgenticRound`), so it must not share what the main thread changes. The view (`trainer_view`) is a
+        shallow copy of the trainer taken when the round is issued: its `state` a copy (`global_step` is the step
+        the round was issued at, whose weights the engine holds for the whole round), its `processing_class` the
+        background thread's own tokenizer (a fast tokenizer is not safe to share between threads); generating
+        through `trainer._generate_single_turn` (or an override's `super()._generate`) uses the engine's turn
+        channel, which the trainer's thread does not use meanwhile. What it must not touch: `trainer.model` (being
+        trained: read it through the engine, which holds the round's weights) and anything the user's function
+        assigns on the view, which does not reach the trainer."""
+        return BoundRolloutFunc(self.rollout_func, trainer_view(self.trainer, tokenizer))
+
+
+def trainer_view(trainer: Any, tokenizer: Any) -> Any:
+    """A shallow copy of a built `GRPOTrainer` with its own `processing_class` (`tokenizer`) and a copy of its
+    `state` (TrainerState) as it is now (`BoundRolloutFunc.for_round_ahead`); a trainer not built by `__init__`
+    (TRL's unit tests assign its attributes) is copied as it is."""
+    import copy
+
+    view = copy.copy(trainer)
+    hooks = vars(trainer).get("_hooks")
+    if hooks is not None:
+        hooks = copy.copy(hooks)
+        hooks.state = copy.copy(hooks.state)
+        hooks.state.log_history = list(hooks.state.log_history)
+        vars(view).update(_hooks=hooks, _processing_class=tokenizer)
+    return view
 
 
 PLACEHOLDER_ROWS = 1024

@@ -95,7 +95,8 @@ def generate_single_turn(trainer: Any, prompt_ids: list, images: Any, multimodal
     try:
         rollout, _ = generate_multi_turn(live.engine, [Sample(list(ids), seed) for ids, seed in zip(prompt_ids, seeds)],
                                          trainer.processing_class, toolbox,
-                                         MultiTurnSettings(live.max_completion_length, 0))  # 0 tool rounds: one turn
+                                         MultiTurnSettings(live.max_completion_length, 0),  # 0 tool rounds: one turn
+                                         live.cancelled)
     finally:
         toolbox.close()
     return rollout.completion_ids, rollout.sampling_logprobs
@@ -145,8 +146,10 @@ def dispatch_override(trainer: Any, rollout_func: Any, tools: Any, environment_f
     """The `rollout_func` the engine gets: the user's as given when no dispatch method is overridden, else
     `_as_rollout_func(trainer)` (which calls the override; a `rollout_func` given too is reached through TRL's
     `_generate`). Raises ValueError for an override together with tools / environment_factory (the engine's
-    multi-turn loop would replace `_generate`'s), asynchronous rollout (rounds generated ahead, without it) or a
-    colocated vLLM engine over several ranks (`rollout`: the config's section; rank 0 generates alone)."""
+    multi-turn loop would replace `_generate`'s) or a colocated vLLM engine over several ranks (`rollout`: the
+    config's section; rank 0 generates alone). With rounds generated ahead (`rollout.max_staleness` > 0) the
+    override runs as any rollout_func does then: in rank 0's background thread, on a view of the trainer
+    (engine/api/trl_agentic.py `BoundRolloutFunc.for_round_ahead`)."""
     names = overridden(type(trainer))
     if not names:
         return rollout_func
@@ -158,10 +161,6 @@ def dispatch_override(trainer: Any, rollout_func: Any, tools: Any, environment_f
         raise ValueError(f"{which} with vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} (colocate): "
                          "the override runs on rank 0, which generates through its own engine alone; use 1 or "
                          "vllm_mode='server'")
-    if rollout.max_staleness > 0:
-        raise ValueError(f"{which} with rollout.max_staleness={rollout.max_staleness}: asynchronous rollout generates rounds "
-                         "ahead with the engine's own single-turn generation, which would skip the override; set "
-                         "max_staleness=0")
     return _as_rollout_func
 
 

@@ -335,6 +335,16 @@ def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
     return Term("loss workspace", text, workspace + hidden + rows + stats), note
 
 
+def _adapter_bytes(cfg: EngineConfig) -> tuple[int, int, str]:
+    """(weight, optimizer-state) bytes per adapter parameter and the optimizer's description: float32 adapters
+    (lora.lora_adapter_dtype, PEFT's default) are their own fp32 master, so a bf16 run's 2 B weight + 12 B master and
+    Adam (`_optimizer_bytes`) become 4 B + 8 B; "model" adapters cost what the model's parameters do."""
+    weight, _, states, text = _optimizer_bytes(cfg)
+    if cfg.lora.lora_adapter_dtype == "float32" and weight != 4:
+        return 4, states - 4, text.replace("fp32 master + ", "") + "; float32 adapters: their own master"
+    return weight, states, text
+
+
 def _stage_adapter_params(dims: ModelDims, cfg: EngineConfig, *, tp: int | None = None, layers: int | None = None,
                           r: int | None = None) -> tuple[float, str]:
     """LoRA adapter parameters one GPU holds (engine/policy/lora.py's TP rules; vLLM's LoRA layers shard alike), with
@@ -382,6 +392,7 @@ def _stage_terms(cfg: EngineConfig, dims: ModelDims, derived: Derived, stage: in
     shard_text = f" / dp {derived.dp_size} (distributed optimizer)" if dist else " (not distributed: replicated over DP)"
     trained = adapters if adapters else params
     total = adapters if adapters else params + experts
+    abytes, obytes, opt_text = _adapter_bytes(cfg) if adapters else (wbytes, obytes, opt_text)
     terms = [
         Term("weights", f"{params_text} = {format_count(params)} params x {wbytes} B" + (" (frozen)" if adapters else ""),
              params * wbytes),
@@ -389,8 +400,8 @@ def _stage_terms(cfg: EngineConfig, dims: ModelDims, derived: Derived, stage: in
         Term("optimizer", f"{format_count(trained)} x {obytes} B ({opt_text}){shard_text}", trained * obytes / shard),
     ]
     if adapters:
-        terms.insert(1, Term("adapter weights", f"{adapters_text} = {format_count(adapters)} params x {wbytes} B",
-                             adapters * wbytes))
+        terms.insert(1, Term("adapter weights", f"{adapters_text} = {format_count(adapters)} params x {abytes} B",
+                             adapters * abytes))
     if experts and adapters:
         terms.insert(1, Term("expert weights", f"{experts_text} = {format_count(experts)} params x {wbytes} B (frozen)",
                              experts * wbytes))

@@ -20,9 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.lora_settings import lora_settings_from_config, refuse_expert_adapters
 from engine.planning.memory import (Budget, format_count, format_gib, inference_budget, plan_recompute,
                                     sequence_lengths, training_budget)
-from engine.planning.shapes import ClusterShape, ModelDims, check_layout, load_model_dims, num_rollout_servers
+from engine.planning.shapes import (ClusterShape, ModelDims, PlanError, check_layout, load_model_dims,
+                                    num_rollout_servers)
 from engine.planning.sync_memory import receive_budget, training_sync_terms
 from engine.validation import Derived, validate
 
@@ -61,6 +63,11 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
     dims = dims or load_model_dims(cfg.model.name_or_path)
     derived = validate(cfg, shape.train_gpus)
     check_layout(cfg, dims, shape)
+    if cfg.lora.use_peft:  # as the run refuses it (engine/train/run.py), before sizing adapters it would not build
+        try:
+            refuse_expert_adapters(lora_settings_from_config(cfg.lora), cfg.model.name_or_path, dims.num_experts)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
     par = cfg.parallel
     prompt, completion, source = sequence_lengths(cfg)
     split, replicated = dims.layer_params()

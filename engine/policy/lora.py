@@ -17,8 +17,13 @@ TP rules (x is the linear's input, h = x A^T of width r, delta = scaling * h B^T
   row-parallel (linear_proj, linear_fc2): A (r, in / tp) sharded, B (out, r) replicated; h is a partial sum,
     all-reduced (`reduce_from_tensor_model_parallel_region`) or, with sequence parallelism, reduce-scattered over
     the sequence, and then B's gradient is partial: B is marked `sequence_parallel`.
-Adapters are held in the model's dtype (params_dtype); Megatron's optimizer keeps fp32 main copies of them in
-bf16 runs. The merge for sync/export is computed in fp32 from those parameters.
+Adapter dtype (LoraSettings.adapter_dtype): "float32" (PEFT's default, `autocast_adapter_dtype=True`) holds A and B
+in fp32 over a bf16 base: the branch runs in fp32 (x cast up at its input) and is added to the base output in fp32,
+rounded once to the base's dtype (PEFT's `result + lora_B(lora_A(x)) * scaling`, then `.to(previous_dtype)`); their
+gradients, Megatron DDP's buffers (grouped by dtype: the frozen base has none) and the optimizer state are fp32, the
+parameter being its own main copy. "model": A and B in params_dtype, Megatron's optimizer keeping fp32 main copies.
+The merge for sync/export is computed in fp32 from the parameters either way; adapter-only sync sends them in the
+engine's dtype (vLLM holds LoRA weights in the model's dtype).
 
 Must not: read Megatron's global parallel state (groups come from ParallelState), know vLLM's layout.
 
@@ -36,7 +41,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from engine.lora_settings import HF_TARGETS, LoraSettings
+from engine.lora_settings import HF_TARGETS, LoraSettings, refuse_expert_adapters
 
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -93,7 +98,7 @@ class LoraAdapter(torch.nn.Module):
             if r > min(out, in_features):
                 raise ValueError(f"lora.lora_r (peft r)={r} is larger than {name}'s smaller dimension "
                                  f"({out} x {in_features}): a rank above min(out, in) adds no capacity")
-        dtype = config.params_dtype
+        dtype = torch.float32 if settings.adapter_dtype == "float32" else config.params_dtype
         self.lora_A, self.lora_B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         for name in hf_names:
             out = sizes[HF_TARGETS[name][1]]
@@ -107,11 +112,12 @@ class LoraAdapter(torch.nn.Module):
             self.lora_A[name], self.lora_B[name] = a, b
 
     def hook(self, linear, args, output):
-        """Forward hook of the base linear: (out, bias) -> (out + scaling * delta(x), bias)."""
+        """Forward hook of the base linear: (out, bias) -> (out + scaling * delta(x), bias), added in the wider of
+        the two dtypes and rounded once to out's (fp32 adapters on a bf16 base: as PEFT)."""
         if self.merged or self.disabled:
             return output
         out, bias = output
-        return out + self.delta(args[0]).to(out.dtype), bias
+        return (out + self.delta(args[0])).to(out.dtype), bias
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """scaling * B A x in this rank's output layout; x (s or s / tp, b, in or in / tp)."""
@@ -198,11 +204,7 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
     every layout), B is zero. Returns the number of adapter parameters on this rank.
     """
     for chunk in chunks:
-        if getattr(chunk.config, "num_moe_experts", None) and any(
-                HF_TARGETS[n][0].startswith("mlp") for n in settings.target_modules):
-            raise ValueError(f"lora.target_modules {list(settings.target_modules)}: adapters on MoE expert linears "
-                             "(gate_proj / up_proj / down_proj of an MoE model) are not supported; target the "
-                             "attention (q_proj, k_proj, v_proj, o_proj)")
+        refuse_expert_adapters(settings, "this model", getattr(chunk.config, "num_moe_experts", None) or 0)
         for param in chunk.parameters():
             param.requires_grad_(False)
     count = 0

@@ -76,6 +76,7 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     config = chunks[0].config
+    is_mixed = _trains_low_precision_params(chunks)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.use_distributed_optimizer
     )
@@ -96,9 +97,9 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
             adam_eps=cfg.adam_epsilon,
             clip_grad=cfg.max_grad_norm,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
-            params_dtype=config.params_dtype,
-            bf16=config.bf16,
-            fp16=config.fp16,
+            params_dtype=config.params_dtype if is_mixed else torch.float32,
+            bf16=config.bf16 and is_mixed,
+            fp16=config.fp16 and is_mixed,
         ),
         model,
         use_gloo_process_groups=False,
@@ -121,6 +122,17 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
         wd_incr_style="constant",
     )
     return PolicyOptimizer(model=model, optimizer=optimizer, scheduler=scheduler)
+
+
+def _trains_low_precision_params(chunks: list[torch.nn.Module]) -> bool:
+    """Whether any trained parameter is below float32 (Megatron's mixed-precision optimizers are then needed).
+
+    NOTE: fp32 LoRA adapters on a bf16 base (lora.lora_adapter_dtype=float32) train float32 parameters only: they get
+    Megatron's fp32 optimizers, the same maths (an fp32 parameter is its own main copy in the bf16 ones too). The bf16
+    non-distributed optimizer (Float16OptimizerWithFloat16Params) of megatron-core 0.16.1 cannot checkpoint them: its
+    sharded_state_dict maps optimizer state to parameters through its float16 groups only ("Param id 0 does not match
+    any model sharded param")."""
+    return any(p.requires_grad and p.dtype != torch.float32 for chunk in chunks for p in chunk.parameters())
 
 
 def _count_expert_norms_by_expert_tp(optimizer, ps: ParallelState) -> None:

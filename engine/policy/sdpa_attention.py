@@ -1,9 +1,9 @@
 """The core attention of Megatron's local layer spec through `torch.nn.functional.scaled_dot_product_attention`.
 
 Owns: `sdpa_core_attention_class` (Megatron's `DotProductAttention` with its forward replaced by one SDPA call),
-`sdpa_blocker` (why a layer spec keeps its own core attention), `use_sdpa` (the layer spec with SDPA, where the
-spec's core attention is Megatron's plain `DotProductAttention` and there is no window) and `attention_specs`
-(`model.attention_implementation` applied to the policy's layer specs, engine/policy/model.py `build_policy`).
+`sdpa_blocker` (why a layer spec keeps its own core attention), `attention_specs` (the layer specs with the core
+attention `model.attention_implementation` asks for, or its refusal) and `use_sdpa` (the layer spec with SDPA, where
+the spec's core attention is Megatron's plain `DotProductAttention` and there is no window).
 
 Why: Megatron's local `DotProductAttention` materialises the (b x heads, s, s) scores and keeps the float32 softmax
 for the backward. On the lent H200 (git 68db764, `benchmarks/results/grpo_step.csv`, no Transformer Engine there) the

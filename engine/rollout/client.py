@@ -371,16 +371,22 @@ class SharedRolloutClient:
     def _recover(self, lost: RolloutServerLost, prompt_ids: list[list[int]], num_generations: int,
                  seeds: list[int] | None) -> Rollout:
         """After a lost server: wait for every server, resync (collective), ask once more; else re-raise."""
+        self.recover(lost, stacklevel=4)
+        return self._shared(lambda: self._generate(prompt_ids, num_generations, seeds))
+
+    def recover(self, lost: RolloutServerLost, *, stacklevel: int = 3) -> None:
+        """After a lost server (collective, `lost` raised on every rank): wait up to `vllm_server_timeout` for every
+        server's health check and sync the weights again (`on_restart`); re-raises `lost` without `on_restart`. The
+        caller then asks again what the lost server did not answer."""
         if self.on_restart is None:
             raise lost
         import warnings
 
         warnings.warn(f"{lost}; waiting up to rollout.vllm_server_timeout for the server(s), then syncing the "
-                      "weights again and repeating the request", RuntimeWarning, stacklevel=3)
+                      "weights again and repeating the request", RuntimeWarning, stacklevel=stacklevel)
         self.reconnect()
         self.on_restart()
         self.num_restarts += 1
-        return self._shared(lambda: self._generate(prompt_ids, num_generations, seeds))
 
     def generate_async(self, prompt_ids: list[list[int]], num_generations: int,
                        seeds: list[int] | None = None) -> PendingGenerate:

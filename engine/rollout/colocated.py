@@ -119,6 +119,14 @@ class ColocatedRollout:
         `timeout_s` has passed (a short one, when the caller has tool calls running: one step)."""
         return self.engine.step_turns(timeout_s)
 
+    def turn_channel(self) -> ColocatedRollout:
+        """Itself: the in-process engine steps one driver's turns (rounds are never generated ahead colocated)."""
+        return self
+
+    def recover(self, lost: Exception) -> None:
+        """Nothing to recover: the engine lives in this process."""
+        raise lost
+
     def sleep(self) -> None:
         self.engine.sleep()
 

@@ -102,6 +102,16 @@ class RolloutEngine(Protocol):
         """The turns finished since the last call: blocks until at least one is (or `timeout_s` passes, or none is
         in flight). Not collective."""
 
+    def turn_channel(self) -> RolloutEngine:
+        """An object with `submit_turn` / `collect_turns` / `wake_up` / `sleep` whose `collect_turns` returns only the
+        turns submitted through it (a second driver of turns at the same time: a round generated ahead); an engine
+        that serves one driver at a time returns itself. Not collective."""
+
+    def recover(self, lost: Exception) -> None:
+        """After `lost` (a RolloutServerLost raised on every rank, e.g. by a multi-turn round's turns): wait for the
+        servers, sync the current weights into them again (collective); re-raises `lost` where nothing can be
+        recovered (no server to lose, or no weights pushed yet)."""
+
     def sleep(self) -> None:
         """Free the engine's accelerator memory for training (a no-op where the engine runs apart)."""
 

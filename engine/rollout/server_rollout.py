@@ -18,6 +18,7 @@ turns), tests/integration/test_async_rollout.py (`generate_async`), tests/integr
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 
@@ -29,7 +30,7 @@ from engine.policy.hf_convert import ModelDims
 from engine.policy.lora import merged_lora
 from engine.policy.parallel import ParallelState
 from engine.rollout.adapter_sync import sync_adapter_server
-from engine.rollout.client import PendingGenerate, SharedRolloutClient, connect_rollout_server
+from engine.rollout.client import PendingGenerate, RolloutServerLost, SharedRolloutClient, connect_rollout_server
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
 from engine.rollout.server_sync import build_server_sync, sync_server
@@ -64,9 +65,10 @@ class ServerRollout:
         """The last sync's metrics, summed over the servers."""
         self.last_sync_each: list[dict[str, float]] = []
         """The last sync's metrics per server (`weight_sync/rejoined`: joined afresh after a restart)."""
-        self._turns: dict[Future, TurnRequest] = {}
         self._turn_pool: ThreadPoolExecutor | None = None
+        self._turn_lock = threading.Lock()
         self._next_server = 0
+        self._channel = TurnChannel(self)
         self.sync_weights(chunks, verify=verify)
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
@@ -116,32 +118,46 @@ class ServerRollout:
 
     def submit_turn(self, request: TurnRequest) -> None:
         """Rank 0 only: the turn goes to the next server as its own request (one completion, `max_tokens` at most,
-        the trainer's sampling settings), on a background thread."""
+        the trainer's sampling settings), on a background thread (the engine's own turn channel)."""
+        self._channel.submit_turn(request)
+
+    def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
+        """The engine's own channel's finished turns (`TurnChannel.collect_turns`)."""
+        return self._channel.collect_turns(timeout_s)
+
+    def turn_channel(self) -> TurnChannel:
+        """A turn channel of its own (a multi-turn round generated ahead while the trainer's thread drives another
+        round's turns, DAPO's further attempts): its `collect_turns` returns its own turns only."""
+        return TurnChannel(self)
+
+    def _send_turn(self, request: TurnRequest) -> Future:
         if not self.client.clients:
             raise RuntimeError(f"rank {self.ps.rank}: turns are asked by rank {self.client.src}, which holds the "
                                "HTTP clients")
-        if self._turn_pool is None:
-            self._turn_pool = ThreadPoolExecutor(MAX_TURNS_IN_FLIGHT, thread_name_prefix="rollout-turn")
-        client = self.client.clients[self._next_server % len(self.client.clients)]
-        self._next_server += 1
+        with self._turn_lock:  # channels in two threads
+            if self._turn_pool is None:
+                self._turn_pool = ThreadPoolExecutor(MAX_TURNS_IN_FLIGHT, thread_name_prefix="rollout-turn")
+            server = self._next_server % len(self.client.clients)
+            self._next_server += 1
         generation = replace(self.generation, max_completion_length=request.max_tokens)
         seeds = None if request.seed is None else [request.seed]
-        future = self._turn_pool.submit(client.generate, [list(request.prompt_ids)], 1, seeds, generation,
-                                        self.client.structured_outputs_regex)
-        self._turns[future] = request
+        return self._turn_pool.submit(self._turn, server, list(request.prompt_ids), seeds, generation)
 
-    def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
-        """The turns whose requests have answered (at least one, unless `timeout_s` passes or none is in flight); a
-        failed request raises its RolloutServerError here."""
-        if not self._turns:
-            return []
-        finished, _ = wait(list(self._turns), timeout=timeout_s, return_when=FIRST_COMPLETED)
-        done = []
-        for future in finished:
-            request, rollout = self._turns.pop(future), future.result()
-            done.append(TurnResult(request.key, rollout.completion_ids[0], rollout.sampling_logprobs[0],
-                                   rollout.is_truncated[0]))
-        return done
+    def _turn(self, server: int, prompt_ids: list[int], seeds: list[int] | None,
+              generation: GenerationConfig) -> Rollout:
+        """One turn's request (a turn thread); RolloutServerLost when a process other than the one last synced
+        answered it (a restarted server samples from its checkpoint, not the trainer's weights)."""
+        client = self.client.clients[server]
+        rollout = client.generate([prompt_ids], 1, seeds, generation, self.client.structured_outputs_regex)
+        synced = self.client.synced_instance[server]
+        if synced is not None and client.last_instance not in (None, synced):
+            raise RolloutServerLost(f"rollout server {client.base_url} restarted since the last weight sync (process "
+                                    f"{synced} -> {client.last_instance}): a turn would sample from its checkpoint")
+        return rollout
+
+    def recover(self, lost: Exception) -> None:
+        """A lost server (collective): wait for every server, push the weights last pushed again."""
+        self.client.recover(lost)
 
     def sleep(self) -> None:
         """No-op: the servers have accelerators of their own."""
@@ -150,9 +166,48 @@ class ServerRollout:
         """No-op (see `sleep`)."""
 
     def close(self) -> None:
+        """Turns not yet sent are dropped; those in flight are waited for (their HTTP answers), then the clients."""
         if self._turn_pool is not None:
-            self._turn_pool.shutdown(wait=True)
+            self._turn_pool.shutdown(wait=True, cancel_futures=True)
         self.client.close()
+
+
+class TurnChannel:
+    """One driver's turns (rank 0): its requests in flight, sent through the servers' shared pool of turn threads;
+    `collect_turns` sees only them, so two multi-turn rounds can be driven at once (one from the trainer's thread,
+    one ahead in the background) without taking each other's answers."""
+
+    def __init__(self, rollout: ServerRollout):
+        self.rollout = rollout
+        self._turns: dict[Future, TurnRequest] = {}
+
+    def submit_turn(self, request: TurnRequest) -> None:
+        self._turns[self.rollout._send_turn(request)] = request
+
+    def collect_turns(self, timeout_s: float | None = None) -> list[TurnResult]:
+        """The turns whose requests have answered (at least one, unless `timeout_s` passes or none is in flight); a
+        failed request raises its RolloutServerError here (RolloutServerLost: a server gone or restarted), and the
+        other turns in flight are dropped with it (their round failed: the caller recovers and asks again)."""
+        if not self._turns:
+            return []
+        finished, _ = wait(list(self._turns), timeout=timeout_s, return_when=FIRST_COMPLETED)
+        done = []
+        for future in finished:
+            request = self._turns.pop(future)
+            try:
+                rollout = future.result()
+            except BaseException:
+                self._turns.clear()
+                raise
+            done.append(TurnResult(request.key, rollout.completion_ids[0], rollout.sampling_logprobs[0],
+                                   rollout.is_truncated[0]))
+        return done
+
+    def wake_up(self) -> None:
+        """No-op (the servers' accelerators are their own)."""
+
+    def sleep(self) -> None:
+        """No-op (see `wake_up`)."""
 
 
 def _check_lora_support(client: SharedRolloutClient, adapter: LoraSettings) -> None:

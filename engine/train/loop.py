@@ -457,9 +457,22 @@ def finish(run: Run, summary: dict) -> None:
 
 
 def abort(run: Run | None) -> None:
-    """After an exception: close what `run` holds (None: `build_run` did not finish), each part even if another
-    fails, then tear down Megatron's parallel state and the process group (no collectives: a rank may be gone)."""
+    """After an exception: cancel a multi-turn round generated ahead (no further turn, its thread joined, bounded),
+    give every environment instance back, close what `run` holds (None: `build_run` did not finish), each part even
+    if another fails, then tear down Megatron's parallel state and the process group (no collectives: a rank may be
+    gone)."""
     if run is not None:
+        stopped = True
+        if run.pipeline is not None:  # a multi-turn round generated ahead: no more turns, its thread joined
+            with contextlib.suppress(Exception):
+                stopped = run.pipeline.cancel()
+        if not stopped and run.ps.rank == 0:
+            warnings.warn("abort: the thread of the multi-turn round generated ahead did not stop in time (a "
+                          "rollout_func or an environment's reset still runs); it is left to end on its own",
+                          RuntimeWarning, stacklevel=2)
+        if run.sampler.agentic is not None:  # every environment instance back in the pool, tool threads stopped
+            with contextlib.suppress(Exception):
+                run.sampler.agentic.abort()
         for part in (run.logger, run.rewards, run.engine):
             if part is not None:
                 with contextlib.suppress(Exception):

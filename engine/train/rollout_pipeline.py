@@ -96,7 +96,8 @@ class RolloutPipeline:
     weights (their staleness is then 0, and `regenerated_note` says so in a warning), before any new round; the
     data position and the curriculum's prompts are kept. A server lost while a round is in flight is
     handled as in the synchronous loop (engine/rollout/client.py `SharedRolloutClient`: wait, resync the current
-    weights, ask again: that round is then sampled by the current version, and its staleness says so).
+    weights, ask again: that round is then sampled by the current version, and its staleness says so); a multi-turn
+    round the same way (engine/train/sampling.py `PendingAgenticRound.result`: the whole round is generated again).
     """
 
     def __init__(self, engine: RolloutEngine, draw_prompts: Callable[[], tuple[PromptBatch, bool]], max_staleness: int,
@@ -190,6 +191,18 @@ class RolloutPipeline:
             pending, handle = self.in_flight
             self.in_flight = None
             self.ready.append(self._finish(pending, handle, version))
+
+    def cancel(self) -> bool:
+        """After a failed run (engine/train/loop.py `abort`; not collective, no rollout is shared): the round in flight,
+        if its handle can be cancelled (a multi-turn round: its thread stops issuing turns and is joined, bounded),
+        is dropped. False when its thread did not stop in time. A single-turn request is left to end (the engine's
+        close waits for its HTTP answer)."""
+        if self.in_flight is None:
+            return True
+        _, handle = self.in_flight
+        self.in_flight = None
+        cancel = getattr(handle, "cancel", None)
+        return cancel() if cancel is not None else True
 
     # --- metrics and state ------------------------------------------------------------------------------------------
 

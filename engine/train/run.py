@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig, GRPOConfigSection, config_to_dict, write_resolved_config
 from engine.grpo.policy_loss import PolicyLossConfig, entropy_coef_to_apply, update_entropy_coef
-from engine.lora_settings import LoraSettings, lora_settings_from_config
+from engine.lora_settings import LoraSettings, lora_settings_from_config, refuse_expert_adapters
 from engine.models.model_dir import resolve_model_dir
 from engine.policy.hf_convert import ModelDims
 from engine.policy.lora import apply_lora, merged_lora
@@ -163,9 +163,11 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     if cfg.model.moe_enable_routing_replay and not dims.num_experts:
         raise ValueError(f"model.moe_enable_routing_replay replays routed experts, but {name} "
                          f"({hf_config.model_type}) has no mixture-of-experts layers: set it to false")
+    lora = lora_settings_from_config(cfg.lora) if cfg.lora.use_peft else None
+    if lora is not None:  # before the model is built and loaded
+        refuse_expert_adapters(lora, hf_config.model_type, dims.num_experts)
     chunks = build_policy(hf_config, cfg.model, ps, cfg.train)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
-    lora = lora_settings_from_config(cfg.lora) if cfg.lora.use_peft else None
     if lora is not None:  # before the optimizer: it then holds the adapters only
         apply_lora(chunks, lora, ps, seed=cfg.train.seed)
     reference = None if cfg.grpo.beta == 0 else (ReferencePolicy.base_of(chunks, ps) if lora is not None else  # no copy
@@ -224,13 +226,12 @@ def close_on_error(opened: list):
 
 def build_agentic(cfg: EngineConfig, agentic: dict | None, tokenizer, model_name: str):
     """The run's `AgenticRollout` (engine/agent/), or None without tools, environments or rollout_func. Refused
-    (engine/agent/agentic_rollout.py `check_layout`): a colocated vLLM engine over several ranks, and with rounds
-    generated ahead (`rollout.max_staleness` > 0) a rollout_func or dynamic sampling."""
+    (engine/agent/agentic_rollout.py `check_layout`): a colocated vLLM engine over several ranks."""
     from engine.agent.agentic_rollout import AgenticRollout, check_layout
 
     if not agentic or not any(v is not None and v != [] for v in agentic.values()):
         return None
-    check_layout(cfg.rollout, [k for k, v in agentic.items() if v], use_dynamic_sampling=cfg.grpo.use_dynamic_sampling)
+    check_layout(cfg.rollout, [k for k, v in agentic.items() if v])
     return AgenticRollout(tools=agentic.get("tools"), environment_factory=agentic.get("environment_factory"),
                           rollout_func=agentic.get("rollout_func"), tokenizer=tokenizer, generation=cfg.generation,
                           model_name=model_name)
@@ -352,7 +353,8 @@ def export_initial_adapter(cfg: EngineConfig, target: str | Path) -> Path:
 def export_policy(run: Run, out_dir: str | Path) -> None:
     """Write the current policy as a Hugging Face checkpoint in the model's dtype, with the model directory's
     config and tokenizer files (collective: every rank calls it). With LoRA: a PEFT adapter directory instead
-    (engine/policy/peft_adapter.py, with the tokenizer files), and with `lora.lora_save_merged` the merged model as
+    (engine/policy/peft_adapter.py, with the tokenizer files; the adapters in their own dtype, lora.lora_adapter_dtype,
+    as PEFT saves them), and with `lora.lora_save_merged` the merged model as
     an HF checkpoint to `<out_dir>_merged` too."""
     from transformers import AutoConfig
 
@@ -365,7 +367,7 @@ def export_policy(run: Run, out_dir: str | Path) -> None:
         export_hf_checkpoint(run.chunks, run.ps, out_dir, hf_config, run.dims, tokenizer_dir=run.model_dir, dtype=dtype)
         return
     out_dir = Path(out_dir)
-    save_peft_adapter(run.chunks, run.ps, out_dir, run.lora, base_model_name_or_path=str(run.model_dir), dtype=dtype)
+    save_peft_adapter(run.chunks, run.ps, out_dir, run.lora, base_model_name_or_path=str(run.model_dir))  # as held
     if run.ps.rank == 0:
         for name in TOKENIZER_FILES:
             if (run.model_dir / name).exists():

@@ -22,9 +22,10 @@ test_group_filter.py, test_dynamic_prompts.py.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -39,6 +40,7 @@ from engine.grpo.dynamic_sampling import assemble_rounds, find_informative_group
 from engine.grpo.group_filter import filter_groups
 from engine.config import DataConfig, GenerationConfig, GRPOConfigSection
 from engine.policy.parallel import ParallelState
+from engine.rollout.client import RolloutServerLost
 from engine.rollout.protocol import RolloutEngine
 from engine.rollout.rollouts import Rollout
 from engine.train.data import PromptBatch, PromptDataset
@@ -50,6 +52,11 @@ from engine.train.rollout_pipeline import RolloutPipeline, staleness_metrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+CANCEL_JOIN_S = 30.0
+"""After a failed run: how long the background thread of a round generated ahead is waited for once cancelled (it
+stops within engine/agent/multi_turn.py `CANCEL_POLL_S` unless a user's function holds it)."""
 
 
 @dataclass
@@ -168,59 +175,115 @@ def generate(sampler: RoundSampler, picked: PromptBatch, g: int, seeds: list[int
     receive besides the dataset columns. Multi-turn (engine/agent/): rank 0 drives every sample, then broadcasts."""
     if sampler.agentic is None:
         return sampler.engine.generate(picked.prompt_ids, g, seeds), {}
+
+    def drive():
+        return sampler.agentic.generate(sampler.engine, picked.prompts, picked.prompt_ids, picked.columns, g, seeds)
+
+    try:
+        return _shared_round(sampler, drive, "a multi-turn round")
+    except RolloutServerLost as lost:  # as single-turn rounds: wait for the servers, resync, ask once more
+        sampler.engine.recover(lost)
+        return _shared_round(sampler, drive, "a multi-turn round")
+
+
+def _shared_round(sampler: RoundSampler, drive: Callable, what: str) -> tuple[Rollout, dict]:
+    """Rank 0 runs `drive()` (an `AgenticRound`); every rank gets its rollout, rank 0 its reward columns too. A
+    failure reaches every rank: RolloutServerLost (a server gone or restarted: the caller recovers), else the error
+    itself on rank 0 and a RuntimeError naming it on the others (which would otherwise wait in the broadcast)."""
     held: list = [None]
     extra: dict = {}
+    failure: BaseException | None = None
     if sampler.ps.rank == 0:
-        agentic = sampler.agentic.generate(sampler.engine, picked.prompts, picked.prompt_ids, picked.columns, g, seeds)
-        held, extra = [agentic.rollout], agentic.columns
+        try:
+            done = drive()
+            held, extra = [("ok", done.rollout)], done.columns
+        except RolloutServerLost as lost:
+            held = [("lost", str(lost))]
+        except Exception as e:  # noqa: BLE001 - raised on every rank below, not only here
+            failure, held = e, [("error", f"{what} failed on rank 0: {type(e).__name__}: {e}")]
     dist.broadcast_object_list(held, src=0)
-    return held[0], extra
+    status, value = held[0]
+    if status == "lost":
+        raise RolloutServerLost(value)
+    if status == "error":
+        raise failure if failure is not None else RuntimeError(value)
+    return value, extra
 
 
 class PendingAgenticRound:
     """A multi-turn round generated ahead (engine/train/rollout_pipeline.py, `rollout.max_staleness` > 0, server mode):
     rank 0's background thread drives its samples' turns against the servers and runs their tools while the trainer
-    trains (`AgenticRollout.generate`, as `generate` does synchronously); `result()` shares the rollout (collective)
+    trains (`AgenticRollout.generate`, as `generate` does synchronously; a `rollout_func` runs there too, on a view of
+    the trainer: engine/api/trl_agentic.py `BoundRolloutFunc.for_round_ahead` says what it may touch and why);
+    `result()` shares the rollout (collective)
     and keeps the reward functions' per-row values in `extra` (rank 0). Off-policy rows are corrected as single-turn
     ones: the behaviour log-probs are the engine's per sampled token, tool tokens masked (tool_mask).
 
     The pipeline's `PendingRollout` (engine/rollout/protocol.py): the pipeline asks one round at a time and pushes
     weights only between rounds, so the servers never change weights under a turn. A failure on rank 0 (a tool loop
-    error, a lost server) is raised on every rank by `result()`."""
+    error) is raised on every rank by `result()`; a lost server is recovered from as for a single-turn round
+    (`result`); a failed run cancels the round (`cancel`, engine/train/loop.py `abort`)."""
 
     def __init__(self, sampler: RoundSampler, picked: PromptBatch, num_generations: int, seeds: list[int]):
-        self.sampler = sampler
+        self.sampler, self.request = sampler, (picked, num_generations, seeds)
         self.done_at: float | None = None
         self.regenerated = False
         self.extra: dict = {}
         self._future = None
+        self._cancelled = threading.Event()
         if sampler.ps.rank == 0:
+            # its own tokenizer (the trainer's thread decodes meanwhile); a rollout_func bound to a view of the
+            # trainer as it is now, at the step the round is issued (engine/api/trl_agentic.py `BoundRolloutFunc`)
+            agentic = sampler.agentic.for_round_ahead()
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentic-ahead")
-            self._future = self._executor.submit(self._run, picked, num_generations, seeds)
+            self._future = self._executor.submit(self._run, agentic, picked, num_generations, seeds)
 
-    def _run(self, picked: PromptBatch, num_generations: int, seeds: list[int]):
+    def _run(self, agentic, picked: PromptBatch, num_generations: int, seeds: list[int]):
         try:
-            agentic = self.sampler.agentic.ahead()  # its own tokenizer: the trainer's thread decodes meanwhile
-            return agentic.generate(self.sampler.engine, picked.prompts, picked.prompt_ids, picked.columns,
-                                    num_generations, seeds)
+            channel = self.sampler.engine.turn_channel()  # its own turns: the trainer's thread may drive others
+            return agentic.generate(channel, picked.prompts, picked.prompt_ids, picked.columns,
+                                    num_generations, seeds, cancelled=self._cancelled)
         finally:
             self.done_at = time.perf_counter()
 
+    def cancel(self, timeout_s: float = CANCEL_JOIN_S) -> bool:
+        """After a failed run (engine/train/loop.py `abort`; not collective): no further turn is issued, the round's
+        environment instances go back to the pool (`AgenticRollout.generate` releases them as it stops), and the
+        background thread is joined, `timeout_s` at most. False when it did not stop in time (a user's
+        `rollout_func` or environment `reset` still running: it is left to end on its own)."""
+        self._cancelled.set()
+        if self._future is None:
+            return True
+        try:
+            wait([self._future], timeout=timeout_s)
+            stopped = self._future.done()
+            self._executor.shutdown(wait=stopped, cancel_futures=True)
+            return stopped
+        finally:
+            self._future = None
+
     def result(self) -> Rollout:
-        """The rollout on every rank (collective)."""
-        held: list = [None]
-        if self.sampler.ps.rank == 0:
+        """The rollout on every rank (collective). A server lost while the round was driven (gone, or restarted
+        since the last sync): as a single-turn round (engine/rollout/client.py `PendingGenerate`), every rank waits
+        for the servers, the current weights are synced into them again, and the round is generated again now
+        (synchronously, same prompts and seeds; `regenerated`: it is sampled by the current version)."""
+        future = self._future
+
+        def done():
             try:
-                done = self._future.result()
-                held, self.extra = [done.rollout], done.columns
-            except Exception as e:  # noqa: BLE001 - raised on every rank below, not only here
-                held = [RuntimeError(f"a multi-turn round generated ahead failed on rank 0: {type(e).__name__}: {e}")]
+                return future.result()
             finally:
                 self._executor.shutdown(wait=False)
-        dist.broadcast_object_list(held, src=0)
-        if isinstance(held[0], Exception):
-            raise held[0]
-        return held[0]
+
+        try:
+            rollout, self.extra = _shared_round(self.sampler, done, "a multi-turn round generated ahead")
+        except RolloutServerLost as lost:
+            self.regenerated = True
+            self.sampler.engine.recover(lost)
+            rollout, self.extra = generate(self.sampler, *self.request)
+        finally:
+            self._future = None
+        return rollout
 
 
 def release_environments(sampler: RoundSampler, extra: dict) -> None:

@@ -119,20 +119,20 @@ def test_auto_keeps_a_layers_own_attention_and_an_explicit_sdpa_there_is_refused
 
     from engine.config import ModelConfig
     from engine.policy.model import _layer_spec
-    from engine.policy.sdpa_attention import attention_specs, sdpa_core_attention_class
+    from engine.policy.sdpa_attention import attention_specs as _attention_specs, sdpa_core_attention_class
 
     spec = _layer_spec(ModelConfig(transformer_impl="local"))
     core = lambda s: s.submodules.self_attention.submodules.core_attention  # noqa: E731
     plain, windowed = SimpleNamespace(window_size=None), SimpleNamespace(window_size=(4, 0))
     for implementation in ("auto", "sdpa"):
-        assert core(attention_specs(spec, None, plain, implementation, "qwen2")[0]) is sdpa_core_attention_class()
-    assert attention_specs(spec, None, plain, "eager", "qwen2")[0] is spec
-    assert attention_specs(spec, None, windowed, "auto", "gemma3_text")[0] is spec
+        assert core(_attention_specs(spec, None, plain, implementation, "qwen2")[0]) is sdpa_core_attention_class()
+    assert _attention_specs(spec, None, plain, "eager", "qwen2")[0] is spec
+    assert _attention_specs(spec, None, windowed, "auto", "gemma3_text")[0] is spec
     with pytest.raises(ValueError, match=r"sdpa cannot act on this gemma3_text model: the sliding window \(4, 0\)"):
-        attention_specs(spec, None, windowed, "sdpa", "gemma3_text")
+        _attention_specs(spec, None, windowed, "sdpa", "gemma3_text")
     own = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=dataclasses.replace(
         spec.submodules.self_attention, submodules=dataclasses.replace(
             spec.submodules.self_attention.submodules, core_attention=SimpleNamespace))))
-    assert attention_specs(own, None, plain, "auto", "gpt_oss")[0] is own
+    assert _attention_specs(own, None, plain, "auto", "gpt_oss")[0] is own
     with pytest.raises(ValueError, match="its own core attention"):
-        attention_specs(own, None, plain, "sdpa", "gpt_oss")
+        _attention_specs(own, None, plain, "sdpa", "gpt_oss")

@@ -78,3 +78,23 @@ def optimizer_state_numel(popt) -> int:
         for state in inner.optimizer.state.values():
             total += state["exp_avg"].numel() if "exp_avg" in state else 0
     return total
+
+
+def held_dtypes(chunks, popt) -> dict[str, list[str]]:
+    """The dtypes (sorted names) this rank holds: "adapters" (A and B), "frozen" (the base), "main_grads" (the adapters'
+    gradient buffers), "optimizer_params" (what the optimizer updates: the adapters or their fp32 main copies) and
+    "optimizer_state" (Adam's moments)."""
+    from engine.policy.lora import is_lora_param
+    from engine.train.checkpoint import _inner_optimizers
+
+    def names(tensors) -> list[str]:
+        return sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+
+    params = [(name, p) for chunk in chunks for name, p in chunk.named_parameters()]
+    inner = [opt.optimizer for opt in _inner_optimizers(popt.optimizer)]
+    return {"adapters": names(p for n, p in params if is_lora_param(n)),
+            "frozen": names(p for n, p in params if not is_lora_param(n)),
+            "main_grads": names(p.main_grad for n, p in params if is_lora_param(n)),
+            "optimizer_params": names(p for opt in inner for group in opt.param_groups for p in group["params"]),
+            "optimizer_state": names(s for opt in inner for state in opt.state.values() for s in state.values()
+                                     if torch.is_tensor(s) and s.dim() > 0)}

@@ -178,7 +178,8 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     `micro_batch_size` x the longest sequence tokens per micro-batch).
     `train` (engine.config.TrainConfig) sets the activation recompute (None: TrainConfig()'s full recompute).
     `lora` (engine.policy.lora.LoraSettings): adapters on the frozen base, B perturbed (tests/helpers/lora.py), the
-    result written as a PEFT adapter instead (the adapters before the step to `<out_dir>_initial`), plus "optimizer_numel": the elements of this rank's optimizer state.
+    result written as a PEFT adapter instead (the adapters before the step to `<out_dir>_initial`), plus
+    "optimizer_numel" (the elements of this rank's optimizer state) and "dtypes" (tests/helpers/lora.py held_dtypes).
     Returns {"loss": the summed micro-batch losses on the last stage's TP rank 0, else None, "grad_norm",
     "layer_forwards": this rank's transformer-layer forwards during the step (recompute doubles them)}.
     """
@@ -214,10 +215,10 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     stats = popt.step()
     extra = {}
     if lora is not None:
-        from tests.helpers.lora import optimizer_state_numel
+        from tests.helpers.lora import held_dtypes, optimizer_state_numel
 
         save_peft_adapter(chunks, ps, out_dir, lora, base_model_name_or_path=model_dir)
-        extra["optimizer_numel"] = optimizer_state_numel(popt)
+        extra = {"optimizer_numel": optimizer_state_numel(popt), "dtypes": held_dtypes(chunks, popt)}
     else:
         export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims)
     reports = ps.is_last_stage and ps.tp_rank == 0

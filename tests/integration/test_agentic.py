@@ -21,12 +21,17 @@ what is tested is the engine's machinery, not the model's skill. The shipped too
 - a run resumed from checkpoint-1 logs step 2 as the uninterrupted run did (environments rebuilt and reset: their
   state is not checkpointed);
 - server mode with rounds generated one ahead (max_staleness=1): staleness exactly 1, the tool mask in the
-  off-policy correction, environments leased per round, and resume generating the round ahead again.
+  off-policy correction, environments leased per round, and resume generating the round ahead again; abort safety
+  (a reward function raising at step 2 while the round ahead is driven): no engine thread left, every environment
+  instance back in the pool, a second trainer in the same process trains; and survives the server SIGKILLed (and
+  restarted) with a multi-turn round in flight; rollout_func at max_staleness=1 (background thread, a view of the
+  trainer); DAPO's dynamic sampling with tools at max_staleness=1.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -297,6 +302,13 @@ TOOL_RESULTS: list[str] = []
 """The tool messages the reward function saw (the rank's process): rows where a tool result reached the model."""
 
 
+class QuietCalculator:
+    """The calculator environment without `get_reward` (whose scores would make every group informative)."""
+
+    reset = Calculator.reset
+    calculate = Calculator.calculate
+
+
 def _any_answer(completions, **kwargs):
     TOOL_RESULTS.extend(m["content"] for c in completions for m in c if m.get("role") == "tool")
     return [float("<answer>" in c[-1]["content"]) for c in completions]
@@ -364,6 +376,97 @@ def _calculator_in_server_mode(output_dir: str, url: str, token: str, group_port
             "step": trainer.state.global_step}
 
 
+ENGINE_THREADS = ("agentic-ahead", "rollout-turn", "rollout-async", "rollout-request", "tool")
+"""Name prefixes of the engine's threads (a round generated ahead, turn requests, single-turn requests, tools)."""
+
+
+def _fails_then_trains(output_dir: str, url: str, token: str, ports: list[int], server_pid: int, marker: str) -> dict:
+    """Abort safety (DP=1, rounds generated one ahead): a reward function raises at step 2 (round 1, while round 2
+    is driven by rank 0's background thread); then the engine's threads still alive, the environment pool's leased
+    instances, and a second trainer in the same process against the same server, 3 steps, whose reward function
+    SIGKILLs the server at step 2 (round 2's turns in flight) and leaves `marker` for the test, which restarts it."""
+    import os
+    import signal
+    import threading
+
+    from engine import GRPOConfig, GRPOTrainer
+    from engine.demo.tool_warm_start import calculator_dataset
+
+    os.environ["GRPO_ENGINE_TOKEN"] = token
+
+    def fails_at_step_2(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1:
+            raise RuntimeError("reward fails at step 2")
+        return [0.0] * len(completions)
+
+    def args(name: str, max_steps: int, port: int, max_completion_length: int = 128, **more) -> GRPOConfig:
+        return GRPOConfig(output_dir=str(Path(output_dir) / name), max_steps=max_steps, save_steps=100, bf16=False,
+                          vllm_mode="server", vllm_server_base_url=url, vllm_group_port=port, max_staleness=1,
+                          per_device_train_batch_size=8, num_generations=4, max_completion_length=max_completion_length,
+                          max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1, report_to="none",
+                          **more)
+
+    trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=[fails_at_step_2], args=args("c", 4, ports[0]),
+                          train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
+    error = ""
+    try:
+        trainer.train()
+    except Exception as e:  # noqa: BLE001 - what the test looks at
+        error = f"{type(e).__name__}: {e}"
+    engine_threads = lambda: [t.name for t in threading.enumerate() if t.name.startswith(ENGINE_THREADS)]  # noqa: E731
+    deadline = time.monotonic() + 5.0  # idle pool workers leave on their own after shutdown
+    while engine_threads() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pool = trainer._agentic.loop_inputs["environment_factory"]
+    out = {"error": error, "alive": engine_threads(), "leased": pool.num_leased(), "instances": pool.num_instances()}
+
+    def kills_the_server_at_step_2(completions, trainer_state, **kwargs):
+        if trainer_state.global_step == 1 and not Path(marker).exists():
+            os.kill(server_pid, signal.SIGKILL)
+            Path(marker).write_text("killed")
+        return [0.0] * len(completions)
+
+    second = GRPOTrainer(model=CALC_MODEL, reward_funcs=[_any_answer, kills_the_server_at_step_2],
+                         args=args("d", 3, ports[1]), train_dataset=calculator_dataset("train", 64),
+                         environment_factory=Calculator)
+    second.train()
+    out |= {"second_step": second.state.global_step,
+            "second_history": [h for h in second.state.log_history if "tools/call_frequency" in h]}
+    calls = []
+
+    def rollout_func(prompts, trainer):  # TRL's contract, generating with the engine through the trainer
+        tokenizer = trainer.processing_class
+        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for p in prompts]
+        completion_ids, logprobs = trainer._generate_single_turn(ids, None, {}, 4)
+        calls.append({"thread": threading.current_thread().name, "step": trainer.state.global_step,
+                      "rows": len(prompts), "view": trainer is not third and isinstance(trainer, GRPOTrainer),
+                      "own_tokenizer": tokenizer is not third.processing_class})
+        return {"prompt_ids": ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    third_args = args("e", 2, ports[2], max_completion_length=32)
+    third = GRPOTrainer(model=CALC_MODEL, reward_funcs=lambda completions, **kw: [len(c[-1]["content"]) / 100.0
+                                                                                for c in completions],
+                        args=third_args, train_dataset=calculator_dataset("train", 64), rollout_func=rollout_func)
+    third.train()
+    out |= {"rollout_func_calls": calls,
+            "rollout_func_history": [h for h in third.state.log_history if "rollout/staleness_mean" in h]}
+    scored = []
+
+    def informative_on_second_attempts(completions, **kwargs):  # every round's first attempt all 0: DAPO asks again
+        scored.append(len(completions))
+        if len(scored) % 2:
+            return [0.0] * len(completions)
+        return [len(json.dumps(c)) / 1000.0 for c in completions]
+
+    dapo = args("f", 2, ports[3], use_dynamic_sampling=True, dynamic_sampling_max_rounds=2)
+    fourth = GRPOTrainer(model=CALC_MODEL, reward_funcs=[informative_on_second_attempts], args=dapo,
+                         train_dataset=calculator_dataset("train", 64), environment_factory=QuietCalculator)
+    fourth.train()
+    return out | {"dapo_scored": scored, "dapo_leased": fourth._agentic.loop_inputs["environment_factory"].num_leased(),
+                  "dapo_history": [h for h in fourth.state.log_history if "tools/call_frequency" in h]}
+
+
 @pytest.mark.slow
 def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_resume_regenerates_it(tmp_path):
     """Server (split) mode with tools at DP=2, rounds generated one ahead (max_staleness=1): the multi-turn rows
@@ -378,7 +481,29 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     - round 1's environments are other instances than round 0's (round 0's get_reward is read after round 1 has
       reset its own: the pool leases them per round);
     - resume: checkpoint-1 held round 1 by its prompts and seeds only (environments are not checkpointed), so run B
-      warns, generates round 1 again from the restored weights (staleness 0) with the same prompts, and trains step 2.
+      warns, generates round 1 again from the restored weights (staleness 0) with the same prompts, and trains step 2;
+    - abort (a third launch, DP=1: a reward function raising on rank 0 would leave rank 1 in its broadcast): the
+      reward raises at step 2 while round 2 is driven ahead; after the error no engine thread is alive (the round
+      ahead cancelled and joined), the pool has every instance back, and a second trainer in the same process trains
+      3 steps against the same server;
+    - a server lost during a round ahead: that second trainer's reward function SIGKILLs the server at step 2 (round
+      2's turns in flight), the test restarts it on its port; as a single-turn round in flight
+      (tests/integration/test_async_rollout.py), the round is asked again once the restarted server is synced with
+      the current weights (staleness 0 at step 3, one restart counted) and the run completes.
+    - rollout_func with rounds generated one ahead (a third trainer, 2 steps, generating through
+      `trainer._generate_single_turn`): called in rank 0's background thread on a view of the trainer at the step
+      the round was issued, with its own tokenizer; staleness [0, 1]; its log-probs drive the correction (round 0's
+      gap to the trainer < 1e-3, round 1's above).
+    - DAPO's dynamic sampling with tools at max_staleness=1 (a fourth trainer, 2 steps): the further attempt of
+      each round is driven from the trainer's thread while the round ahead is driven in the background, each
+      through a turn channel of its own (engine/rollout/server_rollout.py `TurnChannel`).
+    The third launch (four trainers, a server restart) adds ~90 s: the whole test took 199 s against 107 s before it
+    (both measured the same hour on the shared 2-core machine, load average 13-17). Mutation-checked: `abort`
+    not cancelling the pipeline ('agentic-ahead_0' alive), the agentic abort not releasing the leases (8 leased:
+    round 1's, never scored), `PendingAgenticRound.result` re-raising the lost server (the run fails), the round
+    ahead's rollout_func bound to the live trainer (not a view, the trainer's tokenizer, and round 1 saw step 1:
+    the trainer had moved on while it ran), the DAPO round ahead on the engine's own turn channel (KeyError: a turn
+    of the other driver taken).
     max_completion_length 128: a tool call (~75 tokens of the tiny tokenizer) and its tool message (~39) must fit,
     or the sample ends at the call and no row holds tool tokens (measured at 96: 0 tool messages in every round).
     Measured (2 cores): round 1 at staleness 1 has min IS ratio 0.76, mean |log-prob gap| 0.006 (at DP=1); ~2 min.
@@ -394,8 +519,53 @@ def test_tool_rows_at_dp2_in_server_mode_one_round_ahead_match_the_trainer_and_r
     try:
         runs = {name: run_distributed(_calculator_in_server_mode, 2, str(tmp_path), server.url, server.token,
                                       _group_port(), name) for name in ("a", "b")}
+        marker = tmp_path / "killed"
+        restarted = []  # the server restarted on its port once the second trainer's reward killed it
+
+        def restart():
+            while not marker.exists() and len(restarted) == 0:
+                time.sleep(0.2)
+            if marker.exists():
+                server.proc.wait(timeout=30)
+                restarted.append(Server(tmp_path, server.token, "rollout.vllm_max_model_length=256", port=server.port))
+
+        watcher = threading.Thread(target=restart, daemon=True)
+        watcher.start()
+        try:
+            (aborted,) = run_distributed(_fails_then_trains, 1, str(tmp_path), server.url, server.token,
+                                         [_group_port() for _ in range(4)], server.proc.pid, str(marker))
+        finally:
+            restarted.append(None) if not marker.exists() else watcher.join(timeout=120)
     finally:
-        server.stop()
+        for each in [server, *(r for r in restarted if r is not None)]:
+            each.stop()
+    # abort safety: the failed run cancelled its round ahead (no engine thread left), gave every environment
+    # instance back, and a second trainer in the same process trains against the same server
+    assert "reward fails at step 2" in aborted["error"], aborted
+    assert aborted["alive"] == [] and aborted["leased"] == 0 and aborted["instances"] >= 8, aborted
+    # a server lost while a multi-turn round is driven ahead: as a single-turn round in flight, the round is asked
+    # again once the restarted server is synced with the current weights (staleness 0), and the run completes
+    second = aborted["second_history"]
+    assert aborted["second_step"] == 3 and [h["step"] for h in second] == [1, 2, 3], aborted
+    assert [h["rollout/staleness_mean"] for h in second] == [0.0, 1.0, 0.0], second
+    assert second[-1]["weight_sync/server_restarts"] == 1.0, second[-1]
+    assert all(h["tools/call_frequency"] > 0.2 for h in second), second
+    # rollout_func at max_staleness=1: called in the background thread for each round, one prompt per row, on a view
+    # of the trainer at the step the round was issued (0 for both: round 1 is issued before round 0 trains), with a
+    # tokenizer of its own; the log-probs it returns are the behaviour log-probs of the off-policy correction
+    calls, history = aborted["rollout_func_calls"], aborted["rollout_func_history"]
+    assert [(c["step"], c["rows"]) for c in calls] == [(0, 8), (0, 8)], calls
+    assert all(c["thread"].startswith("agentic-ahead") and c["view"] and c["own_tokenizer"] for c in calls), calls
+    assert [h["rollout/staleness_mean"] for h in history] == [0.0, 1.0], history
+    gaps = [h["sampling/sampling_logp_difference/mean"] for h in history]
+    assert gaps[0] < 1e-3 < gaps[1], gaps  # the engine's log-probs, by the weights it trains / one step stale
+    # DAPO's dynamic sampling with tools at max_staleness=1: every round's first attempt is uninformative, so a second
+    # attempt is driven from the trainer's thread while the round ahead drives its own turns (turn channels of their
+    # own); both rounds train from their second attempts, tool rows in them, every environment given back
+    dapo = aborted["dapo_history"]
+    assert aborted["dapo_scored"] == [8, 8, 8, 8], aborted["dapo_scored"]
+    assert [h["dynamic_sampling/rounds"] for h in dapo] == [2, 2], dapo
+    assert all(h["tools/call_frequency"] > 0.0 for h in dapo) and aborted["dapo_leased"] == 0, (dapo, aborted)
     a, b = runs["a"][0]["history"], runs["b"][0]["history"]
     by_run = {name: ranks[0]["seen"] for name, ranks in runs.items()}
     assert [h["step"] for h in a] == [1, 2] and [h["step"] for h in b] == [2], (a, b)

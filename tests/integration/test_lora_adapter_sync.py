@@ -10,10 +10,15 @@ adapter tensors. The payload is the adapters alone (far below the model's bytes)
 Server mode (one rollout server at engine TP 2, started with the trainer's lora settings, shared by two tests): the
 connection pushes the frozen base once, each later sync the adapter alone as a new version; both engine ranks' shares
 verify; prompt and sampling log-probs equal the trainer's (fp32); requests naming no adapter differ; a request naming
-an old version gets 410 and a round asked so is recovered (resynced, asked again); a wrong B scale is named on both
-engine ranks. The GRPO loop in server mode with adapter sync at bf16 (TRL's default) into the float32 server: every
-sync verified (the server holds the bf16 adapter in fp32), the export a PEFT adapter.
+an old version gets 410 and a round asked so is recovered (resynced, asked again); the server process stopped and a
+new one started on its port (a real restart): the next round finds it, the base and the adapter are synced into it
+again (verified) and its log-probs equal the trainer's; a wrong B scale is named on both engine ranks. The GRPO
+loop in server mode with adapter sync at bf16 (TRL's default; fp32 adapters, sent in bf16) into the float32 server:
+every sync verified (the server holds the bf16 adapter in fp32), checkpoints saved, the export a PEFT adapter.
 """
+
+import threading
+import time
 
 import pytest
 import torch
@@ -127,9 +132,10 @@ def test_adapter_sync_verifies_and_vllm_samples_with_the_adapter(model_dir):
     assert r["after"] < SYNC_TOLERANCE, r["after"]
 
 
-def _server_adapter_sync(url: str, token: str, group_port: int) -> dict:
+def _server_adapter_sync(url: str, token: str, group_port: int, server_pid: int) -> dict:
     """Trainer (one rank, float32, LoRA scale 1.5) against a rollout server started with the trainer's lora settings:
-    the connection's sync pushes the frozen base once and the adapter, each later one the adapter alone."""
+    the connection's sync pushes the frozen base once and the adapter, each later one the adapter alone. The server
+    process `server_pid` is stopped midway (the test's `_restart_when_stopped` starts a new one on its port)."""
     import os
     import warnings
 
@@ -152,7 +158,7 @@ def _server_adapter_sync(url: str, token: str, group_port: int) -> dict:
     popt = build_optimizer(OptimizerConfig(learning_rate=0.05, lr_scheduler_type="constant"), chunks, ps,
                            total_steps=4)
     rollout_cfg = RolloutConfig(vllm_mode="server", vllm_server_base_url=url, vllm_group_port=group_port,
-                                vllm_server_timeout=60.0)
+                                vllm_server_timeout=240.0)  # a restarted server at engine TP 2 takes a while
     server = ServerRollout(rollout_cfg, GenerationConfig(max_completion_length=8), ps, dims, popt.model,
                            ffn_hidden_size=hf_config.intermediate_size, dtype="float32", verify=True, adapter=settings)
     prompts = [[5 + i, 6 + 2 * i, 7 + 3 * i] for i in range(6)]
@@ -176,6 +182,8 @@ def _server_adapter_sync(url: str, token: str, group_port: int) -> dict:
             warnings.simplefilter("always")
             out["recovered_rows"] = len(server.generate(prompts, 2).completion_ids)
         out["recovery"] = ([str(w.message) for w in caught], server.client.num_restarts, client.lora_version, version)
+        out["restart"] = _restart_server(server, server_pid, prompts)
+        out["restart_health"] = logprob_health(popt.model, ps, server, batch, vocab)["weight_sync/logprob_diff_max"]
         # the trainer's expected digests of B with another scale than the config vLLM got: B must be caught
         config, version = peft_config_of(settings).to_dict(), server.adapter_version + 1
         out["scale_error"] = weight_sync_error(lambda: sync_adapter_server(
@@ -188,6 +196,33 @@ def _server_adapter_sync(url: str, token: str, group_port: int) -> dict:
         return out
     finally:
         server.close()
+
+
+def _restart_server(server, pid: int, prompts: list) -> dict:
+    """Stop the server process (SIGTERM), wait until it has exited, and ask for a round: the client finds the new
+    process (started by the test), waits for it, syncs the base and the adapter into it again, asks again."""
+    import os
+    import signal
+    import warnings
+    from pathlib import Path
+
+    (client,) = server.client.clients
+    old_instance, restarts = server.client.healths[0]["instance_id"], server.client.num_restarts
+    os.kill(pid, signal.SIGTERM)
+    stat, deadline = Path(f"/proc/{pid}/stat"), time.monotonic() + 180
+    while time.monotonic() < deadline:  # gone, or a zombie its parent (the test) has not reaped yet
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.2)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        rows = len(server.generate(prompts, 2).completion_ids)
+    return {"rows": rows, "restarts": server.client.num_restarts - restarts, "sync": dict(server.last_sync),
+            "new_instance": server.client.healths[0]["instance_id"] != old_instance,
+            "version": client.lora_version, "adapter_version": server.adapter_version}
 
 
 def _sampling_diff(chunks, ps, rollout, vocab: int) -> float:
@@ -212,11 +247,36 @@ def lora_server(tmp_path_factory):
 
     from tests.integration.test_rollout_server import Server
 
-    srv = Server(tmp_path_factory.mktemp("lora_server"), secrets.token_hex(16), "lora.use_peft=true",
-                 "lora.lora_weight_sync=adapter", "lora.lora_r=4", "lora.lora_target_modules=[all-linear]",
-                 "rollout.vllm_tensor_parallel_size=2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    tmp = tmp_path_factory.mktemp("lora_server")
+    srv = Server(tmp, secrets.token_hex(16), *LORA_SERVER_ARGS, env=LORA_SERVER_ENV)
+    srv.tmp, srv.closing, srv.restarter = tmp, False, None
     yield srv
+    srv.closing = True  # a restart not begun is not begun now; one under way ends before its server is stopped
+    if srv.restarter is not None:
+        srv.restarter.join()
     srv.stop()
+
+
+LORA_SERVER_ARGS = ("lora.use_peft=true", "lora.lora_weight_sync=adapter", "lora.lora_r=4",
+                    "lora.lora_target_modules=[all-linear]", "rollout.vllm_tensor_parallel_size=2")
+LORA_SERVER_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def _restart_when_stopped(srv, timeout_s: float = 400.0) -> None:
+    """A thread of the test process (`srv.restarter`): once the server process exits (the rank function stops it),
+    start a new one on its port with the same settings, which the fixture's `srv` then stands for (and stops)."""
+    from tests.integration.test_rollout_server import Server
+
+    def restart() -> None:
+        deadline = time.monotonic() + timeout_s
+        while srv.proc.poll() is None and not srv.closing and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if srv.proc.poll() is not None and not srv.closing:
+            new = Server(srv.tmp, srv.token, *LORA_SERVER_ARGS, env=LORA_SERVER_ENV, port=srv.port)
+            srv.proc, srv.log_path = new.proc, new.log_path
+
+    srv.restarter = threading.Thread(target=restart, daemon=True)
+    srv.restarter.start()
 
 
 @pytest.mark.slow
@@ -225,8 +285,9 @@ def test_adapter_sync_into_a_rollout_server_verifies_and_its_requests_name_the_a
 
     health = lora_server.client().health()
     assert health["max_lora_rank"] == 8 and health["vllm_tensor_parallel_size"] == 2, health
+    _restart_when_stopped(lora_server)
     (r,) = run_distributed(_server_adapter_sync, 1, lora_server.url, lora_server.token, _group_port(),
-                           timeout_s=400)
+                           lora_server.proc.pid, timeout_s=600)
     assert r["first"]["weight_sync/base_gib"] * 2**30 >= r["model_bytes"] * 0.9, "the connection pushes the base"
     assert "weight_sync/base_gib" not in r["stats"], "later syncs send the adapter alone"
     assert r["stats"]["weight_sync/tensors"] == 4 * 7 * 2, "A and B of 7 modules in each of 4 layers"
@@ -240,6 +301,12 @@ def test_adapter_sync_into_a_rollout_server_verifies_and_its_requests_name_the_a
     messages, restarts, version_after, version_before = r["recovery"]
     assert restarts == 1 and version_after == version_before + 1 and r["recovered_rows"] == 12, r["recovery"]
     assert any("HTTP 410" in m for m in messages), messages
+    # a real restart: the new process gets the frozen base and the adapter again (verified), then the round
+    restart = r["restart"]
+    assert restart["new_instance"] and restart["restarts"] == 1 and restart["rows"] == 12, restart
+    assert restart["sync"]["weight_sync/base_gib"] * 2**30 >= r["model_bytes"] * 0.9, "the base is pushed again"
+    assert restart["sync"]["weight_sync/digest_s"] > 0 and restart["version"] == restart["adapter_version"], restart
+    assert r["restart_health"] < SYNC_TOLERANCE, f"the restarted server's log-probs: {r['restart_health']}"
     for rank in (0, 1):  # every engine rank's share of each B differs
         assert f"engine rank {rank} of {lora_server.url} (its LoRA adapter) holds 28 of 56 tensors other than the " \
                "trainer sent" in r["scale_error"], r["scale_error"]

@@ -1,12 +1,13 @@
 """LoRA end to end on CPU (issue #29): the tiny config with `lora.use_peft` at TP=2 (real Megatron over gloo, real
 in-process vLLM), adapters on every linear, a high learning rate so they move: every round's weight sync is verified
-(digests) and vLLM's log-probs equal the trainer's (the engine holds the merged W + scale * B A, the trainer computes
-with the adapters); the final export is a PEFT adapter that `peft.PeftModel.from_pretrained` loads on the HF base,
-equal in logits to the merged export (`lora.lora_save_merged`), and different from the base (the adapters trained);
-the checkpoint resumes (the next step continues from the saved adapters and optimizer state). With
-`lora.lora_weight_sync=adapter` (TP=2, two ranks sharing one engine at engine TP 2: each rank's vLLM worker shards
-the whole adapter itself) every round's adapter-only sync verifies (each engine rank's share), moves the adapters only,
-and vLLM's log-probs (every request naming the adapter) equal the trainer's."""
+(digests) and vLLM's log-probs agree with the trainer's (the engine holds the merged W + scale * B A, the trainer
+computes with the adapters; the merged run at bf16 with fp32 adapters, TRL's defaults); the final export is a PEFT
+adapter that `peft.PeftModel.from_pretrained` loads on the HF base, close in logits to the (bf16) merged export
+(`lora.lora_save_merged`), and different from the base (the adapters trained); the checkpoint resumes (the next
+step continues from the saved adapters and optimizer state). With `lora.lora_weight_sync=adapter` (TP=2, two ranks
+sharing one engine at engine TP 2: each rank's vLLM worker shards the whole adapter itself) every round's adapter-only
+sync verifies (each engine rank's share), moves the adapters only, and vLLM's log-probs (every request naming the
+adapter) equal the trainer's."""
 
 import json
 
@@ -33,27 +34,37 @@ def _train(tp: int, output_dir: str, max_steps: int, resume: bool = False, *extr
 
 @pytest.mark.slow
 def test_lora_run_syncs_merged_weights_exports_a_peft_adapter_and_resumes(tmp_path):
+    """At TRL's default precision: a bf16 base with fp32 adapters (lora.lora_adapter_dtype), the merged sync (W + scale
+    * B A in fp32, rounded once to bf16) verified by digests every round, the non-distributed optimizer's checkpoint
+    (configs/tiny_cpu.yaml) resumed; the PEFT adapter is saved in fp32 (the fp32 equality of the engine, PEFT and
+    the merged export: tests/distributed/test_lora_layouts.py)."""
     from peft import PeftModel
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    summaries = run_distributed(_train, 2, 2, str(tmp_path), 2)
+    summaries = run_distributed(_train, 2, 2, str(tmp_path), 2, False, "model.dtype=bfloat16")
     assert summaries[0]["steps"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r["grad_norm"] > 0 for r in records)
-    for record in records:
-        assert record["weight_sync/logprob_diff_max"] < 1e-3, "vLLM does not hold the merged adapters"
+    for record in records:  # a sync that differs raises (digests); bf16 log-probs only roughly agree
+        assert record["weight_sync/digest_s"] > 0, "every merged sync verified by digests"
+        assert record["weight_sync/logprob_diff_p50"] < 0.05, "vLLM does not hold the merged adapters"
     adapter, merged = tmp_path / "hf", tmp_path / "hf_merged"
     assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
+    assert {t.dtype for t in load_file(adapter / "adapter_model.safetensors").values()} == {torch.float32}
     base_dir = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
     ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    with torch.no_grad():  # the base as the run held it (bf16), computed in fp32 with the fp32 adapters
+        base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).float().eval()
         plain = base(ids).logits
         with_adapter = PeftModel.from_pretrained(base, adapter).eval()(ids).logits
         merged_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(ids).logits
-    assert (with_adapter - plain).abs().max() > 1e-3, "the adapters did not train"
-    torch.testing.assert_close(with_adapter, merged_logits, rtol=0, atol=1e-4)
-    resumed = run_distributed(_train, 2, 2, str(tmp_path), 3, True)
+    effect, merge_error = (with_adapter - plain).abs().max(), (with_adapter - merged_logits).abs().max()
+    assert effect > 1e-3, "the adapters did not train"
+    # measured: the adapters move the logits by up to 16.7, the merged export (W + scale B A rounded once to bf16)
+    # differs from base + fp32 adapters by up to 0.10 (0.6% of that)
+    assert merge_error < 0.02 * effect, f"the bf16 merged export is not base + adapters: {merge_error} of {effect}"
+    resumed = run_distributed(_train, 2, 2, str(tmp_path), 3, True, "model.dtype=bfloat16")
     assert resumed[0]["start_step"] == 2 and resumed[0]["steps"] == 3
 
 

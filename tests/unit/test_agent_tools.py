@@ -220,11 +220,7 @@ def test_multi_turn_is_refused_where_it_cannot_run():
     tokenizer = build_tiny_tokenizer()
     base = EngineConfig()
     asynchronous = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, vllm_mode="server", max_staleness=1))
-    with pytest.raises(ValueError, match="rollout_func with rollout.max_staleness=1"):
-        build_agentic(asynchronous, {"rollout_func": lambda p: {}}, tokenizer, "m")
-    dapo = dataclasses.replace(asynchronous, grpo=dataclasses.replace(base.grpo, use_dynamic_sampling=True))
-    with pytest.raises(ValueError, match="tools with rollout.max_staleness=1 and grpo.use_dynamic_sampling"):
-        build_agentic(dapo, {"tools": [add]}, tokenizer, "m")
+    assert build_agentic(asynchronous, {"rollout_func": lambda p: {}}, tokenizer, "m") is not None  # runs ahead
     engine_tp = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, vllm_tensor_parallel_size=2))
     with pytest.raises(ValueError, match="environment_factory with rollout.vllm_tensor_parallel_size=2"):
         build_agentic(engine_tp, {"environment_factory": Counter}, tokenizer, "m")

@@ -9,7 +9,7 @@ from peft import LoraConfig as PeftLoraConfig
 
 from engine.config import ConfigError, build_config
 from engine.lora_settings import (lora_fields_from_peft, lora_settings_from_config, lora_settings_from_peft,
-                                  resolve_target_modules)
+                                  refuse_expert_adapters, resolve_target_modules)
 from engine.policy.lora import LoraAdapter
 from engine.validation import validate
 
@@ -65,6 +65,37 @@ def test_rank_larger_than_the_layer_is_refused():
         LoraAdapter("self_attention.linear_qkv", ["k_proj"], settings, _megatron_config(params_dtype=torch.float32), ps)
 
 
+def test_adapters_are_float32_on_a_bf16_base_unless_lora_adapter_dtype_is_model():
+    """PEFT's default (`autocast_adapter_dtype=True`, what TRL's get_peft_model does): fp32 A and B whatever the base's
+    dtype; `lora.lora_adapter_dtype=model` holds them in the model's dtype. A peft_config gets PEFT's default."""
+    import torch
+
+    ps = SimpleNamespace(tp_size=1, groups=SimpleNamespace(tp=None))
+    bf16 = _megatron_config(params_dtype=torch.bfloat16)
+    for dtype, expected in (("float32", torch.float32), ("model", torch.bfloat16)):
+        settings = lora_settings_from_config(build_config({"lora": {"use_peft": True, "lora_adapter_dtype": dtype,
+                                                                    "lora_target_modules": ["q_proj"]}}).lora)
+        adapter = LoraAdapter("self_attention.linear_qkv", ["q_proj"], settings, bf16, ps)
+        assert {p.dtype for p in adapter.parameters()} == {expected}, dtype
+    assert lora_settings_from_peft(PeftLoraConfig(r=4)).adapter_dtype == "float32"
+
+
+def test_mlp_adapters_on_an_moe_model_are_refused_naming_the_setting_the_experts_and_the_way_out():
+    """At any ep_size: transformers 5 holds every MoE family's experts as 3-D tensors PEFT's target_modules do not
+    match; attention targets pass, and a dense model keeps its MLP adapters."""
+    all_linear = lora_settings_from_peft(PeftLoraConfig(r=4, target_modules="all-linear"))
+    with pytest.raises(ValueError, match=r"lora.lora_target_modules \(peft_config.target_modules\) includes "
+                                         r"\['gate_proj', 'up_proj', 'down_proj'\], but qwen3_moe routes its MLP through "
+                                         r"128 experts: .*at any parallel.ep_size.*3-D tensors.*Set "
+                                         r"lora.lora_target_modules=\['q_proj', 'k_proj', 'v_proj', 'o_proj'\]"):
+        refuse_expert_adapters(all_linear, "qwen3_moe", 128)
+    with pytest.raises(ValueError, match=r"includes \['down_proj'\].*Set lora.lora_target_modules=\['q_proj'\]"):
+        refuse_expert_adapters(lora_settings_from_peft(PeftLoraConfig(r=4, target_modules=["q_proj", "down_proj"])),
+                               "mixtral", 8)
+    refuse_expert_adapters(lora_settings_from_peft(PeftLoraConfig(r=4)), "qwen3_moe", 128)  # q_proj, v_proj
+    refuse_expert_adapters(all_linear, "qwen2", 0)
+
+
 @pytest.mark.parametrize("lora,other,message", [
     ({"lora_r": 8}, {}, r"lora.lora_r=8: no effect without lora.use_peft=true"),
     ({"use_peft": True, "lora_r": 0}, {}, r"lora.lora_r=0: the rank must be >= 1"),
@@ -72,6 +103,7 @@ def test_rank_larger_than_the_layer_is_refused():
     ({"use_peft": True, "lora_target_modules": ["query"]}, {}, r"lora.lora_target_modules: \['query'\] match no"),
     ({"use_peft": True}, {"grpo": {"sync_ref_model": True}}, r"grpo.sync_ref_model with lora.use_peft"),
     ({"lora_weight_sync": "adapter"}, {}, r"lora.lora_weight_sync='adapter': no effect without lora.use_peft"),
+    ({"lora_adapter_dtype": "model"}, {}, r"lora.lora_adapter_dtype='model': no effect without lora.use_peft"),
     ({"use_peft": True, "lora_weight_sync": "adapter", "lora_r": 1024, "lora_target_modules": ["q_proj"]}, {},
      r"lora.lora_r=1024 with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to 512"),
     ({"use_peft": True}, {"grpo": {"beta": 0.04}, "model": {"offload_reference": True}},

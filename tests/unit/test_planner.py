@@ -78,8 +78,9 @@ def test_72b_training_gpu_terms_equal_the_hand_computed_arithmetic():
 
 
 def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
-    """LoRA (configs/llama3.1-70b_lora_tp8_split_1x1.yaml): the base's bf16 weights, the adapters' weights, and
-    fp32 gradients and Adam state for the adapters only; 1 training node, where the full fine-tune does not fit."""
+    """LoRA (configs/llama3.1-70b_lora_tp8_split_1x1.yaml): the base's bf16 weights, the adapters' fp32 weights (PEFT's
+    default, lora.lora_adapter_dtype), fp32 gradients and Adam state for the adapters only (no master copy: an fp32
+    adapter is its own; bf16 adapters have one); 1 training node, where the full fine-tune does not fit."""
     plan = _plan(LLAMA_70B_LORA)
     assert plan.shape.train_nodes == 1 and plan.shape.infer_nodes == 1 and not plan.problems
     terms = _terms(plan.budget("training GPU"))
@@ -91,10 +92,12 @@ def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
     adapters = 80 * per_layer
     base = 80 * ((2 * h * h + 2 * h * kv + 3 * h * f) / t + 2 * h) + 2 * 129024 * h / t
     assert terms["weights"] == pytest.approx(base * 2)
-    assert terms["adapter weights"] == pytest.approx(adapters * 2)
+    assert terms["adapter weights"] == pytest.approx(adapters * 4)
     assert terms["main grads"] == pytest.approx(adapters * 4)
-    assert terms["optimizer"] == pytest.approx(adapters * 12)
-    assert plan.budget("training GPU").total_bytes / GIB == pytest.approx(29.21, abs=0.005)  # + 2 x 0.25 send slots
+    assert terms["optimizer"] == pytest.approx(adapters * 8)
+    assert plan.budget("training GPU").total_bytes / GIB == pytest.approx(28.87, abs=0.005)  # + 2 x 0.25 send slots
+    in_bf16 = _terms(_plan(LLAMA_70B_LORA, ["lora.lora_adapter_dtype=model"]).budget("training GPU"))
+    assert (in_bf16["adapter weights"], in_bf16["optimizer"]) == pytest.approx((adapters * 2, adapters * 12))
     # adapter-only sync: vLLM's LoRA slot (max_lora_rank 32 = r, vLLM TP 8 = the trainer's TP: the same shares)
     inference = _terms(plan.budget("inference GPU"))
     assert inference["LoRA slot"] == pytest.approx(adapters * 2)
@@ -105,6 +108,15 @@ def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
                                   "lora.lora_dropout=0.05", "lora.lora_target_modules=null",
                                   "lora.lora_weight_sync=merged"])
     assert full.budget("training GPU").total_bytes > 79.1 * GIB, "the full fine-tune must not fit on one node"
+
+
+def test_lora_on_an_moe_model_plans_attention_adapters_and_refuses_expert_ones_as_the_run_does():
+    moe = CONFIGS / "qwen3-30b-a3b_tp2_ep8_split_2x1.yaml"
+    attention = _plan(moe, ["lora.use_peft=true", "lora.lora_target_modules=[q_proj,k_proj,v_proj,o_proj]"])
+    assert _terms(attention.budget("training GPU"))["adapter weights"] > 0
+    with pytest.raises(PlanError, match=r"includes \['gate_proj', 'up_proj', 'down_proj'\], but .* routes its MLP "
+                                        r"through 128 experts"):
+        _plan(moe, ["lora.use_peft=true", "lora.lora_target_modules=[all-linear]"])
 
 
 def test_lora_kl_reference_is_the_base_with_adapters_off_so_the_plan_holds_no_reference_copy():

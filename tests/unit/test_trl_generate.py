@@ -7,6 +7,8 @@ tests/integration/test_agentic.py's rollout_func run."""
 
 from __future__ import annotations
 
+import copy
+
 from types import SimpleNamespace
 
 import datasets
@@ -114,7 +116,7 @@ def test_a_subclass_override_of_generate_is_the_rollout_the_loop_calls(tmp_path)
         call_rollout_func(broken._agentic.loop_inputs["rollout_func"], ["x"], _Tokenizer())
 
 
-def test_an_override_with_tools_or_asynchronous_rollout_is_refused(tmp_path):
+def test_an_override_with_tools_is_refused_and_with_rounds_ahead_runs_on_a_view_of_the_trainer(tmp_path):
     class SingleTurn(GRPOTrainer):
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kw):
             return [[9]] * len(prompt_ids), [[-1.0]] * len(prompt_ids)
@@ -130,11 +132,18 @@ def test_an_override_with_tools_or_asynchronous_rollout_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="SingleTurn._generate_single_turn overrides TRL's rollout dispatch"):
         _trainer(tmp_path, SingleTurn, tools=[add])
+    # rounds generated ahead (server mode, max_staleness=1): accepted; the override runs in rank 0's background
+    # thread on a view of the trainer as it was when the round was issued, with a tokenizer of its own
     args = GRPOConfig(output_dir=str(tmp_path / "async"), per_device_train_batch_size=4, num_generations=2,
-                      max_steps=1, report_to="none", max_staleness=1)
-    with pytest.raises(ValueError, match="max_staleness=1"):
-        SingleTurn(model=TINY, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                   train_dataset=datasets.Dataset.from_dict({"prompt": ["q"] * 4}))
+                      max_steps=1, report_to="none", max_staleness=1, vllm_mode="server")
+    trainer = SingleTurn(model=TINY, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                         train_dataset=datasets.Dataset.from_dict({"prompt": ["q"] * 4}))
+    bound = trainer._agentic.loop_inputs["rollout_func"]
+    own_tokenizer = copy.deepcopy(trainer.processing_class)
+    view = bound.for_round_ahead(own_tokenizer).trainer
+    trainer.state.global_step = 3  # the trainer trains on: the view keeps the step the round was issued at
+    assert isinstance(view, SingleTurn) and view.state.global_step == 0 and view.processing_class is own_tokenizer
+    assert trainer.processing_class is not own_tokenizer and view.args is trainer.args
     args = GRPOConfig(output_dir=str(tmp_path / "tp2"), per_device_train_batch_size=4, num_generations=2,
                       max_steps=1, report_to="none", vllm_tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"SingleTurn._generate_single_turn with vllm_tensor_parallel_size=2"):
