@@ -100,11 +100,11 @@ def probe(name: str, extra: dict, rotary_percent: float, spec_kind: str) -> str:
 
 def main() -> None:
     from engine.config import ParallelConfig
-    from engine.policy.model import _define_te_general_gemm
+    from engine.policy.moe_config import define_te_general_gemm
     from engine.policy.parallel import destroy_parallel, init_parallel
 
     init_parallel(ParallelConfig(), seed=0)
-    _define_te_general_gemm()
+    define_te_general_gemm()
     try:
         for feature in FEATURES:
             print(probe(*feature), flush=True)

@@ -93,7 +93,8 @@ def get_per_token_logps_and_entropies(trainer: Any, model: Any, input_ids: torch
     """TRL's private `GRPOTrainer._get_per_token_logps_and_entropies` on a transformers causal LM (`trainer.model`):
     the decoder's last hidden states of the positions that predict the last `logits_to_keep` tokens, then the
     engine's LM-head maths (kernels/lm_head_logprob.py: softmax of X W^T / temperature, soft-capped first when the
-    config has `final_logit_softcapping` (Gemma 2), never the full logits),
+    config has `final_logit_softcapping` (Gemma 2), x `logit_scale` (Cohere 2: the temperature divided by it), never
+    the full logits),
     in chunks of `batch_size` rows.
 
     Returns:
@@ -112,6 +113,7 @@ def get_per_token_logps_and_entropies(trainer: Any, model: Any, input_ids: torch
                                   "aux_loss)")
     cfg = trainer.engine_config
     weight = model.get_output_embeddings().weight  # (V, H)
+    logit_scale = getattr(model.config, "logit_scale", 1.0)  # Cohere 2: softmax(z x scale / T)
     batch_size = batch_size or input_ids.size(0)
     logps, entropies = [], []
     for start in range(0, input_ids.size(0), batch_size):
@@ -121,7 +123,7 @@ def get_per_token_logps_and_entropies(trainer: Any, model: Any, input_ids: torch
         logp, entropy = lm_head_logprob_entropy(hidden, weight, ids[:, -logits_to_keep:],
                                                 workspace_mb=cfg.kernels.loss_workspace_mb,
                                                 implementation=cfg.kernels.loss_implementation,
-                                                temperature=cfg.generation.temperature,
+                                                temperature=cfg.generation.temperature / logit_scale,
                                                 softcap=getattr(model.config, "final_logit_softcapping", None))
         logps.append(logp)
         entropies.append(entropy if trainer._entropy_bonus_enabled else entropy.detach())

@@ -1,6 +1,6 @@
 """DeepSeek-V3 (HF model_type `deepseek_v3`): multi-latent attention (MLA), what the family needs beyond GLM-4.5's
 MoE translation (shared expert, sigmoid routing with the expert-score correction bias, dense first layers, all in
-engine/policy/model.py `glm4_moe_router_settings`), kept in one place.
+engine/policy/moe_config.py `glm4_moe_router_settings`), kept in one place.
 
 Owns: the refusal of the DeepSeek-V3 settings the translation would not reproduce (`check_deepseek_v3`), MLA's
 TransformerConfig keywords (`mla_settings`: Megatron's `MLATransformerConfig` with q_lora_rank, kv_lora_rank, the

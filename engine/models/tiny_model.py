@@ -30,6 +30,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    Cohere2Config,
     GenerationConfig,
     Gemma2Config,
     Gemma3TextConfig,
@@ -45,7 +46,7 @@ from transformers import (
 )
 
 TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "gemma2",
-                 "deepseek_v3")
+                 "deepseek_v3", "cohere2")
 """Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
 
 TINY_QWEN3_HEAD_DIM = 64
@@ -296,6 +297,8 @@ def tiny_model_config(
         return _tiny_gemma_config(family, common)
     if family == "deepseek_v3":
         return _tiny_deepseek_v3_config(common)
+    if family == "cohere2":
+        return _tiny_cohere2_config(common)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 
@@ -359,7 +362,7 @@ def _tiny_gpt_oss_config(common: dict) -> GptOssConfig:
 def _randomise_zero_inits(model) -> None:
     """Random values where HF initialises zeros or near-zeros that tests must see: GLM's expert-score correction
     bias (N(0, 0.05^2)); GPT-OSS's expert biases (N(0, 0.1^2)) and sinks (N(0, 1)); Gemma's (1 + w) norm weights
-    (N(0, 0.1^2), drawn after the others)."""
+    (N(0, 0.1^2), drawn after the others); Cohere 2's LayerNorm weights (HF: ones; 1 + N(0, 0.1^2))."""
     with torch.no_grad():
         for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
@@ -372,6 +375,10 @@ def _randomise_zero_inits(model) -> None:
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.copy_(0.1 * torch.randn(param.shape))
+        if model.config.model_type == "cohere2":  # HF initialises its LayerNorm weights to 1
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.copy_(1.0 + 0.1 * torch.randn(param.shape))
 
 
 TINY_GEMMA_WINDOW, TINY_GEMMA_QUERY_SCALAR = 4, 48
@@ -402,6 +409,22 @@ def _tiny_gemma_config(family: str, common: dict) -> Gemma3TextConfig | Gemma2Co
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
     return Gemma3TextConfig(**shared, rope_parameters=rope)
+
+
+TINY_COHERE2_LOGIT_SCALE = 0.25
+"""The tiny Cohere 2's logits x 0.25 (Command R7B's own; HF's default 0.0625)."""
+
+
+def _tiny_cohere2_config(common: dict) -> Cohere2Config:
+    """Cohere 2's architecture at the tiny shapes: layers sliding, full, sliding, full (each PP2 stage holds one of
+    each; HF's default pattern is 3 sliding then 1 full) with a window of `TINY_GEMMA_WINDOW` tokens, RoPE (interleaved
+    pairs, base 1e4) on the sliding layers only, one bias-free LayerNorm (eps 1e-5) per layer feeding attention and
+    the SwiGLU MLP in parallel, logits x `TINY_COHERE2_LOGIT_SCALE`, tied embeddings (Cohere 2's own;
+    `tie_word_embeddings` is ignored)."""
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "tie_word_embeddings")}
+    return Cohere2Config(**common, layer_norm_eps=1e-5, logit_scale=TINY_COHERE2_LOGIT_SCALE, tie_word_embeddings=True,
+                         sliding_window=TINY_GEMMA_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e4}, attention_bias=False)
 
 
 def _generation_config(config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:

@@ -211,6 +211,30 @@ def attention_activations(dims: ModelDims) -> float:
     return 4 + 4 * dims.num_kv_heads / dims.num_heads
 
 
+def score_bytes(dims: ModelDims) -> int:
+    """Bytes an eager attention keeps per score element: Megatron's local attention the paper's 5 (scores 2, softmax
+    2, dropout mask 1; GPT-OSS's too); Gemma's and Cohere 2's windowed core attention (engine/policy/gemma_layers.py)
+    6, its float32 softmax output 4 and the probabilities cast back 2, and 2 more with Gemma 2's soft-capping (tanh
+    keeps its output for the backward)."""
+    if not dims.sliding_window or dims.sinks:
+        return 5
+    return 6 + 2 * dims.attention_softcap
+
+
+def kv_tokens_text(dims: ModelDims, tokens: int) -> tuple[int, str]:
+    """KV-cache token slots one sequence of `tokens` (block-rounded) takes over all layers, with the arithmetic. vLLM's
+    hybrid KV-cache manager (its default) keeps a sliding-window layer's blocks of the last `sliding_window` tokens
+    only (SlidingWindowSpec: the window rounded up to blocks, plus the block being written); full layers keep every
+    token. Gemma-3-27B at 32k: 52 sliding layers x 1040 + 10 full x 32768 slots, 5.3x fewer than 62 x 32768."""
+    full = dims.num_layers - dims.sliding_layers
+    if not dims.sliding_layers:
+        return dims.num_layers * tokens, f"{dims.num_layers} layers x {tokens} tokens"
+    window = min(tokens, (-(-dims.sliding_window // VLLM_BLOCK_SIZE) + 1) * VLLM_BLOCK_SIZE)
+    return (full * tokens + dims.sliding_layers * window,
+            f"({full} full layers x {tokens} + {dims.sliding_layers} sliding layers x {window} (window "
+            f"{dims.sliding_window} + a block)) tokens")
+
+
 def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbatches: int) -> Term:
     """Activation memory of one GPU of pipeline stage `stage`, with the recompute that runs (`plan_recompute`).
 
@@ -245,8 +269,9 @@ def activation_term(cfg: EngineConfig, dims: ModelDims, stage: int, num_microbat
     sbh = s * b * h
     ffn = dims.num_experts_per_tok * dims.moe_intermediate_size if dims.is_moe else dims.intermediate_size
     # SDPA and TE's fused attention keep no s x s scores; GPT-OSS (sinks) has its own eager attention on the local spec
-    eager = cfg.model.transformer_impl == "local" and (cfg.model.attention_implementation == "eager" or dims.sinks)
-    scores = 5 * dims.num_heads * s / h if eager else 0.0
+    own = bool(dims.sinks or dims.sliding_window)  # and so have the windowed families: `score_bytes`
+    eager = cfg.model.transformer_impl == "local" and (cfg.model.attention_implementation == "eager" or own)
+    scores = score_bytes(dims) * dims.num_heads * s / h if eager else 0.0
     mlp = 6 * ffn / h  # MoE: each token's k routed copies of f_moe
     split = attention_activations(dims) + mlp + scores
     full_split, removed = split, 0.0
@@ -507,8 +532,9 @@ def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, de
     kv_heads = max(dims.num_kv_heads // vtp, 1)
     params, weights_text = _vllm_weights(dims, vtp)
     wbytes = _optimizer_bytes(cfg)[0]
-    per_token = 2 * dims.num_layers * kv_heads * dims.d * wbytes
-    kv_text = f"2 (K, V) x {dims.num_layers} layers x {kv_heads} KV head(s) x {dims.d} x {wbytes} B"
+    slots, slots_text = kv_tokens_text(dims, tokens)  # per sequence, over the layers
+    per_token = 2 * kv_heads * dims.d * wbytes * slots / tokens  # averaged over the sequence's tokens
+    kv_text = f"2 (K, V) x {slots_text} x {kv_heads} KV head(s) x {dims.d} x {wbytes} B / {tokens} tokens"
     if dims.is_mla:  # vLLM's MLA caches the latent and the rope key, whole on every TP rank
         latent = dims.kv_lora_rank + dims.qk_rope_head_dim
         per_token = dims.num_layers * latent * wbytes

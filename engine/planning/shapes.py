@@ -43,7 +43,8 @@ class ModelDims:
     """The Hugging Face config numbers the plan needs (Qwen2 / Llama / Qwen3: GQA, SwiGLU, RMSNorm; Qwen3-MoE and
     Mixtral: routed experts in every layer instead of the dense MLP; GLM-4.5: dense first layers, a shared expert;
     GPT-OSS: biases and sinks; DeepSeek-V3: multi-latent attention, built by engine/models/deepseek_v3.py with the
-    down-projections replicated over TP, as sized here)."""
+    down-projections replicated over TP, as sized here; Gemma 2 / 3 and Cohere 2: their norms per layer and
+    sliding-window layers)."""
 
     hidden_size: int
     num_layers: int
@@ -82,6 +83,16 @@ class ModelDims:
     """MLA: the per-head query / key dimensions that carry RoPE (the shared rope key is kv-latent-side)."""
     v_head_dim: int = 0
     """MLA: the per-head value dimension (`head_dim` is the query / key part without RoPE, qk_nope_head_dim)."""
+    norms_per_layer: int = 2
+    """Norm weights of h per layer: 2 (input, pre-MLP); Gemma 2 / 3: 4 (their post-attention / post-MLP norms too);
+    Cohere 2: 1 (one norm feeds attention and MLP)."""
+    sliding_window: int = 0
+    """Gemma 2 / 3, Cohere 2, GPT-OSS: the keys a sliding-window layer attends to (0 = none); vLLM's KV cache holds
+    about this many tokens per sequence on those layers (engine/planning/memory.py `kv_tokens_text`)."""
+    sliding_layers: int = 0
+    """How many of the layers use `sliding_window` (`layer_types`' sliding_attention)."""
+    attention_softcap: bool = False
+    """Gemma 2: the attention scores are soft-capped (tanh keeps one more s x s tensor for its backward)."""
 
     @property
     def d(self) -> int:
@@ -113,7 +124,7 @@ class ModelDims:
         (`expert_params`); an MoE layer's router (E x h, + E with a bias or an expert-score bias) is replicated."""
         h, d = self.hidden_size, self.d
         attention, replicated = self.attention_params()
-        replicated += 2 * h + (2 * d if self.qk_norm else 0) + self.num_experts * (
+        replicated += self.norms_per_layer * h + (2 * d if self.qk_norm else 0) + self.num_experts * (
             h + self.expert_bias + self.linear_bias)
         mlp = 3 * h * (self.shared_expert_size if self.is_moe else self.intermediate_size)
         return attention + mlp, replicated
@@ -175,7 +186,8 @@ _LLAMA_70B = _llama(8192, 80, 64, 8, 28672, 128256)
 
 def _gpt_oss(layers, experts):
     return ModelDims(2880, layers, 64, 8, 2880, 201088, False, True, head_dim=64, num_experts=experts,
-                     num_experts_per_tok=4, moe_intermediate_size=2880, linear_bias=True, sinks=True)
+                     num_experts_per_tok=4, moe_intermediate_size=2880, linear_bias=True, sinks=True,
+                     sliding_window=128, sliding_layers=layers // 2)
 
 
 _GPT_OSS_120B, _GPT_OSS_20B = _gpt_oss(36, 128), _gpt_oss(24, 32)
@@ -215,13 +227,60 @@ KNOWN_MODELS: dict[str, ModelDims] = {
     "openai/gpt-oss-20b": _GPT_OSS_20B,
     **{f"deepseek-ai/deepseek-{name}": _DEEPSEEK_V3 for name in ("v3", "v3-base", "v3-0324", "r1", "r1-0528")},
     "builtin:tiny-gpt_oss": ModelDims(128, 4, 4, 2, 64, 400, False, True, num_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=64, linear_bias=True, sinks=True),
+                                      num_experts_per_tok=2, moe_intermediate_size=64, linear_bias=True, sinks=True,
+                                      sliding_window=4, sliding_layers=2),
     "builtin:tiny-glm4_moe": ModelDims(128, 4, 4, 2, 352, 400, False, True, qk_norm=True, num_experts=4,
                                        num_experts_per_tok=2, moe_intermediate_size=64, dense_layers=1,
                                        shared_expert_size=64, expert_bias=True),
 }
 """Dimensions of the models the shipped configs name, from each model's config.json on the Hugging Face hub,
 keyed by lower-case hub name. Qwen2 has a QKV bias, Llama none."""
+
+
+def _gemma(h, layers, heads, kv, ffn, vocab, qk_norm, window, sliding, softcap, head_dim=128):
+    return ModelDims(h, layers, heads, kv, ffn, vocab, True, False, head_dim=head_dim, qk_norm=qk_norm,
+                     norms_per_layer=4, sliding_window=window, sliding_layers=sliding, attention_softcap=softcap)
+
+
+_GEMMA2_27B = _gemma(4608, 46, 32, 16, 36864, 256000, False, 4096, 23, True)
+"""Gemma-2-27B from its config.json (hidden 4608, 46 layers alternating sliding (4096) / global, 32 heads of 128, 16 KV
+heads, MLP 36864, vocabulary 256,000, tied, four norms per layer): 27,227,128,320 parameters, the model card's 27.2B."""
+_GEMMA3_27B = _gemma(5376, 62, 32, 16, 21504, 262208, True, 1024, 52, False)
+"""Gemma-3-27B's text decoder (Gemma3ForCausalLM; `text_config` of the multimodal checkpoint: hidden 5376, 62 layers,
+5 sliding (1024) per global one, 32 heads of 128, 16 KV heads, q/k norms, MLP 21504, the 262,208 vocabulary, tied):
+27,009,346,304 parameters; the checkpoint's 27.4B adds the SigLIP vision tower and projector (not built)."""
+KNOWN_MODELS.update({
+    **{f"google/gemma-2-27b{suffix}": _GEMMA2_27B for suffix in ("", "-it")},
+    **{f"google/gemma-3-27b-{suffix}": _GEMMA3_27B for suffix in ("it", "pt")},
+    # engine/models/tiny_model.py: layers sliding (window 4) and full alternating, head_dim 32 = 128 / 4
+    "builtin:tiny-gemma2": _gemma(128, 4, 4, 2, 352, 400, False, 4, 2, True, head_dim=0),
+    "builtin:tiny-gemma3_text": _gemma(128, 4, 4, 2, 352, 400, True, 4, 2, False, head_dim=0),
+    "builtin:tiny-cohere2": ModelDims(128, 4, 4, 2, 352, 400, True, False, norms_per_layer=1, sliding_window=4,
+                                      sliding_layers=2),
+})
+
+TIED_BY_DEFAULT = ("gemma2", "gemma3_text", "gemma3", "cohere2")
+"""Families whose transformers config ties the embeddings by default (a config.json may leave it out)."""
+NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "gemma3": 4, "cohere2": 1}
+"""`ModelDims.norms_per_layer` by model_type (2 for the others)."""
+
+
+def _window_fields(hf: dict) -> dict:
+    """A config.json's sliding window and how many layers use it (`layer_types`; Gemma 2's config.json alternates
+    without naming them; Cohere 2's older ones give `sliding_window_pattern`); {} without a window."""
+    window, layers, kind = hf.get("sliding_window") or 0, hf["num_hidden_layers"], hf.get("model_type")
+    if not window or (kind in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window")):
+        return {}
+    types = hf.get("layer_types")
+    if types:
+        sliding = sum(t == "sliding_attention" for t in types)
+    elif kind == "gemma2":
+        sliding = (layers + 1) // 2  # even layers slide
+    else:
+        pattern = hf.get("sliding_window_pattern") or 0
+        sliding = sum((i + 1) % pattern != 0 for i in range(layers)) if pattern else layers
+    return dict(sliding_window=int(window), sliding_layers=sliding,
+                attention_softcap=hf.get("attn_logit_softcapping") is not None and kind == "gemma2")
 
 
 def load_model_dims(name_or_path: str) -> ModelDims:
@@ -241,15 +300,16 @@ def load_model_dims(name_or_path: str) -> ModelDims:
             hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf.get("model_type") in TIED_BY_DEFAULT)),
             qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
             head_dim=0 if head_dim * hf["num_attention_heads"] == hf["hidden_size"] else head_dim,  # MLA: below
-            qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe") or bool(hf.get("use_qk_norm")),
+            qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe", "gemma3_text") or bool(hf.get("use_qk_norm")),
             num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn,
             dense_layers=dense_layers(config), shared_expert_size=shared_expert_width(config),
             expert_bias=hf.get("model_type") in ("glm4_moe", "deepseek_v3"),
             linear_bias=hf.get("model_type") == "gpt_oss", sinks=hf.get("model_type") == "gpt_oss",
-        ), **_mla_fields(hf))
+            norms_per_layer=NORMS_PER_LAYER.get(hf.get("model_type"), 2),
+        ), **_mla_fields(hf), **_window_fields(hf))
     dims = KNOWN_MODELS.get(name_or_path.lower())
     if dims is None:
         known = ", ".join(sorted({k for k in KNOWN_MODELS if not k.endswith("-instruct")}))

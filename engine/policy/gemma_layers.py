@@ -3,7 +3,8 @@
 Owns: `GemmaRMSNorm` ((1 + w), computed in float32, exactly HF's Gemma3RMSNorm), the post-attention /
 post-feedforward norms as `post_layernorm` children of the output projections (`_post_norm_class`),
 `GemmaSelfAttention` (the sliding layers' own RoPE base, `rope_local_base_freq`), `GemmaCoreAttention` (the causal or
-block-causal mask AND the sliding window), `gemma_layer_spec` (the local spec with all of these), `gelu_tanh`,
+block-causal mask AND the sliding window; `core_attention_class`, Cohere 2's too), `gemma_layer_spec` (the local spec
+with all of these), `gelu_tanh`,
 `finish_transformer_config` (engine/models/gemma.py's settings applied) and `scale_embeddings` (sqrt(hidden), cast to
 the model dtype first, as HF).
 
@@ -107,7 +108,7 @@ def _self_attention_class():
     return GemmaSelfAttention
 
 
-def _core_attention_class():
+def core_attention_class():
     from megatron.core import tensor_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.utils import is_layer_window_attention
@@ -165,7 +166,7 @@ def gemma_layer_spec(spec, row_parallel, hf_config):
     layer = spec.submodules
     post_norm = _post_norm_class(row_parallel)
     local_base = float(rope_params(hf_config, "sliding_attention")["rope_theta"])
-    core = functools.partial(_core_attention_class(), softcap=getattr(hf_config, "attn_logit_softcapping", None))
+    core = functools.partial(core_attention_class(), softcap=getattr(hf_config, "attn_logit_softcapping", None))
     qk_norms = {"q_layernorm": GemmaRMSNorm, "k_layernorm": GemmaRMSNorm} if is_gemma3(hf_config) else {}
     attention = dataclasses.replace(
         layer.self_attention, module=_self_attention_class(),

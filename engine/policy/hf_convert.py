@@ -5,7 +5,7 @@ Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) 
 (`MOE_MAPS`: Qwen3-MoE; Mixtral, GLM-4.5 MoE and GPT-OSS as more tables; experts: `TensorMap`; tied embeddings:
 `family_map`; GLM's dense first layers: `layer_entries`; GPT-OSS's sinks and o_proj bias: `GPT_OSS_ATTENTION`, its
 stacked expert tensors: the `stacked_*` kinds, converted by engine/models/gpt_oss.py; Gemma's four norms per layer:
-`ModelDims.sandwich_norms`), and the
+`ModelDims.sandwich_norms`; Cohere 2's one norm per layer: `ModelDims.parallel_block`), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
@@ -37,6 +37,7 @@ import torch
 
 from engine.models.deepseek_v3 import MLA_TENSORS, mla_dims
 from engine.models.families import dense_layers, moe_shape, shared_expert_width
+from engine.models.cohere2 import COHERE2_MODEL_TYPES
 from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
 from engine.models.gpt_oss import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
 
@@ -139,6 +140,8 @@ class ModelDims:
     def mla(self) -> bool:
         """DeepSeek-V3's multi-latent attention (engine/models/deepseek_v3.py MLA_TENSORS) instead of q/k/v/o."""
         return self.kv_lora_rank > 0
+    parallel_block: bool = False
+    """Cohere 2: one norm per layer feeding attention and MLP (no pre-MLP norm: engine/models/cohere2.py)."""
 
     @classmethod
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
@@ -164,6 +167,7 @@ class ModelDims:
             shared_expert_ffn=shared_expert_width(hf_config),
             sandwich_norms=model_type in GEMMA_MODEL_TYPES,
             **mla_dims(hf_config),
+            parallel_block=model_type in COHERE2_MODEL_TYPES,
         )
 
 
@@ -290,6 +294,8 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
     if dims.sandwich_norms:  # Gemma: its own names for the two norms above, and the two post-norms
         entries = [e for e in entries if e.megatron not in GEMMA_NORM_NAMES]
         entries += [TensorMap(megatron, (hf,), "replicated") for megatron, hf in GEMMA_NORM_NAMES.items()]
+    if dims.parallel_block:  # Cohere 2: the MLP reads the input norm; there is no pre-MLP norm
+        entries = [e for e in entries if e.megatron != "decoder.layers.{i}.pre_mlp_layernorm.weight"]
     return entries
 
 

@@ -3,8 +3,8 @@
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
 spec pieces and YaRN: engine/models/gpt_oss.py) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3.py)
 HF config into Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
-recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism: `moe_settings`, GLM-4.5's
-router, shared expert and dense first layers: `glm4_moe_router_settings`; the families refused and what they lack:
+recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
+router, shared expert and dense first layers: engine/policy/moe_config.py; the families refused and what they lack:
 engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`), `build_policy`, the
 weights that are buffers (`WEIGHT_BUFFERS`: GLM's frozen expert bias), and the rule
 that takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
@@ -30,11 +30,12 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
 from engine.models.deepseek_v3 import mla_attention_specs, mla_settings
-from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, dense_layers, moe_shape,
-                                    shared_expert_width)
+from engine.models.families import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type
+from engine.models.cohere2 import is_cohere2
 from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
-from engine.policy import gemma_layers
+from engine.policy import cohere2_layers, gemma_layers
+from engine.policy.moe_config import freeze_expert_bias, moe_settings
 from engine.policy.parallel import ParallelState
 from engine.policy.sdpa_attention import attention_specs
 from engine.recompute import resolve_recompute
@@ -131,7 +132,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         num_query_groups=groups,
         kv_channels=head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=hf_config.rms_norm_eps,
+        layernorm_epsilon=hf_config.layer_norm_eps if is_cohere2(hf_config) else hf_config.rms_norm_eps,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -161,7 +162,8 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     ), **gpt_oss_settings(hf_config), **mla})
     for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
         setattr(config, name, value)  # GPTModel's YarnRotaryEmbedding reads them with getattr (not config fields)
-    return gemma_layers.finish_transformer_config(config, hf_config)  # Gemma's MLP, softmax scale and window
+    config = gemma_layers.finish_transformer_config(config, hf_config)  # Gemma's MLP, softmax scale and window
+    return cohere2_layers.finish_cohere2_config(config, hf_config)  # Cohere 2's LayerNorm, RoPE pairs and window
 
 
 def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
@@ -173,101 +175,6 @@ def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
         return {"hidden_dropout": 0.0, "attention_dropout": 0.0}
     return {"hidden_dropout": float(getattr(hf_config, "hidden_dropout", 0.0) or 0.0),
             "attention_dropout": float(getattr(hf_config, "attention_dropout", 0.0) or 0.0)}
-
-
-def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
-    """TransformerConfig's MoE keywords for a Qwen3-MoE, Mixtral or GLM-4.5 MoE config ({} for a dense model).
-
-    Router, from the HF config: softmax scores over the routed experts, top `num_experts_per_tok`; HF's
-    `norm_topk_prob=True` (softmax over all experts, top-k, renormalised; Mixtral always) is Megatron's default
-    top-k-then-softmax (`moe_router_pre_softmax=False`: the same probabilities); `norm_topk_prob=False` is
-    `pre_softmax=True`. Every layer is an MoE layer (Qwen3-MoE: `decoder_sparse_step=1`, no `mlp_only_layers`; other
-    patterns are refused). Experts are Megatron's SequentialMLP (local spec) of each expert's width (`moe_shape`:
-    Qwen3-MoE's `moe_intermediate_size`, Mixtral's `intermediate_size`), split over `parallel.ep_size` ranks (and
-    `parallel.expert_tp_size`). Aux / z-loss coefficients come from the `model` section (`moe_aux_loss_coeff`,
-    `moe_z_loss_coeff`); no token dropping (capacity None), as HF and vLLM. TP > 1 needs sequence parallelism
-    (Megatron's MoELayer refuses to train without it; the local spec runs it too: `LocalRMSNorm`).
-    GLM-4.5 MoE: `glm4_moe_router_settings`.
-    """
-    experts, top_k, expert_ffn = moe_shape(hf_config)
-    if not experts:
-        if cfg.moe_aux_loss_coeff:  # as TRL refuses router_aux_loss_coef on a dense model
-            raise ValueError(f"model.moe_aux_loss_coeff={cfg.moe_aux_loss_coeff} (TRL's router_aux_loss_coef) weights "
-                             f"the MoE load-balancing loss, but model_type {hf_config.model_type!r} has no MoE layers: "
-                             "set it to 0")
-        return {}
-    _define_te_general_gemm()
-    sparse_step, dense_only = getattr(hf_config, "decoder_sparse_step", 1), getattr(hf_config, "mlp_only_layers", [])
-    if sparse_step != 1 or dense_only:
-        raise ValueError(f"{hf_config.model_type} with decoder_sparse_step={sparse_step}, "
-                         f"mlp_only_layers={dense_only}: only "
-                         "every-layer MoE (step 1, no dense layers) is supported")
-    if ps.tp_size > 1 and not ps.sequence_parallel:
-        raise ValueError(f"{hf_config.model_type} at parallel.tp_size={ps.tp_size} needs "
-                         "parallel.sequence_parallel=true: "
-                         "megatron-core's MoELayer refuses to train MoE with TP > 1 without it (moe_layer.py forward)")
-    if experts % ps.ep_size:
-        raise ValueError(f"num_experts={experts} is not divisible by parallel.ep_size={ps.ep_size}")
-    aux = cfg.moe_aux_loss_coeff
-    if aux is None:
-        aux = float(getattr(hf_config, "router_aux_loss_coef", 0.0))
-    return {**dict(
-        num_moe_experts=experts,
-        moe_ffn_hidden_size=expert_ffn,
-        moe_router_topk=top_k,
-        moe_router_pre_softmax=not bool(getattr(hf_config, "norm_topk_prob", True)),
-        moe_router_score_function="softmax",
-        moe_router_load_balancing_type="aux_loss" if aux else "none",
-        moe_aux_loss_coeff=aux,
-        moe_z_loss_coeff=cfg.moe_z_loss_coeff,
-        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
-        moe_grouped_gemm=False,
-        # every MoE router gets a RouterReplay: replaying (R3) or recording for the router-agreement metric is chosen
-        # per forward (engine/policy/routing_replay.py, from the chunk's `routing_replay`)
-        moe_enable_routing_replay=True,
-        expert_model_parallel_size=ps.ep_size,
-        expert_tensor_parallel_size=ps.etp_size,
-    ), **glm4_moe_router_settings(hf_config)}
-
-
-def glm4_moe_router_settings(hf_config) -> dict:
-    """GLM-4.5 MoE's router and layer pattern in TransformerConfig's keywords ({} for other families).
-
-    Sigmoid scores in float32 (HF computes the router in float32); the top-k is chosen on scores + the expert-score
-    correction bias (`e_score_correction_bias`, Megatron's `router.expert_bias` buffer, float32), within the
-    `topk_group` best of `n_group` groups; the chosen experts' plain scores are renormalised and multiplied by
-    `routed_scaling_factor`; a shared expert of `shared_expert_width` runs on every token; the first
-    `first_k_dense_replace` layers are dense MLPs of `intermediate_size` (`moe_layer_freq`, built by `_decoder_spec`).
-
-    The expert bias stays frozen (`_freeze_expert_bias`): its update rule (aux-loss-free balancing: +/- a rate per
-    step by each expert's token count) is a pre-training load-balancer; RL post-training keeps the routing the
-    checkpoint was balanced with, so the policy, the frozen reference and vLLM route alike and routing replay replays
-    the routes the engine chose. It is loaded, exported and synced like a weight (`global_param_names`).
-    """
-    if hf_config.model_type not in ("glm4_moe", "deepseek_v3"):  # DeepSeek-V3: the same router and layer pattern
-        return {}
-    groups = int(hf_config.n_group)
-    first_dense, layers = dense_layers(hf_config), hf_config.num_hidden_layers
-    return dict(
-        moe_router_score_function="sigmoid",
-        moe_router_dtype="fp32",
-        moe_router_enable_expert_bias=True,  # builds the buffer; its updates are switched off after the build
-        moe_router_num_groups=groups if groups > 1 else None,
-        moe_router_group_topk=int(hf_config.topk_group) if groups > 1 else None,
-        moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
-        moe_shared_expert_intermediate_size=shared_expert_width(hf_config) or None,
-        moe_layer_freq=[0] * first_dense + [1] * (layers - first_dense),
-    )
-
-
-def _define_te_general_gemm() -> None:
-    """NOTE: megatron-core 0.16.1's MoE router (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not
-    None`, a name imported only when Transformer Engine imports: without TE the router fails with NameError. None is
-    what the test expects without TE (torch.mm then computes the gating logits)."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def rope_settings(hf_config) -> dict:
@@ -373,8 +280,8 @@ def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, d
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
-    norm = layer_spec.submodules.input_layernorm  # the local spec's: LocalRMSNorm, or Gemma's GemmaRMSNorm
-    if norm not in (LocalRMSNorm, gemma_layers.GemmaRMSNorm):
+    norm = layer_spec.submodules.input_layernorm  # the local spec's: LocalRMSNorm, or Gemma's / Cohere 2's own
+    if norm not in (LocalRMSNorm, gemma_layers.GemmaRMSNorm, cohere2_layers.CohereLayerNorm):
         if pattern:
             raise ValueError("dense first layers (GLM-4.5's first_k_dense_replace) are built on the local spec only: "
                              "set model.transformer_impl: local")
@@ -433,6 +340,8 @@ def _policy_class():
 
         final_logit_softcap: float | None = None
         """HF `final_logit_softcapping` (Gemma 2), set by `build_policy`: kernels/ and `lm_head_logits` cap by it."""
+        logit_scale: float = 1.0
+        """HF `logit_scale` (Cohere 2's logits x it), set by `build_policy`: engine/policy/step.py applies it."""
 
         def _postprocess(self, hidden_states, *args, **kwargs):
             return hidden_states
@@ -467,11 +376,12 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     if hf_config.model_type == "gpt_oss":
         spec = gpt_oss_spec(spec, _row_parallel_linear_class())
     dense_spec = _layer_spec(cfg, config.qk_layernorm, mla=mla) if isinstance(config.moe_layer_freq, list) else None
-    if is_gemma(hf_config):
+    if is_gemma(hf_config) or is_cohere2(hf_config):
         if spec.submodules.input_layernorm is not LocalRMSNorm:
-            raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its post-norms, (1 + w) "
-                             "norms and sliding-layer RoPE are project modules): set model.transformer_impl: local")
-        spec = gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config)
+            raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its norms, layer and "
+                             "sliding-window attention are project modules): set model.transformer_impl: local")
+        spec = (gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config) if is_gemma(hf_config)
+                else cohere2_layers.cohere2_layer_spec(spec))
     spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type)
     if mla and spec.submodules.input_layernorm is LocalRMSNorm:  # MLA's keywords to the local core attention
         spec, dense_spec = mla_attention_specs(spec, dense_spec)
@@ -499,24 +409,11 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
             gemma_layers.scale_embeddings(chunks[-1], hf_config.hidden_size)
         cast_params_to_dtype(chunks[-1], config.params_dtype)
         chunks[-1].final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None)
+        chunks[-1].logit_scale = float(hf_config.logit_scale) if is_cohere2(hf_config) else 1.0
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
     if config.moe_router_enable_expert_bias:
-        _freeze_expert_bias(chunks, config)
+        freeze_expert_bias(chunks, config)
     return chunks
-
-
-def _freeze_expert_bias(chunks: list[torch.nn.Module], config) -> None:
-    """Keep the routers' expert bias (GLM-4.5's) as loaded: no token counting in the forward, no update in
-    `finalize_model_grads` (glm4_moe_router_settings says why). The routers still add it to their scores.
-
-    NOTE: megatron-core 0.16.1's token counting (`TopKRouter._apply_expert_bias`, training forwards) fails with the
-    engine's MoE padding mask: `routing_map & ~padding_mask` broadcasts (tokens, E) against (tokens,).
-    """
-    for chunk in chunks:
-        for module in chunk.modules():
-            if getattr(module, "expert_bias", None) is not None:
-                module.enable_expert_bias = False
-    config.moe_router_enable_expert_bias = False  # finalize_model_grads reads it: neither counts reset nor updates
 
 
 @torch.no_grad()

@@ -40,12 +40,13 @@ def gather_lm_head_input(hidden: torch.Tensor, ps: ParallelState) -> torch.Tenso
 
 
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, ps: ParallelState,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, logit_scale: float = 1.0) -> torch.Tensor:
     """This TP rank's vocab slice of the logits, (s, b, V_pad / tp), soft-capped (cap tanh(logits / cap), HF's
-    `final_logit_softcapping`) when `softcap` is set. Materialises logits: LM-loss and test use only; the GRPO path
-    uses the fused kernel instead."""
+    `final_logit_softcapping`) when `softcap` is set, then x `logit_scale` (Cohere 2's). Materialises logits: LM-loss
+    and test use only; the GRPO path uses the fused kernel instead (`completion_logprobs`)."""
     logits = torch.matmul(gather_lm_head_input(hidden, ps), weight.t())
-    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+    logits = logits if softcap is None else torch.tanh(logits / softcap) * softcap
+    return logits if logit_scale == 1.0 else logits * logit_scale
 
 
 def run_schedule(
@@ -167,8 +168,8 @@ def lm_forward_backward(
     from megatron.core import tensor_parallel
 
     def loss_fn(model, hidden, batch):
-        logits = lm_head_logits(hidden, unwrap(model).lm_head_weight(), ps,
-                                unwrap(model).final_logit_softcap)  # (s, b, V_pad / tp)
+        logits = lm_head_logits(hidden, unwrap(model).lm_head_weight(), ps, unwrap(model).final_logit_softcap,
+                                unwrap(model).logit_scale)  # (s, b, V_pad / tp)
         labels = batch["labels"].transpose(0, 1).contiguous()  # (s, b)
         # NOTE: Megatron's vocab_parallel_cross_entropy reads its global TP group (it takes none); LM loss only.
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
@@ -227,7 +228,8 @@ def completion_logprobs(
     x = hidden[rows[mask], index[mask].clamp(max=seq_len - 1)]  # (N, H)
     logprobs, entropy = lm_head_logprob_entropy(
         x, unwrap(model).lm_head_weight(), batch["completion_ids"][mask],
-        temperature=settings.temperature, softcap=unwrap(model).final_logit_softcap, vocab_size=settings.vocab_size,
+        temperature=settings.temperature / unwrap(model).logit_scale,  # Cohere 2: softmax(z x scale / T)
+        softcap=unwrap(model).final_logit_softcap, vocab_size=settings.vocab_size,
         tp_group=ps.groups.tp,
         workspace_mb=settings.kernels.loss_workspace_mb, implementation=settings.kernels.loss_implementation,
     )  # (N,), (N,)

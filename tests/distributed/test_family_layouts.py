@@ -17,7 +17,7 @@ between them, the process group is kept):
     the same micro-batches): summed loss, gradient norm and every updated weight, with the load-balancing aux loss
     on (z-loss too where no SP: test_qwen3_layouts.py says why not under SP), so the router's extra gradients go
     through expert parallelism; the router and the experts move (GLM: the shared expert too; its expert bias stays
-    frozen, bit for bit: engine/policy/model.py glm4_moe_router_settings says why; GPT-OSS: sinks, o_proj and expert
+    frozen, bit for bit: engine/policy/moe_config.py glm4_moe_router_settings says why; GPT-OSS: sinks, o_proj and expert
     biases too, and the grad norm at TP2 x EP2 counts every expert's fc2 bias once: engine/policy/optimizer.py);
 (c) routing replay (R3) and the router-agreement metric at EP2: test_routing_replay.py's checks, on both families
     (GLM: the dense layer has no routes; the agreement counts its 3 MoE layers).
@@ -27,7 +27,11 @@ and with packed rows (block-causal mask AND the window, TP1) equals the padded T
 (the same layer code, attention logits soft-capped, no q/k norms, one RoPE base, final logits soft-capped): (a) at TP1
 and TP2 + SP, against HF's eager attention (tests/helpers/policy.py hf_logits says why), the soft-capped logits and
 the fused LM-head kernel's log-probs at temperature 0.9 (the cap applied inside the kernel, vocab-parallel at TP2);
-(b) the GRPO step at TP2 + SP equals the TP1 step.
+(b) the GRPO step at TP2 + SP equals the TP1 step. Cohere 2 (attention and MLP in parallel off one bias-free
+LayerNorm, interleaved RoPE on the sliding layers only, none on the global ones, logits x logit_scale 0.25, tied): (a)
+at TP1, TP2 + SP and PP2, logits and the kernel's log-probs at temperature 0.9 (logit_scale folded into the kernel's
+temperature); (b) the GRPO step at TP2 + SP and with packed rows (TP1) equals the padded TP1 step, every norm, the tied
+embedding and the MLP moving.
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
 same MoE code path; this file checks what Mixtral and GLM-4.5 add: their config translation and their names.
 """
@@ -59,6 +63,11 @@ DENSE_FAMILIES = {
     # Gemma 3's code path + attention and final-logit soft-capping: the log-probs too, and the step at TP2
     "gemma2": {"logits": [(1, 1, 1), (2, 1, 1)], "logprob_temperature": 0.9, "steps": ("tp1", "tp2_sp"),
                "moved": (".post_attention_layernorm.", ".mlp.gate_proj.")},
+    # parallel attention + MLP off one bias-free LayerNorm, RoPE on the sliding layers only, logits x logit_scale
+    "cohere2": {"logits": [(1, 1, 1), (2, 1, 1), (1, 2, 1)], "logprob_temperature": 0.9,
+                "steps": ("tp1", "tp2_sp", "tp1_packed"),
+                "moved": (".input_layernorm.", "model.norm.", ".self_attn.k_proj.", ".mlp.gate_proj.",
+                          "model.embed_tokens.")},
 }
 """Dense families (no expert layouts, no routing): their logit layouts (tp, pp, ep), the temperature of a log-prob
 check against HF's (none where absent), their GRPO step layouts (`DENSE_STEP_LAYOUTS` names) and the HF names the step

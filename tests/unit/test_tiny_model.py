@@ -136,7 +136,8 @@ def test_config_dims_head_dim_gqa_and_bias(family):
     assert config.vocab_size == TINY_VOCAB_SIZE and config.vocab_size % 128 != 0
     gemma = family in ("gemma3_text", "gemma2")  # Gemma 3: one RoPE dict per layer type (its sliding layers' 1e4)
     rope = config.rope_parameters.get("sliding_attention", config.rope_parameters)
-    assert rope["rope_theta"] == 10000.0 and config.rms_norm_eps == 1e-6
+    eps = config.layer_norm_eps if family == "cohere2" else config.rms_norm_eps  # Cohere 2: LayerNorm, HF's 1e-5
+    assert rope["rope_theta"] == 10000.0 and eps == (1e-5 if family == "cohere2" else 1e-6)
     activation = config.hidden_activation if gemma else config.hidden_act
     assert config.max_position_embeddings == 1024 and activation == ("gelu_pytorch_tanh" if gemma else "silu")
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (0, 0, 0)
@@ -229,7 +230,7 @@ def test_tied_embeddings_share_weights(built, family):
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    if family in ("gemma3_text", "gemma2"):  # Gemma's tiny models are always tied, as Gemma's checkpoints
+    if family in ("gemma3_text", "gemma2", "cohere2"):  # always tied, as Gemma's and Cohere 2's checkpoints
         return
     untied = AutoModelForCausalLM.from_pretrained(built(family, 0))
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()

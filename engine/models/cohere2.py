@@ -1,0 +1,68 @@
+"""Cohere 2 (HF `cohere2`, Cohere2ForCausalLM: Command R7B / Command A): what the engine needs to know about its HF
+config, without torch or Megatron.
+
+Owns: `check_cohere2` (the settings refused, each naming the cause: attention bias, layer types other than sliding /
+full attention, RoPE other than default, a logit_scale <= 0, untied embeddings), `cohere2_transformer_settings`
+(TransformerConfig fields: the bias-free LayerNorm's epsilon, interleaved RoPE, the sliding window and which layers
+use it) and `COHERE2_NORM_NAMES` (its one norm per layer). The Megatron modules (the parallel attention + MLP layer,
+the LayerNorm) are in engine/policy/cohere2_layers.py; the final logits x `logit_scale` are applied where the LM
+head's logits are made (engine/policy/step.py, engine/api/trl_compat.py: the kernel's temperature divided by it).
+
+Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_cohere2`).
+
+Test: tests/unit/test_families.py (refusals), tests/distributed/test_family_layouts.py (logits = HF at TP1 and TP2 +
+SP, log-probs through the LM-head kernel; export byte-exact; GRPO step at TP2 + SP = TP1).
+"""
+
+from __future__ import annotations
+
+COHERE2_MODEL_TYPES = ("cohere2",)
+"""Cohere families the policy builds: one bias-free LayerNorm per layer feeding attention and MLP in parallel
+(h = x + attn(ln(x)) + mlp(ln(x))), RoPE (interleaved pairs) on the sliding-window layers only, the global layers
+without position encoding, the logits x `logit_scale`, tied embeddings."""
+
+def is_cohere2(hf_config) -> bool:
+    """Whether the config is one of `COHERE2_MODEL_TYPES` (built with engine/policy/cohere2_layers.py)."""
+    return hf_config.model_type in COHERE2_MODEL_TYPES
+
+
+def check_cohere2(hf_config) -> None:
+    """Refuse the Cohere 2 settings the translation would not reproduce.
+
+    Raises:
+        ValueError naming `model.name_or_path`, the setting and its value.
+    """
+    prefix = f"model.name_or_path: {hf_config.model_type}"
+    if getattr(hf_config, "attention_bias", False):
+        raise ValueError(f"{prefix} with attention_bias=true: not translated (Cohere 2's checkpoints have no "
+                         "attention bias)")
+    kinds = set(hf_config.layer_types)
+    if not kinds <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{prefix} with layer_types {sorted(kinds)}: only sliding_attention and full_attention are "
+                         "supported")
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{prefix} with rope_parameters {rope}: only the default RoPE on the whole head is supported")
+    scale = getattr(hf_config, "logit_scale", None)
+    if scale is None or not scale > 0:
+        raise ValueError(f"{prefix} with logit_scale={scale}: the logits are multiplied by it, it must be > 0 "
+                         "(Command R7B ships 0.25)")
+    if not hf_config.tie_word_embeddings:
+        raise ValueError(f"{prefix} with tie_word_embeddings=false: vLLM's Cohere 2 (commandr.py) always multiplies "
+                         "by the input embedding, so an untied LM head would never reach the rollout; only tied "
+                         "embeddings (Cohere 2's own) are supported")
+
+
+def cohere2_transformer_settings(hf_config) -> dict:
+    """TransformerConfig fields that differ for Cohere 2: LayerNorm (its weight only: engine/policy/cohere2_layers.py)
+    with `layer_norm_eps`, RoPE on interleaved pairs (HF's cohere `rotate_half`: (x0, x1), (x2, x3), ...) and the
+    sliding window of `sliding_window` tokens (HF: a query sees the keys less than `sliding_window` positions back;
+    Megatron's `window_size` (sliding_window - 1, 0)) on the layers `layer_types` names `sliding_attention`
+    (`window_attn_skip_freq` as a per-layer 0 / 1 list)."""
+    return dict(
+        normalization="LayerNorm",
+        layernorm_epsilon=float(hf_config.layer_norm_eps),
+        rotary_interleaved=True,
+        window_size=(int(hf_config.sliding_window) - 1, 0),
+        window_attn_skip_freq=[int(t == "sliding_attention") for t in hf_config.layer_types],
+    )
