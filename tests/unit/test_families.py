@@ -328,24 +328,6 @@ def test_gemma3_window_scale_rope_and_norm_names_come_from_the_config():
     assert names["output_layer.weight"] == ("model.embed_tokens.weight",)  # tied
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gemma_rms_norm_is_hf_gemma3_rms_norm_bit_for_bit(dtype):
-    import torch
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-
-    from engine.policy.gemma_layers import GemmaRMSNorm
-
-    dtype = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(0)
-    ours = GemmaRMSNorm(SimpleNamespace(params_dtype=dtype, sequence_parallel=False), 64, eps=1e-6)
-    hf = Gemma3RMSNorm(64, eps=1e-6).to(dtype)
-    with torch.no_grad():
-        ours.weight.copy_(0.3 * torch.randn(64, generator=gen))
-        hf.weight.copy_(ours.weight)
-    x = (3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)
-    assert torch.equal(ours(x), hf(x)) and ours(x).dtype == dtype
-
-
 @pytest.mark.parametrize("change,cause", [
     ({"attention_bias": True}, "cohere2 with attention_bias=true"),
     ({"layer_types": ["sliding_attention", "chunked_attention"] * 2}, "layer_types .*chunked_attention"),
@@ -381,21 +363,30 @@ def test_cohere2_window_rope_norm_and_names_come_from_the_config():
     assert names["output_layer.weight"] == ("model.embed_tokens.weight",)  # tied
 
 
+NORMS = {"gemma3": ("engine.policy.gemma_layers:GemmaRMSNorm", "transformers.models.gemma3.modeling_gemma3:Gemma3RMSNorm",
+                    1e-6, 0.0, 0.0),  # (1 + w) x, w around 0
+         "cohere2": ("engine.policy.cohere2_layers:CohereLayerNorm",
+                     "transformers.models.cohere2.modeling_cohere2:Cohere2LayerNorm", 1e-5, 1.0, 0.5)}  # a mean to subtract
+"""family: (the engine's norm, HF's, eps, the weights' centre, the inputs' mean)."""
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cohere_layer_norm_is_hf_cohere2_layer_norm_bit_for_bit(dtype):
+@pytest.mark.parametrize("family", sorted(NORMS))
+def test_family_norm_is_hf_bit_for_bit_with_only_a_weight(family, dtype):
+    import importlib
+
     import torch
-    from transformers.models.cohere2.modeling_cohere2 import Cohere2LayerNorm
 
-    from engine.policy.cohere2_layers import CohereLayerNorm
-
+    ours_path, hf_path, eps, centre, mean = NORMS[family]
+    ours_cls, hf_cls = (getattr(importlib.import_module(p.split(":")[0]), p.split(":")[1]) for p in (ours_path, hf_path))
     dtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
-    ours = CohereLayerNorm(SimpleNamespace(params_dtype=dtype, sequence_parallel=False), 64, eps=1e-5)
-    hf = Cohere2LayerNorm(64, eps=1e-5).to(dtype)
+    ours = ours_cls(SimpleNamespace(params_dtype=dtype, sequence_parallel=False), 64, eps=eps)
+    hf = hf_cls(64, eps=eps).to(dtype)
     with torch.no_grad():
-        ours.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+        ours.weight.copy_(centre + 0.3 * torch.randn(64, generator=gen))
         hf.weight.copy_(ours.weight)
-    x = (0.5 + 3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)  # a mean to subtract
+    x = (mean + 3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)
     assert [n for n, _ in ours.named_parameters()] == ["weight"]  # no bias
     assert torch.equal(ours(x), hf(x)) and ours(x).dtype == dtype
 
