@@ -161,7 +161,7 @@ def _warn_mtp_dropped(mtp: int, layers: int) -> None:
     logging.getLogger(__name__).warning(
         "deepseek_v3 with num_nextn_predict_layers=%d: the multi-token-prediction layer weights (model.layers.%d.* on) "
         "are not loaded, trained or exported (vLLM skips them too without speculative decoding); checkpoints saved by "
-        "the engine lack them", mtp, layers)
+        "the engine lack them and their config.json says num_nextn_predict_layers=0", mtp, layers)
 
 
 def mla_attention_specs(spec, dense_spec):

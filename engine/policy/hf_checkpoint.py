@@ -35,6 +35,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json")
 
 
+def export_config(hf_config, dtype: torch.dtype):
+    """The config.json of an export: the dtype its weights are written in (NOTE: a bf16 run's export once said float32,
+    and transformers then loaded the bf16 weights as float32), and no multi-token-prediction layers (GLM-4.5's and
+    DeepSeek-V3's `num_nextn_predict_layers`: neither built nor trained, so not exported; a config still naming them
+    would send vLLM's MTP speculative decoding looking for weights the directory lacks)."""
+    config = copy.deepcopy(hf_config)
+    config.dtype = dtype
+    if getattr(config, "num_nextn_predict_layers", 0):
+        config.num_nextn_predict_layers = 0
+    return config
+
+
 class SafetensorsSource:
     """Read slices of the tensors of a safetensors checkpoint directory without loading whole files."""
 
@@ -167,11 +179,7 @@ def export_hf_checkpoint(
     if ps.rank == 0:
         weight_map = {name: f for f, rank_names in per_rank for name in rank_names}
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-        hf_config = copy.deepcopy(hf_config)
-        # NOTE: config.json names the dtype the weights are written in (a bf16 run's export said float32, and
-        # transformers then loaded the bf16 weights as float32).
-        hf_config.dtype = dtype or next(iter(tensors.values())).dtype
-        hf_config.save_pretrained(tmp)
+        export_config(hf_config, dtype or next(iter(tensors.values())).dtype).save_pretrained(tmp)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy2(Path(tokenizer_dir) / name, tmp / name)

@@ -15,6 +15,7 @@ likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for 
 from types import SimpleNamespace
 
 import pytest
+import torch
 from transformers import AutoConfig, MixtralConfig
 
 from engine.models.families import MISSING_FEATURES, check_model_type, moe_shape
@@ -84,6 +85,11 @@ def test_deepseek_v3_mtp_layers_are_dropped_with_one_warning(caplog):
             settings[0]["original_max_position_embeddings"]) == ("yarn", 40.0, 1.0, 4096)
     assert [r.getMessage() for r in caplog.records if "num_nextn_predict_layers=1" in r.getMessage()] == [
         caplog.records[0].getMessage()] and "model.layers.61.*" in caplog.records[0].getMessage()
+    from engine.policy.hf_checkpoint import export_config
+
+    exported = export_config(config, torch.bfloat16)  # the export has no MTP layers, and says so; its dtype is named
+    assert exported.num_nextn_predict_layers == 0 and exported.dtype == torch.bfloat16
+    assert config.num_nextn_predict_layers == 1  # the run's own config is untouched
 
 
 def test_gemma2_checkpoints_with_final_logit_soft_capping_are_accepted_a_non_positive_cap_refused():
