@@ -136,7 +136,7 @@ def mla_settings(hf_config) -> dict:
         return {}
     check_deepseek_v3(hf_config)
     if mtp := int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0):
-        _warn_mtp_dropped(mtp, int(hf_config.num_hidden_layers))
+        warn_mtp_dropped("deepseek_v3", mtp, int(hf_config.num_hidden_layers))
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     theta = float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     settings = dict(multi_latent_attention=True, q_lora_rank=int(hf_config.q_lora_rank),
@@ -156,12 +156,13 @@ def mla_settings(hf_config) -> dict:
 
 
 @functools.cache
-def _warn_mtp_dropped(mtp: int, layers: int) -> None:
-    """Warn (once per process) that a checkpoint's multi-token-prediction layers are neither built nor kept."""
+def warn_mtp_dropped(model_type: str, mtp: int, layers: int) -> None:
+    """Warn (once per process) that a checkpoint's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's) are
+    neither built nor kept."""
     logging.getLogger(__name__).warning(
-        "deepseek_v3 with num_nextn_predict_layers=%d: the multi-token-prediction layer weights (model.layers.%d.* on) "
+        "%s with num_nextn_predict_layers=%d: the multi-token-prediction layer weights (model.layers.%d.* on) "
         "are not loaded, trained or exported (vLLM skips them too without speculative decoding); checkpoints saved by "
-        "the engine lack them and their config.json says num_nextn_predict_layers=0", mtp, layers)
+        "the engine lack them and their config.json says num_nextn_predict_layers=0", model_type, mtp, layers)
 
 
 def mla_attention_specs(spec, dense_spec):

@@ -90,6 +90,12 @@ def test_deepseek_v3_mtp_layers_are_dropped_with_one_warning(caplog):
     exported = export_config(config, torch.bfloat16)  # the export has no MTP layers, and says so; its dtype is named
     assert exported.num_nextn_predict_layers == 0 and exported.dtype == torch.bfloat16
     assert config.num_nextn_predict_layers == 1  # the run's own config is untouched
+    from engine.policy.moe_config import glm4_moe_router_settings
+
+    glm = AutoConfig.for_model("glm4_moe", num_nextn_predict_layers=1, num_hidden_layers=4)  # GLM-4.5's MTP: warned too
+    glm4_moe_router_settings(glm)
+    assert any("glm4_moe with num_nextn_predict_layers=1" in r.getMessage() and "model.layers.4.*" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_gemma2_checkpoints_with_final_logit_soft_capping_are_accepted_a_non_positive_cap_refused():
