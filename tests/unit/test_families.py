@@ -23,6 +23,14 @@ from engine.models.tiny_model import tiny_model_config
 from engine.policy.hf_convert import ModelDims
 
 
+def _assert_refused_after(config, change: dict, cause: str) -> None:
+    """`config` with `change` applied is refused by `check_model_type`, the message matching `cause`."""
+    for key, value in change.items():
+        setattr(config, key, value)
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(config)
+
+
 @pytest.mark.parametrize("model_type", ["nemotron_h"])
 def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
     config = AutoConfig.for_model(model_type)
@@ -61,10 +69,7 @@ def test_deepseek_v3_settings_the_translation_would_not_reproduce_are_refused_na
     check_model_type(AutoConfig.for_model("deepseek_v3", topk_method="noaux_tc", scoring_func="sigmoid"))
     with pytest.raises(ValueError, match="topk_method=None, scoring_func=None: only noaux_tc with sigmoid"):
         check_model_type(AutoConfig.for_model("deepseek_v3"))  # transformers' defaults lack vLLM's router fields
-    for key, value in change.items():
-        setattr(config, key, value)
-    with pytest.raises(ValueError, match=cause):
-        check_model_type(config)
+    _assert_refused_after(config, change, cause)
 
 
 DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -121,10 +126,7 @@ def test_unknown_family_is_refused_with_the_supported_list_only():
 def test_mixtral_settings_the_engine_would_not_reproduce_are_refused(change, cause):
     config = tiny_model_config("mixtral")
     check_model_type(config)  # the tiny model's own settings pass
-    for key, value in change.items():
-        setattr(config, key, value)
-    with pytest.raises(ValueError, match=cause):
-        check_model_type(config)
+    _assert_refused_after(config, change, cause)
 
 
 def test_moe_shape_reads_each_family_s_own_fields():
@@ -156,10 +158,7 @@ def test_glm4_moe_router_settings_megatron_computes_differently_are_refused(chan
     config = tiny_model_config("glm4_moe")
     check_model_type(config)  # the tiny model's own (2 groups, 1 per token, top-2) and GLM-4.5's defaults pass
     check_model_type(AutoConfig.for_model("glm4_moe"))
-    for key, value in change.items():
-        setattr(config, key, value)
-    with pytest.raises(ValueError, match=cause):
-        check_model_type(config)
+    _assert_refused_after(config, change, cause)
 
 
 def test_glm4_moe_shape_dense_layers_shared_expert_and_qk_norm():
@@ -223,10 +222,7 @@ def test_gpt_oss_settings_the_translation_would_not_reproduce_are_refused(change
     config = tiny_model_config("gpt_oss")
     check_model_type(config)  # the tiny model's own settings and GPT-OSS's defaults pass
     check_model_type(AutoConfig.for_model("gpt_oss"))
-    for key, value in change.items():
-        setattr(config, key, value)
-    with pytest.raises(ValueError, match=cause):
-        check_model_type(config)
+    _assert_refused_after(config, change, cause)
 
 
 def test_planner_gpt_oss_and_deepseek_v3_shapes_give_the_published_parameter_counts(tmp_path):
@@ -314,10 +310,7 @@ def test_deepseek_v3_trains_on_32_h100_nodes_but_one_h100_node_cannot_serve_it()
 def test_gemma3_settings_the_engine_would_not_reproduce_are_refused(change, cause):
     config = tiny_model_config("gemma3_text")
     check_model_type(config)  # the tiny model's own settings pass
-    for key, value in change.items():
-        setattr(config, key, value)
-    with pytest.raises(ValueError, match=cause):
-        check_model_type(config)
+    _assert_refused_after(config, change, cause)
 
 
 def test_gemma3_window_scale_rope_and_norm_names_come_from_the_config():
@@ -349,10 +342,7 @@ def test_gemma3_window_scale_rope_and_norm_names_come_from_the_config():
 def test_cohere2_settings_the_engine_would_not_reproduce_are_refused(change, cause):
     config = tiny_model_config("cohere2")
     check_model_type(config)  # the tiny model's own settings pass
-    for key, value in change.items():
-        setattr(config, key, value)
-    with pytest.raises(ValueError, match=cause):
-        check_model_type(config)
+    _assert_refused_after(config, change, cause)
 
 
 def test_cohere2_window_rope_norm_and_names_come_from_the_config():
