@@ -152,6 +152,8 @@ class ModelDims:
     """Nemotron-H: the Mamba-2 in_proj's global row blocks (z, x, B, C, dt)."""
     mamba_conv_bias: bool = False
     """Nemotron-H: the Mamba-2 conv has a bias (HF use_conv_bias)."""
+    mamba_conv_kernel: int = 0
+    """Nemotron-H: the Mamba-2 depthwise conv's kernel width (HF conv_kernel)."""
 
     @classmethod
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
@@ -179,7 +181,8 @@ class ModelDims:
             **mla_dims(hf_config),
             parallel_block=model_type in COHERE2_MODEL_TYPES,
             **(dict(layer_kinds=layer_kinds(hf_config), mamba_blocks=mamba_blocks(hf_config),
-                    mamba_conv_bias=bool(hf_config.use_conv_bias)) if is_nemotron_h(hf_config) else {}),
+                    mamba_conv_bias=bool(hf_config.use_conv_bias), mamba_conv_kernel=int(hf_config.conv_kernel))
+               if is_nemotron_h(hf_config) else {}),
         )
 
 
