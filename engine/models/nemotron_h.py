@@ -124,3 +124,9 @@ def nemotron_h_settings(hf_config) -> dict:
     `intermediate_size`, RMSNorm with `layer_norm_epsilon`; the activation itself is set by the policy (torch)."""
     return dict(gated_linear_unit=False, layernorm_epsilon=float(hf_config.layer_norm_epsilon),
                 ffn_hidden_size=int(hf_config.intermediate_size))
+
+
+def has_routed_experts(values: dict) -> bool:
+    """Whether a Nemotron-H config.json (a dict) has MoE layers: `layers_block_type` names "moe" or the older
+    `hybrid_override_pattern` an 'E' (its `n_routed_experts` is set, 8 by default, even without any)."""
+    return "moe" in (values.get("layers_block_type") or []) or "E" in (values.get("hybrid_override_pattern") or "")

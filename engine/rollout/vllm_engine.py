@@ -27,10 +27,12 @@ from pathlib import Path
 import torch
 
 from engine.config import GenerationConfig, RolloutConfig
+from engine.models.nemotron_h import has_routed_experts
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
 from engine.rollout.vllm_family_kwargs import family_engine_kwargs
 from engine.rollout.vllm_gpt_oss import GptOssReceiver, gpt_oss_expert_parts, hf_name, warn_gpt_oss_mismatch
+from engine.rollout.vllm_nemotron_h import NemotronHReceiver
 from engine.rollout.vllm_lora import LoraReceiver
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
 
@@ -116,6 +118,8 @@ def wants_routed_experts(rollout: RolloutConfig, model_dir: str | Path) -> bool:
         return False
     values = json.loads(config.read_text())
     values = values.get("text_config", values)
+    if values.get("model_type") == "nemotron_h":  # n_routed_experts is set whether or not a layer routes
+        return has_routed_experts(values)
     return any(values.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
@@ -311,6 +315,7 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.collective_rpc("grpo_repack_cpu_moe", args=(_moe_layers([name for name, _ in named_tensors]),))
         self.llm.collective_rpc("grpo_load_sinks", args=(named_tensors,))
+        self.llm.collective_rpc("grpo_keep_a_log", args=(named_tensors,))  # Nemotron-H: vllm_nemotron_h.py
         self.llm.collective_rpc("grpo_retie_lm_head")
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
@@ -410,7 +415,7 @@ class ServerEngine(VLLMEngine):
         self.llm.collective_rpc("grpo_close_weight_group")
 
 
-class WeightReceiverExtension(LoraReceiver, GptOssReceiver):
+class WeightReceiverExtension(LoraReceiver, GptOssReceiver, NemotronHReceiver):
     """Mixed into vLLM's worker class (`worker_extension_cls`): receives a server-mode weight sync (LoRA: vllm_lora.py).
 
     Method names carry a `grpo_` prefix: vLLM refuses an extension whose attributes clash with the worker's own.
@@ -448,6 +453,7 @@ class WeightReceiverExtension(LoraReceiver, GptOssReceiver):
                 self.reload_weights(weights_iterator=iter(bucket))
                 self.grpo_repack_cpu_moe(_moe_layers([name for name, _ in bucket]))
                 self.grpo_load_sinks(bucket)
+                self.grpo_keep_a_log(bucket)
                 self.grpo_retie_lm_head()
                 num_tensors += len(bucket)
                 num_buckets += 1
@@ -541,7 +547,8 @@ class WeightReceiverExtension(LoraReceiver, GptOssReceiver):
                 digests |= {k: v for k, v in _module_digests(name, module, packed, dtype).items()
                             if k.endswith(LIVE_PARAMS)}
         return {"engine_rank": self.grpo_engine_rank(),
-                "digests": {hf_name(name, model): [int(digest), held] for name, (digest, held) in digests.items()}}
+                "digests": {hf_name(name, model): [int(digest), held] for name, (digest, held) in digests.items()}
+                | self.grpo_kept_digests()}  # Nemotron-H's A_log as received: vllm_nemotron_h.py
 
     def grpo_capture_routes(self) -> int:
         """Start recording the experts every MoE router picks (`_RouteRecorder`); returns how many routers."""
