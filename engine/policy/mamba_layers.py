@@ -10,8 +10,9 @@ RMSNorm, as attention-only or MLP-only TransformerLayers: Megatron's own hybrid-
 
 Why not megatron-core's MambaMixer: megatron/core/ssm/mamba_mixer.py imports the mamba_ssm and causal_conv1d CUDA
 kernels (ImportError without them; neither has a CPU build). Prefill / training only: no decode state (the trainer
-scores whole sequences). Packed rows (`train.padding_free`) would carry the state across the sequences of a row:
-refused here, naming the setting.
+scores whole sequences). Packed rows (`train.padding_free`, the block-causal mask layout): the conv and the scan run
+per sequence (`sequence_rows`: each sequence of a row becomes a row of its own, padded at its end, and back), so no
+state crosses a sequence boundary; the THD layout (Transformer Engine only) is refused.
 
 Must not: read Megatron's global parallel state, import vLLM.
 
@@ -73,6 +74,28 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     starts = torch.stack(starts, dim=1)  # (b, c, h, p, n)
     y = y + torch.einsum("bclhn,bchpn->bclhp", C, starts) * torch.exp(cum)[..., None]
     return y.reshape(b, c * L, h, p)[:, :T]
+
+
+def sequence_rows(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each sequence of packed rows lies, from the block-causal mask (engine/policy/packing.py
+    `block_causal_mask`, True = masked): a position starts a sequence when it may not see the one before it.
+
+    Args:
+        attention_mask: (rows, 1, W, W) bool.
+    Returns:
+        `gather` (n, L) int64: flat position (row * W + t) of step j of sequence i, rows * W (a zero row) past its
+        end; `sequence` (rows * W,) and `step` (rows * W,): each flat position's sequence and step in it.
+    """
+    rows, width = attention_mask.shape[0], attention_mask.shape[-1]
+    starts = torch.ones(rows, width, dtype=torch.bool, device=attention_mask.device)
+    starts[:, 1:] = attention_mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)  # t cannot see t - 1
+    sequence = starts.reshape(-1).cumsum(0) - 1  # (rows * W,)
+    lengths = torch.bincount(sequence)
+    first = lengths.cumsum(0) - lengths  # flat position where each sequence starts
+    step = torch.arange(rows * width, device=sequence.device) - first[sequence]
+    gather = torch.full((len(lengths), int(lengths.max())), rows * width, dtype=torch.long, device=sequence.device)
+    gather[sequence, step] = torch.arange(rows * width, device=sequence.device)
+    return gather, sequence, step
 
 
 def gated_group_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,
@@ -144,11 +167,23 @@ def mamba_mixer_class():
                     torch.nn.init.zeros_(self.conv1d.bias)
 
         def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **unused):
-            if packed_seq_params is not None or attention_mask is not None:
-                raise ValueError("nemotron_h: packed rows (train.padding_free) are not supported: the Mamba-2 "
-                                 "state would run across the sequences of a row; set train.padding_free: false")
+            if packed_seq_params is not None:
+                raise ValueError("nemotron_h: the THD packed layout (Transformer Engine) is not supported by the "
+                                 "Mamba-2 mixer; the local spec's block-causal mask layout is")
             projected, _ = self.in_proj(hidden_states)  # (T, b, P / tp); SP: gathered to the whole sequence
             projected = projected.transpose(0, 1)  # (b, T, P / tp)
+            if attention_mask is None:
+                y = self._mix(projected)
+            else:  # packed rows: one row per sequence, and back (`sequence_rows`)
+                b, T, P = projected.shape
+                gather, sequence, step = sequence_rows(attention_mask)
+                flat = torch.cat([projected.reshape(b * T, P), projected.new_zeros(1, P)])  # (b * T + 1, P)
+                y = self._mix(flat[gather])[sequence, step].reshape(b, T, -1)  # (n, L, .) -> (b, T, inner / tp)
+            out, bias = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1).contiguous())  # (T, b, H)
+            return out, bias
+
+        def _mix(self, projected):
+            """(b, T, P / tp) in_proj outputs of whole sequences -> (b, T, inner / tp) gated-norm outputs."""
             z_size, x_size, b_size, c_size, dt_size = self.local
             z, xbc, dt = projected.split([z_size, x_size + b_size + c_size, dt_size], dim=-1)
             T = xbc.shape[1]
@@ -164,9 +199,7 @@ def mamba_mixer_class():
             B, C = (t.reshape(*t.shape[:2], groups, self.state_size) for t in (B, C))  # (b, T, g, n)
             y = ssd_scan(x, dt, A, B, C, self.chunk_size)  # (b, T, h, p) float32
             y = y + self.D[:, None] * x.float()
-            y = gated_group_rms_norm(y.reshape(*y.shape[:2], -1), z, self.norm.weight, self.group_size, self.eps)
-            out, bias = self.out_proj(y.to(hidden_states.dtype).transpose(0, 1).contiguous())  # (T, b, H)
-            return out, bias
+            return gated_group_rms_norm(y.reshape(*y.shape[:2], -1), z, self.norm.weight, self.group_size, self.eps)
 
     return MambaMixer
 

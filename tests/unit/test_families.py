@@ -496,3 +496,17 @@ def test_planner_sizes_sliding_window_kv_cache_and_windowed_attention_scores():
     assert [score_bytes(KNOWN_MODELS[name]) for name in ("google/gemma-2-27b", "google/gemma-3-27b-it",
                                                          "builtin:tiny-cohere2", "openai/gpt-oss-120b",
                                                          "meta-llama/llama-3.1-8b")] == [8, 6, 6, 5, 5]
+
+
+def test_sequence_rows_cuts_packed_rows_at_every_sequence_of_the_block_causal_mask():
+    """Rows [a a a b b | pad] and [c c c c c | pad pad]: each sequence (and each row's padding) becomes a row of its
+    own, padded at its end with the zero row's index, and the inverse index puts every position back."""
+    from engine.policy.mamba_layers import sequence_rows
+    from engine.policy.packing import block_causal_mask
+
+    segment = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [3, 3, 3, 3, 3, 0, 0]])
+    gather, sequence, step = sequence_rows(block_causal_mask(segment))
+    zero = segment.numel()
+    assert gather.tolist() == [[0, 1, 2, zero, zero], [3, 4, zero, zero, zero], [5, 6, zero, zero, zero],
+                               [7, 8, 9, 10, 11], [12, 13, zero, zero, zero]]
+    assert torch.equal(gather[sequence, step], torch.arange(segment.numel()))
