@@ -121,9 +121,11 @@ def check_nemotron_h_layout(hf_config, tp_size: int, pp_size: int) -> None:
 
 def nemotron_h_settings(hf_config) -> dict:
     """TransformerConfig fields that differ for Nemotron-H: a non-gated MLP with squared ReLU (HF relu2) of width
-    `intermediate_size`, RMSNorm with `layer_norm_epsilon`; the activation itself is set by the policy (torch)."""
+    `intermediate_size`, RMSNorm with `layer_norm_epsilon`, distributed checkpoints keyed per layer (the layers
+    differ: Megatron's stacked per-kind keys would miss the layers of other kinds); the activation itself is set by the
+    policy (torch)."""
     return dict(gated_linear_unit=False, layernorm_epsilon=float(hf_config.layer_norm_epsilon),
-                ffn_hidden_size=int(hf_config.intermediate_size))
+                ffn_hidden_size=int(hf_config.intermediate_size), hetereogenous_dist_checkpoint=True)
 
 
 def has_routed_experts(values: dict) -> bool:

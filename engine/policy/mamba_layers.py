@@ -133,7 +133,7 @@ def mamba_mixer_class():
         def __init__(self, config, layer_number: int = 1, pg_collection=None, hf_config=None, row_parallel=None,
                      **unused):
             super().__init__(config)
-            tp_group = pg_collection.tp
+            self.tp_group = tp_group = pg_collection.tp
             tp_size = tp_group.size()
             self.blocks = mamba_blocks(hf_config)  # global (z, x, B, C, dt)
             self.local = tuple(size // tp_size for size in self.blocks)
@@ -165,6 +165,33 @@ def mamba_mixer_class():
                 torch.nn.init.ones_(self.norm.weight)
                 if self.conv1d.bias is not None:
                     torch.nn.init.zeros_(self.conv1d.bias)
+
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """Megatron's distributed-checkpoint entries: every parameter split over TP along dim 0, in_proj's and
+            the conv's blocks saved as tensors of their own (`<name>.z` / `.x` / `.B` / `.C` / `.dt`: Megatron's
+            MambaMixer layout, megatron/core/ssm/mamba_mixer.py), so a checkpoint loads at another TP size."""
+            from megatron.core.ssm.mamba_mixer import _split_tensor_factory
+            from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
+                                                         make_sharded_tensors_for_checkpoint,
+                                                         sharded_state_dict_default)
+
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            state = {}
+            self._save_to_state_dict(state, "", keep_vars=True)  # A_log, D, dt_bias
+            for name in ("conv1d", "norm"):
+                state |= getattr(self, name).state_dict(prefix=f"{name}.", keep_vars=True)
+            out = make_sharded_tensors_for_checkpoint(state, prefix, {k: 0 for k in state}, sharded_offsets,
+                                                      tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"])
+            for name in ("in_proj", "out_proj"):
+                out |= sharded_state_dict_default(getattr(self, name), f"{prefix}{name}.", sharded_offsets, metadata,
+                                                  tp_group=self.tp_group)
+            out[f"{prefix}in_proj.weight"] = _split_tensor_factory(out[f"{prefix}in_proj.weight"], list(self.local),
+                                                                   ["z", "x", "B", "C", "dt"], 0)
+            for name in ("conv1d.weight", "conv1d.bias"):
+                if f"{prefix}{name}" in out:
+                    out[f"{prefix}{name}"] = _split_tensor_factory(out[f"{prefix}{name}"], list(self.local[1:4]),
+                                                                   ["x", "B", "C"], 0)
+            return out
 
         def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **unused):
             if packed_seq_params is not None:
