@@ -19,7 +19,7 @@ from __future__ import annotations
 from engine.models.cohere2 import COHERE2_MODEL_TYPES, check_cohere2
 from engine.models.deepseek_v3 import check_deepseek_v3
 from engine.models.gemma import GEMMA_MODEL_TYPES, check_gemma
-from engine.models.nemotron_h import NEMOTRON_H_MODEL_TYPES, check_nemotron_h
+from engine.models.nemotron_h import NEMOTRON_H_MODEL_TYPES, check_nemotron_h, has_moe_layers
 
 SUPPORTED_MODEL_TYPES = (("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss") + GEMMA_MODEL_TYPES
                          + COHERE2_MODEL_TYPES + ("deepseek_v3",) + NEMOTRON_H_MODEL_TYPES)
@@ -135,6 +135,15 @@ def shared_expert_width(hf_config) -> int:
 _GLM_LIKE = ("glm4_moe", "deepseek_v3")
 """Families with dense first layers, a shared expert and GLM-4.5's sigmoid group-limited router (DeepSeek-V3's MLA:
 engine/models/deepseek_v3.py)."""
+
+
+def has_routed_experts(values: dict) -> bool:
+    """Whether a config.json (a dict; a multimodal one's `text_config`) names routed experts (the engine's rollout
+    then returns the routes: engine/rollout/vllm_engine.py); Nemotron-H by its layer kinds."""
+    values = values.get("text_config", values)
+    if values.get("model_type") in NEMOTRON_H_MODEL_TYPES:
+        return has_moe_layers(values)
+    return any(values.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def moe_shape(hf_config) -> tuple[int, int, int]:

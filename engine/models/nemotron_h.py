@@ -2,10 +2,11 @@
 know about its HF config, without torch or Megatron.
 
 Owns: `check_nemotron_h` (the settings refused, each naming the cause: MoE layers, biases, activations other than
-relu2 / silu, a sliding window), `nemotron_h_settings`
+relu2 / silu, a sliding window, tied embeddings), `nemotron_h_settings`
 (TransformerConfig fields: the non-gated squared-ReLU MLP, RMSNorm epsilon), `layer_kinds` (one of "mamba",
 "attention", "mlp" per decoder layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B /
-C / dt) and `NEMOTRON_H_TENSORS` (HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py).
+C / dt), `NEMOTRON_H_TENSORS` (HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py),
+`has_moe_layers` and the tiny model's config (`tiny_nemotron_h_config`, for engine/models/tiny_model.py).
 The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) are engine/policy/mamba_layers.py.
 
 Each HF block is `x + mixer(norm(x))` with one mixer; in Megatron's TransformerLayer that is an attention-only layer
@@ -104,6 +105,9 @@ def check_nemotron_h(hf_config) -> None:
     if hf_config.mlp_hidden_act != "relu2" or hf_config.mamba_hidden_act != "silu":
         raise ValueError(f"{prefix} with mlp_hidden_act={hf_config.mlp_hidden_act!r}, mamba_hidden_act="
                          f"{hf_config.mamba_hidden_act!r}: only relu2 and silu (Nemotron-H's own) are translated")
+    if hf_config.tie_word_embeddings:
+        raise ValueError(f"{prefix} with tie_word_embeddings=true: neither HF's NemotronHForCausalLM nor vLLM's "
+                         "ties the LM head to the embedding (both keep lm_head.weight); only untied is supported")
     if getattr(hf_config, "sliding_window", None) is not None:
         raise ValueError(f"{prefix} with sliding_window={hf_config.sliding_window}: not translated")
     heads, groups = int(hf_config.mamba_num_heads), int(hf_config.n_groups)
@@ -128,7 +132,27 @@ def nemotron_h_settings(hf_config) -> dict:
                 ffn_hidden_size=int(hf_config.intermediate_size), hetereogenous_dist_checkpoint=True)
 
 
-def has_routed_experts(values: dict) -> bool:
+def has_moe_layers(values: dict) -> bool:
     """Whether a Nemotron-H config.json (a dict) has MoE layers: `layers_block_type` names "moe" or the older
     `hybrid_override_pattern` an 'E' (its `n_routed_experts` is set, 8 by default, even without any)."""
     return "moe" in (values.get("layers_block_type") or []) or "E" in (values.get("hybrid_override_pattern") or "")
+
+
+TINY_NEMOTRON_H_LAYERS = ["linear_attention", "full_attention", "mlp", "linear_attention"]
+"""The tiny Nemotron-H's layers, 'M*-M' (each PP2 stage holds a Mamba-2 layer; TRL's nano adds MoE layers, refused)."""
+
+
+def tiny_nemotron_h_config(common: dict):
+    """Nemotron-H's architecture at engine/models/tiny_model.py's tiny shapes (`common`: its shared fields): layers
+    `TINY_NEMOTRON_H_LAYERS`, each one RMSNorm (eps 1e-5) and one mixer; Mamba-2 with 8 heads of dim 32 (inner 256 =
+    2 x hidden) in 2 groups, state 16, conv kernel 4, chunk 8 (the tests' 12-token rows cross a chunk boundary);
+    attention 4 heads / 2 KV heads of dim 32 without RoPE; the relu2 MLP of width 352; untied embeddings (Nemotron-H's
+    own; `tie_word_embeddings` is ignored: `check_nemotron_h`). transformers is imported here only (the planner imports this module without it)."""
+    from transformers import NemotronHConfig
+
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "hidden_act",
+                                                           "num_hidden_layers", "tie_word_embeddings")}
+    return NemotronHConfig(**common, head_dim=common["hidden_size"] // common["num_attention_heads"],
+                           layers_block_type=TINY_NEMOTRON_H_LAYERS, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
+                           ssm_state_size=16, conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
+                           mlp_hidden_act="relu2", use_conv_bias=True, tie_word_embeddings=False)

@@ -38,13 +38,14 @@ from transformers import (
     GptOssConfig,
     LlamaConfig,
     MixtralConfig,
-    NemotronHConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
 )
+
+from engine.models.nemotron_h import tiny_nemotron_h_config
 
 TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "gemma2",
                  "deepseek_v3", "cohere2", "nemotron_h")
@@ -301,7 +302,7 @@ def tiny_model_config(
     if family == "cohere2":
         return _tiny_cohere2_config(common)
     if family == "nemotron_h":
-        return _tiny_nemotron_h_config(common)
+        return tiny_nemotron_h_config(common)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 
@@ -381,10 +382,8 @@ and D (1 + N(0, 0.1^2)) and conv bias (N(0, 0.1^2))."""
                     param.copy_(0.1 * torch.randn(param.shape))
         if model.config.model_type == "nemotron_h":  # HF: norms and D ones, conv bias zeros
             for name, param in model.named_parameters():
-                if name.endswith(("norm.weight", "norm_f.weight", "mixer.D")):
-                    param.copy_(1.0 + 0.1 * torch.randn(param.shape))
-                elif name.endswith("conv1d.bias"):
-                    param.copy_(0.1 * torch.randn(param.shape))
+                if name.endswith(("norm.weight", "mixer.D", "conv1d.bias")):
+                    param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
         if model.config.model_type == "cohere2":  # HF initialises its LayerNorm weights to 1
             for name, param in model.named_parameters():
                 if "norm" in name:
@@ -435,22 +434,6 @@ def _tiny_cohere2_config(common: dict) -> Cohere2Config:
     return Cohere2Config(**common, layer_norm_eps=1e-5, logit_scale=TINY_COHERE2_LOGIT_SCALE, tie_word_embeddings=True,
                          sliding_window=TINY_GEMMA_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e4}, attention_bias=False)
-
-
-TINY_NEMOTRON_H_LAYERS = ["linear_attention", "full_attention", "mlp", "linear_attention"]
-"""The tiny Nemotron-H's layers, 'M*-M' (each PP2 stage holds a Mamba-2 layer; TRL's nano adds MoE layers, refused)."""
-
-
-def _tiny_nemotron_h_config(common: dict) -> NemotronHConfig:
-    """Nemotron-H's architecture at the tiny shapes: layers `TINY_NEMOTRON_H_LAYERS`, each one RMSNorm (eps 1e-5)
-    and one mixer; Mamba-2 with 8 heads of dim 32 (inner 256 = 2 x hidden) in 2 groups, state 16, conv kernel 4,
-    chunk 8 (the tests' 12-token rows cross a chunk boundary); attention 4 heads / 2 KV heads of dim 32 without RoPE;
-    the relu2 MLP of width 352; untied embeddings (Nemotron-H's own)."""
-    common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "hidden_act",
-                                                           "num_hidden_layers")}
-    return NemotronHConfig(**common, head_dim=_HIDDEN_SIZE // _NUM_HEADS, layers_block_type=TINY_NEMOTRON_H_LAYERS,
-                           mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=16, conv_kernel=4,
-                           chunk_size=8, layer_norm_epsilon=1e-5, mlp_hidden_act="relu2", use_conv_bias=True)
 
 
 def _generation_config(config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:

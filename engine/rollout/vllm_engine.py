@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.config import GenerationConfig, RolloutConfig
-from engine.models.nemotron_h import has_routed_experts
+from engine.models.families import has_routed_experts
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
 from engine.rollout.vllm_family_kwargs import family_engine_kwargs
@@ -116,11 +116,7 @@ def wants_routed_experts(rollout: RolloutConfig, model_dir: str | Path) -> bool:
     config = Path(model_dir) / "config.json"
     if not config.is_file():
         return False
-    values = json.loads(config.read_text())
-    values = values.get("text_config", values)
-    if values.get("model_type") == "nemotron_h":  # n_routed_experts is set whether or not a layer routes
-        return has_routed_experts(values)
-    return any(values.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return has_routed_experts(json.loads(config.read_text()))
 
 
 def _routes_of(fed: list[int], completion, captured: dict | None, row: int):

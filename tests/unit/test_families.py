@@ -37,6 +37,7 @@ def _assert_refused_after(config, change: dict, cause: str) -> None:
     ({"mlp_bias": True}, "nemotron_h with mlp_bias=true"),
     ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
     ({"sliding_window": 16}, "sliding_window=16"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings=true: neither HF's NemotronHForCausalLM nor vLLM's"),
     ({"n_groups": 3}, "mamba_num_heads=8 is not a multiple of n_groups=3")])
 def test_nemotron_h_settings_the_engine_would_not_reproduce_are_refused(change, cause):
     """The tiny Nemotron-H (Mamba-2, attention and MLP layers) passes; transformers' default (with an MoE layer) and
