@@ -293,6 +293,9 @@ def load_model_dims(name_or_path: str) -> ModelDims:
     if config_file.is_file():  # MLA's widths (DeepSeek-V3) replace head_dim: `_mla_fields`
         hf = json.loads(config_file.read_text())
         hf = hf.get("text_config", hf)
+        if hf.get("model_type") == "nemotron_h":  # one mixer per layer: ModelDims sizes uniform transformer layers
+            raise PlanError(f"model.name_or_path={name_or_path!r}: model_type nemotron_h (hybrid Mamba-2 / attention "
+                            "/ MLP layers, no KV cache on the Mamba-2 ones) is not sized by the planner yet")
         head_dim = hf.get("head_dim") or 0
         config = SimpleNamespace(**hf)
         experts, top_k, expert_ffn = moe_shape(config)

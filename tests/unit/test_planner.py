@@ -473,3 +473,12 @@ def test_activation_term_follows_the_recompute_settings(train, expected):
     s, b, h = 2048, 2, 3072
     term = activation_term(_recompute_cfg(**train), GPT, stage=0, num_microbatches=1)
     assert term.nbytes == pytest.approx(expected * s * b * h / 4)
+
+
+def test_planner_refuses_nemotron_h_naming_the_family(tmp_path):
+    """A Nemotron-H config.json (no num_hidden_layers key: a KeyError before) is refused with the reason."""
+    from engine.models.tiny_model import tiny_model_config
+
+    tiny_model_config("nemotron_h").to_json_file(tmp_path / "config.json")
+    with pytest.raises(PlanError, match="model_type nemotron_h .* is not sized by the planner yet"):
+        load_model_dims(str(tmp_path))
