@@ -5,7 +5,8 @@ Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) 
 (`MOE_MAPS`: Qwen3-MoE; Mixtral, GLM-4.5 MoE and GPT-OSS as more tables; experts: `TensorMap`; tied embeddings:
 `family_map`; GLM's dense first layers: `layer_entries`; GPT-OSS's sinks and o_proj bias: `GPT_OSS_ATTENTION`, its
 stacked expert tensors: the `stacked_*` kinds, converted by engine/models/gpt_oss.py; Gemma's four norms per layer:
-`ModelDims.sandwich_norms`; Cohere 2's one norm per layer: `ModelDims.parallel_block`), and the
+`ModelDims.sandwich_norms`; Cohere 2's one norm per layer: `ModelDims.parallel_block`; Nemotron-H's per-kind layers
+under `backbone.` names: `ModelDims.layer_kinds`, engine/models/nemotron_h.py), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;

@@ -1,13 +1,14 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
-spec pieces and YaRN: engine/models/gpt_oss.py) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3.py)
-HF config into Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
+spec pieces and YaRN: engine/models/gpt_oss.py) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3.py) /
+Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/mamba_layers.py) HF config into Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
 recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
 router, shared expert and dense first layers: engine/policy/moe_config.py; the families refused and what they lack:
 engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`), `build_policy`, the
 weights that are buffers (`WEIGHT_BUFFERS`: GLM's frozen expert bias), and the rule
-that takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
+that takes a global tensor to this rank's TP shard (`take_tp_shard`; Mamba-2's unequal row blocks: `partition_blocks`),
+which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
