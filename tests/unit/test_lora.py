@@ -164,3 +164,14 @@ def test_adapter_sync_refuses_a_rollout_server_without_lora_support_or_a_smaller
         _check_lora_support(servers(16, None), settings)
     with pytest.raises(ValueError, match=r"http://node0:8000 runs vLLM with max_lora_rank 8 < lora.lora_r=16"):
         _check_lora_support(servers(8), settings)
+
+
+def test_adapters_on_nemotron_h_are_refused_by_name():
+    """Its one-mixer layers have no linear_qkv / gated fc1 where HF_TARGETS would put q_proj / up_proj."""
+    from engine.policy.lora import apply_lora
+
+    settings = lora_settings_from_config(build_config({"lora": {"use_peft": True,
+                                                                "lora_target_modules": ["q_proj"]}}).lora)
+    chunk = SimpleNamespace(config=_megatron_config(gated_linear_unit=False))  # what nemotron_h's config sets
+    with pytest.raises(ValueError, match="lora.use_peft with nemotron_h: adapters on its hybrid layers"):
+        apply_lora([chunk], settings, SimpleNamespace(tp_size=1))
