@@ -113,7 +113,9 @@ def _tp_param(shape, config, tp_group, blocks: tuple[int, ...] | None = None) ->
     split over TP, for engine/policy/model.py take_tp_shard / merge_tp_shards)."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    param = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype))
+    on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization  # where Megatron puts its own
+    device = torch.cuda.current_device() if on_gpu else "cpu"
+    param = torch.nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=device))
     set_tensor_model_parallel_attributes(param, True, 0, 1)
     if blocks is not None:
         param.partition_blocks = blocks
