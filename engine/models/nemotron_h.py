@@ -147,7 +147,8 @@ def tiny_nemotron_h_config(common: dict):
     `TINY_NEMOTRON_H_LAYERS`, each one RMSNorm (eps 1e-5) and one mixer; Mamba-2 with 8 heads of dim 32 (inner 256 =
     2 x hidden) in 2 groups, state 16, conv kernel 4, chunk 8 (the tests' 12-token rows cross a chunk boundary);
     attention 4 heads / 2 KV heads of dim 32 without RoPE; the relu2 MLP of width 352; untied embeddings (Nemotron-H's
-    own; `tie_word_embeddings` is ignored: `check_nemotron_h`). transformers is imported here only (the planner imports this module without it)."""
+    own; `tie_word_embeddings` is ignored: `check_nemotron_h`). transformers is imported here only (the planner imports
+    this module without it)."""
     from transformers import NemotronHConfig
 
     common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "hidden_act",

@@ -400,7 +400,7 @@ def read_megatron_shard(
                                    tp_rank, tp_size)
     if entry.kind == "replicated":
         return src.read(names[0], (every,))
-    if entry.kind in ("mamba_in", "mamba_conv"):  # each block's rank chunk: [z_r; x_r; B_r; C_r; dt_r] / [x_r; B_r; C_r]
+    if entry.kind in ("mamba_in", "mamba_conv"):  # each block's rank chunk: [z_r; x_r; B_r; C_r; dt_r] / [x_r; ...]
         blocks = dims.mamba_blocks if entry.kind == "mamba_in" else dims.mamba_blocks[1:4]
         parts, start = [], 0
         for size in blocks:

@@ -206,7 +206,8 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
     for chunk in chunks:
         if getattr(chunk.config, "gated_linear_unit", True) is False:  # Nemotron-H (engine/policy/mamba_layers.py)
             raise ValueError("lora.use_peft with nemotron_h: adapters on its hybrid layers (Mamba-2 in_proj / "
-                             "out_proj, attention-only and non-gated MLP-only layers) are not built; train without LoRA")
+                             "out_proj, attention-only and non-gated MLP-only layers) are not built; train without "
+                             "LoRA")
         refuse_expert_adapters(settings, "this model", getattr(chunk.config, "num_moe_experts", None) or 0)
         for param in chunk.parameters():
             param.requires_grad_(False)

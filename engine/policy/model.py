@@ -2,7 +2,8 @@
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
 spec pieces and YaRN: engine/models/gpt_oss.py) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3.py) /
-Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/mamba_layers.py) HF config into Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
+Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/mamba_layers.py) HF config into
+Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
 recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
 router, shared expert and dense first layers: engine/policy/moe_config.py; the families refused and what they lack:
 engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`), `build_policy`, the
@@ -283,7 +284,8 @@ class LocalRMSNorm:
 def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, dense_spec=None, per_layer=None):
     """GPTModel's decoder spec: the layer spec for Transformer Engine; for the local spec a TransformerBlock spec whose
     final norm is `LocalRMSNorm` too (a bare layer spec gets Megatron's `WrappedTorchNorm` there). With dense first
-    layers (GLM-4.5's, `config.moe_layer_freq` 0) those layers get `dense_spec`, chosen by their global index; a hybrid stack (Nemotron-H) its `per_layer` specs."""
+    layers (GLM-4.5's, `config.moe_layer_freq` 0) those layers get `dense_spec`, chosen by their global index; a hybrid
+    stack (Nemotron-H) its `per_layer` specs."""
     from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset

@@ -33,9 +33,9 @@ at TP1, TP2 + SP and PP2, logits and the kernel's log-probs at temperature 0.9 (
 temperature); (b) the GRPO step at TP2 + SP and with packed rows (TP1) equals the padded TP1 step, every norm, the tied
 embedding and the MLP moving. Nemotron-H (Mamba-2 / attention without RoPE / relu2 MLP layers, 'M*-M', the mixer
 in pure PyTorch: engine/policy/mamba_layers.py): (a) at TP1, TP2 + SP (8 Mamba heads, 2 groups: one group per rank)
-and PP2, logits and the kernel's log-probs; (b) the GRPO step at TP2 + SP and with packed rows (the conv and scan restarted at each sequence, TP1) equals the
-padded TP1 step, every Mamba-2
-parameter (in_proj, conv weight and bias, dt_bias, A_log, D, the gated norm, out_proj) moving.
+and PP2, logits and the kernel's log-probs; (b) the GRPO step at TP2 + SP and with packed rows (the conv and scan
+restarted at each sequence, TP1) equals the padded TP1 step, every Mamba-2 parameter (in_proj, conv weight and bias,
+dt_bias, A_log, D, the gated norm, out_proj) moving.
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
 same MoE code path; this file checks what Mixtral and GLM-4.5 add: their config translation and their names.
 """

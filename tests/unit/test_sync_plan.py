@@ -494,8 +494,8 @@ def test_gpt_oss_plan_sends_each_experts_slices_and_feeds_every_vllm_rank_what_i
 def test_nemotron_h_plan_feeds_the_engine_every_tensor_of_the_checkpoint(tmp_path, tp, pp):
     """The tiny Nemotron-H checkpoint ('M*-M'; Mamba-2's in_proj [z; x; B; C; dt] and conv channels [x; B; C] split
     per block over the trainer's TP) cut into trainer shards by `read_megatron_shard`, each layer's entries by its kind;
-    engine TP 1 (vLLM's rank holds 5 blocks of in_proj at engine TP > 1: refused, naming it) receives every tensor whole,
-    under the checkpoint's names, equal to the checkpoint's."""
+    engine TP 1 (vLLM's rank holds 5 blocks of in_proj at engine TP > 1: refused, naming it) receives every tensor
+    whole, under the checkpoint's names, equal to the checkpoint's."""
     from transformers import AutoConfig
 
     from engine.models.tiny_model import build_tiny_model
