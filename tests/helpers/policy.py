@@ -64,19 +64,21 @@ def tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))  # (B, T)
 
 
-def logits_and_export(model_dir: str, parallel, out_dir: str, logprob_temperature: float | None = None):
+def logits_and_export(model_dir: str, parallel, out_dir: str, logprob_temperature: float | None = None,
+                      model_cfg=None):
     """Rank function: the full-vocabulary logits (B, T, V) of `tokens` through the policy at `parallel` (on the last
     stage's TP rank 0; None elsewhere), and the policy exported to `out_dir` as an HF checkpoint.
 
     The chunks are in eval mode (a forward-only pass either way: no dropout in these models); Megatron's MoE layer
     refuses TP > 1 in training mode without sequence parallelism. With `logprob_temperature`, returns (logits, the
     engine's log-probs (B, T - PROMPT) of `tokens`' tokens after the first `PROMPT` through the fused LM-head kernel
-    at that temperature (`forward_logprobs`), None off the last stage); compare with `hf_logprobs`.
+    at that temperature (`forward_logprobs`), None off the last stage); compare with `hf_logprobs`. `model_cfg`: the
+    policy's ModelConfig (build_from_hf's float32 default; bfloat16 for the bf16 check).
     """
     from engine.policy.hf_checkpoint import export_hf_checkpoint
     from engine.policy.step import run_schedule
 
-    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, model_cfg)
     for chunk in chunks:
         chunk.eval()
     batch = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
@@ -129,13 +131,13 @@ def gathered_logits_fn(ps, vocab_size: int):
     return logits_fn
 
 
-def hf_logits(model_dir) -> torch.Tensor:
-    """Hugging Face transformers' fp32 logits (B, T, V) of `tokens`. Gemma 2 through HF's eager attention: its default
+def hf_logits(model_dir, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Hugging Face transformers' logits (B, T, V) of `tokens`, the model in `dtype` (fp32 by default). Gemma 2 through HF's eager attention: its default
     SDPA attention ignores `attn_logit_softcapping` (transformers 5.19; eager applies it, as vLLM does)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     eager = AutoConfig.from_pretrained(model_dir).model_type == "gemma2"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
                                                  **({"attn_implementation": "eager"} if eager else {})).eval()
     with torch.no_grad():
         return model(tokens(model.config.vocab_size)).logits
