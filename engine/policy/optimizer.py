@@ -19,6 +19,7 @@ Test: tests/distributed/test_grpo_step_layouts.py.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,13 @@ import torch
 
 from engine.config import OptimizerConfig
 from engine.policy.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
+
+FP16_INITIAL_LOSS_SCALE, FP16_GROWTH_INTERVAL = 2.0**16, 2000
+"""fp16's dynamic loss scale: PyTorch GradScaler's defaults (what TRL's `fp16=True` gets under HF's Trainer: start at
+65536, halve on every overflow, double after 2000 clean steps). Megatron's own start, 2**32 with hysteresis 2, would
+skip the first ~30 steps of a run."""
 
 
 @dataclass
@@ -36,6 +44,8 @@ class PolicyOptimizer:
     """megatron.core.optimizer.MegatronOptimizer."""
     scheduler: object
     """megatron.core.optimizer_param_scheduler.OptimizerParamScheduler."""
+    loss_scaled: bool = False
+    """fp16 training: the losses are scaled by Megatron's dynamic loss scaler (`step` says what an overflow does)."""
 
     def zero_grad(self) -> None:
         for chunk in self.model:
@@ -43,9 +53,18 @@ class PolicyOptimizer:
         self.optimizer.zero_grad()
 
     def step(self) -> dict[str, float]:
-        """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `learning_rate` (used)."""
+        """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `learning_rate` (used).
+
+        fp16 (dynamic loss scaling): gradients that overflow at the current loss scale skip the update, lower the scale
+        and leave the schedule where it was (Megatron-LM's and PyTorch GradScaler's rule); grad_norm is then NaN and a
+        warning says so. Elsewhere non-finite gradients are a FloatingPointError."""
         learning_rate = self.optimizer.param_groups[0]["lr"]
+        scale = float(self.optimizer.get_loss_scale()) if self.loss_scaled else 1.0
         is_ok, grad_norm, _ = self.optimizer.step()
+        if not is_ok and self.loss_scaled:
+            logger.warning("fp16: gradients overflowed at loss scale %g: the step is skipped, the scale is now %g",
+                           scale, float(self.optimizer.get_loss_scale()))
+            return {"grad_norm": math.nan, "learning_rate": learning_rate}
         if not is_ok:
             raise FloatingPointError("optimizer step skipped: gradients are not finite")
         self.scheduler.step(increment=1)
@@ -100,12 +119,18 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
             params_dtype=config.params_dtype if is_mixed else torch.float32,
             bf16=config.bf16 and is_mixed,
             fp16=config.fp16 and is_mixed,
+            initial_loss_scale=FP16_INITIAL_LOSS_SCALE,
+            loss_scale_window=FP16_GROWTH_INTERVAL,
+            hysteresis=1,
         ),
         model,
         use_gloo_process_groups=False,
         pg_collection=ps.groups,
     )
     _count_expert_norms_by_expert_tp(optimizer, ps)
+    loss_scaled = bool(config.fp16 and is_mixed)
+    if loss_scaled:  # the schedule multiplies each backward by the loss scale the optimizer divides out
+        config.grad_scale_func = optimizer.scale_loss
     warmup = _warmup_steps(cfg, total_steps)
     style = {"constant": "constant", "linear": "linear", "cosine": "cosine"}[cfg.lr_scheduler_type]
     scheduler = OptimizerParamScheduler(
@@ -121,7 +146,7 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
     )
-    return PolicyOptimizer(model=model, optimizer=optimizer, scheduler=scheduler)
+    return PolicyOptimizer(model=model, optimizer=optimizer, scheduler=scheduler, loss_scaled=loss_scaled)
 
 
 def _trains_low_precision_params(chunks: list[torch.nn.Module]) -> bool:

@@ -169,7 +169,7 @@ def global_batch() -> dict:
 
 def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, width_multiple: int = 1,
                          padding_free: bool = False, micro_batch_size: int = MICRO_BATCH, train=None,
-                         lora=None) -> dict:
+                         lora=None, loss_scale: float | None = None) -> dict:
     """Rank function body: one GRPO optimizer step on `global_batch` at `parallel`, the result exported to `out_dir`.
 
     DAPO loss with beta > 0, Megatron's distributed optimizer (Adam, epsilon 1e-4: see test_grpo_step_layouts.py) with
@@ -182,8 +182,11 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     `lora` (engine.policy.lora.LoraSettings): adapters on the frozen base, B perturbed (tests/helpers/lora.py), the
     result written as a PEFT adapter instead (the adapters before the step to `<out_dir>_initial`), plus
     "optimizer_numel" (the elements of this rank's optimizer state) and "dtypes" (tests/helpers/lora.py held_dtypes).
+    `loss_scale` (fp16 only): the dynamic loss scaler's scale before the step (through its state dict, as a resumed
+    run sets it).
     Returns {"loss": the summed micro-batch losses on the last stage's TP rank 0, else None, "grad_norm",
-    "layer_forwards": this rank's transformer-layer forwards during the step (recompute doubles them)}.
+    "layer_forwards": this rank's transformer-layer forwards during the step (recompute doubles them),
+    "loss_scale": the optimizer's loss scale after the step (1 unless fp16), "lr_steps": the schedule's steps}.
     """
     from engine.config import KernelsConfig, OptimizerConfig
     from engine.policy.hf_checkpoint import export_hf_checkpoint
@@ -204,6 +207,9 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     opt_cfg = OptimizerConfig(learning_rate=LEARNING_RATE, adam_epsilon=1e-4, lr_scheduler_type="constant",
                               max_grad_norm=1.0)
     popt = build_optimizer(opt_cfg, chunks, ps, total_steps=1)
+    for optimizer in getattr(popt.optimizer, "chained_optimizers", [popt.optimizer]) if loss_scale else []:
+        scaler = optimizer.grad_scaler
+        scaler.load_state_dict(scaler.state_dict() | {"scale": torch.tensor([loss_scale])})
     spec = MicrobatchSpec(padding_free=padding_free, max_tokens=None, max_logprob_tokens=None,
                           micro_batch_size=micro_batch_size, multiple=width_multiple)
     ((microbatches, normalizer),) = round_microbatches(global_batch(), spec, global_batch_size=GLOBAL_BATCH,
@@ -225,7 +231,8 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
         export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims)
     reports = ps.is_last_stage and ps.tp_rank == 0
     return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"],
-            "layer_forwards": layer_forwards[0]} | extra
+            "layer_forwards": layer_forwards[0], "loss_scale": float(popt.optimizer.get_loss_scale()),
+            "lr_steps": popt.scheduler.num_steps} | extra
 
 
 def flip_bits(chunks, ps, plan, names: list[str]) -> None:
