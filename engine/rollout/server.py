@@ -39,6 +39,7 @@ from engine.models.model_dir import resolve_model_dir
 from engine.rollout.client import TOKEN_ENV, RolloutServerError, read_token
 from engine.rollout.server_nodes import VLLM_MASTER_PORT, NodePlace, run_worker_node
 from engine.rollout.vllm_lora import AdapterNotHeld, lora_engine_options, name_policy_adapter, receive_policy_adapter
+from engine.validation import nodes_per_server_problems
 
 MAX_BODY_MB = 256
 """Default `--max-body-mb`: a round of 1,024 prompts x 8 completions of 4,096 token ids is ~60 MiB of JSON."""
@@ -499,6 +500,8 @@ def parse_serve_args(argv: list[str], prog: str = "python -m engine.rollout.serv
                "kv_cache_dtype": None if given["kv_cache_dtype"] in (None, "auto") else given["kv_cache_dtype"]}
     if given["log_level"] is not None and given["log_level"] not in _LOG_LEVELS:
         raise ValueError(f"--log_level={given['log_level']!r}: expected one of {', '.join(_LOG_LEVELS)}")
+    for problem in nodes_per_server_problems(cfg.rollout):
+        raise ValueError(problem)
     place = NodePlace.of(args.num_nodes, args.node_rank, cfg.rollout.vllm_nodes_per_server)
     if args.max_body_mb <= 0 or args.read_timeout_s <= 0:
         raise ValueError(f"--max-body-mb={args.max_body_mb:g} and --read-timeout-s={args.read_timeout_s:g} must be > 0")
