@@ -101,7 +101,8 @@ def head_watch(url: str, first_answer_s: float, stopping: threading.Event, poll_
 
 def run_worker_node(settings, place: NodePlace, model_dir, dtype: str) -> int:
     """Node `place.node` > 0 of a multi-node rollout server: this node's vLLM workers until node 0 stops (exit 0)
-    or a worker dies (exit 1). `settings`: the server's ServeSettings (the same config as node 0)."""
+    or a worker dies (exit 1: under SLURM, `srun --kill-on-bad-exit` then ends the server's other nodes too; node 0's
+    engine itself does not watch other nodes' workers). `settings`: the server's ServeSettings (node 0's config)."""
     from engine.rollout.vllm_engine import serve_node_workers
 
     cfg = settings.cfg
@@ -111,7 +112,8 @@ def run_worker_node(settings, place: NodePlace, model_dir, dtype: str) -> int:
     print(f"rollout_server: {place.describe()}: vLLM workers only (node 0 at {settings.master_addr}, port "
           f"{settings.master_port}); stops when {head} stops answering", file=sys.stderr, flush=True)
     ok = serve_node_workers(model_dir, cfg.rollout, cfg.generation, seed=cfg.train.seed, dtype=dtype,
-                            stop=head_watch(head, cfg.rollout.vllm_server_timeout, stopping),
-                            **settings.engine_options, **place.engine_options(settings.master_addr, settings.master_port))
-    print(f"rollout_server: {place.describe()}: {'stopped' if ok else 'a vLLM worker died'}", file=sys.stderr, flush=True)
+                            stop=head_watch(head, cfg.rollout.vllm_server_timeout, stopping), **settings.engine_options,
+                            **place.engine_options(settings.master_addr, settings.master_port))
+    print(f"rollout_server: {place.describe()}: {'stopped' if ok else 'a vLLM worker died'}", file=sys.stderr,
+          flush=True)
     return 0 if ok else 1

