@@ -395,8 +395,8 @@ TRL_FLAGS = [
     TrlServeFlag("log_level", str, "info", "info, debug or trace: one log line per request; warning, error or "
                  "critical: none"),
     TrlServeFlag("vllm_model_impl", str, "vllm", "vllm or transformers (rollout.vllm_model_impl)"),
-    TrlServeFlag("distributed_executor_backend", str, None, "mp only (vLLM's workers on this node); ray (TP across "
-                 "nodes) is refused: one server per inference node"),
+    TrlServeFlag("distributed_executor_backend", str, None, "mp only; ray is refused (TP across nodes: "
+                 "rollout.vllm_nodes_per_server, or one server per inference node)"),
     TrlServeFlag("speculative_config", str, None, "refused: speculative decoding is not supported here"),
 ]
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16",
@@ -533,8 +533,9 @@ def _refuse_unsupported_flags(given: dict) -> None:
                          "the trainer all of them: rollout.vllm_server_base_urls=[http://HOST1:PORT,http://HOST2:PORT]")
     if given["distributed_executor_backend"] not in (None, "mp"):
         raise ValueError(f"--distributed_executor_backend={given['distributed_executor_backend']} is not supported: "
-                         "one server's vLLM runs on one node (mp, the default); for more inference nodes start one "
-                         "server per node and list them in rollout.vllm_server_base_urls")
+                         "vLLM runs its mp executor (the default): across nodes with rollout.vllm_nodes_per_server=K "
+                         "(K nodes per server), or start one server per node and list them in "
+                         "rollout.vllm_server_base_urls")
     if given["speculative_config"] is not None:
         raise ValueError("--speculative_config is not supported: the trainer's importance-sampling correction uses "
                          "the sampler's own log-probs, which speculative decoding does not return here")

@@ -66,7 +66,7 @@ def test_a_server_spanning_nodes_is_replica_rank_over_k_and_gives_vllm_its_node(
     (["--model", MODEL, "--data_parallel_size", "2"], r"--data_parallel_size=2 is not supported: run one server per "
                                                       r"data-parallel replica .* rollout.vllm_server_base_urls"),
     (["--model", MODEL, "--revision", "v1"], r"--revision=v1 is not supported: download that revision"),
-    (["--model", MODEL, "--distributed-executor-backend", "ray"], r"ray is not supported: .* one server per node"),
+    (["--model", MODEL, "--distributed-executor-backend", "ray"], r"ray is not supported: .* rollout.vllm_nodes_per_server=K .* one server per node"),
     (["--model", MODEL, "--speculative_config", "{}"], r"--speculative_config is not supported"),
     (["--model", MODEL, "--max-num-seqs", "64"], r"unknown flag\(s\) --max-num-seqs: `trl vllm-serve` passes unknown "
                                                  r"flags on to `vllm serve`"),
