@@ -315,9 +315,10 @@ class RolloutConfig:
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the server's health check (at start, and for a restarted server to come back)."""
     vllm_server_base_urls: list[str] | None = None
-    """Several rollout servers, one per inference node (engine-only; TRL has one server): each round's prompts are
-    split among them in this order, and the weights are synced into each (the i-th through the weight-transfer
-    group on port `vllm_group_port + i`). Replaces `vllm_server_base_url` / host / port."""
+    """Several rollout servers, one per replica (engine-only; TRL has one): each round's prompts are split among them
+    in order, the i-th synced over port `vllm_group_port + i`. Replaces `vllm_server_base_url` / host / port."""
+    vllm_nodes_per_server: int = 1
+    """Server mode: inference nodes one rollout server's vLLM engine spans (its TP over all their GPUs)."""
     vllm_request_timeout: float = 3600.0
     """Seconds one generate / prompt-logprobs / weight-update request to a rollout server may take."""
     max_staleness: int = 0
@@ -329,8 +330,7 @@ class RolloutConfig:
     recomputation at its current version and `vllm_importance_sampling_correction` corrects the sampler/learner gap
     (AReaL's decoupled PPO with recomputed proximal log-probs). Colocated mode is synchronous (0 only)."""
     vllm_group_port: int = 51216
-    """TCP port of the weight-transfer group (on global rank 0's host; server i of `vllm_server_base_urls` uses
-    `vllm_group_port + i`)."""
+    """TCP port of the weight-transfer group (global rank 0's host; server i of the URL list: `vllm_group_port + i`)."""
     weight_sync_bucket_mb: int = 512
     """Size, MiB, of one flattened weight-transfer bucket (trainer -> vLLM, every sync)."""
     verify_weight_sync: bool = True

@@ -491,13 +491,13 @@ def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str]:
 def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, derived: Derived) -> tuple[int, int, str]:
     """(vLLM engines, completions on the busiest engine per generation round, the arithmetic).
 
-    Server mode (`rollout.vllm_mode: server`): each inference node runs one rollout server (engine/rollout/server.py),
-    one vLLM engine at `rollout.vllm_tensor_parallel_size` (TP stays inside the node; vLLM spans nodes only under Ray,
-    which we do not use). M inference nodes = M independent replicas; the trainer is given their URLs in
-    `rollout.vllm_server_base_urls` (one per node, checked by shapes.py `check_layout`) and splits each round's P prompts
-    among them in list order, so the busiest server gets ceil(P / M) prompts x G completions. A TP smaller than the
-    node leaves GPUs per node - TP GPUs idle on every inference node: the plan says so, and does not refuse it (a
-    small model at TP 1 or 2 is legitimate; to use the whole node, raise the TP or run more nodes).
+    Server mode (`rollout.vllm_mode: server`): every `rollout.vllm_nodes_per_server` (K) inference nodes run one
+    rollout server (engine/rollout/server.py), one vLLM engine at `rollout.vllm_tensor_parallel_size` over their GPUs
+    (K = 1: TP inside the node; K > 1: vLLM's multi-node executor, engine/rollout/server_nodes.py). M inference nodes
+    = M / K independent replicas; the trainer is given their URLs in `rollout.vllm_server_base_urls` (checked by
+    shapes.py `check_layout`) and splits each round's P prompts among them in list order, so the busiest server gets
+    ceil(P / (M / K)) prompts x G completions. A TP smaller than K nodes' GPUs leaves K x GPUs per node - TP GPUs idle
+    per server: the plan says so, and does not refuse it (a small model at TP 1 or 2 is legitimate).
     """
     vtp, g = cfg.rollout.vllm_tensor_parallel_size, cfg.grpo.num_generations
     prompts = derived.num_prompts_per_generation
@@ -556,19 +556,20 @@ def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, de
     terms[1:1] = slot
     room = share - params * wbytes - reserve - sum(t.nbytes for t in slot)
     concurrency = max(room, 0) / (tokens * per_token)
+    nodes = rollout.vllm_nodes_per_server
     if server:
-        where = f"{engines} rollout server(s), one per inference node"
+        where = f"{engines} rollout server(s), one per {'inference node' if nodes == 1 else f'{nodes} inference nodes'}"
     else:
         where = f"{engines} engine(s) on the training GPUs (colocated)"
     title = f"inference GPU (vLLM TP {vtp}, {where}, {seqs} sequences per engine)"
     notes = [f"KV room = share - weights{' - LoRA slot' if slot else ''} - reserve = {format_gib(room)}: {concurrency:.2f} sequences of {tokens} tokens "
              f"at once (vLLM logs it as 'Maximum concurrency for {tokens} tokens per request')"]
-    idle = shape.gpus_per_node - vtp
+    idle = nodes * shape.gpus_per_node - vtp
     if server and idle > 0:
-        notes.append(
-            f"each inference node uses vLLM TP {vtp} of its {shape.gpus_per_node} GPUs: {idle} idle per node "
-            f"(one engine per rollout server); raise rollout.vllm_tensor_parallel_size to use them"
-        )
+        where = (f"each inference node uses vLLM TP {vtp} of its {shape.gpus_per_node} GPUs: {idle} idle per node"
+                 if nodes == 1 else f"each rollout server uses vLLM TP {vtp} of its {nodes} x {shape.gpus_per_node} "
+                 f"GPUs: {idle} idle per server")
+        notes.append(f"{where}; raise rollout.vllm_tensor_parallel_size to use them")
     limit_text = f"vLLM's share {rollout.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {format_gib(share)}"
     hint = (
         f"the KV room holds {concurrency:.2f} sequences at full length: lower the generation round "

@@ -235,15 +235,15 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
             "lr_steps": popt.scheduler.num_steps} | extra
 
 
-def flip_bits(chunks, ps, plan, names: list[str]) -> None:
+def flip_bits(chunks, ps, plan, names: list[str], engine_rank: int = 0) -> None:
     """Flip the lowest bit of one element of each named HF tensor in the trainer's own shards (call it again to flip
-    it back): the first element that the plan sends to engine rank 0, on the rank that sends it."""
+    it back): the first element that the plan sends to `engine_rank`, on the rank that sends it."""
     from engine.rollout.sync_plan import local_view
     from engine.rollout.weight_transport import local_params, sender_index
 
     params, me = local_params(chunks), sender_index(plan, ps)
     for name in names:
-        transfer = next(t for t in plan.transfers() if plan.tensors[t.tensor].name == name and t.engine_rank == 0)
+        transfer = next(t for t in plan.transfers() if plan.tensors[t.tensor].name == name and t.engine_rank == engine_rank)
         if transfer.sender == me:
             param = params[(transfer.piece.vp_chunk, transfer.piece.megatron)].data
             bits = local_view(param.view({2: torch.int16, 4: torch.int32}[param.element_size()]), transfer.piece.view)
