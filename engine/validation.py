@@ -452,6 +452,9 @@ def _check_lora(cfg: EngineConfig, problems: list[str]) -> None:
     if cfg.model.offload_reference and cfg.grpo.beta != 0:
         problems.append("model.offload_reference with lora.use_peft: the KL reference is the policy's frozen base with "
                         "its adapters disabled (engine/policy/reference.py base_of), no copy to offload; set it false")
+    if section.lora_weight_sync == "adapter" and section.lora_modules_to_save:
+        problems.append(f"lora.lora_modules_to_save={section.lora_modules_to_save} with lora.lora_weight_sync=adapter: "
+                        "vLLM's LoRA cannot carry a module trained in full; use lora.lora_weight_sync=merged")
     if section.lora_weight_sync == "adapter" and section.lora_r > 512:
         problems.append(f"lora.lora_r={section.lora_r} with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks "
                         "up to 512; use lora.lora_weight_sync=merged")

@@ -51,14 +51,18 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("lora") / "qwen2", "qwen2", seed=5)
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_lora_logits_equal_peft_and_merged_export(model_dir, tmp_path, tp):
+@pytest.mark.parametrize("tp,saved", [(1, ()), (2, ("embed_tokens", "lm_head"))], ids=["tp1", "tp2_modules_to_save"])
+def test_lora_logits_equal_peft_and_merged_export(model_dir, tmp_path, tp, saved):
+    """At TP2 with PEFT's modules_to_save (the vocab-parallel LM head and embedding trained in full, perturbed): PEFT
+    loads them from the adapter (its key names) and gives the engine's logits; the merged export holds them; with the
+    adapters disabled (the KL reference) the logits are the loaded base's (PEFT's original_module)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from engine.config import ParallelConfig
 
-    result = run_distributed(lora_logits_and_exports, tp, str(model_dir), ParallelConfig(tp_size=tp), str(tmp_path))[0]
+    result = run_distributed(lora_logits_and_exports, tp, str(model_dir), ParallelConfig(tp_size=tp), str(tmp_path),
+                             {"modules_to_save": saved})[0]
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = tokens(base.config.vocab_size)
     with torch.no_grad():
@@ -70,6 +74,11 @@ def test_lora_logits_equal_peft_and_merged_export(model_dir, tmp_path, tp):
     torch.testing.assert_close(result["merged_logits"], result["logits"], rtol=0, atol=1e-5)
     torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
     assert torch.equal(result["after_merge"], result["logits"]), "leaving merged_lora must restore the base exactly"
+    torch.testing.assert_close(result["disabled"], plain, rtol=0, atol=1e-5)
+    if saved:  # PEFT 0.21's keys (its `modules_to_save.default.` infix dropped), HF's vocabulary rows
+        tensors = _adapter_tensors(tmp_path / "adapter")
+        for key in ("base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"):
+            assert tensors[key].shape == (base.config.vocab_size, base.config.hidden_size), key
 
 
 @pytest.fixture(scope="module")
