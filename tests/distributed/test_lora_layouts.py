@@ -30,12 +30,12 @@ from tests.helpers.lora import lora_logits_and_exports, lora_settings
 from tests.helpers.policy import grpo_step_and_export, hf_tensors, tokens
 
 
-def _lora_step(tp, pp, dp, sp, model_dir, out_dir, dtype="float32", adapter_dtype="float32"):
+def _lora_step(tp, pp, dp, sp, model_dir, out_dir, dtype="float32", adapter_dtype="float32", saved=()):
     from engine.config import ModelConfig, ParallelConfig
 
     parallel = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp)
     return grpo_step_and_export(model_dir, parallel, ModelConfig(dtype=dtype), out_dir, tp if sp else 1,
-                                lora=lora_settings(adapter_dtype=adapter_dtype))
+                                lora=lora_settings(adapter_dtype=adapter_dtype, modules_to_save=saved))
 
 
 def _adapter_tensors(path) -> dict:
@@ -118,6 +118,48 @@ def test_lora_grpo_step_matches_single_process(model_dir, reference, tmp_path, t
         torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     if tp == 1:  # PP stages hold their layers' adapters, DP ranks their shares of them: each element once
         assert sum(r["optimizer_numel"] for r in results) == _num_adapter_elements(ref_tensors)
+
+
+SAVED = ("embed_tokens", "lm_head")
+SAVED_KEYS = ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight")
+
+
+@pytest.fixture(scope="module")
+def saved_reference(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_saved_ref") / "adapter"
+    result = run_distributed(_lora_step, 1, 1, 1, 1, False, str(model_dir), str(out), "float32", "float32", SAVED)[0]
+    return result, _adapter_tensors(out), _adapter_tensors(out.with_name("adapter_initial"))
+
+
+def test_lora_modules_to_save_train_the_lm_head_and_embedding_in_full(reference, saved_reference):
+    """modules_to_save=[embed_tokens, lm_head]: both weights change in the step (the LM head's gradient comes through
+    the log-prob kernel), the optimizer holds the adapters and both (padded) vocab-parallel weights, nothing else."""
+    result, tensors, initial = saved_reference
+    for key in SAVED_KEYS:
+        assert not torch.equal(tensors[key], initial[key]), f"{key}: unchanged by the step"
+    adapters = _num_adapter_elements({k: v for k, v in tensors.items() if k not in SAVED_KEYS})
+    assert adapters == _num_adapter_elements(reference[1])
+    padded = 512 * tensors[SAVED_KEYS[0]].shape[1]  # vocabulary 400 padded to 512 rows (make_vocab_size_divisible_by)
+    assert result["optimizer_numel"] == adapters + 2 * padded, "the optimizer holds adapters + both modules only"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)], ids=["tp2", "dp2"])
+def test_lora_modules_to_save_step_matches_single_process(model_dir, saved_reference, tmp_path, tp, dp):
+    """The step with modules_to_save at TP2 (vocab-parallel LM head and embedding) and at DP2 (the distributed optimizer
+    sharding them with the adapters) equals the single-process step in fp32: loss, gradient norm, every tensor."""
+    ref, ref_tensors, _ = saved_reference
+    results = run_distributed(_lora_step, tp * dp, tp, 1, dp, False, str(model_dir), str(tmp_path / "adapter"),
+                              "float32", "float32", SAVED)
+    loss = sum(r["loss"] for r in results if r["loss"] is not None)
+    assert loss == pytest.approx(ref["loss"], rel=1e-5)
+    assert all(r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) for r in results)
+    tensors = _adapter_tensors(tmp_path / "adapter")
+    assert sorted(tensors) == sorted(ref_tensors)
+    for name, expected in ref_tensors.items():
+        torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    if tp == 1:
+        assert sum(r["optimizer_numel"] for r in results) == ref["optimizer_numel"]
 
 
 @torch.no_grad()
