@@ -185,10 +185,11 @@ def _adapter_step(chunks, popt, ps, seed: int) -> None:
 
 
 def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: str = "float32",
-                     distributed: bool = True) -> dict:
+                     distributed: bool = True, saved: tuple = SAVED) -> dict:
     """Source (`save`): adapters, one fixed step, save, a second step. Target: load, the same second step. Returns
     the adapters (PEFT names, full tensors) after loading / saving and after the second step. `dtype`: the base's
-    (the adapters float32); `distributed`: optimizer.use_distributed_optimizer."""
+    (the adapters float32); `distributed`: optimizer.use_distributed_optimizer; `saved`: modules_to_save (trained in
+    full: in the checkpoint with their optimizer state)."""
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
     from engine.policy.lora import apply_lora, lora_tensors_for_peft
     from engine.policy.optimizer import build_optimizer
@@ -197,7 +198,7 @@ def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: s
     from tests.helpers.policy import build_from_hf
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(tp_size=tp), ModelConfig(dtype=dtype))
-    apply_lora(chunks, lora_settings(), ps)
+    apply_lora(chunks, lora_settings(modules_to_save=saved), ps)
     perturb_lora_b(chunks, ps, seed=3 if save else 4)  # the target starts elsewhere: loading must overwrite it
     popt = build_optimizer(OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=3,
                                            use_distributed_optimizer=distributed), chunks, ps, total_steps=10)
@@ -214,14 +215,17 @@ def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: s
 
 @pytest.mark.slow
 def test_lora_checkpoint_resumes_exactly_at_tp2_and_resharded_to_tp1(model_dir, tmp_path):
-    """Saved at TP2 (adapters and their optimizer state only: smaller than the base), loaded at TP2 and at TP1: the
-    adapters equal the saved ones bit for bit, and the next step (Adam moments, step count and the warmup LR
-    restored) lands on the source's next adapters bit for bit."""
+    """Saved at TP2 (adapters, modules_to_save's LM head and embedding, and their optimizer state only: smaller than
+    the base), loaded at TP2 and at TP1: the adapters and both modules equal the saved ones bit for bit, and the next
+    step (Adam moments, step count and the warmup LR restored) lands on the source's next tensors bit for bit."""
     source = run_distributed(_lora_checkpoint, 2, 2, str(model_dir), str(tmp_path), True)[0]
     saved = sum(f.stat().st_size for f in tmp_path.glob("checkpoint-1/**/*") if f.is_file())
-    adapters = sum(t.numel() * 4 for t in source["checkpoint"].values())  # fp32: weights, then Adam m, v, master
+    adapters = sum(t.numel() * 4 for k, t in source["checkpoint"].items() if k not in SAVED_KEYS)  # fp32
+    modules = 512 * 128 * 4 * 2  # both padded vocab-parallel weights, fp32
     base = (model_dir / "model.safetensors").stat().st_size
-    assert saved < 8 * adapters + 2**20 < base, f"{saved} B saved: the frozen base ({base} B) must not be in it"
+    # weights, then Adam m, v: the base's other tensors (~3 MB) must not be in it
+    assert saved < 4 * (adapters + modules) + 2**20 < base + 2**20, f"{saved} B saved (base: {base} B)"
+    assert set(SAVED_KEYS) <= set(source["checkpoint"])
     for tp in (2, 1):
         target = run_distributed(_lora_checkpoint, tp, tp, str(model_dir), str(tmp_path), False)[0]
         for key in ("checkpoint", "next"):
@@ -232,14 +236,15 @@ def test_lora_checkpoint_resumes_exactly_at_tp2_and_resharded_to_tp1(model_dir, 
 
 
 def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, tmp_path):
-    """bf16 base, fp32 adapters (TRL's defaults) with the non-distributed optimizer (configs/tiny_cpu.yaml's): saved
-    and loaded, the adapters and the next step equal the source's bit for bit (megatron-core 0.16.1's bf16
+    """bf16 base, fp32 adapters (TRL's defaults) with the non-distributed optimizer (configs/tiny_cpu.yaml's), the LM
+    head and embedding trained in full in bf16 (modules_to_save: fp32 main copies): saved and loaded, the adapters,
+    both modules and the next step equal the source's bit for bit (megatron-core 0.16.1's bf16
     non-distributed optimizer could not save fp32 parameters: engine/policy/optimizer.py gives them its fp32 one, as
     the distributed optimizer's path, whose fp32 checkpoints the TP2 test above covers)."""
     source = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), True, "bfloat16", False)[0]
     target = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), False, "bfloat16", False)[0]
     for key in ("checkpoint", "next"):
-        assert all(t.dtype == torch.float32 for t in source[key].values())
+        assert all(t.dtype == (torch.bfloat16 if k in SAVED_KEYS else torch.float32) for k, t in source[key].items())
         bad = [name for name, tensor in source[key].items() if not torch.equal(target[key][name], tensor)]
         assert not bad and sorted(target[key]) == sorted(source[key]), f"{key}: differ: {bad}"
 
