@@ -367,6 +367,25 @@ def _stage_adapter_params(dims: ModelDims, cfg: EngineConfig, *, tp: int | None 
     return layers * per_layer, text
 
 
+def _saved_modules_term(dims: ModelDims, cfg: EngineConfig, stage: int, shard: int) -> list[Term]:
+    """LoRA's modules_to_save on pipeline stage `stage` (embed_tokens on the first, lm_head on the last): each
+    V/tp x h trained in full as in full fine-tuning (fp32 main grad, `_optimizer_bytes`' state over `shard`), plus
+    the frozen copy of its loaded weight kept for the KL reference (engine/policy/lora.py); [] without them."""
+    if not cfg.lora.use_peft or not cfg.lora.lora_modules_to_save:
+        return []
+    names = [n for n, held in (("embed_tokens", stage == 0), ("lm_head", stage == cfg.parallel.pp_size - 1))
+             if held and n in cfg.lora.lora_modules_to_save]
+    if not names:
+        return []
+    tp = cfg.parallel.tp_size
+    vocab = megatron_padded_vocab(dims.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    params = len(names) * vocab * dims.hidden_size / tp
+    wbytes, gbytes, obytes, _ = _optimizer_bytes(cfg)
+    return [Term("modules_to_save", f"{' + '.join(names)}: {len(names)} x {vocab} x {dims.hidden_size} / {tp} = "
+                 f"{format_count(params)} params x ({wbytes} B original copy + {gbytes} B grad + {obytes} B "
+                 f"optimizer / {shard})", params * (wbytes + gbytes + obytes / shard))]
+
+
 def _vllm_lora_slot(dims: ModelDims, cfg: EngineConfig) -> list[Term]:
     """Adapter-only sync (`lora.lora_weight_sync=adapter`): vLLM's LoRA slot on one engine GPU (one adapter,
     `max_loras` 1, stacked at vLLM's max_lora_rank, sharded at vLLM's TP as the trainer's TP rules say), allocated
@@ -412,6 +431,7 @@ def _stage_terms(cfg: EngineConfig, dims: ModelDims, derived: Derived, stage: in
         terms.insert(1, Term("expert weights", f"{experts_text} = {format_count(experts)} params x {wbytes} B",
                              experts * wbytes))
         terms.append(Term("expert optimizer", f"{format_count(experts)} x {obytes} B{edp_text}", experts * obytes / edp))
+    terms += _saved_modules_term(dims, cfg, stage, shard)
     if cfg.grpo.beta > 0 and adapters:  # LoRA: the reference is the policy's base, adapters off (no copy)
         terms.append(Term("reference", "the policy's frozen base with adapters disabled (no copy)", 0.0))
     elif cfg.grpo.beta > 0:

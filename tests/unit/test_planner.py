@@ -108,6 +108,15 @@ def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
                                   "lora.lora_dropout=0.05", "lora.lora_target_modules=null",
                                   "lora.lora_weight_sync=merged"])
     assert full.budget("training GPU").total_bytes > 79.1 * GIB, "the full fine-tune must not fit on one node"
+    # modules_to_save (merged sync): each V/t x h trained in full: the original copy (2 B), fp32 grad (4 B), fp32 master
+    # and Adam (12 B, dp 1); the embedding on the first stage, the LM head on the last (one stage here)
+    saved = ["lora.lora_weight_sync=merged", "lora.lora_modules_to_save=[lm_head]"]
+    head = _terms(_plan(LLAMA_70B_LORA, saved).budget("training GPU"))
+    assert head["modules_to_save"] == pytest.approx(129024 * h / t * (2 + 4 + 12))
+    both = _terms(_plan(LLAMA_70B_LORA, saved[:1] + ["lora.lora_modules_to_save=[embed_tokens,lm_head]"])
+                  .budget("training GPU"))
+    assert both["modules_to_save"] == pytest.approx(2 * head["modules_to_save"])
+    assert "modules_to_save" not in _terms(_plan(LLAMA_70B_LORA, saved[:1]).budget("training GPU"))
 
 
 def test_lora_on_an_moe_model_plans_attention_adapters_and_refuses_expert_ones_as_the_run_does():
