@@ -144,12 +144,13 @@ def test_lora_modules_to_save_train_the_lm_head_and_embedding_in_full(reference,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)], ids=["tp2", "dp2"])
-def test_lora_modules_to_save_step_matches_single_process(model_dir, saved_reference, tmp_path, tp, dp):
-    """The step with modules_to_save at TP2 (vocab-parallel LM head and embedding) and at DP2 (the distributed optimizer
-    sharding them with the adapters) equals the single-process step in fp32: loss, gradient norm, every tensor."""
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "dp2"])
+def test_lora_modules_to_save_step_matches_single_process(model_dir, saved_reference, tmp_path, tp, pp, dp):
+    """The step with modules_to_save at TP2 (vocab-parallel LM head and embedding), PP2 (the embedding on the first
+    stage, the LM head on the last) and DP2 (the distributed optimizer sharding them with the adapters) equals the
+    single-process step in fp32: loss, gradient norm, every tensor of the exported adapter."""
     ref, ref_tensors, _ = saved_reference
-    results = run_distributed(_lora_step, tp * dp, tp, 1, dp, False, str(model_dir), str(tmp_path / "adapter"),
+    results = run_distributed(_lora_step, tp * pp * dp, tp, pp, dp, False, str(model_dir), str(tmp_path / "adapter"),
                               "float32", "float32", SAVED)
     loss = sum(r["loss"] for r in results if r["loss"] is not None)
     assert loss == pytest.approx(ref["loss"], rel=1e-5)
