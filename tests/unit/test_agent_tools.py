@@ -221,7 +221,7 @@ def test_rollout_func_rows_and_errors_name_the_key_and_the_counts():
         call_rollout_func(lambda p: good | {"env_mask": [[1, 1], [1]]}, ["p", "q"], tokenizer)
 
 
-def test_multi_turn_is_refused_where_it_cannot_run():
+def test_multi_turn_layouts_are_accepted_and_a_template_without_tools_is_refused():
     import dataclasses
 
     from engine.config import EngineConfig
