@@ -280,12 +280,14 @@ class Calculator:
 
 
 def _calculator_args(output_dir: str, **more):
-    """The calculator runs' settings: the shipped tool-calling model, float32, no structured output."""
+    """The calculator runs' settings (`more` overrides them): the shipped tool-calling model, float32, no structured
+    output."""
     from engine import GRPOConfig
 
-    return GRPOConfig(output_dir=output_dir, max_steps=2, bf16=False, per_device_train_batch_size=8, num_generations=4,
-                      max_completion_length=160, max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1,
-                      vllm_gpu_memory_utilization=0.15, vllm_max_model_length=512, report_to="none", **more)
+    settings = dict(max_steps=2, bf16=False, per_device_train_batch_size=8, num_generations=4,
+                    max_completion_length=160, max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1,
+                    vllm_gpu_memory_utilization=0.15, vllm_max_model_length=512, report_to="none")
+    return GRPOConfig(output_dir=output_dir, **(settings | more))
 
 
 def _calculator_runs(output_dir: str) -> dict:
@@ -306,23 +308,42 @@ def _calculator_runs(output_dir: str) -> dict:
     return {"a": histories[0], "b": histories[1], "tool_results": len(TOOL_RESULTS), "rows": rows}
 
 
-def _calculator_at_engine_tp2(output_dir: str) -> dict:
+def _calculator_at_engine_tp2(output_dir: str, with_rollout_func: bool) -> dict:
     """Run A's settings at world 2, trainer TP 2 (DP 1: the same prompts and seeds a round as run A) and a colocated
     vLLM engine at TP 2: rank 0 drives every sample's turns and tools, rank 1 mirrors its engine steps
-    (engine/rollout/colocated_turns.py). Rank 0 returns its rows (as run A records them) and history."""
+    (engine/rollout/colocated_turns.py). Rank 0 returns its rows (as run A records them) and history.
+    `with_rollout_func`: instead, one step of a `rollout_func` generating through `trainer._generate_single_turn`
+    (a launch of its own: one colocated TP 2 engine per process between the launcher's vLLM clean-ups)."""
     import os
 
     from engine import GRPOTrainer
     from engine.demo.tool_warm_start import calculator_dataset
 
     rows: list = []
-    trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=[_any_answer, _row_layouts(rows)],
-                          args=_calculator_args(str(Path(output_dir) / "tp2"), save_steps=100, tp_size=2,
-                                                vllm_tensor_parallel_size=2),
-                          train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
+    calls: list = []
+
+    def rollout_func(prompts, trainer):  # TRL's contract, generating through the trainer: rank 0 drives the engine
+        tokenizer = trainer.processing_class
+        ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for p in prompts]
+        completion_ids, logprobs = trainer._generate_single_turn(ids, None, {}, 4)
+        calls.append(len(prompts))
+        return {"prompt_ids": ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    layout = dict(save_steps=100, tp_size=2, vllm_tensor_parallel_size=2)
+    if with_rollout_func:
+        trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=lambda completions, **kw: [len(c[-1]["content"]) / 100.0
+                                                                                      for c in completions],
+                              args=_calculator_args(str(Path(output_dir) / "tp2-rollout-func"), max_steps=1,
+                                                    max_completion_length=32, **layout),
+                              train_dataset=calculator_dataset("train", 64), rollout_func=rollout_func)
+    else:
+        trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=[_any_answer, _row_layouts(rows)],
+                              args=_calculator_args(str(Path(output_dir) / "tp2"), **layout),
+                              train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
     trainer.train()
-    return {"rank": int(os.environ["RANK"]), "rows": rows, "step": trainer.state.global_step,
-            "history": [h for h in trainer.state.log_history if "tools/call_frequency" in h]}
+    return {"rank": int(os.environ["RANK"]), "rows": rows, "step": trainer.state.global_step, "calls": calls,
+            "history": [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/min" in h]}
 
 
 def _row_layouts(rows: list):
@@ -426,7 +447,7 @@ def test_tool_rows_logprobs_match_the_trainer_and_a_resumed_run_continues(tmp_pa
     assert {k: b[0][k] for k in keys} == {k: a[1][k] for k in keys}
     # colocated vLLM TP 2 (trainer TP 2): rank 0 drives every sample, rank 1 mirrors its engine steps; a wave not
     # mirrored stalls vLLM's TP collectives, which the launcher's timeout bounds (it fails the test)
-    tp2 = run_distributed(_calculator_at_engine_tp2, 2, str(tmp_path), timeout_s=480)
+    tp2 = run_distributed(_calculator_at_engine_tp2, 2, str(tmp_path), False, timeout_s=480)
     assert [r["step"] for r in tp2] == [2, 2] and tp2[1]["rows"] == [], "rank 0 drives and scores every row"
     rows, history = tp2[0]["rows"], tp2[0]["history"]
     assert [h["step"] for h in history] == [1, 2], history
@@ -443,6 +464,13 @@ def test_tool_rows_logprobs_match_the_trainer_and_a_resumed_run_continues(tmp_pa
         assert record["sampling/importance_sampling_ratio/min"] > 0.99, record
     # round 0 (the checkpoint's weights, the same prompts and seeds): the TP 1 run's samples
     assert [r["ids"] for r in rows if r["step"] == 0] == [r["ids"] for r in result["rows"] if r["step"] == 0]
+    # rollout_func at colocated vLLM TP 2, generating through `trainer._generate_single_turn` (rank 0 drives, rank 1
+    # mirrors): called once with one prompt per row, its rows sampled by the weights they train
+    by_func = run_distributed(_calculator_at_engine_tp2, 2, str(tmp_path), True, timeout_s=480)
+    assert [r["step"] for r in by_func] == [1, 1] and [r["calls"] for r in by_func] == [[8], []], by_func
+    (record,) = by_func[0]["history"]
+    assert record["sampling/sampling_logp_difference/mean"] < 1e-3, record
+    assert record["sampling/importance_sampling_ratio/min"] > 0.99, record
 
 
 def _calculator_in_server_mode(output_dir: str, url: str, token: str, group_port: int, name: str) -> dict:
