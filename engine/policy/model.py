@@ -429,6 +429,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
             gemma_layers.scale_embeddings(chunks[-1], hf_config.hidden_size)
         cast_params_to_dtype(chunks[-1], config.params_dtype)
         chunks[-1].final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None)
+        chunks[-1].hf_vocab_size = shape.vocab_size  # the rows an HF export keeps (engine/policy/lora.py)
         chunks[-1].logit_scale = float(hf_config.logit_scale) if is_cohere2(hf_config) else 1.0
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
     if config.moe_router_enable_expert_bias:

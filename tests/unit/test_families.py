@@ -294,7 +294,7 @@ def test_planner_gpt_oss_and_deepseek_v3_shapes_give_the_published_parameter_cou
 GPT_OSS_CONFIG = "gpt-oss-120b_tp2_ep64_split_8x1.yaml"
 
 
-def _plan(name: str, overrides=()):
+def _plan(name: str, overrides=(), shape=None):
     from pathlib import Path
 
     from engine.config import load_config
@@ -303,7 +303,7 @@ def _plan(name: str, overrides=()):
 
     path = Path(__file__).resolve().parents[2] / "configs" / name
     cfg = load_config(path, list(overrides))
-    return path, build_plan(cfg, resolve_cluster_shape(cfg))
+    return path, build_plan(cfg, resolve_cluster_shape(cfg, **(shape or {})))
 
 
 def test_gpt_oss_120b_split_config_fits_and_its_header_quotes_the_planner():
@@ -320,24 +320,48 @@ def test_gpt_oss_120b_split_config_fits_and_its_header_quotes_the_planner():
     assert any("85.85 GiB > 79.1 GiB" in problem for problem in smaller.problems), smaller.problems
 
 
-def test_deepseek_v3_trains_on_32_h100_nodes_but_one_h100_node_cannot_serve_it():
-    """DeepSeek-V3 (61 layers: PP 1, the count is prime) at TP8 x DP32 x EP256 on 32 training nodes fits (69.12 GiB:
-    one expert of each layer per GPU, the weight-sync send slots 0.77 GiB of it, sized from the MLA sync plan); no
-    inference node of 8 x H100 holds it: vLLM at TP 8 needs 165.55 GiB of bf16 weights per GPU (671B x 2 B / 8,
-    replicated MLA down-projections added) and the weight-sync receive slots 48.22 GiB outside vLLM's share (one layer's
-    256 experts at full HF shape, 2 slots), and the engine runs one vLLM engine per node (no multi-node TP, no FP8
-    rollout), so no split config is shipped for it."""
-    from engine.planning.memory import GIB
+DEEPSEEK_V3_CONFIG = "deepseek-v3-671b_tp8_ep128_split_16x4.yaml"
 
-    _, plan = _plan(GPT_OSS_CONFIG, ["model.name_or_path=deepseek-ai/DeepSeek-V3", "model.transformer_impl=auto",
-                                     "parallel.tp_size=8", "parallel.ep_size=256", "generation.max_completion_length=4096"])
+
+def test_deepseek_v3_split_config_fits_16_plus_4_h200_nodes_with_one_server_over_4_nodes_and_no_h100_node_serves_it():
+    """DeepSeek-V3 on H200 (139.8 GiB): TP8 x DP16 x EP128 on 16 training nodes (116.86 GiB), one rollout server
+    over the 4 inference nodes (rollout.vllm_nodes_per_server=4) at vLLM TP 32: 42.84 GiB of weights + 38.60 GiB
+    of MLA latent KV cache per GPU (85.44 of vLLM's 89.47), the weight-sync receive slots 44.21 GiB outside its
+    share; every total quoted in the header. The same server on 3 nodes (TP 24) is refused: 24 does not divide
+    128 heads. On H100 nodes (the last session's layout, TP8 x DP32 x EP256 on 32 training nodes: 69.12 GiB) one
+    node cannot serve it: 165.55 GiB of weights per GPU at vLLM TP 8, and 48.22 GiB of receive slots."""
+    from engine.planning.memory import GIB
+    from engine.planning.shapes import PlanError
+
+    path, plan = _plan(DEEPSEEK_V3_CONFIG, shape={"gpu_memory_gib": 139.8})
+    assert not plan.problems, plan.problems
+    assert (plan.shape.train_nodes, plan.shape.infer_nodes) == (16, 4)
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
     training, inference, outside = plan.budgets
+    totals = {"training": training.total_bytes, "inference": inference.total_bytes, "outside": outside.total_bytes}
+    assert {k: f"{v / GIB:.2f}" for k, v in totals.items()} == {"training": "116.86", "inference": "85.44",
+                                                               "outside": "45.21"}
+    terms = {t.label: t.nbytes for budget in (inference, outside) for t in budget.terms}
+    assert {k: f"{terms[k] / GIB:.2f}" for k in ("weights", "KV cache", "receive slots")} == {
+        "weights": "42.84", "KV cache": "38.60", "receive slots": "44.21"}
+    for budget in plan.budgets:
+        assert f"{budget.total_bytes / GIB:.2f} GiB" in header, budget.title
+    assert "1 rollout server replica(s), one per 4 inference nodes" in " ".join(plan.header)
+    with pytest.raises(PlanError, match="rollout.vllm_tensor_parallel_size=24 must divide num_attention_heads=128"):
+        _plan(DEEPSEEK_V3_CONFIG, ["rollout.vllm_nodes_per_server=3", "rollout.vllm_tensor_parallel_size=24"],
+              shape={"gpu_memory_gib": 139.8, "infer_nodes": 3})
+    with pytest.raises(PlanError, match=r"rollout.vllm_tensor_parallel_size=32 > rollout.vllm_nodes_per_server x GPUs "
+                                        r"per node = 2 x 8 = 16"):  # TP 32 needs the 4 nodes
+        _plan(DEEPSEEK_V3_CONFIG, ["rollout.vllm_nodes_per_server=2"], shape={"gpu_memory_gib": 139.8})
+    _, h100 = _plan(DEEPSEEK_V3_CONFIG, ["parallel.dp_size=32", "parallel.ep_size=256", "rollout.vllm_nodes_per_server=1",
+                                         "rollout.vllm_tensor_parallel_size=8", "rollout.vllm_gpu_memory_utilization=0.75",
+                                         "train.per_device_train_batch_size=1", "grpo.num_generations=16"],
+                    shape={"infer_nodes": 1})
+    training, inference, outside = h100.budgets
     assert f"{training.total_bytes / GIB:.2f}" == "69.12" and training.total_bytes < 79.1 * GIB
-    assert f"{({t.label: t.nbytes for t in training.terms}['weight-sync send']) / GIB:.2f}" == "0.77"
-    weights = {t.label: t.nbytes for t in inference.terms}["weights"]
-    assert f"{weights / GIB:.2f}" == "165.55"
+    assert f"{({t.label: t.nbytes for t in inference.terms}['weights']) / GIB:.2f}" == "165.55"
     assert f"{({t.label: t.nbytes for t in outside.terms}['receive slots']) / GIB:.2f}" == "48.22"
-    assert len(plan.problems) == 2 and all("inference GPU" in problem for problem in plan.problems)
+    assert len(h100.problems) == 2 and all("inference GPU" in problem for problem in h100.problems)
 
 
 @pytest.mark.parametrize("change,cause", [
