@@ -10,7 +10,9 @@ and DeepSeek-V3 (MLA sized) at their published totals. Gemma 3 text is supported
 translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; its window, scale and norm names are
 read from the config. DeepSeek-V3 is supported (MLA: engine/models/deepseek_v3.py): the settings MLA or its router
 would compute differently are refused naming the field, MTP layers are dropped with one warning. Cohere 2 is supported
-likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit."""
+likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit. Nemotron-H is supported (its
+Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE layers, biases, tied embeddings, ...), whole Mamba
+groups per TP rank, the chunked scan = the step-by-step recurrence, packed rows cut per sequence."""
 
 from types import SimpleNamespace
 
