@@ -122,3 +122,25 @@ def test_server_and_trainer_refuse_to_start_without_a_token(monkeypatch, capsys)
     assert "--data_parallel_size=4 is not supported" in capsys.readouterr().err
     with pytest.raises(RolloutServerError, match=r"unset in the trainer's environment"):
         connect_rollout_server(RolloutConfig(vllm_mode="server"), GenerationConfig(), rank=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "nemotron_h"])
+def test_the_health_checks_model_facts_survive_json_and_a_changed_fact_is_named(tmp_path, family):
+    """`/health`'s model facts arrive as JSON (tuples, e.g. ModelDims.layer_kinds, as lists): the same model is no
+    mismatch (the tuple-vs-list comparison refused every server once Nemotron-H's tuple fields were added), and a
+    changed shape fact is named."""
+    import json
+    from dataclasses import asdict
+
+    from transformers import AutoConfig
+
+    from engine.models.tiny_model import build_tiny_model
+    from engine.policy.hf_convert import ModelDims
+    from engine.rollout.server import model_mismatch
+
+    hf_config = AutoConfig.from_pretrained(build_tiny_model(tmp_path / family, family, seed=0))
+    trainer = asdict(ModelDims.from_hf(hf_config, hf_config.vocab_size)) | {"ffn_hidden_size": 64}
+    served = json.loads(json.dumps(trainer)) | {"name": "m", "model_type": family}
+    assert model_mismatch(served, trainer) == ""
+    served["hidden_size"] += 1
+    assert model_mismatch(served, trainer).startswith(f"hidden_size: server {trainer['hidden_size'] + 1}")
