@@ -435,8 +435,7 @@ class KernelsConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoraConfig:
-    """LoRA on the frozen policy (engine/policy/lora.py; TRL ModelConfig's names; GRPOTrainer's peft_config fills it).
-    vLLM gets W + scale * B A (fp32, rounded once) or the adapters alone (lora_weight_sync), verified either way."""
+    """LoRA on the frozen policy (engine/policy/lora.py; TRL ModelConfig's names; GRPOTrainer's peft_config fills it)."""
 
     use_peft: bool = False
     """Train LoRA adapters on a frozen base instead of every weight; the other lora_* fields need it."""
@@ -448,6 +447,8 @@ class LoraConfig:
     """Dropout probability on each adapter's input (training forwards only)."""
     lora_target_modules: list[str] | None = None
     """HF module names (q/k/v/o_proj, gate/up/down_proj) or ['all-linear']; None = PEFT's default, q_proj + v_proj."""
+    lora_target_parameters: list[str] | None = None
+    """PEFT's target_parameters: MoE expert tensors (mlp.experts.gate_up_proj / down_proj), adapted per expert."""
     use_rslora: bool = False
     """Rank-stabilised scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
     lora_adapter_dtype: Literal["float32", "model"] = "float32"
@@ -455,8 +456,7 @@ class LoraConfig:
     frozen model.dtype base) or model (adapters in model.dtype with fp32 main copies; = float32 for a float32 model)."""
     lora_weight_sync: Literal["merged", "adapter"] = "merged"
     """How vLLM gets the adapters: merged into the base weights (the whole model sent) or adapter (A and B alone, into
-    vLLM's LoRA support, named by every request; colocated or server mode, any engine TP; a rollout server turns its
-    LoRA support on from these same lora settings: engine/rollout/adapter_sync.py)."""
+    vLLM's LoRA, named by every request; colocated or server mode, any engine TP: engine/rollout/adapter_sync.py)."""
     lora_save_merged: bool = False
     """Final export: `<output_dir>/hf` holds the PEFT adapter; this also writes the merged model to `hf_merged`."""
 

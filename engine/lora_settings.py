@@ -4,7 +4,8 @@
 Owns: `HF_TARGETS` (the HF module names an adapter can target, and the Megatron linear and output part each lives in),
 `VLLM_LORA_RANKS` / `vllm_max_lora_rank` (vLLM's LoRA ranks), `LoraSettings`, `resolve_target_modules`,
 `lora_settings_from_config`, `lora_settings_from_peft` (every PEFT option the engine cannot act on refused by name),
-`refuse_expert_adapters` (MLP targets on an MoE model) and `lora_fields_from_peft` (the config section's fields).
+`refuse_expert_adapters` (MLP targets on an MoE model), `EXPERT_TARGETS` / `resolve_target_parameters` (PEFT's
+`target_parameters` on the routed experts' 3-D tensors) and `lora_fields_from_peft` (the config section's fields).
 
 Must not: import torch, Megatron or peft (a LoraConfig is read by attribute), or build adapters
 (engine/policy/lora.py does).
@@ -28,6 +29,10 @@ HF_TARGETS: dict[str, tuple[str, str]] = {
     "down_proj": ("mlp.linear_fc2", "all"),
 }
 """Every linear of a Qwen2 / Llama / Qwen3 layer, by the HF module name PEFT's target_modules uses."""
+
+
+PEFT_PREFIX = "base_model.model.model.layers."
+"""The start of every decoder-layer key in a saved PEFT adapter of a causal LM."""
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -56,6 +61,8 @@ class LoraSettings:
     use_rslora: bool = False
     adapter_dtype: str = "float32"
     """The adapters' parameter dtype: "float32" (PEFT's `autocast_adapter_dtype=True`) or "model" (the policy's)."""
+    target_parameters: tuple[str, ...] = ()
+    """Routed-expert tensors (EXPERT_TARGETS' names, in its order) adapted per expert, as PEFT's ParamWrapper."""
 
     @property
     def scaling(self) -> float:
@@ -104,19 +111,21 @@ def lora_settings_from_peft(peft_config) -> LoraSettings:
         raise ValueError(f"peft_config: {type(peft_config).__name__} ({peft_type or 'no peft_type'}){kind} is not "
                          "supported; only peft.LoraConfig")
     refusals |= {name: (bool(getattr(peft_config, name, None)), "not supported")
-                 for name in ("exclude_modules", "target_parameters", "layer_replication", "trainable_token_indices",
+                 for name in ("exclude_modules", "layer_replication", "trainable_token_indices",
                               "use_qalora", "layers_pattern")}
     for name, (refused, why) in refusals.items():
         if refused:
             raise ValueError(f"peft_config.{name}={getattr(peft_config, name)!r}: {why}")
-    targets = getattr(peft_config, "target_modules", None)
-    targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
-                                     (sorted(targets) if isinstance(targets, set) else targets),
-                                     "peft_config.target_modules")
+    targets, params = getattr(peft_config, "target_modules", None), getattr(peft_config, "target_parameters", None)
+    params = resolve_target_parameters(params, float(peft_config.lora_dropout), "peft_config")
+    # PEFT adapts no module when only target_parameters is set (its default targets apply to target_modules alone)
+    targets = () if params and not targets else resolve_target_modules(
+        PEFT_DEFAULT_TARGETS if targets is None else (sorted(targets) if isinstance(targets, set) else targets),
+        "peft_config.target_modules")
     # float32 adapters (the default): TRL's get_peft_model(model, peft_config) autocasts them to fp32 over a bf16 base
     return LoraSettings(r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
                         lora_dropout=float(peft_config.lora_dropout), target_modules=targets,
-                        use_rslora=bool(getattr(peft_config, "use_rslora", False)))
+                        use_rslora=bool(getattr(peft_config, "use_rslora", False)), target_parameters=params)
 
 
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -132,19 +141,52 @@ def lora_settings_from_config(section) -> LoraSettings:
     if not 0.0 <= section.lora_dropout < 1.0:
         raise ValueError(f"lora.lora_dropout={section.lora_dropout}: must be in [0, 1)")
     targets = section.lora_target_modules
-    targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
-                                     ("all-linear" if targets == ["all-linear"] else targets),
-                                     "lora.lora_target_modules")
+    params = resolve_target_parameters(section.lora_target_parameters, section.lora_dropout, "lora")
+    targets = () if params and not targets else resolve_target_modules(
+        PEFT_DEFAULT_TARGETS if targets is None else ("all-linear" if targets == ["all-linear"] else targets),
+        "lora.lora_target_modules")
     return LoraSettings(r=section.lora_r, lora_alpha=float(section.lora_alpha), lora_dropout=section.lora_dropout,
                         target_modules=targets, use_rslora=section.use_rslora,
-                        adapter_dtype=section.lora_adapter_dtype)
+                        adapter_dtype=section.lora_adapter_dtype, target_parameters=params)
+
+
+EXPERT_TARGETS: dict[str, str] = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+"""Routed-expert tensor under `mlp.experts` (transformers 5: (E, 2f, h) / (E, h, f)) -> each Megatron expert's linear."""
+
+
+def resolve_target_parameters(names, lora_dropout: float, section: str) -> tuple[str, ...]:
+    """EXPERT_TARGETS names from PEFT's `target_parameters` (matched as PEFT does: the parameter's full name equals
+    the entry or ends with "." + it, e.g. "mlp.experts.gate_up_proj"); () for None / [].
+
+    Raises ValueError naming the setting for an entry that matches no expert tensor, or with lora_dropout > 0 (PEFT's
+    ParamWrapper refuses dropout: it adapts the weight, not the input)."""
+    if not names:
+        return ()
+    setting = f"{section}.{'lora_target_parameters' if section == 'lora' else 'target_parameters'}"
+    if isinstance(names, str):
+        raise ValueError(f"{setting}={names!r}: a list of parameter names, e.g. ['mlp.experts.gate_up_proj']")
+    full = {name: f"model.layers.0.mlp.experts.{name}" for name in EXPERT_TARGETS}
+    found, unknown = set(), []
+    for entry in names:
+        hits = [n for n, key in full.items() if key == entry or key.endswith(f".{entry}")]
+        found.update(hits)
+        unknown += [] if hits else [entry]
+    if unknown:
+        raise ValueError(f"{setting}: {unknown} match no routed-expert tensor; supported: "
+                         f"{[f'mlp.experts.{n}' for n in EXPERT_TARGETS]} (MoE models)")
+    if lora_dropout:
+        raise ValueError(f"{setting}={list(names)} with {section}.lora_dropout={lora_dropout}: adapters on expert "
+                         "tensors adapt the weight (PEFT's ParamWrapper), so input dropout cannot act; set it to 0")
+    return tuple(n for n in EXPERT_TARGETS if n in found)
 
 
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
-def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts: int) -> None:
-    """Refuse adapters on the MLP of a model with routed experts (`num_experts` > 0), at any parallel.ep_size.
+def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts: int, expert_tp_size: int = 1) -> None:
+    """Refuse adapters on the MLP of a model with routed experts (`num_experts` > 0), at any parallel.ep_size, and
+    expert-tensor adapters (target_parameters) that cannot be built: on a dense model, at parallel.expert_tp_size > 1,
+    or on a family whose expert layout is not Megatron's (EXPERT_LAYOUT_REFUSED).
 
     NOTE: why they are not built: transformers 5 holds every MoE family's experts as 3-D tensors
     (`mlp.experts.gate_up_proj` (E, 2f, h), `mlp.experts.down_proj`), not as gate_proj / up_proj / down_proj linears,
@@ -152,6 +194,7 @@ def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts:
     layout, which lora_settings_from_peft refuses): a PEFT adapter that transformers, TRL or vLLM loads could not carry
     expert adapters trained here. GLM-4.5's dense first layers and shared expert are refused with them (one MLP rule
     per model). Raises ValueError naming the setting, the modules and the way out (attention targets)."""
+    _refuse_expert_parameters(settings, model_type, num_experts, expert_tp_size)
     mlp = [name for name in settings.target_modules if name in MLP_TARGETS]
     if not num_experts or not mlp:
         return
@@ -170,4 +213,25 @@ def lora_fields_from_peft(peft_config) -> dict:
     settings = lora_settings_from_peft(peft_config)
     return {"use_peft": True, "lora_r": settings.r, "lora_alpha": peft_config.lora_alpha,
             "lora_dropout": settings.lora_dropout, "lora_target_modules": list(settings.target_modules),
-            "use_rslora": settings.use_rslora}
+            "use_rslora": settings.use_rslora,
+            "lora_target_parameters": [f"mlp.experts.{n}" for n in settings.target_parameters] or None}
+
+
+EXPERT_LAYOUT_REFUSED = {"gpt_oss": "its experts are (E, h, 2f) with gate / up interleaved (transposed, not Megatron's "
+                                    "fc1 row for row)"}
+"""MoE families whose expert adapters are refused. The others (Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3) hold
+transformers 5's (E, 2f, h) [gate; up] / (E, h, f) experts, Megatron's expert fc1 / fc2 row for row."""
+
+
+def _refuse_expert_parameters(settings: LoraSettings, model_type: str, num_experts: int, expert_tp_size: int) -> None:
+    if not settings.target_parameters:
+        return
+    named = f"lora.lora_target_parameters (peft_config.target_parameters)={list(settings.target_parameters)}"
+    if not num_experts:
+        raise ValueError(f"{named}: {model_type} has no routed experts, so they match no parameter")
+    if model_type in EXPERT_LAYOUT_REFUSED:
+        raise ValueError(f"{named}: expert adapters are not built for {model_type}: "
+                         f"{EXPERT_LAYOUT_REFUSED[model_type]}; use attention target_modules")
+    if expert_tp_size > 1:
+        raise ValueError(f"{named} at parallel.expert_tp_size={expert_tp_size}: expert adapters are built with "
+                         "whole experts per rank only (expert_tp_size 1; ep_size splits the experts)")

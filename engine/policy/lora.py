@@ -41,12 +41,12 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from engine.lora_settings import HF_TARGETS, LoraSettings, refuse_expert_adapters
+from engine.lora_settings import EXPERT_TARGETS, HF_TARGETS, PEFT_PREFIX, LoraSettings, refuse_expert_adapters
+from engine.policy.expert_lora import ExpertLoraAdapter, apply_expert_lora, expert_adapters, expert_tensors_for_peft
 
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
-PEFT_PREFIX = "base_model.model.model.layers."
 WEIGHT_SYNC_MODES = ("merged", "adapter")
 
 
@@ -180,7 +180,7 @@ def _linear(layer: torch.nn.Module, path: str) -> torch.nn.Module | None:
 
 
 def lora_adapters(chunks) -> list[tuple[int, LoraAdapter]]:
-    """(global layer index, adapter) of every adapter in the chunks (DDP-wrapped or not)."""
+    """(global layer index, adapter) of every adapter in the chunks (DDP-wrapped or not), expert adapters included."""
     found = []
     for chunk in chunks:
         model = getattr(chunk, "module", chunk)
@@ -189,6 +189,7 @@ def lora_adapters(chunks) -> list[tuple[int, LoraAdapter]]:
                 adapter = getattr(_linear(layer, path), "lora", None)
                 if adapter is not None:
                     found.append((layer.layer_number - 1, adapter))
+            found += [(layer.layer_number - 1, adapter) for adapter in expert_adapters(layer)]
     return found
 
 
@@ -204,7 +205,8 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
     every layout), B is zero. Returns the number of adapter parameters on this rank.
     """
     for chunk in chunks:
-        refuse_expert_adapters(settings, "this model", getattr(chunk.config, "num_moe_experts", None) or 0)
+        refuse_expert_adapters(settings, "this model", getattr(chunk.config, "num_moe_experts", None) or 0,
+                               getattr(chunk.config, "expert_tensor_parallel_size", None) or 1)
         for param in chunk.parameters():
             param.requires_grad_(False)
     count = 0
@@ -217,13 +219,20 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
                 linear = _linear(layer, path)
                 adapter = LoraAdapter(path, names, settings, chunk.config, ps)
                 _init_adapter(adapter, layer.layer_number - 1, ps, seed)
-                linear.add_module("lora", adapter)
-                object.__setattr__(adapter, "base_linear", linear)  # not a submodule: the linear owns the adapter
-                linear.sharded_state_dict = _sharded_state_dict_with_adapter(linear, adapter)
-                linear.register_forward_hook(adapter.hook)
+                _attach(linear, adapter)
                 count += sum(p.numel() for p in adapter.parameters())
+            # target_parameters: per-expert adapters (engine/policy/expert_lora.py)
+            count += apply_expert_lora(layer, settings, ps, seed, _attach, initial_lora_a)
         _make_inputs_require_grad(chunk)
     return count
+
+
+def _attach(linear: torch.nn.Module, adapter: torch.nn.Module) -> None:
+    """Make `adapter` the linear's `lora` (a forward hook; its checkpoint entries beside the linear's)."""
+    linear.add_module("lora", adapter)
+    object.__setattr__(adapter, "base_linear", linear)  # not a submodule: the linear owns the adapter
+    linear.sharded_state_dict = _sharded_state_dict_with_adapter(linear, adapter)
+    linear.register_forward_hook(adapter.hook)
 
 
 def _sharded_state_dict_with_adapter(linear: torch.nn.Module, adapter: LoraAdapter):
@@ -309,17 +318,22 @@ def adapters_disabled(chunks):
 @torch.no_grad()
 def lora_tensors_for_peft(chunks, ps) -> dict[str, torch.Tensor]:
     """Every adapter tensor of this pipeline stage, TP shards gathered (collective over the TP group), under PEFT's
-    saved key names (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`, ...)."""
+    saved key names (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`, ...); expert adapters gathered
+    over EP (collective over the EP group) in PEFT's ParamWrapper layout (engine/policy/expert_lora.py)."""
     from engine.policy.model import merge_tp_shards
 
-    tensors = {}
+    tensors, experts = {}, {}
     for layer, adapter in lora_adapters(chunks):
+        if isinstance(adapter, ExpertLoraAdapter):
+            experts.setdefault(layer, []).append(adapter)
+            continue
         for name in adapter.hf_names:
             key = f"{PEFT_PREFIX}{layer}.{HF_PARENT[name]}.{name}"
             for which, param in (("lora_A", adapter.lora_A[name]), ("lora_B", adapter.lora_B[name])):
                 full = merge_tp_shards(_gather_tp(param.data, ps), param)
                 tensors[f"{key}.{which}.weight"] = full.clone()  # at TP1 `full` is the live parameter
-    return tensors
+    targets = tuple(n for n in EXPERT_TARGETS if any(a.hf_names == [n] for group in experts.values() for a in group))
+    return tensors | expert_tensors_for_peft(experts, targets, ps)
 
 
 def _gather_tp(tensor: torch.Tensor, ps) -> list[torch.Tensor]:

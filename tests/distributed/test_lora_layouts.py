@@ -18,8 +18,9 @@
    them in bf16, and its step is further from the fp32 step); the step is within bf16 tolerance of the fp32 step; at
    DP2 (the distributed optimizer sharding the fp32 adapter buffers) it equals the single-process bf16 step, at TP2
    it is within the same bf16 tolerance.
-5. MoE (Qwen3-MoE): attention adapters at EP2 x DP2 equal the single-process step; MLP (expert) targets are refused
-   on the built policy, naming the setting.
+5. MoE (Qwen3-MoE): expert adapters (PEFT's target_parameters, per expert) give peft.PeftModel's logits, merged or
+   not; with attention adapters at EP2 x DP2 they equal the single-process step; MLP target_modules (which PEFT
+   would not match on the 3-D experts) are refused on the built policy, naming the setting.
 """
 
 import pytest
@@ -194,17 +195,20 @@ def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, 
 
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERTS = ("gate_up_proj", "down_proj")  # PEFT's target_parameters=["mlp.experts.gate_up_proj", ...]
 
 
 def _moe_lora_step(model_dir: str, out_dir: str, ep: int) -> dict:
-    """The LoRA step on the tiny Qwen3-MoE at `ep` with attention adapters; first, all-linear adapters on its built
-    chunks (apply_lora's own guard, Megatron's num_moe_experts): the refusal's message ("" if none)."""
+    """The LoRA step on the tiny Qwen3-MoE at `ep` with attention and expert adapters (target_parameters). At EP1
+    first: MLP target_modules on its built chunks (apply_lora's own guard, Megatron's num_moe_experts): the refusal's
+    message; and the policy's logits with (perturbed) expert adapters, their PEFT adapter and merged export
+    (tests/helpers/lora.py lora_logits_and_exports, written to `<out_dir>_peft`)."""
     from engine.config import ModelConfig, ParallelConfig
     from engine.policy.lora import apply_lora
     from engine.policy.parallel import destroy_parallel
     from tests.helpers.policy import build_from_hf
 
-    refusal = ""
+    refusal, exports = "", {}
     if ep == 1:
         ps, _, chunks, _ = build_from_hf(model_dir, ParallelConfig(), ModelConfig(dtype="float32"))
         try:
@@ -212,28 +216,50 @@ def _moe_lora_step(model_dir: str, out_dir: str, ep: int) -> dict:
         except ValueError as exc:
             refusal = str(exc)
         destroy_parallel(keep_process_group=True)
+        exports = lora_logits_and_exports(model_dir, ParallelConfig(), f"{out_dir}_peft",
+                                          {"target_modules": ("q_proj", "o_proj"), "target_parameters": EXPERTS})
+        destroy_parallel(keep_process_group=True)
     result = grpo_step_and_export(model_dir, ParallelConfig(ep_size=ep), ModelConfig(dtype="float32"), out_dir,
-                                  lora=lora_settings(target_modules=ATTENTION))
-    return result | {"refusal": refusal}
+                                  lora=lora_settings(target_modules=ATTENTION, target_parameters=EXPERTS))
+    return result | {"refusal": refusal, "exports": exports}
 
 
 @pytest.mark.slow
-def test_lora_on_moe_attention_adapters_at_ep2_match_single_process_and_expert_targets_are_refused(tmp_path):
-    """Qwen3-MoE: attention adapters (the way out the refusal names) train at EP2 x DP2 as in one process (loss, grad
-    norm, adapters; the frozen experts hold no optimizer state); MLP targets are refused on the built policy."""
+def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(tmp_path):
+    """Qwen3-MoE with PEFT's target_parameters (one (A, B) per expert of mlp.experts.gate_up_proj / down_proj) and
+    q / o_proj adapters: the engine's logits equal peft.PeftModel's loading the saved adapter (ParamWrapper layout),
+    the merged view and the merged HF export give them too. Attention + expert adapters train at EP2 x DP2 as in one
+    process (loss, grad norm, every adapter; the frozen base holds no optimizer state); MLP target_modules (which
+    PEFT would not match on transformers 5's 3-D experts) are refused on the built policy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     from engine.models.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=7))
     (single,) = run_distributed(_moe_lora_step, 1, model_dir, str(tmp_path / "ep1"), 1)
     assert "routes its MLP through 4 experts" in single["refusal"] and "ep_size" in single["refusal"], single["refusal"]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, exports = tokens(base.config.vocab_size), single["exports"]
+    with torch.no_grad():
+        plain = base(ids).logits
+        with_peft = PeftModel.from_pretrained(base, tmp_path / "ep1_peft" / "adapter").eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ep1_peft" / "merged",
+                                                      dtype=torch.float32).eval()(ids).logits
+    assert (with_peft - plain).abs().max() > 0.1, "the perturbed adapters should move the logits"
+    torch.testing.assert_close(exports["logits"], with_peft, rtol=0, atol=1e-5)
+    torch.testing.assert_close(exports["merged_logits"], exports["logits"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
+    assert torch.equal(exports["after_merge"], exports["logits"]), "leaving merged_lora must restore the base exactly"
     results = run_distributed(_moe_lora_step, 2, model_dir, str(tmp_path / "ep2"), 2)
     assert sum(r["loss"] for r in results) == pytest.approx(single["loss"], rel=1e-5)
     assert all(r["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5) for r in results)
     expected, initial = _adapter_tensors(tmp_path / "ep1"), _adapter_tensors(tmp_path / "ep1_initial")
     tensors = _adapter_tensors(tmp_path / "ep2")
-    assert sorted(tensors) == sorted(expected) and len(expected) == 2 * 4 * _num_layers(model_dir)
+    assert sorted(tensors) == sorted(expected) and len(expected) == 2 * (4 + 2) * _num_layers(model_dir)
     assert sum(r["optimizer_numel"] for r in results) == single["optimizer_numel"] == _num_adapter_elements(expected)
-    assert any(not torch.equal(expected[k], initial[k]) for k in expected), "the step moved no adapter"
+    for kind in ("self_attn", "mlp.experts.base_layer", "mlp.experts.lora"):
+        assert any(not torch.equal(expected[k], initial[k]) for k in expected if kind in k), f"no {kind} moved"
     for name, value in expected.items():
         torch.testing.assert_close(tensors[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 

@@ -164,3 +164,47 @@ def test_adapter_sync_refuses_a_rollout_server_without_lora_support_or_a_smaller
         _check_lora_support(servers(16, None), settings)
     with pytest.raises(ValueError, match=r"http://node0:8000 runs vLLM with max_lora_rank 8 < lora.lora_r=16"):
         _check_lora_support(servers(8), settings)
+
+
+def test_peft_target_parameters_on_the_experts_map_to_settings_and_config_fields():
+    """TRL's MoE PEFT test's config (target_parameters alone: PEFT then adapts no module) and PEFT's suffix matching
+    (the parameter's name ends with "." + the entry); the config section round-trips; the exported LoraConfig names
+    them again, target_modules empty."""
+    from engine.policy.peft_adapter import peft_config_of
+
+    peft = PeftLoraConfig(r=4, target_parameters=["mlp.experts.down_proj", "experts.gate_up_proj"])
+    settings = lora_settings_from_peft(peft)
+    assert settings.target_parameters == ("gate_up_proj", "down_proj") and settings.target_modules == ()
+    assert lora_settings_from_config(build_config({"lora": lora_fields_from_peft(peft)}).lora) == settings
+    both = lora_settings_from_peft(PeftLoraConfig(r=4, target_modules=["q_proj"], target_parameters=["down_proj"]))
+    assert both.target_modules == ("q_proj",) and both.target_parameters == ("down_proj",)
+    exported = peft_config_of(settings)
+    assert sorted(exported.target_parameters) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert not exported.target_modules
+
+
+@pytest.mark.parametrize("lora,message", [
+    ({"lora_target_parameters": ["mlp.experts.up_proj"], "lora_dropout": 0.0},
+     r"lora.lora_target_parameters: \['mlp.experts.up_proj'\] match no routed-expert tensor"),
+    ({"lora_target_parameters": ["mlp.experts.down_proj"], "lora_dropout": 0.05},
+     r"lora.lora_target_parameters=\['mlp.experts.down_proj'\] with lora.lora_dropout=0.05: .* set it to 0"),
+    ({"lora_target_parameters": ["mlp.experts.down_proj"], "lora_dropout": 0.0, "lora_weight_sync": "adapter"},
+     r"lora.lora_weight_sync=adapter: vLLM's LoRA on fused MoE experts is not supported"),
+])
+def test_bad_expert_target_parameters_are_refused_naming_the_setting(lora, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(build_config({"lora": {"use_peft": True, **lora}}), 1)
+
+
+def test_expert_adapters_are_refused_where_they_cannot_be_built():
+    """On a dense model (nothing to match), GPT-OSS (transposed, interleaved experts) and at expert_tp_size > 1."""
+    settings = lora_settings_from_peft(PeftLoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"]))
+    with pytest.raises(ValueError, match=r"target_parameters\)=\['gate_up_proj'\]: qwen2 has no routed experts"):
+        refuse_expert_adapters(settings, "qwen2", 0)
+    with pytest.raises(ValueError, match=r"expert adapters are not built for gpt_oss: .*interleaved"):
+        refuse_expert_adapters(settings, "gpt_oss", 8)
+    with pytest.raises(ValueError, match=r"at parallel.expert_tp_size=2: .*expert_tp_size 1"):
+        refuse_expert_adapters(settings, "qwen3_moe", 8, expert_tp_size=2)
+    refuse_expert_adapters(settings, "mixtral", 8)
+    with pytest.raises(ValueError, match=r"peft_config.target_parameters=.*lora_dropout=0.1"):
+        lora_settings_from_peft(PeftLoraConfig(r=4, lora_dropout=0.1, target_parameters=["mlp.experts.down_proj"]))
