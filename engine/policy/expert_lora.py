@@ -89,7 +89,7 @@ def apply_expert_lora(layer, settings: LoraSettings, ps, seed: int, attach, init
                          "Megatron's SequentialMLP (moe_grouped_gemm), which expert adapters need")
     count, index = 0, layer.layer_number - 1
     for local, expert in enumerate(experts):
-        global_expert = ps.ep_rank * len(experts) + local
+        global_expert = int(layer.mlp.local_expert_indices[local])  # ep_rank * local experts + local
         for hf_name in settings.target_parameters:
             linear = getattr(expert, EXPERT_TARGETS[hf_name])
             adapter = ExpertLoraAdapter(linear, hf_name, global_expert, settings, layer.config)

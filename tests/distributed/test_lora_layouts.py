@@ -19,8 +19,9 @@
    DP2 (the distributed optimizer sharding the fp32 adapter buffers) it equals the single-process bf16 step, at TP2
    it is within the same bf16 tolerance.
 5. MoE (Qwen3-MoE): expert adapters (PEFT's target_parameters, per expert) give peft.PeftModel's logits, merged or
-   not; with attention adapters at EP2 x DP2 they equal the single-process step; MLP target_modules (which PEFT
-   would not match on the 3-D experts) are refused on the built policy, naming the setting.
+   not; with attention adapters at EP2 x DP2 they equal the single-process step; their checkpoint resumes exactly
+   at EP2; MLP target_modules (which PEFT would not match on the 3-D experts) are refused on the built
+   policy, naming the setting.
 """
 
 import pytest
@@ -135,10 +136,11 @@ def _adapter_step(chunks, popt, ps, seed: int) -> None:
 
 
 def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: str = "float32",
-                     distributed: bool = True) -> dict:
+                     distributed: bool = True, moe: bool = False) -> dict:
     """Source (`save`): adapters, one fixed step, save, a second step. Target: load, the same second step. Returns
     the adapters (PEFT names, full tensors) after loading / saving and after the second step. `dtype`: the base's
-    (the adapters float32); `distributed`: optimizer.use_distributed_optimizer."""
+    (the adapters float32); `distributed`: optimizer.use_distributed_optimizer; `moe`: `tp` is the EP size and the
+    adapters are attention + expert ones."""
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
     from engine.policy.lora import apply_lora, lora_tensors_for_peft
     from engine.policy.optimizer import build_optimizer
@@ -146,8 +148,10 @@ def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: s
     from tests.helpers.lora import perturb_lora_b
     from tests.helpers.policy import build_from_hf
 
-    ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(tp_size=tp), ModelConfig(dtype=dtype))
-    apply_lora(chunks, lora_settings(), ps)
+    parallel = ParallelConfig(ep_size=tp) if moe else ParallelConfig(tp_size=tp)
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, ModelConfig(dtype=dtype))
+    apply_lora(chunks, lora_settings(target_modules=ATTENTION, target_parameters=EXPERTS) if moe else lora_settings(),
+               ps)
     perturb_lora_b(chunks, ps, seed=3 if save else 4)  # the target starts elsewhere: loading must overwrite it
     popt = build_optimizer(OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=3,
                                            use_distributed_optimizer=distributed), chunks, ps, total_steps=10)
@@ -173,12 +177,16 @@ def test_lora_checkpoint_resumes_exactly_at_tp2_and_resharded_to_tp1(model_dir, 
     base = (model_dir / "model.safetensors").stat().st_size
     assert saved < 8 * adapters + 2**20 < base, f"{saved} B saved: the frozen base ({base} B) must not be in it"
     for tp in (2, 1):
-        target = run_distributed(_lora_checkpoint, tp, tp, str(model_dir), str(tmp_path), False)[0]
-        for key in ("checkpoint", "next"):
-            assert sorted(target[key]) == sorted(source[key])
-            bad = {name: float((target[key][name] - tensor).abs().max()) for name, tensor in source[key].items()
-                   if not torch.equal(target[key][name], tensor)}
-            assert not bad, f"tp{tp} {key}: differ (max abs): {bad}"
+        _assert_resumed(source, run_distributed(_lora_checkpoint, tp, tp, str(model_dir), str(tmp_path), False)[0],
+                        f"tp{tp}")
+
+
+def _assert_resumed(source: dict, target: dict, label: str) -> None:
+    for key in ("checkpoint", "next"):
+        assert sorted(target[key]) == sorted(source[key])
+        bad = {name: float((target[key][name] - tensor).abs().max()) for name, tensor in source[key].items()
+               if not torch.equal(target[key][name], tensor)}
+        assert not bad, f"{label} {key}: differ (max abs): {bad}"
 
 
 def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, tmp_path):
@@ -229,8 +237,9 @@ def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(
     """Qwen3-MoE with PEFT's target_parameters (one (A, B) per expert of mlp.experts.gate_up_proj / down_proj) and
     q / o_proj adapters: the engine's logits equal peft.PeftModel's loading the saved adapter (ParamWrapper layout),
     the merged view and the merged HF export give them too. Attention + expert adapters train at EP2 x DP2 as in one
-    process (loss, grad norm, every adapter; the frozen base holds no optimizer state); MLP target_modules (which
-    PEFT would not match on transformers 5's 3-D experts) are refused on the built policy."""
+    process (loss, grad norm, every adapter; the frozen base holds no optimizer state); a checkpoint saved at EP2
+    resumes bit for bit at EP2 (adapters and the next step); MLP target_modules (which PEFT would not match
+    on transformers 5's 3-D experts) are refused on the built policy."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -262,6 +271,12 @@ def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(
         assert any(not torch.equal(expected[k], initial[k]) for k in expected if kind in k), f"no {kind} moved"
     for name, value in expected.items():
         torch.testing.assert_close(tensors[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # checkpoint saved at EP2 (the expert adapters and their Adam state with them), loaded at EP2 (the expert
+    # optimizer is a second one at EP > 1 only: engine/train/checkpoint.py refuses an EP2 -> EP1 load by name)
+    source = run_distributed(_lora_checkpoint, 2, 2, model_dir, str(tmp_path / "ckpt"), True, "float32", True, True)[0]
+    assert any(".mlp.experts." in name for name in source["checkpoint"])
+    target = run_distributed(_lora_checkpoint, 2, 2, model_dir, str(tmp_path / "ckpt"), False, "float32", True, True)
+    _assert_resumed(source, target[0], "ep2")
 
 
 def _num_layers(model_dir: str) -> int:
