@@ -185,8 +185,7 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts: int, expert_tp_size: int = 1) -> None:
     """Refuse adapters on the MLP of a model with routed experts (`num_experts` > 0), at any parallel.ep_size, and
-    expert-tensor adapters (target_parameters) that cannot be built: on a dense model, at parallel.expert_tp_size > 1,
-    or on a family whose expert layout is not Megatron's (EXPERT_LAYOUT_REFUSED).
+    expert-tensor adapters (target_parameters) that cannot be built: on a dense model, at parallel.expert_tp_size > 1.
 
     NOTE: why they are not built: transformers 5 holds every MoE family's experts as 3-D tensors
     (`mlp.experts.gate_up_proj` (E, 2f, h), `mlp.experts.down_proj`), not as gate_proj / up_proj / down_proj linears,
@@ -217,10 +216,10 @@ def lora_fields_from_peft(peft_config) -> dict:
             "lora_target_parameters": [f"mlp.experts.{n}" for n in settings.target_parameters] or None}
 
 
-EXPERT_LAYOUT_REFUSED = {"gpt_oss": "its experts are (E, h, 2f) with gate / up interleaved (transposed, not Megatron's "
-                                    "fc1 row for row)"}
-"""MoE families whose expert adapters are refused. The others (Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3) hold
-transformers 5's (E, 2f, h) [gate; up] / (E, h, f) experts, Megatron's expert fc1 / fc2 row for row."""
+INTERLEAVED_GATE_UP = ("gpt_oss",)
+"""MoE families whose `mlp.experts.gate_up_proj` interleaves gate and up (GPT-OSS: (E, h, 2f), columns g0, u0, g1,
+...): the exported lora_B's rows are interleaved to match (Megatron's fc1 is [gate; up]). The other families
+(Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3) hold (E, 2f, h) [gate; up] / (E, h, f), Megatron's fc1 / fc2 row for row."""
 
 
 def _refuse_expert_parameters(settings: LoraSettings, model_type: str, num_experts: int, expert_tp_size: int) -> None:
@@ -229,9 +228,6 @@ def _refuse_expert_parameters(settings: LoraSettings, model_type: str, num_exper
     named = f"lora.lora_target_parameters (peft_config.target_parameters)={list(settings.target_parameters)}"
     if not num_experts:
         raise ValueError(f"{named}: {model_type} has no routed experts, so they match no parameter")
-    if model_type in EXPERT_LAYOUT_REFUSED:
-        raise ValueError(f"{named}: expert adapters are not built for {model_type}: "
-                         f"{EXPERT_LAYOUT_REFUSED[model_type]}; use attention target_modules")
     if expert_tp_size > 1:
         raise ValueError(f"{named} at parallel.expert_tp_size={expert_tp_size}: expert adapters are built with "
                          "whole experts per rank only (expert_tp_size 1; ep_size splits the experts)")

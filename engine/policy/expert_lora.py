@@ -6,7 +6,8 @@ A (r, in), B (out, r), delta W_e = scaling * B_e A_e, the same interface as engi
 `merged_lora`, `adapters_disabled` and the checkpoint treat both alike), `apply_expert_lora`, `expert_adapters`
 and `expert_tensors_for_peft` / `initial_expert_tensors` (PEFT's ParamWrapper layout: lora_A (r * E, in) with expert
 e's rows at [e * r, (e + 1) * r), lora_B (out, r * E) with expert e's columns at e, e + E, ... (PEFT reshapes B to
-(out, r, E)); with both tensors targeted, gate_up_proj's wrapper is the inner one: its keys hold `base_layer.`).
+(out, r, E)); with both tensors targeted, gate_up_proj's wrapper is the inner one: its keys hold `base_layer.`;
+GPT-OSS's transposed (E, h, 2f) experts hold the same A / B, B's rows in its interleaved gate / up order).
 Experts are split over EP like the base weights (each rank holds its local experts' adapters; their gradients are
 reduced where the expert weights' would be: `allreduce` copied); expert TP is 1 (engine/lora_settings.py refuses more).
 
@@ -79,10 +80,11 @@ def expert_adapters(layer) -> list[ExpertLoraAdapter]:
 
 
 @torch.no_grad()
-def apply_expert_lora(layer, settings: LoraSettings, ps, seed: int, attach, initial_a) -> int:
+def apply_expert_lora(layer, settings: LoraSettings, ps, seed: int, attach, initial_a, interleaved: bool = False) -> int:
     """Attach adapters to every local expert's targeted linears of `layer` (none without routed experts) with
     `attach(linear, adapter)` (engine/policy/lora.py: hook, checkpoint entries); A is `initial_a(layer, name, r, in,
-    seed)` of the global expert's name (the same at every EP). Returns the number of adapter parameters."""
+    seed)` of the global expert's name (the same at every EP). `interleaved`: the HF gate_up_proj interleaves gate
+    and up (INTERLEAVED_GATE_UP), which the export follows. Returns the number of adapter parameters."""
     experts = _local_experts(layer)
     if settings.target_parameters and not experts and hasattr(getattr(layer, "mlp", None), "experts"):
         raise ValueError(f"lora.lora_target_parameters={list(settings.target_parameters)}: the experts are not "
@@ -93,6 +95,7 @@ def apply_expert_lora(layer, settings: LoraSettings, ps, seed: int, attach, init
         for hf_name in settings.target_parameters:
             linear = getattr(expert, EXPERT_TARGETS[hf_name])
             adapter = ExpertLoraAdapter(linear, hf_name, global_expert, settings, layer.config)
+            adapter.interleaved = interleaved and hf_name == "gate_up_proj"
             a = adapter.lora_A[hf_name]
             a.copy_(initial_a(index, f"experts.{global_expert}.{hf_name}", a.shape[0], a.shape[1], seed))
             attach(linear, adapter)
@@ -125,6 +128,8 @@ def expert_tensors_for_peft(layer_adapters: dict[int, list[ExpertLoraAdapter]], 
             a = torch.stack([adapter.lora_A[hf_name].data for adapter in mine])
             b = torch.stack([adapter.lora_B[hf_name].data for adapter in mine])
             a, b = (_gather_ep(t, ps) for t in (a, b))
+            if mine[0].interleaved:  # Megatron's [gate; up] rows -> HF's g0, u0, g1, u1, ...
+                b = torch.stack(b.chunk(2, dim=1), dim=2).reshape(b.shape)
             key = expert_peft_key(layer, hf_name, targets)
             tensors[f"{key}lora_A.weight"], tensors[f"{key}lora_B.weight"] = to_peft_layout(a, b)
     return tensors

@@ -41,7 +41,8 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from engine.lora_settings import EXPERT_TARGETS, HF_TARGETS, PEFT_PREFIX, LoraSettings, refuse_expert_adapters
+from engine.lora_settings import (EXPERT_TARGETS, HF_TARGETS, INTERLEAVED_GATE_UP, PEFT_PREFIX, LoraSettings,
+                                  refuse_expert_adapters)
 from engine.policy.expert_lora import ExpertLoraAdapter, apply_expert_lora, expert_adapters, expert_tensors_for_peft
 
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -205,7 +206,8 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
     every layout), B is zero. Returns the number of adapter parameters on this rank.
     """
     for chunk in chunks:
-        refuse_expert_adapters(settings, "this model", getattr(chunk.config, "num_moe_experts", None) or 0,
+        refuse_expert_adapters(settings, getattr(chunk, "hf_model_type", "this model"),
+                               getattr(chunk.config, "num_moe_experts", None) or 0,
                                getattr(chunk.config, "expert_tensor_parallel_size", None) or 1)
         for param in chunk.parameters():
             param.requires_grad_(False)
@@ -222,7 +224,8 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
                 _attach(linear, adapter)
                 count += sum(p.numel() for p in adapter.parameters())
             # target_parameters: per-expert adapters (engine/policy/expert_lora.py)
-            count += apply_expert_lora(layer, settings, ps, seed, _attach, initial_lora_a)
+            count += apply_expert_lora(layer, settings, ps, seed, _attach, initial_lora_a,
+                                       interleaved=getattr(chunk, "hf_model_type", "") in INTERLEAVED_GATE_UP)
         _make_inputs_require_grad(chunk)
     return count
 

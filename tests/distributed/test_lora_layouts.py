@@ -21,7 +21,7 @@
 5. MoE (Qwen3-MoE): expert adapters (PEFT's target_parameters, per expert) give peft.PeftModel's logits, merged or
    not; with attention adapters at EP2 x DP2 they equal the single-process step; their checkpoint resumes exactly
    at EP2; MLP target_modules (which PEFT would not match on the 3-D experts) are refused on the built
-   policy, naming the setting.
+   policy, naming the setting. GPT-OSS's interleaved experts: the engine's logits = peft.PeftModel's.
 """
 
 import pytest
@@ -277,6 +277,31 @@ def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(
     assert any(".mlp.experts." in name for name in source["checkpoint"])
     target = run_distributed(_lora_checkpoint, 2, 2, model_dir, str(tmp_path / "ckpt"), False, "float32", True, True)
     _assert_resumed(source, target[0], "ep2")
+
+
+@pytest.mark.slow
+def test_lora_on_gpt_oss_expert_adapters_equal_peft(tmp_path):
+    """GPT-OSS's experts are transposed (E, h, 2f) with gate / up interleaved (TRL's MoE PEFT test's model): the
+    exported adapter (B's gate_up rows interleaved) loaded by peft.PeftModel gives the engine's logits, and so does
+    the merged export."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ParallelConfig
+    from engine.models.tiny_model import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / "gpt_oss", "gpt_oss", seed=7))
+    result = run_distributed(lora_logits_and_exports, 1, model_dir, ParallelConfig(), str(tmp_path),
+                             {"target_modules": ("q_proj",), "target_parameters": EXPERTS})[0]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tokens(base.config.vocab_size)
+    with torch.no_grad():
+        plain = base(ids).logits
+        with_peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(ids).logits
+    assert (with_peft - plain).abs().max() > 0.1, "the perturbed adapters should move the logits"
+    torch.testing.assert_close(result["logits"], with_peft, rtol=0, atol=1e-5)
+    torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
 
 
 def _num_layers(model_dir: str) -> int:

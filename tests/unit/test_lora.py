@@ -197,14 +197,13 @@ def test_bad_expert_target_parameters_are_refused_naming_the_setting(lora, messa
 
 
 def test_expert_adapters_are_refused_where_they_cannot_be_built():
-    """On a dense model (nothing to match), GPT-OSS (transposed, interleaved experts) and at expert_tp_size > 1."""
+    """On a dense model (nothing to match) and at expert_tp_size > 1; every MoE family passes."""
     settings = lora_settings_from_peft(PeftLoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"]))
     with pytest.raises(ValueError, match=r"target_parameters\)=\['gate_up_proj'\]: qwen2 has no routed experts"):
         refuse_expert_adapters(settings, "qwen2", 0)
-    with pytest.raises(ValueError, match=r"expert adapters are not built for gpt_oss: .*interleaved"):
-        refuse_expert_adapters(settings, "gpt_oss", 8)
     with pytest.raises(ValueError, match=r"at parallel.expert_tp_size=2: .*expert_tp_size 1"):
         refuse_expert_adapters(settings, "qwen3_moe", 8, expert_tp_size=2)
-    refuse_expert_adapters(settings, "mixtral", 8)
+    for family in ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"):
+        refuse_expert_adapters(settings, family, 8)
     with pytest.raises(ValueError, match=r"peft_config.target_parameters=.*lora_dropout=0.1"):
         lora_settings_from_peft(PeftLoraConfig(r=4, lora_dropout=0.1, target_parameters=["mlp.experts.down_proj"]))
