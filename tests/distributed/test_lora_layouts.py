@@ -237,13 +237,15 @@ def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(
     """Qwen3-MoE with PEFT's target_parameters (one (A, B) per expert of mlp.experts.gate_up_proj / down_proj) and
     q / o_proj adapters: the engine's logits equal peft.PeftModel's loading the saved adapter (ParamWrapper layout),
     the merged view and the merged HF export give them too. Attention + expert adapters train at EP2 x DP2 as in one
-    process (loss, grad norm, every adapter; the frozen base holds no optimizer state); a checkpoint saved at EP2
+    process (loss, grad norm, every adapter; the frozen base holds no optimizer state); the initial adapter written
+    without the policy (save_model() before train()) has apply_lora's A; a checkpoint saved at EP2
     resumes bit for bit at EP2 (adapters and the next step); MLP target_modules (which PEFT would not match
     on transformers 5's 3-D experts) are refused on the built policy."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.models.tiny_model import build_tiny_model
+    from engine.policy.peft_adapter import initial_peft_tensors
 
     model_dir = str(build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=7))
     (single,) = run_distributed(_moe_lora_step, 1, model_dir, str(tmp_path / "ep1"), 1)
@@ -267,6 +269,11 @@ def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(
     tensors = _adapter_tensors(tmp_path / "ep2")
     assert sorted(tensors) == sorted(expected) and len(expected) == 2 * (4 + 2) * _num_layers(model_dir)
     assert sum(r["optimizer_numel"] for r in results) == single["optimizer_numel"] == _num_adapter_elements(expected)
+    # save_model() before train(): the initial adapter without the policy (its A = apply_lora's; B is 0 there)
+    fresh = initial_peft_tensors(lora_settings(target_modules=ATTENTION, target_parameters=EXPERTS),
+                                 AutoConfig.from_pretrained(model_dir), seed=0)
+    assert sorted(fresh) == sorted(initial)
+    assert all(torch.equal(fresh[k], initial[k]) for k in fresh if ".lora_A." in k)
     for kind in ("self_attn", "mlp.experts.base_layer", "mlp.experts.lora"):
         assert any(not torch.equal(expected[k], initial[k]) for k in expected if kind in k), f"no {kind} moved"
     for name, value in expected.items():
