@@ -187,12 +187,12 @@ def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts:
     """Refuse adapters on the MLP of a model with routed experts (`num_experts` > 0), at any parallel.ep_size, and
     expert-tensor adapters (target_parameters) that cannot be built: on a dense model, at parallel.expert_tp_size > 1.
 
-    NOTE: why they are not built: transformers 5 holds every MoE family's experts as 3-D tensors
+    NOTE: why MLP target_modules are not built: transformers 5 holds every MoE family's experts as 3-D tensors
     (`mlp.experts.gate_up_proj` (E, 2f, h), `mlp.experts.down_proj`), not as gate_proj / up_proj / down_proj linears,
-    so PEFT's target_modules match none of them (PEFT reaches them only through `target_parameters`, its ParamWrapper
-    layout, which lora_settings_from_peft refuses): a PEFT adapter that transformers, TRL or vLLM loads could not carry
-    expert adapters trained here. GLM-4.5's dense first layers and shared expert are refused with them (one MLP rule
-    per model). Raises ValueError naming the setting, the modules and the way out (attention targets)."""
+    so PEFT's target_modules match none of them (PEFT reaches them through `target_parameters`, its ParamWrapper
+    layout: `lora.lora_target_parameters`, engine/policy/expert_lora.py). GLM-4.5's dense first layers and shared
+    expert are refused with them (one MLP rule per model). Raises ValueError naming the setting, the modules and the
+    ways out (attention targets, target_parameters)."""
     _refuse_expert_parameters(settings, model_type, num_experts, expert_tp_size)
     mlp = [name for name in settings.target_modules if name in MLP_TARGETS]
     if not num_experts or not mlp:
@@ -202,9 +202,10 @@ def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts:
         f"lora.lora_target_modules (peft_config.target_modules) includes {mlp}, but {model_type} routes its MLP "
         f"through {num_experts} experts: adapters on expert linears are not built (at any parallel.ep_size). "
         "transformers 5 holds the experts as 3-D tensors (mlp.experts.gate_up_proj / down_proj), which PEFT's "
-        "target_modules do not match (only target_parameters, not supported here), so no loadable PEFT adapter could "
-        f"carry them. Set lora.lora_target_modules={attention or ['q_proj', 'k_proj', 'v_proj', 'o_proj']} (the "
-        "attention; 'all-linear' includes the MLP)")
+        "target_modules do not match, so no loadable PEFT adapter could carry them. Set lora.lora_target_modules="
+        f"{attention or ['q_proj', 'k_proj', 'v_proj', 'o_proj']} (the attention; 'all-linear' includes the MLP); "
+        "adapt the experts with lora.lora_target_parameters (peft target_parameters) = ['mlp.experts.gate_up_proj', "
+        "'mlp.experts.down_proj']")
 
 
 def lora_fields_from_peft(peft_config) -> dict:
