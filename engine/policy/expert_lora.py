@@ -13,8 +13,10 @@ reduced where the expert weights' would be: `allreduce` copied); expert TP is 1 
 
 Must not: read Megatron's global parallel state (groups come from ParallelState), know vLLM's layout.
 
-Test: tests/distributed/test_lora_layouts.py (the engine's logits = peft.PeftModel's on the HF Qwen3-MoE; the merged
-view and merged export; the step at EP2 = the single-process step; checkpoint resume), tests/unit/test_lora.py.
+Test: tests/distributed/test_lora_layouts.py (the engine's logits = peft.PeftModel's on the HF Qwen3-MoE and GPT-OSS;
+the merged view and merged export; the step at EP2 = the single-process step; checkpoint resume at EP2; the initial
+adapter), tests/integration/test_routing_replay_loop.py (the merged sync into vLLM in a bf16 EP2 run),
+tests/unit/test_lora.py (settings and refusals), tests/unit/test_planner.py (the planner's count).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ExpertLoraAdapter(torch.nn.Module):
                              f"dimension ({out} x {in_features}): a rank above min(out, in) adds no capacity")
         self.hf_names, self.expert, self.scaling = [hf_name], expert, settings.scaling
         self.merged = self.disabled = False
+        self.interleaved = False  # the HF gate_up_proj's rows interleave gate and up (set by apply_expert_lora)
         self.tp_group = linear.tp_group
         dtype = torch.float32 if settings.adapter_dtype == "float32" else config.params_dtype
         self.lora_A = torch.nn.ParameterDict({hf_name: torch.zeros(settings.r, in_features, dtype=dtype)})
