@@ -219,6 +219,10 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
                 by_linear.setdefault(HF_TARGETS[name][0], []).append(name)
             for path, names in by_linear.items():
                 linear = _linear(layer, path)
+                if linear is None:  # e.g. DeepSeek-V3's multi-latent attention has no fused QKV / linear_proj
+                    raise ValueError(f"lora.lora_target_modules (peft_config.target_modules) includes {names}, but "
+                                     f"{getattr(chunk, 'hf_model_type', 'this model')}'s layers have no such linear "
+                                     f"(Megatron's {path}); adapt other modules or its experts (target_parameters)")
                 adapter = LoraAdapter(path, names, settings, chunk.config, ps)
                 _init_adapter(adapter, layer.layer_number - 1, ps, seed)
                 _attach(linear, adapter)

@@ -21,7 +21,7 @@
 5. MoE (Qwen3-MoE): expert adapters (PEFT's target_parameters, per expert) give peft.PeftModel's logits, merged or
    not; with attention adapters at EP2 x DP2 they equal the single-process step; their checkpoint resumes exactly
    at EP2; MLP target_modules (which PEFT would not match on the 3-D experts) are refused on the built
-   policy, naming the setting. GPT-OSS's interleaved experts: the engine's logits = peft.PeftModel's.
+   policy, naming the setting. GPT-OSS's interleaved experts, DeepSeek-V3's: the engine's logits = PEFT's.
 """
 
 import pytest
@@ -287,19 +287,21 @@ def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(
 
 
 @pytest.mark.slow
-def test_lora_on_gpt_oss_expert_adapters_equal_peft(tmp_path):
+@pytest.mark.parametrize("family,targets", [("gpt_oss", ("q_proj",)), ("deepseek_v3", ())])
+def test_lora_on_other_moe_families_expert_adapters_equal_peft(tmp_path, family, targets):
     """GPT-OSS's experts are transposed (E, h, 2f) with gate / up interleaved (TRL's MoE PEFT test's model): the
     exported adapter (B's gate_up rows interleaved) loaded by peft.PeftModel gives the engine's logits, and so does
-    the merged export."""
+    the merged export. DeepSeek-V3 (GLM-4.5's MoE: dense first layer, shared expert, not adapted; MLA attention, no
+    q_proj): the same with expert adapters alone."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from engine.config import ParallelConfig
     from engine.models.tiny_model import build_tiny_model
 
-    model_dir = str(build_tiny_model(tmp_path / "gpt_oss", "gpt_oss", seed=7))
+    model_dir = str(build_tiny_model(tmp_path / family, family, seed=7))
     result = run_distributed(lora_logits_and_exports, 1, model_dir, ParallelConfig(), str(tmp_path),
-                             {"target_modules": ("q_proj",), "target_parameters": EXPERTS})[0]
+                             {"target_modules": targets, "target_parameters": EXPERTS})[0]
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = tokens(base.config.vocab_size)
     with torch.no_grad():
