@@ -62,13 +62,15 @@ HUB_MODELS = {
     "trl-internal-testing/tiny-LlamaForSequenceClassification-3.2": ("llama", "reward"),
     "trl-internal-testing/tiny-Gemma2ForCausalLM": ("gemma2", "causal"),
     "trl-internal-testing/tiny-Cohere2ForCausalLM": ("cohere2", "causal"),
+    "trl-internal-testing/tiny-NemotronHForCausalLM-nano": ("nemotron_h", "causal"),
 }
 """TRL's tiny hub models -> (the engine's builtin family, causal LM or random sequence-classification reward model).
 Other hub ids (VLMs, other families) are not in the cache: offline, they fail as a missing model. The Gemma 2
 stand-in (builtin:tiny-gemma2, tied like TRL's) soft-caps its final logits as TRL's tiny model does (at 0.5, small
 enough to bend the tiny logits; TRL's keeps Gemma 2's 30.0): the LM-head kernel applies the cap (kernels/, `softcap`).
 The Cohere 2 stand-in (builtin:tiny-cohere2, tied like TRL's) multiplies its logits by 0.25 (Command R7B's
-logit_scale)."""
+logit_scale). The Nemotron-H stand-in (builtin:tiny-nemotron_h, 'M*-M': Mamba-2, attention and relu2 MLP layers) has
+no MoE layer, which TRL's Nemotron 3 nano has (the engine refuses them: engine/models/nemotron_h.py)."""
 
 LLAMA_32_TOKENS = {"llama": ["<|finetune_right_pad_id|>"]}
 """Special tokens of TRL's tiny Llama 3.2 hub tokenizer that its tests name (test_train_different_reward_model pads

@@ -315,9 +315,10 @@ class RolloutConfig:
     vllm_server_timeout: float = 240.0
     """Seconds to wait for the server's health check (at start, and for a restarted server to come back)."""
     vllm_server_base_urls: list[str] | None = None
-    """Several rollout servers, one per inference node (engine-only; TRL has one server): each round's prompts are
-    split among them in this order, and the weights are synced into each (the i-th through the weight-transfer
-    group on port `vllm_group_port + i`). Replaces `vllm_server_base_url` / host / port."""
+    """Several rollout servers, one per replica (engine-only; TRL has one): each round's prompts are split among them
+    in order, the i-th synced over port `vllm_group_port + i`. Replaces `vllm_server_base_url` / host / port."""
+    vllm_nodes_per_server: int = 1
+    """Server mode: inference nodes one rollout server's vLLM engine spans (its TP over all their GPUs)."""
     vllm_request_timeout: float = 3600.0
     """Seconds one generate / prompt-logprobs / weight-update request to a rollout server may take."""
     max_staleness: int = 0
@@ -329,8 +330,7 @@ class RolloutConfig:
     recomputation at its current version and `vllm_importance_sampling_correction` corrects the sampler/learner gap
     (AReaL's decoupled PPO with recomputed proximal log-probs). Colocated mode is synchronous (0 only)."""
     vllm_group_port: int = 51216
-    """TCP port of the weight-transfer group (on global rank 0's host; server i of `vllm_server_base_urls` uses
-    `vllm_group_port + i`)."""
+    """TCP port of the weight-transfer group (global rank 0's host; server i of the URL list: `vllm_group_port + i`)."""
     weight_sync_bucket_mb: int = 512
     """Size, MiB, of one flattened weight-transfer bucket (trainer -> vLLM, every sync)."""
     verify_weight_sync: bool = True
@@ -435,7 +435,7 @@ class KernelsConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoraConfig:
-    """LoRA on the frozen policy (engine/policy/lora.py; TRL ModelConfig's names; GRPOTrainer's peft_config fills it)."""
+    """LoRA on the frozen policy (engine/policy/lora.py; TRL ModelConfig's names; GRPOTrainer's peft_config sets it)."""
 
     use_peft: bool = False
     """Train LoRA adapters on a frozen base instead of every weight; the other lora_* fields need it."""
@@ -451,12 +451,12 @@ class LoraConfig:
     """PEFT's target_parameters: MoE expert tensors (mlp.experts.gate_up_proj / down_proj), adapted per expert."""
     use_rslora: bool = False
     """Rank-stabilised scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
+    lora_modules_to_save: list[str] | None = None
+    """Modules trained in full next to the adapters (PEFT's modules_to_save): 'lm_head' and/or 'embed_tokens'."""
     lora_adapter_dtype: Literal["float32", "model"] = "float32"
-    """The adapters' dtype: float32 (PEFT's default: fp32 adapters, gradients, Adam state and LoRA branch over the
-    frozen model.dtype base) or model (adapters in model.dtype with fp32 main copies; = float32 for a float32 model)."""
+    """The adapters' dtype: float32 (PEFT's: fp32 adapters, grads, Adam state over the base) or model (fp32 masters)."""
     lora_weight_sync: Literal["merged", "adapter"] = "merged"
-    """How vLLM gets the adapters: merged into the base weights (the whole model sent) or adapter (A and B alone, into
-    vLLM's LoRA, named by every request; colocated or server mode, any engine TP: engine/rollout/adapter_sync.py)."""
+    """How vLLM gets the adapters, verified: merged (W + scale * B A in fp32, all weights) or adapter (vLLM's LoRA)."""
     lora_save_merged: bool = False
     """Final export: `<output_dir>/hf` holds the PEFT adapter; this also writes the merged model to `hf_merged`."""
 

@@ -3,7 +3,8 @@
 
 Owns: `HF_TARGETS` (the HF module names an adapter can target, and the Megatron linear and output part each lives in),
 `VLLM_LORA_RANKS` / `vllm_max_lora_rank` (vLLM's LoRA ranks), `LoraSettings`, `resolve_target_modules`,
-`lora_settings_from_config`, `lora_settings_from_peft` (every PEFT option the engine cannot act on refused by name),
+`resolve_modules_to_save` (PEFT's modules_to_save: lm_head, embed_tokens), `lora_settings_from_config`,
+`lora_settings_from_peft` (every PEFT option the engine cannot act on refused by name),
 `refuse_expert_adapters` (MLP targets on an MoE model), `EXPERT_TARGETS` / `resolve_target_parameters` (PEFT's
 `target_parameters` on the routed experts' 3-D tensors) and `lora_fields_from_peft` (the config section's fields).
 
@@ -63,6 +64,8 @@ class LoraSettings:
     """The adapters' parameter dtype: "float32" (PEFT's `autocast_adapter_dtype=True`) or "model" (the policy's)."""
     target_parameters: tuple[str, ...] = ()
     """Routed-expert tensors (EXPERT_TARGETS' names, in its order) adapted per expert, as PEFT's ParamWrapper."""
+    modules_to_save: tuple[str, ...] = ()
+    """HF modules trained in full next to the adapters (PEFT's modules_to_save), in SAVED_MODULES' order."""
 
     @property
     def scaling(self) -> float:
@@ -90,11 +93,10 @@ def resolve_target_modules(target_modules, setting: str = "lora.target_modules")
 
 def lora_settings_from_peft(peft_config) -> LoraSettings:
     """A `peft.LoraConfig` checked and turned into LoraSettings; every PEFT option this engine cannot act on is
-    refused by its name (modules_to_save, bias, DoRA, per-layer patterns, non-default init, fan_in_fan_out)."""
+    refused by its name (modules_to_save other than lm_head / embed_tokens, bias, DoRA, per-layer patterns,
+    non-default init, fan_in_fan_out)."""
     refusals = {
         "bias": (getattr(peft_config, "bias", "none") != "none", "only 'none' is supported"),
-        "modules_to_save": (bool(getattr(peft_config, "modules_to_save", None)),
-                            "training the LM head or embeddings in full next to adapters is not supported"),
         "use_dora": (bool(getattr(peft_config, "use_dora", False)), "DoRA is not supported"),
         "layers_to_transform": (getattr(peft_config, "layers_to_transform", None) is not None,
                                 "every layer gets adapters"),
@@ -110,6 +112,8 @@ def lora_settings_from_peft(peft_config) -> LoraSettings:
         kind = " (prompt-learning: virtual tokens)" if getattr(peft_config, "is_prompt_learning", False) else ""
         raise ValueError(f"peft_config: {type(peft_config).__name__} ({peft_type or 'no peft_type'}){kind} is not "
                          "supported; only peft.LoraConfig")
+    modules_to_save = resolve_modules_to_save(getattr(peft_config, "modules_to_save", None),
+                                              "peft_config.modules_to_save")
     refusals |= {name: (bool(getattr(peft_config, name, None)), "not supported")
                  for name in ("exclude_modules", "layer_replication", "trainable_token_indices",
                               "use_qalora", "layers_pattern")}
@@ -125,7 +129,25 @@ def lora_settings_from_peft(peft_config) -> LoraSettings:
     # float32 adapters (the default): TRL's get_peft_model(model, peft_config) autocasts them to fp32 over a bf16 base
     return LoraSettings(r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
                         lora_dropout=float(peft_config.lora_dropout), target_modules=targets,
-                        use_rslora=bool(getattr(peft_config, "use_rslora", False)), target_parameters=params)
+                        use_rslora=bool(getattr(peft_config, "use_rslora", False)), modules_to_save=modules_to_save,
+                        target_parameters=params)
+
+
+SAVED_MODULES = ("embed_tokens", "lm_head")
+"""The HF modules PEFT's modules_to_save may name here: the input embedding and the LM head, trained in full."""
+
+
+def resolve_modules_to_save(names, setting: str) -> tuple[str, ...]:
+    """PEFT's `modules_to_save` (None, a list or one name) as a tuple in SAVED_MODULES' order.
+
+    Raises ValueError naming the setting and the modules for a name other than lm_head / embed_tokens (the layers'
+    linears take adapters, not full copies; other modules are not supported)."""
+    names = [names] if isinstance(names, str) else list(names or ())
+    unknown = [n for n in names if n not in SAVED_MODULES]
+    if unknown:
+        raise ValueError(f"{setting}={names}: {unknown} cannot be trained in full next to the adapters; only "
+                         f"{list(SAVED_MODULES)} (the LM head and the input embedding) are supported")
+    return tuple(n for n in SAVED_MODULES if n in names)
 
 
 PEFT_DEFAULT_TARGETS = ("q_proj", "v_proj")
@@ -147,7 +169,9 @@ def lora_settings_from_config(section) -> LoraSettings:
         "lora.lora_target_modules")
     return LoraSettings(r=section.lora_r, lora_alpha=float(section.lora_alpha), lora_dropout=section.lora_dropout,
                         target_modules=targets, use_rslora=section.use_rslora,
-                        adapter_dtype=section.lora_adapter_dtype, target_parameters=params)
+                        adapter_dtype=section.lora_adapter_dtype, target_parameters=params,
+                        modules_to_save=resolve_modules_to_save(section.lora_modules_to_save,
+                                                                "lora.lora_modules_to_save"))
 
 
 EXPERT_TARGETS: dict[str, str] = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
@@ -213,7 +237,7 @@ def lora_fields_from_peft(peft_config) -> dict:
     settings = lora_settings_from_peft(peft_config)
     return {"use_peft": True, "lora_r": settings.r, "lora_alpha": peft_config.lora_alpha,
             "lora_dropout": settings.lora_dropout, "lora_target_modules": list(settings.target_modules),
-            "use_rslora": settings.use_rslora,
+            "use_rslora": settings.use_rslora, "lora_modules_to_save": list(settings.modules_to_save) or None,
             "lora_target_parameters": [f"mlp.experts.{n}" for n in settings.target_parameters] or None}
 
 

@@ -259,6 +259,21 @@ def _check_objective(cfg: EngineConfig, problems: list[str]) -> None:
         problems.append(f"grpo.dynamic_sampling_max_rounds must be >= 1, got {grpo.dynamic_sampling_max_rounds}")
 
 
+def nodes_per_server_problems(rollout) -> list[str]:
+    """`rollout.vllm_nodes_per_server`: server mode only, and the engine's TP splits evenly over the nodes (vLLM's
+    `nnodes` must divide its world size: every node runs TP / nodes workers). The rollout server checks it too."""
+    k, vtp = rollout.vllm_nodes_per_server, rollout.vllm_tensor_parallel_size
+    if k < 1:
+        return [f"rollout.vllm_nodes_per_server must be >= 1, got {k}"]
+    if k > 1 and rollout.vllm_mode != "server":
+        return [f"rollout.vllm_nodes_per_server={k} needs rollout.vllm_mode=server: a colocated engine runs on the "
+                "training ranks; set it to 1"]
+    if k > 1 and vtp % k:
+        return [f"rollout.vllm_nodes_per_server={k} must divide rollout.vllm_tensor_parallel_size={vtp} ({vtp} % {k} "
+                f"= {vtp % k}): each node of a rollout server runs TP / nodes of its vLLM workers"]
+    return []
+
+
 def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> None:
     rollout, gen = cfg.rollout, cfg.generation
     if rollout.vllm_tensor_parallel_size < 1:
@@ -269,6 +284,7 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
             f"{world_size} in colocate mode ({world_size} % {rollout.vllm_tensor_parallel_size} = "
             f"{world_size % rollout.vllm_tensor_parallel_size})"
         )
+    problems += nodes_per_server_problems(rollout)
     if not 0.0 < rollout.vllm_gpu_memory_utilization <= 1.0:
         problems.append(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {rollout.vllm_gpu_memory_utilization}")
     if rollout.vllm_server_base_urls is not None:
@@ -441,6 +457,9 @@ def _check_lora(cfg: EngineConfig, problems: list[str]) -> None:
         problems.append(f"lora.lora_target_parameters={section.lora_target_parameters} with "
                         "lora.lora_weight_sync=adapter: vLLM's LoRA on fused MoE experts is not supported here "
                         "(no CPU kernels); use lora.lora_weight_sync=merged")
+    if section.lora_weight_sync == "adapter" and section.lora_modules_to_save:
+        problems.append(f"lora.lora_modules_to_save={section.lora_modules_to_save} with lora.lora_weight_sync=adapter: "
+                        "vLLM's LoRA cannot carry a module trained in full; use lora.lora_weight_sync=merged")
     if section.lora_weight_sync == "adapter" and section.lora_r > 512:
         problems.append(f"lora.lora_r={section.lora_r} with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks "
                         "up to 512; use lora.lora_weight_sync=merged")

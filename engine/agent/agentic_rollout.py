@@ -11,7 +11,8 @@ environments, `reset(**row)`'s observation is appended to the last user message 
 that rollout (each of the G rollouts of a prompt has its own environment, leased to the round until `release`, once
 its rewards are computed); with a dict of environments, each rollout's prompt shows the run's tools and its own
 environment's only (TRL). The caller (engine/train/sampling.py) runs `generate` on rank 0 only and broadcasts the
-rollout: the tools and environments live in rank 0's process, as the reward functions do. With rounds generated
+rollout: the tools and environments live in rank 0's process, as the reward functions do (colocated at vLLM TP > 1
+the other ranks of rank 0's vLLM TP group mirror its engine steps: engine/rollout/colocated_turns.py). With rounds generated
 ahead (`rollout.max_staleness` > 0, server mode), `generate` runs in rank 0's background thread while the trainer
 trains (engine/train/sampling.py `PendingAgenticRound`).
 
@@ -32,7 +33,7 @@ from engine.agent.environments import EnvironmentPool, environment_tools
 from engine.agent.multi_turn import MultiTurnSettings, Sample, generate_multi_turn
 from engine.agent.rollout_func import RoundEngine, call_rollout_func
 from engine.agent.toolbox import Toolbox
-from engine.config import GenerationConfig, RolloutConfig
+from engine.config import GenerationConfig
 from engine.rollout.protocol import RolloutEngine
 from engine.rollout.rollouts import Rollout
 
@@ -183,16 +184,3 @@ def _with_observation(prompt, observation) -> list:
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     messages[last_user]["content"] = f"{messages[last_user]['content']}{observation}"
     return messages
-
-
-def check_layout(rollout: RolloutConfig, given: list[str]) -> None:
-    """ValueError where multi-turn rollouts cannot run: a colocated vLLM engine over several ranks (rank 0 drives
-    every sample through its own engine). With rounds generated ahead (`max_staleness` > 0) a `rollout_func` runs in
-    the background thread on a view of the trainer (`for_round_ahead`), and DAPO's further attempts drive their turns
-    from the trainer's thread while the round ahead drives its own through a turn channel of its own
-    (engine/rollout/server_rollout.py `TurnChannel`). `given`: the agentic arguments the run has (named in the
-    message)."""
-    names = ", ".join(given)
-    if rollout.vllm_mode == "colocate" and rollout.vllm_tensor_parallel_size > 1:
-        raise ValueError(f"{names} with rollout.vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} "
-                         "(colocate): rank 0 drives every sample through its own engine; use 1 or server mode")

@@ -142,13 +142,13 @@ def patched_since_construction(trainer: Any, at_construction: list[str]) -> None
                            "_generate / _generate_single_turn in a subclass (or patch the class) before building it")
 
 
-def dispatch_override(trainer: Any, rollout_func: Any, tools: Any, environment_factory: Any, rollout: Any) -> Any:
+def dispatch_override(trainer: Any, rollout_func: Any, tools: Any, environment_factory: Any) -> Any:
     """The `rollout_func` the engine gets: the user's as given when no dispatch method is overridden, else
     `_as_rollout_func(trainer)` (which calls the override; a `rollout_func` given too is reached through TRL's
     `_generate`). Raises ValueError for an override together with tools / environment_factory (the engine's
-    multi-turn loop would replace `_generate`'s) or a colocated vLLM engine over several ranks (`rollout`: the
-    config's section; rank 0 generates alone). With rounds generated ahead (`rollout.max_staleness` > 0) the
-    override runs as any rollout_func does then: in rank 0's background thread, on a view of the trainer
+    multi-turn loop would replace `_generate`'s). The override runs on rank 0 (colocated at vLLM TP > 1 the other
+    ranks of its vLLM TP group mirror its engine steps: engine/rollout/colocated_turns.py). With rounds generated
+    ahead (`rollout.max_staleness` > 0) the override runs as any rollout_func does then: in rank 0's background thread, on a view of the trainer
     (engine/api/trl_agentic.py `BoundRolloutFunc.for_round_ahead`)."""
     names = overridden(type(trainer))
     if not names:
@@ -157,10 +157,6 @@ def dispatch_override(trainer: Any, rollout_func: Any, tools: Any, environment_f
     if tools or environment_factory is not None:
         raise ValueError(f"{which} overrides TRL's rollout dispatch, but tools / environment_factory make the "
                          "engine run its own multi-turn loop instead: drop the override or the agentic arguments")
-    if rollout.vllm_mode == "colocate" and rollout.vllm_tensor_parallel_size > 1:
-        raise ValueError(f"{which} with vllm_tensor_parallel_size={rollout.vllm_tensor_parallel_size} (colocate): "
-                         "the override runs on rank 0, which generates through its own engine alone; use 1 or "
-                         "vllm_mode='server'")
     return _as_rollout_func
 
 

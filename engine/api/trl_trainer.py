@@ -140,8 +140,8 @@ class GRPOTrainer(TrainerSurface):
                              "GRPOConfig(dataset_name=...) to a local file, a hub name or builtin:arithmetic)")
         model_path = resolve_model(model, self.output_dir, processing_class, cfg.model.trust_remote_code)
         self.rollout_func, self._last_loaded_step = rollout_func, 0  # TRL's attributes (`_generate` reads them)
-        rollout = trl_generate.dispatch_override(self, rollout_func, tools, environment_factory,
-                                                 cfg.rollout)  # a subclass's _generate override
+        rollout = trl_generate.dispatch_override(self, rollout_func, tools,
+                                                 environment_factory)  # a subclass's _generate override
         self._dispatch_overrides = trl_generate.overridden(type(self))
         self._agentic = resolve_agentic(self, tools, rollout, environment_factory, model_name=str(model_path),
                                         tokenizer=self._processing_class or _local_tokenizer(model_path),

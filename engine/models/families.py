@@ -6,7 +6,7 @@ family (`check_model_type`, naming the supported ones and, for a family labs pos
 `moe_shape` (expert count, top-k and expert width under each family's own field names), `dense_layers` and
 `shared_expert_width` (GLM-4.5 and DeepSeek-V3; DeepSeek-V3's MLA refusals: engine/models/deepseek_v3.py). The policy,
 the converter and the planner all read these; GPT-OSS's own translation is engine/models/gpt_oss.py, Gemma's
-engine/models/gemma.py, Cohere 2's engine/models/cohere2.py.
+engine/models/gemma.py, Cohere 2's engine/models/cohere2.py, Nemotron-H's engine/models/nemotron_h.py.
 
 Must not: import torch, Megatron or vLLM (the planner runs on a login node); translate anything itself.
 
@@ -19,17 +19,14 @@ from __future__ import annotations
 from engine.models.cohere2 import COHERE2_MODEL_TYPES, check_cohere2
 from engine.models.deepseek_v3 import check_deepseek_v3
 from engine.models.gemma import GEMMA_MODEL_TYPES, check_gemma
+from engine.models.nemotron_h import NEMOTRON_H_MODEL_TYPES, check_nemotron_h, has_moe_layers
 
 SUPPORTED_MODEL_TYPES = (("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss") + GEMMA_MODEL_TYPES
-                         + COHERE2_MODEL_TYPES + ("deepseek_v3",))
+                         + COHERE2_MODEL_TYPES + ("deepseek_v3",) + NEMOTRON_H_MODEL_TYPES)
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3")
 """Families with routed-expert MLPs: in every layer, except GLM-4.5's dense first `first_k_dense_replace` layers."""
 
-MISSING_FEATURES = {
-    "nemotron_h": "Mamba-2 (hybrid state-space) layers: megatron-core's Mamba layers (MambaMixer) need the mamba_ssm "
-                  "and causal_conv1d CUDA kernels (megatron/core/ssm/mamba_mixer.py raises ImportError without them); "
-                  "neither has a CPU build",
-}
+MISSING_FEATURES: dict[str, str] = {}
 """Families the engine does not build yet, with what the translation lacks (issue #30): named when one is refused."""
 
 _MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
@@ -62,6 +59,8 @@ def check_model_type(hf_config) -> None:
         check_gemma(hf_config)
     if model_type in COHERE2_MODEL_TYPES:
         check_cohere2(hf_config)
+    if model_type in NEMOTRON_H_MODEL_TYPES:
+        check_nemotron_h(hf_config)
     if model_type != "mixtral":
         return
     window = getattr(hf_config, "sliding_window", None)
@@ -136,6 +135,15 @@ def shared_expert_width(hf_config) -> int:
 _GLM_LIKE = ("glm4_moe", "deepseek_v3")
 """Families with dense first layers, a shared expert and GLM-4.5's sigmoid group-limited router (DeepSeek-V3's MLA:
 engine/models/deepseek_v3.py)."""
+
+
+def has_routed_experts(values: dict) -> bool:
+    """Whether a config.json (a dict; a multimodal one's `text_config`) names routed experts (the engine's rollout
+    then returns the routes: engine/rollout/vllm_engine.py); Nemotron-H by its layer kinds."""
+    values = values.get("text_config", values)
+    if values.get("model_type") in NEMOTRON_H_MODEL_TYPES:
+        return has_moe_layers(values)
+    return any(values.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def moe_shape(hf_config) -> tuple[int, int, int]:

@@ -45,8 +45,10 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from engine.models.nemotron_h import tiny_nemotron_h_config
+
 TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "gemma2",
-                 "deepseek_v3", "cohere2")
+                 "deepseek_v3", "cohere2", "nemotron_h")
 """Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
 
 TINY_QWEN3_HEAD_DIM = 64
@@ -299,6 +301,8 @@ def tiny_model_config(
         return _tiny_deepseek_v3_config(common)
     if family == "cohere2":
         return _tiny_cohere2_config(common)
+    if family == "nemotron_h":
+        return tiny_nemotron_h_config(common)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 
@@ -362,7 +366,8 @@ def _tiny_gpt_oss_config(common: dict) -> GptOssConfig:
 def _randomise_zero_inits(model) -> None:
     """Random values where HF initialises zeros or near-zeros that tests must see: GLM's expert-score correction
     bias (N(0, 0.05^2)); GPT-OSS's expert biases (N(0, 0.1^2)) and sinks (N(0, 1)); Gemma's (1 + w) norm weights
-    (N(0, 0.1^2), drawn after the others); Cohere 2's LayerNorm weights (HF: ones; 1 + N(0, 0.1^2))."""
+    (N(0, 0.1^2), drawn after the others); Cohere 2's LayerNorm weights (HF: ones; 1 + N(0, 0.1^2)); Nemotron-H's norms
+and D (1 + N(0, 0.1^2)) and conv bias (N(0, 0.1^2))."""
     with torch.no_grad():
         for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
@@ -375,6 +380,10 @@ def _randomise_zero_inits(model) -> None:
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.copy_(0.1 * torch.randn(param.shape))
+        if model.config.model_type == "nemotron_h":  # HF: norms and D ones, conv bias zeros
+            for name, param in model.named_parameters():
+                if name.endswith(("norm.weight", "mixer.D", "conv1d.bias")):
+                    param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
         if model.config.model_type == "cohere2":  # HF initialises its LayerNorm weights to 1
             for name, param in model.named_parameters():
                 if "norm" in name:

@@ -373,6 +373,25 @@ def _stage_adapter_params(dims: ModelDims, cfg: EngineConfig, *, tp: int | None 
     return layers * per_layer, text
 
 
+def _saved_modules_term(dims: ModelDims, cfg: EngineConfig, stage: int, shard: int) -> list[Term]:
+    """LoRA's modules_to_save on pipeline stage `stage` (embed_tokens on the first, lm_head on the last): each
+    V/tp x h trained in full as in full fine-tuning (fp32 main grad, `_optimizer_bytes`' state over `shard`), plus
+    the frozen copy of its loaded weight kept for the KL reference (engine/policy/lora.py); [] without them."""
+    if not cfg.lora.use_peft or not cfg.lora.lora_modules_to_save:
+        return []
+    names = [n for n, held in (("embed_tokens", stage == 0), ("lm_head", stage == cfg.parallel.pp_size - 1))
+             if held and n in cfg.lora.lora_modules_to_save]
+    if not names:
+        return []
+    tp = cfg.parallel.tp_size
+    vocab = megatron_padded_vocab(dims.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    params = len(names) * vocab * dims.hidden_size / tp
+    wbytes, gbytes, obytes, _ = _optimizer_bytes(cfg)
+    return [Term("modules_to_save", f"{' + '.join(names)}: {len(names)} x {vocab} x {dims.hidden_size} / {tp} = "
+                 f"{format_count(params)} params x ({wbytes} B original copy + {gbytes} B grad + {obytes} B "
+                 f"optimizer / {shard})", params * (wbytes + gbytes + obytes / shard))]
+
+
 def _vllm_lora_slot(dims: ModelDims, cfg: EngineConfig) -> list[Term]:
     """Adapter-only sync (`lora.lora_weight_sync=adapter`): vLLM's LoRA slot on one engine GPU (one adapter,
     `max_loras` 1, stacked at vLLM's max_lora_rank, sharded at vLLM's TP as the trainer's TP rules say), allocated
@@ -418,6 +437,7 @@ def _stage_terms(cfg: EngineConfig, dims: ModelDims, derived: Derived, stage: in
         terms.insert(1, Term("expert weights", f"{experts_text} = {format_count(experts)} params x {wbytes} B",
                              experts * wbytes))
         terms.append(Term("expert optimizer", f"{format_count(experts)} x {obytes} B{edp_text}", experts * obytes / edp))
+    terms += _saved_modules_term(dims, cfg, stage, shard)
     if cfg.grpo.beta > 0 and adapters:  # LoRA: the reference is the policy's base, adapters off (no copy)
         terms.append(Term("reference", "the policy's frozen base with adapters disabled (no copy)", 0.0))
     elif cfg.grpo.beta > 0:
@@ -497,13 +517,13 @@ def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str]:
 def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, derived: Derived) -> tuple[int, int, str]:
     """(vLLM engines, completions on the busiest engine per generation round, the arithmetic).
 
-    Server mode (`rollout.vllm_mode: server`): each inference node runs one rollout server (engine/rollout/server.py),
-    one vLLM engine at `rollout.vllm_tensor_parallel_size` (TP stays inside the node; vLLM spans nodes only under Ray,
-    which we do not use). M inference nodes = M independent replicas; the trainer is given their URLs in
-    `rollout.vllm_server_base_urls` (one per node, checked by shapes.py `check_layout`) and splits each round's P prompts
-    among them in list order, so the busiest server gets ceil(P / M) prompts x G completions. A TP smaller than the
-    node leaves GPUs per node - TP GPUs idle on every inference node: the plan says so, and does not refuse it (a
-    small model at TP 1 or 2 is legitimate; to use the whole node, raise the TP or run more nodes).
+    Server mode (`rollout.vllm_mode: server`): every `rollout.vllm_nodes_per_server` (K) inference nodes run one
+    rollout server (engine/rollout/server.py), one vLLM engine at `rollout.vllm_tensor_parallel_size` over their GPUs
+    (K = 1: TP inside the node; K > 1: vLLM's multi-node executor, engine/rollout/server_nodes.py). M inference nodes
+    = M / K independent replicas; the trainer is given their URLs in `rollout.vllm_server_base_urls` (checked by
+    shapes.py `check_layout`) and splits each round's P prompts among them in list order, so the busiest server gets
+    ceil(P / (M / K)) prompts x G completions. A TP smaller than K nodes' GPUs leaves K x GPUs per node - TP GPUs idle
+    per server: the plan says so, and does not refuse it (a small model at TP 1 or 2 is legitimate).
     """
     vtp, g = cfg.rollout.vllm_tensor_parallel_size, cfg.grpo.num_generations
     prompts = derived.num_prompts_per_generation
@@ -562,19 +582,20 @@ def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, de
     terms[1:1] = slot
     room = share - params * wbytes - reserve - sum(t.nbytes for t in slot)
     concurrency = max(room, 0) / (tokens * per_token)
+    nodes = rollout.vllm_nodes_per_server
     if server:
-        where = f"{engines} rollout server(s), one per inference node"
+        where = f"{engines} rollout server(s), one per {'inference node' if nodes == 1 else f'{nodes} inference nodes'}"
     else:
         where = f"{engines} engine(s) on the training GPUs (colocated)"
     title = f"inference GPU (vLLM TP {vtp}, {where}, {seqs} sequences per engine)"
     notes = [f"KV room = share - weights{' - LoRA slot' if slot else ''} - reserve = {format_gib(room)}: {concurrency:.2f} sequences of {tokens} tokens "
              f"at once (vLLM logs it as 'Maximum concurrency for {tokens} tokens per request')"]
-    idle = shape.gpus_per_node - vtp
+    idle = nodes * shape.gpus_per_node - vtp
     if server and idle > 0:
-        notes.append(
-            f"each inference node uses vLLM TP {vtp} of its {shape.gpus_per_node} GPUs: {idle} idle per node "
-            f"(one engine per rollout server); raise rollout.vllm_tensor_parallel_size to use them"
-        )
+        where = (f"each inference node uses vLLM TP {vtp} of its {shape.gpus_per_node} GPUs: {idle} idle per node"
+                 if nodes == 1 else f"each rollout server uses vLLM TP {vtp} of its {nodes} x {shape.gpus_per_node} "
+                 f"GPUs: {idle} idle per server")
+        notes.append(f"{where}; raise rollout.vllm_tensor_parallel_size to use them")
     limit_text = f"vLLM's share {rollout.vllm_gpu_memory_utilization} x {shape.gpu_memory_gib:g} GiB = {format_gib(share)}"
     hint = (
         f"the KV room holds {concurrency:.2f} sequences at full length: lower the generation round "

@@ -115,9 +115,12 @@ def _rollout_line(cfg: EngineConfig, shape: ClusterShape, derived: Derived) -> s
     if not servers:
         return (f"rollout: colocated, train GPUs / vLLM TP = {shape.train_gpus} / {vtp} = {shape.train_gpus // vtp} "
                 f"engine(s) on the training GPUs")
+    nodes = cfg.rollout.vllm_nodes_per_server
+    per = ("one per inference node" if nodes == 1 else
+           f"one per {nodes} inference nodes (rollout.vllm_nodes_per_server: vLLM's TP across them)")
     return (
-        f"rollout: {servers} rollout server replica(s), one per inference node, each one vLLM engine at TP {vtp} on "
-        f"{vtp} of {shape.gpus_per_node} GPUs; {prompts} prompts per round split among them: at most "
+        f"rollout: {servers} rollout server replica(s), {per}, each one vLLM engine at TP {vtp} on {vtp} of "
+        f"{nodes * shape.gpus_per_node} GPUs; {prompts} prompts per round split among them: at most "
         f"ceil({prompts} / {servers}) = {-(-prompts // servers)} per server"
     )
 

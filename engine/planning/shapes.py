@@ -5,7 +5,7 @@ Owns: the model dimensions the plan needs (`ModelDims`: a table of known hub mod
 builtin tiny models; nothing is downloaded), Megatron's vocabulary padding (`megatron_padded_vocab`), the cluster
 shape (`ClusterShape`: training / inference nodes, GPUs per node, GPU memory, and `resolve_cluster_shape`'s defaults
 from the config), the layout checks that need model dimensions or the node split (TP inside a node, heads and layers
-divisible, vLLM's TP, one rollout server per inference node: `check_layout`), what each training node holds
+divisible, vLLM's TP, one rollout server per `rollout.vllm_nodes_per_server` inference nodes: `check_layout`), what each training node holds
 (`node_roles`, Megatron's rank order), and `PlanError`, the planner's refusal.
 
 Must not: import torch, Megatron or vLLM (it runs on a login node in a second), read the environment, touch the
@@ -293,6 +293,9 @@ def load_model_dims(name_or_path: str) -> ModelDims:
     if config_file.is_file():  # MLA's widths (DeepSeek-V3) replace head_dim: `_mla_fields`
         hf = json.loads(config_file.read_text())
         hf = hf.get("text_config", hf)
+        if hf.get("model_type") == "nemotron_h":  # one mixer per layer: ModelDims sizes uniform transformer layers
+            raise PlanError(f"model.name_or_path={name_or_path!r}: model_type nemotron_h (hybrid Mamba-2 / attention "
+                            "/ MLP layers, no KV cache on the Mamba-2 ones) is not sized by the planner yet")
         head_dim = hf.get("head_dim") or 0
         config = SimpleNamespace(**hf)
         experts, top_k, expert_ffn = moe_shape(config)
@@ -379,16 +382,18 @@ def resolve_cluster_shape(cfg: EngineConfig, *, train_nodes: int | None = None, 
 
 
 def _default_infer_nodes(cfg: EngineConfig) -> int:
-    """Server mode: one inference node per rollout server URL (1 without a list); colocate: 0."""
+    """Server mode: `rollout.vllm_nodes_per_server` inference nodes per rollout server URL (one server without a
+    list); colocate: 0."""
     if cfg.rollout.vllm_mode != "server":
         return 0
     urls = cfg.rollout.vllm_server_base_urls
-    return len(urls) if urls else 1
+    return (len(urls) if urls else 1) * cfg.rollout.vllm_nodes_per_server
 
 
 def num_rollout_servers(cfg: EngineConfig, shape: ClusterShape) -> int:
-    """Rollout server replicas: one per inference node in server mode (each one vLLM engine), 0 in colocate mode."""
-    return shape.infer_nodes if cfg.rollout.vllm_mode == "server" else 0
+    """Rollout server replicas in server mode, one per `rollout.vllm_nodes_per_server` inference nodes (each one vLLM
+    engine, its TP over those nodes); 0 in colocate mode."""
+    return shape.infer_nodes // cfg.rollout.vllm_nodes_per_server if cfg.rollout.vllm_mode == "server" else 0
 
 
 def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> None:
@@ -430,10 +435,12 @@ def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> Non
     if not dims.is_moe and (par.ep_size > 1 or par.expert_tp_size > 1):
         problems.append(f"parallel.ep_size={par.ep_size} / expert_tp_size={par.expert_tp_size} need a mixture-of-experts "
                         "model; this one is dense")
-    if vtp > gpn:
+    nodes = rollout.vllm_nodes_per_server
+    if vtp > nodes * gpn:
         problems.append(
-            f"rollout.vllm_tensor_parallel_size={vtp} > {gpn} GPUs per node: vLLM's TP spans nodes only under Ray, "
-            "which this engine does not use"
+            f"rollout.vllm_tensor_parallel_size={vtp} > rollout.vllm_nodes_per_server x GPUs per node = {nodes} x "
+            f"{gpn} = {nodes * gpn}: a rollout server's vLLM TP spans its nodes' GPUs only (raise "
+            "rollout.vllm_nodes_per_server to span more nodes)"
         )
     if rollout.vllm_mode == "server":
         _check_rollout_servers(cfg, shape, problems)
@@ -447,20 +454,27 @@ def check_layout(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape) -> Non
 
 
 def _check_rollout_servers(cfg: EngineConfig, shape: ClusterShape, problems: list[str]) -> None:
-    """Server mode: one rollout server per inference node, and the trainer is given exactly those servers."""
-    urls, n = cfg.rollout.vllm_server_base_urls, shape.infer_nodes
+    """Server mode: one rollout server per `rollout.vllm_nodes_per_server` (K) inference nodes, and the trainer is
+    given exactly those servers."""
+    urls, n, k = cfg.rollout.vllm_server_base_urls, shape.infer_nodes, cfg.rollout.vllm_nodes_per_server
+    per = "inference node" if k == 1 else f"{k} inference nodes (rollout.vllm_nodes_per_server)"
+    servers = n // k
     if n < 1:
         problems.append("rollout.vllm_mode='server' needs inference nodes: got 0 (--infer-nodes)")
-    elif urls is not None and len(urls) != n:
+    elif n % k:
+        problems.append(f"{n} inference nodes (--infer-nodes) do not split into rollout servers of "
+                        f"rollout.vllm_nodes_per_server={k} nodes ({n} % {k} = {n % k})")
+    elif urls is not None and len(urls) != servers:
         problems.append(
-            f"rollout.vllm_server_base_urls lists {len(urls)} server(s) but there are {n} inference node(s) "
-            f"(--infer-nodes): one rollout server runs per inference node, give one URL each"
+            f"rollout.vllm_server_base_urls lists {len(urls)} server(s) but {n} inference node(s) (--infer-nodes) run "
+            f"{servers}: one rollout server runs per {per}, give one URL each (node 0's)"
         )
-    elif urls is None and n > 1:
+    elif urls is None and servers > 1:
         problems.append(
-            f"{n} inference nodes but the trainer is given one server (rollout.vllm_server_base_url or "
-            f"vllm_server_host/port): set rollout.vllm_server_base_urls to one URL per inference node, e.g. "
-            f"[http://HOST0:PORT,http://HOST1:PORT] (launch/grpo_72b.slurm does), or use --infer-nodes 1"
+            f"{n} inference nodes run {servers} rollout servers (one per {per}) but the trainer is given one "
+            f"(rollout.vllm_server_base_url or vllm_server_host/port): set rollout.vllm_server_base_urls to one URL "
+            f"per server, e.g. [http://HOST0:PORT,http://HOST1:PORT] (launch/grpo_72b.slurm does), or use "
+            f"--infer-nodes {k}"
         )
 
 

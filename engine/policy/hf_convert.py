@@ -5,7 +5,8 @@ Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) 
 (`MOE_MAPS`: Qwen3-MoE; Mixtral, GLM-4.5 MoE and GPT-OSS as more tables; experts: `TensorMap`; tied embeddings:
 `family_map`; GLM's dense first layers: `layer_entries`; GPT-OSS's sinks and o_proj bias: `GPT_OSS_ATTENTION`, its
 stacked expert tensors: the `stacked_*` kinds, converted by engine/models/gpt_oss.py; Gemma's four norms per layer:
-`ModelDims.sandwich_norms`; Cohere 2's one norm per layer: `ModelDims.parallel_block`), and the
+`ModelDims.sandwich_norms`; Cohere 2's one norm per layer: `ModelDims.parallel_block`; Nemotron-H's per-kind layers
+under `backbone.` names: `ModelDims.layer_kinds`, engine/models/nemotron_h.py), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
@@ -40,9 +41,11 @@ from engine.models.families import dense_layers, moe_shape, shared_expert_width
 from engine.models.cohere2 import COHERE2_MODEL_TYPES
 from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
 from engine.models.gpt_oss import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
+from engine.models.nemotron_h import (NEMOTRON_H_GLOBAL, NEMOTRON_H_TENSORS, hf_layer_name, is_nemotron_h, layer_kinds,
+                                      mamba_blocks)
 
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up", "stacked_gate_up", "stacked_row",
-               "stacked_replicated"]
+               "stacked_replicated", "mamba_in", "mamba_conv"]
 """How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md
 §6.4-6.5), so each is explicit:
   replicated  norms: same on every TP rank;
@@ -51,7 +54,9 @@ Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up", "stacke
   qkv         Megatron's fused QKV: per query group g, [q heads of g; k_g; v_g] (GQA-interleaved), TP splits whole
               groups, so rank r holds groups [r*G/tp, (r+1)*G/tp);
   gate_up     Megatron's fused SwiGLU fc1 = [gate; up]; TP rank r holds [gate_r; up_r] (partition_stride 2);
-  stacked_*   one expert's slice of a GPT-OSS tensor that stacks every expert (engine/models/gpt_oss.py STACKED_KINDS).
+  stacked_*   one expert's slice of a GPT-OSS tensor that stacks every expert (engine/models/gpt_oss.py STACKED_KINDS);
+  mamba_in    Nemotron-H's Mamba-2 in_proj rows [z; x; B; C; dt] (`ModelDims.mamba_blocks`), each block split over TP:
+              rank r holds [z_r; x_r; B_r; C_r; dt_r]; mamba_conv: its depthwise conv's channels [x; B; C] likewise.
 """
 
 
@@ -142,6 +147,14 @@ class ModelDims:
         return self.kv_lora_rank > 0
     parallel_block: bool = False
     """Cohere 2: one norm per layer feeding attention and MLP (no pre-MLP norm: engine/models/cohere2.py)."""
+    layer_kinds: tuple[str, ...] = ()
+    """Nemotron-H: each layer's one mixer, "mamba" / "attention" / "mlp" (engine/models/nemotron_h.py); () = other."""
+    mamba_blocks: tuple[int, ...] = ()
+    """Nemotron-H: the Mamba-2 in_proj's global row blocks (z, x, B, C, dt)."""
+    mamba_conv_bias: bool = False
+    """Nemotron-H: the Mamba-2 conv has a bias (HF use_conv_bias)."""
+    mamba_conv_kernel: int = 0
+    """Nemotron-H: the Mamba-2 depthwise conv's kernel width (HF conv_kernel)."""
 
     @classmethod
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
@@ -168,6 +181,9 @@ class ModelDims:
             sandwich_norms=model_type in GEMMA_MODEL_TYPES,
             **mla_dims(hf_config),
             parallel_block=model_type in COHERE2_MODEL_TYPES,
+            **(dict(layer_kinds=layer_kinds(hf_config), mamba_blocks=mamba_blocks(hf_config),
+                    mamba_conv_bias=bool(hf_config.use_conv_bias), mamba_conv_kernel=int(hf_config.conv_kernel))
+               if is_nemotron_h(hf_config) else {}),
         )
 
 
@@ -246,6 +262,8 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
 
     Tied embeddings: HF stores one `model.embed_tokens.weight`; Megatron's last stage holds a copy as
     `output_layer.weight` (kept equal by Megatron's embedding group), which is loaded from it and never exported."""
+    if dims.layer_kinds:
+        return _hybrid_map(dims)
     attn = "model.layers.{i}.self_attn"
     entries = [
         TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
@@ -299,9 +317,31 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
     return entries
 
 
+def _hybrid_map(dims: ModelDims) -> list[TensorMap]:
+    """Nemotron-H's map (engine/models/nemotron_h.py NEMOTRON_H_TENSORS): every layer kind's entries, once each."""
+    entries = [TensorMap(megatron, (hf,), kind) for megatron, hf, kind in NEMOTRON_H_GLOBAL]
+    for kind in ("mamba", "attention", "mlp"):
+        entries += [e for e in _hybrid_layer_map(dims, kind) if e not in entries]
+    head = NEMOTRON_H_GLOBAL[0][1] if dims.tie_word_embeddings else "lm_head.weight"
+    return entries + [TensorMap("output_layer.weight", (head,), "vocab")]
+
+
+def _hybrid_layer_map(dims: ModelDims, kind: str) -> list[TensorMap]:
+    """The entries of a Nemotron-H layer of `kind` ("mamba", "attention", "mlp")."""
+    entries = []
+    for megatron, hf, layout in NEMOTRON_H_TENSORS[kind]:
+        if megatron == "self_attention.conv1d.bias" and not dims.mamba_conv_bias:
+            continue
+        names = (hf,) if isinstance(hf, str) else hf
+        entries.append(TensorMap(f"decoder.layers.{{i}}.{megatron}", tuple(hf_layer_name(n) for n in names), layout))
+    return entries
+
+
 def layer_entries(dims: ModelDims, layer: int) -> list[TensorMap]:
     """The `family_map` entries decoder layer `layer` has: a dense first layer (`dims.dense_layers`) no MoE entries,
-    an MoE layer no dense MLP."""
+    an MoE layer no dense MLP; a Nemotron-H layer its kind's."""
+    if dims.layer_kinds:
+        return _hybrid_layer_map(dims, dims.layer_kinds[layer])
     dense = not dims.num_experts or layer < dims.dense_layers
     return [e for e in family_map(dims) if "{i}" in e.megatron
             and (".mlp." not in e.megatron or (".mlp.linear_fc" in e.megatron) == dense)]
@@ -360,6 +400,14 @@ def read_megatron_shard(
                                    tp_rank, tp_size)
     if entry.kind == "replicated":
         return src.read(names[0], (every,))
+    if entry.kind in ("mamba_in", "mamba_conv"):  # each block's rank chunk: [z_r; x_r; B_r; C_r; dt_r] / [x_r; ...]
+        blocks = dims.mamba_blocks if entry.kind == "mamba_in" else dims.mamba_blocks[1:4]
+        parts, start = [], 0
+        for size in blocks:
+            step = size // tp_size
+            parts.append(src.read(names[0], (slice(start + tp_rank * step, start + (tp_rank + 1) * step),)))
+            start += size
+        return torch.cat(parts, dim=0)
     if entry.kind in ("column", "gate_up"):
         parts = [_rank_slice(src, name, 0, tp_rank, tp_size) for name in names]
         return torch.cat(parts, dim=0)  # gate_up: [gate_r; up_r]

@@ -3,7 +3,8 @@
 Owns (the setting, HF_TARGETS and their checks: engine/lora_settings.py): the adapters (`LoraAdapter`, one per
 Megatron linear, one (A, B) pair per HF module fused into it, so q/k/v and gate/up keep PEFT's separate adapters),
 `apply_lora` (freezes the base, attaches the adapters as forward hooks, initialises them by global name like
-engine/policy/model.py `init_weights_by_name`; their dist-checkpoint entries are TP-sharded), `merged_lora`
+engine/policy/model.py `init_weights_by_name`; their dist-checkpoint entries are TP-sharded; PEFT's modules_to_save
+(lm_head, embed_tokens) unfrozen and trained in full, their loaded weights kept for the reference), `merged_lora`
 (W + scaling * B A in fp32, rounded once, for the weight sync and merged exports), `adapters_disabled` (the base
 alone: the KL reference) and `lora_tensors_for_peft` (the gathered adapter tensors under PEFT's key names). Dropout
 (lora_dropout) draws from torch's default generator, the same on every TP rank, as Megatron's hidden dropout (so the
@@ -48,6 +49,11 @@ from engine.policy.expert_lora import ExpertLoraAdapter, apply_expert_lora, expe
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
+SAVED_MODULE_PATHS = {"embed_tokens": "embedding.word_embeddings", "lm_head": "output_layer"}
+"""Each HF module of modules_to_save -> the Megatron module whose (vocab-parallel) weight is trained in full."""
+PEFT_SAVED_KEYS = {"embed_tokens": "base_model.model.model.embed_tokens.weight",
+                   "lm_head": "base_model.model.lm_head.weight"}
+"""PEFT 0.21's saved key of each module of modules_to_save (its `modules_to_save.default.` infix dropped)."""
 WEIGHT_SYNC_MODES = ("merged", "adapter")
 
 
@@ -198,19 +204,41 @@ def is_lora_param(name: str) -> bool:
     return ".lora.lora_A." in name or ".lora.lora_B." in name
 
 
+def is_lora_trained(name: str, chunk: torch.nn.Module) -> bool:
+    """Whether parameter / state entry `name` of `chunk` is trained by LoRA: an adapter, or the weight of a module of
+    modules_to_save (`apply_lora` records them on the chunk)."""
+    return is_lora_param(name) or name in getattr(chunk, "lora_saved_params", ())
+
+
+def saved_modules(chunks) -> list[tuple[str, torch.nn.Module]]:
+    """(HF name, Megatron module) of every module of modules_to_save held by the chunks (DDP-wrapped or not)."""
+    found = []
+    for chunk in chunks:
+        model = getattr(chunk, "module", chunk)
+        for name in getattr(model, "lora_saved_modules", ()):
+            found.append((name, _linear(model, SAVED_MODULE_PATHS[name])))
+    return found
+
+
 @torch.no_grad()
 def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: int = 0) -> int:
     """Freeze every base parameter and attach adapters to the target linears of every layer of the chunks.
 
     A is PEFT's Kaiming-uniform (bound 1 / sqrt(in_features)) drawn from the global name (the same global adapter at
-    every layout), B is zero. Returns the number of adapter parameters on this rank.
+    every layout), B is zero. The modules of `settings.modules_to_save` this rank holds are then trained in full
+    (`_train_saved_modules`). Returns the number of adapter parameters on this rank.
     """
     for chunk in chunks:
+        if getattr(chunk.config, "gated_linear_unit", True) is False:  # Nemotron-H (engine/policy/mamba_layers.py)
+            raise ValueError("lora.use_peft with nemotron_h: adapters on its hybrid layers (Mamba-2 in_proj / "
+                             "out_proj, attention-only and non-gated MLP-only layers) are not built; train without "
+                             "LoRA")
         refuse_expert_adapters(settings, getattr(chunk, "hf_model_type", "this model"),
                                getattr(chunk.config, "num_moe_experts", None) or 0,
                                getattr(chunk.config, "expert_tensor_parallel_size", None) or 1)
         for param in chunk.parameters():
             param.requires_grad_(False)
+        _train_saved_modules(chunk, settings.modules_to_save)
     count = 0
     for chunk in chunks:
         for layer in getattr(getattr(chunk, "decoder", None), "layers", []):
@@ -240,6 +268,29 @@ def _attach(linear: torch.nn.Module, adapter: torch.nn.Module) -> None:
     object.__setattr__(adapter, "base_linear", linear)  # not a submodule: the linear owns the adapter
     linear.sharded_state_dict = _sharded_state_dict_with_adapter(linear, adapter)
     linear.register_forward_hook(adapter.hook)
+
+
+def _train_saved_modules(chunk: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Unfreeze the weight of each module of modules_to_save (lm_head: the vocab-parallel output layer, embed_tokens:
+    the vocab-parallel word embedding) that this chunk holds, in its dtype as in full fine-tuning (Megatron's
+    optimizer keeps fp32 main copies of a bf16 one), and keep a frozen copy of the loaded weight for
+    `adapters_disabled` (PEFT's ModulesToSaveWrapper holds the original module next to the trained copy).
+
+    Raises ValueError naming the setting when the model ties its embedding to the LM head: PEFT's copy would untie
+    them, which this policy (one shared parameter) cannot hold."""
+    if names and getattr(chunk, "share_embeddings_and_output_weights", False):
+        raise ValueError(f"lora.lora_modules_to_save (peft_config.modules_to_save)={list(names)} on a model with tied "
+                         "embeddings (tie_word_embeddings=true): PEFT would train an untied copy of the module, which "
+                         "the policy's one shared embedding / LM head weight cannot hold; drop modules_to_save")
+    chunk.lora_saved_modules, chunk.lora_saved_params = (), ()
+    for name in names:
+        module = _linear(chunk, SAVED_MODULE_PATHS[name])
+        if module is None:  # another pipeline stage holds it
+            continue
+        module.weight.requires_grad_(True)
+        object.__setattr__(module, "lora_original_weight", module.weight.detach().clone())  # not a parameter
+        chunk.lora_saved_modules += (name,)
+        chunk.lora_saved_params += (f"{SAVED_MODULE_PATHS[name]}.weight",)
 
 
 def _sharded_state_dict_with_adapter(linear: torch.nn.Module, adapter: LoraAdapter):
@@ -310,23 +361,32 @@ def merged_lora(chunks):
 
 @contextlib.contextmanager
 def adapters_disabled(chunks):
-    """Within the block the chunks run as their frozen base (every adapter off): TRL's reference model with PEFT
-    (`disable_adapter()`), which saves a second copy of the weights (engine/policy/reference.py `base_of`)."""
+    """Within the block the chunks run as their frozen base (every adapter off, the modules of modules_to_save back to
+    their loaded weights): TRL's reference model with PEFT (`disable_adapter()`), which saves a second copy of the
+    weights (engine/policy/reference.py `base_of`)."""
     adapters = [adapter for _, adapter in lora_adapters(chunks)]
+    modules = [module for _, module in saved_modules(chunks)]
+    saved = [(module.weight, module.weight.data) for module in modules]
     try:
         for adapter in adapters:
             adapter.disabled = True
+        for module in modules:  # modules_to_save: the loaded weight, as PEFT's original_module
+            module.weight.data = module.lora_original_weight
         yield
     finally:
         for adapter in adapters:
             adapter.disabled = False
+        for weight, data in saved:
+            weight.data = data
 
 
 @torch.no_grad()
 def lora_tensors_for_peft(chunks, ps) -> dict[str, torch.Tensor]:
     """Every adapter tensor of this pipeline stage, TP shards gathered (collective over the TP group), under PEFT's
     saved key names (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`, ...); expert adapters gathered
-    over EP (collective over the EP group) in PEFT's ParamWrapper layout (engine/policy/expert_lora.py)."""
+    over EP (collective over the EP group) in PEFT's ParamWrapper layout (engine/policy/expert_lora.py); and the
+    weights of the modules of modules_to_save it holds (`PEFT_SAVED_KEYS`: the vocabulary's rows, Megatron's padding
+    cut off)."""
     from engine.policy.model import merge_tp_shards
 
     tensors, experts = {}, {}
@@ -339,6 +399,12 @@ def lora_tensors_for_peft(chunks, ps) -> dict[str, torch.Tensor]:
             for which, param in (("lora_A", adapter.lora_A[name]), ("lora_B", adapter.lora_B[name])):
                 full = merge_tp_shards(_gather_tp(param.data, ps), param)
                 tensors[f"{key}.{which}.weight"] = full.clone()  # at TP1 `full` is the live parameter
+    for chunk in chunks:
+        model = getattr(chunk, "module", chunk)
+        for name in getattr(model, "lora_saved_modules", ()):
+            param = _linear(model, SAVED_MODULE_PATHS[name]).weight
+            full = merge_tp_shards(_gather_tp(param.data, ps), param)
+            tensors[PEFT_SAVED_KEYS[name]] = full[:model.hf_vocab_size].clone()
     targets = tuple(n for n in EXPERT_TARGETS if any(a.hf_names == [n] for group in experts.values() for a in group))
     return tensors | expert_tensors_for_peft(experts, targets, ps)
 

@@ -1,13 +1,15 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
-spec pieces and YaRN: engine/models/gpt_oss.py) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3.py)
-HF config into Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
+spec pieces and YaRN: engine/models/gpt_oss.py) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3.py) /
+Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/mamba_layers.py) HF config into
+Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
 recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
 router, shared expert and dense first layers: engine/policy/moe_config.py; the families refused and what they lack:
 engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`), `build_policy`, the
 weights that are buffers (`WEIGHT_BUFFERS`: GLM's frozen expert bias), and the rule
-that takes a global tensor to this rank's TP shard (`take_tp_shard`), which checkpoint conversion reuses.
+that takes a global tensor to this rank's TP shard (`take_tp_shard`; Mamba-2's unequal row blocks: `partition_blocks`),
+which checkpoint conversion reuses.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or know vLLM's layout.
 
@@ -34,7 +36,8 @@ from engine.models.families import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check
 from engine.models.cohere2 import is_cohere2
 from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
-from engine.policy import cohere2_layers, gemma_layers
+from engine.models.nemotron_h import check_nemotron_h_layout, is_nemotron_h, nemotron_h_settings
+from engine.policy import cohere2_layers, gemma_layers, mamba_layers
 from engine.policy.moe_config import freeze_expert_bias, moe_settings
 from engine.policy.parallel import ParallelState
 from engine.policy.sdpa_attention import attention_specs
@@ -132,7 +135,8 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         num_query_groups=groups,
         kv_channels=head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=hf_config.layer_norm_eps if is_cohere2(hf_config) else hf_config.rms_norm_eps,
+        layernorm_epsilon=(hf_config.layer_norm_eps if is_cohere2(hf_config) else hf_config.layer_norm_epsilon
+                           if is_nemotron_h(hf_config) else hf_config.rms_norm_eps),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -163,6 +167,11 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
         setattr(config, name, value)  # GPTModel's YarnRotaryEmbedding reads them with getattr (not config fields)
     config = gemma_layers.finish_transformer_config(config, hf_config)  # Gemma's MLP, softmax scale and window
+    if is_nemotron_h(hf_config):  # Nemotron-H's non-gated squared-ReLU MLP (engine/models/nemotron_h.py)
+        from megatron.core.activations import squared_relu
+
+        check_nemotron_h_layout(hf_config, ps.tp_size, ps.pp_size)
+        config = dataclasses.replace(config, **nemotron_h_settings(hf_config), activation_func=squared_relu)
     return cohere2_layers.finish_cohere2_config(config, hf_config)  # Cohere 2's LayerNorm, RoPE pairs and window
 
 
@@ -189,6 +198,8 @@ def rope_settings(hf_config) -> dict:
         return yarn[0]
     if hf_config.model_type == "deepseek_v3":  # MLA builds its own RoPE / YaRN (engine/models/deepseek_v3.py)
         return {}
+    if is_nemotron_h(hf_config):  # Nemotron-H's attention has no position encoding
+        return {"position_embedding_type": "none"}
     if is_gemma(hf_config):  # one RoPE dict per layer type; the sliding layers' own: gemma_layers.GemmaSelfAttention
         return gemma_rope_settings(hf_config)
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -270,10 +281,11 @@ class LocalRMSNorm:
         return norm
 
 
-def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, dense_spec=None):
+def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, dense_spec=None, per_layer=None):
     """GPTModel's decoder spec: the layer spec for Transformer Engine; for the local spec a TransformerBlock spec whose
     final norm is `LocalRMSNorm` too (a bare layer spec gets Megatron's `WrappedTorchNorm` there). With dense first
-    layers (GLM-4.5's, `config.moe_layer_freq` 0) those layers get `dense_spec`, chosen by their global index."""
+    layers (GLM-4.5's, `config.moe_layer_freq` 0) those layers get `dense_spec`, chosen by their global index; a hybrid
+    stack (Nemotron-H) its `per_layer` specs."""
     from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
                                                              get_num_layers_to_build)
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -288,7 +300,8 @@ def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, d
         return layer_spec
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=ps.pp_rank)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=ps.pp_rank)
-    specs = [dense_spec if pattern and not pattern[offset + i] else layer_spec for i in range(num_layers)]
+    specs = [per_layer[offset + i] if per_layer else dense_spec if pattern and not pattern[offset + i] else layer_spec
+             for i in range(num_layers)]
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=specs, layer_norm=norm))
 
@@ -385,6 +398,12 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type)
     if mla and spec.submodules.input_layernorm is LocalRMSNorm:  # MLA's keywords to the local core attention
         spec, dense_spec = mla_attention_specs(spec, dense_spec)
+    per_layer = None
+    if is_nemotron_h(hf_config):  # one mixer per layer: Mamba-2, attention or MLP (engine/policy/mamba_layers.py)
+        if spec.submodules.input_layernorm is not LocalRMSNorm:
+            raise ValueError("nemotron_h is built on Megatron's local spec only (its Mamba-2 mixer is a project "
+                             "module): set model.transformer_impl: local")
+        per_layer = mamba_layers.nemotron_h_layer_specs(spec, _row_parallel_linear_class(), hf_config)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):
@@ -393,7 +412,8 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
         chunks.append(
             policy_class(
                 config=config,
-                transformer_layer_spec=_decoder_spec(spec, config, ps, vp_stage if ps.vpp_size else None, dense_spec),
+                transformer_layer_spec=_decoder_spec(spec, config, ps, vp_stage if ps.vpp_size else None, dense_spec,
+                                                     per_layer),
                 vocab_size=shape.padded_vocab_size,
                 max_sequence_length=hf_config.max_position_embeddings,
                 pre_process=is_first,
@@ -409,6 +429,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
             gemma_layers.scale_embeddings(chunks[-1], hf_config.hidden_size)
         cast_params_to_dtype(chunks[-1], config.params_dtype)
         chunks[-1].final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None)
+        chunks[-1].hf_vocab_size = shape.vocab_size  # the rows an HF export keeps (engine/policy/lora.py)
         chunks[-1].logit_scale = float(hf_config.logit_scale) if is_cohere2(hf_config) else 1.0
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
         chunks[-1].hf_model_type = hf_config.model_type  # the HF layout adapters export to (engine/policy/lora.py)
@@ -445,7 +466,8 @@ def take_tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, t
     if not getattr(param, "tensor_model_parallel", False) or tp_size == 1:
         return full
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    blocks = full.chunk(stride, dim=dim)
+    blocks = full.split(param.partition_blocks, dim=dim) if hasattr(param, "partition_blocks") else full.chunk(
+        stride, dim=dim)  # Mamba-2's in_proj / conv: unequal blocks (engine/policy/mamba_layers.py)
     return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in blocks], dim=dim)
 
 
@@ -512,5 +534,7 @@ def merge_tp_shards(shards: list[torch.Tensor], param: torch.nn.Parameter) -> to
     if not getattr(param, "tensor_model_parallel", False) or len(shards) == 1:
         return shards[0]
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    per_rank_blocks = [shard.chunk(stride, dim=dim) for shard in shards]  # [tp][stride]
-    return torch.cat([torch.cat([blocks[s] for blocks in per_rank_blocks], dim=dim) for s in range(stride)], dim=dim)
+    sizes = [size // len(shards) for size in getattr(param, "partition_blocks", ())]
+    per_rank_blocks = [shard.split(sizes, dim=dim) if sizes else shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([torch.cat([blocks[s] for blocks in per_rank_blocks], dim=dim)
+                      for s in range(len(per_rank_blocks[0]))], dim=dim)

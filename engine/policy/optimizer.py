@@ -19,6 +19,7 @@ Test: tests/distributed/test_grpo_step_layouts.py.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,13 @@ import torch
 
 from engine.config import OptimizerConfig
 from engine.policy.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
+
+FP16_INITIAL_LOSS_SCALE, FP16_GROWTH_INTERVAL = 2.0**16, 2000
+"""fp16's dynamic loss scale: PyTorch GradScaler's defaults (what TRL's `fp16=True` gets under HF's Trainer: start at
+65536, halve on every overflow, double after 2000 clean steps). Megatron's own start, 2**32 with hysteresis 2, would
+skip the first ~30 steps of a run."""
 
 
 @dataclass
@@ -36,6 +44,8 @@ class PolicyOptimizer:
     """megatron.core.optimizer.MegatronOptimizer."""
     scheduler: object
     """megatron.core.optimizer_param_scheduler.OptimizerParamScheduler."""
+    loss_scaled: bool = False
+    """fp16 training: the losses are scaled by Megatron's dynamic loss scaler (`step` says what an overflow does)."""
 
     def zero_grad(self) -> None:
         for chunk in self.model:
@@ -43,9 +53,18 @@ class PolicyOptimizer:
         self.optimizer.zero_grad()
 
     def step(self) -> dict[str, float]:
-        """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `learning_rate` (used)."""
+        """Clip, step, advance the schedule. Returns `grad_norm` (before clipping) and `learning_rate` (used).
+
+        fp16 (dynamic loss scaling): gradients that overflow at the current loss scale skip the update, lower the scale
+        and leave the schedule where it was (Megatron-LM's and PyTorch GradScaler's rule); grad_norm is then NaN and a
+        warning says so. Elsewhere non-finite gradients are a FloatingPointError."""
         learning_rate = self.optimizer.param_groups[0]["lr"]
+        scale = float(self.optimizer.get_loss_scale()) if self.loss_scaled else 1.0
         is_ok, grad_norm, _ = self.optimizer.step()
+        if not is_ok and self.loss_scaled:
+            logger.warning("fp16: gradients overflowed at loss scale %g: the step is skipped, the scale is now %g",
+                           scale, float(self.optimizer.get_loss_scale()))
+            return {"grad_norm": math.nan, "learning_rate": learning_rate}
         if not is_ok:
             raise FloatingPointError("optimizer step skipped: gradients are not finite")
         self.scheduler.step(increment=1)
@@ -100,12 +119,19 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
             params_dtype=config.params_dtype if is_mixed else torch.float32,
             bf16=config.bf16 and is_mixed,
             fp16=config.fp16 and is_mixed,
+            initial_loss_scale=FP16_INITIAL_LOSS_SCALE,
+            loss_scale_window=FP16_GROWTH_INTERVAL,
+            hysteresis=1,
         ),
         model,
         use_gloo_process_groups=False,
         pg_collection=ps.groups,
     )
     _count_expert_norms_by_expert_tp(optimizer, ps)
+    loss_scaled = bool(config.fp16 and is_mixed)
+    if loss_scaled:  # the schedule multiplies each backward by the loss scale the optimizer divides out
+        config.grad_scale_func = optimizer.scale_loss
+    _checkpoint_fp32_params_of_mixed_optimizers(optimizer)
     warmup = _warmup_steps(cfg, total_steps)
     style = {"constant": "constant", "linear": "linear", "cosine": "cosine"}[cfg.lr_scheduler_type]
     scheduler = OptimizerParamScheduler(
@@ -121,7 +147,7 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
     )
-    return PolicyOptimizer(model=model, optimizer=optimizer, scheduler=scheduler)
+    return PolicyOptimizer(model=model, optimizer=optimizer, scheduler=scheduler, loss_scaled=loss_scaled)
 
 
 def _trains_low_precision_params(chunks: list[torch.nn.Module]) -> bool:
@@ -147,3 +173,45 @@ def _count_expert_norms_by_expert_tp(optimizer, ps: ParallelState) -> None:
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         if any(group.get("is_expert_parallel") for group in sub.param_groups):
             sub.tp_group = ps.groups.expt_tp
+
+
+def _checkpoint_fp32_params_of_mixed_optimizers(optimizer) -> None:
+    """Let megatron-core 0.16.1's bf16 non-distributed optimizer checkpoint float32 parameters trained next to bf16
+    ones (LoRA's fp32 adapters next to the bf16 LM head / embedding of modules_to_save).
+
+    NOTE: its `Float16OptimizerWithFloat16Params.sharded_state_dict` numbers the optimizer's parameters as if every
+    one were a float16 parameter (ids over `float16_groups` only), while torch numbers them in the param groups'
+    order, float32 parameters included: with both kinds it raised "Optimizer shape ... does not match model shape".
+    This version (the same entries) maps ids through the groups' own order; the fp32 main copies of the float16
+    parameters keep the list `load_state_dict` reads (float16 parameters only, in their groups' order)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        mixed = isinstance(sub, Float16OptimizerWithFloat16Params) and any(sub.fp32_from_fp32_groups)
+        if mixed:
+            sub.sharded_state_dict = functools.partial(_mixed_sharded_state_dict, sub)
+
+
+def _mixed_sharded_state_dict(sub, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            make_sharded_optimizer_tensor,
+                                                            optim_state_to_sharding_state)
+
+    if is_loading:
+        sub.init_state_fn(sub.optimizer, sub.config)
+    state_dict = sub.state_dict()
+    model_of = {id(main): model for mains, models in zip(sub.fp32_from_float16_groups, sub.float16_groups)
+                for main, model in zip(mains, models)}  # fp32 main copy -> its bf16 model parameter
+    groups = sub.optimizer.param_groups
+    ordered = [model_of.get(id(p), p) for group in groups for p in group["params"]]
+    id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, ordered)
+    state_dict["fp32_from_fp16_params"] = [
+        [make_sharded_optimizer_tensor(id_map[param_id], main, prefix="optimizer.state.fp32_param")
+         for param_id, main in zip([i for i, p in zip(saved["params"], group["params"]) if id(p) in model_of], mains)]
+        for mains, saved, group in zip(state_dict["fp32_from_fp16_params"], state_dict["optimizer"]["param_groups"],
+                                       groups)]
+    step = sub._extract_common_per_param_step(state_dict["optimizer"])
+    optim_state_to_sharding_state(state_dict["optimizer"], id_map, exclude_keys="step")
+    if step:
+        state_dict["optimizer"]["state"]["common_step"] = step
+    return state_dict

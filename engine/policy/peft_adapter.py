@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.lora_settings import LoraSettings
-from engine.policy.lora import HF_PARENT, PEFT_PREFIX, initial_lora_a, lora_tensors_for_peft
+from engine.policy.lora import HF_PARENT, PEFT_PREFIX, PEFT_SAVED_KEYS, initial_lora_a, lora_tensors_for_peft
 
 ADAPTER_FILE = "adapter_model.safetensors"
 
@@ -34,8 +34,8 @@ def peft_config_of(settings: LoraSettings, base_model_name_or_path: str | None =
     experts = [f"mlp.experts.{name}" for name in settings.target_parameters] or None  # PEFT's ParamWrapper
     return LoraConfig(r=settings.r, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
                       target_modules=list(settings.target_modules), use_rslora=settings.use_rslora, bias="none",
-                      task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path,
-                      target_parameters=experts)
+                      modules_to_save=list(settings.modules_to_save) or None, target_parameters=experts,
+                      task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path)
 
 
 def save_peft_adapter(chunks, ps, out_dir: str | Path, settings: LoraSettings,
@@ -86,9 +86,11 @@ def write_peft_adapter(tensors: dict, out_dir: str | Path, settings: LoraSetting
     return out_dir
 
 
-def initial_peft_tensors(settings: LoraSettings, hf_config, seed: int) -> dict[str, torch.Tensor]:
+def initial_peft_tensors(settings: LoraSettings, hf_config, seed: int,
+                         model_dir: str | Path | None = None) -> dict[str, torch.Tensor]:
     """The adapters `apply_lora(..., seed=seed)` starts from, under PEFT's key names, without building the policy:
-    A from engine/policy/lora.py `initial_lora_a`, B zero (float32). What save_model() writes before train()."""
+    A from engine/policy/lora.py `initial_lora_a`, B zero (float32), and the modules of modules_to_save as
+    `model_dir`'s checkpoint holds them (needed then). What save_model() writes before train()."""
     heads, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     hidden, ffn = hf_config.hidden_size, hf_config.intermediate_size
@@ -108,6 +110,13 @@ def initial_peft_tensors(settings: LoraSettings, hf_config, seed: int) -> dict[s
 
         moe_layers = list(range(dense_layers(hf_config), hf_config.num_hidden_layers))
         tensors |= initial_expert_tensors(settings, hf_config, moe_layers, seed, initial_lora_a)
+    if settings.modules_to_save:
+        from engine.policy.hf_checkpoint import SafetensorsSource
+
+        source = SafetensorsSource(model_dir)
+        hf_names = {"embed_tokens": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
+        for name in settings.modules_to_save:
+            tensors[PEFT_SAVED_KEYS[name]] = source.read(hf_names[name], (slice(None),)).clone()
     return tensors
 
 
@@ -123,5 +132,5 @@ def write_initial_adapter(cfg, target: str | Path) -> Path:
     model_dir = resolve_builtin_model(name, Path(cfg.train.output_dir) / "models") if name.startswith("builtin:") \
         else Path(name)
     settings = lora_settings_from_config(cfg.lora)
-    tensors = initial_peft_tensors(settings, AutoConfig.from_pretrained(model_dir), cfg.train.seed)
+    tensors = initial_peft_tensors(settings, AutoConfig.from_pretrained(model_dir), cfg.train.seed, model_dir)
     return write_peft_adapter(tensors, target, settings, base_model_name_or_path=str(model_dir), replace_dir=False)

@@ -3,20 +3,25 @@
 Owns: `ColocatedRollout`: a round is shared out among the engines (each vLLM TP group generates a contiguous share
 of the prompts, woken for it and put to sleep after) and gathered, so every rank holds the whole round; the weight
 sync is engine/rollout/colocated_sync.py's, verified against the plan of what each engine rank holds; one sample's
-next turn goes into this rank's engine (`ColocatedEngine.add_turn`), which runs it with the other turns in flight.
+next turn goes into this rank's engine (`ColocatedEngine.add_turn`), which runs it with the other turns in flight;
+a multi-turn round at vLLM TP > 1 is driven by rank 0 while the other ranks of its vLLM TP group mirror every engine
+call (`driven_turns` / `follow_turns`: engine/rollout/colocated_turns.py).
 With LoRA the sync sends the adapters merged into the base (`lora.lora_weight_sync=merged`) or only the adapters into
 vLLM's LoRA slot (`adapter`: engine/rollout/adapter_sync.py; every request then names the adapter).
 
 Must not: import vLLM (engine/rollout/vllm_engine.py), or read Megatron's global parallel state (it gets `ps`).
 
 Test: tests/integration/test_trainer.py (the loop, colocated), tests/integration/test_weight_sync.py (turns),
+tests/integration/test_agentic.py (a multi-turn run at vLLM TP 2),
 tests/integration/test_lora_adapter_sync.py (adapter sync);
 tests/unit/test_rollout_protocol.py (the protocol's methods).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +34,7 @@ from engine.policy.lora import merged_lora
 from engine.policy.parallel import ParallelState
 from engine.rollout.adapter_sync import sync_adapter
 from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
+from engine.rollout.colocated_turns import MirroredTurns, follow_turns
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
 
@@ -53,6 +59,11 @@ class ColocatedRollout:
         self.engine_tp, self.bucket_mb = engine_tp, bucket_mb
         self.plan = build_colocated_plan(dims, engine_tp, ffn_hidden_size=ffn_hidden_size, dtype=dtype)
         """What each engine rank holds of every HF tensor (the digests' reference)."""
+        self.mirrors_turns = engine_tp > 1 and ps.world_size > 1
+        """Multi-turn rounds are driven by rank 0 and mirrored by the other ranks of its vLLM TP group."""
+        self._turn_group = None  # rank 0's vLLM TP group (None: it is the whole world)
+        if self.mirrors_turns and ps.world_size > engine_tp:
+            self._turn_group = dist.new_group(list(range(engine_tp)))  # collective: every rank makes it
 
     @classmethod
     def build(cls, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, ps: ParallelState,
@@ -118,6 +129,29 @@ class ColocatedRollout:
         """Steps the engine (every turn in flight advances together) until one finishes or, after a whole step,
         `timeout_s` has passed (a short one, when the caller has tool calls running: one step)."""
         return self.engine.step_turns(timeout_s)
+
+    @contextlib.contextmanager
+    def driven_turns(self) -> Iterator:
+        """Rank 0: the channel a multi-turn round's turns go through. At vLLM TP > 1 a `MirroredTurns`: each engine
+        step is broadcast first to the other ranks of rank 0's vLLM TP group (they are in `follow_turns`), and they
+        are released when the block ends (after a check that their engines finished the same turns, unless the block
+        raised); else this engine itself."""
+        if not self.mirrors_turns:
+            yield self
+            return
+        channel = MirroredTurns(self.engine, self._turn_group, src=self.ps.rank)
+        completed = False
+        try:
+            yield channel
+            completed = True
+        finally:
+            channel.end(completed)
+
+    def follow_turns(self) -> None:
+        """Every rank but 0, while rank 0 drives a multi-turn round in `driven_turns`: the other ranks of its vLLM TP
+        group run the same engine steps (engine/rollout/colocated_turns.py `follow_turns`); any other rank returns."""
+        if self.mirrors_turns and 0 < self.ps.rank < self.engine_tp:
+            follow_turns(self.engine, self._turn_group, src=0)
 
     def turn_channel(self) -> ColocatedRollout:
         """Itself: the in-process engine steps one driver's turns (rounds are never generated ahead colocated)."""

@@ -46,9 +46,10 @@ def _unpack(meta: list, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
 
 
 def _layer_of(name: str) -> str:
-    """The unit a bucket must not split: `model.layers.<i>` for layer tensors, the tensor name otherwise."""
+    """The unit a bucket must not split: `model.layers.<i>` (Nemotron-H: `backbone.layers.<i>`) for layer tensors,
+    the tensor name otherwise."""
     parts = name.split(".")
-    return ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else name
+    return ".".join(parts[:3]) if parts[0] in ("model", "backbone") and parts[1:2] == ["layers"] else name
 
 
 def _stage_buckets(chunks, ps: ParallelState, dims: ModelDims, bucket_bytes: int) -> Iterator[list]:

@@ -11,7 +11,8 @@ which mode it runs in.
 
 Collective calls (every trainer rank, same order): `generate`, `PendingRollout.result`, `prompt_logprobs`,
 `prompt_logprobs_each`, `sync_weights`. Turn calls (`submit_turn`, `collect_turns`) are not collective: they serve
-one caller (multi-turn rollouts, issue #28), which shares their results itself.
+one caller (multi-turn rollouts, issue #28), which shares their results itself; rank 0 drives them inside
+`driven_turns()` while the other ranks are in `follow_turns()` (a colocated engine at vLLM TP > 1 mirrors them).
 
 Must not: import vLLM or know Megatron's layout (this is an interface only).
 
@@ -22,6 +23,7 @@ test_weight_sync.py (colocated turns), tests/integration/test_rollout_server.py 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -106,6 +108,16 @@ class RolloutEngine(Protocol):
         """An object with `submit_turn` / `collect_turns` / `wake_up` / `sleep` whose `collect_turns` returns only the
         turns submitted through it (a second driver of turns at the same time: a round generated ahead); an engine
         that serves one driver at a time returns itself. Not collective."""
+
+    def driven_turns(self) -> AbstractContextManager:
+        """Rank 0, around a multi-turn round it drives: a context manager giving the object its turns go through
+        (`submit_turn` / `collect_turns` / `wake_up` / `sleep`; the engine itself where nothing else must run them).
+        Colocated at vLLM TP > 1, the other ranks of rank 0's vLLM TP group run the same engine steps meanwhile
+        (`follow_turns`), released when the block ends."""
+
+    def follow_turns(self) -> None:
+        """Every rank but 0, while rank 0 is in `driven_turns`: mirror its engine steps where this rank's engine is
+        part of rank 0's (colocated, vLLM TP > 1); else return at once."""
 
     def recover(self, lost: Exception) -> None:
         """After `lost` (a RolloutServerLost raised on every rank, e.g. by a multi-turn round's turns): wait for the

@@ -2,9 +2,10 @@
 
 Owns: `Rollout` (prompt-major rows: prompt ids, completion ids, the engine's sampled-token log-probs, truncation,
 for multi-turn rows the tool mask (0 on tool tokens: in the context, no gradient), and for MoE policies the experts the engine routed every token to), its row operations (`concat`, `select`), its
-JSON form (`to_json` / `from_json`: HTTP answers of the rollout server, async-rollout rounds in checkpoints), and the
+JSON form (`to_json` / `from_json`: HTTP answers of the rollout server, async-rollout rounds in checkpoints), the
 routes' compact encoding (`encode_routes` / `decode_routes`: base64 of the narrowest integer type, because a round's
-routes are tokens x layers x top-k ids: as JSON lists they would dwarf everything else).
+routes are tokens x layers x top-k ids: as JSON lists they would dwarf everything else), and whether an engine
+returns routes and one completion's routes from vLLM's output (`wants_routed_experts`, `routes_of`).
 
 Routes of one row: an integer array [n, L, k]: for each of the first n tokens of prompt + completion (n = prompt +
 completion - 1: the last sampled token is never fed to the model), for each of the L decoder layers (global index;
@@ -20,9 +21,17 @@ Test: tests/unit/test_rollouts.py.
 from __future__ import annotations
 
 import base64
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from engine.models.families import has_routed_experts
+
+if TYPE_CHECKING:
+    from engine.config import RolloutConfig
 
 ROW_FIELDS = ("prompt_ids", "completion_ids", "sampling_logprobs", "is_truncated")
 """The per-row fields every rollout has (`routed_experts` is optional)."""
@@ -122,3 +131,30 @@ def decode_routes(encoded: dict) -> list[np.ndarray]:
         flat = np.frombuffer(base64.b64decode(row), dtype=dtype).astype(np.int64)
         out.append(flat.reshape(-1, layers, top_k) if layers else flat.reshape(0, 0, 0))
     return out
+
+
+def wants_routed_experts(rollout: RolloutConfig, model_dir: str | Path) -> bool:
+    """Whether the engine returns routed experts: `rollout.vllm_return_routed_experts`, None = for MoE models (the
+    model directory's config.json names routed experts)."""
+    if rollout.vllm_return_routed_experts is not None:
+        return rollout.vllm_return_routed_experts
+    config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        return False
+    return has_routed_experts(json.loads(config.read_text()))  # Nemotron-H: by its layer kinds
+
+
+def routes_of(fed: list[int], completion, captured: dict | None, row: int):
+    """The routed experts [len(fed), L, k] of one completion (`fed`: prompt + completion without its last token,
+    the tokens the engine ran), from vLLM's output or this project's recorder (keyed by the fed tokens)."""
+    if captured is None:
+        routes = getattr(completion, "routed_experts", None)
+    else:
+        routes = captured.get(tuple(fed))
+    if routes is None:
+        raise RuntimeError(f"the engine returned no routed experts for completion row {row} ({len(fed)} tokens run)")
+    routes = np.asarray(routes)
+    if routes.shape[0] < len(fed):
+        raise RuntimeError(f"the engine's routed experts of completion row {row} cover {routes.shape[0]} of the "
+                           f"{len(fed)} tokens it ran")
+    return routes[: len(fed)]

@@ -37,7 +37,9 @@ from engine.config import EngineConfig, GenerationConfig, build_config, config_t
 from engine.log_filters import quiet_library_logs
 from engine.models.model_dir import resolve_model_dir
 from engine.rollout.client import TOKEN_ENV, RolloutServerError, read_token
+from engine.rollout.server_nodes import VLLM_MASTER_PORT, NodePlace, run_worker_node
 from engine.rollout.vllm_lora import AdapterNotHeld, lora_engine_options, name_policy_adapter, receive_policy_adapter
+from engine.validation import nodes_per_server_problems
 
 MAX_BODY_MB = 256
 """Default `--max-body-mb`: a round of 1,024 prompts x 8 completions of 4,096 token ids is ~60 MiB of JSON."""
@@ -56,8 +58,10 @@ class RolloutServer(ThreadingHTTPServer):
     weight sync.
 
     Several inference nodes: one independent server per node (vLLM TP within the node), `--num-nodes M --node-rank R`
-    naming it replica R of M (reported by /health); the trainer lists them all in `rollout.vllm_server_base_urls`,
-    splits each round's prompts among them and syncs the weights into each (launch/grpo_72b.slurm starts them).
+    naming it replica R of M (reported by /health), or with `rollout.vllm_nodes_per_server` K one server per K nodes
+    (vLLM TP over them, engine/rollout/server_nodes.py; replica R // K); the trainer lists them all in
+    `rollout.vllm_server_base_urls`, splits each round's prompts among them and syncs the weights into each
+    (launch/grpo_72b.slurm starts them).
     Every process has a random `instance_id` (in /health and /generate answers): a trainer that finds a new one knows
     the server restarted with the checkpoint's weights, and syncs again.
     """
@@ -86,7 +90,9 @@ class RolloutServer(ThreadingHTTPServer):
         self.num_weight_updates = 0
         """Weight syncs received and loaded since this process started."""
         self.replica = (0, 1)
-        """(--node-rank, --num-nodes): which of the run's rollout servers this is (reported by /health)."""
+        """(replica, replicas): which of the run's rollout servers this is (reported by /health)."""
+        self.nodes = 1
+        """Inference nodes its engine spans (`rollout.vllm_nodes_per_server`; /health's `vllm_nodes`)."""
         self.log_requests = True
         """One stderr line per request (`--log_level` info and below)."""
 
@@ -197,7 +203,7 @@ class _Handler(BaseHTTPRequestHandler):
     compared in constant time; a request without it gets 401 and touches nothing):
     | endpoint | body -> answer |
     |---|---|
-    | GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, max_lora_rank (None: no LoRA support), num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret), logprobs_mode (the vLLM log-prob mode its generation settings chose; a trainer whose sampling needs another is refused at connection); authorized (whether the request's bearer token is this server's; only when it has one) |
+    | GET /health | -> status ("loading" / "ok"), vllm_tensor_parallel_size, vllm_nodes (nodes it spans), max_lora_rank (None: no LoRA support), num_engine_calls, instance_id, num_weight_updates, replica, num_replicas, model (name, model_type and the shape facts a weight sync depends on; nothing secret), logprobs_mode (the vLLM log-prob mode its generation settings chose; a trainer whose sampling needs another is refused at connection); authorized (whether the request's bearer token is this server's; only when it has one) |
     | POST /generate | prompt_ids, num_generations, seeds (one per prompt or null), generation (the trainer's sampling section or null), structured_outputs_regex (the trainer's `rollout.vllm_structured_outputs_regex`; absent = the server's own), lora_version (the LoRA adapter to sample with; absent = the base) -> completion_ids, sampling_logprobs, is_truncated (prompt-major), instance_id, num_weight_updates |
     | POST /prompt_logprobs | sequences, temperature, lora_version (as /generate) -> logprobs (of every token after the first) |
     | POST /weights/init | host, port, world_size, first_engine_rank, timeout_s, plan (SyncPlan.spec()), bucket_mb -> ranks; the workers join the trainer's transfer group (the call returns once the trainer's senders have joined) |
@@ -245,7 +251,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         ready = self.server.engine is not None
         answer = {"status": "ok" if ready else "loading",
-                  "vllm_tensor_parallel_size": self.server.tensor_parallel_size,
+                  "vllm_tensor_parallel_size": self.server.tensor_parallel_size, "vllm_nodes": self.server.nodes,
                   "num_engine_calls": self.server.num_engine_calls, "instance_id": self.server.instance_id,
                   "num_weight_updates": self.server.num_weight_updates,
                   "replica": self.server.replica[0], "num_replicas": self.server.replica[1], "model": self.server.model,
@@ -389,8 +395,8 @@ TRL_FLAGS = [
     TrlServeFlag("log_level", str, "info", "info, debug or trace: one log line per request; warning, error or "
                  "critical: none"),
     TrlServeFlag("vllm_model_impl", str, "vllm", "vllm or transformers (rollout.vllm_model_impl)"),
-    TrlServeFlag("distributed_executor_backend", str, None, "mp only (vLLM's workers on this node); ray (TP across "
-                 "nodes) is refused: one server per inference node"),
+    TrlServeFlag("distributed_executor_backend", str, None, "mp only; ray is refused (TP across nodes: "
+                 "rollout.vllm_nodes_per_server, or one server per inference node)"),
     TrlServeFlag("speculative_config", str, None, "refused: speculative decoding is not supported here"),
 ]
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16",
@@ -414,6 +420,10 @@ class ServeSettings:
     log_requests: bool = True
     max_body_mb: float = MAX_BODY_MB
     read_timeout_s: float = READ_TIMEOUT_S
+    place: NodePlace = NodePlace(0, 1)
+    """Which replica (and node of it, `rollout.vllm_nodes_per_server` > 1) this process is (server_nodes.py)."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = VLLM_MASTER_PORT
 
 
 def build_parser(prog: str = "python -m engine.rollout.server") -> argparse.ArgumentParser:
@@ -429,6 +439,10 @@ def build_parser(prog: str = "python -m engine.rollout.server") -> argparse.Argu
                             help=f"{flag.help}; without a config: {flag.default}", **extra)
     parser.add_argument("--num-nodes", "--num_nodes", type=int, default=1, help="inference nodes of the job")
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank among them")
+    parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="rollout.vllm_nodes_per_server "
+                        "> 1: the address of node 0 of this node's rollout server (vLLM's --master-addr)")
+    parser.add_argument("--master-port", "--master_port", type=int, default=VLLM_MASTER_PORT,
+                        help="rollout.vllm_nodes_per_server > 1: node 0's torch.distributed port (vLLM's --master-port)")
     parser.add_argument("--max-body-mb", "--max_body_mb", type=float, default=MAX_BODY_MB,
                         help="largest POST body accepted (larger: 413, unread)")
     parser.add_argument("--read-timeout-s", "--read_timeout_s", type=float, default=READ_TIMEOUT_S,
@@ -486,14 +500,15 @@ def parse_serve_args(argv: list[str], prog: str = "python -m engine.rollout.serv
                "kv_cache_dtype": None if given["kv_cache_dtype"] in (None, "auto") else given["kv_cache_dtype"]}
     if given["log_level"] is not None and given["log_level"] not in _LOG_LEVELS:
         raise ValueError(f"--log_level={given['log_level']!r}: expected one of {', '.join(_LOG_LEVELS)}")
-    if not 0 <= args.node_rank < args.num_nodes:
-        raise ValueError(f"--node-rank={args.node_rank} must be in [0, --num-nodes={args.num_nodes})")
+    for problem in nodes_per_server_problems(cfg.rollout):
+        raise ValueError(problem)
+    place = NodePlace.of(args.num_nodes, args.node_rank, cfg.rollout.vllm_nodes_per_server)
     if args.max_body_mb <= 0 or args.read_timeout_s <= 0:
         raise ValueError(f"--max-body-mb={args.max_body_mb:g} and --read-timeout-s={args.read_timeout_s:g} must be > 0")
     return ServeSettings(cfg, cfg.rollout.vllm_server_host, cfg.rollout.vllm_server_port, args.num_nodes,
                          args.node_rank, given["dtype"], {k: v for k, v in options.items() if v is not None},
                          given["log_level"] not in ("critical", "error", "warning"), args.max_body_mb,
-                         args.read_timeout_s)
+                         args.read_timeout_s, place, args.master_addr, args.master_port)
 
 
 def _explicit_switches(argv: list[str]) -> list[str]:
@@ -518,8 +533,9 @@ def _refuse_unsupported_flags(given: dict) -> None:
                          "the trainer all of them: rollout.vllm_server_base_urls=[http://HOST1:PORT,http://HOST2:PORT]")
     if given["distributed_executor_backend"] not in (None, "mp"):
         raise ValueError(f"--distributed_executor_backend={given['distributed_executor_backend']} is not supported: "
-                         "one server's vLLM runs on one node (mp, the default); for more inference nodes start one "
-                         "server per node and list them in rollout.vllm_server_base_urls")
+                         "vLLM runs its mp executor (the default): across nodes with rollout.vllm_nodes_per_server=K "
+                         "(K nodes per server), or start one server per node and list them in "
+                         "rollout.vllm_server_base_urls")
     if given["speculative_config"] is not None:
         raise ValueError("--speculative_config is not supported: the trainer's importance-sampling correction uses "
                          "the sampler's own log-probs, which speculative decoding does not return here")
@@ -546,18 +562,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.rollout.se
     except (ValueError, RolloutServerError) as exc:
         print(f"rollout_server: refusing to start: {exc}", file=sys.stderr)
         return 2
-    cfg, rollout = settings.cfg, settings.cfg.rollout
+    cfg, rollout, place = settings.cfg, settings.cfg.rollout, settings.place
     quiet_library_logs(cfg.logging.verbose)  # before vLLM is imported (engine/log_filters.py)
+    if place.node:  # a multi-node server's other nodes: vLLM workers only, no HTTP
+        model_dir = resolve_model_dir(cfg.model.name_or_path, cfg.train.output_dir, download=True,
+                                      trust_remote_code=cfg.model.trust_remote_code)
+        return run_worker_node(settings, place, model_dir, resolve_dtype(settings.dtype, model_dir, cfg.model.dtype))
     server = RolloutServer((settings.host, settings.port), token, max_body_mb=settings.max_body_mb,
                            read_timeout_s=settings.read_timeout_s)
     server.tensor_parallel_size = rollout.vllm_tensor_parallel_size
-    server.replica = (settings.node_rank, settings.num_nodes)
+    server.replica = (place.replica, place.num_replicas)
+    server.nodes = place.nodes
     server.log_requests = settings.log_requests
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     thread = threading.Thread(target=server.serve_forever, name="rollout-http", daemon=True)
     thread.start()
     where = " (every interface)" if settings.host in ("0.0.0.0", "::", "") else " (this interface only)"
-    print(f"rollout_server: replica {settings.node_rank} of {settings.num_nodes} listening on "
+    print(f"rollout_server: {place.describe()} listening on "
           f"http://{settings.host}:{server.server_address[1]}{where} (token from ${TOKEN_ENV}); loading "
           f"{cfg.model.name_or_path} at vLLM TP {rollout.vllm_tensor_parallel_size}", file=sys.stderr, flush=True)
     engine = None
@@ -570,7 +591,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m engine.rollout.se
         dtype = resolve_dtype(settings.dtype, model_dir, cfg.model.dtype)
         lora = cfg.lora.use_peft and cfg.lora.lora_weight_sync == "adapter"  # adapter-only sync: vLLM's LoRA on
         engine = ServerEngine(model_dir, rollout, cfg.generation, seed=cfg.train.seed, dtype=dtype,
-                              **settings.engine_options, **(lora_engine_options(cfg.lora.lora_r) if lora else {}))
+                              **settings.engine_options, **(lora_engine_options(cfg.lora.lora_r) if lora else {}),
+                              **place.engine_options(settings.master_addr, settings.master_port))
         server.engine = engine
         print(f"rollout_server: engine ready ({dtype})", file=sys.stderr, flush=True)
         thread.join()

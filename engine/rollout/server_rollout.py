@@ -18,6 +18,7 @@ turns), tests/integration/test_async_rollout.py (`generate_async`), tests/integr
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
@@ -154,6 +155,13 @@ class ServerRollout:
             raise RolloutServerLost(f"rollout server {client.base_url} restarted since the last weight sync (process "
                                     f"{synced} -> {client.last_instance}): a turn would sample from its checkpoint")
         return rollout
+
+    def driven_turns(self) -> contextlib.AbstractContextManager:
+        """Itself (rank 0 holds the HTTP clients: nothing runs on the other ranks)."""
+        return contextlib.nullcontext(self)
+
+    def follow_turns(self) -> None:
+        """Nothing: the servers run the turns."""
 
     def recover(self, lost: Exception) -> None:
         """A lost server (collective): wait for every server, push the weights last pushed again."""

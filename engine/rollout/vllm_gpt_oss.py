@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 
-HF_NAMES = {"GptOssForCausalLM": ((".attn.", ".self_attn."), ("model.embedding.", "model.embed_tokens."))}
+from engine.rollout.vllm_nemotron_h import NEMOTRON_H_HF_NAMES
+
+HF_NAMES = {"GptOssForCausalLM": ((".attn.", ".self_attn."), ("model.embedding.", "model.embed_tokens.")),
+            **NEMOTRON_H_HF_NAMES}
 """vLLM's module names -> the checkpoint's, per model class whose `hf_to_vllm_mapper` renames modules (substring
 replacements, the inverse of its mapper's): the digests are keyed by HF names."""
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine.policy.lora import is_lora_param
+from engine.policy.lora import is_lora_param, is_lora_trained
 from engine.policy.parallel import ParallelState
 from engine.train.checkpoint_writers import WriterWatch
 
@@ -277,10 +277,10 @@ def _has_adapters(chunk) -> bool:
 
 
 def _model_state(chunk) -> dict:
-    """A chunk's sharded state; with LoRA adapters only theirs (the frozen base is the Hugging Face checkpoint the
-    run loads before resuming: engine/train/run.py `build_run`)."""
+    """A chunk's sharded state; with LoRA only the adapters' and modules_to_save's (the frozen base is the Hugging Face
+    checkpoint the run loads before resuming: engine/train/run.py `build_run`)."""
     state = chunk.sharded_state_dict()
-    return {k: v for k, v in state.items() if is_lora_param(k)} if _has_adapters(chunk) else state
+    return {k: v for k, v in state.items() if is_lora_trained(k, chunk)} if _has_adapters(chunk) else state
 
 
 def _capture_rng() -> dict:
@@ -471,7 +471,7 @@ def load_checkpoint(path: str | Path, policy_optimizer, ps: ParallelState, *, mo
             adapters_only = _has_adapters(chunk)  # LoRA: the base stays as loaded from the HF checkpoint
             result = chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"],
                                            strict=not adapters_only)
-            missing = [k for k in result.missing_keys if is_lora_param(k)] if adapters_only else []
+            missing = [k for k in result.missing_keys if is_lora_trained(k, chunk)] if adapters_only else []
             if missing or (adapters_only and result.unexpected_keys):
                 raise CheckpointError(f"{path}: adapters missing {missing[:3]}, unexpected "
                                       f"{result.unexpected_keys[:3]} (lora.* settings differ from the saved run's?)")

@@ -225,13 +225,12 @@ def close_on_error(opened: list):
 
 
 def build_agentic(cfg: EngineConfig, agentic: dict | None, tokenizer, model_name: str):
-    """The run's `AgenticRollout` (engine/agent/), or None without tools, environments or rollout_func. Refused
-    (engine/agent/agentic_rollout.py `check_layout`): a colocated vLLM engine over several ranks."""
-    from engine.agent.agentic_rollout import AgenticRollout, check_layout
+    """The run's `AgenticRollout` (engine/agent/), or None without tools, environments or rollout_func (any engine
+    layout: colocated at vLLM TP > 1, rank 0's TP group mirrors its turns, engine/rollout/colocated_turns.py)."""
+    from engine.agent.agentic_rollout import AgenticRollout
 
     if not agentic or not any(v is not None and v != [] for v in agentic.values()):
         return None
-    check_layout(cfg.rollout, [k for k, v in agentic.items() if v])
     return AgenticRollout(tools=agentic.get("tools"), environment_factory=agentic.get("environment_factory"),
                           rollout_func=agentic.get("rollout_func"), tokenizer=tokenizer, generation=cfg.generation,
                           model_name=model_name)

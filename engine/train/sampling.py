@@ -172,27 +172,33 @@ def sample_and_score(sampler: RoundSampler, rounds: PromptRounds, step: int, *, 
 
 def generate(sampler: RoundSampler, picked: PromptBatch, g: int, seeds: list[int] | None) -> tuple[Rollout, dict]:
     """G completions per prompt of `picked` on every rank, and (rank 0) the per-row values the reward functions
-    receive besides the dataset columns. Multi-turn (engine/agent/): rank 0 drives every sample, then broadcasts."""
+    receive besides the dataset columns. Multi-turn (engine/agent/): rank 0 drives every sample, then broadcasts
+    (the other ranks follow its engine steps meanwhile where their engine is part of its: `follow_turns`)."""
     if sampler.agentic is None:
         return sampler.engine.generate(picked.prompt_ids, g, seeds), {}
 
-    def drive():
-        return sampler.agentic.generate(sampler.engine, picked.prompts, picked.prompt_ids, picked.columns, g, seeds)
+    def drive():  # rank 0; colocated at vLLM TP > 1 the other ranks of its TP group mirror its engine steps
+        with sampler.engine.driven_turns() as engine:
+            return sampler.agentic.generate(engine, picked.prompts, picked.prompt_ids, picked.columns, g, seeds)
 
     try:
-        return _shared_round(sampler, drive, "a multi-turn round")
+        return _shared_round(sampler, drive, "a multi-turn round", sampler.engine.follow_turns)
     except RolloutServerLost as lost:  # as single-turn rounds: wait for the servers, resync, ask once more
         sampler.engine.recover(lost)
-        return _shared_round(sampler, drive, "a multi-turn round")
+        return _shared_round(sampler, drive, "a multi-turn round", sampler.engine.follow_turns)
 
 
-def _shared_round(sampler: RoundSampler, drive: Callable, what: str) -> tuple[Rollout, dict]:
-    """Rank 0 runs `drive()` (an `AgenticRound`); every rank gets its rollout, rank 0 its reward columns too. A
-    failure reaches every rank: RolloutServerLost (a server gone or restarted: the caller recovers), else the error
-    itself on rank 0 and a RuntimeError naming it on the others (which would otherwise wait in the broadcast)."""
+def _shared_round(sampler: RoundSampler, drive: Callable, what: str,
+                  follow: Callable | None = None) -> tuple[Rollout, dict]:
+    """Rank 0 runs `drive()` (an `AgenticRound`), the others `follow()` meanwhile (when given); every rank gets its
+    rollout, rank 0 its reward columns too. A failure reaches every rank: RolloutServerLost (a server gone or
+    restarted: the caller recovers), else the error itself on rank 0 and a RuntimeError naming it on the others
+    (which would otherwise wait in the broadcast)."""
     held: list = [None]
     extra: dict = {}
     failure: BaseException | None = None
+    if sampler.ps.rank != 0 and follow is not None:
+        follow()
     if sampler.ps.rank == 0:
         try:
             done = drive()

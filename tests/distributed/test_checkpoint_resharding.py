@@ -18,7 +18,7 @@ from tests.distributed.launcher import run_distributed
 MODEL = "builtin:tiny-qwen2-arith"  # vocab 400: padded to 512 at TP 1 and TP 2 alike
 
 
-def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dtype: str = "float32"):
+def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dtype: str = "float32", model=MODEL):
     from transformers import AutoConfig
 
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
@@ -30,7 +30,7 @@ def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dt
     from engine.models.tiny_model import resolve_builtin_model
 
     ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp), seed=0)
-    model_dir = resolve_builtin_model(MODEL, cache_dir)
+    model_dir = resolve_builtin_model(model, cache_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
     model_cfg = ModelConfig(dtype=dtype)
     padded = policy_shape(hf_config, model_cfg, tp).padded_vocab_size
@@ -70,10 +70,10 @@ def _global_params(chunks, ps, dims) -> dict:
     return tensors if ps.tp_rank == 0 and ps.dp_rank == 0 else {}
 
 
-def _save_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32") -> dict:
+def _save_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32", model=MODEL) -> dict:
     from engine.train.checkpoint import Progress, save_checkpoint
 
-    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir, dtype)
+    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir, dtype, model)
     _step_with_fixed_grads(chunks, popt, ps, seed=1)
     saved = _global_params(chunks, ps, dims)
     save_checkpoint(run_dir, Progress(step=1, rounds_done=1), popt, ps, model=identity)
@@ -83,10 +83,10 @@ def _save_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32") -> di
             "draw": draw}
 
 
-def _load_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32") -> dict:
+def _load_then_step(tp, pp, dist_opt, cache_dir, run_dir, dtype="float32", model=MODEL) -> dict:
     from engine.train.checkpoint import find_latest_checkpoint, load_checkpoint
 
-    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir, dtype)
+    ps, dims, chunks, popt, identity = _build(tp, pp, dist_opt, cache_dir, dtype, model)
     torch.manual_seed(12345)  # a different stream: the restore must replace it
     progress = load_checkpoint(find_latest_checkpoint(run_dir), popt, ps, model=identity)
     loaded = _global_params(chunks, ps, dims)
@@ -110,16 +110,22 @@ def _assert_equal(actual: dict, expected: dict, what: str) -> None:
 
 
 SOURCES = {"tp1_pp1": (1, 1, False, "float32"), "dp2_distopt": (1, 1, True, "float32"), "tp2_pp2": (2, 2, False, "float32"),
-           "dp2_distopt_bf16": (1, 1, True, "bfloat16")}
+           "dp2_distopt_bf16": (1, 1, True, "bfloat16"), "nemotron_h_tp2": (2, 1, False, "float32")}
 """Source layouts: (tp, pp, distributed optimizer, dtype); dp2_distopt* run on 2 ranks (TP1 x DP2), so the
 distributed optimizer's state is sharded over the two DP ranks. In bf16 (TRL's default) the optimizer holds float32
 main parameters and Adam states; restored exactly, the next step (elementwise, from fixed float32 gradients) lands
-on the same bf16 weights bit for bit at another layout too."""
+on the same bf16 weights bit for bit at another layout too. nemotron_h_tp2: the tiny Nemotron-H ('M*-M', one Mamba
+group per TP rank), whose Mamba-2 in_proj / conv blocks are saved as tensors of their own and whose layers are keyed
+one by one (engine/policy/mamba_layers.py), loaded at TP1 x PP2."""
+SOURCE_MODELS = {"nemotron_h_tp2": "builtin:tiny-nemotron_h"}
+"""A source's model when not `MODEL`."""
 
 
 @pytest.fixture(scope="module")
 def saved_runs(tmp_path_factory):
     """name -> (run dir, per-rank results of the source run, model cache); each source is saved on first use."""
+    from engine.models.tiny_model import resolve_builtin_model
+
     root = tmp_path_factory.mktemp("ckpt")
     cache = {}
 
@@ -127,8 +133,9 @@ def saved_runs(tmp_path_factory):
         if name not in cache:
             tp, pp, dist_opt, dtype = SOURCES[name]
             world = 2 if name.startswith("dp2_distopt") else tp * pp
+            resolve_builtin_model(SOURCE_MODELS.get(name, MODEL), str(root / "models"))  # built once, not per rank
             results = run_distributed(_save_then_step, world, tp, pp, dist_opt, str(root / "models"), str(root / name),
-                                      dtype)
+                                      dtype, SOURCE_MODELS.get(name, MODEL))
             cache[name] = (root / name, results, str(root / "models"))
         return cache[name]
 
@@ -140,15 +147,16 @@ def saved_runs(tmp_path_factory):
     "source,tp,pp,dist_opt",
     [("tp1_pp1", 1, 1, False), ("tp1_pp1", 2, 1, False), ("tp1_pp1", 1, 2, False), ("dp2_distopt", 2, 1, True),
      ("dp2_distopt", 1, 1, True), ("tp2_pp2", 1, 1, False), ("dp2_distopt_bf16", 2, 1, True),
-     ("dp2_distopt_bf16", 1, 2, True)],
+     ("dp2_distopt_bf16", 1, 2, True), ("nemotron_h_tp2", 1, 2, False)],
     ids=["tp1_pp1-to-tp1_pp1", "tp1_pp1-to-tp2_pp1", "tp1_pp1-to-tp1_pp2", "dp2_distopt-to-tp2_distopt",
          "dp2_distopt-to-tp1_dp1_distopt", "tp2_pp2-to-tp1_pp1", "bf16-dp2_distopt-to-tp2_distopt",
-         "bf16-dp2_distopt-to-pp2_distopt"],
+         "bf16-dp2_distopt-to-pp2_distopt", "nemotron_h-tp2-to-pp2"],
 )
 def test_checkpoint_loads_at_another_layout_and_continues_the_same_trajectory(saved_runs, source, tp, pp, dist_opt):
     run_dir, saved, cache_dir = saved_runs(source)
     dtype = SOURCES[source][3]
-    loaded = run_distributed(_load_then_step, tp * pp, tp, pp, dist_opt, cache_dir, str(run_dir), dtype)
+    loaded = run_distributed(_load_then_step, tp * pp, tp, pp, dist_opt, cache_dir, str(run_dir), dtype,
+                             SOURCE_MODELS.get(source, MODEL))
     _assert_equal(_merge(loaded, "loaded"), _merge(saved, "saved"), "parameters after loading")
     _assert_equal(_merge(loaded, "next"), _merge(saved, "next"), "parameters after the next optimizer step")
     assert loaded[0]["lr"] == saved[0]["lr"], "the LR schedule must continue where it stopped"

@@ -140,3 +140,41 @@ def test_bf16_grpo_step_matches_single_process_within_bf16_rounding(setup_bf16, 
         assert (diff <= bound).all(), f"{name}: max |diff| {float(diff.max()):.3g} beyond 2*lr + 1 bf16 step"
         far = float((diff > lr / 2).double().mean())  # measured: at most 0.0002 (TP2), 0 (PP2: bit-exact)
         assert far <= 0.01, f"{name}: {far:.1%} of the weights differ by more than lr / 2 (a layout error moves most)"
+
+
+def _fp16_steps(model_dir: str, out_dir: str) -> dict:
+    """One fp16 step at the starting loss scale, then one from the same checkpoint at a scale that overflows."""
+    from engine.config import ModelConfig, ParallelConfig
+    from engine.policy.parallel import destroy_parallel
+
+    fp16 = ModelConfig(dtype="float16")
+    trained = grpo_step_and_export(model_dir, ParallelConfig(), fp16, f"{out_dir}/trained")
+    destroy_parallel(keep_process_group=True)
+    overflow = grpo_step_and_export(model_dir, ParallelConfig(), fp16, f"{out_dir}/overflow", loss_scale=2.0**40)
+    return {"trained": trained, "overflow": overflow}
+
+
+@pytest.mark.slow
+def test_fp16_step_scales_the_loss_equals_fp32_and_an_overflow_skips_the_update(setup, tmp_path):
+    """TRL's `fp16=True`: Megatron's fp16 optimizer divides the gradients by its loss scale, so the schedule must
+    multiply each backward by it (`grad_scale_func`; without it the gradients were 2**-32 of their size and the weights
+    barely moved). The step equals the fp32 step within fp16 rounding (bounds as in the bf16 test, fp16's 2^-11 step),
+    at PyTorch GradScaler's starting scale 2**16. Gradients that overflow (scale 2**40) skip the update: every weight
+    unchanged, grad_norm NaN, the scale halved, the LR schedule not advanced, and no error."""
+    model_dir, reference, ref_weights = setup
+    result = run_distributed(_fp16_steps, 1, str(model_dir), str(tmp_path))[0]
+    trained, overflow = result["trained"], result["overflow"]
+    assert trained["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-2)
+    assert trained["loss"] == pytest.approx(reference["loss"], rel=1e-2)
+    assert trained["loss_scale"] == 2.0**16 and trained["lr_steps"] == 1
+    weights, lr = hf_tensors(tmp_path / "trained"), 1e-3
+    assert all(t.dtype == torch.float16 for t in weights.values()) and sorted(weights) == sorted(ref_weights)
+    for name, ref in ref_weights.items():
+        diff = (weights[name].double() - ref.double()).abs()
+        assert (diff <= 2 * lr + ref.double().abs() * 2.0**-11).all(), f"{name}: max |diff| {float(diff.max()):.3g}"
+        assert float((diff > lr / 2).double().mean()) <= 0.01, f"{name}: the fp16 step moved other weights"
+    assert overflow["grad_norm"] != overflow["grad_norm"], "an overflowed step reports grad_norm NaN"
+    assert overflow["loss_scale"] == 2.0**39 and overflow["lr_steps"] == 0
+    original, kept = hf_tensors(model_dir), hf_tensors(tmp_path / "overflow")
+    for name, weight in original.items():
+        assert torch.equal(kept[name], weight.to(torch.float16)), f"{name}: an overflowed step changed the weight"

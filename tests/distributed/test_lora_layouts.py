@@ -32,12 +32,12 @@ from tests.helpers.lora import lora_logits_and_exports, lora_settings
 from tests.helpers.policy import grpo_step_and_export, hf_tensors, tokens
 
 
-def _lora_step(tp, pp, dp, sp, model_dir, out_dir, dtype="float32", adapter_dtype="float32"):
+def _lora_step(tp, pp, dp, sp, model_dir, out_dir, dtype="float32", adapter_dtype="float32", saved=()):
     from engine.config import ModelConfig, ParallelConfig
 
     parallel = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp)
     return grpo_step_and_export(model_dir, parallel, ModelConfig(dtype=dtype), out_dir, tp if sp else 1,
-                                lora=lora_settings(adapter_dtype=adapter_dtype))
+                                lora=lora_settings(adapter_dtype=adapter_dtype, modules_to_save=saved))
 
 
 def _adapter_tensors(path) -> dict:
@@ -53,14 +53,18 @@ def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("lora") / "qwen2", "qwen2", seed=5)
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_lora_logits_equal_peft_and_merged_export(model_dir, tmp_path, tp):
+@pytest.mark.parametrize("tp,saved", [(1, ()), (2, ("embed_tokens", "lm_head"))], ids=["tp1", "tp2_modules_to_save"])
+def test_lora_logits_equal_peft_and_merged_export(model_dir, tmp_path, tp, saved):
+    """At TP2 with PEFT's modules_to_save (the vocab-parallel LM head and embedding trained in full, perturbed): PEFT
+    loads them from the adapter (its key names) and gives the engine's logits; the merged export holds them; with the
+    adapters disabled (the KL reference) the logits are the loaded base's (PEFT's original_module)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from engine.config import ParallelConfig
 
-    result = run_distributed(lora_logits_and_exports, tp, str(model_dir), ParallelConfig(tp_size=tp), str(tmp_path))[0]
+    result = run_distributed(lora_logits_and_exports, tp, str(model_dir), ParallelConfig(tp_size=tp), str(tmp_path),
+                             {"modules_to_save": saved})[0]
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = tokens(base.config.vocab_size)
     with torch.no_grad():
@@ -72,6 +76,11 @@ def test_lora_logits_equal_peft_and_merged_export(model_dir, tmp_path, tp):
     torch.testing.assert_close(result["merged_logits"], result["logits"], rtol=0, atol=1e-5)
     torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
     assert torch.equal(result["after_merge"], result["logits"]), "leaving merged_lora must restore the base exactly"
+    torch.testing.assert_close(result["disabled"], plain, rtol=0, atol=1e-5)
+    if saved:  # PEFT 0.21's keys (its `modules_to_save.default.` infix dropped), HF's vocabulary rows
+        tensors = _adapter_tensors(tmp_path / "adapter")
+        for key in ("base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"):
+            assert tensors[key].shape == (base.config.vocab_size, base.config.hidden_size), key
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +122,49 @@ def test_lora_grpo_step_matches_single_process(model_dir, reference, tmp_path, t
         assert sum(r["optimizer_numel"] for r in results) == _num_adapter_elements(ref_tensors)
 
 
+SAVED = ("embed_tokens", "lm_head")
+SAVED_KEYS = ("base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight")
+
+
+@pytest.fixture(scope="module")
+def saved_reference(model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_saved_ref") / "adapter"
+    result = run_distributed(_lora_step, 1, 1, 1, 1, False, str(model_dir), str(out), "float32", "float32", SAVED)[0]
+    return result, _adapter_tensors(out), _adapter_tensors(out.with_name("adapter_initial"))
+
+
+def test_lora_modules_to_save_train_the_lm_head_and_embedding_in_full(reference, saved_reference):
+    """modules_to_save=[embed_tokens, lm_head]: both weights change in the step (the LM head's gradient comes through
+    the log-prob kernel), the optimizer holds the adapters and both (padded) vocab-parallel weights, nothing else."""
+    result, tensors, initial = saved_reference
+    for key in SAVED_KEYS:
+        assert not torch.equal(tensors[key], initial[key]), f"{key}: unchanged by the step"
+    adapters = _num_adapter_elements({k: v for k, v in tensors.items() if k not in SAVED_KEYS})
+    assert adapters == _num_adapter_elements(reference[1])
+    padded = 512 * tensors[SAVED_KEYS[0]].shape[1]  # vocabulary 400 padded to 512 rows (make_vocab_size_divisible_by)
+    assert result["optimizer_numel"] == adapters + 2 * padded, "the optimizer holds adapters + both modules only"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "dp2"])
+def test_lora_modules_to_save_step_matches_single_process(model_dir, saved_reference, tmp_path, tp, pp, dp):
+    """The step with modules_to_save at TP2 (vocab-parallel LM head and embedding), PP2 (the embedding on the first
+    stage, the LM head on the last) and DP2 (the distributed optimizer sharding them with the adapters) equals the
+    single-process step in fp32: loss, gradient norm, every tensor of the exported adapter."""
+    ref, ref_tensors, _ = saved_reference
+    results = run_distributed(_lora_step, tp * pp * dp, tp, pp, dp, False, str(model_dir), str(tmp_path / "adapter"),
+                              "float32", "float32", SAVED)
+    loss = sum(r["loss"] for r in results if r["loss"] is not None)
+    assert loss == pytest.approx(ref["loss"], rel=1e-5)
+    assert all(r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) for r in results)
+    tensors = _adapter_tensors(tmp_path / "adapter")
+    assert sorted(tensors) == sorted(ref_tensors)
+    for name, expected in ref_tensors.items():
+        torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    if tp == 1:
+        assert sum(r["optimizer_numel"] for r in results) == ref["optimizer_numel"]
+
+
 @torch.no_grad()
 def _adapter_step(chunks, popt, ps, seed: int) -> None:
     """One optimizer step whose adapter gradients are fixed functions of (seed, global name): layout-independent."""
@@ -136,11 +188,12 @@ def _adapter_step(chunks, popt, ps, seed: int) -> None:
 
 
 def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: str = "float32",
-                     distributed: bool = True, moe: bool = False) -> dict:
+                     distributed: bool = True, moe: bool = False, saved: tuple = SAVED) -> dict:
     """Source (`save`): adapters, one fixed step, save, a second step. Target: load, the same second step. Returns
     the adapters (PEFT names, full tensors) after loading / saving and after the second step. `dtype`: the base's
     (the adapters float32); `distributed`: optimizer.use_distributed_optimizer; `moe`: `tp` is the EP size and the
-    adapters are attention + expert ones."""
+    adapters are attention + expert ones; `saved` (not `moe`): modules_to_save (trained in full: in the checkpoint
+    with their optimizer state)."""
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
     from engine.policy.lora import apply_lora, lora_tensors_for_peft
     from engine.policy.optimizer import build_optimizer
@@ -150,8 +203,8 @@ def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: s
 
     parallel = ParallelConfig(ep_size=tp) if moe else ParallelConfig(tp_size=tp)
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, ModelConfig(dtype=dtype))
-    apply_lora(chunks, lora_settings(target_modules=ATTENTION, target_parameters=EXPERTS) if moe else lora_settings(),
-               ps)
+    apply_lora(chunks, lora_settings(target_modules=ATTENTION, target_parameters=EXPERTS) if moe else
+               lora_settings(modules_to_save=saved), ps)
     perturb_lora_b(chunks, ps, seed=3 if save else 4)  # the target starts elsewhere: loading must overwrite it
     popt = build_optimizer(OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=3,
                                            use_distributed_optimizer=distributed), chunks, ps, total_steps=10)
@@ -168,14 +221,17 @@ def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: s
 
 @pytest.mark.slow
 def test_lora_checkpoint_resumes_exactly_at_tp2_and_resharded_to_tp1(model_dir, tmp_path):
-    """Saved at TP2 (adapters and their optimizer state only: smaller than the base), loaded at TP2 and at TP1: the
-    adapters equal the saved ones bit for bit, and the next step (Adam moments, step count and the warmup LR
-    restored) lands on the source's next adapters bit for bit."""
+    """Saved at TP2 (adapters, modules_to_save's LM head and embedding, and their optimizer state only: smaller than
+    the base), loaded at TP2 and at TP1: the adapters and both modules equal the saved ones bit for bit, and the next
+    step (Adam moments, step count and the warmup LR restored) lands on the source's next tensors bit for bit."""
     source = run_distributed(_lora_checkpoint, 2, 2, str(model_dir), str(tmp_path), True)[0]
     saved = sum(f.stat().st_size for f in tmp_path.glob("checkpoint-1/**/*") if f.is_file())
-    adapters = sum(t.numel() * 4 for t in source["checkpoint"].values())  # fp32: weights, then Adam m, v, master
+    adapters = sum(t.numel() * 4 for k, t in source["checkpoint"].items() if k not in SAVED_KEYS)  # fp32
+    modules = 512 * 128 * 4 * 2  # both padded vocab-parallel weights, fp32
     base = (model_dir / "model.safetensors").stat().st_size
-    assert saved < 8 * adapters + 2**20 < base, f"{saved} B saved: the frozen base ({base} B) must not be in it"
+    # weights, then Adam m, v: the base's other tensors (~3 MB) must not be in it
+    assert saved < 4 * (adapters + modules) + 2**20 < base + 2**20, f"{saved} B saved (base: {base} B)"
+    assert set(SAVED_KEYS) <= set(source["checkpoint"])
     for tp in (2, 1):
         _assert_resumed(source, run_distributed(_lora_checkpoint, tp, tp, str(model_dir), str(tmp_path), False)[0],
                         f"tp{tp}")
@@ -190,14 +246,15 @@ def _assert_resumed(source: dict, target: dict, label: str) -> None:
 
 
 def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, tmp_path):
-    """bf16 base, fp32 adapters (TRL's defaults) with the non-distributed optimizer (configs/tiny_cpu.yaml's): saved
-    and loaded, the adapters and the next step equal the source's bit for bit (megatron-core 0.16.1's bf16
+    """bf16 base, fp32 adapters (TRL's defaults) with the non-distributed optimizer (configs/tiny_cpu.yaml's), the LM
+    head and embedding trained in full in bf16 (modules_to_save: fp32 main copies): saved and loaded, the adapters,
+    both modules and the next step equal the source's bit for bit (megatron-core 0.16.1's bf16
     non-distributed optimizer could not save fp32 parameters: engine/policy/optimizer.py gives them its fp32 one, as
     the distributed optimizer's path, whose fp32 checkpoints the TP2 test above covers)."""
     source = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), True, "bfloat16", False)[0]
     target = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), False, "bfloat16", False)[0]
     for key in ("checkpoint", "next"):
-        assert all(t.dtype == torch.float32 for t in source[key].values())
+        assert all(t.dtype == (torch.bfloat16 if k in SAVED_KEYS else torch.float32) for k, t in source[key].items())
         bad = [name for name, tensor in source[key].items() if not torch.equal(target[key][name], tensor)]
         assert not bad and sorted(target[key]) == sorted(source[key]), f"{key}: differ: {bad}"
 

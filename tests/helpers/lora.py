@@ -23,9 +23,17 @@ def lora_settings(**overrides):
 
 @torch.no_grad()
 def perturb_lora_b(chunks, ps, seed: int = 7, std: float = 0.05) -> None:
-    """Give every adapter's B a global-name-seeded N(0, std) value (this rank's TP shard of it)."""
-    from engine.policy.lora import lora_adapters
+    """Give every adapter's B a global-name-seeded N(0, std) value (this rank's TP shard of it), and add one to the
+    weight of every module of modules_to_save (the trained copy moves away from the loaded, frozen original)."""
+    from engine.policy.lora import lora_adapters, saved_modules
     from engine.policy.model import take_tp_shard
+
+    for name, module in saved_modules(chunks):
+        weight = module.weight
+        full_shape = [weight.shape[0] * ps.tp_size, *weight.shape[1:]]  # vocab-parallel rows
+        gen = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(f"{name}.saved".encode()))
+        weight.add_(take_tp_shard(std * torch.randn(full_shape, generator=gen), weight, ps.tp_rank,
+                                  ps.tp_size).to(weight.dtype))
 
     for layer, adapter in lora_adapters(chunks):
         for name, b in adapter.lora_B.items():
@@ -40,10 +48,11 @@ def perturb_lora_b(chunks, ps, seed: int = 7, std: float = 0.05) -> None:
 
 def lora_logits_and_exports(model_dir: str, parallel, out_dir: str, settings_overrides: dict | None = None) -> dict:
     """Rank function: the policy with (perturbed) adapters: its full-vocabulary logits of tests/helpers/policy.py
-    `tokens` (last stage, TP rank 0; None elsewhere), the same within `merged_lora`, the PEFT adapter written to
+    `tokens` (last stage, TP rank 0; None elsewhere), the same within `merged_lora` and `adapters_disabled`
+    ("disabled": the loaded base, modules_to_save back to their originals), the PEFT adapter written to
     `<out_dir>/adapter` and the merged model exported as an HF checkpoint to `<out_dir>/merged`."""
     from engine.policy.hf_checkpoint import export_hf_checkpoint
-    from engine.policy.lora import apply_lora, merged_lora
+    from engine.policy.lora import adapters_disabled, apply_lora, merged_lora
     from engine.policy.peft_adapter import save_peft_adapter
     from engine.policy.step import run_schedule
     from tests.helpers.policy import SEQ, BATCH, build_from_hf, gathered_logits_fn, tokens
@@ -63,11 +72,13 @@ def lora_logits_and_exports(model_dir: str, parallel, out_dir: str, settings_ove
         return values[0]["logits"] if values and ps.tp_rank == 0 else None
 
     with_adapters = logits()
+    with adapters_disabled(chunks):
+        disabled = logits()
     save_peft_adapter(chunks, ps, f"{out_dir}/adapter", settings, base_model_name_or_path=model_dir)
     with merged_lora(chunks):
         merged = logits()
         export_hf_checkpoint(chunks, ps, f"{out_dir}/merged", hf_config, dims, tokenizer_dir=model_dir)
-    return {"logits": with_adapters, "merged_logits": merged, "after_merge": logits()}
+    return {"logits": with_adapters, "merged_logits": merged, "after_merge": logits(), "disabled": disabled}
 
 
 def optimizer_state_numel(popt) -> int:

@@ -64,19 +64,21 @@ def tokens(vocab_size: int) -> torch.Tensor:
     return torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))  # (B, T)
 
 
-def logits_and_export(model_dir: str, parallel, out_dir: str, logprob_temperature: float | None = None):
+def logits_and_export(model_dir: str, parallel, out_dir: str, logprob_temperature: float | None = None,
+                      model_cfg=None):
     """Rank function: the full-vocabulary logits (B, T, V) of `tokens` through the policy at `parallel` (on the last
     stage's TP rank 0; None elsewhere), and the policy exported to `out_dir` as an HF checkpoint.
 
     The chunks are in eval mode (a forward-only pass either way: no dropout in these models); Megatron's MoE layer
     refuses TP > 1 in training mode without sequence parallelism. With `logprob_temperature`, returns (logits, the
     engine's log-probs (B, T - PROMPT) of `tokens`' tokens after the first `PROMPT` through the fused LM-head kernel
-    at that temperature (`forward_logprobs`), None off the last stage); compare with `hf_logprobs`.
+    at that temperature (`forward_logprobs`), None off the last stage); compare with `hf_logprobs`. `model_cfg`: the
+    policy's ModelConfig (build_from_hf's float32 default; bfloat16 for the bf16 check).
     """
     from engine.policy.hf_checkpoint import export_hf_checkpoint
     from engine.policy.step import run_schedule
 
-    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, model_cfg)
     for chunk in chunks:
         chunk.eval()
     batch = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
@@ -129,13 +131,13 @@ def gathered_logits_fn(ps, vocab_size: int):
     return logits_fn
 
 
-def hf_logits(model_dir) -> torch.Tensor:
-    """Hugging Face transformers' fp32 logits (B, T, V) of `tokens`. Gemma 2 through HF's eager attention: its default
+def hf_logits(model_dir, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Hugging Face transformers' logits (B, T, V) of `tokens`, the model in `dtype` (fp32 by default). Gemma 2 through HF's eager attention: its default
     SDPA attention ignores `attn_logit_softcapping` (transformers 5.19; eager applies it, as vLLM does)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     eager = AutoConfig.from_pretrained(model_dir).model_type == "gemma2"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
                                                  **({"attn_implementation": "eager"} if eager else {})).eval()
     with torch.no_grad():
         return model(tokens(model.config.vocab_size)).logits
@@ -167,7 +169,7 @@ def global_batch() -> dict:
 
 def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, width_multiple: int = 1,
                          padding_free: bool = False, micro_batch_size: int = MICRO_BATCH, train=None,
-                         lora=None) -> dict:
+                         lora=None, loss_scale: float | None = None) -> dict:
     """Rank function body: one GRPO optimizer step on `global_batch` at `parallel`, the result exported to `out_dir`.
 
     DAPO loss with beta > 0, Megatron's distributed optimizer (Adam, epsilon 1e-4: see test_grpo_step_layouts.py) with
@@ -180,8 +182,11 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     `lora` (engine.policy.lora.LoraSettings): adapters on the frozen base, B perturbed (tests/helpers/lora.py), the
     result written as a PEFT adapter instead (the adapters before the step to `<out_dir>_initial`), plus
     "optimizer_numel" (the elements of this rank's optimizer state) and "dtypes" (tests/helpers/lora.py held_dtypes).
+    `loss_scale` (fp16 only): the dynamic loss scaler's scale before the step (through its state dict, as a resumed
+    run sets it).
     Returns {"loss": the summed micro-batch losses on the last stage's TP rank 0, else None, "grad_norm",
-    "layer_forwards": this rank's transformer-layer forwards during the step (recompute doubles them)}.
+    "layer_forwards": this rank's transformer-layer forwards during the step (recompute doubles them),
+    "loss_scale": the optimizer's loss scale after the step (1 unless fp16), "lr_steps": the schedule's steps}.
     """
     from engine.config import KernelsConfig, OptimizerConfig
     from engine.policy.hf_checkpoint import export_hf_checkpoint
@@ -202,6 +207,9 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     opt_cfg = OptimizerConfig(learning_rate=LEARNING_RATE, adam_epsilon=1e-4, lr_scheduler_type="constant",
                               max_grad_norm=1.0)
     popt = build_optimizer(opt_cfg, chunks, ps, total_steps=1)
+    for optimizer in getattr(popt.optimizer, "chained_optimizers", [popt.optimizer]) if loss_scale else []:
+        scaler = optimizer.grad_scaler
+        scaler.load_state_dict(scaler.state_dict() | {"scale": torch.tensor([loss_scale])})
     spec = MicrobatchSpec(padding_free=padding_free, max_tokens=None, max_logprob_tokens=None,
                           micro_batch_size=micro_batch_size, multiple=width_multiple)
     ((microbatches, normalizer),) = round_microbatches(global_batch(), spec, global_batch_size=GLOBAL_BATCH,
@@ -223,18 +231,19 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
         export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims)
     reports = ps.is_last_stage and ps.tp_rank == 0
     return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"],
-            "layer_forwards": layer_forwards[0]} | extra
+            "layer_forwards": layer_forwards[0], "loss_scale": float(popt.optimizer.get_loss_scale()),
+            "lr_steps": popt.scheduler.num_steps} | extra
 
 
-def flip_bits(chunks, ps, plan, names: list[str]) -> None:
+def flip_bits(chunks, ps, plan, names: list[str], engine_rank: int = 0) -> None:
     """Flip the lowest bit of one element of each named HF tensor in the trainer's own shards (call it again to flip
-    it back): the first element that the plan sends to engine rank 0, on the rank that sends it."""
+    it back): the first element that the plan sends to `engine_rank`, on the rank that sends it."""
     from engine.rollout.sync_plan import local_view
     from engine.rollout.weight_transport import local_params, sender_index
 
     params, me = local_params(chunks), sender_index(plan, ps)
     for name in names:
-        transfer = next(t for t in plan.transfers() if plan.tensors[t.tensor].name == name and t.engine_rank == 0)
+        transfer = next(t for t in plan.transfers() if plan.tensors[t.tensor].name == name and t.engine_rank == engine_rank)
         if transfer.sender == me:
             param = params[(transfer.piece.vp_chunk, transfer.piece.megatron)].data
             bits = local_view(param.view({2: torch.int16, 4: torch.int32}[param.element_size()]), transfer.piece.view)

@@ -20,6 +20,9 @@ what is tested is the engine's machinery, not the model's skill. The shipped too
   and in server (split) mode against a server of its own;
 - a run resumed from checkpoint-1 logs step 2 as the uninterrupted run did (environments rebuilt and reset: their
   state is not checkpointed);
+- colocated at vLLM TP 2 (trainer TP 2, world 2): rank 0 drives, rank 1 mirrors its engine steps; every row's tokens
+  are the chat template's rendering of its conversation, the tool mask keeps the model's tokens only, the log-probs
+  equal the trainer's, and the first round's rows are the TP 1 run's;
 - server mode with rounds generated one ahead (max_staleness=1): staleness exactly 1, the tool mask in the
   off-policy correction, environments leased per round, and resume generating the round ahead again; abort safety
   (a reward function raising at step 2 while the round ahead is driven): no engine thread left, every environment
@@ -276,25 +279,109 @@ class Calculator:
         return float(len(self.calls) > 0)
 
 
+def _calculator_args(output_dir: str, **more):
+    """The calculator runs' settings (`more` overrides them): the shipped tool-calling model, float32, no structured
+    output."""
+    from engine import GRPOConfig
+
+    settings = dict(max_steps=2, bf16=False, per_device_train_batch_size=8, num_generations=4,
+                    max_completion_length=160, max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1,
+                    vllm_gpu_memory_utilization=0.15, vllm_max_model_length=512, report_to="none")
+    return GRPOConfig(output_dir=output_dir, **(settings | more))
+
+
 def _calculator_runs(output_dir: str) -> dict:
-    """The shipped tool-calling model, float32, no structured output: run A (2 steps, a checkpoint after each), then
-    run B resumed from A's checkpoint-1 (a new trainer, new environments: their state is not checkpointed)."""
-    from engine import GRPOConfig, GRPOTrainer
+    """The shipped tool-calling model, float32, no structured output: run A (2 steps, a checkpoint after each, its
+    rows recorded), then run B resumed from A's checkpoint-1 (a new trainer, new environments: their state is not
+    checkpointed)."""
+    from engine import GRPOTrainer
     from engine.demo.tool_warm_start import calculator_dataset
 
-    def args(name: str) -> GRPOConfig:
-        return GRPOConfig(output_dir=str(Path(output_dir) / name), max_steps=2, save_steps=1, bf16=False,
-                          per_device_train_batch_size=8, num_generations=4, max_completion_length=160,
-                          max_tool_calling_iterations=2, learning_rate=1e-4, logging_steps=1,
-                          vllm_gpu_memory_utilization=0.15, vllm_max_model_length=512, report_to="none")
-
-    histories = []
+    histories, rows = [], []
     for name, resume in (("a", None), ("b", str(Path(output_dir) / "a" / "checkpoint-1"))):
-        trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=_any_answer, args=args(name),
+        rewards = [_any_answer] + ([_row_layouts(rows)] if name == "a" else [])
+        trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=rewards, args=_calculator_args(
+                              str(Path(output_dir) / name), save_steps=1),
                               train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
         trainer.train(resume_from_checkpoint=resume)
         histories.append([h for h in trainer.state.log_history if "tools/call_frequency" in h])
-    return {"a": histories[0], "b": histories[1], "tool_results": len(TOOL_RESULTS)}
+    return {"a": histories[0], "b": histories[1], "tool_results": len(TOOL_RESULTS), "rows": rows}
+
+
+def _calculator_at_engine_tp2(output_dir: str) -> dict:
+    """Run A's first step at world 2, trainer TP 2 (DP 1: the same prompts and seeds as run A) and a colocated
+    vLLM engine at TP 2: rank 0 drives every sample's turns and tools, rank 1 mirrors its engine steps
+    (engine/rollout/colocated_turns.py). Rank 0 returns its rows (as run A records them) and history. A
+    `rollout_func` generating through `trainer._generate_single_turn` takes the same mirrored path (the round's
+    turn channel); it was checked by a launch of its own (8 rows, one call, log-prob gap < 1e-3), not kept: ~60-90 s
+    of CI for the same plumbing."""
+    import os
+
+    from engine import GRPOTrainer
+    from engine.demo.tool_warm_start import calculator_dataset
+
+    rows: list = []
+    trainer = GRPOTrainer(model=CALC_MODEL, reward_funcs=[_any_answer, _row_layouts(rows)],
+                          args=_calculator_args(str(Path(output_dir) / "tp2"), max_steps=1, save_steps=100, tp_size=2,
+                                                vllm_tensor_parallel_size=2),
+                          train_dataset=calculator_dataset("train", 64), environment_factory=Calculator)
+    trainer.train()
+    return {"rank": int(os.environ["RANK"]), "rows": rows, "step": trainer.state.global_step,
+            "history": [h for h in trainer.state.log_history if "sampling/importance_sampling_ratio/min" in h]}
+
+
+def _row_layouts(rows: list):
+    """A reward function (0.0 for every row) recording each row: its step, completion ids, model tokens and whether
+    its tokens are the chat template's rendering of its conversation (`_layout`)."""
+    def layouts(prompts, completions, completion_ids, trainer_state, **kwargs):
+        from engine.agent.environments import environment_tools
+        from engine.agent.toolbox import tool_schema
+        from engine.models.tiny_model import resolve_builtin_model
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_builtin_model(CALC_MODEL, "unused: shipped"))
+        schemas = [tool_schema(m) for m in environment_tools(kwargs["environments"][0]).values()]
+        for prompt, ids in zip(prompts, completion_ids):
+            rows.append({"step": trainer_state.global_step, "ids": list(ids)} | _layout(tokenizer, schemas, prompt, ids))
+        return [0.0] * len(completions)
+    return layouts
+
+
+def _layout(tokenizer, schemas: list, prompt: list, completion_ids: list[int]) -> dict:
+    """Split a multi-turn completion into the model's turns (each through the stop token `<|im_end|>`) and the tool
+    messages between them (the template's tokens for the `tool` messages whose contents the `<tool_response>` blocks
+    hold, then the next assistant header: engine/agent/chat_tokens.py `tool_suffix_ids`, itself equal to the whole
+    conversation's rendering, tests/unit/test_agent_tokens.py); then the decoded row (prompt ids as the template
+    renders the prompt with the tools, + the completion) must be the template's rendering of the conversation.
+    Returns the model's token count (what the tool mask keeps) and "" or what differs."""
+    import re
+
+    from engine.agent.chat_tokens import tool_suffix_ids
+
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    prompt_ids = list(tokenizer.apply_chat_template(prompt, tools=schemas, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False))
+    messages, pos, model_tokens = list(prompt), 0, 0
+    while pos < len(completion_ids):
+        end = completion_ids.index(stop, pos) + 1 if stop in completion_ids[pos:] else len(completion_ids)
+        text = tokenizer.decode(completion_ids[pos:end], skip_special_tokens=False)
+        messages.append({"role": "assistant", "content": text.removesuffix("<|im_end|>")})
+        model_tokens, pos = model_tokens + end - pos, end
+        if pos == len(completion_ids):
+            break
+        rest = tokenizer.decode(completion_ids[pos:], skip_special_tokens=False)
+        head = rest.split("<|im_start|>assistant")[0]
+        tools = [{"role": "tool", "name": "calculate", "content": c}
+                 for c in re.findall(r"<tool_response>\n(.*?)\n</tool_response>", head, re.S)]
+        suffix = tool_suffix_ids(tokenizer, tools, stop, {"tools": schemas}) if tools else []
+        if not tools or completion_ids[pos:pos + len(suffix)] != suffix:
+            return {"model_tokens": model_tokens, "differs": f"tool tokens at {pos}: {rest[:300]!r}"}
+        messages += tools
+        pos += len(suffix)
+    rendered = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False)
+    decoded = tokenizer.decode(prompt_ids + list(completion_ids), skip_special_tokens=False)
+    ok = rendered.startswith(decoded) and rendered[len(decoded):] in ("", "\n", "<|im_end|>\n")
+    return {"model_tokens": model_tokens, "differs": "" if ok else f"rendered {rendered!r} vs row {decoded!r}"}
 
 
 CALC_MODEL = "builtin:tiny-qwen2-calc"
@@ -323,7 +410,14 @@ def test_tool_rows_logprobs_match_the_trainer_and_a_resumed_run_continues(tmp_pa
     tiny tokenizer) and its tool message (~39) must fit, or every row ends at the call and holds no tool tokens (at
     96, until git 980065e, none did: the test now counts the tool messages the rewards saw). The zero gradient on
     tool tokens is tests/unit/test_agent_loss_mask.py's. Resume: a run resumed from checkpoint-1 logs step 2 as the uninterrupted
-    run did (environments are rebuilt and reset, their state is not checkpointed)."""
+    run did (environments are rebuilt and reset, their state is not checkpointed).
+    Colocated at vLLM TP 2 (trainer TP 2, DP 1: the prompts and seeds of run A): rank 0 drives every sample and runs
+    the tools, rank 1 mirrors each engine step (engine/rollout/colocated_turns.py); both runs' rows are the chat
+    template's rendering of their conversations (`_layout`: prompt and tool-message tokens token for token, the whole
+    row as text), `completions/mean_length` counts exactly the model's tokens of the layout (the tool mask), the
+    engine's log-probs equal the trainer's, and round 0 (the checkpoint's weights) samples the TP 1 run's rows token
+    for token (vLLM's seeded sampling at TP 2 in float32: measured equal). The TP 2 launch adds ~80 s (the loaded
+    2-core machine, load average ~18-20: this test took 59 s before it, ~150 s with it)."""
     (result,) = run_distributed(_calculator_runs, 1, str(tmp_path))
     a, b = result["a"], result["b"]
     assert result["tool_results"] > 0, "no tool result reached the model: the rows hold no tool tokens"
@@ -335,6 +429,25 @@ def test_tool_rows_logprobs_match_the_trainer_and_a_resumed_run_continues(tmp_pa
         assert record["sampling/importance_sampling_ratio/min"] > 0.99, record
     keys = ("reward", "loss", "tools/call_frequency", "completions/mean_length")
     assert {k: b[0][k] for k in keys} == {k: a[1][k] for k in keys}
+    # colocated vLLM TP 2 (trainer TP 2): rank 0 drives every sample, rank 1 mirrors its engine steps; a wave not
+    # mirrored stalls vLLM's TP collectives, which the launcher's timeout bounds (it fails the test)
+    tp2 = run_distributed(_calculator_at_engine_tp2, 2, str(tmp_path), timeout_s=480)
+    assert [r["step"] for r in tp2] == [1, 1] and tp2[1]["rows"] == [], "rank 0 drives and scores every row"
+    rows, history = tp2[0]["rows"], tp2[0]["history"]
+    assert [h["step"] for h in history] == [1], history
+    for name, run_rows, run_history in (("tp1", result["rows"], a), ("tp2", rows, history)):
+        assert all(r["differs"] == "" for r in run_rows), (name, [r["differs"] for r in run_rows if r["differs"]])
+        for step, record in enumerate(run_history):  # the tool mask is the layout's: the metric counts model tokens
+            mine = [r for r in run_rows if r["step"] == step]
+            assert len(mine) == 8 and record["completions/mean_length"] == pytest.approx(
+                sum(r["model_tokens"] for r in mine) / 8), (name, step, record)
+    assert sum(len(r["ids"]) > r["model_tokens"] for r in rows) > 0, "no TP 2 row holds tool tokens"
+    for record in history:
+        assert record["tools/call_frequency"] > 0.2, record
+        assert record["sampling/sampling_logp_difference/mean"] < 1e-3, record
+        assert record["sampling/importance_sampling_ratio/min"] > 0.99, record
+    # round 0 (the checkpoint's weights, the same prompts and seeds): the TP 1 run's samples
+    assert [r["ids"] for r in rows if r["step"] == 0] == [r["ids"] for r in result["rows"] if r["step"] == 0]
 
 
 def _calculator_in_server_mode(output_dir: str, url: str, token: str, group_port: int, name: str) -> dict:

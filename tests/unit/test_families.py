@@ -10,7 +10,9 @@ and DeepSeek-V3 (MLA sized) at their published totals. Gemma 3 text is supported
 translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; its window, scale and norm names are
 read from the config. DeepSeek-V3 is supported (MLA: engine/models/deepseek_v3.py): the settings MLA or its router
 would compute differently are refused naming the field, MTP layers are dropped with one warning. Cohere 2 is supported
-likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit."""
+likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit. Nemotron-H is supported (its
+Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE layers, biases, tied embeddings, ...), whole Mamba
+groups per TP rank, the chunked scan = the step-by-step recurrence, packed rows cut per sequence."""
 
 from types import SimpleNamespace
 
@@ -31,16 +33,60 @@ def _assert_refused_after(config, change: dict, cause: str) -> None:
         check_model_type(config)
 
 
-@pytest.mark.parametrize("model_type", ["nemotron_h"])
-def test_yardstick_families_are_refused_naming_what_is_missing_and_what_is_supported(model_type):
-    config = AutoConfig.for_model(model_type)
-    with pytest.raises(ValueError, match=rf"model_type '{model_type}' .*not supported \(missing: ") as error:
-        check_model_type(config)
-    assert MISSING_FEATURES[model_type] in str(error.value)
-    assert ("supported: qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma3_text, gemma2, cohere2"
-            in str(error.value))
-    if model_type == "nemotron_h":
-        assert "need the mamba_ssm and causal_conv1d CUDA kernels" in str(error.value)
+@pytest.mark.parametrize("change,cause", [
+    ({"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}, "layers_block_type .*'moe'.* MoE"),
+    ({"mamba_proj_bias": True}, "nemotron_h with mamba_proj_bias=true"),
+    ({"mlp_bias": True}, "nemotron_h with mlp_bias=true"),
+    ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
+    ({"sliding_window": 16}, "sliding_window=16"),
+    ({"tie_word_embeddings": True}, "tie_word_embeddings=true: neither HF's NemotronHForCausalLM nor vLLM's"),
+    ({"n_groups": 3}, "mamba_num_heads=8 is not a multiple of n_groups=3")])
+def test_nemotron_h_settings_the_engine_would_not_reproduce_are_refused(change, cause):
+    """The tiny Nemotron-H (Mamba-2, attention and MLP layers) passes; transformers' default (with an MoE layer) and
+    each setting not translated is refused naming it; an unknown family names the supported ones, nemotron_h too."""
+    config = tiny_model_config("nemotron_h")
+    check_model_type(config)
+    with pytest.raises(ValueError, match="'moe'"):
+        check_model_type(AutoConfig.for_model("nemotron_h"))
+    assert not MISSING_FEATURES
+    _assert_refused_after(config, change, cause)
+
+
+def test_nemotron_h_tp_must_keep_mamba_groups_whole():
+    from engine.models.nemotron_h import check_nemotron_h_layout
+
+    config = tiny_model_config("nemotron_h")  # 8 heads in 2 groups
+    check_nemotron_h_layout(config, 2, 1)
+    with pytest.raises(ValueError, match="n_groups=2 and mamba_num_heads=8 must both be divisible by tp_size=4"):
+        check_nemotron_h_layout(config, 4, 1)
+
+
+def _recurrent_scan(x, dt, A, B, C):
+    """The Mamba-2 recurrence one step at a time: h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t."""
+    b, T, h, p = x.shape
+    B, C = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (B, C))  # (b, T, h, n)
+    state = torch.zeros(b, h, p, B.shape[-1], dtype=torch.float64)
+    out = []
+    for t in range(T):
+        decay = torch.exp(dt[:, t] * A)[:, :, None, None]  # (b, h, 1, 1)
+        state = decay * state + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        out.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 8, 16])
+def test_ssd_scan_equals_the_step_by_step_recurrence(chunk_size):
+    """11 steps (not a multiple of any chunk but 1), 4 heads in 2 groups: every chunking gives the recurrence."""
+    from engine.policy.mamba_layers import ssd_scan
+
+    gen = torch.Generator().manual_seed(3)
+    b, T, h, p, g, n = 2, 11, 4, 3, 2, 5
+    x, B, C = (torch.randn(shape, generator=gen, dtype=torch.float64)
+               for shape in ((b, T, h, p), (b, T, g, n), (b, T, g, n)))
+    dt = torch.rand(b, T, h, generator=gen, dtype=torch.float64) + 0.1
+    A = -torch.rand(h, generator=gen, dtype=torch.float64) - 0.5
+    want = _recurrent_scan(x, dt, A, B, C)
+    torch.testing.assert_close(ssd_scan(x, dt, A, B, C, chunk_size).double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("change,cause", [
@@ -250,7 +296,7 @@ def test_planner_gpt_oss_and_deepseek_v3_shapes_give_the_published_parameter_cou
 GPT_OSS_CONFIG = "gpt-oss-120b_tp2_ep64_split_8x1.yaml"
 
 
-def _plan(name: str, overrides=()):
+def _plan(name: str, overrides=(), shape=None):
     from pathlib import Path
 
     from engine.config import load_config
@@ -259,7 +305,7 @@ def _plan(name: str, overrides=()):
 
     path = Path(__file__).resolve().parents[2] / "configs" / name
     cfg = load_config(path, list(overrides))
-    return path, build_plan(cfg, resolve_cluster_shape(cfg))
+    return path, build_plan(cfg, resolve_cluster_shape(cfg, **(shape or {})))
 
 
 def test_gpt_oss_120b_split_config_fits_and_its_header_quotes_the_planner():
@@ -276,24 +322,48 @@ def test_gpt_oss_120b_split_config_fits_and_its_header_quotes_the_planner():
     assert any("85.85 GiB > 79.1 GiB" in problem for problem in smaller.problems), smaller.problems
 
 
-def test_deepseek_v3_trains_on_32_h100_nodes_but_one_h100_node_cannot_serve_it():
-    """DeepSeek-V3 (61 layers: PP 1, the count is prime) at TP8 x DP32 x EP256 on 32 training nodes fits (69.12 GiB:
-    one expert of each layer per GPU, the weight-sync send slots 0.77 GiB of it, sized from the MLA sync plan); no
-    inference node of 8 x H100 holds it: vLLM at TP 8 needs 165.55 GiB of bf16 weights per GPU (671B x 2 B / 8,
-    replicated MLA down-projections added) and the weight-sync receive slots 48.22 GiB outside vLLM's share (one layer's
-    256 experts at full HF shape, 2 slots), and the engine runs one vLLM engine per node (no multi-node TP, no FP8
-    rollout), so no split config is shipped for it."""
-    from engine.planning.memory import GIB
+DEEPSEEK_V3_CONFIG = "deepseek-v3-671b_tp8_ep128_split_16x4.yaml"
 
-    _, plan = _plan(GPT_OSS_CONFIG, ["model.name_or_path=deepseek-ai/DeepSeek-V3", "model.transformer_impl=auto",
-                                     "parallel.tp_size=8", "parallel.ep_size=256", "generation.max_completion_length=4096"])
+
+def test_deepseek_v3_split_config_fits_16_plus_4_h200_nodes_with_one_server_over_4_nodes_and_no_h100_node_serves_it():
+    """DeepSeek-V3 on H200 (139.8 GiB): TP8 x DP16 x EP128 on 16 training nodes (116.86 GiB), one rollout server
+    over the 4 inference nodes (rollout.vllm_nodes_per_server=4) at vLLM TP 32: 42.84 GiB of weights + 38.60 GiB
+    of MLA latent KV cache per GPU (85.44 of vLLM's 89.47), the weight-sync receive slots 44.21 GiB outside its
+    share; every total quoted in the header. The same server on 3 nodes (TP 24) is refused: 24 does not divide
+    128 heads. On H100 nodes (the last session's layout, TP8 x DP32 x EP256 on 32 training nodes: 69.12 GiB) one
+    node cannot serve it: 165.55 GiB of weights per GPU at vLLM TP 8, and 48.22 GiB of receive slots."""
+    from engine.planning.memory import GIB
+    from engine.planning.shapes import PlanError
+
+    path, plan = _plan(DEEPSEEK_V3_CONFIG, shape={"gpu_memory_gib": 139.8})
+    assert not plan.problems, plan.problems
+    assert (plan.shape.train_nodes, plan.shape.infer_nodes) == (16, 4)
+    header = "".join(line for line in path.read_text().splitlines(keepends=True) if line.startswith("#"))
     training, inference, outside = plan.budgets
+    totals = {"training": training.total_bytes, "inference": inference.total_bytes, "outside": outside.total_bytes}
+    assert {k: f"{v / GIB:.2f}" for k, v in totals.items()} == {"training": "116.86", "inference": "85.44",
+                                                               "outside": "45.21"}
+    terms = {t.label: t.nbytes for budget in (inference, outside) for t in budget.terms}
+    assert {k: f"{terms[k] / GIB:.2f}" for k in ("weights", "KV cache", "receive slots")} == {
+        "weights": "42.84", "KV cache": "38.60", "receive slots": "44.21"}
+    for budget in plan.budgets:
+        assert f"{budget.total_bytes / GIB:.2f} GiB" in header, budget.title
+    assert "1 rollout server replica(s), one per 4 inference nodes" in " ".join(plan.header)
+    with pytest.raises(PlanError, match="rollout.vllm_tensor_parallel_size=24 must divide num_attention_heads=128"):
+        _plan(DEEPSEEK_V3_CONFIG, ["rollout.vllm_nodes_per_server=3", "rollout.vllm_tensor_parallel_size=24"],
+              shape={"gpu_memory_gib": 139.8, "infer_nodes": 3})
+    with pytest.raises(PlanError, match=r"rollout.vllm_tensor_parallel_size=32 > rollout.vllm_nodes_per_server x GPUs "
+                                        r"per node = 2 x 8 = 16"):  # TP 32 needs the 4 nodes
+        _plan(DEEPSEEK_V3_CONFIG, ["rollout.vllm_nodes_per_server=2"], shape={"gpu_memory_gib": 139.8})
+    _, h100 = _plan(DEEPSEEK_V3_CONFIG, ["parallel.dp_size=32", "parallel.ep_size=256", "rollout.vllm_nodes_per_server=1",
+                                         "rollout.vllm_tensor_parallel_size=8", "rollout.vllm_gpu_memory_utilization=0.75",
+                                         "train.per_device_train_batch_size=1", "grpo.num_generations=16"],
+                    shape={"infer_nodes": 1})
+    training, inference, outside = h100.budgets
     assert f"{training.total_bytes / GIB:.2f}" == "69.12" and training.total_bytes < 79.1 * GIB
-    assert f"{({t.label: t.nbytes for t in training.terms}['weight-sync send']) / GIB:.2f}" == "0.77"
-    weights = {t.label: t.nbytes for t in inference.terms}["weights"]
-    assert f"{weights / GIB:.2f}" == "165.55"
+    assert f"{({t.label: t.nbytes for t in inference.terms}['weights']) / GIB:.2f}" == "165.55"
     assert f"{({t.label: t.nbytes for t in outside.terms}['receive slots']) / GIB:.2f}" == "48.22"
-    assert len(plan.problems) == 2 and all("inference GPU" in problem for problem in plan.problems)
+    assert len(h100.problems) == 2 and all("inference GPU" in problem for problem in h100.problems)
 
 
 @pytest.mark.parametrize("change,cause", [
@@ -453,3 +523,17 @@ def test_planner_sizes_sliding_window_kv_cache_and_windowed_attention_scores():
     assert [score_bytes(KNOWN_MODELS[name]) for name in ("google/gemma-2-27b", "google/gemma-3-27b-it",
                                                          "builtin:tiny-cohere2", "openai/gpt-oss-120b",
                                                          "meta-llama/llama-3.1-8b")] == [8, 6, 6, 5, 5]
+
+
+def test_sequence_rows_cuts_packed_rows_at_every_sequence_of_the_block_causal_mask():
+    """Rows [a a a b b | pad] and [c c c c c | pad pad]: each sequence (and each row's padding) becomes a row of its
+    own, padded at its end with the zero row's index, and the inverse index puts every position back."""
+    from engine.policy.mamba_layers import sequence_rows
+    from engine.policy.packing import block_causal_mask
+
+    segment = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [3, 3, 3, 3, 3, 0, 0]])
+    gather, sequence, step = sequence_rows(block_causal_mask(segment))
+    zero = segment.numel()
+    assert gather.tolist() == [[0, 1, 2, zero, zero], [3, 4, zero, zero, zero], [5, 6, zero, zero, zero],
+                               [7, 8, 9, 10, 11], [12, 13, zero, zero, zero]]
+    assert torch.equal(gather[sequence, step], torch.arange(segment.numel()))

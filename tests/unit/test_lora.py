@@ -40,13 +40,38 @@ def test_peft_config_maps_to_settings_and_config_fields():
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save"), ({"bias": "all"}, "bias"), ({"use_dora": True}, "use_dora"),
+    ({"modules_to_save": ["score"]}, "modules_to_save"), ({"bias": "all"}, "bias"), ({"use_dora": True}, "use_dora"),
     ({"layers_to_transform": [0]}, "layers_to_transform"), ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
     ({"init_lora_weights": "gaussian"}, "init_lora_weights"), ({"exclude_modules": ["k_proj"]}, "exclude_modules"),
 ])
 def test_peft_options_the_engine_cannot_act_on_are_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match=rf"peft_config.{name}="):
         lora_settings_from_peft(PeftLoraConfig(r=4, target_modules=["q_proj"], **kwargs))
+
+
+def test_modules_to_save_lm_head_and_embeddings_are_taken_others_refused_by_name():
+    both = PeftLoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head", "embed_tokens"])
+    settings = lora_settings_from_peft(both)
+    assert settings.modules_to_save == ("embed_tokens", "lm_head")
+    cfg = build_config({"lora": lora_fields_from_peft(both)})
+    assert cfg.lora.lora_modules_to_save == ["embed_tokens", "lm_head"]
+    assert lora_settings_from_config(cfg.lora) == settings
+    assert lora_settings_from_peft(PeftLoraConfig(r=4, modules_to_save=["lm_head"])).modules_to_save == ("lm_head",)
+    with pytest.raises(ValueError, match=r"peft_config.modules_to_save=\['lm_head.weight'\]: .* cannot be trained"):
+        lora_settings_from_peft(PeftLoraConfig(r=4, modules_to_save=["lm_head.weight"]))
+    with pytest.raises(ConfigError, match=r"lora.lora_modules_to_save=\['norm'\]: \['norm'\] cannot be trained"):
+        validate(build_config({"lora": {"use_peft": True, "lora_modules_to_save": ["norm"]}}), 1)
+
+
+def test_modules_to_save_on_tied_embeddings_is_refused_naming_the_setting():
+    import torch
+
+    from engine.policy.lora import _train_saved_modules
+
+    chunk = torch.nn.Module()
+    chunk.share_embeddings_and_output_weights = True
+    with pytest.raises(ValueError, match=r"lora.lora_modules_to_save .*=\['lm_head'\] on a model with tied"):
+        _train_saved_modules(chunk, ("lm_head",))
 
 
 def _megatron_config(**overrides):
@@ -104,6 +129,9 @@ def test_mlp_adapters_on_an_moe_model_are_refused_naming_the_setting_the_experts
     ({"use_peft": True}, {"grpo": {"sync_ref_model": True}}, r"grpo.sync_ref_model with lora.use_peft"),
     ({"lora_weight_sync": "adapter"}, {}, r"lora.lora_weight_sync='adapter': no effect without lora.use_peft"),
     ({"lora_adapter_dtype": "model"}, {}, r"lora.lora_adapter_dtype='model': no effect without lora.use_peft"),
+    ({"lora_modules_to_save": ["lm_head"]}, {}, r"lora.lora_modules_to_save=\['lm_head'\]: no effect without"),
+    ({"use_peft": True, "lora_weight_sync": "adapter", "lora_modules_to_save": ["lm_head"]}, {},
+     r"lora.lora_modules_to_save=\['lm_head'\] with lora.lora_weight_sync=adapter: vLLM's LoRA cannot carry"),
     ({"use_peft": True, "lora_weight_sync": "adapter", "lora_r": 1024, "lora_target_modules": ["q_proj"]}, {},
      r"lora.lora_r=1024 with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to 512"),
     ({"use_peft": True}, {"grpo": {"beta": 0.04}, "model": {"offload_reference": True}},
@@ -132,10 +160,10 @@ def test_grpo_trainer_takes_peft_config(tmp_path):
                           peft_config=PeftLoraConfig(r=8, lora_alpha=32, target_modules="all-linear"))
     lora = trainer._cfg.lora
     assert lora.use_peft and lora.lora_r == 8 and lora.lora_alpha == 32 and len(lora.lora_target_modules) == 7
-    with pytest.raises(ValueError, match=r"peft_config.modules_to_save="):
+    with pytest.raises(ValueError, match=r"peft_config.modules_to_save=\['score'\]: "):
         GRPOTrainer(model="builtin:tiny-qwen2", reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                     args=args, train_dataset=Dataset.from_dict({"prompt": ["1+1="] * 4}),
-                    peft_config=PeftLoraConfig(r=8, modules_to_save=["lm_head"]))
+                    peft_config=PeftLoraConfig(r=8, modules_to_save=["score"]))
 
 
 def test_adapter_sync_starts_vllm_with_the_smallest_lora_rank_that_fits():
@@ -164,6 +192,17 @@ def test_adapter_sync_refuses_a_rollout_server_without_lora_support_or_a_smaller
         _check_lora_support(servers(16, None), settings)
     with pytest.raises(ValueError, match=r"http://node0:8000 runs vLLM with max_lora_rank 8 < lora.lora_r=16"):
         _check_lora_support(servers(8), settings)
+
+
+def test_adapters_on_nemotron_h_are_refused_by_name():
+    """Its one-mixer layers have no linear_qkv / gated fc1 where HF_TARGETS would put q_proj / up_proj."""
+    from engine.policy.lora import apply_lora
+
+    settings = lora_settings_from_config(build_config({"lora": {"use_peft": True,
+                                                                "lora_target_modules": ["q_proj"]}}).lora)
+    chunk = SimpleNamespace(config=_megatron_config(gated_linear_unit=False))  # what nemotron_h's config sets
+    with pytest.raises(ValueError, match="lora.use_peft with nemotron_h: adapters on its hybrid layers"):
+        apply_lora([chunk], settings, SimpleNamespace(tp_size=1))
 
 
 def test_peft_target_parameters_on_the_experts_map_to_settings_and_config_fields():

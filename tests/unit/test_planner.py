@@ -108,6 +108,15 @@ def test_70b_lora_counts_frozen_base_and_adapter_state_on_one_training_node():
                                   "lora.lora_dropout=0.05", "lora.lora_target_modules=null",
                                   "lora.lora_weight_sync=merged"])
     assert full.budget("training GPU").total_bytes > 79.1 * GIB, "the full fine-tune must not fit on one node"
+    # modules_to_save (merged sync): each V/t x h trained in full: the original copy (2 B), fp32 grad (4 B), fp32 master
+    # and Adam (12 B, dp 1); the embedding on the first stage, the LM head on the last (one stage here)
+    saved = ["lora.lora_weight_sync=merged", "lora.lora_modules_to_save=[lm_head]"]
+    head = _terms(_plan(LLAMA_70B_LORA, saved).budget("training GPU"))
+    assert head["modules_to_save"] == pytest.approx(129024 * h / t * (2 + 4 + 12))
+    both = _terms(_plan(LLAMA_70B_LORA, saved[:1] + ["lora.lora_modules_to_save=[embed_tokens,lm_head]"])
+                  .budget("training GPU"))
+    assert both["modules_to_save"] == pytest.approx(2 * head["modules_to_save"])
+    assert "modules_to_save" not in _terms(_plan(LLAMA_70B_LORA, saved[:1]).budget("training GPU"))
 
 
 def test_lora_on_an_moe_model_plans_attention_adapters_and_refuses_expert_ones_as_the_run_does():
@@ -306,15 +315,25 @@ def test_known_table_matches_the_builtin_tiny_models_and_megatrons_vocab_padding
          r"num_hidden_layers=80 is not divisible by pp_size\*virtual_pipeline_size = 3\*1 = 3 \(80 % 3 = 2\)"),
         (["rollout.vllm_tensor_parallel_size=3"], {},
          r"vllm_tensor_parallel_size=3 must divide num_attention_heads=64"),
-        (["rollout.vllm_tensor_parallel_size=16"], {}, r"vllm_tensor_parallel_size=16 > 8 GPUs per node"),
+        (["rollout.vllm_tensor_parallel_size=16"], {},
+         r"vllm_tensor_parallel_size=16 > rollout.vllm_nodes_per_server x GPUs per node = 1 x 8 = 8"),
         ([], {"infer_nodes": 0}, r"vllm_mode='server' needs inference nodes"),
         ([], {"infer_nodes": 2},
-         r"2 inference nodes but the trainer is given one server .* set rollout.vllm_server_base_urls to one URL"),
+         r"2 inference nodes run 2 rollout servers \(one per inference node\) but the trainer is given one .* set "
+         r"rollout.vllm_server_base_urls to one URL"),
         ([TWO_URLS], {"infer_nodes": 3},
-         r"rollout.vllm_server_base_urls lists 2 server\(s\) but there are 3 inference node\(s\) \(--infer-nodes\)"),
-        ([TWO_URLS], {"infer_nodes": 1}, r"lists 2 server\(s\) but there are 1 inference node\(s\)"),
+         r"rollout.vllm_server_base_urls lists 2 server\(s\) but 3 inference node\(s\) \(--infer-nodes\) run 3"),
+        ([TWO_URLS], {"infer_nodes": 1}, r"lists 2 server\(s\) but 1 inference node\(s\) \(--infer-nodes\) run 1"),
         (["rollout.vllm_tensor_parallel_size=16", TWO_URLS], {},
-         r"vllm_tensor_parallel_size=16 > 8 GPUs per node: vLLM's TP spans nodes only under Ray"),
+         r"vllm_tensor_parallel_size=16 > .* = 8: a rollout server's vLLM TP spans its nodes' GPUs only \(raise "
+         r"rollout.vllm_nodes_per_server"),
+        # rollout.vllm_nodes_per_server: servers over several nodes (engine/rollout/server_nodes.py)
+        (["rollout.vllm_tensor_parallel_size=16", "rollout.vllm_nodes_per_server=2"], {"infer_nodes": 3},
+         r"3 inference nodes \(--infer-nodes\) do not split into rollout servers of rollout.vllm_nodes_per_server=2 "
+         r"nodes \(3 % 2 = 1\)"),
+        (["rollout.vllm_tensor_parallel_size=16", "rollout.vllm_nodes_per_server=2", TWO_URLS], {"infer_nodes": 2},
+         r"lists 2 server\(s\) but 2 inference node\(s\) \(--infer-nodes\) run 1: one rollout server runs per 2 "
+         r"inference nodes \(rollout.vllm_nodes_per_server\), give one URL each \(node 0's\)"),
         (["rollout.vllm_mode=colocate", "rollout.max_staleness=0"], {"infer_nodes": 1},
          r"'colocate' runs vLLM on the training GPUs: got 1"),
         (["model.name_or_path=acme/unknown-70b"], {}, r"does not know this model's dimensions and does not download"),
@@ -358,6 +377,23 @@ def test_a_vllm_tp_smaller_than_the_node_is_planned_and_its_idle_gpus_reported()
     assert "each inference node uses vLLM TP 4 of its 8 GPUs: 4 idle per node" in " ".join(budget.notes)
     assert "at TP 4 on 4 of 8 GPUs" in format_plan(plan)
     assert not any("idle" in note for note in _plan(QWEN_72B, [TWO_URLS]).budget("inference GPU").notes)
+
+
+def test_a_server_over_two_nodes_holds_the_model_at_their_tp_and_the_trainer_gets_one_url_per_server():
+    """rollout.vllm_nodes_per_server=2: 4 inference nodes are 2 servers at vLLM TP 16 (weights per GPU halved against
+    TP 8, KV heads 8 replicated in 2 copies: 8 per GPU -> 1), each holding half a round."""
+    two_nodes = ["rollout.vllm_nodes_per_server=2", "rollout.vllm_tensor_parallel_size=16", TWO_URLS]
+    plan = _plan(QWEN_72B, two_nodes)  # the inference node count defaults to 2 nodes per URL
+    assert plan.shape.infer_nodes == 4 and not plan.problems
+    text = format_plan(plan)
+    assert ("rollout: 2 rollout server replica(s), one per 2 inference nodes (rollout.vllm_nodes_per_server: vLLM's "
+            "TP across them), each one vLLM engine at TP 16 on 16 of 16 GPUs") in text
+    assert "inference GPU (vLLM TP 16, 2 rollout server(s), one per 2 inference nodes, 64 sequences per engine)" in text
+    assert _terms(plan.budget("inference GPU"))["weights"] < _terms(_plan(QWEN_72B, [TWO_URLS]).budget(
+        "inference GPU"))["weights"] / 2 + 2 * GIB  # per GPU: about half at twice the TP (+ replicated KV heads)
+    idle = _plan(QWEN_72B, ["rollout.vllm_nodes_per_server=2", "rollout.vllm_tensor_parallel_size=8", TWO_URLS])
+    assert "each rollout server uses vLLM TP 8 of its 2 x 8 GPUs: 8 idle per server" in " ".join(
+        idle.budget("inference GPU").notes)
 
 
 def test_plan_command_accepts_two_inference_nodes_in_server_mode(capsys):
@@ -436,19 +472,23 @@ def test_train_dry_run_prints_this_nodes_ranks_and_exits_zero(capsys, monkeypatc
 
 
 ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
+OTHER_GPUS = {"deepseek-v3-671b_tp8_ep128_split_16x4": {"gpu_memory_gib": 139.8}}
+"""Shipped configs for another GPU than the planner's default H100 80GB (their headers say which, and the
+--gpu-memory-gib they are planned with)."""
 
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=[p.stem for p in ALL_CONFIGS])
 def test_every_shipped_config_fits_with_the_recompute_that_runs(path):
     """The plan budgets `resolve_recompute`'s result, the function that configures Megatron (engine/policy/model.py),
     prints it, and fits; a config that sets the recompute explicitly does not fit without it."""
-    plan = _plan(path)
+    shape = OTHER_GPUS.get(path.stem, {})
+    plan = _plan(path, **shape)
     assert not plan.problems, plan.problems
     cfg = load_config(path)
     assert any(line.startswith("activation recompute: ") for line in plan.header)
     if cfg.train.recompute_num_layers is not None:
         off = _plan(path, ["train.gradient_checkpointing=false", "train.recompute_method=null",
-                           "train.recompute_num_layers=null"])
+                           "train.recompute_num_layers=null"], **shape)
         assert off.problems, f"{path.name} sets recompute explicitly but fits without it"
 
 
@@ -473,6 +513,15 @@ def test_activation_term_follows_the_recompute_settings(train, expected):
     s, b, h = 2048, 2, 3072
     term = activation_term(_recompute_cfg(**train), GPT, stage=0, num_microbatches=1)
     assert term.nbytes == pytest.approx(expected * s * b * h / 4)
+
+
+def test_planner_refuses_nemotron_h_naming_the_family(tmp_path):
+    """A Nemotron-H config.json (no num_hidden_layers key: a KeyError before) is refused with the reason."""
+    from engine.models.tiny_model import tiny_model_config
+
+    tiny_model_config("nemotron_h").to_json_file(tmp_path / "config.json")
+    with pytest.raises(PlanError, match="model_type nemotron_h .* is not sized by the planner yet"):
+        load_model_dims(str(tmp_path))
 
 
 def test_moe_lora_counts_the_local_experts_adapters():

@@ -46,11 +46,27 @@ def test_a_config_keeps_its_values_and_flags_given_next_to_it_override_them():
     assert both.cfg.rollout.vllm_max_model_length == 64 and both.cfg.train == tiny.train
 
 
+def test_a_server_spanning_nodes_is_replica_rank_over_k_and_gives_vllm_its_node():
+    """rollout.vllm_nodes_per_server=K: inference node R is node R % K of replica R // K (node 0 serves; the others
+    run workers only, engine/rollout/server_nodes.py), and its vLLM engine gets nnodes / node_rank / master_*."""
+    from engine.rollout.server_nodes import NodePlace
+
+    argv = ["configs/tiny_cpu.yaml", "rollout.vllm_nodes_per_server=2", "--tensor_parallel_size=4", "--num-nodes=4",
+            "--master-addr=10.0.0.7", "--master-port=29600"]
+    places = [parse_serve_args([*argv, f"--node-rank={rank}"]) for rank in range(4)]
+    assert [s.place for s in places] == [NodePlace(0, 2, 0, 2), NodePlace(0, 2, 1, 2), NodePlace(1, 2, 0, 2),
+                                         NodePlace(1, 2, 1, 2)]
+    assert places[3].place.engine_options(places[3].master_addr, places[3].master_port) == {
+        "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.7", "master_port": 29600}
+    one = parse_serve_args(["configs/tiny_cpu.yaml", "--num-nodes=3", "--node-rank=2"]).place
+    assert one == NodePlace(2, 3) and one.engine_options("127.0.0.1", 29501) == {}  # one node per server: as before
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--model", MODEL, "--data_parallel_size", "2"], r"--data_parallel_size=2 is not supported: run one server per "
                                                       r"data-parallel replica .* rollout.vllm_server_base_urls"),
     (["--model", MODEL, "--revision", "v1"], r"--revision=v1 is not supported: download that revision"),
-    (["--model", MODEL, "--distributed-executor-backend", "ray"], r"ray is not supported: .* one server per node"),
+    (["--model", MODEL, "--distributed-executor-backend", "ray"], r"ray is not supported: .* rollout.vllm_nodes_per_server=K .* one server per node"),
     (["--model", MODEL, "--speculative_config", "{}"], r"--speculative_config is not supported"),
     (["--model", MODEL, "--max-num-seqs", "64"], r"unknown flag\(s\) --max-num-seqs: `trl vllm-serve` passes unknown "
                                                  r"flags on to `vllm serve`"),
@@ -58,6 +74,10 @@ def test_a_config_keeps_its_values_and_flags_given_next_to_it_override_them():
     (["--model", MODEL, "--log_level", "loud"], r"--log_level='loud': expected one of critical"),
     (["--model", MODEL, "--vllm_model_impl", "sglang"], r"rollout.vllm_model_impl"),
     (["--model", MODEL, "--node-rank", "1"], r"--node-rank=1 must be in \[0, --num-nodes=1\)"),
+    (["--model", MODEL, "rollout.vllm_nodes_per_server=2", "--tensor-parallel-size", "2", "--num-nodes", "3"],
+     r"--num-nodes=3 inference nodes do not split into rollout servers of rollout.vllm_nodes_per_server=2 nodes"),
+    (["--model", MODEL, "rollout.vllm_nodes_per_server=2", "--tensor-parallel-size", "3", "--num-nodes", "2"],
+     r"vllm_nodes_per_server=2 must divide rollout.vllm_tensor_parallel_size=3"),
     ([], r"give the run's config .* or the model, as with TRL"),
 ])
 def test_flags_that_cannot_be_honoured_are_refused_with_what_to_do(argv, message):

@@ -283,6 +283,43 @@ def test_split_script_starts_one_rollout_server_per_inference_node_and_gives_the
     )
 
 
+def test_split_script_runs_one_server_over_the_inference_nodes_its_config_names(slurm):
+    """configs/deepseek-v3-671b...: rollout.vllm_nodes_per_server=4 read from the config, 16 + 4 nodes: one server,
+    every inference task given node 0's host and vLLM's master port (the port after the one group port), one URL."""
+    nodes = [f"gpu{i:03d}" for i in range(1, 21)]
+    config = "configs/deepseek-v3-671b_tp8_ep128_split_16x4.yaml"
+    result, records = slurm(["bash", SPLIT_SCRIPT], SLURM_JOB_NODELIST="gpu[001-020]", SLURM_NNODES="20",
+                            CONFIG=config, TRAIN_NODES="16", GPU_MEMORY_GIB="139.8")
+    assert result.returncode == 0, result.stderr
+    servers = _servers(records)
+    assert [(r["env"]["SLURMD_NODENAME"], _option(r["argv"], "node-rank"), _option(r["argv"], "num-nodes"),
+             _option(r["argv"], "master-addr"), _option(r["argv"], "master-port")) for r in servers] == [
+        (node, str(rank), "4", "gpu017", str(BASE_PORT + 3)) for rank, node in enumerate(nodes[16:])]
+    trainer = _tool(records, "torchrun")[0]["argv"]
+    assert _base_urls(trainer) == [f"http://gpu017:{BASE_PORT + 1}"] and _overrides(trainer)["rollout.vllm_group_port"] \
+        == str(BASE_PORT + 2)
+    plan = next(r for r in _tool(records, "python") if r["argv"][:3] == ["-m", "engine", "plan"])
+    assert (_option(plan["argv"], "infer-nodes"), _option(plan["argv"], "gpu-memory-gib")) == ("4", "139.8")
+    assert "1 rollout server(s) of 4 node(s)" in result.stderr
+
+
+def test_split_script_gives_two_servers_over_two_nodes_each_their_node_0(slurm):
+    """An override rollout.vllm_nodes_per_server=2 on 4 + 4 nodes: servers on gpu005-006 and gpu007-008."""
+    result, records = slurm(["bash", SPLIT_SCRIPT], "rollout.vllm_nodes_per_server=2",
+                            "rollout.vllm_tensor_parallel_size=16", SLURM_JOB_NODELIST="gpu[001-008]", SLURM_NNODES="8")
+    assert result.returncode == 0, result.stderr
+    assert [(_option(r["argv"], "node-rank"), _option(r["argv"], "master-addr")) for r in _servers(records)] == [
+        ("0", "gpu005"), ("1", "gpu005"), ("2", "gpu007"), ("3", "gpu007")]
+    assert _base_urls(_tool(records, "torchrun")[0]["argv"]) == [f"http://gpu005:{BASE_PORT + 1}",
+                                                                 f"http://gpu007:{BASE_PORT + 1}"]
+    sruns = len(_tool(records, "srun"))
+    three, records = slurm(["bash", SPLIT_SCRIPT], "rollout.vllm_nodes_per_server=2",
+                           SLURM_JOB_NODELIST="gpu[001-007]", SLURM_NNODES="7")
+    assert three.returncode == 1 and len(_tool(records, "srun")) == sruns  # refused before any srun
+    assert ("3 inference node(s) do not split into rollout servers of rollout.vllm_nodes_per_server=2 nodes: submit "
+            "with --nodes=8") in three.stderr
+
+
 def test_split_script_plans_two_replicas_with_the_real_planner(slurm):
     result, records = slurm(["bash", SPLIT_SCRIPT], DRY_RUN="1", PYTHON=sys.executable,
                             SLURM_JOB_NODELIST="gpu[001-006]", SLURM_NNODES="6")
@@ -295,7 +332,7 @@ def test_split_script_plans_two_replicas_with_the_real_planner(slurm):
 def test_split_script_refuses_more_inference_nodes_than_its_port_block_holds(slurm):
     result, records = slurm(["bash", SPLIT_SCRIPT], SLURM_JOB_NODELIST="gpu[001-013]", SLURM_NNODES="13")
     assert result.returncode == 1
-    assert f"9 inference nodes need group ports {BASE_PORT + 2}-{BASE_PORT + 10}" in result.stderr
+    assert f"9 rollout servers need group ports {BASE_PORT + 2}-{BASE_PORT + 10}" in result.stderr
     assert "pin VLLM_GROUP_PORT" in result.stderr
     assert not _tool(records, "srun")
 

@@ -488,3 +488,37 @@ def test_gpt_oss_plan_sends_each_experts_slices_and_feeds_every_vllm_rank_what_i
                 assert torch.equal(got, want), f"engine_tp={engine_tp} rank={engine_rank}: {name}"
         expert_senders = {tr.sender for tr in plan.transfers() if ".experts." in plan.tensors[tr.tensor].name}
         assert len(expert_senders) == pp * ep * etp, "every (stage, ep rank, expert-TP rank) sends its own experts"
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_nemotron_h_plan_feeds_the_engine_every_tensor_of_the_checkpoint(tmp_path, tp, pp):
+    """The tiny Nemotron-H checkpoint ('M*-M'; Mamba-2's in_proj [z; x; B; C; dt] and conv channels [x; B; C] split
+    per block over the trainer's TP) cut into trainer shards by `read_megatron_shard`, each layer's entries by its kind;
+    engine TP 1 (vLLM's rank holds 5 blocks of in_proj at engine TP > 1: refused, naming it) receives every tensor
+    whole, under the checkpoint's names, equal to the checkpoint's."""
+    from transformers import AutoConfig
+
+    from engine.models.tiny_model import build_tiny_model
+    from tests.helpers.policy import hf_tensors
+
+    model_dir = build_tiny_model(tmp_path / "nemotron_h", "nemotron_h")
+    config = AutoConfig.from_pretrained(model_dir)
+    hf = hf_tensors(model_dir)
+    dims = ModelDims.from_hf(config, padded_vocab_size(config.vocab_size, 128, tp))
+    shards = {}
+    for entry in [e for e in family_map(dims) if "{i}" not in e.megatron]:
+        stage = 0 if entry.megatron.startswith("embedding.") else pp - 1
+        shards |= {(stage, t, 0, entry.megatron): read_megatron_shard(entry, None, dims, DictSource(hf), t, tp)
+                   for t in range(tp)}
+    for layer in range(dims.num_layers):
+        for entry in layer_entries(dims, layer):
+            name = entry.megatron.format(i=layer)
+            shards |= {(layer // (dims.num_layers // pp), t, 0, name):
+                       read_megatron_shard(entry, layer, dims, DictSource(hf), t, tp) for t in range(tp)}
+    plan = build_sync_plan(dims, TrainerLayout(tp, pp), 1, ffn_hidden_size=config.intermediate_size)
+    assert {t.name: t.shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in hf.items()}
+    received = apply_plan(plan, shards, 0)
+    for name, full in hf.items():
+        assert torch.equal(received[name], full), f"tp={tp} pp={pp}: {name}"
+    with pytest.raises(ValueError, match="engine_tp=2 with Nemotron-H's Mamba-2 layers"):
+        build_sync_plan(dims, TrainerLayout(tp, pp), 2, ffn_hidden_size=config.intermediate_size)

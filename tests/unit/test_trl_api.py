@@ -855,8 +855,8 @@ def test_trainer_model_refuses_a_checkpoint_larger_than_the_memory(tmp_path):
 
 def test_save_model_before_train_with_peft_writes_the_initial_adapter(tmp_path):
     """TRL's `save_model()` of a PEFT model before `train()` writes the (initial) adapter, not the base: the adapter
-    loads with peft onto the base, holds A as the run draws it (seeded by name, the run's seed) and B = 0; the
-    output directory's other files stay."""
+    loads with peft onto the base, holds A as the run draws it (seeded by name, the run's seed) and B = 0, and the
+    LM head of modules_to_save as loaded (PEFT's key); the output directory's other files stay."""
     from peft import LoraConfig, PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -865,19 +865,21 @@ def test_save_model_before_train_with_peft_writes_the_initial_adapter(tmp_path):
     from engine.policy.lora import initial_lora_a
 
     trainer = GRPOTrainer(model=TINY, reward_funcs=reward_len, args=_small_args(tmp_path), train_dataset=_prompts(),
-                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+                          peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"],
+                                                 modules_to_save=["lm_head"]))
     (tmp_path / "run").mkdir(exist_ok=True)
     (tmp_path / "run" / "keep.txt").write_text("x")
     trainer.save_model()
     out = tmp_path / "run"
     assert (out / "keep.txt").exists() and not (out / "model.safetensors").exists()
     tensors = load_file(out / "adapter_model.safetensors")
-    assert len(tensors) == 4 * 2 * 2
+    assert len(tensors) == 4 * 2 * 2 + 1
     key = "base_model.model.model.layers.2.mlp.down_proj"
     torch.testing.assert_close(tensors[f"{key}.lora_A.weight"],
                                initial_lora_a(2, "down_proj", 4, 352, trainer.engine_config.train.seed), rtol=0, atol=0)
     assert all(not t.any() for k, t in tensors.items() if "lora_B" in k)
     base = AutoModelForCausalLM.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
+    torch.testing.assert_close(tensors["base_model.model.lm_head.weight"], base.lm_head.weight, rtol=0, atol=0)
     model = PeftModel.from_pretrained(base, out)
     assert model.peft_config["default"].r == 4 and sorted(model.peft_config["default"].target_modules) == [
         "down_proj", "q_proj"]

@@ -144,8 +144,8 @@ def test_an_override_with_tools_is_refused_and_with_rounds_ahead_runs_on_a_view_
     trainer.state.global_step = 3  # the trainer trains on: the view keeps the step the round was issued at
     assert isinstance(view, SingleTurn) and view.state.global_step == 0 and view.processing_class is own_tokenizer
     assert trainer.processing_class is not own_tokenizer and view.args is trainer.args
-    args = GRPOConfig(output_dir=str(tmp_path / "tp2"), per_device_train_batch_size=4, num_generations=2,
-                      max_steps=1, report_to="none", vllm_tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=r"SingleTurn._generate_single_turn with vllm_tensor_parallel_size=2"):
-        SingleTurn(model=TINY, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                   train_dataset=datasets.Dataset.from_dict({"prompt": ["q"] * 4}))
+    # any engine layout: colocated at vLLM TP > 1 the override drives rank 0's engine, its TP group mirroring the
+    # steps (engine/rollout/colocated_turns.py; the run: tests/integration/test_agentic.py)
+    from engine.api import trl_generate
+
+    assert trl_generate.dispatch_override(trainer, None, None, None) is trl_generate._as_rollout_func

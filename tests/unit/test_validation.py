@@ -86,6 +86,11 @@ def _cfg(**sections):
         ({"rollout": {"vllm_server_base_urls": []}}, 1, r"vllm_server_base_urls is an empty list"),
         ({"rollout": {"max_staleness": 1}}, 1, r"max_staleness=1 needs rollout.vllm_mode=server: a colocated engine"),
         ({"rollout": {"vllm_mode": "server", "max_staleness": -1}}, 1, r"max_staleness must be >= 0"),
+        ({"rollout": {"vllm_nodes_per_server": 2, "vllm_tensor_parallel_size": 2}}, 2,
+         r"vllm_nodes_per_server=2 needs rollout.vllm_mode=server"),
+        ({"rollout": {"vllm_mode": "server", "vllm_nodes_per_server": 2, "vllm_tensor_parallel_size": 3}}, 1,
+         r"vllm_nodes_per_server=2 must divide rollout.vllm_tensor_parallel_size=3 \(3 % 2 = 1\)"),
+        ({"rollout": {"vllm_mode": "server", "vllm_nodes_per_server": 0}}, 1, r"vllm_nodes_per_server must be >= 1"),
         (
             {"rollout": {"vllm_server_base_urls": ["http://a:8000", "http://a:8000/"]}}, 1,
             r"vllm_server_base_urls lists a server twice",

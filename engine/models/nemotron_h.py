@@ -1,0 +1,159 @@
+"""Nemotron-H (HF `nemotron_h`, NemotronHForCausalLM: hybrid Mamba-2 / attention / MLP): what the engine needs to
+know about its HF config, without torch or Megatron.
+
+Owns: `check_nemotron_h` (the settings refused, each naming the cause: MoE layers, biases, activations other than
+relu2 / silu, a sliding window, tied embeddings), `nemotron_h_settings`
+(TransformerConfig fields: the non-gated squared-ReLU MLP, RMSNorm epsilon), `layer_kinds` (one of "mamba",
+"attention", "mlp" per decoder layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B /
+C / dt), `NEMOTRON_H_TENSORS` (HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py),
+`has_moe_layers` and the tiny model's config (`tiny_nemotron_h_config`, for engine/models/tiny_model.py).
+The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) are engine/policy/mamba_layers.py.
+
+Each HF block is `x + mixer(norm(x))` with one mixer; in Megatron's TransformerLayer that is an attention-only layer
+(the mixer as `self_attention`, no MLP) or an MLP-only layer (no attention), Megatron's own hybrid-stack layout.
+Attention has no position encoding (HF's NemotronHAttention applies no RoPE).
+
+Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_nemotron_h`).
+
+Test: tests/unit/test_families.py (refusals; logits = HF), tests/distributed/test_family_layouts.py (logits = HF at
+TP2 / PP2, export byte-exact; GRPO step at TP2 = TP1).
+"""
+
+from __future__ import annotations
+
+NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
+"""Hybrid Mamba-2 / attention / MLP families the policy builds (engine/policy/mamba_layers.py)."""
+
+LAYER_KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+"""HF `layers_block_type` entries the translation builds -> the engine's layer kind ("moe" is refused)."""
+
+_ROOT = "backbone"
+"""The checkpoint's prefix (HF's module is `model.`, its conversion mapping saves and loads `backbone.`)."""
+
+NEMOTRON_H_TENSORS = {
+    "mamba": (
+        ("input_layernorm.weight", "norm.weight", "replicated"),
+        ("self_attention.in_proj.weight", "mixer.in_proj.weight", "mamba_in"),
+        ("self_attention.conv1d.weight", "mixer.conv1d.weight", "mamba_conv"),
+        ("self_attention.conv1d.bias", "mixer.conv1d.bias", "mamba_conv"),
+        ("self_attention.dt_bias", "mixer.dt_bias", "column"),
+        ("self_attention.A_log", "mixer.A_log", "column"),
+        ("self_attention.D", "mixer.D", "column"),
+        ("self_attention.norm.weight", "mixer.norm.weight", "column"),
+        ("self_attention.out_proj.weight", "mixer.out_proj.weight", "row"),
+    ),
+    "attention": (
+        ("input_layernorm.weight", "norm.weight", "replicated"),
+        ("self_attention.linear_qkv.weight", ("mixer.q_proj.weight", "mixer.k_proj.weight", "mixer.v_proj.weight"),
+         "qkv"),
+        ("self_attention.linear_proj.weight", "mixer.o_proj.weight", "row"),
+    ),
+    "mlp": (
+        ("pre_mlp_layernorm.weight", "norm.weight", "replicated"),
+        ("mlp.linear_fc1.weight", "mixer.up_proj.weight", "column"),
+        ("mlp.linear_fc2.weight", "mixer.down_proj.weight", "row"),
+    ),
+}
+"""(Megatron name in decoder layer {i}, HF name(s) in `backbone.layers.{i}`, layout kind) of each layer kind. The
+Mamba kinds (engine/policy/hf_convert.py): `mamba_in` = in_proj's rows [z; x; B; C; dt], each block split over TP
+(rank r: [z_r; x_r; B_r; C_r; dt_r]); `mamba_conv` = the depthwise conv's channels [x; B; C], likewise."""
+
+NEMOTRON_H_GLOBAL = (
+    ("embedding.word_embeddings.weight", f"{_ROOT}.embeddings.weight", "vocab"),
+    ("decoder.final_layernorm.weight", f"{_ROOT}.norm_f.weight", "replicated"),
+)
+"""(Megatron name, HF name, kind) outside the layers; the LM head is `lm_head.weight` (or the tied embedding)."""
+
+
+def is_nemotron_h(hf_config) -> bool:
+    """Whether the config is one of `NEMOTRON_H_MODEL_TYPES`."""
+    return hf_config.model_type in NEMOTRON_H_MODEL_TYPES
+
+
+def layer_kinds(hf_config) -> tuple[str, ...]:
+    """The engine's kind ("mamba", "attention", "mlp") of each decoder layer, from HF's `layers_block_type`."""
+    return tuple(LAYER_KINDS.get(t, t) for t in hf_config.layers_block_type)
+
+
+def hf_layer_name(name: str) -> str:
+    """The checkpoint name of a layer tensor `name` relative to `backbone.layers.{i}`."""
+    return f"{_ROOT}.layers.{{i}}.{name}"
+
+
+def mamba_blocks(hf_config) -> tuple[int, int, int, int, int]:
+    """The in_proj row blocks (z, x, B, C, dt): heads x head_dim twice, groups x state twice, heads."""
+    inner = int(hf_config.mamba_num_heads) * int(hf_config.mamba_head_dim)
+    groups_state = int(hf_config.n_groups) * int(hf_config.ssm_state_size)
+    return inner, inner, groups_state, groups_state, int(hf_config.mamba_num_heads)
+
+
+def check_nemotron_h(hf_config) -> None:
+    """Refuse the Nemotron-H settings the translation would not reproduce.
+
+    Raises:
+        ValueError naming `model.name_or_path`, the setting and its value.
+    """
+    prefix = f"model.name_or_path: {hf_config.model_type}"
+    kinds = set(hf_config.layers_block_type)
+    if not kinds <= set(LAYER_KINDS):
+        raise ValueError(f"{prefix} with layers_block_type {sorted(kinds)}: only {sorted(LAYER_KINDS)} ('M', '*', "
+                         "'-' in hybrid_override_pattern) are translated; the MoE layers ('E': non-gated relu2 "
+                         "experts with a latent projection) are not yet")
+    for field in ("use_bias", "mamba_proj_bias", "mlp_bias", "attention_bias"):
+        if getattr(hf_config, field, False):
+            raise ValueError(f"{prefix} with {field}=true: not translated (Nemotron-H's checkpoints have none)")
+    if hf_config.mlp_hidden_act != "relu2" or hf_config.mamba_hidden_act != "silu":
+        raise ValueError(f"{prefix} with mlp_hidden_act={hf_config.mlp_hidden_act!r}, mamba_hidden_act="
+                         f"{hf_config.mamba_hidden_act!r}: only relu2 and silu (Nemotron-H's own) are translated")
+    if hf_config.tie_word_embeddings:
+        raise ValueError(f"{prefix} with tie_word_embeddings=true: neither HF's NemotronHForCausalLM nor vLLM's "
+                         "ties the LM head to the embedding (both keep lm_head.weight); only untied is supported")
+    if getattr(hf_config, "sliding_window", None) is not None:
+        raise ValueError(f"{prefix} with sliding_window={hf_config.sliding_window}: not translated")
+    heads, groups = int(hf_config.mamba_num_heads), int(hf_config.n_groups)
+    if heads % groups:
+        raise ValueError(f"{prefix}: mamba_num_heads={heads} is not a multiple of n_groups={groups}")
+
+
+def check_nemotron_h_layout(hf_config, tp_size: int, pp_size: int) -> None:
+    """Refuse a TP size that splits a Mamba head group (each rank holds whole groups of heads with their B / C)."""
+    heads, groups = int(hf_config.mamba_num_heads), int(hf_config.n_groups)
+    if groups % tp_size or heads % tp_size:
+        raise ValueError(f"{hf_config.model_type}: n_groups={groups} and mamba_num_heads={heads} must both be "
+                         f"divisible by tp_size={tp_size} (each TP rank holds whole Mamba groups)")
+
+
+def nemotron_h_settings(hf_config) -> dict:
+    """TransformerConfig fields that differ for Nemotron-H: a non-gated MLP with squared ReLU (HF relu2) of width
+    `intermediate_size`, RMSNorm with `layer_norm_epsilon`, distributed checkpoints keyed per layer (the layers
+    differ: Megatron's stacked per-kind keys would miss the layers of other kinds); the activation itself is set by the
+    policy (torch)."""
+    return dict(gated_linear_unit=False, layernorm_epsilon=float(hf_config.layer_norm_epsilon),
+                ffn_hidden_size=int(hf_config.intermediate_size), hetereogenous_dist_checkpoint=True)
+
+
+def has_moe_layers(values: dict) -> bool:
+    """Whether a Nemotron-H config.json (a dict) has MoE layers: `layers_block_type` names "moe" or the older
+    `hybrid_override_pattern` an 'E' (its `n_routed_experts` is set, 8 by default, even without any)."""
+    return "moe" in (values.get("layers_block_type") or []) or "E" in (values.get("hybrid_override_pattern") or "")
+
+
+TINY_NEMOTRON_H_LAYERS = ["linear_attention", "full_attention", "mlp", "linear_attention"]
+"""The tiny Nemotron-H's layers, 'M*-M' (each PP2 stage holds a Mamba-2 layer; TRL's nano adds MoE layers, refused)."""
+
+
+def tiny_nemotron_h_config(common: dict):
+    """Nemotron-H's architecture at engine/models/tiny_model.py's tiny shapes (`common`: its shared fields): layers
+    `TINY_NEMOTRON_H_LAYERS`, each one RMSNorm (eps 1e-5) and one mixer; Mamba-2 with 8 heads of dim 32 (inner 256 =
+    2 x hidden) in 2 groups, state 16, conv kernel 4, chunk 8 (the tests' 12-token rows cross a chunk boundary);
+    attention 4 heads / 2 KV heads of dim 32 without RoPE; the relu2 MLP of width 352; untied embeddings (Nemotron-H's
+    own; `tie_word_embeddings` is ignored: `check_nemotron_h`). transformers is imported here only (the planner imports
+    this module without it)."""
+    from transformers import NemotronHConfig
+
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "hidden_act",
+                                                           "num_hidden_layers", "tie_word_embeddings")}
+    return NemotronHConfig(**common, head_dim=common["hidden_size"] // common["num_attention_heads"],
+                           layers_block_type=TINY_NEMOTRON_H_LAYERS, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
+                           ssm_state_size=16, conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
+                           mlp_hidden_act="relu2", use_conv_bias=True, tie_word_embeddings=False)
