@@ -447,16 +447,16 @@ class LoraConfig:
     """Dropout probability on each adapter's input (training forwards only)."""
     lora_target_modules: list[str] | None = None
     """HF module names (q/k/v/o_proj, gate/up/down_proj) or ['all-linear']; None = PEFT's default, q_proj + v_proj."""
+    lora_target_parameters: list[str] | None = None
+    """PEFT's target_parameters: MoE expert tensors (mlp.experts.gate_up_proj / down_proj), adapted per expert."""
     use_rslora: bool = False
     """Rank-stabilised scale lora_alpha / sqrt(r) (arXiv:2312.03732) instead of lora_alpha / r."""
     lora_modules_to_save: list[str] | None = None
     """Modules trained in full next to the adapters (PEFT's modules_to_save): 'lm_head' and/or 'embed_tokens'."""
     lora_adapter_dtype: Literal["float32", "model"] = "float32"
-    """The adapters' dtype: float32 (PEFT's default: fp32 adapters, gradients, Adam state and LoRA branch over the
-    frozen model.dtype base) or model (adapters in model.dtype with fp32 main copies; = float32 for a float32 model)."""
+    """The adapters' dtype: float32 (PEFT's: fp32 adapters, grads, Adam state over the base) or model (fp32 masters)."""
     lora_weight_sync: Literal["merged", "adapter"] = "merged"
-    """How vLLM gets the adapters, verified: merged into the base weights (W + scale * B A in fp32, all weights sent)
-    or adapter (A and B alone into vLLM's LoRA, named by every request; a server's from the same lora settings)."""
+    """How vLLM gets the adapters, verified: merged (W + scale * B A in fp32, all weights) or adapter (vLLM's LoRA)."""
     lora_save_merged: bool = False
     """Final export: `<output_dir>/hf` holds the PEFT adapter; this also writes the merged model to `hf_merged`."""
 

@@ -5,7 +5,8 @@ Owns: `HF_TARGETS` (the HF module names an adapter can target, and the Megatron 
 `VLLM_LORA_RANKS` / `vllm_max_lora_rank` (vLLM's LoRA ranks), `LoraSettings`, `resolve_target_modules`,
 `resolve_modules_to_save` (PEFT's modules_to_save: lm_head, embed_tokens), `lora_settings_from_config`,
 `lora_settings_from_peft` (every PEFT option the engine cannot act on refused by name),
-`refuse_expert_adapters` (MLP targets on an MoE model) and `lora_fields_from_peft` (the config section's fields).
+`refuse_expert_adapters` (MLP targets on an MoE model), `EXPERT_TARGETS` / `resolve_target_parameters` (PEFT's
+`target_parameters` on the routed experts' 3-D tensors) and `lora_fields_from_peft` (the config section's fields).
 
 Must not: import torch, Megatron or peft (a LoraConfig is read by attribute), or build adapters
 (engine/policy/lora.py does).
@@ -29,6 +30,10 @@ HF_TARGETS: dict[str, tuple[str, str]] = {
     "down_proj": ("mlp.linear_fc2", "all"),
 }
 """Every linear of a Qwen2 / Llama / Qwen3 layer, by the HF module name PEFT's target_modules uses."""
+
+
+PEFT_PREFIX = "base_model.model.model.layers."
+"""The start of every decoder-layer key in a saved PEFT adapter of a causal LM."""
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -57,6 +62,8 @@ class LoraSettings:
     use_rslora: bool = False
     adapter_dtype: str = "float32"
     """The adapters' parameter dtype: "float32" (PEFT's `autocast_adapter_dtype=True`) or "model" (the policy's)."""
+    target_parameters: tuple[str, ...] = ()
+    """Routed-expert tensors (EXPERT_TARGETS' names, in its order) adapted per expert, as PEFT's ParamWrapper."""
     modules_to_save: tuple[str, ...] = ()
     """HF modules trained in full next to the adapters (PEFT's modules_to_save), in SAVED_MODULES' order."""
 
@@ -108,19 +115,22 @@ def lora_settings_from_peft(peft_config) -> LoraSettings:
     modules_to_save = resolve_modules_to_save(getattr(peft_config, "modules_to_save", None),
                                               "peft_config.modules_to_save")
     refusals |= {name: (bool(getattr(peft_config, name, None)), "not supported")
-                 for name in ("exclude_modules", "target_parameters", "layer_replication", "trainable_token_indices",
+                 for name in ("exclude_modules", "layer_replication", "trainable_token_indices",
                               "use_qalora", "layers_pattern")}
     for name, (refused, why) in refusals.items():
         if refused:
             raise ValueError(f"peft_config.{name}={getattr(peft_config, name)!r}: {why}")
-    targets = getattr(peft_config, "target_modules", None)
-    targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
-                                     (sorted(targets) if isinstance(targets, set) else targets),
-                                     "peft_config.target_modules")
+    targets, params = getattr(peft_config, "target_modules", None), getattr(peft_config, "target_parameters", None)
+    params = resolve_target_parameters(params, float(peft_config.lora_dropout), "peft_config")
+    # PEFT adapts no module when only target_parameters is set (its default targets apply to target_modules alone)
+    targets = () if params and not targets else resolve_target_modules(
+        PEFT_DEFAULT_TARGETS if targets is None else (sorted(targets) if isinstance(targets, set) else targets),
+        "peft_config.target_modules")
     # float32 adapters (the default): TRL's get_peft_model(model, peft_config) autocasts them to fp32 over a bf16 base
     return LoraSettings(r=int(peft_config.r), lora_alpha=float(peft_config.lora_alpha),
                         lora_dropout=float(peft_config.lora_dropout), target_modules=targets,
-                        use_rslora=bool(getattr(peft_config, "use_rslora", False)), modules_to_save=modules_to_save)
+                        use_rslora=bool(getattr(peft_config, "use_rslora", False)), modules_to_save=modules_to_save,
+                        target_parameters=params)
 
 
 SAVED_MODULES = ("embed_tokens", "lm_head")
@@ -153,28 +163,61 @@ def lora_settings_from_config(section) -> LoraSettings:
     if not 0.0 <= section.lora_dropout < 1.0:
         raise ValueError(f"lora.lora_dropout={section.lora_dropout}: must be in [0, 1)")
     targets = section.lora_target_modules
-    targets = resolve_target_modules(PEFT_DEFAULT_TARGETS if targets is None else
-                                     ("all-linear" if targets == ["all-linear"] else targets),
-                                     "lora.lora_target_modules")
+    params = resolve_target_parameters(section.lora_target_parameters, section.lora_dropout, "lora")
+    targets = () if params and not targets else resolve_target_modules(
+        PEFT_DEFAULT_TARGETS if targets is None else ("all-linear" if targets == ["all-linear"] else targets),
+        "lora.lora_target_modules")
     return LoraSettings(r=section.lora_r, lora_alpha=float(section.lora_alpha), lora_dropout=section.lora_dropout,
                         target_modules=targets, use_rslora=section.use_rslora,
-                        adapter_dtype=section.lora_adapter_dtype,
+                        adapter_dtype=section.lora_adapter_dtype, target_parameters=params,
                         modules_to_save=resolve_modules_to_save(section.lora_modules_to_save,
                                                                 "lora.lora_modules_to_save"))
+
+
+EXPERT_TARGETS: dict[str, str] = {"gate_up_proj": "linear_fc1", "down_proj": "linear_fc2"}
+"""Routed-expert tensor under `mlp.experts` (transformers 5: (E, 2f, h) / (E, h, f)) -> each Megatron expert's linear."""
+
+
+def resolve_target_parameters(names, lora_dropout: float, section: str) -> tuple[str, ...]:
+    """EXPERT_TARGETS names from PEFT's `target_parameters` (matched as PEFT does: the parameter's full name equals
+    the entry or ends with "." + it, e.g. "mlp.experts.gate_up_proj"); () for None / [].
+
+    Raises ValueError naming the setting for an entry that matches no expert tensor, or with lora_dropout > 0 (PEFT's
+    ParamWrapper refuses dropout: it adapts the weight, not the input)."""
+    if not names:
+        return ()
+    setting = f"{section}.{'lora_target_parameters' if section == 'lora' else 'target_parameters'}"
+    if isinstance(names, str):
+        raise ValueError(f"{setting}={names!r}: a list of parameter names, e.g. ['mlp.experts.gate_up_proj']")
+    full = {name: f"model.layers.0.mlp.experts.{name}" for name in EXPERT_TARGETS}
+    found, unknown = set(), []
+    for entry in names:
+        hits = [n for n, key in full.items() if key == entry or key.endswith(f".{entry}")]
+        found.update(hits)
+        unknown += [] if hits else [entry]
+    if unknown:
+        raise ValueError(f"{setting}: {unknown} match no routed-expert tensor; supported: "
+                         f"{[f'mlp.experts.{n}' for n in EXPERT_TARGETS]} (MoE models)")
+    if lora_dropout:
+        raise ValueError(f"{setting}={list(names)} with {section}.lora_dropout={lora_dropout}: adapters on expert "
+                         "tensors adapt the weight (PEFT's ParamWrapper), so input dropout cannot act; set it to 0")
+    return tuple(n for n in EXPERT_TARGETS if n in found)
 
 
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 
-def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts: int) -> None:
-    """Refuse adapters on the MLP of a model with routed experts (`num_experts` > 0), at any parallel.ep_size.
+def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts: int, expert_tp_size: int = 1) -> None:
+    """Refuse adapters on the MLP of a model with routed experts (`num_experts` > 0), at any parallel.ep_size, and
+    expert-tensor adapters (target_parameters) that cannot be built: on a dense model, at parallel.expert_tp_size > 1.
 
-    NOTE: why they are not built: transformers 5 holds every MoE family's experts as 3-D tensors
+    NOTE: why MLP target_modules are not built: transformers 5 holds every MoE family's experts as 3-D tensors
     (`mlp.experts.gate_up_proj` (E, 2f, h), `mlp.experts.down_proj`), not as gate_proj / up_proj / down_proj linears,
-    so PEFT's target_modules match none of them (PEFT reaches them only through `target_parameters`, its ParamWrapper
-    layout, which lora_settings_from_peft refuses): a PEFT adapter that transformers, TRL or vLLM loads could not carry
-    expert adapters trained here. GLM-4.5's dense first layers and shared expert are refused with them (one MLP rule
-    per model). Raises ValueError naming the setting, the modules and the way out (attention targets)."""
+    so PEFT's target_modules match none of them (PEFT reaches them through `target_parameters`, its ParamWrapper
+    layout: `lora.lora_target_parameters`, engine/policy/expert_lora.py). GLM-4.5's dense first layers and shared
+    expert are refused with them (one MLP rule per model). Raises ValueError naming the setting, the modules and the
+    ways out (attention targets, target_parameters)."""
+    _refuse_expert_parameters(settings, model_type, num_experts, expert_tp_size)
     mlp = [name for name in settings.target_modules if name in MLP_TARGETS]
     if not num_experts or not mlp:
         return
@@ -183,9 +226,10 @@ def refuse_expert_adapters(settings: LoraSettings, model_type: str, num_experts:
         f"lora.lora_target_modules (peft_config.target_modules) includes {mlp}, but {model_type} routes its MLP "
         f"through {num_experts} experts: adapters on expert linears are not built (at any parallel.ep_size). "
         "transformers 5 holds the experts as 3-D tensors (mlp.experts.gate_up_proj / down_proj), which PEFT's "
-        "target_modules do not match (only target_parameters, not supported here), so no loadable PEFT adapter could "
-        f"carry them. Set lora.lora_target_modules={attention or ['q_proj', 'k_proj', 'v_proj', 'o_proj']} (the "
-        "attention; 'all-linear' includes the MLP)")
+        "target_modules do not match, so no loadable PEFT adapter could carry them. Set lora.lora_target_modules="
+        f"{attention or ['q_proj', 'k_proj', 'v_proj', 'o_proj']} (the attention; 'all-linear' includes the MLP); "
+        "adapt the experts with lora.lora_target_parameters (peft target_parameters) = ['mlp.experts.gate_up_proj', "
+        "'mlp.experts.down_proj']")
 
 
 def lora_fields_from_peft(peft_config) -> dict:
@@ -193,4 +237,22 @@ def lora_fields_from_peft(peft_config) -> dict:
     settings = lora_settings_from_peft(peft_config)
     return {"use_peft": True, "lora_r": settings.r, "lora_alpha": peft_config.lora_alpha,
             "lora_dropout": settings.lora_dropout, "lora_target_modules": list(settings.target_modules),
-            "use_rslora": settings.use_rslora, "lora_modules_to_save": list(settings.modules_to_save) or None}
+            "use_rslora": settings.use_rslora, "lora_modules_to_save": list(settings.modules_to_save) or None,
+            "lora_target_parameters": [f"mlp.experts.{n}" for n in settings.target_parameters] or None}
+
+
+INTERLEAVED_GATE_UP = ("gpt_oss",)
+"""MoE families whose `mlp.experts.gate_up_proj` interleaves gate and up (GPT-OSS: (E, h, 2f), columns g0, u0, g1,
+...): the exported lora_B's rows are interleaved to match (Megatron's fc1 is [gate; up]). The other families
+(Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3) hold (E, 2f, h) [gate; up] / (E, h, f), Megatron's fc1 / fc2 row for row."""
+
+
+def _refuse_expert_parameters(settings: LoraSettings, model_type: str, num_experts: int, expert_tp_size: int) -> None:
+    if not settings.target_parameters:
+        return
+    named = f"lora.lora_target_parameters (peft_config.target_parameters)={list(settings.target_parameters)}"
+    if not num_experts:
+        raise ValueError(f"{named}: {model_type} has no routed experts, so they match no parameter")
+    if expert_tp_size > 1:
+        raise ValueError(f"{named} at parallel.expert_tp_size={expert_tp_size}: expert adapters are built with "
+                         "whole experts per rank only (expert_tp_size 1; ep_size splits the experts)")

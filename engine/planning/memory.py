@@ -364,6 +364,12 @@ def _stage_adapter_params(dims: ModelDims, cfg: EngineConfig, *, tp: int | None 
                     for i, o, row in (sizes[name] for name in settings.target_modules))
     text = (f"adapters: {layers} layers x r {r} x ({' + '.join(settings.target_modules)}; column: A r*in + B out*r/"
             f"{tp}, row: A r*in/{tp} + B out*r)")
+    if settings.target_parameters:  # per expert (engine/policy/expert_lora.py): EP splits them, expert TP is 1
+        fe, local = dims.moe_intermediate_size, dims.num_experts // cfg.parallel.ep_size
+        sizes = {"gate_up_proj": r * (h + 2 * fe), "down_proj": r * (fe + h)}
+        per_layer += local * sum(sizes[name] for name in settings.target_parameters)
+        text += (f" + {local} local experts x ({' + '.join(settings.target_parameters)}: r*(in + out) each; "
+                 "MoE layers counted as all layers)")
     return layers * per_layer, text
 
 

@@ -65,7 +65,8 @@ def build_plan(cfg: EngineConfig, shape: ClusterShape, dims: ModelDims | None = 
     check_layout(cfg, dims, shape)
     if cfg.lora.use_peft:  # as the run refuses it (engine/train/run.py), before sizing adapters it would not build
         try:
-            refuse_expert_adapters(lora_settings_from_config(cfg.lora), cfg.model.name_or_path, dims.num_experts)
+            refuse_expert_adapters(lora_settings_from_config(cfg.lora), cfg.model.name_or_path,
+                                   dims.num_experts, cfg.parallel.expert_tp_size)
         except ValueError as exc:
             raise PlanError(str(exc)) from None
     par = cfg.parallel

@@ -42,12 +42,13 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from engine.lora_settings import HF_TARGETS, LoraSettings, refuse_expert_adapters
+from engine.lora_settings import (EXPERT_TARGETS, HF_TARGETS, INTERLEAVED_GATE_UP, PEFT_PREFIX, LoraSettings,
+                                  refuse_expert_adapters)
+from engine.policy.expert_lora import ExpertLoraAdapter, apply_expert_lora, expert_adapters, expert_tensors_for_peft
 
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ROW_PARALLEL = ("self_attention.linear_proj", "mlp.linear_fc2")
-PEFT_PREFIX = "base_model.model.model.layers."
 SAVED_MODULE_PATHS = {"embed_tokens": "embedding.word_embeddings", "lm_head": "output_layer"}
 """Each HF module of modules_to_save -> the Megatron module whose (vocab-parallel) weight is trained in full."""
 PEFT_SAVED_KEYS = {"embed_tokens": "base_model.model.model.embed_tokens.weight",
@@ -186,7 +187,7 @@ def _linear(layer: torch.nn.Module, path: str) -> torch.nn.Module | None:
 
 
 def lora_adapters(chunks) -> list[tuple[int, LoraAdapter]]:
-    """(global layer index, adapter) of every adapter in the chunks (DDP-wrapped or not)."""
+    """(global layer index, adapter) of every adapter in the chunks (DDP-wrapped or not), expert adapters included."""
     found = []
     for chunk in chunks:
         model = getattr(chunk, "module", chunk)
@@ -195,6 +196,7 @@ def lora_adapters(chunks) -> list[tuple[int, LoraAdapter]]:
                 adapter = getattr(_linear(layer, path), "lora", None)
                 if adapter is not None:
                     found.append((layer.layer_number - 1, adapter))
+            found += [(layer.layer_number - 1, adapter) for adapter in expert_adapters(layer)]
     return found
 
 
@@ -231,7 +233,9 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
             raise ValueError("lora.use_peft with nemotron_h: adapters on its hybrid layers (Mamba-2 in_proj / "
                              "out_proj, attention-only and non-gated MLP-only layers) are not built; train without "
                              "LoRA")
-        refuse_expert_adapters(settings, "this model", getattr(chunk.config, "num_moe_experts", None) or 0)
+        refuse_expert_adapters(settings, getattr(chunk, "hf_model_type", "this model"),
+                               getattr(chunk.config, "num_moe_experts", None) or 0,
+                               getattr(chunk.config, "expert_tensor_parallel_size", None) or 1)
         for param in chunk.parameters():
             param.requires_grad_(False)
         _train_saved_modules(chunk, settings.modules_to_save)
@@ -243,15 +247,27 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
                 by_linear.setdefault(HF_TARGETS[name][0], []).append(name)
             for path, names in by_linear.items():
                 linear = _linear(layer, path)
+                if linear is None:  # e.g. DeepSeek-V3's multi-latent attention has no fused QKV / linear_proj
+                    raise ValueError(f"lora.lora_target_modules (peft_config.target_modules) includes {names}, but "
+                                     f"{getattr(chunk, 'hf_model_type', 'this model')}'s layers have no such linear "
+                                     f"(Megatron's {path}); adapt other modules or its experts (target_parameters)")
                 adapter = LoraAdapter(path, names, settings, chunk.config, ps)
                 _init_adapter(adapter, layer.layer_number - 1, ps, seed)
-                linear.add_module("lora", adapter)
-                object.__setattr__(adapter, "base_linear", linear)  # not a submodule: the linear owns the adapter
-                linear.sharded_state_dict = _sharded_state_dict_with_adapter(linear, adapter)
-                linear.register_forward_hook(adapter.hook)
+                _attach(linear, adapter)
                 count += sum(p.numel() for p in adapter.parameters())
+            # target_parameters: per-expert adapters (engine/policy/expert_lora.py)
+            count += apply_expert_lora(layer, settings, ps, seed, _attach, initial_lora_a,
+                                       interleaved=getattr(chunk, "hf_model_type", "") in INTERLEAVED_GATE_UP)
         _make_inputs_require_grad(chunk)
     return count
+
+
+def _attach(linear: torch.nn.Module, adapter: torch.nn.Module) -> None:
+    """Make `adapter` the linear's `lora` (a forward hook; its checkpoint entries beside the linear's)."""
+    linear.add_module("lora", adapter)
+    object.__setattr__(adapter, "base_linear", linear)  # not a submodule: the linear owns the adapter
+    linear.sharded_state_dict = _sharded_state_dict_with_adapter(linear, adapter)
+    linear.register_forward_hook(adapter.hook)
 
 
 def _train_saved_modules(chunk: torch.nn.Module, names: tuple[str, ...]) -> None:
@@ -367,12 +383,17 @@ def adapters_disabled(chunks):
 @torch.no_grad()
 def lora_tensors_for_peft(chunks, ps) -> dict[str, torch.Tensor]:
     """Every adapter tensor of this pipeline stage, TP shards gathered (collective over the TP group), under PEFT's
-    saved key names (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`, ...), and the weights of the
-    modules of modules_to_save it holds (`PEFT_SAVED_KEYS`: the vocabulary's rows, Megatron's padding cut off)."""
+    saved key names (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight`, ...); expert adapters gathered
+    over EP (collective over the EP group) in PEFT's ParamWrapper layout (engine/policy/expert_lora.py); and the
+    weights of the modules of modules_to_save it holds (`PEFT_SAVED_KEYS`: the vocabulary's rows, Megatron's padding
+    cut off)."""
     from engine.policy.model import merge_tp_shards
 
-    tensors = {}
+    tensors, experts = {}, {}
     for layer, adapter in lora_adapters(chunks):
+        if isinstance(adapter, ExpertLoraAdapter):
+            experts.setdefault(layer, []).append(adapter)
+            continue
         for name in adapter.hf_names:
             key = f"{PEFT_PREFIX}{layer}.{HF_PARENT[name]}.{name}"
             for which, param in (("lora_A", adapter.lora_A[name]), ("lora_B", adapter.lora_B[name])):
@@ -384,7 +405,8 @@ def lora_tensors_for_peft(chunks, ps) -> dict[str, torch.Tensor]:
             param = _linear(model, SAVED_MODULE_PATHS[name]).weight
             full = merge_tp_shards(_gather_tp(param.data, ps), param)
             tensors[PEFT_SAVED_KEYS[name]] = full[:model.hf_vocab_size].clone()
-    return tensors
+    targets = tuple(n for n in EXPERT_TARGETS if any(a.hf_names == [n] for group in experts.values() for a in group))
+    return tensors | expert_tensors_for_peft(experts, targets, ps)
 
 
 def _gather_tp(tensor: torch.Tensor, ps) -> list[torch.Tensor]:

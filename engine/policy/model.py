@@ -432,6 +432,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
         chunks[-1].hf_vocab_size = shape.vocab_size  # the rows an HF export keeps (engine/policy/lora.py)
         chunks[-1].logit_scale = float(hf_config.logit_scale) if is_cohere2(hf_config) else 1.0
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
+        chunks[-1].hf_model_type = hf_config.model_type  # the HF layout adapters export to (engine/policy/lora.py)
     if config.moe_router_enable_expert_bias:
         freeze_expert_bias(chunks, config)
     return chunks

@@ -31,9 +31,10 @@ def peft_config_of(settings: LoraSettings, base_model_name_or_path: str | None =
     """The peft.LoraConfig equivalent to `settings` (task CAUSAL_LM, bias none)."""
     from peft import LoraConfig
 
+    experts = [f"mlp.experts.{name}" for name in settings.target_parameters] or None  # PEFT's ParamWrapper
     return LoraConfig(r=settings.r, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
                       target_modules=list(settings.target_modules), use_rslora=settings.use_rslora, bias="none",
-                      modules_to_save=list(settings.modules_to_save) or None,
+                      modules_to_save=list(settings.modules_to_save) or None, target_parameters=experts,
                       task_type="CAUSAL_LM", base_model_name_or_path=base_model_name_or_path)
 
 
@@ -103,6 +104,12 @@ def initial_peft_tensors(settings: LoraSettings, hf_config, seed: int,
             key = f"{PEFT_PREFIX}{layer}.{HF_PARENT[name]}.{name}"
             tensors[f"{key}.lora_A.weight"] = initial_lora_a(layer, name, settings.r, in_features, seed)
             tensors[f"{key}.lora_B.weight"] = torch.zeros(out, settings.r)
+    if settings.target_parameters:  # expert adapters (PEFT's target_parameters) on the MoE layers
+        from engine.models.families import dense_layers
+        from engine.policy.expert_lora import initial_expert_tensors
+
+        moe_layers = list(range(dense_layers(hf_config), hf_config.num_hidden_layers))
+        tensors |= initial_expert_tensors(settings, hf_config, moe_layers, seed, initial_lora_a)
     if settings.modules_to_save:
         from engine.policy.hf_checkpoint import SafetensorsSource
 

@@ -165,7 +165,7 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
                          f"({hf_config.model_type}) has no mixture-of-experts layers: set it to false")
     lora = lora_settings_from_config(cfg.lora) if cfg.lora.use_peft else None
     if lora is not None:  # before the model is built and loaded
-        refuse_expert_adapters(lora, hf_config.model_type, dims.num_experts)
+        refuse_expert_adapters(lora, hf_config.model_type, dims.num_experts, cfg.parallel.expert_tp_size)
     chunks = build_policy(hf_config, cfg.model, ps, cfg.train)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     if lora is not None:  # before the optimizer: it then holds the adapters only

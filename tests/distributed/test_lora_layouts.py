@@ -18,8 +18,10 @@
    them in bf16, and its step is further from the fp32 step); the step is within bf16 tolerance of the fp32 step; at
    DP2 (the distributed optimizer sharding the fp32 adapter buffers) it equals the single-process bf16 step, at TP2
    it is within the same bf16 tolerance.
-5. MoE (Qwen3-MoE): attention adapters at EP2 x DP2 equal the single-process step; MLP (expert) targets are refused
-   on the built policy, naming the setting.
+5. MoE (Qwen3-MoE): expert adapters (PEFT's target_parameters, per expert) give peft.PeftModel's logits, merged or
+   not; with attention adapters at EP2 x DP2 they equal the single-process step; their checkpoint resumes exactly
+   at EP2; MLP target_modules (which PEFT would not match on the 3-D experts) are refused on the built
+   policy, naming the setting. GPT-OSS's interleaved experts, DeepSeek-V3's: the engine's logits = PEFT's.
 """
 
 import pytest
@@ -186,11 +188,12 @@ def _adapter_step(chunks, popt, ps, seed: int) -> None:
 
 
 def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: str = "float32",
-                     distributed: bool = True, saved: tuple = SAVED) -> dict:
+                     distributed: bool = True, moe: bool = False, saved: tuple = SAVED) -> dict:
     """Source (`save`): adapters, one fixed step, save, a second step. Target: load, the same second step. Returns
     the adapters (PEFT names, full tensors) after loading / saving and after the second step. `dtype`: the base's
-    (the adapters float32); `distributed`: optimizer.use_distributed_optimizer; `saved`: modules_to_save (trained in
-    full: in the checkpoint with their optimizer state)."""
+    (the adapters float32); `distributed`: optimizer.use_distributed_optimizer; `moe`: `tp` is the EP size and the
+    adapters are attention + expert ones; `saved` (not `moe`): modules_to_save (trained in full: in the checkpoint
+    with their optimizer state)."""
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
     from engine.policy.lora import apply_lora, lora_tensors_for_peft
     from engine.policy.optimizer import build_optimizer
@@ -198,8 +201,10 @@ def _lora_checkpoint(tp: int, model_dir: str, run_dir: str, save: bool, dtype: s
     from tests.helpers.lora import perturb_lora_b
     from tests.helpers.policy import build_from_hf
 
-    ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(tp_size=tp), ModelConfig(dtype=dtype))
-    apply_lora(chunks, lora_settings(modules_to_save=saved), ps)
+    parallel = ParallelConfig(ep_size=tp) if moe else ParallelConfig(tp_size=tp)
+    ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, ModelConfig(dtype=dtype))
+    apply_lora(chunks, lora_settings(target_modules=ATTENTION, target_parameters=EXPERTS) if moe else
+               lora_settings(modules_to_save=saved), ps)
     perturb_lora_b(chunks, ps, seed=3 if save else 4)  # the target starts elsewhere: loading must overwrite it
     popt = build_optimizer(OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=3,
                                            use_distributed_optimizer=distributed), chunks, ps, total_steps=10)
@@ -228,12 +233,16 @@ def test_lora_checkpoint_resumes_exactly_at_tp2_and_resharded_to_tp1(model_dir, 
     assert saved < 4 * (adapters + modules) + 2**20 < base + 2**20, f"{saved} B saved (base: {base} B)"
     assert set(SAVED_KEYS) <= set(source["checkpoint"])
     for tp in (2, 1):
-        target = run_distributed(_lora_checkpoint, tp, tp, str(model_dir), str(tmp_path), False)[0]
-        for key in ("checkpoint", "next"):
-            assert sorted(target[key]) == sorted(source[key])
-            bad = {name: float((target[key][name] - tensor).abs().max()) for name, tensor in source[key].items()
-                   if not torch.equal(target[key][name], tensor)}
-            assert not bad, f"tp{tp} {key}: differ (max abs): {bad}"
+        _assert_resumed(source, run_distributed(_lora_checkpoint, tp, tp, str(model_dir), str(tmp_path), False)[0],
+                        f"tp{tp}")
+
+
+def _assert_resumed(source: dict, target: dict, label: str) -> None:
+    for key in ("checkpoint", "next"):
+        assert sorted(target[key]) == sorted(source[key])
+        bad = {name: float((target[key][name] - tensor).abs().max()) for name, tensor in source[key].items()
+               if not torch.equal(target[key][name], tensor)}
+        assert not bad, f"{label} {key}: differ (max abs): {bad}"
 
 
 def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, tmp_path):
@@ -251,17 +260,20 @@ def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, 
 
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXPERTS = ("gate_up_proj", "down_proj")  # PEFT's target_parameters=["mlp.experts.gate_up_proj", ...]
 
 
 def _moe_lora_step(model_dir: str, out_dir: str, ep: int) -> dict:
-    """The LoRA step on the tiny Qwen3-MoE at `ep` with attention adapters; first, all-linear adapters on its built
-    chunks (apply_lora's own guard, Megatron's num_moe_experts): the refusal's message ("" if none)."""
+    """The LoRA step on the tiny Qwen3-MoE at `ep` with attention and expert adapters (target_parameters). At EP1
+    first: MLP target_modules on its built chunks (apply_lora's own guard, Megatron's num_moe_experts): the refusal's
+    message; and the policy's logits with (perturbed) expert adapters, their PEFT adapter and merged export
+    (tests/helpers/lora.py lora_logits_and_exports, written to `<out_dir>_peft`)."""
     from engine.config import ModelConfig, ParallelConfig
     from engine.policy.lora import apply_lora
     from engine.policy.parallel import destroy_parallel
     from tests.helpers.policy import build_from_hf
 
-    refusal = ""
+    refusal, exports = "", {}
     if ep == 1:
         ps, _, chunks, _ = build_from_hf(model_dir, ParallelConfig(), ModelConfig(dtype="float32"))
         try:
@@ -269,30 +281,93 @@ def _moe_lora_step(model_dir: str, out_dir: str, ep: int) -> dict:
         except ValueError as exc:
             refusal = str(exc)
         destroy_parallel(keep_process_group=True)
+        exports = lora_logits_and_exports(model_dir, ParallelConfig(), f"{out_dir}_peft",
+                                          {"target_modules": ("q_proj", "o_proj"), "target_parameters": EXPERTS})
+        destroy_parallel(keep_process_group=True)
     result = grpo_step_and_export(model_dir, ParallelConfig(ep_size=ep), ModelConfig(dtype="float32"), out_dir,
-                                  lora=lora_settings(target_modules=ATTENTION))
-    return result | {"refusal": refusal}
+                                  lora=lora_settings(target_modules=ATTENTION, target_parameters=EXPERTS))
+    return result | {"refusal": refusal, "exports": exports}
 
 
 @pytest.mark.slow
-def test_lora_on_moe_attention_adapters_at_ep2_match_single_process_and_expert_targets_are_refused(tmp_path):
-    """Qwen3-MoE: attention adapters (the way out the refusal names) train at EP2 x DP2 as in one process (loss, grad
-    norm, adapters; the frozen experts hold no optimizer state); MLP targets are refused on the built policy."""
+def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(tmp_path):
+    """Qwen3-MoE with PEFT's target_parameters (one (A, B) per expert of mlp.experts.gate_up_proj / down_proj) and
+    q / o_proj adapters: the engine's logits equal peft.PeftModel's loading the saved adapter (ParamWrapper layout),
+    the merged view and the merged HF export give them too. Attention + expert adapters train at EP2 x DP2 as in one
+    process (loss, grad norm, every adapter; the frozen base holds no optimizer state); the initial adapter written
+    without the policy (save_model() before train()) has apply_lora's A; a checkpoint saved at EP2
+    resumes bit for bit at EP2 (adapters and the next step); MLP target_modules (which PEFT would not match
+    on transformers 5's 3-D experts) are refused on the built policy."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from engine.models.tiny_model import build_tiny_model
+    from engine.policy.peft_adapter import initial_peft_tensors
 
     model_dir = str(build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=7))
     (single,) = run_distributed(_moe_lora_step, 1, model_dir, str(tmp_path / "ep1"), 1)
     assert "routes its MLP through 4 experts" in single["refusal"] and "ep_size" in single["refusal"], single["refusal"]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, exports = tokens(base.config.vocab_size), single["exports"]
+    with torch.no_grad():
+        plain = base(ids).logits
+        with_peft = PeftModel.from_pretrained(base, tmp_path / "ep1_peft" / "adapter").eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ep1_peft" / "merged",
+                                                      dtype=torch.float32).eval()(ids).logits
+    assert (with_peft - plain).abs().max() > 0.1, "the perturbed adapters should move the logits"
+    torch.testing.assert_close(exports["logits"], with_peft, rtol=0, atol=1e-5)
+    torch.testing.assert_close(exports["merged_logits"], exports["logits"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
+    assert torch.equal(exports["after_merge"], exports["logits"]), "leaving merged_lora must restore the base exactly"
     results = run_distributed(_moe_lora_step, 2, model_dir, str(tmp_path / "ep2"), 2)
     assert sum(r["loss"] for r in results) == pytest.approx(single["loss"], rel=1e-5)
     assert all(r["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5) for r in results)
     expected, initial = _adapter_tensors(tmp_path / "ep1"), _adapter_tensors(tmp_path / "ep1_initial")
     tensors = _adapter_tensors(tmp_path / "ep2")
-    assert sorted(tensors) == sorted(expected) and len(expected) == 2 * 4 * _num_layers(model_dir)
+    assert sorted(tensors) == sorted(expected) and len(expected) == 2 * (4 + 2) * _num_layers(model_dir)
     assert sum(r["optimizer_numel"] for r in results) == single["optimizer_numel"] == _num_adapter_elements(expected)
-    assert any(not torch.equal(expected[k], initial[k]) for k in expected), "the step moved no adapter"
+    # save_model() before train(): the initial adapter without the policy (its A = apply_lora's; B is 0 there)
+    fresh = initial_peft_tensors(lora_settings(target_modules=ATTENTION, target_parameters=EXPERTS),
+                                 AutoConfig.from_pretrained(model_dir), seed=0)
+    assert sorted(fresh) == sorted(initial)
+    assert all(torch.equal(fresh[k], initial[k]) for k in fresh if ".lora_A." in k)
+    for kind in ("self_attn", "mlp.experts.base_layer", "mlp.experts.lora"):
+        assert any(not torch.equal(expected[k], initial[k]) for k in expected if kind in k), f"no {kind} moved"
     for name, value in expected.items():
         torch.testing.assert_close(tensors[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    # checkpoint saved at EP2 (the expert adapters and their Adam state with them), loaded at EP2 (the expert
+    # optimizer is a second one at EP > 1 only: engine/train/checkpoint.py refuses an EP2 -> EP1 load by name)
+    source = run_distributed(_lora_checkpoint, 2, 2, model_dir, str(tmp_path / "ckpt"), True, "float32", True, True)[0]
+    assert any(".mlp.experts." in name for name in source["checkpoint"])
+    target = run_distributed(_lora_checkpoint, 2, 2, model_dir, str(tmp_path / "ckpt"), False, "float32", True, True)
+    _assert_resumed(source, target[0], "ep2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,targets", [("gpt_oss", ("q_proj",)), ("deepseek_v3", ())])
+def test_lora_on_other_moe_families_expert_adapters_equal_peft(tmp_path, family, targets):
+    """GPT-OSS's experts are transposed (E, h, 2f) with gate / up interleaved (TRL's MoE PEFT test's model): the
+    exported adapter (B's gate_up rows interleaved) loaded by peft.PeftModel gives the engine's logits, and so does
+    the merged export. DeepSeek-V3 (GLM-4.5's MoE: dense first layer, shared expert, not adapted; MLA attention, no
+    q_proj): the same with expert adapters alone."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ParallelConfig
+    from engine.models.tiny_model import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / family, family, seed=7))
+    result = run_distributed(lora_logits_and_exports, 1, model_dir, ParallelConfig(), str(tmp_path),
+                             {"target_modules": targets, "target_parameters": EXPERTS})[0]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tokens(base.config.vocab_size)
+    with torch.no_grad():
+        plain = base(ids).logits
+        with_peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(ids).logits
+    assert (with_peft - plain).abs().max() > 0.1, "the perturbed adapters should move the logits"
+    torch.testing.assert_close(result["logits"], with_peft, rtol=0, atol=1e-5)
+    torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
 
 
 def _num_layers(model_dir: str) -> int:

@@ -40,7 +40,8 @@ def perturb_lora_b(chunks, ps, seed: int = 7, std: float = 0.05) -> None:
             full_shape = list(b.shape)
             if getattr(b, "tensor_model_parallel", False):
                 full_shape[0] *= ps.tp_size
-            gen = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(f"{layer}.{name}.B".encode()))
+            expert = f"experts.{adapter.expert}." if hasattr(adapter, "expert") else ""  # the global expert
+            gen = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(f"{layer}.{expert}{name}.B".encode()))
             full = std * torch.randn(full_shape, generator=gen)
             b.copy_(take_tp_shard(full, b, ps.tp_rank, ps.tp_size).to(b.dtype))
 

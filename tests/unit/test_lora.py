@@ -203,3 +203,46 @@ def test_adapters_on_nemotron_h_are_refused_by_name():
     chunk = SimpleNamespace(config=_megatron_config(gated_linear_unit=False))  # what nemotron_h's config sets
     with pytest.raises(ValueError, match="lora.use_peft with nemotron_h: adapters on its hybrid layers"):
         apply_lora([chunk], settings, SimpleNamespace(tp_size=1))
+
+
+def test_peft_target_parameters_on_the_experts_map_to_settings_and_config_fields():
+    """TRL's MoE PEFT test's config (target_parameters alone: PEFT then adapts no module) and PEFT's suffix matching
+    (the parameter's name ends with "." + the entry); the config section round-trips; the exported LoraConfig names
+    them again, target_modules empty."""
+    from engine.policy.peft_adapter import peft_config_of
+
+    peft = PeftLoraConfig(r=4, target_parameters=["mlp.experts.down_proj", "experts.gate_up_proj"])
+    settings = lora_settings_from_peft(peft)
+    assert settings.target_parameters == ("gate_up_proj", "down_proj") and settings.target_modules == ()
+    assert lora_settings_from_config(build_config({"lora": lora_fields_from_peft(peft)}).lora) == settings
+    both = lora_settings_from_peft(PeftLoraConfig(r=4, target_modules=["q_proj"], target_parameters=["down_proj"]))
+    assert both.target_modules == ("q_proj",) and both.target_parameters == ("down_proj",)
+    exported = peft_config_of(settings)
+    assert sorted(exported.target_parameters) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    assert not exported.target_modules
+
+
+@pytest.mark.parametrize("lora,message", [
+    ({"lora_target_parameters": ["mlp.experts.up_proj"], "lora_dropout": 0.0},
+     r"lora.lora_target_parameters: \['mlp.experts.up_proj'\] match no routed-expert tensor"),
+    ({"lora_target_parameters": ["mlp.experts.down_proj"], "lora_dropout": 0.05},
+     r"lora.lora_target_parameters=\['mlp.experts.down_proj'\] with lora.lora_dropout=0.05: .* set it to 0"),
+    ({"lora_target_parameters": ["mlp.experts.down_proj"], "lora_dropout": 0.0, "lora_weight_sync": "adapter"},
+     r"lora.lora_weight_sync=adapter: vLLM's LoRA on fused MoE experts is not supported"),
+])
+def test_bad_expert_target_parameters_are_refused_naming_the_setting(lora, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(build_config({"lora": {"use_peft": True, **lora}}), 1)
+
+
+def test_expert_adapters_are_refused_where_they_cannot_be_built():
+    """On a dense model (nothing to match) and at expert_tp_size > 1; every MoE family passes."""
+    settings = lora_settings_from_peft(PeftLoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"]))
+    with pytest.raises(ValueError, match=r"target_parameters\)=\['gate_up_proj'\]: qwen2 has no routed experts"):
+        refuse_expert_adapters(settings, "qwen2", 0)
+    with pytest.raises(ValueError, match=r"at parallel.expert_tp_size=2: .*expert_tp_size 1"):
+        refuse_expert_adapters(settings, "qwen3_moe", 8, expert_tp_size=2)
+    for family in ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"):
+        refuse_expert_adapters(settings, family, 8)
+    with pytest.raises(ValueError, match=r"peft_config.target_parameters=.*lora_dropout=0.1"):
+        lora_settings_from_peft(PeftLoraConfig(r=4, lora_dropout=0.1, target_parameters=["mlp.experts.down_proj"]))

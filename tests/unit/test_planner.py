@@ -522,3 +522,15 @@ def test_planner_refuses_nemotron_h_naming_the_family(tmp_path):
     tiny_model_config("nemotron_h").to_json_file(tmp_path / "config.json")
     with pytest.raises(PlanError, match="model_type nemotron_h .* is not sized by the planner yet"):
         load_model_dims(str(tmp_path))
+
+
+def test_moe_lora_counts_the_local_experts_adapters():
+    """Expert adapters (lora.lora_target_parameters) on Qwen3-30B-A3B at EP8: each rank holds 128 / 8 experts' A and
+    B for gate_up_proj (r*(h + 2f)) and down_proj (r*(f + h)) on every layer, besides the attention adapters."""
+    config = CONFIGS / "qwen3-30b-a3b_tp2_ep8_split_2x1.yaml"
+    lora = ["lora.use_peft=true", "lora.lora_r=8", "lora.lora_dropout=0.0", "lora.lora_target_modules=[q_proj]"]
+    attention = _terms(_plan(config, lora).budget("training GPU"))["adapter weights"]
+    experts = _plan(config, lora + ["lora.lora_target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"])
+    h, f, r = 2048, 768, 8
+    assert _terms(experts.budget("training GPU"))["adapter weights"] - attention == pytest.approx(
+        48 * 16 * (r * (h + 2 * f) + r * (f + h)) * 4)
