@@ -61,6 +61,8 @@ def check_model_type(hf_config) -> None:
         check_cohere2(hf_config)
     if model_type in NEMOTRON_H_MODEL_TYPES:
         check_nemotron_h(hf_config)
+        if moe_shape(hf_config)[0]:  # its MoE layers' router is GLM-4.5's
+            _check_glm4_moe(hf_config)
     if model_type != "mixtral":
         return
     window = getattr(hf_config, "sliding_window", None)
@@ -127,6 +129,8 @@ def dense_layers(hf_config) -> int:
 
 def shared_expert_width(hf_config) -> int:
     """The always-on shared expert's MLP width (GLM-4.5: n_shared_experts x moe_intermediate_size; 0 = none)."""
+    if hf_config.model_type in NEMOTRON_H_MODEL_TYPES:  # one shared expert of its own width (n_shared_experts unread)
+        return int(hf_config.moe_shared_expert_intermediate_size) if moe_shape(hf_config)[0] else 0
     if hf_config.model_type not in _GLM_LIKE:
         return 0
     return int(getattr(hf_config, "n_shared_experts", 0) or 0) * int(hf_config.moe_intermediate_size)
@@ -152,6 +156,11 @@ def moe_shape(hf_config) -> tuple[int, int, int]:
     num_local_experts / num_experts_per_tok / intermediate_size (its only MLP width); GLM-4.5 n_routed_experts /
     num_experts_per_tok / moe_intermediate_size. `hf_config` is a config object
     or anything with those attributes (the planner passes a namespace over config.json)."""
+    if hf_config.model_type in NEMOTRON_H_MODEL_TYPES:  # n_routed_experts is set (8) even without MoE layers
+        if "moe" not in (getattr(hf_config, "layers_block_type", None) or []):
+            return 0, 0, 0
+        return (int(hf_config.n_routed_experts), int(hf_config.num_experts_per_tok),
+                int(hf_config.moe_intermediate_size))
     if hf_config.model_type not in _MOE_FIELDS:
         return 0, 0, 0
     experts, width = _MOE_FIELDS[hf_config.model_type]

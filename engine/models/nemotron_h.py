@@ -1,16 +1,18 @@
 """Nemotron-H (HF `nemotron_h`, NemotronHForCausalLM: hybrid Mamba-2 / attention / MLP): what the engine needs to
 know about its HF config, without torch or Megatron.
 
-Owns: `check_nemotron_h` (the settings refused, each naming the cause: MoE layers, biases, activations other than
+Owns: `check_nemotron_h` (the settings refused, each naming the cause: MoE latent projections, biases, activations other than
 relu2 / silu, a sliding window, tied embeddings), `nemotron_h_settings`
 (TransformerConfig fields: the non-gated squared-ReLU MLP, RMSNorm epsilon), `layer_kinds` (one of "mamba",
-"attention", "mlp" per decoder layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B /
+"attention", "mlp", "moe" per decoder layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B /
 C / dt), `NEMOTRON_H_TENSORS` (HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py),
 `has_moe_layers` and the tiny model's config (`tiny_nemotron_h_config`, for engine/models/tiny_model.py).
 The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) are engine/policy/mamba_layers.py.
 
 Each HF block is `x + mixer(norm(x))` with one mixer; in Megatron's TransformerLayer that is an attention-only layer
-(the mixer as `self_attention`, no MLP) or an MLP-only layer (no attention), Megatron's own hybrid-stack layout.
+(the mixer as `self_attention`, no MLP) or an MLP-only layer (no attention), Megatron's own hybrid-stack layout;
+an 'E' block is an MLP-only layer whose MLP is Megatron's MoELayer (non-gated relu2 experts, a shared expert,
+the sigmoid router with the float32 expert bias: engine/policy/moe_config.py `nemotron_h_router_settings`).
 Attention has no position encoding (HF's NemotronHAttention applies no RoPE).
 
 Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_nemotron_h`).
@@ -24,8 +26,8 @@ from __future__ import annotations
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
 """Hybrid Mamba-2 / attention / MLP families the policy builds (engine/policy/mamba_layers.py)."""
 
-LAYER_KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
-"""HF `layers_block_type` entries the translation builds -> the engine's layer kind ("moe" is refused)."""
+LAYER_KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
+"""HF `layers_block_type` entries the translation builds -> the engine's layer kind."""
 
 _ROOT = "backbone"
 """The checkpoint's prefix (HF's module is `model.`, its conversion mapping saves and loads `backbone.`)."""
@@ -52,6 +54,15 @@ NEMOTRON_H_TENSORS = {
         ("pre_mlp_layernorm.weight", "norm.weight", "replicated"),
         ("mlp.linear_fc1.weight", "mixer.up_proj.weight", "column"),
         ("mlp.linear_fc2.weight", "mixer.down_proj.weight", "row"),
+    ),
+    "moe": (
+        ("pre_mlp_layernorm.weight", "norm.weight", "replicated"),
+        ("mlp.router.weight", "mixer.gate.weight", "replicated"),
+        ("mlp.router.expert_bias", "mixer.gate.e_score_correction_bias", "replicated"),
+        ("mlp.experts.local_experts.{e}.linear_fc1.weight", "mixer.experts.{e}.up_proj.weight", "column"),
+        ("mlp.experts.local_experts.{e}.linear_fc2.weight", "mixer.experts.{e}.down_proj.weight", "row"),
+        ("mlp.shared_experts.linear_fc1.weight", "mixer.shared_experts.up_proj.weight", "column"),
+        ("mlp.shared_experts.linear_fc2.weight", "mixer.shared_experts.down_proj.weight", "row"),
     ),
 }
 """(Megatron name in decoder layer {i}, HF name(s) in `backbone.layers.{i}`, layout kind) of each layer kind. The
@@ -97,8 +108,10 @@ def check_nemotron_h(hf_config) -> None:
     kinds = set(hf_config.layers_block_type)
     if not kinds <= set(LAYER_KINDS):
         raise ValueError(f"{prefix} with layers_block_type {sorted(kinds)}: only {sorted(LAYER_KINDS)} ('M', '*', "
-                         "'-' in hybrid_override_pattern) are translated; the MoE layers ('E': non-gated relu2 "
-                         "experts with a latent projection) are not yet")
+                         "'-', 'E' in hybrid_override_pattern) are translated")
+    if "moe" in kinds and getattr(hf_config, "moe_latent_size", None) is not None:
+        raise ValueError(f"{prefix} with moe_latent_size={hf_config.moe_latent_size}: the MoE layers' latent "
+                         "projections (fc1_latent_proj / fc2_latent_proj) are not translated; only null is supported")
     for field in ("use_bias", "mamba_proj_bias", "mlp_bias", "attention_bias"):
         if getattr(hf_config, field, False):
             raise ValueError(f"{prefix} with {field}=true: not translated (Nemotron-H's checkpoints have none)")
@@ -139,14 +152,25 @@ def has_moe_layers(values: dict) -> bool:
 
 
 TINY_NEMOTRON_H_LAYERS = ["linear_attention", "full_attention", "mlp", "linear_attention"]
-"""The tiny Nemotron-H's layers, 'M*-M' (each PP2 stage holds a Mamba-2 layer; TRL's nano adds MoE layers, refused)."""
+"""The tiny Nemotron-H's layers, 'M*-M' (each PP2 stage holds a Mamba-2 layer)."""
+
+TINY_NEMOTRON_H_MOE_LAYERS = ["linear_attention", "moe", "full_attention", "mlp", "moe", "linear_attention"]
+"""The tiny Nemotron-H with MoE layers ('ME*-EM', TRL's nano has 'E' layers): each PP2 stage holds a Mamba-2 and an
+MoE layer."""
+
+TINY_NEMOTRON_H_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                           moe_shared_expert_intermediate_size=96, n_group=2, topk_group=1,
+                           routed_scaling_factor=2.5, norm_topk_prob=True)
+"""The tiny MoE layers: 4 non-gated relu2 experts of width 64 in 2 groups (the best group's top 2; HF and Megatron
+both score a group by its top 2 here), weights renormalised x 2.5, one shared expert of width 96."""
 
 
-def tiny_nemotron_h_config(common: dict):
+def tiny_nemotron_h_config(common: dict, layers: list[str] = TINY_NEMOTRON_H_LAYERS):
     """Nemotron-H's architecture at engine/models/tiny_model.py's tiny shapes (`common`: its shared fields): layers
     `TINY_NEMOTRON_H_LAYERS`, each one RMSNorm (eps 1e-5) and one mixer; Mamba-2 with 8 heads of dim 32 (inner 256 =
     2 x hidden) in 2 groups, state 16, conv kernel 4, chunk 8 (the tests' 12-token rows cross a chunk boundary);
-    attention 4 heads / 2 KV heads of dim 32 without RoPE; the relu2 MLP of width 352; untied embeddings (Nemotron-H's
+    attention 4 heads / 2 KV heads of dim 32 without RoPE; the relu2 MLP of width 352; MoE layers (`layers` naming
+    "moe": `TINY_NEMOTRON_H_MOE_LAYERS`) of `TINY_NEMOTRON_H_MOE`; untied embeddings (Nemotron-H's
     own; `tie_word_embeddings` is ignored: `check_nemotron_h`). transformers is imported here only (the planner imports
     this module without it)."""
     from transformers import NemotronHConfig
@@ -154,6 +178,7 @@ def tiny_nemotron_h_config(common: dict):
     common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "hidden_act",
                                                            "num_hidden_layers", "tie_word_embeddings")}
     return NemotronHConfig(**common, head_dim=common["hidden_size"] // common["num_attention_heads"],
-                           layers_block_type=TINY_NEMOTRON_H_LAYERS, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
+                           layers_block_type=layers, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
                            ssm_state_size=16, conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
-                           mlp_hidden_act="relu2", use_conv_bias=True, tie_word_embeddings=False)
+                           mlp_hidden_act="relu2", use_conv_bias=True, tie_word_embeddings=False,
+                           **TINY_NEMOTRON_H_MOE)

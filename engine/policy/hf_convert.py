@@ -320,14 +320,14 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
 def _hybrid_map(dims: ModelDims) -> list[TensorMap]:
     """Nemotron-H's map (engine/models/nemotron_h.py NEMOTRON_H_TENSORS): every layer kind's entries, once each."""
     entries = [TensorMap(megatron, (hf,), kind) for megatron, hf, kind in NEMOTRON_H_GLOBAL]
-    for kind in ("mamba", "attention", "mlp"):
+    for kind in ("mamba", "attention", "mlp", "moe"):
         entries += [e for e in _hybrid_layer_map(dims, kind) if e not in entries]
     head = NEMOTRON_H_GLOBAL[0][1] if dims.tie_word_embeddings else "lm_head.weight"
     return entries + [TensorMap("output_layer.weight", (head,), "vocab")]
 
 
 def _hybrid_layer_map(dims: ModelDims, kind: str) -> list[TensorMap]:
-    """The entries of a Nemotron-H layer of `kind` ("mamba", "attention", "mlp")."""
+    """The entries of a Nemotron-H layer of `kind` ("mamba", "attention", "mlp", "moe")."""
     entries = []
     for megatron, hf, layout in NEMOTRON_H_TENSORS[kind]:
         if megatron == "self_attention.conv1d.bias" and not dims.mamba_conv_bias:

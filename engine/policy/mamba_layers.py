@@ -5,8 +5,8 @@ gated RMSNorm grouped by n_groups), `mamba_mixer_class` (the mixer in Megatron's
 head: in_proj column-parallel with its z / x / B / C / dt blocks each split (`partition_blocks`), the depthwise conv,
 dt_bias / A_log / D / the norm split by head, out_proj row-parallel; a rank holds whole groups of heads, so the
 grouped norm and the B / C of its heads are local: no communication beyond the two linears') and
-`nemotron_h_layer_specs` (per decoder layer: the mixer, attention without RoPE, or the relu2 MLP, each after its one
-RMSNorm, as attention-only or MLP-only TransformerLayers: Megatron's own hybrid-stack layout).
+`nemotron_h_layer_specs` (per decoder layer: the mixer, attention without RoPE, the relu2 MLP or the MoE layer, each
+after its one RMSNorm, as attention-only or MLP-only TransformerLayers: Megatron's own hybrid-stack layout).
 
 Why not megatron-core's MambaMixer: megatron/core/ssm/mamba_mixer.py imports the mamba_ssm and causal_conv1d CUDA
 kernels (ImportError without them; neither has a CPU build). Prefill / training only: no decode state (the trainer
@@ -233,19 +233,23 @@ def mamba_mixer_class():
     return MambaMixer
 
 
-def nemotron_h_layer_specs(spec, row_parallel, hf_config) -> list:
+def nemotron_h_layer_specs(spec, row_parallel, hf_config, dense_spec=None) -> list:
     """One layer spec per decoder layer (global order) from the project's finished local spec: a Mamba layer (the
     mixer as `self_attention` after the input norm), an attention layer (no MLP) or an MLP layer (no attention; its
-    norm is the pre-MLP norm)."""
+    norm is the pre-MLP norm); with MoE ('E') layers `spec` is the MoE spec (its MLP a MoELayer: an 'E' layer is an
+    MLP-only layer of it) and `dense_spec` the dense one ('-' layers)."""
     from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     layer = spec.submodules
+    dense = (dense_spec or spec).submodules
     no_mlp = dict(pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
     mixer = ModuleSpec(module=mamba_mixer_class(), params={"hf_config": hf_config, "row_parallel": row_parallel})
     kinds = {
         "attention": dataclasses.replace(layer, **no_mlp),
-        "mlp": dataclasses.replace(layer, input_layernorm=IdentityOp, self_attention=IdentityOp,
+        "mlp": dataclasses.replace(dense, input_layernorm=IdentityOp, self_attention=IdentityOp,
+                                   self_attn_bda=IdentityFuncOp),
+        "moe": dataclasses.replace(layer, input_layernorm=IdentityOp, self_attention=IdentityOp,
                                    self_attn_bda=IdentityFuncOp),
         "mamba": dataclasses.replace(layer, self_attention=mixer, **no_mlp),
     }

@@ -403,7 +403,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
         if spec.submodules.input_layernorm is not LocalRMSNorm:
             raise ValueError("nemotron_h is built on Megatron's local spec only (its Mamba-2 mixer is a project "
                              "module): set model.transformer_impl: local")
-        per_layer = mamba_layers.nemotron_h_layer_specs(spec, _row_parallel_linear_class(), hf_config)
+        per_layer = mamba_layers.nemotron_h_layer_specs(spec, _row_parallel_linear_class(), hf_config, dense_spec)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):

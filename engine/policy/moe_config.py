@@ -20,6 +20,7 @@ import torch
 from engine.config import ModelConfig
 from engine.models.deepseek_v3 import warn_mtp_dropped
 from engine.models.families import dense_layers, moe_shape, shared_expert_width
+from engine.models.nemotron_h import is_nemotron_h, layer_kinds
 from engine.policy.parallel import ParallelState
 
 
@@ -91,13 +92,21 @@ def glm4_moe_router_settings(hf_config) -> dict:
     step by each expert's token count) is a pre-training load-balancer; RL post-training keeps the routing the
     checkpoint was balanced with, so the policy, the frozen reference and vLLM route alike and routing replay replays
     the routes the engine chose. It is loaded, exported and synced like a weight (`global_param_names`).
+
+    Nemotron-H's MoE ('E') layers route alike (HF NemotronHTopkRouter); `moe_layer_freq` marks its 'E' layers (the
+    hybrid stack builds them: engine/policy/mamba_layers.py), its non-gated relu2 experts come from
+    `nemotron_h_settings` (`gated_linear_unit=False`, squared ReLU, shared by experts and shared expert).
     """
-    if hf_config.model_type not in ("glm4_moe", "deepseek_v3"):  # DeepSeek-V3: the same router and layer pattern
+    if is_nemotron_h(hf_config):  # Nemotron-H's 'E' layers: the same router; its hybrid layers (one MoE per 'E')
+        freq = [int(kind == "moe") for kind in layer_kinds(hf_config)]
+    elif hf_config.model_type not in ("glm4_moe", "deepseek_v3"):  # DeepSeek-V3: the same router and layer pattern
         return {}
+    else:
+        first_dense, layers = dense_layers(hf_config), hf_config.num_hidden_layers
+        freq = [0] * first_dense + [1] * (layers - first_dense)
     if hf_config.model_type == "glm4_moe" and (mtp := int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)):
         warn_mtp_dropped("glm4_moe", mtp, int(hf_config.num_hidden_layers))  # DeepSeek-V3's: in mla_settings
     groups = int(hf_config.n_group)
-    first_dense, layers = dense_layers(hf_config), hf_config.num_hidden_layers
     return dict(
         moe_router_score_function="sigmoid",
         moe_router_dtype="fp32",
@@ -106,7 +115,7 @@ def glm4_moe_router_settings(hf_config) -> dict:
         moe_router_group_topk=int(hf_config.topk_group) if groups > 1 else None,
         moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
         moe_shared_expert_intermediate_size=shared_expert_width(hf_config) or None,
-        moe_layer_freq=[0] * first_dense + [1] * (layers - first_dense),
+        moe_layer_freq=freq,
     )
 
 
