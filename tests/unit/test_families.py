@@ -11,7 +11,7 @@ translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; 
 read from the config. DeepSeek-V3 is supported (MLA: engine/models/deepseek_v3.py): the settings MLA or its router
 would compute differently are refused naming the field, MTP layers are dropped with one warning. Cohere 2 is supported
 likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit. Nemotron-H is supported (its
-Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE layers, biases, tied embeddings, ...), whole Mamba
+Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE latent projections, biases, tied embeddings, ...), whole Mamba
 groups per TP rank, the chunked scan = the step-by-step recurrence, packed rows cut per sequence."""
 
 from types import SimpleNamespace
@@ -34,7 +34,10 @@ def _assert_refused_after(config, change: dict, cause: str) -> None:
 
 
 @pytest.mark.parametrize("change,cause", [
-    ({"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]}, "layers_block_type .*'moe'.* MoE"),
+    ({"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"], "moe_latent_size": 64},
+     "moe_latent_size=64: the MoE layers' latent projections"),
+    ({"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"], "n_group": 2, "topk_group": 2},
+     "nemotron_h with n_group=2, topk_group=2"),
     ({"mamba_proj_bias": True}, "nemotron_h with mamba_proj_bias=true"),
     ({"mlp_bias": True}, "nemotron_h with mlp_bias=true"),
     ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
@@ -42,12 +45,12 @@ def _assert_refused_after(config, change: dict, cause: str) -> None:
     ({"tie_word_embeddings": True}, "tie_word_embeddings=true: neither HF's NemotronHForCausalLM nor vLLM's"),
     ({"n_groups": 3}, "mamba_num_heads=8 is not a multiple of n_groups=3")])
 def test_nemotron_h_settings_the_engine_would_not_reproduce_are_refused(change, cause):
-    """The tiny Nemotron-H (Mamba-2, attention and MLP layers) passes; transformers' default (with an MoE layer) and
-    each setting not translated is refused naming it; an unknown family names the supported ones, nemotron_h too."""
+    """The tiny Nemotron-H (Mamba-2, attention and MLP layers) and its variant with MoE layers pass; each setting not
+    translated is refused naming it (the MoE latent projection; group scores Megatron computes differently); an
+    unknown family names the supported ones, nemotron_h too."""
     config = tiny_model_config("nemotron_h")
     check_model_type(config)
-    with pytest.raises(ValueError, match="'moe'"):
-        check_model_type(AutoConfig.for_model("nemotron_h"))
+    check_model_type(tiny_model_config("nemotron_h", moe_layers=True))
     assert not MISSING_FEATURES
     _assert_refused_after(config, change, cause)
 
