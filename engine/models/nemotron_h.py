@@ -1,11 +1,10 @@
 """Nemotron-H (HF `nemotron_h`, NemotronHForCausalLM: hybrid Mamba-2 / attention / MLP): what the engine needs to
 know about its HF config, without torch or Megatron.
 
-Owns: `check_nemotron_h` (the settings refused, each naming the cause: MoE latent projections, biases, activations other than
-relu2 / silu, a sliding window, tied embeddings), `nemotron_h_settings`
-(TransformerConfig fields: the non-gated squared-ReLU MLP, RMSNorm epsilon), `layer_kinds` (one of "mamba",
-"attention", "mlp", "moe" per decoder layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B /
-C / dt), `NEMOTRON_H_TENSORS` (HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py),
+Owns: `check_nemotron_h` (the settings refused, each naming the cause: MoE latent projections, biases, activations
+other than relu2 / silu, a sliding window, tied embeddings), `nemotron_h_settings` (TransformerConfig fields: the
+non-gated squared-ReLU MLP, RMSNorm epsilon), `layer_kinds` (one of "mamba", "attention", "mlp", "moe" per decoder
+layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B / C / dt), `NEMOTRON_H_TENSORS` (HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py),
 `has_moe_layers` and the tiny model's config (`tiny_nemotron_h_config`, for engine/models/tiny_model.py).
 The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) are engine/policy/mamba_layers.py.
 

