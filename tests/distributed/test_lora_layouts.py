@@ -117,19 +117,25 @@ def test_lora_step_trains_only_adapters(reference):
     assert result["grad_norm"] > 0 and SETTINGS["r"] == 4
 
 
+def _assert_step_equals(results: list, ref: dict, ref_tensors: dict, adapter_dir) -> None:
+    """A layout's LoRA step equals the single-process one (fp32): summed loss, every rank's grad norm, and every
+    tensor of the exported adapter."""
+    loss = sum(r["loss"] for r in results if r["loss"] is not None)
+    assert loss == pytest.approx(ref["loss"], rel=1e-5)
+    assert all(r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) for r in results)
+    tensors = _adapter_tensors(adapter_dir)
+    assert sorted(tensors) == sorted(ref_tensors)
+    for name, expected in ref_tensors.items():
+        torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,dp,sp", [(2, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, False)],
                          ids=["tp2", "tp2_sp", "pp2", "dp2"])
 def test_lora_grpo_step_matches_single_process(model_dir, reference, tmp_path, tp, pp, dp, sp):
     ref, ref_tensors, _ = reference
     results = run_distributed(_lora_step, tp * pp * dp, tp, pp, dp, sp, str(model_dir), str(tmp_path / "adapter"))
-    loss = sum(r["loss"] for r in results if r["loss"] is not None)
-    assert loss == pytest.approx(ref["loss"], rel=1e-5)
-    assert all(r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) for r in results)
-    tensors = _adapter_tensors(tmp_path / "adapter")
-    assert sorted(tensors) == sorted(ref_tensors)
-    for name, expected in ref_tensors.items():
-        torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    _assert_step_equals(results, ref, ref_tensors, tmp_path / "adapter")
     if tp == 1:  # PP stages hold their layers' adapters, DP ranks their shares of them: each element once
         assert sum(r["optimizer_numel"] for r in results) == _num_adapter_elements(ref_tensors)
 
@@ -166,13 +172,7 @@ def test_lora_modules_to_save_step_matches_single_process(model_dir, saved_refer
     ref, ref_tensors, _ = saved_reference
     results = run_distributed(_lora_step, tp * pp * dp, tp, pp, dp, False, str(model_dir), str(tmp_path / "adapter"),
                               "float32", "float32", SAVED)
-    loss = sum(r["loss"] for r in results if r["loss"] is not None)
-    assert loss == pytest.approx(ref["loss"], rel=1e-5)
-    assert all(r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) for r in results)
-    tensors = _adapter_tensors(tmp_path / "adapter")
-    assert sorted(tensors) == sorted(ref_tensors)
-    for name, expected in ref_tensors.items():
-        torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    _assert_step_equals(results, ref, ref_tensors, tmp_path / "adapter")
     if tp == 1:
         assert sum(r["optimizer_numel"] for r in results) == ref["optimizer_numel"]
 
