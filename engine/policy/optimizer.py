@@ -59,11 +59,10 @@ class PolicyOptimizer:
         and leave the schedule where it was (Megatron-LM's and PyTorch GradScaler's rule); grad_norm is then NaN and a
         warning says so. Elsewhere non-finite gradients are a FloatingPointError."""
         learning_rate = self.optimizer.param_groups[0]["lr"]
-        scale = float(self.optimizer.get_loss_scale()) if self.loss_scaled else 1.0
         is_ok, grad_norm, _ = self.optimizer.step()
         if not is_ok and self.loss_scaled:
-            logger.warning("fp16: gradients overflowed at loss scale %g: the step is skipped, the scale is now %g",
-                           scale, float(self.optimizer.get_loss_scale()))
+            logger.warning("fp16: gradients overflowed: the step is skipped, the loss scale is halved to %g",
+                           float(self.optimizer.get_loss_scale()))
             return {"grad_norm": math.nan, "learning_rate": learning_rate}
         if not is_ok:
             raise FloatingPointError("optimizer step skipped: gradients are not finite")

@@ -190,7 +190,9 @@ def model_mismatch(served: dict | None, trainer: dict) -> str:
     did not say), e.g. "hidden_size: server 128, trainer 256"."""
     if not served:
         return ""
-    trainer = json.loads(json.dumps(trainer))  # as the server's health sends it: tuples (ModelDims.layer_kinds) as lists
+    # both sides as JSON carries them (tuples such as ModelDims.layer_kinds as lists): the trainer compares /health's
+    # JSON with its own dims, the server its own dims with /weights/init's JSON
+    served, trainer = json.loads(json.dumps(served)), json.loads(json.dumps(trainer))
     diffs = [f"{key}: server {served[key]!r}, trainer {value!r}" for key, value in trainer.items()
              if key in served and key != "padded_vocab" and served[key] != value]
     return (f"{'; '.join(diffs)} (the server serves {served.get('name')!r}, model_type {served.get('model_type')!r}); "

@@ -24,12 +24,32 @@
    policy, naming the setting. GPT-OSS's interleaved experts, DeepSeek-V3's: the engine's logits = PEFT's.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
 from tests.helpers.lora import lora_logits_and_exports, lora_settings
 from tests.helpers.policy import grpo_step_and_export, hf_tensors, tokens
+
+
+def _hf_logits_plain_peft_merged(model_dir, exports_dir):
+    """HF's fp32 logits of `tokens`: the base, the base with `<exports_dir>/adapter` loaded by peft.PeftModel, and
+    the merged export `<exports_dir>/merged` (as lora_logits_and_exports writes them); asserts the perturbed adapters
+    move the logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tokens(base.config.vocab_size)
+    with torch.no_grad():
+        plain = base(ids).logits
+        with_peft = PeftModel.from_pretrained(base, Path(exports_dir) / "adapter").eval()(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(Path(exports_dir) / "merged",
+                                                      dtype=torch.float32).eval()(ids).logits
+    assert (with_peft - plain).abs().max() > 0.1, "the perturbed adapters should move the logits"
+    return plain, with_peft, merged
 
 
 def _lora_step(tp, pp, dp, sp, model_dir, out_dir, dtype="float32", adapter_dtype="float32", saved=()):
@@ -58,29 +78,21 @@ def test_lora_logits_equal_peft_and_merged_export(model_dir, tmp_path, tp, saved
     """At TP2 with PEFT's modules_to_save (the vocab-parallel LM head and embedding trained in full, perturbed): PEFT
     loads them from the adapter (its key names) and gives the engine's logits; the merged export holds them; with the
     adapters disabled (the KL reference) the logits are the loaded base's (PEFT's original_module)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from engine.config import ParallelConfig
 
     result = run_distributed(lora_logits_and_exports, tp, str(model_dir), ParallelConfig(tp_size=tp), str(tmp_path),
                              {"modules_to_save": saved})[0]
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tokens(base.config.vocab_size)
-    with torch.no_grad():
-        plain = base(ids).logits
-        with_peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(ids).logits
-    assert (with_peft - plain).abs().max() > 0.1, "the perturbed adapters should move the logits"
+    plain, with_peft, merged = _hf_logits_plain_peft_merged(model_dir, tmp_path)
     torch.testing.assert_close(result["logits"], with_peft, rtol=0, atol=1e-5)
     torch.testing.assert_close(result["merged_logits"], result["logits"], rtol=0, atol=1e-5)
     torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
     assert torch.equal(result["after_merge"], result["logits"]), "leaving merged_lora must restore the base exactly"
     torch.testing.assert_close(result["disabled"], plain, rtol=0, atol=1e-5)
     if saved:  # PEFT 0.21's keys (its `modules_to_save.default.` infix dropped), HF's vocabulary rows
-        tensors = _adapter_tensors(tmp_path / "adapter")
+        tensors, vocab = _adapter_tensors(tmp_path / "adapter"), plain.shape[-1]  # plain: (B, T, V) of HF's base
         for key in ("base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"):
-            assert tensors[key].shape == (base.config.vocab_size, base.config.hidden_size), key
+            assert tensors[key].shape[0] == vocab and tensors[key].ndim == 2, key
 
 
 @pytest.fixture(scope="module")
@@ -105,19 +117,25 @@ def test_lora_step_trains_only_adapters(reference):
     assert result["grad_norm"] > 0 and SETTINGS["r"] == 4
 
 
+def _assert_step_equals(results: list, ref: dict, ref_tensors: dict, adapter_dir) -> None:
+    """A layout's LoRA step equals the single-process one (fp32): summed loss, every rank's grad norm, and every
+    tensor of the exported adapter."""
+    loss = sum(r["loss"] for r in results if r["loss"] is not None)
+    assert loss == pytest.approx(ref["loss"], rel=1e-5)
+    assert all(r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) for r in results)
+    tensors = _adapter_tensors(adapter_dir)
+    assert sorted(tensors) == sorted(ref_tensors)
+    for name, expected in ref_tensors.items():
+        torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp,dp,sp", [(2, 1, 1, False), (2, 1, 1, True), (1, 2, 1, False), (1, 1, 2, False)],
                          ids=["tp2", "tp2_sp", "pp2", "dp2"])
 def test_lora_grpo_step_matches_single_process(model_dir, reference, tmp_path, tp, pp, dp, sp):
     ref, ref_tensors, _ = reference
     results = run_distributed(_lora_step, tp * pp * dp, tp, pp, dp, sp, str(model_dir), str(tmp_path / "adapter"))
-    loss = sum(r["loss"] for r in results if r["loss"] is not None)
-    assert loss == pytest.approx(ref["loss"], rel=1e-5)
-    assert all(r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) for r in results)
-    tensors = _adapter_tensors(tmp_path / "adapter")
-    assert sorted(tensors) == sorted(ref_tensors)
-    for name, expected in ref_tensors.items():
-        torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    _assert_step_equals(results, ref, ref_tensors, tmp_path / "adapter")
     if tp == 1:  # PP stages hold their layers' adapters, DP ranks their shares of them: each element once
         assert sum(r["optimizer_numel"] for r in results) == _num_adapter_elements(ref_tensors)
 
@@ -154,13 +172,7 @@ def test_lora_modules_to_save_step_matches_single_process(model_dir, saved_refer
     ref, ref_tensors, _ = saved_reference
     results = run_distributed(_lora_step, tp * pp * dp, tp, pp, dp, False, str(model_dir), str(tmp_path / "adapter"),
                               "float32", "float32", SAVED)
-    loss = sum(r["loss"] for r in results if r["loss"] is not None)
-    assert loss == pytest.approx(ref["loss"], rel=1e-5)
-    assert all(r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5) for r in results)
-    tensors = _adapter_tensors(tmp_path / "adapter")
-    assert sorted(tensors) == sorted(ref_tensors)
-    for name, expected in ref_tensors.items():
-        torch.testing.assert_close(tensors[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    _assert_step_equals(results, ref, ref_tensors, tmp_path / "adapter")
     if tp == 1:
         assert sum(r["optimizer_numel"] for r in results) == ref["optimizer_numel"]
 
@@ -298,8 +310,7 @@ def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(
     without the policy (save_model() before train()) has apply_lora's A; a checkpoint saved at EP2
     resumes bit for bit at EP2 (adapters and the next step); MLP target_modules (which PEFT would not match
     on transformers 5's 3-D experts) are refused on the built policy."""
-    from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from engine.models.tiny_model import build_tiny_model
     from engine.policy.peft_adapter import initial_peft_tensors
@@ -307,14 +318,8 @@ def test_lora_on_moe_expert_adapters_equal_peft_and_at_ep2_match_single_process(
     model_dir = str(build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=7))
     (single,) = run_distributed(_moe_lora_step, 1, model_dir, str(tmp_path / "ep1"), 1)
     assert "routes its MLP through 4 experts" in single["refusal"] and "ep_size" in single["refusal"], single["refusal"]
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids, exports = tokens(base.config.vocab_size), single["exports"]
-    with torch.no_grad():
-        plain = base(ids).logits
-        with_peft = PeftModel.from_pretrained(base, tmp_path / "ep1_peft" / "adapter").eval()(ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ep1_peft" / "merged",
-                                                      dtype=torch.float32).eval()(ids).logits
-    assert (with_peft - plain).abs().max() > 0.1, "the perturbed adapters should move the logits"
+    exports = single["exports"]
+    _, with_peft, merged = _hf_logits_plain_peft_merged(model_dir, tmp_path / "ep1_peft")
     torch.testing.assert_close(exports["logits"], with_peft, rtol=0, atol=1e-5)
     torch.testing.assert_close(exports["merged_logits"], exports["logits"], rtol=0, atol=1e-5)
     torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
@@ -350,22 +355,13 @@ def test_lora_on_other_moe_families_expert_adapters_equal_peft(tmp_path, family,
     exported adapter (B's gate_up rows interleaved) loaded by peft.PeftModel gives the engine's logits, and so does
     the merged export. DeepSeek-V3 (GLM-4.5's MoE: dense first layer, shared expert, not adapted; MLA attention, no
     q_proj): the same with expert adapters alone."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     from engine.config import ParallelConfig
     from engine.models.tiny_model import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp_path / family, family, seed=7))
     result = run_distributed(lora_logits_and_exports, 1, model_dir, ParallelConfig(), str(tmp_path),
                              {"target_modules": targets, "target_parameters": EXPERTS})[0]
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = tokens(base.config.vocab_size)
-    with torch.no_grad():
-        plain = base(ids).logits
-        with_peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()(ids).logits
-    assert (with_peft - plain).abs().max() > 0.1, "the perturbed adapters should move the logits"
+    plain, with_peft, merged = _hf_logits_plain_peft_merged(model_dir, tmp_path)
     torch.testing.assert_close(result["logits"], with_peft, rtol=0, atol=1e-5)
     torch.testing.assert_close(merged, with_peft, rtol=0, atol=1e-5)
 

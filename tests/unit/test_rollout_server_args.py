@@ -127,8 +127,8 @@ def test_server_and_trainer_refuse_to_start_without_a_token(monkeypatch, capsys)
 @pytest.mark.parametrize("family", ["qwen2", "nemotron_h"])
 def test_the_health_checks_model_facts_survive_json_and_a_changed_fact_is_named(tmp_path, family):
     """`/health`'s model facts arrive as JSON (tuples, e.g. ModelDims.layer_kinds, as lists): the same model is no
-    mismatch (the tuple-vs-list comparison refused every server once Nemotron-H's tuple fields were added), and a
-    changed shape fact is named."""
+    mismatch either way (the trainer checks /health's JSON, the server /weights/init's: the tuple-vs-list comparison
+    refused every server once Nemotron-H's tuple fields were added), and a changed shape fact is named."""
     import json
     from dataclasses import asdict
 
@@ -141,6 +141,7 @@ def test_the_health_checks_model_facts_survive_json_and_a_changed_fact_is_named(
     hf_config = AutoConfig.from_pretrained(build_tiny_model(tmp_path / family, family, seed=0))
     trainer = asdict(ModelDims.from_hf(hf_config, hf_config.vocab_size)) | {"ffn_hidden_size": 64}
     served = json.loads(json.dumps(trainer)) | {"name": "m", "model_type": family}
-    assert model_mismatch(served, trainer) == ""
+    assert model_mismatch(served, trainer) == ""  # the trainer's check of /health
+    assert model_mismatch(trainer | {"name": "m"}, json.loads(json.dumps(trainer))) == ""  # the server's of /weights/init
     served["hidden_size"] += 1
     assert model_mismatch(served, trainer).startswith(f"hidden_size: server {trainer['hidden_size'] + 1}")
