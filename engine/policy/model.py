@@ -38,7 +38,7 @@ from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
 from engine.models.nemotron_h import check_nemotron_h_layout, is_nemotron_h, nemotron_h_settings
 from engine.policy import cohere2_layers, gemma_layers, mamba_layers
-from engine.policy.moe_config import freeze_expert_bias, moe_settings
+from engine.policy.moe_config import freeze_expert_bias, mark_expert_params, moe_settings
 from engine.policy.parallel import ParallelState
 from engine.policy.sdpa_attention import attention_specs
 from engine.recompute import resolve_recompute
@@ -435,6 +435,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
         chunks[-1].hf_model_type = hf_config.model_type  # the HF layout adapters export to (engine/policy/lora.py)
     if config.moe_router_enable_expert_bias:
         freeze_expert_bias(chunks, config)
+    mark_expert_params(chunks, ps)
     return chunks
 
 

@@ -2,7 +2,8 @@
 
 Owns: `moe_settings` (TransformerConfig's router / expert / expert-parallel keywords from an HF config; {} for a dense
 model), `glm4_moe_router_settings` (GLM-4.5's and DeepSeek-V3's sigmoid group-limited router with the expert bias,
-shared expert and dense first layers), `freeze_expert_bias` (the loaded expert bias kept as it is) and
+shared expert and dense first layers), `freeze_expert_bias` (the loaded expert bias kept as it is),
+`mark_expert_params` (replicated experts reduced over the expert data-parallel group) and
 `define_te_general_gemm` (a megatron-core 0.16.1 fix-up without Transformer Engine). engine/policy/model.py builds
 the policy with these.
 
@@ -10,7 +11,8 @@ Must not: read Megatron's global parallel state (it receives a ParallelState), o
 
 Test: tests/unit/test_model_config.py (the keywords and refusals), tests/unit/test_families.py (GLM-4.5's router
 settings Megatron computes differently are refused), tests/distributed/test_qwen3_layouts.py and
-tests/distributed/test_family_layouts.py (MoE logits = HF and steps at EP layouts: these keywords acting).
+tests/distributed/test_family_layouts.py (MoE logits = HF and steps at EP layouts: these keywords acting; the
+Nemotron-H MoE step at TP2 x EP1 + SP = TP1: `mark_expert_params`).
 """
 
 from __future__ import annotations
@@ -141,3 +143,26 @@ def freeze_expert_bias(chunks: list[torch.nn.Module], config) -> None:
             if getattr(module, "expert_bias", None) is not None:
                 module.enable_expert_bias = False
     config.moe_router_enable_expert_bias = False  # finalize_model_grads reads it: neither counts reset nor updates
+
+
+def mark_expert_params(chunks: list[torch.nn.Module], ps: ParallelState) -> None:
+    """Mark every routed expert's parameters as expert-parallel (`allreduce=False`) where Megatron leaves them dense.
+
+    NOTE: megatron-core 0.16.1 marks them only at expert_model_parallel_size > 1 (tensor_parallel/layers.py,
+    moe/experts.py: `allreduce = not (is_expert and expert_parallel)`); unmarked, DDP reduces their gradients over
+    the dense data-parallel group, and the optimizer keeps them with the dense weights. At ep_size 1 that group holds
+    the same experts only where expert_tp_size = tp_size. At TP2 x EP1 with expert TP 1 (the defaults) each TP rank
+    holds whole experts and, under sequence parallelism, gets their gradient from its own half of the tokens: the
+    dense DP group (size 1) never summed the halves, and the experts' update differed from TP1's (the GRPO step's
+    grad norm by rel 1.9e-5, expert weights by up to 1.8 x the learning rate). Marked, they are reduced over the
+    expert data-parallel group (here both TP ranks) as at EP > 1.
+    """
+    if ps.ep_size > 1 or ps.etp_size == ps.tp_size:  # Megatron's own marks, or the dense group is the expert one
+        return
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, BaseMoELayer):
+                for param in module.experts.parameters():
+                    param.allreduce = False

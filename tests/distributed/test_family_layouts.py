@@ -36,7 +36,8 @@ mixer in pure PyTorch: engine/policy/mamba_layers.py; the MoE layers' non-gated 
 and a shared expert): (a) at TP1, TP2 + SP (8 Mamba heads, 2 groups: one group per rank), PP2 and EP2, logits and the
 kernel's log-probs; (b) the GRPO step at TP2 + SP and with packed rows (the conv and scan restarted at each sequence,
 TP1) equals the padded TP1 step, every Mamba-2 parameter (in_proj, conv weight and bias, dt_bias, A_log, D, the gated
-norm, out_proj), the router, an expert and the shared expert moving.
+norm, out_proj), the router, the experts and the shared expert moving, the expert bias frozen; the MoE variant's step
+at TP2 + SP (TP2 x EP1, expert TP 1: the experts' gradients summed over both TP ranks' token halves) and at EP2 too.
 The Qwen3-MoE cases (tests/distributed/test_qwen3_layouts.py) cover bf16, recompute on / off and packed rows on the
 same MoE code path; this file checks what Mixtral and GLM-4.5 add: their config translation and their names.
 """
@@ -80,15 +81,16 @@ DENSE_FAMILIES = {
                              ".mixer.A_log", ".mixer.D", ".mixer.norm.", ".mixer.out_proj.", ".mixer.k_proj.",
                              ".mixer.up_proj.", "backbone.norm_f.", "lm_head.")},
     # its variant with MoE ('E') layers, 'ME*-EM': non-gated relu2 experts, GLM-4.5's router, a shared expert
+    # TP2 + SP is TP2 x EP1 with expert TP 1: whole experts replicated on both TP ranks, each seeing half the tokens
+    # (engine/policy/moe_config.py mark_expert_params); EP2: 2 experts per rank
     "nemotron_h_moe": {"logits": [(1, 1, 1), (2, 1, 1), (1, 1, 2)], "logprob_temperature": 0.9,
-                       "steps": ("tp1", "tp1_packed"),
-                       "moved": (".mixer.gate.weight", ".mixer.experts.3.up_proj.", ".mixer.shared_experts.down_proj.",
-                                 ".mixer.in_proj.")},
+                       "steps": ("tp1", "tp2_sp", "tp1_packed", "ep2"),
+                       "moved": (".mixer.gate.weight", ".mixer.experts.3.up_proj.", ".mixer.experts.0.down_proj.",
+                                 ".mixer.shared_experts.down_proj.", ".mixer.in_proj."),
+                       "frozen": ".mixer.gate.e_score_correction_bias"},
 }
 MOE_VARIANTS = {"nemotron_h_moe": "nemotron_h"}
-"""Keys above whose tiny model is a family's variant with MoE layers (engine/models/tiny_model.py `moe_layers`).
-NOTE: nemotron_h_moe's GRPO step at TP2 + SP is not checked: its loss differs from TP1's by rel ~2e-5 (eval logits at
-TP2 = HF's within 5e-7; not a routing flip: with every expert chosen too), cause not found yet."""
+"""Keys above whose tiny model is a family's variant with MoE layers (engine/models/tiny_model.py `moe_layers`)."""
 """Dense families (no expert layouts, no routing): their logit layouts (tp, pp, ep), the temperature of a log-prob
 check against HF's (none where absent), their GRPO step layouts (`DENSE_STEP_LAYOUTS` names) and the HF names the step
 must move."""
@@ -99,8 +101,8 @@ STEP_LAYOUTS = [("ep1", 1, 1, 1e-3), ("ep2", 1, 2, 1e-3), ("ep1_no_z", 1, 1, 0.0
 """(name, tp, ep, z-loss) of the GRPO step (pp1, float32, aux loss 1e-2)."""
 
 
-DENSE_STEP_LAYOUTS = [("tp1", 1, False), ("tp2_sp", 2, False), ("tp1_packed", 1, True)]
-"""(name, tp, packed rows) of a dense family's GRPO step (pp1, float32). Packed micro-batches take 4 rows' tokens:
+DENSE_STEP_LAYOUTS = [("tp1", 1, 1, False), ("tp2_sp", 2, 1, False), ("tp1_packed", 1, 1, True), ("ep2", 1, 2, False)]
+"""(name, tp, ep, packed rows) of a dense family's GRPO step (pp1, float32; ep2: its MoE variant). Packed micro-batches take 4 rows' tokens:
 at 2 (DP2, 4 sequences per rank) no row held two sequences, and ignoring the mask went unnoticed."""
 LOGIT_CASES = ([(family, layout) for family in FAMILIES for layout in LOGIT_LAYOUTS]
                + [(family, layout) for family, case in DENSE_FAMILIES.items() for layout in case["logits"]])
@@ -159,8 +161,8 @@ def _dense_layouts(family: str, model_dir: str, out_root: str) -> dict:
         results[name] = logits_and_export(model_dir, parallel, f"{out_root}/{name}",
                                           DENSE_FAMILIES[family].get("logprob_temperature"))
         destroy_parallel(keep_process_group=True)
-    for name, tp, packed in [s for s in DENSE_STEP_LAYOUTS if s[0] in DENSE_FAMILIES[family]["steps"]]:
-        parallel = ParallelConfig(tp_size=tp, sequence_parallel=tp > 1)
+    for name, tp, ep, packed in [s for s in DENSE_STEP_LAYOUTS if s[0] in DENSE_FAMILIES[family]["steps"]]:
+        parallel = ParallelConfig(tp_size=tp, ep_size=ep, sequence_parallel=tp > 1)
         results[f"step-{name}"] = grpo_step_and_export(model_dir, parallel, ModelConfig(dtype="float32"),
                                                        f"{out_root}/step-{name}", width_multiple=2,
                                                        padding_free=packed, micro_batch_size=4 if packed else 2)
@@ -261,6 +263,9 @@ def test_dense_family_grpo_step_equals_tp1(launched, family, layout):
     moved = [n for n in before if not torch.equal(before[n], after1[n])]
     for part in DENSE_FAMILIES[family]["moved"]:
         assert any(part in n for n in moved), f"{part} trains"
+    frozen = [n for n in before if "frozen" in DENSE_FAMILIES[family] and n.endswith(DENSE_FAMILIES[family]["frozen"])]
+    assert not set(frozen) & set(moved), "the expert bias is frozen"
+    assert len(frozen) == (2 if "frozen" in DENSE_FAMILIES[family] else 0), "both 'E' layers' expert biases checked"
     for name, weight in after1.items():
         torch.testing.assert_close(after[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
