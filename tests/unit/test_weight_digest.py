@@ -75,3 +75,29 @@ def test_a_wider_engine_parameter_is_digested_as_sent_and_must_be_exactly_what_w
         module.weight.view(torch.int32)[2, 3] |= 1  # below bf16's precision: the bf16 cast rounds it away
     (digest, held), = _module_digests("lm_head", module, {}, torch.bfloat16).values()
     assert int(digest) != int(box_digest(sent)) and "not exactly torch.bfloat16" in held
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_fused_experts_are_digested_under_each_experts_checkpoint_names(gated):
+    """vLLM's fused experts (w13 [E, 2 I, H] = [gate; up], w2 [E, H, I]) are digested per expert under the
+    checkpoint's names; non-gated experts (Nemotron-H's relu2: `ckpt_up_proj_name` None, vLLM's FusedMoE on a GPU)
+    hold one projection per expert in w13 [E, I, H], digested whole under its one name (up_proj), not halved."""
+    from engine.rollout.vllm_engine import _module_digests
+
+    experts, width, hidden = 3, 4, 5
+    module = torch.nn.Module()
+    module.w13_weight = torch.nn.Parameter(torch.randn(experts, width * (2 if gated else 1), hidden))
+    module.w2_weight = torch.nn.Parameter(torch.randn(experts, hidden, width))
+    module.local_num_experts = module.global_num_experts = experts
+    module.ckpt_gate_proj_name, module.ckpt_down_proj_name = ("gate_proj" if gated else "up_proj"), "down_proj"
+    module.ckpt_up_proj_name = "up_proj" if gated else None
+    digests = _module_digests("model.layers.1.mixer.experts", module, {}, torch.float32)
+    want = {}
+    for e in range(experts):
+        want[f"model.layers.1.mixer.experts.{e}.down_proj.weight"] = module.w2_weight[e]
+        parts = {"gate_proj": slice(0, width), "up_proj": slice(width, None)} if gated else {"up_proj": slice(None)}
+        want |= {f"model.layers.1.mixer.experts.{e}.{proj}.weight": module.w13_weight[e, rows]
+                 for proj, rows in parts.items()}
+    assert sorted(digests) == sorted(want)
+    for name, tensor in want.items():
+        assert int(digests[name][0]) == int(box_digest(tensor.detach())), name
