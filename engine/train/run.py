@@ -41,7 +41,6 @@ from engine.policy.reference import ReferencePolicy
 from engine.policy.step import LogprobSettings
 from engine.rollout.protocol import RolloutEngine
 from engine.rollout.sync_check import logprob_health
-from engine.rollout.vllm_family_kwargs import check_cpu_servable
 from engine.train.checkpoint import (Progress, agree_on_resume_checkpoint, describe_model, load_checkpoint,
                                      read_progress, save_checkpoint)
 from engine.train.data import PromptBatch
@@ -159,8 +158,6 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     dist.barrier()
     model_dir = resolve_model_dir(name, run_dir, need_tokenizer=tokenizer is None)  # every rank: all raise alike
     hf_config = AutoConfig.from_pretrained(model_dir)
-    if cfg.rollout.vllm_mode == "colocate":  # refused before the policy is built, not by vLLM after it
-        check_cpu_servable(model_dir, on_gpu=torch.cuda.is_available())
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_dir)
     dims = ModelDims.from_hf(hf_config, policy_shape(hf_config, cfg.model, ps.tp_size).padded_vocab_size)
     if cfg.model.moe_enable_routing_replay and not dims.num_experts:
