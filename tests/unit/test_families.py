@@ -9,7 +9,8 @@ figures). GPT-OSS is supported: the settings not translated are refused, and the
 and DeepSeek-V3 (MLA sized) at their published totals. Gemma 3 text is supported: the settings it does not
 translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; its window, scale and norm names are
 read from the config. DeepSeek-V3 is supported (MLA: engine/models/deepseek_v3.py): the settings MLA or its router
-would compute differently are refused naming the field, MTP layers are dropped with one warning. Cohere 2 is supported
+would compute differently are refused naming the field, MTP layers are dropped with one warning. A quantised
+checkpoint (DeepSeek-V3's FP8, GPT-OSS's MXFP4, any quantization_config) is refused for every family. Cohere 2 is supported
 likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit. Nemotron-H is supported (its
 Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE layers, biases, tied embeddings, ...), whole Mamba
 groups per TP rank, the chunked scan = the step-by-step recurrence, packed rows cut per sequence."""
@@ -147,6 +148,33 @@ def test_deepseek_v3_mtp_layers_are_dropped_with_one_warning(caplog):
     glm4_moe_router_settings(glm)
     assert any("glm4_moe with num_nextn_predict_layers=1" in r.getMessage() and "model.layers.4.*" in r.getMessage()
                for r in caplog.records)
+
+
+DEEPSEEK_V3_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+"""deepseek-ai/DeepSeek-V3's config.json quantization_config (float8_e4m3fn blocks + weight_scale_inv beside them)."""
+
+
+@pytest.mark.parametrize("family,quant,cause", [
+    ("deepseek_v3", DEEPSEEK_V3_FP8, r"deepseek_v3 with quantization_config \(fp8\): its float8_e4m3fn weights .*"
+                                     r"fp8_cast_bf16.py .*delete quantization_config"),
+    ("glm4_moe", DEEPSEEK_V3_FP8, r"glm4_moe with quantization_config \(fp8\): .*weight_scale_inv"),
+    ("qwen2", {"quant_method": "awq", "bits": 4}, r"qwen2 with quantization_config \(awq\): .*does not dequantise "
+                                                   r"awq checkpoints; .*save_pretrained a bf16 copy"),
+    ("gpt_oss", {"quant_method": "mxfp4"}, r"gpt_oss with quantization_config \(mxfp4\): the MXFP4 expert blocks .*"
+                                           r"Mxfp4Config\(dequantize=True\)")])
+def test_quantized_checkpoints_of_every_family_are_refused_naming_the_method_and_the_conversion(tmp_path, family,
+                                                                                                 quant, cause):
+    """A config.json with a quantization_config (written here, read back by AutoConfig as the hub's is) is refused
+    whatever the family, naming the family, the method and what to run instead; without it the same config passes."""
+    import json
+
+    config = tiny_model_config(family)
+    check_model_type(config)
+    config.save_pretrained(tmp_path)
+    values = json.loads((tmp_path / "config.json").read_text()) | {"quantization_config": quant}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(AutoConfig.from_pretrained(tmp_path))
 
 
 def test_gemma2_checkpoints_with_final_logit_soft_capping_are_accepted_a_non_positive_cap_refused():
