@@ -9,7 +9,8 @@ figures). GPT-OSS is supported: the settings not translated are refused, and the
 and DeepSeek-V3 (MLA sized) at their published totals. Gemma 3 text is supported: the settings it does not
 translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; its window, scale and norm names are
 read from the config. DeepSeek-V3 is supported (MLA: engine/models/deepseek_v3.py): the settings MLA or its router
-would compute differently are refused naming the field, MTP layers are dropped with one warning. A quantised
+would compute differently are refused naming the field, MTP layers are not built (one warning; an export copies them:
+engine/policy/mtp_layers.py). A quantised
 checkpoint (DeepSeek-V3's FP8, GPT-OSS's MXFP4, any quantization_config) is refused for every family. Cohere 2 is supported
 likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit. Nemotron-H is supported (its
 Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE layers, biases, tied embeddings, ...), whole Mamba
@@ -124,9 +125,11 @@ DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, 
 """DeepSeek-V3's config.json rope_scaling (transformers' DeepseekV3Config defaults to plain RoPE)."""
 
 
-def test_deepseek_v3_mtp_layers_are_dropped_with_one_warning(caplog):
+def test_deepseek_v3_mtp_layers_are_not_built_with_one_warning(caplog):
     """DeepSeek-V3's own config (YaRN factor 40, num_nextn_predict_layers=1): MLA's settings translate, and one
-    warning names the MTP layer's weights (model.layers.61.*) as not loaded; the tiny model (no MTP) warns nothing."""
+    warning names the MTP layer's weights (model.layers.61.*) as not built or trained, copied by an export; the tiny
+    model (no MTP) warns nothing. The export's config keeps the layers only where it holds them
+    (tests/unit/test_mtp_layers.py)."""
     from engine.models.deepseek_v3 import mla_settings
 
     assert mla_settings(tiny_model_config("deepseek_v3"))["kv_lora_rank"] == 512 and not caplog.records
@@ -137,10 +140,12 @@ def test_deepseek_v3_mtp_layers_are_dropped_with_one_warning(caplog):
             settings[0]["original_max_position_embeddings"]) == ("yarn", 40.0, 1.0, 4096)
     assert [r.getMessage() for r in caplog.records if "num_nextn_predict_layers=1" in r.getMessage()] == [
         caplog.records[0].getMessage()] and "model.layers.61.*" in caplog.records[0].getMessage()
+    assert "not built or trained" in caplog.records[0].getMessage()
     from engine.policy.hf_checkpoint import export_config
 
-    exported = export_config(config, torch.bfloat16)  # the export has no MTP layers, and says so; its dtype is named
+    exported = export_config(config, torch.bfloat16)  # an export without MTP layers says so; its dtype is named
     assert exported.num_nextn_predict_layers == 0 and exported.dtype == torch.bfloat16
+    assert export_config(config, torch.bfloat16, keep_mtp=True).num_nextn_predict_layers == 1
     assert config.num_nextn_predict_layers == 1  # the run's own config is untouched
     from engine.policy.moe_config import glm4_moe_router_settings
 
