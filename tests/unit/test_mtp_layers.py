@@ -1,6 +1,6 @@
 """Multi-token-prediction layers passed through an export (engine/policy/mtp_layers.py), one process: a tiny
 DeepSeek-V3 given one MTP layer under the hub's names (tests/helpers/mtp.py) has it copied byte for byte, streamed in
-pieces, from a sharded or a single-file source; a source without them (the builtin tiny model, a stripped conversion,
+pieces, from a sharded or a single-file source (GLM-4.5's likewise); a source without them (the builtin tiny model, a stripped conversion,
 no source) or with only some of them gives nothing, and the export's config then says 0. The sharded export through
 Megatron at EP1 / EP2 / TP2 x EP2 / PP2: tests/distributed/test_family_layouts.py."""
 
@@ -24,6 +24,15 @@ def tiny_deepseek(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("ds") / "model", "deepseek_v3", seed=3)
 
 
+@pytest.fixture(scope="module")
+def tiny_glm(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("glm") / "model", "glm4_moe", seed=3)
+
+
+_ATTENTION = {"deepseek_v3": "self_attn.kv_a_proj_with_mqa.weight", "glm4_moe": "self_attn.q_proj.bias"}
+"""A tensor of each family's attention that its MTP layer (a copy of a decoder layer) must carry."""
+
+
 def _copy_of(tiny_deepseek, tmp_path, sharded: bool):
     """(source dir with an MTP layer, the MTP tensors written, the names copied, the export dir)."""
     import shutil
@@ -35,17 +44,20 @@ def _copy_of(tiny_deepseek, tmp_path, sharded: bool):
     return source, extra, copy_mtp_layers(source, AutoConfig.from_pretrained(source), out), out
 
 
-@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "single_file"])
-def test_mtp_layer_is_copied_byte_for_byte_in_pieces(tiny_deepseek, tmp_path, monkeypatch, caplog, sharded):
+@pytest.mark.parametrize("family,sharded", [("deepseek_v3", True), ("deepseek_v3", False), ("glm4_moe", True)],
+                         ids=["deepseek_v3-sharded", "deepseek_v3-single_file", "glm4_moe-sharded"])
+def test_mtp_layer_is_copied_byte_for_byte_in_pieces(request, tmp_path, monkeypatch, caplog, family, sharded):
     """Every model.layers.4.* tensor (the hub's MTP names: enorm, hnorm, eh_proj, shared_head, embed_tokens, the layer's
-    MLA and MoE tensors) lands in the export's MTP shard with its dtype (bfloat16 next to the float32 expert bias) and
-    its bytes, copied 1000 bytes at a time (pieces end inside tensors); the one warning names the source."""
+    attention (MLA; GLM-4.5's with its QKV bias) and MoE tensors) lands in the export's MTP shard with its dtype
+    (bfloat16 next to the float32 expert bias) and its bytes, copied 1000 bytes at a time (pieces end inside tensors);
+    the one warning names the source."""
     monkeypatch.setattr(mtp_layers, "_COPY_BYTES", 1000)
     caplog.set_level(logging.WARNING, logger="engine.policy.mtp_layers")
-    source, extra, names, out = _copy_of(tiny_deepseek, tmp_path, sharded)
+    model = request.getfixturevalue("tiny_deepseek" if family == "deepseek_v3" else "tiny_glm")
+    source, extra, names, out = _copy_of(model, tmp_path, sharded)
     assert names == sorted(extra) and len(names) > 20
     assert {"model.layers.4.eh_proj.weight", "model.layers.4.shared_head.head.weight",
-            "model.layers.4.self_attn.kv_a_proj_with_mqa.weight", "model.layers.4.mlp.experts.7.up_proj.weight",
+            f"model.layers.4.{_ATTENTION[family]}", "model.layers.4.mlp.experts.3.up_proj.weight",
             "model.layers.4.mlp.gate.e_score_correction_bias"} <= set(names)
     with safe_open(out / MTP_SHARD, framework="pt") as f:
         assert sorted(f.keys()) == names and f.metadata() == {"format": "pt"}
