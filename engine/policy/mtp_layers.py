@@ -86,10 +86,10 @@ def copy_mtp_layers(source_dir: str | Path | None, hf_config, out_dir: str | Pat
     first = int(hf_config.num_hidden_layers)
     names = mtp_tensor_names(source_dir, hf_config)
     if not names:
-        logger.warning("%s with num_nextn_predict_layers=%d: the source checkpoint (%s) holds no model.layers.%d.* "
-                       "(multi-token-prediction) tensors, so the export drops them and its config.json says "
-                       "num_nextn_predict_layers=0",
-                       hf_config.model_type, mtp, source_dir, first)
+        logger.warning("%s with num_nextn_predict_layers=%d: the source checkpoint (%s) lacks the multi-token-"
+                       "prediction tensors of some or all of model.layers.%d-%d.*, so the export drops them and its "
+                       "config.json says num_nextn_predict_layers=0",
+                       hf_config.model_type, mtp, source_dir, first, first + mtp - 1)
         return []
     entries, layout, offset = [], {}, 0  # (source file, source byte range), the output header, its data offset
     for file in sorted(set(names.values())):

@@ -78,7 +78,7 @@ def test_no_mtp_tensors_in_the_source_gives_none_and_the_export_config_says_0(ti
     assert not caplog.records
     config.num_nextn_predict_layers = 1
     assert copy_mtp_layers(tiny_deepseek, config, tmp_path) == [] and copy_mtp_layers(None, config, tmp_path) == []
-    assert len(caplog.records) == 2 and "holds no model.layers.4.*" in caplog.records[0].getMessage()
+    assert len(caplog.records) == 2 and "lacks the multi-token-prediction tensors of some or all of model.layers.4-4.*" in caplog.records[0].getMessage()
     assert not (tmp_path / MTP_SHARD).exists()
     source, extra, names, _ = _copy_of(tiny_deepseek, tmp_path / "partial", sharded=True)
     config.num_nextn_predict_layers = 2
