@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.models.deepseek_v3 import warn_mtp_dropped
+from engine.models.deepseek_v3 import warn_mtp_not_trained
 from engine.models.families import dense_layers, moe_shape, shared_expert_width
 from engine.policy.parallel import ParallelState
 
@@ -95,7 +95,7 @@ def glm4_moe_router_settings(hf_config) -> dict:
     if hf_config.model_type not in ("glm4_moe", "deepseek_v3"):  # DeepSeek-V3: the same router and layer pattern
         return {}
     if hf_config.model_type == "glm4_moe" and (mtp := int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)):
-        warn_mtp_dropped("glm4_moe", mtp, int(hf_config.num_hidden_layers))  # DeepSeek-V3's: in mla_settings
+        warn_mtp_not_trained("glm4_moe", mtp, int(hf_config.num_hidden_layers))  # DeepSeek-V3's: in mla_settings
     groups = int(hf_config.n_group)
     first_dense, layers = dense_layers(hf_config), hf_config.num_hidden_layers
     return dict(
