@@ -8,7 +8,8 @@ In order, each step appending its rows as soon as it has them (a time limit keep
    block sizes in `config.tiles`); a candidate that does not compile or run is reported and skipped; the best by
    full-mode p50 is used next;
 3. the sweep (benchmarks/bench_fused_logprob.py's `bench_point`): every (N, H) of `--tokens` x `--hidden` at
-   V = `--vocab`, variants reference (logits materialised), torch_chunked, triton (best tiles) and Liger's
+   V = `--vocab`, variants reference (logits materialised), torch_chunked, triton (best tiles; and, first, at the
+   kernel's default tiles where the best differ, so that a change of default rests on the whole sweep) and Liger's
    `LigerFusedLinearGRPOLoss` (full mode only; skipped with a printed reason where liger-kernel does not import):
    p50 ms and TFLOP/s (6NHV for full), peak extra memory, plus a `fraction_of_floor` row (TFLOP/s / floor) per
    throughput row.
@@ -34,7 +35,7 @@ import torch
 
 from benchmarks import bench_fused_logprob, bench_gemm
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env
-from kernels import TritonTiles
+from kernels import TritonTiles, fused_logprob
 
 TILE_CANDIDATES = (
     TritonTiles(),  # the bf16 default: 64 x 128 x 64, 8 warps, 3 stages (no spills: kernels/compile_check.py)
@@ -118,12 +119,18 @@ def run(args: argparse.Namespace) -> None:
             print("SUITE-NOTE: triton skipped in the sweep: no tile candidate ran")
             variants.remove("triton")
     args.tiles = tiles
+    # Best tiles other than the default: the default is timed at every point too (before the sweep's row, which the
+    # summary reads as the last triton row of its point), so a change of default rests on the whole sweep.
+    default_tiles = fused_logprob.default_tiles(device, args.torch_dtype)
+    default = None if tiles in (None, default_tiles) else argparse.Namespace(**{**vars(args), "tiles": default_tiles})
     for h in args.hidden:
         for n in args.tokens:
             start = time.monotonic()
             try:
-                rows, _ = bench_fused_logprob.bench_point(env, variants, n, h, args.vocab, args.torch_dtype, device,
-                                                          args)
+                rows = [] if default is None else bench_fused_logprob.bench_point(
+                    env, ["triton"], n, h, args.vocab, args.torch_dtype, device, default)[0]
+                rows += bench_fused_logprob.bench_point(env, variants, n, h, args.vocab, args.torch_dtype, device,
+                                                        args)[0]
             except Exception as error:  # noqa: BLE001 - one failing point must not lose the others
                 print(f"SUITE-NOTE: point N={n} H={h} failed: {type(error).__name__}: "
                       f"{(str(error).splitlines() or [''])[0][:160]}")

@@ -97,8 +97,8 @@ PARTS = (
          ("--shape", "qwen2.5-7b", "--num-layers", str(TRIMMED_7B_LAYERS), "--csv", "{results}/grpo_step.csv",
           "--budget-s", "120", *FIT), (), 200, 0, ("grpo_step.csv",), ("megatron.core",)),
     Part("d", "trl_step", "benchmarks.gpu.trl_step",
-         ("--shape", "qwen2.5-1.5b", "--csv", "{results}/trl_grpo_step.csv", "--budget-s", "90", *FIT),
-         ("--csv", "{results}/trl_grpo_step.csv", *CPU_STEP), 240, 300, ("trl_grpo_step.csv",), ("trl", "datasets")),
+         ("--shape", "qwen2.5-1.5b", "--csv", "{results}/trl_grpo_step.csv", "--budget-s", "150", *FIT),
+         ("--csv", "{results}/trl_grpo_step.csv", *CPU_STEP), 300, 300, ("trl_grpo_step.csv",), ("trl", "datasets")),
     Part("e", "packing", "benchmarks.bench_packing", (), (), 120, 180, ("packing.csv",), ("benchmarks.bench_packing",)),
 )
 """In order of value. c7 (the trimmed 7B) runs on a GPU only: the CPU smoke has one tiny shape. The CPU limits are

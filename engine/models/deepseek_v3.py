@@ -84,7 +84,8 @@ def check_deepseek_v3(hf_config) -> None:
     `rope_interleave` false, attention biases, no q LoRA (DeepSeek-V2-Lite's q_proj), `rms_norm_eps` other than the
     latent norms' 1e-6, a RoPE other than default / YaRN, and YaRN with an explicit attention_factor, `truncate`
     false or `mscale_all_dim` without `mscale`. Multi-token-prediction layers (`num_nextn_predict_layers` > 0) are
-    not refused: their weights (`model.layers.<num_hidden_layers + k>.*`) are not read, as vLLM skips them.
+    not refused: their weights (`model.layers.<num_hidden_layers + k>.*`) are not read (vLLM skips them too without
+    speculative decoding); an export copies them unchanged (engine/policy/mtp_layers.py).
 
     Raises:
         ValueError naming `model.name_or_path`, the field and the cause.
@@ -136,7 +137,7 @@ def mla_settings(hf_config) -> dict:
         return {}
     check_deepseek_v3(hf_config)
     if mtp := int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0):
-        warn_mtp_dropped("deepseek_v3", mtp, int(hf_config.num_hidden_layers))
+        warn_mtp_not_trained("deepseek_v3", mtp, int(hf_config.num_hidden_layers))
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     theta = float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     settings = dict(multi_latent_attention=True, q_lora_rank=int(hf_config.q_lora_rank),
@@ -156,13 +157,15 @@ def mla_settings(hf_config) -> dict:
 
 
 @functools.cache
-def warn_mtp_dropped(model_type: str, mtp: int, layers: int) -> None:
+def warn_mtp_not_trained(model_type: str, mtp: int, layers: int) -> None:
     """Warn (once per process) that a checkpoint's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's) are
-    neither built nor kept."""
+    neither built nor trained, and what an export does with them."""
     logging.getLogger(__name__).warning(
-        "%s with num_nextn_predict_layers=%d: the multi-token-prediction layer weights (model.layers.%d.* on) "
-        "are not loaded, trained or exported (vLLM skips them too without speculative decoding); checkpoints saved by "
-        "the engine lack them and their config.json says num_nextn_predict_layers=0", model_type, mtp, layers)
+        "%s with num_nextn_predict_layers=%d: the multi-token-prediction layers (model.layers.%d.* on) are not built "
+        "or trained (the GRPO loss reads the main head's next-token log-probs only; vLLM skips them without "
+        "speculative decoding); an HF export copies their weights unchanged from the source checkpoint (the draft "
+        "head of vLLM's MTP speculative decoding), or drops them (num_nextn_predict_layers=0) where it has none",
+        model_type, mtp, layers)
 
 
 def mla_attention_specs(spec, dense_spec):

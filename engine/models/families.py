@@ -2,8 +2,9 @@
 
 Owns: `SUPPORTED_MODEL_TYPES` (what engine/policy/model.py translates), `MOE_MODEL_TYPES`, the refusal of any other
 family (`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
-`MISSING_FEATURES`) and of the Mixtral / GLM-4.5 / GPT-OSS settings it would not reproduce (`check_gpt_oss`), and
-`moe_shape` (expert count, top-k and expert width under each family's own field names), `dense_layers` and
+`MISSING_FEATURES`) and of the Mixtral / GLM-4.5 / GPT-OSS settings it would not reproduce (`check_gpt_oss`),
+the refusal of a quantised checkpoint of any family (`check_quantization`, naming the method and the conversion to
+run), and `moe_shape` (expert count, top-k and expert width under each family's own field names), `dense_layers` and
 `shared_expert_width` (GLM-4.5 and DeepSeek-V3; DeepSeek-V3's MLA refusals: engine/models/deepseek_v3.py). The policy,
 the converter and the planner all read these; GPT-OSS's own translation is engine/models/gpt_oss.py, Gemma's
 engine/models/gemma.py, Cohere 2's engine/models/cohere2.py, Nemotron-H's engine/models/nemotron_h.py.
@@ -38,7 +39,7 @@ _MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
 
 def check_model_type(hf_config) -> None:
     """Refuse a model family the engine does not build, naming the ones it does and, for a known family, what is
-    missing; and refuse the Mixtral settings it would not reproduce (a sliding window shorter than the context, the
+    missing; refuse a quantised checkpoint (`check_quantization`); and refuse the Mixtral settings it would not reproduce (a sliding window shorter than the context, the
     training-time router jitter). `hf_config` is a transformers config (or anything with its attributes).
 
     Raises:
@@ -49,6 +50,7 @@ def check_model_type(hf_config) -> None:
         missing = f" (missing: {MISSING_FEATURES[model_type]})" if model_type in MISSING_FEATURES else ""
         raise ValueError(f"model.name_or_path: model_type {model_type!r} ({type(hf_config).__name__}) is not "
                          f"supported{missing}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    check_quantization(hf_config)
     if model_type in _GLM_LIKE:
         _check_glm4_moe(hf_config)
     if model_type == "deepseek_v3":
@@ -76,6 +78,41 @@ def check_model_type(hf_config) -> None:
                          "ship 0)")
 
 
+_DEQUANTIZE_ADVICE = {
+    "fp8": ("its float8_e4m3fn weights come in 128 x 128 blocks with a `weight_scale_inv` tensor beside each "
+            "(DeepSeek-V3 / R1, Kimi K2, the -FP8 releases), which the engine's loader does not dequantise; convert "
+            "it to bf16 first with DeepSeek's inference/fp8_cast_bf16.py (github.com/deepseek-ai/DeepSeek-V3; a GPU "
+            "Triton kernel), then delete quantization_config from the copied config.json, or use a published bf16 "
+            "conversion. NOTE: transformers 5.19's FineGrainedFP8Config(dequantize=True) refuses DeepSeek-V3's "
+            "kv_a_proj_with_mqa (576 rows in ceil(576 / 128) = 5 scale blocks); it works where every weight "
+            "dimension is a multiple of 128"),
+    "mxfp4": ("the MXFP4 expert blocks are not loaded; dequantise the checkpoint to bf16 first (transformers: "
+              "Mxfp4Config(dequantize=True), then save_pretrained)"),
+}
+"""What to do instead, per `quant_method`, for the quantised checkpoints labs post-train (DeepSeek-V3's FP8, GPT-OSS's
+MXFP4); any other method gets the generic advice of `check_quantization`."""
+
+
+def check_quantization(hf_config) -> None:
+    """Refuse a quantised checkpoint (a config with a `quantization_config`), whatever the family: the engine loads,
+    trains and exports unquantised weights only (its loader would otherwise read packed blocks or float8 values as
+    weights, or fail on a missing name). The message names the family, the method and what to do instead.
+
+    Raises:
+        ValueError naming `model.name_or_path`, the model_type, the quant_method and the conversion to run.
+    """
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    advice = _DEQUANTIZE_ADVICE.get(str(method), (
+        f"the engine loads unquantised weights only and does not dequantise {method} checkpoints; load it in "
+        "transformers with its dequantising option (or take the unquantised release) and save_pretrained a bf16 "
+        "copy without quantization_config"))
+    raise ValueError(f"model.name_or_path: {hf_config.model_type} with quantization_config ({method}): {advice}")
+
+
 def _check_glm4_moe(hf_config) -> None:
     """Refuse the GLM-4.5 MoE (and DeepSeek-V3) router settings Megatron's sigmoid router computes differently: it
     always renormalises the top-k weights (HF only with `norm_topk_prob`), and it scores an expert group by the sum
@@ -94,19 +131,12 @@ def _check_glm4_moe(hf_config) -> None:
 
 
 def check_gpt_oss(hf_config) -> None:
-    """Refuse GPT-OSS settings the translation would not reproduce: an MXFP4-quantised checkpoint (its expert
-    weights are `*_blocks` / `*_scales`: dequantise it first), layer types other than sliding / full attention, a
-    RoPE other than default or YaRN, an explicit YaRN attention_factor.
+    """Refuse GPT-OSS settings the translation would not reproduce: layer types other than sliding / full attention,
+    a RoPE other than default or YaRN, an explicit YaRN attention_factor (its MXFP4 checkpoint: `check_quantization`).
 
     Raises:
         ValueError naming `model.name_or_path`, the setting and the cause.
     """
-    quant = getattr(hf_config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        raise ValueError(f"model.name_or_path: gpt_oss with quantization_config ({method}): the MXFP4 expert blocks "
-                         "are not loaded; dequantise the checkpoint to bf16 first (transformers: "
-                         "Mxfp4Config(dequantize=True), then save_pretrained)")
     kinds = set(hf_config.layer_types)
     if not kinds <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"model.name_or_path: gpt_oss with layer_types {sorted(kinds)}: only sliding_attention and "

@@ -178,7 +178,8 @@ def _glm4_moe(h, layers, ffn, experts, moe_ffn, dense, qk_norm):
 _GLM45 = _glm4_moe(5120, 92, 12288, 160, 1536, 3, True)
 _GLM45_AIR = _glm4_moe(4096, 46, 10944, 128, 1408, 1, False)
 """GLM-4.5 (355B-A32B) and GLM-4.5-Air (106B-A12B), from their config.json; their one multi-token-prediction layer
-(`num_nextn_predict_layers`) is neither built by the engine nor by transformers, so not counted."""
+(`num_nextn_predict_layers`) is neither built by the engine nor by transformers, so not counted (an export copies its
+weights from the source checkpoint, on disk only: engine/policy/mtp_layers.py)."""
 _MIXTRAL_8X7B = ModelDims(4096, 32, 32, 8, 14336, 32000, False, False, num_experts=8, num_experts_per_tok=2,
                           moe_intermediate_size=14336)
 _LLAMA_8B = _llama(4096, 32, 32, 8, 14336, 128256)
@@ -200,7 +201,7 @@ _DEEPSEEK_V3 = ModelDims(7168, 61, 128, 128, 18432, 129280, False, False, head_d
 """DeepSeek-V3 / R1 from their config.json (MLA: q_lora 1536, kv_lora 512, 128 heads of 128 + 64 rope, values 128;
 3 dense layers of 18432 then 58 MoE layers of 256 experts of 2048, top-8, one shared expert, sigmoid routing with
 the expert-score bias): 671,026,419,200 parameters, the published 671B; the checkpoint's 685B adds the one
-multi-token-prediction layer (not built, not counted)."""
+multi-token-prediction layer (not built, not counted; exports copy it from the checkpoint)."""
 
 KNOWN_MODELS: dict[str, ModelDims] = {
     **{f"qwen/qwen2.5-{size}{suffix}": dims for size, dims in _QWEN25.items() for suffix in ("", "-instruct")},

@@ -4,7 +4,8 @@ Owns: `SafetensorsSource` (lazy slices of a single-file or sharded safetensors c
 (every rank reads only the slices of its own parameters: no rank holds the full model) and `export_hf_checkpoint`
 (each pipeline stage gathers its TP shards one parameter at a time, MoE experts over the expert-TP and EP groups,
 and writes its own safetensors file; rank 0
-writes the index, config and tokenizer; the directory appears atomically). The name and layout map is
+writes the index, config and tokenizer, and copies the source's multi-token-prediction layers unchanged:
+engine/policy/mtp_layers.py; the directory appears atomically). The name and layout map is
 engine/policy/hf_convert.py, shared with weight sync.
 
 Must not: read Megatron's global parallel state (it receives a ParallelState), or change parameter values beyond
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from engine.policy.hf_convert import (FLOAT32_TENSORS, ModelDims, expert_index, family_map, find_entry,
                                      read_megatron_shard, to_hf)
 from engine.models.gpt_oss import stack_expert_pieces
+from engine.policy.mtp_layers import MTP_SHARD, copy_mtp_layers
 from engine.policy.lora import is_lora_param
 from engine.policy.model import get_weight, global_param_names
 from engine.policy.parallel import ParallelState
@@ -35,14 +37,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "generation_config.json")
 
 
-def export_config(hf_config, dtype: torch.dtype):
+def export_config(hf_config, dtype: torch.dtype, keep_mtp: bool = False):
     """The config.json of an export: the dtype its weights are written in (NOTE: a bf16 run's export once said float32,
-    and transformers then loaded the bf16 weights as float32), and no multi-token-prediction layers (GLM-4.5's and
-    DeepSeek-V3's `num_nextn_predict_layers`: neither built nor trained, so not exported; a config still naming them
-    would send vLLM's MTP speculative decoding looking for weights the directory lacks)."""
+    and transformers then loaded the bf16 weights as float32), and `num_nextn_predict_layers` (GLM-4.5's and
+    DeepSeek-V3's multi-token-prediction layers) kept only when `keep_mtp` (the export holds their weights, copied
+    from the source: engine/policy/mtp_layers.py), 0 otherwise (a config naming them would send vLLM's MTP
+    speculative decoding looking for weights the directory lacks)."""
     config = copy.deepcopy(hf_config)
     config.dtype = dtype
-    if getattr(config, "num_nextn_predict_layers", 0):
+    if getattr(config, "num_nextn_predict_layers", 0) and not keep_mtp:
         config.num_nextn_predict_layers = 0
     return config
 
@@ -146,14 +149,16 @@ def iter_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims):
 
 def export_hf_checkpoint(
     chunks: list[torch.nn.Module], ps: ParallelState, out_dir: str | Path, hf_config, dims: ModelDims,
-    tokenizer_dir: str | Path | None = None, dtype: torch.dtype | None = None,
+    tokenizer_dir: str | Path | None = None, dtype: torch.dtype | None = None, source_dir: str | Path | None = None,
 ) -> Path | None:
     """Write the policy as a Hugging Face checkpoint (collective: every rank calls it).
 
     Each pipeline stage's (tp_rank 0, dp_rank 0) writes `model-<stage>-of-<stages>.safetensors` with its own
-    layers; rank 0 writes `model.safetensors.index.json`, `config.json` and the tokenizer files. Everything goes
-    to `<out_dir>.tmp` first and is renamed into place at the end, so a crash never leaves a half-written export
-    under `out_dir`. Returns the directory on rank 0, None elsewhere.
+    layers; rank 0 writes `model.safetensors.index.json`, `config.json` and the tokenizer files, and copies the
+    multi-token-prediction layers of `source_dir` (the checkpoint the policy was loaded from; not built or trained
+    here) unchanged into `model-mtp.safetensors` (engine/policy/mtp_layers.py; dropped where it has none or
+    `source_dir` is None). Everything goes to `<out_dir>.tmp` first and is renamed into place at the end, so a crash
+    never leaves a half-written export under `out_dir`. Returns the directory on rank 0, None elsewhere.
     """
     from safetensors.torch import save_file
 
@@ -177,9 +182,10 @@ def export_hf_checkpoint(
     per_rank: list = [None] * ps.world_size
     dist.all_gather_object(per_rank, (file, names))
     if ps.rank == 0:
-        weight_map = {name: f for f, rank_names in per_rank for name in rank_names}
+        mtp = copy_mtp_layers(source_dir, hf_config, tmp)
+        weight_map = {name: f for f, rank_names in per_rank for name in rank_names} | dict.fromkeys(mtp, MTP_SHARD)
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-        export_config(hf_config, dtype or next(iter(tensors.values())).dtype).save_pretrained(tmp)
+        export_config(hf_config, dtype or next(iter(tensors.values())).dtype, keep_mtp=bool(mtp)).save_pretrained(tmp)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy2(Path(tokenizer_dir) / name, tmp / name)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.models.deepseek_v3 import warn_mtp_dropped
+from engine.models.deepseek_v3 import warn_mtp_not_trained
 from engine.models.families import dense_layers, moe_shape, shared_expert_width
 from engine.models.nemotron_h import is_nemotron_h, layer_kinds
 from engine.policy.parallel import ParallelState
@@ -107,7 +107,7 @@ def glm4_moe_router_settings(hf_config) -> dict:
         first_dense, layers = dense_layers(hf_config), hf_config.num_hidden_layers
         freq = [0] * first_dense + [1] * (layers - first_dense)
     if hf_config.model_type == "glm4_moe" and (mtp := int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)):
-        warn_mtp_dropped("glm4_moe", mtp, int(hf_config.num_hidden_layers))  # DeepSeek-V3's: in mla_settings
+        warn_mtp_not_trained("glm4_moe", mtp, int(hf_config.num_hidden_layers))  # DeepSeek-V3's: in mla_settings
     groups = int(hf_config.n_group)
     return dict(
         moe_router_score_function="sigmoid",

@@ -117,7 +117,7 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
             use_distributed_optimizer=cfg.use_distributed_optimizer,
             params_dtype=config.params_dtype if is_mixed else torch.float32,
             bf16=config.bf16 and is_mixed,
-            fp16=config.fp16 and is_mixed,
+            fp16=config.fp16,  # fp16 activations need the loss scale even when every trained parameter is fp32
             initial_loss_scale=FP16_INITIAL_LOSS_SCALE,
             loss_scale_window=FP16_GROWTH_INTERVAL,
             hysteresis=1,
@@ -127,10 +127,11 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
         pg_collection=ps.groups,
     )
     _count_expert_norms_by_expert_tp(optimizer, ps)
-    loss_scaled = bool(config.fp16 and is_mixed)
+    loss_scaled = bool(config.fp16)
     if loss_scaled:  # the schedule multiplies each backward by the loss scale the optimizer divides out
         config.grad_scale_func = optimizer.scale_loss
     _checkpoint_fp32_params_of_mixed_optimizers(optimizer)
+    _index_mixed_distributed_groups(optimizer)
     warmup = _warmup_steps(cfg, total_steps)
     style = {"constant": "constant", "linear": "linear", "cosine": "cosine"}[cfg.lr_scheduler_type]
     scheduler = OptimizerParamScheduler(
@@ -189,6 +190,25 @@ def _checkpoint_fp32_params_of_mixed_optimizers(optimizer) -> None:
         mixed = isinstance(sub, Float16OptimizerWithFloat16Params) and any(sub.fp32_from_fp32_groups)
         if mixed:
             sub.sharded_state_dict = functools.partial(_mixed_sharded_state_dict, sub)
+
+
+def _index_mixed_distributed_groups(optimizer) -> None:
+    """Let megatron-core 0.16.1's distributed optimizer find the optimizer state of each parameter when a param group
+    holds float32 and bf16 / fp16 parameters (LoRA's fp32 adapters next to modules_to_save's bf16 LM head).
+
+    NOTE: its `model_param_group_index_map` numbers a group's parameters in grad-buffer order, while the inner
+    optimizer's group lists the float32 shards first and the fp32 main copies of the float16 parameters after
+    (`_build_model_and_main_param_groups`): with both kinds, checkpointing copied one parameter's Adam state into
+    another's slot ("The size of tensor a (65536) must match the size of tensor b (512)"). The map is rebuilt in the
+    inner optimizer's order; groups with one kind keep the numbering they had."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(sub, DistributedOptimizer):
+            continue
+        for index, (fp32, low) in enumerate(zip(sub.model_fp32_groups, sub.model_float16_groups)):
+            if fp32 and low:
+                sub.model_param_group_index_map.update({p: (index, order) for order, p in enumerate(fp32 + low)})
 
 
 def _mixed_sharded_state_dict(sub, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):

@@ -10,7 +10,9 @@ between them, the process group is kept):
 
 (a) for every layout, Megatron's logits equal Hugging Face transformers' logits of the same checkpoint
     (MixtralForCausalLM, Glm4MoeForCausalLM, GptOssForCausalLM), and the HF export gives back every tensor bit for bit, GLM's float32
-    expert bias included (the checkpoint round trip): EP1 (x DP2), EP2 (x DP2, each rank holds 2 of the 4 experts),
+    expert bias included (the checkpoint round trip; DeepSeek-V3's checkpoint carries a multi-token-prediction layer,
+    neither built nor trained, which every export copies byte for byte into its own shard, keeping
+    num_nextn_predict_layers=1, and the export loads in transformers): EP1 (x DP2), EP2 (x DP2, each rank holds 2 of the 4 experts),
     TP2 x EP2 with sequence parallelism, PP2 (2 layers per stage: GLM's first stage holds the dense layer and an MoE
     layer);
 (b) one GRPO optimizer step at EP2 (x DP2) and at TP2 x EP2 with sequence parallelism equals the step at EP1 (x DP2,
@@ -57,10 +59,12 @@ FAMILIES = {"mixtral": {"router": ".block_sparse_moe.gate.", "expert": ".block_s
                         "moved": (".self_attn.sinks", ".self_attn.o_proj.bias", ".mlp.experts.down_proj_bias")},
             "deepseek_v3": {"router": ".mlp.gate.weight", "expert": ".mlp.experts.7.up_proj.",
                             "shared": ".mlp.shared_experts.", "frozen": ".e_score_correction_bias",
+                            "mtp": "model.layers.4.",
                             "moved": (".self_attn.q_a_proj.weight", ".self_attn.q_a_layernorm.weight",
                                       ".self_attn.q_b_proj.weight", ".self_attn.kv_a_proj_with_mqa.weight",
                                       ".self_attn.kv_a_layernorm.weight", ".self_attn.kv_b_proj.weight")}}
-"""Each family's tiny model (engine/models/tiny_model.py) and the HF names its checks look for."""
+"""Each family's tiny model (engine/models/tiny_model.py) and the HF names its checks look for; "mtp": the prefix of
+the multi-token-prediction layer added to its checkpoint (tests/helpers/mtp.py), which every export must carry."""
 
 DENSE_FAMILIES = {
     "gemma3_text": {"logits": [(1, 1, 1), (2, 1, 1), (1, 2, 1)], "steps": ("tp1", "tp2_sp", "tp1_packed"),
@@ -180,11 +184,14 @@ def _all_families(model_dirs: dict, out_root: str) -> dict:
 def launched(tmp_path_factory):
     """{family: (model dir, its output root, [rank results])} from one launch of 2 ranks."""
     from engine.models.tiny_model import build_tiny_model
+    from tests.helpers.mtp import add_mtp_layer
 
     root = tmp_path_factory.mktemp("families")
     families = [*FAMILIES, *DENSE_FAMILIES]
     model_dirs = {family: str(build_tiny_model(root / family, MOE_VARIANTS.get(family, family), seed=7,
                                                moe_layers=family in MOE_VARIANTS)) for family in families}
+    for family in [f for f in FAMILIES if "mtp" in FAMILIES[f]]:
+        add_mtp_layer(model_dirs[family])  # DeepSeek-V3's hub layout: a second shard and an index
     results = run_distributed(_all_families, 2, model_dirs, str(root / "out"))
     return {family: (model_dirs[family], root / "out" / family, [r[family] for r in results]) for family in families}
 
@@ -212,6 +219,21 @@ def test_family_logits_match_hf_and_export_is_byte_exact(launched, family, layou
     assert family in DENSE_FAMILIES or any(FAMILIES[family]["expert"] in n for n in original)
     for tensor_name, tensor in original.items():
         assert exported[tensor_name].dtype == tensor.dtype and torch.equal(exported[tensor_name], tensor), tensor_name
+    if "mtp" in FAMILIES.get(family, {}):
+        _check_mtp_passthrough(model_dir, out_root / name, reference)
+
+
+def _check_mtp_passthrough(model_dir, export_dir, reference) -> None:
+    """The export carries the source's MTP layer (its tensors compared above, byte for byte) in its own shard, named
+    by the index, its config keeps num_nextn_predict_layers=1, and transformers (which ignores the layer) loads it."""
+    import json
+
+    index = json.loads((export_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    mtp = sorted(n for n in index if n.startswith("model.layers.4."))
+    assert mtp and {index[n] for n in mtp} == {"model-mtp.safetensors"}
+    assert "model.layers.4.shared_head.head.weight" in mtp and "model.layers.4.eh_proj.weight" in mtp
+    assert json.loads((export_dir / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    torch.testing.assert_close(hf_logits(export_dir), reference, rtol=1e-5, atol=1e-5)
 
 
 def _step(launched, family: str, name: str):
@@ -238,7 +260,9 @@ def test_family_grpo_step_equals_ep1(launched, family, layout, reference):
         assert any(names["shared"] in n for n in moved), "the shared expert trains"
     for suffix in names.get("moved", ()):
         assert any(n.endswith(suffix) for n in moved), f"{suffix} trains"
-    frozen = [n for n in before if "frozen" in names and n.endswith(names["frozen"])]
+    mtp = [n for n in before if "mtp" in names and n.startswith(names["mtp"])]
+    assert not set(mtp) & set(moved), "the MTP layer is exported as the source had it"
+    frozen = [n for n in before if "frozen" in names and n.endswith(names["frozen"]) and n not in mtp]
     assert not set(frozen) & set(moved) and len(frozen) == (3 if "frozen" in names else 0), "the expert bias is frozen"
     for name, weight in after1.items():
         torch.testing.assert_close(after[name], weight, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

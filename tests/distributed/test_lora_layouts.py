@@ -52,12 +52,14 @@ def _hf_logits_plain_peft_merged(model_dir, exports_dir):
     return plain, with_peft, merged
 
 
-def _lora_step(tp, pp, dp, sp, model_dir, out_dir, dtype="float32", adapter_dtype="float32", saved=()):
+def _lora_step(tp, pp, dp, sp, model_dir, out_dir, dtype="float32", adapter_dtype="float32", saved=(),
+               loss_scale=None):
     from engine.config import ModelConfig, ParallelConfig
 
     parallel = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp)
     return grpo_step_and_export(model_dir, parallel, ModelConfig(dtype=dtype), out_dir, tp if sp else 1,
-                                lora=lora_settings(adapter_dtype=adapter_dtype, modules_to_save=saved))
+                                lora=lora_settings(adapter_dtype=adapter_dtype, modules_to_save=saved),
+                                loss_scale=loss_scale)
 
 
 def _adapter_tensors(path) -> dict:
@@ -257,14 +259,17 @@ def _assert_resumed(source: dict, target: dict, label: str) -> None:
         assert not bad, f"{label} {key}: differ (max abs): {bad}"
 
 
-def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, tmp_path):
-    """bf16 base, fp32 adapters (TRL's defaults) with the non-distributed optimizer (configs/tiny_cpu.yaml's), the LM
-    head and embedding trained in full in bf16 (modules_to_save: fp32 main copies): saved and loaded, the adapters,
-    both modules and the next step equal the source's bit for bit (megatron-core 0.16.1's bf16
-    non-distributed optimizer could not save fp32 parameters: engine/policy/optimizer.py gives them its fp32 one, as
-    the distributed optimizer's path, whose fp32 checkpoints the TP2 test above covers)."""
-    source = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), True, "bfloat16", False)[0]
-    target = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), False, "bfloat16", False)[0]
+@pytest.mark.parametrize("distributed", [False, True], ids=["optimizer", "distributed_optimizer"])
+def test_lora_fp32_adapters_on_a_bf16_base_checkpoint_resume_exactly(model_dir, tmp_path, distributed):
+    """bf16 base, fp32 adapters (TRL's defaults), the LM head and embedding trained in full in bf16 (modules_to_save:
+    fp32 main copies), with the non-distributed optimizer (configs/tiny_cpu.yaml's) and the distributed one (the
+    default): saved and loaded, the adapters, both modules and the next step equal the source's bit for bit.
+    megatron-core 0.16.1 could save neither: its non-distributed bf16 optimizer numbers only bf16 parameters, its
+    distributed one mapped a group holding both kinds to the wrong Adam state (engine/policy/optimizer.py
+    `_checkpoint_fp32_params_of_mixed_optimizers`, `_index_mixed_distributed_groups`)."""
+    source = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), True, "bfloat16", distributed)[0]
+    target = run_distributed(_lora_checkpoint, 1, 1, str(model_dir), str(tmp_path), False, "bfloat16",
+                             distributed)[0]
     for key in ("checkpoint", "next"):
         assert all(t.dtype == (torch.bfloat16 if k in SAVED_KEYS else torch.float32) for k, t in source[key].items())
         bad = [name for name, tensor in source[key].items() if not torch.equal(target[key][name], tensor)]
@@ -460,6 +465,41 @@ def test_lora_bf16_base_trains_fp32_adapters_closer_to_the_fp32_step_than_bf16_a
     error, model_error = ((u - ref_update).norm() / ref_update.norm() for u in (update, in_model))
     # measured: fp32 adapters 0.034, bf16 adapters 0.089 (relative error of the update against the fp32 step)
     assert error < 0.06 and error < 0.7 * model_error, (float(error), float(model_error))
+
+
+def _lora_fp16_steps(model_dir: str, out_dir: str) -> dict:
+    """The fp16-base, fp32-adapter step at the starting loss scale, then one from the same start at a scale that
+    overflows."""
+    from engine.policy.parallel import destroy_parallel
+
+    trained = _lora_step(1, 1, 1, False, model_dir, f"{out_dir}/trained", "float16")
+    destroy_parallel(keep_process_group=True)
+    overflow = _lora_step(1, 1, 1, False, model_dir, f"{out_dir}/overflow", "float16", loss_scale=2.0**40)
+    return {"trained": trained, "overflow": overflow}
+
+
+def test_lora_fp16_base_scales_the_loss_for_fp32_adapters(model_dir, reference, tmp_path):
+    """TRL's `fp16=True` with PEFT: the base is fp16 (its activations and their gradients too), the adapters fp32.
+    Every trained parameter being fp32 does not make the backward fp32: without the loss scale, activation gradients
+    below fp16's range (2**-24) flush to zero at scale. So the dynamic loss scale runs here as in full fp16 training:
+    the step is at GradScaler's starting scale 2**16 and within fp16 tolerance of the fp32 step; a scale that
+    overflows the fp16 backward (2**40: possible only if the backward is multiplied by it) skips the update,
+    adapters unchanged, and halves the scale."""
+    ref, ref_tensors, ref_initial = reference
+    result = run_distributed(_lora_fp16_steps, 1, str(model_dir), str(tmp_path))[0]
+    trained, overflow = result["trained"], result["overflow"]
+    assert trained["dtypes"]["adapters"] == ["float32"] and trained["dtypes"]["frozen"] == ["float16"]
+    assert trained["loss_scale"] == 2.0**16 and trained["lr_steps"] == 1
+    assert trained["loss"] == pytest.approx(ref["loss"], rel=1e-2, abs=1e-3)
+    assert trained["grad_norm"] == pytest.approx(ref["grad_norm"], rel=2e-2)
+    update = _update(_adapter_tensors(tmp_path / "trained"), _adapter_tensors(tmp_path / "trained_initial"))
+    ref_update = _update(ref_tensors, ref_initial)
+    error = float((update - ref_update).norm() / ref_update.norm())
+    assert error < 0.02, error  # measured 0.004 (relative error of the update; the bf16 base's bound above: 0.06)
+    assert overflow["grad_norm"] != overflow["grad_norm"], "an overflowed step reports grad_norm NaN"
+    assert overflow["loss_scale"] == 2.0**39 and overflow["lr_steps"] == 0
+    kept, initial = _adapter_tensors(tmp_path / "overflow"), _adapter_tensors(tmp_path / "overflow_initial")
+    assert all(torch.equal(kept[k], initial[k]) for k in initial), "an overflowed step changed the adapters"
 
 
 @pytest.mark.slow

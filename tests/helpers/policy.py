@@ -72,7 +72,8 @@ def logits_and_export(model_dir: str, parallel, out_dir: str, logprob_temperatur
     The chunks are in eval mode (a forward-only pass either way: no dropout in these models); Megatron's MoE layer
     refuses TP > 1 in training mode without sequence parallelism. With `logprob_temperature`, returns (logits, the
     engine's log-probs (B, T - PROMPT) of `tokens`' tokens after the first `PROMPT` through the fused LM-head kernel
-    at that temperature (`forward_logprobs`), None off the last stage); compare with `hf_logprobs`. `model_cfg`: the
+    at that temperature (`forward_logprobs`), None off the last stage); compare with `hf_logprobs`. The export copies
+    `model_dir`'s multi-token-prediction layers where it has some. `model_cfg`: the
     policy's ModelConfig (build_from_hf's float32 default; bfloat16 for the bf16 check).
     """
     from engine.policy.hf_checkpoint import export_hf_checkpoint
@@ -85,7 +86,7 @@ def logits_and_export(model_dir: str, parallel, out_dir: str, logprob_temperatur
     logits_fn = gathered_logits_fn(ps, hf_config.vocab_size)
     with torch.no_grad():
         values = run_schedule(chunks, ps, [batch], logits_fn, forward_only=True)
-    export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims, tokenizer_dir=model_dir)
+    export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims, tokenizer_dir=model_dir, source_dir=model_dir)
     logits = values[0]["logits"] if values and ps.tp_rank == 0 else None
     if logprob_temperature is None:
         return logits
@@ -228,7 +229,7 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
         save_peft_adapter(chunks, ps, out_dir, lora, base_model_name_or_path=model_dir)
         extra = {"optimizer_numel": optimizer_state_numel(popt), "dtypes": held_dtypes(chunks, popt)}
     else:
-        export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims)
+        export_hf_checkpoint(chunks, ps, out_dir, hf_config, dims, source_dir=model_dir)
     reports = ps.is_last_stage and ps.tp_rank == 0
     return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"],
             "layer_forwards": layer_forwards[0], "loss_scale": float(popt.optimizer.get_loss_scale()),

