@@ -50,7 +50,10 @@ def name_segments_after(ident: str) -> None:
         try:
             return vllms_name(communicator)
         finally:
-            os.environ["VLLM_DIST_IDENT"] = held if held is not None else ""
+            if held is None:
+                os.environ.pop("VLLM_DIST_IDENT", None)
+            else:
+                os.environ["VLLM_DIST_IDENT"] = held
 
     make_group_name._grpo_named = True
     shm.make_group_name = staticmethod(make_group_name)
