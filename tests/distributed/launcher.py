@@ -16,8 +16,8 @@ process would not have: child processes alive or a vLLM engine not dropped. A bo
 engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
 (`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
 import-time settings included), which saves the next such body 10-20 s of rank start and imports. Such a rank ends
-with a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP groups made in /dev/shm (their names
-do not depend on the run: a leftover one makes every later engine TP 2 on the machine fail, errno 17).
+with a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP groups made in /dev/shm (colocated
+engines name them after the rendezvous port: engine/rollout/vllm_cpu_shm.py).
 `close_worlds()` (run at exit) stops the kept worlds; a rank also exits by itself once the test process is gone.
 
 Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next

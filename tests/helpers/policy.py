@@ -11,6 +11,8 @@ Must not: assert what a test checks (the tests do), or start processes itself.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 BATCH, SEQ = 2, 12
@@ -292,6 +294,7 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
     from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
     from engine.rollout.sync_check import logprob_health
     from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
+    from engine.rollout import vllm_cpu_shm
     from engine.rollout.vllm_engine import ColocatedEngine
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
@@ -343,6 +346,8 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
                 "lengths": [len(c) for c in rollout.completion_ids], "logprobs": rollout.sampling_logprobs,
                 "completion_ids": rollout.completion_ids,
                 "routes": [(tuple(r.shape), int(r.min()), int(r.max())) for r in rollout.routed_experts or []],
-                "fed": [len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completion_ids)]}
+                "fed": [len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completion_ids)],
+                "shm": [os.path.basename(path) for path in vllm_cpu_shm.segments()],
+                "master_port": os.environ["MASTER_PORT"]}
     finally:
         engine.close()

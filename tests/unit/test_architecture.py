@@ -119,9 +119,10 @@ def _files_matching(pattern: str) -> list[str]:
 
 
 def test_vllm_is_imported_in_one_module():
-    # vllm_engine.py, and vllm_lora.py: the policy's LoRA adapter in vLLM's LoRA manager (vllm_engine.py is at the
-    # line limit)
-    assert _files_matching(r"^\s*(import vllm|from vllm[ .])") == ["engine/rollout/vllm_engine.py",
+    # vllm_engine.py, and beside it (vllm_engine.py is at the line limit): vllm_lora.py, the policy's LoRA adapter in
+    # vLLM's LoRA manager; vllm_cpu_shm.py, the CPU communicator's shared-memory names
+    assert _files_matching(r"^\s*(import vllm|from vllm[ .])") == ["engine/rollout/vllm_cpu_shm.py",
+                                                                     "engine/rollout/vllm_engine.py",
                                                                      "engine/rollout/vllm_lora.py"]
 
 
