@@ -39,8 +39,8 @@ _MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
 
 def check_model_type(hf_config) -> None:
     """Refuse a model family the engine does not build, naming the ones it does and, for a known family, what is
-    missing; refuse a quantised checkpoint (`check_quantization`); and refuse the Mixtral settings it would not reproduce (a sliding window shorter than the context, the
-    training-time router jitter). `hf_config` is a transformers config (or anything with its attributes).
+    missing; refuse a quantised checkpoint (`check_quantization`); and refuse the Mixtral settings it would not
+    reproduce (a sliding window shorter than the context, the training-time router jitter). `hf_config` is a transformers config (or anything with its attributes).
 
     Raises:
         ValueError naming `model.name_or_path`, the model_type and the cause.

@@ -351,10 +351,10 @@ def export_initial_adapter(cfg: EngineConfig, target: str | Path) -> Path:
 
 def export_policy(run: Run, out_dir: str | Path) -> None:
     """Write the current policy as a Hugging Face checkpoint in the model's dtype, with the model directory's
-    config and tokenizer files and its multi-token-prediction layers, untrained (collective: every rank calls it). With LoRA: a PEFT adapter directory instead
-    (engine/policy/peft_adapter.py, with the tokenizer files; the adapters in their own dtype, lora.lora_adapter_dtype,
-    as PEFT saves them), and with `lora.lora_save_merged` the merged model as
-    an HF checkpoint to `<out_dir>_merged` too."""
+    config and tokenizer files and its multi-token-prediction layers, untrained (collective: every rank calls it).
+    With LoRA: a PEFT adapter directory instead (engine/policy/peft_adapter.py, with the tokenizer files; the
+    adapters in their own dtype, lora.lora_adapter_dtype, as PEFT saves them), and with `lora.lora_save_merged` the
+    merged model as an HF checkpoint to `<out_dir>_merged` too."""
     from transformers import AutoConfig
 
     from engine.policy.hf_checkpoint import TOKENIZER_FILES, export_hf_checkpoint

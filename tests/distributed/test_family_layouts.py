@@ -93,11 +93,11 @@ DENSE_FAMILIES = {
                                  ".mixer.shared_experts.down_proj.", ".mixer.in_proj."),
                        "frozen": ".mixer.gate.e_score_correction_bias"},
 }
-MOE_VARIANTS = {"nemotron_h_moe": "nemotron_h"}
-"""Keys above whose tiny model is a family's variant with MoE layers (engine/models/tiny_model.py `moe_layers`)."""
 """Dense families (no expert layouts, no routing): their logit layouts (tp, pp, ep), the temperature of a log-prob
 check against HF's (none where absent), their GRPO step layouts (`DENSE_STEP_LAYOUTS` names) and the HF names the step
 must move."""
+MOE_VARIANTS = {"nemotron_h_moe": "nemotron_h"}
+"""Keys above whose tiny model is a family's variant with MoE layers (engine/models/tiny_model.py `moe_layers`)."""
 
 LOGIT_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 1)]
 """(tp, pp, ep) on 2 ranks: dp = 2 / (tp * pp); sequence parallelism at tp > 1."""
@@ -106,8 +106,9 @@ STEP_LAYOUTS = [("ep1", 1, 1, 1e-3), ("ep2", 1, 2, 1e-3), ("ep1_no_z", 1, 1, 0.0
 
 
 DENSE_STEP_LAYOUTS = [("tp1", 1, 1, False), ("tp2_sp", 2, 1, False), ("tp1_packed", 1, 1, True), ("ep2", 1, 2, False)]
-"""(name, tp, ep, packed rows) of a dense family's GRPO step (pp1, float32; ep2: its MoE variant). Packed micro-batches take 4 rows' tokens:
-at 2 (DP2, 4 sequences per rank) no row held two sequences, and ignoring the mask went unnoticed."""
+"""(name, tp, ep, packed rows) of a dense family's GRPO step (pp1, float32; ep2: its MoE variant). Packed
+micro-batches take 4 rows' tokens: at 2 (DP2, 4 sequences per rank) no row held two sequences, and ignoring the mask
+went unnoticed."""
 LOGIT_CASES = ([(family, layout) for family in FAMILIES for layout in LOGIT_LAYOUTS]
                + [(family, layout) for family, case in DENSE_FAMILIES.items() for layout in case["logits"]])
 
