@@ -5,6 +5,12 @@ Megatron's `initialize_model_parallel` from the `parallel` config section, seedi
 everyone else a frozen `ParallelState` with sizes, ranks and a `ProcessGroupCollection`. On a machine without CUDA it
 installs the CPU compatibility layer first (engine/policy/cpu_compat.py).
 
+Owns too: every process group made for a layout. Megatron's `destroy_model_parallel()` drops its references but
+destroys only its gloo data-parallel groups; the others stay alive in torch.distributed (gloo threads, NCCL
+communicators and their memory) until the whole world is destroyed. So the groups `initialize_model_parallel` makes,
+and those the engine makes for a layout (`new_layout_group`), are recorded and destroyed by `destroy_parallel`, also
+when the process group is kept for the next layout: N builds and teardowns on the same processes hold what one holds.
+
 Must not: be read from anywhere else for groups (components receive `ParallelState` or its groups as arguments).
 
 Test: tests/distributed/test_parallel_state.py (ranks and groups per layout, a world that does not fit); every
@@ -61,6 +67,69 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
 
+_layout_groups: list = []
+"""The process groups made for the current layout (Megatron's and the engine's), destroyed by `destroy_parallel`."""
+
+
+def _live_groups() -> set:
+    """Every process group torch.distributed holds now (NOTE: torch has no public listing; `_world.pg_map` is it)."""
+    return set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+
+
+def new_layout_group(ranks: list[int]):
+    """`dist.new_group(ranks)` (collective: every rank calls it), destroyed with the layout by `destroy_parallel`."""
+    group = dist.new_group(ranks)
+    _layout_groups.append(group)
+    return group
+
+
+def _destroy_layout_groups() -> None:
+    """Destroy the groups made for the layout that are still alive (Megatron destroyed some of them itself)."""
+    live = _live_groups()
+    while _layout_groups:
+        group = _layout_groups.pop()
+        if group in live and group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+
+
+def _drop_leftover_megatron_groups(mpu) -> None:
+    """Clear the groups `destroy_model_parallel()` leaves in Megatron's globals.
+
+    NOTE: upstream bug, megatron-core 0.16.1: `_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP` and its `_GLOO` twin are
+    not reset, so a gloo group (two worker threads and a socket loop) outlived every teardown, even once destroyed.
+    Every global still holding a group is cleared, so a later version's leftover is caught too; so is the MoE
+    aux-loss tracker, whose entries keep the groups of the last step (tests/distributed/test_parallel_state.py counts
+    the threads)."""
+    import sys
+
+    for name, value in list(vars(mpu).items()):
+        if name.startswith("_") and isinstance(value, dist.ProcessGroup):
+            setattr(mpu, name, None)
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
+def _clear_rotary_caches() -> None:
+    """Empty the caches of Megatron's rotary embeddings, so the models they belong to can go.
+
+    NOTE: upstream, megatron-core 0.16.1: `RotaryEmbedding.forward` (and its subclasses', e.g. YaRN's) is an
+    `lru_cache`d method: the cache keeps up to 32 modules alive after their model is gone, with their rope tables
+    and the context-parallel group they reference (whose gloo threads then outlive the teardown)."""
+    import sys
+
+    module = sys.modules.get("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    if module is None:
+        return
+    pending = [module.RotaryEmbedding]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        forward = vars(cls).get("forward")
+        if hasattr(forward, "cache_clear"):
+            forward.cache_clear()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -105,6 +174,7 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_min: int = 30) -> P
     world_size = dist.get_world_size()
     dp_size = resolve_dp_size(cfg, world_size)
     vpp = cfg.virtual_pipeline_size if (cfg.virtual_pipeline_size or 1) > 1 else None
+    before = _live_groups()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tp_size,
         pipeline_model_parallel_size=cfg.pp_size,
@@ -113,6 +183,7 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_min: int = 30) -> P
         expert_tensor_parallel_size=cfg.expert_tp_size,
         distributed_timeout_minutes=timeout_min,
     )
+    _layout_groups.extend(_live_groups() - before)
     model_parallel_cuda_manual_seed(seed)
     return ParallelState(
         world_size=world_size,
@@ -136,13 +207,17 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_min: int = 30) -> P
 
 
 def destroy_parallel(keep_process_group: bool = False) -> None:
-    """Tear down Megatron's groups and the process group (safe to call when nothing was started).
+    """Tear down the layout's groups (Megatron's and the engine's) and the process group (safe to call when nothing
+    was started).
 
-    keep_process_group: tear down Megatron's groups only, so `init_parallel` can set up another layout on the same
-    processes (tests that check several layouts in one launch)."""
+    keep_process_group: tear down the layout's groups only, so `init_parallel` can set up another layout on the same
+    processes (tests that check several layouts in one launch; a process that rebuilds its layout)."""
     from megatron.core import parallel_state as mpu
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
+        _drop_leftover_megatron_groups(mpu)
+        _clear_rotary_caches()
+    _destroy_layout_groups()
     if dist.is_initialized() and not keep_process_group:
         dist.destroy_process_group()

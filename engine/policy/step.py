@@ -116,7 +116,26 @@ def run_schedule(
         **groups,
     )
     finish_schedule(chunks, check=True)
+    drop_dispatcher_graphs(chunks)
     return list(values) if ps.is_last_stage else []
+
+
+def drop_dispatcher_graphs(chunks: list[torch.nn.Module]) -> None:
+    """Drop the autograd graphs Megatron's MoE token dispatchers keep from the last forward.
+
+    NOTE: upstream, megatron-core 0.16.1: a dispatcher (a plain object on each MoE layer, not a module) keeps the
+    last forward's routing probabilities (`probs`, with their graph) until the next forward. That graph reaches the
+    parameters' gradient accumulators, whose hooks (Megatron DDP's) reference the model: a cycle through autograd
+    nodes that Python's garbage collector cannot see, so a finished MoE model (and every process group it holds)
+    was never freed (tests/distributed/test_parallel_state.py counts the threads after rebuilds)."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if dispatcher is None:
+                continue
+            for name, value in list(vars(dispatcher).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(dispatcher, name, None)
 
 
 def moe_padding_mask(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ from engine.config import GenerationConfig, RolloutConfig
 from engine.lora_settings import LoraSettings
 from engine.policy.hf_convert import ModelDims
 from engine.policy.lora import merged_lora
-from engine.policy.parallel import ParallelState
+from engine.policy.parallel import ParallelState, new_layout_group
 from engine.rollout.adapter_sync import sync_adapter
 from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
 from engine.rollout.colocated_turns import MirroredTurns, follow_turns
@@ -63,7 +63,7 @@ class ColocatedRollout:
         """Multi-turn rounds are driven by rank 0 and mirrored by the other ranks of its vLLM TP group."""
         self._turn_group = None  # rank 0's vLLM TP group (None: it is the whole world)
         if self.mirrors_turns and ps.world_size > engine_tp:
-            self._turn_group = dist.new_group(list(range(engine_tp)))  # collective: every rank makes it
+            self._turn_group = new_layout_group(list(range(engine_tp)))  # collective: every rank makes it
 
     @classmethod
     def build(cls, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, ps: ParallelState,

@@ -40,3 +40,41 @@ def test_parallel_state_tp2_pp2_ranks_and_groups():
 def test_parallel_state_refuses_world_that_does_not_fit_layout():
     with pytest.raises(AssertionError, match=r"world size 2 is not divisible by tp_size\*pp_size = 2\*2 = 4"):
         run_distributed(_refused, 2, 2, 2)
+
+
+REBUILD_LAYOUTS = [(2, 1, 1), (1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 1)]
+"""(tp, pp, ep) of the layouts built one after another on the same two processes."""
+
+
+def _held_after_rebuilds(model_dir: str, out_root: str) -> list[tuple[int, int]]:
+    """Per layout of `REBUILD_LAYOUTS`: a GRPO step (model, optimizer, forward and backward), then the layout torn down
+    with the process group kept; (threads of this process, live process groups) after each teardown."""
+    import gc
+    import os
+
+    import torch.distributed as dist
+
+    from engine.config import ModelConfig, ParallelConfig
+    from engine.policy.parallel import destroy_parallel
+    from tests.helpers.policy import grpo_step_and_export
+
+    held = []
+    for i, (tp, pp, ep) in enumerate(REBUILD_LAYOUTS):
+        parallel = ParallelConfig(tp_size=tp, pp_size=pp, ep_size=ep, sequence_parallel=tp > 1)
+        grpo_step_and_export(model_dir, parallel, ModelConfig(dtype="float32"), f"{out_root}/{i}", width_multiple=2)
+        destroy_parallel(keep_process_group=True)
+        gc.collect()
+        held.append((len(os.listdir("/proc/self/task")), len(dist.distributed_c10d._world.pg_map)))
+    return held
+
+
+@pytest.mark.slow
+def test_rebuilding_layouts_on_kept_processes_holds_what_one_build_holds(tmp_path):
+    """Tearing a layout down destroys every group made for it (Megatron's included) and lets its model go: after five
+    layouts (a GRPO step each) every rank holds the threads and process groups it held after the first."""
+    from engine.models.tiny_model import build_tiny_model
+
+    model_dir = str(build_tiny_model(tmp_path / "model", "qwen3_moe", seed=3))
+    for rank, held in enumerate(run_distributed(_held_after_rebuilds, 2, model_dir, str(tmp_path / "out"))):
+        assert held[0][1] == 1, f"rank {rank}: only the world group outlives a teardown, not {held[0][1]} groups"
+        assert all(h == held[0] for h in held), f"rank {rank}: (threads, live groups) per rebuild {held}"
