@@ -5,8 +5,8 @@ on half of each head) and GPT-OSS (learned sinks, sliding-window layers of 4 key
 q/k/v/o, router and expert biases, the clamped SwiGLU, experts stacked in HF's tensors) and DeepSeek-V3 (multi-latent
 attention with YaRN and interleaved rope dims, GLM-4.5's router and layer pattern over 8 experts in 2 groups, where
 the group choice and the top-2 within it both act) through the sharded Megatron
-policy on gloo, in ONE launch of 2 ranks (the families, layouts one after another; Megatron's groups are rebuilt
-between them, the process group is kept):
+policy on gloo, one launch of 2 ranks per family (its layouts one after another; the layout's groups are rebuilt
+between them, the process group is kept), each with a budget that grows with the layouts it builds:
 
 (a) for every layout, Megatron's logits equal Hugging Face transformers' logits of the same checkpoint
     (MixtralForCausalLM, Glm4MoeForCausalLM, GptOssForCausalLM), and the HF export gives back every tensor bit for bit, GLM's float32
@@ -176,25 +176,58 @@ def _dense_layouts(family: str, model_dir: str, out_root: str) -> dict:
     return results
 
 
-def _all_families(model_dirs: dict, out_root: str) -> dict:
-    return {family: _dense_layouts(family, model_dir, f"{out_root}/{family}") if family in DENSE_FAMILIES
-            else _family_layouts(model_dir, f"{out_root}/{family}") for family, model_dir in model_dirs.items()}
+def _one_family(family: str, model_dir: str, out_root: str) -> dict:
+    return (_dense_layouts(family, model_dir, out_root) if family in DENSE_FAMILIES
+            else _family_layouts(model_dir, out_root))
+
+
+SECONDS_PER_LAYOUT = 120.0
+"""A launch's budget per layout it builds (a model, a forward, an export or a GRPO step: 5-15 s each on an idle
+2-core machine), so a busy machine slows a launch without failing it, and a hung one still fails."""
+
+
+def _num_layouts(family: str) -> int:
+    """Layouts one family's launch builds (logits and exports, GRPO steps, routing replay, bf16 logits)."""
+    if family in DENSE_FAMILIES:
+        return len(DENSE_FAMILIES[family]["logits"]) + len(DENSE_FAMILIES[family]["steps"]) + 1
+    return len(LOGIT_LAYOUTS) + len(STEP_LAYOUTS) + 2
+
+
+class _Launches:
+    """{family: (model dir, its output root, [rank results])}, each family launched on first use (a failed launch
+    fails every test of its family, without launching again)."""
+
+    def __init__(self, root):
+        self.root, self.done = root, {}
+
+    def __getitem__(self, family: str):
+        if family not in self.done:
+            try:
+                self.done[family] = self._launch(family)
+            except AssertionError as error:
+                self.done[family] = error
+        if isinstance(self.done[family], AssertionError):
+            raise self.done[family]
+        return self.done[family]
+
+    def _launch(self, family: str):
+        from engine.models.tiny_model import build_tiny_model
+        from tests.helpers.mtp import add_mtp_layer
+
+        model_dir = str(build_tiny_model(self.root / family, MOE_VARIANTS.get(family, family), seed=7,
+                                         moe_layers=family in MOE_VARIANTS))
+        if "mtp" in FAMILIES.get(family, {}):
+            add_mtp_layer(model_dir)  # DeepSeek-V3's hub layout: a second shard and an index
+        out_root = self.root / "out" / family
+        results = run_distributed(_one_family, 2, family, model_dir, str(out_root),
+                                  timeout_s=SECONDS_PER_LAYOUT * _num_layouts(family))
+        return model_dir, out_root, results
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """{family: (model dir, its output root, [rank results])} from one launch of 2 ranks."""
-    from engine.models.tiny_model import build_tiny_model
-    from tests.helpers.mtp import add_mtp_layer
-
-    root = tmp_path_factory.mktemp("families")
-    families = [*FAMILIES, *DENSE_FAMILIES]
-    model_dirs = {family: str(build_tiny_model(root / family, MOE_VARIANTS.get(family, family), seed=7,
-                                               moe_layers=family in MOE_VARIANTS)) for family in families}
-    for family in [f for f in FAMILIES if "mtp" in FAMILIES[f]]:
-        add_mtp_layer(model_dirs[family])  # DeepSeek-V3's hub layout: a second shard and an index
-    results = run_distributed(_all_families, 2, model_dirs, str(root / "out"))
-    return {family: (model_dirs[family], root / "out" / family, [r[family] for r in results]) for family in families}
+    """{family: (model dir, its output root, [rank results])}: one launch of 2 ranks per family, on first use."""
+    return _Launches(tmp_path_factory.mktemp("families"))
 
 
 @pytest.mark.slow

@@ -348,6 +348,7 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
                 "routes": [(tuple(r.shape), int(r.min()), int(r.max())) for r in rollout.routed_experts or []],
                 "fed": [len(p) + len(c) - 1 for p, c in zip(rollout.prompt_ids, rollout.completion_ids)],
                 "shm": [os.path.basename(path) for path in vllm_cpu_shm.segments()],
+                "uses_shm": hasattr(torch.ops._C, "init_shm_manager"),  # not vLLM's AVX2 CPU build
                 "master_port": os.environ["MASTER_PORT"]}
     finally:
         engine.close()

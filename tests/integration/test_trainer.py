@@ -137,13 +137,17 @@ def test_top_k_top_p_run_learns_the_demo_with_is_weights_near_one(tmp_path, dtyp
     (truncated) log-probs, as before, the gap is 0.002-0.012 nats/token and the IS weights 0.79-0.99 on this peaked
     warm-started model (on the random tiny models of TRL's tests: 3.3 nats/token, IS ~1e-12, no learning).
     bfloat16 (TRL's default; vLLM's and the trainer's bf16 forwards differ by rounding), measured: 0.31 -> 0.80,
-    gap 0.001-0.0045 nats/token, IS weights min 0.89-0.995, grad norm 0.3-3.1."""
+    gap 0.001-0.0045 nats/token, IS weights min 0.89-0.995 (below 0.85 on another CPU), grad norm 0.3-3.1."""
     summary = run_distributed(_train_demo_truncated, 1, str(tmp_path), ["generation.top_k=10", "generation.top_p=0.9",
                                                                          f"model.dtype={dtype}"])[0]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    gap, is_min = (1e-3, 0.99) if dtype == "float32" else (0.01, 0.85)
+    # float32 tells the two distributions apart (gap 3e-7 against 0.002-0.012 nats/token truncated); in bf16 the
+    # per-token minimum is a tail of rounding noise that varies with the CPU's kernels, so the mean is checked there,
+    # and the minimum only against the failure that stops learning (IS ~1e-12)
+    gap, is_mean_err, is_min = (1e-3, 1e-3, 0.99) if dtype == "float32" else (0.01, 0.02, 0.5)
     for record in records:
         assert abs(record["sampling/sampling_logp_difference/mean"]) < gap, record  # same distribution
+        assert abs(record["sampling/importance_sampling_ratio/mean"] - 1) < is_mean_err, record
         assert record["sampling/importance_sampling_ratio/min"] > is_min, record
     assert all(r["grad_norm"] > 1e-4 for r in records if r["reward_std"] > 0), [r["grad_norm"] for r in records]
     assert summary["eval_reward_after"] > summary["eval_reward_before"] + 0.2, summary
