@@ -377,6 +377,8 @@ def _same(value: Any, default: Any) -> bool:
     include_num_input_tokens_seen='no', is the parser's reading of it)."""
     if isinstance(value, bool) and isinstance(default, str):
         return value == (default.lower() in ("yes", "true", "t", "y", "1"))
+    if value is None and isinstance(default, (str, list)) and not default:  # a list flag never given: debug=''
+        return True
     try:
         return type(value) is type(default) and bool(value == default)
     except Exception:  # e.g. an object whose == is elementwise
