@@ -56,7 +56,8 @@ def write_model_card(folder: Path, repo_id: str, base_model: Any, details: dict[
     card = folder / "README.md"
     if card.exists():
         return
-    lines = ["---", "library_name: transformers", "tags: [" + ", ".join(["grpo", *details.get("tags", []) or []]) + "]"]
+    tags = ["grpo", *(details.get("tags") or [])]
+    lines = ["---", "library_name: transformers", "tags: [" + ", ".join(tags) + "]"]
     dataset = details.get("dataset_name")
     if dataset:
         lines.append(f"datasets: [{dataset}]")
