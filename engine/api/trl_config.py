@@ -12,7 +12,10 @@ included.
 Must not: import torch, Megatron, vLLM or trl (importing `engine` stays light; trl is a test-only dependency), or
 change a value silently: every TRL argument either lands in a field, is named in the warning, or raises.
 
-Test: `pytest tests/unit/test_trl_api.py`.
+It is a dataclass (TRL's fields and the engine's, engine/api/trl_fields.py), so HfArgumentParser / TrlParser parse it
+from flags and YAML recipes (engine/api/trl_script.py is the `grpo-engine grpo` command line).
+
+Test: `pytest tests/unit/test_trl_api.py`, `pytest tests/unit/test_trl_script.py` (parsing).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import warnings
 from typing import Any
 
 from engine.api.trl_compat import vespo_importance_sampling_mode
-from engine.api.trl_fields import SCRIPT_OWNED, TRL_FIELDS, declare_fields, defaults_of, trl_default
+from engine.api.trl_fields import TRL_FIELDS, declare_fields, defaults_of, trl_default
 from engine.config import ConfigError, EngineConfig, build_config, config_to_dict, describe_callable, find_field
 
 TRL_DEFAULT_OUTPUT_DIR = "trainer_output"
@@ -171,7 +174,14 @@ class GRPOConfig:
     engine's own knobs (tp_size, pp_size, vllm_tensor_parallel_size, loss_implementation, ...), by their flat names.
     Attributes read and write the engine fields of the same names (`args.learning_rate`, `args.max_steps = 5`);
     `to_engine_config()` returns the tree. Unknown names raise TypeError with a close match; TRL names with no
-    effect here are kept (readable as attributes) and named in one UserWarning.
+    effect here are kept (readable as attributes) and named in one UserWarning. Every TRL field reads back, TRL's
+    default when not given.
+
+    It is a dataclass over TRL 1.16's fields and the engine's (engine/api/trl_fields.py `declare_fields`), so
+    transformers' `HfArgumentParser` and TRL's `TrlParser` build its flags (TRL's types, choices and defaults, the
+    engine's docstrings as help) and construct it; given every field at once, only values that differ from the
+    defaults count as given (`_explicit`). The engine names TRL's ScriptArguments / ModelConfig own (dtype, lora_*,
+    dataset_*) stay keywords, not fields (`trl_fields.SCRIPT_OWNED`).
 
     Translated values: `bf16` / `fp16` / `model_init_kwargs["dtype"]` -> model.dtype, `warmup_steps` < 1 ->
     warmup_ratio, fractional `logging_steps` / `save_steps`, `report_to` forms, `lr_scheduler_type` and `optim`
@@ -416,7 +426,7 @@ class GFPOConfig(GRPOConfig):
     `GRPOConfig` accepts it too; this class exists for the documented name (`GFPOTrainer` takes either)."""
 
 
-declare_fields(GRPOConfig, _field_helps())  # a dataclass for HfArgumentParser / TrlParser: TRL's fields and the engine's
+declare_fields(GRPOConfig, _field_helps())  # a dataclass for HfArgumentParser / TrlParser
 
 
 def _set_once(kwargs: dict[str, Any], name: str, value: Any, given_as: str) -> None:

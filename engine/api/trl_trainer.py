@@ -270,7 +270,7 @@ class GRPOTrainer(TrainerSurface, HubSurface):
         (default: args.output_dir): the trained policy after `train()`, the initial model before it; with LoRA a
         PEFT adapter (before `train()`: the initial one, A as the run draws it, B = 0)."""
         target = Path(output_dir) if output_dir is not None else self.output_dir
-        source = self.output_dir / FINAL_MODEL_DIR if self._trained else self.model_path
+        source = self._current_model_dir()  # the export after train(), the initial model (resolved) before
         if int(os.environ.get("RANK", "0")) != 0:
             return
         if self._cfg.lora.use_peft and not self._trained:  # the initial PEFT adapter, as TRL's PeftModel saves
