@@ -1,14 +1,14 @@
 """`trainer.accelerator`: the part of accelerate's `Accelerator` that TRL's scripts and callbacks use, over this
 engine's processes.
 
-Owns: `Accelerator` (process index and count, main-process checks, `print`, `wait_for_everyone`,
+Owns: `AcceleratorSurface` (GRPOTrainer's `accelerator` and `end()`) and `Accelerator` (process index and count, main-process checks, `print`, `wait_for_everyone`,
 `main_process_first`, `device`, `gather` / `gather_for_metrics` of tensors and nested lists / dicts of them,
 `reduce`, `unwrap_model`, `end_training`). The processes are the ones torchrun or srun started (the engine's process
 group while it is up; the launcher's RANK / WORLD_SIZE otherwise), a world of one for a plain `python` run.
-Collectives between runs (the engine tears its group down at the end of `train()`) open a short-lived gloo group
-on the launcher's rendezvous and close it again, so the engine's next `train()` starts its own.
+Collectives between runs (the engine tears its group down at the end of `train()`) open the process group on the
+launcher's rendezvous, with the backends the engine would choose, and leave it open for the engine's next run.
 
-Must not: import accelerate (not a dependency), or leave a process group open that the engine did not open.
+Must not: import accelerate (not a dependency), or open a process group in a world of one.
 
 Test: tests/unit/test_trl_accelerator.py.
 """
@@ -142,8 +142,7 @@ class Accelerator:
         if self.num_processes == 1:
             return tensor
         with _group() as dist:
-            backend_cpu = dist.get_backend() == "gloo"
-            local = tensor.detach().cpu() if backend_cpu else tensor.detach()
+            local = tensor.detach().cpu() if dist.get_backend() == "gloo" else tensor.detach()
             parts = [local.new_empty(local.shape) for _ in range(self.num_processes)]
             dist.all_gather(parts, local.contiguous())
         import torch
@@ -151,23 +150,34 @@ class Accelerator:
         return torch.cat(parts, dim=0).to(tensor.device)
 
 
+class AcceleratorSurface:
+    """The trainer's `accelerator` and HF Trainer's `end()` (mixed into GRPOTrainer)."""
+
+    @property
+    def accelerator(self) -> Accelerator:
+        """accelerate's `Accelerator` as TRL scripts and callbacks use it."""
+        return Accelerator()
+
+    def end(self) -> None:
+        """HF Trainer's `end()` (TRL's grpo script calls it last): nothing is left to close, the engine closed its
+        trackers and process group at the end of `train()`."""
+
+
 @contextlib.contextmanager
 def _group() -> Iterator[Any]:
-    """torch.distributed with a process group: the engine's when it is up, else a gloo group on the launcher's
-    rendezvous (MASTER_ADDR / MASTER_PORT) for the duration of the block."""
+    """torch.distributed with a process group: the engine's while it is up; otherwise one opened here on the
+    launcher's rendezvous (MASTER_ADDR / MASTER_PORT) and left open, with the backends the engine would choose
+    (gloo for CPU tensors, NCCL for CUDA ones), so the engine's next `train()` joins it rather than opening another.
+    Opening and closing a group per call would race: a fast rank could meet the previous call's store."""
+    import torch
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        yield dist
-        return
-    if "MASTER_ADDR" not in os.environ:
-        raise RuntimeError(f"accelerator: WORLD_SIZE={os.environ.get('WORLD_SIZE')} but no MASTER_ADDR / MASTER_PORT "
-                           "to meet the other processes; launch the script with torchrun or srun")
-    dist.init_process_group("gloo")
-    try:
-        yield dist
-    finally:
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            raise RuntimeError(f"accelerator: WORLD_SIZE={os.environ.get('WORLD_SIZE')} but no MASTER_ADDR / "
+                               "MASTER_PORT to meet the other processes; launch the script with torchrun or srun")
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    yield dist
 
 
 def _has_tensor(data: Any) -> bool:

@@ -8,7 +8,7 @@ string (no accelerate import).
 
 Must not: import trl (a test-only dependency), torch or transformers (importing `engine` stays light).
 
-Test: tests/unit/test_trl_args.py compares the table with the installed trl's fields.
+Test: tests/unit/test_trl_script.py compares the table with the installed trl's fields.
 """
 
 import dataclasses

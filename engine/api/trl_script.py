@@ -270,4 +270,5 @@ def main(argv: list[str] | None = None) -> int:
     if parsed.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
         trainer.accelerator.print(f"Model pushed to the Hub: https://huggingface.co/{trainer.hub_model_id}.")
+    trainer.end()
     return 0

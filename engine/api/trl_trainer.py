@@ -36,7 +36,7 @@ from engine.models.hub import resolve_hub_model
 from engine.api import trl_compat, trl_generate
 from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic, with_placeholder_prompts
 from engine.api.trl_config import GFPOConfig, GRPOConfig
-from engine.api.trl_accelerator import Accelerator
+from engine.api.trl_accelerator import AcceleratorSurface
 from engine.api.trl_hub import HubSurface
 from engine.api.trl_surface import (EXPORT_DIR, INITIAL_MODEL_DIR, TrainerSurface, eval_sets, is_stream,
                                     save_model_object)
@@ -52,7 +52,7 @@ FINAL_MODEL_DIR = EXPORT_DIR
 # GRPOTrainer
 
 
-class GRPOTrainer(TrainerSurface, HubSurface):
+class GRPOTrainer(TrainerSurface, HubSurface, AcceleratorSurface):
     """TRL's `GRPOTrainer` signature over `engine.train.loop.train` (full fine-tuning with Megatron, vLLM rollout).
 
     It refuses with a message what this engine does not do (PEFT, custom optimizers), resolves `model` (a
@@ -200,11 +200,6 @@ class GRPOTrainer(TrainerSurface, HubSurface):
         from engine.validation import validate
 
         self._derived = validate(self._cfg, int(os.environ.get("WORLD_SIZE", "1")))
-
-    @property
-    def accelerator(self) -> Accelerator:
-        """accelerate's `Accelerator` as TRL scripts use it (engine/api/trl_accelerator.py)."""
-        return Accelerator()
 
     @property
     def engine_config(self) -> EngineConfig:
