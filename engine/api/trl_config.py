@@ -389,6 +389,8 @@ def _same(value: Any, default: Any) -> bool:
         return value == (default.lower() in ("yes", "true", "t", "y", "1"))
     if value is None and isinstance(default, (str, list)) and not default:  # a list flag never given: debug=''
         return True
+    if isinstance(value, AcceleratorSettings):  # read back by dataclasses.replace
+        return default is None and value.to_dict() == ACCELERATOR_DEFAULTS
     try:
         return type(value) is type(default) and bool(value == default)
     except Exception:  # e.g. an object whose == is elementwise

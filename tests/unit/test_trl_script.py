@@ -223,3 +223,15 @@ def test_async_grpo_trainer_refuses_trls_worker_objects_by_name():
 
     with pytest.raises(NotImplementedError, match="rollout_worker"):
         AsyncGRPOTrainer(model="m", reward_funcs=[], rollout_worker=object())
+
+
+def test_hf_argument_parser_dicts_and_dataclasses_replace_keep_the_values_given():
+    from transformers import HfArgumentParser
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # values read back at their defaults are not "given"
+        (parsed,) = HfArgumentParser(GRPOConfig).parse_dict({"max_steps": 4, "learning_rate": 2e-6})
+        original = GRPOConfig(output_dir="o", max_steps=3, beta=0.1, report_to="none")
+        changed = dataclasses.replace(original, max_steps=5)
+    assert (parsed.max_steps, parsed.learning_rate) == (4, 2e-6)
+    assert changed.to_dict() == original.replace(max_steps=5).to_dict() and changed.beta == 0.1
