@@ -8,9 +8,11 @@ Owns: argument parsing and dispatch only; each subcommand calls into the module 
     grpo-engine train configs/tiny_cpu.yaml [section.key=value ...]
     grpo-engine tiny-model /tmp/tiny --family llama
     grpo-engine vllm-serve --model Qwen/Qwen2.5-7B --tensor_parallel_size 2 --port 8000   # `trl vllm-serve`'s flags
+    grpo-engine grpo --config recipe.yaml [--max_steps 10 ...]   # `trl grpo`: TRL's arguments and recipes
 
 `vllm-serve` is the rollout server of server mode (engine/rollout/server.py, also `python -m engine.rollout.server`):
-TRL's `vllm-serve` flags, or the run's config; its arguments go to that module's parser unchanged.
+TRL's `vllm-serve` flags, or the run's config; its arguments go to that module's parser unchanged. `grpo` is TRL's
+`trl grpo` (engine/api/trl_script.py): TRL's ScriptArguments, GRPOConfig and ModelConfig flags, `--config` recipes.
 """
 
 from __future__ import annotations
@@ -165,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("vllm-serve", add_help=False, help="the rollout server of server mode, with trl vllm-serve's flags "
                    "(--model M --tensor_parallel_size N --host H --port P ...) or the run's config; see "
                    "`grpo-engine vllm-serve --help`")  # dispatched in `main` before this parser runs
+    sub.add_parser("grpo", add_help=False, help="TRL's `trl grpo`: --config recipe.yaml and TRL's GRPOConfig / "
+                   "ScriptArguments / ModelConfig flags; see `grpo-engine grpo --help`")  # dispatched in `main`
     return parser
 
 
@@ -174,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         from engine.rollout.server import main as serve
 
         return serve(argv[1:], prog="grpo-engine vllm-serve")
+    if argv[:1] == ["grpo"]:  # TRL's parser over its dataclasses; see engine/api/trl_script.py
+        from engine.api.trl_script import main as grpo
+
+        return grpo(argv[1:])
     # Overrides may be written `grpo.beta=0.1` or `--grpo.beta=0.1`; the second form is not an option.
     argv = [a[2:] if a.startswith("--") and "=" in a and "." in a.split("=", 1)[0] else a for a in argv]
     args = build_parser().parse_args(argv)

@@ -102,6 +102,12 @@ HARMLESS_WARNINGS = (
     HarmlessWarning(r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning, "vllm",
                     "vLLM's Triton dispatcher looks at every attribute of torch modules at import, the deprecated "
                     "alias included; nothing uses it"),
+    HarmlessWarning(r"`torch\.distributed\.reduce_scatter_tensor` is deprecated", FutureWarning, "torch.distributed",
+                    "Megatron's distributed optimizer (megatron-core 0.16, param_and_grad_buffer.py) reduce-scatters "
+                    "the gradient buckets with torch's older name; the renamed collective does the same"),
+    HarmlessWarning(r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning, "torch.distributed",
+                    "Megatron's distributed optimizer (megatron-core 0.16) all-gathers the updated parameters with "
+                    "torch's older name; the renamed collective does the same"),
 )
 """Python warnings ignored when not verbose."""
 

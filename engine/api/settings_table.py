@@ -8,7 +8,8 @@ warning gives, `REFUSED` names with the reason of their error). Nothing is descr
 docstrings and the three maps are the sources, so fields other modules add or remove appear after a regeneration.
 
 "Read by" is found the way ../shared/tools/unread_settings.py finds it, in code only (comments and docstrings left
-out): a module of engine/ or kernels/ (outside config.py, validation.py, trl_config.py and this module) that uses the
+out): a module of engine/ or kernels/ (outside config.py, validation.py, the TRL argument mapping trl_config.py /
+trl_fields.py / trl_script.py / trl_async.py, and this module) that uses the
 field as an attribute (`.name`), a key (`"name"`) or a keyword (`name=`). A heuristic: a name used for another purpose (`dtype`) hides a miss; an empty cell
 is a field nothing reads, which tests/unit/test_settings_table.py refuses.
 
@@ -35,7 +36,8 @@ from engine.config import EngineConfig
 REPO = Path(__file__).resolve().parents[2]
 TABLE_PATH = REPO / "configs" / "SETTINGS.md"
 REGENERATE = "python -m engine.api.settings_table"
-NOT_READERS = {"config.py", "validation.py", "trl_config.py", "settings_table.py"}
+NOT_READERS = {"config.py", "validation.py", "trl_config.py", "trl_fields.py", "trl_script.py", "trl_async.py",
+               "settings_table.py"}
 """Modules that define, check or translate fields: mentioning a field there is not acting on it."""
 _MAX_READERS = 3
 

@@ -12,11 +12,15 @@ included.
 Must not: import torch, Megatron, vLLM or trl (importing `engine` stays light; trl is a test-only dependency), or
 change a value silently: every TRL argument either lands in a field, is named in the warning, or raises.
 
-Test: `pytest tests/unit/test_trl_api.py`.
+It is a dataclass (TRL's fields and the engine's, engine/api/trl_fields.py), so HfArgumentParser / TrlParser parse it
+from flags and YAML recipes (engine/api/trl_script.py is the `grpo-engine grpo` command line).
+
+Test: `pytest tests/unit/test_trl_api.py`, `pytest tests/unit/test_trl_script.py` (parsing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -24,6 +28,7 @@ import warnings
 from typing import Any
 
 from engine.api.trl_compat import vespo_importance_sampling_mode
+from engine.api.trl_fields import TRL_FIELDS, declare_fields, defaults_of, trl_default
 from engine.config import ConfigError, EngineConfig, build_config, config_to_dict, describe_callable, find_field
 
 TRL_DEFAULT_OUTPUT_DIR = "trainer_output"
@@ -62,8 +67,9 @@ NO_EFFECT: dict[str, str] = {
              "include_for_metrics", "batch_eval_metrics", "metric_for_best_model", "greater_is_better"),
     **_group("checkpoints are written every save_steps (0: only at the end)",
              "save_strategy", "save_only_model", "enable_jit_checkpoint", "restore_callback_states_from_checkpoint"),
-    **_group("nothing is pushed to the hub", "hub_token", "hub_private_repo", "hub_model_id", "hub_strategy",
-             "hub_always_push", "hub_revision"),
+    **_group("nothing is pushed during training; trainer.push_to_hub() reads hub_model_id / hub_token / "
+             "hub_private_repo / hub_revision when called", "hub_token", "hub_private_repo", "hub_model_id",
+             "hub_strategy", "hub_always_push", "hub_revision"),
     **_group("generation always uses vLLM here", "use_vllm", "cache_implementation",
              "use_transformers_continuous_batching", "transformers_continuous_batching_config",
              "use_transformers_paged"),
@@ -76,7 +82,8 @@ NO_EFFECT: dict[str, str] = {
 """Accepted and named in one warning (the engine behaves as the reason says, whatever the value)."""
 
 REFUSED: dict[str, str] = {
-    "push_to_hub": "pushing to the hub is not supported; call trainer.save_model(dir) and upload the directory",
+    "push_to_hub": "pushing during training is not supported; call trainer.push_to_hub() after train() (it uploads "
+                   "the exported model with huggingface_hub)",
     "load_best_model_at_end": "there is no scheduled evaluation to pick a best model from",
     "neftune_noise_alpha": "NEFTune embedding noise is not implemented in the Megatron policy",
 }
@@ -132,6 +139,8 @@ class AcceleratorSettings:
     given (a dict or JSON string) over transformers' defaults. No effect in this engine (named in the warning)."""
 
     def __init__(self, given: Any):
+        if hasattr(given, "to_dict"):  # an AcceleratorSettings / AcceleratorConfig read back from a config
+            given = given.to_dict()
         values = json.loads(given) if isinstance(given, str) else dict(given or {})
         unknown = sorted(set(values) - set(ACCELERATOR_DEFAULTS))
         if unknown:
@@ -165,7 +174,14 @@ class GRPOConfig:
     engine's own knobs (tp_size, pp_size, vllm_tensor_parallel_size, loss_implementation, ...), by their flat names.
     Attributes read and write the engine fields of the same names (`args.learning_rate`, `args.max_steps = 5`);
     `to_engine_config()` returns the tree. Unknown names raise TypeError with a close match; TRL names with no
-    effect here are kept (readable as attributes) and named in one UserWarning.
+    effect here are kept (readable as attributes) and named in one UserWarning. Every TRL field reads back, TRL's
+    default when not given.
+
+    It is a dataclass over TRL 1.16's fields and the engine's (engine/api/trl_fields.py `declare_fields`), so
+    transformers' `HfArgumentParser` and TRL's `TrlParser` build its flags (TRL's types, choices and defaults, the
+    engine's docstrings as help) and construct it; given every field at once, only values that differ from the
+    defaults count as given (`_explicit`). The engine names TRL's ScriptArguments / ModelConfig own (dtype, lora_*,
+    dataset_*) stay keywords, not fields (`trl_fields.SCRIPT_OWNED`).
 
     Translated values: `bf16` / `fp16` / `model_init_kwargs["dtype"]` -> model.dtype, `warmup_steps` < 1 ->
     warmup_ratio, fractional `logging_steps` / `save_steps`, `report_to` forms, `lr_scheduler_type` and `optim`
@@ -181,6 +197,8 @@ class GRPOConfig:
     """
 
     def __init__(self, output_dir: str | None = None, **kwargs: Any):
+        kwargs = _explicit(type(self), {"output_dir": output_dir, **kwargs})
+        output_dir = kwargs.pop("output_dir", None)
         given = {"output_dir": output_dir if output_dir is not None else TRL_DEFAULT_OUTPUT_DIR, **kwargs}
         object.__setattr__(self, "_kwargs", given)
         self._build(warn_names=list(given))
@@ -317,6 +335,8 @@ class GRPOConfig:
         except KeyError:
             if name in self._kwargs:  # e.g. use_vllm=True: accepted, nothing to configure
                 return self._kwargs[name]
+            if name in TRL_FIELDS:  # a TRL field not given: TRL's default, whether or not it acts here
+                return trl_default(name)
             raise AttributeError(f"GRPOConfig has no attribute {name!r}") from None
         return getattr(getattr(self._engine, section), leaf)
 
@@ -352,11 +372,63 @@ class GRPOConfig:
         return f"{type(self).__name__}({given})"
 
 
+def _explicit(cls: type, given: dict[str, Any]) -> dict[str, Any]:
+    """The arguments a caller chose. Given every declared field at once (`HfArgumentParser`, TRL's `TrlParser`,
+    `dataclasses.replace`), the values equal to their defaults count as not given, so that only the flags a user
+    set can be named in the no-effect warning; otherwise every keyword given counts, at its default or not."""
+    defaults = defaults_of(cls)
+    if not set(defaults) <= set(given):
+        return {name: value for name, value in given.items() if name != "output_dir" or value is not None}
+    return {name: value for name, value in given.items() if name not in defaults or not _same(value, defaults[name])}
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Whether a parsed value is the field's default (a bool flag over a string default, as
+    include_num_input_tokens_seen='no', is the parser's reading of it)."""
+    if isinstance(value, bool) and isinstance(default, str):
+        return value == (default.lower() in ("yes", "true", "t", "y", "1"))
+    if value is None and isinstance(default, (str, list)) and not default:  # a list flag never given: debug=''
+        return True
+    if isinstance(value, AcceleratorSettings):  # read back by dataclasses.replace
+        return default is None and value.to_dict() == ACCELERATOR_DEFAULTS
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except Exception:  # e.g. an object whose == is elementwise
+        return False
+
+
+def _field_helps() -> dict[str, str]:
+    """--help text of every declared field: the engine field's docstring (engine/config.py), or what the engine
+    does with the TRL argument (the no-effect reason, the refusal, the translation)."""
+    from pathlib import Path
+
+    import engine.config as config_module
+    from engine.api.settings_table import field_docstrings
+    from engine.config import _FLAT_INDEX
+
+    try:
+        docs = field_docstrings(Path(config_module.__file__))
+    except OSError:  # no source next to the package: short help
+        docs = {}
+    classes = {f.name: f.default_factory.__name__ for f in dataclasses.fields(EngineConfig)}  # type: ignore[misc]
+    helps = {name: " ".join(docs.get((classes[section], leaf), "").split())
+             for name, (section, leaf) in _FLAT_INDEX.items()}
+    helps |= {name: f"No effect in this engine: {reason}." for name, reason in NO_EFFECT.items()}
+    helps |= {name: f"Only TRL's default is accepted: {reason}." for name, reason in REFUSED.items()}
+    helps |= {name: f"TRL's argument, here: {text}." for name, text in TRANSLATED.items() if name not in helps}
+    helps |= {name: text for name, (_, text) in TRAINER_ARGUMENTS.items()}
+    helps["use_vllm"] = "Generation always uses vLLM here: True is what runs; False is named in the no-effect warning."
+    return {name: text.replace("%", "%%") for name, text in helps.items()}  # argparse formats help with %
+
+
 class GFPOConfig(GRPOConfig):
     """TRL's experimental `GFPOConfig` (trl.experimental.gfpo, TRL <= 1.7.1; anchors/trl.md §6): `GRPOConfig` plus
     `num_remains_in_group` (k: train on the k best of each group's G completions, scored by the trainer's
     `group_filter_func`; None = keep all; 2 <= k < num_generations). The engine's `grpo.num_remains_in_group`, so
     `GRPOConfig` accepts it too; this class exists for the documented name (`GFPOTrainer` takes either)."""
+
+
+declare_fields(GRPOConfig, _field_helps())  # a dataclass for HfArgumentParser / TrlParser
 
 
 def _set_once(kwargs: dict[str, Any], name: str, value: Any, given_as: str) -> None:
@@ -375,9 +447,8 @@ def _shown(name: str, value: Any) -> str:
 def _translate_dtype(kwargs: dict[str, Any], ignored: dict[str, tuple[Any, str]]) -> None:
     """bf16 / fp16 / model_init_kwargs["dtype"] -> model.dtype; other model_init_kwargs keys are ignored."""
     bf16, fp16 = kwargs.pop("bf16", None), kwargs.pop("fp16", None)
-    init = dict(kwargs.pop("model_init_kwargs", None) or {})
-    if isinstance(init, str):
-        init = json.loads(init)
+    init = kwargs.pop("model_init_kwargs", None) or {}
+    init = dict(json.loads(init) if isinstance(init, str) else init)  # TRL's command line passes JSON
     chosen = []
     if bf16 and fp16:
         raise ValueError("GRPOConfig: bf16=True and fp16=True are exclusive")

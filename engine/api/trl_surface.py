@@ -28,6 +28,9 @@ from typing import Any
 
 from engine.train.step_schedule import rounds_for_steps
 
+EXPORT_DIR = "hf"
+"""Under output_dir: the trained policy as a Hugging Face checkpoint (a PEFT adapter with LoRA), exported at the end
+of `train()` as every run exports it (checkpoint.save_hf_at_end)."""
 INITIAL_MODEL_DIR = "initial_model"
 """Under output_dir: a `PreTrainedModel` passed as `model` (or assigned to `trainer.model`), saved so that Megatron
 and vLLM can load it."""
@@ -302,17 +305,17 @@ class TrainerSurface:
     def _current_model_dir(self) -> Path:
         """The policy's weights now: the export after `train()`, else the initial model."""
         if self._trained:
-            return self.output_dir / "final_model"
+            return self.output_dir / EXPORT_DIR
         return model_directory(self.model_path, self.output_dir)
 
     @property
     def model(self) -> Any:
         """The policy as a transformers `PreTrainedModel` on this process's CPU: the initial weights before
-        `train()`, the trained ones after (loaded from `<output_dir>/final_model` when first read; a model
+        `train()`, the trained ones after (loaded from `<output_dir>/hf` when first read; a model
         object passed as `model` is that object, its parameters overwritten with the trained ones). It holds
         the whole model in memory: a checkpoint over 80% of the available memory raises MemoryError naming how to
         load the export instead (`check_fits_in_memory`; e.g. `AutoModelForCausalLM.from_pretrained(
-        f"{args.output_dir}/final_model", device_map="auto")` where it fits)."""
+        f"{args.output_dir}/hf", device_map="auto")` where it fits)."""
         if self._unbuilt() is not None:
             return self._unbuilt_get("model")
         if self._model is None or self._model_is_stale:
@@ -369,12 +372,12 @@ class TrainerSurface:
     def ref_model(self) -> Any:
         """TRL's reference model: None when beta == 0 (none is built), else the initial weights (a transformers
         model, loaded when first read); after a TR-DPO run (sync_ref_model) the mixed reference the run ended with
-        (`<output_dir>/final_model_reference`, exported next to the policy)."""
+        (`<output_dir>/hf_reference`, exported next to the policy)."""
         if self._cfg.grpo.beta == 0:
             return None
         mixed = self._cfg.grpo.sync_ref_model and self._trained
         if self._ref_model is None or mixed != self._ref_is_mixed:
-            where = self.output_dir / "final_model_reference" if mixed else model_directory(self.model_path,
+            where = self.output_dir / f"{EXPORT_DIR}_reference" if mixed else model_directory(self.model_path,
                                                                                             self.output_dir)
             self._ref_model, self._ref_is_mixed = load_causal_lm(where), mixed
         return self._ref_model

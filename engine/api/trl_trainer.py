@@ -36,19 +36,23 @@ from engine.models.hub import resolve_hub_model
 from engine.api import trl_compat, trl_generate
 from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic, with_placeholder_prompts
 from engine.api.trl_config import GFPOConfig, GRPOConfig
-from engine.api.trl_surface import INITIAL_MODEL_DIR, TrainerSurface, eval_sets, is_stream, save_model_object
+from engine.api.trl_accelerator import AcceleratorSurface
+from engine.api.trl_hub import HubSurface
+from engine.api.trl_surface import (EXPORT_DIR, INITIAL_MODEL_DIR, TrainerSurface, eval_sets, is_stream,
+                                    save_model_object)
 
 __all__ = ["GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer"]
 
-FINAL_MODEL_DIR = "final_model"
-"""Under output_dir: the trained policy as a Hugging Face checkpoint, written at the end of `train()`."""
+FINAL_MODEL_DIR = EXPORT_DIR
+"""Under output_dir: the trained policy as a Hugging Face checkpoint, written at the end of `train()` (the same
+`hf` folder a config-file run exports to); `save_model()` copies it into output_dir itself, as TRL's."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # GRPOTrainer
 
 
-class GRPOTrainer(TrainerSurface):
+class GRPOTrainer(TrainerSurface, HubSurface, AcceleratorSurface):
     """TRL's `GRPOTrainer` signature over `engine.train.loop.train` (full fine-tuning with Megatron, vLLM rollout).
 
     It refuses with a message what this engine does not do (PEFT, custom optimizers), resolves `model` (a
@@ -221,7 +225,7 @@ class GRPOTrainer(TrainerSurface):
             raise NotImplementedError("hyperparameter search trials are not supported")
         if self._trained:
             raise RuntimeError("train() already ran: the engine's process group and policy are torn down at the end "
-                               "of a run; build a new GRPOTrainer (e.g. with model=<output_dir>/final_model)")
+                               "of a run; build a new GRPOTrainer (e.g. with model=<output_dir>/hf)")
         trl_generate.patched_since_construction(self, self._dispatch_overrides)
         trl_compat.refuse_step_overrides(self)  # e.g. training_step patched onto the class since construction
         cfg = self._cfg
@@ -261,7 +265,7 @@ class GRPOTrainer(TrainerSurface):
         (default: args.output_dir): the trained policy after `train()`, the initial model before it; with LoRA a
         PEFT adapter (before `train()`: the initial one, A as the run draws it, B = 0)."""
         target = Path(output_dir) if output_dir is not None else self.output_dir
-        source = self.output_dir / FINAL_MODEL_DIR if self._trained else self.model_path
+        source = self._current_model_dir()  # the export after train(), the initial model (resolved) before
         if int(os.environ.get("RANK", "0")) != 0:
             return
         if self._cfg.lora.use_peft and not self._trained:  # the initial PEFT adapter, as TRL's PeftModel saves

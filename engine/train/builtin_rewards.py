@@ -108,6 +108,22 @@ def accuracy_reward(completions: list, log_extra: Callable | None = None, **kwar
     return rewards
 
 
+def reasoning_accuracy_reward(completions: list, log_extra: Callable | None = None,
+                              reasoning_delimiters: list[str] | None = None, **kwargs) -> list[float | None]:
+    """`accuracy_reward` on what follows the reasoning: the text after the last reasoning delimiter (`</think>` by
+    default), as TRL's `reasoning_accuracy_reward`; a completion whose reasoning never ends scores 0.0 (a boxed
+    answer inside unfinished reasoning does not count). An unparseable reference answer gives None."""
+    delimiters = reasoning_delimiters or ["</think>"]
+    finals, finished = [], []
+    for completion in completions:
+        text = completion_text(completion)
+        cut = max((text.rfind(d) + len(d) for d in delimiters if d in text), default=-1)
+        finished.append(cut >= 0)
+        finals.append(text[cut:] if cut >= 0 else "")
+    scores = accuracy_reward(finals, log_extra=log_extra, **kwargs)
+    return [score if done or score is None else 0.0 for score, done in zip(scores, finished)]
+
+
 def exact_match_reward(completions: list, **kwargs) -> list[float | None]:
     """1.0 if the last `<answer>...</answer>` equals the reference answer, else 0.0 (no verifier needed).
 

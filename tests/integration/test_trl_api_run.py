@@ -314,7 +314,7 @@ def _surface_in_one_process(output_dir: str) -> dict:
     third.train(resume_from_checkpoint=True)
     obj_trained = third.model is obj and all(not torch.equal(initial[n], p) for n, p in obj.named_parameters())
     lengths = _TokenCount()
-    fourth = GRPOTrainer(model=str(out / "run" / "final_model"), reward_funcs=lengths, train_dataset=stream,
+    fourth = GRPOTrainer(model=str(out / "run" / "hf"), reward_funcs=lengths, train_dataset=stream,
                          args=args(vllm_importance_sampling_correction=False, temperature=2.0))
     evaluated = fourth.evaluate(eval_dataset=held_out.select(range(4)))
     # (5) TR-DPO: after train(), ref_model is the reference mixed towards the policy (alpha 0.5 after its one step)
