@@ -63,6 +63,11 @@ class ModelConfig:
     """The local spec's core attention (HF's `attn_implementation` names): `sdpa` = torch's fused attention (no s x s
     scores; engine/policy/sdpa_attention.py; refused where it cannot act), `eager` = Megatron's DotProductAttention,
     `auto` = sdpa where the layer's attention is the plain one, else the layer's own (Gemma, GPT-OSS, windows, TE)."""
+    layer_kernel_implementation: Literal["auto", "triton", "torch"] = "auto"
+    """The local spec's RMSNorm, gated MLP activation (SwiGLU / GeGLU) and RoPE: `triton` = the project's fused
+    kernels (kernels/rms_norm.py, glu.py, rope.py through engine/policy/fused_layers.py; refused where none can act),
+    `torch` = Megatron's unfused ops, `auto` = triton on CUDA, torch on CPU (the Triton interpreter is slow).
+    Transformer Engine's spec has its own fused norms and RoPE."""
     offload_reference: bool = False
     """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
     moe_aux_loss_coeff: float | None = None
