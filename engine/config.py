@@ -63,6 +63,12 @@ class ModelConfig:
     """The local spec's core attention (HF's `attn_implementation` names): `sdpa` = torch's fused attention (no s x s
     scores; engine/policy/sdpa_attention.py; refused where it cannot act), `eager` = Megatron's DotProductAttention,
     `auto` = sdpa where the layer's attention is the plain one, else the layer's own (Gemma, GPT-OSS, windows, TE)."""
+    packed_attention_implementation: Literal["auto", "varlen", "masked"] = "auto"
+    """Packed rows' attention on the local spec with SDPA: `varlen` = each packed sequence attends to itself only
+    (torch's flash varlen kernel on a GPU in bf16 / fp16, one SDPA call per sequence elsewhere:
+    engine/policy/varlen_attention.py), costing the sum of the sequences' squares; `masked` = SDPA over the whole
+    row with the block-diagonal mask, (sum of lengths)^2; `auto` = varlen where the layer's attention is SDPA's, the
+    mask elsewhere (eager, windows, sinks, soft-capping, MLA: explicit varlen is refused there)."""
     layer_kernel_implementation: Literal["auto", "triton", "torch"] = "auto"
     """The local spec's RMSNorm, gated MLP activation (SwiGLU / GeGLU) and RoPE: `triton` = the project's fused
     kernels (kernels/rms_norm.py, glu.py, rope.py through engine/policy/fused_layers.py; refused where none can act),

@@ -422,7 +422,8 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
                              "sliding-window attention are project modules): set model.transformer_impl: local")
         spec = (gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config) if is_gemma(hf_config)
                 else cohere2_layers.cohere2_layer_spec(spec))
-    spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type)
+    spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type,
+                                       cfg.packed_attention_implementation)
     if mla and spec.submodules.input_layernorm is LocalRMSNorm:  # MLA's keywords to the local core attention
         spec, dense_spec = mla_attention_specs(spec, dense_spec)
     per_layer = None
