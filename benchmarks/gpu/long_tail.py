@@ -104,7 +104,9 @@ def _engine_step(hf_config, dtype: str, ps, batch: dict, micro_batch: int, setti
         popt.step()
 
     row_tokens = sum(int(m["input_ids"].numel()) for m in micro)
+    flash = importlib.util.find_spec("torch.nn.attention.varlen") is not None and torch.cuda.is_available()
     return step, {"micro_batches": len(micro), "row_tokens": row_tokens, "layout": spec.attention,
+                  "flash_varlen_available": flash,
                   "gradient_checkpointing": train_cfg.gradient_checkpointing, "padding_free": spec.padding_free,
                   **settings}
 
