@@ -64,16 +64,11 @@ class ModelConfig:
     scores; engine/policy/sdpa_attention.py; refused where it cannot act), `eager` = Megatron's DotProductAttention,
     `auto` = sdpa where the layer's attention is the plain one, else the layer's own (Gemma, GPT-OSS, windows, TE)."""
     packed_attention_implementation: Literal["auto", "varlen", "masked"] = "auto"
-    """Packed rows' attention on the local spec with SDPA: `varlen` = each packed sequence attends to itself only
-    (torch's flash varlen kernel on a GPU in bf16 / fp16, one SDPA call per sequence elsewhere:
-    engine/policy/varlen_attention.py), costing the sum of the sequences' squares; `masked` = SDPA over the whole
-    row with the block-diagonal mask, (sum of lengths)^2; `auto` = varlen where the layer's attention is SDPA's, the
-    mask elsewhere (eager, windows, sinks, soft-capping, MLA: explicit varlen is refused there)."""
+    """Packed rows' attention: `varlen` = each sequence attends to itself (engine/policy/varlen_attention.py), `masked` =
+    SDPA with the block-diagonal mask; `auto` = varlen where the layer's attention is SDPA's (explicit varlen refused)."""
     layer_kernel_implementation: Literal["auto", "triton", "torch"] = "auto"
-    """The local spec's RMSNorm, gated MLP activation (SwiGLU / GeGLU) and RoPE: `triton` = the project's fused
-    kernels (kernels/rms_norm.py, glu.py, rope.py through engine/policy/fused_layers.py; refused where none can act),
-    `torch` = Megatron's unfused ops, `auto` = triton on CUDA, torch on CPU (the Triton interpreter is slow).
-    Transformer Engine's spec has its own fused norms and RoPE."""
+    """The local spec's RMSNorm, SwiGLU / GeGLU and RoPE: `triton` = fused kernels (engine/policy/fused_layers.py;
+    refused where none acts), `torch` = Megatron's unfused ops; `auto` = triton on CUDA, torch on CPU (interpreter)."""
     offload_reference: bool = False
     """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
     moe_aux_loss_coeff: float | None = None

@@ -171,16 +171,16 @@ def _swap(node, swaps: dict, seen: dict):
     return out
 
 
-def fused_layer_specs(specs: list, config, rope_fusable: bool) -> tuple[list, set[str]]:
+def fused_layer_specs(specs: list, config, rope_fusable: bool, local_norm: type) -> tuple[list, set[str]]:
     """Every spec in `specs` (layer specs, dense-first-layer spec, per-layer lists; None passes through) with the
-    fused modules swapped in where they act (module docstring), and the names of the classes that were replaced."""
+    fused modules swapped in where they act (module docstring), and the names of the classes that were replaced.
+    `local_norm` is the local spec's RMSNorm class (engine/policy/model.py LocalRMSNorm)."""
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
 
     from engine.policy import gemma_layers
-    from engine.policy.model import LocalRMSNorm
 
-    swaps = {LocalRMSNorm: FusedRMSNorm, gemma_layers.GemmaRMSNorm: FusedGemmaRMSNorm}
+    swaps = {local_norm: FusedRMSNorm, gemma_layers.GemmaRMSNorm: FusedGemmaRMSNorm}
     if _glu_activation(config) is not None:
         swaps[MLP] = fused_glu_mlp_class()
     if rope_fusable:

@@ -300,7 +300,8 @@ def _layer_kernel_specs(spec, dense_spec, per_layer, config, cfg: ModelConfig, h
         return spec, dense_spec, per_layer
     rope_fusable = (yarn_rope_settings(hf_config) is None and not config.multi_latent_attention
                     and not is_nemotron_h(hf_config))
-    (spec, dense_spec, per_layer), applied = fused_layer_specs([spec, dense_spec, per_layer], config, rope_fusable)
+    (spec, dense_spec, per_layer), applied = fused_layer_specs([spec, dense_spec, per_layer], config, rope_fusable,
+                                                                  LocalRMSNorm)
     if not applied and implementation == "triton":
         raise ValueError(f"model.layer_kernel_implementation=triton cannot act on this {hf_config.model_type} model: "
                          "none of its norms, MLP activation or RoPE is one the fused kernels express")
