@@ -6,7 +6,8 @@ Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/ma
 Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
 recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
 router, shared expert and dense first layers: engine/policy/moe_config.py; the families refused and what they lack:
-engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`), `build_policy`, the
+engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`; the fused norm /
+activation / RoPE modules: `_layer_kernel_specs`, engine/policy/fused_layers.py), `build_policy`, the
 weights that are buffers (`WEIGHT_BUFFERS`: GLM's frozen expert bias), and the rule
 that takes a global tensor to this rank's TP shard (`take_tp_shard`; Mamba-2's unequal row blocks: `partition_blocks`),
 which checkpoint conversion reuses.

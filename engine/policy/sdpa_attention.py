@@ -1,6 +1,7 @@
 """The core attention of Megatron's local layer spec through `torch.nn.functional.scaled_dot_product_attention`.
 
-Owns: `sdpa_core_attention_class` (Megatron's `DotProductAttention` with its forward replaced by one SDPA call),
+Owns: `sdpa_core_attention_class` (Megatron's `DotProductAttention` with its forward replaced by one SDPA call;
+packed rows through their sequences with `varlen`: engine/policy/varlen_attention.py),
 `sdpa_blocker` (why a layer spec keeps its own core attention), `attention_specs` (the layer specs with the core
 attention `model.attention_implementation` asks for, or its refusal) and `use_sdpa` (the layer spec with SDPA, where
 the spec's core attention is Megatron's plain `DotProductAttention` and there is no window).
