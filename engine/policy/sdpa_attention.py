@@ -130,16 +130,17 @@ def attention_specs(spec, dense_spec, config, implementation: str, model_type: s
     `packed` (`model.packed_attention_implementation`): auto / varlen give that SDPA attention the packed rows'
     sequences (engine/policy/varlen_attention.py), masked keeps the dense mask; an explicit varlen where the layer
     keeps another attention (eager, a window, sinks, soft-capping, MLA) is refused."""
-    blocker = "model.attention_implementation is eager" if implementation == "eager" else sdpa_blocker(spec, config)
-    if blocker is None and getattr(config, "multi_latent_attention", False):
-        blocker = "multi-latent attention's query / key and value head dims differ"
-    if blocker is not None and packed == "varlen":
+    blocker = sdpa_blocker(spec, config)
+    varlen_blocker = "model.attention_implementation is eager" if implementation == "eager" else blocker
+    if varlen_blocker is None and getattr(config, "multi_latent_attention", False):
+        varlen_blocker = "multi-latent attention's query / key and value head dims differ"
+    if varlen_blocker is not None and packed == "varlen":
         raise ValueError(f"model.packed_attention_implementation=varlen cannot act on this {model_type} model: "
-                         f"{blocker}; packed rows keep the block-diagonal mask there (set auto or masked)")
+                         f"{varlen_blocker}; packed rows keep the block-diagonal mask there (set auto or masked)")
     if implementation == "eager":
         return spec, dense_spec
     if blocker is not None and implementation == "sdpa":
         raise ValueError(f"model.attention_implementation=sdpa cannot act on this {model_type} model: {blocker}; "
                          "set auto (SDPA where the layer allows it) or eager")
-    varlen = packed != "masked" and blocker is None
+    varlen = packed != "masked" and varlen_blocker is None
     return use_sdpa(spec, config, varlen), use_sdpa(dense_spec, config, varlen)

@@ -115,3 +115,19 @@ def test_explicit_varlen_where_the_layer_keeps_its_own_attention_is_refused():
         attention_specs(spec, None, SimpleNamespace(window_size=None), "eager", "qwen2", "varlen")
     windowed, _ = attention_specs(spec, None, SimpleNamespace(window_size=(4, 0)), "auto", "gemma3_text", "auto")
     assert windowed is spec  # auto: the layer's own attention, with the mask
+
+
+def test_multi_latent_attention_keeps_sdpa_and_the_mask():
+    """MLA: SDPA still acts (explicit sdpa accepted), packed rows keep the mask (explicit varlen refused)."""
+    from types import SimpleNamespace
+
+    from engine.config import ModelConfig
+    from engine.policy.model import _layer_spec
+    from engine.policy.sdpa_attention import attention_specs, sdpa_core_attention_class
+
+    spec = _layer_spec(ModelConfig(transformer_impl="local"))
+    mla = SimpleNamespace(window_size=None, multi_latent_attention=True)
+    swapped, _ = attention_specs(spec, None, mla, "sdpa", "deepseek_v3", "auto")
+    assert swapped.submodules.self_attention.submodules.core_attention is sdpa_core_attention_class()
+    with pytest.raises(ValueError, match="varlen cannot act on this deepseek_v3 model: multi-latent"):
+        attention_specs(spec, None, mla, "auto", "deepseek_v3", "varlen")
