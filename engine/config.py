@@ -63,6 +63,12 @@ class ModelConfig:
     """The local spec's core attention (HF's `attn_implementation` names): `sdpa` = torch's fused attention (no s x s
     scores; engine/policy/sdpa_attention.py; refused where it cannot act), `eager` = Megatron's DotProductAttention,
     `auto` = sdpa where the layer's attention is the plain one, else the layer's own (Gemma, GPT-OSS, windows, TE)."""
+    packed_attention_implementation: Literal["auto", "varlen", "masked"] = "auto"
+    """Packed rows' attention: `varlen` = each sequence attends to itself (engine/policy/varlen_attention.py), `masked` =
+    SDPA with the block-diagonal mask; `auto` = varlen where the layer's attention is SDPA's (explicit varlen refused)."""
+    layer_kernel_implementation: Literal["auto", "triton", "torch"] = "auto"
+    """The local spec's RMSNorm, SwiGLU / GeGLU and RoPE: `triton` = fused kernels (engine/policy/fused_layers.py;
+    refused where none acts), `torch` = Megatron's unfused ops; `auto` = triton on CUDA, torch on CPU (interpreter)."""
     offload_reference: bool = False
     """Keep the frozen reference model (beta > 0) in CPU memory between its forward passes."""
     moe_aux_loss_coeff: float | None = None

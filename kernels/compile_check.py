@@ -155,6 +155,40 @@ def token_terms_launches(num_rows: int) -> list[KernelLaunch]:
     return launches
 
 
+LAYER_POINTS = ((8192, 1536, 8960, 12, 2, 128), (8192, 3584, 18944, 28, 4, 128))
+"""(tokens, hidden, ffn, query heads, key / value heads, head_dim) of Qwen2.5-1.5B and -7B at 8192 tokens per
+micro-batch: the fused layer kernels' launches (`layer_launches`)."""
+
+
+def layer_launches(point: tuple, dtypes=(torch.bfloat16, torch.float32)) -> list[KernelLaunch]:
+    """The fused layer kernels (kernels/rms_norm.py, glu.py, rope.py) forward and backward at `point`
+    (`LAYER_POINTS`), bfloat16 and float32: the hidden-size norm and the q/k (head_dim) norm, SwiGLU and GeGLU, RoPE
+    on queries and keys, full, partial (half the head) and interleaved, in each of `dtypes`."""
+    from kernels.glu import ACTIVATIONS, build_glu_bwd_launch, build_glu_fwd_launch
+    from kernels.rms_norm import build_rms_norm_bwd_launch, build_rms_norm_fwd_launch
+    from kernels.rope import build_rope_launch
+
+    tokens, hidden, ffn, heads, groups, head_dim = point
+    launches = []
+    for dtype in dtypes:
+        def meta(*shape, dt=dtype):
+            return torch.empty(*shape, dtype=dt, device="meta")
+
+        for rows, width, offset in ((tokens, hidden, 0.0), (tokens * heads, head_dim, 1.0)):
+            fwd, _, rstd = build_rms_norm_fwd_launch(meta(rows, width), meta(width), 1e-6, offset)
+            bwd, _, _ = build_rms_norm_bwd_launch(meta(rows, width), meta(rows, width), meta(width), rstd, offset)
+            launches += [fwd, bwd]
+        for activation in ACTIVATIONS:
+            launches += [build_glu_fwd_launch(meta(tokens, 2 * ffn), activation)[0],
+                         build_glu_bwd_launch(meta(tokens, ffn), meta(tokens, 2 * ffn), activation)[0]]
+        for n_heads in (heads, groups):
+            for rot_dim, interleaved in ((head_dim, False), (head_dim // 2, False), (head_dim, True)):
+                cos = meta(tokens, 1, rot_dim)
+                launches += [build_rope_launch(meta(tokens, 1, n_heads, head_dim), cos, cos, interleaved, backward)[0]
+                             for backward in (False, True)]
+    return launches
+
+
 def _specialise(launch: KernelLaunch, arch: int) -> tuple[triton.compiler.ASTSource, dict, str]:
     """(ASTSource, compile options, cache key) of a launch, as `JITFunction.run` builds them.
 
@@ -253,6 +287,7 @@ def check_kernels(archs=ARCHS, dtypes=SUPPORTED_DTYPES, points=LAUNCH_POINTS, ti
                 launches = {p: lm_head_launches(*p, dtype, arch, tiles) for p in points}
                 reports += _compile_distinct(arch, launches, kernels)
             reports += _compile_distinct(arch, {p: token_terms_launches(p[0]) for p in points}, kernels)
+            reports += _compile_distinct(arch, {p: layer_launches(p, dtypes) for p in LAYER_POINTS}, kernels)
     return reports
 
 

@@ -10,7 +10,9 @@ killed at its time limit, keeping the rows it already wrote):
      Qwen2.5-7B trimmed to `TRIMMED_7B_LAYERS` layers (benchmarks/gpu/policy_step.py);
   d. trl_step: the same batch through TRL's GRPOTrainer loss path, use_liger_kernel off / on
      (benchmarks/gpu/trl_step.py);
-  e. packing: benchmarks/bench_packing.py (issue 15) when it exists; until then the part is skipped, saying so.
+  e. packing: benchmarks/bench_packing.py (issue 15) when it exists; until then the part is skipped, saying so;
+  f. long_tail: a long-tailed batch, the engine at its defaults (fused layer kernels and varlen attention on / off)
+     against TRL at its defaults (use_liger_kernel off / on), useful completion tokens/s (benchmarks/gpu/long_tail.py).
 A part whose packages do not import (megatron-core, trl, datasets) is skipped with the reason; so is one that the
 remaining `--budget-s` cannot hold.
 
@@ -100,6 +102,12 @@ PARTS = (
          ("--shape", "qwen2.5-1.5b", "--csv", "{results}/trl_grpo_step.csv", "--budget-s", "150", *FIT),
          ("--csv", "{results}/trl_grpo_step.csv", *CPU_STEP), 300, 300, ("trl_grpo_step.csv",), ("trl", "datasets")),
     Part("e", "packing", "benchmarks.bench_packing", (), (), 120, 180, ("packing.csv",), ("benchmarks.bench_packing",)),
+    Part("f", "long_tail", "benchmarks.gpu.long_tail",
+         ("--shape", "qwen2.5-1.5b", "--csv", "{results}/long_tail.csv", "--iters", "2", "--warmup", "1",
+          "--budget-s", "330"),
+         ("--shape", "tiny", "--batch", "6", "--median", "12", "--p99", "40", "--cap", "48", "--prompt-len", "8",
+          "--micro-batch", "2", "--iters", "1", "--warmup", "0", "--engine-variants", "engine",
+          "--csv", "{results}/long_tail.csv"), 540, 300, ("long_tail.csv",), ("megatron.core",)),
 )
 """In order of value. c7 (the trimmed 7B) runs on a GPU only: the CPU smoke has one tiny shape. The CPU limits are
 generous (the smoke takes ~80 s of CPU in all) because a shared 2-core machine can run it several times slower."""

@@ -94,4 +94,6 @@ def print_summary(results_dir: Path, env, versions: dict, outcomes: dict, parts,
         print(line)
     for line in _step_lines(_rows_since(results_dir, "trl_grpo_step.csv", since), "trl", True):
         print(line)
+    for line in _step_lines(_rows_since(results_dir, "long_tail.csv", since), "long-tailed batch", True):
+        print(line)
     print(f"rows: {results_dir}/*.csv (suite.csv: one row per part), output: {results_dir}/suite.log")

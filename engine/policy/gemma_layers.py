@@ -82,7 +82,8 @@ def _post_norm_class(row_parallel):
     return PostNormRowParallelLinear
 
 
-def _self_attention_class():
+@functools.cache
+def self_attention_class():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.utils import is_layer_window_attention
@@ -100,10 +101,16 @@ def _self_attention_class():
                     use_cpu_initialization=config.use_cpu_initialization,
                     cp_group=getattr(self.pg_collection, "cp", None))
 
-        def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
+        def layer_rotary_pos_emb(self, rotary_pos_emb):
+            """This layer's RoPE frequencies: the sliding layers' own base at the same positions (s, 1, 1, head_dim),
+            GPTModel's otherwise (engine/policy/fused_layers.py reads them too)."""
             if self.local_rope is not None and rotary_pos_emb is not None:
-                rotary_pos_emb = self.local_rope(rotary_pos_emb.shape[0])  # (s, 1, 1, head_dim), the same positions
-            return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+                return self.local_rope(rotary_pos_emb.shape[0])
+            return rotary_pos_emb
+
+        def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
+            return super().forward(hidden_states, attention_mask, *args,
+                                   rotary_pos_emb=self.layer_rotary_pos_emb(rotary_pos_emb), **kwargs)
 
     return GemmaSelfAttention
 
@@ -169,7 +176,7 @@ def gemma_layer_spec(spec, row_parallel, hf_config):
     core = functools.partial(core_attention_class(), softcap=getattr(hf_config, "attn_logit_softcapping", None))
     qk_norms = {"q_layernorm": GemmaRMSNorm, "k_layernorm": GemmaRMSNorm} if is_gemma3(hf_config) else {}
     attention = dataclasses.replace(
-        layer.self_attention, module=_self_attention_class(),
+        layer.self_attention, module=self_attention_class(),
         params={"attn_mask_type": AttnMaskType.causal, "local_rotary_base": local_base},
         submodules=dataclasses.replace(layer.self_attention.submodules, linear_proj=post_norm, core_attention=core,
                                        **qk_norms))

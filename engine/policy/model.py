@@ -6,7 +6,8 @@ Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/ma
 Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
 recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
 router, shared expert and dense first layers: engine/policy/moe_config.py; the families refused and what they lack:
-engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`), `build_policy`, the
+engine/models/families.py), the layer spec choice (`_layer_spec`, per layer: `_decoder_spec`; the fused norm /
+activation / RoPE modules: `_layer_kernel_specs`, engine/policy/fused_layers.py), `build_policy`, the
 weights that are buffers (`WEIGHT_BUFFERS`: GLM's frozen expert bias), and the rule
 that takes a global tensor to this rank's TP shard (`take_tp_shard`; Mamba-2's unequal row blocks: `partition_blocks`),
 which checkpoint conversion reuses.
@@ -38,6 +39,7 @@ from engine.models.gemma import gemma_rope_settings, is_gemma
 from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
 from engine.models.nemotron_h import check_nemotron_h_layout, is_nemotron_h, nemotron_h_settings
 from engine.policy import cohere2_layers, gemma_layers, mamba_layers
+from engine.policy.fused_layers import FusedGemmaRMSNorm, FusedRMSNorm
 from engine.policy.moe_config import freeze_expert_bias, mark_expert_params, moe_settings
 from engine.policy.parallel import ParallelState
 from engine.policy.sdpa_attention import attention_specs
@@ -281,6 +283,32 @@ class LocalRMSNorm:
         return norm
 
 
+def _layer_kernel_specs(spec, dense_spec, per_layer, config, cfg: ModelConfig, hf_config):
+    """The specs with the fused norm / activation / RoPE modules of engine/policy/fused_layers.py when
+    `model.layer_kernel_implementation` resolves to triton on the local spec; unchanged otherwise. An explicit
+    `triton` that nothing could act on (Transformer Engine's spec, no swappable module) is refused."""
+    from engine.policy.fused_layers import fused_layer_specs, use_layer_kernels
+
+    implementation = cfg.layer_kernel_implementation
+    if not use_layer_kernels(implementation):
+        return spec, dense_spec, per_layer
+    local = spec.submodules.input_layernorm in (LocalRMSNorm, gemma_layers.GemmaRMSNorm,
+                                                cohere2_layers.CohereLayerNorm)
+    if not local:
+        if implementation == "triton":
+            raise ValueError("model.layer_kernel_implementation=triton acts on Megatron's local spec only (Transformer "
+                             "Engine's spec fuses its own norms and RoPE): set model.transformer_impl: local")
+        return spec, dense_spec, per_layer
+    rope_fusable = (yarn_rope_settings(hf_config) is None and not config.multi_latent_attention
+                    and not is_nemotron_h(hf_config))
+    (spec, dense_spec, per_layer), applied = fused_layer_specs([spec, dense_spec, per_layer], config, rope_fusable,
+                                                                  LocalRMSNorm)
+    if not applied and implementation == "triton":
+        raise ValueError(f"model.layer_kernel_implementation=triton cannot act on this {hf_config.model_type} model: "
+                         "none of its norms, MLP activation or RoPE is one the fused kernels express")
+    return spec, dense_spec, per_layer
+
+
 def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, dense_spec=None, per_layer=None):
     """GPTModel's decoder spec: the layer spec for Transformer Engine; for the local spec a TransformerBlock spec whose
     final norm is `LocalRMSNorm` too (a bare layer spec gets Megatron's `WrappedTorchNorm` there). With dense first
@@ -293,7 +321,8 @@ def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, d
 
     pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
     norm = layer_spec.submodules.input_layernorm  # the local spec's: LocalRMSNorm, or Gemma's / Cohere 2's own
-    if norm not in (LocalRMSNorm, gemma_layers.GemmaRMSNorm, cohere2_layers.CohereLayerNorm):
+    if norm not in (LocalRMSNorm, gemma_layers.GemmaRMSNorm, cohere2_layers.CohereLayerNorm, FusedRMSNorm,
+                    FusedGemmaRMSNorm):
         if pattern:
             raise ValueError("dense first layers (GLM-4.5's first_k_dense_replace) are built on the local spec only: "
                              "set model.transformer_impl: local")
@@ -395,7 +424,8 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
                              "sliding-window attention are project modules): set model.transformer_impl: local")
         spec = (gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config) if is_gemma(hf_config)
                 else cohere2_layers.cohere2_layer_spec(spec))
-    spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type)
+    spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type,
+                                       cfg.packed_attention_implementation)
     if mla and spec.submodules.input_layernorm is LocalRMSNorm:  # MLA's keywords to the local core attention
         spec, dense_spec = mla_attention_specs(spec, dense_spec)
     per_layer = None
@@ -404,6 +434,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
             raise ValueError("nemotron_h is built on Megatron's local spec only (its Mamba-2 mixer is a project "
                              "module): set model.transformer_impl: local")
         per_layer = mamba_layers.nemotron_h_layer_specs(spec, _row_parallel_linear_class(), hf_config, dense_spec)
+    spec, dense_spec, per_layer = _layer_kernel_specs(spec, dense_spec, per_layer, config, cfg, hf_config)
     num_chunks = ps.vpp_size or 1
     chunks = []
     for vp_stage in range(num_chunks):

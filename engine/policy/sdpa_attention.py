@@ -1,6 +1,7 @@
 """The core attention of Megatron's local layer spec through `torch.nn.functional.scaled_dot_product_attention`.
 
-Owns: `sdpa_core_attention_class` (Megatron's `DotProductAttention` with its forward replaced by one SDPA call),
+Owns: `sdpa_core_attention_class` (Megatron's `DotProductAttention` with its forward replaced by one SDPA call;
+packed rows through their sequences with `varlen`: engine/policy/varlen_attention.py),
 `sdpa_blocker` (why a layer spec keeps its own core attention), `attention_specs` (the layer specs with the core
 attention `model.attention_implementation` asks for, or its refusal) and `use_sdpa` (the layer spec with SDPA, where
 the spec's core attention is Megatron's plain `DotProductAttention` and there is no window).
@@ -39,7 +40,26 @@ def sdpa_core_attention_class():
 
     class SDPACoreAttention(DotProductAttention):
         """DotProductAttention whose forward is one `scaled_dot_product_attention` call: query [sq, b, np, hn],
-        key / value [sk, b, ng, hn] (grouped-query heads expanded by SDPA), output [sq, b, np * hn]."""
+        key / value [sk, b, ng, hn] (grouped-query heads expanded by SDPA), output [sq, b, np * hn]. With `varlen`,
+        a block-causal mask of packed rows is read as its sequences and each attends to itself only
+        (engine/policy/varlen_attention.py); any other mask goes to SDPA as given."""
+
+        def __init__(self, *args, varlen: bool = False, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.varlen = varlen
+
+        def _varlen(self, query, key, value, attention_mask, dropout):
+            """The packed rows' attention through their sequences, [sq, b, np * hn]; None when the mask is not
+            block-causal over contiguous runs."""
+            from engine.policy.varlen_attention import packed_segments, varlen_attention
+
+            segments = packed_segments(attention_mask)
+            if segments is None or query.shape[0] != key.shape[0]:
+                return None
+            sq, b = query.shape[0], query.shape[1]
+            flat = [t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value)]
+            context = varlen_attention(*flat, segments, self.softmax_scale, dropout)  # (b * sq, np, hn)
+            return context.reshape(b, sq, self.hidden_size_per_partition).transpose(0, 1).contiguous()
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
@@ -55,6 +75,15 @@ def sdpa_core_attention_class():
             else:
                 mask, causal = ~attention_mask, False  # Megatron: True = masked; SDPA: True = attended
             dropout = self.attention_dropout.p if self.training else 0.0
+            if self.varlen and attention_mask is not None:
+                varlen = functools.partial(self._varlen, query, key, value, attention_mask, dropout)
+                if dropout and not self.config.sequence_parallel:
+                    with tensor_parallel.get_cuda_rng_tracker().fork():
+                        context = varlen()
+                else:
+                    context = varlen()
+                if context is not None:
+                    return context
             attend = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, attn_mask=mask,
                                        dropout_p=dropout, is_causal=causal, scale=self.softmax_scale,
                                        enable_gqa=k.shape[1] != q.shape[1])
@@ -83,24 +112,35 @@ def sdpa_blocker(spec, config) -> str | None:
     return None
 
 
-def use_sdpa(spec, config):
-    """`spec` (a transformer layer ModuleSpec) with `SDPACoreAttention` as its core attention when `sdpa_blocker`
-    finds nothing against it; otherwise `spec` unchanged."""
+def use_sdpa(spec, config, varlen: bool = False):
+    """`spec` (a transformer layer ModuleSpec) with `SDPACoreAttention` as its core attention (packed rows through
+    their sequences with `varlen`) when `sdpa_blocker` finds nothing against it; otherwise `spec` unchanged."""
     if spec is None or sdpa_blocker(spec, config) is not None:
         return spec
+    core = functools.partial(sdpa_core_attention_class(), varlen=True) if varlen else sdpa_core_attention_class()
     attention = spec.submodules.self_attention
-    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, core_attention=sdpa_core_attention_class()))
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(attention.submodules,
+                                                                              core_attention=core))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
-def attention_specs(spec, dense_spec, config, implementation: str, model_type: str):
+def attention_specs(spec, dense_spec, config, implementation: str, model_type: str, packed: str = "masked"):
     """(spec, dense_spec) with the core attention `model.attention_implementation` asks for: eager keeps Megatron's,
-    auto / sdpa swap in SDPA where `sdpa_blocker` allows (auto keeps the layer's own elsewhere; sdpa is refused)."""
+    auto / sdpa swap in SDPA where `sdpa_blocker` allows (auto keeps the layer's own elsewhere; sdpa is refused).
+    `packed` (`model.packed_attention_implementation`): auto / varlen give that SDPA attention the packed rows'
+    sequences (engine/policy/varlen_attention.py), masked keeps the dense mask; an explicit varlen where the layer
+    keeps another attention (eager, a window, sinks, soft-capping, MLA) is refused."""
+    blocker = sdpa_blocker(spec, config)
+    varlen_blocker = "model.attention_implementation is eager" if implementation == "eager" else blocker
+    if varlen_blocker is None and getattr(config, "multi_latent_attention", False):
+        varlen_blocker = "multi-latent attention's query / key and value head dims differ"
+    if varlen_blocker is not None and packed == "varlen":
+        raise ValueError(f"model.packed_attention_implementation=varlen cannot act on this {model_type} model: "
+                         f"{varlen_blocker}; packed rows keep the block-diagonal mask there (set auto or masked)")
     if implementation == "eager":
         return spec, dense_spec
-    blocker = sdpa_blocker(spec, config)
     if blocker is not None and implementation == "sdpa":
         raise ValueError(f"model.attention_implementation=sdpa cannot act on this {model_type} model: {blocker}; "
                          "set auto (SDPA where the layer allows it) or eager")
-    return use_sdpa(spec, config), use_sdpa(dense_spec, config)
+    varlen = packed != "masked" and varlen_blocker is None
+    return use_sdpa(spec, config, varlen), use_sdpa(dense_spec, config, varlen)

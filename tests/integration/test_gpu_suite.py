@@ -45,7 +45,7 @@ def test_every_part_ran_or_says_why_it_was_skipped(smoke):
         assert part["status"] in ("ok", "skipped"), f"part {key}: {part['status']} {part['reason']}"
         if part["status"] == "skipped":
             assert part["reason"], f"part {key} skipped without a reason"
-    for key in ("a", "b", "c", "d"):  # kernels, lm-head, Megatron and TRL all run on CPU (trl is a dev dependency)
+    for key in ("a", "b", "c", "d", "f"):  # kernels, lm-head, Megatron, TRL, the long-tailed batch all run on CPU
         assert parts[key]["status"] == "ok" and float(parts[key]["p50"]) > 0
     assert "GPU only" in parts["c7"]["reason"]
     assert parts["e"]["status"] == "ok" or "bench_packing" in parts["e"]["reason"]  # not there yet, or no --csv
@@ -93,6 +93,19 @@ def test_step_parts_measure_nominal_step_and_longest_fit(smoke):
     assert [r for r in trl if r["variant"] == "trl" and r["metric"] == "max_completion_len"]
     same_tokens = {r["x_value"] for r in megatron + trl if r["mode"] == "train_step"}
     assert same_tokens == {"64"}  # 4 completions x 16 tokens, the same batch on both sides
+
+
+def test_long_tail_part_measures_the_engine_and_trl_on_the_same_useful_tokens(smoke):
+    results, _ = smoke
+    rows = [r for r in read_rows(results / "long_tail.csv") if r["mode"] == "train_step"]
+    assert {r["variant"] for r in rows} >= {"engine", "trl"}
+    for variant in ("engine", "trl"):
+        assert {r["metric"] for r in rows if r["variant"] == variant} == {"time", "tokens_per_s", "peak_memory"}
+    assert len({r["x_value"] for r in rows}) == 1  # the same useful completion tokens on both sides
+    engine = json.loads(next(r for r in rows if r["variant"] == "engine")["config_json"])
+    trl = json.loads(next(r for r in rows if r["variant"] == "trl")["config_json"])
+    assert engine["padding_free"] and engine["gradient_checkpointing"] and trl["gradient_checkpointing"]
+    assert trl["padded_completion_tokens"] >= trl["completion_tokens"]
 
 
 def test_summary_table_is_printed_last(smoke):

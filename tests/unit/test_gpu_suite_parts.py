@@ -47,3 +47,17 @@ def test_megatron_config_on_a_gpu_without_transformer_engine_or_apex_is_accepted
     config = build_transformer_config(model_config("tiny"), ModelConfig(dtype="bfloat16"), ps)
     assert not config.apply_rope_fusion and not config.masked_softmax_fusion
     assert config.bias_activation_fusion and config.bias_dropout_fusion  # torch.jit fusions: no extension needed
+
+
+def test_long_tailed_batch_has_the_asked_median_tail_and_cap_and_is_the_same_for_every_variant():
+    from benchmarks.gpu.long_tail import long_tail_batch, long_tail_lengths
+
+    lengths = long_tail_lengths(20000, median=600, p99=8000, cap=8192)
+    ordered = sorted(lengths)
+    assert 560 < ordered[len(ordered) // 2] < 640
+    assert 7000 < ordered[int(0.99 * len(ordered))] <= 8192 and max(lengths) == 8192  # the cap binds
+    suite = long_tail_lengths(64, median=600, p99=8000, cap=8192)
+    assert suite == long_tail_lengths(64, median=600, p99=8000, cap=8192) and max(suite) <= 8192
+    first, second = (long_tail_batch(1000, [3, 9, 1], prompt_len=4) for _ in range(2))
+    assert first["completion_mask"].sum(1).tolist() == [3, 9, 1]
+    assert all(torch.equal(first[k], second[k]) for k in ("tokens", "completion_ids", "advantages", "old_logprobs"))
