@@ -126,7 +126,7 @@ def onepass_chunks(hidden, weight, token_ids, shard: VocabShard, inv_temperature
     wants_grad = token_grads is not None and (needs_dx or needs_dw)
     rows = plan_chunk_rows(num_rows, shard.num_local, workspace_bytes,
                            workspace_bytes_per_element(implementation, hidden.dtype, softcap))
-    tiles = row_tiles or default_row_tiles(device)
+    tiles = row_tiles or default_row_tiles(device, hidden.dtype, hidden.shape[1])
     logprobs = torch.empty(num_rows, dtype=acc_dtype, device=device)
     entropy = torch.empty(num_rows, dtype=acc_dtype, device=device)
     dx = torch.zeros(hidden.shape, dtype=acc_dtype, device=device) if wants_grad and needs_dx else None

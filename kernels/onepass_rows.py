@@ -43,9 +43,20 @@ INTERPRETER_ROW_TILES = RowTiles(stats_rows=4, stats_cols=64, dz_rows=4, dz_cols
 """Under the interpreter: several blocks on test shapes, few numpy steps."""
 
 
-def default_row_tiles(device: torch.device) -> RowTiles:
-    """`RowTiles()` on CUDA, `INTERPRETER_ROW_TILES` elsewhere."""
-    return RowTiles() if device.type == "cuda" else INTERPRETER_ROW_TILES
+def default_row_tiles(device: torch.device, dtype: torch.dtype | None = None,
+                      hidden_size: int | None = None) -> RowTiles:
+    """On CUDA the measured row tiles of this device, dtype and H (kernels/tuned_tiles.py) where a table has them,
+    else `RowTiles()`; `INTERPRETER_ROW_TILES` elsewhere."""
+    if device.type != "cuda":
+        return INTERPRETER_ROW_TILES
+    if dtype is not None and hidden_size is not None:
+        from kernels.tuned_tiles import cuda_device_name, lookup
+
+        name = cuda_device_name(device)
+        tuned = None if name is None else lookup("onepass_rows", name, dtype, hidden_size)
+        if tuned is not None:
+            return tuned
+    return RowTiles()
 
 
 # ---------------------------------------------------------------------------------------------------------------
