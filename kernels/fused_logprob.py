@@ -95,6 +95,8 @@ class KernelLaunch:
     """Positional arguments (tensors, ints, floats), in the kernel's order."""
     options: dict[str, object]
     """Constexprs by name, plus num_warps / num_stages."""
+    report_arg: int = 0
+    """The positional argument whose dtype names this launch in kernels/compile_check.py's reports."""
 
     def run(self) -> None:
         self.kernel[self.grid](*self.args, **self.options)

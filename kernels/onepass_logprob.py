@@ -114,8 +114,8 @@ def _add_dw(dw_acc: torch.Tensor, dz: torch.Tensor, x_rows: torch.Tensor, is_fir
 
 
 def onepass_chunks(hidden, weight, token_ids, shard: VocabShard, inv_temperature: float, softcap, tp_group,
-                   workspace_bytes: int, implementation: str, row_tiles: RowTiles | None, token_grads: TokenGrads | None,
-                   needs_dx: bool, needs_dw: bool):
+                   workspace_bytes: int, implementation: str, row_tiles: RowTiles | None,
+                   token_grads: TokenGrads | None, needs_dx: bool, needs_dw: bool):
     """(logprobs, entropy, float32 dX or None, float32 dW (num_valid, H) or None), chunk by chunk; dX summed over
     the TP group. token_grads None (or no gradient needed) = statistics only."""
     num_rows = hidden.shape[0]

@@ -174,4 +174,4 @@ def build_workspace_dz_launch(z: torch.Tensor, dz: torch.Tensor, local_ids: torc
         args=(z, dz, local_ids, lse, mean_logit, grad_logprobs, grad_logprobs if grad_entropy is None else grad_entropy,
               num_rows, num_cols, z.stride(0), dz.stride(0), inv_temperature, _softcap_arg(softcap)),
         options=dict(HAS_ENTROPY_GRAD=grad_entropy is not None, HAS_SOFTCAP=softcap is not None,
-                     BLOCK_R=tiles.dz_rows, BLOCK_C=tiles.dz_cols, num_warps=tiles.num_warps))
+                     BLOCK_R=tiles.dz_rows, BLOCK_C=tiles.dz_cols, num_warps=tiles.num_warps), report_arg=1)
