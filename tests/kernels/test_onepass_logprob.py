@@ -15,6 +15,8 @@ from kernels.reference import build_lm_head_problem, reference_logprob_entropy
 
 F64 = torch.float64
 N, H, V_ROWS, VOCAB = 37, 24, 203, 197  # odd shapes; the last 6 rows are Megatron padding
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+"""cublas_triton runs on CUDA tensors (or the interpreter on CPU, tests/conftest.py); the references on the CPU."""
 
 
 def _loss_inputs(n: int, seed: int = 5):
@@ -53,14 +55,16 @@ def _reference(x, w, y, inputs, temperature, softcap, scale):
 
 
 def _onepass(x, w, y, inputs, implementation, temperature, softcap, scale, workspace_mb):
-    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    lp, ent, anchor = onepass_logprob_entropy(x, w, y, _token_grads(inputs), workspace_mb=workspace_mb,
+    device = DEVICE if implementation == "cublas_triton" else "cpu"
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    x, w = x.to(device).clone().requires_grad_(True), w.to(device).clone().requires_grad_(True)
+    lp, ent, anchor = onepass_logprob_entropy(x, w, y.to(device), _token_grads(inputs), workspace_mb=workspace_mb,
                                               implementation=implementation, temperature=temperature,
                                               softcap=softcap, vocab_size=VOCAB)
     assert not lp.requires_grad and not ent.requires_grad and anchor.requires_grad and anchor.item() == 0.0
     loss = _token_loss(lp, ent, inputs).sum().detach() + anchor  # the value from the detached log-probs
     (scale * loss).backward()
-    return lp, ent, x.grad, w.grad
+    return tuple(t.cpu() for t in (lp, ent, x.grad, w.grad))
 
 
 SMALL_WS = 40 * V_ROWS * 16 / 2**20  # a few rows per chunk (several chunks, a short last one)
