@@ -312,8 +312,9 @@ def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
     of the sequence-parallel region 2*s*b*h, the N = b * max_completion_length completion rows X (N, h) in the model
     dtype and the float32 dX accumulator (N, h) (kernels/chunked_logprob.py, "Memory"), 16 float32 per-token
     values (softmax statistics, saved lse and E[z], log-prob, entropy, their upstream gradients, old / reference /
-    sampling log-probs, ratio, KL, mask), and where the loss takes one pass (kernels/onepass_logprob.py) its float32
-    dW (V/t, h) held until the backward. Never the (N, V/t) logits; the plan prints what those would take.
+    sampling log-probs, ratio, KL, mask), and unless `kernels.loss_pass` is "two" the one-pass loss's float32 dW
+    (V/t, h) held until the backward (kernels/onepass_logprob.py; counted under "auto" even for a loss that runs two
+    passes: an upper bound). Never the (N, V/t) logits; the plan prints what those would take.
     """
     prompt, completion, _ = sequence_lengths(cfg)
     b, h, t = cfg.train.per_device_train_batch_size, dims.hidden_size, cfg.parallel.tp_size
@@ -329,27 +330,14 @@ def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
         f"{cfg.kernels.loss_workspace_mb} MiB workspace + final hidden {wbytes} B x {prompt + completion}*{b}*{h} + "
         f"N = {b}*{completion} = {num_tokens} rows x {h} x ({wbytes} B X + 4 B dX) + N x {PER_TOKEN_LOSS_FLOATS} x 4 B"
     )
-    onepass_dw = 0
-    if _takes_one_pass(cfg):  # the one-pass loss holds its float32 dW from the forward to the backward
-        onepass_dw = vocab // t * h * 4
-        text += f" + one-pass dW {vocab // t} x {h} x 4 B"
+    onepass_dw = 0 if cfg.kernels.loss_pass == "two" else vocab // t * h * 4  # an upper bound under "auto"
+    text += f" + one-pass dW {vocab // t} x {h} x 4 B" if onepass_dw else ""
     note = (
         f"the fused loss never holds the logits: N x V/tp x 4 B = {num_tokens} x {vocab // t} x 4 B = {format_gib(logits)}"
         " (and as much again for their gradient)"
     )
     return Term("loss workspace", text, workspace + hidden + rows + stats + onepass_dw), note
 
-
-def _takes_one_pass(cfg: EngineConfig) -> bool:
-    """Whether the training loss runs the one-pass LM head (engine/grpo/onepass.py's choice for this config)."""
-    from engine.grpo.onepass import ONE, choose_loss_pass
-    from engine.grpo.settings import PolicyLossConfig
-
-    loss_config = PolicyLossConfig.from_sections(cfg.grpo, cfg.generation)
-    try:
-        return choose_loss_pass(loss_config, cfg.kernels.loss_pass)[0] == ONE
-    except ValueError:  # 'one' for a loss that cannot: refused where the step runs, planned as two passes
-        return False
 
 
 def _adapter_bytes(cfg: EngineConfig) -> tuple[int, int, str]:
