@@ -265,7 +265,7 @@ def completion_logprobs_onepass(
     Args:
         make_token_grads: mask (b, C) bool -> the micro-batch loss's `TokenGrads` (engine/grpo/onepass.py).
     """
-    from kernels.onepass_logprob import onepass_logprob_entropy
+    from kernels import onepass_logprob_entropy
 
     shape, device = batch["completion_mask"].shape, batch["completion_mask"].device
     zeros = torch.zeros(shape, dtype=torch.float32, device=device)  # (b, C)
