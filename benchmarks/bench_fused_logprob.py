@@ -2,7 +2,9 @@
 
 Measures, per token count N (x_name "N") and per variant, rows in `benchmarks/results/fused_logprob.csv`:
 - variants: `reference` (kernels/reference.py: logits materialised, autograd), `torch_chunked`
-  (kernels/chunked_logprob.py), `triton` (kernels/fused_logprob.py, GPU only), and on a GPU `liger_grpo_loss`
+  (kernels/chunked_logprob.py), `triton` (kernels/fused_logprob.py, GPU only), the one-pass loss
+  (kernels/onepass_logprob.py, full mode only) `onepass_torch_chunked` and `onepass_cublas_triton` (cuBLAS GEMMs with
+  the Triton row kernels; GPU or the interpreter), and on a GPU `liger_grpo_loss`
   (Liger-Kernel's `LigerFusedLinearGRPOLoss`, beta = 0, DAPO, 1024-token sequences) where liger-kernel imports;
   otherwise the run prints a note "liger_grpo_loss skipped: <reason>" and writes no Liger rows. Liger computes a
   whole loss (no entropy) and its gradients inside its forward, so only its `full` mode is comparable;
@@ -44,6 +46,8 @@ BENCH = "fused_logprob"
 WORKSPACE_MB = 128.0
 """--workspace-mb of the recorded rows (a 16K-row x 4K-column bf16 dz slab); the engine runs with
 kernels.loss_workspace_mb (engine/config.py)."""
+ENGINE_WORKSPACE_MB = 1024
+"""The engine's `kernels.loss_workspace_mb` default: the one-pass variants run at it (their row chunks need it)."""
 MIB = 2**20
 CPU_DEFAULTS = dict(tokens="4096", hidden="512", vocab=32000, dtype="float32", iters=3, warmup=1,
                     variants="reference,torch_chunked")
@@ -85,6 +89,29 @@ def _kernel_modes(variant: str, inputs: tuple, workspace_mb: float,
     return {"forward": lambda: forward, "backward": setup_backward, "full": lambda: full}
 
 
+ONEPASS_VARIANTS = {"onepass_torch_chunked": "torch_chunked", "onepass_cublas_triton": "cublas_triton"}
+"""Benchmark variant -> kernels/onepass_logprob.py implementation (full mode only: the gradient is formed in the
+forward, the backward only scales it)."""
+
+
+def _onepass_modes(variant: str, inputs: tuple, workspace_mb: float, row_tiles=None) -> dict[str, Callable]:
+    """The one-pass LM-head loss with fixed per-token derivatives (g_lp, g_ent), full mode only."""
+    from kernels.onepass_logprob import onepass_logprob_entropy
+
+    x, w, y, g_lp, g_ent = inputs
+
+    def grads(r0, r1, _lp, _ent):
+        return g_lp[r0:r1], g_ent[r0:r1]
+
+    def full():
+        xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        _, _, anchor = onepass_logprob_entropy(xr, wr, y, grads, workspace_mb=workspace_mb,
+                                               implementation=ONEPASS_VARIANTS[variant], row_tiles=row_tiles)
+        return torch.autograd.grad(anchor, (xr, wr))
+
+    return {"full": lambda: full}
+
+
 def _liger_modes(inputs: tuple) -> dict[str, Callable[[], Callable]]:
     """Liger's fused-linear GRPO loss, full mode only (it computes its gradients inside its forward)."""
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
@@ -109,6 +136,11 @@ def tiles_label(tiles: TritonTiles) -> str:
     label = (f"n{tiles.block_n}_v{tiles.block_v}_h{tiles.block_h}_g{tiles.group_n}_w{tiles.num_warps}"
              f"_s{tiles.num_stages}")
     return label if tiles.split_cols is None else f"{label}_split{tiles.split_cols}"
+
+
+def row_tiles_label(tiles) -> str:
+    """One-pass row-kernel block sizes as a label, e.g. "s4x1024_d8x512_w4"."""
+    return f"s{tiles.stats_rows}x{tiles.stats_cols}_d{tiles.dz_rows}x{tiles.dz_cols}_w{tiles.num_warps}"
 
 
 def _rows_for(env: EnvInfo, variant: str, mode: str, n: int, flop: float, timing, memory, config: dict) -> list[Row]:
@@ -142,13 +174,20 @@ def bench_point(env: EnvInfo, variants: list[str], n: int, h: int, v: int, dtype
     tiles = getattr(args, "tiles", None)  # TritonTiles for the triton variant (the GPU suite's best); None = defaults
     if tiles is not None:
         config["tiles"] = tiles_label(tiles)
+    if getattr(args, "row_tiles", None) is not None:
+        config["row_tiles"] = row_tiles_label(args.row_tiles)
     if device.type == "cpu":
         config["torch_threads"] = torch.get_num_threads()
     rows, peaks = [], {}
     for variant in variants:
         try:
-            modes = _liger_modes(inputs) if variant == "liger_grpo_loss" else _kernel_modes(
-                variant, inputs, args.workspace_mb, tiles)
+            if variant == "liger_grpo_loss":
+                modes = _liger_modes(inputs)
+            elif variant in ONEPASS_VARIANTS:
+                modes = _onepass_modes(variant, inputs, getattr(args, "onepass_workspace_mb", args.workspace_mb),
+                                       getattr(args, "row_tiles", None))
+            else:
+                modes = _kernel_modes(variant, inputs, args.workspace_mb, tiles)
         except (ImportError, TypeError, RuntimeError) as err:
             print(f"note: {variant} skipped: {type(err).__name__}: {err}")
             continue

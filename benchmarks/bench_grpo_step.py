@@ -87,9 +87,22 @@ def build_batch(vocab_size: int, batch: int, prompt_len: int, completion_len: in
     return packed
 
 
+ONEPASS_PREFIX = "onepass_"
+
+
+def kernels_for(implementation: str):
+    """The `kernels` config of a step variant: "onepass_<impl>" = the one-pass LM head on kernels/onepass_logprob.py's
+    <impl>; any other name = that two-pass `loss_implementation` (the pass pinned, so the rows keep their meaning)."""
+    from engine.config import KernelsConfig
+
+    if implementation.startswith(ONEPASS_PREFIX):
+        return KernelsConfig(loss_pass="one", onepass_implementation=implementation.removeprefix(ONEPASS_PREFIX))
+    return KernelsConfig(loss_implementation=implementation, loss_pass="two")
+
+
 def make_step(popt, ps, batch: dict, micro_batch: int, vocab_size: int, implementation: str):
     """The zero-argument GRPO optimizer step (zero_grad, DAPO forward/backward over micro-batches, Adam step)."""
-    from engine.config import GenerationConfig, GRPOConfigSection, KernelsConfig
+    from engine.config import GenerationConfig, GRPOConfigSection
     from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig
     from engine.policy.batch import split_microbatches
     from engine.policy.step import LogprobSettings, grpo_forward_backward
@@ -97,8 +110,7 @@ def make_step(popt, ps, batch: dict, micro_batch: int, vocab_size: int, implemen
     mask = batch["completion_mask"]
     micro = split_microbatches({k: v.to(ps.device) for k, v in batch.items()}, micro_batch)
     normalizer = LossNormalizer(num_tokens=float(mask.sum()), num_sequences=float(mask.shape[0]))
-    settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0,
-                               kernels=KernelsConfig(loss_implementation=implementation))
+    settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0, kernels=kernels_for(implementation))
     loss_config = PolicyLossConfig.from_sections(GRPOConfigSection(loss_type="dapo", epsilon_high=0.28),
                                                  GenerationConfig())
 

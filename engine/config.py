@@ -437,6 +437,12 @@ class KernelsConfig:
     """Bound, MiB, on the fused log-prob's tile temporaries (token x vocab chunks) per rank; passed to
     kernels.lm_head_logprob_entropy as workspace_mb. Per-token statistics and (bf16) the float32 dX accumulator
     come on top (kernels/chunked_logprob.py)."""
+    loss_pass: Literal["auto", "one", "two"] = "auto"
+    """`one`: each row chunk's logits formed once, the loss gradient taken in the forward (token-local losses only,
+    engine/grpo/onepass.py); `two`: statistics forward, recomputed backward; `auto`: one wherever the loss allows it
+    (a log line and the `lm_head/one_pass` metric say which)."""
+    onepass_implementation: Literal["auto", "torch_chunked", "cublas_triton"] = "auto"
+    """The one-pass kernels: cuBLAS GEMMs + Triton row kernels (`cublas_triton`, auto on GPU) or torch (CPU's auto)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

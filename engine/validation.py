@@ -396,6 +396,14 @@ def _check_rest(cfg: EngineConfig, problems: list[str]) -> None:
         problems.append(f"checkpoint.save_total_limit must be >= 1 or null, got {ck.save_total_limit}")
     if cfg.kernels.loss_workspace_mb < 1:
         problems.append(f"kernels.loss_workspace_mb must be >= 1, got {cfg.kernels.loss_workspace_mb}")
+    if cfg.kernels.loss_pass == "one":  # refused now rather than at the first training step
+        from engine.grpo.onepass import choose_loss_pass
+        from engine.grpo.settings import PolicyLossConfig
+
+        try:
+            choose_loss_pass(PolicyLossConfig.from_sections(cfg.grpo, cfg.generation), "one")
+        except ValueError as error:
+            problems.append(str(error))
     if cfg.logging.logging_steps < 1:
         problems.append(f"logging.logging_steps must be >= 1, got {cfg.logging.logging_steps}")
 

@@ -1,7 +1,7 @@
 """Compile-only check of every Triton kernel in kernels/ for sm_90 and sm_80, at the launches a GPU run makes.
 
-Owns: building each kernel's launch as its launcher would on a GPU (`lm_head_launches`, `token_terms_launches`: the
-launchers' own `build_*_launch` on "meta" tensors), compiling it to a cubin without a GPU (`_specialise`,
+Owns: building each kernel's launch as its launcher would on a GPU (`lm_head_launches`, `onepass_launches`,
+`token_terms_launches`: the launchers' own `build_*_launch` on "meta" tensors), compiling it to a cubin without a GPU (`_specialise`,
 `compile_launch`: how, and what fails), the launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's
 sweep and the GPU tests' shape) and the report (`CompileReport`, `format_table`).
 
@@ -49,6 +49,8 @@ from kernels.fused_logprob import (
     default_tiles,
 )
 from kernels.grpo_token_terms import TokenTermParams, build_token_terms_launch
+from kernels.onepass_logprob import plan_chunk_rows, workspace_bytes_per_element
+from kernels.onepass_rows import build_workspace_dz_launch, build_workspace_stats_launch, default_row_tiles
 
 ARCHS = (90, 80)
 SHARED_MEMORY_LIMIT_BYTES = {90: 227 * 1024, 80: 163 * 1024}
@@ -124,6 +126,31 @@ def lm_head_launches(num_rows: int, hidden_size: int, vocab: int, dtype: torch.d
             launch, _ = build_dz_launch(hidden[:rows], weight[:cols], ids[:rows], per_row[:rows], per_row[:rows],
                                         per_row[:rows], grad_entropy, 1.0, tiles, True, softcap)
             launches.append(launch)
+    return launches
+
+
+def onepass_launches(num_rows: int, hidden_size: int, vocab: int, dtype: torch.dtype) -> list[KernelLaunch]:
+    """The one-pass path's row kernels (kernels/onepass_rows.py) on the first and last row chunk of (N, H, V) at
+    each workspace: the statistics kernel with and without the soft-cap; the dz kernel writing dz in `dtype` (in
+    place for float32), with and without the entropy gradient and the soft-cap. Default row tiles (no table)."""
+    tiles = default_row_tiles(torch.device("cuda"))
+    chunks = set()
+    for workspace_mb in LAUNCH_WORKSPACES_MB:
+        for softcap in SOFTCAPS:
+            per_element = workspace_bytes_per_element("cublas_triton", dtype, softcap)
+            rows = plan_chunk_rows(num_rows, vocab, int(workspace_mb * 2**20), per_element)
+            chunks |= {rows, num_rows - (num_rows - 1) // rows * rows}
+    launches = []
+    for rows in sorted(chunks):
+        z = torch.empty(rows, vocab, dtype=torch.float32, device="meta")
+        dz = z if dtype == torch.float32 else torch.empty(rows, vocab, dtype=dtype, device="meta")
+        ids = torch.empty(rows, dtype=torch.int64, device="meta")
+        per_row = torch.empty(rows, dtype=torch.float32, device="meta")
+        for softcap in SOFTCAPS:
+            launches.append(build_workspace_stats_launch(z, ids, 1.0, softcap, tiles)[0])
+            for grad_entropy in (None, per_row):
+                launches.append(build_workspace_dz_launch(z, dz, ids, per_row, per_row, per_row, grad_entropy, 1.0,
+                                                          softcap, tiles))
     return launches
 
 
@@ -236,7 +263,7 @@ def compile_launch(launch: KernelLaunch, arch: int, source: tuple | None = None)
     """
     src, options, _ = source or _specialise(launch, arch)
     limit = SHARED_MEMORY_LIMIT_BYTES[arch]
-    dtype = str(launch.args[0].dtype).removeprefix("torch.")
+    dtype = str(launch.args[launch.report_arg].dtype).removeprefix("torch.")
     common = dict(kernel=launch.kernel.__name__, arch=arch, dtype=dtype, variant=_variant(launch), points="",
                   shared_limit_bytes=limit)
     log = io.StringIO()
@@ -283,24 +310,30 @@ def check_kernels(archs=ARCHS, dtypes=SUPPORTED_DTYPES, points=LAUNCH_POINTS, ti
     reports = []
     with _fresh_compiler():
         for arch in archs:
+            compiled: set[str] = set()  # the one-pass statistics kernel reads float32 whatever the dtype: once
             for dtype in dtypes:
-                launches = {p: lm_head_launches(*p, dtype, arch, tiles) for p in points}
-                reports += _compile_distinct(arch, launches, kernels)
-            reports += _compile_distinct(arch, {p: token_terms_launches(p[0]) for p in points}, kernels)
-            reports += _compile_distinct(arch, {p: layer_launches(p, dtypes) for p in LAYER_POINTS}, kernels)
+                launches = {p: lm_head_launches(*p, dtype, arch, tiles) + onepass_launches(*p, dtype) for p in points}
+                reports += _compile_distinct(arch, launches, kernels, compiled)
+            reports += _compile_distinct(arch, {p: token_terms_launches(p[0]) for p in points}, kernels, compiled)
+            reports += _compile_distinct(arch, {p: layer_launches(p, dtypes) for p in LAYER_POINTS}, kernels, compiled)
     return reports
 
 
-def _compile_distinct(arch: int, launches: dict[tuple, list[KernelLaunch]],
-                      kernels: tuple[str, ...] | None) -> list[CompileReport]:
-    """Compile each distinct specialisation among the launches of every point once; its report names the points."""
+def _compile_distinct(arch: int, launches: dict[tuple, list[KernelLaunch]], kernels: tuple[str, ...] | None,
+                      compiled: set[str] | None = None) -> list[CompileReport]:
+    """Compile each distinct specialisation among the launches of every point once (and none already in
+    `compiled`, which receives the new ones); its report names the points."""
+    compiled = set() if compiled is None else compiled
     distinct: dict[str, tuple] = {}
     for point, point_launches in launches.items():
         for launch in point_launches:
             if kernels is not None and launch.kernel.__name__ not in kernels:
                 continue
             source = _specialise(launch, arch)
+            if source[2] in compiled:
+                continue
             distinct.setdefault(source[2], (launch, source, []))[2].append(point)
+    compiled.update(distinct)
     reports = []
     for launch, source, shared_points in distinct.values():
         report = compile_launch(launch, arch, source)

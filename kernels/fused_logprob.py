@@ -70,10 +70,18 @@ INTERPRETER_TILES = TritonTiles(block_n=32, block_v=64, block_h=32, group_n=2, n
 """Under the interpreter: fewer, larger numpy steps; still several tiles on test shapes."""
 
 
-def default_tiles(device: torch.device, dtype: torch.dtype) -> TritonTiles:
-    """On CUDA `FP32_TILES` for float32, else `TritonTiles()`; `INTERPRETER_TILES` on the CPU."""
+def default_tiles(device: torch.device, dtype: torch.dtype, hidden_size: int | None = None) -> TritonTiles:
+    """On CUDA the measured tiles of this device, dtype and H (kernels/tuned_tiles.py) where a table has them, else
+    the register-safe `FP32_TILES` for float32, `TritonTiles()` otherwise; `INTERPRETER_TILES` on the CPU."""
     if device.type != "cuda":
         return INTERPRETER_TILES
+    if hidden_size is not None:
+        from kernels.tuned_tiles import cuda_device_name, lookup
+
+        name = cuda_device_name(device)
+        tuned = None if name is None else lookup("lm_head", name, dtype, hidden_size)
+        if tuned is not None:
+            return tuned
     return FP32_TILES if dtype == torch.float32 else TritonTiles()
 
 
@@ -87,6 +95,8 @@ class KernelLaunch:
     """Positional arguments (tensors, ints, floats), in the kernel's order."""
     options: dict[str, object]
     """Constexprs by name, plus num_warps / num_stages."""
+    report_arg: int = 0
+    """The positional argument whose dtype names this launch in kernels/compile_check.py's reports."""
 
     def run(self) -> None:
         self.kernel[self.grid](*self.args, **self.options)
@@ -294,7 +304,7 @@ def triton_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_i
         tiles: block sizes; None = `default_tiles`.
     """
     check_triton_operands(hidden, weight_valid)
-    tiles = default_tiles(hidden.device, hidden.dtype) if tiles is None else tiles
+    tiles = default_tiles(hidden.device, hidden.dtype, hidden.shape[1]) if tiles is None else tiles
     launch, parts = build_stats_launch(hidden, weight_valid, local_ids, inv_temperature, workspace_bytes, tiles,
                                        _num_sms(hidden.device), hidden.is_cuda, softcap)
     launch.run()
@@ -322,7 +332,7 @@ def triton_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.T
         (rows, cols) dz in x's dtype.
     """
     check_triton_operands(x_rows, w_cols)
-    tiles = default_tiles(x_rows.device, x_rows.dtype) if tiles is None else tiles
+    tiles = default_tiles(x_rows.device, x_rows.dtype, x_rows.shape[1]) if tiles is None else tiles
     launch, dz = build_dz_launch(x_rows, w_cols, tile_ids, lse, mean_logit, grad_logprobs, grad_entropy,
                                  inv_temperature, tiles, x_rows.is_cuda, softcap)
     launch.run()

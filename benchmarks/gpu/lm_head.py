@@ -29,13 +29,15 @@ import argparse
 import dataclasses
 import importlib.util
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from benchmarks import bench_fused_logprob, bench_gemm
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env
-from kernels import TritonTiles, fused_logprob
+from kernels import TritonTiles, fused_logprob, onepass_rows, tuned_tiles
+from kernels.onepass_rows import INTERPRETER_ROW_TILES, RowTiles
 
 TILE_CANDIDATES = (
     TritonTiles(),  # the bf16 default: 64 x 128 x 64, 8 warps, 3 stages (no spills: kernels/compile_check.py)
@@ -49,10 +51,19 @@ CPU_TILE_CANDIDATES = (
     TritonTiles(block_n=32, block_v=64, block_h=32, group_n=2, num_warps=4, num_stages=1),
     TritonTiles(block_n=16, block_v=128, block_h=32, group_n=2, num_warps=4, num_stages=1),
 )
+ROW_TILE_CANDIDATES = (
+    RowTiles(),  # the default: statistics 4 x 1024, dz 8 x 512, 4 warps
+    RowTiles(stats_rows=2, stats_cols=2048, dz_rows=8, dz_cols=512, num_warps=8),
+    RowTiles(stats_rows=8, stats_cols=512, dz_rows=16, dz_cols=256, num_warps=4),
+    RowTiles(stats_rows=1, stats_cols=4096, dz_rows=4, dz_cols=1024, num_warps=8),
+)
+CPU_ROW_TILE_CANDIDATES = (INTERPRETER_ROW_TILES, RowTiles(stats_rows=2, stats_cols=128, dz_rows=2, dz_cols=128))
+VARIANTS = "reference,torch_chunked,triton,onepass_torch_chunked,onepass_cublas_triton,liger_grpo_loss"
 GPU = dict(gemm_sizes="4096,8192", tokens="2048,8192,16384", hidden="1536,4096", vocab=151936, dtype="bfloat16",
-           tile_tokens=8192, iters=10, warmup=3, variants="reference,torch_chunked,triton,liger_grpo_loss")
+           tile_tokens=8192, iters=10, warmup=3, variants=VARIANTS,
+           onepass_workspace_mb=bench_fused_logprob.ENGINE_WORKSPACE_MB)
 CPU = dict(gemm_sizes="64", tokens="32", hidden="32", vocab=256, dtype="float32", tile_tokens=32, iters=1, warmup=0,
-           variants="reference,torch_chunked,triton,liger_grpo_loss")
+           variants=VARIANTS, onepass_workspace_mb=0.02)
 
 
 def measure_floor(env, device: torch.device, dtype_name: str, sizes: list[int], args) -> float:
@@ -76,29 +87,59 @@ def with_fraction_of_floor(rows: list, floor_tflops: float) -> list:
     return rows + extra
 
 
-def sweep_tiles(env, device, args, floor_tflops: float, candidates) -> TritonTiles | None:
-    """Every tile candidate at (tile_tokens, largest H); rows appended; returns the best by full-mode p50."""
-    hidden = max(args.hidden)
+def sweep_tiles(env, device, args, floor_tflops: float, candidates, hidden: int, variant: str = "triton",
+                field: str = "tiles", label=bench_fused_logprob.tiles_label):
+    """Every candidate of `variant`'s tiles (`field` of the point's args) at (tile_tokens, H); rows appended;
+    returns (best by full-mode p50, its ms), or (None, inf) when none ran."""
     best, best_ms = None, float("inf")
     for tiles in candidates:
-        label = bench_fused_logprob.tiles_label(tiles)
-        point_args = argparse.Namespace(**{**vars(args), "tiles": tiles})
+        name = label(tiles)
+        point_args = argparse.Namespace(**{**vars(args), field: tiles})
         try:
-            rows, _ = bench_fused_logprob.bench_point(env, ["triton"], args.tile_tokens, hidden, args.vocab,
+            rows, _ = bench_fused_logprob.bench_point(env, [variant], args.tile_tokens, hidden, args.vocab,
                                                       args.torch_dtype, device, point_args)
         except Exception as error:  # noqa: BLE001 - a tile that does not compile (shared memory, registers) is a result
             first_line = (str(error).splitlines() or [""])[0][:160]
-            print(f"SUITE-NOTE: tiles {label} failed: {type(error).__name__}: {first_line}")
+            print(f"SUITE-NOTE: {variant} tiles {name} failed: {type(error).__name__}: {first_line}")
             continue
         append_rows(args.results_dir / "fused_logprob.csv", with_fraction_of_floor(rows, floor_tflops))
         full = [r.p50 for r in rows if r.mode == "full" and r.metric == "time"]
-        print(f"tiles {label}: full p50 {full[0]:.2f} ms" if full else f"tiles {label}: no full-mode row")
+        print(f"{variant} tiles {name}: full p50 {full[0]:.2f} ms" if full else f"tiles {name}: no full-mode row")
         if full and full[0] < best_ms:
             best, best_ms = tiles, full[0]
     if best is not None:
-        print(f"SUITE-NOTE: best tiles {bench_fused_logprob.tiles_label(best)} (full p50 {best_ms:.2f} ms at "
-              f"N={args.tile_tokens}, H={hidden})")
-    return best
+        print(f"SUITE-NOTE: best {variant} tiles {label(best)} (full p50 {best_ms:.2f} ms at N={args.tile_tokens}, "
+              f"H={hidden})")
+    return best, best_ms
+
+
+def sweep_and_record(env, device, args, floor: float, variants: list[str]) -> tuple[dict, dict]:
+    """Per H: the two-pass Triton tiles and the one-pass row tiles by measurement; the bests go into a tuned-tile
+    table (kernels/tuned_tiles.py layout) at <results>/tuned/<device>.json, to be committed to kernels/tuned/.
+    Returns ({H: best TritonTiles}, {H: best RowTiles})."""
+    table = {"device": env.device, "source": {
+        "git_sha": env.git_sha, "date": datetime.now(UTC).isoformat(timespec="seconds"), "torch": env.torch_version,
+        "triton": env.triton_version, "mode": "cpu" if args.cpu else "gpu", "tile_tokens": args.tile_tokens,
+        "vocab": args.vocab, "workspace_mb": args.workspace_mb, "onepass_workspace_mb": args.onepass_workspace_mb}}
+    best_tiles, best_rows = {}, {}
+    for h in args.hidden:
+        if "triton" in variants:
+            tiles, ms = sweep_tiles(env, device, args, floor, CPU_TILE_CANDIDATES if args.cpu else TILE_CANDIDATES, h)
+            if tiles is not None:
+                best_tiles[h] = tiles
+                tuned_tiles.record(table, "lm_head", args.torch_dtype, h, tiles, ms)
+        if "onepass_cublas_triton" in variants:
+            rows, ms = sweep_tiles(env, device, args, floor, CPU_ROW_TILE_CANDIDATES if args.cpu else
+                                   ROW_TILE_CANDIDATES, h, "onepass_cublas_triton", "row_tiles",
+                                   bench_fused_logprob.row_tiles_label)
+            if rows is not None:
+                best_rows[h] = rows
+                tuned_tiles.record(table, "onepass_rows", args.torch_dtype, h, rows, ms)
+    if table.get("entries"):
+        path = tuned_tiles.write_table(tuned_tiles.table_path(env.device, args.results_dir / "tuned"), table)
+        print(f"SUITE-NOTE: tuned-tile table {path.name} written ({sum(len(b) for b in table['entries'].values())} "
+              f"H buckets); commit it to kernels/tuned/")
+    return best_tiles, best_rows
 
 
 def run(args: argparse.Namespace) -> None:
@@ -112,25 +153,32 @@ def run(args: argparse.Namespace) -> None:
         print("SUITE-NOTE: liger_grpo_loss skipped: liger-kernel is not installed (benchmarks/gpu/fetch_wheels.sh "
               "carries it to the GPU machine)")
         variants.remove("liger_grpo_loss")
-    tiles = None
-    if "triton" in variants:
-        tiles = sweep_tiles(env, device, args, floor, CPU_TILE_CANDIDATES if args.cpu else TILE_CANDIDATES)
-        if tiles is None:
-            print("SUITE-NOTE: triton skipped in the sweep: no tile candidate ran")
-            variants.remove("triton")
-    args.tiles = tiles
-    # Best tiles other than the default: the default is timed at every point too (before the sweep's row, which the
-    # summary reads as the last triton row of its point), so a change of default rests on the whole sweep.
-    default_tiles = fused_logprob.default_tiles(device, args.torch_dtype)
-    default = None if tiles in (None, default_tiles) else argparse.Namespace(**{**vars(args), "tiles": default_tiles})
+    best_tiles, best_rows = sweep_and_record(env, device, args, floor, variants)
+    if "triton" in variants and not best_tiles:
+        print("SUITE-NOTE: triton skipped in the sweep: no tile candidate ran")
+        variants.remove("triton")
     for h in args.hidden:
+        # Measured bests other than the defaults: the defaults are timed at every point too (before the sweep's row,
+        # which the summary reads as the last row of its variant and point), so a change of default rests on the
+        # whole sweep.
+        extra = []
+        tiles, default = best_tiles.get(h), fused_logprob.default_tiles(device, args.torch_dtype)
+        if "triton" in variants and tiles not in (None, default):
+            extra.append((["triton"], {"tiles": default}))
+        rows_best, rows_default = best_rows.get(h), onepass_rows.default_row_tiles(device)
+        if "onepass_cublas_triton" in variants and rows_best not in (None, rows_default):
+            extra.append((["onepass_cublas_triton"], {"row_tiles": rows_default}))
+        point_args = argparse.Namespace(**{**vars(args), "tiles": tiles, "row_tiles": rows_best})
         for n in args.tokens:
             start = time.monotonic()
             try:
-                rows = [] if default is None else bench_fused_logprob.bench_point(
-                    env, ["triton"], n, h, args.vocab, args.torch_dtype, device, default)[0]
+                rows = []
+                for extra_variants, fields in extra:
+                    rows += bench_fused_logprob.bench_point(env, extra_variants, n, h, args.vocab, args.torch_dtype,
+                                                            device, argparse.Namespace(**{**vars(point_args),
+                                                                                          **fields}))[0]
                 rows += bench_fused_logprob.bench_point(env, variants, n, h, args.vocab, args.torch_dtype, device,
-                                                        args)[0]
+                                                        point_args)[0]
             except Exception as error:  # noqa: BLE001 - one failing point must not lose the others
                 print(f"SUITE-NOTE: point N={n} H={h} failed: {type(error).__name__}: "
                       f"{(str(error).splitlines() or [''])[0][:160]}")
@@ -148,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("vocab", "tile_tokens", "iters", "warmup"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
     parser.add_argument("--workspace-mb", type=float, default=bench_fused_logprob.WORKSPACE_MB)
+    parser.add_argument("--onepass-workspace-mb", type=float, help="the one-pass variants' workspace (default: the "
+                        "engine's 1024 MiB on a GPU)")
     args = parser.parse_args(argv)
     for name, value in (CPU if args.cpu else GPU).items():
         if getattr(args, name) is None:

@@ -4,10 +4,12 @@ Parts (each a subprocess, so a crash, a CUDA error or an out-of-memory in one le
 killed at its time limit, keeping the rows it already wrote):
   a. kernel_tests: `pytest tests/kernels tests/gpu` (on a GPU: real Triton at the tests' shapes, then the kernel and
      the Megatron GRPO step at real sizes: `make test-gpu`'s tests);
-  b. lm_head: the bf16 GEMM floor, Triton tile choices, the fused log-prob sweep against the torch reference and
-     Liger (benchmarks/gpu/lm_head.py);
-  c. megatron_step: Megatron-core GRPO step, fused kernel vs materialised logits, at Qwen2.5-1.5B and at
-     Qwen2.5-7B trimmed to `TRIMMED_7B_LAYERS` layers (benchmarks/gpu/policy_step.py);
+  b. lm_head: the bf16 GEMM floor, Triton tile and one-pass row-tile choices per H (written as a tuned-tile table,
+     <results>/tuned/<device>.json), the fused log-prob sweep (two-pass Triton at default and tuned tiles, one-pass
+     cuBLAS + Triton and cuBLAS-chunked torch) against the torch reference and Liger (benchmarks/gpu/lm_head.py);
+  c. megatron_step: Megatron-core GRPO step, two-pass and one-pass LM heads vs materialised logits, and the LM
+     head's share of the step, at Qwen2.5-1.5B and at Qwen2.5-7B trimmed to `TRIMMED_7B_LAYERS` layers
+     (benchmarks/gpu/policy_step.py);
   d. trl_step: the same batch through TRL's GRPOTrainer loss path, use_liger_kernel off / on
      (benchmarks/gpu/trl_step.py);
   e. packing: benchmarks/bench_packing.py (issue 15) when it exists; until then the part is skipped, saying so;
@@ -81,6 +83,9 @@ class Part:
     """Modules that must import for the part to run."""
 
 
+STEP_IMPLEMENTATIONS = "triton,onepass_cublas_triton,onepass_torch_chunked,reference"
+"""Part c's LM-head paths: the two-pass Triton kernel, the one-pass loss on cuBLAS + Triton row kernels and on torch
+ops (cuBLAS-chunked), the materialised logits."""
 FIT = ("--fit-lengths", "1024,2048,3072,4096,6144,8192,12288,16384,24576,32768")
 CPU_STEP = ("--shape", "tiny", "--batch", "4", "--micro-batch", "2", "--prompt-len", "8", "--completion-len", "16",
             "--fit-lengths", "16,32", "--iters", "1", "--warmup", "0")
@@ -90,14 +95,16 @@ PARTS = (
          ("tests/kernels/test_lm_head_logprob.py", "tests/kernels/test_softmax_stats.py", "-q", "-p",
           "no:cacheprovider", "-o", "addopts="), 240, 180),
     Part("b", "lm_head", "benchmarks.gpu.lm_head", ("--results-dir", "{results}"),
-         ("--cpu", "--results-dir", "{results}"), 270, 240, ("gemm.csv", "fused_logprob.csv")),
+         ("--cpu", "--results-dir", "{results}"), 560, 300, ("gemm.csv", "fused_logprob.csv")),
     Part("c", "megatron_step", "benchmarks.gpu.policy_step",
-         ("--shape", "qwen2.5-1.5b", "--csv", "{results}/grpo_step.csv", "--budget-s", "120", *FIT),
-         ("--implementations", "torch_chunked,reference", "--csv", "{results}/grpo_step.csv", *CPU_STEP),
-         200, 300, ("grpo_step.csv",), ("megatron.core",)),
+         ("--shape", "qwen2.5-1.5b", "--implementations", STEP_IMPLEMENTATIONS, "--csv", "{results}/grpo_step.csv",
+          "--budget-s", "120", *FIT),
+         ("--implementations", "torch_chunked,onepass_torch_chunked,reference", "--csv", "{results}/grpo_step.csv",
+          *CPU_STEP), 260, 300, ("grpo_step.csv",), ("megatron.core",)),
     Part("c7", "megatron_step_7b", "benchmarks.gpu.policy_step",
-         ("--shape", "qwen2.5-7b", "--num-layers", str(TRIMMED_7B_LAYERS), "--csv", "{results}/grpo_step.csv",
-          "--budget-s", "120", *FIT), (), 200, 0, ("grpo_step.csv",), ("megatron.core",)),
+         ("--shape", "qwen2.5-7b", "--num-layers", str(TRIMMED_7B_LAYERS), "--implementations",
+          STEP_IMPLEMENTATIONS, "--csv", "{results}/grpo_step.csv", "--budget-s", "120", *FIT), (), 260, 0,
+         ("grpo_step.csv",), ("megatron.core",)),
     Part("d", "trl_step", "benchmarks.gpu.trl_step",
          ("--shape", "qwen2.5-1.5b", "--csv", "{results}/trl_grpo_step.csv", "--budget-s", "150", *FIT),
          ("--csv", "{results}/trl_grpo_step.csv", *CPU_STEP), 300, 300, ("trl_grpo_step.csv",), ("trl", "datasets")),

@@ -36,7 +36,8 @@ def _fused_lines(rows: list[dict]) -> list[str]:
     """Full-mode (fwd+bwd) p50 ms (fraction of floor) / peak MiB per variant, one line per (N, H); for triton the
     sweep's row (best tiles, written after the tile choices) is the last one at its point."""
     sweep = [r for r in rows if r["mode"] == "full"]
-    variants = ["reference", "torch_chunked", "triton", "liger_grpo_loss"]
+    variants = ["reference", "torch_chunked", "triton", "onepass_torch_chunked", "onepass_cublas_triton",
+                "liger_grpo_loss"]
     points = sorted({(int(r["x_value"]), json.loads(r["config_json"])["H"]) for r in sweep})
     if not points:
         return []
@@ -66,8 +67,10 @@ def _step_lines(rows: list[dict], label: str, group_by_variant: bool) -> list[st
         nominal = [r for r in mine if r["mode"] == "train_step"]
         fit = [r for r in mine if r["mode"] == "longest_fit" and r["metric"] == "max_completion_len"]
         tps, peak = _value(nominal, "tokens_per_s"), _value(nominal, "peak_memory")
+        share = _value([r for r in mine if r["mode"] == "lm_head_share"], "lm_head_share")
         longest = f"{float(fit[-1]['p50']):.0f} ({json.loads(fit[-1]['config_json'])['stopped']})" if fit else "-"
         nominal_text = "nominal step -" if tps is None else f"{tps:.0f} completion tokens/s, peak {peak:.0f} MiB"
+        nominal_text += "" if share is None else f", LM head {share:.2f} of the step"
         lines.append(f"  {label} {shape} {name}: {nominal_text}; longest completion that fits: {longest}")
     return lines
 

@@ -310,9 +310,11 @@ def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
 
     The fused kernel's `kernels.loss_workspace_mb` bound on its tile temporaries, the final hidden states gathered out
     of the sequence-parallel region 2*s*b*h, the N = b * max_completion_length completion rows X (N, h) in the model
-    dtype and the float32 dX accumulator (N, h) (kernels/chunked_logprob.py, "Memory"), and 16 float32 per-token
+    dtype and the float32 dX accumulator (N, h) (kernels/chunked_logprob.py, "Memory"), 16 float32 per-token
     values (softmax statistics, saved lse and E[z], log-prob, entropy, their upstream gradients, old / reference /
-    sampling log-probs, ratio, KL, mask). Never the (N, V/t) logits; the plan prints what those would take.
+    sampling log-probs, ratio, KL, mask), and unless `kernels.loss_pass` is "two" the one-pass loss's float32 dW
+    (V/t, h) held until the backward (kernels/onepass_logprob.py; counted under "auto" even for a loss that runs two
+    passes: an upper bound). Never the (N, V/t) logits; the plan prints what those would take.
     """
     prompt, completion, _ = sequence_lengths(cfg)
     b, h, t = cfg.train.per_device_train_batch_size, dims.hidden_size, cfg.parallel.tp_size
@@ -328,11 +330,14 @@ def loss_terms(cfg: EngineConfig, dims: ModelDims) -> tuple[Term, str]:
         f"{cfg.kernels.loss_workspace_mb} MiB workspace + final hidden {wbytes} B x {prompt + completion}*{b}*{h} + "
         f"N = {b}*{completion} = {num_tokens} rows x {h} x ({wbytes} B X + 4 B dX) + N x {PER_TOKEN_LOSS_FLOATS} x 4 B"
     )
+    onepass_dw = 0 if cfg.kernels.loss_pass == "two" else vocab // t * h * 4  # an upper bound under "auto"
+    text += f" + one-pass dW {vocab // t} x {h} x 4 B" if onepass_dw else ""
     note = (
         f"the fused loss never holds the logits: N x V/tp x 4 B = {num_tokens} x {vocab // t} x 4 B = {format_gib(logits)}"
         " (and as much again for their gradient)"
     )
-    return Term("loss workspace", text, workspace + hidden + rows + stats), note
+    return Term("loss workspace", text, workspace + hidden + rows + stats + onepass_dw), note
+
 
 
 def _adapter_bytes(cfg: EngineConfig) -> tuple[int, int, str]:

@@ -12,12 +12,15 @@ Test: tests/distributed/test_megatron_layouts.py.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import KernelsConfig
 from engine.policy.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -210,19 +213,12 @@ class LogprobSettings:
     """The `kernels` config section: the log-prob and loss-terms implementations and the workspace."""
 
 
-def completion_logprobs(
-    model: torch.nn.Module, hidden: torch.Tensor, batch: dict, ps: ParallelState, settings: LogprobSettings
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob and entropy of every completion token, (b, C) each, from the last stage's hidden states.
-
-    Only the real completion positions of each sequence go through the LM head (prompt, padding and masked
-    positions are skipped), via the fused kernel entry (never the [tokens x vocab] logits). Masked positions hold 0.
-    Packed micro-batches say where each sequence starts (`seq_row`, `seq_offset`; engine/policy/packing.py).
-    """
+def _completion_rows(hidden: torch.Tensor, batch: dict, ps: ParallelState, settings: LogprobSettings):
+    """(x (N, H), token ids (N,), mask (b, C) bool) of the real completion positions, or None for a micro-batch
+    with none; the hidden states gathered over sequence-parallel ranks first."""
     from megatron.core import tensor_parallel
 
     from engine.policy.batch import check_completion_ids
-    from kernels import lm_head_logprob_entropy
 
     if ps.sequence_parallel:
         # The kernel sums dX over the TP group itself, so the backward of this gather only splits (no reduce).
@@ -239,21 +235,68 @@ def completion_logprobs(
     index = (seq_offset + batch["prompt_lengths"] - 1)[:, None] + torch.arange(num_completion, device=device)  # (b, C)
     mask = batch["completion_mask"].bool()  # (b, C)
     rows = seq_row[:, None].expand_as(index)  # (b, C)
-    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=device)  # (b, C)
-    if not mask.any():  # an empty micro-batch (packing.py) or all-masked rows: zero, still attached to the graph
-        zeros = zeros + hidden.sum().float() * 0.0
-        return zeros, zeros.detach().clone()
+    if not mask.any():
+        return None
     check_completion_ids(batch["completion_ids"], mask, settings.vocab_size)  # a padded-vocab id would give NaN
     x = hidden[rows[mask], index[mask].clamp(max=seq_len - 1)]  # (N, H)
+    return x, batch["completion_ids"][mask], mask
+
+
+def _lm_head_args(model: torch.nn.Module, ps: ParallelState, settings: LogprobSettings) -> dict:
+    """The LM-head kernels' keyword arguments shared by the one- and two-pass entries."""
+    return dict(temperature=settings.temperature / unwrap(model).logit_scale,  # Cohere 2: softmax(z x scale / T)
+                softcap=unwrap(model).final_logit_softcap, vocab_size=settings.vocab_size, tp_group=ps.groups.tp,
+                workspace_mb=settings.kernels.loss_workspace_mb)
+
+
+def completion_logprobs(
+    model: torch.nn.Module, hidden: torch.Tensor, batch: dict, ps: ParallelState, settings: LogprobSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy of every completion token, (b, C) each, from the last stage's hidden states.
+
+    Only the real completion positions of each sequence go through the LM head (prompt, padding and masked
+    positions are skipped), via the fused kernel entry (never the [tokens x vocab] logits). Masked positions hold 0.
+    Packed micro-batches say where each sequence starts (`seq_row`, `seq_offset`; engine/policy/packing.py).
+    """
+    from kernels import lm_head_logprob_entropy
+
+    shape, device = batch["completion_mask"].shape, batch["completion_mask"].device
+    zeros = torch.zeros(shape, dtype=torch.float32, device=device)  # (b, C)
+    selected = _completion_rows(hidden, batch, ps, settings)
+    if selected is None:  # an empty micro-batch (packing.py) or all-masked rows: zero, still attached to the graph
+        zeros = zeros + hidden.sum().float() * 0.0
+        return zeros, zeros.detach().clone()
+    x, ids, mask = selected
     logprobs, entropy = lm_head_logprob_entropy(
-        x, unwrap(model).lm_head_weight(), batch["completion_ids"][mask],
-        temperature=settings.temperature / unwrap(model).logit_scale,  # Cohere 2: softmax(z x scale / T)
-        softcap=unwrap(model).final_logit_softcap, vocab_size=settings.vocab_size,
-        tp_group=ps.groups.tp,
-        workspace_mb=settings.kernels.loss_workspace_mb, implementation=settings.kernels.loss_implementation,
-    )  # (N,), (N,)
+        x, unwrap(model).lm_head_weight(), ids, implementation=settings.kernels.loss_implementation,
+        **_lm_head_args(model, ps, settings))  # (N,), (N,)
     zeros = zeros.to(logprobs.dtype)
     return zeros.masked_scatter(mask, logprobs), zeros.masked_scatter(mask, entropy)
+
+
+def completion_logprobs_onepass(
+    model: torch.nn.Module, hidden: torch.Tensor, batch: dict, ps: ParallelState, settings: LogprobSettings,
+    make_token_grads,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`completion_logprobs` on the one-pass kernel (kernels/onepass_logprob.py): (b, C) log-probs and entropies,
+    detached, and the 0-dim anchor that carries the loss gradient (add it to the loss).
+
+    Args:
+        make_token_grads: mask (b, C) bool -> the micro-batch loss's `TokenGrads` (engine/grpo/onepass.py).
+    """
+    from kernels import onepass_logprob_entropy
+
+    shape, device = batch["completion_mask"].shape, batch["completion_mask"].device
+    zeros = torch.zeros(shape, dtype=torch.float32, device=device)  # (b, C)
+    selected = _completion_rows(hidden, batch, ps, settings)
+    if selected is None:  # nothing to score: a zero anchor still attached to the graph
+        return zeros, zeros.clone(), hidden.sum().float() * 0.0
+    x, ids, mask = selected
+    logprobs, entropy, anchor = onepass_logprob_entropy(
+        x, unwrap(model).lm_head_weight(), ids, make_token_grads(mask),
+        implementation=settings.kernels.onepass_implementation, **_lm_head_args(model, ps, settings))
+    zeros = zeros.to(logprobs.dtype)
+    return zeros.masked_scatter(mask, logprobs), zeros.masked_scatter(mask, entropy), anchor
 
 
 def forward_logprobs(
@@ -297,22 +340,51 @@ def grpo_forward_backward(
         the PolicyLossOutput of every micro-batch (detached), on the last stage; [] elsewhere.
     """
     from engine.policy.optimizer import loss_scale_for_sum
+    from engine.grpo.onepass import ONE, build_token_grads, choose_loss_pass
     from engine.grpo.policy_loss import PolicyLossBatch, compute_policy_loss
 
     scale = loss_scale_for_sum(len(microbatches), ps)
+    loss_pass, why = choose_loss_pass(loss_config, settings.kernels.loss_pass)
+    _log_loss_pass(loss_pass, why)
+    terms = settings.kernels.loss_terms_implementation
 
     def loss_fn(chunk, hidden, batch):
-        logprobs, entropy = completion_logprobs(chunk, hidden, batch, ps, settings)
         inputs = PolicyLossBatch(
             mask=batch["completion_mask"], advantages=batch["advantages"], old_logprobs=batch.get("old_logprobs"),
             ref_logprobs=batch.get("ref_logprobs"), sampling_logprobs=batch.get("sampling_logprobs"),
             importance_sampling_ratio=batch.get("importance_sampling_ratio"),
         )
-        out = compute_policy_loss(logprobs, inputs, loss_config, normalizer, entropy=entropy, entropy_coef=entropy_coef,
-                                  terms_implementation=settings.kernels.loss_terms_implementation)
-        return out.loss * scale, {"output": _detached(out)}
+        if loss_pass == ONE:
+            # The loss is evaluated on detached log-probs; its gradient was taken inside the LM-head pass and flows
+            # through the anchor (0), which receives this micro-batch's scale and Megatron's 1 / num_microbatches.
+            def make_token_grads(mask):
+                return build_token_grads(mask, inputs, loss_config, normalizer, entropy_coef=entropy_coef,
+                                         terms_implementation=terms)
+
+            logprobs, entropy, anchor = completion_logprobs_onepass(chunk, hidden, batch, ps, settings,
+                                                                    make_token_grads)
+            out = compute_policy_loss(logprobs, inputs, loss_config, normalizer, entropy=entropy,
+                                      entropy_coef=entropy_coef, terms_implementation=terms)
+            loss = out.loss.detach() + anchor
+        else:
+            logprobs, entropy = completion_logprobs(chunk, hidden, batch, ps, settings)
+            out = compute_policy_loss(logprobs, inputs, loss_config, normalizer, entropy=entropy,
+                                      entropy_coef=entropy_coef, terms_implementation=terms)
+            loss = out.loss
+        out.sums["lm_head/one_pass"] = loss.new_tensor([float(loss_pass == ONE), 1.0])
+        return loss * scale, {"output": _detached(out)}
 
     return [v["output"] for v in run_schedule(model, ps, microbatches, loss_fn)]
+
+
+_LOGGED_LOSS_PASS: set[tuple[str, str]] = set()
+
+
+def _log_loss_pass(loss_pass: str, why: str) -> None:
+    """Say once per process which LM-head path the training loss takes, and why."""
+    if (loss_pass, why) not in _LOGGED_LOSS_PASS:
+        _LOGGED_LOSS_PASS.add((loss_pass, why))
+        logger.info("GRPO loss: %s-pass LM head (%s)", loss_pass, why)
 
 
 def _detached(out):

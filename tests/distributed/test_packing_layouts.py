@@ -65,20 +65,23 @@ def _packing_steps(tp: int, pp: int, dp: int, model_dir: str, out_root: str, dty
     from engine.policy.parallel import init_parallel
 
     ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp), seed=0)
-    kernel, seen = kernels.lm_head_logprob_entropy, []
+    kernel, onepass, seen = kernels.lm_head_logprob_entropy, kernels.onepass_logprob_entropy, []
 
-    def counting_kernel(x, *args, **kwargs):  # the real kernel; records how many token rows it was given
-        seen.append(x.shape[0])
-        return kernel(x, *args, **kwargs)
+    def counting(entry):  # the real kernel entry; records how many token rows it was given
+        def counting_kernel(x, *args, **kwargs):
+            seen.append(x.shape[0])
+            return entry(x, *args, **kwargs)
+        return counting_kernel
 
-    kernels.lm_head_logprob_entropy = counting_kernel
+    kernels.lm_head_logprob_entropy = counting(kernel)  # forward-only (old log-probs) and two-pass training
+    kernels.onepass_logprob_entropy = counting(onepass)  # the one-pass training loss (dapo: token-local)
     results = {}
     for name in variants:
         seen.clear()
         spec_cfg = TrainConfig(per_device_train_batch_size=MICRO_BATCH, **VARIANTS[name])
         results[name] = _one_step(ps, model_dir, f"{out_root}/{name}", ModelConfig(dtype=dtype), spec_cfg)
         results[name]["kernel_rows"] = sum(seen)
-    kernels.lm_head_logprob_entropy = kernel
+    kernels.lm_head_logprob_entropy, kernels.onepass_logprob_entropy = kernel, onepass
     return results
 
 

@@ -3,9 +3,10 @@
 import).
 
 Qwen2.5-1.5B's shape (hidden 1536, 12 heads, 2 KV heads, vocabulary 151936, tied embeddings) trimmed to 2 layers,
-random weights, Megatron's local spec: one GRPO forward/backward (DAPO, clipping active) with the fused Triton
-log-prob kernel (`implementation="triton"`, what "auto" picks on CUDA) against the same step through materialised
-logits (`"reference"`), same weights and tokens. fp32: loss and every parameter's gradient equal to fp32 rounding
+random weights, Megatron's local spec: one GRPO forward/backward (DAPO, clipping active) with the fused two-pass
+Triton log-prob kernel (`implementation="triton"`) and with the one-pass loss on cuBLAS + Triton row kernels (what
+"auto" picks on CUDA for DAPO) against the same step through materialised logits (`"reference"`, two passes), same
+weights and tokens. fp32: loss and every parameter's gradient equal to fp32 rounding
 (the kernel accumulates in fp32 like the reference; gradients to 1e-4 of each tensor's largest entry); bf16 (TRL's default): the reference computes bf16 logits (a
 model's own lm_head), the kernel fp32 ones, so the bound is bf16 rounding: loss within 1%, every gradient within
 cosine 0.999 of the reference's.
@@ -31,13 +32,12 @@ def _step_gradients(popt, ps, batch: dict, vocab_size: int, implementation: str)
     from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.batch import split_microbatches
     from engine.policy.step import LogprobSettings, grpo_forward_backward
-    from engine.config import KernelsConfig
+    from benchmarks.bench_grpo_step import kernels_for
 
     mask = batch["completion_mask"]
     micro = split_microbatches({k: v.to(ps.device) for k, v in batch.items()}, 2)
     normalizer = LossNormalizer(num_tokens=float(mask.sum()), num_sequences=float(mask.shape[0]))
-    settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0,
-                               kernels=KernelsConfig(loss_implementation=implementation))
+    settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0, kernels=kernels_for(implementation))
     popt.zero_grad()
     outputs = grpo_forward_backward(popt.model, ps, micro, build_loss_config(loss_type="dapo", epsilon_high=0.28),
                                     normalizer, settings)
@@ -62,22 +62,27 @@ def check_fused_step_matches_materialised_logits(shape: str, num_layers: int | N
     try:
         popt, _ = build_policy_and_optimizer(hf_config, dtype, ps)
         batch = build_batch(hf_config.vocab_size, *batch_shape)
-        loss, grads = _step_gradients(popt, ps, batch, hf_config.vocab_size, "triton")
         ref_loss, ref_grads = _step_gradients(popt, ps, batch, hf_config.vocab_size, "reference")
+        for fused in ("triton", "onepass_cublas_triton"):  # the two-pass kernel, the one-pass loss
+            loss, grads = _step_gradients(popt, ps, batch, hf_config.vocab_size, fused)
+            _check_close(dtype, loss, grads, ref_loss, ref_grads, fused)
     finally:
         destroy_parallel()
-    assert sorted(grads) == sorted(ref_grads) and any(g.abs().sum() > 0 for g in grads.values())
+
+
+def _check_close(dtype: str, loss: float, grads: dict, ref_loss: float, ref_grads: dict, label: str) -> None:
+    assert sorted(grads) == sorted(ref_grads) and any(g.abs().sum() > 0 for g in grads.values()), label
     if dtype == "float32":
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
         for name, grad in grads.items():
             scale = float(ref_grads[name].abs().max())  # fp32 rounding of sums over tokens: relative to the tensor
             torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-4 * scale,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+                                       msg=lambda m, name=name: f"{label} {name}: {m}")
         return
     assert loss == pytest.approx(ref_loss, rel=1e-2)
     for name, grad in grads.items():
         cosine = torch.nn.functional.cosine_similarity(grad.flatten(), ref_grads[name].flatten(), dim=0)
-        assert cosine > 0.999, f"{name}: cosine {float(cosine):.5f} with the materialised-logits gradient"
+        assert cosine > 0.999, f"{label} {name}: cosine {float(cosine):.5f} with the materialised-logits gradient"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

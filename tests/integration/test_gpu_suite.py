@@ -74,6 +74,14 @@ def test_lm_head_part_measures_floor_tiles_and_every_variant(smoke):
         mine = {(r["mode"], r["metric"]) for r in rows if r["variant"] == variant}
         for mode in ("forward", "backward", "full"):
             assert {(mode, m) for m in ("time", "throughput", "peak_memory", "fraction_of_floor")} <= mine
+    for variant in ("onepass_torch_chunked", "onepass_cublas_triton"):  # one pass: full mode only
+        mine = {(r["mode"], r["metric"]) for r in rows if r["variant"] == variant}
+        assert mine == {("full", m) for m in ("time", "throughput", "peak_memory", "fraction_of_floor")}, variant
+    row_tiles = {json.loads(r["config_json"]).get("row_tiles") for r in rows if r["variant"] == "onepass_cublas_triton"}
+    assert len(row_tiles - {None}) >= 2  # row-tile choices tried
+    [table] = (results / "tuned").glob("*.json")  # the sweep's bests, as kernels/tuned_tiles.py reads them
+    entries = json.loads(table.read_text())["entries"]["float32"]["h1024"]
+    assert set(entries) == {"lm_head", "onepass_rows"}
     parts = _parts(results)
     liger_installed = importlib.util.find_spec("liger_kernel") is not None
     assert liger_installed or any("liger_grpo_loss skipped" in n for n in parts["b"]["notes"])
@@ -82,9 +90,11 @@ def test_lm_head_part_measures_floor_tiles_and_every_variant(smoke):
 def test_step_parts_measure_nominal_step_and_longest_fit(smoke):
     results, _ = smoke
     megatron = read_rows(results / "grpo_step.csv")
-    for implementation in ("torch_chunked", "reference"):
+    for implementation in ("torch_chunked", "onepass_torch_chunked", "reference"):
         mine = [r for r in megatron if json.loads(r["config_json"])["implementation"] == implementation]
         assert {r["metric"] for r in mine if r["mode"] == "train_step"} == {"time", "tokens_per_s", "peak_memory"}
+        share = [float(r["p50"]) for r in mine if r["metric"] == "lm_head_share"]
+        assert len(share) == 1 and 0 < share[0], implementation  # the LM head's share of the step
         fit = [r for r in mine if r["metric"] == "max_completion_len"]
         assert float(fit[-1]["p50"]) == 32 and json.loads(fit[-1]["config_json"])["stopped"]
     trl = read_rows(results / "trl_grpo_step.csv")
@@ -126,3 +136,6 @@ def test_collect_appends_the_returned_rows_to_the_results_folder(smoke, tmp_path
         assert n == len(read_rows(results / name)) and len(read_rows(tmp_path / name)) == 2 * n == n + again[name]
     assert {"suite.csv", "gemm.csv", "fused_logprob.csv", "grpo_step.csv", "trl_grpo_step.csv"} <= set(counts)
     assert list(tmp_path.glob("gpu_suite_*.log"))
+    tuned = tmp_path / "tuned"
+    collect(results, tmp_path, tuned_dir=tuned)
+    assert not tuned.exists()  # a CPU smoke's table is never committed; a GPU run's goes to kernels/tuned/

@@ -98,6 +98,8 @@ def _cfg(**sections):
         ({"rollout": {"vllm_server_base_urls": ["a:8000"]}}, 1, r"must be http\(s\):// URLs, got \['a:8000'\]"),
         ({"rollout": {"vllm_request_timeout": 0}}, 1, r"vllm_request_timeout and rollout.vllm_server_timeout must be > 0"),
         ({"train": {"max_tokens_per_microbatch": 0}}, 1, r"train.max_tokens_per_microbatch must be >= 1 token or null"),
+        ({"kernels": {"loss_pass": "one"}, "grpo": {"importance_sampling_level": "sequence"}}, 1,
+         r"kernels.loss_pass = 'one' needs a token-local loss: sequence-level importance sampling"),
     ],
 )
 def test_validate_refuses_with_actionable_message(sections, world_size, message):
