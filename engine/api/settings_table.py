@@ -22,7 +22,6 @@ Test: `pytest tests/unit/test_settings_table.py`.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import io
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 
 from engine.api.trl_config import CALLABLE_FIELDS, NO_EFFECT, REFUSED, TRAINER_ARGUMENTS, TRANSLATED
 from engine.config import EngineConfig
+from engine.config_docstrings import field_docstrings
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE_PATH = REPO / "configs" / "SETTINGS.md"
@@ -50,18 +50,6 @@ class SettingRow:
     meaning: str
     readers: tuple[str, ...]
     """Modules (repository paths) that read the field; empty = nothing does."""
-
-
-def field_docstrings(config_file: Path = REPO / "engine" / "config.py") -> dict[tuple[str, str], str]:
-    """{(class name, field name): the string literal right after the field}, from the source (attribute docstrings
-    are not kept at runtime)."""
-    docs = {}
-    for cls in (node for node in ast.parse(config_file.read_text()).body if isinstance(node, ast.ClassDef)):
-        for statement, following in zip(cls.body, cls.body[1:] + [None]):
-            if (isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr)
-                    and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str)):
-                docs[(cls.name, statement.target.id)] = following.value.value
-    return docs
 
 
 def first_sentence(text: str) -> str:

