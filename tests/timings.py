@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -38,6 +39,7 @@ class TimingRecorder:
         self.path = path
         self.path.write_text("")
         self._file = open(path, "a", buffering=1)  # line-buffered: a killed run keeps what it recorded
+        self._worlds_seen = 0
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -52,6 +54,11 @@ class TimingRecorder:
     def pytest_runtest_logreport(self, report):
         self._write({"kind": "phase", "nodeid": report.nodeid, "tier": tier_of(report.nodeid), "when": report.when,
                      "seconds": report.duration, "outcome": report.outcome})
+        launcher = sys.modules.get("tests.distributed.launcher")
+        starts = getattr(launcher, "world_starts", [])
+        for size, why in starts[self._worlds_seen:]:
+            self._write({"kind": "world", "nodeid": report.nodeid, "size": size, "why": why})
+        self._worlds_seen = len(starts)
 
     def pytest_unconfigure(self, config):
         self._file.close()
@@ -99,6 +106,10 @@ def summarise(records: list[dict], top: int = 15) -> str:
     lines += ["", f"most expensive {top} fixtures (all set-ups, seconds):"]
     for (name, scope), seconds in sorted(fixtures.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(seconds):7.1f}  x{len(seconds):<4} {scope:<8} {name}")
+    worlds = [r for r in records if r["kind"] == "world"]
+    if worlds:
+        lines += ["", f"kept test worlds started: {len(worlds)} (tests/distributed/launcher.py; each costs a rank start)"]
+        lines += [f"  size {r['size']}  at {r['nodeid']}: {r['why'][:300]}" for r in worlds]
     return "\n".join(lines)
 
 
