@@ -3,8 +3,9 @@ a CSV of the test's own (benchmarks/results/ is never touched). A headline figur
 otherwise stay on the front page until someone tried to reproduce it.
 
 Which benchmarks: those of benchmarks/results_page.py `HEADLINES` (a test below fails when a headline's benchmark
-has no smoke run here). Sizes are the smallest each program accepts; the whole file takes about two minutes on
-two cores, most of it the rollout server and the trainer of the async-rollout run.
+has no smoke run here). Sizes are the smallest each program accepts. Measured on the shared 2-core machine: the
+four in-process benchmarks about 80 s together; the async-rollout run (a rollout server and a trainer, each starting
+vLLM or Megatron) about a minute when the machine is quiet, several when other jobs load it.
 """
 
 import csv
