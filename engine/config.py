@@ -4,19 +4,15 @@ Owns: the dataclass tree (`EngineConfig` and its sections), loading from YAML pl
 checks that name the full dotted path, and writing the resolved config into the run directory. Cross-field checks
 live in `engine/validation.py` (one function, `validate`), derived numbers in `derive`.
 
-Must not: read the environment, touch torch.distributed, or hand the root config to a component
-(docs/contributing/house-rules.md: components take their own section, e.g. `build_optimizer(cfg.optimizer, model)`).
+Must not: read the environment, touch torch.distributed, or hand the root config to a component (components take
+their own section, e.g. `build_optimizer(cfg.optimizer, model)`: docs/contributing/house-rules.md).
 
-Names: fields that exist in TRL's `GRPOConfig` / `TrainingArguments` carry TRL's name and TRL's default
-(TRL 1.16's `GRPOConfig`; where TRL 1.16, the version the tests compare with, changed a default, 1.16's). Every leaf
-name is unique across the tree, so a flat TRL keyword argument
-has exactly one home (`find_field`). Engine-only fields (parallelism, kernels, weight sync) use Megatron's
-vocabulary (`tp_size`, `pp_size`, ...).
+Names: fields that exist in TRL's `GRPOConfig` / `TrainingArguments` carry TRL's name and TRL 1.16's default (the
+version the tests compare with). Every leaf name is unique across the tree, so a flat TRL keyword argument has exactly
+one home (`find_field`). Engine-only fields (parallelism, kernels, weight sync) use Megatron's vocabulary (`tp_size`).
 
 Longer than 600 lines: the tree is the one place for every default and every field's one-line meaning (its docstring,
-which configs/SETTINGS.md is generated from, engine/api/settings_table.py).
-
-Test: `pytest tests/unit/test_config.py`.
+which configs/SETTINGS.md is generated from, engine/api/settings_table.py). Test: `pytest tests/unit/test_config.py`.
 """
 
 from __future__ import annotations
@@ -45,11 +41,9 @@ def _aliases(**mapping: Any) -> dict:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     name_or_path: str = "builtin:tiny-qwen2"
-    """Hugging Face checkpoint: a local directory or a hub name. `builtin:tiny-<family>` for every family of
-    `TINY_FAMILIES` (engine/models/tiny_model.py: `builtin:tiny-qwen2`, `builtin:tiny-llama`, ...,
-    `builtin:tiny-deepseek_v3`, `builtin:tiny-nemotron_h`) builds the project's tiny random-weight model in-process
-    and caches it under the run directory; `builtin:tiny-qwen2-arith` is the shipped warm-started tiny Qwen2 of the
-    demo (engine/demo/warm_start.py) and `builtin:tiny-qwen2-calc` its tool-calling sibling."""
+    """Hugging Face checkpoint: a local directory or a hub name. `builtin:tiny-<family>` (any of `TINY_FAMILIES` in
+    engine/models/tiny_model.py: qwen2 ... nemotron_h) builds a tiny random-weight model in-process, cached in the run
+    directory; `builtin:tiny-qwen2-arith` / `-calc` are the shipped warm-started demo model and its tool-calling twin."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter and activation dtype of the policy (TRL's `bf16=True` -> bfloat16). Softmax statistics and the
     loss are always accumulated in float32."""
