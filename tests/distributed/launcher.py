@@ -6,7 +6,7 @@ back by value). If any rank raises, or dies, or the whole run exceeds the timeou
 failing rank's traceback (a rank stuck in a collective behind a failed peer is terminated and reported as such).
 `fn` must be importable at module level (spawn pickles it by name).
 
-Long-lived worlds (issue #32): starting a rank (a spawned Python that imports torch and Megatron) costs 6-12 s on a
+Long-lived worlds: starting a rank (a spawned Python that imports torch and Megatron) costs 6-12 s on a
 2-core machine, more than most test bodies, so the processes of a world of each size are kept for the session and
 run test body after test body. Each body still starts from what a fresh rank would see: no process group (the
 previous body's, and Megatron's groups, are destroyed after it; the next one rendezvouses on a fresh MASTER_PORT),
