@@ -28,11 +28,13 @@ beyond what is listed above (tests/distributed/test_launcher.py checks the list)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see close_worlds' atexit)
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -59,24 +61,46 @@ def _megatron_writer_manager_pid() -> int | None:
     return process.pid if process is not None and process.is_alive() else None
 
 
-def _live_children() -> list[str]:
-    """The command lines of this process's children that are not zombies (any kind: multiprocessing, subprocess,
-    vLLM's), less Megatron's checkpoint-writer manager (kept by Megatron for the process's life, like an import)."""
-    me, kept = str(os.getpid()), _megatron_writer_manager_pid()
+def _command_of(pid: int) -> str | None:
+    """The command line of a live process (None: gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return None
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:  # the process ended while we looked
+        return None
+
+
+def _children_of(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the children of `pid` that are not zombies."""
     children = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == kept:
+        if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
-                state, ppid = stat.read().rsplit(")", 1)[1].split()[:2]
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
         except OSError:  # the process ended while we looked
             continue
-        if ppid == me and state != "Z":
-            children.append(command[:200])
+        command = _command_of(int(entry)) if ppid == pid else None
+        if command is not None:
+            children.append((int(entry), command))
     return children
+
+
+def _kill(pids) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _live_children() -> list[str]:
+    """The command lines of this process's children that are not zombies (any kind: multiprocessing, subprocess,
+    vLLM's), less Megatron's checkpoint-writer manager (kept by Megatron for the process's life, like an import)."""
+    kept = _megatron_writer_manager_pid()
+    return [command for pid, command in _children_of(os.getpid()) if pid != kept]
 
 
 def _holds_a_vllm_engine() -> bool:
@@ -145,9 +169,11 @@ def _run_body(body: bytes) -> tuple[str, bytes | str, str]:
 
 
 def _exit_with_parent(parent: int) -> None:
-    """Exit this rank as soon as the test process is gone, whatever its main thread is doing (even a hung body)."""
+    """Exit this rank as soon as the test process is gone, whatever its main thread is doing (even a hung body), and
+    take its children along (os._exit runs no exit handler: Megatron's writer manager would outlive it)."""
     while os.getppid() == parent:
         time.sleep(1.0)
+    _kill(pid for pid, _ in _children_of(os.getpid()))
     os._exit(0)
 
 
@@ -224,6 +250,8 @@ class _World:
         return outcome, "; ".join(why_not)
 
     def close(self) -> None:
+        """Stop the ranks (a normal exit where they can, else terminated) and whatever processes they started."""
+        children = {pid: command for proc in self.procs if proc.is_alive() for pid, command in _children_of(proc.pid)}
         for proc, task in zip(self.procs, self.tasks):
             if proc.is_alive():
                 task.put(None)
@@ -235,6 +263,7 @@ class _World:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        _kill(pid for pid, command in children.items() if _command_of(pid) == command)  # outlived a terminated rank
 
 
 _worlds: dict[int, _World] = {}
