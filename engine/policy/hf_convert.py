@@ -37,10 +37,10 @@ from typing import Literal, Protocol
 import torch
 
 from engine.models.deepseek_v3 import MLA_TENSORS, mla_dims
-from engine.models.families import dense_layers, moe_shape, shared_expert_width
+from engine.models.families import dense_layers, has_qk_norm, has_qkv_bias, moe_shape, shared_expert_width
 from engine.models.cohere2 import COHERE2_MODEL_TYPES
 from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
-from engine.models.gpt_oss import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
+from engine.models.gpt_oss.layers import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
 from engine.models.nemotron_h import (NEMOTRON_H_GLOBAL, NEMOTRON_H_TENSORS, hf_layer_name, is_nemotron_h, layer_kinds,
                                       mamba_blocks)
 
@@ -170,9 +170,8 @@ class ModelDims:
             vocab_size=hf_config.vocab_size,
             padded_vocab=padded_vocab,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
-            qkv_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
-            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
-                     or bool(getattr(hf_config, "use_qk_norm", False))),
+            qkv_bias=has_qkv_bias(hf_config),
+            qk_norm=has_qk_norm(hf_config),
             num_experts=experts,
             moe_ffn_hidden_size=expert_ffn,
             moe_map=model_type if experts else "",

@@ -33,10 +33,11 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
 from engine.models.deepseek_v3 import mla_attention_specs, mla_settings
-from engine.models.families import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type
+from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, family_spec, has_qk_norm,
+                                    has_qkv_bias)
 from engine.models.cohere2 import is_cohere2
 from engine.models.gemma import gemma_rope_settings, is_gemma
-from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
+from engine.models.gpt_oss.layers import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
 from engine.models.nemotron_h import check_nemotron_h_layout, is_nemotron_h, nemotron_h_settings
 from engine.policy import cohere2_layers, gemma_layers, mamba_layers
 from engine.policy.fused_layers import FusedGemmaRMSNorm, FusedRMSNorm
@@ -44,17 +45,6 @@ from engine.policy.moe_config import freeze_expert_bias, mark_expert_params, moe
 from engine.policy.parallel import ParallelState
 from engine.policy.sdpa_attention import attention_specs
 from engine.recompute import resolve_recompute
-
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
-"""Families with a per-head RMSNorm on queries and keys before RoPE (HF `q_norm` / `k_norm`; Megatron's
-`qk_layernorm`, norms over kv_channels = head_dim)."""
-
-
-def has_qk_norm(hf_config) -> bool:
-    """Qwen3's q/k norms, or GLM-4.5's when its config says `use_qk_norm` (GLM-4.5: true, GLM-4.5-Air: false)."""
-    return hf_config.model_type in QK_NORM_MODEL_TYPES or bool(getattr(hf_config, "use_qk_norm", False))
-
-
 
 @dataclass(frozen=True)
 class PolicyShape:
@@ -100,6 +90,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_model_type(hf_config)
+    family = family_spec(hf_config.model_type)
     num_layers = hf_config.num_hidden_layers
     chunks = ps.pp_size * (ps.vpp_size or 1)
     if num_layers % chunks:
@@ -137,12 +128,11 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         num_query_groups=groups,
         kv_channels=head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=(hf_config.layer_norm_eps if is_cohere2(hf_config) else hf_config.layer_norm_epsilon
-                           if is_nemotron_h(hf_config) else hf_config.rms_norm_eps),
+        layernorm_epsilon=getattr(hf_config, family.norm_eps_field),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
+        add_qkv_bias=has_qkv_bias(hf_config),
         qk_layernorm=has_qk_norm(hf_config),
         **dropout_settings(hf_config, cfg),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),

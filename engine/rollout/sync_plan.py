@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.models.deepseek_v3 import mla_hf_shape
-from engine.models.gpt_oss import EXPERT_PIECE, STACKED_KINDS
+from engine.models.gpt_oss.layers import EXPERT_PIECE, STACKED_KINDS
 from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names, layer_entries
 
 

@@ -16,6 +16,8 @@ SP, log-probs through the LM-head kernel; export byte-exact; GRPO step at TP2 + 
 
 from __future__ import annotations
 
+from engine.models.family_spec import FamilySpec
+
 COHERE2_MODEL_TYPES = ("cohere2",)
 """Cohere families the policy builds: one bias-free LayerNorm per layer feeding attention and MLP in parallel
 (h = x + attn(ln(x)) + mlp(ln(x))), RoPE (interleaved pairs) on the sliding-window layers only, the global layers
@@ -66,3 +68,34 @@ def cohere2_transformer_settings(hf_config) -> dict:
         window_size=(int(hf_config.sliding_window) - 1, 0),
         window_attn_skip_freq=[int(t == "sliding_attention") for t in hf_config.layer_types],
     )
+
+
+TINY_COHERE2_LOGIT_SCALE, TINY_COHERE2_WINDOW = 0.25, 4
+"""The tiny Cohere 2's logits x 0.25 (Command R7B's own; HF's default 0.0625) and its sliding window of 4 tokens
+(shorter than the tests' 12-token rows, so the window masks)."""
+
+
+def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
+    """Cohere 2's architecture at the tiny shapes: layers sliding, full, sliding, full (each PP2 stage holds one of
+    each; HF's default pattern is 3 sliding then 1 full) with a window of `TINY_COHERE2_WINDOW` tokens, RoPE
+    (interleaved pairs, base 1e4) on the sliding layers only, one bias-free LayerNorm (eps 1e-5) per layer feeding
+    attention and the SwiGLU MLP in parallel, logits x `TINY_COHERE2_LOGIT_SCALE`, tied embeddings (Cohere 2's own;
+    `tie_word_embeddings` is ignored)."""
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "tie_word_embeddings")}
+    return dict(**common, layer_norm_eps=1e-5, logit_scale=TINY_COHERE2_LOGIT_SCALE, tie_word_embeddings=True,
+                sliding_window=TINY_COHERE2_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4}, attention_bias=False)
+
+
+def randomise_tiny_inits(model) -> None:
+    """The LayerNorm weights 1 + N(0, 0.1^2), where HF initialises ones."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
+
+
+SPEC = FamilySpec(name="cohere2", model_types=COHERE2_MODEL_TYPES, check=check_cohere2,
+                  norm_eps_field="layer_norm_eps", tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -1,5 +1,5 @@
-"""GPT-OSS (HF model_type `gpt_oss`): what the family needs beyond the Llama-shaped translation of
-engine/policy/model.py, kept in one place.
+"""GPT-OSS's torch pieces (its spec, refusals and tiny config: engine/models/gpt_oss/__init__.py): what the family
+needs beyond the Llama-shaped translation of engine/policy/model.py.
 
 Owns: GPT-OSS's TransformerConfig
 keywords (`gpt_oss_settings`: q/k/v/o and expert biases, the router bias, learned per-head attention sinks, the
@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from engine.models.families import check_gpt_oss
+from engine.models.gpt_oss import check_gpt_oss
 
 EXPERT_PIECE = "#expert="
 """Suffix of the HF name of one expert's slice of a stacked GPT-OSS expert tensor (`stacked_expert_to_hf`); the
@@ -54,7 +54,7 @@ def gpt_oss_settings(hf_config) -> dict:
     """
     if hf_config.model_type != "gpt_oss":
         return {}
-    check_gpt_oss(hf_config)  # engine/models/families.py: the settings not translated
+    check_gpt_oss(hf_config)  # engine/models/gpt_oss/__init__.py: the settings not translated
     window = [int(kind == "sliding_attention") for kind in hf_config.layer_types]
     settings = dict(
         add_bias_linear=True,
@@ -78,7 +78,7 @@ def yarn_rope_settings(hf_config) -> dict | None:
     positions); HF's `truncate` (default true) is Megatron's `correction_range_round_to_int`. The attention factor
     HF multiplies cos and sin by, 0.1 ln(factor) + 1 (or the mscale / mscale_all_dim ratio), is what megatron-core
     0.16.1's attention applies from these attributes (`_yarn_get_concentration_factor_from_config`: mscale None =
-    from the factor alone); an explicit `attention_factor` is refused (engine/models/families.py check_gpt_oss)."""
+    from the factor alone); an explicit `attention_factor` is refused (engine/models/gpt_oss/__init__.py check_gpt_oss)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if hf_config.model_type != "gpt_oss" or params.get("rope_type") != "yarn":
         return None  # YaRN is translated (and compared with HF) for GPT-OSS only

@@ -1,0 +1,89 @@
+"""GPT-OSS (HF `gpt_oss`): alternating sliding-window / full attention with learned sinks and biases, YaRN RoPE,
+routed experts with biases and a clamped SwiGLU, its experts stacked in one HF tensor per layer.
+
+Owns: `SPEC`, the family's facts for the registry (engine/models/families.py): the settings refused (`check_gpt_oss`;
+its MXFP4 checkpoint: engine/models/families.py `check_quantization`), its MoE field names, its tiny config and the
+tiny model's random biases and sinks. The torch pieces (TransformerConfig keywords, the layer-spec swaps, the stacked
+expert conversions) are engine/models/gpt_oss/layers.py, re-exported here on first use so that this module stays
+free of torch (the planner imports it).
+
+Must not: import torch, Megatron or vLLM at module level.
+
+Test: tests/unit/test_gpt_oss.py (refusals, conversions), tests/unit/test_families.py, tests/unit/test_tiny_model.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, FamilySpec
+
+_LAYERS = ("EXPERT_PIECE", "STACKED_KINDS", "alpha_swish", "gpt_oss_settings", "yarn_rope_settings",
+           "sliding_window_mask", "windowed_attention_class", "copied_output_row_parallel_class", "gpt_oss_spec",
+           "read_stacked_expert", "stacked_expert_to_hf", "stack_expert_pieces")
+"""The names of engine/models/gpt_oss/layers.py this package hands out (importing torch then, not before)."""
+
+
+def __getattr__(name: str):
+    """The torch pieces of `_LAYERS`, imported from layers.py on first use (PEP 562)."""
+    if name in _LAYERS:
+        return getattr(importlib.import_module(f"{__name__}.layers"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def check_gpt_oss(hf_config) -> None:
+    """Refuse GPT-OSS settings the translation would not reproduce: layer types other than sliding / full attention,
+    a RoPE other than default or YaRN, an explicit YaRN attention_factor (its MXFP4 checkpoint: `check_quantization`).
+
+    Raises:
+        ValueError naming `model.name_or_path`, the setting and the cause.
+    """
+    kinds = set(hf_config.layer_types)
+    if not kinds <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"model.name_or_path: gpt_oss with layer_types {sorted(kinds)}: only sliding_attention and "
+                         "full_attention are translated")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope.get("attention_factor") is not None:
+        raise ValueError(f"model.name_or_path: gpt_oss with rope_parameters.attention_factor="
+                         f"{rope['attention_factor']}: Megatron derives YaRN's attention factor from the factor (and "
+                         "mscale / mscale_all_dim); an explicit one is not translated")
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"model.name_or_path: gpt_oss with rope_type {rope_type!r}: only yarn (GPT-OSS's own) and "
+                         "default are translated")
+
+
+TINY_GPT_OSS_WINDOW, TINY_GPT_OSS_LIMIT = 4, 0.2
+"""The tiny GPT-OSS's sliding window (4 keys: the tests' 12-token rows cross it) and SwiGLU clamp (GPT-OSS's is 7.0;
+the tiny model's gate / up values are ~0.2, so 0.2 clamps a part of them and a test sees the clamp)."""
+
+
+def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
+    """GPT-OSS's architecture at the tiny shapes: q/k/v/o biases, learned sinks, sliding-window attention
+    (`TINY_GPT_OSS_WINDOW`) on even layers and full attention on odd ones (GPT-OSS's `layer_types`), YaRN RoPE
+    (factor 16 over 64 original positions), 4 experts of width 64, top-2, with router and expert biases and the
+    clamped SwiGLU (alpha 1.702, limit `TINY_GPT_OSS_LIMIT`)."""
+    rope = {"rope_type": "yarn", "rope_theta": common["rope_theta"], "factor": 16.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "hidden_act")}
+    return dict(**{**common, "intermediate_size": TINY_MOE_FFN},
+                head_dim=common["hidden_size"] // common["num_attention_heads"], num_local_experts=TINY_MOE_EXPERTS,
+                num_experts_per_tok=TINY_MOE_TOP_K, sliding_window=TINY_GPT_OSS_WINDOW, rope_parameters=rope,
+                attention_bias=True, swiglu_limit=TINY_GPT_OSS_LIMIT, router_aux_loss_coef=0.001)
+
+
+def randomise_tiny_inits(model) -> None:
+    """The expert biases N(0, 0.1^2) and the attention sinks N(0, 1), where HF initialises zeros."""
+    import torch
+
+    with torch.no_grad():
+        for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                tensor.copy_(0.1 * torch.randn(tensor.shape))
+            elif name.endswith("self_attn.sinks"):
+                tensor.copy_(torch.randn(tensor.shape))
+
+
+SPEC = FamilySpec(name="gpt_oss", model_types=("gpt_oss",), check=check_gpt_oss,
+                  moe_fields=("num_local_experts", "intermediate_size"), tiny_config=tiny_config,
+                  randomise_tiny_inits=randomise_tiny_inits)

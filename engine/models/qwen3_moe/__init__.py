@@ -1,0 +1,23 @@
+"""Qwen3-MoE (HF `qwen3_moe`): Qwen3's attention, every layer's MLP routed softmax top-k SwiGLU experts.
+
+Owns: `SPEC`, the family's facts for the registry (engine/models/families.py): its MoE field names
+(num_experts / moe_intermediate_size) and tiny config.
+
+Test: tests/unit/test_families.py (moe_shape), tests/unit/test_tiny_model.py.
+"""
+
+from __future__ import annotations
+
+from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, TINY_QWEN3_HEAD_DIM, FamilySpec
+
+
+def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
+    """The tiny Qwen3-MoE: Qwen3's tiny attention; every layer `TINY_MOE_EXPERTS` experts of width `TINY_MOE_FFN`,
+    top-`TINY_MOE_TOP_K`, probabilities renormalised."""
+    return dict(head_dim=TINY_QWEN3_HEAD_DIM, attention_bias=False, use_sliding_window=False,
+                num_experts=TINY_MOE_EXPERTS, num_experts_per_tok=TINY_MOE_TOP_K, moe_intermediate_size=TINY_MOE_FFN,
+                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, **common)
+
+
+SPEC = FamilySpec(name="qwen3_moe", model_types=("qwen3_moe",), moe_fields=("num_experts", "moe_intermediate_size"),
+                  qk_norm_types=("qwen3_moe",), tiny_config=tiny_config)
