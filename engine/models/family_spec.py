@@ -54,6 +54,11 @@ class FamilySpec:
     has_routed_experts: Callable | None = None
     """Whether a config.json (a dict) has routed experts, for a family where the expert count alone does not say;
     None = any of the expert-count fields is set."""
+    moe_tensors: tuple = ()
+    """The MoE MLP's entries of the converter's map (engine/models/tensor_map.py `TensorMap`s; `{e}` = expert index),
+    replacing the dense MLP's; () = dense."""
+    attention_tensors: tuple = ()
+    """The attention's entries beyond Llama's (`TensorMap`s), for an MoE family."""
     dense_layers: Callable = _none
     """How many first decoder layers of an MoE family are dense: `dense_layers(hf_config)` -> int."""
     shared_expert_width: Callable = _none

@@ -26,6 +26,7 @@ from pathlib import Path
 from engine.models.family_spec import (TINY_DENSE_LAYERS, TINY_MOE_FFN, TINY_MOE_TOP_K, TINY_SIGMOID_ROUTER, FamilySpec,
                                        check_sigmoid_router, randomise_expert_score_bias, sigmoid_router_dense_layers,
                                        sigmoid_router_shared_expert_width)
+from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
 
 MLA_TENSORS = (
     ("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", "replicated"),
@@ -270,6 +271,7 @@ def check(hf_config) -> None:
 
 
 SPEC = FamilySpec(name="deepseek_v3", model_types=("deepseek_v3",), check=check,
-                  moe_fields=("n_routed_experts", "moe_intermediate_size"), dense_layers=sigmoid_router_dense_layers,
+                  moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
+                  dense_layers=sigmoid_router_dense_layers,
                   shared_expert_width=sigmoid_router_shared_expert_width, tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_expert_score_bias)

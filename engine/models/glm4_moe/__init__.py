@@ -14,6 +14,7 @@ from engine.models.family_spec import (TINY_DENSE_LAYERS, TINY_MOE_EXPERTS, TINY
                                        TINY_SIGMOID_ROUTER, FamilySpec, check_sigmoid_router,
                                        randomise_expert_score_bias, sigmoid_router_dense_layers,
                                        sigmoid_router_shared_expert_width)
+from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
 
 
 def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
@@ -32,6 +33,7 @@ def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
 
 
 SPEC = FamilySpec(name="glm4_moe", model_types=("glm4_moe",), check=check_sigmoid_router,
-                  moe_fields=("n_routed_experts", "moe_intermediate_size"), dense_layers=sigmoid_router_dense_layers,
+                  moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
+                  dense_layers=sigmoid_router_dense_layers,
                   shared_expert_width=sigmoid_router_shared_expert_width, tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_expert_score_bias)

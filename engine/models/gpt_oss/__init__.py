@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 
 from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, FamilySpec
+from engine.models.tensor_map import TensorMap
 
 _LAYERS = ("EXPERT_PIECE", "STACKED_KINDS", "alpha_swish", "gpt_oss_settings", "yarn_rope_settings",
            "sliding_window_mask", "windowed_attention_class", "copied_output_row_parallel_class", "gpt_oss_spec",
@@ -84,6 +85,32 @@ def randomise_tiny_inits(model) -> None:
                 tensor.copy_(torch.randn(tensor.shape))
 
 
+MOE_TENSORS = (
+    TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.router.weight",), "replicated"),
+    TensorMap("decoder.layers.{i}.mlp.router.bias", ("model.layers.{i}.mlp.router.bias",), "replicated"),
+    TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
+              ("model.layers.{i}.mlp.experts.gate_up_proj",), "stacked_gate_up"),
+    TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.bias",
+              ("model.layers.{i}.mlp.experts.gate_up_proj_bias",), "stacked_gate_up"),
+    TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+              ("model.layers.{i}.mlp.experts.down_proj",), "stacked_row"),
+    TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.bias",
+              ("model.layers.{i}.mlp.experts.down_proj_bias",), "stacked_replicated"),
+)
+"""The MoE MLP's HF <-> Megatron names: a router with a bias; every expert's tensors stacked in one HF tensor per
+layer (`stacked_*` kinds: engine/models/gpt_oss/layers.py), with biases on both expert linears."""
+
+ATTENTION_TENSORS = (
+    TensorMap("decoder.layers.{i}.self_attention.linear_proj.bias", ("model.layers.{i}.self_attn.o_proj.bias",),
+              "replicated"),
+    TensorMap("decoder.layers.{i}.self_attention.core_attention.softmax_offset", ("model.layers.{i}.self_attn.sinks",),
+              "column"),
+)
+"""The attention beyond Llama's: the output projection's bias and the learned per-head sinks (Megatron's
+`softmax_offset`, split over TP by head)."""
+
+
 SPEC = FamilySpec(name="gpt_oss", model_types=("gpt_oss",), check=check_gpt_oss,
-                  moe_fields=("num_local_experts", "intermediate_size"), tiny_config=tiny_config,
+                  moe_fields=("num_local_experts", "intermediate_size"), moe_tensors=MOE_TENSORS,
+                  attention_tensors=ATTENTION_TENSORS, tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_tiny_inits)

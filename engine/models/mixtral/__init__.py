@@ -10,6 +10,7 @@ Test: tests/unit/test_families.py (refusals, moe_shape), tests/unit/test_tiny_mo
 from __future__ import annotations
 
 from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, FamilySpec
+from engine.models.tensor_map import TensorMap
 
 
 def check_mixtral(hf_config) -> None:
@@ -37,5 +38,19 @@ def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
                 router_aux_loss_coef=0.001)
 
 
+MOE_TENSORS = (
+    TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.block_sparse_moe.gate.weight",),
+              "replicated"),
+    TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
+              ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
+               "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"), "gate_up"),
+    TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
+              ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",), "row"),
+)
+"""The MoE MLP's HF <-> Megatron names: Mixtral's checkpoint names for Qwen3-MoE's three Megatron tensors (w1 = gate,
+w3 = up, w2 = down)."""
+
+
 SPEC = FamilySpec(name="mixtral", model_types=("mixtral",), check=check_mixtral,
-                  moe_fields=("num_local_experts", "intermediate_size"), tiny_config=tiny_config)
+                  moe_fields=("num_local_experts", "intermediate_size"), moe_tensors=MOE_TENSORS,
+                  tiny_config=tiny_config)
