@@ -35,6 +35,10 @@ SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
 MOE_MODEL_TYPES = tuple(t for spec in FAMILIES if spec.moe_fields is not None for t in spec.model_types)
 """Families with routed-expert MLPs in every layer (except dense first `dense_layers`)."""
 
+INTERLEAVED_GATE_UP = tuple(t for spec in FAMILIES if spec.interleaved_gate_up for t in spec.model_types)
+"""MoE families whose stacked `mlp.experts.gate_up_proj` interleaves gate and up (the others hold [gate; up] /
+(E, h, f), Megatron's fc1 / fc2 row for row): an exported expert adapter's lora_B rows follow."""
+
 MISSING_FEATURES: dict[str, str] = {}
 """Families the engine does not build yet, with what the translation lacks: named when one is refused."""
 

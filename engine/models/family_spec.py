@@ -57,6 +57,9 @@ class FamilySpec:
     moe_tensors: tuple = ()
     """The MoE MLP's entries of the converter's map (engine/models/tensor_map.py `TensorMap`s; `{e}` = expert index),
     replacing the dense MLP's; () = dense."""
+    interleaved_gate_up: bool = False
+    """Whether the checkpoint's stacked `mlp.experts.gate_up_proj` interleaves gate and up (columns g0, u0, g1, ...):
+    an exported expert adapter's lora_B rows are interleaved to match (Megatron's fc1 is [gate; up])."""
     attention_tensors: tuple = ()
     """The attention's entries beyond Llama's (`TensorMap`s), for an MoE family."""
     dense_layers: Callable = _none

@@ -42,7 +42,7 @@ class PlanError(ConfigError):
 class ModelDims:
     """The Hugging Face config numbers the plan needs (Qwen2 / Llama / Qwen3: GQA, SwiGLU, RMSNorm; Qwen3-MoE and
     Mixtral: routed experts in every layer instead of the dense MLP; GLM-4.5: dense first layers, a shared expert;
-    GPT-OSS: biases and sinks; DeepSeek-V3: multi-latent attention, built by engine/models/deepseek_v3.py with the
+    GPT-OSS: biases and sinks; DeepSeek-V3: multi-latent attention, built by engine/models/deepseek_v3/ with the
     down-projections replicated over TP, as sized here; Gemma 2 / 3 and Cohere 2: their norms per layer and
     sliding-window layers)."""
 

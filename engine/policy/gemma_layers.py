@@ -5,7 +5,7 @@ post-feedforward norms as `post_layernorm` children of the output projections (`
 `GemmaSelfAttention` (the sliding layers' own RoPE base, `rope_local_base_freq`), `GemmaCoreAttention` (the causal or
 block-causal mask AND the sliding window; `core_attention_class`, Cohere 2's too), `gemma_layer_spec` (the local spec
 with all of these), `gelu_tanh`,
-`finish_transformer_config` (engine/models/gemma.py's settings applied) and `scale_embeddings` (sqrt(hidden), cast to
+`finish_transformer_config` (engine/models/gemma/'s settings applied) and `scale_embeddings` (sqrt(hidden), cast to
 the model dtype first, as HF).
 
 Must not: read Megatron's global parallel state (RoPE takes the attention's context-parallel group), import vLLM.

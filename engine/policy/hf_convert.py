@@ -5,9 +5,9 @@ names, layout kind `Kind`) for the Llama-shaped families (Qwen2's QKV bias, Qwen
 `q_layernorm` / `k_layernorm`, replicated, (head_dim,)), with each MoE family's MLP table (`MOE_MAPS`, gathered from
 the family folders' `moe_tensors`; tied embeddings: `family_map`; dense first layers: `layer_entries`) and extra
 attention tensors (`ATTENTION_MAPS`: GPT-OSS's sinks and o_proj bias), GPT-OSS's
-stacked expert tensors: the `stacked_*` kinds, converted by engine/models/gpt_oss/layers.py; Gemma's four norms per layer:
+stacked expert tensors: the `stacked_*` kinds, converted by engine/models/stacked_experts.py; Gemma's four norms per layer:
 `ModelDims.sandwich_norms`; Cohere 2's one norm per layer: `ModelDims.parallel_block`; Nemotron-H's per-kind layers
-under `backbone.` names: `ModelDims.layer_kinds`, engine/models/nemotron_h.py), and the
+under `backbone.` names: `ModelDims.layer_kinds`, engine/models/nemotron_h/), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
@@ -41,9 +41,9 @@ from engine.models.deepseek_v3 import MLA_TENSORS, mla_dims
 from engine.models.families import FAMILIES, dense_layers, has_qk_norm, has_qkv_bias, moe_shape, shared_expert_width
 from engine.models.cohere2 import COHERE2_MODEL_TYPES
 from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
-from engine.models.gpt_oss.layers import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
 from engine.models.nemotron_h import (NEMOTRON_H_GLOBAL, NEMOTRON_H_TENSORS, hf_layer_name, is_nemotron_h, layer_kinds,
                                       mamba_blocks)
+from engine.models.stacked_experts import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
 from engine.models.tensor_map import TensorMap
 
 class TensorSource(Protocol):
@@ -94,7 +94,7 @@ class ModelDims:
     shared_expert_ffn: int = 0
     """MoE: the always-on shared expert's MLP width (GLM-4.5; 0 = none)."""
     sandwich_norms: bool = False
-    """Gemma: four norms per layer under Gemma's names (engine/models/gemma.py GEMMA_NORM_NAMES)."""
+    """Gemma: four norms per layer under Gemma's names (engine/models/gemma/ GEMMA_NORM_NAMES)."""
     q_lora_rank: int = 0
     """DeepSeek-V3's multi-latent attention (MLA; 0 = none): the query latent's width (HF q_lora_rank)."""
     kv_lora_rank: int = 0
@@ -108,12 +108,12 @@ class ModelDims:
 
     @property
     def mla(self) -> bool:
-        """DeepSeek-V3's multi-latent attention (engine/models/deepseek_v3.py MLA_TENSORS) instead of q/k/v/o."""
+        """DeepSeek-V3's multi-latent attention (engine/models/deepseek_v3/ MLA_TENSORS) instead of q/k/v/o."""
         return self.kv_lora_rank > 0
     parallel_block: bool = False
-    """Cohere 2: one norm per layer feeding attention and MLP (no pre-MLP norm: engine/models/cohere2.py)."""
+    """Cohere 2: one norm per layer feeding attention and MLP (no pre-MLP norm: engine/models/cohere2/)."""
     layer_kinds: tuple[str, ...] = ()
-    """Nemotron-H: each layer's one mixer, "mamba" / "attention" / "mlp" (engine/models/nemotron_h.py); () = other."""
+    """Nemotron-H: each layer's one mixer, "mamba" / "attention" / "mlp" (engine/models/nemotron_h/); () = other."""
     mamba_blocks: tuple[int, ...] = ()
     """Nemotron-H: the Mamba-2 in_proj's global row blocks (z, x, B, C, dt)."""
     mamba_conv_bias: bool = False
@@ -227,7 +227,7 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
 
 
 def _hybrid_map(dims: ModelDims) -> list[TensorMap]:
-    """Nemotron-H's map (engine/models/nemotron_h.py NEMOTRON_H_TENSORS): every layer kind's entries, once each."""
+    """Nemotron-H's map (engine/models/nemotron_h/ NEMOTRON_H_TENSORS): every layer kind's entries, once each."""
     entries = [TensorMap(megatron, (hf,), kind) for megatron, hf, kind in NEMOTRON_H_GLOBAL]
     for kind in ("mamba", "attention", "mlp", "moe"):
         entries += [e for e in _hybrid_layer_map(dims, kind) if e not in entries]

@@ -1,7 +1,7 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
-spec pieces and YaRN: engine/models/gpt_oss.py) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3.py) /
+spec pieces and YaRN: engine/models/gpt_oss/) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3/) /
 Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/mamba_layers.py) HF config into
 Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
 recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
@@ -119,7 +119,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
             "train.recompute_modules: 'layernorm' needs Transformer Engine: megatron-core 0.16.1's "
             "CheckpointWithoutOutput (the norms' recompute) reads `fp8 is not None`, true for its default fp8=False, "
             "and then calls Transformer Engine's FP8GlobalStateManager (NameError without it)")
-    mla = mla_settings(hf_config)  # DeepSeek-V3's multi-latent attention: engine/models/deepseek_v3.py
+    mla = mla_settings(hf_config)  # DeepSeek-V3's multi-latent attention: engine/models/deepseek_v3/
     config = (MLATransformerConfig if mla else TransformerConfig)(**{**dict(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
@@ -159,7 +159,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
         setattr(config, name, value)  # GPTModel's YarnRotaryEmbedding reads them with getattr (not config fields)
     config = gemma_layers.finish_transformer_config(config, hf_config)  # Gemma's MLP, softmax scale and window
-    if is_nemotron_h(hf_config):  # Nemotron-H's non-gated squared-ReLU MLP (engine/models/nemotron_h.py)
+    if is_nemotron_h(hf_config):  # Nemotron-H's non-gated squared-ReLU MLP (engine/models/nemotron_h/)
         from megatron.core.activations import squared_relu
 
         check_nemotron_h_layout(hf_config, ps.tp_size, ps.pp_size)
@@ -186,9 +186,9 @@ def rope_settings(hf_config) -> dict:
     `llama3` scaling maps to Megatron's `rope_scaling`,
     whose low/high frequency factors and original length are fixed at 1, 4 and 8192.
     """
-    if (yarn := yarn_rope_settings(hf_config)) is not None:  # GPT-OSS: engine/models/gpt_oss.py
+    if (yarn := yarn_rope_settings(hf_config)) is not None:  # GPT-OSS: engine/models/gpt_oss/
         return yarn[0]
-    if hf_config.model_type == "deepseek_v3":  # MLA builds its own RoPE / YaRN (engine/models/deepseek_v3.py)
+    if hf_config.model_type == "deepseek_v3":  # MLA builds its own RoPE / YaRN (engine/models/deepseek_v3/)
         return {}
     if is_nemotron_h(hf_config):  # Nemotron-H's attention has no position encoding
         return {"position_embedding_type": "none"}

@@ -4,7 +4,7 @@ Owns: `vllm_hf_overrides`, the config values vLLM must be started with so that i
 transformers) computes. vLLM's Cohere 2 attention gives its sliding layers a window of `sliding_window + 1` tokens
 ("to match the training convention", its comment says); transformers' Cohere2 masks keys `sliding_window` or more
 positions back (masking_utils `sliding_window_overlay`: a window of `sliding_window` tokens, the query included), as
-does the trainer (engine/models/cohere2.py). Started with `sliding_window - 1`, vLLM attends over exactly the
+does the trainer (engine/models/cohere2/). Started with `sliding_window - 1`, vLLM attends over exactly the
 trainer's window. Measured on the tiny Cohere 2 (window 4, fp32): engine vs trainer log-probs 0.028 apart without the
 override, within the sync test's 1e-3 with it.
 

