@@ -30,6 +30,16 @@ def _none(hf_config) -> int:
     return 0
 
 
+def _no_settings(hf_config) -> dict:
+    """The default TransformerConfig hook: the Llama-shaped translation as it is."""
+    return {}
+
+
+def _unchanged(config, hf_config, tp_size: int, pp_size: int):
+    """The default finishing hook: the TransformerConfig as built."""
+    return config
+
+
 def _no_random_inits(model) -> None:
     """The default tiny-model hook: HF's own initialisation is kept."""
 
@@ -73,6 +83,16 @@ class FamilySpec:
     qk_norm_types: tuple[str, ...] = ()
     """The model_types whose every layer has a per-head RMSNorm on queries and keys (besides a config's own
     `use_qk_norm`)."""
+    transformer_settings: Callable = _no_settings
+    """TransformerConfig keywords that override the Llama-shaped translation's (`transformer_settings(hf_config)` ->
+    dict); `multi_latent_attention=True` among them builds Megatron's MLATransformerConfig."""
+    finish_transformer_config: Callable = _unchanged
+    """The built TransformerConfig, finished (`finish_transformer_config(config, hf_config, tp_size, pp_size)` ->
+    config): what needs torch or Megatron (an activation function, attributes Megatron reads with getattr) or the
+    layout (a TP size the family's layers cannot split)."""
+    rope_settings: Callable | None = None
+    """GPTModel's position-embedding keywords (`rope_settings(hf_config)` -> dict, or None for the Llama-shaped RoPE
+    of the config's `rope_parameters`); None = always the Llama-shaped RoPE."""
     tiny_config: Callable = field(default=lambda model_type, common, moe_layers: dict(common))
     """The tiny test model's HF config keywords: `tiny_config(model_type, common, moe_layers)` -> kwargs of
     `AutoConfig.for_model(model_type, ...)`; `common` holds the shapes every tiny model shares

@@ -97,5 +97,13 @@ def randomise_tiny_inits(model) -> None:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape))
 
 
+def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
+    """`cohere2_transformer_settings`: its LayerNorm's epsilon, interleaved RoPE, the sliding window."""
+    import dataclasses
+
+    return dataclasses.replace(config, **cohere2_transformer_settings(hf_config))
+
+
 SPEC = FamilySpec(name="cohere2", model_types=COHERE2_MODEL_TYPES, check=check_cohere2,
-                  norm_eps_field="layer_norm_eps", tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)
+                  norm_eps_field="layer_norm_eps", finish_transformer_config=finish_transformer_config,
+                  tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -273,5 +273,6 @@ def check(hf_config) -> None:
 SPEC = FamilySpec(name="deepseek_v3", model_types=("deepseek_v3",), check=check,
                   moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
                   dense_layers=sigmoid_router_dense_layers,
-                  shared_expert_width=sigmoid_router_shared_expert_width, tiny_config=tiny_config,
+                  shared_expert_width=sigmoid_router_shared_expert_width, transformer_settings=mla_settings,
+                  rope_settings=lambda hf_config: {}, tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_expert_score_bias)

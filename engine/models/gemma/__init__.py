@@ -141,5 +141,15 @@ def randomise_tiny_inits(model) -> None:
                 param.copy_(0.1 * torch.randn(param.shape))
 
 
+def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
+    """`gemma_transformer_settings` and the gelu-tanh gated MLP (engine/models/gemma/activation.py)."""
+    import dataclasses
+
+    from engine.models.gemma.activation import gelu_tanh
+
+    return dataclasses.replace(config, activation_func=gelu_tanh, **gemma_transformer_settings(hf_config))
+
+
 SPEC = FamilySpec(name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma, qk_norm_types=("gemma3_text",),
+                  finish_transformer_config=finish_transformer_config, rope_settings=gemma_rope_settings,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

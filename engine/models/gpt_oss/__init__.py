@@ -115,7 +115,33 @@ ATTENTION_TENSORS = (
 `softmax_offset`, split over TP by head)."""
 
 
+def transformer_settings(hf_config) -> dict:
+    """layers.py `gpt_oss_settings`: biases, sinks, sliding windows, the clamped SwiGLU."""
+    from engine.models.gpt_oss.layers import gpt_oss_settings
+
+    return gpt_oss_settings(hf_config)
+
+
+def rope_settings(hf_config) -> dict | None:
+    """YaRN's GPTModel keywords (layers.py `yarn_rope_settings`); None (the Llama-shaped RoPE) without YaRN."""
+    from engine.models.gpt_oss.layers import yarn_rope_settings
+
+    yarn = yarn_rope_settings(hf_config)
+    return None if yarn is None else yarn[0]
+
+
+def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
+    """The YaRN attributes GPTModel's YarnRotaryEmbedding and attention read with getattr (not config fields)."""
+    from engine.models.gpt_oss.layers import yarn_rope_settings
+
+    for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
+        setattr(config, name, value)
+    return config
+
+
 SPEC = FamilySpec(name="gpt_oss", model_types=("gpt_oss",), check=check_gpt_oss,
                   moe_fields=("num_local_experts", "intermediate_size"), moe_tensors=MOE_TENSORS,
-                  attention_tensors=ATTENTION_TENSORS, interleaved_gate_up=True, tiny_config=tiny_config,
+                  attention_tensors=ATTENTION_TENSORS, interleaved_gate_up=True,
+                  transformer_settings=transformer_settings, finish_transformer_config=finish_transformer_config,
+                  rope_settings=rope_settings, tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_tiny_inits)

@@ -242,7 +242,18 @@ def check(hf_config) -> None:
         check_sigmoid_router(hf_config)
 
 
+def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
+    """The layout check (`check_nemotron_h_layout`), then `nemotron_h_settings` with the squared-ReLU activation."""
+    import dataclasses
+
+    from megatron.core.activations import squared_relu
+
+    check_nemotron_h_layout(hf_config, tp_size, pp_size)
+    return dataclasses.replace(config, **nemotron_h_settings(hf_config), activation_func=squared_relu)
+
+
 SPEC = FamilySpec(name="nemotron_h", model_types=NEMOTRON_H_MODEL_TYPES, check=check, moe_shape=moe_shape,
                   has_routed_experts=has_moe_layers, shared_expert_width=shared_expert_width,
-                  norm_eps_field="layer_norm_epsilon", tiny_config=tiny_config, has_moe_layer_variant=True,
+                  norm_eps_field="layer_norm_epsilon", finish_transformer_config=finish_transformer_config,
+                  rope_settings=lambda hf_config: {"position_embedding_type": "none"}, tiny_config=tiny_config, has_moe_layer_variant=True,
                   randomise_tiny_inits=randomise_tiny_inits)
