@@ -5,8 +5,8 @@ Owns: `FAMILIES` (every family the engine builds, in the order the tiny models a
 (`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
 `MISSING_FEATURES`), the refusal of a quantised checkpoint of any family (`check_quantization`, naming the method
 and the conversion to run), and the MoE facts the policy, the converter and the planner read under one name
-whatever the family calls them (`moe_shape`, `dense_layers`, `shared_expert_width`, `has_routed_experts`) and the attention's
-(`has_qkv_bias`, `has_qk_norm`). What
+whatever the family calls them (`moe_shape`, `dense_layers`, `shared_expert_width`, `has_routed_experts`) and
+the attention's (`has_qkv_bias`, `has_qk_norm`). What
 differs per family is its folder's `SPEC` (engine/models/family_spec.py says what a spec holds); nothing here
 names a family.
 
@@ -46,6 +46,12 @@ MISSING_FEATURES: dict[str, str] = {}
 def family_spec(model_type: str) -> FamilySpec:
     """The spec of a supported model_type (KeyError for another: `check_model_type` refuses those first)."""
     return _BY_MODEL_TYPE[model_type]
+
+
+def spec_or_llama(model_type: str | None) -> FamilySpec:
+    """The spec of `model_type`, or the Llama-shaped defaults for one the registry does not know (the planner sizes
+    any config.json)."""
+    return _BY_MODEL_TYPE.get(model_type) or FamilySpec(name="", model_types=())
 
 
 def check_model_type(hf_config) -> None:

@@ -44,6 +44,28 @@ def _no_random_inits(model) -> None:
     """The default tiny-model hook: HF's own initialisation is kept."""
 
 
+def sliding_window_dims(values: dict, sliding_layers: int | None = None) -> dict:
+    """The planner's sliding-window fields of a config.json: the window and how many layers use it (`layer_types`,
+    else `sliding_layers`, else Cohere 2's older `sliding_window_pattern`, else every layer); {} without a window."""
+    window, layers = values.get("sliding_window") or 0, values["num_hidden_layers"]
+    if not window:
+        return {}
+    types = values.get("layer_types")
+    if types:
+        sliding = sum(t == "sliding_attention" for t in types)
+    elif sliding_layers is not None:
+        sliding = sliding_layers
+    else:
+        pattern = values.get("sliding_window_pattern") or 0
+        sliding = sum((i + 1) % pattern != 0 for i in range(layers)) if pattern else layers
+    return dict(sliding_window=int(window), sliding_layers=sliding)
+
+
+def switched_sliding_window_dims(values: dict) -> dict:
+    """`sliding_window_dims` for a family whose window acts only with `use_sliding_window` (Qwen2's, Qwen3's)."""
+    return sliding_window_dims(values) if values.get("use_sliding_window") else {}
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """Everything the shared code reads about one family, as data or a small hook; defaults are Llama's answers."""
@@ -93,6 +115,14 @@ class FamilySpec:
     rope_settings: Callable | None = None
     """GPTModel's position-embedding keywords (`rope_settings(hf_config)` -> dict, or None for the Llama-shaped RoPE
     of the config's `rope_parameters`); None = always the Llama-shaped RoPE."""
+    planner_dims: Callable = sliding_window_dims
+    """What the planner's shape of a config.json (a dict) takes from the family beyond the shared fields:
+    `planner_dims(values)` -> engine/planning/shapes.py `ModelDims` keywords (norms per layer, biases, sinks, the
+    expert-score bias, the layers a sliding window acts on)."""
+    planner_refusal: str = ""
+    """Why the planner cannot size the family yet ("" = it can)."""
+    ties_embeddings_by_default: bool = False
+    """Whether the family's transformers config ties the embeddings by default (a config.json may leave it out)."""
     tiny_config: Callable = field(default=lambda model_type, common, moe_layers: dict(common))
     """The tiny test model's HF config keywords: `tiny_config(model_type, common, moe_layers)` -> kwargs of
     `AutoConfig.for_model(model_type, ...)`; `common` holds the shapes every tiny model shares
@@ -135,6 +165,11 @@ def sigmoid_router_dense_layers(hf_config) -> int:
 def sigmoid_router_shared_expert_width(hf_config) -> int:
     """The shared expert's width of a sigmoid-router MoE family: n_shared_experts x moe_intermediate_size."""
     return int(getattr(hf_config, "n_shared_experts", 0) or 0) * int(hf_config.moe_intermediate_size)
+
+
+def sigmoid_router_planner_dims(values: dict) -> dict:
+    """The planner's shape of a sigmoid-router MoE family: the float32 expert-score bias, the window if any."""
+    return {"expert_bias": True, **sliding_window_dims(values)}
 
 
 def randomise_expert_score_bias(model) -> None:

@@ -16,7 +16,7 @@ SP, log-probs through the LM-head kernel; export byte-exact; GRPO step at TP2 + 
 
 from __future__ import annotations
 
-from engine.models.family_spec import FamilySpec
+from engine.models.family_spec import FamilySpec, sliding_window_dims
 
 COHERE2_MODEL_TYPES = ("cohere2",)
 """Cohere families the policy builds: one bias-free LayerNorm per layer feeding attention and MLP in parallel
@@ -106,4 +106,6 @@ def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
 
 SPEC = FamilySpec(name="cohere2", model_types=COHERE2_MODEL_TYPES, check=check_cohere2,
                   norm_eps_field="layer_norm_eps", finish_transformer_config=finish_transformer_config,
+                  planner_dims=lambda values: {"norms_per_layer": 1, **sliding_window_dims(values)},
+                  ties_embeddings_by_default=True,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from engine.models.family_spec import (TINY_DENSE_LAYERS, TINY_MOE_FFN, TINY_MOE_TOP_K, TINY_SIGMOID_ROUTER, FamilySpec,
                                        check_sigmoid_router, randomise_expert_score_bias, sigmoid_router_dense_layers,
-                                       sigmoid_router_shared_expert_width)
+                                       sigmoid_router_planner_dims, sigmoid_router_shared_expert_width)
 from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
 
 MLA_TENSORS = (
@@ -274,5 +274,6 @@ SPEC = FamilySpec(name="deepseek_v3", model_types=("deepseek_v3",), check=check,
                   moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
                   dense_layers=sigmoid_router_dense_layers,
                   shared_expert_width=sigmoid_router_shared_expert_width, transformer_settings=mla_settings,
-                  rope_settings=lambda hf_config: {}, tiny_config=tiny_config,
+                  rope_settings=lambda hf_config: {}, planner_dims=sigmoid_router_planner_dims,
+                  tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_expert_score_bias)

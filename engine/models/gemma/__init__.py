@@ -15,7 +15,7 @@ and PP2; export byte-exact; GRPO step TP2 = TP1).
 
 from __future__ import annotations
 
-from engine.models.family_spec import FamilySpec
+from engine.models.family_spec import FamilySpec, sliding_window_dims
 
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
 """Gemma families the policy builds. Gemma 2 = Gemma 3's layer without q/k norms, with one RoPE base and
@@ -150,6 +150,18 @@ def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
     return dataclasses.replace(config, activation_func=gelu_tanh, **gemma_transformer_settings(hf_config))
 
 
+def planner_dims(values: dict) -> dict:
+    """The planner's shape: four norms per layer, the window (Gemma 2's config.json alternates without naming the
+    layers: its even layers slide) and Gemma 2's attention-logit soft-capping."""
+    window = sliding_window_dims(values, (values["num_hidden_layers"] + 1) // 2 if values.get("model_type") == "gemma2"
+                                 else None)
+    if window:
+        window["attention_softcap"] = (values.get("attn_logit_softcapping") is not None
+                                       and values.get("model_type") == "gemma2")
+    return {"norms_per_layer": 4, **window}
+
+
 SPEC = FamilySpec(name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma, qk_norm_types=("gemma3_text",),
                   finish_transformer_config=finish_transformer_config, rope_settings=gemma_rope_settings,
+                  planner_dims=planner_dims, ties_embeddings_by_default=True,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

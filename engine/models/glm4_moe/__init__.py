@@ -13,7 +13,7 @@ from __future__ import annotations
 from engine.models.family_spec import (TINY_DENSE_LAYERS, TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K,
                                        TINY_SIGMOID_ROUTER, FamilySpec, check_sigmoid_router,
                                        randomise_expert_score_bias, sigmoid_router_dense_layers,
-                                       sigmoid_router_shared_expert_width)
+                                       sigmoid_router_planner_dims, sigmoid_router_shared_expert_width)
 from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
 
 
@@ -35,5 +35,6 @@ def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
 SPEC = FamilySpec(name="glm4_moe", model_types=("glm4_moe",), check=check_sigmoid_router,
                   moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
                   dense_layers=sigmoid_router_dense_layers,
-                  shared_expert_width=sigmoid_router_shared_expert_width, tiny_config=tiny_config,
+                  shared_expert_width=sigmoid_router_shared_expert_width, planner_dims=sigmoid_router_planner_dims,
+                  tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_expert_score_bias)

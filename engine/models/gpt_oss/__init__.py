@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 
-from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, FamilySpec
+from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, FamilySpec, sliding_window_dims
 from engine.models.tensor_map import TensorMap
 
 _TORCH_PIECES = {
@@ -143,5 +143,7 @@ SPEC = FamilySpec(name="gpt_oss", model_types=("gpt_oss",), check=check_gpt_oss,
                   moe_fields=("num_local_experts", "intermediate_size"), moe_tensors=MOE_TENSORS,
                   attention_tensors=ATTENTION_TENSORS, interleaved_gate_up=True,
                   transformer_settings=transformer_settings, finish_transformer_config=finish_transformer_config,
-                  rope_settings=rope_settings, tiny_config=tiny_config,
+                  rope_settings=rope_settings,
+                  planner_dims=lambda values: {"linear_bias": True, "sinks": True, **sliding_window_dims(values)},
+                  tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_tiny_inits)

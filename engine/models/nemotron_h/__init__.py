@@ -255,5 +255,7 @@ def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
 SPEC = FamilySpec(name="nemotron_h", model_types=NEMOTRON_H_MODEL_TYPES, check=check, moe_shape=moe_shape,
                   has_routed_experts=has_moe_layers, shared_expert_width=shared_expert_width,
                   norm_eps_field="layer_norm_epsilon", finish_transformer_config=finish_transformer_config,
-                  rope_settings=lambda hf_config: {"position_embedding_type": "none"}, tiny_config=tiny_config, has_moe_layer_variant=True,
+                  rope_settings=lambda hf_config: {"position_embedding_type": "none"}, tiny_config=tiny_config,
+                  has_moe_layer_variant=True,
+                  planner_refusal="hybrid Mamba-2 / attention / MLP layers, no KV cache on the Mamba-2 ones",
                   randomise_tiny_inits=randomise_tiny_inits)

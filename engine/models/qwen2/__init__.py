@@ -7,7 +7,7 @@ Test: tests/unit/test_families.py, tests/unit/test_tiny_model.py.
 
 from __future__ import annotations
 
-from engine.models.family_spec import FamilySpec
+from engine.models.family_spec import FamilySpec, switched_sliding_window_dims
 
 
 def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
@@ -15,4 +15,5 @@ def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
     return dict(use_sliding_window=False, **common)
 
 
-SPEC = FamilySpec(name="qwen2", model_types=("qwen2",), qkv_bias_default=True, tiny_config=tiny_config)
+SPEC = FamilySpec(name="qwen2", model_types=("qwen2",), qkv_bias_default=True,
+                  planner_dims=switched_sliding_window_dims, tiny_config=tiny_config)

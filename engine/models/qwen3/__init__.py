@@ -7,7 +7,7 @@ Test: tests/unit/test_families.py, tests/unit/test_tiny_model.py.
 
 from __future__ import annotations
 
-from engine.models.family_spec import TINY_QWEN3_HEAD_DIM, FamilySpec
+from engine.models.family_spec import TINY_QWEN3_HEAD_DIM, FamilySpec, switched_sliding_window_dims
 
 
 def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
@@ -15,4 +15,5 @@ def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
     return dict(head_dim=TINY_QWEN3_HEAD_DIM, attention_bias=False, use_sliding_window=False, **common)
 
 
-SPEC = FamilySpec(name="qwen3", model_types=("qwen3",), qk_norm_types=("qwen3",), tiny_config=tiny_config)
+SPEC = FamilySpec(name="qwen3", model_types=("qwen3",), qk_norm_types=("qwen3",),
+                  planner_dims=switched_sliding_window_dims, tiny_config=tiny_config)

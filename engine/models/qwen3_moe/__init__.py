@@ -8,7 +8,8 @@ Test: tests/unit/test_families.py (moe_shape), tests/unit/test_tiny_model.py.
 
 from __future__ import annotations
 
-from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, TINY_QWEN3_HEAD_DIM, FamilySpec
+from engine.models.family_spec import (TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, TINY_QWEN3_HEAD_DIM, FamilySpec,
+                                       switched_sliding_window_dims)
 from engine.models.tensor_map import TensorMap
 
 
@@ -32,4 +33,5 @@ MOE_TENSORS = (
 
 
 SPEC = FamilySpec(name="qwen3_moe", model_types=("qwen3_moe",), moe_fields=("num_experts", "moe_intermediate_size"),
-                  qk_norm_types=("qwen3_moe",), moe_tensors=MOE_TENSORS, tiny_config=tiny_config)
+                  qk_norm_types=("qwen3_moe",), moe_tensors=MOE_TENSORS,
+                  planner_dims=switched_sliding_window_dims, tiny_config=tiny_config)
