@@ -1,14 +1,17 @@
 """What one model family tells the shared machinery: `FamilySpec`, the record each `engine/models/<family>/` folder
 exports as `SPEC`, and the refusals several families share (`check_sigmoid_router`).
 
-Owns: the fields a family may set (its HF model_types, its refusals, the HF field names of its MoE shape, its dense
-first layers and shared expert, its tiny test config and the weights the tiny model draws at random, the
-TransformerConfig facts the Llama-shaped translation reads from it). Every field has a default that is the
-Llama-shaped answer, so a family states only what differs. The registry (which families exist, lookup by
-`model_type`) is engine/models/families.py.
+Owns: the fields a family may set: its HF model_types and refusals; its MoE shape (field names or a hook), dense
+first layers and shared expert; its attention facts (norm epsilon field, QKV-bias default, q/k norms); its entries of
+the converter's map (engine/models/tensor_map.py); its TransformerConfig hooks (override keywords, the finishing
+step, RoPE); its planner shape; its tiny test config and the weights the tiny model draws at random. Every field
+has a default that is the Llama-shaped answer, so a family states only what differs; what several families share
+(the sigmoid router's refusals, dense layers, shared expert and planner fields; the sliding-window planner fields;
+the tiny models' shared MoE shapes) is here too. The registry (which families exist, lookup by `model_type`) is
+engine/models/families.py.
 
-Must not: import torch, transformers, Megatron or vLLM (the planner reads the specs on a login node), or name a
-family: what differs per family lives in that family's folder.
+Must not: import torch, transformers, Megatron or vLLM at module level (the planner reads the specs on a login
+node), or name a family: what differs per family lives in that family's folder.
 
 Test: tests/unit/test_families.py (every family's refusals and MoE shape through the registry),
 tests/unit/test_tiny_model.py (every family's tiny config), tests/unit/test_architecture.py (no module outside a
