@@ -48,7 +48,7 @@ def family_spec(model_type: str) -> FamilySpec:
     return _BY_MODEL_TYPE[model_type]
 
 
-def spec_or_llama(model_type: str | None) -> FamilySpec:
+def spec_or_default(model_type: str | None) -> FamilySpec:
     """The spec of `model_type`, or the Llama-shaped defaults for one the registry does not know (the planner sizes
     any config.json)."""
     return _BY_MODEL_TYPE.get(model_type) or FamilySpec(name="", model_types=())

@@ -126,6 +126,12 @@ class FamilySpec:
     """Why the planner cannot size the family yet ("" = it can)."""
     ties_embeddings_by_default: bool = False
     """Whether the family's transformers config ties the embeddings by default (a config.json may leave it out)."""
+    vllm_engine_kwargs: Callable | None = None
+    """vLLM's engine keywords the family needs (`vllm_engine_kwargs(model_dir, dtype, on_gpu)` -> dict, e.g.
+    `hf_overrides`, an attention backend); None = none."""
+    check_vllm_cpu: Callable | None = None
+    """Refuse, before vLLM starts on a machine without a GPU, a config.json (a dict) vLLM's CPU backend cannot serve
+    (`check_vllm_cpu(values)` raises ValueError naming the cause); None = it serves every one."""
     tiny_config: Callable = field(default=lambda model_type, common, moe_layers: dict(common))
     """The tiny test model's HF config keywords: `tiny_config(model_type, common, moe_layers)` -> kwargs of
     `AutoConfig.for_model(model_type, ...)`; `common` holds the shapes every tiny model shares

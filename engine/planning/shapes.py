@@ -25,7 +25,7 @@ from pathlib import Path
 
 from engine.config import ConfigError, EngineConfig
 from engine.models.families import (dense_layers, has_qk_norm, has_qkv_bias, moe_shape, shared_expert_width,
-                                    spec_or_llama)
+                                    spec_or_default)
 from engine.validation import Derived
 
 DEFAULT_GPUS_PER_NODE = 8
@@ -272,7 +272,7 @@ def load_model_dims(name_or_path: str) -> ModelDims:
         hf = json.loads(config_file.read_text())
         hf = hf.get("text_config", hf)
         kind = hf.get("model_type")
-        family = spec_or_llama(kind)
+        family = spec_or_default(kind)
         if family.planner_refusal:
             raise PlanError(f"model.name_or_path={name_or_path!r}: model_type {kind} ({family.planner_refusal}) is not "
                             "sized by the planner yet")

@@ -256,6 +256,6 @@ SPEC = FamilySpec(name="nemotron_h", model_types=NEMOTRON_H_MODEL_TYPES, check=c
                   has_routed_experts=has_moe_layers, shared_expert_width=shared_expert_width,
                   norm_eps_field="layer_norm_epsilon", finish_transformer_config=finish_transformer_config,
                   rope_settings=lambda hf_config: {"position_embedding_type": "none"}, tiny_config=tiny_config,
-                  has_moe_layer_variant=True,
+                  has_moe_layer_variant=True, check_vllm_cpu=check_vllm_cpu_rollout,
                   planner_refusal="hybrid Mamba-2 / attention / MLP layers, no KV cache on the Mamba-2 ones",
                   randomise_tiny_inits=randomise_tiny_inits)
