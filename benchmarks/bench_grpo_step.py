@@ -11,7 +11,7 @@ Triton kernel on CUDA, the chunked torch path on CPU). Absolute times count only
 
     python -m benchmarks.bench_grpo_step                                         # CPU, tiny shape
     python -m benchmarks.bench_grpo_step --shape qwen2.5-1.5b --batch 16 --micro-batch 4 \\
-        --prompt-len 256 --completion-len 1024                                    # one GPU (issue 5's acceptance)
+        --prompt-len 256 --completion-len 1024                                    # one GPU
 """
 
 from __future__ import annotations
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--csv", default=str(RESULTS_DIR / "grpo_step.csv"), help="where rows are appended")
     args = parser.parse_args(argv)
 
     from engine.policy.parallel import destroy_parallel
@@ -185,7 +186,7 @@ def _measure(args, attention: str) -> None:
     key = dict(bench="grpo_step", variant=f"megatron-{args.shape}", mode="train_step", x_name="completion_tokens",
                x_value=completion_tokens, config=config)
     rows = train_step_rows(env, key, timing, memory.peak_bytes / MIB, completion_tokens)
-    path = append_rows(RESULTS_DIR / "grpo_step.csv", rows, overwrite=args.overwrite)
+    path = append_rows(args.csv, rows, overwrite=args.overwrite)
     print(f"{args.shape} {attention}: step p50 {timing.p50_ms:.1f} ms, {completion_tokens / (timing.p50_ms / 1e3):.0f} completion "
           f"tokens/s, peak {memory.peak_bytes / MIB:.0f} MiB ({env.device}) -> {path}")
 

@@ -1,4 +1,4 @@
-"""Kill-during-save campaign (issue 17 item 1): real SIGKILLs timed into checkpoint saves of the GRPO loop, then
+"""Kill-during-save campaign: real SIGKILLs timed into checkpoint saves of the GRPO loop, then
 resume from `latest`; counts what survives. A program, not a test: CPU-heavy (about 25 trainer starts per dtype).
 
     python -m benchmarks.bench_kill_during_save                   # bf16 and fp32, 20 kill points each
@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="max_steps (default: 2 * points + 6)")
     parser.add_argument("--work-dir", default=None, help="run directories and logs (default: a fresh /tmp dir)")
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
+                        help="where kill_during_save.csv and kill_during_save_points.jsonl are appended to")
     args = parser.parse_args(argv)
     work = Path(args.work_dir or f"/tmp/kill_during_save-{uuid.uuid4().hex[:8]}")
     work.mkdir(parents=True, exist_ok=True)
@@ -334,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         result = _campaign(work, dtype, steps, args.points, args.writer_points)
         rows = _summary_rows(env, dtype, result, args.points)
-        append_rows(RESULTS_DIR / "kill_during_save.csv", rows, overwrite=args.overwrite)
-        with open(RESULTS_DIR / "kill_during_save_points.jsonl", "a") as f:
+        append_rows(args.results_dir / "kill_during_save.csv", rows, overwrite=args.overwrite)
+        with open(args.results_dir / "kill_during_save_points.jsonl", "a") as f:
             for record in result["records"]:
                 f.write(json.dumps({"dtype": dtype, "git_sha": env.git_sha} | record) + "\n")
         print(f"{dtype}: " + ", ".join(f"{r.metric}={r.p50:g}" for r in rows) +

@@ -1,4 +1,4 @@
-"""LoRA benchmark (issue #29): what the trainer holds for training, full fine-tune vs LoRA, side by side in one run,
+"""LoRA benchmark: what the trainer holds for training, full fine-tune vs LoRA, side by side in one run,
 and what LoRA's merged weight sync adds. Rows go to `benchmarks/results/lora.csv`.
 
 Shape (default): a Qwen2-like model of 4 layers, hidden 1024, 16 heads / 4 KV heads, MLP 2816, vocab 1024, float32,
@@ -10,8 +10,8 @@ Metrics, per variant (`full`, `lora_r16`):
 - `trainer_state` (MiB): the bytes of Megatron DDP's gradient buffers plus every tensor of the optimizer's state
   after one step (Adam m, v; fp32 model: no master copies), counted from the objects themselves;
 - `weights` (MiB): every parameter's bytes (the frozen base included);
-- `sync_bytes` (MiB): what one weight sync moves into vLLM: the merged model's tensors, as full fine-tuning
-  (adapter-only sync, which would move only the adapters, is not implemented: engine/config.py LoraConfig);
+- `sync_bytes` (MiB): what one merged weight sync moves into vLLM: the merged model's tensors, as full fine-tuning
+  (the adapter-only sync, `lora.lora_weight_sync=adapter`, moves only the adapters: benchmarks/bench_lora_sync.py);
 - `merge_time` (ms, LoRA only): entering and leaving `merged_lora` (W + scale * B A for every adapted weight, fp32),
   the work the merged sync adds per sync. CPU times from a shared machine: compare within one run only.
 
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--csv", default=str(RESULTS_DIR / "lora.csv"), help="where rows are appended")
     args = parser.parse_args(argv)
 
     from engine.config import ParallelConfig
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
                                  n_iters=len(result["merge_time"]), **(common | {"mode": "weight_sync"})))
             line += f", merge p50 {p50:.1f} ms"
         print(f"{variant:>9}: {line}")
-    path = append_rows(RESULTS_DIR / "lora.csv", rows, overwrite=args.overwrite)
+    path = append_rows(args.csv, rows, overwrite=args.overwrite)
     print(f"rows appended to {path}")
 
 

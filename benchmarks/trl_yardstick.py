@@ -1,4 +1,4 @@
-"""The yardstick of issue #27: TRL's own GRPOTrainer tests, run against this engine with only the import changed.
+"""The yardstick: TRL's own GRPOTrainer tests, run against this engine with only the import changed.
 
 What it does, offline:
 1. copies TRL's test file (`<trl checkout>/tests/test_grpo_trainer.py`) (the path given) and its siblings `__init__.py`, `conftest.py`,

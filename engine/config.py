@@ -4,18 +4,15 @@ Owns: the dataclass tree (`EngineConfig` and its sections), loading from YAML pl
 checks that name the full dotted path, and writing the resolved config into the run directory. Cross-field checks
 live in `engine/validation.py` (one function, `validate`), derived numbers in `derive`.
 
-Must not: read the environment, touch torch.distributed, or hand the root config to a component (STYLE.md rule 5:
-components take their own section, e.g. `build_optimizer(cfg.optimizer, model)`).
+Must not: read the environment, touch torch.distributed, or hand the root config to a component (components take
+their own section, e.g. `build_optimizer(cfg.optimizer, model)`: docs/contributing/house-rules.md).
 
-Names: fields that exist in TRL's `GRPOConfig` / `TrainingArguments` carry TRL's name and TRL's default
-(`../shared/anchors/trl.md` §1; where TRL 1.16, the version the tests compare with, changed a default, 1.16's). Every leaf name is unique across the tree, so a flat TRL keyword argument
-has exactly one home (`find_field`). Engine-only fields (parallelism, kernels, weight sync) use Megatron's
-vocabulary (`tp_size`, `pp_size`, ...).
+Names: fields that exist in TRL's `GRPOConfig` / `TrainingArguments` carry TRL's name and TRL 1.16's default (the
+version the tests compare with). Every leaf name is unique across the tree, so a flat TRL keyword argument has exactly
+one home (`find_field`). Engine-only fields (parallelism, kernels, weight sync) use Megatron's vocabulary (`tp_size`).
 
 Longer than 600 lines: the tree is the one place for every default and every field's one-line meaning (its docstring,
-which configs/SETTINGS.md is generated from, engine/api/settings_table.py).
-
-Test: `pytest tests/unit/test_config.py`.
+which configs/SETTINGS.md is generated from, engine/api/settings_table.py). Test: `pytest tests/unit/test_config.py`.
 """
 
 from __future__ import annotations
@@ -44,9 +41,9 @@ def _aliases(**mapping: Any) -> dict:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     name_or_path: str = "builtin:tiny-qwen2"
-    """Hugging Face checkpoint: a local directory or a hub name. `builtin:tiny-qwen2` / `builtin:tiny-llama` /
-    `builtin:tiny-qwen3` / `builtin:tiny-qwen3_moe` / `builtin:tiny-mixtral` / `builtin:tiny-glm4_moe` build the project's tiny random-weight model in-process (engine/models/tiny_model.py) and cache it under the run directory;
-    `builtin:tiny-qwen2-arith` is the shipped warm-started tiny Qwen2 of the demo (engine/demo/warm_start.py)."""
+    """Hugging Face checkpoint: a local directory or a hub name. `builtin:tiny-<family>` (any of `TINY_FAMILIES` in
+    engine/models/tiny_model.py: qwen2 ... nemotron_h) builds a tiny random-weight model in-process, cached in the run
+    directory; `builtin:tiny-qwen2-arith` / `-calc` are the shipped warm-started demo model and its tool-calling twin."""
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Parameter and activation dtype of the policy (TRL's `bf16=True` -> bfloat16). Softmax statistics and the
     loss are always accumulated in float32."""
@@ -109,7 +106,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    """Batch geometry and run length, with TRL / TrainingArguments names and semantics (trl.md §1.2, §1.9).
+    """Batch geometry and run length, with TRL / TrainingArguments names and semantics (TRL 1.16 `GRPOConfig`).
 
     `per_device_train_batch_size` counts *completions* per data-parallel rank per micro-batch (a model replica
     spans tp_size * pp_size GPUs; this is Megatron's micro_batch_size). One generation batch holds
@@ -173,7 +170,7 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GRPOConfigSection:
-    """The objective, with TRL's names and defaults (trl.md §1.5, §1.6), plus GFPO and DAPO dynamic sampling."""
+    """The objective, with TRL's names and defaults, plus GFPO and DAPO dynamic sampling."""
 
     num_generations: int = 8
     """G: completions per prompt; at least 2."""
@@ -262,7 +259,7 @@ class GRPOConfigSection:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GenerationConfig:
-    """Sampling, with TRL's names and defaults (trl.md §1.3)."""
+    """Sampling, with TRL's names and defaults (TRL 1.16 `GRPOConfig`)."""
 
     max_completion_length: int = 512
     """Tokens sampled at most per completion (vLLM's max_tokens)."""
@@ -290,7 +287,7 @@ class GenerationConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutConfig:
-    """vLLM, with TRL's names and defaults (trl.md §1.4), plus the weight transfer."""
+    """vLLM, with TRL's names and defaults, plus the weight transfer."""
 
     vllm_mode: Literal["colocate", "server"] = "colocate"
     """`colocate`: vLLM in every training process; `server`: rollout server(s) elsewhere."""

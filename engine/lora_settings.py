@@ -1,4 +1,4 @@
-"""The LoRA adapter setting (issue #29): which HF modules get adapters, rank, scale, dropout; checked here, from the
+"""The LoRA adapter setting: which HF modules get adapters, rank, scale, dropout; checked here, from the
 `lora` config section or a `peft.LoraConfig` (GRPOTrainer's peft_config).
 
 Owns: `HF_TARGETS` (the HF module names an adapter can target, and the Megatron linear and output part each lives in),

@@ -108,7 +108,7 @@ def sampling_logprobs_mode(gen: GenerationConfig) -> str | None:
     Returns "processed_logprobs" (temperature only), "raw_logprobs" (truncation or penalties at T = 1), or None
     (truncation or penalties at T != 1: vLLM 0.32 reports no log-prob of that distribution).
 
-    Which distribution (issue #27 item 7). The trainer's log-probs are the model's own softmax at the sampling
+    Which distribution. The trainer's log-probs are the model's own softmax at the sampling
     temperature over the whole vocabulary, `log softmax(z / T)[y]`, as TRL's and verl's trainers compute them: that
     is the policy being optimised. vLLM's `processed_logprobs` (what TRL asks vLLM for) are taken after penalties,
     min_p, top_k and top_p, i.e. renormalised over the truncated support: with `top_k=10, top_p=0.9` on the tiny

@@ -1,6 +1,6 @@
 """The LM-head log-prob's tile primitives in plain torch: the CPU fallback, and the tile plan both paths share.
 
-What a tile computes (anchors/kernels.md §2, §11.1-11.4): a (rows x cols) block of the logits z = X W^T / T (with a
+What a tile computes (docs/kernels.md): a (rows x cols) block of the logits z = X W^T / T (with a
 final-logit soft-cap: z = cap tanh(X W^T / cap) / T, and dz gains the factor 1 - tanh^2), reduced
 in the forward to the per-token state (m, s, q, t) of kernels/softmax_stats.py (`torch_local_stats`: row chunks
 outer, vocab chunks inner, merged in a fixed order) and recomputed in the backward into

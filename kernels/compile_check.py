@@ -1,8 +1,8 @@
 """Compile-only check of every Triton kernel in kernels/ for sm_90 and sm_80, at the launches a GPU run makes.
 
 Owns: building each kernel's launch as its launcher would on a GPU (`lm_head_launches`, `onepass_launches`,
-`token_terms_launches`: the launchers' own `build_*_launch` on "meta" tensors), compiling it to a cubin without a GPU (`_specialise`,
-`compile_launch`: how, and what fails), the launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's
+`token_terms_launches`: the launchers' own `build_*_launch` on "meta" tensors), compiling it to a cubin without a GPU
+(`_specialise`, `compile_launch`: how, and what fails; `_compile_all`: as many at once as the CPUs allow), the launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's
 sweep and the GPU tests' shape) and the report (`CompileReport`, `format_table`).
 
 Must not: run under TRITON_INTERPRET=1 (triton.jit then returns interpreted functions, which have no compiler IR):
@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import io
 import json
+import multiprocessing
 import os
 import re
 import sys
@@ -292,7 +293,7 @@ def compile_launch(launch: KernelLaunch, arch: int, source: tuple | None = None)
 
 
 def check_kernels(archs=ARCHS, dtypes=SUPPORTED_DTYPES, points=LAUNCH_POINTS, tiles: TritonTiles | None = None,
-                  kernels: tuple[str, ...] | None = None) -> list[CompileReport]:
+                  kernels: tuple[str, ...] | None = None, jobs: int = 1) -> list[CompileReport]:
     """Compile every distinct launch of every kernel at `points` for each arch and dtype.
 
     Args:
@@ -301,29 +302,29 @@ def check_kernels(archs=ARCHS, dtypes=SUPPORTED_DTYPES, points=LAUNCH_POINTS, ti
         points: (N, H, V) launch points.
         tiles: block sizes for every LM-head launch; None = the launchers' defaults.
         kernels: kernel names to compile; None = all.
+        jobs: compilations run at once (forked processes).
 
     Returns:
         One `CompileReport` per distinct specialisation (its `points` lists the points that share it).
     """
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernels.compile_check compiles for a GPU target: run it without TRITON_INTERPRET=1")
-    reports = []
+    distinct = []
+    for arch in archs:
+        compiled: set[str] = set()  # the one-pass statistics kernel reads float32 whatever the dtype: once
+        for dtype in dtypes:
+            launches = {p: lm_head_launches(*p, dtype, arch, tiles) + onepass_launches(*p, dtype) for p in points}
+            distinct += _distinct(arch, launches, kernels, compiled)
+        distinct += _distinct(arch, {p: token_terms_launches(p[0]) for p in points}, kernels, compiled)
+        distinct += _distinct(arch, {p: layer_launches(p, dtypes) for p in LAYER_POINTS}, kernels, compiled)
     with _fresh_compiler():
-        for arch in archs:
-            compiled: set[str] = set()  # the one-pass statistics kernel reads float32 whatever the dtype: once
-            for dtype in dtypes:
-                launches = {p: lm_head_launches(*p, dtype, arch, tiles) + onepass_launches(*p, dtype) for p in points}
-                reports += _compile_distinct(arch, launches, kernels, compiled)
-            reports += _compile_distinct(arch, {p: token_terms_launches(p[0]) for p in points}, kernels, compiled)
-            reports += _compile_distinct(arch, {p: layer_launches(p, dtypes) for p in LAYER_POINTS}, kernels, compiled)
-    return reports
+        return _compile_all(distinct, jobs)
 
 
-def _compile_distinct(arch: int, launches: dict[tuple, list[KernelLaunch]], kernels: tuple[str, ...] | None,
-                      compiled: set[str] | None = None) -> list[CompileReport]:
-    """Compile each distinct specialisation among the launches of every point once (and none already in
-    `compiled`, which receives the new ones); its report names the points."""
-    compiled = set() if compiled is None else compiled
+def _distinct(arch: int, launches: dict[tuple, list[KernelLaunch]], kernels: tuple[str, ...] | None,
+              compiled: set[str]) -> list[tuple[int, KernelLaunch, tuple, str]]:
+    """(arch, launch, specialisation, points) of each distinct specialisation among the launches of every point,
+    but those already in `compiled` (which receives the new ones)."""
     distinct: dict[str, tuple] = {}
     for point, point_launches in launches.items():
         for launch in point_launches:
@@ -334,12 +335,30 @@ def _compile_distinct(arch: int, launches: dict[tuple, list[KernelLaunch]], kern
                 continue
             distinct.setdefault(source[2], (launch, source, []))[2].append(point)
     compiled.update(distinct)
-    reports = []
-    for launch, source, shared_points in distinct.values():
-        report = compile_launch(launch, arch, source)
-        named = ",".join("x".join(map(str, p)) for p in dict.fromkeys(shared_points))
-        reports.append(CompileReport(**{**asdict(report), "points": named}))
-    return reports
+    return [(arch, launch, source, ",".join("x".join(map(str, p)) for p in dict.fromkeys(points)))
+            for launch, source, points in distinct.values()]
+
+
+_pending: list[tuple[int, KernelLaunch, tuple, str]] = []
+"""The compilations `_compile_all` hands to its forked workers (inherited, not pickled: kernels do not pickle)."""
+
+
+def _compile_pending(index: int) -> CompileReport:
+    arch, launch, source, points = _pending[index]
+    return CompileReport(**{**asdict(compile_launch(launch, arch, source)), "points": points})
+
+
+def _compile_all(items: list[tuple[int, KernelLaunch, tuple, str]], jobs: int) -> list[CompileReport]:
+    """Compile each item, `jobs` at a time in forked processes (each compilation is independent and single-threaded
+    on the CPU: front end, LLVM, ptxas), reports in the order of `items`."""
+    _pending[:] = items
+    try:
+        if jobs <= 1 or len(items) <= 1:
+            return [_compile_pending(i) for i in range(len(items))]
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(items))) as pool:
+            return pool.map(_compile_pending, range(len(items)), chunksize=1)
+    finally:
+        _pending.clear()
 
 
 def format_table(reports: list[CompileReport]) -> str:
@@ -364,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: the launchers' own choice)")
     parser.add_argument("--kernels", help="comma-separated kernel names (default: all)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of the table")
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                        help="compilations at once (default: the CPUs this process may use)")
     args = parser.parse_args(argv)
     tiles = None
     if args.tiles:
@@ -373,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     archs = tuple(int(a) for a in args.arch.split(","))
     dtypes = tuple(getattr(torch, d) for d in args.dtype.split(","))
     kernels = tuple(args.kernels.split(",")) if args.kernels else None
-    reports = check_kernels(archs, dtypes, tiles=tiles, kernels=kernels)
+    reports = check_kernels(archs, dtypes, tiles=tiles, kernels=kernels, jobs=args.jobs)
     print("\n".join(json.dumps(asdict(r)) for r in reports) if args.json else format_table(reports))
     failed = [r for r in reports if r.error]
     if failed and not args.json:

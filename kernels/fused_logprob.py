@@ -37,7 +37,11 @@ MERGE_TEMPS = 3
 @dataclass(frozen=True)
 class TritonTiles:
     """Block sizes and launch settings of both kernels. The defaults are the bf16 / fp16 tiles on CUDA (64 x 128 x 64,
-    8 warps, 3 stages), chosen by register use, not yet by speed: no GPU measurement exists in this repository.
+    8 warps, 3 stages), chosen by register use (no spills on sm_90 and sm_80). On one H100 80GB (bf16,
+    V = 151936) the GPU suite timed them against the other tile choices: at N x H = 8192 x 4096 these took 91.6 ms
+    and the fastest, 128 x 256 x 64, 77.6 ms, which spills ~1 KB per thread on sm_90, so the default stays until a
+    tile table is measured per device (kernels/tuned/, empty so far). Rows: benchmarks/results/fused_logprob.csv;
+    figures: docs/performance.md.
 
     NOTE (registers, `python -m kernels.compile_check`, Triton 3.9, ptxas -v): the previous default 128 x 128 x 64
     put `_stats_fwd_kernel` at the 255-register cap with spills on sm_90 (8 B stores / 8 B loads in bf16; in fp32
@@ -64,8 +68,8 @@ class TritonTiles:
 FP32_TILES = TritonTiles(block_h=32)
 """float32 on CUDA: 64 x 128 x 32, 8 warps, 3 stages: no spills on sm_90 and sm_80 under Triton 3.9 (CI's) and 3.6
 (the lent GPU machine's): at most 202 registers, except 255 for the forward on sm_80 under 3.9. The earlier
-64 x 128 x 16 spilled 16 B in the backward on sm_90 under 3.6 (128 registers: found by the GPU suite on an H200, git
-68db764); 128 x 128 x 64 spills kilobytes under both. Not timed on a GPU (fp32 is not TRL's default)."""
+64 x 128 x 16 spilled 16 B in the backward on sm_90 under 3.6 (128 registers, found by the GPU suite on an H200);
+128 x 128 x 64 spills kilobytes under both. Not timed on a GPU (fp32 is not TRL's default)."""
 INTERPRETER_TILES = TritonTiles(block_n=32, block_v=64, block_h=32, group_n=2, num_warps=4, num_stages=1)
 """Under the interpreter: fewer, larger numpy steps; still several tiles on test shapes."""
 

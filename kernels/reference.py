@@ -1,8 +1,9 @@
 """Plain-torch reference for the LM-head log-prob and entropy: materialises the (N, V_local) logits.
 
 Owns `reference_logprob_entropy`, the same function and TP convention as the fused entries written the obvious way
-with autograd: logits = X W^T / T (soft-capped first, cap tanh(X W^T / cap), when `softcap` is set) in float32 (float64 for float64 inputs; bf16/fp16 inputs: the GEMM in the input
-dtype then copied to float32, the naive path RL trainers take, anchors/kernels.md §3; the fused paths keep float32
+with autograd: logits = X W^T / T (soft-capped first, cap tanh(X W^T / cap), when `softcap` is set) in float32
+(float64 for float64 inputs; bf16/fp16 inputs: the GEMM in the input
+dtype then copied to float32, the naive path RL trainers take (docs/kernels.md); the fused paths keep float32
 logits, so tests compare bf16 kernels with it on upcast inputs), padded rows masked to -inf,
 lse, target logit - lse, entropy = lse - E_p[z]; under TP Megatron's vocab-parallel recipe through its region
 mappings (`copy_to_tp_region`, `reduce_from_tp_region`, `all_reduce_max`). Tests compare every implementation with

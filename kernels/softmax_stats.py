@@ -5,7 +5,7 @@ Owns:
   `stats = [m, s, q, t]`: running max `m = max_v z_v`, shifted sum `s = sum_v e^(z_v - m)`, shifted entropy
   accumulator `q = sum_v e^(z_v - m) (z_v - m)` and the target logit `t = z_y` (0 on a shard that does not own y),
   for tempered logits `z = x W^T / T` (soft-capped first, cap tanh(x W^T / cap) / T, where the model sets a final-logit
-  cap; the state does not care) (anchors/kernels.md §2, §11.2). The shifted `q` avoids the cancellation of
+  cap; the state does not care) (docs/kernels.md). The shifted `q` avoids the cancellation of
   `lse - E[z]`: entropy = log s - q / s, a sum of two non-negative terms;
 - `merge_stats`: the fixed-order merge of K partial states (vocab tiles, vocab splits, TP ranks);
 - `reduce_stats_over_tp`: one all-gather of the (4, N) state over the TP group, then the same merge, in rank order,

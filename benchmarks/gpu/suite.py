@@ -12,7 +12,7 @@ killed at its time limit, keeping the rows it already wrote):
      (benchmarks/gpu/policy_step.py);
   d. trl_step: the same batch through TRL's GRPOTrainer loss path, use_liger_kernel off / on
      (benchmarks/gpu/trl_step.py);
-  e. packing: benchmarks/bench_packing.py (issue 15) when it exists; until then the part is skipped, saying so;
+  e. packing: benchmarks/bench_packing.py (skipped, saying so, where the module is missing);
   f. long_tail: a long-tailed batch, the engine at its defaults (fused layer kernels and varlen attention on / off)
      against TRL at its defaults (use_liger_kernel off / on), useful completion tokens/s (benchmarks/gpu/long_tail.py).
 A part whose packages do not import (megatron-core, trl, datasets) is skipped with the reason; so is one that the
@@ -158,7 +158,7 @@ def skip_reason(part: Part, cpu: bool, remaining_s: float, packing_flags: str = 
         return "GPU only (the CPU smoke runs one tiny shape in part c)"
     name = missing_module(part)
     if name == "benchmarks.bench_packing":
-        return "benchmarks/bench_packing.py does not exist yet (issue 15): this slot runs it once it lands"
+        return "benchmarks/bench_packing.py does not exist yet: this slot runs it once it lands"
     if name is not None:
         return f"{name} is not installed (benchmarks/gpu/fetch_wheels.sh carries it to the GPU machine)"
     if part.key == "e" and cpu and "--csv" not in packing_flags:

@@ -46,7 +46,7 @@ def parse_tool_calls(tokenizer, text: str) -> list[ToolCall]:
     if getattr(tokenizer, "response_schema", None):
         try:
             parsed = tokenizer.parse_response(text)
-        except Exception as e:  # noqa: BLE001: the model wrote something the schema cannot read
+        except Exception as e:  # noqa: BLE001 - the model wrote something the schema cannot read
             return [ToolCall("", error=f"unparsable tool call: {e}")] if "<tool_call>" in text else []
         return [_from_message_call(call) for call in (parsed or {}).get("tool_calls") or []]
     return [_from_json(body) for body in HERMES_TOOL_CALL.findall(text)]
@@ -127,7 +127,7 @@ def check_renders_tools(tokenizer, schemas: list[dict], model_name: str,
         answer = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": "y"},
                                                            {"role": "tool", "name": name, "content": probe}],
                                                tools=schemas, tokenize=False, add_generation_prompt=True, **kwargs)
-    except Exception as e:  # noqa: BLE001: a template that raises on tools or the tool role
+    except Exception as e:  # noqa: BLE001 - a template that raises on tools or the tool role
         raise ValueError(f"the chat template of {model_name} cannot render tool calls ({type(e).__name__}: {e}); "
                          "give a tokenizer (processing_class) whose template renders `tools` and `tool` messages, "
                          "e.g. engine.models.tiny_model.TOOL_CHAT_TEMPLATE") from e

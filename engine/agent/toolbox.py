@@ -43,7 +43,7 @@ def tool_schema(tool: Callable) -> dict:
         raise TypeError(f"tools: {tool!r} is not callable")
     try:
         return get_json_schema(tool)
-    except Exception as e:  # noqa: BLE001: transformers' TypeHintParsingException / DocstringParsingException
+    except Exception as e:  # noqa: BLE001 - transformers' TypeHintParsingException / DocstringParsingException
         raise ValueError(f"tool {name!r}: {e} (a tool needs a type hint on every argument and a Google-style "
                          "docstring: a description, then `Args:` with one line per argument)") from e
 
@@ -128,7 +128,7 @@ def outcome(name: str, future: Future, started: float, timeout_s: float | None) 
         value = future.result()
     except (TimeoutError, asyncio.TimeoutError):
         return ToolOutcome(name, json.dumps({"error": f"tool {name!r} timed out after {timeout_s} s"}), True, seconds)
-    except Exception as e:  # noqa: BLE001: whatever the tool raised is the model's to see
+    except Exception as e:  # noqa: BLE001 - whatever the tool raised is the model's to see
         message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         return ToolOutcome(name, json.dumps({"error": f"{type(e).__name__}: {message}"}), True, seconds)
     return ToolOutcome(name, value if isinstance(value, str) else str(value), False, seconds)

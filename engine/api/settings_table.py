@@ -7,7 +7,7 @@ schedule), `NO_EFFECT` names with the reason the one
 warning gives, `REFUSED` names with the reason of their error). Nothing is described by hand here: the field
 docstrings and the three maps are the sources, so fields other modules add or remove appear after a regeneration.
 
-"Read by" is found the way ../shared/tools/unread_settings.py finds it, in code only (comments and docstrings left
+"Read by" is found in code only (comments and docstrings left
 out): a module of engine/ or kernels/ (outside config.py, validation.py, the TRL argument mapping trl_config.py /
 trl_fields.py / trl_script.py / trl_async.py, and this module) that uses the
 field as an attribute (`.name`), a key (`"name"`) or a keyword (`name=`). A heuristic: a name used for another purpose (`dtype`) hides a miss; an empty cell

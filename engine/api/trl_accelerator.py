@@ -1,7 +1,8 @@
 """`trainer.accelerator`: the part of accelerate's `Accelerator` that TRL's scripts and callbacks use, over this
 engine's processes.
 
-Owns: `AcceleratorSurface` (GRPOTrainer's `accelerator` and `end()`) and `Accelerator` (process index and count, main-process checks, `print`, `wait_for_everyone`,
+Owns: `AcceleratorSurface` (GRPOTrainer's `accelerator` and `end()`) and `Accelerator` (process index and count,
+main-process checks, `print`, `wait_for_everyone`,
 `main_process_first`, `device`, `gather` / `gather_for_metrics` of tensors and nested lists / dicts of them,
 `reduce`, `unwrap_model`, `end_training`). The processes are the ones torchrun or srun started (the engine's process
 group while it is up; the launcher's RANK / WORLD_SIZE otherwise), a world of one for a plain `python` run.

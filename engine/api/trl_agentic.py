@@ -1,4 +1,4 @@
-"""TRL's agentic arguments of `GRPOTrainer`: `tools`, `environment_factory`, `rollout_func` (issue #28), checked at
+"""TRL's agentic arguments of `GRPOTrainer`: `tools`, `environment_factory`, `rollout_func`, checked at
 construction and handed to the loop (engine/agent/ runs them).
 
 Owns: `AgenticInputs` (what `GRPOTrainer` hands to `engine.train.loop.train` as `agentic=`, and the reward

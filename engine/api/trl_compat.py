@@ -1,6 +1,6 @@
 """TRL's own behaviour where TRL defines it: its construction-time warnings, its static helpers, vespo's IS mode.
 
-Owns (issue #27 items 6 and 9's rest; hub reward models are engine/train/rewards.py's `resolve_reward_func`):
+Owns (hub reward models are engine/train/rewards.py's `resolve_reward_func`):
 - `warn_objective_settings(args)`: TRL's construction-time warnings about the objective (sequence-level IS with a
   token-summed loss; luspo at token level; vespo at sequence level), word for word, on the `logging` logger of
   engine/api/trl_trainer.py (TRL uses `logger.warning`: tests read them with `caplog`);

@@ -422,7 +422,7 @@ def _field_helps() -> dict[str, str]:
 
 
 class GFPOConfig(GRPOConfig):
-    """TRL's experimental `GFPOConfig` (trl.experimental.gfpo, TRL <= 1.7.1; anchors/trl.md §6): `GRPOConfig` plus
+    """TRL's experimental `GFPOConfig` (trl.experimental.gfpo, TRL <= 1.7.1): `GRPOConfig` plus
     `num_remains_in_group` (k: train on the k best of each group's G completions, scored by the trainer's
     `group_filter_func`; None = keep all; 2 <= k < num_generations). The engine's `grpo.num_remains_in_group`, so
     `GRPOConfig` accepts it too; this class exists for the documented name (`GFPOTrainer` takes either)."""

@@ -53,16 +53,18 @@ FINAL_MODEL_DIR = EXPORT_DIR
 
 
 class GRPOTrainer(TrainerSurface, HubSurface, AcceleratorSurface):
-    """TRL's `GRPOTrainer` signature over `engine.train.loop.train` (full fine-tuning with Megatron, vLLM rollout).
+    """TRL's `GRPOTrainer` signature over `engine.train.loop.train` (Megatron training, full or LoRA; vLLM rollout).
 
-    It refuses with a message what this engine does not do (PEFT, custom optimizers), resolves `model` (a
+    It refuses with a message what this engine does not do (custom optimizers, `quantization_config`, a PEFT model
+    together with `peft_config`), turns `peft_config` (or a `peft.PeftModel` passed as `model`) into LoRA adapters on
+    the frozen Megatron policy (the `lora` section, engine/policy/lora.py), resolves `model` (a
     local directory, a `builtin:` name, a hub name from the local cache or a download, a `PreTrainedModel` saved under
     output_dir) and `reward_funcs` (callables, config strings, reward-model directories or objects with their
     `reward_processing_classes`), checks the batch geometry before anything starts, and hands datasets, reward
     callables, the tokenizer and the user hooks (`group_filter_func`, `dynamic_prompts_fn`: any callable, a function
     of the script, a lambda or an instance) to `engine.train.loop.train` in memory.
 
-    Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning, no PEFT / DeepSpeed / FSDP;
+    Differences from TRL (all loud): the model is trained by Megatron (full fine-tuning or LoRA; no DeepSpeed / FSDP;
     a subclass overriding HF Trainer's `training_step` / `_prepare_inputs` / `compute_loss` is refused, naming why,
     while one overriding TRL's `_generate` / `_generate_single_turn` acts: engine/api/trl_generate.py);
     generation always uses vLLM; a single `eval_dataset` is also scored before and after training (held-out reward,
@@ -282,7 +284,7 @@ class GRPOTrainer(TrainerSurface, HubSurface, AcceleratorSurface):
 
 
 class GFPOTrainer(GRPOTrainer):
-    """TRL's experimental `GFPOTrainer` (trl.experimental.gfpo, TRL <= 1.7.1; anchors/trl.md §6): `GRPOTrainer`,
+    """TRL's experimental `GFPOTrainer` (trl.experimental.gfpo, TRL <= 1.7.1): `GRPOTrainer`,
     whose `group_filter_func` argument scores the G completions of each group (`f(group_completions,
     group_rewards, **kw) -> [P][G]`, higher = keep) so that only the `num_remains_in_group` best of each group are
     trained on (engine/grpo/group_filter.py). As TRL: `num_remains_in_group` without a filter is an error, a filter

@@ -142,7 +142,7 @@ def number_of(completion: str) -> int | None:
 def tokenize_example(tokenizer, prompt: str, answer: str, closed: bool = True) -> tuple[list[int], list[int]]:
     """(prompt_ids, completion_ids + [eos]); the prompt is tokenized alone, as the rollout does.
 
-    The prompt is the dataset's standard (non-chat) prompt, tokenized without a template (anchors/trl.md §2.3); the
+    The prompt is the dataset's standard (non-chat) prompt, tokenized without a template (as TRL 1.16 tokenizes a standard prompt); the
     completion is " <answer>{answer}</answer>" (8 to 9 tokens) or, in the last `unclosed_steps` steps with
     probability `unclosed_fraction`, " <answer>{answer}" (5 to 6 tokens); then `<|endoftext|>` (eos: the saved
     generation_config stops at it or at `<|im_end|>`). Both stay far inside the demo's max_completion_length of 32.

@@ -21,4 +21,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer"]
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer"]  # noqa: F822 - AsyncGRPOTrainer comes from __getattr__

@@ -1,5 +1,5 @@
 """GFPO by TRL's experimental names: `from engine.experimental.gfpo import GFPOConfig, GFPOTrainer` (TRL's
-`trl.experimental.gfpo`, TRL <= 1.7.1; anchors/trl.md §6), the same classes as `from engine import GFPOConfig,
+`trl.experimental.gfpo`, TRL <= 1.7.1), the same classes as `from engine import GFPOConfig,
 GFPOTrainer`.
 
     class GroupFilter:

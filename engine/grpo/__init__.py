@@ -1,5 +1,5 @@
 """The GRPO maths: pure functions of tensors and Python lists, no process groups, no config objects, no I/O
-(STYLE.md rule 6).
+(docs/contributing/house-rules.md).
 
 Owns: advantages.py (group-relative advantages, reward aggregation), policy_loss.py (every TRL loss type, KL,
 masks, importance-sampling correction, the layout-independent normaliser), loss_statistics.py (the sums behind the

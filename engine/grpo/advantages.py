@@ -134,7 +134,7 @@ def compute_advantages(
 ) -> Advantages:
     """Group-relative advantages of one generation batch (every rank's rows).
 
-    Maths (TRL 1.16 `GRPOTrainer._generate_and_score_completions`, anchors/trl.md §3.2; GRPO: arXiv:2402.03300):
+    Maths (TRL 1.16 `GRPOTrainer._generate_and_score_completions`; GRPO: arXiv:2402.03300):
         sum_then_normalize:  r = nansum_k w_k R_k;  A = (r - mean_group(r)) / (std + 1e-4)
             std = Bessel nanstd over the group (`group`) or over the whole batch (`batch`, Lite PPO
             arXiv:2508.08221, the group mean is kept); `none` (Dr. GRPO arXiv:2503.20783) skips the division.

@@ -5,7 +5,7 @@ what it returns, and the top-k selection. Advantages are then computed over the 
 (`compute_advantages(rewards_per_func[kept], num_generations=num_remains_in_group, ...)`, see the test).
 
 Paper: GFPO, "Sample More to Think Less", arXiv:2508.09726 (sample G, train on the k shortest / most token-efficient).
-How we differ from TRL (trl.experimental.gfpo, v0.23-v1.7; anchors/trl.md §6): `filter_groups`.
+How we differ from TRL (trl.experimental.gfpo, v0.23-v1.7): `filter_groups`.
 
 Must not: compute advantages itself, generate, or touch process groups (the caller passes every rank's rows).
 
@@ -71,7 +71,7 @@ def filter_groups(
 ) -> torch.Tensor:
     """Call the user's filter on aligned groups and return the rows to keep.
 
-    Differences from TRL (trl.experimental.gfpo, v0.23-v1.7), anchors/trl.md §6:
+    Differences from TRL (trl.experimental.gfpo, v0.23-v1.7):
       * TRL handed the filter `[completions[i : i + G] for i in range(N // G)]`: overlapping windows starting at i
         instead of i*G, so every group after the first saw the wrong completions next to its rewards. We slice
         `[i*G : (i+1)*G]` (`split_into_groups`), and tests/unit/test_group_filter.py pins the alignment.

@@ -1,4 +1,4 @@
-"""The values of TRL's GRPO metrics, under TRL's names (anchors/trl.md §2.5), from tensors.
+"""The values of TRL's GRPO metrics, under TRL's names (TRL 1.16 `GRPOTrainer._metrics`), from tensors.
 
 Owns: the values of `reward`, `reward_std`, `rewards/{name}/mean`, `rewards/{name}/std`, `frac_reward_zero_std`,
 `completions/*` (lengths, clipped ratio, terminated lengths) and `sampling/*` (vLLM importance sampling); and turning

@@ -64,7 +64,7 @@ class TRLNormalizer:
     steps_per_generation. With one micro-batch, one rank and GA = 1 the two agree for every loss type, except that
     with `top_entropy_quantile < 1` TRL's entropy bonus is a mean over the kept tokens (a count only known per
     micro-batch) and ours divides by `num_tokens`. TRL 1.16 (the pinned test dependency) differs from the 1.10
-    snapshot of anchors/trl.md: dapo / cispo / vespo divide by num_items_in_batch / num_processes * GA /
+    TRL 1.16 source: dapo / cispo / vespo divide by num_items_in_batch / num_processes * GA /
     steps_per_generation (1.10: no GA / steps_per_generation factor), and the entropy bonus is a mean over its tokens
     / GA for every loss type (1.10: the dapo normaliser for dapo / cispo / vespo).
     """
@@ -371,7 +371,7 @@ def compute_policy_loss(
 ) -> PolicyLossOutput:
     """The GRPO loss of one micro-batch.
 
-    Order of operations (TRL 1.16 `GRPOTrainer._compute_loss`, anchors/trl.md §3.3-3.9): ratio -> surrogate ->
+    Order of operations (TRL 1.16 `GRPOTrainer._compute_loss`): ratio -> surrogate ->
     x off-policy mask -> x entropy mask -> x vLLM IS ratio (not for vespo) -> + beta * KL -> normalise -> - entropy
     bonus. The KL is added after the masks, so they do not apply to it (TRL's choice, kept). The per-token terms take
     `logprobs` (and `entropy`, when an entropy term is on) as autograd tensors: the fused LM-head kernel's backward

@@ -16,15 +16,15 @@ from typing import Literal
 
 Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up", "stacked_gate_up", "stacked_row",
                "stacked_replicated", "mamba_in", "mamba_conv"]
-"""How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (anchors/frameworks.md
-§6.4-6.5), so each is explicit:
+"""How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (fused QKV
+with GQA, gate/up, vocabulary padding), so each is explicit:
   replicated  norms: same on every TP rank;
   column      split along dim 0;   row  split along dim 1;
   vocab       split along dim 0 after padding the vocabulary to `padded_vocab` rows (zeros; never sampled);
   qkv         Megatron's fused QKV: per query group g, [q heads of g; k_g; v_g] (GQA-interleaved), TP splits whole
               groups, so rank r holds groups [r*G/tp, (r+1)*G/tp);
   gate_up     Megatron's fused SwiGLU fc1 = [gate; up]; TP rank r holds [gate_r; up_r] (partition_stride 2);
-  stacked_*   one expert's slice of a GPT-OSS tensor that stacks every expert (engine/models/gpt_oss/layers.py STACKED_KINDS);
+  stacked_*   one expert's slice of a GPT-OSS tensor that stacks every expert (engine/models/stacked_experts.py STACKED_KINDS);
   mamba_in    Nemotron-H's Mamba-2 in_proj rows [z; x; B; C; dt] (`ModelDims.mamba_blocks`), each block split over TP:
               rank r holds [z_r; x_r; B_r; C_r; dt_r]; mamba_conv: its depthwise conv's channels [x; B; C] likewise.
 """

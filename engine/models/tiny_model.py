@@ -106,7 +106,7 @@ TOOL_CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- endif %}"
 )
-"""`CHAT_TEMPLATE` that also renders tools (issue #28; the builtin models keep `CHAT_TEMPLATE`, which refuses the
+"""`CHAT_TEMPLATE` that also renders tools (the builtin models keep `CHAT_TEMPLATE`, which refuses the
 `tool` role, so their saved checkpoints do not change): one line per tool in a system message, `name(args):
 description` (compact: the JSON schemas would fill most of the tiny models' 1024 positions), an assistant's
 `tool_calls` as Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a tool message as Qwen2.5

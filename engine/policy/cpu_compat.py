@@ -2,7 +2,7 @@
 
 Owns: `install_cpu_compat()`, which is idempotent and does nothing when CUDA is available. Megatron-core asks for
 `torch.cuda.current_device()`, creates tensors with `device="cuda"`, moves them with `.cuda()` and forks the CUDA
-RNG tracker even with `use_cpu_initialization=True` (CPU_STACK.md); what it patches, and why each: there
+RNG tracker even with `use_cpu_initialization=True` (docs/contributing/cpu-stack.md); what it patches, and why each: there
 (`_CudaToCpu`, `_recompute_in_mode`, `_CpuStream`, `_host_split_sizes`).
 
 Must not: change anything when CUDA exists; be imported for its side effects (call `install_cpu_compat`).

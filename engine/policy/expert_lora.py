@@ -1,4 +1,4 @@
-"""LoRA on the routed experts of an MoE policy (issue #29): PEFT's `target_parameters` on transformers 5's 3-D expert
+"""LoRA on the routed experts of an MoE policy: PEFT's `target_parameters` on transformers 5's 3-D expert
 tensors (`mlp.experts.gate_up_proj` (E, 2f, h), `mlp.experts.down_proj` (E, h, f)), one (A, B) pair per expert.
 
 Owns: `ExpertLoraAdapter` (the adapter of one local expert's linear_fc1 or linear_fc2 in Megatron's SequentialMLP:

@@ -18,7 +18,7 @@ these maps to plan its transfers).
 
 Test: tests/unit/test_hf_convert.py (pure), tests/distributed/test_checkpoint_layouts.py (round trips, logits).
 
-Why not mbridge (issue #30, measured with mbridge 0.15.1 on megatron-core 0.16.1, CPU): its `get_model` fails
+Why not mbridge (measured with mbridge 0.15.1 on megatron-core 0.16.1, CPU): its `get_model` fails
 (`NameError: TENorm`: the layer spec is hard-wired to Transformer Engine; DeepSeek-V3 and Gemma 3 likewise); its
 name maps know only TE's fused norm names and grouped-gemm expert names, so loading into this engine's local-spec
 model fails (Qwen2 loads, 0 of 51 tensors different from this loader, only after 2 map entries are patched in;
@@ -45,6 +45,7 @@ from engine.models.nemotron_h import (NEMOTRON_H_GLOBAL, NEMOTRON_H_TENSORS, hf_
                                       mamba_blocks)
 from engine.models.stacked_experts import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
 from engine.models.tensor_map import TensorMap
+
 
 class TensorSource(Protocol):
     """Where HF tensors come from: a safetensors checkpoint (engine/train/checkpoint.py) or a dict (`DictSource`)."""

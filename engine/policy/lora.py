@@ -1,4 +1,4 @@
-"""LoRA adapters on the Megatron policy's parallel linears (issue #29), from a `peft.LoraConfig`-like setting.
+"""LoRA adapters on the Megatron policy's parallel linears, from a `peft.LoraConfig`-like setting.
 
 Owns (the setting, HF_TARGETS and their checks: engine/lora_settings.py): the adapters (`LoraAdapter`, one per
 Megatron linear, one (A, B) pair per HF module fused into it, so q/k/v and gate/up keep PEFT's separate adapters),

@@ -1,4 +1,4 @@
-"""Parallel state: the one module that touches Megatron's global `parallel_state` (STYLE.md rule 3).
+"""Parallel state: the one module that touches Megatron's global `parallel_state` (docs/contributing/house-rules.md).
 
 Owns: starting torch.distributed (nccl on GPU, gloo on CPU; a plain `python` run becomes a world of one), calling
 Megatron's `initialize_model_parallel` from the `parallel` config section, seeding Megatron's RNG tracker, and handing

@@ -1,6 +1,6 @@
 """Rollout routing replay (R3) and the router-agreement metric for MoE policies, on top of Megatron's RouterReplay.
 
-R3 (anchors/frameworks.md Q6 #3; NVIDIA/Megatron-LM#4168): the experts the inference engine routed each token to are
+R3 (rollout routing replay; NVIDIA/Megatron-LM#4168): the experts the inference engine routed each token to are
 replayed in the training forward, so training and sampling run the same experts even where their routers disagree
 (bf16 kernels, different reductions): without it ~10% of routing decisions differ and GRPO runs on Qwen3-30B-A3B
 collapsed. Measured on the tiny MoE: benchmarks/bench_routing_replay.py.

@@ -1,4 +1,4 @@
-"""Adapter-only weight sync (`lora.lora_weight_sync=adapter`, issue #29), the trainer's side: every LoRA adapter of
+"""Adapter-only weight sync (`lora.lora_weight_sync=adapter`), the trainer's side: every LoRA adapter of
 the policy, gathered over TP and PP, goes whole into each engine's LoRA slot in memory (engine/rollout/vllm_lora.py),
 the frozen base staying as the engine holds it; then every engine rank's digests of the adapter tensors its LoRA
 layers hold are checked against what was sent. Colocated: `sync_adapter` (this rank's engine). Server mode:

@@ -1,5 +1,5 @@
 """Multi-turn rounds on a colocated engine at vLLM TP > 1: one rank drives, the other ranks of its vLLM TP group
-mirror every engine call (issue #28).
+mirror every engine call.
 
 Owns: `MirroredTurns` (the driver's turn channel: each engine step is one "wave" broadcast to the group, the turns
 submitted since the last step in order, then one step on every rank; `end` closes the round and checks that every

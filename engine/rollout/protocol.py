@@ -11,7 +11,7 @@ which mode it runs in.
 
 Collective calls (every trainer rank, same order): `generate`, `PendingRollout.result`, `prompt_logprobs`,
 `prompt_logprobs_each`, `sync_weights`. Turn calls (`submit_turn`, `collect_turns`) are not collective: they serve
-one caller (multi-turn rollouts, issue #28), which shares their results itself; rank 0 drives them inside
+one caller (multi-turn rollouts), which shares their results itself; rank 0 drives them inside
 `driven_turns()` while the other ranks are in `follow_turns()` (a colocated engine at vLLM TP > 1 mirrors them).
 
 Must not: import vLLM or know Megatron's layout (this is an interface only).

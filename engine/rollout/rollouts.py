@@ -1,7 +1,8 @@
 """One generate call's completions (`Rollout`) and the MoE routes that travel with them.
 
 Owns: `Rollout` (prompt-major rows: prompt ids, completion ids, the engine's sampled-token log-probs, truncation,
-for multi-turn rows the tool mask (0 on tool tokens: in the context, no gradient), and for MoE policies the experts the engine routed every token to), its row operations (`concat`, `select`), its
+for multi-turn rows the tool mask (0 on tool tokens: in the context, no gradient), and for MoE policies the experts
+the engine routed every token to), its row operations (`concat`, `select`), its
 JSON form (`to_json` / `from_json`: HTTP answers of the rollout server, async-rollout rounds in checkpoints), the
 routes' compact encoding (`encode_routes` / `decode_routes`: base64 of the narrowest integer type, because a round's
 routes are tokens x layers x top-k ids: as JSON lists they would dwarf everything else), and whether an engine

@@ -161,7 +161,8 @@ class RolloutServer(ThreadingHTTPServer):
 
 _ROUTES = {"/generate": RolloutServer.generate, "/prompt_logprobs": RolloutServer.prompt_logprobs,
            "/weights/init": RolloutServer.init_weights, "/weights/update": RolloutServer.update_weights,
-           "/weights/digests": RolloutServer.weight_digests, "/lora/update": RolloutServer.update_adapter, "/weights/close": RolloutServer.close_weights, "/sleep": RolloutServer.sleep,
+           "/weights/digests": RolloutServer.weight_digests, "/lora/update": RolloutServer.update_adapter,
+           "/weights/close": RolloutServer.close_weights, "/sleep": RolloutServer.sleep,
            "/wake_up": RolloutServer.wake_up}
 
 
@@ -223,7 +224,7 @@ class _Handler(BaseHTTPRequestHandler):
     model (its shape facts differ from /health's `model`) 409. The socket binds only `--host`
     (`rollout.vllm_server_host`; TRL's default 0.0.0.0 is every interface: give the inference node's address, or
     127.0.0.1 on one machine).
-    """
+    """  # noqa: E501 - the endpoint table keeps one row per endpoint
 
     server: RolloutServer
     protocol_version = "HTTP/1.1"

@@ -156,7 +156,8 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
         with `verify` "weight_sync/digest_s" (the trainer's digests and the comparison).
     Raises:
         WeightSyncError on every rank when any part failed (a dead or unreachable server, a broken group, a
-        timeout, an engine rank holding other values than were sent: the tensors named), naming the cause; the group is then closed on this side (the next sync joins a fresh one). The
+        timeout, an engine rank holding other values than were sent: the tensors named), naming the cause; the group
+        is then closed on this side (the next sync joins a fresh one). The
         trainer's parameters are only read, so they are exactly as before the sync whatever happened.
     """
     start = time.perf_counter()

@@ -2,7 +2,7 @@
 trainer rank (pp_rank, tp_rank, virtual chunk) holds and where it sits in that rank's local Megatron shard, and which
 box the vLLM weight loader of each engine TP rank narrows to.
 
-Owns: knowledge of both layouts (STYLE.md rule 4; with engine/rollout/weight_transport.py, which executes the plan and
+Owns: knowledge of both layouts (docs/contributing/house-rules.md; with engine/rollout/weight_transport.py, which executes the plan and
 knows them only through it): the trainer's in `_trainer_boxes` and `TrainerLayout` (who sends), the engine's in
 `_engine_box` (vLLM's loader rules restated). `build_sync_plan` is pure (no processes, no tensors);
 `SyncPlan.transfers()` (every piece x engine-rank overlap) and `SyncPlan.buckets()` derive the wire schedule both

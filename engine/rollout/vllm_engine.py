@@ -94,15 +94,15 @@ def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict
     for param, tensor in module.named_parameters(recurse=False):
         if tensor.numel() == 0 or tensor.is_meta:
             continue  # repacked by the CPU backend: see `WeightReceiverExtension.grpo_track_loads`
-        for hf_name, view in _hf_parts(name, module, param, tensor.detach(), packed):
-            if view.dtype == dtype or hf_name.endswith(LIVE_PARAMS):  # GLM's float32 router bias: sent as float32
-                out[hf_name] = (box_digest(view), str(tensor.dtype))
+        for tensor_name, view in _hf_parts(name, module, param, tensor.detach(), packed):
+            if view.dtype == dtype or tensor_name.endswith(LIVE_PARAMS):  # GLM's float32 router bias: sent as float32
+                out[tensor_name] = (box_digest(view), str(tensor.dtype))
                 continue
             narrowed = view.to(dtype)
             exact = torch.equal(narrowed.to(view.dtype).view(bits_dtype(view)), view.view(bits_dtype(view)))
             digest = box_digest(narrowed)
-            out[hf_name] = (digest if exact else digest ^ 1,
-                            str(tensor.dtype) + ("" if exact else f", values not exactly {dtype}"))
+            out[tensor_name] = (digest if exact else digest ^ 1,
+                                str(tensor.dtype) + ("" if exact else f", values not exactly {dtype}"))
     return out
 
 

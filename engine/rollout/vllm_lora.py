@@ -1,4 +1,4 @@
-"""Adapter-only weight sync into vLLM's LoRA support (`lora.lora_weight_sync=adapter`, issue #29), the vLLM side.
+"""Adapter-only weight sync into vLLM's LoRA support (`lora.lora_weight_sync=adapter`), the vLLM side.
 
 Owns: `lora_engine_options` (the `vllm.LLM` keywords that turn its LoRA support on for one adapter of rank r),
 `policy_lora_request` (the request generations name once an adapter is loaded) and `LoraReceiver`, mixed into the

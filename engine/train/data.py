@@ -277,11 +277,11 @@ def prepare_prompts(
     """Check the prompt format, tokenize every prompt and apply the overlong-prompt policy.
 
     Rows have a `prompt` that is either a str (standard) or a list of {"role", "content"} messages (conversational),
-    with the same format in every row. Prompts are tokenized as TRL 1.16 does (anchors/trl.md §2.3): standard prompts
+    with the same format in every row. Prompts are tokenized as TRL 1.16 does (`GRPOTrainer._generate_and_score_completions`): standard prompts
     with `tokenizer(text=prompts)` (special tokens added, no template), conversational ones with
     `apply_chat_template(add_generation_prompt=True, **chat_template_kwargs)`.
 
-    Never truncates a prompt (anchors/trl.md §7 #12: silent truncation gives all-zero rewards nobody notices): a
+    Never truncates a prompt (silent truncation gives all-zero rewards nobody notices): a
     prompt longer than `data.max_prompt_length` (or longer than `max_model_length - max_completion_length`, when the
     caller passes the model's context) is an error naming the row, its length and the limit, or with
     `data.overlong_prompt_policy="drop"` the row is dropped with a warning that gives the count. TRL removed

@@ -2,7 +2,8 @@
 under TRL's metric names with the `eval_` prefix (`eval_<name>_` for each set of a dict of eval datasets).
 
 Owns: `evaluation_metrics` (one set: TRL's reward and completion metrics plus HF's `runtime` / `samples_per_second` /
-`steps_per_second`; `loss` averaged per evaluation batch: `batch_mean_loss`), `evaluate_sets` (several named sets, `eval_<name>_*` keys) and `tokenize_eval_sets`.
+`steps_per_second`; `loss` averaged per evaluation batch: `batch_mean_loss`), `evaluate_sets` (several named sets,
+`eval_<name>_*` keys) and `tokenize_eval_sets`.
 Generating and scoring the held-out prompts is engine/train/sampling.py's `score_held_out`; a run built only to
 evaluate (`GRPOTrainer.evaluate()`) is engine/train/loop.py's `evaluate_only`.
 

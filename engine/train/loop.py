@@ -1,4 +1,4 @@
-"""The GRPO training loop: `train(cfg)` reads top to bottom (STYLE.md rule 8), one generation round per iteration:
+"""The GRPO training loop: `train(cfg)` reads top to bottom (docs/contributing/house-rules.md), one generation round per iteration:
 
     prompts -> rollout (a `RolloutEngine`, engine/rollout/protocol.py: colocated or server(s), chosen once by
     engine/train/run.py) -> rewards (rank 0, broadcast) -> advantages -> old / ref log-probs -> num_iterations x

@@ -100,7 +100,7 @@ def _hub_reward_model(name: str, generation_cfg: GenerationConfig | None) -> Rew
 class RewardModelReward:
     """A sequence-classification reward model from a local directory, called like a reward function.
 
-    Scores as TRL does for a `PreTrainedModel` reward (anchors/trl.md §2.1): text = prompt + completion (standard)
+    Scores as TRL does for a `PreTrainedModel` reward (`GRPOTrainer._calculate_rewards`): text = prompt + completion (standard)
     or the chat template of prompt + completion messages (conversational); right padding, no special tokens added;
     reward = logits[:, 0]. The model stays on CPU until `.to(device)`.
     """
@@ -260,7 +260,7 @@ class RewardFunctions:
 
     Use as a context manager, or call `close()`, to stop the event-loop thread of async functions.
 
-    Contract (TRL 1.16 `GRPOTrainer._calculate_rewards`, anchors/trl.md §2.1-2.2):
+    Contract (TRL 1.16 `GRPOTrainer._calculate_rewards`):
         func(prompts=..., completions=..., completion_ids=..., **reward_kwargs) -> list[float | None]   (B values)
         reward_kwargs = every dataset column except prompt / completion / completion_ids, as B-long lists aligned with
         the rows (a prompt's row repeated for each of its G completions), plus `trainer_state`, `log_extra(column,

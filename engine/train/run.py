@@ -102,8 +102,8 @@ class TrainingDivergedError(RuntimeError):
 
 @dataclass
 class AdaptiveEntropy:
-    """The adaptive entropy-bonus controller's state (Skywork-OR1; TRL's `use_adaptive_entropy`, anchors/trl.md
-    §3.8): the coefficient and the previous optimizer step's world entropy. The maths is engine/grpo/policy_loss.py's."""
+    """The adaptive entropy-bonus controller's state (Skywork-OR1; TRL 1.16's
+    `use_adaptive_entropy`): the coefficient and the previous optimizer step's world entropy. The maths is engine/grpo/policy_loss.py's."""
 
     coef: float
     last_entropy: float = math.inf

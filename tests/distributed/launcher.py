@@ -6,14 +6,15 @@ back by value). If any rank raises, or dies, or the whole run exceeds the timeou
 failing rank's traceback (a rank stuck in a collective behind a failed peer is terminated and reported as such).
 `fn` must be importable at module level (spawn pickles it by name).
 
-Long-lived worlds (issue #32): starting a rank (a spawned Python that imports torch and Megatron) costs 6-12 s on a
+Long-lived worlds: starting a rank (a spawned Python that imports torch and Megatron) costs 6-12 s on a
 2-core machine, more than most test bodies, so the processes of a world of each size are kept for the session and
 run test body after test body. Each body still starts from what a fresh rank would see: no process group (the
 previous body's, and Megatron's groups, are destroyed after it; the next one rendezvouses on a fresh MASTER_PORT),
 the environment, working directory, default dtype, grad mode and thread count restored. A world is not reused, but
 shut down and started afresh by the next call, when a body failed on any rank, timed out, or left something a fresh
-process would not have: child processes alive or a vLLM engine not dropped. A body that built in-process vLLM
-engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
+process would not have: child processes alive (but for the manager process Megatron's checkpoint writer starts at
+its first save and keeps for the process's life, kept like an import) or a vLLM engine not dropped. A body that built
+in-process vLLM engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
 (`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
 import-time settings included), which saves the next such body 10-20 s of rank start and imports. Such a rank ends
 with a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP groups made in /dev/shm (colocated
@@ -49,20 +50,33 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _has_live_children() -> bool:
-    """Whether this process has a child that is not a zombie (any kind: multiprocessing, subprocess, vLLM's)."""
-    me = str(os.getpid())
+def _megatron_writer_manager_pid() -> int | None:
+    """The pid of the manager process Megatron's checkpoint writer starts on its first save and keeps for the life of
+    the process (the results queue of `filesystem_async`), or None when no save has started it."""
+    writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    queue_proxy = getattr(writer, "_results_queue", None)
+    process = getattr(getattr(queue_proxy, "_manager", None), "_process", None)
+    return process.pid if process is not None and process.is_alive() else None
+
+
+def _live_children() -> list[str]:
+    """The command lines of this process's children that are not zombies (any kind: multiprocessing, subprocess,
+    vLLM's), less Megatron's checkpoint-writer manager (kept by Megatron for the process's life, like an import)."""
+    me, kept = str(os.getpid()), _megatron_writer_manager_pid()
+    children = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) == kept:
             continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
                 state, ppid = stat.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # the process ended while we looked
             continue
         if ppid == me and state != "Z":
-            return True
-    return False
+            children.append(command[:200])
+    return children
 
 
 def _holds_a_vllm_engine() -> bool:
@@ -89,14 +103,17 @@ _vllm_releases: list[int] = []
 """This rank's pid once per body after which vLLM's state was released (read by tests/distributed/test_launcher.py)."""
 
 
-def _is_reusable() -> bool:
-    """Whether this rank is still as a fresh one would be after a body (see the module docstring)."""
-    return not _has_live_children() and not _holds_a_vllm_engine()
+def _why_not_reusable() -> str:
+    """Why this rank is no longer as a fresh one would be after a body ("" when it is; module docstring)."""
+    children = _live_children()
+    if children:
+        return f"child processes alive: {children}"
+    return "a vLLM engine was not dropped" if _holds_a_vllm_engine() else ""
 
 
-def _run_body(body: bytes) -> tuple[str, bytes | str, bool]:
+def _run_body(body: bytes) -> tuple[str, bytes | str, str]:
     """Run one pickled (fn, args) on this rank; then tear its groups down and restore the process-wide state it may
-    have changed. Returns (status, pickled value or traceback, whether this rank can take another body)."""
+    have changed. Returns (status, pickled value or traceback, why this rank cannot take another body: "" if it can)."""
     import torch
 
     env, cwd = dict(os.environ), os.getcwd()
@@ -122,7 +139,9 @@ def _run_body(body: bytes) -> tuple[str, bytes | str, bool]:
     torch.set_default_dtype(dtype)
     torch.set_grad_enabled(grad_enabled)
     torch.set_num_threads(1)
-    return status, payload, status == "ok" and torn_down and _is_reusable()
+    if status != "ok":
+        return status, payload, "the body failed"
+    return status, payload, _why_not_reusable() if torn_down else "its teardown failed"
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -146,12 +165,13 @@ def _serve(rank, world_size, tasks, results) -> None:
             break
         task_id, port, body = task
         os.environ["MASTER_PORT"] = str(port)
-        status, payload, reusable = _run_body(body)
-        results.put((rank, task_id, status, payload, reusable))
-        if not reusable:
+        status, payload, why_not_reusable = _run_body(body)
+        results.put((rank, task_id, status, payload, why_not_reusable))
+        if why_not_reusable:
             return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
-    if "vllm" in sys.modules:
-        return  # a normal exit: vLLM's CPU shared memory (/dev/shm) is unlinked at exit, never by os._exit
+    if "vllm" in sys.modules or _megatron_writer_manager_pid() is not None:
+        return  # a normal exit: vLLM's CPU shared memory (/dev/shm) is unlinked at exit, never by os._exit, and
+        # multiprocessing's exit handler stops Megatron's writer manager
     results.close()
     results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
     os._exit(0)
@@ -170,14 +190,14 @@ class _World:
         for proc in self.procs:
             proc.start()
 
-    def run(self, task_id: int, fn, args, timeout_s: float) -> tuple[dict[int, tuple[str, object]], bool]:
-        """Send one body to every rank; return {rank: (status, payload)} of the ranks that reported, and whether
-        every rank can take another body."""
+    def run(self, task_id: int, fn, args, timeout_s: float) -> tuple[dict[int, tuple[str, object]], str]:
+        """Send one body to every rank; return {rank: (status, payload)} of the ranks that reported, and why the
+        world cannot take another body ("" when every rank can)."""
         port, body = _free_port(), pickle.dumps((fn, args))
         for task in self.tasks:
             task.put((task_id, port, body))
         outcome: dict[int, tuple[str, object]] = {}
-        reusable = True
+        why_not: list[str] = []
         deadline = time.monotonic() + timeout_s
         first_error_at = None
         while len(outcome) < self.world_size:
@@ -185,7 +205,7 @@ class _World:
             if now > deadline or (first_error_at is not None and now > first_error_at + ERROR_GRACE_S):
                 break
             try:
-                rank, reported_task, status, payload, rank_reusable = self.results.get(timeout=1.0)
+                rank, reported_task, status, payload, rank_why_not = self.results.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in outcome]
                 for r in dead:
@@ -195,10 +215,13 @@ class _World:
             if reported_task != task_id:
                 continue
             outcome[rank] = (status, payload)
-            reusable = reusable and rank_reusable
+            if rank_why_not:
+                why_not.append(f"rank {rank}: {rank_why_not}")
             if status == "error" and first_error_at is None:
                 first_error_at = time.monotonic()
-        return outcome, reusable and len(outcome) == self.world_size
+        if len(outcome) < self.world_size:
+            why_not.append("not every rank reported")
+        return outcome, "; ".join(why_not)
 
     def close(self) -> None:
         for proc, task in zip(self.procs, self.tasks):
@@ -216,12 +239,18 @@ class _World:
 
 _worlds: dict[int, _World] = {}
 _task_ids = itertools.count()
+world_starts: list[tuple[int, str]] = []
+"""(world size, why it started) for every world this process started: its first of that size, or why the last one
+was dropped (read by tests/timings.py: a start costs a rank's imports, 6-12 s here, 10-20 s more with vLLM)."""
+_dropped: dict[int, str] = {}
 
 
 def close_worlds() -> None:
     """Stop every kept world (at exit; also usable between tests that must not share a world)."""
     while _worlds:
-        _worlds.popitem()[1].close()
+        size, world = _worlds.popitem()
+        world.close()
+        _dropped[size] = "closed on request (close_worlds)"
 
 
 atexit.register(close_worlds)  # NOTE: registered after multiprocessing's own exit handler, so it runs before it
@@ -229,16 +258,21 @@ atexit.register(close_worlds)  # NOTE: registered after multiprocessing's own ex
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
     """Call fn(*args) on `world_size` gloo ranks; return [rank 0's value, rank 1's value, ...]."""
-    world = _worlds.pop(world_size, None) or _World(world_size)
+    world = _worlds.pop(world_size, None)
+    if world is None:
+        world_starts.append((world_size, _dropped.get(world_size, "the first world of this size")))
+        world = _World(world_size)
     try:
-        outcome, reusable = world.run(next(_task_ids), fn, args, timeout_s)
+        outcome, why_not_reusable = world.run(next(_task_ids), fn, args, timeout_s)
     except BaseException:  # e.g. pytest-timeout's alarm or Ctrl-C while the ranks run: they must not outlive it
         world.close()
+        _dropped[world_size] = f"{fn.__name__} was interrupted"
         raise
-    if reusable:
+    if not why_not_reusable:
         _worlds[world_size] = world
     else:
         world.close()
+        _dropped[world_size] = f"after {fn.__name__}, {why_not_reusable}"
     failures = [f"--- rank {r}: {outcome[r][1]}" for r in sorted(outcome) if outcome[r][0] == "error"]
     missing = [r for r in range(world_size) if r not in outcome]
     if missing:

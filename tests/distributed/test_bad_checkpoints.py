@@ -1,11 +1,11 @@
-"""The bad-input catalogue's checkpoint classes (issue 17; table in tests/unit/test_bad_inputs.py), with a real
+"""The bad-input catalogue's checkpoint classes (table in tests/unit/test_bad_inputs.py), with a real
 Megatron checkpoint on one gloo process: one Adam step of the tiny Qwen2 saved with the distributed optimizer, then
 loaded by runs it does not belong to. Each load fails with a CheckpointError that names the cause, and the
 checkpoint's files are byte for byte as before the attempt (a failed load never writes), so the right run can still
 resume from it.
 
 - another optimizer: a run without the distributed optimizer, and a run with SGD (both wrapped in Megatron's
-  FP32Optimizer when not distributed: the torch optimizer inside is recorded since issue 17);
+  FP32Optimizer when not distributed: the torch optimizer inside is recorded too);
 - another model: the identity stored at save (hidden size, layers, vocab, ...) differs;
 - a torn file: a data file cut to half its length is named with its expected size.
 

@@ -1,4 +1,4 @@
-"""Mixtral (issue #30: routed experts under Mixtral's checkpoint names, Llama attention, the expert width in
+"""Mixtral (routed experts under Mixtral's checkpoint names, Llama attention, the expert width in
 `intermediate_size`), GLM-4.5 MoE (sigmoid routing on float32 scores + the expert-score correction bias, 2 expert
 groups with 1 chosen per token, routed weights x 2.5, a shared expert, a dense first layer, QKV bias, q/k norms, RoPE
 on half of each head) and GPT-OSS (learned sinks, sliding-window layers of 4 keys alternating with full ones, YaRN,

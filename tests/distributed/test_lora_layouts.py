@@ -1,4 +1,4 @@
-"""LoRA on the Megatron policy (issue #29): the adapters are PEFT's, at every layout.
+"""LoRA on the Megatron policy: the adapters are PEFT's, at every layout.
 
 1. Logits and outputs: with adapters on every linear of the tiny Qwen2 (q/k/v in the fused QKV, gate/up in the fused
    fc1, o_proj and down_proj row-parallel; B perturbed, since PEFT's B = 0 would make every check trivial), at TP1

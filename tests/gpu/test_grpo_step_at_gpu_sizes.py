@@ -7,7 +7,8 @@ random weights, Megatron's local spec: one GRPO forward/backward (DAPO, clipping
 Triton log-prob kernel (`implementation="triton"`) and with the one-pass loss on cuBLAS + Triton row kernels (what
 "auto" picks on CUDA for DAPO) against the same step through materialised logits (`"reference"`, two passes), same
 weights and tokens. fp32: loss and every parameter's gradient equal to fp32 rounding
-(the kernel accumulates in fp32 like the reference; gradients to 1e-4 of each tensor's largest entry); bf16 (TRL's default): the reference computes bf16 logits (a
+(the kernel accumulates in fp32 like the reference; gradients to 1e-4 of each tensor's largest entry); bf16 (TRL's
+default): the reference computes bf16 logits (a
 model's own lm_head), the kernel fp32 ones, so the bound is bf16 rounding: loss within 1%, every gradient within
 cosine 0.999 of the reference's.
 

@@ -1,4 +1,4 @@
-"""What tests share, and how a new test gets it (issue #32: start-up, not behaviour, is where the suite's time goes).
+"""What tests share, and how a new test gets it (start-up, not behaviour, is where the suite's time goes).
 
 Owns the helpers several test files use; the expensive real components are started once and shared:
 

@@ -145,7 +145,7 @@ def server(tmp_path_factory):
     # own, one of them reached only through node 0's engine (generation, weight syncs and digests must reach it).
     shm_before = set(glob.glob("/dev/shm/*-cpushm_*"))
     srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), "rollout.vllm_tensor_parallel_size=2",
-                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, nodes=2)  # one core per worker (CPU_STACK.md)
+                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, nodes=2)  # one core per worker (docs/contributing/cpu-stack.md)
     assert srv.client().health()["vllm_nodes"] == 2
     yield srv
     srv.stop()
@@ -412,7 +412,7 @@ def test_expert_parallel_trainer_syncs_into_a_moe_server_and_a_stale_one_is_caug
 
     trainer_dir, server_dir = (str(build_tiny_model(tmp_path / f"qwen3_moe_{seed}", "qwen3_moe", seed=seed))
                                for seed in (8, 9))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if engine_tp == 2 else None  # one core per worker (CPU_STACK.md)
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if engine_tp == 2 else None  # one core per worker (docs/contributing/cpu-stack.md)
     moe = Server(tmp_path, secrets.token_hex(16), f"model.name_or_path={server_dir}",
                  f"rollout.vllm_tensor_parallel_size={engine_tp}", env=env)
     try:

@@ -27,7 +27,7 @@ from tests.integration.tiny_model_vllm_generate import generate_in_process
 NUM_PROMPTS = 4
 MAX_TOKENS = 24
 LOGPROB_ATOL = 1e-4
-"""fp32 on both sides; CPU_STACK.md observed agreement to 4 decimals."""
+"""fp32 on both sides; docs/contributing/cpu-stack.md: agreement to 4 decimals."""
 
 pytestmark = [
     pytest.mark.slow,

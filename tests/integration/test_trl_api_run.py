@@ -259,6 +259,15 @@ def _recording_callback(save_at: int | None = None, stop_at: int | None = None):
     return Recorder()
 
 
+def _held() -> tuple[int, int]:
+    """(threads alive, process groups alive) in this process: what a finished trainer must give back."""
+    import threading
+
+    from torch.distributed import distributed_c10d
+
+    return threading.active_count(), len(distributed_c10d._world.pg_map)
+
+
 def _surface_in_one_process(output_dir: str) -> dict:
     import datasets
     import torch
@@ -282,6 +291,7 @@ def _surface_in_one_process(output_dir: str) -> dict:
                         args=args(eval_strategy="steps", eval_steps=2), callbacks=[recorder])
     before = {n: p.detach().clone() for n, p in first.model.named_parameters()}
     first.train()
+    held = [_held()]
     after = dict(first.model.named_parameters())
     changed = [n for n in before if not torch.equal(before[n], after[n].detach())]
     # a build that fails after its engine started (a checkpoint that does not exist) closes that engine
@@ -312,6 +322,7 @@ def _surface_in_one_process(output_dir: str) -> dict:
     initial = {n: p.detach().clone() for n, p in obj.named_parameters()}
     third = GRPOTrainer(model=obj, reward_funcs=accuracy, train_dataset=stream, args=args())
     third.train(resume_from_checkpoint=True)
+    held.append(_held())
     obj_trained = third.model is obj and all(not torch.equal(initial[n], p) for n, p in obj.named_parameters())
     lengths = _TokenCount()
     fourth = GRPOTrainer(model=str(out / "run" / "hf"), reward_funcs=lengths, train_dataset=stream,
@@ -324,6 +335,7 @@ def _surface_in_one_process(output_dir: str) -> dict:
                                   log_completions=True))
     ref_before = {n: p.detach().clone() for n, p in fifth.ref_model.named_parameters()}
     fifth.train()
+    held.append(_held())
     trained, mixed = dict(fifth.model.named_parameters()), dict(fifth.ref_model.named_parameters())
     # the engine's reference holds the initial weights in model.dtype (bf16, TRL's default)
     expected = {n: 0.5 * ref_before[n].to(mixed[n].dtype).float() + 0.5 * trained[n].float() for n in ref_before}
@@ -338,7 +350,7 @@ def _surface_in_one_process(output_dir: str) -> dict:
             "checkpoints": sorted(p.name for p in (out / "run").glob("checkpoint-*")),
             "bad_build": bad_build, "live_engines": live_engines, "mix_error": mix_error,
             "trdpo_entropy_coef": fifth.entropy_coef, "trdpo_history": fifth.state.log_history,
-            "trdpo_logs": fifth._logs}
+            "trdpo_logs": fifth._logs, "held": held}
 
 
 @pytest.mark.slow
@@ -349,7 +361,8 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
     (its round: the stream's next rows) from a model object, which holds the trained weights after, (4) a trainer
     of the trained model evaluates (TRL's eval loss, averaged per eval batch, checked in closed form), (5) a TR-DPO
     run's trainer.ref_model is the mixed reference and a static entropy bonus logs its coefficient. Between (1) and
-    (2) a build that fails after its engine started (a missing checkpoint) leaves no engine running."""
+    (2) a build that fails after its engine started (a missing checkpoint) leaves no engine running. After the first,
+    third and fifth train() the process holds the same threads and process groups (no trainer leaks them)."""
     result = run_distributed(_surface_in_one_process, 1, str(tmp_path))[0]
     events = result["events"]
     names = [name for name, _ in events]
@@ -357,6 +370,8 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
     assert events[3:7] == [("on_step_begin", 0), ("on_step_end", 1), ("on_log", 1), ("on_save", 1)]
     assert ("on_evaluate", 2) in events and ("on_step_end", 3) not in events  # should_training_stop honoured
     assert names[-2:] == ["on_save", "on_train_end"] and result["global_step"] == 2
+    assert result["held"][0] == result["held"][1] == result["held"][2], (
+        f"(threads, process groups) after the first, third and fifth trainer: {result['held']}")
     assert result["checkpoints"] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]  # 1: the callback's should_save
     assert {"loss", "reward", "rewards/accuracy/mean", "completions/mean_length", "learning_rate", "grad_norm",
             "num_tokens", "epoch"} <= set(result["logs"][0])

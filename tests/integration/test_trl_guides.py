@@ -50,7 +50,7 @@ TRL_STEP_METRICS = {
     "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",
     "sampling/importance_sampling_ratio/max", "loss", "grad_norm", "learning_rate", "epoch", "step",
 }
-"""What TRL 1.16 logs per step with vLLM, β = 0 and the default dapo loss (anchors/trl.md §2.5), plus HF's own."""
+"""What TRL 1.16 logs per step with vLLM, β = 0 and the default dapo loss (TRL 1.16 `GRPOTrainer._metrics`), plus HF's own."""
 FINAL_RECORD = ["train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss",
                 "epoch", "step"]
 """HF Trainer's last `log_history` record, in its order."""

@@ -5,7 +5,7 @@ The test calls `generate_in_process` in a kept rank of tests/distributed/launche
 global state stays out of the pytest process and the rank's start-up and imports are shared with the other
 in-process-engine tests; the engine core runs in that process, as the colocated engine runs it. By hand, as a
 program that writes a JSON file (with vLLM's default executor the engine core is a spawned process that re-imports
-`__main__`, which needs the `if __name__ == "__main__":` guard, CPU_STACK.md):
+`__main__`, which needs the `if __name__ == "__main__":` guard, docs/contributing/cpu-stack.md):
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/integration/tiny_model_vllm_generate.py MODEL_DIR OUT.json
 """

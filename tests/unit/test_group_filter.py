@@ -1,7 +1,7 @@
 """engine/grpo/group_filter.py (GFPO): aligned groups, top-k per group, advantages over the survivors.
 
 `test_filter_sees_each_groups_own_completions_next_to_its_rewards` is the test that would have caught TRL's
-overlapping-slice bug (anchors/trl.md §6): TRL built `[completions[i : i + G] for i in range(N // G)]`.
+overlapping-slice bug (trl.experimental.gfpo): TRL built `[completions[i : i + G] for i in range(N // G)]`.
 """
 
 from __future__ import annotations

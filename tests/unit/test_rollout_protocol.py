@@ -1,4 +1,4 @@
-"""The loop's one seam to generation (issue 26): both engines implement `RolloutEngine` (engine/rollout/protocol.py)
+"""The loop's one seam to generation: both engines implement `RolloutEngine` (engine/rollout/protocol.py)
 with its signatures, and the loop's modules use nothing else of an engine and never ask for the mode.
 
 Read from the source and the classes (no engine is started): the behaviour is tested with real engines in

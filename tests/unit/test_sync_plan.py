@@ -6,13 +6,15 @@ from vllm/model_executor/layers/linear.py and vocab_parallel_embedding.py: narro
 what they read from the full HF tensors. A NaN reaching a loader, a wrong box or a wrong owner fails.
 
 Models: MHA with QKV bias (untied), GQA 4 tied with bias, MQA untied (1 KV head < engine TP: replicated KV heads),
-GQA with 4 KV heads tied, Gemma 3 (GQA 4 tied, q/k norms, four norms per layer under Gemma's names); a vocabulary of 100 (vLLM pads to 128, so engine TP 8's last rank reads no rows).
+GQA with 4 KV heads tied, Gemma 3 (GQA 4 tied, q/k norms, four norms per layer under Gemma's names); a vocabulary of
+100 (vLLM pads to 128, so engine TP 8's last rank reads no rows).
 
 Mixture of experts (Qwen3-MoE, 8 experts, q/k norms; Mixtral's and GLM-4.5's names, GLM's dense first layer, expert
 bias and shared expert, at two layouts; DeepSeek-V3: GLM-4.5's MoE with MLA's attention tensors, q_a / kv_a whole on
 every vLLM rank, at three): at EP1/EP2/EP4, EP2 x PP2, EP2 x TP2 and expert TP 2, every rank of the
 world (data-parallel copies included) holds what Megatron's own rank generator gives it (its TP shard of the dense
-tensors, its EP rank's experts split over its expert-TP rank), and each transfer is read from the rank the plan names as its sender (`TrainerLayout.sender_of` of that rank's Megatron
+tensors, its EP rank's experts split over its expert-TP rank), and each transfer is read from the rank the plan names
+as its sender (`TrainerLayout.sender_of` of that rank's Megatron
 ranks): a piece sent by a rank that does not hold it fails, as does a sender outside the group or two ranks claiming
 one group rank."""
 

@@ -1,4 +1,4 @@
-"""TRL's behaviour where TRL defines it (issue #27 items 6 and 9), without starting the engine: TRL's messages and
+"""TRL's behaviour where TRL defines it, without starting the engine: TRL's messages and
 warnings word for word, TRL's GRPOTrainer helpers on its own expected values, vespo's IS mode as TRL resolves it, and
 reward models by hub id from a temporary Hugging Face cache, offline."""
 
