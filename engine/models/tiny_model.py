@@ -193,7 +193,7 @@ def tiny_model_config(
 
     Shapes every family shares (`common`, which the family's own `tiny_config` adapts: engine/models/<family>/):
     hidden 128, 4 layers, 4 query heads and 2 KV heads of head_dim 32 (= 128 / 4; vLLM's CPU attention refuses
-    head_dim < 32, CPU_STACK.md; a family with a head_dim field may take another), GQA ratio 2, MLP 352, vocabulary
+    head_dim < 32; a family with a head_dim field may take another), GQA ratio 2, MLP 352, vocabulary
     `TINY_VOCAB_SIZE` = 400. 400 is deliberately not a multiple of 128 (400 = 3 * 128 + 16), so Megatron's vocab
     padding (to 512 at make_vocab_size_divisible_by=128) and vLLM's per-rank padding are exercised. 841,856
     parameters (the untied default): building one takes ~0.2 s once transformers is imported.

@@ -149,7 +149,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         pipeline_dtype=dtype,
         attention_softmax_in_fp32=True,
         **recompute.megatron_kwargs(),
-        # CPU: Megatron's fused kernels and CUDA initialisation are unavailable (CPU_STACK.md).
+        # CPU: Megatron's fused kernels and CUDA initialisation are unavailable.
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=not on_cpu,
