@@ -21,8 +21,19 @@ give the published parameter counts).
 
 from __future__ import annotations
 
-from engine.models import (cohere2, deepseek_v3, gemma, glm4_moe, gpt_oss, llama, mixtral, nemotron_h, qwen2, qwen3,
-                           qwen3_moe)
+from engine.models import (
+    cohere2,
+    deepseek_v3,
+    gemma,
+    glm4_moe,
+    gpt_oss,
+    llama,
+    mixtral,
+    nemotron_h,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from engine.models.family_spec import FamilySpec
 
 FAMILIES: tuple[FamilySpec, ...] = tuple(module.SPEC for module in (

@@ -23,9 +23,18 @@ import json
 import logging
 from pathlib import Path
 
-from engine.models.family_spec import (TINY_DENSE_LAYERS, TINY_MOE_FFN, TINY_MOE_TOP_K, TINY_SIGMOID_ROUTER, FamilySpec,
-                                       check_sigmoid_router, randomise_expert_score_bias, sigmoid_router_dense_layers,
-                                       sigmoid_router_planner_dims, sigmoid_router_shared_expert_width)
+from engine.models.family_spec import (
+    TINY_DENSE_LAYERS,
+    TINY_MOE_FFN,
+    TINY_MOE_TOP_K,
+    TINY_SIGMOID_ROUTER,
+    FamilySpec,
+    check_sigmoid_router,
+    randomise_expert_score_bias,
+    sigmoid_router_dense_layers,
+    sigmoid_router_planner_dims,
+    sigmoid_router_shared_expert_width,
+)
 from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
 
 MLA_TENSORS = (

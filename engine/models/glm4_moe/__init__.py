@@ -10,10 +10,19 @@ Test: tests/unit/test_families.py (refusals, moe_shape, dense layers, shared exp
 
 from __future__ import annotations
 
-from engine.models.family_spec import (TINY_DENSE_LAYERS, TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K,
-                                       TINY_SIGMOID_ROUTER, FamilySpec, check_sigmoid_router,
-                                       randomise_expert_score_bias, sigmoid_router_dense_layers,
-                                       sigmoid_router_planner_dims, sigmoid_router_shared_expert_width)
+from engine.models.family_spec import (
+    TINY_DENSE_LAYERS,
+    TINY_MOE_EXPERTS,
+    TINY_MOE_FFN,
+    TINY_MOE_TOP_K,
+    TINY_SIGMOID_ROUTER,
+    FamilySpec,
+    check_sigmoid_router,
+    randomise_expert_score_bias,
+    sigmoid_router_dense_layers,
+    sigmoid_router_planner_dims,
+    sigmoid_router_shared_expert_width,
+)
 from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
 
 

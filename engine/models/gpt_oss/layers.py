@@ -24,6 +24,7 @@ import torch
 
 from engine.models.gpt_oss import check_gpt_oss
 
+
 def alpha_swish(x: torch.Tensor, alpha: float) -> torch.Tensor:
     """GPT-OSS's gate activation x * sigmoid(alpha * x) (alpha 1.702: Megatron's quick_gelu)."""
     return x * torch.sigmoid(alpha * x)

@@ -8,8 +8,14 @@ Test: tests/unit/test_families.py (moe_shape), tests/unit/test_tiny_model.py.
 
 from __future__ import annotations
 
-from engine.models.family_spec import (TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, TINY_QWEN3_HEAD_DIM, FamilySpec,
-                                       switched_sliding_window_dims)
+from engine.models.family_spec import (
+    TINY_MOE_EXPERTS,
+    TINY_MOE_FFN,
+    TINY_MOE_TOP_K,
+    TINY_QWEN3_HEAD_DIM,
+    FamilySpec,
+    switched_sliding_window_dims,
+)
 from engine.models.tensor_map import TensorMap
 
 
