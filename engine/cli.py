@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from engine.config import ConfigError, config_to_dict, load_config
+from engine.models.families import SUPPORTED_MODEL_TYPES
 from engine.validation import validate
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
@@ -160,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("tiny-model", help="build the tiny random-weight model and tokenizer in HF format")
     p.add_argument("output_dir")
-    p.add_argument("--family", default="qwen2", choices=["qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe"])  # TINY_FAMILIES
+    p.add_argument("--family", default=SUPPORTED_MODEL_TYPES[0], choices=SUPPORTED_MODEL_TYPES,
+                   help="a model_type of the family registry (engine/models/families.py); default: its first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.set_defaults(func=cmd_tiny_model)

@@ -241,12 +241,6 @@ def lora_fields_from_peft(peft_config) -> dict:
             "lora_target_parameters": [f"mlp.experts.{n}" for n in settings.target_parameters] or None}
 
 
-INTERLEAVED_GATE_UP = ("gpt_oss",)
-"""MoE families whose `mlp.experts.gate_up_proj` interleaves gate and up (GPT-OSS: (E, h, 2f), columns g0, u0, g1,
-...): the exported lora_B's rows are interleaved to match (Megatron's fc1 is [gate; up]). The other families
-(Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3) hold (E, 2f, h) [gate; up] / (E, h, f), Megatron's fc1 / fc2 row for row."""
-
-
 def _refuse_expert_parameters(settings: LoraSettings, model_type: str, num_experts: int, expert_tp_size: int) -> None:
     if not settings.target_parameters:
         return

@@ -1,46 +1,74 @@
-"""The model families the engine builds, and the per-family names of their Hugging Face config fields.
+"""The registry of model families: one `FamilySpec` per folder under engine/models/, looked up by HF `model_type`.
 
-Owns: `SUPPORTED_MODEL_TYPES` (what engine/policy/model.py translates), `MOE_MODEL_TYPES`, the refusal of any other
-family (`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
-`MISSING_FEATURES`) and of the Mixtral / GLM-4.5 / GPT-OSS settings it would not reproduce (`check_gpt_oss`),
-the refusal of a quantised checkpoint of any family (`check_quantization`, naming the method and the conversion to
-run), and `moe_shape` (expert count, top-k and expert width under each family's own field names), `dense_layers` and
-`shared_expert_width` (GLM-4.5 and DeepSeek-V3; DeepSeek-V3's MLA refusals: engine/models/deepseek_v3.py). The policy,
-the converter and the planner all read these; GPT-OSS's own translation is engine/models/gpt_oss.py, Gemma's
-engine/models/gemma.py, Cohere 2's engine/models/cohere2.py, Nemotron-H's engine/models/nemotron_h.py.
+Owns: `FAMILIES` (every family the engine builds, in the order the tiny models and error messages list them),
+`family_spec` (a model_type's spec), `SUPPORTED_MODEL_TYPES` / `MOE_MODEL_TYPES`, the refusal of any other family
+(`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
+`MISSING_FEATURES`), the refusal of a quantised checkpoint of any family (`check_quantization`, naming the method
+and the conversion to run), and the MoE facts the policy, the converter and the planner read under one name
+whatever the family calls them (`moe_shape`, `dense_layers`, `shared_expert_width`, `has_routed_experts`) and
+the attention's (`has_qkv_bias`, `has_qk_norm`). What
+differs per family is its folder's `SPEC` (engine/models/family_spec.py says what a spec holds); nothing here
+names a family.
+
+Adding a family: a folder `engine/models/<family>/` whose `__init__` exports `SPEC`, listed in `FAMILIES`, with its
+tests.
 
 Must not: import torch, Megatron or vLLM (the planner runs on a login node); translate anything itself.
 
-Test: tests/unit/test_families.py (refusals name the cause; moe_shape of each MoE family; the planner's Mixtral,
-GLM-4.5, GPT-OSS and DeepSeek-V3 shapes give the published parameter counts).
+Test: tests/unit/test_families.py (refusals name the cause; moe_shape of each MoE family; the planner's MoE shapes
+give the published parameter counts).
 """
 
 from __future__ import annotations
 
-from engine.models.cohere2 import COHERE2_MODEL_TYPES, check_cohere2
-from engine.models.deepseek_v3 import check_deepseek_v3
-from engine.models.gemma import GEMMA_MODEL_TYPES, check_gemma
-from engine.models.nemotron_h import NEMOTRON_H_MODEL_TYPES, check_nemotron_h, has_moe_layers
+from engine.models import (
+    cohere2,
+    deepseek_v3,
+    gemma,
+    glm4_moe,
+    gpt_oss,
+    llama,
+    mixtral,
+    nemotron_h,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
+from engine.models.family_spec import FamilySpec
 
-SUPPORTED_MODEL_TYPES = (("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss") + GEMMA_MODEL_TYPES
-                         + COHERE2_MODEL_TYPES + ("deepseek_v3",) + NEMOTRON_H_MODEL_TYPES)
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "deepseek_v3")
-"""Families with routed-expert MLPs: in every layer, except GLM-4.5's dense first `first_k_dense_replace` layers."""
+FAMILIES: tuple[FamilySpec, ...] = tuple(module.SPEC for module in (
+    qwen2, llama, qwen3, qwen3_moe, mixtral, glm4_moe, gpt_oss, gemma, deepseek_v3, cohere2, nemotron_h))
+"""Every family the engine builds, one folder each."""
+
+_BY_MODEL_TYPE = {model_type: spec for spec in FAMILIES for model_type in spec.model_types}
+
+SUPPORTED_MODEL_TYPES = tuple(_BY_MODEL_TYPE)
+MOE_MODEL_TYPES = tuple(t for spec in FAMILIES if spec.moe_fields is not None for t in spec.model_types)
+"""Families with routed-expert MLPs in every layer (except dense first `dense_layers`)."""
+
+INTERLEAVED_GATE_UP = tuple(t for spec in FAMILIES if spec.interleaved_gate_up for t in spec.model_types)
+"""MoE families whose stacked `mlp.experts.gate_up_proj` interleaves gate and up (the others hold [gate; up] /
+(E, h, f), Megatron's fc1 / fc2 row for row): an exported expert adapter's lora_B rows follow."""
 
 MISSING_FEATURES: dict[str, str] = {}
-"""Families the engine does not build yet, with what the translation lacks (issue #30): named when one is refused."""
+"""Families the engine does not build yet, with what the translation lacks: named when one is refused."""
 
-_MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size"),
-               "mixtral": ("num_local_experts", "intermediate_size"),
-               "glm4_moe": ("n_routed_experts", "moe_intermediate_size"),
-               "gpt_oss": ("num_local_experts", "intermediate_size"),
-               "deepseek_v3": ("n_routed_experts", "moe_intermediate_size")}
+
+def family_spec(model_type: str) -> FamilySpec:
+    """The spec of a supported model_type (KeyError for another: `check_model_type` refuses those first)."""
+    return _BY_MODEL_TYPE[model_type]
+
+
+def spec_or_default(model_type: str | None) -> FamilySpec:
+    """The spec of `model_type`, or the Llama-shaped defaults for one the registry does not know (the planner sizes
+    any config.json)."""
+    return _BY_MODEL_TYPE.get(model_type) or FamilySpec(name="", model_types=())
 
 
 def check_model_type(hf_config) -> None:
     """Refuse a model family the engine does not build, naming the ones it does and, for a known family, what is
-    missing; refuse a quantised checkpoint (`check_quantization`); and refuse the Mixtral settings it would not
-    reproduce (a sliding window shorter than the context, the training-time router jitter). `hf_config` is a transformers config (or anything with its attributes).
+    missing; refuse a quantised checkpoint (`check_quantization`); then the family's own refusals (its spec's
+    `check`). `hf_config` is a transformers config (or anything with its attributes).
 
     Raises:
         ValueError naming `model.name_or_path`, the model_type and the cause.
@@ -51,31 +79,7 @@ def check_model_type(hf_config) -> None:
         raise ValueError(f"model.name_or_path: model_type {model_type!r} ({type(hf_config).__name__}) is not "
                          f"supported{missing}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     check_quantization(hf_config)
-    if model_type in _GLM_LIKE:
-        _check_glm4_moe(hf_config)
-    if model_type == "deepseek_v3":
-        check_deepseek_v3(hf_config)
-    if model_type == "gpt_oss":
-        check_gpt_oss(hf_config)
-    if model_type in GEMMA_MODEL_TYPES:
-        check_gemma(hf_config)
-    if model_type in COHERE2_MODEL_TYPES:
-        check_cohere2(hf_config)
-    if model_type in NEMOTRON_H_MODEL_TYPES:
-        check_nemotron_h(hf_config)
-        if moe_shape(hf_config)[0]:  # its MoE layers' router is GLM-4.5's
-            _check_glm4_moe(hf_config)
-    if model_type != "mixtral":
-        return
-    window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < hf_config.max_position_embeddings:
-        raise ValueError(f"model.name_or_path: mixtral with sliding_window={window} < max_position_embeddings="
-                         f"{hf_config.max_position_embeddings}: sliding-window attention is not translated; only "
-                         "sliding_window null (Mixtral-8x7B's and 8x22B's own) is supported")
-    if getattr(hf_config, "router_jitter_noise", 0.0):
-        raise ValueError(f"model.name_or_path: mixtral with router_jitter_noise={hf_config.router_jitter_noise}: "
-                         "Megatron's router has no multiplicative input jitter; set it to 0 (Mixtral's checkpoints "
-                         "ship 0)")
+    family_spec(model_type).check(hf_config)
 
 
 _DEQUANTIZE_ADVICE = {
@@ -113,85 +117,53 @@ def check_quantization(hf_config) -> None:
     raise ValueError(f"model.name_or_path: {hf_config.model_type} with quantization_config ({method}): {advice}")
 
 
-def _check_glm4_moe(hf_config) -> None:
-    """Refuse the GLM-4.5 MoE (and DeepSeek-V3) router settings Megatron's sigmoid router computes differently: it
-    always renormalises the top-k weights (HF only with `norm_topk_prob`), and it scores an expert group by the sum
-    of its top (top-k / topk_group) experts where HF sums the group's top 2 (GLM-4.5's n_group=1 makes both moot;
-    DeepSeek-V3's 8 of 256 experts, 4 of 8 groups: both take the top 2)."""
-    top_k, groups, group_top_k = hf_config.num_experts_per_tok, hf_config.n_group, hf_config.topk_group
-    if not hf_config.norm_topk_prob and top_k > 1:
-        raise ValueError(f"model.name_or_path: {hf_config.model_type} with norm_topk_prob=false: Megatron's sigmoid "
-                         "router always renormalises the top-k weights; only norm_topk_prob true (GLM-4.5's and "
-                         "DeepSeek-V3's own) is supported")
-    if groups > 1 and top_k // group_top_k != 2:
-        raise ValueError(f"model.name_or_path: {hf_config.model_type} with n_group={groups}, topk_group="
-                         f"{group_top_k}, num_experts_per_tok={top_k}: Megatron scores a group by its top num_experts_per_tok // "
-                         f"topk_group = {top_k // group_top_k} experts, HF by its top 2; only n_group 1 or "
-                         "num_experts_per_tok = 2 x topk_group is supported")
+def has_qkv_bias(hf_config) -> bool:
+    """A bias on the q / k / v projections: the config's `attention_bias`, else the family's default (a config
+    without the field: its spec's `qkv_bias_default`)."""
+    spec = _BY_MODEL_TYPE.get(hf_config.model_type)
+    return bool(getattr(hf_config, "attention_bias", spec is not None and spec.qkv_bias_default))
 
 
-def check_gpt_oss(hf_config) -> None:
-    """Refuse GPT-OSS settings the translation would not reproduce: layer types other than sliding / full attention,
-    a RoPE other than default or YaRN, an explicit YaRN attention_factor (its MXFP4 checkpoint: `check_quantization`).
-
-    Raises:
-        ValueError naming `model.name_or_path`, the setting and the cause.
-    """
-    kinds = set(hf_config.layer_types)
-    if not kinds <= {"sliding_attention", "full_attention"}:
-        raise ValueError(f"model.name_or_path: gpt_oss with layer_types {sorted(kinds)}: only sliding_attention and "
-                         "full_attention are translated")
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope.get("attention_factor") is not None:
-        raise ValueError(f"model.name_or_path: gpt_oss with rope_parameters.attention_factor="
-                         f"{rope['attention_factor']}: Megatron derives YaRN's attention factor from the factor (and "
-                         "mscale / mscale_all_dim); an explicit one is not translated")
-    if rope_type not in ("default", "yarn"):
-        raise ValueError(f"model.name_or_path: gpt_oss with rope_type {rope_type!r}: only yarn (GPT-OSS's own) and "
-                         "default are translated")
+def has_qk_norm(hf_config) -> bool:
+    """A per-head RMSNorm on queries and keys before RoPE (HF `q_norm` / `k_norm`; Megatron's `qk_layernorm`, norms
+    over kv_channels = head_dim): the family's spec says so for its model_type (`qk_norm_types`), or the config does
+    (`use_qk_norm`: GLM-4.5 true, GLM-4.5-Air false)."""
+    spec = _BY_MODEL_TYPE.get(hf_config.model_type)
+    return (spec is not None and hf_config.model_type in spec.qk_norm_types) or bool(getattr(hf_config, "use_qk_norm",
+                                                                                                  False))
 
 
 def dense_layers(hf_config) -> int:
     """How many first decoder layers of an MoE family are dense (GLM-4.5's `first_k_dense_replace`; 0 otherwise)."""
-    return int(getattr(hf_config, "first_k_dense_replace", 0) or 0) if hf_config.model_type in _GLM_LIKE else 0
+    spec = _BY_MODEL_TYPE.get(hf_config.model_type)
+    return spec.dense_layers(hf_config) if spec else 0
 
 
 def shared_expert_width(hf_config) -> int:
     """The always-on shared expert's MLP width (GLM-4.5: n_shared_experts x moe_intermediate_size; 0 = none)."""
-    if hf_config.model_type in NEMOTRON_H_MODEL_TYPES:  # one shared expert of its own width (n_shared_experts unread)
-        return int(hf_config.moe_shared_expert_intermediate_size) if moe_shape(hf_config)[0] else 0
-    if hf_config.model_type not in _GLM_LIKE:
-        return 0
-    return int(getattr(hf_config, "n_shared_experts", 0) or 0) * int(hf_config.moe_intermediate_size)
-
-
-_GLM_LIKE = ("glm4_moe", "deepseek_v3")
-"""Families with dense first layers, a shared expert and GLM-4.5's sigmoid group-limited router (DeepSeek-V3's MLA:
-engine/models/deepseek_v3.py)."""
+    spec = _BY_MODEL_TYPE.get(hf_config.model_type)
+    return spec.shared_expert_width(hf_config) if spec else 0
 
 
 def has_routed_experts(values: dict) -> bool:
     """Whether a config.json (a dict; a multimodal one's `text_config`) names routed experts (the engine's rollout
-    then returns the routes: engine/rollout/vllm_engine.py); Nemotron-H by its layer kinds."""
+    then returns the routes: engine/rollout/vllm_engine.py); a family may say so by its layer kinds instead."""
     values = values.get("text_config", values)
-    if values.get("model_type") in NEMOTRON_H_MODEL_TYPES:
-        return has_moe_layers(values)
+    spec = _BY_MODEL_TYPE.get(values.get("model_type"))
+    if spec is not None and spec.has_routed_experts is not None:
+        return spec.has_routed_experts(values)
     return any(values.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def moe_shape(hf_config) -> tuple[int, int, int]:
     """(routed experts per layer, experts per token, each expert's MLP width) of an MoE family's HF config, (0, 0, 0)
-    for a dense one. Qwen3-MoE names them num_experts / num_experts_per_tok / moe_intermediate_size; Mixtral
-    num_local_experts / num_experts_per_tok / intermediate_size (its only MLP width); GLM-4.5 n_routed_experts /
-    num_experts_per_tok / moe_intermediate_size. `hf_config` is a config object
-    or anything with those attributes (the planner passes a namespace over config.json)."""
-    if hf_config.model_type in NEMOTRON_H_MODEL_TYPES:  # n_routed_experts is set (8) even without MoE layers
-        if "moe" not in (getattr(hf_config, "layers_block_type", None) or []):
-            return 0, 0, 0
-        return (int(hf_config.n_routed_experts), int(hf_config.num_experts_per_tok),
-                int(hf_config.moe_intermediate_size))
-    if hf_config.model_type not in _MOE_FIELDS:
+    for a dense one, read under the family's own field names (its spec's `moe_fields`, or its `moe_shape` hook).
+    `hf_config` is a config object or anything with those attributes (the planner passes a namespace over
+    config.json)."""
+    spec = _BY_MODEL_TYPE.get(hf_config.model_type)
+    if spec is None or not spec.is_moe:
         return 0, 0, 0
-    experts, width = _MOE_FIELDS[hf_config.model_type]
+    if spec.moe_shape is not None:
+        return spec.moe_shape(hf_config)
+    experts, width = spec.moe_fields
     return int(getattr(hf_config, experts)), int(hf_config.num_experts_per_tok), int(getattr(hf_config, width))

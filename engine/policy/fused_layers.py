@@ -70,7 +70,7 @@ class FusedGemmaRMSNorm(FusedRMSNorm):
 
 def _glu_activation(config) -> str | None:
     """The kernels/glu.py activation name for the config's gated MLP, or None when the kernel cannot express it."""
-    from engine.policy.gemma_layers import gelu_tanh
+    from engine.models.gemma.activation import gelu_tanh
 
     if not config.gated_linear_unit or config.activation_func_clamp_value is not None or config.glu_linear_offset:
         return None

@@ -4,9 +4,8 @@ Owns: `GemmaRMSNorm` ((1 + w), computed in float32, exactly HF's Gemma3RMSNorm),
 post-feedforward norms as `post_layernorm` children of the output projections (`_post_norm_class`),
 `GemmaSelfAttention` (the sliding layers' own RoPE base, `rope_local_base_freq`), `GemmaCoreAttention` (the causal or
 block-causal mask AND the sliding window; `core_attention_class`, Cohere 2's too), `gemma_layer_spec` (the local spec
-with all of these), `gelu_tanh`,
-`finish_transformer_config` (engine/models/gemma.py's settings applied) and `scale_embeddings` (sqrt(hidden), cast to
-the model dtype first, as HF).
+with all of these) and `scale_embeddings` (sqrt(hidden), cast to the model dtype first, as HF); its TransformerConfig
+settings and activation are the family's (engine/models/gemma/).
 
 Must not: read Megatron's global parallel state (RoPE takes the attention's context-parallel group), import vLLM.
 
@@ -21,27 +20,13 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
-from engine.models.gemma import gemma_transformer_settings, is_gemma, rope_params
+from engine.models.gemma import rope_params
 
 
 def is_gemma3(hf_config) -> bool:
     """Gemma 3 has per-head q/k norms; Gemma 2 has not."""
     return hf_config.model_type == "gemma3_text"
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """HF's `gelu_pytorch_tanh` (Gemma's hidden_activation)."""
-    return F.gelu(x, approximate="tanh")
-
-
-def finish_transformer_config(config, hf_config):
-    """The TransformerConfig with `gemma_transformer_settings` and the gelu-tanh gated MLP applied for a Gemma config
-    (unchanged otherwise)."""
-    if not is_gemma(hf_config):
-        return config
-    return dataclasses.replace(config, activation_func=gelu_tanh, **gemma_transformer_settings(hf_config))
 
 
 class GemmaRMSNorm(torch.nn.Module):

@@ -1,12 +1,13 @@
 """Hugging Face <-> Megatron: the declarative name and layout map of each model family, and the pure conversions.
 
-Owns: `TensorMap` entries (Megatron global name, HF names, layout kind: `Kind`) for Qwen2 / Qwen2.5, Llama-3, Qwen3
-(per-head q/k RMSNorm: Megatron's `q_layernorm` / `k_layernorm`, replicated, (head_dim,)) and the MoE MLP tables
-(`MOE_MAPS`: Qwen3-MoE; Mixtral, GLM-4.5 MoE and GPT-OSS as more tables; experts: `TensorMap`; tied embeddings:
-`family_map`; GLM's dense first layers: `layer_entries`; GPT-OSS's sinks and o_proj bias: `GPT_OSS_ATTENTION`, its
-stacked expert tensors: the `stacked_*` kinds, converted by engine/models/gpt_oss.py; Gemma's four norms per layer:
+Owns: the map of a model (`family_map`: `TensorMap` entries, engine/models/tensor_map.py: Megatron global name, HF
+names, layout kind `Kind`) for the Llama-shaped families (Qwen2's QKV bias, Qwen3's per-head q/k RMSNorm: Megatron's
+`q_layernorm` / `k_layernorm`, replicated, (head_dim,)), with each MoE family's MLP table (`MOE_MAPS`, gathered from
+the family folders' `moe_tensors`; tied embeddings: `family_map`; dense first layers: `layer_entries`) and extra
+attention tensors (`ATTENTION_MAPS`: GPT-OSS's sinks and o_proj bias), GPT-OSS's
+stacked expert tensors: the `stacked_*` kinds, converted by engine/models/stacked_experts.py; Gemma's four norms per layer:
 `ModelDims.sandwich_norms`; Cohere 2's one norm per layer: `ModelDims.parallel_block`; Nemotron-H's per-kind layers
-under `backbone.` names: `ModelDims.layer_kinds`, engine/models/nemotron_h.py), and the
+under `backbone.` names: `ModelDims.layer_kinds`, engine/models/nemotron_h/), and the
 three conversions every user of the map needs:
 - `read_megatron_shard`: this TP rank's shard of one Megatron parameter, reading only the HF slices it needs;
 - `to_megatron_global`: the global (TP=1) Megatron tensor from full HF tensors;
@@ -32,32 +33,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
 from engine.models.deepseek_v3 import MLA_TENSORS, mla_dims
-from engine.models.families import dense_layers, moe_shape, shared_expert_width
+from engine.models.families import FAMILIES, dense_layers, has_qk_norm, has_qkv_bias, moe_shape, shared_expert_width
 from engine.models.cohere2 import COHERE2_MODEL_TYPES
 from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
-from engine.models.gpt_oss import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
 from engine.models.nemotron_h import (NEMOTRON_H_GLOBAL, NEMOTRON_H_TENSORS, hf_layer_name, is_nemotron_h, layer_kinds,
                                       mamba_blocks)
-
-Kind = Literal["replicated", "column", "row", "vocab", "qkv", "gate_up", "stacked_gate_up", "stacked_row",
-               "stacked_replicated", "mamba_in", "mamba_conv"]
-"""How a tensor is split over TP. Layout kinds are where frameworks have had silent bugs (fused QKV
-with GQA, gate/up, vocabulary padding), so each is explicit:
-  replicated  norms: same on every TP rank;
-  column      split along dim 0;   row  split along dim 1;
-  vocab       split along dim 0 after padding the vocabulary to `padded_vocab` rows (zeros; never sampled);
-  qkv         Megatron's fused QKV: per query group g, [q heads of g; k_g; v_g] (GQA-interleaved), TP splits whole
-              groups, so rank r holds groups [r*G/tp, (r+1)*G/tp);
-  gate_up     Megatron's fused SwiGLU fc1 = [gate; up]; TP rank r holds [gate_r; up_r] (partition_stride 2);
-  stacked_*   one expert's slice of a GPT-OSS tensor that stacks every expert (engine/models/gpt_oss.py STACKED_KINDS);
-  mamba_in    Nemotron-H's Mamba-2 in_proj rows [z; x; B; C; dt] (`ModelDims.mamba_blocks`), each block split over TP:
-              rank r holds [z_r; x_r; B_r; C_r; dt_r]; mamba_conv: its depthwise conv's channels [x; B; C] likewise.
-"""
+from engine.models.stacked_experts import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
+from engine.models.tensor_map import TensorMap
 
 
 class TensorSource(Protocol):
@@ -80,27 +67,6 @@ class DictSource:
 
     def read(self, name: str, index: tuple[slice, ...]) -> torch.Tensor:
         return self.tensors[name][index]
-
-
-@dataclass(frozen=True)
-class TensorMap:
-    """One Megatron parameter and its HF tensors.
-
-    Experts: a name with `{e}` is one expert's tensor; Megatron's global name carries the global expert index (a rank
-    holds experts [ep_rank*E/ep, (ep_rank+1)*E/ep) as `local_experts.0..`; engine/policy/model.py
-    `global_param_names` renames them), and its TP split is over the expert-TP group (`is_expert`), not the
-    attention's TP group. The router (`mlp.router.weight`, (E, H)) is replicated.
-    """
-
-    megatron: str
-    """Global Megatron name; `{i}` stands for the layer index, `{e}` for the (global) expert index."""
-    hf: tuple[str, ...]
-    kind: Kind
-
-    @property
-    def is_expert(self) -> bool:
-        """One expert's tensor: split over the expert-TP group and held by one expert-parallel rank."""
-        return "{e}" in self.megatron
 
 
 @dataclass(frozen=True)
@@ -129,7 +95,7 @@ class ModelDims:
     shared_expert_ffn: int = 0
     """MoE: the always-on shared expert's MLP width (GLM-4.5; 0 = none)."""
     sandwich_norms: bool = False
-    """Gemma: four norms per layer under Gemma's names (engine/models/gemma.py GEMMA_NORM_NAMES)."""
+    """Gemma: four norms per layer under Gemma's names (engine/models/gemma/ GEMMA_NORM_NAMES)."""
     q_lora_rank: int = 0
     """DeepSeek-V3's multi-latent attention (MLA; 0 = none): the query latent's width (HF q_lora_rank)."""
     kv_lora_rank: int = 0
@@ -143,12 +109,12 @@ class ModelDims:
 
     @property
     def mla(self) -> bool:
-        """DeepSeek-V3's multi-latent attention (engine/models/deepseek_v3.py MLA_TENSORS) instead of q/k/v/o."""
+        """DeepSeek-V3's multi-latent attention (engine/models/deepseek_v3/ MLA_TENSORS) instead of q/k/v/o."""
         return self.kv_lora_rank > 0
     parallel_block: bool = False
-    """Cohere 2: one norm per layer feeding attention and MLP (no pre-MLP norm: engine/models/cohere2.py)."""
+    """Cohere 2: one norm per layer feeding attention and MLP (no pre-MLP norm: engine/models/cohere2/)."""
     layer_kinds: tuple[str, ...] = ()
-    """Nemotron-H: each layer's one mixer, "mamba" / "attention" / "mlp" (engine/models/nemotron_h.py); () = other."""
+    """Nemotron-H: each layer's one mixer, "mamba" / "attention" / "mlp" (engine/models/nemotron_h/); () = other."""
     mamba_blocks: tuple[int, ...] = ()
     """Nemotron-H: the Mamba-2 in_proj's global row blocks (z, x, B, C, dt)."""
     mamba_conv_bias: bool = False
@@ -170,9 +136,8 @@ class ModelDims:
             vocab_size=hf_config.vocab_size,
             padded_vocab=padded_vocab,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
-            qkv_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
-            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
-                     or bool(getattr(hf_config, "use_qk_norm", False))),
+            qkv_bias=has_qkv_bias(hf_config),
+            qk_norm=has_qk_norm(hf_config),
             num_experts=experts,
             moe_ffn_hidden_size=expert_ffn,
             moe_map=model_type if experts else "",
@@ -187,68 +152,14 @@ class ModelDims:
         )
 
 
-MOE_MAPS: dict[str, tuple[TensorMap, ...]] = {
-    "qwen3_moe": (
-        TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.gate.weight",), "replicated"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
-                  ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-                   "model.layers.{i}.mlp.experts.{e}.up_proj.weight"), "gate_up"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
-                  ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "row"),
-    ),
-    # Mixtral's checkpoint names for the same three Megatron tensors (w1 = gate, w3 = up, w2 = down).
-    "mixtral": (
-        TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.block_sparse_moe.gate.weight",),
-                  "replicated"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
-                  ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight",
-                   "model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight"), "gate_up"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
-                  ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight",), "row"),
-    ),
-    # GLM-4.5: Qwen3-MoE's expert names, the router's float32 expert-score correction bias (Megatron: a buffer, see
-    # engine/policy/model.py WEIGHT_BUFFERS) and one shared expert, a dense SwiGLU MLP split over the attention's TP.
-    "glm4_moe": (
-        TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.gate.weight",), "replicated"),
-        TensorMap("decoder.layers.{i}.mlp.router.expert_bias", ("model.layers.{i}.mlp.gate.e_score_correction_bias",),
-                  "replicated"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
-                  ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-                   "model.layers.{i}.mlp.experts.{e}.up_proj.weight"), "gate_up"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
-                  ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "row"),
-        TensorMap("decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight",
-                  ("model.layers.{i}.mlp.shared_experts.gate_proj.weight",
-                   "model.layers.{i}.mlp.shared_experts.up_proj.weight"), "gate_up"),
-        TensorMap("decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight",
-                  ("model.layers.{i}.mlp.shared_experts.down_proj.weight",), "row"),
-    ),
-    # GPT-OSS: a router with a bias; every expert's tensors stacked in one HF tensor per layer (`stacked_*` kinds),
-    # with biases on both expert linears.
-    "gpt_oss": (
-        TensorMap("decoder.layers.{i}.mlp.router.weight", ("model.layers.{i}.mlp.router.weight",), "replicated"),
-        TensorMap("decoder.layers.{i}.mlp.router.bias", ("model.layers.{i}.mlp.router.bias",), "replicated"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight",
-                  ("model.layers.{i}.mlp.experts.gate_up_proj",), "stacked_gate_up"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.bias",
-                  ("model.layers.{i}.mlp.experts.gate_up_proj_bias",), "stacked_gate_up"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight",
-                  ("model.layers.{i}.mlp.experts.down_proj",), "stacked_row"),
-        TensorMap("decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.bias",
-                  ("model.layers.{i}.mlp.experts.down_proj_bias",), "stacked_replicated"),
-    ),
-}
-MOE_MAPS["deepseek_v3"] = MOE_MAPS["glm4_moe"]  # DeepSeek-V3's checkpoint names are GLM-4.5's
-"""The MoE MLP of each family, replacing the dense `linear_fc1` / `linear_fc2` entries; `{e}` = expert index."""
+MOE_MAPS: dict[str, tuple[TensorMap, ...]] = {model_type: spec.moe_tensors for spec in FAMILIES if spec.moe_tensors
+                                              for model_type in spec.model_types}
+"""The MoE MLP of each MoE family (its folder's `moe_tensors`), replacing the dense `linear_fc1` / `linear_fc2`
+entries; `{e}` = expert index. Keyed by model_type (`ModelDims.moe_map`)."""
 
-GPT_OSS_ATTENTION = (
-    TensorMap("decoder.layers.{i}.self_attention.linear_proj.bias", ("model.layers.{i}.self_attn.o_proj.bias",),
-              "replicated"),
-    TensorMap("decoder.layers.{i}.self_attention.core_attention.softmax_offset", ("model.layers.{i}.self_attn.sinks",),
-              "column"),
-)
-"""GPT-OSS's attention beyond Llama's: the output projection's bias and the learned per-head sinks (Megatron's
-`softmax_offset`, split over TP by head)."""
+ATTENTION_MAPS: dict[str, tuple[TensorMap, ...]] = {model_type: spec.attention_tensors for spec in FAMILIES
+                                                    if spec.attention_tensors for model_type in spec.model_types}
+"""The attention tensors an MoE family has beyond Llama's (its folder's `attention_tensors`), keyed as `MOE_MAPS`."""
 
 FLOAT32_TENSORS = ("e_score_correction_bias",)
 """HF tensors kept in float32 whatever the model's dtype (transformers' `_keep_in_fp32_modules_strict` for GLM-4.5's
@@ -280,8 +191,7 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
     ]
     if dims.num_experts:
         entries += MOE_MAPS[dims.moe_map]
-    if dims.moe_map == "gpt_oss":
-        entries += GPT_OSS_ATTENTION
+    entries += ATTENTION_MAPS.get(dims.moe_map, ())
     if not dims.num_experts or dims.dense_layers:
         entries += [
             TensorMap(
@@ -318,7 +228,7 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
 
 
 def _hybrid_map(dims: ModelDims) -> list[TensorMap]:
-    """Nemotron-H's map (engine/models/nemotron_h.py NEMOTRON_H_TENSORS): every layer kind's entries, once each."""
+    """Nemotron-H's map (engine/models/nemotron_h/ NEMOTRON_H_TENSORS): every layer kind's entries, once each."""
     entries = [TensorMap(megatron, (hf,), kind) for megatron, hf, kind in NEMOTRON_H_GLOBAL]
     for kind in ("mamba", "attention", "mlp", "moe"):
         entries += [e for e in _hybrid_layer_map(dims, kind) if e not in entries]

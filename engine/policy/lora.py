@@ -42,8 +42,8 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from engine.lora_settings import (EXPERT_TARGETS, HF_TARGETS, INTERLEAVED_GATE_UP, PEFT_PREFIX, LoraSettings,
-                                  refuse_expert_adapters)
+from engine.lora_settings import EXPERT_TARGETS, HF_TARGETS, PEFT_PREFIX, LoraSettings, refuse_expert_adapters
+from engine.models.families import INTERLEAVED_GATE_UP
 from engine.policy.expert_lora import ExpertLoraAdapter, apply_expert_lora, expert_adapters, expert_tensors_for_peft
 
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",

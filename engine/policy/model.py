@@ -1,7 +1,7 @@
 """The Megatron-core policy: a GPTModel built from a Hugging Face config, at any TP x PP (x virtual PP) layout.
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
-spec pieces and YaRN: engine/models/gpt_oss.py) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3.py) /
+spec pieces and YaRN: engine/models/gpt_oss/) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3/) /
 Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/mamba_layers.py) HF config into
 Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
 recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
@@ -32,29 +32,19 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
-from engine.models.deepseek_v3 import mla_attention_specs, mla_settings
-from engine.models.families import MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type
+from engine.models.deepseek_v3 import mla_attention_specs
+from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, family_spec, has_qk_norm,
+                                    has_qkv_bias)
 from engine.models.cohere2 import is_cohere2
-from engine.models.gemma import gemma_rope_settings, is_gemma
-from engine.models.gpt_oss import gpt_oss_settings, gpt_oss_spec, yarn_rope_settings
-from engine.models.nemotron_h import check_nemotron_h_layout, is_nemotron_h, nemotron_h_settings
+from engine.models.gemma import is_gemma
+from engine.models.gpt_oss.layers import gpt_oss_spec, yarn_rope_settings
+from engine.models.nemotron_h import is_nemotron_h
 from engine.policy import cohere2_layers, gemma_layers, mamba_layers
 from engine.policy.fused_layers import FusedGemmaRMSNorm, FusedRMSNorm
 from engine.policy.moe_config import freeze_expert_bias, mark_expert_params, moe_settings
 from engine.policy.parallel import ParallelState
 from engine.policy.sdpa_attention import attention_specs
 from engine.recompute import resolve_recompute
-
-QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text")
-"""Families with a per-head RMSNorm on queries and keys before RoPE (HF `q_norm` / `k_norm`; Megatron's
-`qk_layernorm`, norms over kv_channels = head_dim)."""
-
-
-def has_qk_norm(hf_config) -> bool:
-    """Qwen3's q/k norms, or GLM-4.5's when its config says `use_qk_norm` (GLM-4.5: true, GLM-4.5-Air: false)."""
-    return hf_config.model_type in QK_NORM_MODEL_TYPES or bool(getattr(hf_config, "use_qk_norm", False))
-
-
 
 @dataclass(frozen=True)
 class PolicyShape:
@@ -80,10 +70,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainConfig | None = None):
-    """Megatron TransformerConfig equivalent to a Qwen2 / Llama / Qwen3 / Qwen3-MoE Hugging Face config.
+    """Megatron TransformerConfig equivalent to a Hugging Face config of any family of the registry.
 
-    Translates GQA, QKV bias, Qwen3's per-head q/k RMSNorm, SwiGLU, RMSNorm, RoPE theta, tied or untied embeddings,
-    the vocabulary padded for TP, dropout and MoE; and Megatron's activation recompute from the `train` section
+    Translates the Llama-shaped model (GQA, QKV bias, per-head q/k RMSNorm, SwiGLU, RMSNorm, RoPE theta, tied or
+    untied embeddings, the vocabulary padded for TP, dropout and MoE), then what the family's spec says differs
+    (engine/models/<family>/: its `transformer_settings` override keywords, its `finish_transformer_config` finishes
+    the config); and Megatron's activation recompute from the `train` section
     (`train.gradient_checkpointing` and `recompute_*`, resolved and checked against the layers by
     engine.recompute.resolve_recompute; MoE routers replay their forward's routes in the recomputed forward:
     engine/policy/routing_replay.py).
@@ -100,6 +92,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_model_type(hf_config)
+    family = family_spec(hf_config.model_type)
     num_layers = hf_config.num_hidden_layers
     chunks = ps.pp_size * (ps.vpp_size or 1)
     if num_layers % chunks:
@@ -128,7 +121,8 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
             "train.recompute_modules: 'layernorm' needs Transformer Engine: megatron-core 0.16.1's "
             "CheckpointWithoutOutput (the norms' recompute) reads `fp8 is not None`, true for its default fp8=False, "
             "and then calls Transformer Engine's FP8GlobalStateManager (NameError without it)")
-    mla = mla_settings(hf_config)  # DeepSeek-V3's multi-latent attention: engine/models/deepseek_v3.py
+    settings = family.transformer_settings(hf_config)  # e.g. GPT-OSS's sinks and windows, DeepSeek-V3's MLA
+    mla = settings.get("multi_latent_attention", False)
     config = (MLATransformerConfig if mla else TransformerConfig)(**{**dict(
         num_layers=num_layers,
         hidden_size=hf_config.hidden_size,
@@ -137,12 +131,11 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         num_query_groups=groups,
         kv_channels=head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=(hf_config.layer_norm_eps if is_cohere2(hf_config) else hf_config.layer_norm_epsilon
-                           if is_nemotron_h(hf_config) else hf_config.rms_norm_eps),
+        layernorm_epsilon=getattr(hf_config, family.norm_eps_field),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
+        add_qkv_bias=has_qkv_bias(hf_config),
         qk_layernorm=has_qk_norm(hf_config),
         **dropout_settings(hf_config, cfg),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -156,7 +149,7 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         pipeline_dtype=dtype,
         attention_softmax_in_fp32=True,
         **recompute.megatron_kwargs(),
-        # CPU: Megatron's fused kernels and CUDA initialisation are unavailable (CPU_STACK.md).
+        # CPU: Megatron's fused kernels and CUDA initialisation are unavailable.
         use_cpu_initialization=on_cpu,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=not on_cpu,
@@ -165,16 +158,8 @@ def build_transformer_config(hf_config, cfg: ModelConfig, ps: ParallelState, tra
         apply_rope_fusion=not on_cpu and has_te,
         persist_layer_norm=not on_cpu,
         **moe_settings(hf_config, cfg, ps),
-    ), **gpt_oss_settings(hf_config), **mla})
-    for name, value in (yarn_rope_settings(hf_config) or ({}, {}))[1].items():
-        setattr(config, name, value)  # GPTModel's YarnRotaryEmbedding reads them with getattr (not config fields)
-    config = gemma_layers.finish_transformer_config(config, hf_config)  # Gemma's MLP, softmax scale and window
-    if is_nemotron_h(hf_config):  # Nemotron-H's non-gated squared-ReLU MLP (engine/models/nemotron_h.py)
-        from megatron.core.activations import squared_relu
-
-        check_nemotron_h_layout(hf_config, ps.tp_size, ps.pp_size)
-        config = dataclasses.replace(config, **nemotron_h_settings(hf_config), activation_func=squared_relu)
-    return cohere2_layers.finish_cohere2_config(config, hf_config)  # Cohere 2's LayerNorm, RoPE pairs and window
+    ), **settings})
+    return family.finish_transformer_config(config, hf_config, ps.tp_size, ps.pp_size)
 
 
 def dropout_settings(hf_config, cfg: ModelConfig) -> dict:
@@ -196,14 +181,9 @@ def rope_settings(hf_config) -> dict:
     `llama3` scaling maps to Megatron's `rope_scaling`,
     whose low/high frequency factors and original length are fixed at 1, 4 and 8192.
     """
-    if (yarn := yarn_rope_settings(hf_config)) is not None:  # GPT-OSS: engine/models/gpt_oss.py
-        return yarn[0]
-    if hf_config.model_type == "deepseek_v3":  # MLA builds its own RoPE / YaRN (engine/models/deepseek_v3.py)
-        return {}
-    if is_nemotron_h(hf_config):  # Nemotron-H's attention has no position encoding
-        return {"position_embedding_type": "none"}
-    if is_gemma(hf_config):  # one RoPE dict per layer type; the sliding layers' own: gemma_layers.GemmaSelfAttention
-        return gemma_rope_settings(hf_config)
+    hook = family_spec(hf_config.model_type).rope_settings  # e.g. YaRN, MLA's own RoPE, none, one per layer type
+    if hook is not None and (settings := hook(hf_config)) is not None:
+        return settings
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:

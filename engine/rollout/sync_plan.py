@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.models.deepseek_v3 import mla_hf_shape
-from engine.models.gpt_oss import EXPERT_PIECE, STACKED_KINDS
+from engine.models.stacked_experts import EXPERT_PIECE, STACKED_KINDS
 from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names, layer_entries
 
 
@@ -257,7 +257,7 @@ def local_view(tensor: torch.Tensor, view: str) -> torch.Tensor:
 
 def engine_name(name: str) -> str:
     """The name vLLM's loader takes for an HF tensor name of the converter: one GPT-OSS expert's slice of a stacked
-    expert tensor (`...mlp.experts.gate_up_proj#expert=3`, engine/models/gpt_oss.py EXPERT_PIECE) is vLLM's
+    expert tensor (`...mlp.experts.gate_up_proj#expert=3`, engine/models/stacked_experts.py EXPERT_PIECE) is vLLM's
     per-expert name (`...mlp.experts.3.gate_up_proj`, which GptOssForCausalLM loads one expert at a time); any other
     name is itself."""
     if EXPERT_PIECE not in name:
@@ -368,7 +368,7 @@ def _hf_shapes(entry: TensorMap, dims: ModelDims, ffn: int) -> list[tuple[int, .
     hidden, q_out, kv_out = dims.hidden_size, dims.num_heads * dims.head_dim, dims.num_groups * dims.head_dim
     if dims.layer_kinds and entry.kind not in ("qkv", "vocab", "replicated") and not _is_moe_mlp(entry):
         return [_hybrid_hf_shape(entry.megatron, dims, ffn)]  # Nemotron-H's Mamba-2 and MLP layers
-    if dims.mla and ".self_attention." in entry.megatron:  # DeepSeek-V3's MLA: engine/models/deepseek_v3.py
+    if dims.mla and ".self_attention." in entry.megatron:  # DeepSeek-V3's MLA: engine/models/deepseek_v3/
         return [mla_hf_shape(entry.megatron, dims)]
     if entry.kind == "qkv":
         outs = (q_out, kv_out, kv_out)
@@ -406,7 +406,7 @@ def _is_moe_mlp(entry: TensorMap) -> bool:
 
 
 def _hybrid_hf_shape(megatron: str, dims: ModelDims, ffn: int) -> tuple[int, ...]:
-    """The HF shape of a Nemotron-H Mamba-2 / MLP / attention-output tensor (engine/models/nemotron_h.py)."""
+    """The HF shape of a Nemotron-H Mamba-2 / MLP / attention-output tensor (engine/models/nemotron_h/)."""
     hidden, blocks = dims.hidden_size, dims.mamba_blocks
     inner, conv, heads = (blocks[0], sum(blocks[1:4]), blocks[4]) if blocks else (0, 0, 0)
     leaf = megatron.split(".", 3)[-1]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -52,148 +52,250 @@ from engine.train.sampling import (PendingAgenticRound, Scored, draw_prompts, ev
 from engine.train.step_schedule import OptimizerStep, StepSchedule, deferred_save_warning, uses_carried_slices
 
 
-def train(cfg: EngineConfig, **inputs) -> dict:
-    """Run GRPO (`run_rounds`); on any exception, first release what the run holds (`abort`: engines, reward
-    threads, Megatron's parallel state, the process group), so that a new run can start in the same process."""
-    held: dict = {}
-    try:
-        return run_rounds(cfg, held, **inputs)
-    except BaseException:
-        if "stop" in held:
-            held["stop"].uninstall()
-        abort(held.get("run"))
-        raise
-
-
-def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_dataset=None, reward_funcs=None,
-               tokenizer=None, export_dir: str | Path | None = None, group_filter_func=None, dynamic_prompts_fn=None,
-               hooks: LoopHooks | None = None, agentic: dict | None = None) -> dict:
+def train(cfg: EngineConfig, *, hooks: LoopHooks | None = None, export_dir: str | Path | None = None,
+          **inputs) -> dict:
     """Run GRPO from a config; returns the held-out reward before and after (rank 0), the last metrics, and this
     call's optimizer steps (`start_step` -> `steps`, `start_step` > 0 when resumed) and tokens (`num_tokens`).
 
-    The keyword-only inputs are the TRL-style API's (engine/api/trl_trainer.py), in memory on every rank: `train_dataset` /
+    `inputs` are the TRL-style API's (engine/api/trl_trainer.py), in memory on every rank: `train_dataset` /
     `eval_dataset` (datasets.Dataset) replace `cfg.data`'s splits, `reward_funcs` (callables and/or config strings)
-    replaces `cfg.reward.reward_funcs`, `tokenizer` replaces the model directory's; `export_dir` receives the final
-    policy as a Hugging Face checkpoint (collective); `group_filter_func` / `dynamic_prompts_fn` (any callables:
-    functions of the user's script, lambdas, instances) replace `cfg.grpo.group_filter_func` /
-    `cfg.data.dynamic_prompts_fn` (see engine/train/run.py `resolve_hooks`); `agentic` holds TRL's `tools`,
-    `environment_factory` and `rollout_func` (multi-turn rollouts, engine/agent/; engine/train/run.py `build_agentic`).
+    replaces `cfg.reward.reward_funcs`, `tokenizer` replaces the model directory's; `group_filter_func` /
+    `dynamic_prompts_fn` (any callables: functions of the user's script, lambdas, instances) replace
+    `cfg.grpo.group_filter_func` / `cfg.data.dynamic_prompts_fn` (see engine/train/run.py `resolve_hooks`); `agentic`
+    holds TRL's `tools`, `environment_factory` and `rollout_func` (multi-turn rollouts, engine/agent/;
+    engine/train/run.py `build_agentic`). `export_dir` receives the final policy as a Hugging Face checkpoint
+    (collective). `hooks` (engine/train/hooks.py `LoopHooks`, GRPOTrainer's callbacks: engine/api/trl_callbacks.py)
+    hear of the run's progress on rank 0 (train begin, epoch begin / end, each optimizer step's begin / end, the
+    round's logged record) and may ask for evaluations (engine/train/evaluation.py), checkpoints and a stop, agreed
+    by every rank at the round boundary.
 
-    Hook points (engine/train/hooks.py `LoopHooks`, GRPOTrainer's callbacks: engine/api/trl_callbacks.py): train
-    begin, epoch begin / end, each optimizer step's begin / end, the round's logged record, on rank 0; their requests
-    (evaluate: engine/train/evaluation.py, save, stop) are agreed by every rank at the round boundary.
+    On any exception, first release what the run holds (`abort`: engines, reward threads, Megatron's parallel state,
+    the process group), so that a new run can start in the same process.
+    """
+    quiet_library_logs(cfg.logging.verbose)  # before Megatron and vLLM are imported (engine/log_filters.py)
+    stop, run = StopSignal().install(), None  # SIGUSR1 from now on: save at the next round boundary, then exit
+    try:
+        run = build_run(cfg, **inputs)
+        return run_rounds(run, stop, hooks if hooks is not None else LoopHooks(), export_dir)
+    except BaseException:
+        stop.uninstall()
+        abort(run)
+        raise
+
+
+@dataclass
+class LoopState:
+    """What the loop carries from one round to the next."""
+
+    step: int
+    """Optimizer steps done (resumed: from the checkpoint's)."""
+    num_tokens: int
+    """TRL's num_tokens: prompt + completion tokens seen so far (resumed: from the checkpoint's)."""
+    rounds: PromptRounds
+    """Which prompts each round draws (engine/train/prompt_rounds.py)."""
+    schedule: StepSchedule
+    """Which slices of which rounds form each optimizer step (engine/train/step_schedule.py)."""
+    saved_at: int | None
+    """The step of the last checkpoint (the resumed one's; None: none yet)."""
+    last: dict = field(default_factory=dict)
+    """The last logged record."""
+    save_due: bool = False
+    """A checkpoint fell due while slices were carried: written at the next boundary without any."""
+    eval_sets: dict = field(default_factory=dict)
+    """The hooks' eval datasets, tokenized at their first evaluation."""
+
+
+@dataclass
+class RoundTimes:
+    """time.perf_counter() at the round's phase boundaries."""
+
+    start: float
+    reward: float = 0.0
+    logprob: float = 0.0
+    train: float = 0.0
+    wait: float = 0.0
+    end: float = 0.0
+
+
+@dataclass
+class TrainedRound:
+    """What step 3 produced: the round's optimizer steps' micro-batches, the steps taken and their outputs."""
+
+    units: list[OptimizerStep]
+    """Every optimizer step's micro-batches this round brought (some may be carried to the next round)."""
+    outputs: list
+    """Each optimizer step's forward_backward outputs; empty when every slice was carried."""
+    stats: dict
+    """The optimizer's and the entropy controller's metrics of the last step."""
+    moe: dict
+    """The MoE metrics (router agreement, the load-balancing loss)."""
+
+
+def run_rounds(run: Run, stop: StopSignal, hooks: LoopHooks, export_dir: str | Path | None) -> dict:
+    """The rounds, one per iteration, each a named step; before them the resumed state and the held-out evaluation,
+    after them the final checkpoint, evaluation and export (`finish_training`).
 
     Checkpoints: every `checkpoint.save_steps` optimizer steps at the end of a round, at the end of training, and at
     the end of the round in which SIGUSR1 arrived (then the run exits); when optimizer steps span rounds
     (engine/train/step_schedule.py) a save or stop that falls due while slices are carried waits for the next round
-    that carries none; `resume_from_checkpoint` restores model,
-    optimizer, scheduler, RNG, data position, step and the loop's carried state (adaptive entropy, the curriculum
-    queue, rounds generated ahead) before the first round, and loads the restored weights into the engines. Rounds
-    do not depend on history (engine/train/prompt_rounds.py), so a resumed run logs what the uninterrupted one
-    would have. With `save_hf_at_end` the final policy is also exported to `<output_dir>/hf`. `hooks`
-    (engine/train/hooks.py) hear of the run's progress on rank 0 and may ask for evaluations, checkpoints and a stop;
-    `held` receives the run and the signal handler as they are built (`train` releases them on an exception).
+    that carries none; `resume_from_checkpoint` restores model, optimizer, scheduler, RNG, data position, step and
+    the loop's carried state (adaptive entropy, the curriculum queue, rounds generated ahead) before the first round,
+    and loads the restored weights into the engines. Rounds do not depend on history (engine/train/prompt_rounds.py),
+    so a resumed run logs what the uninterrupted one would have. With `save_hf_at_end` the final policy is also
+    exported to `<output_dir>/hf`.
     """
-    hooks = hooks if hooks is not None else LoopHooks()
-    quiet_library_logs(cfg.logging.verbose)  # before Megatron and vLLM are imported (engine/log_filters.py)
-    stop = held["stop"] = StopSignal().install()  # SIGUSR1 from now on: save at the next round boundary, then exit
-    run = held["run"] = build_run(cfg, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                                  reward_funcs=reward_funcs, tokenizer=tokenizer, group_filter_func=group_filter_func,
-                                  dynamic_prompts_fn=dynamic_prompts_fn, agentic=agentic)
-    cfg, ps, derived = run.cfg, run.ps, run.derived
     progress = resume(run)  # model, optimizer, scheduler, RNG, data position, step; the weights into the engines
     before = evaluate(run.sampler)
-    rounds = PromptRounds(len(run.sampler.train_prompts), derived.num_prompts_per_generation, cfg.train.seed,
-                          cfg.train.shuffle_dataset, start=progress.rounds_done)
-    step, last, num_tokens = progress.step, {}, progress.num_tokens
-    saved_at = progress.step if run.resume_from else None
-    start_pipeline(run, rounds, progress)  # max_staleness k > 0 (server mode): rounds generated ahead of training
-    eval_sets: dict = {}  # the hooks' eval datasets, tokenized at their first evaluation
-    schedule = step_schedule(run)  # which slices of which rounds form each optimizer step
-    save_due = False  # a checkpoint fell due while slices were carried: written at the next boundary without any
-    if on_rank0(ps, hooks.train_begin, step, run.total_steps).evaluate:  # eval_on_start
-        scheduled_evaluation(run, hooks, step, eval_sets, loss_of=eval_loss)
-    while step < run.total_steps:
-        start = time.perf_counter()
-        epoch_before = epoch(run, rounds)
-        if epoch_before == int(epoch_before):  # this round starts a pass over the dataset
-            on_rank0(ps, hooks.epoch_begin, epoch_before, agree=False)
+    state = start_loop(run, progress)
+    if on_rank0(run.ps, hooks.train_begin, state.step, run.total_steps).evaluate:  # eval_on_start
+        scheduled_evaluation(run, hooks, state.step, state.eval_sets, loss_of=eval_loss)
+    while state.step < run.total_steps:
+        times = RoundTimes(start=time.perf_counter())
+        epoch_before = begin_round(run, hooks, state)
         # 1. rollout and rewards: G completions for each prompt of the round, scored on rank 0 and broadcast;
         #    with dynamic sampling (DAPO), further rounds until the batch holds enough groups whose rewards vary.
         #    Asynchronous (k > 0): this round was generated by version r - k while earlier rounds trained; round
         #    r + k is asked for now and generated while this one trains
-        if run.pipeline is not None:
-            run.pipeline.fill(run.policy_version)
-        scored = sample_and_score(run.sampler, rounds, step, version=run.policy_version, pipeline=run.pipeline)
+        scored = roll_out(run, state)
         # 2. GFPO keeps the best num_remains_in_group completions of each group; advantages over whole groups
-        scored = keep_best_in_groups(run.sampler, scored)
-        adv = compute_advantages(scored.rewards, scored.group_size, run.rewards.weights,
-                                 cfg.grpo.scale_rewards, cfg.reward.multi_objective_aggregation)
-        log_completions(run, scored, adv.advantages)
-        batch = build_round(run, scored.rollout, adv.advantages, step)  # every rank: the whole round, rows shuffled
+        scored, adv, batch = score_round(run, scored, state.step)
         # 3. old (and reference) log-probs of this rank's rows, then num_iterations passes of optimizer steps
         #    (with slices carried from the last round first, when steps span rounds: engine/train/step_schedule.py)
-        units = per_step_microbatches(run, batch, slices=schedule.units_per_step > 1)
-        t_reward = time.perf_counter()
-        moe = add_old_and_ref_logprobs(run, units)
-        t_logprob = time.perf_counter()
-        outputs, stats = [], {}
-        ends_pass = int(epoch(run, rounds)) > int(epoch_before)
-        trained = schedule.take(units, ends_pass=ends_pass, steps_left=run.total_steps - step)
-        clear_moe_aux_loss()
-        for optimizer_step in trained:
-            on_rank0(ps, hooks.step_begin, step, agree=False)
-            run.optimizer.zero_grad()
-            out = grpo_forward_backward(run.optimizer.model, ps, optimizer_step.microbatches, run.loss_config,
-                                        optimizer_step.normalizer, run.settings,
-                                        entropy_coef=run.entropy.coef_to_apply(cfg.grpo))
-            outputs.append(out)
-            stats = run.optimizer.step() | run.entropy.update(cfg.grpo, ps, out)
-            step += 1
-            mix_reference_if_due(run.reference, run.optimizer.model, cfg.grpo, step)  # TR-DPO
-            on_rank0(ps, hooks.step_end, step, agree=False)
-        run.policy_version += bool(outputs)  # a round whose slices were all carried changed no weight
-        aux = take_moe_aux_loss(run.optimizer.model, ps, sum(len(s.microbatches) for s in trained))
-        moe |= {} if aux is None else {"aux_loss": aux}  # TRL's key: MoE load-balancing loss, unweighted
-        check_finite(run, step, [o.loss for out in outputs for o in out])  # a diverged policy is never synced
-        t_train = time.perf_counter()
+        trained = optimize(run, state, hooks, batch, epoch_before, times)
         # 4. weight sync into every engine, verified on a probe of this round (asynchronous: once round r + k,
         #    sampled by the previous version, is complete: the servers never generate while their weights change)
-        if run.pipeline is not None:
-            run.pipeline.complete(run.policy_version)
-        t_wait = time.perf_counter()
-        # the probe routes by itself on both sides: the engine's routes of this round came from the old weights
-        run.last_probe = {k: v for k, v in units[0].microbatches[0].items() if k not in ROUTE_KEYS}
-        sync = sync_and_verify(run) if outputs else {}
-        end = time.perf_counter()
+        sync = sync_weights(run, trained, times)
         # 5. metrics (TRL names), logged on rank 0
-        round_tokens = sum(map(len, scored.rollout.prompt_ids)) + sum(map(len, scored.rollout.completion_ids))
-        num_tokens += round_tokens  # TRL's num_tokens: prompt + completion tokens seen so far
-        timings = scored.stats | wait_times(run, scored.stats, end - start) | {
-                                  "time/logprob_s": t_logprob - t_reward, "time/train_s": t_train - t_logprob,
-                                  "time/sync_s": end - t_wait, "step_time": end - start,
-                                  "num_tokens": num_tokens, "tokens_per_s": round_tokens / (end - start),
-                                  "epoch": epoch(run, rounds)}
-        if outputs:  # TRL logs on optimizer steps: a round that trained none is not a record of its own
-            last = log_round(run, step, scored.rewards, adv, batch, units, outputs, stats | sync | timings | moe)
+        epoch_after = log_metrics(run, state, scored, adv, batch, trained, sync, times)
         # 6. the hooks (callbacks): evaluate, save or stop when asked
-        asked = report_round(run, hooks, step, epoch_before, timings["epoch"], trained=bool(outputs))
+        asked = report_round(run, hooks, state.step, epoch_before, epoch_after, trained=bool(trained.outputs))
         if asked.evaluate:
-            scheduled_evaluation(run, hooks, step, eval_sets, loss_of=eval_loss)
+            scheduled_evaluation(run, hooks, state.step, state.eval_sets, loss_of=eval_loss)
         # 7. checkpoint: SIGUSR1 on any rank -> save at this round boundary and leave; else on schedule. A
         #    checkpoint holds no carried slice: while some are carried, both wait for the next round without any
-        if stop.agreed(ps) and not schedule.carried:
+        if not checkpoint_round(run, state, hooks, stop, asked, len(trained.outputs)):
             break
-        save_due = save_due or asked.save or is_save_step(cfg.checkpoint.save_steps, step, len(outputs))
-        if save_due and not schedule.carried:
-            save_due = False
-            saved_at = save_run(run, Progress(step, rounds.position, num_tokens))
-            on_rank0(ps, hooks.saved, step, checkpoint_dir(cfg.train.output_dir, step), agree=False)
-        if asked.stop:
-            break
+    return finish_training(run, state, stop, hooks, progress, before, export_dir)
+
+
+def start_loop(run: Run, progress: Progress) -> LoopState:
+    """The loop's state at the first round: the resumed step, tokens and data position, the optimizer steps'
+    schedule, and the rollout pipeline (`start_pipeline`)."""
+    rounds = PromptRounds(len(run.sampler.train_prompts), run.derived.num_prompts_per_generation, run.cfg.train.seed,
+                          run.cfg.train.shuffle_dataset, start=progress.rounds_done)
+    start_pipeline(run, rounds, progress)  # max_staleness k > 0 (server mode): rounds generated ahead of training
+    return LoopState(step=progress.step, num_tokens=progress.num_tokens, rounds=rounds, schedule=step_schedule(run),
+                     saved_at=progress.step if run.resume_from else None)
+
+
+def begin_round(run: Run, hooks: LoopHooks, state: LoopState) -> float:
+    """The epoch before the round (HF's fraction of the dataset); the hooks hear when the round starts a pass."""
+    epoch_before = epoch(run, state.rounds)
+    if epoch_before == int(epoch_before):  # this round starts a pass over the dataset
+        on_rank0(run.ps, hooks.epoch_begin, epoch_before, agree=False)
+    return epoch_before
+
+
+def roll_out(run: Run, state: LoopState) -> Scored:
+    """Step 1: the round's completions and rewards (asked of the pipeline first when rounds are generated ahead)."""
+    if run.pipeline is not None:
+        run.pipeline.fill(run.policy_version)
+    return sample_and_score(run.sampler, state.rounds, state.step, version=run.policy_version, pipeline=run.pipeline)
+
+
+def score_round(run: Run, scored: Scored, step: int):
+    """Step 2: GFPO's filter, the advantages, the logged completions and the round as tensors (every rank: the whole
+    round, rows shuffled); returns (scored, advantages, batch)."""
+    scored = keep_best_in_groups(run.sampler, scored)
+    adv = compute_advantages(scored.rewards, scored.group_size, run.rewards.weights,
+                             run.cfg.grpo.scale_rewards, run.cfg.reward.multi_objective_aggregation)
+    log_completions(run, scored, adv.advantages)
+    return scored, adv, build_round(run, scored.rollout, adv.advantages, step)
+
+
+def optimize(run: Run, state: LoopState, hooks: LoopHooks, batch: dict, epoch_before: float,
+             times: RoundTimes) -> TrainedRound:
+    """Step 3: this rank's micro-batches with their old (and reference) log-probs, then the optimizer steps the
+    schedule takes this round (`state.step` counts them); a diverged policy is refused before any sync."""
+    ps, grpo = run.ps, run.cfg.grpo
+    units = per_step_microbatches(run, batch, slices=state.schedule.units_per_step > 1)
+    times.reward = time.perf_counter()
+    moe = add_old_and_ref_logprobs(run, units)
+    times.logprob = time.perf_counter()
+    outputs, stats = [], {}
+    ends_pass = int(epoch(run, state.rounds)) > int(epoch_before)
+    steps = state.schedule.take(units, ends_pass=ends_pass, steps_left=run.total_steps - state.step)
+    clear_moe_aux_loss()
+    for optimizer_step in steps:
+        on_rank0(ps, hooks.step_begin, state.step, agree=False)
+        run.optimizer.zero_grad()
+        out = grpo_forward_backward(run.optimizer.model, ps, optimizer_step.microbatches, run.loss_config,
+                                    optimizer_step.normalizer, run.settings,
+                                    entropy_coef=run.entropy.coef_to_apply(grpo))
+        outputs.append(out)
+        stats = run.optimizer.step() | run.entropy.update(grpo, ps, out)
+        state.step += 1
+        mix_reference_if_due(run.reference, run.optimizer.model, grpo, state.step)  # TR-DPO
+        on_rank0(ps, hooks.step_end, state.step, agree=False)
+    run.policy_version += bool(outputs)  # a round whose slices were all carried changed no weight
+    aux = take_moe_aux_loss(run.optimizer.model, ps, sum(len(s.microbatches) for s in steps))
+    moe |= {} if aux is None else {"aux_loss": aux}  # TRL's key: MoE load-balancing loss, unweighted
+    check_finite(run, state.step, [o.loss for out in outputs for o in out])  # a diverged policy is never synced
+    times.train = time.perf_counter()
+    return TrainedRound(units, outputs, stats, moe)
+
+
+def sync_weights(run: Run, trained: TrainedRound, times: RoundTimes) -> dict:
+    """Step 4: the new weights into every engine, verified (nothing when no step was taken); its metrics."""
+    if run.pipeline is not None:
+        run.pipeline.complete(run.policy_version)
+    times.wait = time.perf_counter()
+    # the probe routes by itself on both sides: the engine's routes of this round came from the old weights
+    run.last_probe = {k: v for k, v in trained.units[0].microbatches[0].items() if k not in ROUTE_KEYS}
+    sync = sync_and_verify(run) if trained.outputs else {}
+    times.end = time.perf_counter()
+    return sync
+
+
+def log_metrics(run: Run, state: LoopState, scored: Scored, adv, batch: dict, trained: TrainedRound, sync: dict,
+                times: RoundTimes) -> float:
+    """Step 5: the round's record (TRL's names) on rank 0 when it took an optimizer step; returns the epoch after
+    the round."""
+    round_tokens = sum(map(len, scored.rollout.prompt_ids)) + sum(map(len, scored.rollout.completion_ids))
+    state.num_tokens += round_tokens  # TRL's num_tokens: prompt + completion tokens seen so far
+    step_time = times.end - times.start
+    timings = scored.stats | wait_times(run, scored.stats, step_time) | {
+        "time/logprob_s": times.logprob - times.reward, "time/train_s": times.train - times.logprob,
+        "time/sync_s": times.end - times.wait, "step_time": step_time, "num_tokens": state.num_tokens,
+        "tokens_per_s": round_tokens / step_time, "epoch": epoch(run, state.rounds)}
+    if trained.outputs:  # TRL logs on optimizer steps: a round that trained none is not a record of its own
+        state.last = log_round(run, state.step, scored.rewards, adv, batch, trained.units, trained.outputs,
+                               trained.stats | sync | timings | trained.moe)
+    return timings["epoch"]
+
+
+def checkpoint_round(run: Run, state: LoopState, hooks: LoopHooks, stop: StopSignal, asked, num_steps: int) -> bool:
+    """Step 7: save when due (SIGUSR1, the hooks, the schedule) and no slice is carried; returns whether the loop
+    goes on (False: SIGUSR1 or the hooks asked to stop)."""
+    ps, carried = run.ps, state.schedule.carried
+    if stop.agreed(ps) and not carried:
+        return False
+    state.save_due = state.save_due or asked.save or is_save_step(run.cfg.checkpoint.save_steps, state.step, num_steps)
+    if state.save_due and not carried:
+        state.save_due = False
+        state.saved_at = save_run(run, Progress(state.step, state.rounds.position, state.num_tokens))
+        on_rank0(ps, hooks.saved, state.step, checkpoint_dir(run.cfg.train.output_dir, state.step), agree=False)
+    return not asked.stop
+
+
+def finish_training(run: Run, state: LoopState, stop: StopSignal, hooks: LoopHooks, progress: Progress,
+                    before, export_dir: str | Path | None) -> dict:
+    """After the last round: the final checkpoint (unless this step's is written), the held-out evaluation (not
+    after SIGUSR1), the export, the hooks' train end; returns the run's summary."""
+    cfg, ps, step = run.cfg, run.ps, state.step
     stop.uninstall()
-    if saved_at != step:  # the end of training, or the round boundary SIGUSR1 asked for
-        save_run(run, Progress(step, rounds.position, num_tokens))
+    if state.saved_at != step:  # the end of training, or the round boundary SIGUSR1 asked for
+        save_run(run, Progress(step, state.rounds.position, state.num_tokens))
         on_rank0(ps, hooks.saved, step, checkpoint_dir(cfg.train.output_dir, step), agree=False)
     after = evaluate(run.sampler) if not stop.stopping else None
     if export_dir is not None:
@@ -203,9 +305,9 @@ def run_rounds(cfg: EngineConfig, held: dict, *, train_dataset=None, eval_datase
     elif cfg.checkpoint.save_hf_at_end and not stop.stopping:
         export_policy(run, Path(cfg.train.output_dir) / "hf")
     on_rank0(ps, hooks.train_end, step, agree=False)
-    summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": last, "rank": ps.rank,
-               "stopped_by_signal": stop.stopping, "start_step": progress.step,
-               "num_tokens": num_tokens - progress.num_tokens,  # this call's steps from start_step, and its tokens
+    summary = {"eval_reward_before": before, "eval_reward_after": after, "steps": step, "last": state.last,
+               "rank": ps.rank, "stopped_by_signal": stop.stopping, "start_step": progress.step,
+               "num_tokens": state.num_tokens - progress.num_tokens,  # this call's steps from start_step, its tokens
                "entropy_coef": run.entropy.coef}  # the adaptive controller's last coefficient (TRL's attribute)
     finish(run, summary)
     return summary

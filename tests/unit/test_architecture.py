@@ -4,7 +4,8 @@
   (`May import: ...`), and its modules import nothing else of the engine's;
 - the folders' import graph has no cycle, and neither has the graph of modules;
 - vLLM is imported in one module, Megatron's global parallel state is read in one;
-- no module is over ~600 lines (docs/contributing/house-rules.md).
+- no module is over ~600 lines (docs/contributing/house-rules.md);
+- no module outside a family's folder (engine/models/<family>/) names that family in its code.
 """
 
 from __future__ import annotations
@@ -138,3 +139,94 @@ def test_no_module_is_over_600_lines():
     long = {str(p.relative_to(ENGINE.parent)): n for p in ENGINE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > LONGER.get(str(p.relative_to(ENGINE.parent)), MAX_LINES)}
     assert not long, f"modules over ~600 lines (docs/contributing/house-rules.md): {long}"
+
+
+FAMILY_REGISTRY = "engine/models/families.py"
+"""The registry lists the family folders (one import each): the one module outside them that names every family."""
+
+NAMES_A_FAMILY_BUILTIN_MODEL = {
+    "engine/demo/warm_start.py": "the recipe of the shipped tiny Qwen2 checkpoint builds that family's tiny model",
+    "engine/models/tiny_model.py": "the default tiny model and the shipped checkpoints are tiny Qwen2s",
+}
+"""Modules that name a family as a model to build, not as behaviour to branch on."""
+
+NAMES_FAMILIES_NOT_MOVED_YET = {
+    "engine/planning/shapes.py", "engine/planning/sync_memory.py", "engine/policy/cohere2_layers.py",
+    "engine/policy/fused_layers.py", "engine/policy/gemma_layers.py",
+    "engine/policy/hf_convert.py", "engine/policy/lora.py", "engine/policy/mamba_layers.py",
+    "engine/policy/model.py", "engine/policy/moe_config.py", "engine/rollout/sync_plan.py",
+    "engine/rollout/vllm_cohere2.py", "engine/rollout/vllm_engine.py",
+    "engine/rollout/vllm_gpt_oss.py",
+}
+"""Modules whose family-specific code has not moved into the family folders yet; the list only shrinks (a listed
+module that no longer names a family fails `test_no_module_outside_a_family_folder_names_the_family`)."""
+
+
+def _family_names() -> dict[str, str]:
+    """Every family folder's name and HF model_types (read from its `SPEC`'s source) -> the folder."""
+    names = {}
+    for folder in sorted(p for p in (ENGINE / "models").iterdir() if (p / "__init__.py").is_file()):
+        tree = ast.parse((folder / "__init__.py").read_text())
+        spec = [node.value for node in tree.body if isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "SPEC" for t in node.targets)]
+        assert spec, f"engine/models/{folder.name}/__init__.py must export SPEC, its FamilySpec"
+        names[folder.name] = folder.name
+        names.update({t: folder.name for t in _model_types(tree, spec[0])})
+    return names
+
+
+def _model_types(tree: ast.Module, spec: ast.expr) -> tuple[str, ...]:
+    """The string model_types of a `SPEC = FamilySpec(..., model_types=...)`: a tuple literal or a module constant."""
+    value = next(k.value for k in spec.keywords if k.arg == "model_types")
+    if isinstance(value, ast.Name):
+        value = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id == value.id for t in node.targets))
+    return tuple(ast.literal_eval(value))
+
+
+def _code_words(tree: ast.Module):
+    """(line, word) of every identifier, import path and non-docstring string literal of a module."""
+    docs = {id(node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            yield node.lineno, node.value
+        elif isinstance(node, ast.Name):
+            yield node.lineno, node.id
+        elif isinstance(node, ast.Attribute):
+            yield node.lineno, node.attr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.lineno, node.name
+        elif isinstance(node, ast.ImportFrom):
+            yield node.lineno, node.module or ""
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, (ast.arg, ast.keyword)) and node.arg:
+            yield node.lineno, node.arg
+
+
+def _family_mentions(path: Path, names: dict[str, str]) -> list[str]:
+    """`line: name` for every family name in a module's code (a builtin model's name, `builtin:tiny-...`, is a
+    model the user picks, not a family the code branches on)."""
+    regex = re.compile(r"(?<![A-Za-z0-9])(" + "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+                       + r")(?![A-Za-z0-9])")
+    return [f"{line}: {match.group(1)}" for line, word in _code_words(ast.parse(path.read_text()))
+            for match in regex.finditer(re.sub(r"builtin:tiny-[\w-]+", "", word))]
+
+
+def test_no_module_outside_a_family_folder_names_the_family():
+    names = _family_names()
+    folders = set(names.values())
+    mentions = {}
+    for path in sorted(ENGINE.rglob("*.py")):
+        rel = path.relative_to(ENGINE.parent)
+        if rel.parts[1] == "models" and len(rel.parts) > 3 and rel.parts[2] in folders:
+            continue
+        if found := _family_mentions(path, names):
+            mentions[str(rel)] = found
+    allowed = {FAMILY_REGISTRY} | set(NAMES_A_FAMILY_BUILTIN_MODEL) | NAMES_FAMILIES_NOT_MOVED_YET
+    outside = {module: found for module, found in mentions.items() if module not in allowed}
+    assert not outside, f"family names outside the family folders (engine/models/<family>/): {outside}"
+    moved = sorted(NAMES_FAMILIES_NOT_MOVED_YET - set(mentions))
+    assert not moved, f"{moved} no longer name a family: drop them from NAMES_FAMILIES_NOT_MOVED_YET"

@@ -15,6 +15,8 @@ and PP2; export byte-exact; GRPO step TP2 = TP1).
 
 from __future__ import annotations
 
+from engine.models.family_spec import FamilySpec, sliding_window_dims
+
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
 """Gemma families the policy builds. Gemma 2 = Gemma 3's layer without q/k norms, with one RoPE base and
 attention-logit soft-capping; its final-logit soft-capping (`final_logit_softcapping`, 30.0 in every checkpoint) is
@@ -99,3 +101,67 @@ def gemma_transformer_settings(hf_config) -> dict:
     )
 
 
+
+
+TINY_GEMMA_WINDOW, TINY_GEMMA_QUERY_SCALAR = 4, 48
+"""The tiny Gemma 3: a sliding window of 4 tokens (shorter than the tests' 12-token rows, so the window masks) and
+the attention scale 48 ** -0.5 (not head_dim 32's, so a scale taken from head_dim fails the tests)."""
+
+TINY_GEMMA2_ATTN_SOFTCAP, TINY_GEMMA2_FINAL_SOFTCAP = 0.2, 0.5
+"""The tiny Gemma 2's attention-logit and final-logit soft-capping (Gemma 2's own: 50 and 30): small enough to bend
+the tiny model's scores and its logits (|logits| up to ~1 uncapped, so tanh(logit / 0.5) is far from linear)."""
+
+
+def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
+    """Gemma 3's text architecture at the tiny shapes: layers sliding, full, sliding, full (so each PP2 stage holds
+    one of each), RoPE bases 1e4 (sliding) and 1e6 (full), q/k norms, the four (1 + w) norms per layer, gelu-tanh MLP,
+    embeddings x sqrt(128), tied embeddings (Gemma's own; `tie_word_embeddings` is ignored). Gemma 2: the same
+    without q/k norms, one RoPE base (1e4), attention logits soft-capped at `TINY_GEMMA2_ATTN_SOFTCAP`, final logits at
+    `TINY_GEMMA2_FINAL_SOFTCAP`."""
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "hidden_act", "tie_word_embeddings")}
+    shared = dict(**common, head_dim=common["hidden_size"] // common["num_attention_heads"],
+                  hidden_activation="gelu_pytorch_tanh", sliding_window=TINY_GEMMA_WINDOW,
+                  query_pre_attn_scalar=TINY_GEMMA_QUERY_SCALAR, tie_word_embeddings=True,
+                  layer_types=["sliding_attention", "full_attention"] * 2, attention_bias=False)
+    if model_type == "gemma2":
+        return dict(**shared, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                    attn_logit_softcapping=TINY_GEMMA2_ATTN_SOFTCAP, final_logit_softcapping=TINY_GEMMA2_FINAL_SOFTCAP)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    return dict(**shared, rope_parameters=rope)
+
+
+def randomise_tiny_inits(model) -> None:
+    """The (1 + w) norm weights N(0, 0.1^2), where HF initialises zeros."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(0.1 * torch.randn(param.shape))
+
+
+def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
+    """`gemma_transformer_settings` and the gelu-tanh gated MLP (engine/models/gemma/activation.py)."""
+    import dataclasses
+
+    from engine.models.gemma.activation import gelu_tanh
+
+    return dataclasses.replace(config, activation_func=gelu_tanh, **gemma_transformer_settings(hf_config))
+
+
+def planner_dims(values: dict) -> dict:
+    """The planner's shape: four norms per layer, the window (Gemma 2's config.json alternates without naming the
+    layers: its even layers slide) and Gemma 2's attention-logit soft-capping."""
+    window = sliding_window_dims(values, (values["num_hidden_layers"] + 1) // 2 if values.get("model_type") == "gemma2"
+                                 else None)
+    if window:
+        window["attention_softcap"] = (values.get("attn_logit_softcapping") is not None
+                                       and values.get("model_type") == "gemma2")
+    return {"norms_per_layer": 4, **window}
+
+
+SPEC = FamilySpec(name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma, qk_norm_types=("gemma3_text",),
+                  finish_transformer_config=finish_transformer_config, rope_settings=gemma_rope_settings,
+                  planner_dims=planner_dims, ties_embeddings_by_default=True,
+                  tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -1,13 +1,13 @@
-"""GPT-OSS (HF model_type `gpt_oss`): what the family needs beyond the Llama-shaped translation of
-engine/policy/model.py, kept in one place.
+"""GPT-OSS's torch pieces (its spec, refusals and tiny config: engine/models/gpt_oss/__init__.py): what the family
+needs beyond the Llama-shaped translation of engine/policy/model.py.
 
 Owns: GPT-OSS's TransformerConfig
 keywords (`gpt_oss_settings`: q/k/v/o and expert biases, the router bias, learned per-head attention sinks, the
 alternating sliding-window / full layers of `layer_types`, the clamped SwiGLU with the (up + 1) form, YaRN RoPE and
 its attention factor: `yarn_rope_settings`); the layer-spec pieces it swaps into Megatron's local spec (`gpt_oss_spec`:
-`WindowedDotProductAttention`, the experts' `CopiedOutputRowParallel`); and the pure conversions of GPT-OSS's
-stacked expert tensors (HF stores all experts of a layer in one tensor, transposed, gate and up interleaved):
-`read_stacked_expert`, `stacked_expert_to_hf`, `stack_expert_pieces`.
+`WindowedDotProductAttention`, the experts' `CopiedOutputRowParallel`). Its stacked expert tensors (HF stores all
+experts of a layer in one tensor, transposed, gate and up interleaved) are a layout kind of the shared converter:
+engine/models/stacked_experts.py.
 
 Must not: import Megatron at module level (the planner and the converter import this module), read Megatron's
 global parallel state, or know vLLM's layout.
@@ -22,18 +22,7 @@ import functools
 
 import torch
 
-from engine.models.families import check_gpt_oss
-
-EXPERT_PIECE = "#expert="
-"""Suffix of the HF name of one expert's slice of a stacked GPT-OSS expert tensor (`stacked_expert_to_hf`); the
-export stacks the pieces of every expert into the one HF tensor (`stack_expert_pieces`)."""
-
-STACKED_KINDS = ("stacked_gate_up", "stacked_row", "stacked_replicated")
-"""Layout kinds of GPT-OSS's stacked expert tensors (engine/policy/hf_convert.py `Kind`):
-  stacked_gate_up     HF (E, H, 2I) weight / (E, 2I) bias, x @ W, gate = columns 0, 2, 4, ..., up = 1, 3, 5, ...;
-                      Megatron's fc1 (2I, H) / (2I,) = [gate; up] (TP rank r: [gate_r; up_r]);
-  stacked_row         HF (E, I, H), x @ W; Megatron's fc2 (H, I), TP splits I;
-  stacked_replicated  HF (E, H) fc2 bias; Megatron's (H,), the same on every TP rank."""
+from engine.models.gpt_oss import check_gpt_oss
 
 
 def alpha_swish(x: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -54,7 +43,7 @@ def gpt_oss_settings(hf_config) -> dict:
     """
     if hf_config.model_type != "gpt_oss":
         return {}
-    check_gpt_oss(hf_config)  # engine/models/families.py: the settings not translated
+    check_gpt_oss(hf_config)  # engine/models/gpt_oss/__init__.py: the settings not translated
     window = [int(kind == "sliding_attention") for kind in hf_config.layer_types]
     settings = dict(
         add_bias_linear=True,
@@ -78,7 +67,7 @@ def yarn_rope_settings(hf_config) -> dict | None:
     positions); HF's `truncate` (default true) is Megatron's `correction_range_round_to_int`. The attention factor
     HF multiplies cos and sin by, 0.1 ln(factor) + 1 (or the mscale / mscale_all_dim ratio), is what megatron-core
     0.16.1's attention applies from these attributes (`_yarn_get_concentration_factor_from_config`: mscale None =
-    from the factor alone); an explicit `attention_factor` is refused (engine/models/families.py check_gpt_oss)."""
+    from the factor alone); an explicit `attention_factor` is refused (engine/models/gpt_oss/__init__.py check_gpt_oss)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     if hf_config.model_type != "gpt_oss" or params.get("rope_type") != "yarn":
         return None  # YaRN is translated (and compared with HF) for GPT-OSS only
@@ -181,53 +170,3 @@ def gpt_oss_spec(spec, row_parallel):
         experts.submodules, linear_fc2=copied_output_row_parallel_class(row_parallel)))
     mlp = dataclasses.replace(layer.mlp, submodules=dataclasses.replace(layer.mlp.submodules, experts=experts))
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=attention, mlp=mlp))
-
-
-def _split(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int, name: str) -> torch.Tensor:
-    if tensor.shape[dim] % tp_size:
-        raise ValueError(f"{name}: dimension {dim} of size {tensor.shape[dim]} does not split into tp_size={tp_size}")
-    return tensor.chunk(tp_size, dim=dim)[tp_rank]
-
-
-def read_stacked_expert(kind: str, name: str, hf_slice: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's shard of one expert's Megatron tensor from its slice `hf_slice` = HF tensor [e] of a stacked
-    GPT-OSS expert tensor (`STACKED_KINDS`)."""
-    if kind == "stacked_gate_up":  # (H, 2I) weight or (2I,) bias; gate / up interleaved on the last dim
-        gate, up = hf_slice[..., 0::2], hf_slice[..., 1::2]
-        if gate.dim() == 2:
-            gate, up = gate.t(), up.t()  # (I, H)
-        return torch.cat([_split(gate, 0, tp_rank, tp_size, name), _split(up, 0, tp_rank, tp_size, name)]).contiguous()
-    if kind == "stacked_row":  # (I, H) -> (H, I / tp)
-        return _split(hf_slice.t(), 1, tp_rank, tp_size, name).contiguous()
-    return hf_slice.clone()  # stacked_replicated: (H,)
-
-
-def stacked_expert_to_hf(kind: str, name: str, expert: int, full: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The inverse of `read_stacked_expert` at TP1: {`name` + EXPERT_PIECE + e: HF tensor [e]}."""
-    if kind == "stacked_gate_up":
-        gate, up = full.chunk(2, dim=0)  # (I, H) or (I,)
-        if full.dim() == 2:
-            gate, up = gate.t(), up.t()  # (H, I)
-        piece = torch.stack([gate, up], dim=-1).flatten(-2)  # (..., 2I): gate, up, gate, up, ...
-    elif kind == "stacked_row":
-        piece = full.t()  # (I, H)
-    else:
-        piece = full
-    return {f"{name}{EXPERT_PIECE}{expert}": piece.contiguous().clone()}
-
-
-def stack_expert_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` with every group of expert pieces (`name#expert=e`) stacked into the HF tensor `name` (E, ...)."""
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
-    out = {}
-    for key, tensor in tensors.items():
-        if EXPERT_PIECE in key:
-            name, expert = key.split(EXPERT_PIECE)
-            pieces.setdefault(name, {})[int(expert)] = tensor
-        else:
-            out[key] = tensor
-    for name, by_expert in pieces.items():
-        if sorted(by_expert) != list(range(len(by_expert))):
-            raise ValueError(f"{name}: expert pieces {sorted(by_expert)} are not 0..E-1")
-        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
-    return out

