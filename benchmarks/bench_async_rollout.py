@@ -35,10 +35,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchmarks.harness import RESULTS_DIR, REPO_ROOT, append_rows, capture_env, make_row, percentiles
+from benchmarks.harness import REPO_ROOT, RESULTS_DIR, append_rows, capture_env, make_row, percentiles
 
 TOKEN_ENV = "GRPO_ENGINE_TOKEN"
 

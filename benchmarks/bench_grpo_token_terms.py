@@ -40,13 +40,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # NOTE: before triton is imported (kernels/, engine/grpo)
 
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, time_fn  # noqa: E402
+from engine.config import GenerationConfig, GRPOConfigSection  # noqa: E402
 from engine.grpo.policy_loss import (  # noqa: E402
     PolicyLossBatch,
     build_loss_normalizer,
     compute_policy_loss,
     compute_vllm_importance_sampling_ratio,
 )
-from engine.config import GenerationConfig, GRPOConfigSection, KernelsConfig  # noqa: E402
 from engine.grpo.settings import PolicyLossConfig  # noqa: E402
 from kernels import build_lm_head_problem, lm_head_logprob_entropy  # noqa: E402
 

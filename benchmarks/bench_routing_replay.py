@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.harness import RESULTS_DIR, REPO_ROOT, append_rows, capture_env, make_row, percentiles
+from benchmarks.harness import REPO_ROOT, RESULTS_DIR, append_rows, capture_env, make_row, percentiles
 
 METRICS = {
     "router_agreement": ("moe/router_agreement", "fraction"),

@@ -25,6 +25,7 @@ import torch
 
 def _ours(model_dir: str) -> tuple[list[str], float, int]:
     """(the policy's parameter names, max |logit - HF logit| in fp32, export tensors not bit-equal)."""
+    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.config import ModelConfig, ParallelConfig
@@ -33,7 +34,6 @@ def _ours(model_dir: str) -> tuple[list[str], float, int]:
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.parallel import destroy_parallel, init_parallel
     from engine.policy.step import lm_head_logits, run_schedule
-    from safetensors.torch import load_file
 
     cfg, parallel = ModelConfig(dtype="float32"), ParallelConfig()
     ps = init_parallel(parallel, seed=0)

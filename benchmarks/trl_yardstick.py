@@ -243,9 +243,10 @@ def worker(nodes_file: Path, outcomes: Path, timeout_s: int) -> None:
     work = nodes_file.parent
     sys.path.insert(0, str(work))
     os.chdir(work)
-    import yardstick_plugin  # noqa: F401 - patches datasets before the test module binds load_dataset
-    import engine.api.trl_trainer  # noqa: F401
     import trl_tests.test_grpo_trainer  # noqa: F401
+    import yardstick_plugin  # noqa: F401 - patches datasets before the test module binds load_dataset
+
+    import engine.api.trl_trainer  # noqa: F401
 
     for node in json.loads(nodes_file.read_text()):
         result = run_forked(node, work, timeout_s)

@@ -27,10 +27,16 @@ from typing import Any, Literal
 
 import yaml
 
-from engine.config_files import (ConfigError, apply_overrides, config_to_dict, describe_callable,  # noqa: F401
-                                 write_resolved_config)
-from engine.grpo.settings import (ImportanceSamplingLevel, ISMode, KLEstimator, LossType, MultiObjectiveAggregation,
-                                  ScaleRewards, TermsImplementation)
+from engine.config_files import ConfigError, apply_overrides, config_to_dict, describe_callable, write_resolved_config  # noqa: F401
+from engine.grpo.settings import (
+    ImportanceSamplingLevel,
+    ISMode,
+    KLEstimator,
+    LossType,
+    MultiObjectiveAggregation,
+    ScaleRewards,
+    TermsImplementation,
+)
 
 
 def _aliases(**mapping: Any) -> dict:

@@ -22,8 +22,12 @@ Test: `pytest tests/kernels`.
 """
 
 from kernels.fused_logprob import TritonTiles
-from kernels.lm_head_logprob import (IMPLEMENTATIONS, chunked_logprob_entropy, lm_head_logprob_entropy,
-                                     triton_logprob_entropy)
+from kernels.lm_head_logprob import (
+                                     IMPLEMENTATIONS,
+                                     chunked_logprob_entropy,
+                                     lm_head_logprob_entropy,
+                                     triton_logprob_entropy,
+)
 from kernels.onepass_logprob import ONEPASS_IMPLEMENTATIONS, onepass_logprob_entropy
 from kernels.reference import build_lm_head_problem, reference_logprob_entropy
 

@@ -2,8 +2,9 @@
 
 Owns: building each kernel's launch as its launcher would on a GPU (`lm_head_launches`, `onepass_launches`,
 `token_terms_launches`: the launchers' own `build_*_launch` on "meta" tensors), compiling it to a cubin without a GPU
-(`_specialise`, `compile_launch`: how, and what fails; `_compile_all`: as many at once as the CPUs allow), the launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's
-sweep and the GPU tests' shape) and the report (`CompileReport`, `format_table`).
+(`_specialise`, `compile_launch`: how, and what fails; `_compile_all`: as many at once as the CPUs allow), the
+launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's sweep and the GPU tests' shape) and the report
+(`CompileReport`, `format_table`).
 
 Must not: run under TRITON_INTERPRET=1 (triton.jit then returns interpreted functions, which have no compiler IR):
 `check_kernels` raises; the test runs it in a subprocess without that variable. It relies on Triton internals that
@@ -33,7 +34,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
-
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget

@@ -17,9 +17,9 @@ Test: `pytest tests/kernels` (each implementation against kernels/reference.py, 
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-import typing
 from typing import Literal
 
 import torch

@@ -27,8 +27,8 @@ Test: `pytest tests/kernels/test_onepass_logprob.py tests/kernels/test_onepass_t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import typing
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -37,8 +37,14 @@ import torch.distributed as dist
 from kernels.chunked_logprob import _tile_logits, accumulation_dtype, matmul_acc
 from kernels.lm_head_logprob import check_lm_head_inputs
 from kernels.onepass_rows import RowTiles, build_workspace_dz_launch, build_workspace_stats_launch, default_row_tiles
-from kernels.softmax_stats import (VocabShard, all_reduce_hidden_grad, build_vocab_shard, empty_stats,
-                                   finalize_stats, reduce_stats_over_tp)
+from kernels.softmax_stats import (
+    VocabShard,
+    all_reduce_hidden_grad,
+    build_vocab_shard,
+    empty_stats,
+    finalize_stats,
+    reduce_stats_over_tp,
+)
 
 OnePassImplementation = Literal["auto", "torch_chunked", "cublas_triton"]
 ONEPASS_IMPLEMENTATIONS = typing.get_args(OnePassImplementation)

@@ -78,8 +78,14 @@ def long_tail_batch(vocab_size: int, lengths: list[int], prompt_len: int, seed: 
 
 def _engine_step(hf_config, dtype: str, ps, batch: dict, micro_batch: int, settings: dict):
     """(step, config extras) of the engine at its defaults with `settings` in the model section."""
-    from engine.config import GenerationConfig, GRPOConfigSection, KernelsConfig, ModelConfig, OptimizerConfig, \
-        TrainConfig
+    from engine.config import (
+        GenerationConfig,
+        GRPOConfigSection,
+        KernelsConfig,
+        ModelConfig,
+        OptimizerConfig,
+        TrainConfig,
+    )
     from engine.grpo.policy_loss import PolicyLossConfig
     from engine.policy.model import build_policy, init_weights_by_name
     from engine.policy.optimizer import build_optimizer

@@ -37,10 +37,21 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_grpo_step import (SHAPES, build_batch, build_policy_and_optimizer, make_step, model_config,
-                                        train_step_rows)
-from benchmarks.gpu.longest_fit import (add_step_arguments, find_longest_fit, free_memory,
-                                        rows_unless_out_of_memory, search_rows)
+from benchmarks.bench_grpo_step import (
+    SHAPES,
+    build_batch,
+    build_policy_and_optimizer,
+    make_step,
+    model_config,
+    train_step_rows,
+)
+from benchmarks.gpu.longest_fit import (
+    add_step_arguments,
+    find_longest_fit,
+    free_memory,
+    rows_unless_out_of_memory,
+    search_rows,
+)
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, peak_memory_fn, time_fn
 
 MIB = 2**20

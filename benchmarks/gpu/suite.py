@@ -54,9 +54,17 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import (CSV_COLUMNS, REPO_ROOT, RESULTS_DIR, append_rows, capture_env, make_row,
-                                package_version, read_rows)
 from benchmarks.gpu.summary import print_summary
+from benchmarks.harness import (
+    CSV_COLUMNS,
+    REPO_ROOT,
+    RESULTS_DIR,
+    append_rows,
+    capture_env,
+    make_row,
+    package_version,
+    read_rows,
+)
 
 TRIMMED_7B_LAYERS = 6
 """Qwen2.5-7B with 6 of its 28 layers (every other dimension exact): 2.49e9 parameters x 18 bytes (bf16 weights, fp32

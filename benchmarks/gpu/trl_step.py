@@ -42,8 +42,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_grpo_step import SHAPES, build_batch, model_config, train_step_rows
-from benchmarks.gpu.longest_fit import (add_step_arguments, find_longest_fit, free_memory,
-                                        rows_unless_out_of_memory, search_rows)
+from benchmarks.gpu.longest_fit import (
+    add_step_arguments,
+    find_longest_fit,
+    free_memory,
+    rows_unless_out_of_memory,
+    search_rows,
+)
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, peak_memory_fn, time_fn
 
 MIB = 2**20

@@ -37,7 +37,6 @@ from engine.config import GenerationConfig
 from engine.rollout.protocol import RolloutEngine
 from engine.rollout.rollouts import Rollout
 
-
 PROMPTS_KEY = "prompts"
 """In `AgenticRound.columns`: the rows' prompts as the model saw them (with reset()'s observations); they replace the
 dataset's prompts in the reward functions' `prompts`."""

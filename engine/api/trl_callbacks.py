@@ -22,8 +22,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from transformers.trainer_callback import (CallbackHandler, DefaultFlowCallback, TrainerCallback, TrainerControl,
-                                           TrainerState)
+from transformers.trainer_callback import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    TrainerControl,
+    TrainerState,
+)
 
 from engine.train.hooks import Decision, LoopHooks
 

@@ -211,8 +211,12 @@ def load_split(script_args: ScriptArguments, split: str) -> Any:
 
 def trl_reward_functions() -> dict[str, Any]:
     """TRL's grpo script's reward names -> this engine's functions of the same behaviour."""
-    from engine.train.builtin_rewards import (SoftOverlongPunishment, accuracy_reward, reasoning_accuracy_reward,
-                                              think_format_reward)
+    from engine.train.builtin_rewards import (
+        SoftOverlongPunishment,
+        accuracy_reward,
+        reasoning_accuracy_reward,
+        think_format_reward,
+    )
 
     return {"accuracy_reward": accuracy_reward, "reasoning_accuracy_reward": reasoning_accuracy_reward,
             "think_format_reward": think_format_reward,

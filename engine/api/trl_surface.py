@@ -553,9 +553,8 @@ class TrainerSurface:
         """
         import dataclasses
 
-        from engine.train.loop import evaluate_only
-
         from engine.api.trl_generate import patched_since_construction
+        from engine.train.loop import evaluate_only
 
         patched_since_construction(self, getattr(self, "_dispatch_overrides", []))  # the rollout chosen at __init__
         sets = eval_sets(eval_dataset, self._cfg.data.eval_max_prompts) if eval_dataset is not None \

@@ -31,15 +31,21 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.models.hub import resolve_hub_model
 from engine.api import trl_compat, trl_generate
+from engine.api.trl_accelerator import AcceleratorSurface
 from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic, with_placeholder_prompts
 from engine.api.trl_config import GFPOConfig, GRPOConfig
-from engine.api.trl_accelerator import AcceleratorSurface
 from engine.api.trl_hub import HubSurface
-from engine.api.trl_surface import (EXPORT_DIR, INITIAL_MODEL_DIR, TrainerSurface, eval_sets, is_stream,
-                                    save_model_object)
+from engine.api.trl_surface import (
+    EXPORT_DIR,
+    INITIAL_MODEL_DIR,
+    TrainerSurface,
+    eval_sets,
+    is_stream,
+    save_model_object,
+)
+from engine.config import EngineConfig
+from engine.models.hub import resolve_hub_model
 
 __all__ = ["GFPOConfig", "GFPOTrainer", "GRPOConfig", "GRPOTrainer"]
 

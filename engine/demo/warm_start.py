@@ -338,8 +338,8 @@ def _run(output_dir: Path, args: WarmStartArgs) -> HeldOutMetrics | None:
     """`run_warm_start` under its torch settings."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.train.data import build_arithmetic_dataset
     from engine.models.tiny_model import build_tiny_model
+    from engine.train.data import build_arithmetic_dataset
 
     build_tiny_model(output_dir, "qwen2", seed=args.seed)  # random init, tokenizer, generation_config
     model = AutoModelForCausalLM.from_pretrained(output_dir, dtype=torch.float32)

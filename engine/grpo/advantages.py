@@ -23,6 +23,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+
 import torch
 
 from engine.grpo.settings import SCALE_REWARDS, MultiObjectiveAggregation, ScaleRewards

@@ -21,10 +21,23 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.lora_settings import lora_settings_from_config, refuse_expert_adapters
-from engine.planning.memory import (Budget, format_count, format_gib, inference_budget, plan_recompute,
-                                    sequence_lengths, training_budget)
-from engine.planning.shapes import (ClusterShape, ModelDims, PlanError, check_layout, load_model_dims,
-                                    num_rollout_servers)
+from engine.planning.memory import (
+    Budget,
+    format_count,
+    format_gib,
+    inference_budget,
+    plan_recompute,
+    sequence_lengths,
+    training_budget,
+)
+from engine.planning.shapes import (
+    ClusterShape,
+    ModelDims,
+    PlanError,
+    check_layout,
+    load_model_dims,
+    num_rollout_servers,
+)
 from engine.planning.sync_memory import receive_budget, training_sync_terms
 from engine.validation import Derived, validate
 

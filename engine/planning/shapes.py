@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import SimpleNamespace
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from engine.config import ConfigError, EngineConfig
-from engine.models.families import (dense_layers, has_qk_norm, has_qkv_bias, moe_shape, shared_expert_width,
-                                    spec_or_default)
+from engine.models.families import (
+    dense_layers,
+    has_qk_norm,
+    has_qkv_bias,
+    moe_shape,
+    shared_expert_width,
+    spec_or_default,
+)
 from engine.validation import Derived
 
 DEFAULT_GPUS_PER_NODE = 8

@@ -24,7 +24,6 @@ import dataclasses
 import torch
 
 
-
 class CohereLayerNorm(torch.nn.Module):
     """HF's Cohere2LayerNorm: (x - mean) * rsqrt(var + eps) * w, all in float32, cast back to x's dtype; no bias.
 

@@ -25,12 +25,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.policy.hf_convert import (FLOAT32_TENSORS, ModelDims, expert_index, family_map, find_entry,
-                                     read_megatron_shard, to_hf)
 from engine.models.stacked_experts import stack_expert_pieces
-from engine.policy.mtp_layers import MTP_SHARD, copy_mtp_layers
+from engine.policy.hf_convert import (
+    FLOAT32_TENSORS,
+    ModelDims,
+    expert_index,
+    family_map,
+    find_entry,
+    read_megatron_shard,
+    to_hf,
+)
 from engine.policy.lora import is_lora_param
 from engine.policy.model import get_weight, global_param_names
+from engine.policy.mtp_layers import MTP_SHARD, copy_mtp_layers
 from engine.policy.parallel import ParallelState
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",

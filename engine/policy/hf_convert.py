@@ -37,12 +37,18 @@ from typing import Protocol
 
 import torch
 
+from engine.models.cohere2 import COHERE2_MODEL_TYPES
 from engine.models.deepseek_v3 import MLA_TENSORS, mla_dims
 from engine.models.families import FAMILIES, dense_layers, has_qk_norm, has_qkv_bias, moe_shape, shared_expert_width
-from engine.models.cohere2 import COHERE2_MODEL_TYPES
 from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
-from engine.models.nemotron_h import (NEMOTRON_H_GLOBAL, NEMOTRON_H_TENSORS, hf_layer_name, is_nemotron_h, layer_kinds,
-                                      mamba_blocks)
+from engine.models.nemotron_h import (
+    NEMOTRON_H_GLOBAL,
+    NEMOTRON_H_TENSORS,
+    hf_layer_name,
+    is_nemotron_h,
+    layer_kinds,
+    mamba_blocks,
+)
 from engine.models.stacked_experts import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
 from engine.models.tensor_map import TensorMap
 

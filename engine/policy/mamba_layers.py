@@ -173,9 +173,11 @@ def mamba_mixer_class():
             the conv's blocks saved as tensors of their own (`<name>.z` / `.x` / `.B` / `.C` / `.dt`: Megatron's
             MambaMixer layout, megatron/core/ssm/mamba_mixer.py), so a checkpoint loads at another TP size."""
             from megatron.core.ssm.mamba_mixer import _split_tensor_factory
-            from megatron.core.transformer.utils import (ensure_metadata_has_dp_cp_group,
-                                                         make_sharded_tensors_for_checkpoint,
-                                                         sharded_state_dict_default)
+            from megatron.core.transformer.utils import (
+                ensure_metadata_has_dp_cp_group,
+                make_sharded_tensors_for_checkpoint,
+                sharded_state_dict_default,
+            )
 
             metadata = ensure_metadata_has_dp_cp_group(metadata)
             state = {}

@@ -32,10 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
-from engine.models.deepseek_v3 import mla_attention_specs
-from engine.models.families import (MOE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, check_model_type, family_spec, has_qk_norm,
-                                    has_qkv_bias)
 from engine.models.cohere2 import is_cohere2
+from engine.models.deepseek_v3 import mla_attention_specs
+from engine.models.families import (
+    MOE_MODEL_TYPES,
+    check_model_type,
+    family_spec,
+    has_qk_norm,
+    has_qkv_bias,
+)
 from engine.models.gemma import is_gemma
 from engine.models.gpt_oss.layers import gpt_oss_spec, yarn_rope_settings
 from engine.models.nemotron_h import is_nemotron_h
@@ -45,6 +50,7 @@ from engine.policy.moe_config import freeze_expert_bias, mark_expert_params, moe
 from engine.policy.parallel import ParallelState
 from engine.policy.sdpa_attention import attention_specs
 from engine.recompute import resolve_recompute
+
 
 @dataclass(frozen=True)
 class PolicyShape:
@@ -294,10 +300,13 @@ def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, d
     final norm is `LocalRMSNorm` too (a bare layer spec gets Megatron's `WrappedTorchNorm` there). With dense first
     layers (GLM-4.5's, `config.moe_layer_freq` 0) those layers get `dense_spec`, chosen by their global index; a hybrid
     stack (Nemotron-H) its `per_layer` specs."""
-    from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
     norm = layer_spec.submodules.input_layernorm  # the local spec's: LocalRMSNorm, or Gemma's / Cohere 2's own

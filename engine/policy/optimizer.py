@@ -212,9 +212,11 @@ def _index_mixed_distributed_groups(optimizer) -> None:
 
 
 def _mixed_sharded_state_dict(sub, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
-    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
-                                                            make_sharded_optimizer_tensor,
-                                                            optim_state_to_sharding_state)
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state,
+    )
 
     if is_loading:
         sub.init_state_fn(sub.optimizer, sub.config)

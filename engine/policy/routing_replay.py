@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from engine.policy.parallel import ParallelState
 
-
 ROUTE_KEYS = ("routed_experts", "input_routes", "input_routes_valid")
 """The micro-batch entries that carry the engine's routes."""
 

@@ -339,9 +339,9 @@ def grpo_forward_backward(
     Returns:
         the PolicyLossOutput of every micro-batch (detached), on the last stage; [] elsewhere.
     """
-    from engine.policy.optimizer import loss_scale_for_sum
     from engine.grpo.onepass import ONE, build_token_grads, choose_loss_pass
     from engine.grpo.policy_loss import PolicyLossBatch, compute_policy_loss
+    from engine.policy.optimizer import loss_scale_for_sum
 
     scale = loss_scale_for_sum(len(microbatches), ps)
     loss_pass, why = choose_loss_pass(loss_config, settings.kernels.loss_pass)
@@ -402,8 +402,11 @@ def take_moe_aux_loss(chunks: list[torch.nn.Module], ps: ParallelState, num_micr
     The tracker counts each router once per micro-batch: it records only forwards with gradients, and a recomputed
     layer's first forward runs without them (Megatron's checkpoint). Megatron's loss is per layer (switch loss of
     that layer's router); HF's pools every layer's router statistics before the product: close, not equal."""
-    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker,
-                                                         reduce_aux_losses_tracker_across_ranks)
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+        reduce_aux_losses_tracker_across_ranks,
+    )
 
     config = unwrap(chunks[0]).config
     if not getattr(config, "num_moe_experts", None) or not config.moe_aux_loss_coeff or not num_microbatches:

@@ -7,8 +7,12 @@ Test: tests/integration/test_trl_guides.py (the TRL quick start imports `accurac
 May import: engine.train.
 """
 
-from engine.train.builtin_rewards import (SoftOverlongPunishment, accuracy_reward, think_answer_format_reward,
-                                          think_format_reward)
+from engine.train.builtin_rewards import (
+    SoftOverlongPunishment,
+    accuracy_reward,
+    think_answer_format_reward,
+    think_format_reward,
+)
 
 __all__ = ["SoftOverlongPunishment", "accuracy_reward", "get_soft_overlong_punishment", "think_answer_format_reward",
            "think_format_reward"]

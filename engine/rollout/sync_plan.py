@@ -30,7 +30,6 @@ from engine.models.deepseek_v3 import mla_hf_shape
 from engine.models.stacked_experts import EXPERT_PIECE, STACKED_KINDS
 from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names, layer_entries
 
-
 Box = tuple[tuple[int, int], ...]
 """A box of a tensor: one (start, stop) per dimension."""
 

@@ -29,10 +29,9 @@ from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout, routes_of, wants_routed_experts
 from engine.rollout.vllm_family_kwargs import family_engine_kwargs
 from engine.rollout.vllm_gpt_oss import GptOssReceiver, gpt_oss_expert_parts, hf_name, warn_gpt_oss_mismatch
-from engine.rollout.vllm_nemotron_h import NemotronHReceiver
 from engine.rollout.vllm_lora import LoraReceiver
+from engine.rollout.vllm_nemotron_h import NemotronHReceiver
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
-
 
 LIVE_PARAMS = ("e_score_correction_bias",)
 """GLM-4.5's router bias: digested as held (float32, as sent), even where a layer's digests were recorded: vllm 0.32

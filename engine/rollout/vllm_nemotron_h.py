@@ -17,8 +17,6 @@ TP2 trainer and verified bit-exact, a flipped A_log / in_proj / conv bias is nam
 
 from __future__ import annotations
 
-import torch
-
 NEMOTRON_H_HF_NAMES = {"NemotronHForCausalLM": (("model.", "backbone."), ("embed_tokens", "embeddings"))}
 """vLLM's module names -> the checkpoint's (substring replacements, the inverse of vLLM's `hf_to_vllm_mapper`)."""
 

@@ -36,7 +36,6 @@ from engine.rollout.sync_check import WeightSyncError
 from engine.rollout.sync_plan import Box, Piece, SyncPlan, Transfer, box_slices, full_box, local_view
 from engine.rollout.weight_digest import box_digest
 
-
 _MAGIC = 0x5EED
 _HEADER = 5  # int64 header of every (bucket, sender, engine rank) message run: magic, bucket, numel, sender, engine
 _ACK_TAG = 1 << 22

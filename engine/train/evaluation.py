@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist

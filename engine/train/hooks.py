@@ -83,7 +83,7 @@ def on_rank0(ps, hook: Callable, *args, agree: bool = True) -> Any:
 
 def scheduled_evaluation(run, hooks: LoopHooks, step: int, prepared: dict, loss_of: Callable | None = None) -> dict:
     """Evaluate the hooks' eval sets now (every rank), log the record and report it (rank 0); `prepared` caches
-    the tokenized sets between calls; `loss_of` computes the eval loss (engine/train/loop.py `eval_loss`). Returns the
+    the tokenized sets between calls; `loss_of` computes the eval loss (engine/train/round_batch.py `eval_loss`). Returns the
     `eval_*` metrics."""
     from engine.train.evaluation import evaluate_sets, tokenize_eval_sets
 

@@ -4,8 +4,8 @@
     engine/train/run.py) -> rewards (rank 0, broadcast) -> advantages -> old / ref log-probs -> num_iterations x
     optimizer steps over micro-batches -> weight sync, verified -> metrics -> checkpoint on schedule
 
-Owns: `train`, the round's order and its hook points (`run_rounds`), the batch it trains on (`build_round`,
-`per_step_microbatches`: TRL's batch semantics) and the record it logs (`log_round`: TRL's metric names). Built once,
+Owns: `train`, the round's order and its hook points (`run_rounds`) and the record it logs (`log_round`: TRL's metric
+names); the batch it trains on (TRL's batch semantics) is built by engine/train/round_batch.py. Built once,
 resumed, saved and synced: engine/train/run.py; sampled and scored: engine/train/sampling.py; generated ahead
 (`rollout.max_staleness` > 0): engine/train/rollout_pipeline.py; checkpoints and SIGUSR1: engine/train/checkpoint.py.
 
@@ -29,27 +29,51 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.grpo.advantages import compute_advantages
-from engine.grpo.metrics import compute_completion_metrics, compute_loss_metrics, compute_reward_metrics, compute_sampling_metrics
-from engine.grpo.policy_loss import compute_vllm_importance_sampling_ratio
+from engine.grpo.metrics import (
+    compute_completion_metrics,
+    compute_loss_metrics,
+    compute_reward_metrics,
+    compute_sampling_metrics,
+)
 from engine.log_filters import quiet_library_logs
-from engine.policy.batch import pack_completions
-from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs
 from engine.policy.parallel import destroy_parallel
 from engine.policy.reference import mix_reference_if_due
-from engine.policy.routing_replay import (ROUTE_KEYS, clear_router_agreement, pad_routes, routes_dtype,
-                                          take_router_agreement)
-from engine.policy.step import clear_moe_aux_loss, forward_logprobs, grpo_forward_backward, take_moe_aux_loss
-from engine.rollout.rollouts import Rollout
+from engine.policy.routing_replay import (
+    ROUTE_KEYS,
+)
+from engine.policy.step import clear_moe_aux_loss, grpo_forward_backward, take_moe_aux_loss
 from engine.train.checkpoint import Progress, StopSignal, checkpoint_dir, is_save_step
 from engine.train.evaluation import evaluate_sets, tokenize_eval_sets
 from engine.train.hooks import LoopHooks, on_rank0, scheduled_evaluation
-from engine.train.prompt_rounds import PromptRounds, shuffle_order
-from engine.train.run import (REFERENCE_EXPORT_SUFFIX, Run, build_run, check_finite, export_policy, export_reference,
-                              resume, save_run, sync_and_verify)
+from engine.train.prompt_rounds import PromptRounds
 from engine.train.rollout_pipeline import RolloutPipeline, rewind_rounds_ahead
-from engine.train.sampling import (PendingAgenticRound, Scored, draw_prompts, evaluate, keep_best_in_groups,
-                                   sample_and_score)
-from engine.train.step_schedule import OptimizerStep, StepSchedule, deferred_save_warning, uses_carried_slices
+from engine.train.round_batch import (
+    add_old_and_ref_logprobs,
+    build_round,
+    eval_loss,
+    per_step_microbatches,
+    step_schedule,
+)
+from engine.train.run import (
+    REFERENCE_EXPORT_SUFFIX,
+    Run,
+    build_run,
+    check_finite,
+    export_policy,
+    export_reference,
+    resume,
+    save_run,
+    sync_and_verify,
+)
+from engine.train.sampling import (
+    PendingAgenticRound,
+    Scored,
+    draw_prompts,
+    evaluate,
+    keep_best_in_groups,
+    sample_and_score,
+)
+from engine.train.step_schedule import OptimizerStep, StepSchedule
 
 
 def train(cfg: EngineConfig, *, hooks: LoopHooks | None = None, export_dir: str | Path | None = None,
@@ -362,142 +386,6 @@ def wait_times(run: Run, stats: dict, step_time: float) -> dict:
     if not run.engine.runs_apart:
         return {}
     return {"time/trainer_wait_s": stats["time/rollout_s"], "time/rollout_wait_s": step_time - stats["time/rollout_s"]}
-
-
-def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int) -> dict:
-    """The round as tensors (engine/policy/batch.py layout) with advantages, vLLM log-probs and the loss mask; rows
-    shuffled with a permutation seeded by (seed, the round's first step): the same on every rank, and on resume."""
-    from engine.grpo.policy_loss import mask_truncated_completions
-
-    pad = run.tokenizer.pad_token_id or 0
-    batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad)
-    mask = batch["completion_mask"]
-    sampling = torch.zeros_like(mask)  # (B, C)
-    for i, row in enumerate(rollout.sampling_logprobs):
-        sampling[i, : len(row)] = torch.tensor(row)
-    is_truncated = torch.tensor(rollout.is_truncated, dtype=torch.bool)  # (B,)
-    if rollout.tool_mask is not None:  # multi-turn: tool tokens are context only (TRL's completion_mask * tool_mask)
-        mask = batch["completion_mask"] = mask * pad_rows(rollout.tool_mask, mask.shape[1])  # (B, C)
-        batch["num_model_tokens"] = mask.sum(1)  # (B,) the length metrics count the model's tokens only
-    if run.cfg.grpo.mask_truncated_completions:
-        batch["completion_mask"] = mask_truncated_completions(mask, is_truncated)
-    batch |= {"advantages": advantages.float(), "sampling_logprobs": sampling, "is_truncated": is_truncated}
-    if rollout.routed_experts is None and run.cfg.model.moe_enable_routing_replay:
-        raise RuntimeError("model.moe_enable_routing_replay is on but the engine returned no routed experts: the "
-                           "model has no MoE layers, or the rollout server(s) run with rollout.vllm_return_routed_experts"
-                           "=false (leave it unset in their config)")
-    if rollout.routed_experts is not None:  # MoE: the engine's routes, (B, T, L, k) in the narrowest dtype
-        num_layers, top_k = next((r.shape[1:] for r in rollout.routed_experts if r.size), (0, 0))
-        batch["routed_experts"] = pad_routes(rollout.routed_experts, batch["tokens"].shape[1], num_layers, top_k,
-                                             routes_dtype(rollout.routed_experts))
-    order = shuffle_order(mask.shape[0], run.cfg.train.seed, step)
-    return {k: v[order] for k, v in batch.items()}
-
-
-def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
-    """(B, width) float32: each row's values, right-padded with 0."""
-    out = torch.zeros(len(rows), width)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out
-
-
-def microbatch_spec(run: Run):
-    """How this run cuts rows into micro-batches (padded, or packed by tokens: engine/policy/packing.py)."""
-    return build_microbatch_spec(run.cfg.train, run.cfg.model, run.ps, micro_batch_size=run.derived.micro_batch_size,
-                                 pad_token_id=run.tokenizer.pad_token_id or 0)
-
-
-def step_schedule(run: Run) -> StepSchedule:
-    """The run's schedule: whole optimizer steps per unit when a round's micro-steps fill whole steps, else one
-    micro-step slice per unit and gradient_accumulation_steps of them per step, carried across rounds; with a
-    warning on rank 0 where that defers scheduled checkpoints."""
-    import warnings
-
-    train, grpo, derived = run.cfg.train, run.cfg.grpo, run.derived
-    if not uses_carried_slices(derived.steps_per_generation, grpo.num_iterations, train.gradient_accumulation_steps):
-        return StepSchedule(1, grpo.num_iterations)
-    message = deferred_save_warning(run.cfg.checkpoint.save_steps, derived.steps_per_generation, grpo.num_iterations,
-                                    train.gradient_accumulation_steps)
-    if message and run.ps.rank == 0:
-        warnings.warn(message, stacklevel=2)
-    return StepSchedule(train.gradient_accumulation_steps, grpo.num_iterations)
-
-
-def per_step_microbatches(run: Run, batch: dict, *, slices: bool = False) -> list[OptimizerStep]:
-    """For each optimizer step of the round (`slices`: each micro-step slice of per_device * dp completions, when
-    steps span rounds): this DP rank's micro-batches and the step's (slice's) global normaliser.
-
-    TRL's batch semantics: per_device_train_batch_size counts completions per data-parallel rank per micro-batch; a
-    round holds per_device * dp * steps_per_generation completions (shuffled by `build_round`), cut into optimizer
-    steps of per_device * dp * gradient_accumulation_steps; groups are never split across rounds. The normaliser
-    counts the tokens and sequences of each optimizer step over all ranks (layout-independent,
-    engine/grpo/policy_loss.py)."""
-    derived, ps = run.derived, run.ps
-    rows = {k: (v[: derived.generation_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    spec = microbatch_spec(run)
-    size = derived.micro_batch_size * ps.dp_size if slices else derived.global_batch_size
-    steps = round_microbatches(rows, spec, global_batch_size=size, dp_size=ps.dp_size, dp_rank=ps.dp_rank)
-    return [OptimizerStep(microbatches, normalizer) for microbatches, normalizer in steps]
-
-
-def add_old_and_ref_logprobs(run: Run, steps: list[OptimizerStep]) -> dict:
-    """Old log-probs (and the vLLM IS ratio), reference log-probs when beta > 0, added to every micro-batch on the
-    last stage (the only stage that computes the loss). Packed: over micro-batches of the forward-only budget.
-    Returns `moe/router_agreement` where the engine's routes were compared with the trainer's (MoE, replay off)."""
-    grpo = run.cfg.grpo
-    spec = microbatch_spec(run)
-    micro = [mb for optimizer_step in steps for mb in optimizer_step.microbatches]
-    routed = "routed_experts" in micro[0]
-    if routed:
-        clear_router_agreement(run.optimizer.model)  # what the last round's training forwards recorded
-    old = sequence_logprobs(lambda mbs: forward_logprobs(run.optimizer.model, run.ps, mbs, run.settings), micro, spec)
-    agreement = take_router_agreement(run.optimizer.model, run.ps) if routed else None
-    ref = [] if run.reference is None else sequence_logprobs(
-        lambda mbs: run.reference.logprobs(run.ps, mbs, run.settings), micro, spec)
-    for i, logprobs in enumerate(old):
-        mb = micro[i]
-        mb["old_logprobs"] = logprobs
-        if grpo.vllm_importance_sampling_correction:
-            mb["importance_sampling_ratio"] = compute_vllm_importance_sampling_ratio(
-                logprobs, mb["sampling_logprobs"], mb["completion_mask"], grpo.vllm_importance_sampling_mode,
-                grpo.vllm_importance_sampling_clip_min, grpo.vllm_importance_sampling_clip_max)
-        if ref:
-            mb["ref_logprobs"] = ref[i]
-    return {} if agreement is None else {"moe/router_agreement": agreement}
-
-
-def eval_loss(run: Run, rollout: Rollout, advantages: torch.Tensor) -> float:
-    """TRL's eval loss: the GRPO loss of held-out completions under the current policy (old log-probs = the
-    policy's, so the ratio is 1; the vLLM IS correction and beta's KL as in training) of one evaluation batch
-    (engine/train/evaluation.py `batch_mean_loss` averages the batches), its rows padded with masked copies to whole
-    micro-batches of every DP rank. Collective; every rank gets it."""
-    from engine.grpo.policy_loss import PolicyLossBatch, compute_policy_loss
-
-    ps = run.ps
-    batch = build_round(run, rollout, advantages, 0)
-    num_rows = batch["tokens"].shape[0]
-    pad = -num_rows % (ps.dp_size * run.derived.micro_batch_size)
-    if pad:
-        batch = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in batch.items()}
-        batch["completion_mask"][num_rows:] = 0
-    spec = microbatch_spec(run)
-    steps = [OptimizerStep(micro, normalizer) for micro, normalizer in round_microbatches(
-        batch, spec, global_batch_size=num_rows + pad, dp_size=ps.dp_size, dp_rank=ps.dp_rank)]
-    add_old_and_ref_logprobs(run, steps)
-    total = torch.zeros(1, dtype=torch.float64, device=ps.device)
-    if ps.is_last_stage and ps.tp_rank == 0:
-        for optimizer_step in steps:
-            for mb in optimizer_step.microbatches:
-                inputs = PolicyLossBatch(
-                    mask=mb["completion_mask"], advantages=mb["advantages"], old_logprobs=mb["old_logprobs"],
-                    ref_logprobs=mb.get("ref_logprobs"), sampling_logprobs=mb.get("sampling_logprobs"),
-                    importance_sampling_ratio=mb.get("importance_sampling_ratio"))
-                out = compute_policy_loss(mb["old_logprobs"], inputs, run.loss_config, optimizer_step.normalizer,
-                                          terms_implementation=run.settings.kernels.loss_terms_implementation)
-                total += out.loss.detach().double().to(ps.device)
-    dist.all_reduce(total)  # the last stage's DP ranks hold the parts; every other rank adds 0
-    return float(total)
 
 
 def log_completions(run: Run, scored: Scored, advantages: torch.Tensor) -> None:

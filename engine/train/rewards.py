@@ -33,9 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.train.builtin_rewards import (
+    SoftOverlongPunishment,
+    accuracy_reward,
+    exact_match_reward,
+    think_answer_format_reward,
+    think_format_reward,
+)
 from engine.train.data import preview
-from engine.train.builtin_rewards import (SoftOverlongPunishment, accuracy_reward, exact_match_reward,
-                                          think_answer_format_reward, think_format_reward)
 
 if TYPE_CHECKING:
     from engine.config import GenerationConfig, RewardConfig

@@ -75,7 +75,7 @@ class RolloutPipeline:
     runs are reproducible and a resumed run logs what the uninterrupted one did.
 
     What is off-policy and how it is corrected: the trainer recomputes the old log-probs at its current version
-    (engine/train/loop.py `add_old_and_ref_logprobs`), so the PPO ratio and clip are taken against the current policy,
+    (engine/train/round_batch.py `add_old_and_ref_logprobs`), so the PPO ratio and clip are taken against the current policy,
     and the sampler/learner gap (k versions plus the engine's numerics) is corrected by TRL's vLLM importance-sampling
     correction (`grpo.vllm_importance_sampling_correction`, engine/grpo/policy_loss.py): this is AReaL's decoupled PPO
     with the proximal policy recomputed (`prox_logp_method: recompute`, arXiv 2505.24298), and verl's rollout

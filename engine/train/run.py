@@ -41,8 +41,14 @@ from engine.policy.reference import ReferencePolicy
 from engine.policy.step import LogprobSettings
 from engine.rollout.protocol import RolloutEngine
 from engine.rollout.sync_check import logprob_health
-from engine.train.checkpoint import (Progress, agree_on_resume_checkpoint, describe_model, load_checkpoint,
-                                     read_progress, save_checkpoint)
+from engine.train.checkpoint import (
+    Progress,
+    agree_on_resume_checkpoint,
+    describe_model,
+    load_checkpoint,
+    read_progress,
+    save_checkpoint,
+)
 from engine.train.data import PromptBatch
 from engine.train.metric_logger import MetricLogger
 from engine.train.prompt_queue import PromptQueue
@@ -140,12 +146,12 @@ def build_run(cfg: EngineConfig, *, train_dataset=None, eval_dataset=None, rewar
     `environment_factory` and `rollout_func` (engine/agent/agentic_rollout.py), None = single-turn."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.train.data import load_prompts
+    from engine.models.tiny_model import resolve_builtin_model
     from engine.policy.hf_checkpoint import load_hf_checkpoint
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
+    from engine.train.data import load_prompts
     from engine.train.rewards import build_reward_funcs
-    from engine.models.tiny_model import resolve_builtin_model
 
     cfg, group_filter, dynamic_prompts = resolve_hooks(cfg, group_filter_func, dynamic_prompts_fn)
     ps = init_parallel(cfg.parallel, seed=cfg.train.seed)

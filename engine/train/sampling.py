@@ -35,10 +35,15 @@ import torch.distributed as dist
 
 from engine.agent.agentic_rollout import PROMPTS_KEY, AgenticRollout
 from engine.agent.chat_tokens import completion_messages
-from engine.grpo.advantages import aggregate_rewards
-from engine.grpo.dynamic_sampling import assemble_rounds, find_informative_groups, is_dynamic_batch_full, select_dynamic_batch
-from engine.grpo.group_filter import filter_groups
 from engine.config import DataConfig, GenerationConfig, GRPOConfigSection
+from engine.grpo.advantages import aggregate_rewards
+from engine.grpo.dynamic_sampling import (
+    assemble_rounds,
+    find_informative_groups,
+    is_dynamic_batch_full,
+    select_dynamic_batch,
+)
+from engine.grpo.group_filter import filter_groups
 from engine.policy.parallel import ParallelState
 from engine.rollout.client import RolloutServerLost
 from engine.rollout.protocol import RolloutEngine
@@ -306,8 +311,8 @@ def queue_prompts(sampler: RoundSampler, picked: PromptBatch, completions: list,
         return
     import datasets
 
-    from engine.train.data import prepare_prompts
     from engine.grpo.dynamic_prompts import call_dynamic_prompts_fn
+    from engine.train.data import prepare_prompts
 
     rows = [None]
     if sampler.ps.rank == 0:

@@ -119,7 +119,8 @@ def test_auto_keeps_a_layers_own_attention_and_an_explicit_sdpa_there_is_refused
 
     from engine.config import ModelConfig
     from engine.policy.model import _layer_spec
-    from engine.policy.sdpa_attention import attention_specs as _attention_specs, sdpa_core_attention_class
+    from engine.policy.sdpa_attention import attention_specs as _attention_specs
+    from engine.policy.sdpa_attention import sdpa_core_attention_class
 
     spec = _layer_spec(ModelConfig(transformer_impl="local"))
     core = lambda s: s.submodules.self_attention.submodules.core_attention  # noqa: E731

@@ -41,12 +41,12 @@ def _bad_loads(cache_dir: str, run_dir: str) -> dict:
     from transformers import AutoConfig
 
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
+    from engine.models.tiny_model import resolve_builtin_model
     from engine.policy.hf_checkpoint import load_hf_checkpoint
     from engine.policy.hf_convert import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel
-    from engine.models.tiny_model import resolve_builtin_model
     from engine.train.checkpoint import Progress, describe_model, load_checkpoint, save_checkpoint
 
     ps = init_parallel(ParallelConfig(), seed=0)

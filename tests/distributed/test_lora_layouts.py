@@ -31,7 +31,7 @@ import torch
 
 from tests.distributed.launcher import run_distributed
 from tests.helpers.lora import lora_logits_and_exports, lora_settings
-from tests.helpers.policy import grpo_step_and_export, hf_tensors, tokens
+from tests.helpers.policy import grpo_step_and_export, tokens
 
 
 def _hf_logits_plain_peft_merged(model_dir, exports_dir):

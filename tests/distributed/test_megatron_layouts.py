@@ -30,10 +30,10 @@ def _run_layout(tp: int, pp: int, vpp: int | None) -> dict:
     import torch.distributed as dist
 
     from engine.config import ModelConfig, ParallelConfig
+    from engine.models.tiny_model import tiny_model_config
     from engine.policy.model import build_policy, global_param_names, init_weights_by_name, merge_tp_shards
     from engine.policy.parallel import init_parallel
     from engine.policy.step import lm_forward_backward
-    from engine.models.tiny_model import tiny_model_config
 
     ps = init_parallel(ParallelConfig(tp_size=tp, pp_size=pp, virtual_pipeline_size=vpp), seed=1234)
     hf_config = tiny_model_config("qwen2")

@@ -13,9 +13,8 @@ from tests.distributed.launcher import run_distributed
 def _step_both_ways(model_dir: str, tp: int, pp: int) -> dict:
     import dataclasses
 
-    from engine.config import KernelsConfig, ParallelConfig
+    from engine.config import KernelsConfig, OptimizerConfig, ParallelConfig
     from engine.policy.optimizer import build_optimizer
-    from engine.config import OptimizerConfig
     from engine.policy.packing import MicrobatchSpec, round_microbatches
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from tests.helpers.grpo_settings import build_loss_config

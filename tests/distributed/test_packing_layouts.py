@@ -89,13 +89,13 @@ def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
     from transformers import AutoConfig
 
     from engine.config import KernelsConfig, OptimizerConfig
-    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
     from engine.policy.hf_convert import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs
     from engine.policy.step import LogprobSettings, forward_logprobs, grpo_forward_backward
+    from tests.helpers.grpo_settings import build_loss_config
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     chunks = build_policy(hf_config, model_cfg, ps)

@@ -16,17 +16,23 @@ from tests.distributed.launcher import run_distributed
 def _check(tp: int, model_dir: str) -> dict:
     from transformers import AutoConfig
 
-    from engine.policy.batch import pack_completions, split_microbatches
     from engine.config import KernelsConfig, ModelConfig, OptimizerConfig, ParallelConfig
+    from engine.grpo.policy_loss import LossNormalizer
+    from engine.policy.batch import pack_completions, split_microbatches
     from engine.policy.hf_checkpoint import load_hf_checkpoint
     from engine.policy.hf_convert import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel
-    from engine.grpo.policy_loss import LossNormalizer
-    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.reference import ReferencePolicy
-    from engine.policy.step import LogprobSettings, completion_logprobs, forward_logprobs, grpo_forward_backward, run_schedule
+    from engine.policy.step import (
+        LogprobSettings,
+        completion_logprobs,
+        forward_logprobs,
+        grpo_forward_backward,
+        run_schedule,
+    )
+    from tests.helpers.grpo_settings import build_loss_config
 
     ps = init_parallel(ParallelConfig(tp_size=tp), seed=0)
     hf_config = AutoConfig.from_pretrained(model_dir)
@@ -133,9 +139,9 @@ def _mix_over_steps(popt, reference, ps, micro, settings, num_tokens: float, *, 
     must end as ref <- alpha * policy_s + (1 - alpha) * ref applied at each sync step s, from the saved weights."""
     from engine.config import GRPOConfigSection
     from engine.grpo.policy_loss import LossNormalizer
-    from tests.helpers.grpo_settings import build_loss_config
-    from engine.policy.step import forward_logprobs, grpo_forward_backward, unwrap
     from engine.policy.reference import mix_reference_if_due
+    from engine.policy.step import forward_logprobs, grpo_forward_backward, unwrap
+    from tests.helpers.grpo_settings import build_loss_config
 
     gr = GRPOConfigSection(beta=0.04, sync_ref_model=True, ref_model_sync_steps=sync_steps, ref_model_mixup_alpha=alpha)
     expected = [p.detach().clone() for c in reference.chunks for p in c.parameters()]

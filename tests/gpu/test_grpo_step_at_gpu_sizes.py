@@ -29,11 +29,11 @@ pytestmark = [pytest.mark.gpu,
 
 def _step_gradients(popt, ps, batch: dict, vocab_size: int, implementation: str) -> tuple[float, dict]:
     """One GRPO forward/backward: (loss, {parameter name: gradient in float32})."""
+    from benchmarks.bench_grpo_step import kernels_for
     from engine.grpo.policy_loss import LossNormalizer
-    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.batch import split_microbatches
     from engine.policy.step import LogprobSettings, grpo_forward_backward
-    from benchmarks.bench_grpo_step import kernels_for
+    from tests.helpers.grpo_settings import build_loss_config
 
     mask = batch["completion_mask"]
     micro = split_microbatches({k: v.to(ps.device) for k, v in batch.items()}, 2)

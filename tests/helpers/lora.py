@@ -55,7 +55,7 @@ def lora_logits_and_exports(model_dir: str, parallel, out_dir: str, settings_ove
     from engine.policy.lora import adapters_disabled, apply_lora, merged_lora
     from engine.policy.peft_adapter import save_peft_adapter
     from engine.policy.step import run_schedule
-    from tests.helpers.policy import SEQ, BATCH, build_from_hf, gathered_logits_fn, tokens
+    from tests.helpers.policy import BATCH, SEQ, build_from_hf, gathered_logits_fn, tokens
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
     settings = lora_settings(**(settings_overrides or {}))

@@ -290,12 +290,12 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
     from engine.policy.batch import pack_completions
     from engine.policy.optimizer import build_optimizer
     from engine.policy.step import LogprobSettings, grpo_forward_backward
-    from tests.helpers.grpo_settings import build_loss_config
+    from engine.rollout import vllm_cpu_shm
     from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
     from engine.rollout.sync_check import logprob_health
     from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
-    from engine.rollout import vllm_cpu_shm
     from engine.rollout.vllm_engine import ColocatedEngine
+    from tests.helpers.grpo_settings import build_loss_config
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel)
     popt = build_optimizer(OptimizerConfig(learning_rate=3e-3), chunks, ps, total_steps=1)

@@ -129,10 +129,10 @@ def _record(path: str):
 
 def _train(output_dir: str) -> dict:
     import datasets
+    from transformers import AutoTokenizer
 
     from engine import GRPOConfig, GRPOTrainer
     from engine.models.tiny_model import TOOL_CHAT_TEMPLATE, resolve_builtin_model
-    from transformers import AutoTokenizer
 
     source = resolve_builtin_model("builtin:tiny-qwen2-arith", Path(output_dir) / "cache")
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -334,10 +334,11 @@ def _row_layouts(rows: list):
     """A reward function (0.0 for every row) recording each row: its step, completion ids, model tokens and whether
     its tokens are the chat template's rendering of its conversation (`_layout`)."""
     def layouts(prompts, completions, completion_ids, trainer_state, **kwargs):
+        from transformers import AutoTokenizer
+
         from engine.agent.environments import environment_tools
         from engine.agent.toolbox import tool_schema
         from engine.models.tiny_model import resolve_builtin_model
-        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_builtin_model(CALC_MODEL, "unused: shipped"))
         schemas = [tool_schema(m) for m in environment_tools(kwargs["environments"][0]).values()]

@@ -44,7 +44,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers.policy import SYNC_TOLERANCE as TOLERANCE, sync_after_step
+from tests.helpers.policy import SYNC_TOLERANCE as TOLERANCE
+from tests.helpers.policy import sync_after_step
 
 CASES = {  # family: (seed, flipped HF names, tensors synced, tensors the step leaves unchanged: GLM's 3 frozen expert
     # biases and, measured, 6 expert tensors: 2 experts that no token of this step routed to get no gradient; the tiny

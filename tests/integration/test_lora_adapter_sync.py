@@ -54,8 +54,14 @@ def _batch(rollout, num_rows: int) -> dict:
 
 
 def _adapter_sync(model_dir: str) -> dict:
-    from engine.config import (GenerationConfig, KernelsConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                               RolloutConfig)
+    from engine.config import (
+        GenerationConfig,
+        KernelsConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        RolloutConfig,
+    )
     from engine.policy.lora import apply_lora
     from engine.policy.optimizer import build_optimizer
     from engine.policy.step import LogprobSettings, forward_logprobs

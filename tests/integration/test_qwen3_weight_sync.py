@@ -13,8 +13,8 @@ expert-parallel rank and the router is caught, and exactly those tensors are nam
 import pytest
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers.policy import SYNC_TOLERANCE as TOLERANCE, sync_after_step
-
+from tests.helpers.policy import SYNC_TOLERANCE as TOLERANCE
+from tests.helpers.policy import sync_after_step
 
 FLIPS = {
     "qwen3": ("model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.q_proj.weight",

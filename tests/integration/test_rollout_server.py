@@ -295,21 +295,27 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     import torch
     from transformers import AutoConfig
 
+    from engine.config import (
+        GenerationConfig,
+        KernelsConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        RolloutConfig,
+    )
+    from engine.grpo.policy_loss import LossNormalizer
+    from engine.models.tiny_model import resolve_builtin_model
     from engine.policy.batch import pack_completions
-    from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
     from engine.policy.hf_checkpoint import load_hf_checkpoint
     from engine.policy.hf_convert import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel
-    from engine.grpo.policy_loss import LossNormalizer
-    from tests.helpers.grpo_settings import build_loss_config
-    from engine.rollout.client import connect_rollout_server
     from engine.policy.step import LogprobSettings, grpo_forward_backward
-    from engine.config import KernelsConfig
-    from engine.models.tiny_model import resolve_builtin_model
+    from engine.rollout.client import connect_rollout_server
     from engine.rollout.server_sync import build_server_sync, sync_server, verify_server
     from engine.rollout.sync_check import WeightSyncError, logprob_health
+    from tests.helpers.grpo_settings import build_loss_config
     from tests.helpers.policy import flip_bits, weight_sync_error
 
     os.environ["GRPO_ENGINE_TOKEN"] = token
@@ -499,21 +505,27 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     import torch
     from transformers import AutoConfig
 
+    from engine.config import (
+        GenerationConfig,
+        KernelsConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        RolloutConfig,
+    )
+    from engine.grpo.policy_loss import LossNormalizer
+    from engine.models.tiny_model import resolve_builtin_model
     from engine.policy.batch import pack_completions
-    from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
     from engine.policy.hf_checkpoint import load_hf_checkpoint
     from engine.policy.hf_convert import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel
-    from engine.grpo.policy_loss import LossNormalizer
-    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.step import LogprobSettings, grpo_forward_backward
-    from engine.config import KernelsConfig
-    from engine.models.tiny_model import resolve_builtin_model
     from engine.rollout.server_rollout import ServerRollout
     from engine.rollout.server_sync import sync_server, verify_server
     from engine.rollout.sync_check import logprob_health
+    from tests.helpers.grpo_settings import build_loss_config
     from tests.helpers.policy import weight_sync_error
     from tests.helpers.rollout_turns import run_turns
 

@@ -380,7 +380,7 @@ def test_callbacks_eval_sets_streams_model_and_a_failed_train_in_one_process(tmp
         for key in ("loss", "reward", "reward_std", "rewards/accuracy/mean", "completions/mean_length", "runtime",
                     "samples_per_second", "steps_per_second"):
             assert f"eval_{name}_{key}" in evaluation, (name, key, sorted(evaluation))
-    assert any(f"eval_easy_reward" in r for r in result["history"])  # log_history holds the evaluation too
+    assert any("eval_easy_reward" in r for r in result["history"])  # log_history holds the evaluation too
     assert result["history"][-1]["step"] == 2 and "train_loss" in result["history"][-1]
     assert len(result["changed"]) == result["num_params"], "trainer.model after train() holds the trained weights"
     assert "raised RuntimeError: reward service unavailable" in result["error"]

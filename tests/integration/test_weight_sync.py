@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
-from tests.helpers.policy import (STRUCTURED_OUTPUTS_REGEX, SYNC_TOLERANCE as TOLERANCE, build_from_hf,
-                                  sync_after_step, weight_sync_error)
+from tests.helpers.policy import STRUCTURED_OUTPUTS_REGEX, build_from_hf, sync_after_step, weight_sync_error
+from tests.helpers.policy import SYNC_TOLERANCE as TOLERANCE
 
 TURN_TOLERANCE_BF16 = 0.05
 """A turn's sampled-token log-probs against the same engine's prompt log-probs of those tokens (bf16, one engine:
@@ -34,17 +34,23 @@ qkv_proj and gate_up_proj, a row-parallel linear, a bias and two norms."""
 
 
 def _bf16_large_steps(model_dir: str) -> dict:
-    from engine.config import GenerationConfig, ModelConfig, OptimizerConfig, ParallelConfig, RolloutConfig
+    from engine.config import (
+        GenerationConfig,
+        KernelsConfig,
+        ModelConfig,
+        OptimizerConfig,
+        ParallelConfig,
+        RolloutConfig,
+    )
     from engine.grpo.policy_loss import LossNormalizer
-    from tests.helpers.grpo_settings import build_loss_config
     from engine.policy.batch import pack_completions
     from engine.policy.optimizer import build_optimizer
     from engine.policy.step import LogprobSettings, grpo_forward_backward
-    from engine.config import KernelsConfig
+    from engine.rollout.colocated import ColocatedRollout
     from engine.rollout.colocated_sync import build_colocated_plan, iter_hf_buckets, sync_colocated
     from engine.rollout.sync_check import logprob_health
-    from engine.rollout.colocated import ColocatedRollout
     from engine.rollout.vllm_engine import ColocatedEngine
+    from tests.helpers.grpo_settings import build_loss_config
     from tests.helpers.rollout_turns import run_turns
 
     ps, hf_config, chunks, dims = build_from_hf(model_dir, ParallelConfig(), ModelConfig(dtype="bfloat16"))

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from kernels import lm_head_logprob_entropy
-from kernels.onepass_logprob import (ONEPASS_IMPLEMENTATIONS, onepass_logprob_entropy, plan_chunk_rows,
-                                     resolve_onepass_implementation, workspace_bytes_per_element)
+from kernels.onepass_logprob import (
+    ONEPASS_IMPLEMENTATIONS,
+    onepass_logprob_entropy,
+    plan_chunk_rows,
+    resolve_onepass_implementation,
+    workspace_bytes_per_element,
+)
 from kernels.reference import build_lm_head_problem, reference_logprob_entropy
 
 F64 = torch.float64

@@ -9,7 +9,12 @@ from types import SimpleNamespace
 import torch
 
 from engine.config import EngineConfig
-from engine.grpo.policy_loss import LossNormalizer, PolicyLossBatch, compute_policy_loss, compute_vllm_importance_sampling_ratio
+from engine.grpo.policy_loss import (
+    LossNormalizer,
+    PolicyLossBatch,
+    compute_policy_loss,
+    compute_vllm_importance_sampling_ratio,
+)
 from engine.rollout.rollouts import Rollout
 from engine.train.loop import build_round
 from tests.helpers.grpo_settings import build_loss_config

@@ -5,9 +5,18 @@ import json
 
 import pytest
 
-from engine.train.checkpoint import (FORMAT, CheckpointError, Progress, check_compatible, find_latest_checkpoint,
-                               is_save_step, list_checkpoints, read_progress, resolve_resume_checkpoint,
-                               rotate_checkpoints)
+from engine.train.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    Progress,
+    check_compatible,
+    find_latest_checkpoint,
+    is_save_step,
+    list_checkpoints,
+    read_progress,
+    resolve_resume_checkpoint,
+    rotate_checkpoints,
+)
 
 
 def _fake_checkpoint(run_dir, name, step=0, complete=True):

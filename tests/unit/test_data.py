@@ -8,8 +8,9 @@ import re
 import datasets
 import pytest
 
-from engine.train import data
 from engine.config import DataConfig, GenerationConfig
+from engine.models.tiny_model import build_tiny_tokenizer, read_corpus
+from engine.train import data
 from engine.train.data import (
     ARITHMETIC_NUM_TEST,
     ARITHMETIC_NUM_TRAIN,
@@ -19,7 +20,6 @@ from engine.train.data import (
     load_prompts,
     prepare_prompts,
 )
-from engine.models.tiny_model import build_tiny_tokenizer, read_corpus
 
 ROWS = [
     {"prompt": "Question: what is 1 + 2? Answer:", "answer": "3", "level": 1},
@@ -190,7 +190,7 @@ def test_overlong_prompts_are_dropped_with_a_warning_under_the_drop_policy(token
 def test_the_model_context_minus_the_completion_budget_also_limits_prompts(tokenizer):
     rows = datasets.Dataset.from_list(ROWS)
     longest = max(len(tokenizer(text=r["prompt"])["input_ids"]) for r in ROWS)
-    with pytest.raises(DatasetError, match=rf"max_model_length - max_completion_length = 40 - 30 = 10 tokens"):
+    with pytest.raises(DatasetError, match=r"max_model_length - max_completion_length = 40 - 30 = 10 tokens"):
         prepare_prompts(rows, tokenizer, max_model_length=40, max_completion_length=30)
     fits = prepare_prompts(rows, tokenizer, max_model_length=longest + 30, max_completion_length=30)
     assert fits.max_prompt_tokens == longest

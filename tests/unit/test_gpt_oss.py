@@ -7,8 +7,15 @@ Megatron's (w - 1, 0)); the TransformerConfig keywords read from the tiny model'
 import pytest
 import torch
 
-from engine.models.gpt_oss import (EXPERT_PIECE, gpt_oss_settings, read_stacked_expert, sliding_window_mask,
-                                   stack_expert_pieces, stacked_expert_to_hf, yarn_rope_settings)
+from engine.models.gpt_oss import (
+    EXPERT_PIECE,
+    gpt_oss_settings,
+    read_stacked_expert,
+    sliding_window_mask,
+    stack_expert_pieces,
+    stacked_expert_to_hf,
+    yarn_rope_settings,
+)
 from engine.models.tiny_model import tiny_model_config
 
 E, H, F = 3, 4, 6

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from tests.helpers.grpo_settings import compute_default_advantages
 from engine.grpo.group_filter import filter_groups, select_top_k_in_groups, split_into_groups
+from tests.helpers.grpo_settings import compute_default_advantages
 
 G = 4
 

@@ -8,8 +8,13 @@ import pytest
 from peft import LoraConfig as PeftLoraConfig
 
 from engine.config import ConfigError, build_config
-from engine.lora_settings import (lora_fields_from_peft, lora_settings_from_config, lora_settings_from_peft,
-                                  refuse_expert_adapters, resolve_target_modules)
+from engine.lora_settings import (
+    lora_fields_from_peft,
+    lora_settings_from_config,
+    lora_settings_from_peft,
+    refuse_expert_adapters,
+    resolve_target_modules,
+)
 from engine.policy.lora import LoraAdapter
 from engine.validation import validate
 

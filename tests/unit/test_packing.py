@@ -9,8 +9,17 @@ import torch
 from engine.config import ModelConfig, TrainConfig
 from engine.policy.batch import pack_completions
 from engine.policy.packing import (
-    MicrobatchSpec, block_causal_mask, build_microbatch, build_microbatch_spec, logprob_microbatches, pack_rows,
-    partition_balanced, plan_sorted, plan_step, round_microbatches, sequence_logprobs,
+    MicrobatchSpec,
+    block_causal_mask,
+    build_microbatch,
+    build_microbatch_spec,
+    logprob_microbatches,
+    pack_rows,
+    partition_balanced,
+    plan_sorted,
+    plan_step,
+    round_microbatches,
+    sequence_logprobs,
 )
 
 LONG_TAILED = [3, 120, 7, 9, 15, 4, 60, 5, 11, 8, 30, 6]  # a few long, most short

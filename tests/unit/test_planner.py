@@ -294,8 +294,8 @@ def test_kv_cache_and_weights_match_a_vllm_startup_log():
 
 
 def test_known_table_matches_the_builtin_tiny_models_and_megatrons_vocab_padding(tmp_path):
-    from engine.policy.model import padded_vocab_size
     from engine.models.tiny_model import tiny_model_config
+    from engine.policy.model import padded_vocab_size
 
     for family in ("qwen2", "llama"):
         tiny_model_config(family).to_json_file(tmp_path / "config.json")

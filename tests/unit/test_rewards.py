@@ -11,7 +11,6 @@ import threading
 import pytest
 import torch
 
-from tests.helpers.grpo_settings import compute_default_advantages
 from engine.config import GenerationConfig, RewardConfig
 from engine.train.builtin_rewards import (
     SoftOverlongPunishment,
@@ -27,6 +26,7 @@ from engine.train.rewards import (
     get_callable_name,
     resolve_reward_func,
 )
+from tests.helpers.grpo_settings import compute_default_advantages
 
 GOOD = " <think> 12 + 7 = 19 </think> <answer>19</answer>"
 

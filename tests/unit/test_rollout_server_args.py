@@ -7,8 +7,8 @@ against a real server in tests/integration/test_rollout_server.py.)"""
 import pytest
 
 from engine.config import load_config
-from engine.rollout.client import RolloutServerError, read_token
 from engine.models.model_dir import resolve_model_dir
+from engine.rollout.client import RolloutServerError, read_token
 from engine.rollout.server import main, parse_serve_args, resolve_dtype
 
 MODEL = "builtin:tiny-qwen2-arith"

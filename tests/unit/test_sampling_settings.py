@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, GenerationConfig, load_config
-from engine.sampling_settings import (ENGINE_OWNED_KEYS, VLLM_SAMPLING_KEYS, reports_trainer_logprobs,
-                                              reshaping_settings, sampling_kwargs, sampling_logprobs_mode,
-                                              translate_generation_kwargs)
+from engine.sampling_settings import (
+    ENGINE_OWNED_KEYS,
+    VLLM_SAMPLING_KEYS,
+    reports_trainer_logprobs,
+    reshaping_settings,
+    sampling_kwargs,
+    sampling_logprobs_mode,
+    translate_generation_kwargs,
+)
 from engine.validation import validate
 
 

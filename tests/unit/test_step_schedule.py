@@ -2,8 +2,14 @@
 Trainer's accumulation (slices carried across rounds, a pass's end flushed as a shorter step) and HF's step count."""
 
 from engine.grpo.policy_loss import LossNormalizer
-from engine.train.step_schedule import (OptimizerStep, StepSchedule, count_total_steps, deferred_save_warning,
-                                        rounds_for_steps, uses_carried_slices)
+from engine.train.step_schedule import (
+    OptimizerStep,
+    StepSchedule,
+    count_total_steps,
+    deferred_save_warning,
+    rounds_for_steps,
+    uses_carried_slices,
+)
 
 
 def _slices(round_index: int, num_slices: int) -> list[OptimizerStep]:

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine import GRPOConfig, GRPOTrainer
-from engine.config import ConfigError, EngineConfig, config_to_dict
-from engine.api.trl_trainer import FINAL_MODEL_DIR, INITIAL_MODEL_DIR
 from engine.api.trl_config import known_argument_names
+from engine.api.trl_trainer import FINAL_MODEL_DIR, INITIAL_MODEL_DIR
+from engine.config import ConfigError, EngineConfig, config_to_dict
 
 TINY = "builtin:tiny-qwen2-arith"
 
@@ -477,8 +477,8 @@ def test_trainer_gives_a_reward_model_its_processing_class(tmp_path):
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
-    from engine.train.rewards import RewardModelReward
     from engine.models.tiny_model import resolve_builtin_model
+    from engine.train.rewards import RewardModelReward
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
     torch.manual_seed(0)
@@ -497,10 +497,11 @@ def test_trainer_gives_a_reward_model_its_processing_class(tmp_path):
 
 
 def test_load_prompts_takes_an_in_memory_dataset_with_its_columns(tmp_path):
-    from engine.config import DataConfig, GenerationConfig
-    from engine.train.data import load_prompts
-    from engine.models.tiny_model import resolve_builtin_model
     from transformers import AutoTokenizer
+
+    from engine.config import DataConfig, GenerationConfig
+    from engine.models.tiny_model import resolve_builtin_model
+    from engine.train.data import load_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_builtin_model(TINY, tmp_path / "cache"))
     dataset = _prompts(3, answer="1", task="arithmetic")
@@ -692,8 +693,9 @@ def test_trainer_attributes_and_callback_list_as_trl(tmp_path):
     assert [type(c).__name__ for c in trainer.callback_handler.callbacks] == ["FlowCallback", "Recorder"]
     model = trainer.model  # the initial weights, as a transformers model
     assert isinstance(model, PreTrainedModel) and trainer.model is model
-    from engine.models.tiny_model import resolve_builtin_model
     from safetensors.torch import load_file
+
+    from engine.models.tiny_model import resolve_builtin_model
 
     saved = load_file(str(next(resolve_builtin_model(TINY, tmp_path / "run" / "models").glob("*.safetensors"))))
     name = "model.layers.0.mlp.up_proj.weight"

@@ -8,7 +8,6 @@ tests/integration/test_agentic.py's rollout_func run."""
 from __future__ import annotations
 
 import copy
-
 from types import SimpleNamespace
 
 import datasets

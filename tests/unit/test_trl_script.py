@@ -14,8 +14,15 @@ import pytest
 
 from engine import GRPOConfig
 from engine.api.trl_fields import TRL_FIELDS
-from engine.api.trl_script import (ModelConfig, ScriptArguments, apply_model_arguments, build_parser, load_split,
-                                   parse_arguments, resolve_rewards)
+from engine.api.trl_script import (
+    ModelConfig,
+    ScriptArguments,
+    apply_model_arguments,
+    build_parser,
+    load_split,
+    parse_arguments,
+    resolve_rewards,
+)
 
 
 def _parse(argv: list[str]):

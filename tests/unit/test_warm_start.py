@@ -18,8 +18,6 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from engine.demo import warm_start
-from engine.train.data import build_arithmetic_dataset
-from engine.models.tiny_model import TINY_VOCAB_SIZE, build_tiny_model, resolve_builtin_model
 from engine.demo.warm_start import (
     WELL_FORMED_PATTERN,
     collate,
@@ -29,6 +27,8 @@ from engine.demo.warm_start import (
     number_of,
     tokenize_example,
 )
+from engine.models.tiny_model import TINY_VOCAB_SIZE, build_tiny_model, resolve_builtin_model
+from engine.train.data import build_arithmetic_dataset
 
 SHIPPED = "builtin:tiny-qwen2-arith"
 ASSET_DIR = Path(warm_start.__file__).parents[1] / "models" / "assets" / "tiny-qwen2-arith"
