@@ -6,19 +6,19 @@ back by value). If any rank raises, or dies, or the whole run exceeds the timeou
 failing rank's traceback (a rank stuck in a collective behind a failed peer is terminated and reported as such).
 `fn` must be importable at module level (spawn pickles it by name).
 
-Long-lived worlds: starting a rank (a spawned Python that imports torch and Megatron) costs 6-12 s on a
-2-core machine, more than most test bodies, so the processes of a world of each size are kept for the session and
-run test body after test body. Each body still starts from what a fresh rank would see: no process group (the
-previous body's, and Megatron's groups, are destroyed after it; the next one rendezvouses on a fresh MASTER_PORT),
-the environment, working directory, default dtype, grad mode and thread count restored. A world is not reused, but
-shut down and started afresh by the next call, when a body failed on any rank, timed out, or left something a fresh
-process would not have: child processes alive (but for the manager process Megatron's checkpoint writer starts at
-its first save and keeps for the process's life, kept like an import) or a vLLM engine not dropped. A body that built
-in-process vLLM engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
-(`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
-import-time settings included), which saves the next such body 10-20 s of rank start and imports. Such a rank ends
-with a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP groups made in /dev/shm (colocated
-engines name them after the rendezvous port: engine/rollout/vllm_cpu_shm.py).
+Long-lived worlds: starting a rank (a spawned Python that imports torch and Megatron) costs 6-12 s on a 2-core
+machine, more than most test bodies, so the processes of a world of each size are kept for the session and run test
+body after test body. Each body still starts from what a fresh rank would see: no process group (the previous body's,
+and Megatron's groups, are destroyed after it; the next one rendezvouses on a fresh MASTER_PORT), the environment,
+working directory, default dtype, grad mode and thread count restored, its output going where the test's goes now
+(pytest's capture of that test). A world is not reused, but shut down and started afresh by the next call, when a body
+failed on any rank, timed out, or left something a fresh process would not have: child processes alive (but for the
+manager process Megatron's checkpoint writer starts at its first save and keeps for the process's life, kept like an
+import) or a vLLM engine not dropped. A body that built in-process vLLM engines (colocated mode) keeps its world too,
+after vLLM's own clean-up between engines (`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM
+then stays imported in those ranks (its import-time settings included), which saves the next such body 10-20 s of rank
+start and imports. Such a rank ends with a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP
+groups made in /dev/shm (colocated engines name them after the rendezvous port: engine/rollout/vllm_cpu_shm.py).
 `close_worlds()` (run at exit) stops the kept worlds; a rank also exits by itself once the test process is gone.
 
 Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next
@@ -135,11 +135,27 @@ def _why_not_reusable() -> str:
     return "a vLLM engine was not dropped" if _holds_a_vllm_engine() else ""
 
 
+def _write_where_the_test_writes() -> None:
+    """Point this rank's stdout and stderr (fds 1 and 2) where the test process's point now, as a rank started by
+    this test would inherit them: pytest captures each test's output (capfd) by moving the test process's fds, which
+    a rank kept from an earlier test would otherwise not follow."""
+    parent = os.getppid()
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        try:
+            target = os.open(f"/proc/{parent}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:  # no such fd in the test process: keep this rank's own
+            continue
+        stream.flush()
+        os.dup2(target, fd)
+        os.close(target)
+
+
 def _run_body(body: bytes) -> tuple[str, bytes | str, str]:
     """Run one pickled (fn, args) on this rank; then tear its groups down and restore the process-wide state it may
     have changed. Returns (status, pickled value or traceback, why this rank cannot take another body: "" if it can)."""
     import torch
 
+    _write_where_the_test_writes()
     env, cwd = dict(os.environ), os.getcwd()
     dtype, grad_enabled = torch.get_default_dtype(), torch.is_grad_enabled()
     try:

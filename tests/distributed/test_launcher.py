@@ -125,6 +125,7 @@ def test_a_world_that_ran_vllm_is_kept_with_vllms_state_released():
     VLLM_* cache and the process group released, and vLLM's groups can be started again on the next rendezvous.
     The world is stopped after, so the rest of the tier runs on ranks that never imported vLLM, and stopping it
     unlinks the shared memory vLLM's TP groups made."""
+    close_worlds()  # fresh ranks: the vLLM releases counted below are this test's, whatever ran before it
     try:
         pids = run_distributed(_dirty_the_rank, 2, False)
         assert run_distributed(_start_vllm_groups, 2) == [2, 2]
