@@ -54,7 +54,10 @@ def _free_port() -> int:
 
 def _megatron_writer_manager_pid() -> int | None:
     """The pid of the manager process Megatron's checkpoint writer starts on its first save and keeps for the life of
-    the process (the results queue of `filesystem_async`), or None when no save has started it."""
+    the process (the results queue of `filesystem_async`), or None when no save has started it.
+
+    NOTE: megatron-core 0.16.1 (`filesystem_async._get_write_results_queue`) spawns this `Manager` even for a
+    synchronous save and never stops it; a kept rank allows it, and its world's close() kills it if the rank dies."""
     writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
     queue_proxy = getattr(writer, "_results_queue", None)
     process = getattr(getattr(queue_proxy, "_manager", None), "_process", None)
