@@ -19,7 +19,22 @@ pytest_plugins = ["tests.timings", "tests.helpers.replica_servers"]
 TIERS = ("unit", "distributed", "kernels", "integration")
 
 
+SHARED_FIXTURE_GROUPS = {"replica_servers": "replica_servers"}
+"""Session fixtures that several test files share (fixture name: xdist group): under `--dist loadgroup` the files
+using one run in the same worker, which starts it once."""
+
+
 def pytest_collection_modifyitems(config, items):
+    # pytest-xdist `--dist loadgroup` (make test): a test file is one unit of work, as under `loadfile` (its module
+    # fixtures are set up once), except that files sharing a session fixture form one unit.
+    groups: dict[str, str] = {}
+    for item in items if config.pluginmanager.hasplugin("xdist") else ():
+        shared = [g for name, g in SHARED_FIXTURE_GROUPS.items() if name in getattr(item, "fixturenames", ())]
+        if shared:
+            groups[item.nodeid.split("::")[0]] = shared[0]
+    for item in items if config.pluginmanager.hasplugin("xdist") else ():
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(groups.get(path, path)))
     stray = [item.nodeid for item in items if "gpu" in item.keywords and not item.nodeid.startswith("tests/gpu/")]
     if stray:  # `make test-gpu` and the GPU suite run tests/gpu: a gpu-marked test elsewhere would never run there
         raise pytest.UsageError(f"gpu-marked tests must live in tests/gpu: {stray}")

@@ -5,8 +5,13 @@ test's node id and tier) and every fixture set-up (name, scope, the test that tr
 one JSON line, as it happens, so a run cut short still leaves its record. Fixture set-up time is part of its test's
 setup phase; a session- or module-scoped fixture is charged once, to the first test that needs it.
 
+Each phase also records how busy the machine's CPUs were while it ran (all processes, from /proc/stat: the test's
+own ranks, servers and children, and anything else running), and the session records the machine's load at its start
+and end: a run's figures say how loaded a machine they were taken on, and a test using well under all cores is one a
+parallel run could overlap.
+
 Summary: `python -m tests.timings PATH... [--top N]` prints the time per tier (setup / call / teardown, summed over
-tests) and each run's wall clock, the N slowest tests (setup vs call), the N most expensive fixtures (all their
+tests) and each run's wall clock with the machine's CPU use, the N slowest tests (setup vs call), the N most expensive fixtures (all their
 set-ups summed, with their count) and every kept test world started, with why. `make test` writes one file per pytest
 run and prints this summary at the end, so every CI log shows it.
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -25,6 +31,25 @@ from pathlib import Path
 import pytest
 
 TIERS = ("unit", "distributed", "kernels", "integration", "gpu")
+
+
+def machine_cpu_busy_s() -> float | None:
+    """Seconds of CPU time all of the machine's cores have spent not idle since boot (/proc/stat); None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _load_average() -> float | None:
+    try:
+        with open("/proc/loadavg") as loadavg:
+            return float(loadavg.read().split()[0])
+    except (OSError, ValueError):
+        return None
 
 
 def tier_of(nodeid: str) -> str:
@@ -39,13 +64,16 @@ class TimingRecorder:
     Under pytest-xdist the controller starts the file and records the phases (every worker's reports reach it) and
     the session's wall time; each worker appends the fixtures and world starts of the tests it runs."""
 
-    def __init__(self, path: Path, worker: str | None = None):
-        self.path, self.worker = path, worker
+    def __init__(self, path: Path, worker: str | None = None, parallel: bool = False):
+        """parallel: tests run in several xdist workers at once (then phases overlap: no per-phase CPU figure)."""
+        self.path, self.worker, self.parallel = path, worker, parallel
         if worker is None:
             self.path.write_text("")
         self._file = open(path, "a", buffering=1)  # line-buffered: a killed run keeps what it recorded
         self._worlds_seen = 0
-        self._start = time.perf_counter()
+        self._start = self._last = time.perf_counter()
+        self._busy_start = self._busy_last = machine_cpu_busy_s()
+        self._load_start = _load_average()
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record if self.worker is None else {**record, "worker": self.worker}) + "\n")
@@ -59,8 +87,14 @@ class TimingRecorder:
 
     def pytest_runtest_logreport(self, report):
         if self.worker is None:
+            busy, now = machine_cpu_busy_s(), time.perf_counter()
+            cores = None  # the machine's mean busy cores since the last report: this phase's, when tests run one by one
+            if busy is not None and self._busy_last is not None and now > self._last and not self.parallel:
+                cores = (busy - self._busy_last) / (now - self._last)
+            self._busy_last, self._last = busy, now
             self._write({"kind": "phase", "nodeid": report.nodeid, "tier": tier_of(report.nodeid),
-                         "when": report.when, "seconds": report.duration, "outcome": report.outcome})
+                         "when": report.when, "seconds": report.duration, "outcome": report.outcome,
+                         "busy_cores": cores})
         launcher = sys.modules.get("tests.distributed.launcher")
         starts = getattr(launcher, "world_starts", [])
         for size, why in starts[self._worlds_seen:]:
@@ -70,7 +104,10 @@ class TimingRecorder:
     def pytest_sessionfinish(self, session):
         if self.worker is None:
             workers = getattr(session.config.option, "numprocesses", None) or 0
-            self._write({"kind": "session", "seconds": time.perf_counter() - self._start, "workers": workers})
+            seconds, busy = time.perf_counter() - self._start, machine_cpu_busy_s()
+            self._write({"kind": "session", "seconds": seconds, "workers": workers, "cpus": os.cpu_count(),
+                         "busy_cores": None if busy is None or self._busy_start is None else (busy - self._busy_start) / seconds,
+                         "load_start": self._load_start, "load_end": _load_average()})
 
     def pytest_unconfigure(self, config):
         self._file.close()
@@ -85,7 +122,8 @@ def pytest_configure(config):
     path = config.getoption("--timings-file")
     if path:
         worker = getattr(config, "workerinput", {}).get("workerid")  # set in pytest-xdist's workers
-        config.pluginmanager.register(TimingRecorder(Path(path), worker), "grpo-timings")
+        parallel = bool(getattr(config.option, "numprocesses", None))
+        config.pluginmanager.register(TimingRecorder(Path(path), worker, parallel), "grpo-timings")
 
 
 def summarise(records: list[dict], top: int = 15) -> str:
@@ -111,11 +149,21 @@ def summarise(records: list[dict], top: int = 15) -> str:
     lines.append(f"  {'all':<12} {len(tests):>6} {'':>8} {'':>8} {'':>9} {total:>8.1f}  ({total / 60:.1f} min)")
     for r in records:
         if r["kind"] == "session":
+            busy = (f"; the machine's CPUs busy {r['busy_cores']:.2f} of {r['cpus']} on average, load average "
+                    f"{r['load_start']} at the start and {r['load_end']} at the end") if r.get("busy_cores") is not None else ""
             lines.append(f"  wall clock {r['seconds']:.1f} s ({r['seconds'] / 60:.1f} min)"
-                         + (f" with {r['workers']} pytest-xdist workers" if r["workers"] else ""))
-    lines += ["", f"slowest {top} tests (setup + call + teardown, seconds):"]
+                         + (f" with {r['workers']} pytest-xdist workers" if r["workers"] else "") + busy)
+    busy_s: dict[str, float] = defaultdict(float)
+    for r in phases:
+        if r.get("busy_cores") is not None:
+            busy_s[r["nodeid"]] += r["busy_cores"] * r["seconds"]
+    show_cores = bool(busy_s)  # recorded only where tests run one at a time
+    lines += ["", f"slowest {top} tests (setup + call + teardown, seconds"
+              + ("; busy cores: the machine's mean while it ran" if show_cores else "") + "):"]
     for nodeid, t in sorted(tests.items(), key=lambda kv: -sum(kv[1].values()))[:top]:
-        lines.append(f"  {sum(t.values()):7.1f}  setup {t['setup']:6.1f}  call {t['call']:6.1f}  {nodeid}")
+        wall = sum(t.values())
+        cores = f"  cores {busy_s[nodeid] / wall:4.2f}" if nodeid in busy_s and wall > 0 else ""
+        lines.append(f"  {wall:7.1f}  setup {t['setup']:6.1f}  call {t['call']:6.1f}{cores}  {nodeid}")
     fixtures: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in records:
         if r["kind"] == "fixture":

@@ -34,7 +34,7 @@ import pytest
 
 from engine.rollout.client import RolloutClient, RolloutServerError
 from tests.helpers.replica_servers import MAX_BODY_MB, READ_TIMEOUT_S
-from tests.integration.test_rollout_server import Server, _free_port, _group_port, _sync_into_server
+from tests.integration.test_rollout_server import Server, _group_port, _refused_port, _sync_into_server
 
 MAX_LOAD_REQUESTS = 200
 WRITE_ENDPOINTS = ("/generate", "/prompt_logprobs", "/weights/init", "/weights/update", "/weights/close", "/lora/update",
@@ -178,11 +178,11 @@ def test_the_server_binds_only_the_configured_interface(server):
 
 
 def test_a_dead_server_is_named_with_its_url_and_the_cause():
-    port = _free_port()  # nothing listens: a server that died (or never started)
-    client = RolloutClient(f"http://127.0.0.1:{port}", "t" * 32, timeout_s=1.0, num_retries=1, backoff_s=0.01)
-    with pytest.raises(RolloutServerError, match=rf"rollout server http://127.0.0.1:{port}: POST /generate failed "
-                                                 r"after 2 attempts: cannot connect \(connection refused"):
-        client.generate([[5, 6]], num_generations=2)
+    with _refused_port() as port:  # nothing listens: a server that died (or never started)
+        client = RolloutClient(f"http://127.0.0.1:{port}", "t" * 32, timeout_s=1.0, num_retries=1, backoff_s=0.01)
+        with pytest.raises(RolloutServerError, match=rf"rollout server http://127.0.0.1:{port}: POST /generate failed "
+                                                     r"after 2 attempts: cannot connect \(connection refused"):
+            client.generate([[5, 6]], num_generations=2)
 
 
 def _sync_other_model(url: str, token: str, group_port: int, model: str) -> str:

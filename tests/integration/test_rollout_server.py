@@ -23,6 +23,7 @@ send, each its own experts) syncs into a server of the same shape started from o
 and TP 2: equal after the sync (fp32, 1e-3), stale after a step, equal after the next sync.
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -61,6 +62,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextlib.contextmanager
+def _refused_port():
+    """A port held bound but not listening while the block runs: a connection to it is refused, and no other test
+    running beside this one can start listening there meanwhile."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
 def _group_port() -> int:
     """A free port below Linux's ephemeral range (32768+), so the launcher's own free MASTER_PORT never equals it."""
     rng = random.Random()
@@ -88,8 +98,11 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}-{time.monotonic_ns()}.log"
         self.overrides = ["generation.max_completion_length=6", f"train.output_dir={tmp}", *overrides]
+        self.master_port = _group_port() if nodes > 1 else None
+        """The torch.distributed port of a multi-node server's vLLM workers: vLLM names their /dev/shm segments
+        after it (`<port>-...-cpushm_<rank>`, engine/rollout/vllm_cpu_shm.py)."""
         if nodes > 1:
-            self.overrides += [f"rollout.vllm_nodes_per_server={nodes}", f"--master-port={_group_port()}"]
+            self.overrides += [f"rollout.vllm_nodes_per_server={nodes}", f"--master-port={self.master_port}"]
         if trl_flags:
             command = ["-m", "engine", "vllm-serve", "--model", model, "--gpu-memory-utilization", "0.1",
                        "--max_model_len", "128", "--dtype", "auto", *self.overrides]
@@ -143,7 +156,6 @@ def server(tmp_path_factory):
     # Engine TP 2 over two "inference nodes" (rollout.vllm_nodes_per_server=2: node 0 serves and runs worker 0, a
     # second process runs worker 1 headless, engine/rollout/server_nodes.py): vLLM's workers in processes of their
     # own, one of them reached only through node 0's engine (generation, weight syncs and digests must reach it).
-    shm_before = set(glob.glob("/dev/shm/*-cpushm_*"))
     srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), "rollout.vllm_tensor_parallel_size=2",
                  env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, nodes=2)  # one core per worker (docs/contributing/cpu-stack.md)
     assert srv.client().health()["vllm_nodes"] == 2
@@ -152,7 +164,7 @@ def server(tmp_path_factory):
     assert srv.token not in srv.log(), "the server logged its token"
     assert srv.proc.returncode == 0, f"SIGTERM must stop the server cleanly:\n{srv.log()[-2000:]}"
     assert [node.returncode for node in srv.worker_nodes] == [0], f"node 1 must stop with node 0:\n{srv.log()[-2000:]}"
-    leaked = set(glob.glob("/dev/shm/*-cpushm_*")) - shm_before
+    leaked = glob.glob(f"/dev/shm/{srv.master_port}-*-cpushm_*")  # its own only: other tests may run beside it
     assert not leaked, f"the server left vLLM's CPU shared memory behind: {sorted(leaked)}"
 
 
@@ -258,15 +270,15 @@ def test_server_refuses_to_start_without_a_token(tmp_path):
 
 
 def test_client_error_names_url_endpoint_and_connection_refused():
-    port = _free_port()  # nothing listens there
-    client = RolloutClient(f"http://127.0.0.1:{port}", "t" * 32, timeout_s=1.0, num_retries=2, backoff_s=0.01)
-    with pytest.raises(RolloutServerError) as err:
-        client.generate(PROMPTS, num_generations=2)
-    message = str(err.value)
-    assert f"http://127.0.0.1:{port}" in message and "POST /generate" in message
-    assert "connection refused" in message and "after 3 attempts" in message
-    with pytest.raises(RolloutServerError, match=r"GET /health not ready within 1 s"):
-        client.wait_until_healthy()
+    with _refused_port() as port:
+        client = RolloutClient(f"http://127.0.0.1:{port}", "t" * 32, timeout_s=1.0, num_retries=2, backoff_s=0.01)
+        with pytest.raises(RolloutServerError) as err:
+            client.generate(PROMPTS, num_generations=2)
+        message = str(err.value)
+        assert f"http://127.0.0.1:{port}" in message and "POST /generate" in message
+        assert "connection refused" in message and "after 3 attempts" in message
+        with pytest.raises(RolloutServerError, match=r"GET /health not ready within 1 s"):
+            client.wait_until_healthy()
 
 
 def _leaves(state) -> list:

@@ -26,3 +26,23 @@ def test_summary_charges_each_tier_and_ranks_tests_and_fixtures_by_time():
     assert fixtures[0].split() == ["39.0", "x1", "module", "engine"] and fixtures[1].split() == ["0.2", "x2", "function",
                                                                                                  "tmp_path"]
     assert tier_of("tests/other.py::t") == "other"
+
+
+def test_summary_says_how_busy_the_machine_was_per_test_and_over_the_run():
+    records = [{"kind": "phase", "nodeid": "tests/integration/test_b.py::test_y", "tier": "integration", "when": w,
+                "seconds": s, "outcome": "passed", "busy_cores": c} for w, s, c in (("setup", 10.0, 2.0), ("call", 30.0, 1.0))]
+    records.append({"kind": "session", "seconds": 41.0, "workers": 0, "cpus": 2, "busy_cores": 1.2,
+                    "load_start": 0.5, "load_end": 1.5})
+    text = summarise(records, top=5)
+    assert "the machine's CPUs busy 1.20 of 2 on average, load average 0.5 at the start and 1.5 at the end" in text
+    slowest = text.splitlines()[text.splitlines().index(
+        "slowest 5 tests (setup + call + teardown, seconds; busy cores: the machine's mean while it ran):") + 1]
+    assert "cores 1.25" in slowest  # (10 x 2 + 30 x 1) / 40
+
+
+def test_the_recorder_reads_the_machines_cpu_time_and_it_advances():
+    from tests.timings import machine_cpu_busy_s
+
+    first = machine_cpu_busy_s()
+    sum(i * i for i in range(2_000_000))  # keep one core busy a little
+    assert first is not None and machine_cpu_busy_s() > first
