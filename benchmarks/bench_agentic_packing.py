@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import replace
 
 import torch
 
@@ -64,12 +65,11 @@ def build_batches(args, vocab_size: int) -> dict[str, dict]:
 
     prompts, completions, masks = multi_turn_rows(args, vocab_size)
     plain = build_batch(prompts, completions, args.seed)
-    masked = dict(plain)
-    tool_mask = torch.zeros_like(plain["completion_mask"])  # (B, C)
+    tool_mask = torch.zeros_like(plain.completion_mask)  # (B, C)
     for i, row in enumerate(masks):
         tool_mask[i, : len(row)] = torch.tensor(row, dtype=tool_mask.dtype)
-    masked["completion_mask"] = plain["completion_mask"] * tool_mask  # as engine/train/loop.py build_round
-    masked["old_logprobs"] = plain["old_logprobs"] * tool_mask
+    masked = replace(plain, completion_mask=plain.completion_mask * tool_mask,  # as engine/train/round_batch.py build_round
+                     old_logprobs=plain.old_logprobs * tool_mask)
     return {"no_mask": plain, "tool_mask": masked}
 
 
@@ -120,8 +120,8 @@ def main(argv: list[str] | None = None) -> None:
         spec = build_microbatch_spec(train_cfg, ModelConfig(), ps, micro_batch_size=args.micro_batch, pad_token_id=0)
         [(micro, normalizer)] = round_microbatches(batch, spec, global_batch_size=args.batch, dp_size=1, dp_rank=0)
         steps[variant] = make_step(popt, ps, micro, normalizer, hf_config.vocab_size)
-        counts[variant] = {"tokens_computed": sum(mb.get("input_ids", mb["tokens"]).numel() for mb in micro),
-                           "tokens_trained": int(batch["completion_mask"].sum())}
+        counts[variant] = {"tokens_computed": sum(mb.model_input_ids.numel() for mb in micro),
+                           "tokens_trained": int(batch.completion_mask.sum())}
     samples = {variant: [] for variant in VARIANTS}
     for i in range(args.warmup + args.iters):
         for variant, fn in steps.items():
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             if i >= args.warmup:
                 samples[variant].append((time.perf_counter() - start) * 1e3)
     env = capture_env(ps.device)
-    lengths = batches["no_mask"]["completion_mask"].sum(1)
+    lengths = batches["no_mask"].completion_mask.sum(1)
     config = {"model": "tiny-qwen2 (hidden 128, 4 layers, vocab 400, 8192 positions)", "dtype": "float32",
               "batch": args.batch, "micro_batch": args.micro_batch, "turns": args.turns, "seed": args.seed,
               "completion": {"median": args.median, "sigma": 0.5, "range": [200, 2048], "tool_share": [0.2, 0.4]},

@@ -73,7 +73,7 @@ def build_batch(vocab_size: int, batch: int, prompt_len: int, completion_len: in
     """Random prompt + completion tokens, advantages and off-policy old log-probs (clipping active), on the CPU.
 
     The same seed gives the same tokens whatever the consumer (the TRL benchmark feeds TRL the same batch).
-    Returns pack_completions' dict plus `advantages` (B,) and `old_logprobs` (B, C).
+    Returns pack_completions' MicroBatch with `advantages` (B,) and `old_logprobs` (B, C).
     """
     from engine.policy.batch import pack_completions
 
@@ -81,9 +81,9 @@ def build_batch(vocab_size: int, batch: int, prompt_len: int, completion_len: in
     prompts = torch.randint(0, vocab_size, (batch, prompt_len), generator=gen).tolist()
     completions = torch.randint(0, vocab_size, (batch, completion_len), generator=gen).tolist()
     packed = pack_completions(prompts, completions, pad_token_id=0)
-    mask = packed["completion_mask"]
-    packed["advantages"] = torch.randn(batch, generator=gen)  # (B,)
-    packed["old_logprobs"] = (-11.0 + 0.3 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
+    mask = packed.completion_mask
+    packed.advantages = torch.randn(batch, generator=gen)  # (B,)
+    packed.old_logprobs = (-11.0 + 0.3 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
     return packed
 
 
@@ -107,8 +107,8 @@ def make_step(popt, ps, batch: dict, micro_batch: int, vocab_size: int, implemen
     from engine.policy.batch import split_microbatches
     from engine.policy.step import LogprobSettings, grpo_forward_backward
 
-    mask = batch["completion_mask"]
-    micro = split_microbatches({k: v.to(ps.device) for k, v in batch.items()}, micro_batch)
+    mask = batch.completion_mask
+    micro = split_microbatches(batch.to(ps.device), micro_batch)
     normalizer = LossNormalizer(num_tokens=float(mask.sum()), num_sequences=float(mask.shape[0]))
     settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0, kernels=kernels_for(implementation))
     loss_config = PolicyLossConfig.from_sections(GRPOConfigSection(loss_type="dapo", epsilon_high=0.28),
@@ -133,7 +133,7 @@ def build_step(args, attention: str = "sdpa"):
     popt, _ = build_policy_and_optimizer(hf_config, dtype, ps, attention)
     batch = build_batch(hf_config.vocab_size, args.batch, args.prompt_len, args.completion_len)
     step = make_step(popt, ps, batch, args.micro_batch, hf_config.vocab_size, args.implementation)
-    return step, int(batch["completion_mask"].sum()), ps.device, {"dtype": dtype, "attention": attention}
+    return step, int(batch.completion_mask.sum()), ps.device, {"dtype": dtype, "attention": attention}
 
 
 def train_step_rows(env, key: dict, timing, peak_mib: float, completion_tokens: int) -> list:

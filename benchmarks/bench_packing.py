@@ -76,9 +76,9 @@ def build_batch(prompts: list[list[int]], completions: list[list[int]], seed: in
 
     gen = torch.Generator().manual_seed(seed)
     batch = pack_completions(prompts, completions, pad_token_id=0)
-    mask = batch["completion_mask"]
-    batch["advantages"] = torch.randn(mask.shape[0], generator=gen)  # (B,)
-    batch["old_logprobs"] = (-6.0 + 0.3 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
+    mask = batch.completion_mask
+    batch.advantages = torch.randn(mask.shape[0], generator=gen)  # (B,)
+    batch.old_logprobs = (-6.0 + 0.3 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
     return batch
 
 
@@ -121,16 +121,16 @@ def run_distribution(name: str, args, popt, ps, hf_config, env) -> list:
     batch = distribution_batch(name, args, hf_config.vocab_size)
     passes, slots, layouts = {}, {}, {}
     # the packed default budget, micro_batch x the longest sequence; without packing it has to be given (None = rows)
-    budget = args.micro_batch * int(batch["lengths"].max())
+    budget = args.micro_batch * int(batch.lengths.max())
     fields = {"padded": dict(padding_free=False), "packed": dict(padding_free=True),
               "token_budget": dict(padding_free=False, max_tokens_per_microbatch=budget)}
     for variant in VARIANTS:
         train_cfg = TrainConfig(per_device_train_batch_size=args.micro_batch, **fields[variant])
         spec = build_microbatch_spec(train_cfg, ModelConfig(), ps, micro_batch_size=args.micro_batch, pad_token_id=0)
         [(micro, normalizer)] = round_microbatches(batch, spec, global_batch_size=args.batch, dp_size=1, dp_rank=0)
-        micro = [{k: v.to(ps.device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()} for mb in micro]
+        micro = [mb.to(ps.device) for mb in micro]
         passes[variant] = make_pass(popt, ps, micro, normalizer, hf_config.vocab_size)
-        slots[variant] = sum(mb.get("input_ids", mb["tokens"]).numel() for mb in micro)
+        slots[variant] = sum(mb.model_input_ids.numel() for mb in micro)
         layouts[variant] = "rows" if spec.uses_rows else spec.layout
     samples = {variant: [] for variant in VARIANTS}
     iters = args.demo_iters if name == "demo" else args.iters
@@ -140,7 +140,7 @@ def run_distribution(name: str, args, popt, ps, hf_config, env) -> list:
             fn()
             if i >= args.warmup:
                 samples[variant].append((time.perf_counter() - start) * 1e3)
-    lengths = batch["lengths"]
+    lengths = batch.lengths
     config = {"model": "tiny-qwen2 (hidden 128, 4 layers, vocab 400, 8192 positions)", "dtype": "float32",
               "batch": args.batch, "micro_batch": args.micro_batch, "seed": args.seed,
               "lognormal": {"median": 300, "sigma": args.sigma, "max": MAX_COMPLETION, "prompt": [32, 96]}}

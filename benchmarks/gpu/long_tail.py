@@ -62,7 +62,7 @@ def long_tail_lengths(n: int, median: float, p99: float, cap: int, seed: int = 0
 
 
 def long_tail_batch(vocab_size: int, lengths: list[int], prompt_len: int, seed: int = 0) -> dict:
-    """pack_completions' dict of random prompts (`prompt_len` each) and completions of `lengths`, plus advantages
+    """pack_completions' MicroBatch of random prompts (`prompt_len` each) and completions of `lengths`, plus advantages
     (B,) and off-policy old log-probs (B, C): the same for every variant."""
     from engine.policy.batch import pack_completions
 
@@ -70,9 +70,9 @@ def long_tail_batch(vocab_size: int, lengths: list[int], prompt_len: int, seed: 
     prompts = torch.randint(0, vocab_size, (len(lengths), prompt_len), generator=gen).tolist()
     completions = [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
     packed = pack_completions(prompts, completions, pad_token_id=0)
-    mask = packed["completion_mask"]
-    packed["advantages"] = torch.randn(len(lengths), generator=gen)  # (B,)
-    packed["old_logprobs"] = (-11.0 + 0.3 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
+    mask = packed.completion_mask
+    packed.advantages = torch.randn(len(lengths), generator=gen)  # (B,)
+    packed.old_logprobs = (-11.0 + 0.3 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
     return packed
 
 
@@ -97,9 +97,9 @@ def _engine_step(hf_config, dtype: str, ps, batch: dict, micro_batch: int, setti
     init_weights_by_name(chunks, ps, seed=0)
     popt = build_optimizer(OptimizerConfig(learning_rate=1e-6), chunks, ps, total_steps=1_000_000)
     spec = build_microbatch_spec(train_cfg, model_cfg, ps, micro_batch_size=micro_batch, pad_token_id=0)
-    ((micro, normalizer),) = round_microbatches(batch, spec, global_batch_size=batch["tokens"].shape[0], dp_size=1,
+    ((micro, normalizer),) = round_microbatches(batch, spec, global_batch_size=batch.tokens.shape[0], dp_size=1,
                                                 dp_rank=0)
-    micro = [{k: v.to(ps.device) if isinstance(v, torch.Tensor) else v for k, v in m.items()} for m in micro]
+    micro = [m.to(ps.device) for m in micro]
     logprob = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=1.0, kernels=KernelsConfig())
     loss_config = PolicyLossConfig.from_sections(GRPOConfigSection(loss_type="dapo", epsilon_high=0.28),
                                                  GenerationConfig())
@@ -109,7 +109,7 @@ def _engine_step(hf_config, dtype: str, ps, batch: dict, micro_batch: int, setti
         grpo_forward_backward(popt.model, ps, micro, loss_config, normalizer, logprob)
         popt.step()
 
-    row_tokens = sum(int(m["input_ids"].numel()) for m in micro)
+    row_tokens = sum(int(m.input_ids.numel()) for m in micro)
     flash = importlib.util.find_spec("torch.nn.attention.varlen") is not None and torch.cuda.is_available()
     return step, {"micro_batches": len(micro), "row_tokens": row_tokens, "layout": spec.attention,
                   "flash_varlen_available": flash,

@@ -1,7 +1,8 @@
 """Completions as Megatron micro-batches: right-padded sequences plus TRL's (B, C) per-completion-token tensors.
 
-Owns: `pack_completions` (prompt + completion token ids -> `tokens (B, T)` right-padded, `prompt_lengths (B,)`,
-`completion_ids` / `completion_mask (B, C)`) and `split_microbatches`. Sequences are right-padded
+Owns: `pack_completions` (prompt + completion token ids -> a `MicroBatch`, engine/policy/microbatch.py:
+`tokens (B, T)` right-padded, `prompt_lengths (B,)`, `completion_ids` / `completion_mask (B, C)`) and
+`split_microbatches`. Sequences are right-padded
 ([prompt, completion, pad]) so causal attention needs no mask: a real token never attends to padding, and the
 logits at padding positions are never read. Completion token j of row i is predicted by the hidden state at
 position prompt_lengths[i] - 1 + j, so per-token tensors keep TRL's layout (B, C) whatever the prompt lengths.
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.policy.microbatch import MicroBatch
 
-def pack_completions(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_token_id: int) -> dict:
+
+def pack_completions(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_token_id: int) -> MicroBatch:
     """Right-padded token rows and the completion index tensors.
 
     Args:
@@ -26,7 +29,7 @@ def pack_completions(prompt_ids: list[list[int]], completion_ids: list[list[int]
         completion_ids: B lists of completion token ids (may be empty).
         pad_token_id: id written into padding (never read by the loss).
     Returns:
-        dict with `tokens` (B, T) int64, `position_ids` (B, T), `prompt_lengths` (B,), `lengths` (B,) prompt +
+        a MicroBatch with `tokens` (B, T) int64, `position_ids` (B, T), `prompt_lengths` (B,), `lengths` (B,) prompt +
         completion tokens (what packing counts: the completion mask may be zeroed for truncated completions),
         `completion_ids` (B, C) int64, `completion_mask` (B, C) float32 (1 for real completion tokens).
     """
@@ -44,14 +47,14 @@ def pack_completions(prompt_ids: list[list[int]], completion_ids: list[list[int]
         tokens[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
         completions[i, : len(c)] = torch.tensor(c, dtype=torch.long)
         mask[i, : len(c)] = 1.0
-    return {
-        "tokens": tokens,
-        "position_ids": torch.arange(seq_len).expand(num_rows, seq_len).contiguous(),  # (B, T)
-        "prompt_lengths": torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),  # (B,)
-        "lengths": torch.tensor([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)], dtype=torch.long),
-        "completion_ids": completions,
-        "completion_mask": mask,
-    }
+    return MicroBatch(
+        tokens=tokens,
+        position_ids=torch.arange(seq_len).expand(num_rows, seq_len).contiguous(),  # (B, T)
+        prompt_lengths=torch.tensor([len(p) for p in prompt_ids], dtype=torch.long),  # (B,)
+        lengths=torch.tensor([len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)], dtype=torch.long),
+        completion_ids=completions,
+        completion_mask=mask,
+    )
 
 
 def check_completion_ids(completion_ids: torch.Tensor, completion_mask: torch.Tensor, vocab_size: int) -> None:
@@ -73,12 +76,10 @@ def check_completion_ids(completion_ids: torch.Tensor, completion_mask: torch.Te
             "vocabulary: serve the same checkpoint (config.json vocab_size) on both sides")
 
 
-def split_microbatches(batch: dict, micro_batch_size: int) -> list[dict]:
-    """Split every tensor of a batch along dim 0 into micro-batches of `micro_batch_size` rows (None stays None)."""
-    num_rows = batch["tokens"].shape[0]
+def split_microbatches(batch: MicroBatch, micro_batch_size: int) -> list[MicroBatch]:
+    """Split every per-sequence tensor of a batch along dim 0 into micro-batches of `micro_batch_size` rows (None
+    stays None)."""
+    num_rows = batch.num_sequences
     if num_rows % micro_batch_size:
         raise ValueError(f"{num_rows} rows do not split into micro-batches of {micro_batch_size}")
-    return [
-        {k: (v[i : i + micro_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        for i in range(0, num_rows, micro_batch_size)
-    ]
+    return [batch.take(slice(i, i + micro_batch_size)) for i in range(0, num_rows, micro_batch_size)]

@@ -20,10 +20,12 @@ from __future__ import annotations
 import heapq
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+
+from engine.policy.microbatch import MicroBatch
 
 Layout = Literal["padded", "mask", "thd"]
 
@@ -200,13 +202,13 @@ def microbatch_rows(lengths: list[int], layout: Layout, multiple: int) -> tuple[
     return pack_rows(lengths, width), width
 
 
-def build_microbatch(batch: dict, indices: list[int], layout: Layout, pad_token_id: int, *, multiple: int = 1,
-                     shape: tuple[int, int] | None = None) -> dict:
+def build_microbatch(batch: MicroBatch, indices: list[int], layout: Layout, pad_token_id: int, *, multiple: int = 1,
+                     shape: tuple[int, int] | None = None) -> MicroBatch:
     """One micro-batch of the sequences `indices` of `batch` (engine/policy/batch.py layout, rows = sequences).
 
     Args:
-        batch: per-sequence tensors, dim 0 = sequence (`tokens` (n, T) right-padded, `lengths` (n,), `prompt_lengths`,
-            `completion_ids` / `completion_mask` (n, C), advantages, ...); None values stay None.
+        batch: right-padded sequences (`tokens` (n, T), `lengths` (n,), `prompt_lengths`, `completion_ids` /
+            `completion_mask` (n, C), advantages, ...); None fields stay None.
         indices: the sequences of this micro-batch (may be empty).
         layout: padded | mask | thd.
         shape: (rows, width) to pad to (pipeline parallelism), None = this micro-batch's own.
@@ -219,9 +221,8 @@ def build_microbatch(batch: dict, indices: list[int], layout: Layout, pad_token_
         with the engine's `routed_experts` (n, T, L, k) also `input_routes` (rows, width, L, k) in the rows' layout
         (engine/policy/routing_replay.py) and `input_routes_valid` (rows, width), True where the engine routed.
     """
-    n = batch["tokens"].shape[0]
     index = torch.tensor(indices, dtype=torch.long)
-    lengths = [int(batch["lengths"][i]) for i in indices]
+    lengths = [int(batch.lengths[i]) for i in indices]
     rows, width = microbatch_rows(lengths, layout, multiple)
     num_rows = max(len(rows), 1)
     if shape is not None:
@@ -236,23 +237,21 @@ def build_microbatch(batch: dict, indices: list[int], layout: Layout, pad_token_
         offset = 0
         for s in row:
             length = lengths[s]
-            input_ids[r, offset : offset + length] = batch["tokens"][indices[s], :length]
+            input_ids[r, offset : offset + length] = batch.tokens[indices[s], :length]
             position_ids[r, offset : offset + length] = torch.arange(length)
             segment[r, offset : offset + length] = s + 1
             seq_row[s], seq_offset[s] = r, offset
             offset += length
-    out = {k: (v[index] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n else v)
-           for k, v in batch.items() if k != "position_ids"}
-    out["tokens"] = batch["tokens"][index, : max(lengths, default=1)]  # (k, L_max)
-    out |= {"seq_index": index, "input_ids": input_ids, "position_ids": position_ids, "seq_row": seq_row,
-            "seq_offset": seq_offset, "padding_mask": segment == 0}
-    if batch.get("routed_experts") is not None:
-        out["input_routes"], out["input_routes_valid"] = _input_routes(out["routed_experts"], rows, lengths,
-                                                                       (num_rows, width))
+    out = batch.take(index)
+    out.tokens = batch.tokens[index, : max(lengths, default=1)]  # (k, L_max)
+    out.seq_index, out.input_ids, out.position_ids = index, input_ids, position_ids
+    out.seq_row, out.seq_offset, out.padding_mask = seq_row, seq_offset, segment == 0
+    if out.routed_experts is not None:
+        out.input_routes, out.input_routes_valid = _input_routes(out.routed_experts, rows, lengths, (num_rows, width))
     if layout == "mask":
-        out["attention_mask"] = block_causal_mask(segment)
+        out.attention_mask = block_causal_mask(segment)
     elif layout == "thd":
-        out["packed_seq_params"] = thd_params([lengths[s] for s in (rows[0] if rows else [])], width)
+        out.packed_seq_params = thd_params([lengths[s] for s in (rows[0] if rows else [])], width)
     return out
 
 
@@ -321,13 +320,13 @@ def thd_params(lengths: list[int], width: int):
                            max_seqlen_kv=longest)
 
 
-def _fixed_shape(batch: dict, plan: list[list[int]], spec: MicrobatchSpec, layout: Layout) -> tuple[int, int]:
+def _fixed_shape(batch: MicroBatch, plan: list[list[int]], spec: MicrobatchSpec, layout: Layout) -> tuple[int, int]:
     """The one (rows, width) every micro-batch of `plan` fits (pipeline parallelism)."""
-    shapes = [microbatch_rows([int(batch["lengths"][i]) for i in mb], layout, spec.multiple) for mb in plan]
+    shapes = [microbatch_rows([int(batch.lengths[i]) for i in mb], layout, spec.multiple) for mb in plan]
     return max(max(len(rows), 1) for rows, _ in shapes), max(width for _, width in shapes)
 
 
-def step_microbatches(batch: dict, spec: MicrobatchSpec, num_ranks: int, rank: int) -> list[dict]:
+def step_microbatches(batch: MicroBatch, spec: MicrobatchSpec, num_ranks: int, rank: int) -> list[MicroBatch]:
     """This rank's micro-batches of one optimizer step's sequences (`batch`: every rank's, the same on all ranks).
 
     The plan (every rank computes the same plan from the same lengths: no collective):
@@ -359,7 +358,7 @@ def step_microbatches(batch: dict, spec: MicrobatchSpec, num_ranks: int, rank: i
     are rounded up to `multiple` (tp_size under sequence parallelism: Megatron splits the sequence over TP ranks;
     TRL's `pad_to_multiple_of` if set) and no more; the padded path's rows too (`_widen_rows`).
     """
-    lengths = [int(n) for n in batch["lengths"]]
+    lengths = [int(n) for n in batch.lengths]
     budget = spec.max_tokens or spec.micro_batch_size * max(lengths)
     plan = (plan_sorted if spec.layout == "padded" else plan_step)(lengths, num_ranks, budget)
     shape = _fixed_shape(batch, [mb for r in plan for mb in r], spec, spec.layout) if spec.fixed_shape else None
@@ -367,7 +366,7 @@ def step_microbatches(batch: dict, spec: MicrobatchSpec, num_ranks: int, rank: i
             for mb in plan[rank]]
 
 
-def logprob_microbatches(micro: list[dict], spec: MicrobatchSpec) -> tuple[list[dict], list[int]]:
+def logprob_microbatches(micro: list[MicroBatch], spec: MicrobatchSpec) -> tuple[list[MicroBatch], list[int]]:
     """Forward-only micro-batches over the sequences of `micro` (this rank's training micro-batches), cut by the
     forward-only budget, and where each training micro-batch's sequences start in their concatenation.
 
@@ -375,18 +374,21 @@ def logprob_microbatches(micro: list[dict], spec: MicrobatchSpec) -> tuple[list[
         (micro-batches, offsets): the log-probs of micro-batch j's sequence i are row `offsets[j] + i` of the
         concatenation (in sequence order) of the results `scatter_logprobs` returns.
     """
-    keys = ("lengths", "prompt_lengths", "completion_ids", "completion_mask")
-    width = max(mb["tokens"].shape[1] for mb in micro)
-    tokens = torch.cat([torch.nn.functional.pad(mb["tokens"], (0, width - mb["tokens"].shape[1]),
+    width = max(mb.tokens.shape[1] for mb in micro)
+    tokens = torch.cat([torch.nn.functional.pad(mb.tokens, (0, width - mb.tokens.shape[1]),
                                                 value=spec.pad_token_id) for mb in micro])  # (n, L)
-    rank_batch = {"tokens": tokens} | {k: torch.cat([mb[k] for mb in micro]) for k in keys}
-    if "routed_experts" in micro[0]:  # (k, T, L, top-k) each, T = the round's longest sequence, alike in all
-        rank_batch["routed_experts"] = torch.cat([mb["routed_experts"] for mb in micro])
+    rank_batch = MicroBatch(
+        tokens=tokens, lengths=torch.cat([mb.lengths for mb in micro]),
+        prompt_lengths=torch.cat([mb.prompt_lengths for mb in micro]),
+        completion_ids=torch.cat([mb.completion_ids for mb in micro]),
+        completion_mask=torch.cat([mb.completion_mask for mb in micro]))
+    if micro[0].routed_experts is not None:  # (k, T, L, top-k) each, T = the round's longest sequence, alike in all
+        rank_batch.routed_experts = torch.cat([mb.routed_experts for mb in micro])
     offsets, total = [], 0
     for mb in micro:
         offsets.append(total)
-        total += mb["tokens"].shape[0]
-    lengths = [int(n) for n in rank_batch["lengths"]] or [1]
+        total += mb.num_sequences
+    lengths = [int(n) for n in rank_batch.lengths] or [1]
     budget = spec.max_logprob_tokens or 2 * (spec.max_tokens or spec.micro_batch_size * max(lengths))
     plan = (plan_sorted if spec.layout == "padded" else plan_step)(lengths if total else [], 1, budget)[0]
     shape = _fixed_shape(rank_batch, plan, spec, spec.layout) if spec.fixed_shape else None
@@ -394,17 +396,17 @@ def logprob_microbatches(micro: list[dict], spec: MicrobatchSpec) -> tuple[list[
             for mb in plan], offsets
 
 
-def scatter_logprobs(lp_micro: list[dict], values: list[torch.Tensor], num_sequences: int) -> torch.Tensor:
+def scatter_logprobs(lp_micro: list[MicroBatch], values: list[torch.Tensor], num_sequences: int) -> torch.Tensor:
     """(n, C) per-sequence values from the forward-only micro-batches' (k, C) results, in sequence order."""
-    num_completion = lp_micro[0]["completion_ids"].shape[1]
+    num_completion = lp_micro[0].completion_ids.shape[1]
     out = torch.zeros(num_sequences, num_completion, dtype=values[0].dtype if values else torch.float32)
     for mb, value in zip(lp_micro, values):
-        out[mb["seq_index"]] = value
+        out[mb.seq_index] = value
     return out
 
 
-def round_microbatches(batch: dict, spec: MicrobatchSpec, *, global_batch_size: int, dp_size: int,
-                       dp_rank: int) -> list[tuple[list[dict], object]]:
+def round_microbatches(batch: MicroBatch, spec: MicrobatchSpec, *, global_batch_size: int, dp_size: int,
+                       dp_rank: int) -> list[tuple[list[MicroBatch], object]]:
     """For each optimizer step of a round (`global_batch_size` consecutive sequences of `batch`): this DP rank's
     micro-batches and the step's global normaliser (engine/grpo/policy_loss.py LossNormalizer, all ranks' tokens).
 
@@ -415,40 +417,39 @@ def round_microbatches(batch: dict, spec: MicrobatchSpec, *, global_batch_size: 
     from engine.policy.batch import split_microbatches
 
     steps = []
-    for start in range(0, batch["tokens"].shape[0], global_batch_size):
-        rows = {k: (v[start : start + global_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-        normalizer = LossNormalizer(num_tokens=float(rows["completion_mask"].sum()), num_sequences=float(global_batch_size))
+    for start in range(0, batch.num_sequences, global_batch_size):
+        rows = batch.take(slice(start, start + global_batch_size))
+        normalizer = LossNormalizer(num_tokens=float(rows.completion_mask.sum()), num_sequences=float(global_batch_size))
         if spec.uses_rows:
             per_rank = global_batch_size // dp_size
-            mine = {k: (v[dp_rank * per_rank : (dp_rank + 1) * per_rank] if isinstance(v, torch.Tensor) else v)
-                    for k, v in _widen_rows(rows, spec).items()}
+            mine = _widen_rows(rows, spec).take(slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
             steps.append((split_microbatches(mine, spec.micro_batch_size), normalizer))
         else:
             steps.append((step_microbatches(rows, spec, dp_size, dp_rank), normalizer))
     return steps
 
 
-def _widen_rows(rows: dict, spec: MicrobatchSpec) -> dict:
+def _widen_rows(rows: MicroBatch, spec: MicrobatchSpec) -> MicroBatch:
     """The padded path's rows with `tokens` / `position_ids` (and `routed_experts`, engine/policy/routing_replay.py)
     right-padded to a multiple of `spec.multiple` (sequence parallelism splits the sequence over the TP ranks: Megatron
     refuses a length that is not a multiple of tp_size). The added columns follow every sequence's end: no loss reads
     them."""
-    width = rows["tokens"].shape[1]
+    width = rows.tokens.shape[1]
     extra = _round_up(width, spec.multiple) - width
     if not extra:
         return rows
-    num_rows = rows["tokens"].shape[0]
-    out = dict(rows)
-    out["tokens"] = torch.nn.functional.pad(rows["tokens"], (0, extra), value=spec.pad_token_id)  # (n, T')
-    out["position_ids"] = torch.arange(width + extra).expand(num_rows, width + extra).contiguous()  # (n, T')
-    if rows.get("routed_experts") is not None:  # (n, T, L, k): the added positions route to experts 0..k-1
-        routes = rows["routed_experts"]
+    num_rows = rows.num_sequences
+    out = replace(rows)
+    out.tokens = torch.nn.functional.pad(rows.tokens, (0, extra), value=spec.pad_token_id)  # (n, T')
+    out.position_ids = torch.arange(width + extra).expand(num_rows, width + extra).contiguous()  # (n, T')
+    if rows.routed_experts is not None:  # (n, T, L, k): the added positions route to experts 0..k-1
+        routes = rows.routed_experts
         fill = torch.arange(routes.shape[-1]).expand(num_rows, extra, *routes.shape[2:])
-        out["routed_experts"] = torch.cat([routes, fill.to(routes.dtype)], dim=1)
+        out.routed_experts = torch.cat([routes, fill.to(routes.dtype)], dim=1)
     return out
 
 
-def sequence_logprobs(forward, micro: list[dict], spec: MicrobatchSpec) -> list[torch.Tensor]:
+def sequence_logprobs(forward, micro: list[MicroBatch], spec: MicrobatchSpec) -> list[torch.Tensor]:
     """Forward-only log-probs of every training micro-batch's sequences, (k, C) each, computed over micro-batches
     cut by the forward-only budget (`logprob_microbatches`); [] where `forward` returns nothing (not the last stage).
 
@@ -463,5 +464,5 @@ def sequence_logprobs(forward, micro: list[dict], spec: MicrobatchSpec) -> list[
     values = [lp for lp, _ in forward(lp_micro)]
     if not values:
         return []
-    full = scatter_logprobs(lp_micro, values, sum(mb["tokens"].shape[0] for mb in micro))  # (n, C)
-    return [full[o : o + mb["tokens"].shape[0]] for o, mb in zip(offsets, micro)]
+    full = scatter_logprobs(lp_micro, values, sum(mb.num_sequences for mb in micro))  # (n, C)
+    return [full[o : o + mb.num_sequences] for o, mb in zip(offsets, micro)]

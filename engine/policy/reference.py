@@ -28,6 +28,7 @@ import torch
 
 from engine.config import GRPOConfigSection, ModelConfig, TrainConfig
 from engine.policy.hf_convert import ModelDims
+from engine.policy.microbatch import MicroBatch
 from engine.policy.parallel import ParallelState
 from engine.policy.step import LogprobSettings, forward_logprobs, unwrap
 
@@ -71,7 +72,7 @@ class ReferencePolicy:
             for param in chunk.parameters():
                 param.data = param.data.to(device, non_blocking=True)
 
-    def logprobs(self, ps: ParallelState, microbatches: list[dict], settings: LogprobSettings):
+    def logprobs(self, ps: ParallelState, microbatches: list[MicroBatch], settings: LogprobSettings):
         """Reference log-probs and entropies, (b, C) per micro-batch, on the last stage (see step.forward_logprobs)."""
         if self.offload:
             self._move(self.device)

@@ -20,10 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from engine.policy.microbatch import MicroBatch
 from engine.policy.parallel import ParallelState
-
-ROUTE_KEYS = ("routed_experts", "input_routes", "input_routes_valid")
-"""The micro-batch entries that carry the engine's routes."""
 
 
 def _moe_routers(chunk: torch.nn.Module):
@@ -65,7 +63,7 @@ def _recomputed_layers(chunk: torch.nn.Module, will_backward: bool) -> set[int]:
     return {i for i, layer in enumerate(layers) if getattr(getattr(layer, "mlp", None), "moe_layer_recompute", False)}
 
 
-def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay: bool,
+def begin_forward(chunk: torch.nn.Module, batch: MicroBatch, ps: ParallelState, replay: bool,
                   will_backward: bool = False) -> bool:
     """Set every MoE router of `chunk` for this micro-batch's forward; returns whether routes were recorded (so
     `router_agreement` can be asked after the forward).
@@ -111,22 +109,22 @@ def begin_forward(chunk: torch.nn.Module, batch: dict, ps: ParallelState, replay
     return recording
 
 
-def model_input_routes(batch: dict) -> torch.Tensor | None:
+def model_input_routes(batch: MicroBatch) -> torch.Tensor | None:
     """The engine's routes in the model input's layout: (rows, W, L, k) of a packed micro-batch, else (b, T, L, k)."""
-    return batch.get("input_routes") if "input_ids" in batch else batch.get("routed_experts")
+    return batch.input_routes if batch.is_packed else batch.routed_experts
 
 
-def router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> tuple[int, int]:
+def router_agreement(chunk: torch.nn.Module, batch: MicroBatch, ps: ParallelState) -> tuple[int, int]:
     """(agreeing, total) (token, layer) pairs of the last recorded forward of `chunk`: the trainer's top-k set equals
     the engine's, over the tokens the engine routed (`input_routes_valid`, or each row's `lengths` - 1 first ones).
     Under sequence parallelism summed over the TP group (each TP rank routes its part of the sequence), so every TP
     rank returns the whole sequence's counts."""
     routes = model_input_routes(batch)  # (b, T, L, k)
     num_rows, seq_len = routes.shape[:2]
-    if "input_ids" in batch:
-        valid = batch["input_routes_valid"]  # (rows, W)
+    if batch.is_packed:
+        valid = batch.input_routes_valid  # (rows, W)
     else:
-        lengths = batch.get("lengths", torch.full((num_rows,), seq_len))
+        lengths = torch.full((num_rows,), seq_len) if batch.lengths is None else batch.lengths
         valid = torch.arange(seq_len)[None, :] < (lengths[:, None] - 1)  # (b, T): vLLM never runs the last token
     mask = _router_order(valid, ps)  # (s*b,)
     agree = total = 0
@@ -143,7 +141,7 @@ def router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> 
     return agree, total
 
 
-def record_router_agreement(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> None:
+def record_router_agreement(chunk: torch.nn.Module, batch: MicroBatch, ps: ParallelState) -> None:
     """Add the last recorded forward's agreement to `chunk`'s running count (tp_rank 0: every TP rank holds the whole
     sequence's counts, `router_agreement`)."""
     agree, total = router_agreement(chunk, batch, ps)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import KernelsConfig
+from engine.policy.microbatch import MicroBatch
 from engine.policy.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -53,17 +54,17 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, ps: ParallelState
 
 
 def run_schedule(
-    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], loss_fn, *, forward_only: bool = False
+    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[MicroBatch], loss_fn, *, forward_only: bool = False
 ) -> list[dict]:
     """Run Megatron's schedule (no pipelining, 1F1B or interleaved 1F1B) over `microbatches`.
 
     Args:
         chunks: this rank's model chunks (build_policy), in virtual-stage order.
         ps: this process's parallel state.
-        microbatches: dicts with at least `tokens` and `position_ids` ((b, T) int64), or packed ones with `input_ids`
-            / `position_ids` (rows, W) and `attention_mask` or `packed_seq_params` (engine/policy/packing.py); every
-            rank of a pipeline passes the same list (only the first and last stage read tokens). Under PP they share
-            one shape.
+        microbatches: right-padded ones with `tokens` and `position_ids` ((b, T) int64), or packed ones with
+            `input_ids` / `position_ids` (rows, W) and `attention_mask` or `packed_seq_params`
+            (engine/policy/packing.py); every rank of a pipeline passes the same list (only the first and last stage
+            read tokens). Under PP they share one shape.
         loss_fn: `loss_fn(model, hidden (s, b, H), batch) -> (loss scalar, dict of detached values)`, run on the
             last stage. Megatron divides the returned loss by the number of micro-batches before backward.
         forward_only: no backward pass.
@@ -85,9 +86,8 @@ def run_schedule(
         recording = begin_forward(chunk, batch, ps, replay=getattr(chunk, "routing_replay", False),
                                   will_backward=not forward_only)
         # packed micro-batches (engine/policy/packing.py) carry their rows as `input_ids`, a mask or THD params
-        hidden = model(batch.get("input_ids", batch["tokens"]), batch["position_ids"],
-                       attention_mask=batch.get("attention_mask"), packed_seq_params=batch.get("packed_seq_params"),
-                       padding_mask=moe_padding_mask(chunk, batch, ps))
+        hidden = model(batch.model_input_ids, batch.position_ids, attention_mask=batch.attention_mask,
+                       packed_seq_params=batch.packed_seq_params, padding_mask=moe_padding_mask(chunk, batch, ps))
         if recording:  # (agreeing, total) (token, layer) pairs of this chunk's MoE layers, added to its count
             record_router_agreement(chunk, batch, ps)
         end_forward(chunk)
@@ -113,8 +113,8 @@ def run_schedule(
         data_iterator=[iter(microbatches) for _ in chunks],
         model=chunks,
         num_microbatches=len(microbatches),
-        seq_length=microbatches[0].get("input_ids", microbatches[0]["tokens"]).shape[1],
-        micro_batch_size=microbatches[0].get("input_ids", microbatches[0]["tokens"]).shape[0],
+        seq_length=microbatches[0].model_input_ids.shape[1],
+        micro_batch_size=microbatches[0].model_input_ids.shape[0],
         forward_only=forward_only,
         **groups,
     )
@@ -141,7 +141,7 @@ def drop_dispatcher_graphs(chunks: list[torch.nn.Module]) -> None:
                     setattr(dispatcher, name, None)
 
 
-def moe_padding_mask(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> torch.Tensor | None:
+def moe_padding_mask(chunk: torch.nn.Module, batch: MicroBatch, ps: ParallelState) -> torch.Tensor | None:
     """(rows, width) bool, True at padding, for the routers of an MoE model (None for a dense model, or a batch that
     does not say where its sequences end): Megatron then leaves padding out of the load-balancing aux loss and the
     z-loss, as HF's Qwen3-MoE aux loss leaves it out through the attention mask.
@@ -157,10 +157,10 @@ def moe_padding_mask(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> 
     """
     if not getattr(chunk.config, "num_moe_experts", None):
         return None
-    if "padding_mask" in batch:  # packed / token-budget rows (engine/policy/packing.py)
-        mask = batch["padding_mask"]
-    elif batch.get("lengths") is not None:  # right-padded rows
-        mask = torch.arange(batch["tokens"].shape[1])[None, :] >= batch["lengths"][:, None]
+    if batch.padding_mask is not None:  # packed / token-budget rows (engine/policy/packing.py)
+        mask = batch.padding_mask
+    elif batch.lengths is not None:  # right-padded rows
+        mask = torch.arange(batch.tokens.shape[1])[None, :] >= batch.lengths[:, None]
     else:
         return None
     if not chunk.pre_process and ps.sequence_parallel and ps.tp_size > 1:
@@ -169,10 +169,10 @@ def moe_padding_mask(chunk: torch.nn.Module, batch: dict, ps: ParallelState) -> 
     return mask.to(ps.device)
 
 
-def check_attention_mask(chunks: list[torch.nn.Module], microbatches: list[dict]) -> None:
+def check_attention_mask(chunks: list[torch.nn.Module], microbatches: list[MicroBatch]) -> None:
     """Refuse a block-diagonal mask where Megatron would ignore it: its fused CUDA softmax (local spec,
     `masked_softmax_fusion`) applies the causal mask only, so packed sequences would attend to each other."""
-    if any(mb.get("attention_mask") is not None for mb in microbatches):
+    if any(mb.attention_mask is not None for mb in microbatches):
         config = unwrap(chunks[0]).config
         if config.masked_softmax_fusion:
             raise ValueError("packed sequences with the local layer spec need masked_softmax_fusion=False (Megatron's "
@@ -180,9 +180,9 @@ def check_attention_mask(chunks: list[torch.nn.Module], microbatches: list[dict]
 
 
 def lm_forward_backward(
-    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], *, forward_only: bool = False
+    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[MicroBatch], *, forward_only: bool = False
 ) -> list[float]:
-    """Next-token loss of each micro-batch (batches also carry `labels`, (b, T)); gradients accumulate in `.grad`.
+    """Next-token loss of each micro-batch (these also carry `labels`, (b, T)); gradients accumulate in `.grad`.
 
     Returns:
         the mean per-token loss of every micro-batch on the last pipeline stage, [] on other stages.
@@ -192,7 +192,7 @@ def lm_forward_backward(
     def loss_fn(model, hidden, batch):
         logits = lm_head_logits(hidden, unwrap(model).lm_head_weight(), ps, unwrap(model).final_logit_softcap,
                                 unwrap(model).logit_scale)  # (s, b, V_pad / tp)
-        labels = batch["labels"].transpose(0, 1).contiguous()  # (s, b)
+        labels = batch.labels.transpose(0, 1).contiguous()  # (s, b)
         # NOTE: Megatron's vocab_parallel_cross_entropy reads its global TP group (it takes none); LM loss only.
         loss = tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels).mean()
         return loss, {"lm_loss": loss.detach().clone()}
@@ -213,7 +213,7 @@ class LogprobSettings:
     """The `kernels` config section: the log-prob and loss-terms implementations and the workspace."""
 
 
-def _completion_rows(hidden: torch.Tensor, batch: dict, ps: ParallelState, settings: LogprobSettings):
+def _completion_rows(hidden: torch.Tensor, batch: MicroBatch, ps: ParallelState, settings: LogprobSettings):
     """(x (N, H), token ids (N,), mask (b, C) bool) of the real completion positions, or None for a micro-batch
     with none; the hidden states gathered over sequence-parallel ranks first."""
     from megatron.core import tensor_parallel
@@ -227,19 +227,20 @@ def _completion_rows(hidden: torch.Tensor, batch: dict, ps: ParallelState, setti
         )
     hidden = hidden.transpose(0, 1)  # (rows, s, H)
     seq_len = hidden.shape[1]
-    num_sequences, num_completion = batch["completion_ids"].shape
+    num_sequences, num_completion = batch.completion_ids.shape
     # sequence i starts at column seq_offset[i] of row seq_row[i] (packed); padded rows: row i, column 0
-    device = batch["completion_mask"].device  # NOTE: every index tensor on the batch's device (CUDA on a GPU)
-    seq_row = batch.get("seq_row", torch.arange(num_sequences, device=device))  # (b,)
-    seq_offset = batch.get("seq_offset", torch.zeros(num_sequences, dtype=torch.long, device=device))  # (b,)
-    index = (seq_offset + batch["prompt_lengths"] - 1)[:, None] + torch.arange(num_completion, device=device)  # (b, C)
-    mask = batch["completion_mask"].bool()  # (b, C)
+    device = batch.completion_mask.device  # NOTE: every index tensor on the batch's device (CUDA on a GPU)
+    seq_row = torch.arange(num_sequences, device=device) if batch.seq_row is None else batch.seq_row  # (b,)
+    seq_offset = (torch.zeros(num_sequences, dtype=torch.long, device=device) if batch.seq_offset is None
+                  else batch.seq_offset)  # (b,)
+    index = (seq_offset + batch.prompt_lengths - 1)[:, None] + torch.arange(num_completion, device=device)  # (b, C)
+    mask = batch.completion_mask.bool()  # (b, C)
     rows = seq_row[:, None].expand_as(index)  # (b, C)
     if not mask.any():
         return None
-    check_completion_ids(batch["completion_ids"], mask, settings.vocab_size)  # a padded-vocab id would give NaN
+    check_completion_ids(batch.completion_ids, mask, settings.vocab_size)  # a padded-vocab id would give NaN
     x = hidden[rows[mask], index[mask].clamp(max=seq_len - 1)]  # (N, H)
-    return x, batch["completion_ids"][mask], mask
+    return x, batch.completion_ids[mask], mask
 
 
 def _lm_head_args(model: torch.nn.Module, ps: ParallelState, settings: LogprobSettings) -> dict:
@@ -250,7 +251,7 @@ def _lm_head_args(model: torch.nn.Module, ps: ParallelState, settings: LogprobSe
 
 
 def completion_logprobs(
-    model: torch.nn.Module, hidden: torch.Tensor, batch: dict, ps: ParallelState, settings: LogprobSettings
+    model: torch.nn.Module, hidden: torch.Tensor, batch: MicroBatch, ps: ParallelState, settings: LogprobSettings
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of every completion token, (b, C) each, from the last stage's hidden states.
 
@@ -260,7 +261,7 @@ def completion_logprobs(
     """
     from kernels import lm_head_logprob_entropy
 
-    shape, device = batch["completion_mask"].shape, batch["completion_mask"].device
+    shape, device = batch.completion_mask.shape, batch.completion_mask.device
     zeros = torch.zeros(shape, dtype=torch.float32, device=device)  # (b, C)
     selected = _completion_rows(hidden, batch, ps, settings)
     if selected is None:  # an empty micro-batch (packing.py) or all-masked rows: zero, still attached to the graph
@@ -275,7 +276,7 @@ def completion_logprobs(
 
 
 def completion_logprobs_onepass(
-    model: torch.nn.Module, hidden: torch.Tensor, batch: dict, ps: ParallelState, settings: LogprobSettings,
+    model: torch.nn.Module, hidden: torch.Tensor, batch: MicroBatch, ps: ParallelState, settings: LogprobSettings,
     make_token_grads,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`completion_logprobs` on the one-pass kernel (kernels/onepass_logprob.py): (b, C) log-probs and entropies,
@@ -286,7 +287,7 @@ def completion_logprobs_onepass(
     """
     from kernels import onepass_logprob_entropy
 
-    shape, device = batch["completion_mask"].shape, batch["completion_mask"].device
+    shape, device = batch.completion_mask.shape, batch.completion_mask.device
     zeros = torch.zeros(shape, dtype=torch.float32, device=device)  # (b, C)
     selected = _completion_rows(hidden, batch, ps, settings)
     if selected is None:  # nothing to score: a zero anchor still attached to the graph
@@ -300,7 +301,7 @@ def completion_logprobs_onepass(
 
 
 def forward_logprobs(
-    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], settings: LogprobSettings
+    chunks: list[torch.nn.Module], ps: ParallelState, microbatches: list[MicroBatch], settings: LogprobSettings
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Forward-only (old / reference / weight-sync probe) log-probs and entropies, (b, C) each per micro-batch, on the
     last stage; in eval mode (no dropout, whatever `model.disable_dropout` says), each chunk's mode restored after."""
@@ -322,7 +323,7 @@ def forward_logprobs(
 
 
 def grpo_forward_backward(
-    model: list[torch.nn.Module], ps: ParallelState, microbatches: list[dict], loss_config, normalizer,
+    model: list[torch.nn.Module], ps: ParallelState, microbatches: list[MicroBatch], loss_config, normalizer,
     settings: LogprobSettings, *, entropy_coef: float | None = None,
 ) -> list:
     """The GRPO loss of every micro-batch, gradients summed into the DDP buffers (engine/policy/optimizer.py convention).
@@ -330,8 +331,9 @@ def grpo_forward_backward(
     Args:
         model: the DDP-wrapped chunks (PolicyOptimizer.model).
         ps: this process's parallel state.
-        microbatches: from engine/policy/batch.py, plus `advantages` (b,) and optionally `old_logprobs`, `ref_logprobs`,
-            `sampling_logprobs`, `importance_sampling_ratio` ((b, C) each); `completion_mask` is the loss mask.
+        microbatches: from engine/policy/batch.py or packing.py, with `advantages` (b,) and optionally
+            `old_logprobs`, `ref_logprobs`, `sampling_logprobs`, `importance_sampling_ratio` ((b, C) each);
+            `completion_mask` is the loss mask.
         loss_config: engine.grpo.policy_loss.PolicyLossConfig.
         normalizer: engine.grpo.policy_loss.LossNormalizer with the optimizer step's global token / sequence counts.
         settings: log-prob settings.
@@ -350,9 +352,9 @@ def grpo_forward_backward(
 
     def loss_fn(chunk, hidden, batch):
         inputs = PolicyLossBatch(
-            mask=batch["completion_mask"], advantages=batch["advantages"], old_logprobs=batch.get("old_logprobs"),
-            ref_logprobs=batch.get("ref_logprobs"), sampling_logprobs=batch.get("sampling_logprobs"),
-            importance_sampling_ratio=batch.get("importance_sampling_ratio"),
+            mask=batch.completion_mask, advantages=batch.advantages, old_logprobs=batch.old_logprobs,
+            ref_logprobs=batch.ref_logprobs, sampling_logprobs=batch.sampling_logprobs,
+            importance_sampling_ratio=batch.importance_sampling_ratio,
         )
         if loss_pass == ONE:
             # The loss is evaluated on detached log-probs; its gradient was taken inside the LM-head pass and flows

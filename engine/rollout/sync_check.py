@@ -21,10 +21,13 @@ float32 and bf16), tests/integration/test_rollout_server.py (server, several ser
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from engine.config import KernelsConfig
+from engine.policy.microbatch import MicroBatch
 from engine.policy.parallel import ParallelState
 from engine.policy.step import LogprobSettings, forward_logprobs
 
@@ -33,16 +36,16 @@ class WeightSyncError(RuntimeError):
     """After a sync the engine does not hold what the trainer sent (a digest differs), or a transfer failed."""
 
 
-def full_sequence_probe(probe: dict) -> tuple[dict, list[list[int]]]:
+def full_sequence_probe(probe: MicroBatch) -> tuple[MicroBatch, list[list[int]]]:
     """The probe micro-batch as a batch of every token after the first of each sequence (prompt and completion):
     the same model inputs (layout, packing, shape), `prompt_lengths` 1, `completion_ids` / `completion_mask` (k, L - 1)
     the next tokens. A token whose whole prefix (itself included) another row repeats is masked: a group's shared
     prompt is compared once, identical completions once. Also returns the sequences (token ids) for the engine.
     """
-    tokens = probe["tokens"]  # (k, L) right-padded
-    lengths = probe.get("lengths")
+    tokens = probe.tokens  # (k, L) right-padded
+    lengths = probe.lengths
     if lengths is None:
-        lengths = probe["prompt_lengths"] + probe["completion_mask"].sum(1).long()
+        lengths = probe.prompt_lengths + probe.completion_mask.sum(1).long()
     sequences = [row[: int(n)].tolist() for row, n in zip(tokens, lengths)]
     num_rows, width = tokens.shape
     mask = torch.arange(width - 1)[None, :] < (lengths[:, None].cpu() - 1)  # (k, L - 1): token j + 1 is real
@@ -53,15 +56,14 @@ def full_sequence_probe(probe: dict) -> tuple[dict, list[list[int]]]:
         differ = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
         shared = int(differ[0]) if differ.numel() else n  # tokens 0 .. shared - 1 are the same
         mask[cur, : max(shared - 1, 0)] = False
-    device = probe["completion_mask"].device
-    full = {k: v for k, v in probe.items() if k not in ("prompt_lengths", "completion_ids", "completion_mask")}
-    full |= {"prompt_lengths": torch.ones(num_rows, dtype=torch.long, device=device),
-             "completion_ids": (tokens[:, 1:] * mask.to(tokens.device)).to(device),  # masked ids: 0, never read
-             "completion_mask": mask.to(device=device, dtype=torch.float32)}
+    device = probe.completion_mask.device
+    full = replace(probe, prompt_lengths=torch.ones(num_rows, dtype=torch.long, device=device),
+                   completion_ids=(tokens[:, 1:] * mask.to(tokens.device)).to(device),  # masked ids: 0, never read
+                   completion_mask=mask.to(device=device, dtype=torch.float32))
     return full, sequences
 
 
-def logprob_differences(chunks, ps: ParallelState, engine, probe: dict, vocab_size: int
+def logprob_differences(chunks, ps: ParallelState, engine, probe: MicroBatch, vocab_size: int
                         ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per engine: the |trainer - engine| log-prob differences of the tokens of `full_sequence_probe(probe)`
     (float64, NaN -> inf), the mask of the compared ones, and the trainer's log-probs, (k, L - 1) each; token j + 1
@@ -77,7 +79,7 @@ def logprob_differences(chunks, ps: ParallelState, engine, probe: dict, vocab_si
     if not trainer:
         return []
     logprobs = trainer[0][0].cpu()  # (k, L - 1)
-    mask = full["completion_mask"].bool().cpu()  # (k, L - 1)
+    mask = full.completion_mask.bool().cpu()  # (k, L - 1)
     out = []
     for engine_logprobs in per_engine:
         diffs = torch.zeros(mask.shape, dtype=torch.float64)  # (k, L - 1); 0 where not compared
@@ -88,7 +90,7 @@ def logprob_differences(chunks, ps: ParallelState, engine, probe: dict, vocab_si
     return out
 
 
-def logprob_health(chunks, ps: ParallelState, engine, probe: dict, vocab_size: int) -> dict[str, float]:
+def logprob_health(chunks, ps: ParallelState, engine, probe: MicroBatch, vocab_size: int) -> dict[str, float]:
     """The probe's per-token |trainer - engine| log-prob differences over every engine (`logprob_differences`), as
     health metrics: {"weight_sync/logprob_diff_p50", "_p90", "_max"}, each the largest over ranks (collective).
 

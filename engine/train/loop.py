@@ -36,11 +36,9 @@ from engine.grpo.metrics import (
     compute_sampling_metrics,
 )
 from engine.log_filters import quiet_library_logs
+from engine.policy.microbatch import MicroBatch
 from engine.policy.parallel import destroy_parallel
 from engine.policy.reference import mix_reference_if_due
-from engine.policy.routing_replay import (
-    ROUTE_KEYS,
-)
 from engine.policy.step import clear_moe_aux_loss, grpo_forward_backward, take_moe_aux_loss
 from engine.train.checkpoint import Progress, StopSignal, checkpoint_dir, is_save_step
 from engine.train.evaluation import evaluate_sets, tokenize_eval_sets
@@ -237,7 +235,7 @@ def score_round(run: Run, scored: Scored, step: int):
     return scored, adv, build_round(run, scored.rollout, adv.advantages, step)
 
 
-def optimize(run: Run, state: LoopState, hooks: LoopHooks, batch: dict, epoch_before: float,
+def optimize(run: Run, state: LoopState, hooks: LoopHooks, batch: MicroBatch, epoch_before: float,
              times: RoundTimes) -> TrainedRound:
     """Step 3: this rank's micro-batches with their old (and reference) log-probs, then the optimizer steps the
     schedule takes this round (`state.step` counts them); a diverged policy is refused before any sync."""
@@ -275,13 +273,13 @@ def sync_weights(run: Run, trained: TrainedRound, times: RoundTimes) -> dict:
         run.pipeline.complete(run.policy_version)
     times.wait = time.perf_counter()
     # the probe routes by itself on both sides: the engine's routes of this round came from the old weights
-    run.last_probe = {k: v for k, v in trained.units[0].microbatches[0].items() if k not in ROUTE_KEYS}
+    run.last_probe = trained.units[0].microbatches[0].without_routes()
     sync = sync_and_verify(run) if trained.outputs else {}
     times.end = time.perf_counter()
     return sync
 
 
-def log_metrics(run: Run, state: LoopState, scored: Scored, adv, batch: dict, trained: TrainedRound, sync: dict,
+def log_metrics(run: Run, state: LoopState, scored: Scored, adv, batch: MicroBatch, trained: TrainedRound, sync: dict,
                 times: RoundTimes) -> float:
     """Step 5: the round's record (TRL's names) on rank 0 when it took an optimizer step; returns the epoch after
     the round."""
@@ -333,7 +331,7 @@ def finish_training(run: Run, state: LoopState, stop: StopSignal, hooks: LoopHoo
                "rank": ps.rank, "stopped_by_signal": stop.stopping, "start_step": progress.step,
                "num_tokens": state.num_tokens - progress.num_tokens,  # this call's steps from start_step, its tokens
                "entropy_coef": run.entropy.coef}  # the adaptive controller's last coefficient (TRL's attribute)
-    finish(run, summary)
+    finish(run)
     return summary
 
 
@@ -407,7 +405,7 @@ def _merge_outputs(outputs: list):
                    sums=sums, seq_min=cat("seq_min"), seq_max=cat("seq_max"), entropy_window=window)
 
 
-def log_round(run: Run, step: int, rewards_per_func, adv, batch: dict, steps: list[OptimizerStep], outputs: list,
+def log_round(run: Run, step: int, rewards_per_func, adv, batch: MicroBatch, steps: list[OptimizerStep], outputs: list,
               extra: dict) -> dict:
     """Gather the last stage's loss outputs and sampling statistics to rank 0 and log one record (TRL names)."""
     ps = run.ps
@@ -415,17 +413,18 @@ def log_round(run: Run, step: int, rewards_per_func, adv, batch: dict, steps: li
     sampling = []
     if local:
         micro = [mb for optimizer_step in steps for mb in optimizer_step.microbatches]
-        sampling = [(mb["old_logprobs"], mb["sampling_logprobs"], mb["completion_mask"], mb.get("importance_sampling_ratio")) for mb in micro]
+        sampling = [(mb.old_logprobs, mb.sampling_logprobs, mb.completion_mask, mb.importance_sampling_ratio) for mb in micro]
     gathered: list = [None] * ps.world_size
     dist.gather_object((local, sampling), gathered if ps.rank == 0 else None, dst=0)
     if ps.rank != 0:
         return {}
     all_outputs = [o for parts, _ in gathered for o in parts]
     metrics = compute_reward_metrics(rewards_per_func, run.rewards.names, adv.is_std_zero, run.rewards.weights)
-    lengths = batch["completion_mask"].sum(1) if not run.cfg.grpo.mask_truncated_completions else torch.tensor(
-        [float((row != 0).sum()) for row in batch["completion_ids"]])
-    lengths = batch.get("num_model_tokens", lengths)  # multi-turn: tool tokens are not the model's
-    metrics |= compute_completion_metrics(lengths, batch["is_truncated"])
+    lengths = batch.completion_mask.sum(1) if not run.cfg.grpo.mask_truncated_completions else torch.tensor(
+        [float((row != 0).sum()) for row in batch.completion_ids])
+    if batch.num_model_tokens is not None:  # multi-turn: tool tokens are not the model's
+        lengths = batch.num_model_tokens
+    metrics |= compute_completion_metrics(lengths, batch.is_truncated)
     metrics |= compute_loss_metrics(_merge_outputs(all_outputs), include_policy_loss=run.loss_config.is_entropy_bonus_enabled)
     pairs = [s for _, parts in gathered for s in parts]
     if pairs and pairs[0][3] is not None:
@@ -436,7 +435,9 @@ def log_round(run: Run, step: int, rewards_per_func, adv, batch: dict, steps: li
     return metrics
 
 
-def finish(run: Run, summary: dict) -> None:
+def finish(run: Run) -> None:
+    """Close what the run holds (the logger, the reward workers, the environments, the engine) and the process
+    group."""
     if run.logger is not None:
         run.logger.close()
     run.rewards.close()
@@ -483,5 +484,5 @@ def evaluate_only(cfg: EngineConfig, *, train_dataset, eval_datasets: dict, rewa
     except BaseException:
         abort(run)
         raise
-    finish(run, {})
+    finish(run)
     return metrics

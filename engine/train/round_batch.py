@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from engine.grpo.policy_loss import compute_vllm_importance_sampling_ratio
 from engine.policy.batch import pack_completions
+from engine.policy.microbatch import MicroBatch
 from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs
 from engine.policy.routing_replay import (
     clear_router_agreement,
@@ -32,34 +33,34 @@ from engine.train.run import (
 from engine.train.step_schedule import OptimizerStep, StepSchedule, deferred_save_warning, uses_carried_slices
 
 
-def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int) -> dict:
-    """The round as tensors (engine/policy/batch.py layout) with advantages, vLLM log-probs and the loss mask; rows
+def build_round(run: Run, rollout: Rollout, advantages: torch.Tensor, step: int) -> MicroBatch:
+    """The round as one MicroBatch (engine/policy/batch.py layout) with advantages, vLLM log-probs and the loss mask; rows
     shuffled with a permutation seeded by (seed, the round's first step): the same on every rank, and on resume."""
     from engine.grpo.policy_loss import mask_truncated_completions
 
     pad = run.tokenizer.pad_token_id or 0
     batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad)
-    mask = batch["completion_mask"]
+    mask = batch.completion_mask
     sampling = torch.zeros_like(mask)  # (B, C)
     for i, row in enumerate(rollout.sampling_logprobs):
         sampling[i, : len(row)] = torch.tensor(row)
     is_truncated = torch.tensor(rollout.is_truncated, dtype=torch.bool)  # (B,)
     if rollout.tool_mask is not None:  # multi-turn: tool tokens are context only (TRL's completion_mask * tool_mask)
-        mask = batch["completion_mask"] = mask * pad_rows(rollout.tool_mask, mask.shape[1])  # (B, C)
-        batch["num_model_tokens"] = mask.sum(1)  # (B,) the length metrics count the model's tokens only
+        mask = batch.completion_mask = mask * pad_rows(rollout.tool_mask, mask.shape[1])  # (B, C)
+        batch.num_model_tokens = mask.sum(1)  # (B,) the length metrics count the model's tokens only
     if run.cfg.grpo.mask_truncated_completions:
-        batch["completion_mask"] = mask_truncated_completions(mask, is_truncated)
-    batch |= {"advantages": advantages.float(), "sampling_logprobs": sampling, "is_truncated": is_truncated}
+        batch.completion_mask = mask_truncated_completions(mask, is_truncated)
+    batch.advantages, batch.sampling_logprobs, batch.is_truncated = advantages.float(), sampling, is_truncated
     if rollout.routed_experts is None and run.cfg.model.moe_enable_routing_replay:
         raise RuntimeError("model.moe_enable_routing_replay is on but the engine returned no routed experts: the "
                            "model has no MoE layers, or the rollout server(s) run with rollout.vllm_return_routed_experts"
                            "=false (leave it unset in their config)")
     if rollout.routed_experts is not None:  # MoE: the engine's routes, (B, T, L, k) in the narrowest dtype
         num_layers, top_k = next((r.shape[1:] for r in rollout.routed_experts if r.size), (0, 0))
-        batch["routed_experts"] = pad_routes(rollout.routed_experts, batch["tokens"].shape[1], num_layers, top_k,
-                                             routes_dtype(rollout.routed_experts))
+        batch.routed_experts = pad_routes(rollout.routed_experts, batch.tokens.shape[1], num_layers, top_k,
+                                          routes_dtype(rollout.routed_experts))
     order = shuffle_order(mask.shape[0], run.cfg.train.seed, step)
-    return {k: v[order] for k, v in batch.items()}
+    return batch.take(order)
 
 
 def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
@@ -91,7 +92,7 @@ def step_schedule(run: Run) -> StepSchedule:
     return StepSchedule(train.gradient_accumulation_steps, grpo.num_iterations)
 
 
-def per_step_microbatches(run: Run, batch: dict, *, slices: bool = False) -> list[OptimizerStep]:
+def per_step_microbatches(run: Run, batch: MicroBatch, *, slices: bool = False) -> list[OptimizerStep]:
     """For each optimizer step of the round (`slices`: each micro-step slice of per_device * dp completions, when
     steps span rounds): this DP rank's micro-batches and the step's (slice's) global normaliser.
 
@@ -101,7 +102,7 @@ def per_step_microbatches(run: Run, batch: dict, *, slices: bool = False) -> lis
     counts the tokens and sequences of each optimizer step over all ranks (layout-independent,
     engine/grpo/policy_loss.py)."""
     derived, ps = run.derived, run.ps
-    rows = {k: (v[: derived.generation_batch_size] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    rows = batch.take(slice(derived.generation_batch_size))
     spec = microbatch_spec(run)
     size = derived.micro_batch_size * ps.dp_size if slices else derived.global_batch_size
     steps = round_microbatches(rows, spec, global_batch_size=size, dp_size=ps.dp_size, dp_rank=ps.dp_rank)
@@ -115,7 +116,7 @@ def add_old_and_ref_logprobs(run: Run, steps: list[OptimizerStep]) -> dict:
     grpo = run.cfg.grpo
     spec = microbatch_spec(run)
     micro = [mb for optimizer_step in steps for mb in optimizer_step.microbatches]
-    routed = "routed_experts" in micro[0]
+    routed = micro[0].routed_experts is not None
     if routed:
         clear_router_agreement(run.optimizer.model)  # what the last round's training forwards recorded
     old = sequence_logprobs(lambda mbs: forward_logprobs(run.optimizer.model, run.ps, mbs, run.settings), micro, spec)
@@ -124,13 +125,13 @@ def add_old_and_ref_logprobs(run: Run, steps: list[OptimizerStep]) -> dict:
         lambda mbs: run.reference.logprobs(run.ps, mbs, run.settings), micro, spec)
     for i, logprobs in enumerate(old):
         mb = micro[i]
-        mb["old_logprobs"] = logprobs
+        mb.old_logprobs = logprobs
         if grpo.vllm_importance_sampling_correction:
-            mb["importance_sampling_ratio"] = compute_vllm_importance_sampling_ratio(
-                logprobs, mb["sampling_logprobs"], mb["completion_mask"], grpo.vllm_importance_sampling_mode,
+            mb.importance_sampling_ratio = compute_vllm_importance_sampling_ratio(
+                logprobs, mb.sampling_logprobs, mb.completion_mask, grpo.vllm_importance_sampling_mode,
                 grpo.vllm_importance_sampling_clip_min, grpo.vllm_importance_sampling_clip_max)
         if ref:
-            mb["ref_logprobs"] = ref[i]
+            mb.ref_logprobs = ref[i]
     return {} if agreement is None else {"moe/router_agreement": agreement}
 
 
@@ -143,11 +144,11 @@ def eval_loss(run: Run, rollout: Rollout, advantages: torch.Tensor) -> float:
 
     ps = run.ps
     batch = build_round(run, rollout, advantages, 0)
-    num_rows = batch["tokens"].shape[0]
+    num_rows = batch.num_sequences
     pad = -num_rows % (ps.dp_size * run.derived.micro_batch_size)
     if pad:
-        batch = {k: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]) for k, v in batch.items()}
-        batch["completion_mask"][num_rows:] = 0
+        batch = batch.map_rows(lambda v: torch.cat([v, v[:1].expand(pad, *v.shape[1:])]))
+        batch.completion_mask[num_rows:] = 0
     spec = microbatch_spec(run)
     steps = [OptimizerStep(micro, normalizer) for micro, normalizer in round_microbatches(
         batch, spec, global_batch_size=num_rows + pad, dp_size=ps.dp_size, dp_rank=ps.dp_rank)]
@@ -157,10 +158,10 @@ def eval_loss(run: Run, rollout: Rollout, advantages: torch.Tensor) -> float:
         for optimizer_step in steps:
             for mb in optimizer_step.microbatches:
                 inputs = PolicyLossBatch(
-                    mask=mb["completion_mask"], advantages=mb["advantages"], old_logprobs=mb["old_logprobs"],
-                    ref_logprobs=mb.get("ref_logprobs"), sampling_logprobs=mb.get("sampling_logprobs"),
-                    importance_sampling_ratio=mb.get("importance_sampling_ratio"))
-                out = compute_policy_loss(mb["old_logprobs"], inputs, run.loss_config, optimizer_step.normalizer,
+                    mask=mb.completion_mask, advantages=mb.advantages, old_logprobs=mb.old_logprobs,
+                    ref_logprobs=mb.ref_logprobs, sampling_logprobs=mb.sampling_logprobs,
+                    importance_sampling_ratio=mb.importance_sampling_ratio)
+                out = compute_policy_loss(mb.old_logprobs, inputs, run.loss_config, optimizer_step.normalizer,
                                           terms_implementation=run.settings.kernels.loss_terms_implementation)
                 total += out.loss.detach().double().to(ps.device)
     dist.all_reduce(total)  # the last stage's DP ranks hold the parts; every other rank adds 0

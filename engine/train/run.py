@@ -35,6 +35,7 @@ from engine.lora_settings import LoraSettings, lora_settings_from_config, refuse
 from engine.models.model_dir import resolve_model_dir
 from engine.policy.hf_convert import ModelDims
 from engine.policy.lora import apply_lora, merged_lora
+from engine.policy.microbatch import MicroBatch
 from engine.policy.optimizer import PolicyOptimizer
 from engine.policy.parallel import ParallelState, init_parallel
 from engine.policy.reference import ReferencePolicy
@@ -89,7 +90,7 @@ class Run:
     loss_config: PolicyLossConfig
     settings: LogprobSettings
     total_steps: int
-    last_probe: dict | None = None
+    last_probe: MicroBatch | None = None
     """The last round's first micro-batch: the weight-sync verification probe (also after a server restart)."""
     resume_from: Path | None = None
     """The checkpoint this run resumes from (`checkpoint.resume_from_checkpoint` resolved), or None."""
@@ -414,7 +415,7 @@ def sync_weights(run: Run) -> dict:
     return run.engine.sync_weights(run.optimizer.model, verify=run.cfg.rollout.verify_weight_sync)
 
 
-def sync_and_verify(run: Run, probe: dict | None = None) -> dict:
+def sync_and_verify(run: Run, probe: MicroBatch | None = None) -> dict:
     """`sync_weights` (verified by digests), then, with `rollout.verify_weight_sync`, the log-prob probe's health
     metrics (`weight_sync/logprob_diff_p50/_p90/_max`: the engines' log-probs of `probe`, default the last round's
     probe micro-batch, none before the first round, against the trainer's; logged, never a gate)."""

@@ -17,6 +17,7 @@ HF-logits checks) run with the default, `sdpa`.
 import pytest
 import torch
 
+from engine.policy.microbatch import MicroBatch
 from tests.distributed.launcher import run_distributed
 from tests.helpers.policy import BATCH, SEQ, grpo_step_and_export, hf_tensors, tokens
 
@@ -53,7 +54,7 @@ def _attention_facts(model_dir: str, parallel, implementation: str) -> dict:
         names.update(_graph_names(hidden))
         return hidden.sum() * 0, {}
 
-    batch = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+    batch = MicroBatch(tokens=tokens(hf_config.vocab_size), position_ids=torch.arange(SEQ).expand(BATCH, SEQ))
     run_schedule(chunks, ps, [batch], loss_fn, forward_only=False)
     return {"classes": sorted(classes), "fused": any("ScaledDotProduct" in n for n in names),
             "softmax": any("Softmax" in n for n in names)}

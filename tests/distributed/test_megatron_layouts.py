@@ -11,17 +11,18 @@ import math
 import pytest
 import torch
 
+from engine.policy.microbatch import MicroBatch
 from tests.distributed.launcher import run_distributed
 
 SEED, BATCH, SEQ, NUM_MICROBATCHES = 7, 4, 16, 2
 
 
-def _batches(vocab_size: int) -> list[dict]:
+def _batches(vocab_size: int) -> list[MicroBatch]:
     gen = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, vocab_size, (BATCH, SEQ + 1), generator=gen)  # (B, T+1)
     position_ids = torch.arange(SEQ).expand(BATCH // NUM_MICROBATCHES, SEQ)  # (b, T)
     return [
-        {"tokens": chunk[:, :-1], "labels": chunk[:, 1:], "position_ids": position_ids}
+        MicroBatch(tokens=chunk[:, :-1], labels=chunk[:, 1:], position_ids=position_ids)
         for chunk in tokens.chunk(NUM_MICROBATCHES)  # NUM_MICROBATCHES x (b, T+1)
     ]
 

@@ -29,6 +29,7 @@ one (packed sequences attending to each other) gave log-probs 0.76 and 19%: the 
 import pytest
 import torch
 
+from engine.policy.microbatch import MicroBatch
 from tests.distributed.launcher import run_distributed
 from tests.helpers.policy import hf_tensors
 
@@ -44,19 +45,19 @@ VARIANTS = {
 }
 
 
-def _global_batch() -> dict:
+def _global_batch() -> tuple[MicroBatch, torch.Tensor]:
     from engine.policy.batch import pack_completions
 
     gen = torch.Generator().manual_seed(13)
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in PROMPTS]
     completions = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in COMPLETIONS]
     batch = pack_completions(prompts, completions, pad_token_id=0)
-    mask = batch["completion_mask"]
-    batch["advantages"] = torch.randn(NUM_SEQUENCES, generator=gen)  # (B,)
-    batch["old_noise"] = 0.3 * torch.randn(mask.shape, generator=gen) * mask  # (B, C): makes the step off-policy
-    batch["ref_logprobs"] = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
-    batch["seq_index"] = torch.arange(NUM_SEQUENCES)  # travels with each row through every plan
-    return batch
+    mask = batch.completion_mask
+    batch.advantages = torch.randn(NUM_SEQUENCES, generator=gen)  # (B,)
+    old_noise = 0.3 * torch.randn(mask.shape, generator=gen) * mask  # (B, C): makes the step off-policy
+    batch.ref_logprobs = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
+    batch.seq_index = torch.arange(NUM_SEQUENCES)  # travels with each row through every plan
+    return batch, old_noise
 
 
 def _packing_steps(tp: int, pp: int, dp: int, model_dir: str, out_root: str, dtype: str, variants: list[str]) -> dict:
@@ -108,13 +109,14 @@ def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
     loss_config = build_loss_config(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
 
     spec = build_microbatch_spec(train_cfg, model_cfg, ps, micro_batch_size=MICRO_BATCH, pad_token_id=0)
-    [(micro, normalizer)] = round_microbatches(_global_batch(), spec, global_batch_size=NUM_SEQUENCES,
+    batch, old_noise = _global_batch()
+    [(micro, normalizer)] = round_microbatches(batch, spec, global_batch_size=NUM_SEQUENCES,
                                                dp_size=ps.dp_size, dp_rank=ps.dp_rank)
     old = sequence_logprobs(lambda mbs: forward_logprobs(popt.model, ps, mbs, settings), micro, spec)
     logprobs = {}
     for mb, lp in zip(micro, old):
-        mb["old_logprobs"] = lp + mb["old_noise"]
-        logprobs |= {int(i): row for i, row in zip(mb["seq_index"], lp)}
+        mb.old_logprobs = lp + old_noise[mb.seq_index]
+        logprobs |= {int(i): row for i, row in zip(mb.seq_index, lp)}
     popt.zero_grad()
     outputs = grpo_forward_backward(popt.model, ps, micro, loss_config, normalizer, settings)
     stats = popt.step()
@@ -122,8 +124,8 @@ def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
     reports = ps.is_last_stage and ps.tp_rank == 0
     return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"],
             "logprobs": logprobs if reports else {}, "num_microbatches": len(micro),
-            "num_empty": sum(mb["completion_ids"].shape[0] == 0 for mb in micro),
-            "token_slots": sum(mb.get("input_ids", mb["tokens"]).numel() for mb in micro)}
+            "num_empty": sum(mb.completion_ids.shape[0] == 0 for mb in micro),
+            "token_slots": sum(mb.model_input_ids.numel() for mb in micro)}
 
 
 def _merge(results: list[dict], name: str) -> dict:

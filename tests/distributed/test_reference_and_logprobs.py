@@ -45,7 +45,7 @@ def _check(tp: int, model_dir: str) -> dict:
 
     gen = torch.Generator().manual_seed(2)
     batch = pack_completions([[5, 6, 7], [8, 9]] * 2, [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (4, 2, 5, 3)], 0)
-    batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     micro = split_microbatches(batch, 2)
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=0.7,
                                kernels=KernelsConfig(loss_implementation="torch_chunked"))
@@ -61,10 +61,10 @@ def _check(tp: int, model_dir: str) -> dict:
     popt.zero_grad()
     in_training = run_schedule(popt.model, ps, micro, train_mode_logprobs)
     popt.zero_grad()
-    micro_old = [mb | {"old_logprobs": lp} for mb, (lp, _) in zip(micro, first)]
-    normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
+    micro_old = [dataclasses.replace(mb, old_logprobs=lp) for mb, (lp, _) in zip(micro, first)]
+    normalizer = LossNormalizer(num_tokens=float(batch.completion_mask.sum()), num_sequences=4.0)
     loss_config = build_loss_config(loss_type="dapo", beta=0.04, use_bias_correction_kl=False)
-    micro_old = [mb | {"ref_logprobs": lp + 0.1} for mb, (lp, _) in zip(micro_old, first)]
+    micro_old = [dataclasses.replace(mb, ref_logprobs=lp + 0.1) for mb, (lp, _) in zip(micro_old, first)]
     def with_terms(name: str):
         return dataclasses.replace(settings, kernels=dataclasses.replace(settings.kernels, loss_terms_implementation=name))
 
@@ -82,7 +82,7 @@ def _check(tp: int, model_dir: str) -> dict:
     reference.mix_from(popt.model, alpha=1.0)
     ref_mixed = reference.logprobs(ps, micro, settings)
     mixing_follows_trl = _mix_over_steps(popt, reference, ps, micro, settings,
-                                         float(batch["completion_mask"].sum()))
+                                         float(batch.completion_mask.sum()))
     on_cpu = all(p.device.type == "cpu" for c in reference.chunks for p in c.parameters())
     return _dropout_follows_disable_dropout(hf_config, ps, micro, settings) | {
         "deterministic": all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, second)),
@@ -96,7 +96,7 @@ def _check(tp: int, model_dir: str) -> dict:
                                               for a, b in zip(triton_terms, torch_terms)) and len(torch_terms) == 2,
         "bad_terms_implementation_refused": is_refused,
         "mixing_follows_trl": mixing_follows_trl,
-        "masked_are_zero": all(float((lp * (1 - mb["completion_mask"])).abs().sum()) == 0 for (lp, _), mb in zip(first, micro)),
+        "masked_are_zero": all(float((lp * (1 - mb.completion_mask)).abs().sum()) == 0 for (lp, _), mb in zip(first, micro)),
     }
 
 
@@ -149,7 +149,7 @@ def _mix_over_steps(popt, reference, ps, micro, settings, num_tokens: float, *, 
     for step in range(1, num_steps + 1):
         old = forward_logprobs(popt.model, ps, micro, settings)
         popt.zero_grad()
-        grpo_forward_backward(popt.model, ps, [mb | {"old_logprobs": lp} for mb, (lp, _) in zip(micro, old)],
+        grpo_forward_backward(popt.model, ps, [dataclasses.replace(mb, old_logprobs=lp) for mb, (lp, _) in zip(micro, old)],
                               build_loss_config(loss_type="dapo"),
                               LossNormalizer(num_tokens=num_tokens, num_sequences=4.0),
                               settings)

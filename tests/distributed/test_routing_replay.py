@@ -16,6 +16,8 @@ forward, and (b) random distinct top-k routes:
   from the gradients of replay off; recording in a training pass with recompute counts each (token, layer) pair once.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -46,10 +48,10 @@ def _own_routes(chunk, batch: dict, ps) -> torch.Tensor:
 
     from engine.policy.routing_replay import begin_forward, end_forward, pad_routes
 
-    rows, seq_len = batch["tokens"].shape
-    begin_forward(chunk, batch | {"routed_experts": pad_routes([[]] * rows, seq_len, LAYERS, TOP_K)}, ps, replay=False)
+    rows, seq_len = batch.tokens.shape
+    begin_forward(chunk, replace(batch, routed_experts=pad_routes([[]] * rows, seq_len, LAYERS, TOP_K)), ps, replay=False)
     with torch.no_grad():
-        chunk(batch["tokens"], batch["position_ids"], attention_mask=None)
+        chunk(batch.tokens, batch.position_ids, attention_mask=None)
     per_layer = []
     for layer in chunk.decoder.layers:
         if getattr(layer.mlp, "router", None) is None:  # GLM-4.5's dense first layer: no routes (the engine's filler)
@@ -73,7 +75,7 @@ def _training_pass(chunks, ps, batch: dict, settings, recompute: bool, forwards:
     chunk = chunks[0]
     chunk.config.recompute_granularity = "full" if recompute else None  # uniform, 1 layer: as built
     chunk.zero_grad(set_to_none=True)
-    weights = torch.randn(batch["completion_mask"].shape, generator=torch.Generator().manual_seed(8))  # (b, C)
+    weights = torch.randn(batch.completion_mask.shape, generator=torch.Generator().manual_seed(8))  # (b, C)
 
     def loss_fn(model, hidden, b):
         lp, _ = completion_logprobs(model, hidden, b, ps, settings)
@@ -90,7 +92,7 @@ def _training_pass(chunks, ps, batch: dict, settings, recompute: bool, forwards:
 def _recompute_checks(chunks, ps, batch: dict, settings, random_routes) -> dict:
     """Training passes with recompute on and off (the chunk's config toggled: the same weights), replay on and off."""
     chunk, forwards = chunks[0], count_layer_forwards(chunks)
-    routed = batch | {"routed_experts": random_routes}
+    routed = replace(batch, routed_experts=random_routes)
     chunk.routing_replay = True
     replay_on = _training_pass(chunks, ps, routed, settings, True, forwards)
     replay_off_recompute = _training_pass(chunks, ps, routed, settings, False, forwards)
@@ -118,7 +120,7 @@ def _check(model_dir: str, tp: int, ep: int) -> dict:
 
     ps, hf_config, chunks, _ = build_from_hf(model_dir, ParallelConfig(tp_size=tp, ep_size=ep, sequence_parallel=tp > 1))
     batch = _batch()
-    rows, seq_len = batch["tokens"].shape
+    rows, seq_len = batch.tokens.shape
     settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=1.0,
                                kernels=KernelsConfig(loss_implementation="torch_chunked"))
     chunk = chunks[0]
@@ -137,16 +139,16 @@ def _check(model_dir: str, tp: int, ep: int) -> dict:
         return values["logprobs"], (list(counts[0]) if counts[0][1] else None), take_router_agreement(chunks, ps)
 
     plain, none, none_fraction = logprobs_and_agreement(batch)
-    _, agree_own, own_fraction = logprobs_and_agreement(batch | {"routed_experts": own})
-    _, agree_random, random_fraction = logprobs_and_agreement(batch | {"routed_experts": random_routes})
+    _, agree_own, own_fraction = logprobs_and_agreement(replace(batch, routed_experts=own))
+    _, agree_random, random_fraction = logprobs_and_agreement(replace(batch, routed_experts=random_routes))
     chunk.routing_replay = True
-    replay_own, _, _ = logprobs_and_agreement(batch | {"routed_experts": own})
-    replay_random, _, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
+    replay_own, _, _ = logprobs_and_agreement(replace(batch, routed_experts=own))
+    replay_random, _, _ = logprobs_and_agreement(replace(batch, routed_experts=random_routes))
     chunk.routing_replay = False
-    off_random, _, _ = logprobs_and_agreement(batch | {"routed_experts": random_routes})
+    off_random, _, _ = logprobs_and_agreement(replace(batch, routed_experts=random_routes))
     recompute = _recompute_checks(chunks, ps, batch, settings, random_routes)
     moe_layers = sum(getattr(layer.mlp, "router", None) is not None for layer in chunk.decoder.layers)
-    valid_pairs = int((batch["lengths"] - 1).sum()) * moe_layers
+    valid_pairs = int((batch.lengths - 1).sum()) * moe_layers
     return {"tp_rank": ps.tp_rank, "none": none, "none_fraction": none_fraction, "agree_own": agree_own, "own_fraction": own_fraction,
             "agree_random": agree_random, "random_fraction": random_fraction,
             "valid_pairs": valid_pairs, "replay_own_equal": torch.equal(replay_own, plain),

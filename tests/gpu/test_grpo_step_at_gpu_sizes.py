@@ -35,8 +35,8 @@ def _step_gradients(popt, ps, batch: dict, vocab_size: int, implementation: str)
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from tests.helpers.grpo_settings import build_loss_config
 
-    mask = batch["completion_mask"]
-    micro = split_microbatches({k: v.to(ps.device) for k, v in batch.items()}, 2)
+    mask = batch.completion_mask
+    micro = split_microbatches(batch.to(ps.device), 2)
     normalizer = LossNormalizer(num_tokens=float(mask.sum()), num_sequences=float(mask.shape[0]))
     settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0, kernels=kernels_for(implementation))
     popt.zero_grad()

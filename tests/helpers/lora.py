@@ -11,6 +11,8 @@ import zlib
 
 import torch
 
+from engine.policy.microbatch import MicroBatch
+
 SETTINGS = dict(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
                                                                        "gate_proj", "up_proj", "down_proj"))
 
@@ -63,7 +65,7 @@ def lora_logits_and_exports(model_dir: str, parallel, out_dir: str, settings_ove
     perturb_lora_b(chunks, ps)
     for chunk in chunks:
         chunk.eval()
-    batch = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+    batch = MicroBatch(tokens=tokens(hf_config.vocab_size), position_ids=torch.arange(SEQ).expand(BATCH, SEQ))
     logits_fn = gathered_logits_fn(ps, hf_config.vocab_size)
 
     def logits():

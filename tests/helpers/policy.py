@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from engine.policy.microbatch import MicroBatch
+
 BATCH, SEQ = 2, 12
 """The logits tests' token batch (B, T)."""
 GLOBAL_BATCH, MICRO_BATCH, VOCAB = 8, 2, 400
@@ -154,7 +156,7 @@ def hf_tensors(model_dir) -> dict[str, torch.Tensor]:
     return {name: src.read(name, (slice(None),)) for name in src.names()}
 
 
-def global_batch() -> dict:
+def global_batch() -> MicroBatch:
     """8 completions (2 prompts x G=4, ragged prompt and completion lengths; rows 13 tokens wide), advantages and
     off-policy old / reference log-probs (so clipping and the KL are active)."""
     from engine.policy.batch import pack_completions
@@ -163,10 +165,10 @@ def global_batch() -> dict:
     prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in [3, 3, 3, 3, 6, 6, 6, 6]]
     completions = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist() for n in [2, 7, 5, 4, 1, 6, 3, 7]]
     batch = pack_completions(prompts, completions, pad_token_id=0)
-    mask = batch["completion_mask"]
-    batch["advantages"] = torch.randn(GLOBAL_BATCH, generator=gen)  # (B,)
-    batch["old_logprobs"] = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
-    batch["ref_logprobs"] = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
+    mask = batch.completion_mask
+    batch.advantages = torch.randn(GLOBAL_BATCH, generator=gen)  # (B,)
+    batch.old_logprobs = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
+    batch.ref_logprobs = (-6.0 + 0.5 * torch.randn(mask.shape, generator=gen)) * mask  # (B, C)
     return batch
 
 
@@ -318,10 +320,10 @@ def sync_after_step(model_dir: str, parallel, vllm_tp: int, flips: tuple[str, ..
         torch.distributed.broadcast_object_list(shared, src=0)  # each engine samples its own: take rank 0's
         rollout = shared[0]
         batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
-        batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+        batch.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
         before = logprob_max()
         sync()  # the checkpoint's weights, as the trainer holds them: verified
-        normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
+        normalizer = LossNormalizer(num_tokens=float(batch.completion_mask.sum()), num_sequences=4.0)
         settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=1.0,
                                    kernels=KernelsConfig(loss_implementation="torch_chunked"))
         popt.zero_grad()

@@ -36,8 +36,8 @@ def _step(popt, ps, batch, vocab_size: int) -> None:
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from tests.helpers.grpo_settings import build_loss_config
 
-    normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()),
-                                num_sequences=float(batch["tokens"].shape[0]))
+    normalizer = LossNormalizer(num_tokens=float(batch.completion_mask.sum()),
+                                num_sequences=float(batch.tokens.shape[0]))
     settings = LogprobSettings(vocab_size=vocab_size, temperature=1.0,
                                kernels=KernelsConfig(loss_implementation="torch_chunked"))
     popt.zero_grad()
@@ -49,7 +49,7 @@ def _batch(rollout, num_rows: int) -> dict:
     from engine.policy.batch import pack_completions
 
     batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
-    batch["advantages"] = torch.tensor([1.0, -1.0] * (num_rows // 2))
+    batch.advantages = torch.tensor([1.0, -1.0] * (num_rows // 2))
     return batch
 
 
@@ -89,7 +89,7 @@ def _adapter_sync(model_dir: str) -> dict:
         new = _batch(rollout, 12)
         logprob_settings = LogprobSettings(vocab_size=vocab, temperature=1.0, kernels=KernelsConfig())
         trainer = forward_logprobs(popt.model, ps, [new], logprob_settings)[0][0]  # (B, C)
-        mask = new["completion_mask"].bool()
+        mask = new.completion_mask.bool()
         sampled = torch.zeros_like(trainer)
         for i, row in enumerate(rollout.sampling_logprobs):
             sampled[i, : len(row)] = torch.tensor(row)
@@ -242,7 +242,7 @@ def _sampling_diff(chunks, ps, rollout, vocab: int) -> float:
     sampled = torch.zeros_like(trainer)
     for i, row in enumerate(rollout.sampling_logprobs):
         sampled[i, : len(row)] = torch.tensor(row)
-    return float((trainer - sampled)[new["completion_mask"].bool()].abs().max())
+    return float((trainer - sampled)[new.completion_mask.bool()].abs().max())
 
 
 @pytest.fixture(scope="module")

@@ -350,14 +350,14 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
                               seeds=[1, 100, 7, 9][: 2 * ps.dp_size])
     mine = slice(4 * ps.dp_rank, 4 * ps.dp_rank + 4)
     batch = pack_completions(rollout.prompt_ids[mine], rollout.completion_ids[mine], pad_token_id=0)
-    batch["advantages"] = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    batch.advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     vocab = hf_config.vocab_size
 
     def logprob_max() -> float:
         return logprob_health(popt.model, ps, engine, batch, vocab)["weight_sync/logprob_diff_max"]
 
     before = logprob_max()
-    normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=4.0)
+    normalizer = LossNormalizer(num_tokens=float(batch.completion_mask.sum()), num_sequences=4.0)
     popt.zero_grad()
     grpo_forward_backward(popt.model, ps, [batch], build_loss_config(loss_type="dapo"), normalizer,
                           LogprobSettings(vocab_size=vocab, temperature=1.0,
@@ -572,7 +572,7 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     out["split_logprob_diff"] = max(abs(a - b) for x, y in zip(split.sampling_logprobs, alone.sampling_logprobs)
                                     for a, b in zip(x, y))
     batch = pack_completions(split.prompt_ids, split.completion_ids, pad_token_id=0)
-    batch["advantages"] = torch.tensor([1.0, -1.0] * 4)
+    batch.advantages = torch.tensor([1.0, -1.0] * 4)
     vocab = hf_config.vocab_size
 
     def logprob_max() -> float:
@@ -580,7 +580,7 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
 
     out["before"] = logprob_max()
 
-    normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=8.0)
+    normalizer = LossNormalizer(num_tokens=float(batch.completion_mask.sum()), num_sequences=8.0)
     popt.zero_grad()
     grpo_forward_backward(popt.model, ps, [batch], build_loss_config(loss_type="dapo"), normalizer,
                           LogprobSettings(vocab_size=vocab, temperature=1.0,

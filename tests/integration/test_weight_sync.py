@@ -65,8 +65,8 @@ def _bf16_large_steps(model_dir: str) -> dict:
                                                   ffn_hidden_size=hf_config.intermediate_size), temperature=1.0)
         rollout = engine.generate([[5 + i, 6 + 2 * i, 7 + 3 * i] for i in range(12)], num_generations=2)
         batch = pack_completions(rollout.prompt_ids, rollout.completion_ids, pad_token_id=0)
-        batch["advantages"] = torch.tensor([1.0, -1.0] * 12)
-        normalizer = LossNormalizer(num_tokens=float(batch["completion_mask"].sum()), num_sequences=24.0)
+        batch.advantages = torch.tensor([1.0, -1.0] * 12)
+        normalizer = LossNormalizer(num_tokens=float(batch.completion_mask.sum()), num_sequences=24.0)
         settings = LogprobSettings(vocab_size=hf_config.vocab_size, temperature=1.0,
                                    kernels=KernelsConfig(loss_implementation="torch_chunked"))
         for _ in range(3):  # every sync at lr 0.1 verifies (it raises otherwise)

@@ -5,7 +5,8 @@
 - the folders' import graph has no cycle, and neither has the graph of modules;
 - vLLM is imported in one module, Megatron's global parallel state is read in one;
 - no module is over ~600 lines (docs/contributing/house-rules.md);
-- no module outside a family's folder (engine/models/<family>/) names that family in its code.
+- no module outside a family's folder (engine/models/<family>/) names that family in its code;
+- no module indexes a micro-batch by a string key: its fields are `MicroBatch` attributes (engine/policy/microbatch.py).
 """
 
 from __future__ import annotations
@@ -230,3 +231,58 @@ def test_no_module_outside_a_family_folder_names_the_family():
     assert not outside, f"family names outside the family folders (engine/models/<family>/): {outside}"
     moved = sorted(NAMES_FAMILIES_NOT_MOVED_YET - set(mentions))
     assert not moved, f"{moved} no longer name a family: drop them from NAMES_FAMILIES_NOT_MOVED_YET"
+
+
+MICROBATCH = ENGINE / "policy" / "microbatch.py"
+
+KEYS_OF_OTHER_DICTS = {
+    ("engine/agent/agentic_rollout.py", "input_ids"), ("engine/agent/chat_tokens.py", "input_ids"),
+    ("engine/train/data.py", "input_ids"),
+    ("engine/demo/warm_start.py", "input_ids"), ("engine/agent/rollout_func.py", "completion_ids"),
+    ("engine/api/trl_generate.py", "completion_ids"), ("engine/api/trl_surface.py", "advantages"),
+    ("engine/policy/fused_layers.py", "packed_seq_params"), ("engine/rollout/rollouts.py", "routed_experts"),
+}
+"""(module, key): string keys that name a MicroBatch field but index another mapping (a tokenizer's output, TRL's
+rollout_func output and logs, Megatron's forward kwargs, vLLM's output). The list only shrinks: an entry whose key no
+longer occurs in its module fails `test_no_module_indexes_a_microbatch_by_string_key`."""
+
+
+def _microbatch_fields() -> set[str]:
+    """The annotated fields of `class MicroBatch`, read from its source."""
+    tree = ast.parse(MICROBATCH.read_text())
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "MicroBatch")
+    return {node.target.id for node in cls.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+
+
+def _string_keys(tree: ast.Module):
+    """(line, key) of every string used as a mapping key: `x["key"]`, `x.get("key", ...)` / `pop` / `setdefault`,
+    `"key" in x`, and `{"key": ...}` displays."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            yield node.lineno, node.slice.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+              and node.func.attr in ("get", "pop", "setdefault") and isinstance(node.args[0], ast.Constant)):
+            yield node.lineno, node.args[0].value
+        elif isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+            yield node.lineno, node.left.value
+        elif isinstance(node, ast.Dict):
+            yield from ((node.lineno, k.value) for k in node.keys if isinstance(k, ast.Constant))
+
+
+def test_no_module_indexes_a_microbatch_by_string_key():
+    names = _microbatch_fields()
+    assert {"tokens", "completion_mask", "old_logprobs", "ref_logprobs", "input_ids", "seq_row"} <= names, names
+    found: dict[str, list[str]] = {}
+    used = set()
+    for path in sorted(ENGINE.rglob("*.py")):
+        rel = str(path.relative_to(ENGINE.parent))
+        for line, key in _string_keys(ast.parse(path.read_text())):
+            if key not in names:
+                continue
+            if (rel, key) in KEYS_OF_OTHER_DICTS:
+                used.add((rel, key))
+            else:
+                found.setdefault(rel, []).append(f"{line}: {key!r}")
+    assert not found, f"micro-batch fields used as string keys (use MicroBatch attributes): {found}"
+    stale = sorted(KEYS_OF_OTHER_DICTS - used)
+    assert not stale, f"{stale} no longer occur: drop them from KEYS_OF_OTHER_DICTS"

@@ -267,13 +267,13 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(model_dir, tmp_path):
 
 def test_a_padded_vocab_token_id_in_a_completion_names_row_position_and_id():
     batch = pack_completions([[5, 6], [7]], [[8, 9, 10], [11, 450]], pad_token_id=0)  # 450: a padding row of 512
-    check_completion_ids(batch["completion_ids"][:1], batch["completion_mask"][:1], vocab_size=400)  # row 0 is fine
+    check_completion_ids(batch.completion_ids[:1], batch.completion_mask[:1], vocab_size=400)  # row 0 is fine
     with pytest.raises(ValueError, match=r"completion row 1 .*token 1: id 450 is outside the model's vocabulary "
                                          r"\[0, 400\) \(1 such tokens\): ids from 400 up are padding rows"):
-        check_completion_ids(batch["completion_ids"], batch["completion_mask"], vocab_size=400)
-    masked = batch["completion_mask"].clone()
+        check_completion_ids(batch.completion_ids, batch.completion_mask, vocab_size=400)
+    masked = batch.completion_mask.clone()
     masked[1, 1] = 0  # a masked position (padding) is never read: not an error
-    check_completion_ids(batch["completion_ids"], masked, vocab_size=400)
+    check_completion_ids(batch.completion_ids, masked, vocab_size=400)
 
 
 # --- checkpoint --------------------------------------------------------------------------------------------------

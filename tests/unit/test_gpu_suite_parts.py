@@ -59,5 +59,5 @@ def test_long_tailed_batch_has_the_asked_median_tail_and_cap_and_is_the_same_for
     suite = long_tail_lengths(64, median=600, p99=8000, cap=8192)
     assert suite == long_tail_lengths(64, median=600, p99=8000, cap=8192) and max(suite) <= 8192
     first, second = (long_tail_batch(1000, [3, 9, 1], prompt_len=4) for _ in range(2))
-    assert first["completion_mask"].sum(1).tolist() == [3, 9, 1]
-    assert all(torch.equal(first[k], second[k]) for k in ("tokens", "completion_ids", "advantages", "old_logprobs"))
+    assert first.completion_mask.sum(1).tolist() == [3, 9, 1]
+    assert all(torch.equal(getattr(first, k), getattr(second, k)) for k in ("tokens", "completion_ids", "advantages", "old_logprobs"))

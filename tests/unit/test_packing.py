@@ -8,6 +8,7 @@ import torch
 
 from engine.config import ModelConfig, TrainConfig
 from engine.policy.batch import pack_completions
+from engine.policy.microbatch import MicroBatch
 from engine.policy.packing import (
     MicrobatchSpec,
     block_causal_mask,
@@ -25,13 +26,13 @@ from engine.policy.packing import (
 LONG_TAILED = [3, 120, 7, 9, 15, 4, 60, 5, 11, 8, 30, 6]  # a few long, most short
 
 
-def _batch(completion_lengths, prompt_lengths=None, seed=0) -> dict:
+def _batch(completion_lengths, prompt_lengths=None, seed=0) -> MicroBatch:
     gen = torch.Generator().manual_seed(seed)
     prompt_lengths = prompt_lengths or [2 + i % 3 for i in range(len(completion_lengths))]
     prompts = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in prompt_lengths]
     completions = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in completion_lengths]
     batch = pack_completions(prompts, completions, pad_token_id=0)
-    batch["advantages"] = torch.randn(len(completion_lengths), generator=gen)
+    batch.advantages = torch.randn(len(completion_lengths), generator=gen)
     return batch
 
 
@@ -93,18 +94,18 @@ def test_block_causal_mask_confines_attention_to_each_sequence():
 def test_packed_microbatch_places_sequences_and_indexes_only_real_completion_tokens():
     batch = _batch([2, 5, 1, 3], prompt_lengths=[1, 2, 1, 1])  # lengths 3, 7, 2, 4
     mb = build_microbatch(batch, [0, 1, 2, 3], "mask", pad_token_id=0)
-    assert mb["input_ids"].shape == (3, 7)  # FFD into rows as wide as the longest: [7], [4, 3], [2]
-    assert mb["seq_row"].tolist() == [1, 0, 2, 1] and mb["seq_offset"].tolist() == [4, 0, 0, 0]
+    assert mb.input_ids.shape == (3, 7)  # FFD into rows as wide as the longest: [7], [4, 3], [2]
+    assert mb.seq_row.tolist() == [1, 0, 2, 1] and mb.seq_offset.tolist() == [4, 0, 0, 0]
     for k in range(4):
-        row, off, n = int(mb["seq_row"][k]), int(mb["seq_offset"][k]), int(batch["lengths"][k])
-        assert mb["input_ids"][row, off : off + n].tolist() == batch["tokens"][k, :n].tolist()
-        assert mb["position_ids"][row, off : off + n].tolist() == list(range(n))
+        row, off, n = int(mb.seq_row[k]), int(mb.seq_offset[k]), int(batch.lengths[k])
+        assert mb.input_ids[row, off : off + n].tolist() == batch.tokens[k, :n].tolist()
+        assert mb.position_ids[row, off : off + n].tolist() == list(range(n))
         # the hidden state at offset + prompt_length - 1 + j predicts completion token j
-        index = off + int(batch["prompt_lengths"][k]) - 1 + torch.arange(int(batch["completion_mask"][k].sum()))
-        assert mb["input_ids"][row, index + 1].tolist() == batch["completion_ids"][k, : len(index)].tolist()
-    assert torch.equal(mb["completion_ids"], batch["completion_ids"]) and torch.equal(mb["advantages"], batch["advantages"])
+        index = off + int(batch.prompt_lengths[k]) - 1 + torch.arange(int(batch.completion_mask[k].sum()))
+        assert mb.input_ids[row, index + 1].tolist() == batch.completion_ids[k, : len(index)].tolist()
+    assert torch.equal(mb.completion_ids, batch.completion_ids) and torch.equal(mb.advantages, batch.advantages)
     thd_rows = build_microbatch(batch, [0, 1, 2, 3], "padded", pad_token_id=0, shape=(6, 9))
-    assert thd_rows["input_ids"].shape == (6, 9) and "attention_mask" not in thd_rows
+    assert thd_rows.input_ids.shape == (6, 9) and thd_rows.attention_mask is None
 
 
 def test_fixed_shape_and_multiple_pad_every_microbatch_to_one_shape():
@@ -113,21 +114,21 @@ def test_fixed_shape_and_multiple_pad_every_microbatch_to_one_shape():
                           fixed_shape=True, multiple=4)
     steps = round_microbatches(batch, spec, global_batch_size=12, dp_size=2, dp_rank=0)
     other = round_microbatches(batch, spec, global_batch_size=12, dp_size=2, dp_rank=1)
-    shapes = {tuple(mb["input_ids"].shape) for s in (steps, other) for mb in s[0][0]}
+    shapes = {tuple(mb.input_ids.shape) for s in (steps, other) for mb in s[0][0]}
     assert len(shapes) == 1 and next(iter(shapes))[1] % 4 == 0, shapes
     assert len(steps[0][0]) == len(other[0][0])
     normalizer = steps[0][1]
-    assert normalizer.num_tokens == float(batch["completion_mask"].sum()) and normalizer.num_sequences == 12.0
+    assert normalizer.num_tokens == float(batch.completion_mask.sum()) and normalizer.num_sequences == 12.0
 
 
 def test_packing_computes_at_least_2x_fewer_tokens_than_padding_on_long_tailed_lengths():
     batch = _batch(LONG_TAILED * 2)
     padded = MicrobatchSpec(padding_free=False, max_tokens=None, max_logprob_tokens=None, micro_batch_size=4)
     packed = MicrobatchSpec(padding_free=True, max_tokens=None, max_logprob_tokens=None, micro_batch_size=4)
-    slots = {name: sum(mb.get("input_ids", mb["tokens"]).numel() for mb in round_microbatches(
+    slots = {name: sum(mb.model_input_ids.numel() for mb in round_microbatches(
         batch, spec, global_batch_size=24, dp_size=1, dp_rank=0)[0][0]) for name, spec in
         [("padded", padded), ("packed", packed)]}
-    real = int(batch["lengths"].sum())
+    real = int(batch.lengths.sum())
     assert slots["packed"] * 2 <= slots["padded"], (slots, real)
 
 
@@ -139,13 +140,13 @@ def test_sequence_logprobs_returns_each_training_microbatchs_rows_from_its_own_b
 
     def forward(mbs):  # stands in for the model: the "log-prob" of sequence s is its first completion token id
         seen.append(len(mbs))
-        return [(mb["completion_ids"].float(), None) for mb in mbs]
+        return [(mb.completion_ids.float(), None) for mb in mbs]
 
     out = sequence_logprobs(forward, micro, spec)
     assert seen == [1], "the forward-only budget (400 tokens) holds the whole rank in one micro-batch"
     assert len(out) == len(micro) > 1
     for values, mb in zip(out, micro):  # each training micro-batch gets its own sequences' rows, in its order
-        assert torch.equal(values, mb["completion_ids"].float())
+        assert torch.equal(values, mb.completion_ids.float())
     assert sequence_logprobs(lambda mbs: [], micro, spec) == []  # not the last pipeline stage
 
 
@@ -186,17 +187,17 @@ def test_engine_routes_follow_their_tokens_into_the_rows_and_the_logprob_microba
     from engine.policy.routing_replay import pad_routes
 
     batch = _batch([5, 2, 7, 1])
-    lengths = [int(n) for n in batch["lengths"]]
-    seq_len, num_layers, top_k = batch["tokens"].shape[1], 3, 2
+    lengths = [int(n) for n in batch.lengths]
+    seq_len, num_layers, top_k = batch.tokens.shape[1], 3, 2
     # token t of sequence s routed to experts (token id % 8, s + 8): the last token of each sequence never routed
-    engine = [torch.stack([batch["tokens"][s, : n - 1] % 8, torch.full((n - 1,), s + 8)], -1)[:, None].expand(
+    engine = [torch.stack([batch.tokens[s, : n - 1] % 8, torch.full((n - 1,), s + 8)], -1)[:, None].expand(
         n - 1, num_layers, top_k) for s, n in enumerate(lengths)]
-    batch["routed_experts"] = pad_routes(engine, seq_len, num_layers, top_k, torch.uint8)
+    batch.routed_experts = pad_routes(engine, seq_len, num_layers, top_k, torch.uint8)
     mb = build_microbatch(batch, [3, 0, 2], layout, pad_token_id=0, multiple=4)
-    routes, valid = mb["input_routes"], mb["input_routes_valid"]
-    assert routes.shape == (*mb["input_ids"].shape, num_layers, top_k) and valid.shape == mb["input_ids"].shape
+    routes, valid = mb.input_routes, mb.input_routes_valid
+    assert routes.shape == (*mb.input_ids.shape, num_layers, top_k) and valid.shape == mb.input_ids.shape
     for k, s in enumerate([3, 0, 2]):
-        row, offset, n = int(mb["seq_row"][k]), int(mb["seq_offset"][k]), lengths[s]
+        row, offset, n = int(mb.seq_row[k]), int(mb.seq_offset[k]), lengths[s]
         assert torch.equal(routes[row, offset : offset + n - 1], engine[s].to(torch.uint8))
         assert valid[row, offset : offset + n - 1].all() and not valid[row, offset + n - 1]
     assert int(valid.sum()) == sum(lengths[s] - 1 for s in (3, 0, 2))
@@ -204,26 +205,26 @@ def test_engine_routes_follow_their_tokens_into_the_rows_and_the_logprob_microba
     spec = MicrobatchSpec(padding_free=layout != "padded", max_tokens=30, max_logprob_tokens=None, micro_batch_size=2)
     lp_micro, _ = logprob_microbatches([mb, build_microbatch(batch, [1], layout, pad_token_id=0)], spec)
     for lp in lp_micro:
-        for k, s in enumerate(lp["seq_index"].tolist()):
+        for k, s in enumerate(lp.seq_index.tolist()):
             seq = [3, 0, 2, 1][s]
-            row, offset = int(lp["seq_row"][k]), int(lp["seq_offset"][k])
-            assert torch.equal(lp["input_routes"][row, offset : offset + lengths[seq] - 1], engine[seq].to(torch.uint8))
+            row, offset = int(lp.seq_row[k]), int(lp.seq_offset[k])
+            assert torch.equal(lp.input_routes[row, offset : offset + lengths[seq] - 1], engine[seq].to(torch.uint8))
 
 
 def test_padded_rows_are_widened_to_the_sequence_parallel_multiple():
     """Megatron splits the sequence over TP ranks under sequence parallelism and refuses a length that is not a
     multiple of tp_size: the padded path (rows, no packing) pads to it too."""
     batch = _batch([2, 7, 5, 4])  # longest sequence 3 + 7 = 10 tokens
-    batch["routed_experts"] = torch.randint(0, 4, (4, 10, 3, 2))  # (n, T, L, k)
+    batch.routed_experts = torch.randint(0, 4, (4, 10, 3, 2))  # (n, T, L, k)
     spec = MicrobatchSpec(padding_free=False, max_tokens=None, max_logprob_tokens=None, micro_batch_size=2,
                           multiple=4, pad_token_id=0)
     micro = round_microbatches(batch, spec, global_batch_size=4, dp_size=2, dp_rank=1)[0][0]
-    assert [tuple(mb["tokens"].shape) for mb in micro] == [(2, 12)]
+    assert [tuple(mb.tokens.shape) for mb in micro] == [(2, 12)]
     mb = micro[0]
-    assert torch.equal(mb["tokens"][:, :10], batch["tokens"][2:]) and not mb["tokens"][:, 10:].any()
-    assert torch.equal(mb["position_ids"], torch.arange(12).expand(2, 12))
-    assert torch.equal(mb["completion_ids"], batch["completion_ids"][2:])
-    assert torch.equal(mb["routed_experts"][:, :10], batch["routed_experts"][2:])
-    assert torch.equal(mb["routed_experts"][:, 10:], torch.arange(2).expand(2, 2, 3, 2))
+    assert torch.equal(mb.tokens[:, :10], batch.tokens[2:]) and not mb.tokens[:, 10:].any()
+    assert torch.equal(mb.position_ids, torch.arange(12).expand(2, 12))
+    assert torch.equal(mb.completion_ids, batch.completion_ids[2:])
+    assert torch.equal(mb.routed_experts[:, :10], batch.routed_experts[2:])
+    assert torch.equal(mb.routed_experts[:, 10:], torch.arange(2).expand(2, 2, 3, 2))
     spec_tp1 = MicrobatchSpec(padding_free=False, max_tokens=None, max_logprob_tokens=None, micro_batch_size=2)
-    assert round_microbatches(batch, spec_tp1, global_batch_size=4, dp_size=1, dp_rank=0)[0][0][0]["tokens"].shape[1] == 10
+    assert round_microbatches(batch, spec_tp1, global_batch_size=4, dp_size=1, dp_rank=0)[0][0][0].tokens.shape[1] == 10
