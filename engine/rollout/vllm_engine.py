@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from engine.config import GenerationConfig, RolloutConfig
-from engine.rollout import vllm_cpu_shm
 from engine.models.quantized import FP8_DTYPE
+from engine.rollout import vllm_cpu_shm
 from engine.rollout.fp8_checkpoint import fp8_engine_settings
 from engine.rollout.fp8_sync import held_parts
 from engine.rollout.protocol import TurnRequest, TurnResult

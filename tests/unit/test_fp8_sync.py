@@ -23,9 +23,18 @@ from engine.config import ConfigError, RolloutConfig, load_config
 from engine.models.quantized import FP8_DTYPE, quantize_fp8
 from engine.policy.hf_convert import ModelDims
 from engine.rollout.fp8_checkpoint import fp8_engine_settings, write_fp8_engine_checkpoint
-from engine.rollout.fp8_sync import (FP8_BLOCK, expected_digests, fp8_engine_tensors, fp8_layout_problems,
-                                     held_parts, is_fp8_weight, quantize_bucket, quantize_shard, scale_box,
-                                     scale_name)
+from engine.rollout.fp8_sync import (
+    FP8_BLOCK,
+    expected_digests,
+    fp8_engine_tensors,
+    fp8_layout_problems,
+    held_parts,
+    is_fp8_weight,
+    quantize_bucket,
+    quantize_shard,
+    scale_box,
+    scale_name,
+)
 from engine.rollout.sync_check import check_digests
 from engine.rollout.sync_plan import TrainerLayout, box_slices, build_sync_plan
 from engine.rollout.weight_digest import box_digest
