@@ -22,7 +22,7 @@ Must not: import vLLM (the worker side passes its modules' sizes in), move tenso
 
 Test: tests/unit/test_fp8_sync.py (the quantizer per shard against engine/models/quantized.py, every tensor of a
 tiny dense and a tiny MoE plan at engine TP 1/2, digests against a receiver holding what vLLM's FP8 layers hold, the
-refusal on this CPU); tests/unit/test_fp8_checkpoint.py (the engine's starting checkpoint).
+refusal on this CPU, the engine's starting checkpoint).
 """
 
 from __future__ import annotations
