@@ -340,6 +340,13 @@ class RolloutConfig:
     (AReaL's decoupled PPO with recomputed proximal log-probs). Colocated mode is synchronous (0 only)."""
     vllm_group_port: int = 51216
     """TCP port of the weight-transfer group (global rank 0's host; server i of the URL list: `vllm_group_port + i`)."""
+    vllm_weight_dtype: Literal["model", "fp8"] = "model"
+    """The dtype vLLM serves the policy's linear layers in. `model`: model.dtype. `fp8`: vLLM's block-wise FP8
+    (float8_e4m3fn, one float32 scale per 128 x 128 block): every sync quantizes on the trainer and sends payload and
+    scales, both verified (engine/rollout/fp8_sync.py). Colocate mode; refused on a CPU without AMX."""
+    vllm_kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """vLLM's KV-cache dtype: `auto` (the model's) or `fp8` (half the bytes per token; refused on a CPU without
+    AVX-512 or AMX)."""
     weight_sync_bucket_mb: int = 512
     """Size, MiB, of one flattened weight-transfer bucket (trainer -> vLLM, every sync)."""
     verify_weight_sync: bool = True

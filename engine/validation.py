@@ -285,6 +285,12 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
             f"{world_size % rollout.vllm_tensor_parallel_size})"
         )
     problems += nodes_per_server_problems(rollout)
+    if rollout.vllm_weight_dtype == "fp8" and rollout.vllm_mode == "server":
+        problems.append("rollout.vllm_weight_dtype=fp8 needs rollout.vllm_mode=colocate: the server-mode transport "
+                        "sends the trainer's pieces, which need not hold whole 128 x 128 FP8 blocks")
+    if rollout.vllm_weight_dtype == "fp8" and cfg.lora.use_peft and cfg.lora.lora_weight_sync == "adapter":
+        problems.append("rollout.vllm_weight_dtype=fp8 with lora.lora_weight_sync=adapter: the adapter would run over "
+                        "an FP8 base the trainer never quantized; use lora.lora_weight_sync=merged")
     if not 0.0 < rollout.vllm_gpu_memory_utilization <= 1.0:
         problems.append(f"rollout.vllm_gpu_memory_utilization must be in (0, 1], got {rollout.vllm_gpu_memory_utilization}")
     if rollout.vllm_server_base_urls is not None:

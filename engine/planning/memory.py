@@ -505,8 +505,9 @@ def _with_colocated_vllm(cfg: EngineConfig, terms: list[Term], shape: ClusterSha
     return terms + [Term("vLLM (colocated)", text, max(0.0, share - transient))]
 
 
-def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str]:
-    """Parameters one vLLM rank holds (KV heads replicated when TP > KV heads), with the arithmetic."""
+def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str, float]:
+    """Parameters one vLLM rank holds (KV heads replicated when TP > KV heads), with the arithmetic, and how many of
+    them are the decoder layers' split linear weights (what block-FP8 serving quantizes)."""
     h, d = dims.hidden_size, dims.d
     split, replicated = dims.layer_params()
     kv_replication = max(vtp // dims.num_kv_heads, 1)
@@ -516,7 +517,7 @@ def _vllm_weights(dims: ModelDims, vtp: int) -> tuple[float, str]:
     split += dims.expert_params()  # vLLM's fused MoE splits every expert over its TP ranks (no expert parallelism)
     params = dims.num_layers * (split / vtp + replicated) + tables * vocab * h / vtp + h
     text = f"{dims.num_layers} x ({format_count(split)} / {vtp} + {format_count(replicated)}) + {tables} x {vocab} x {h} / {vtp}"
-    return params, text
+    return params, text, dims.num_layers * split / vtp
 
 
 def _engine_sequences(cfg: EngineConfig, shape: ClusterShape, derived: Derived) -> tuple[int, int, str]:
@@ -561,19 +562,24 @@ def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, de
     prompt, completion, _ = sequence_lengths(cfg)
     tokens = -(-(prompt + completion) // VLLM_BLOCK_SIZE) * VLLM_BLOCK_SIZE
     kv_heads = max(dims.num_kv_heads // vtp, 1)
-    params, weights_text = _vllm_weights(dims, vtp)
-    wbytes = _optimizer_bytes(cfg)[0]
+    params, weights_text, linear = _vllm_weights(dims, vtp)
+    wbytes = kv_bytes = _optimizer_bytes(cfg)[0]
+    weight_bytes, weights_text = params * wbytes, f"{weights_text} = {format_count(params)} params x {wbytes} B"
+    if rollout.vllm_weight_dtype == "fp8":  # 1 B + a float32 scale per 128 x 128 block (engine/rollout/fp8_sync.py)
+        weight_bytes = linear * (1 + 4 / 128**2) + (params - linear) * wbytes
+        weights_text += f", of which {format_count(linear)} FP8 linear weights at 1 B + 4 B / 128^2 (scales)"
+    kv_bytes = 1 if rollout.vllm_kv_cache_dtype == "fp8" else kv_bytes
     slots, slots_text = kv_tokens_text(dims, tokens)  # per sequence, over the layers
-    per_token = 2 * kv_heads * dims.d * wbytes * slots / tokens  # averaged over the sequence's tokens
-    kv_text = f"2 (K, V) x {slots_text} x {kv_heads} KV head(s) x {dims.d} x {wbytes} B / {tokens} tokens"
+    per_token = 2 * kv_heads * dims.d * kv_bytes * slots / tokens  # averaged over the sequence's tokens
+    kv_text = f"2 (K, V) x {slots_text} x {kv_heads} KV head(s) x {dims.d} x {kv_bytes} B / {tokens} tokens"
     if dims.is_mla:  # vLLM's MLA caches the latent and the rope key, whole on every TP rank
         latent = dims.kv_lora_rank + dims.qk_rope_head_dim
-        per_token = dims.num_layers * latent * wbytes
-        kv_text = f"MLA latent {dims.num_layers} layers x ({dims.kv_lora_rank} + {dims.qk_rope_head_dim}) x {wbytes} B"
+        per_token = dims.num_layers * latent * kv_bytes
+        kv_text = f"MLA latent {dims.num_layers} layers x ({dims.kv_lora_rank} + {dims.qk_rope_head_dim}) x {kv_bytes} B"
     share = rollout.vllm_gpu_memory_utilization * shape.gpu_memory_gib * GIB
     reserve = shape.reserve_gib * GIB
     terms = [
-        Term("weights", f"{weights_text} = {format_count(params)} params x {wbytes} B", params * wbytes),
+        Term("weights", weights_text, weight_bytes),
         Term(
             "KV cache",
             f"{kv_text} = {per_token / 1024:g} KiB/token "
@@ -585,7 +591,7 @@ def inference_budget(cfg: EngineConfig, dims: ModelDims, shape: ClusterShape, de
     ]
     slot = _vllm_lora_slot(dims, cfg)
     terms[1:1] = slot
-    room = share - params * wbytes - reserve - sum(t.nbytes for t in slot)
+    room = share - weight_bytes - reserve - sum(t.nbytes for t in slot)
     concurrency = max(room, 0) / (tokens * per_token)
     nodes = rollout.vllm_nodes_per_server
     if server:

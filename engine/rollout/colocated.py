@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engine.config import GenerationConfig, RolloutConfig
+from engine.config import ConfigError, GenerationConfig, RolloutConfig
 from engine.lora_settings import LoraSettings
 from engine.policy.hf_convert import ModelDims
 from engine.policy.lora import merged_lora
@@ -35,6 +35,7 @@ from engine.policy.parallel import ParallelState, new_layout_group
 from engine.rollout.adapter_sync import sync_adapter
 from engine.rollout.colocated_sync import build_colocated_plan, sync_colocated
 from engine.rollout.colocated_turns import MirroredTurns, follow_turns
+from engine.rollout.fp8_sync import fp8_layout_problems
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout
 
@@ -45,7 +46,7 @@ class ColocatedRollout:
     runs_apart = False
 
     def __init__(self, engine, ps: ParallelState, dims: ModelDims, *, engine_tp: int, bucket_mb: float,
-                 ffn_hidden_size: int, dtype: str, adapter: LoraSettings | None = None):
+                 ffn_hidden_size: int, dtype: str, adapter: LoraSettings | None = None, fp8: bool = False):
         """
         Args:
             engine: this rank's engine/rollout/vllm_engine.py `ColocatedEngine`.
@@ -53,12 +54,14 @@ class ColocatedRollout:
             bucket_mb: `rollout.weight_sync_bucket_mb`.
             adapter: the LoRA setting when only adapters are synced (`lora.lora_weight_sync=adapter`; the engine
                 started with LoRA support), else None (full or merged weights).
+            fp8: `rollout.vllm_weight_dtype: fp8`: syncs send block-FP8 payload and scales (engine/rollout/fp8_sync.py).
         """
         self.engine, self.ps, self.dims = engine, ps, dims
         self.adapter, self.dtype = adapter, getattr(torch, dtype)
         self.engine_tp, self.bucket_mb = engine_tp, bucket_mb
         self.plan = build_colocated_plan(dims, engine_tp, ffn_hidden_size=ffn_hidden_size, dtype=dtype)
         """What each engine rank holds of every HF tensor (the digests' reference)."""
+        self.fp8 = fp8
         self.mirrors_turns = engine_tp > 1 and ps.world_size > 1
         """Multi-turn rounds are driven by rank 0 and mirrored by the other ranks of its vLLM TP group."""
         self._turn_group = None  # rank 0's vLLM TP group (None: it is the whole world)
@@ -75,11 +78,16 @@ class ColocatedRollout:
         from engine.rollout.vllm_lora import lora_engine_options
 
         engine_tp = rollout.vllm_tensor_parallel_size
+        if rollout.vllm_weight_dtype == "fp8":  # before the engine starts: layouts vLLM's FP8 layers refuse
+            plan = build_colocated_plan(dims, engine_tp, ffn_hidden_size=ffn_hidden_size, dtype=dtype)
+            for problem in fp8_layout_problems(plan):
+                raise ConfigError(problem)
         options = lora_engine_options(adapter.r) if adapter is not None else {}
         engine = ColocatedEngine(model_dir, rollout, generation, seed=seed + ps.rank // engine_tp, dtype=dtype,
                                  world_size=ps.world_size, **options)
         return cls(engine, ps, dims, engine_tp=engine_tp, bucket_mb=rollout.weight_sync_bucket_mb,
-                   ffn_hidden_size=ffn_hidden_size, dtype=dtype, adapter=adapter)
+                   ffn_hidden_size=ffn_hidden_size, dtype=dtype, adapter=adapter,
+                   fp8=rollout.vllm_weight_dtype == "fp8")
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, seeds: list[int] | None = None) -> Rollout:
         """Every engine generates a contiguous share of the prompts (the ranks of one vLLM TP group the same share);
@@ -119,7 +127,7 @@ class ColocatedRollout:
                                 plan=self.plan)
         with merged_lora(chunks):
             return sync_colocated(chunks, self.ps, self.dims, self.engine, self.bucket_mb,
-                                  self.plan if verify else None)
+                                  self.plan if verify else None, fp8=self.fp8)
 
     def submit_turn(self, request: TurnRequest) -> None:
         """Into this rank's engine (with engine TP > 1 every rank of its TP group makes the same turn calls)."""

@@ -26,9 +26,9 @@ from engine.policy.hf_checkpoint import iter_hf_tensors
 from engine.policy.hf_convert import ModelDims
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap
+from engine.rollout.fp8_sync import expected_digests, quantize_bucket
 from engine.rollout.sync_check import check_digests, raise_on_every_rank
-from engine.rollout.sync_plan import SyncPlan, TrainerLayout, box_slices, build_sync_plan, engine_name
-from engine.rollout.weight_digest import box_digest
+from engine.rollout.sync_plan import SyncPlan, TrainerLayout, build_sync_plan, engine_name
 
 
 def _pack(tensors: list[tuple[str, torch.Tensor]]) -> tuple[list, torch.Tensor]:
@@ -105,7 +105,7 @@ def build_colocated_plan(dims: ModelDims, engine_tp: int, *, ffn_hidden_size: in
 
 
 def sync_colocated(chunks, ps: ParallelState, dims: ModelDims, engine, bucket_mb: float, plan: SyncPlan | None = None,
-                   *, load: bool = True) -> dict[str, float]:
+                   *, load: bool = True, fp8: bool = False) -> dict[str, float]:
     """Push the policy's current weights into this rank's colocated engine (collective: every rank calls it).
 
     Per pipeline stage in order:
@@ -123,6 +123,8 @@ def sync_colocated(chunks, ps: ParallelState, dims: ModelDims, engine, bucket_mb
         plan: from `build_colocated_plan`: verify that every engine rank holds, bit for bit, its box of every tensor
             (None: no verification).
         load: False only verifies what the engine holds now (the tests' stale engine).
+        fp8: the engine serves block-FP8 (`rollout.vllm_weight_dtype: fp8`): each bucket's FP8 weights are sent as
+            payload and scales (engine/rollout/fp8_sync.py `quantize_bucket`), both digested.
     Returns:
         {"weight_sync/seconds", "weight_sync/gib", "weight_sync/tensors", "weight_sync/buckets"}, and with a plan
         "weight_sync/digest_s" (digesting both sides and comparing, included in the seconds).
@@ -137,12 +139,12 @@ def sync_colocated(chunks, ps: ParallelState, dims: ModelDims, engine, bucket_mb
     expected: dict[str, torch.Tensor] = {}
     for bucket in iter_hf_buckets(chunks, ps, dims, bucket_mb):
         bucket = [(engine_name(name), tensor) for name, tensor in bucket]  # GPT-OSS: one expert per tensor
+        bucket = quantize_bucket(bucket) if fp8 else bucket
         if load:
             engine.load_weights(bucket)
         if plan is not None:
             began = time.perf_counter()
-            expected |= {name: box_digest(tensor.view(shapes[name])[box_slices(boxes[name][engine_rank])])
-                         for name, tensor in bucket if name in boxes}
+            expected |= expected_digests(bucket, boxes, shapes, engine_rank)
             digest_s += time.perf_counter() - began
         num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
         num_tensors += len(bucket)

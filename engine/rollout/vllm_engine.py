@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 
 from engine.config import GenerationConfig, RolloutConfig
+from engine.models.quantized import FP8_DTYPE
 from engine.rollout import vllm_cpu_shm
+from engine.rollout.fp8_checkpoint import fp8_engine_settings
+from engine.rollout.fp8_sync import held_parts
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout, routes_of, wants_routed_experts
 from engine.rollout.vllm_family_kwargs import family_engine_kwargs
@@ -62,21 +65,23 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
             sizes = [module.num_heads * module.head_size, kv * module.head_size, kv * module.v_head_size]
         else:
             sizes = [size // module.tp_size for size in module.output_sizes]
+        if param == "weight_scale_inv":  # block-FP8: each part's scale rows (fp8_sync.py)
+            return held_parts([f"{parent}.{part}.weight" for part in packed[leaf]], sizes, param, tensor)
         return [(f"{parent}.{part}.{param}", view) for part, view in zip(packed[leaf], tensor.split(sizes))]
     if isinstance(module, VocabParallelEmbedding):
         return [(f"{name}.{param}", tensor[: module.shard_indices.num_org_elements])]
     if type(module).__name__ == "GptOssRoutedExperts":
         return gpt_oss_expert_parts(parent, module, param, tensor)
-    if param in ("w13_weight", "w2_weight") and hasattr(module, "ckpt_gate_proj_name"):
+    if param.removesuffix("_scale_inv") in ("w13_weight", "w2_weight") and hasattr(module, "ckpt_gate_proj_name"):
         if module.local_num_experts != module.global_num_experts:
             raise NotImplementedError(f"{name}: weight digests of an expert-parallel engine (a vLLM rank holding "
                                       f"{module.local_num_experts} of {module.global_num_experts} experts)")
         prefix = parent if leaf == "routed_experts" else name  # vLLM 0.32: <mlp>.experts.routed_experts
         if param == "w2_weight" or module.ckpt_up_proj_name is None:  # non-gated: w13 holds the gate name only
             proj = module.ckpt_down_proj_name if param == "w2_weight" else module.ckpt_gate_proj_name
-            return [(f"{prefix}.{e}.{proj}.weight", tensor[e]) for e in range(tensor.shape[0])]
-        half = tensor.shape[1] // 2
-        return [(f"{prefix}.{e}.{proj}.weight", tensor[e, rows]) for e in range(tensor.shape[0])
+            return [(f"{prefix}.{e}.{proj}.{param.split('_', 1)[1]}", tensor[e]) for e in range(tensor.shape[0])]
+        half = tensor.shape[1] // 2  # block-FP8 scales (w13_weight_scale_inv): gate's then up's block rows alike
+        return [(f"{prefix}.{e}.{proj}.{param.split('_', 1)[1]}", tensor[e, rows]) for e in range(tensor.shape[0])
                 for proj, rows in ((module.ckpt_gate_proj_name, slice(0, half)),
                                    (module.ckpt_up_proj_name, slice(half, None)))]
     return [(f"{name}.{param}" if name else param, tensor)]
@@ -94,7 +99,8 @@ def _module_digests(name: str, module, packed: dict, dtype: torch.dtype) -> dict
         if tensor.numel() == 0 or tensor.is_meta:
             continue  # repacked by the CPU backend: see `WeightReceiverExtension.grpo_track_loads`
         for tensor_name, view in _hf_parts(name, module, param, tensor.detach(), packed):
-            if view.dtype == dtype or tensor_name.endswith(LIVE_PARAMS):  # GLM's float32 router bias: sent as float32
+            if view.dtype in (dtype, FP8_DTYPE) or tensor_name.endswith(LIVE_PARAMS + ("_scale_inv",)):  # GLM's float32
+                # router bias: sent as float32; block-FP8 payload and float32 scales: sent as held (fp8_sync.py)
                 out[tensor_name] = (box_digest(view), str(tensor.dtype))
                 continue
             narrowed = view.to(dtype)
@@ -124,6 +130,7 @@ def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: Gen
     the CPU KV-cache size). The nodes of a multi-node engine all start from it, so their configs agree."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     on_gpu = torch.cuda.is_available()
+    model_dir, fp8 = fp8_engine_settings(model_dir, rollout, on_gpu)  # vllm_weight_dtype, vllm_kv_cache_dtype
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV cache
         llm_kwargs = {k: v for k, v in llm_kwargs.items() if k != "enforce_eager"}  # always eager on CPU
@@ -140,7 +147,7 @@ def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: Gen
     if wants_routed_experts(rollout, model_dir) and on_gpu:
         # NOTE: vLLM's own capture (Model Runner V2, GPU): not run here (no GPU was lent to this project's sessions)
         settings["enable_return_routed_experts"] = True
-    return settings | llm_kwargs
+    return settings | fp8 | llm_kwargs
 
 
 class VLLMEngine:

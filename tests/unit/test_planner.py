@@ -535,3 +535,18 @@ def test_moe_lora_counts_the_local_experts_adapters():
     h, f, r = 2048, 768, 8
     assert _terms(experts.budget("training GPU"))["adapter weights"] - attention == pytest.approx(
         48 * 16 * (r * (h + 2 * f) + r * (f + h)) * 4)
+
+
+def test_fp8_rollout_counts_one_byte_per_linear_weight_plus_block_scales_and_an_fp8_kv_cache():
+    """Qwen2.5-7B at vLLM TP 2: the decoder's linear weights (28 layers x (q, o 3584^2; k, v 3584 x 512; gate, up,
+    down 3584 x 18944) / 2 per rank) at 1 B + a float32 scale per 128 x 128 block instead of 2 B; embeddings, LM
+    head and norms stay bf16; an FP8 KV cache holds 1 B per element instead of 2."""
+    path = CONFIGS / "qwen2.5-7b_tp2_dp4_1node.yaml"
+    base = _terms(_plan(path).budget("inference GPU"))
+    fp8 = _terms(_plan(path, ["rollout.vllm_weight_dtype=fp8"]).budget("inference GPU"))
+    both = _terms(_plan(path, ["rollout.vllm_weight_dtype=fp8", "rollout.vllm_kv_cache_dtype=fp8"]).budget("inference GPU"))
+    linear = 28 * (2 * 3584 * 3584 + 2 * 3584 * 512 + 3 * 3584 * 18944) / 2
+    # the planner's split count carries the QKV bias (4608 per layer) with the linears: 64 KiB of 4 GiB, hence rel 1e-4
+    assert fp8["weights"] == pytest.approx(base["weights"] - linear * 2 + linear * (1 + 4 / 128**2), rel=1e-4)
+    assert fp8["KV cache"] == base["KV cache"] and both["KV cache"] == base["KV cache"] / 2
+    assert both["weights"] == fp8["weights"]
