@@ -17,10 +17,14 @@ Triton kernel on CUDA, the chunked torch path on CPU). Absolute times count only
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 import torch
 
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, make_row, peak_memory_fn, time_fn
+
+if TYPE_CHECKING:
+    from engine.policy.microbatch import MicroBatch
 
 MIB = 2**20
 
@@ -69,7 +73,7 @@ def build_policy_and_optimizer(hf_config, dtype: str, ps, attention: str = "sdpa
     return build_optimizer(OptimizerConfig(learning_rate=1e-6), chunks, ps, total_steps=1_000_000), chunks
 
 
-def build_batch(vocab_size: int, batch: int, prompt_len: int, completion_len: int, seed: int = 0) -> dict:
+def build_batch(vocab_size: int, batch: int, prompt_len: int, completion_len: int, seed: int = 0) -> MicroBatch:
     """Random prompt + completion tokens, advantages and off-policy old log-probs (clipping active), on the CPU.
 
     The same seed gives the same tokens whatever the consumer (the TRL benchmark feeds TRL the same batch).
@@ -100,7 +104,7 @@ def kernels_for(implementation: str):
     return KernelsConfig(loss_implementation=implementation, loss_pass="two")
 
 
-def make_step(popt, ps, batch: dict, micro_batch: int, vocab_size: int, implementation: str):
+def make_step(popt, ps, batch: MicroBatch, micro_batch: int, vocab_size: int, implementation: str):
     """The zero-argument GRPO optimizer step (zero_grad, DAPO forward/backward over micro-batches, Adam step)."""
     from engine.config import GenerationConfig, GRPOConfigSection
     from engine.grpo.policy_loss import LossNormalizer, PolicyLossConfig

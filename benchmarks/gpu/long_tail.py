@@ -34,12 +34,16 @@ import math
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from benchmarks.bench_grpo_step import SHAPES, model_config, train_step_rows
 from benchmarks.gpu.longest_fit import free_memory, rows_unless_out_of_memory
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, peak_memory_fn, time_fn
+
+if TYPE_CHECKING:
+    from engine.policy.microbatch import MicroBatch
 
 MIB = 2**20
 BENCH = "long_tail_step"
@@ -76,7 +80,7 @@ def long_tail_batch(vocab_size: int, lengths: list[int], prompt_len: int, seed: 
     return packed
 
 
-def _engine_step(hf_config, dtype: str, ps, batch: dict, micro_batch: int, settings: dict):
+def _engine_step(hf_config, dtype: str, ps, batch: MicroBatch, micro_batch: int, settings: dict):
     """(step, config extras) of the engine at its defaults with `settings` in the model section."""
     from engine.config import (
         GenerationConfig,
@@ -128,7 +132,7 @@ def _measure(env, args, key: dict, step, tokens: int, device, label: str) -> lis
     return rows_unless_out_of_memory(nominal, label)
 
 
-def run_engine(args, hf_config, batch: dict, tokens: int, config: dict) -> None:
+def run_engine(args, hf_config, batch: MicroBatch, tokens: int, config: dict) -> None:
     from engine.config import ParallelConfig
     from engine.policy.parallel import destroy_parallel, init_parallel
 
@@ -145,7 +149,7 @@ def run_engine(args, hf_config, batch: dict, tokens: int, config: dict) -> None:
         free_memory()
 
 
-def _trl_step(trainer, batch: dict, prompt_len: int, micro_batch: int):
+def _trl_step(trainer, batch: MicroBatch, prompt_len: int, micro_batch: int):
     """TRL's compute_loss + backward per micro-batch of `micro_batch` completions, each trimmed to its longest
     completion, then the trainer's optimizer step; returns (step, padded completion tokens)."""
     from benchmarks.gpu.trl_step import trl_inputs
@@ -172,7 +176,7 @@ def _trl_step(trainer, batch: dict, prompt_len: int, micro_batch: int):
     return step, padded
 
 
-def run_trl(args, hf_config, batch: dict, tokens: int, config: dict) -> None:
+def run_trl(args, hf_config, batch: MicroBatch, tokens: int, config: dict) -> None:
     from benchmarks.gpu.trl_step import build_trainer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

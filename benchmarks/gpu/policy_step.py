@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"megatron step on {env.device}: {args.shape} ({hf_config.num_hidden_layers} layers), {dtype}, "
           f"mcore {env.mcore_version}, git {env.git_sha or '?'}")
     batch = build_batch(hf_config.vocab_size, args.batch, args.prompt_len, args.completion_len)
-    completion_tokens = int(batch["completion_mask"].sum())
+    completion_tokens = int(batch.completion_mask.sum())
     weight = unwrap(popt.model[-1]).lm_head_weight()
     lm_head = (hf_config.hidden_size, weight.shape[0], weight.dtype, -(-args.batch // args.micro_batch))
     configs = {}

@@ -38,6 +38,7 @@ import importlib.util
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +51,9 @@ from benchmarks.gpu.longest_fit import (
     search_rows,
 )
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env, peak_memory_fn, time_fn
+
+if TYPE_CHECKING:
+    from engine.policy.microbatch import MicroBatch
 
 MIB = 2**20
 BENCH = "trl_grpo_step"
@@ -87,18 +91,19 @@ def build_trainer(hf_config, args, use_liger: bool, output_dir: str):
     return trainer
 
 
-def trl_inputs(batch: dict, prompt_len: int, device: torch.device) -> dict:
-    """bench_grpo_step's batch in the dict TRL's `_compute_loss` reads (every prompt is `prompt_len` real tokens)."""
-    mask = batch["completion_mask"].to(device)  # (B, C)
-    prompt_ids = batch["tokens"][:, :prompt_len].to(device)  # (B, P)
+def trl_inputs(batch: MicroBatch, prompt_len: int, device: torch.device) -> dict:
+    """bench_grpo_step's batch (a MicroBatch) in the dict TRL's `_compute_loss` reads (every prompt is `prompt_len`
+    real tokens)."""
+    mask = batch.completion_mask.to(device)  # (B, C)
+    prompt_ids = batch.tokens[:, :prompt_len].to(device)  # (B, P)
     return {
         "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": batch["completion_ids"].to(device), "completion_mask": mask.long(),
-        "advantages": batch["advantages"].to(device), "old_per_token_logps": batch["old_logprobs"].to(device),
+        "completion_ids": batch.completion_ids.to(device), "completion_mask": mask.long(),
+        "advantages": batch.advantages.to(device), "old_per_token_logps": batch.old_logprobs.to(device),
     }
 
 
-def make_trl_step(trainer, batch: dict, prompt_len: int, micro_batch: int):
+def make_trl_step(trainer, batch: MicroBatch, prompt_len: int, micro_batch: int):
     """The zero-argument step: TRL's compute_loss + backward per micro-batch, then the trainer's optimizer step."""
     device = trainer.model.device
     inputs = trl_inputs(batch, prompt_len, device)
@@ -128,7 +133,7 @@ def measure_variant(env, args, hf_config, use_liger: bool, config: dict, deadlin
         config = {**config, "use_liger_kernel": use_liger, "optim": str(trainer.args.optim),
                   "model_dtype": str(trainer.model.dtype).removeprefix("torch.")}
         batch = build_batch(hf_config.vocab_size, args.batch, args.prompt_len, args.completion_len)
-        tokens = int(batch["completion_mask"].sum())
+        tokens = int(batch.completion_mask.sum())
         key = dict(bench=BENCH, variant=variant, mode="train_step", x_name="completion_tokens", x_value=tokens,
                    config=config)
         step = make_trl_step(trainer, batch, args.prompt_len, args.micro_batch)
