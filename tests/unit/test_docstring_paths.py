@@ -87,14 +87,16 @@ PENDING_ISSUE: set[str] = set()
 
 
 def test_code_docstrings_hold_no_project_issue_numbers():
-    """Docstrings and comments say what the code is and why; the project's issue tracker is history. An upstream
+    """Docstrings and comments (of the code, the tests and the benchmarks) and the docs say what the code is and why; the project's issue tracker is history. An upstream
     issue (`vLLM issue #12330`) is a source and stays."""
     hits: dict[str, list[str]] = {}
-    for folder in ("engine", "kernels", "benchmarks", "launch"):
+    for folder in ("engine", "kernels", "benchmarks", "launch", "tests", "docs"):
         for path in sorted((ROOT / folder).rglob("*")):
-            if not path.is_file() or path.suffix not in (".py", ".sh", ".slurm"):
+            if not path.is_file() or path.suffix not in (".py", ".sh", ".slurm", ".md") or "wheels" in path.parts:
                 continue
-            for doc in _docstrings(path) + [line for line in path.read_text().splitlines() if "#" in line]:
+            lines = path.read_text().splitlines()
+            texts = lines if path.suffix == ".md" else _docstrings(path) + [line for line in lines if "#" in line]
+            for doc in texts:
                 for match in ISSUE.finditer(doc):
                     if not UPSTREAM.search(doc[max(0, match.start() - 40):match.start()]):
                         hits.setdefault(str(path.relative_to(ROOT)), []).append(match.group())
