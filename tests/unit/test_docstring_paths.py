@@ -87,8 +87,8 @@ PENDING_ISSUE: set[str] = set()
 
 
 def test_code_docstrings_hold_no_project_issue_numbers():
-    """Docstrings and comments (of the code, the tests and the benchmarks) and the docs say what the code is and why; the project's issue tracker is history. An upstream
-    issue (`vLLM issue #12330`) is a source and stays."""
+    """Docstrings and comments (of the code, the tests and the benchmarks) and the docs say what the code is and
+    why; the project's issue tracker is history. An upstream issue (`vLLM issue #12330`) is a source and stays."""
     hits: dict[str, list[str]] = {}
     for folder in ("engine", "kernels", "benchmarks", "launch", "tests", "docs"):
         for path in sorted((ROOT / folder).rglob("*")):
