@@ -7,7 +7,8 @@ The row-count split of the padded path (`per_device_train_batch_size` rows, righ
 sequence) stays in engine/policy/batch.py and is used when both options are off.
 
 The plan of one step and why the loss is unchanged: `step_microbatches`; RoPE and the fused softmax in the `mask`
-layout: `block_causal_mask`; the `varlen` layout's sequences in place of the mask: engine/policy/varlen_attention.py; the THD layout (Transformer Engine, NOT tested here): `thd_params`.
+layout: `block_causal_mask`; the `varlen` layout's sequences in place of the mask: engine/policy/varlen_attention.py;
+the THD layout (Transformer Engine, NOT tested here): `thd_params`.
 
 Must not: talk to process groups, compute losses, or know the config tree beyond the fields `MicrobatchSpec` takes.
 
