@@ -130,29 +130,40 @@ def torch_local_stats(hidden: torch.Tensor, weight_valid: torch.Tensor, local_id
     return stats
 
 
+def dz_from_logp(logp: torch.Tensor, probs_out: torch.Tensor | None, ids: torch.Tensor, lse: torch.Tensor,
+                 mean_logit: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
+                 inv_temperature: float, cap_grad: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """d loss / d (x w^T), (rows, cols) in out_dtype, from the log-probs `logp` = z - lse of a tile or chunk
+    (consumed in place; `probs_out` a same-shape buffer for exp(logp), None = a new one): dz = [g_lp 1{v=y} - p (g_lp
+    + g_H (z - E[z]))] x `cap_grad` (the soft-cap's 1 - tanh^2, None = no cap) / T; `ids` relative to the first
+    column (outside it: no hit). Shared by the two-pass tiles (`torch_tile_dz`) and kernels/onepass_logprob.py."""
+    probs = torch.exp(logp) if probs_out is None else torch.exp(logp, out=probs_out)  # (rows, cols)
+    if grad_entropy is None:
+        coef = grad_logprobs[:, None]  # (rows, 1)
+    else:
+        coef = logp.add_((lse - mean_logit)[:, None]).mul_(grad_entropy[:, None]).add_(grad_logprobs[:, None])  # z - E[z]
+    dz = probs.mul_(coef).neg_()  # (rows, cols): -p (g_lp + g_H (z - E[z]))
+    is_hit = (ids >= 0) & (ids < dz.shape[1])
+    hit_grad = torch.where(is_hit, grad_logprobs, torch.zeros_like(grad_logprobs))  # (rows,)
+    dz.scatter_add_(1, ids.clamp(0, dz.shape[1] - 1)[:, None], hit_grad[:, None])
+    del logp, coef
+    if cap_grad is not None:
+        dz.mul_(cap_grad)  # d cap tanh(u / cap) / du = 1 - tanh^2
+    return dz.mul_(inv_temperature).to(out_dtype)
+
+
 def torch_tile_dz(x_rows: torch.Tensor, w_cols: torch.Tensor, tile_ids: torch.Tensor, lse: torch.Tensor,
                   mean_logit: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
                   inv_temperature: float, softcap: float | None = None) -> torch.Tensor:
     """d loss / d (x w^T) of one tile, (rows, cols) in x's dtype; tile_ids relative to the tile's first column.
     Soft-capped: d loss / d z times the cap's derivative 1 - tanh^2(x w^T / cap), at most three live temporaries."""
-    tanh = None
+    cap_grad = None
     if softcap is None:
         z = matmul_acc(x_rows, w_cols.T, lse.dtype).mul_(inv_temperature)  # (rows, cols)
     else:
         tanh = matmul_acc(x_rows, w_cols.T, lse.dtype).div_(softcap).tanh_()  # (rows, cols)
         z = tanh * (softcap * inv_temperature)
+        cap_grad = tanh.square_().neg_().add_(1.0)  # in tanh's buffer
     z.sub_(lse[:, None])  # log p
-    probs = torch.exp(z)  # (rows, cols)
-    if grad_entropy is None:
-        coef = grad_logprobs[:, None]  # (rows, 1)
-    else:
-        coef = z.add_((lse - mean_logit)[:, None]).mul_(grad_entropy[:, None]).add_(grad_logprobs[:, None])  # z - E[z]
-    dz = probs.mul_(coef).neg_()  # (rows, cols): -p (g_lp + g_H (z - E[z]))
-    is_hit = (tile_ids >= 0) & (tile_ids < dz.shape[1])
-    hit_grad = torch.where(is_hit, grad_logprobs, torch.zeros_like(grad_logprobs))  # (rows,)
-    dz.scatter_add_(1, tile_ids.clamp(0, dz.shape[1] - 1)[:, None], hit_grad[:, None])
-    del z, coef
-    if tanh is not None:
-        dz.mul_(tanh.square_().neg_().add_(1.0))  # d cap tanh(u / cap) / du = 1 - tanh^2
-        del tanh
-    return dz.mul_(inv_temperature).to(x_rows.dtype)
+    return dz_from_logp(z, None, tile_ids, lse, mean_logit, grad_logprobs, grad_entropy, inv_temperature, cap_grad,
+                        x_rows.dtype)

@@ -212,13 +212,20 @@ class LogprobEntropyFunction(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None
 
 
+def resolve_kernel_implementation(implementation: str, device: torch.device, names: tuple[str, ...], on_cuda: str,
+                                  what: str = "implementation") -> str:
+    """"auto" -> `on_cuda` on CUDA, "torch_chunked" elsewhere; other names are checked against `names` (the entry's
+    choices, `what` names them in the error) and returned. Shared by this entry and kernels/onepass_logprob.py."""
+    if implementation not in names:
+        raise ValueError(f"{what} must be one of {names}, got {implementation!r}")
+    if implementation == "auto":
+        return on_cuda if device.type == "cuda" else "torch_chunked"
+    return implementation
+
+
 def resolve_implementation(implementation: Implementation, device: torch.device) -> str:
     """"auto" -> "triton" on CUDA, "torch_chunked" elsewhere; other names are checked and returned."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "auto":
-        return "triton" if device.type == "cuda" else "torch_chunked"
-    return implementation
+    return resolve_kernel_implementation(implementation, device, IMPLEMENTATIONS, "triton")
 
 
 def lm_head_logprob_entropy(

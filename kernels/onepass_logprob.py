@@ -34,8 +34,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from kernels.chunked_logprob import _tile_logits, accumulation_dtype, matmul_acc
-from kernels.lm_head_logprob import check_lm_head_inputs
+from kernels.chunked_logprob import _tile_logits, accumulation_dtype, dz_from_logp, matmul_acc
+from kernels.lm_head_logprob import check_lm_head_inputs, resolve_kernel_implementation
 from kernels.onepass_rows import RowTiles, build_workspace_dz_launch, build_workspace_stats_launch, default_row_tiles
 from kernels.softmax_stats import (
     VocabShard,
@@ -94,17 +94,7 @@ def _torch_chunk_dz(z, shift, e, ids, lse, mean_logit, g_lp, g_ent, inv_temperat
     if softcap is not None:  # 1 - tanh^2, tanh = (z + shift) / (cap / T)
         cap_grad = torch.add(z, shift[:, None]).mul_(1.0 / (softcap * inv_temperature)).square_().neg_().add_(1.0)
     z.sub_((lse - shift)[:, None])  # log p
-    probs = torch.exp(z, out=e)
-    if g_ent is None:
-        coef = g_lp[:, None]
-    else:
-        coef = z.add_((lse - mean_logit)[:, None]).mul_(g_ent[:, None]).add_(g_lp[:, None])  # z - E[z]
-    dz = probs.mul_(coef).neg_()
-    is_hit = (ids >= 0) & (ids < dz.shape[1])
-    dz.scatter_add_(1, ids.clamp(0, dz.shape[1] - 1)[:, None], torch.where(is_hit, g_lp, 0.0 * g_lp)[:, None])
-    if cap_grad is not None:
-        dz.mul_(cap_grad)
-    return dz.mul_(inv_temperature).to(out_dtype)
+    return dz_from_logp(z, e, ids, lse, mean_logit, g_lp, g_ent, inv_temperature, cap_grad, out_dtype)
 
 
 def _add_dw(dw_acc: torch.Tensor, dz: torch.Tensor, x_rows: torch.Tensor, is_first: bool) -> None:
@@ -219,11 +209,8 @@ class OnePassFunction(torch.autograd.Function):
 
 def resolve_onepass_implementation(implementation: OnePassImplementation, device: torch.device) -> str:
     """"auto" -> "cublas_triton" on CUDA, "torch_chunked" elsewhere; other names are checked and returned."""
-    if implementation not in ONEPASS_IMPLEMENTATIONS:
-        raise ValueError(f"one-pass implementation must be one of {ONEPASS_IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "auto":
-        return "cublas_triton" if device.type == "cuda" else "torch_chunked"
-    return implementation
+    return resolve_kernel_implementation(implementation, device, ONEPASS_IMPLEMENTATIONS, "cublas_triton",
+                                         "one-pass implementation")
 
 
 def onepass_logprob_entropy(

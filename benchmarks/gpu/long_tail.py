@@ -94,13 +94,15 @@ def _engine_step(hf_config, dtype: str, ps, batch: MicroBatch, micro_batch: int,
     from engine.policy.model import build_policy, init_weights_by_name
     from engine.policy.optimizer import build_optimizer
     from engine.policy.packing import build_microbatch_spec, round_microbatches
+    from engine.policy.sdpa_attention import serves_varlen
     from engine.policy.step import LogprobSettings, grpo_forward_backward
 
     model_cfg, train_cfg = ModelConfig(dtype=dtype, **settings), TrainConfig(per_device_train_batch_size=micro_batch)
     chunks = build_policy(hf_config, model_cfg, ps, train_cfg)
     init_weights_by_name(chunks, ps, seed=0)
     popt = build_optimizer(OptimizerConfig(learning_rate=1e-6), chunks, ps, total_steps=1_000_000)
-    spec = build_microbatch_spec(train_cfg, model_cfg, ps, micro_batch_size=micro_batch, pad_token_id=0)
+    spec = build_microbatch_spec(train_cfg, model_cfg, ps, micro_batch_size=micro_batch, pad_token_id=0,
+                                 varlen=serves_varlen(chunks))
     ((micro, normalizer),) = round_microbatches(batch, spec, global_batch_size=batch.tokens.shape[0], dp_size=1,
                                                 dp_rank=0)
     micro = [m.to(ps.device) for m in micro]

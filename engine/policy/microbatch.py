@@ -28,7 +28,7 @@ class MicroBatch:
 
     Right-padded rows (engine/policy/batch.py): `tokens` / `position_ids` are the model inputs, one sequence per row.
     Packed or token-budget rows (engine/policy/packing.py `build_microbatch`): the model reads `input_ids` /
-    `position_ids` (rows, width) and `attention_mask` or `packed_seq_params`; `seq_row` / `seq_offset` say where each
+    `position_ids` (rows, width) and `attention_mask`, `packed_sequences` or `packed_seq_params`; `seq_row` / `seq_offset` say where each
     sequence starts. Fields a batch does not carry are None.
     """
 
@@ -74,6 +74,9 @@ class MicroBatch:
     """(k,) int64: the column of `input_ids` each sequence starts at."""
     attention_mask: Tensor | None = None
     """(rows, 1, width, width) bool, True = masked: the block-diagonal causal mask (`mask` layout)."""
+    packed_sequences: Tensor | None = None
+    """(n + 1,) int32: the rows' sequences as cumulative lengths over the flattened rows, padding a sequence of its
+    own (`varlen` layout, in place of the mask: engine/policy/varlen_attention.py)."""
     packed_seq_params: Any = None
     """Megatron's PackedSeqParams (`thd` layout)."""
     input_routes: Tensor | None = None
@@ -85,6 +88,11 @@ class MicroBatch:
     def model_input_ids(self) -> Tensor:
         """The token rows the model reads: `input_ids` of a packed micro-batch, else `tokens`."""
         return self.tokens if self.input_ids is None else self.input_ids
+
+    @property
+    def model_attention_mask(self) -> Tensor | None:
+        """What the model gets as `attention_mask`: the dense mask, or the packed sequences in its place."""
+        return self.attention_mask if self.packed_sequences is None else self.packed_sequences
 
     @property
     def is_packed(self) -> bool:

@@ -7,7 +7,8 @@ The row-count split of the padded path (`per_device_train_batch_size` rows, righ
 sequence) stays in engine/policy/batch.py and is used when both options are off.
 
 The plan of one step and why the loss is unchanged: `step_microbatches`; RoPE and the fused softmax in the `mask`
-layout: `block_causal_mask`; the THD layout (Transformer Engine, NOT tested here): `thd_params`.
+layout: `block_causal_mask`; the `varlen` layout's sequences in place of the mask: engine/policy/varlen_attention.py;
+the THD layout (Transformer Engine, NOT tested here): `thd_params`.
 
 Must not: talk to process groups, compute losses, or know the config tree beyond the fields `MicrobatchSpec` takes.
 
@@ -27,7 +28,7 @@ import torch
 
 from engine.policy.microbatch import MicroBatch
 
-Layout = Literal["padded", "mask", "thd"]
+Layout = Literal["padded", "mask", "varlen", "thd"]
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ class MicrobatchSpec:
     micro_batch_size: int
     """TRL's per_device_train_batch_size: rows per micro-batch of the padded path, and the default budget's factor."""
     attention: Layout = "mask"
-    """Packed attention: `mask` (local spec on CPU, block-diagonal causal mask), `thd` (Transformer Engine) or
-    `padded` (local spec on a GPU, whose fused causal softmax ignores masks: token-budget right-padded rows)."""
+    """Packed attention: `varlen` (every layer's attention takes the sequences: no mask), `mask` (local spec,
+    block-diagonal causal mask), `thd` (Transformer Engine) or `padded` (local spec on a GPU, whose fused causal
+    softmax ignores masks: token-budget right-padded rows)."""
     fixed_shape: bool = False
     """Every micro-batch of a schedule run has one shape (pipeline parallelism)."""
     multiple: int = 1
@@ -71,15 +73,19 @@ PACKING_FALLBACK = (
 """The one warning when packing falls back to padded rows (named, not silent: "accepted means applied")."""
 
 
-def build_microbatch_spec(train_cfg, model_cfg, ps, *, micro_batch_size: int, pad_token_id: int) -> MicrobatchSpec:
+def build_microbatch_spec(train_cfg, model_cfg, ps, *, micro_batch_size: int, pad_token_id: int,
+                          varlen: bool = False) -> MicrobatchSpec:
     """The spec from the `train` and `model` sections and the layout `ps` (a ParallelState; attention `thd` when
-    Transformer Engine's spec is in use)."""
+    Transformer Engine's spec is in use). `varlen`: every layer of the built model takes packed sequences instead of
+    the mask (engine/policy/sdpa_attention.py serves_varlen): packed rows then carry no W x W mask."""
     pp_size, tp_size, sequence_parallel = ps.pp_size, ps.tp_size, ps.sequence_parallel
     multiple = tp_size if sequence_parallel else 1
     if train_cfg.pad_to_multiple_of:
         multiple = math.lcm(multiple, train_cfg.pad_to_multiple_of)
     if _uses_transformer_engine(model_cfg.transformer_impl):
         attention = "thd"
+    elif varlen:  # SDPA's own kernels attend per sequence: Megatron's fused softmax is not in the path
+        attention = "varlen"
     else:  # engine/policy/model.py's rule for Megatron's fused softmax (it would ignore the mask): CUDA + apex kernel
         from importlib.util import find_spec
 
@@ -210,14 +216,15 @@ def build_microbatch(batch: MicroBatch, indices: list[int], layout: Layout, pad_
         batch: right-padded sequences (`tokens` (n, T), `lengths` (n,), `prompt_lengths`, `completion_ids` /
             `completion_mask` (n, C), advantages, ...); None fields stay None.
         indices: the sequences of this micro-batch (may be empty).
-        layout: padded | mask | thd.
+        layout: padded | mask | varlen | thd.
         shape: (rows, width) to pad to (pipeline parallelism), None = this micro-batch's own.
     Returns:
         the per-sequence tensors of `indices` (k first), `tokens` (k, L_max) the sequences right-padded (the weight-sync
         probe and the padded path read it), `seq_index` (k,) the indices, and the model inputs: `input_ids` /
         `position_ids` (rows, width), `padding_mask` (rows, width) bool, True outside every sequence (MoE routers:
         engine/policy/step.py moe_padding_mask), `seq_row` / `seq_offset` (k,) where each sequence starts, `attention_mask`
-        (rows, 1, width, width) bool, True = masked (mask layout only), `packed_seq_params` (thd only); MoE batches
+        (rows, 1, width, width) bool, True = masked (mask layout only), `packed_sequences` (n + 1,) int32 the rows'
+        sequences from the plan, tail padding a sequence of its own (varlen only, no mask), `packed_seq_params` (thd only); MoE batches
         with the engine's `routed_experts` (n, T, L, k) also `input_routes` (rows, width, L, k) in the rows' layout
         (engine/policy/routing_replay.py) and `input_routes_valid` (rows, width), True where the engine routed.
     """
@@ -250,6 +257,11 @@ def build_microbatch(batch: MicroBatch, indices: list[int], layout: Layout, pad_
         out.input_routes, out.input_routes_valid = _input_routes(out.routed_experts, rows, lengths, (num_rows, width))
     if layout == "mask":
         out.attention_mask = block_causal_mask(segment)
+    elif layout == "varlen":
+        from engine.policy.varlen_attention import packed_sequences
+
+        out.packed_sequences = packed_sequences([[lengths[s] for s in row] for row in rows]
+                                                + [[]] * (num_rows - len(rows)), width)
     elif layout == "thd":
         out.packed_seq_params = thd_params([lengths[s] for s in (rows[0] if rows else [])], width)
     return out
@@ -278,7 +290,7 @@ def block_causal_mask(segment: torch.Tensor) -> torch.Tensor:
 
     Padding (segment 0) sees the padding before it in its row; its outputs are never read.
 
-    NOTE on RoPE in the `mask` layout: Megatron's GPTModel computes rotary embeddings from the row length, not from
+    NOTE on RoPE in the `mask` and `varlen` layouts: Megatron's GPTModel computes rotary embeddings from the row length, not from
     `position_ids` (only the THD path applies them per sequence), so a sequence packed at offset o is rotated as
     positions o .. o+L-1 instead of 0 .. L-1. RoPE scores depend only on the relative position q - k, and the mask
     confines attention to one sequence, so the attention is the same up to float rounding of the larger angles.
@@ -343,7 +355,8 @@ def step_microbatches(batch: MicroBatch, spec: MicrobatchSpec, num_ranks: int, r
       3. each micro-batch becomes rows (`build_microbatch`): `padded` (one sequence per row, right-padded to the
          micro-batch's longest; the token-budget path without packing), `mask` (packing on the local spec:
          sequences first-fit-decreasing into rows as wide as the micro-batch's longest sequence, attention confined
-         to each sequence by a block-diagonal causal mask), or `thd` (packing with Transformer Engine: the
+         to each sequence by a block-diagonal causal mask), `varlen` (the same rows; no mask: the sequences'
+         cumulative lengths, and every layer's SDPA attends per sequence), or `thd` (packing with Transformer Engine: the
          micro-batch is one row, `PackedSeqParams(qkv_format="thd", cu_seqlens)`, attention per sequence in TE's
          varlen kernels).
 

@@ -4,7 +4,8 @@ Owns: `sdpa_core_attention_class` (Megatron's `DotProductAttention` with its for
 packed rows through their sequences with `varlen`: engine/policy/varlen_attention.py),
 `sdpa_blocker` (why a layer spec keeps its own core attention), `attention_specs` (the layer specs with the core
 attention `model.attention_implementation` asks for, or its refusal) and `use_sdpa` (the layer spec with SDPA, where
-the spec's core attention is Megatron's plain `DotProductAttention` and there is no window).
+the spec's core attention is Megatron's plain `DotProductAttention` and there is no window), `serves_varlen` (whether
+every layer of a built model takes packed sequences instead of the mask).
 
 Why: Megatron's local `DotProductAttention` materialises the (b x heads, s, s) scores and keeps the float32 softmax
 for the backward. On the lent H200 (git 68db764, `benchmarks/results/grpo_step.csv`, no Transformer Engine there) the
@@ -14,7 +15,8 @@ and a fused kernel on the CPU; the mathematics are the same (`model.attention_im
 Megatron's own).
 
 Must not: change what is attended to. The causal case (no mask given) is SDPA's `is_causal`; a given mask (the packed
-rows' block-diagonal mask of engine/policy/packing.py, True = masked) is passed as SDPA's boolean mask, inverted.
+rows' block-diagonal mask of engine/policy/packing.py, True = masked) is passed as SDPA's boolean mask, inverted;
+packed sequences (the `varlen` layout's carrier) attend each to itself.
 Sliding windows, attention sinks (`softmax_offset`), soft-capping, an attention bias and THD packing are not handled
 here: the families that need them have their own core attention (engine/policy/gemma_layers.py, engine/models/
 gpt_oss.py), and `use_sdpa` leaves a spec alone unless its core attention is the plain one and the config has no
@@ -41,31 +43,46 @@ def sdpa_core_attention_class():
     class SDPACoreAttention(DotProductAttention):
         """DotProductAttention whose forward is one `scaled_dot_product_attention` call: query [sq, b, np, hn],
         key / value [sk, b, ng, hn] (grouped-query heads expanded by SDPA), output [sq, b, np * hn]. With `varlen`,
-        a block-causal mask of packed rows is read as its sequences and each attends to itself only
-        (engine/policy/varlen_attention.py); any other mask goes to SDPA as given."""
+        it also takes packed rows' sequences in place of the mask (engine/policy/varlen_attention.py carrier) and
+        each attends to itself only; a mask goes to SDPA as given."""
 
         def __init__(self, *args, varlen: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
             self.varlen = varlen
 
-        def _varlen(self, query, key, value, attention_mask, dropout):
-            """The packed rows' attention through their sequences, [sq, b, np * hn]; None when the mask is not
-            block-causal over contiguous runs."""
+        def _varlen(self, query, key, value, carrier, dropout):
+            """The packed rows' attention through their sequences (`carrier`: engine/policy/varlen_attention.py),
+            [sq, b, np * hn]."""
             from engine.policy.varlen_attention import packed_segments, varlen_attention
 
-            segments = packed_segments(attention_mask)
-            if segments is None or query.shape[0] != key.shape[0]:
-                return None
+            if not self.varlen:
+                raise ValueError("SDPA core attention got packed sequences instead of an attention mask, but this "
+                                 "layer was built without varlen (model.packed_attention_implementation): build the "
+                                 "micro-batches with the block-diagonal mask (engine/policy/packing.py layout mask)")
             sq, b = query.shape[0], query.shape[1]
+            segments = packed_segments(carrier, query.device)
+            if query.shape[0] != key.shape[0] or sum(segments.lengths) != b * sq:
+                raise ValueError(f"packed sequences cover {sum(segments.lengths)} tokens, the attention got {b} rows "
+                                 f"x {sq} queries and {key.shape[0]} keys: the micro-batch's rows and its sequences "
+                                 "disagree")
             flat = [t.transpose(0, 1).reshape(b * sq, t.shape[2], t.shape[3]) for t in (query, key, value)]
             context = varlen_attention(*flat, segments, self.softmax_scale, dropout)  # (b * sq, np, hn)
             return context.reshape(b, sq, self.hidden_size_per_partition).transpose(0, 1).contiguous()
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
+            from engine.policy.varlen_attention import is_packed_sequences
+
             if packed_seq_params is not None or attention_bias is not None or self.softmax_offset is not None:
                 raise ValueError("SDPA core attention takes neither packed_seq_params (THD), an attention bias nor "
                                  "attention sinks: set model.attention_implementation: eager")
+            dropout = self.attention_dropout.p if self.training else 0.0
+            if is_packed_sequences(attention_mask):
+                varlen = functools.partial(self._varlen, query, key, value, attention_mask, dropout)
+                if dropout and not self.config.sequence_parallel:
+                    with tensor_parallel.get_cuda_rng_tracker().fork():
+                        return varlen()
+                return varlen()
             q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # (b, heads, s, hn)
             if attention_mask is None:
                 if q.shape[2] != k.shape[2]:
@@ -74,16 +91,6 @@ def sdpa_core_attention_class():
                 mask, causal = None, True
             else:
                 mask, causal = ~attention_mask, False  # Megatron: True = masked; SDPA: True = attended
-            dropout = self.attention_dropout.p if self.training else 0.0
-            if self.varlen and attention_mask is not None:
-                varlen = functools.partial(self._varlen, query, key, value, attention_mask, dropout)
-                if dropout and not self.config.sequence_parallel:
-                    with tensor_parallel.get_cuda_rng_tracker().fork():
-                        context = varlen()
-                else:
-                    context = varlen()
-                if context is not None:
-                    return context
             attend = functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, attn_mask=mask,
                                        dropout_p=dropout, is_causal=causal, scale=self.softmax_scale,
                                        enable_gqa=k.shape[1] != q.shape[1])
@@ -144,3 +151,17 @@ def attention_specs(spec, dense_spec, config, implementation: str, model_type: s
                          "set auto (SDPA where the layer allows it) or eager")
     varlen = packed != "masked" and varlen_blocker is None
     return use_sdpa(spec, config, varlen), use_sdpa(dense_spec, config, varlen)
+
+
+def serves_varlen(chunks) -> bool:
+    """Whether every transformer layer of `chunks` (this rank's model chunks) runs its attention through
+    `SDPACoreAttention` with `varlen`, so packed micro-batches may carry their sequences instead of a mask
+    (engine/policy/packing.py layout `varlen`). False where any layer keeps the mask: its own core attention (sliding
+    windows, sinks, soft-capping, MLA, Transformer Engine), `model.packed_attention_implementation: masked`, or a
+    layer without self-attention (Nemotron-H's Mamba mixer reads the mask to find the sequences)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    sdpa = sdpa_core_attention_class()
+    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
+    return bool(layers) and all(isinstance(core := getattr(layer.self_attention, "core_attention", None), sdpa)
+                                and core.varlen for layer in layers)

@@ -62,7 +62,7 @@ def run_schedule(
         chunks: this rank's model chunks (build_policy), in virtual-stage order.
         ps: this process's parallel state.
         microbatches: right-padded ones with `tokens` and `position_ids` ((b, T) int64), or packed ones with
-            `input_ids` / `position_ids` (rows, W) and `attention_mask` or `packed_seq_params`
+            `input_ids` / `position_ids` (rows, W) and `attention_mask`, `packed_sequences` or `packed_seq_params`
             (engine/policy/packing.py); every rank of a pipeline passes the same list (only the first and last stage
             read tokens). Under PP they share one shape.
         loss_fn: `loss_fn(model, hidden (s, b, H), batch) -> (loss scalar, dict of detached values)`, run on the
@@ -85,8 +85,9 @@ def run_schedule(
         # forward must take again (engine/policy/routing_replay.py)
         recording = begin_forward(chunk, batch, ps, replay=getattr(chunk, "routing_replay", False),
                                   will_backward=not forward_only)
-        # packed micro-batches (engine/policy/packing.py) carry their rows as `input_ids`, a mask or THD params
-        hidden = model(batch.model_input_ids, batch.position_ids, attention_mask=batch.attention_mask,
+        # packed micro-batches (engine/policy/packing.py) carry their rows as `input_ids`, a mask, the packed
+        # sequences (varlen) or THD params
+        hidden = model(batch.model_input_ids, batch.position_ids, attention_mask=batch.model_attention_mask,
                        packed_seq_params=batch.packed_seq_params, padding_mask=moe_padding_mask(chunk, batch, ps))
         if recording:  # (agreeing, total) (token, layer) pairs of this chunk's MoE layers, added to its count
             record_router_agreement(chunk, batch, ps)
@@ -171,7 +172,15 @@ def moe_padding_mask(chunk: torch.nn.Module, batch: MicroBatch, ps: ParallelStat
 
 def check_attention_mask(chunks: list[torch.nn.Module], microbatches: list[MicroBatch]) -> None:
     """Refuse a block-diagonal mask where Megatron would ignore it: its fused CUDA softmax (local spec,
-    `masked_softmax_fusion`) applies the causal mask only, so packed sequences would attend to each other."""
+    `masked_softmax_fusion`) applies the causal mask only, so packed sequences would attend to each other. Refuse
+    packed sequences (the `varlen` layout, no mask) where a layer cannot take them."""
+    if any(mb.packed_sequences is not None for mb in microbatches):
+        from engine.policy.sdpa_attention import serves_varlen
+
+        if not serves_varlen(chunks):
+            raise ValueError("micro-batches carry packed sequences instead of the block-diagonal mask, but a layer "
+                             "of this model keeps the mask (engine/policy/sdpa_attention.py serves_varlen): build "
+                             "them with the mask layout (engine/policy/packing.py build_microbatch_spec varlen=False)")
     if any(mb.attention_mask is not None for mb in microbatches):
         config = unwrap(chunks[0]).config
         if config.masked_softmax_fusion:

@@ -1,20 +1,26 @@
 """Variable-length attention for packed rows on Megatron's local spec: each packed sequence attends causally to
 itself only, at the cost of its own length squared, not the row's.
 
-Owns: `packed_segments` (the sequences of a block-causal mask, as cumulative lengths over the flattened rows; None
-when the mask is not one), `varlen_attention` (the attention over those sequences: torch's flash varlen kernel on a
-GPU in bf16 / fp16, one SDPA call per sequence otherwise) and `flash_varlen_kwargs` (the causal / GQA keywords of
-the installed torch's `torch.nn.attention.varlen.varlen_attn`, whose signature changed between releases).
+Owns: the packed-sequences carrier (`is_packed_sequences`, `packed_segments`: a (n + 1,) int32 tensor of cumulative
+lengths over the flattened rows, built by engine/policy/packing.py from its plan and passed where Megatron passes the
+attention mask), `varlen_attention` (the attention over those sequences: torch's flash varlen kernel on a GPU in
+bf16 / fp16, one SDPA call per sequence otherwise) and `flash_varlen_kwargs` (the causal / GQA keywords of the
+installed torch's `torch.nn.attention.varlen.varlen_attn`, whose signature changed between releases).
 
-Why: packed rows (engine/policy/packing.py, the `mask` layout) carry a (rows, 1, W, W) block-diagonal causal mask;
-SDPA with a dense mask computes every (q, k) score of the row, (sum of lengths)^2, and cannot use the flash kernel.
+Why: the `mask` layout's (rows, 1, W, W) block-diagonal causal mask takes W^2 bytes per row on the host and the
+device (1 GiB at W = 32768), and SDPA with a dense mask computes every (q, k) score of the row, (sum of lengths)^2,
+and cannot use the flash kernel. The `varlen` layout builds no mask: the sequences come from the packing plan.
 
-Must not: change what is attended to. The sequences are read from the mask (a new one starts where a token may not
-see the token before it) and checked against it: the mask rebuilt from them must equal the given one, else the caller
-keeps the masked path. The check runs once per mask tensor (every layer of a micro-batch gets the same one).
+Why a tensor: Megatron hands `attention_mask` to core attention through its activation checkpointing
+(`tensor_parallel.checkpoint` saves every argument with `save_for_backward`, tensors only); nothing between the model
+call and core attention reads it otherwise on the local spec (rotary embeddings, MoE routers and the LM head do not).
+A 1-D int32 tensor cannot be mistaken for a mask (always 4-D bool there).
 
-Test: tests/distributed/test_varlen_attention.py (segments and refusal of other masks, the per-sequence path = the
-masked SDPA, the flash keywords for both torch signatures, the GRPO step with packed rows = masked = padded).
+Must not: change what is attended to; padding is a sequence of its own (its outputs are never read).
+
+Test: tests/distributed/test_varlen_attention.py (the carrier of a packed micro-batch, the per-sequence path = the
+masked SDPA, the flash keywords for both torch signatures, the GRPO step with packed rows = masked = padded, which
+models take the carrier), tests/unit/test_packing.py (no W x W mask in a varlen micro-batch).
 """
 
 from __future__ import annotations
@@ -31,35 +37,36 @@ class PackedSegments:
     """The sequences of packed rows flattened row after row: sequence i is tokens cu[i] .. cu[i + 1] - 1."""
 
     cu_seqlens: torch.Tensor
-    """(n + 1,) int32 on the mask's device."""
+    """(n + 1,) int32 on the carrier's device."""
     lengths: tuple[int, ...]
     max_len: int
 
 
-def _segments_of(mask: torch.Tensor) -> PackedSegments | None:
-    rows, _, width, _ = mask.shape
-    sub = torch.diagonal(mask[:, 0], offset=-1, dim1=1, dim2=2)  # (rows, W - 1): True = q may not see q - 1
-    starts = torch.cat([torch.ones(rows, 1, dtype=torch.bool, device=mask.device), sub], dim=1)  # (rows, W)
-    segment = torch.cumsum(starts.reshape(-1).long(), 0).reshape(rows, width)  # global segment ids, row-major
-    causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
-    rebuilt = ~((segment[:, :, None] == segment[:, None, :]) & causal)[:, None]
-    if not torch.equal(rebuilt, mask):
-        return None
-    flat = starts.reshape(-1).nonzero().flatten()
-    bounds = torch.cat([flat, torch.tensor([rows * width], device=mask.device)])
-    lengths = tuple((bounds[1:] - bounds[:-1]).tolist())
-    return PackedSegments(bounds.to(torch.int32), lengths, max(lengths))
+def is_packed_sequences(attention_mask) -> bool:
+    """Whether Megatron's `attention_mask` argument is the packed-sequences carrier (1-D int32), not a mask."""
+    return isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 1 and attention_mask.dtype == torch.int32
 
 
-def packed_segments(mask: torch.Tensor) -> PackedSegments | None:
-    """The sequences of a (rows, 1, W, W) boolean mask (True = masked) that is block-causal over contiguous runs of
-    each row (engine/policy/packing.py block_causal_mask; padding is a run of its own), or None for any other mask.
-    Cached per mask tensor."""
-    if mask.dim() != 4 or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[2] != mask.shape[3]:
-        return None
-    if not hasattr(mask, "_packed_segments"):  # kept on the tensor: it lives as long as the micro-batch's mask
-        mask._packed_segments = _segments_of(mask)
-    return mask._packed_segments
+def packed_sequences(row_lengths: list[list[int]], width: int) -> torch.Tensor:
+    """The carrier of rows of `width` tokens holding sequences of `row_lengths` each (in row order), (n + 1,) int32:
+    each row's sequences, then the row's tail padding as a sequence of its own."""
+    bounds = [0]
+    for lengths in row_lengths:
+        start = bounds[-1]
+        for length in lengths:
+            bounds.append(bounds[-1] + length)
+        if bounds[-1] < start + width:
+            bounds.append(start + width)
+    return torch.tensor(bounds, dtype=torch.int32)
+
+
+def packed_segments(carrier: torch.Tensor, device: torch.device | None = None) -> PackedSegments:
+    """The sequences of a carrier (`packed_sequences`) with cu_seqlens on `device` (None: the carrier's), their
+    lengths read once per carrier tensor (every layer of a micro-batch gets the same one)."""
+    if not hasattr(carrier, "_packed_lengths"):  # kept on the tensor: it lives as long as the micro-batch
+        carrier._packed_lengths = tuple((carrier[1:] - carrier[:-1]).tolist())  # one host read (a sync on a GPU)
+    lengths = carrier._packed_lengths
+    return PackedSegments(carrier if device is None else carrier.to(device), lengths, max(lengths))
 
 
 def flash_varlen_kwargs(parameters, num_heads: int, num_groups: int) -> tuple[dict, bool]:

@@ -72,9 +72,13 @@ def pad_rows(rows: list[list[int]], width: int) -> torch.Tensor:
 
 
 def microbatch_spec(run: Run):
-    """How this run cuts rows into micro-batches (padded, or packed by tokens: engine/policy/packing.py)."""
+    """How this run cuts rows into micro-batches (padded, or packed by tokens: engine/policy/packing.py); packed rows
+    carry their sequences instead of a mask where every layer of the policy takes them (the reference model is built
+    from the same `model` section)."""
+    from engine.policy.sdpa_attention import serves_varlen
+
     return build_microbatch_spec(run.cfg.train, run.cfg.model, run.ps, micro_batch_size=run.derived.micro_batch_size,
-                                 pad_token_id=run.tokenizer.pad_token_id or 0)
+                                 pad_token_id=run.tokenizer.pad_token_id or 0, varlen=serves_varlen(run.chunks))
 
 
 def step_schedule(run: Run) -> StepSchedule:

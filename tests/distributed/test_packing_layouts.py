@@ -5,8 +5,11 @@ One global batch of 12 completions (3 prompts x G=4) with long-tailed completion
 the KL are active), Megatron's distributed optimizer. Each launch runs one optimizer step per variant from the same
 checkpoint, old log-probs included (engine/policy/packing.py `sequence_logprobs`, the forward-only budget):
 - padded: per_device_train_batch_size=2 right-padded rows (engine/policy/batch.py), the reference;
-- packed: train.padding_free with a 60-token budget (several sequences per row, block-diagonal mask, groups across
-  micro-batches and DP ranks balanced by tokens), forward-only budget at its default (2 x 60);
+- packed: train.padding_free with a 60-token budget (several sequences per row, groups across micro-batches and DP
+  ranks balanced by tokens), forward-only budget at its default (2 x 60); the engine's default attention for it
+  (`varlen`: the rows carry their sequences, no mask);
+- masked: the same rows with the block-diagonal mask (`model.packed_attention_implementation: masked`; one process
+  and TP2);
 - budget: token-budget micro-batches of 48 padded slots without packing (length-sorted rows), forward-only 100;
 - singletons (DP2 only): packed with a 10-token budget, one sequence per micro-batch; the DP ranks hold 5 and 7
   sequences, so one runs 2 empty micro-batches (a zero loss that still reaches every parameter).
@@ -39,10 +42,15 @@ COMPLETIONS = [2, 40, 5, 3, 1, 9, 4, 64, 6, 3, 12, 2]  # long-tailed
 VARIANTS = {
     "padded": dict(padding_free=False),
     "packed": dict(padding_free=True, max_tokens_per_microbatch=60),
+    "masked": dict(padding_free=True, max_tokens_per_microbatch=60),  # packed with the mask (MODEL_VARIANTS)
     "budget": dict(padding_free=False, max_tokens_per_microbatch=48, max_tokens_per_logprob_microbatch=100),
     # DP2: one sequence per micro-batch; LPT gives the ranks 5 and 7 sequences, so one rank runs 2 empty ones
     "singletons": dict(padding_free=True, max_tokens_per_microbatch=10, max_tokens_per_logprob_microbatch=10),
 }
+
+
+MODEL_VARIANTS = {"masked": dict(packed_attention_implementation="masked")}
+"""`packed` runs the engine's default (`auto`: the qwen2 layers take the sequences, no mask), `masked` the mask."""
 
 
 def _global_batch() -> tuple[MicroBatch, torch.Tensor]:
@@ -80,7 +88,8 @@ def _packing_steps(tp: int, pp: int, dp: int, model_dir: str, out_root: str, dty
     for name in variants:
         seen.clear()
         spec_cfg = TrainConfig(per_device_train_batch_size=MICRO_BATCH, **VARIANTS[name])
-        results[name] = _one_step(ps, model_dir, f"{out_root}/{name}", ModelConfig(dtype=dtype), spec_cfg)
+        model_cfg = ModelConfig(dtype=dtype, **MODEL_VARIANTS.get(name, {}))
+        results[name] = _one_step(ps, model_dir, f"{out_root}/{name}", model_cfg, spec_cfg)
         results[name]["kernel_rows"] = sum(seen)
     kernels.lm_head_logprob_entropy, kernels.onepass_logprob_entropy = kernel, onepass
     return results
@@ -95,6 +104,7 @@ def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs
+    from engine.policy.sdpa_attention import serves_varlen
     from engine.policy.step import LogprobSettings, forward_logprobs, grpo_forward_backward
     from tests.helpers.grpo_settings import build_loss_config
 
@@ -108,7 +118,8 @@ def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
                                kernels=KernelsConfig(loss_implementation="torch_chunked"))
     loss_config = build_loss_config(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)
 
-    spec = build_microbatch_spec(train_cfg, model_cfg, ps, micro_batch_size=MICRO_BATCH, pad_token_id=0)
+    spec = build_microbatch_spec(train_cfg, model_cfg, ps, micro_batch_size=MICRO_BATCH, pad_token_id=0,
+                                 varlen=serves_varlen(chunks))  # as engine/train/round_batch.py microbatch_spec
     batch, old_noise = _global_batch()
     [(micro, normalizer)] = round_microbatches(batch, spec, global_batch_size=NUM_SEQUENCES,
                                                dp_size=ps.dp_size, dp_rank=ps.dp_rank)
@@ -125,7 +136,8 @@ def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
     return {"loss": float(sum(o.loss for o in outputs)) if reports else None, "grad_norm": stats["grad_norm"],
             "logprobs": logprobs if reports else {}, "num_microbatches": len(micro),
             "num_empty": sum(mb.completion_ids.shape[0] == 0 for mb in micro),
-            "token_slots": sum(mb.model_input_ids.numel() for mb in micro)}
+            "token_slots": sum(mb.model_input_ids.numel() for mb in micro), "layout": spec.layout,
+            "mask_elements": sum(mb.attention_mask.numel() for mb in micro if mb.attention_mask is not None)}
 
 
 def _merge(results: list[dict], name: str) -> dict:
@@ -146,9 +158,9 @@ def single_process(tmp_path_factory):
     root = tmp_path_factory.mktemp("packing")
     model_dir = build_tiny_model(root / "qwen2", "qwen2", seed=5)
     fp32 = run_distributed(_packing_steps, 1, 1, 1, 1, str(model_dir), str(root / "fp32"), "float32",
-                           ["padded", "packed", "budget"])
+                           ["padded", "packed", "masked", "budget"])
     bf16 = run_distributed(_packing_steps, 1, 1, 1, 1, str(model_dir), str(root / "bf16"), "bfloat16",
-                           ["padded", "packed"])
+                           ["padded", "packed", "masked"])
     return model_dir, root, fp32[0], bf16[0]
 
 
@@ -166,8 +178,11 @@ def test_packed_and_token_budget_steps_equal_the_padded_step_in_one_process(sing
     reference = _merge([fp32], "padded")
     ref_weights = hf_tensors(root / "fp32" / "padded")
     assert reference["grad_norms"][0] > 1.0, "the batch should need clipping at max_grad_norm=1.0"
-    for name in ("packed", "budget"):
+    for name in ("packed", "masked", "budget"):
         _assert_equal_to_reference(_merge([fp32], name), hf_tensors(root / "fp32" / name), reference, ref_weights, name)
+    # the default packs without a W x W mask (the sequences instead); `masked` builds it
+    assert (fp32["packed"]["layout"], fp32["packed"]["mask_elements"]) == ("varlen", 0), fp32["packed"]
+    assert fp32["masked"]["layout"] == "mask" and fp32["masked"]["mask_elements"] > 0, fp32["masked"]
     num_completion_tokens = sum(COMPLETIONS)
     for name, result in fp32.items():  # old log-probs + the training pass: each real completion token twice
         assert result["kernel_rows"] == 2 * num_completion_tokens, f"{name}: the kernel saw {result['kernel_rows']}"
@@ -181,7 +196,7 @@ def test_packed_and_token_budget_steps_equal_the_padded_single_process_step(sing
     model_dir, root, fp32, _ = single_process
     reference = _merge([fp32], "padded")
     ref_weights = hf_tensors(root / "fp32" / "padded")
-    variants = ["packed", "budget"] + (["singletons"] if dp > 1 else [])
+    variants = ["packed", "budget"] + (["singletons"] if dp > 1 else []) + (["masked"] if tp > 1 else [])
     results = run_distributed(_packing_steps, tp * pp * dp, tp, pp, dp, str(model_dir), str(tmp_path), "float32",
                               variants)
     for name in variants:
@@ -193,14 +208,15 @@ def test_packed_and_token_budget_steps_equal_the_padded_single_process_step(sing
                                    f"{name} at tp{tp} pp{pp} dp{dp}")
 
 
-def test_bf16_packed_step_equals_the_padded_step_within_bf16_rounding(single_process):
+@pytest.mark.parametrize("variant", ["packed", "masked"], ids=["varlen", "mask"])
+def test_bf16_packed_step_equals_the_padded_step_within_bf16_rounding(single_process, variant):
     model_dir, root, _, bf16 = single_process
-    padded, packed = _merge([bf16], "padded"), _merge([bf16], "packed")
+    padded, packed = _merge([bf16], "padded"), _merge([bf16], variant)
     assert packed["loss"] == pytest.approx(padded["loss"], rel=2e-2)
     assert packed["grad_norms"][0] == pytest.approx(padded["grad_norms"][0], rel=2e-2)
     diff = (packed["logprobs"] - padded["logprobs"]).abs().max()
     assert diff <= 2e-2, f"old log-probs differ by {float(diff):.3g} nats"
-    ref_weights, weights, lr = hf_tensors(root / "bf16" / "padded"), hf_tensors(root / "bf16" / "packed"), 1e-3
+    ref_weights, weights, lr = hf_tensors(root / "bf16" / "padded"), hf_tensors(root / "bf16" / variant), 1e-3
     for name, ref in ref_weights.items():
         diff = (weights[name].double() - ref.double()).abs()
         assert (diff <= 2 * lr + ref.double().abs() * 2.0**-8).all(), f"{name}: max |diff| {float(diff.max()):.3g}"

@@ -181,7 +181,8 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     clipping at 1.0. This DP rank's rows go through the trainer's padded path (engine/policy/packing.py
     round_microbatches: contiguous DP shares, micro-batches of `micro_batch_size` rows, the global normaliser), rows
     widened to a multiple of `width_multiple` (sequence parallelism needs tp_size; pass the same value to every layout
-    compared), or with `padding_free` its packed path (rows of packed sequences, block-diagonal mask, at most
+    compared), or with `padding_free` its packed path (rows of packed sequences, block-diagonal mask or, where every
+    layer takes them, the sequences in its place (engine/policy/sdpa_attention.py serves_varlen), at most
     `micro_batch_size` x the longest sequence tokens per micro-batch).
     `train` (engine.config.TrainConfig) sets the activation recompute (None: TrainConfig()'s full recompute).
     `lora` (engine.policy.lora.LoraSettings): adapters on the frozen base, B perturbed (tests/helpers/lora.py), the
@@ -197,6 +198,7 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
     from engine.policy.hf_checkpoint import export_hf_checkpoint
     from engine.policy.optimizer import build_optimizer
     from engine.policy.packing import MicrobatchSpec, round_microbatches
+    from engine.policy.sdpa_attention import serves_varlen
     from engine.policy.step import LogprobSettings, grpo_forward_backward
     from tests.helpers.grpo_settings import build_loss_config
 
@@ -216,7 +218,8 @@ def grpo_step_and_export(model_dir: str, parallel, model_cfg, out_dir: str, widt
         scaler = optimizer.grad_scaler
         scaler.load_state_dict(scaler.state_dict() | {"scale": torch.tensor([loss_scale])})
     spec = MicrobatchSpec(padding_free=padding_free, max_tokens=None, max_logprob_tokens=None,
-                          micro_batch_size=micro_batch_size, multiple=width_multiple)
+                          micro_batch_size=micro_batch_size, multiple=width_multiple,
+                          attention="varlen" if serves_varlen(chunks) else "mask")
     ((microbatches, normalizer),) = round_microbatches(global_batch(), spec, global_batch_size=GLOBAL_BATCH,
                                                        dp_size=ps.dp_size, dp_rank=ps.dp_rank)
     loss_config = build_loss_config(loss_type="dapo", beta=0.04, epsilon_high=0.28, use_bias_correction_kl=True)

@@ -8,13 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import build_lm_head_problem, reference_logprob_entropy
+from kernels.reference import reference_logprob_entropy
 from tests.distributed.launcher import run_distributed
+from tests.helpers.vocab_parallel import (
+    CASES,
+    F64,
+    TP,
+    V_LOCAL,
+    assert_ranks_match_reference,
+    lm_head_case,
+    local_shard,
+)
 
-F64 = torch.float64
-TP, N, H, V_ROWS = 2, 29, 24, 300
-V_LOCAL = V_ROWS // TP
-CASES = {"padding_in_last_shard": (290, 0.8, 4.0), "last_shard_all_padding": (140, 1.3, None)}
+N, H = 29, 24
 IMPLEMENTATIONS = {"torch_chunked": (F64, 1e-10)}
 if not torch.cuda.is_available():
     # The interpreter runs the row kernels on CPU tensors, which gloo can exchange; on a GPU machine they need CUDA
@@ -24,10 +30,7 @@ WORKSPACE_MB = 7 * V_LOCAL * 8 / 2**20  # a few rows per chunk: several chunks, 
 
 
 def _problem(case: str):
-    vocab_size, temperature, _ = CASES[case]
-    x, w, y = build_lm_head_problem(N, H, V_ROWS, vocab_size=vocab_size, logit_std=6.0, dtype=F64,
-                                    seed=list(CASES).index(case), sampled_fraction=0.5)
-    gen = torch.Generator().manual_seed(3)
+    x, w, y, vocab_size, temperature, gen = lm_head_case(case, N, H)
     return x, w, y, vocab_size, temperature, torch.randn(N, generator=gen, dtype=F64), -torch.rand(
         N, generator=gen, dtype=F64) * 3
 
@@ -54,7 +57,7 @@ def _tp_worker() -> dict:
                 return torch.autograd.grad(_token_loss(lp, ent, adv[r0:r1], old[r0:r1]).sum(), (lp, ent))
 
             xx = x.to(dtype).clone().requires_grad_(True)
-            ww = w[rank * V_LOCAL:(rank + 1) * V_LOCAL].to(dtype).clone().requires_grad_(True)
+            ww = local_shard(w, rank, dtype)
             lp, ent, anchor = onepass_logprob_entropy(xx, ww, y, grads, workspace_mb=WORKSPACE_MB,
                                                       implementation=impl, temperature=temperature,
                                                       softcap=CASES[case][2], vocab_size=vocab_size,
@@ -74,11 +77,4 @@ def test_tp2_onepass_matches_unsplit_reference_with_summed_hidden_grad():
                                             vocab_size=vocab_size)
         _token_loss(lp, ent, adv, old).sum().backward()
         want = (lp.detach(), ent.detach(), x.grad)
-        for impl, (_, tol) in IMPLEMENTATIONS.items():
-            got0, got1 = ranks[0][(case, impl)], ranks[1][(case, impl)]
-            label = f"{case}/{impl}"
-            for name, a0, a1, b in zip(("logprobs", "entropy", "dX"), got0, got1, want):
-                assert torch.equal(a0, a1), f"{label}: {name} differs between TP ranks"
-                torch.testing.assert_close(a0, b, rtol=tol, atol=tol, msg=lambda m, n=f"{label} {name}": f"{n}: {m}")
-            torch.testing.assert_close(torch.cat([got0[3], got1[3]]), w.grad, rtol=tol, atol=tol,
-                                       msg=lambda m, n=label: f"{n} dW: {m}")
+        assert_ranks_match_reference(ranks, case, {impl: tol for impl, (_, tol) in IMPLEMENTATIONS.items()}, want, w.grad)

@@ -12,15 +12,19 @@ import pytest
 import torch
 
 from kernels.fused_logprob import TritonTiles
-from kernels.reference import build_lm_head_problem, reference_logprob_entropy
+from kernels.reference import reference_logprob_entropy
 from tests.distributed.launcher import run_distributed
+from tests.helpers.vocab_parallel import (
+    CASES,
+    F64,
+    TP,
+    V_LOCAL,
+    assert_ranks_match_reference,
+    lm_head_case,
+    local_shard,
+)
 
-F64 = torch.float64
-TP, N, H, V_ROWS = 2, 48, 32, 300
-V_LOCAL = V_ROWS // TP
-# name -> (vocab_size, temperature, final-logit soft-cap): real rows end inside shard 1, logits (std 6) soft-capped at
-# 4 on each shard; or inside shard 0 (shard 1 is all padding), no cap.
-CASES = {"padding_in_last_shard": (290, 0.8, 4.0), "last_shard_all_padding": (140, 1.3, None)}
+N, H = 48, 32
 # implementation -> (dtype, extra kwargs, rtol/atol vs the float64 reference)
 IMPLEMENTATIONS = {
     "reference": (F64, dict(workspace_mb=8 * 128 * 24 / 2**20), 1e-10),  # ignored by the reference
@@ -34,10 +38,7 @@ SMALL_TILES = TritonTiles(block_n=16, block_v=32, block_h=16, group_n=2, num_war
 
 
 def _problem(case: str):
-    vocab_size, temperature, _ = CASES[case]
-    x, w, y = build_lm_head_problem(N, H, V_ROWS, vocab_size=vocab_size, logit_std=6.0, dtype=F64,
-                                    seed=list(CASES).index(case), sampled_fraction=0.5)
-    gen = torch.Generator().manual_seed(3)
+    x, w, y, vocab_size, temperature, gen = lm_head_case(case, N, H)
     return x, w, y, vocab_size, temperature, torch.randn(N, generator=gen, dtype=F64), torch.randn(N, generator=gen,
                                                                                                    dtype=F64)
 
@@ -56,7 +57,7 @@ def _tp_worker() -> dict:
         x, w, y, vocab_size, temperature, g_lp, g_ent = _problem(case)
         for impl, (dtype, extra, _) in IMPLEMENTATIONS.items():
             xx = x.to(dtype).clone().requires_grad_(True)
-            ww = w[rank * V_LOCAL:(rank + 1) * V_LOCAL].to(dtype).clone().requires_grad_(True)
+            ww = local_shard(w, rank, dtype)
             common = dict(temperature=temperature, softcap=CASES[case][2], vocab_size=vocab_size, tp_group=group,
                           **extra)
             if impl == "triton":
@@ -81,11 +82,5 @@ def test_tp2_every_implementation_matches_unsplit_reference_with_summed_hidden_g
                                             vocab_size=vocab_size)
         ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
         want = (lp.detach(), ent.detach(), x.grad)
-        for impl, (_, _, tol) in IMPLEMENTATIONS.items():
-            got0, got1 = ranks[0][(case, impl)], ranks[1][(case, impl)]
-            label = f"{case}/{impl}"
-            for name, a0, a1, b in zip(("logprobs", "entropy", "dX"), got0, got1, want):
-                assert torch.equal(a0, a1), f"{label}: {name} differs between TP ranks"
-                torch.testing.assert_close(a0, b, rtol=tol, atol=tol, msg=lambda m, n=f"{label} {name}": f"{n}: {m}")
-            torch.testing.assert_close(torch.cat([got0[3], got1[3]]), w.grad, rtol=tol, atol=tol,
-                                       msg=lambda m, n=label: f"{n} dW: {m}")
+        tolerances = {impl: tol for impl, (_, _, tol) in IMPLEMENTATIONS.items()}
+        assert_ranks_match_reference(ranks, case, tolerances, want, w.grad)

@@ -108,6 +108,41 @@ def test_packed_microbatch_places_sequences_and_indexes_only_real_completion_tok
     assert thd_rows.input_ids.shape == (6, 9) and thd_rows.attention_mask is None
 
 
+def test_varlen_microbatch_carries_the_plans_sequences_and_no_width_squared_mask():
+    """The `varlen` layout: the rows of the `mask` layout, their sequences (cumulative lengths over the flattened
+    rows, padding a sequence of its own) where the mask was, and no tensor of W x W elements (at W = 32768 the
+    mask took 1 GiB per row)."""
+    batch = _batch(LONG_TAILED)  # longest sequence 124 tokens: W^2 = 15376 elements dwarfs every other field
+    indices = list(range(len(LONG_TAILED)))
+    masked = build_microbatch(batch, indices, "mask", pad_token_id=0, shape=(5, 126))
+    varlen = build_microbatch(batch, indices, "varlen", pad_token_id=0, shape=(5, 126))
+    rows, width = varlen.input_ids.shape
+    assert (rows, width) == (5, 126) and varlen.attention_mask is None
+    assert all(torch.equal(getattr(varlen, name), getattr(masked, name))
+               for name in ("input_ids", "position_ids", "seq_row", "seq_offset", "padding_mask"))
+    big = {name: value.numel() for name, value in vars(varlen).items()
+           if isinstance(value, torch.Tensor) and value.numel() >= width * width}
+    assert not big, f"a varlen micro-batch holds {big} elements (the W x W mask is {width * width})"
+    # a sequence starts where the mask's token may not see the token before it (the last row is all padding)
+    starts = torch.ones(rows, width, dtype=torch.bool)
+    starts[:, 1:] = masked.attention_mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)
+    cu = varlen.packed_sequences
+    assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == rows * width
+    assert cu[:-1].tolist() == starts.reshape(-1).nonzero().flatten().tolist()
+    empty = build_microbatch(batch, [], "varlen", pad_token_id=0, shape=(2, 8))
+    assert empty.packed_sequences.tolist() == [0, 8, 16] and empty.attention_mask is None
+
+
+def test_spec_takes_varlen_where_every_layer_takes_the_sequences():
+    ps = type("PS", (), {"pp_size": 1, "tp_size": 1, "sequence_parallel": False})()
+    local = ModelConfig(transformer_impl="local")
+    assert build_microbatch_spec(TrainConfig(), local, ps, micro_batch_size=2, pad_token_id=0, varlen=True).layout == "varlen"
+    assert build_microbatch_spec(TrainConfig(), local, ps, micro_batch_size=2, pad_token_id=0).layout == "mask"
+    unpacked = build_microbatch_spec(TrainConfig(padding_free=False), local, ps, micro_batch_size=2, pad_token_id=0,
+                                     varlen=True)
+    assert unpacked.layout == "padded"
+
+
 def test_fixed_shape_and_multiple_pad_every_microbatch_to_one_shape():
     batch = _batch(LONG_TAILED)
     spec = MicrobatchSpec(padding_free=True, max_tokens=60, max_logprob_tokens=None, micro_batch_size=2,
