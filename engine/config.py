@@ -67,8 +67,9 @@ class ModelConfig:
     scores; engine/policy/sdpa_attention.py; refused where it cannot act), `eager` = Megatron's DotProductAttention,
     `auto` = sdpa where the layer's attention is the plain one, else the layer's own (Gemma, GPT-OSS, windows, TE)."""
     packed_attention_implementation: Literal["auto", "varlen", "masked"] = "auto"
-    """Packed rows' attention: `varlen` = each sequence attends to itself (engine/policy/varlen_attention.py), `masked` =
-    SDPA with the block-diagonal mask; `auto` = varlen where the layer's attention is SDPA's (explicit varlen refused)."""
+    """Packed rows' attention: `varlen` = each sequence attends to itself, given by its bounds (no W x W mask is built:
+    engine/policy/varlen_attention.py), `masked` = SDPA with the block-diagonal mask; `auto` = varlen where every layer's
+    attention is SDPA's without windows, sinks or MLA (explicit varlen refused elsewhere)."""
     layer_kernel_implementation: Literal["auto", "triton", "torch"] = "auto"
     """The local spec's RMSNorm, SwiGLU / GeGLU and RoPE: `triton` = fused kernels (engine/policy/fused_layers.py;
     refused where none acts), `torch` = Megatron's unfused ops; `auto` = triton on CUDA, torch on CPU (interpreter)."""
