@@ -427,9 +427,7 @@ class CheckpointConfig:
     save_hf_at_end: bool = True
     """Export the final policy as a Hugging Face checkpoint to `<output_dir>/hf` (not after a SIGUSR1 stop)."""
     export_quantization: Literal["none", "source"] = "none"
-    """Hugging Face exports: `none` writes every weight in model.dtype; `source` writes the weights the loaded checkpoint
-    stores quantized (block-wise FP8, MXFP4) in its format again, keeping its quantization_config (unchanged weights
-    byte-exact). An unquantized source is written the same either way."""
+    """HF exports: `none` = every weight in model.dtype; `source` = the source's FP8 / MXFP4 weights in its format."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

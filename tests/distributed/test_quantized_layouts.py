@@ -60,7 +60,7 @@ def test_quantized_checkpoint_loads_as_transformers_dequantizes_it_and_exports_b
     loaded = hf_tensors(tmp_path / "none")
     assert sorted(loaded) == sorted(reference)
     for name, tensor in reference.items():
-        assert loaded[name].dtype == torch_dtype and torch.equal(loaded[name], tensor), name
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
     assert "quantization_config" not in json.loads((tmp_path / "none" / "config.json").read_text())
     if torch_dtype == torch.float32:
         dequantized_dir = write_unquantized(reference, model_dir, tmp_path / "dequantized")

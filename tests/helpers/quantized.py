@@ -2,7 +2,7 @@
 
 Owns: `quantize_checkpoint` (a builtin tiny model's directory rewritten as block-wise FP8, the DeepSeek-V3 / Qwen3-FP8
 layout: the layers' linear weights float8_e4m3fn + float32 `weight_scale_inv` per 128 x 128 block, everything else
-bf16; or as GPT-OSS's MXFP4: the experts' `*_blocks` + `*_scales`, everything else bf16) and
+bf16 but the float32 router bias; or as GPT-OSS's MXFP4: the experts' `*_blocks` + `*_scales`, everything else bf16) and
 `transformers_dequantized` (the unquantized tensors of such a directory by transformers' `Fp8Dequantize` and
 `convert_moe_packed_tensors`, the reference the loader is compared with).
 Must not: assert what a test checks.
@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.quantized import quantize_fp8, quantize_mxfp4
+from engine.policy.hf_convert import FLOAT32_TENSORS
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 """DeepSeek-V3's quantization_config."""
@@ -45,7 +46,7 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, method: str) -
     (out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
     out = {}
     for name, tensor in tensors.items():
-        tensor = tensor.to(torch.bfloat16)
+        tensor = tensor if name.endswith(FLOAT32_TENSORS) else tensor.to(torch.bfloat16)
         if method == "fp8" and is_fp8_weight(name, tensor):
             out[name], out[name + "_scale_inv"] = quantize_fp8(tensor, (128, 128))
         elif method == "mxfp4" and name.endswith(MXFP4_EXPERTS):
@@ -75,7 +76,7 @@ def _transformers_fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype
 
 def transformers_dequantized(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The unquantized tensors of a quantized checkpoint (`quantize_checkpoint`), by transformers' dequantization
-    into `dtype`; unquantized tensors are cast to `dtype`."""
+    into `dtype`; unquantized tensors are cast to `dtype` (but the float32 router bias, as the export keeps it)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     stored = load_file(Path(model_dir) / "model.safetensors")
@@ -89,7 +90,7 @@ def transformers_dequantized(model_dir: str | Path, dtype: torch.dtype) -> dict[
             base = name.removesuffix("_blocks")
             out[base] = convert_moe_packed_tensors(tensor, stored[base + "_scales"], dtype=dtype).contiguous()
         else:
-            out[name] = tensor.to(dtype)
+            out[name] = tensor if name.endswith(FLOAT32_TENSORS) else tensor.to(dtype)
     return out
 
 

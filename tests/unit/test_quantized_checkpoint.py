@@ -42,12 +42,12 @@ def test_every_tensor_and_slice_reads_as_transformers_dequantizes_it(quantized_d
         whole = source.read(name, (slice(None),))
         quantized += name not in stored or stored[name].dtype == torch.float8_e4m3fn
         assert source.shape(name) == tuple(expected.shape), name
-        assert torch.equal(whole.to(dtype), expected), name
+        assert torch.equal(whole.to(expected.dtype), expected), name
         if expected.dim() >= 2:  # TP-like slices: rows, then columns (experts: one expert at a time)
             lead = (slice(1, 2),) if expected.dim() == 3 else ()
             rows, cols = expected.shape[-2:]
             for index in (lead + (slice(rows // 2, rows),), lead + (slice(None), slice(cols // 4, cols // 2))):
-                assert torch.equal(source.read(name, index).to(dtype), expected[index]), (name, index)
+                assert torch.equal(source.read(name, index).to(expected.dtype), expected[index]), (name, index)
     assert quantized >= 8, "the quantized tensors were read"
 
 
