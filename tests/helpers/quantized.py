@@ -45,14 +45,13 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, method: str) -
         (out_dir / path.name).unlink()
     (out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
     out = {}
-    for name, tensor in tensors.items():
-        tensor = tensor if name.endswith(FLOAT32_TENSORS) else tensor.to(torch.bfloat16)
+    for name, tensor in tensors.items():  # quantized from the float32 weights (the scales are not a bf16 value / 448)
         if method == "fp8" and is_fp8_weight(name, tensor):
             out[name], out[name + "_scale_inv"] = quantize_fp8(tensor, (128, 128))
         elif method == "mxfp4" and name.endswith(MXFP4_EXPERTS):
             out[name + "_blocks"], out[name + "_scales"] = quantize_mxfp4(tensor.transpose(1, 2))
         else:
-            out[name] = tensor
+            out[name] = tensor if name.endswith(FLOAT32_TENSORS) else tensor.to(torch.bfloat16)
     save_file(out, out_dir / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out_dir / "config.json").read_text())
     config["quantization_config"] = FP8_CONFIG if method == "fp8" else MXFP4_CONFIG
