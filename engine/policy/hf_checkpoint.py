@@ -1,7 +1,8 @@
 """Hugging Face safetensors checkpoints in and out of the sharded Megatron policy, at any TP x PP layout.
 
 Owns: `SafetensorsSource` (lazy slices of a single-file or sharded safetensors checkpoint), `load_hf_checkpoint`
-(every rank reads only the slices of its own parameters: no rank holds the full model) and `export_hf_checkpoint`
+(every rank reads only the slices of its own parameters: no rank holds the full model; a block-wise FP8 or MXFP4
+checkpoint dequantized on the fly, engine/policy/quantized_checkpoint.py) and `export_hf_checkpoint`
 (each pipeline stage gathers its TP shards one parameter at a time, MoE experts over the expert-TP and EP groups,
 and writes its own safetensors file; rank 0
 writes the index, config and tokenizer, and copies the source's multi-token-prediction layers unchanged:
@@ -11,7 +12,8 @@ engine/policy/hf_convert.py, shared with weight sync.
 Must not: read Megatron's global parallel state (it receives a ParallelState), or change parameter values beyond
 loading them.
 
-Test: tests/distributed/test_checkpoint_layouts.py, tests/distributed/test_qwen3_layouts.py (Qwen3, Qwen3-MoE at EP2).
+Test: tests/distributed/test_checkpoint_layouts.py, tests/distributed/test_qwen3_layouts.py (Qwen3, Qwen3-MoE at EP2),
+tests/distributed/test_quantized_layouts.py (quantized checkpoints in, and back out in their format).
 """
 
 from __future__ import annotations
