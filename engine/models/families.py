@@ -4,10 +4,10 @@ Owns: `FAMILIES` (every family the engine builds, in the order the tiny models a
 `family_spec` (a model_type's spec), `SUPPORTED_MODEL_TYPES` / `MOE_MODEL_TYPES`, the refusal of any other family
 (`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
 `MISSING_FEATURES`), the check of a quantised checkpoint of any family (`check_quantization`: block-wise
-FP8 and MXFP4 load, any other is refused naming the method and the conversion to run), and the MoE facts the policy, the converter and the planner read under one name
-whatever the family calls them (`moe_shape`, `dense_layers`, `shared_expert_width`, `has_routed_experts`) and
-the attention's (`has_qkv_bias`, `has_qk_norm`). What
-differs per family is its folder's `SPEC` (engine/models/family_spec.py says what a spec holds); nothing here
+FP8 and MXFP4 load, any other is refused naming the method and the conversion to run), and the MoE facts the
+policy, the converter and the planner read under one name whatever the family calls them (`moe_shape`,
+`dense_layers`, `shared_expert_width`, `has_routed_experts`) and the attention's (`has_qkv_bias`, `has_qk_norm`).
+What differs per family is its folder's `SPEC` (engine/models/family_spec.py says what a spec holds); nothing here
 names a family.
 
 Adding a family: a folder `engine/models/<family>/` whose `__init__` exports `SPEC`, listed in `FAMILIES`, with its
