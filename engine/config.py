@@ -434,6 +434,8 @@ class CheckpointConfig:
     """A checkpoint directory, or `latest` for the newest one in the run directory."""
     save_hf_at_end: bool = True
     """Export the final policy as a Hugging Face checkpoint to `<output_dir>/hf` (not after a SIGUSR1 stop)."""
+    export_quantization: Literal["none", "source"] = "none"
+    """HF exports: `none` = every weight in model.dtype; `source` = the source's FP8 / MXFP4 weights in its format."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

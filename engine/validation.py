@@ -480,3 +480,7 @@ def _check_lora(cfg: EngineConfig, problems: list[str]) -> None:
     if cfg.grpo.sync_ref_model:
         problems.append("grpo.sync_ref_model with lora.use_peft: the policy's base weights are frozen, so syncing them "
                         "into the reference changes nothing (the adapters are not in the reference); set it false")
+    if cfg.checkpoint.export_quantization != "none" and not section.lora_save_merged:
+        problems.append(f"checkpoint.export_quantization={cfg.checkpoint.export_quantization!r} with lora.use_peft: the "
+                        "export is a PEFT adapter (no base weights to quantize); set lora.lora_save_merged=true for a "
+                        "merged model in the source's format, or leave it 'none'")

@@ -3,11 +3,11 @@
 Owns: `FAMILIES` (every family the engine builds, in the order the tiny models and error messages list them),
 `family_spec` (a model_type's spec), `SUPPORTED_MODEL_TYPES` / `MOE_MODEL_TYPES`, the refusal of any other family
 (`check_model_type`, naming the supported ones and, for a family labs post-train, what the translation lacks:
-`MISSING_FEATURES`), the refusal of a quantised checkpoint of any family (`check_quantization`, naming the method
-and the conversion to run), and the MoE facts the policy, the converter and the planner read under one name
-whatever the family calls them (`moe_shape`, `dense_layers`, `shared_expert_width`, `has_routed_experts`) and
-the attention's (`has_qkv_bias`, `has_qk_norm`). What
-differs per family is its folder's `SPEC` (engine/models/family_spec.py says what a spec holds); nothing here
+`MISSING_FEATURES`), the check of a quantised checkpoint of any family (`check_quantization`: block-wise
+FP8 and MXFP4 load, any other is refused naming the method and the conversion to run), and the MoE facts the
+policy, the converter and the planner read under one name whatever the family calls them (`moe_shape`,
+`dense_layers`, `shared_expert_width`, `has_routed_experts`) and the attention's (`has_qkv_bias`, `has_qk_norm`).
+What differs per family is its folder's `SPEC` (engine/models/family_spec.py says what a spec holds); nothing here
 names a family.
 
 Adding a family: a folder `engine/models/<family>/` whose `__init__` exports `SPEC`, listed in `FAMILIES`, with its
@@ -67,8 +67,8 @@ def spec_or_default(model_type: str | None) -> FamilySpec:
 
 def check_model_type(hf_config) -> None:
     """Refuse a model family the engine does not build, naming the ones it does and, for a known family, what is
-    missing; refuse a quantised checkpoint (`check_quantization`); then the family's own refusals (its spec's
-    `check`). `hf_config` is a transformers config (or anything with its attributes).
+    missing; refuse a quantised checkpoint the loader does not read (`check_quantization`); then the family's own
+    refusals (its spec's `check`). `hf_config` is a transformers config (or anything with its attributes).
 
     Raises:
         ValueError naming `model.name_or_path`, the model_type and the cause.
@@ -82,25 +82,27 @@ def check_model_type(hf_config) -> None:
     family_spec(model_type).check(hf_config)
 
 
-_DEQUANTIZE_ADVICE = {
-    "fp8": ("its float8_e4m3fn weights come in 128 x 128 blocks with a `weight_scale_inv` tensor beside each "
-            "(DeepSeek-V3 / R1, Kimi K2, the -FP8 releases), which the engine's loader does not dequantise; convert "
-            "it to bf16 first with DeepSeek's inference/fp8_cast_bf16.py (github.com/deepseek-ai/DeepSeek-V3; a GPU "
-            "Triton kernel), then delete quantization_config from the copied config.json, or use a published bf16 "
-            "conversion. NOTE: transformers 5.19's FineGrainedFP8Config(dequantize=True) refuses DeepSeek-V3's "
-            "kv_a_proj_with_mqa (576 rows in ceil(576 / 128) = 5 scale blocks); it works where every weight "
-            "dimension is a multiple of 128"),
-    "mxfp4": ("the MXFP4 expert blocks are not loaded; dequantise the checkpoint to bf16 first (transformers: "
-              "Mxfp4Config(dequantize=True), then save_pretrained)"),
-}
-"""What to do instead, per `quant_method`, for the quantised checkpoints labs post-train (DeepSeek-V3's FP8, GPT-OSS's
-MXFP4); any other method gets the generic advice of `check_quantization`."""
+FP8_BLOCK = (128, 128)
+"""The FP8 block layout the loader reads (DeepSeek-V3 / R1, Kimi-K2, the Qwen3 -FP8 releases; vLLM's block-wise FP8)."""
+
+_DEQUANTIZE = ("load it in transformers with its dequantising option (or take the unquantised release) and "
+               "save_pretrained a bf16 copy without quantization_config")
+
+
+def _describe(quant: dict) -> str:
+    """The method of a quantization_config and what distinguishes it (NVFP4 hides under modelopt's `quant_algo` or
+    compressed-tensors' `format`; FP8 under its scales)."""
+    method = str(getattr(quant.get("quant_method"), "value", quant.get("quant_method")))
+    extra = [f"{key}={quant[key]!r}" for key in ("quant_algo", "format", "bits", "weight_block_size", "scale_fmt")
+             if quant.get(key) is not None]
+    return f"{method}: {', '.join(extra)}" if extra else method
 
 
 def check_quantization(hf_config) -> None:
-    """Refuse a quantised checkpoint (a config with a `quantization_config`), whatever the family: the engine loads,
-    trains and exports unquantised weights only (its loader would otherwise read packed blocks or float8 values as
-    weights, or fail on a missing name). The message names the family, the method and what to do instead.
+    """Accept the quantised checkpoints the loader dequantises (engine/policy/quantized_checkpoint.py): block-wise FP8
+    in 128 x 128 blocks with float32 `weight_scale_inv` (`quant_method: fp8`, `weight_block_size: [128, 128]`) and
+    GPT-OSS's MXFP4 (`quant_method: mxfp4`); refuse any other (FP8 of another block size, per-tensor or per-channel,
+    ue8m0 scales, NVFP4, AWQ, GPTQ, bitsandbytes, ...), whatever the family, naming the method and what to do.
 
     Raises:
         ValueError naming `model.name_or_path`, the model_type, the quant_method and the conversion to run.
@@ -108,13 +110,22 @@ def check_quantization(hf_config) -> None:
     quant = getattr(hf_config, "quantization_config", None)
     if not quant:
         return
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
-    advice = _DEQUANTIZE_ADVICE.get(str(method), (
-        f"the engine loads unquantised weights only and does not dequantise {method} checkpoints; load it in "
-        "transformers with its dequantising option (or take the unquantised release) and save_pretrained a bf16 "
-        "copy without quantization_config"))
-    raise ValueError(f"model.name_or_path: {hf_config.model_type} with quantization_config ({method}): {advice}")
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    method = str(getattr(quant.get("quant_method"), "value", quant.get("quant_method")))
+    block = quant.get("weight_block_size")
+    if method == "mxfp4" or (method == "fp8" and block and tuple(int(v) for v in block) == FP8_BLOCK
+                             and quant.get("scale_fmt") in (None, "float32")):
+        return
+    if method == "fp8" and not block:
+        cause = "FP8 without weight_block_size (per-tensor or per-channel scales) is not read"
+    elif method == "fp8" and quant.get("scale_fmt") not in (None, "float32"):
+        cause = f"FP8 with scale_fmt {quant['scale_fmt']!r} is not read (only float32 weight_scale_inv)"
+    elif method == "fp8":
+        cause = f"FP8 in {list(block)} blocks is not read (only 128 x 128 blocks)"
+    else:
+        cause = "the loader dequantises block-wise FP8 (128 x 128) and MXFP4 only"
+    raise ValueError(f"model.name_or_path: {hf_config.model_type} with quantization_config ({_describe(quant)}): "
+                     f"{cause}; {_DEQUANTIZE}")
 
 
 def has_qkv_bias(hf_config) -> bool:

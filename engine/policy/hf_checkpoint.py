@@ -1,7 +1,8 @@
 """Hugging Face safetensors checkpoints in and out of the sharded Megatron policy, at any TP x PP layout.
 
 Owns: `SafetensorsSource` (lazy slices of a single-file or sharded safetensors checkpoint), `load_hf_checkpoint`
-(every rank reads only the slices of its own parameters: no rank holds the full model) and `export_hf_checkpoint`
+(every rank reads only the slices of its own parameters: no rank holds the full model; a block-wise FP8 or MXFP4
+checkpoint dequantized on the fly, engine/policy/quantized_checkpoint.py) and `export_hf_checkpoint`
 (each pipeline stage gathers its TP shards one parameter at a time, MoE experts over the expert-TP and EP groups,
 and writes its own safetensors file; rank 0
 writes the index, config and tokenizer, and copies the source's multi-token-prediction layers unchanged:
@@ -11,7 +12,8 @@ engine/policy/hf_convert.py, shared with weight sync.
 Must not: read Megatron's global parallel state (it receives a ParallelState), or change parameter values beyond
 loading them.
 
-Test: tests/distributed/test_checkpoint_layouts.py, tests/distributed/test_qwen3_layouts.py (Qwen3, Qwen3-MoE at EP2).
+Test: tests/distributed/test_checkpoint_layouts.py, tests/distributed/test_qwen3_layouts.py (Qwen3, Qwen3-MoE at EP2),
+tests/distributed/test_quantized_layouts.py (quantized checkpoints in, and back out in their format).
 """
 
 from __future__ import annotations
@@ -39,19 +41,28 @@ from engine.policy.lora import is_lora_param
 from engine.policy.model import get_weight, global_param_names
 from engine.policy.mtp_layers import MTP_SHARD, copy_mtp_layers
 from engine.policy.parallel import ParallelState
+from engine.policy.quantized_checkpoint import (
+    DequantizingSource,
+    checkpoint_format,
+    is_quantized_payload,
+    requantize_like_source,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "generation_config.json")
 
 
-def export_config(hf_config, dtype: torch.dtype, keep_mtp: bool = False):
+def export_config(hf_config, dtype: torch.dtype, keep_mtp: bool = False, quantized: bool = False):
     """The config.json of an export: the dtype its weights are written in (NOTE: a bf16 run's export once said float32,
     and transformers then loaded the bf16 weights as float32), and `num_nextn_predict_layers` (GLM-4.5's and
     DeepSeek-V3's multi-token-prediction layers) kept only when `keep_mtp` (the export holds their weights, copied
     from the source: engine/policy/mtp_layers.py), 0 otherwise (a config naming them would send vLLM's MTP
-    speculative decoding looking for weights the directory lacks)."""
+    speculative decoding looking for weights the directory lacks). `quantization_config` is kept only for an export
+    in the source's quantized format (`quantized`)."""
     config = copy.deepcopy(hf_config)
     config.dtype = dtype
+    if not quantized and getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
     if getattr(config, "num_nextn_predict_layers", 0) and not keep_mtp:
         config.num_nextn_predict_layers = 0
     return config
@@ -94,15 +105,22 @@ class SafetensorsSource:
 def load_hf_checkpoint(chunks: list[torch.nn.Module], ps: ParallelState, model_dir: str | Path, dims: ModelDims) -> None:
     """Copy a Hugging Face checkpoint into this rank's model chunks, reading only this rank's slices.
 
+    A quantized checkpoint (block-wise FP8, MXFP4: engine/policy/quantized_checkpoint.py) is dequantized on the fly
+    into the parameters' dtype, each rank reading the blocks and scales of its own slices only.
+
     Raises:
         KeyError naming a Megatron parameter without a mapping or an HF tensor missing from the checkpoint;
-        ValueError on a shape mismatch (e.g. a checkpoint of another size than the config); ModelDirError
+        ValueError on a shape mismatch (e.g. a checkpoint of another size than the config), a quantization the
+        loader does not read (naming the method) or a scale tensor missing or mis-shaped (naming it); ModelDirError
         (engine/models/model_dir.py) for a missing config / weight shard or a tokenizer larger than the vocabulary.
     """
     from engine.models.model_dir import check_model_dir
 
     check_model_dir(model_dir, vocab_size=dims.vocab_size)
     src = SafetensorsSource(model_dir)
+    fmt = checkpoint_format(model_dir)
+    if fmt is not None:
+        src = DequantizingSource(src, fmt, next(chunks[0].parameters()).dtype)
     entries = family_map(dims)
     for chunk in chunks:
         for name, global_name in global_param_names(chunk).items():
@@ -157,6 +175,7 @@ def iter_hf_tensors(chunk: torch.nn.Module, ps: ParallelState, dims: ModelDims):
 def export_hf_checkpoint(
     chunks: list[torch.nn.Module], ps: ParallelState, out_dir: str | Path, hf_config, dims: ModelDims,
     tokenizer_dir: str | Path | None = None, dtype: torch.dtype | None = None, source_dir: str | Path | None = None,
+    quantization: str = "none",
 ) -> Path | None:
     """Write the policy as a Hugging Face checkpoint (collective: every rank calls it).
 
@@ -166,9 +185,21 @@ def export_hf_checkpoint(
     here) unchanged into `model-mtp.safetensors` (engine/policy/mtp_layers.py; dropped where it has none or
     `source_dir` is None). Everything goes to `<out_dir>.tmp` first and is renamed into place at the end, so a crash
     never leaves a half-written export under `out_dir`. Returns the directory on rank 0, None elsewhere.
+
+    `quantization` (`checkpoint.export_quantization`): "none" writes every tensor in `dtype` and a config without
+    `quantization_config` (the MTP layers of a quantized source, stored quantized, are then left out); "source"
+    writes the tensors `source_dir` stores quantized in its format again (engine/policy/quantized_checkpoint.py
+    `requantize_like_source`: unchanged weights give back the source's bytes) and keeps its `quantization_config`;
+    for an unquantized source both write the same.
     """
     from safetensors.torch import save_file
 
+    if quantization not in ("none", "source"):
+        raise ValueError(f"checkpoint.export_quantization: {quantization!r} is not one of 'none', 'source'")
+    if quantization == "source" and source_dir is None:
+        raise ValueError("checkpoint.export_quantization 'source' needs the checkpoint the policy was loaded from")
+    fmt = checkpoint_format(source_dir) if source_dir is not None else None
+    requantize = fmt is not None and quantization == "source"
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if ps.rank == 0:
@@ -179,20 +210,24 @@ def export_hf_checkpoint(
     for chunk in chunks:
         tensors |= dict(iter_hf_tensors(chunk, ps, dims))
     tensors = stack_expert_pieces(tensors)  # GPT-OSS: its experts' pieces into the stacked HF tensors
+    written_dtype = dtype or next(iter(tensors.values())).dtype
     file = f"model-{ps.pp_rank + 1:05d}-of-{ps.pp_size:05d}.safetensors"
     writer = ps.tp_rank == 0 and ps.dp_rank == 0
     if writer:
-        cast = {k: (v.to(dtype) if dtype and not k.endswith(FLOAT32_TENSORS) else v).contiguous()
-                for k, v in tensors.items()}
+        if requantize:
+            tensors = requantize_like_source(tensors, fmt, SafetensorsSource(source_dir))
+        cast = {k: (v.to(dtype) if dtype and not k.endswith(FLOAT32_TENSORS) and not is_quantized_payload(k, v)
+                    else v).contiguous() for k, v in tensors.items()}
         save_file(cast, tmp / file, metadata={"format": "pt"})
-    names = sorted(tensors) if writer else []
+    names = sorted(cast) if writer else []
     per_rank: list = [None] * ps.world_size
     dist.all_gather_object(per_rank, (file, names))
     if ps.rank == 0:
-        mtp = copy_mtp_layers(source_dir, hf_config, tmp)
+        mtp = copy_mtp_layers(None if fmt is not None and not requantize else source_dir, hf_config, tmp)
         weight_map = {name: f for f, rank_names in per_rank for name in rank_names} | dict.fromkeys(mtp, MTP_SHARD)
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-        export_config(hf_config, dtype or next(iter(tensors.values())).dtype, keep_mtp=bool(mtp)).save_pretrained(tmp)
+        export_config(hf_config, written_dtype, keep_mtp=bool(mtp),
+                      quantized=requantize).save_pretrained(tmp)
         for name in TOKENIZER_FILES if tokenizer_dir else ():
             if (Path(tokenizer_dir) / name).exists():
                 shutil.copy2(Path(tokenizer_dir) / name, tmp / name)

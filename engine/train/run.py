@@ -357,7 +357,8 @@ def export_initial_adapter(cfg: EngineConfig, target: str | Path) -> Path:
 
 
 def export_policy(run: Run, out_dir: str | Path) -> None:
-    """Write the current policy as a Hugging Face checkpoint in the model's dtype, with the model directory's
+    """Write the current policy as a Hugging Face checkpoint in the model's dtype (the quantized weights of a quantized
+    source in its format with `checkpoint.export_quantization: source`), with the model directory's
     config and tokenizer files and its multi-token-prediction layers, untrained (collective: every rank calls it).
     With LoRA: a PEFT adapter directory instead (engine/policy/peft_adapter.py, with the tokenizer files; the
     adapters in their own dtype, lora.lora_adapter_dtype, as PEFT saves them), and with `lora.lora_save_merged` the
@@ -371,7 +372,7 @@ def export_policy(run: Run, out_dir: str | Path) -> None:
     hf_config = AutoConfig.from_pretrained(run.model_dir)
     if run.lora is None:
         export_hf_checkpoint(run.chunks, run.ps, out_dir, hf_config, run.dims, tokenizer_dir=run.model_dir, dtype=dtype,
-                             source_dir=run.model_dir)
+                             source_dir=run.model_dir, quantization=run.cfg.checkpoint.export_quantization)
         return
     out_dir = Path(out_dir)
     save_peft_adapter(run.chunks, run.ps, out_dir, run.lora, base_model_name_or_path=str(run.model_dir))  # as held
@@ -382,7 +383,8 @@ def export_policy(run: Run, out_dir: str | Path) -> None:
     if run.cfg.lora.lora_save_merged:
         with merged_lora(run.chunks):
             export_hf_checkpoint(run.chunks, run.ps, out_dir.with_name(out_dir.name + "_merged"), hf_config,
-                                 run.dims, tokenizer_dir=run.model_dir, dtype=dtype, source_dir=run.model_dir)
+                                 run.dims, tokenizer_dir=run.model_dir, dtype=dtype, source_dir=run.model_dir,
+                                 quantization=run.cfg.checkpoint.export_quantization)
 
 
 REFERENCE_EXPORT_SUFFIX = "_reference"
@@ -402,7 +404,7 @@ def export_reference(run: Run, out_dir: str | Path) -> None:
     try:
         export_hf_checkpoint(reference.chunks, run.ps, out_dir, AutoConfig.from_pretrained(run.model_dir), run.dims,
                              tokenizer_dir=run.model_dir, dtype=getattr(torch, run.cfg.model.dtype),
-                             source_dir=run.model_dir)
+                             source_dir=run.model_dir, quantization=run.cfg.checkpoint.export_quantization)
     finally:
         if reference.offload:
             reference._move(torch.device("cpu"))

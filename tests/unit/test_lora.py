@@ -141,8 +141,12 @@ def test_mlp_adapters_on_an_moe_model_are_refused_naming_the_setting_the_experts
      r"lora.lora_r=1024 with lora.lora_weight_sync=adapter: vLLM's LoRA supports ranks up to 512"),
     ({"use_peft": True}, {"grpo": {"beta": 0.04}, "model": {"offload_reference": True}},
      r"model.offload_reference with lora.use_peft: the KL reference is the policy's frozen base"),
+    ({"use_peft": True}, {"checkpoint": {"export_quantization": "source"}},
+     r"checkpoint.export_quantization='source' with lora.use_peft: the export is a PEFT adapter .*lora_save_merged"),
 ])
 def test_lora_config_validation_names_the_setting(lora, other, message):
+    if "export_quantization" in str(other):  # with the merged export it acts
+        validate(build_config({"lora": lora | {"lora_save_merged": True}, **other}), 1)
     with pytest.raises(ConfigError, match=message):
         validate(build_config({"lora": lora, **other}), 1)
 

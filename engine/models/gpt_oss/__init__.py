@@ -2,7 +2,7 @@
 routed experts with biases and a clamped SwiGLU, its experts stacked in one HF tensor per layer.
 
 Owns: `SPEC`, the family's facts for the registry (engine/models/families.py): the settings refused (`check_gpt_oss`;
-its MXFP4 checkpoint: engine/models/families.py `check_quantization`), its MoE field names, its tiny config and the
+its MXFP4 checkpoint loads: engine/policy/quantized_checkpoint.py), its MoE field names, its tiny config and the
 tiny model's random biases and sinks. The torch pieces (TransformerConfig keywords, the layer-spec swaps, the stacked
 expert conversions: engine/models/stacked_experts.py) are engine/models/gpt_oss/layers.py, re-exported here on first
 use so that this module stays free of torch (the planner imports it).
@@ -39,7 +39,8 @@ def __getattr__(name: str):
 
 def check_gpt_oss(hf_config) -> None:
     """Refuse GPT-OSS settings the translation would not reproduce: layer types other than sliding / full attention,
-    a RoPE other than default or YaRN, an explicit YaRN attention_factor (its MXFP4 checkpoint: `check_quantization`).
+    a RoPE other than default or YaRN, an explicit YaRN attention_factor (its MXFP4 checkpoint loads, dequantised:
+    engine/policy/quantized_checkpoint.py).
 
     Raises:
         ValueError naming `model.name_or_path`, the setting and the cause.
