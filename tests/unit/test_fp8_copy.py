@@ -5,7 +5,8 @@
   copy, written by one of them, holding the reference quantizer's bytes; it stays while either uses it and is gone
   once both have released it (what the engine's close does);
 - a failed write (a checkpoint that is already quantized) raises the cause and leaves nothing;
-- a process that died without releasing (a killed run) does not keep the copy: the next user's release deletes it.
+- a process that died without releasing (a killed run) does not keep the copy: the next user's release deletes it;
+- a failed engine start releases the copy; a started one keeps it until it closes.
 """
 
 import json
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.quantized import quantize_fp8
-from engine.rollout.fp8_checkpoint import acquire_fp8_engine_checkpoint
+from engine.rollout.fp8_checkpoint import acquire_fp8_engine_checkpoint, released_on_error
 from engine.rollout.fp8_sync import FP8_BLOCK, scale_name
 
 
@@ -104,3 +105,19 @@ def test_a_dead_users_copy_is_deleted_by_the_next_users_release(tmp_path):
     assert not copy.wrote, "the complete copy is reused"
     copy.release()
     assert list(root.iterdir()) == []
+
+
+def test_a_failed_start_releases_the_copy_and_a_finished_one_too(tmp_path):
+    """What the engine does around vLLM's start (`released_on_error`) and a server node around its workers."""
+    _checkpoint(tmp_path / "policy")
+    copy = acquire_fp8_engine_checkpoint(tmp_path / "policy", tmp_path)
+    with pytest.raises(RuntimeError, match="vLLM failed"), released_on_error(copy):
+        raise RuntimeError("vLLM failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+    copy = acquire_fp8_engine_checkpoint(tmp_path / "policy", tmp_path)
+    with released_on_error(copy):
+        pass
+    assert copy.path.is_dir(), "a started engine keeps its copy until it closes"
+    with released_on_error(copy, always=True):
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]

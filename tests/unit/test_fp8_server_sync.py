@@ -147,3 +147,15 @@ def test_layouts_that_cut_blocks_are_refused_by_name():
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.weight \(128, 256\): engine rank 0 holds "
                                          r"rows \[0, 64\)"):
         fp8_assemblies(plan)
+
+
+@pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="this CPU has AMX: vLLM's CPU block-FP8 kernel runs")
+def test_a_rollout_servers_fp8_engine_is_refused_on_a_cpu_without_amx(tmp_path):
+    """The server's engine starts through the same settings as a colocated one: refused by name before vLLM or the
+    FP8 copy is touched."""
+    from engine.config import ConfigError, GenerationConfig, RolloutConfig
+    from engine.rollout.vllm_engine import ServerEngine
+
+    rollout = RolloutConfig(vllm_weight_dtype="fp8", vllm_mode="server")
+    with pytest.raises(ConfigError, match=r"rollout.vllm_weight_dtype=fp8: .*requires AMX tiles .*this CPU has none"):
+        ServerEngine(tmp_path / "nowhere", rollout, GenerationConfig(), seed=0, dtype="bfloat16")
