@@ -7,17 +7,34 @@ quantizer (the same bytes the first sync would send) and whose config.json carri
 fp8, activation_scheme: dynamic, weight_block_size: [128, 128]}`; every other file is linked. Every sync overwrites the
 weights after that.
 
-Must not: import vLLM; write next to the user's checkpoint (the copy goes in a fresh temporary directory).
+The copy is as large as the model's FP8 weights, so it is written once per machine (`acquire_fp8_engine_checkpoint`):
+every engine process of the machine (colocated ranks, a server and its other nodes' workers on the same host) that
+starts from the same checkpoint shares one copy, in a directory named after the checkpoint's path, sizes and
+modification times. The first process to arrive writes it, the others wait for it to be complete; each registers as
+a user, and the last user to release it (`FP8EngineCopy.release`: the engine's close, a failed start, the
+interpreter's exit) deletes it. Users whose process has died are dropped on the next acquire or release, so a
+killed run's copy is reused or deleted by the next one.
+
+Must not: import vLLM; write next to the user's checkpoint (the copy goes in the machine's temporary directory).
 
 Test: tests/unit/test_fp8_sync.py (a tiny checkpoint: the copy's payload and scales are the reference quantizer's,
-the rest bit-equal, the config names the block).
+the rest bit-equal, the config names the block), tests/unit/test_fp8_copy.py (two processes on one machine get one
+copy, which is gone after both release it; a failed write and a dead user leave nothing behind).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -30,9 +47,8 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "w
 time, one scale per 128 x 128 weight block."""
 
 
-def write_fp8_engine_checkpoint(model_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    """A block-FP8 copy of the HF checkpoint in `model_dir` (safetensors files), in `out_dir` (default: a new
-    temporary directory); returns its path.
+def write_fp8_engine_checkpoint(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """A block-FP8 copy of the HF checkpoint in `model_dir` (safetensors files), in `out_dir`; returns its path.
 
     Raises:
         ValueError naming the directory when it has no safetensors files or is already quantized.
@@ -45,7 +61,7 @@ def write_fp8_engine_checkpoint(model_dir: str | Path, out_dir: str | Path | Non
     if config.get("quantization_config"):
         raise ValueError(f"rollout.vllm_weight_dtype=fp8: {model_dir} is already quantized "
                          f"({config['quantization_config'].get('quant_method')!r}); give the policy's own checkpoint")
-    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="grpo-fp8-engine-"))
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     index = {}
     for path in files:
@@ -61,9 +77,161 @@ def write_fp8_engine_checkpoint(model_dir: str | Path, out_dir: str | Path | Non
     return out
 
 
-def fp8_engine_settings(model_dir: str | Path, rollout: RolloutConfig, on_gpu: bool) -> tuple[str | Path, dict]:
-    """(the checkpoint the engine starts from, vLLM keywords) of `rollout.vllm_weight_dtype` and
-    `rollout.vllm_kv_cache_dtype`: the block-FP8 copy and `quantization="fp8"` for fp8 weights, `kv_cache_dtype`.
+def _copy_key(model_dir: Path) -> str:
+    """The name of a checkpoint's shared copy: its resolved path and its files' names, sizes and modification
+    times (a rewritten checkpoint gets a copy of its own)."""
+    files = sorted(p for p in model_dir.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+    facts = [str(model_dir.resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:16]
+
+
+def _alive(token: str) -> bool:
+    """Whether the process of a user / writer token (`<pid>-<random>`) is still running on this machine."""
+    try:
+        os.kill(int(token.split("-")[0]), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+class _Locked:
+    """An exclusive flock on the copies' root directory, held briefly while users register or leave."""
+
+    def __init__(self, root: Path):
+        self.fd = os.open(root, os.O_RDONLY)
+
+    def __enter__(self):
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _prune(directory: Path) -> list[str]:
+    """Drop the users whose process died; the living users' tokens."""
+    users = directory / "users"
+    alive = []
+    for user in users.iterdir() if users.is_dir() else []:
+        if _alive(user.name):
+            alive.append(user.name)
+        else:
+            user.unlink(missing_ok=True)
+    return alive
+
+
+@dataclass
+class FP8EngineCopy:
+    """One process's use of a machine's shared block-FP8 copy (`acquire_fp8_engine_checkpoint`)."""
+
+    path: Path
+    """The copy's checkpoint directory (the engine's `model`)."""
+    directory: Path
+    """Its shared directory (the copy, the users, the writer's marker)."""
+    token: str
+    wrote: bool
+    """Whether this process wrote the copy (one process per machine does)."""
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        """Leave the copy; the last user deletes it (idempotent; also run at the interpreter's exit)."""
+        if self.released:
+            return
+        self.released = True
+        if not self.directory.parent.is_dir():
+            return
+        with _Locked(self.directory.parent):
+            (self.directory / "users" / self.token).unlink(missing_ok=True)
+            if not _prune(self.directory):
+                shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def released_on_error(copy: FP8EngineCopy | None, always: bool = False):
+    """Release `copy` (None: nothing) when the block raises, or after it in any case with `always`."""
+    try:
+        yield
+    except BaseException:
+        if copy is not None:
+            copy.release()
+        raise
+    if always and copy is not None:
+        copy.release()
+
+
+def acquire_fp8_engine_checkpoint(model_dir: str | Path, root: str | Path | None = None,
+                                  timeout_s: float = 3600.0) -> FP8EngineCopy:
+    """This machine's block-FP8 copy of `model_dir` (`write_fp8_engine_checkpoint`), written by the first process
+    to ask for it, under `root` (default: the machine's temporary directory); release it when the engine closes.
+
+    Raises:
+        ValueError from the write (in every waiting process too, naming the checkpoint); TimeoutError when the
+        copy is not complete within `timeout_s`; RuntimeError when the writing process died before completing it.
+    """
+    model_dir = Path(model_dir)
+    root = Path(root) if root is not None else Path(tempfile.gettempdir())
+    directory = root / f"grpo-fp8-engine-{_copy_key(model_dir)}"
+    token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    with _Locked(root):
+        (directory / "users").mkdir(parents=True, exist_ok=True)
+        _prune(directory)
+        (directory / "users" / token).touch()
+        writer = directory / "writer"
+        wrote = not (directory / "model").is_dir() and (not writer.is_file() or not _alive(writer.read_text())
+                                                        or (directory / "failed").is_file())
+        if wrote:
+            writer.write_text(token)
+            (directory / "failed").unlink(missing_ok=True)
+    copy = FP8EngineCopy(directory / "model", directory, token, wrote)
+    atexit.register(copy.release)
+    try:
+        if wrote:
+            _write_shared(model_dir, directory, token)
+        else:
+            _wait_for(directory, model_dir, timeout_s)
+    except BaseException:
+        copy.release()
+        raise
+    return copy
+
+
+def _write_shared(model_dir: Path, directory: Path, token: str) -> None:
+    """Write the copy beside its final place and move it there when complete; a failure is left for the waiters."""
+    partial = directory / f"partial-{token}"
+    try:
+        write_fp8_engine_checkpoint(model_dir, partial)
+        os.rename(partial, directory / "model")
+    except BaseException as error:
+        shutil.rmtree(partial, ignore_errors=True)
+        (directory / "failed").write_text(f"{type(error).__name__}: {error}")
+        raise
+
+
+def _wait_for(directory: Path, model_dir: Path, timeout_s: float) -> None:
+    """Wait until the writer completed the copy (or failed, or died)."""
+    deadline = time.monotonic() + timeout_s
+    while not (directory / "model").is_dir():
+        if (directory / "failed").is_file():
+            raise ValueError(f"rollout.vllm_weight_dtype=fp8: writing the FP8 copy of {model_dir} failed in another "
+                             f"process of this machine: {(directory / 'failed').read_text()}")
+        writer = (directory / "writer").read_text() if (directory / "writer").is_file() else ""
+        if writer and not _alive(writer):
+            raise RuntimeError(f"rollout.vllm_weight_dtype=fp8: the process writing the FP8 copy of {model_dir} "
+                               f"into {directory} died before completing it; start again")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rollout.vllm_weight_dtype=fp8: the FP8 copy of {model_dir} in {directory} was not "
+                               f"complete within {timeout_s:g} s")
+        time.sleep(0.2)
+
+
+def fp8_engine_settings(model_dir: str | Path, rollout: RolloutConfig,
+                        on_gpu: bool) -> tuple[str | Path, dict, FP8EngineCopy | None]:
+    """(the checkpoint the engine starts from, vLLM keywords, the shared copy to release when the engine closes) of
+    `rollout.vllm_weight_dtype` and `rollout.vllm_kv_cache_dtype`: the block-FP8 copy and `quantization="fp8"`
+    for fp8 weights (`acquire_fp8_engine_checkpoint`), `kv_cache_dtype`.
 
     Raises:
         ConfigError naming each setting this machine's vLLM cannot run, and why (`fp8_machine_problems`), before
@@ -72,6 +240,6 @@ def fp8_engine_settings(model_dir: str | Path, rollout: RolloutConfig, on_gpu: b
     problems = fp8_machine_problems(rollout.vllm_weight_dtype, rollout.vllm_kv_cache_dtype, on_gpu)
     if problems:
         raise ConfigError("; ".join(problems))
-    if rollout.vllm_weight_dtype == "fp8":
-        model_dir = write_fp8_engine_checkpoint(model_dir)
-    return model_dir, fp8_engine_kwargs(rollout.vllm_weight_dtype, rollout.vllm_kv_cache_dtype)
+    copy = acquire_fp8_engine_checkpoint(model_dir) if rollout.vllm_weight_dtype == "fp8" else None
+    return (copy.path if copy else model_dir), fp8_engine_kwargs(rollout.vllm_weight_dtype,
+                                                                 rollout.vllm_kv_cache_dtype), copy

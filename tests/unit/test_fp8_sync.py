@@ -220,11 +220,13 @@ def test_fp8_kv_cache_refused_on_a_cpu_without_avx512(tmp_path):
 def test_settings_reach_vllm_on_a_gpu(tmp_path):
     """On a GPU nothing is refused here: the engine starts from the FP8 copy with vLLM's fp8 method and the KV dtype."""
     _checkpoint(tmp_path / "policy")
-    model_dir, kwargs = fp8_engine_settings(tmp_path / "policy", RolloutConfig(vllm_weight_dtype="fp8",
-                                                                               vllm_kv_cache_dtype="fp8"), on_gpu=True)
+    model_dir, kwargs, copy = fp8_engine_settings(tmp_path / "policy", RolloutConfig(
+        vllm_weight_dtype="fp8", vllm_kv_cache_dtype="fp8"), on_gpu=True)
     assert kwargs == {"quantization": "fp8", "kv_cache_dtype": "fp8"}
     assert json.loads((model_dir / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
-    assert fp8_engine_settings(tmp_path / "policy", RolloutConfig(), on_gpu=True) == (tmp_path / "policy", {})
+    copy.release()  # what the engine's close does
+    assert not model_dir.exists()
+    assert fp8_engine_settings(tmp_path / "policy", RolloutConfig(), on_gpu=True) == (tmp_path / "policy", {}, None)
 
 
 def _checkpoint(path) -> dict:
