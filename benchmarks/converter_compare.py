@@ -31,6 +31,7 @@ def _ours(model_dir: str) -> tuple[list[str], float, int]:
     from engine.config import ModelConfig, ParallelConfig
     from engine.policy.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
     from engine.policy.hf_convert import ModelDims
+    from engine.policy.microbatch import MicroBatch
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.parallel import destroy_parallel, init_parallel
     from engine.policy.step import lm_head_logits, run_schedule
@@ -51,7 +52,7 @@ def _ours(model_dir: str) -> tuple[list[str], float, int]:
 
         chunks[0].eval()
         with torch.no_grad():
-            batch = {"tokens": tokens, "position_ids": torch.arange(12).expand(2, 12)}
+            batch = MicroBatch(tokens=tokens, position_ids=torch.arange(12).expand(2, 12))
             ours = run_schedule(chunks, ps, [batch], logits_fn, forward_only=True)[0]["logits"]
             eager = {"attn_implementation": "eager"} if hf_config.model_type == "gemma2" else {}
             hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **eager).eval()(tokens).logits

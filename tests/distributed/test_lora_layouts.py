@@ -382,6 +382,7 @@ def _reference_and_dropout(model_dir: str) -> dict:
     from engine.config import KernelsConfig, ModelConfig, ParallelConfig
     from engine.policy.batch import pack_completions
     from engine.policy.lora import apply_lora
+    from engine.policy.microbatch import MicroBatch
     from engine.policy.reference import ReferencePolicy
     from engine.policy.step import LogprobSettings, forward_logprobs, run_schedule
     from tests.helpers.lora import perturb_lora_b
@@ -398,7 +399,7 @@ def _reference_and_dropout(model_dir: str) -> dict:
     out = {"copy": copy.logprobs(ps, [batch], settings), "base": base.logprobs(ps, [batch], settings),
            "policy": forward_logprobs(chunks, ps, [batch], settings),
            "copy_bytes": sum(p.numel() * p.element_size() for c in copy.chunks for p in c.parameters())}
-    full = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+    full = MicroBatch(tokens=tokens(hf_config.vocab_size), position_ids=torch.arange(SEQ).expand(BATCH, SEQ))
     logits_fn = gathered_logits_fn(ps, hf_config.vocab_size)
 
     def logits(train: bool, seed: int = 0):

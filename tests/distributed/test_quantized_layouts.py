@@ -18,6 +18,7 @@ from tests.helpers.quantized import quantize_checkpoint, transformers_dequantize
 def _load_forward_export(tp: int, model_dir: str, out_dir: str, dtype: str, moe: bool) -> torch.Tensor | None:
     from engine.config import ModelConfig, ParallelConfig
     from engine.policy.hf_checkpoint import export_hf_checkpoint
+    from engine.policy.microbatch import MicroBatch
     from engine.policy.step import run_schedule
     from tests.helpers.policy import BATCH, SEQ, build_from_hf, gathered_logits_fn, tokens
 
@@ -25,7 +26,7 @@ def _load_forward_export(tp: int, model_dir: str, out_dir: str, dtype: str, moe:
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, ModelConfig(dtype=dtype))
     for chunk in chunks:
         chunk.eval()
-    batch = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+    batch = MicroBatch(tokens=tokens(hf_config.vocab_size), position_ids=torch.arange(SEQ).expand(BATCH, SEQ))
     with torch.no_grad():
         values = run_schedule(chunks, ps, [batch], gathered_logits_fn(ps, hf_config.vocab_size), forward_only=True)
     export_hf_checkpoint(chunks, ps, f"{out_dir}/none", hf_config, dims, tokenizer_dir=model_dir, source_dir=model_dir)

@@ -86,7 +86,7 @@ def logits_and_export(model_dir: str, parallel, out_dir: str, logprob_temperatur
     ps, hf_config, chunks, dims = build_from_hf(model_dir, parallel, model_cfg)
     for chunk in chunks:
         chunk.eval()
-    batch = {"tokens": tokens(hf_config.vocab_size), "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+    batch = MicroBatch(tokens=tokens(hf_config.vocab_size), position_ids=torch.arange(SEQ).expand(BATCH, SEQ))
     logits_fn = gathered_logits_fn(ps, hf_config.vocab_size)
     with torch.no_grad():
         values = run_schedule(chunks, ps, [batch], logits_fn, forward_only=True)
