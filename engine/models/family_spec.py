@@ -132,6 +132,18 @@ class FamilySpec:
     check_vllm_cpu: Callable | None = None
     """Refuse, before vLLM starts on a machine without a GPU, a config.json (a dict) vLLM's CPU backend cannot serve
     (`check_vllm_cpu(values)` raises ValueError naming the cause); None = it serves every one."""
+    vllm_hf_names: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    """(vLLM model class, ((vLLM's module name, the checkpoint's), ...)) for a family whose vLLM class renames modules
+    (substring replacements, the inverse of its `hf_to_vllm_mapper`): the weight digests are keyed by HF names."""
+    vllm_receiver: str = ""
+    """"module:Class" of a mixin of vLLM's worker extension (engine/rollout/vllm_engine.py
+    `WeightReceiverExtension`) holding the family's reload fix-ups; "" = none. A path, imported only where vLLM runs."""
+    vllm_module_parts: tuple[str, str] = ()
+    """(vLLM module class, "module:function") for a family whose vLLM module fuses its HF tensors in a layout of its
+    own: `function(prefix, module, param, tensor)` -> [(HF name, view)] for the weight digests; () = none."""
+    vllm_warning: str = ""
+    """"module:function" giving the warning logged when vLLM starts on a checkpoint it runs differently from the
+    trainer (`function(model_dir)` -> message, "" = none); "" = no such check."""
     tiny_config: Callable = field(default=lambda model_type, common, moe_layers: dict(common))
     """The tiny test model's HF config keywords: `tiny_config(model_type, common, moe_layers)` -> kwargs of
     `AutoConfig.for_model(model_type, ...)`; `common` holds the shapes every tiny model shares

@@ -63,7 +63,7 @@ class FusedRMSNorm(torch.nn.Module):
 
 
 class FusedGemmaRMSNorm(FusedRMSNorm):
-    """Gemma's RMSNorm ((1 + w), engine/policy/gemma_layers.py GemmaRMSNorm) through the same kernel."""
+    """Gemma's RMSNorm ((1 + w), engine/models/gemma/layers.py GemmaRMSNorm) through the same kernel."""
 
     OFFSET = 1.0
 
@@ -178,7 +178,7 @@ def fused_layer_specs(specs: list, config, rope_fusable: bool, local_norm: type)
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
 
-    from engine.policy import gemma_layers
+    from engine.models.gemma import layers as gemma_layers
 
     swaps = {local_norm: FusedRMSNorm, gemma_layers.GemmaRMSNorm: FusedGemmaRMSNorm}
     if _glu_activation(config) is not None:

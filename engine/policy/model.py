@@ -2,7 +2,7 @@
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
 spec pieces and YaRN: engine/models/gpt_oss/) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3/) /
-Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/mamba_layers.py) HF config into
+Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/models/nemotron_h/layers.py) HF config into
 Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
 recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
 router, shared expert and dense first layers: engine/policy/moe_config.py; the families refused and what they lack:
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
 from engine.models.cohere2 import is_cohere2
+from engine.models.cohere2 import layers as cohere2_layers
 from engine.models.deepseek_v3 import mla_attention_specs
 from engine.models.families import (
     MOE_MODEL_TYPES,
@@ -42,9 +43,10 @@ from engine.models.families import (
     has_qkv_bias,
 )
 from engine.models.gemma import is_gemma
+from engine.models.gemma import layers as gemma_layers
 from engine.models.gpt_oss.layers import gpt_oss_spec, yarn_rope_settings
 from engine.models.nemotron_h import is_nemotron_h
-from engine.policy import cohere2_layers, gemma_layers, mamba_layers
+from engine.models.nemotron_h import layers as mamba_layers
 from engine.policy.fused_layers import FusedGemmaRMSNorm, FusedRMSNorm
 from engine.policy.moe_config import freeze_expert_bias, mark_expert_params, moe_settings
 from engine.policy.parallel import ParallelState
@@ -418,7 +420,7 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     if mla and spec.submodules.input_layernorm is LocalRMSNorm:  # MLA's keywords to the local core attention
         spec, dense_spec = mla_attention_specs(spec, dense_spec)
     per_layer = None
-    if is_nemotron_h(hf_config):  # one mixer per layer: Mamba-2, attention or MLP (engine/policy/mamba_layers.py)
+    if is_nemotron_h(hf_config):  # one mixer per layer: Mamba-2, attention or MLP (engine/models/nemotron_h/layers.py)
         if spec.submodules.input_layernorm is not LocalRMSNorm:
             raise ValueError("nemotron_h is built on Megatron's local spec only (its Mamba-2 mixer is a project "
                              "module): set model.transformer_impl: local")
@@ -488,7 +490,7 @@ def take_tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, t
         return full
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     blocks = full.split(param.partition_blocks, dim=dim) if hasattr(param, "partition_blocks") else full.chunk(
-        stride, dim=dim)  # Mamba-2's in_proj / conv: unequal blocks (engine/policy/mamba_layers.py)
+        stride, dim=dim)  # Mamba-2's in_proj / conv: unequal blocks (engine/models/nemotron_h/layers.py)
     return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in blocks], dim=dim)
 
 

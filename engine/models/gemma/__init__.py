@@ -5,7 +5,7 @@ each naming the cause: a non-positive final-logit soft-cap, Gemma 3's attention 
 bias, RoPE other than default on the sliding layers / default or linear on the global ones), `gemma_transformer_settings` (TransformerConfig fields: the softmax
 scale `query_pre_attn_scalar` ** -0.5, the sliding window and which layers use it), `gemma_rope_settings` (the global
 layers' RoPE) and `GEMMA_NORM_NAMES` (the HF names of the four per-layer norms; engine/policy/hf_convert.py builds
-its entries from them). The Megatron modules are in engine/policy/gemma_layers.py.
+its entries from them). The Megatron modules are in engine/models/gemma/layers.py.
 
 Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_gemma`).
 
@@ -34,7 +34,7 @@ AFTER attention, not Llama's pre-MLP norm)."""
 
 
 def is_gemma(hf_config) -> bool:
-    """Whether the config is one of `GEMMA_MODEL_TYPES` (built with engine/policy/gemma_layers.py)."""
+    """Whether the config is one of `GEMMA_MODEL_TYPES` (built with engine/models/gemma/layers.py)."""
     return hf_config.model_type in GEMMA_MODEL_TYPES
 
 
