@@ -230,8 +230,7 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
     """
     for chunk in chunks:
         if getattr(chunk.config, "gated_linear_unit", True) is False:  # Nemotron-H (engine/models/nemotron_h/layers.py)
-            raise ValueError(f"lora.use_peft with {getattr(chunk, 'hf_model_type', 'this model')}: adapters on its hybrid "
-                             "layers (Mamba-2 in_proj / "
+            raise ValueError("lora.use_peft with nemotron_h: adapters on its hybrid layers (Mamba-2 in_proj / "
                              "out_proj, attention-only and non-gated MLP-only layers) are not built; train without "
                              "LoRA")
         refuse_expert_adapters(settings, getattr(chunk, "hf_model_type", "this model"),
