@@ -48,6 +48,9 @@ class FusedRMSNorm(torch.nn.Module):
     1 - OFFSET (ones for Llama-style norms, zeros for Gemma's (1 + w)), marked `sequence_parallel` like
     engine/policy/model.py LocalRMSNorm (why: there)."""
 
+    local_spec_norm = True
+    """A norm of Megatron's local spec (engine/policy/model.py builds its blocks and fused swaps around it)."""
+
     OFFSET = 0.0
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):

@@ -97,6 +97,18 @@ def randomise_tiny_inits(model) -> None:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape))
 
 
+def layer_spec(spec, row_parallel, hf_config):
+    """Cohere 2's parallel attention / MLP layer (engine/models/cohere2/layers.py `cohere2_layer_spec`)."""
+    from engine.models.cohere2.layers import cohere2_layer_spec
+
+    return cohere2_layer_spec(spec)
+
+
+def finish_policy_chunk(chunk, hf_config) -> None:
+    """The final logits x `logit_scale` (read where the LM head's logits are computed)."""
+    chunk.logit_scale = float(hf_config.logit_scale)
+
+
 def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
     """`cohere2_transformer_settings`: its LayerNorm's epsilon, interleaved RoPE, the sliding window."""
     import dataclasses
@@ -127,6 +139,7 @@ def vllm_hf_overrides(model_dir) -> dict:
 SPEC = FamilySpec(name="cohere2", model_types=COHERE2_MODEL_TYPES, check=check_cohere2,
                   norm_eps_field="layer_norm_eps", finish_transformer_config=finish_transformer_config,
                   planner_dims=lambda values: {"norms_per_layer": 1, **sliding_window_dims(values)},
-                  ties_embeddings_by_default=True,
+                  ties_embeddings_by_default=True, layer_spec=layer_spec, finish_policy_chunk=finish_policy_chunk,
+                  local_spec_only="its norms, layer and sliding-window attention are project modules",
                   vllm_engine_kwargs=lambda model_dir, dtype, on_gpu: {"hf_overrides": vllm_hf_overrides(model_dir)},
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -253,9 +253,15 @@ def check(hf_config) -> None:
     check_deepseek_v3(hf_config)
 
 
+def local_layer_specs(spec, dense_spec, row_parallel, hf_config):
+    """MLA's keywords to the local core attention (`mla_attention_specs`)."""
+    return (*mla_attention_specs(spec, dense_spec), None)
+
+
 SPEC = FamilySpec(name="deepseek_v3", model_types=("deepseek_v3",), check=check,
                   moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
                   dense_layers=sigmoid_router_dense_layers, shared_expert_width=sigmoid_router_shared_expert_width,
                   transformer_settings=mla_settings, rope_settings=lambda hf_config: {},
                   vllm_engine_kwargs=vllm_cpu_mla_backend, planner_dims=sigmoid_router_planner_dims,
+                  local_layer_specs=local_layer_specs,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_expert_score_bias)

@@ -252,6 +252,13 @@ def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
     return dataclasses.replace(config, **nemotron_h_settings(hf_config), activation_func=squared_relu)
 
 
+def local_layer_specs(spec, dense_spec, row_parallel, hf_config):
+    """One mixer per layer: Mamba-2, attention or MLP (engine/models/nemotron_h/layers.py `nemotron_h_layer_specs`)."""
+    from engine.models.nemotron_h.layers import nemotron_h_layer_specs
+
+    return spec, dense_spec, nemotron_h_layer_specs(spec, row_parallel, hf_config, dense_spec)
+
+
 SPEC = FamilySpec(name="nemotron_h", model_types=NEMOTRON_H_MODEL_TYPES, check=check, moe_shape=moe_shape,
                   has_routed_experts=has_moe_layers, shared_expert_width=shared_expert_width,
                   norm_eps_field="layer_norm_epsilon", finish_transformer_config=finish_transformer_config,
@@ -260,4 +267,6 @@ SPEC = FamilySpec(name="nemotron_h", model_types=NEMOTRON_H_MODEL_TYPES, check=c
                   planner_refusal="hybrid Mamba-2 / attention / MLP layers, no KV cache on the Mamba-2 ones",
                   vllm_hf_names=(("NemotronHForCausalLM", (("model.", "backbone."), ("embed_tokens", "embeddings"))),),
                   vllm_receiver=f"{__name__}.vllm:NemotronHReceiver",
+                  local_layer_specs=local_layer_specs, local_spec_only="its Mamba-2 mixer is a project module",
+                  rope_fusable=lambda hf_config: False,
                   randomise_tiny_inits=randomise_tiny_inits)
