@@ -43,6 +43,15 @@ def _unchanged(config, hf_config, tp_size: int, pp_size: int):
     return config
 
 
+def _chunk_as_built(chunk, hf_config) -> None:
+    """The default policy-chunk hook: the GPTModel chunk as built."""
+
+
+def _rope_fusable(hf_config) -> bool:
+    """The default: the fused RoPE kernel computes the family's RoPE."""
+    return True
+
+
 def _no_random_inits(model) -> None:
     """The default tiny-model hook: HF's own initialisation is kept."""
 
@@ -118,6 +127,23 @@ class FamilySpec:
     rope_settings: Callable | None = None
     """GPTModel's position-embedding keywords (`rope_settings(hf_config)` -> dict, or None for the Llama-shaped RoPE
     of the config's `rope_parameters`); None = always the Llama-shaped RoPE."""
+    layer_spec: Callable | None = None
+    """The family's layer spec from Megatron's (`layer_spec(spec, row_parallel, hf_config)` -> spec, before the
+    attention choice; `row_parallel` is the policy's RowParallelLinear class): its own norms, layers or attention
+    pieces; None = Megatron's as built."""
+    local_layer_specs: Callable | None = None
+    """On the local spec, after the attention choice: `local_layer_specs(spec, dense_spec, row_parallel, hf_config)`
+    -> (spec, dense_spec, per-layer specs or None) (MLA's core attention keywords, a hybrid stack's one mixer per
+    layer); None = unchanged."""
+    local_spec_only: str = ""
+    """Why the family is built on Megatron's local spec only (its project modules), refused on Transformer Engine's
+    spec naming this; "" = any spec."""
+    rope_fusable: Callable = _rope_fusable
+    """Whether the fused RoPE kernel (engine/policy/fused_layers.py) computes the family's RoPE:
+    `rope_fusable(hf_config)` -> bool."""
+    finish_policy_chunk: Callable = _chunk_as_built
+    """The built GPTModel chunk, finished in place (`finish_policy_chunk(chunk, hf_config)`, before its parameters are
+    cast): an embedding scale, the LM head's `logit_scale`."""
     planner_dims: Callable = sliding_window_dims
     """What the planner's shape of a config.json (a dict) takes from the family beyond the shared fields:
     `planner_dims(values)` -> engine/planning/shapes.py `ModelDims` keywords (norms per layer, biases, sinks, the
@@ -132,6 +158,18 @@ class FamilySpec:
     check_vllm_cpu: Callable | None = None
     """Refuse, before vLLM starts on a machine without a GPU, a config.json (a dict) vLLM's CPU backend cannot serve
     (`check_vllm_cpu(values)` raises ValueError naming the cause); None = it serves every one."""
+    vllm_hf_names: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    """(vLLM model class, ((vLLM's module name, the checkpoint's), ...)) for a family whose vLLM class renames modules
+    (substring replacements, the inverse of its `hf_to_vllm_mapper`): the weight digests are keyed by HF names."""
+    vllm_receiver: str = ""
+    """"module:Class" of a mixin of vLLM's worker extension (engine/rollout/vllm_engine.py
+    `WeightReceiverExtension`) holding the family's reload fix-ups; "" = none. A path, imported only where vLLM runs."""
+    vllm_module_parts: tuple[str, str] = ()
+    """(vLLM module class, "module:function") for a family whose vLLM module fuses its HF tensors in a layout of its
+    own: `function(prefix, module, param, tensor)` -> [(HF name, view)] for the weight digests; () = none."""
+    vllm_warning: str = ""
+    """"module:function" giving the warning logged when vLLM starts on a checkpoint it runs differently from the
+    trainer (`function(model_dir)` -> message, "" = none); "" = no such check."""
     tiny_config: Callable = field(default=lambda model_type, common, moe_layers: dict(common))
     """The tiny test model's HF config keywords: `tiny_config(model_type, common, moe_layers)` -> kwargs of
     `AutoConfig.for_model(model_type, ...)`; `common` holds the shapes every tiny model shares

@@ -213,7 +213,7 @@ def attention_activations(dims: ModelDims) -> float:
 
 def score_bytes(dims: ModelDims) -> int:
     """Bytes an eager attention keeps per score element: Megatron's local attention the paper's 5 (scores 2, softmax
-    2, dropout mask 1; GPT-OSS's too); Gemma's and Cohere 2's windowed core attention (engine/policy/gemma_layers.py)
+    2, dropout mask 1; GPT-OSS's too); Gemma's and Cohere 2's windowed core attention (engine/models/gemma/layers.py)
     6, its float32 softmax output 4 and the probabilities cast back 2, and 2 more with Gemma 2's soft-capping (tanh
     keeps its output for the backward)."""
     if not dims.sliding_window or dims.sinks:

@@ -48,6 +48,9 @@ class FusedRMSNorm(torch.nn.Module):
     1 - OFFSET (ones for Llama-style norms, zeros for Gemma's (1 + w)), marked `sequence_parallel` like
     engine/policy/model.py LocalRMSNorm (why: there)."""
 
+    local_spec_norm = True
+    """A norm of Megatron's local spec (engine/policy/model.py builds its blocks and fused swaps around it)."""
+
     OFFSET = 0.0
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
@@ -63,7 +66,7 @@ class FusedRMSNorm(torch.nn.Module):
 
 
 class FusedGemmaRMSNorm(FusedRMSNorm):
-    """Gemma's RMSNorm ((1 + w), engine/policy/gemma_layers.py GemmaRMSNorm) through the same kernel."""
+    """Gemma's RMSNorm ((1 + w), engine/models/gemma/layers.py GemmaRMSNorm) through the same kernel."""
 
     OFFSET = 1.0
 
@@ -178,7 +181,7 @@ def fused_layer_specs(specs: list, config, rope_fusable: bool, local_norm: type)
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
 
-    from engine.policy import gemma_layers
+    from engine.models.gemma import layers as gemma_layers
 
     swaps = {local_norm: FusedRMSNorm, gemma_layers.GemmaRMSNorm: FusedGemmaRMSNorm}
     if _glu_activation(config) is not None:

@@ -229,7 +229,7 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
     (`_train_saved_modules`). Returns the number of adapter parameters on this rank.
     """
     for chunk in chunks:
-        if getattr(chunk.config, "gated_linear_unit", True) is False:  # Nemotron-H (engine/policy/mamba_layers.py)
+        if getattr(chunk.config, "gated_linear_unit", True) is False:  # Nemotron-H (engine/models/nemotron_h/layers.py)
             raise ValueError("lora.use_peft with nemotron_h: adapters on its hybrid layers (Mamba-2 in_proj / "
                              "out_proj, attention-only and non-gated MLP-only layers) are not built; train without "
                              "LoRA")

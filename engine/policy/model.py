@@ -2,7 +2,7 @@
 
 Owns: the translation of a Qwen2 / Llama / Qwen3 / Qwen3-MoE / Mixtral / GLM-4.5 MoE / GPT-OSS (its own keywords,
 spec pieces and YaRN: engine/models/gpt_oss/) / DeepSeek-V3 (GLM-4.5's MoE + MLA: engine/models/deepseek_v3/) /
-Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/policy/mamba_layers.py) HF config into
+Nemotron-H (one mixer per layer, the Mamba-2 one the project's: engine/models/nemotron_h/layers.py) HF config into
 Megatron's `TransformerConfig` (`build_transformer_config`: what it translates, and activation
 recompute; dropout: `dropout_settings`; MoE router and experts with expert parallelism, GLM-4.5's / DeepSeek-V3's
 router, shared expert and dense first layers: engine/policy/moe_config.py; the families refused and what they lack:
@@ -32,8 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, TrainConfig
-from engine.models.cohere2 import is_cohere2
-from engine.models.deepseek_v3 import mla_attention_specs
 from engine.models.families import (
     MOE_MODEL_TYPES,
     check_model_type,
@@ -41,11 +39,6 @@ from engine.models.families import (
     has_qk_norm,
     has_qkv_bias,
 )
-from engine.models.gemma import is_gemma
-from engine.models.gpt_oss.layers import gpt_oss_spec, yarn_rope_settings
-from engine.models.nemotron_h import is_nemotron_h
-from engine.policy import cohere2_layers, gemma_layers, mamba_layers
-from engine.policy.fused_layers import FusedGemmaRMSNorm, FusedRMSNorm
 from engine.policy.moe_config import freeze_expert_bias, mark_expert_params, moe_settings
 from engine.policy.parallel import ParallelState
 from engine.policy.sdpa_attention import attention_specs
@@ -262,6 +255,9 @@ class LocalRMSNorm:
     every token of their heads and are summed over TP by name, `qk_layernorm`, marked or not).
     """
 
+    local_spec_norm = True
+    """A norm of Megatron's local spec (engine/policy/model.py builds its blocks and fused swaps around it)."""
+
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
         norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         for param in norm.parameters():
@@ -278,15 +274,12 @@ def _layer_kernel_specs(spec, dense_spec, per_layer, config, cfg: ModelConfig, h
     implementation = cfg.layer_kernel_implementation
     if not use_layer_kernels(implementation):
         return spec, dense_spec, per_layer
-    local = spec.submodules.input_layernorm in (LocalRMSNorm, gemma_layers.GemmaRMSNorm,
-                                                cohere2_layers.CohereLayerNorm)
-    if not local:
+    if not getattr(spec.submodules.input_layernorm, "local_spec_norm", False):
         if implementation == "triton":
             raise ValueError("model.layer_kernel_implementation=triton acts on Megatron's local spec only (Transformer "
                              "Engine's spec fuses its own norms and RoPE): set model.transformer_impl: local")
         return spec, dense_spec, per_layer
-    rope_fusable = (yarn_rope_settings(hf_config) is None and not config.multi_latent_attention
-                    and not is_nemotron_h(hf_config))
+    rope_fusable = family_spec(hf_config.model_type).rope_fusable(hf_config) and not config.multi_latent_attention
     (spec, dense_spec, per_layer), applied = fused_layer_specs([spec, dense_spec, per_layer], config, rope_fusable,
                                                                   LocalRMSNorm)
     if not applied and implementation == "triton":
@@ -309,9 +302,8 @@ def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, d
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
-    norm = layer_spec.submodules.input_layernorm  # the local spec's: LocalRMSNorm, or Gemma's / Cohere 2's own
-    if norm not in (LocalRMSNorm, gemma_layers.GemmaRMSNorm, cohere2_layers.CohereLayerNorm, FusedRMSNorm,
-                    FusedGemmaRMSNorm):
+    norm = layer_spec.submodules.input_layernorm  # the local spec's: LocalRMSNorm, fused, or a family's own
+    if not getattr(norm, "local_spec_norm", False):
         if pattern:
             raise ValueError("dense first layers (GLM-4.5's first_k_dense_replace) are built on the local spec only: "
                              "set model.transformer_impl: local")
@@ -322,6 +314,13 @@ def _decoder_spec(layer_spec, config, ps: ParallelState, vp_stage: int | None, d
              for i in range(num_layers)]
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=specs, layer_norm=norm))
+
+
+def _check_local_spec(family, local: bool, hf_config) -> None:
+    """Refuse Transformer Engine's spec for a family built on the local spec only (its spec's `local_spec_only`)."""
+    if family.local_spec_only and not local:
+        raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only ({family.local_spec_only}): "
+                         "set model.transformer_impl: local")
 
 
 def _row_parallel_linear_class():
@@ -404,25 +403,19 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
     shape = policy_shape(hf_config, cfg, ps.tp_size)
     mla = config.multi_latent_attention
     spec = _layer_spec(cfg, config.qk_layernorm, config.num_moe_experts, mla)
-    if hf_config.model_type == "gpt_oss":
-        spec = gpt_oss_spec(spec, _row_parallel_linear_class())
+    family, local = family_spec(hf_config.model_type), spec.submodules.input_layernorm is LocalRMSNorm
     dense_spec = _layer_spec(cfg, config.qk_layernorm, mla=mla) if isinstance(config.moe_layer_freq, list) else None
-    if is_gemma(hf_config) or is_cohere2(hf_config):
-        if spec.submodules.input_layernorm is not LocalRMSNorm:
-            raise ValueError(f"{hf_config.model_type} is built on Megatron's local spec only (its norms, layer and "
-                             "sliding-window attention are project modules): set model.transformer_impl: local")
-        spec = (gemma_layers.gemma_layer_spec(spec, _row_parallel_linear_class(), hf_config) if is_gemma(hf_config)
-                else cohere2_layers.cohere2_layer_spec(spec))
+    if family.layer_spec is not None:  # the family's own norms, layers or attention pieces
+        _check_local_spec(family, local, hf_config)
+        spec = family.layer_spec(spec, _row_parallel_linear_class(), hf_config)
     spec, dense_spec = attention_specs(spec, dense_spec, config, cfg.attention_implementation, hf_config.model_type,
                                        cfg.packed_attention_implementation)
-    if mla and spec.submodules.input_layernorm is LocalRMSNorm:  # MLA's keywords to the local core attention
-        spec, dense_spec = mla_attention_specs(spec, dense_spec)
     per_layer = None
-    if is_nemotron_h(hf_config):  # one mixer per layer: Mamba-2, attention or MLP (engine/policy/mamba_layers.py)
-        if spec.submodules.input_layernorm is not LocalRMSNorm:
-            raise ValueError("nemotron_h is built on Megatron's local spec only (its Mamba-2 mixer is a project "
-                             "module): set model.transformer_impl: local")
-        per_layer = mamba_layers.nemotron_h_layer_specs(spec, _row_parallel_linear_class(), hf_config, dense_spec)
+    if family.local_layer_specs is not None:  # MLA's core attention keywords, a hybrid stack's mixers
+        _check_local_spec(family, local, hf_config)
+        if local:
+            spec, dense_spec, per_layer = family.local_layer_specs(spec, dense_spec, _row_parallel_linear_class(),
+                                                                   hf_config)
     spec, dense_spec, per_layer = _layer_kernel_specs(spec, dense_spec, per_layer, config, cfg, hf_config)
     num_chunks = ps.vpp_size or 1
     chunks = []
@@ -445,12 +438,11 @@ def build_policy(hf_config, cfg: ModelConfig, ps: ParallelState, train: TrainCon
                 vp_stage=vp_stage if ps.vpp_size else None,
             )
         )
-        if is_gemma(hf_config):
-            gemma_layers.scale_embeddings(chunks[-1], hf_config.hidden_size)
+        chunks[-1].logit_scale = 1.0  # the LM head's logit multiplier; a family's finishing hook may set its own
+        family.finish_policy_chunk(chunks[-1], hf_config)
         cast_params_to_dtype(chunks[-1], config.params_dtype)
         chunks[-1].final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None)
         chunks[-1].hf_vocab_size = shape.vocab_size  # the rows an HF export keeps (engine/policy/lora.py)
-        chunks[-1].logit_scale = float(hf_config.logit_scale) if is_cohere2(hf_config) else 1.0
         chunks[-1].routing_replay = bool(config.num_moe_experts) and cfg.moe_enable_routing_replay
         chunks[-1].hf_model_type = hf_config.model_type  # the HF layout adapters export to (engine/policy/lora.py)
     if config.moe_router_enable_expert_bias:
@@ -488,7 +480,7 @@ def take_tp_shard(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, t
         return full
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     blocks = full.split(param.partition_blocks, dim=dim) if hasattr(param, "partition_blocks") else full.chunk(
-        stride, dim=dim)  # Mamba-2's in_proj / conv: unequal blocks (engine/policy/mamba_layers.py)
+        stride, dim=dim)  # Mamba-2's in_proj / conv: unequal blocks (engine/models/nemotron_h/layers.py)
     return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in blocks], dim=dim)
 
 

@@ -96,7 +96,7 @@ def glm4_moe_router_settings(hf_config) -> dict:
     the routes the engine chose. It is loaded, exported and synced like a weight (`global_param_names`).
 
     Nemotron-H's MoE ('E') layers route alike (HF NemotronHTopkRouter); `moe_layer_freq` marks its 'E' layers (the
-    hybrid stack builds them: engine/policy/mamba_layers.py), its non-gated relu2 experts come from
+    hybrid stack builds them: engine/models/nemotron_h/layers.py), its non-gated relu2 experts come from
     `nemotron_h_settings` (`gated_linear_unit=False`, squared ReLU, shared by experts and shared expert).
     """
     if is_nemotron_h(hf_config):  # Nemotron-H's 'E' layers: the same router; its hybrid layers (one MoE per 'E')

@@ -18,7 +18,7 @@ Must not: change what is attended to. The causal case (no mask given) is SDPA's 
 rows' block-diagonal mask of engine/policy/packing.py, True = masked) is passed as SDPA's boolean mask, inverted;
 packed sequences (the `varlen` layout's carrier) attend each to itself.
 Sliding windows, attention sinks (`softmax_offset`), soft-capping, an attention bias and THD packing are not handled
-here: the families that need them have their own core attention (engine/policy/gemma_layers.py, engine/models/
+here: the families that need them have their own core attention (engine/models/gemma/layers.py, engine/models/
 gpt_oss.py), and `use_sdpa` leaves a spec alone unless its core attention is the plain one and the config has no
 window (`sdpa_blocker` says which; `attention_specs` refuses an explicit `sdpa` there, `auto` keeps the layer's).
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.models.deepseek_v3 import mla_hf_shape
+from engine.models.latent_attention import mla_hf_shape
 from engine.models.stacked_experts import EXPERT_PIECE, STACKED_KINDS
 from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names, layer_entries
 

@@ -26,14 +26,12 @@ import torch
 from engine.config import GenerationConfig, RolloutConfig
 from engine.models.quantized import FP8_DTYPE
 from engine.rollout import vllm_cpu_shm
+from engine.rollout import vllm_family_kwargs as families
 from engine.rollout.fp8_checkpoint import FP8EngineCopy, fp8_engine_settings, released_on_error
 from engine.rollout.fp8_sync import held_parts
 from engine.rollout.protocol import TurnRequest, TurnResult
 from engine.rollout.rollouts import Rollout, routes_of, wants_routed_experts
-from engine.rollout.vllm_family_kwargs import family_engine_kwargs
-from engine.rollout.vllm_gpt_oss import GptOssReceiver, gpt_oss_expert_parts, hf_name, warn_gpt_oss_mismatch
 from engine.rollout.vllm_lora import LoraReceiver
-from engine.rollout.vllm_nemotron_h import NemotronHReceiver
 from engine.sampling_settings import reports_trainer_logprobs, sampling_kwargs, sampling_logprobs_mode
 
 LIVE_PARAMS = ("e_score_correction_bias",)
@@ -53,7 +51,7 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
     vLLM 0.32's layouts: QKVParallelLinear [q; k; v] rows (KV heads replicated when engine TP > KV heads),
     MergedColumnParallelLinear [gate; up] rows (the model's `packed_modules_mapping` names the parts), vocabulary rows
     past the real vocabulary dropped, the routed experts' w13 [E, 2 I, H] = [gate; up] ([E, I, H]: Nemotron-H's
-    non-gated up) and w2 [E, H, I] = down per expert, under the checkpoint's names (GPT-OSS: vllm_gpt_oss.py).
+    non-gated up) and w2 [E, H, I] = down per expert, under the checkpoint's names (a family's own layout: its spec's `vllm_module_parts`).
     """
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -70,8 +68,8 @@ def _hf_parts(name: str, module, param: str, tensor: torch.Tensor, packed: dict)
         return [(f"{parent}.{part}.{param}", view) for part, view in zip(packed[leaf], tensor.split(sizes))]
     if isinstance(module, VocabParallelEmbedding):
         return [(f"{name}.{param}", tensor[: module.shard_indices.num_org_elements])]
-    if type(module).__name__ == "GptOssRoutedExperts":
-        return gpt_oss_expert_parts(parent, module, param, tensor)
+    if (own_parts := families.family_module_parts().get(type(module).__name__)) is not None:
+        return own_parts(parent, module, param, tensor)
     if param.removesuffix("_scale_inv") in ("w13_weight", "w2_weight") and hasattr(module, "ckpt_gate_proj_name"):
         if module.local_num_experts != module.global_num_experts:
             raise NotImplementedError(f"{name}: weight digests of an expert-parallel engine (a vLLM rank holding "
@@ -142,7 +140,7 @@ def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: Gen
         enable_sleep_mode=on_gpu and rollout.vllm_enable_sleep_mode, enforce_eager=not on_gpu,
         logprobs_mode=sampling_logprobs_mode(generation) or "processed_logprobs",
         enable_prefix_caching=False, model_impl=rollout.vllm_model_impl,
-        **family_engine_kwargs(model_dir, dtype, on_gpu),  # Cohere 2's window, DeepSeek-V3's CPU MLA backend
+        **families.family_engine_kwargs(model_dir, dtype, on_gpu),  # Cohere 2's window, DeepSeek-V3's CPU MLA backend
         # the checkpoint-loading progress bar only where vLLM logs at INFO (verbose, engine/log_filters.py)
         use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),
     )
@@ -189,7 +187,7 @@ class VLLMEngine:
         self.can_sleep = settings["enable_sleep_mode"]
         self.logprobs_mode = settings["logprobs_mode"]
         """vLLM's logprobs_mode: the one whose sampled-token log-probs are the trainer's (sampling_settings.py)."""
-        warn_gpt_oss_mismatch(model_dir)
+        families.warn_family_mismatch(model_dir)
         self.returns_routes = wants_routed_experts(rollout, model_dir)
         """MoE: every completion carries the experts the engine routed its tokens to (`Rollout.routed_experts`)."""
         self.captures_routes = self.returns_routes and not on_gpu
@@ -296,7 +294,7 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.collective_rpc("grpo_repack_cpu_moe", args=(_moe_layers([name for name, _ in named_tensors]),))
         self.llm.collective_rpc("grpo_load_sinks", args=(named_tensors,))
-        self.llm.collective_rpc("grpo_keep_a_log", args=(named_tensors,))  # Nemotron-H: vllm_nemotron_h.py
+        self.llm.collective_rpc("grpo_keep_a_log", args=(named_tensors,))  # the receivers' fix-ups (family specs)
         self.llm.collective_rpc("grpo_retie_lm_head")
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight load (requests still running?)")
@@ -412,7 +410,7 @@ def serve_node_workers(model_dir: str | Path, rollout: RolloutConfig, generation
     return not executor.is_failed
 
 
-class WeightReceiverExtension(LoraReceiver, GptOssReceiver, NemotronHReceiver):
+class WeightReceiverExtension(LoraReceiver, *families.family_receivers()):
     """Mixed into vLLM's worker class (`worker_extension_cls`): receives a server-mode weight sync (LoRA: vllm_lora.py).
 
     Method names carry a `grpo_` prefix: vLLM refuses an extension whose attributes clash with the worker's own.
@@ -533,7 +531,9 @@ class WeightReceiverExtension(LoraReceiver, GptOssReceiver, NemotronHReceiver):
 
     def grpo_weight_digests(self) -> dict:
         """{"engine_rank", "digests": {HF name: [digest, dtype held]}}: this rank's box of every HF tensor it holds,
-        read from its parameters (weight_digest.py) or, where the CPU backend repacked, as loaded (grpo_track_loads)."""
+        read from its parameters (weight_digest.py), as loaded where the CPU backend repacked (grpo_track_loads), as kept."""
+        from engine.rollout.weight_digest import box_digest
+
         model = self.model_runner.model
         packed, dtype = getattr(model, "packed_modules_mapping", {}), self.grpo_digest_dtype()
         digests = {}
@@ -544,8 +544,8 @@ class WeightReceiverExtension(LoraReceiver, GptOssReceiver, NemotronHReceiver):
                 digests |= {k: v for k, v in _module_digests(name, module, packed, dtype).items()
                             if k.endswith(LIVE_PARAMS)}
         return {"engine_rank": self.grpo_engine_rank(),
-                "digests": {hf_name(name, model): [int(digest), held] for name, (digest, held) in digests.items()}
-                | self.grpo_kept_digests()}  # Nemotron-H's A_log as received: vllm_nemotron_h.py
+                "digests": {families.hf_name(name, model): [int(digest), held] for name, (digest, held) in digests.items()}
+                | {name: [int(box_digest(t)), str(t.dtype)] for name, t in self.grpo_kept_tensors().items()}}
 
     def grpo_capture_routes(self) -> int:
         """Start recording the experts every MoE router picks (`_RouteRecorder`); returns how many routers."""

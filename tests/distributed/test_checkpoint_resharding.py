@@ -116,7 +116,7 @@ distributed optimizer's state is sharded over the two DP ranks. In bf16 (TRL's d
 main parameters and Adam states; restored exactly, the next step (elementwise, from fixed float32 gradients) lands
 on the same bf16 weights bit for bit at another layout too. nemotron_h_tp2: the tiny Nemotron-H ('M*-M', one Mamba
 group per TP rank), whose Mamba-2 in_proj / conv blocks are saved as tensors of their own and whose layers are keyed
-one by one (engine/policy/mamba_layers.py), loaded at TP1 x PP2."""
+one by one (engine/models/nemotron_h/layers.py), loaded at TP1 x PP2."""
 SOURCE_MODELS = {"nemotron_h_tp2": "builtin:tiny-nemotron_h"}
 """A source's model when not `MODEL`."""
 

@@ -34,7 +34,7 @@ LayerNorm, interleaved RoPE on the sliding layers only, none on the global ones,
 at TP1, TP2 + SP and PP2, logits and the kernel's log-probs at temperature 0.9 (logit_scale folded into the kernel's
 temperature); (b) the GRPO step at TP2 + SP and with packed rows (TP1) equals the padded TP1 step, every norm, the tied
 embedding and the MLP moving. Nemotron-H (Mamba-2 / attention without RoPE / relu2 MLP / MoE layers, 'ME*-EM', the
-mixer in pure PyTorch: engine/policy/mamba_layers.py; the MoE layers' non-gated relu2 experts with GLM-4.5's router
+mixer in pure PyTorch: engine/models/nemotron_h/layers.py; the MoE layers' non-gated relu2 experts with GLM-4.5's router
 and a shared expert): (a) at TP1, TP2 + SP (8 Mamba heads, 2 groups: one group per rank), PP2 and EP2, logits and the
 kernel's log-probs; (b) the GRPO step at TP2 + SP and with packed rows (the conv and scan restarted at each sequence,
 TP1) equals the padded TP1 step, every Mamba-2 parameter (in_proj, conv weight and bias, dt_bias, A_log, D, the gated

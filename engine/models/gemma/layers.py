@@ -36,6 +36,9 @@ class GemmaRMSNorm(torch.nn.Module):
     asserts it off) and they multiply in the input dtype. The weight is marked `sequence_parallel` as the local
     spec's other norms (engine/policy/model.py LocalRMSNorm says why)."""
 
+    local_spec_norm = True
+    """A norm of Megatron's local spec (engine/policy/model.py builds its blocks and fused swaps around it)."""
+
     def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
         super().__init__()
         self.eps = eps

@@ -1,9 +1,10 @@
 """GPT-OSS in vLLM 0.32's GptOssForCausalLM, the engine side: what the weight digests and the in-place reload need.
 
-Owns: the checkpoint names of vLLM's renamed modules (`HF_NAMES`), each expert's HF tensors in GptOssRoutedExperts'
-fused parameters (`gpt_oss_expert_parts`, in the layout engine/rollout/sync_plan.py plans them), the constants vLLM
-hard-codes whatever the config says (`VLLM_GPT_OSS_CONSTANTS`, `gpt_oss_engine_mismatch`: the engine's warning), and
-the sinks reload fix-up mixed into the worker extension (`GptOssReceiver`).
+Owns: each expert's HF
+tensors in GptOssRoutedExperts' fused parameters (`gpt_oss_expert_parts`, in the layout engine/rollout/sync_plan.py
+plans them), the constants vLLM hard-codes whatever the config says (`VLLM_GPT_OSS_CONSTANTS`,
+`gpt_oss_engine_mismatch`: the engine's warning), and the sinks reload fix-up mixed into the worker extension
+(`GptOssReceiver`). The spec (engine/models/gpt_oss/__init__.py) names them for engine/rollout/vllm_engine.py.
 
 Must not: import vLLM (engine/rollout/vllm_engine.py does; this module reads the modules and parameters it is given).
 
@@ -14,29 +15,14 @@ sink / expert bias named, log-probs = trainer's), tests/unit/test_gpt_oss.py (th
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
-
-from engine.rollout.vllm_nemotron_h import NEMOTRON_H_HF_NAMES
-
-HF_NAMES = {"GptOssForCausalLM": ((".attn.", ".self_attn."), ("model.embedding.", "model.embed_tokens.")),
-            **NEMOTRON_H_HF_NAMES}
-"""vLLM's module names -> the checkpoint's, per model class whose `hf_to_vllm_mapper` renames modules (substring
-replacements, the inverse of its mapper's): the digests are keyed by HF names."""
 
 VLLM_GPT_OSS_CONSTANTS = {"swiglu_limit": 7.0, "rms_norm_eps": 1e-5}
 """What vLLM 0.32's GptOssForCausalLM computes with whatever the config says (models/gpt_oss.py builds RMSNorm with
 eps=1e-5; the fused MoE's `swigluoai` clamps at 7.0): GPT-OSS's own values. Measured on the tiny GPT-OSS in fp32:
 engine vs HF log-probs 0.16-0.22 apart with eps 1e-6 / limit 0.2, 0.0000 with these."""
-
-
-def hf_name(name: str, model) -> str:
-    """The checkpoint's name of a digest named after vLLM's modules of `model` (`HF_NAMES`)."""
-    for vllm, hf in HF_NAMES.get(type(model).__name__, ()):
-        name = name.replace(vllm, hf)
-    return name
 
 
 def gpt_oss_expert_parts(prefix: str, module, param: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -79,12 +65,6 @@ def gpt_oss_engine_mismatch(model_dir: str | Path) -> str:
             "than the trainer trains (their log-probs differ); GPT-OSS's released checkpoints use vLLM's values")
 
 
-def warn_gpt_oss_mismatch(model_dir: str | Path) -> None:
-    """Log `gpt_oss_engine_mismatch`'s warning, if any (at the engine's start)."""
-    if message := gpt_oss_engine_mismatch(model_dir):
-        logging.getLogger("engine.rollout.vllm_engine").warning(message)
-
-
 class GptOssReceiver:
     """Mixed into the worker extension (engine/rollout/vllm_engine.py `WeightReceiverExtension`, which provides
     `model_runner` and `grpo_engine_rank`)."""
@@ -101,7 +81,7 @@ class GptOssReceiver:
             return 0
         params, rank = dict(self.model_runner.model.named_parameters()), self.grpo_engine_rank()
         for name, tensor in sinks:
-            param = params[name.replace(".self_attn.", ".attn.")]  # HF_NAMES, inverted
+            param = params[name.replace(".self_attn.", ".attn.")]  # the spec's vllm_hf_names, inverted
             heads = param.shape[0]
             param.data.copy_(tensor.narrow(0, rank * heads, heads))
         return len(sinks)
