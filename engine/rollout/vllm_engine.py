@@ -128,11 +128,12 @@ def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: Gen
     """The `vllm.LLM` (and `EngineArgs`) keywords of an engine: this project's defaults with `llm_kwargs` (the
     server's `vllm-serve` options, the executor) over them; sets the environment vLLM reads (in-process engine core,
     the CPU KV-cache size). The nodes of a multi-node engine all start from it, so their configs agree. With
-    `rollout.vllm_weight_dtype: fp8` also the machine's shared FP8 copy the engine starts from (the caller releases
-    it when the engine closes or fails to start), else None."""
+    `rollout.vllm_weight_dtype: fp8` also the machine's shared FP8 copy the engine starts from, with a quantized
+    checkpoint in the model's dtype its shared dequantized copy (the caller releases either when the engine closes
+    or fails to start), else None."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     on_gpu = torch.cuda.is_available()
-    model_dir, fp8, copy = fp8_engine_settings(model_dir, rollout, on_gpu)  # vllm_weight_dtype, vllm_kv_cache_dtype
+    model_dir, fp8, copy = fp8_engine_settings(model_dir, rollout, on_gpu, dtype)  # + a quantized checkpoint's copy
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV cache
         llm_kwargs = {k: v for k, v in llm_kwargs.items() if k != "enforce_eager"}  # always eager on CPU
