@@ -36,7 +36,7 @@ from engine.rollout.fp8_sync import fp8_engine_tensors, is_fp8_weight, scale_box
 from engine.rollout.sync_check import WeightSyncError
 from engine.rollout.sync_plan import SyncPlan, Transfer, box_slices
 from engine.rollout.weight_digest import box_digest
-from engine.rollout.weight_transport import WeightTransferGroup, _describe_peer, _wait, piece_source
+from engine.rollout.weight_transport import WeightTransferGroup, _describe_peer, _wait, piece_source, receive_weights
 
 _MAGIC = 0xF8F8
 _PIECE_TAG = 1 << 23  # + (bucket parity) << 20 + index: pieces between senders
@@ -72,6 +72,17 @@ class FP8Wire:
             rows, cols = (stop - start for start, stop in a.box)
             size += rows * cols + 4 * -(-rows // 128) * -(-cols // 128)
         return transfers, assemblies, size
+
+
+def receiver(spec: dict, quantization: str | None):
+    """The receiving generator a server's worker runs for a plan spec (`SyncPlan.spec()` with the trainer's `fp8`):
+    `receive_fp8_weights` or weight_transport.py's `receive_weights`. RuntimeError naming the setting when the
+    server's engine (vLLM's `quantization`) serves the other kind."""
+    fp8, serves = bool(spec.get("fp8")), quantization == "fp8"
+    if fp8 != serves:
+        raise RuntimeError(f"the trainer syncs {'FP8' if fp8 else 'the model dtype'} but this server serves "
+                           f"{'FP8' if serves else 'the model dtype'}: start both with the same rollout.vllm_weight_dtype")
+    return receive_fp8_weights if fp8 else receive_weights
 
 
 def _header(k: int, size: int, sender: int, engine_rank: int, device=None) -> torch.Tensor:

@@ -424,12 +424,14 @@ class WeightReceiverExtension(LoraReceiver, GptOssReceiver, NemotronHReceiver):
         """Join the transfer group as rank `first_engine_rank + engine TP rank`; returns that rank."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        from engine.rollout.fp8_wire import receiver
         from engine.rollout.sync_plan import build_sync_plan_from_spec
         from engine.rollout.weight_transport import WeightTransferGroup
 
         self.grpo_close_weight_group()
         engine_rank = get_tensor_model_parallel_rank()
         self._grpo_plan = build_sync_plan_from_spec(plan)
+        self._grpo_receive = receiver(plan, self.vllm_config.model_config.quantization)  # FP8 wire or model dtype
         self._grpo_bucket_mb = bucket_mb
         self._grpo_engine_rank = engine_rank
         group_rank = first_engine_rank + engine_rank
@@ -439,15 +441,13 @@ class WeightReceiverExtension(LoraReceiver, GptOssReceiver, NemotronHReceiver):
     def grpo_receive_weights(self, verify: bool = True) -> dict:
         """Receive this engine rank's buckets and load each through vLLM's in-place `reload_weights`; with `verify`,
         the answer holds the digests of what this rank then holds (`grpo_weight_digests`)."""
-        from engine.rollout.weight_transport import receive_weights
-
         group = getattr(self, "_grpo_group", None)
         if group is None:
             raise RuntimeError("no weight-transfer group: call /weights/init before /weights/update")
         num_tensors = num_buckets = 0
         try:
-            for bucket in receive_weights(group, self._grpo_plan, self._grpo_bucket_mb, self._grpo_engine_rank):
-                self._grpo_sent_dtype = bucket[0][1].dtype  # a float32 server may be fed bf16: digest as sent
+            for bucket in self._grpo_receive(group, self._grpo_plan, self._grpo_bucket_mb, self._grpo_engine_rank):
+                self._grpo_sent_dtype = self._grpo_plan.torch_dtype  # a float32 server may be fed bf16: as sent
                 self.reload_weights(weights_iterator=iter(bucket))
                 self.grpo_repack_cpu_moe(_moe_layers([name for name, _ in bucket]))
                 self.grpo_load_sinks(bucket)
