@@ -344,7 +344,9 @@ class RolloutConfig:
     vllm_weight_dtype: Literal["model", "fp8"] = "model"
     """The dtype vLLM serves the policy's linear layers in. `model`: model.dtype. `fp8`: vLLM's block-wise FP8
     (float8_e4m3fn, one float32 scale per 128 x 128 block): every sync quantizes on the trainer and sends payload and
-    scales, both verified (engine/rollout/fp8_sync.py). Colocate mode; refused on a CPU without AMX."""
+    scales, both verified (engine/rollout/fp8_sync.py; server mode: engine/rollout/fp8_wire.py). A quantized
+    `model.name_or_path`: `fp8` starts vLLM from a block-FP8 checkpoint as it is, `model` from its dequantized copy
+    (engine/rollout/quantized_source.py). Refused on a CPU without AMX."""
     vllm_kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """vLLM's KV-cache dtype: `auto` (the model's) or `fp8` (half the bytes per token; refused on a CPU without
     AVX-512 or AMX)."""

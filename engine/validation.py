@@ -285,10 +285,6 @@ def _check_rollout(cfg: EngineConfig, world_size: int, problems: list[str]) -> N
             f"{world_size % rollout.vllm_tensor_parallel_size})"
         )
     problems += nodes_per_server_problems(rollout)
-    if rollout.vllm_weight_dtype == "fp8" and rollout.vllm_mode == "server":
-        problems.append("rollout.vllm_weight_dtype=fp8 needs rollout.vllm_mode=colocate: the server-mode transport "
-                        "carries the model's dtype only, not FP8 payload and scales (each engine rank's blocks are "
-                        "assembled and quantized on the trainer, engine/rollout/fp8_server_sync.py, but not yet sent)")
     if rollout.vllm_weight_dtype == "fp8" and cfg.lora.use_peft and cfg.lora.lora_weight_sync == "adapter":
         problems.append("rollout.vllm_weight_dtype=fp8 with lora.lora_weight_sync=adapter: the adapter would run over "
                         "an FP8 base the trainer never quantized; use lora.lora_weight_sync=merged")

@@ -13,7 +13,8 @@ starts from the same checkpoint shares one copy, in a directory named after the 
 modification times. The first process to arrive writes it, the others wait for it to be complete; each registers as
 a user, and the last user to release it (`FP8EngineCopy.release`: the engine's close, a failed start, the
 interpreter's exit) deletes it. Users whose process has died are dropped on the next acquire or release, so a
-killed run's copy is reused or deleted by the next one.
+killed run's copy is reused or deleted by the next one. A quantized checkpoint's dequantized copy (the engine's start
+in the model's dtype, engine/rollout/quantized_source.py) is shared the same way.
 
 Must not: import vLLM; write next to the user's checkpoint (the copy goes in the machine's temporary directory).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -40,7 +42,9 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError, RolloutConfig
+from engine.policy.quantized_checkpoint import checkpoint_format
 from engine.rollout.fp8_sync import FP8_BLOCK, fp8_engine_kwargs, fp8_machine_problems, quantize_bucket
+from engine.rollout.quantized_source import fp8_source_problems, write_dequantized_engine_checkpoint
 
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}
 """What vLLM's `Fp8Config.from_config` reads: FP8-serialized weights, activations quantized per token group at run
@@ -60,7 +64,8 @@ def write_fp8_engine_checkpoint(model_dir: str | Path, out_dir: str | Path) -> P
         raise ValueError(f"rollout.vllm_weight_dtype=fp8: {model_dir} has no *.safetensors files to quantize")
     if config.get("quantization_config"):
         raise ValueError(f"rollout.vllm_weight_dtype=fp8: {model_dir} is already quantized "
-                         f"({config['quantization_config'].get('quant_method')!r}); give the policy's own checkpoint")
+                         f"({config['quantization_config'].get('quant_method')!r}): a block-FP8 checkpoint is the FP8 engine's "
+                         "start as it is (`fp8_engine_settings`), there is nothing to quantize")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     index = {}
@@ -162,10 +167,18 @@ def released_on_error(copy: FP8EngineCopy | None, always: bool = False):
         copy.release()
 
 
-def acquire_fp8_engine_checkpoint(model_dir: str | Path, root: str | Path | None = None,
-                                  timeout_s: float = 3600.0) -> FP8EngineCopy:
+def copy_directory(model_dir: str | Path, kind: str = "fp8", root: str | Path | None = None) -> Path:
+    """The shared directory of a checkpoint's engine copy of `kind` on this machine."""
+    root = Path(root) if root is not None else Path(tempfile.gettempdir())
+    return root / f"grpo-{kind}-engine-{_copy_key(Path(model_dir))}"
+
+
+def acquire_fp8_engine_checkpoint(model_dir: str | Path, root: str | Path | None = None, timeout_s: float = 3600.0,
+                                  *, kind: str = "fp8", write=write_fp8_engine_checkpoint) -> FP8EngineCopy:
     """This machine's block-FP8 copy of `model_dir` (`write_fp8_engine_checkpoint`), written by the first process
     to ask for it, under `root` (default: the machine's temporary directory); release it when the engine closes.
+    Another `kind` of copy (engine/rollout/quantized_source.py: a quantized checkpoint dequantized) is shared alike,
+    written by `write(model_dir, out_dir)`.
 
     Raises:
         ValueError from the write (in every waiting process too, naming the checkpoint); TimeoutError when the
@@ -173,7 +186,7 @@ def acquire_fp8_engine_checkpoint(model_dir: str | Path, root: str | Path | None
     """
     model_dir = Path(model_dir)
     root = Path(root) if root is not None else Path(tempfile.gettempdir())
-    directory = root / f"grpo-fp8-engine-{_copy_key(model_dir)}"
+    directory = copy_directory(model_dir, kind, root)
     token = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     with _Locked(root):
         (directory / "users").mkdir(parents=True, exist_ok=True)
@@ -189,7 +202,7 @@ def acquire_fp8_engine_checkpoint(model_dir: str | Path, root: str | Path | None
     atexit.register(copy.release)
     try:
         if wrote:
-            _write_shared(model_dir, directory, token)
+            _write_shared(model_dir, directory, token, write)
         else:
             _wait_for(directory, model_dir, timeout_s)
     except BaseException:
@@ -198,11 +211,11 @@ def acquire_fp8_engine_checkpoint(model_dir: str | Path, root: str | Path | None
     return copy
 
 
-def _write_shared(model_dir: Path, directory: Path, token: str) -> None:
+def _write_shared(model_dir: Path, directory: Path, token: str, write) -> None:
     """Write the copy beside its final place and move it there when complete; a failure is left for the waiters."""
     partial = directory / f"partial-{token}"
     try:
-        write_fp8_engine_checkpoint(model_dir, partial)
+        write(model_dir, partial)
         os.rename(partial, directory / "model")
     except BaseException as error:
         shutil.rmtree(partial, ignore_errors=True)
@@ -215,31 +228,47 @@ def _wait_for(directory: Path, model_dir: Path, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not (directory / "model").is_dir():
         if (directory / "failed").is_file():
-            raise ValueError(f"rollout.vllm_weight_dtype=fp8: writing the FP8 copy of {model_dir} failed in another "
+            raise ValueError(f"writing the engine's copy of {model_dir} failed in another "
                              f"process of this machine: {(directory / 'failed').read_text()}")
         writer = (directory / "writer").read_text() if (directory / "writer").is_file() else ""
         if writer and not _alive(writer):
-            raise RuntimeError(f"rollout.vllm_weight_dtype=fp8: the process writing the FP8 copy of {model_dir} "
+            raise RuntimeError(f"the process writing the engine's copy of {model_dir} "
                                f"into {directory} died before completing it; start again")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"rollout.vllm_weight_dtype=fp8: the FP8 copy of {model_dir} in {directory} was not "
+            raise TimeoutError(f"the engine's copy of {model_dir} in {directory} was not "
                                f"complete within {timeout_s:g} s")
         time.sleep(0.2)
 
 
-def fp8_engine_settings(model_dir: str | Path, rollout: RolloutConfig,
-                        on_gpu: bool) -> tuple[str | Path, dict, FP8EngineCopy | None]:
+def fp8_engine_settings(model_dir: str | Path, rollout: RolloutConfig, on_gpu: bool,
+                        dtype: str = "bfloat16") -> tuple[str | Path, dict, FP8EngineCopy | None]:
     """(the checkpoint the engine starts from, vLLM keywords, the shared copy to release when the engine closes) of
-    `rollout.vllm_weight_dtype` and `rollout.vllm_kv_cache_dtype`: the block-FP8 copy and `quantization="fp8"`
-    for fp8 weights (`acquire_fp8_engine_checkpoint`), `kv_cache_dtype`.
+    `rollout.vllm_weight_dtype`, `rollout.vllm_kv_cache_dtype` and the checkpoint's own quantization
+    (engine/rollout/quantized_source.py): for fp8 weights the block-FP8 copy (`acquire_fp8_engine_checkpoint`) of an
+    unquantized checkpoint, a block-FP8 checkpoint as it is, and `quantization="fp8"`; for model-dtype weights a
+    quantized checkpoint's dequantized copy in `dtype` (the engine's); `kv_cache_dtype`.
 
     Raises:
-        ConfigError naming each setting this machine's vLLM cannot run, and why (`fp8_machine_problems`), before
-        anything is written or loaded.
+        ConfigError naming each setting this machine's vLLM cannot run, and why (`fp8_machine_problems`), and a
+        quantized checkpoint the FP8 engine cannot start from (naming the tensors or the format), before anything is
+        written or loaded.
     """
+    fp8 = rollout.vllm_weight_dtype == "fp8"
     problems = fp8_machine_problems(rollout.vllm_weight_dtype, rollout.vllm_kv_cache_dtype, on_gpu)
+    fmt = checkpoint_format(model_dir) if not problems else None
+    if fp8 and fmt is not None and fmt.method == "mxfp4":
+        problems.append(f"rollout.vllm_weight_dtype=fp8 with the MXFP4 checkpoint {model_dir}: vLLM's block-FP8 "
+                        "layers do not hold MXFP4 experts; set rollout.vllm_weight_dtype=model (the engine then "
+                        "starts from a dequantized copy)")
+    elif fp8 and fmt is not None:
+        problems += fp8_source_problems(model_dir, fmt)
     if problems:
         raise ConfigError("; ".join(problems))
-    copy = acquire_fp8_engine_checkpoint(model_dir) if rollout.vllm_weight_dtype == "fp8" else None
+    copy = None
+    if fp8 and fmt is None:
+        copy = acquire_fp8_engine_checkpoint(model_dir)
+    elif not fp8 and fmt is not None:
+        copy = acquire_fp8_engine_checkpoint(model_dir, kind=f"dequantized-{dtype}",
+                                             write=functools.partial(write_dequantized_engine_checkpoint, dtype=dtype))
     return (copy.path if copy else model_dir), fp8_engine_kwargs(rollout.vllm_weight_dtype,
                                                                  rollout.vllm_kv_cache_dtype), copy

@@ -59,7 +59,7 @@ class ServerRollout:
         self.links = [build_server_sync(ps, dims, health["vllm_tensor_parallel_size"], ffn_hidden_size=ffn_hidden_size,
                                         dtype=dtype, group_port=rollout.vllm_group_port + i,
                                         timeout_s=rollout.vllm_server_timeout, bucket_mb=rollout.weight_sync_bucket_mb,
-                                        server=i)
+                                        server=i, fp8=rollout.vllm_weight_dtype == "fp8")
                       for i, health in enumerate(self.client.healths)]
         self._pushed: tuple[list, bool] | None = None  # the chunks last pushed and whether that sync was verified
         self.last_sync: dict[str, float] = {}

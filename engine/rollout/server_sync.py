@@ -5,7 +5,8 @@ thread, while the sender ranks (dp_rank 0; with expert parallelism also the expe
 holding the other experts) `send_weights` their shards; the outcome is then agreed over the trainer's world so
 every rank returns, or raises, together; then the engine ranks' digests of what they hold, returned with the load,
 against the sum of the senders' digests of what they sent: engine/rollout/sync_check.py `check_digests`) and
-`verify_server` (the same check without a sync). The server's half is engine/rollout/vllm_engine.py's
+`verify_server` (the same check without a sync). With `rollout.vllm_weight_dtype: fp8` the senders use the FP8 wire
+(engine/rollout/fp8_wire.py) and the check compares the digests they kept from the sync. The server's half is engine/rollout/vllm_engine.py's
 `WeightReceiverExtension` (`receive_weights` in vLLM's workers).
 
 Layouts: knows neither of its own: the plan (engine/rollout/sync_plan.py) is built from the trainer's
@@ -32,10 +33,19 @@ import torch.distributed as dist
 
 from engine.policy.hf_convert import FLOAT32_TENSORS, ModelDims
 from engine.policy.parallel import ParallelState
+from engine.rollout.fp8_server_sync import fp8_assemblies
+from engine.rollout.fp8_sync import fp8_engine_tensors
+from engine.rollout.fp8_wire import send_fp8_weights
 from engine.rollout.server import model_mismatch
 from engine.rollout.sync_check import WeightSyncError, check_digests, raise_on_every_rank
 from engine.rollout.sync_plan import SyncPlan, TrainerLayout, build_sync_plan
-from engine.rollout.weight_transport import WeightTransferGroup, send_weights, sender_digests, sender_index
+from engine.rollout.weight_transport import (
+    WeightTransferGroup,
+    local_params,
+    send_weights,
+    sender_digests,
+    sender_index,
+)
 
 
 @dataclass
@@ -61,11 +71,17 @@ class ServerSync:
     """Rank 0: the server process (`instance_id`) the group was joined with; a new one has left the group."""
     base_instance: str | None = None
     """Adapter-only sync (engine/rollout/adapter_sync.py): the server process that holds the trainer's frozen base."""
+    fp8: bool = False
+    """`rollout.vllm_weight_dtype: fp8`: syncs go over the FP8 wire (engine/rollout/fp8_wire.py)."""
+    fp8_digests: torch.Tensor | None = None
+    """FP8: this sender's share of the digests of the last sync (they need the assembly, which only a sync does)."""
 
 
 def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn_hidden_size: int, dtype: str,
-                      group_port: int, timeout_s: float, bucket_mb: float, server: int = 0) -> ServerSync:
-    """The plan of this trainer layout into the server's engine TP, and where the group meets.
+                      group_port: int, timeout_s: float, bucket_mb: float, server: int = 0,
+                      fp8: bool = False) -> ServerSync:
+    """The plan of this trainer layout into the server's engine TP, and where the group meets; `fp8`: the server
+    serves block-FP8 (layouts whose engine boxes cut a 128 x 128 block are refused here, naming the tensors).
 
     The group's store is hosted by global rank 0 on `group_port` at $MASTER_ADDR (torchrun's and srun's address of
     rank 0's node; the inference nodes reach it as the trainer nodes do), 127.0.0.1 without one.
@@ -79,8 +95,10 @@ def build_server_sync(ps: ParallelState, dims: ModelDims, engine_tp: int, *, ffn
                          f"{len(wide) - 1} more: GLM-4.5's router bias) would arrive rounded to {dtype}; use "
                          "rollout.vllm_mode: colocate or model.dtype: float32")
     sender_index(plan, ps)  # a rank order the plan does not know is refused here, before any server is asked
+    if fp8:
+        fp8_assemblies(plan)  # raises naming the tensors whose engine boxes cut a block
     host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-    return ServerSync(plan, host, group_port, timeout_s, bucket_mb, server=server)
+    return ServerSync(plan, host, group_port, timeout_s, bucket_mb, server=server, fp8=fp8)
 
 
 def _in_background(call):
@@ -167,7 +185,10 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
         stats |= join_server(ps, client, link)
         http = _in_background(lambda: client.update_weights(verify=verify)) if ps.rank == 0 else None
         try:
-            stats |= send_weights(chunks, ps, dims, link.group, link.plan, link.bucket_mb)
+            if link.fp8:
+                stats |= _send_fp8(chunks, ps, link)
+            else:
+                stats |= send_weights(chunks, ps, dims, link.group, link.plan, link.bucket_mb)
         finally:
             answer = _result(http, link.timeout_s, "loading the weights")
         if ps.rank == 0:  # generate() checks that it is still this process that answers
@@ -180,6 +201,17 @@ def sync_server(chunks, ps: ParallelState, dims: ModelDims, engine, link: Server
         _check_held(chunks, ps, link, lambda: answer["workers"], client)
         stats["weight_sync/digest_s"] = time.perf_counter() - began
     return stats | {"weight_sync/seconds": time.perf_counter() - start}
+
+
+def _send_fp8(chunks, ps: ParallelState, link: ServerSync) -> dict[str, float]:
+    """This rank's part of an FP8 sync (senders only) and its share of the digests, kept on `link`."""
+    rows = len(fp8_engine_tensors(link.plan))
+    link.fp8_digests = torch.zeros(rows, link.plan.engine_tp, dtype=torch.int64)
+    sender = sender_index(link.plan, ps)
+    if sender is None:
+        return {}
+    stats, link.fp8_digests = send_fp8_weights(local_params(chunks), sender, link.group, link.plan, link.bucket_mb)
+    return stats
 
 
 def join_server(ps: ParallelState, client, link: ServerSync) -> dict[str, float]:
@@ -196,7 +228,8 @@ def join_server(ps: ParallelState, client, link: ServerSync) -> dict[str, float]
         stats["weight_sync/rejoined"] = 1.0
     if not link.is_joined:
         request = dict(host=link.host, port=link.port, world_size=plan.group_size,
-                       first_engine_rank=plan.trainer.num_senders, timeout_s=link.timeout_s, plan=plan.spec(),
+                       first_engine_rank=plan.trainer.num_senders, timeout_s=link.timeout_s,
+                       plan=plan.spec() | {"fp8": link.fp8},
                        bucket_mb=link.bucket_mb)
         if ps.rank == 0:  # the store listens first: members that connect early back off for up to ~20 s
             link.store = dist.TCPStore(link.host, link.port, plan.group_size, is_master=True,
@@ -242,7 +275,13 @@ def _check_held(chunks, ps: ParallelState, link: ServerSync, workers, client) ->
     """The trainer's digests of what each engine rank must hold (summed over the senders) against the engine ranks'
     own (`workers()`, called on rank 0: each worker's {"engine_rank", "digests"}); every rank raises together."""
     plan = link.plan
-    expected = sender_digests(chunks, ps, plan)
+    if link.fp8:  # FP8: the digests of the last sync's payload and scales (the assembly happens only in a sync)
+        names = [name for name, *_ in fp8_engine_tensors(plan)]
+        expected = (link.fp8_digests if link.fp8_digests is not None else
+                    torch.zeros(len(names), plan.engine_tp, dtype=torch.int64)).to(ps.device)
+    else:
+        names = [t.name for t in plan.tensors]
+        expected = sender_digests(chunks, ps, plan)
     dist.all_reduce(expected)  # int64 sums wrap mod 2**64, as the digests do
     error = ""
     if ps.rank == 0:
@@ -250,7 +289,7 @@ def _check_held(chunks, ps: ParallelState, link: ServerSync, workers, client) ->
         try:
             for worker in workers():
                 rank = int(worker["engine_rank"])
-                error += check_digests({t.name: table[i][rank] for i, t in enumerate(plan.tensors)},
+                error += check_digests({name: table[i][rank] for i, name in enumerate(names)},
                                        worker["digests"], plan.dtype, f"engine rank {rank} of {client.base_url}")
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it
             error = f"asking {client.base_url} for its digests failed: {type(exc).__name__}: {exc}"

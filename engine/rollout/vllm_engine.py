@@ -126,11 +126,12 @@ def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: Gen
     """The `vllm.LLM` (and `EngineArgs`) keywords of an engine: this project's defaults with `llm_kwargs` (the
     server's `vllm-serve` options, the executor) over them; sets the environment vLLM reads (in-process engine core,
     the CPU KV-cache size). The nodes of a multi-node engine all start from it, so their configs agree. With
-    `rollout.vllm_weight_dtype: fp8` also the machine's shared FP8 copy the engine starts from (the caller releases
-    it when the engine closes or fails to start), else None."""
+    `rollout.vllm_weight_dtype: fp8` also the machine's shared FP8 copy the engine starts from, with a quantized
+    checkpoint in the model's dtype its shared dequantized copy (the caller releases either when the engine closes
+    or fails to start), else None."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     on_gpu = torch.cuda.is_available()
-    model_dir, fp8, copy = fp8_engine_settings(model_dir, rollout, on_gpu)  # vllm_weight_dtype, vllm_kv_cache_dtype
+    model_dir, fp8, copy = fp8_engine_settings(model_dir, rollout, on_gpu, dtype)  # + a quantized checkpoint's copy
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of host memory for the KV cache
         llm_kwargs = {k: v for k, v in llm_kwargs.items() if k != "enforce_eager"}  # always eager on CPU
@@ -421,12 +422,14 @@ class WeightReceiverExtension(LoraReceiver, *families.family_receivers()):
         """Join the transfer group as rank `first_engine_rank + engine TP rank`; returns that rank."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+        from engine.rollout.fp8_wire import receiver
         from engine.rollout.sync_plan import build_sync_plan_from_spec
         from engine.rollout.weight_transport import WeightTransferGroup
 
         self.grpo_close_weight_group()
         engine_rank = get_tensor_model_parallel_rank()
         self._grpo_plan = build_sync_plan_from_spec(plan)
+        self._grpo_receive = receiver(plan, self.vllm_config.model_config.quantization)  # FP8 wire or model dtype
         self._grpo_bucket_mb = bucket_mb
         self._grpo_engine_rank = engine_rank
         group_rank = first_engine_rank + engine_rank
@@ -436,15 +439,13 @@ class WeightReceiverExtension(LoraReceiver, *families.family_receivers()):
     def grpo_receive_weights(self, verify: bool = True) -> dict:
         """Receive this engine rank's buckets and load each through vLLM's in-place `reload_weights`; with `verify`,
         the answer holds the digests of what this rank then holds (`grpo_weight_digests`)."""
-        from engine.rollout.weight_transport import receive_weights
-
         group = getattr(self, "_grpo_group", None)
         if group is None:
             raise RuntimeError("no weight-transfer group: call /weights/init before /weights/update")
         num_tensors = num_buckets = 0
         try:
-            for bucket in receive_weights(group, self._grpo_plan, self._grpo_bucket_mb, self._grpo_engine_rank):
-                self._grpo_sent_dtype = bucket[0][1].dtype  # a float32 server may be fed bf16: digest as sent
+            for bucket in self._grpo_receive(group, self._grpo_plan, self._grpo_bucket_mb, self._grpo_engine_rank):
+                self._grpo_sent_dtype = self._grpo_plan.torch_dtype  # a float32 server may be fed bf16: as sent
                 self.reload_weights(weights_iterator=iter(bucket))
                 self.grpo_repack_cpu_moe(_moe_layers([name for name, _ in bucket]))
                 self.grpo_load_sinks(bucket)

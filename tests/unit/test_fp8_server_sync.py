@@ -159,3 +159,17 @@ def test_a_rollout_servers_fp8_engine_is_refused_on_a_cpu_without_amx(tmp_path):
     rollout = RolloutConfig(vllm_weight_dtype="fp8", vllm_mode="server")
     with pytest.raises(ConfigError, match=r"rollout.vllm_weight_dtype=fp8: .*requires AMX tiles .*this CPU has none"):
         ServerEngine(tmp_path / "nowhere", rollout, GenerationConfig(), seed=0, dtype="bfloat16")
+
+
+def test_a_server_refuses_a_sync_of_the_other_weight_dtype_by_name():
+    """The plan spec says whether the trainer sends FP8 (engine/rollout/fp8_wire.py `receiver`); a server's worker
+    whose engine serves the other kind refuses to join, naming the setting."""
+    from engine.rollout.fp8_wire import receive_fp8_weights, receiver
+    from engine.rollout.weight_transport import receive_weights
+
+    assert receiver({"fp8": True}, "fp8") is receive_fp8_weights
+    assert receiver({"fp8": False}, None) is receive_weights and receiver({}, None) is receive_weights
+    with pytest.raises(RuntimeError, match="trainer syncs FP8 but this server serves the model dtype: .*vllm_weight_dtype"):
+        receiver({"fp8": True}, None)
+    with pytest.raises(RuntimeError, match="trainer syncs the model dtype but this server serves FP8"):
+        receiver({}, "fp8")
