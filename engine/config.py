@@ -392,6 +392,12 @@ class OptimizerConfig:
     """Warmup as a fraction of the run's optimizer steps."""
     use_distributed_optimizer: bool = True
     """Megatron's distributed optimizer: optimizer states sharded over data-parallel ranks."""
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Adam's moments (exp_avg, exp_avg_sq) in float32 or bfloat16. bfloat16 halves the Adam state memory (8 B to
+    4 B per trained parameter, before sharding over DP), like HF's `optim="adamw_anyprecision"` with
+    momentum_dtype / variance_dtype bfloat16. The cost: moments rounded to bf16 once per step (to nearest), so a
+    shrinking second moment decays later. Main weights and gradients stay float32. Works without Transformer Engine
+    (the engine's AdamW, engine/policy/state_dtype_adam.py); needs optim=adam."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
