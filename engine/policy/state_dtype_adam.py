@@ -106,6 +106,10 @@ def use_state_dtype(optimizer, dtype: torch.dtype) -> None:
         if inner.state:
             raise RuntimeError("use_state_dtype must run before the first optimizer step (the AdamW has state)")
         defaults = inner.defaults
-        sub.optimizer = StateDtypeAdamW(inner.param_groups, lr=defaults["lr"], betas=defaults["betas"],
-                                        eps=defaults["eps"], weight_decay=defaults["weight_decay"], state_dtype=dtype)
+        replacement = StateDtypeAdamW([torch.zeros(0, requires_grad=True)], lr=defaults["lr"], betas=defaults["betas"],
+                                      eps=defaults["eps"], weight_decay=defaults["weight_decay"], state_dtype=dtype)
+        # The groups as they are, as Megatron's distributed optimizer sets them: its main-parameter shards are views
+        # (non-leaf tensors) that torch's add_param_group would refuse.
+        replacement.param_groups = inner.param_groups
+        sub.optimizer = replacement
         sub.init_state_fn = _init_state
