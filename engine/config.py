@@ -394,6 +394,11 @@ class OptimizerConfig:
     """Warmup as a fraction of the run's optimizer steps."""
     use_distributed_optimizer: bool = True
     """Megatron's distributed optimizer: optimizer states sharded over data-parallel ranks."""
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Adam's moments (exp_avg, exp_avg_sq) in float32 or bfloat16. bfloat16 halves the Adam memory (8 B to 4 B per
+    parameter; HF's `adamw_anyprecision` with bf16 momentum / variance). Cost: the moments are rounded to bf16 once per
+    step (to nearest), so a shrinking second moment decays later. Main weights and grads stay float32. Needs
+    optim=adam; no Transformer Engine needed (engine/policy/state_dtype_adam.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -382,6 +382,9 @@ def _check_rest(cfg: EngineConfig, problems: list[str]) -> None:
             f"optimizer.warmup_ratio must be in [0, 1) and warmup_steps >= 0, got "
             f"{cfg.optimizer.warmup_ratio} and {cfg.optimizer.warmup_steps}"
         )
+    if cfg.optimizer.optimizer_state_dtype != "float32" and cfg.optimizer.optim != "adam":
+        problems.append(f"optimizer.optimizer_state_dtype={cfg.optimizer.optimizer_state_dtype} stores Adam's moments; "
+                        f"optimizer.optim={cfg.optimizer.optim} has none: use optim=adam or optimizer_state_dtype=float32")
     if cfg.data.max_prompt_length is not None and cfg.data.max_prompt_length < 1:
         problems.append(f"data.max_prompt_length must be >= 1 or null, got {cfg.data.max_prompt_length}")
     if cfg.data.dynamic_prompts_queue_rounds < 1:

@@ -537,6 +537,9 @@ def _optimizer(value: Any) -> str:
     name = str(getattr(value, "value", value))
     if name in ("adam", "sgd"):
         return name
+    if name.endswith(("4bit", "8bit")):  # adamw_torch_4bit / _8bit would otherwise read as plain float32 AdamW
+        raise ValueError(f"GRPOConfig(optim={name!r}): 4- / 8-bit Adam states are not built here; bf16 Adam moments "
+                         "are: GRPOConfig(optim='adamw_torch', optimizer_state_dtype='bfloat16')")
     if name.startswith(("adamw_torch", "adamw_hf", "adamw_apex_fused")) or name == "adamw":
         return "adam"
     raise ValueError(f"GRPOConfig(optim={name!r}): Megatron's optimizers here are AdamW ('adamw_torch', "

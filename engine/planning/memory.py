@@ -105,11 +105,13 @@ def _optimizer_bytes(cfg: EngineConfig) -> tuple[int, int, int, str]:
     grads 18 B without the distributed optimizer, 6 + 12/dp with it; fp32 params 16 B, 8 + 8/dp. That is weights
     2 B + main grads 4 B (fp32: `grad_reduce_in_fp32=True` in engine/policy/optimizer.py) + fp32 master 4 B + Adam m, v
     8 B, the last 12 B sharded over DP by the distributed optimizer. SGD keeps one state (4 B) instead of two.
+    optimizer.optimizer_state_dtype=bfloat16 stores Adam's m, v in 2 B each (4 B).
     """
     weight = 4 if cfg.model.dtype == "float32" else 2
     master = 0 if weight == 4 else 4
-    states = 8 if cfg.optimizer.optim == "adam" else 4
-    parts = (["fp32 master"] if master else []) + (["Adam m, v"] if states == 8 else ["SGD momentum"])
+    adam, bf16_moments = cfg.optimizer.optim == "adam", cfg.optimizer.optimizer_state_dtype == "bfloat16"
+    states = (4 if bf16_moments else 8) if adam else 4
+    parts = (["fp32 master"] if master else []) + ([f"Adam m, v{' (bf16)' * bf16_moments}"] if adam else ["SGD momentum"])
     return weight, 4, master + states, " + ".join(parts)
 
 

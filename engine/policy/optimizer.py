@@ -126,6 +126,13 @@ def build_optimizer(cfg: OptimizerConfig, chunks: list[torch.nn.Module], ps: Par
         use_gloo_process_groups=False,
         pg_collection=ps.groups,
     )
+    if cfg.optimizer_state_dtype != "float32":
+        if cfg.optim != "adam":
+            raise ValueError(f"optimizer.optimizer_state_dtype={cfg.optimizer_state_dtype} needs optimizer.optim=adam "
+                             f"(got {cfg.optim}): only Adam's moments have a state dtype")
+        from engine.policy.state_dtype_adam import use_state_dtype
+
+        use_state_dtype(optimizer, getattr(torch, cfg.optimizer_state_dtype))
     _count_expert_norms_by_expert_tp(optimizer, ps)
     loss_scaled = bool(config.fp16)
     if loss_scaled:  # the schedule multiplies each backward by the loss scale the optimizer divides out

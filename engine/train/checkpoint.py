@@ -544,9 +544,12 @@ def _init_empty_optimizer_state(optimizer) -> None:
     Megatron 0.16 reads the per-parameter `step` while building the state to load into and finds none."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    from engine.policy.state_dtype_adam import StateDtypeAdamW
+
+    adams = (torch.optim.Adam, torch.optim.AdamW, StateDtypeAdamW)
     for opt in _inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, adams):
             continue
         if opt.init_state_fn is not None:
             opt.init_state_fn(inner, opt.config)

@@ -18,7 +18,8 @@ from tests.distributed.launcher import run_distributed
 MODEL = "builtin:tiny-qwen2-arith"  # vocab 400: padded to 512 at TP 1 and TP 2 alike
 
 
-def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dtype: str = "float32", model=MODEL):
+def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dtype: str = "float32", model=MODEL,
+           state_dtype: str = "float32"):
     from transformers import AutoConfig
 
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
@@ -38,7 +39,7 @@ def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dt
     chunks = build_policy(hf_config, model_cfg, ps)
     load_hf_checkpoint(chunks, ps, model_dir, dims)
     opt_cfg = OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear", warmup_steps=3,
-                              use_distributed_optimizer=use_distributed_optimizer)
+                              use_distributed_optimizer=use_distributed_optimizer, optimizer_state_dtype=state_dtype)
     popt = build_optimizer(opt_cfg, chunks, ps, total_steps=10)
     identity = {"model_type": hf_config.model_type, "padded_vocab_size": padded}
     return ps, dims, chunks, popt, identity

@@ -198,6 +198,24 @@ def test_bytes_per_parameter_follow_megatrons_distributed_optimizer_table(dtype,
     assert (terms["weights"] + terms["main grads"] + terms["optimizer"]) / params == pytest.approx(bytes_per_param)
 
 
+@pytest.mark.parametrize("dtype,distributed,bytes_per_param", [("bfloat16", True, 6 + 8 / 4), ("bfloat16", False, 14.0),
+                                                               ("float32", True, 8 + 4 / 4)])
+def test_bf16_adam_moments_count_two_bytes_each(dtype, distributed, bytes_per_param):
+    """optimizer.optimizer_state_dtype=bfloat16: Adam's m, v at 2 B each (4 B, not 8) next to the fp32 master (bf16
+    model) and fp32 main grads; sharded over DP by the distributed optimizer as before."""
+    cfg = build_config({
+        "model": {"name_or_path": "Qwen/Qwen2.5-7B-Instruct", "dtype": dtype},
+        "parallel": {"tp_size": 2, "dp_size": 4},
+        "optimizer": {"use_distributed_optimizer": distributed, "optimizer_state_dtype": "bfloat16"},
+        "data": {"max_prompt_length": 512},
+    })
+    plan = build_plan(cfg, resolve_cluster_shape(cfg))
+    terms = _terms(plan.budget("training GPU"))
+    params = terms["weights"] / (2 if dtype == "bfloat16" else 4)
+    assert (terms["weights"] + terms["main grads"] + terms["optimizer"]) / params == pytest.approx(bytes_per_param)
+    assert "Adam m, v (bf16)" in format_plan(plan)
+
+
 @pytest.mark.parametrize("tp,pp,dp", [(8, 4, 1), (8, 1, 4)])
 def test_weights_and_optimizer_match_megatron_theoretical_memory_usage(tp, pp, dp):
     # megatron/training/theoretical_memory_usage.py::compute_weight_and_optimizer_memory, transcribed for

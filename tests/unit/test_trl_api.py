@@ -211,7 +211,9 @@ def test_grpo_config_translates_trl_value_forms():
                                              "vllm_importance_sampling_clip_max": 4.0}, "was given too"),
                                            ({"report_to": "mlflow"}, "not supported"),
                                            ({"lr_scheduler_type": "polynomial"}, "available here"),
-                                           ({"optim": "adafactor"}, "AdamW")])
+                                           ({"optim": "adafactor"}, "AdamW"),
+                                           ({"optim": "adamw_torch_4bit"}, "4- / 8-bit Adam states are not built"),
+                                           ({"optim": "adamw_torch_8bit"}, "optimizer_state_dtype='bfloat16'")])
 def test_grpo_config_refuses_values_it_cannot_honour(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GRPOConfig(**kwargs)

@@ -100,6 +100,8 @@ def _cfg(**sections):
         ({"train": {"max_tokens_per_microbatch": 0}}, 1, r"train.max_tokens_per_microbatch must be >= 1 token or null"),
         ({"kernels": {"loss_pass": "one"}, "grpo": {"importance_sampling_level": "sequence"}}, 1,
          r"kernels.loss_pass = 'one' needs a token-local loss: sequence-level importance sampling"),
+        ({"optimizer": {"optim": "sgd", "optimizer_state_dtype": "bfloat16"}}, 1,
+         r"optimizer.optimizer_state_dtype=bfloat16 stores Adam's moments; optimizer.optim=sgd has none"),
     ],
 )
 def test_validate_refuses_with_actionable_message(sections, world_size, message):
