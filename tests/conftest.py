@@ -19,22 +19,46 @@ pytest_plugins = ["tests.timings", "tests.helpers.replica_servers"]
 TIERS = ("unit", "distributed", "kernels", "integration")
 
 
-SHARED_FIXTURE_GROUPS = {"replica_servers": "replica_servers"}
-"""Session fixtures that several test files share (fixture name: xdist group): under `--dist loadgroup` the files
-using one run in the same worker, which starts it once."""
+SHARED_FIXTURE_FILES = {
+    "replica_servers": (
+        "tests/integration/test_async_rollout.py", "tests/integration/test_bad_inputs_server.py",
+        "tests/integration/test_rollout_server.py",
+    ),
+}
+"""Session fixtures that several test files share (fixture name: the files using it). Under xdist the files using
+one form one unit of work, so one worker starts the fixture once; collection fails if another file uses it."""
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under `make test`'s xdist run: its file, or the shared fixture's name for
+    the files of `SHARED_FIXTURE_FILES` (a file's module fixtures are then set up once, in one worker)."""
+    path = nodeid.split("::")[0]
+    return next((name for name, files in SHARED_FIXTURE_FILES.items() if path in files), path)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` schedules by `work_unit`.
+
+    NOTE: pytest-xdist 3.8 with pytest 9.2: xdist's loadgroup writes the group into `item._nodeid`, which pytest 9.2's
+    node ids no longer read, so every test became its own unit (a file's module fixtures set up in both workers).
+    The scheduler here groups by `work_unit` from the node id itself and needs no marks."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return FileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    # pytest-xdist `--dist loadgroup` (make test): a test file is one unit of work, as under `loadfile` (its module
-    # fixtures are set up once), except that files sharing a session fixture form one unit.
-    groups: dict[str, str] = {}
-    for item in items if config.pluginmanager.hasplugin("xdist") else ():
-        shared = [g for name, g in SHARED_FIXTURE_GROUPS.items() if name in getattr(item, "fixturenames", ())]
-        if shared:
-            groups[item.nodeid.split("::")[0]] = shared[0]
-    for item in items if config.pluginmanager.hasplugin("xdist") else ():
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(groups.get(path, path)))
+    for item in items:
+        for name, files in SHARED_FIXTURE_FILES.items():
+            path = item.nodeid.split("::")[0]
+            if name in getattr(item, "fixturenames", ()) and path not in files:
+                raise pytest.UsageError(f"{path} uses the session fixture {name!r}: add it to SHARED_FIXTURE_FILES in tests/conftest.py")
     stray = [item.nodeid for item in items if "gpu" in item.keywords and not item.nodeid.startswith("tests/gpu/")]
     if stray:  # `make test-gpu` and the GPU suite run tests/gpu: a gpu-marked test elsewhere would never run there
         raise pytest.UsageError(f"gpu-marked tests must live in tests/gpu: {stray}")
