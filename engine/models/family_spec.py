@@ -20,6 +20,8 @@ family's folder names it).
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -180,6 +182,24 @@ class FamilySpec:
     """Draw at random, in place, the tiny model's tensors HF initialises to constants that tests must see
     (`randomise_tiny_inits(model)`, under the build's seeded RNG)."""
 
+    converter_dims: Callable = _no_settings
+    """The converter's shape facts beyond the shared ones (`converter_dims(hf_config)` -> engine/policy/hf_convert.py
+    `ModelDims` keywords: four norms per layer, one norm per layer, multi-latent attention's ranks, a hybrid stack's
+    layer kinds)."""
+    layer_tensors: Callable | None = None
+    """A hybrid stack's map (one mixer per layer): `layer_tensors(dims, kind)` -> the `TensorMap`s of a layer of
+    `kind` (one of `ModelDims.layer_kinds`, or "moe"), `layer_tensors(dims, None)` -> those outside the layers (the LM
+    head excepted); None = the Llama-shaped map. `converter_dims` names the family in `ModelDims.layer_map`."""
+    moe_layer_freq: Callable | None = None
+    """The sigmoid group-limited router (engine/policy/moe_config.py `sigmoid_router_settings`): which layers are MoE
+    layers (`moe_layer_freq(hf_config)` -> a 0 / 1 per layer); None = the softmax router on every layer."""
+    warn_unbuilt_layers: Callable = _accept
+    """Warn, when the router is configured, about checkpoint layers the policy does not build (`warn_unbuilt_layers(
+    hf_config)`: multi-token prediction)."""
+    gated_mlp: bool = True
+    """Whether the MLPs are gated (gate / up / down): LoRA's HF targets assume so, and adapters on a non-gated
+    family's layers are refused naming it (engine/policy/lora.py)."""
+
     @property
     def is_moe(self) -> bool:
         """Whether the family has routed-expert MLPs (in some or all of its layers)."""
@@ -217,6 +237,30 @@ def sigmoid_router_shared_expert_width(hf_config) -> int:
 def sigmoid_router_planner_dims(values: dict) -> dict:
     """The planner's shape of a sigmoid-router MoE family: the float32 expert-score bias, the window if any."""
     return {"expert_bias": True, **sliding_window_dims(values)}
+
+
+def sigmoid_router_layer_freq(hf_config) -> list[int]:
+    """The MoE layers of a sigmoid-router MoE family: dense first layers (`first_k_dense_replace`), then MoE."""
+    first_dense, layers = sigmoid_router_dense_layers(hf_config), int(hf_config.num_hidden_layers)
+    return [0] * first_dense + [1] * (layers - first_dense)
+
+
+@functools.cache
+def warn_mtp_not_trained(model_type: str, mtp: int, layers: int) -> None:
+    """Warn (once per process) that a checkpoint's multi-token-prediction layers are neither built nor trained, and
+    what an export does with them."""
+    logging.getLogger(__name__).warning(
+        "%s with num_nextn_predict_layers=%d: the multi-token-prediction layers (model.layers.%d.* on) are not built "
+        "or trained (the GRPO loss reads the main head's next-token log-probs only; vLLM skips them without "
+        "speculative decoding); an HF export copies their weights unchanged from the source checkpoint (the draft "
+        "head of vLLM's MTP speculative decoding), or drops them (num_nextn_predict_layers=0) where it has none",
+        model_type, mtp, layers)
+
+
+def warn_mtp_layers(hf_config) -> None:
+    """`warn_mtp_not_trained` for a config with `num_nextn_predict_layers` > 0."""
+    if mtp := int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0):
+        warn_mtp_not_trained(hf_config.model_type, mtp, int(hf_config.num_hidden_layers))
 
 
 def randomise_expert_score_bias(model) -> None:

@@ -139,7 +139,8 @@ def vllm_hf_overrides(model_dir) -> dict:
 SPEC = FamilySpec(name="cohere2", model_types=COHERE2_MODEL_TYPES, check=check_cohere2,
                   norm_eps_field="layer_norm_eps", finish_transformer_config=finish_transformer_config,
                   planner_dims=lambda values: {"norms_per_layer": 1, **sliding_window_dims(values)},
-                  ties_embeddings_by_default=True, layer_spec=layer_spec, finish_policy_chunk=finish_policy_chunk,
+                  ties_embeddings_by_default=True, converter_dims=lambda hf_config: {"parallel_block": True},
+                  layer_spec=layer_spec, finish_policy_chunk=finish_policy_chunk,
                   local_spec_only="its norms, layer and sliding-window attention are project modules",
                   vllm_engine_kwargs=lambda model_dir, dtype, on_gpu: {"hf_overrides": vllm_hf_overrides(model_dir)},
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -1,6 +1,6 @@
 """DeepSeek-V3 (HF model_type `deepseek_v3`): multi-latent attention (MLA), what the family needs beyond GLM-4.5's
 MoE translation (shared expert, sigmoid routing with the expert-score correction bias, dense first layers, all in
-engine/policy/moe_config.py `glm4_moe_router_settings`), kept in one place.
+engine/policy/moe_config.py `sigmoid_router_settings`), kept in one place.
 
 Owns: the refusal of the DeepSeek-V3 settings the translation would not reproduce (`check_deepseek_v3`), MLA's
 TransformerConfig keywords (`mla_settings`: Megatron's `MLATransformerConfig` with q_lora_rank, kv_lora_rank, the
@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 from pathlib import Path
 
 from engine.models.family_spec import (
@@ -32,8 +31,10 @@ from engine.models.family_spec import (
     check_sigmoid_router,
     randomise_expert_score_bias,
     sigmoid_router_dense_layers,
+    sigmoid_router_layer_freq,
     sigmoid_router_planner_dims,
     sigmoid_router_shared_expert_width,
+    warn_mtp_not_trained,
 )
 from engine.models.latent_attention import MLA_TENSORS, mla_hf_shape
 from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
@@ -144,18 +145,6 @@ def mla_settings(hf_config) -> dict:
     return settings
 
 
-@functools.cache
-def warn_mtp_not_trained(model_type: str, mtp: int, layers: int) -> None:
-    """Warn (once per process) that a checkpoint's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's) are
-    neither built nor trained, and what an export does with them."""
-    logging.getLogger(__name__).warning(
-        "%s with num_nextn_predict_layers=%d: the multi-token-prediction layers (model.layers.%d.* on) are not built "
-        "or trained (the GRPO loss reads the main head's next-token log-probs only; vLLM skips them without "
-        "speculative decoding); an HF export copies their weights unchanged from the source checkpoint (the draft "
-        "head of vLLM's MTP speculative decoding), or drops them (num_nextn_predict_layers=0) where it has none",
-        model_type, mtp, layers)
-
-
 def mla_attention_specs(spec, dense_spec):
     """(spec, dense_spec) of engine/policy/model.py `build_policy` (local spec, multi_latent_attention; dense_spec
     None without dense layers), after the attention choice (engine/policy/sdpa_attention.py `attention_specs`:
@@ -263,5 +252,6 @@ SPEC = FamilySpec(name="deepseek_v3", model_types=("deepseek_v3",), check=check,
                   dense_layers=sigmoid_router_dense_layers, shared_expert_width=sigmoid_router_shared_expert_width,
                   transformer_settings=mla_settings, rope_settings=lambda hf_config: {},
                   vllm_engine_kwargs=vllm_cpu_mla_backend, planner_dims=sigmoid_router_planner_dims,
-                  local_layer_specs=local_layer_specs,
+                  local_layer_specs=local_layer_specs, converter_dims=mla_dims,
+                  moe_layer_freq=sigmoid_router_layer_freq,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_expert_score_bias)

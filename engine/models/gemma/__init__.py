@@ -16,21 +16,16 @@ and PP2; export byte-exact; GRPO step TP2 = TP1).
 from __future__ import annotations
 
 from engine.models.family_spec import FamilySpec, sliding_window_dims
+from engine.models.tensor_map import SANDWICH_NORM_NAMES
 
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
 """Gemma families the policy builds. Gemma 2 = Gemma 3's layer without q/k norms, with one RoPE base and
 attention-logit soft-capping; its final-logit soft-capping (`final_logit_softcapping`, 30.0 in every checkpoint) is
 applied by the LM-head loss kernel (kernels/, `softcap`), passed from the policy model (engine/policy/model.py)."""
 
-GEMMA_NORM_NAMES = {
-    "decoder.layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
-    "decoder.layers.{i}.self_attention.linear_proj.post_layernorm.weight":
-        "model.layers.{i}.post_attention_layernorm.weight",
-    "decoder.layers.{i}.pre_mlp_layernorm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "decoder.layers.{i}.mlp.linear_fc2.post_layernorm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
-}
-"""Megatron global name -> HF name of Gemma's four per-layer norms (HF's `post_attention_layernorm` is the norm
-AFTER attention, not Llama's pre-MLP norm)."""
+GEMMA_NORM_NAMES = SANDWICH_NORM_NAMES
+"""Megatron global name -> HF name of Gemma's four per-layer norms (the shared sandwich-norm layout,
+engine/models/tensor_map.py)."""
 
 LOCAL_SPEC_REASON = "its norms, layer and sliding-window attention are project modules"
 """Why Gemma is built on Megatron's local spec only (the spec's `local_spec_only`)."""
@@ -182,4 +177,5 @@ SPEC = FamilySpec(name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma
                   finish_transformer_config=finish_transformer_config, rope_settings=gemma_rope_settings,
                   layer_spec=layer_spec, local_spec_only=LOCAL_SPEC_REASON, finish_policy_chunk=finish_policy_chunk,
                   planner_dims=planner_dims, ties_embeddings_by_default=True,
+                  converter_dims=lambda hf_config: {"sandwich_norms": True},
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -20,8 +20,10 @@ from engine.models.family_spec import (
     check_sigmoid_router,
     randomise_expert_score_bias,
     sigmoid_router_dense_layers,
+    sigmoid_router_layer_freq,
     sigmoid_router_planner_dims,
     sigmoid_router_shared_expert_width,
+    warn_mtp_layers,
 )
 from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
 
@@ -45,5 +47,6 @@ SPEC = FamilySpec(name="glm4_moe", model_types=("glm4_moe",), check=check_sigmoi
                   moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
                   dense_layers=sigmoid_router_dense_layers,
                   shared_expert_width=sigmoid_router_shared_expert_width, planner_dims=sigmoid_router_planner_dims,
+                  moe_layer_freq=sigmoid_router_layer_freq, warn_unbuilt_layers=warn_mtp_layers,
                   tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_expert_score_bias)
