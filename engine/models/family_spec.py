@@ -196,6 +196,10 @@ class FamilySpec:
     warn_unbuilt_layers: Callable = _accept
     """Warn, when the router is configured, about checkpoint layers the policy does not build (`warn_unbuilt_layers(
     hf_config)`: multi-token prediction)."""
+    fused_modules: Callable | None = None
+    """The family's own torch modules the fused layer kernels replace (engine/policy/fused_layers.py):
+    `fused_modules()` -> {"offset_norms": (RMSNorm classes computing (1 + w),), "attention": (SelfAttention
+    subclasses, a `layer_rotary_pos_emb` read where they have one),}, imported when called; None = none."""
     gated_mlp: bool = True
     """Whether the MLPs are gated (gate / up / down): LoRA's HF targets assume so, and adapters on a non-gated
     family's layers are refused naming it (engine/policy/lora.py)."""

@@ -143,7 +143,7 @@ def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
     """`gemma_transformer_settings` and the gelu-tanh gated MLP (engine/models/gemma/activation.py)."""
     import dataclasses
 
-    from engine.models.gemma.activation import gelu_tanh
+    from engine.models.activations import gelu_tanh
 
     return dataclasses.replace(config, activation_func=gelu_tanh, **gemma_transformer_settings(hf_config))
 
@@ -173,9 +173,16 @@ def planner_dims(values: dict) -> dict:
     return {"norms_per_layer": 4, **window}
 
 
+def fused_modules() -> dict:
+    """Its norms and attention the fused kernels replace (engine/models/gemma/layers.py `fused_modules`)."""
+    from engine.models.gemma.layers import fused_modules as modules
+
+    return modules()
+
+
 SPEC = FamilySpec(name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma, qk_norm_types=("gemma3_text",),
                   finish_transformer_config=finish_transformer_config, rope_settings=gemma_rope_settings,
                   layer_spec=layer_spec, local_spec_only=LOCAL_SPEC_REASON, finish_policy_chunk=finish_policy_chunk,
                   planner_dims=planner_dims, ties_embeddings_by_default=True,
-                  converter_dims=lambda hf_config: {"sandwich_norms": True},
+                  converter_dims=lambda hf_config: {"sandwich_norms": True}, fused_modules=fused_modules,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)
