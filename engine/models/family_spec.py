@@ -80,6 +80,15 @@ def switched_sliding_window_dims(values: dict) -> dict:
     return sliding_window_dims(values) if values.get("use_sliding_window") else {}
 
 
+def planner_shape(hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                  vocab_size: int, tie_word_embeddings: bool, qkv_bias: bool, **fields) -> dict:
+    """The keywords of engine/planning/shapes.py `ModelDims` for a known model (its first eight fields in their order,
+    the rest by name): a family's `planner_models` hold these, the planner builds its table from them."""
+    return dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                intermediate_size=intermediate_size, vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings,
+                qkv_bias=qkv_bias, **fields)
+
+
 @dataclass(frozen=True)
 class FamilySpec:
     """Everything the shared code reads about one family, as data or a small hook; defaults are Llama's answers."""
@@ -150,6 +159,10 @@ class FamilySpec:
     """What the planner's shape of a config.json (a dict) takes from the family beyond the shared fields:
     `planner_dims(values)` -> engine/planning/shapes.py `ModelDims` keywords (norms per layer, biases, sinks, the
     expert-score bias, the layers a sliding window acts on)."""
+    planner_models: dict = field(default_factory=dict, hash=False)
+    """The planner's shapes of the family's published models, keyed by lower-case hub name, and of its builtin tiny
+    models (`builtin:tiny-<model_type>`): name -> `planner_shape(...)`, from each model's config.json on the hub
+    (the planner never downloads)."""
     planner_refusal: str = ""
     """Why the planner cannot size the family yet ("" = it can)."""
     ties_embeddings_by_default: bool = False

@@ -29,6 +29,7 @@ from engine.models.family_spec import (
     TINY_SIGMOID_ROUTER,
     FamilySpec,
     check_sigmoid_router,
+    planner_shape,
     randomise_expert_score_bias,
     sigmoid_router_dense_layers,
     sigmoid_router_layer_freq,
@@ -247,7 +248,19 @@ def local_layer_specs(spec, dense_spec, row_parallel, hf_config):
     return (*mla_attention_specs(spec, dense_spec), None)
 
 
-SPEC = FamilySpec(name="deepseek_v3", model_types=("deepseek_v3",), check=check,
+_DEEPSEEK_V3 = planner_shape(7168, 61, 128, 128, 18432, 129280, False, False, head_dim=128, num_experts=256,
+                             num_experts_per_tok=8, moe_intermediate_size=2048, dense_layers=3, shared_expert_size=2048,
+                             expert_bias=True, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128)
+"""DeepSeek-V3 / R1 from their config.json (MLA: q_lora 1536, kv_lora 512, 128 heads of 128 + 64 rope, values 128;
+3 dense layers of 18432 then 58 MoE layers of 256 experts of 2048, top-8, one shared expert, sigmoid routing with
+the expert-score bias): 671,026,419,200 parameters, the published 671B; the checkpoint's 685B adds the one
+multi-token-prediction layer (not built, not counted; exports copy it from the checkpoint)."""
+
+PLANNER_MODELS = {f"deepseek-ai/deepseek-{name}": _DEEPSEEK_V3 for name in ("v3", "v3-base", "v3-0324", "r1", "r1-0528")}
+"""The planner's shapes of DeepSeek-V3 and R1."""
+
+
+SPEC = FamilySpec(planner_models=PLANNER_MODELS, name="deepseek_v3", model_types=("deepseek_v3",), check=check,
                   moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
                   dense_layers=sigmoid_router_dense_layers, shared_expert_width=sigmoid_router_shared_expert_width,
                   transformer_settings=mla_settings, rope_settings=lambda hf_config: {},

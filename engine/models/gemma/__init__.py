@@ -15,7 +15,7 @@ and PP2; export byte-exact; GRPO step TP2 = TP1).
 
 from __future__ import annotations
 
-from engine.models.family_spec import FamilySpec, sliding_window_dims
+from engine.models.family_spec import FamilySpec, planner_shape, sliding_window_dims
 from engine.models.tensor_map import SANDWICH_NORM_NAMES
 
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
@@ -180,7 +180,30 @@ def fused_modules() -> dict:
     return modules()
 
 
-SPEC = FamilySpec(name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma, qk_norm_types=("gemma3_text",),
+def _shape(h, layers, heads, kv, ffn, vocab, qk_norm, window, sliding, softcap, head_dim=128):
+    return planner_shape(h, layers, heads, kv, ffn, vocab, True, False, head_dim=head_dim, qk_norm=qk_norm,
+                         norms_per_layer=4, sliding_window=window, sliding_layers=sliding, attention_softcap=softcap)
+
+
+_GEMMA2_27B = _shape(4608, 46, 32, 16, 36864, 256000, False, 4096, 23, True)
+"""Gemma-2-27B from its config.json (hidden 4608, 46 layers alternating sliding (4096) / global, 32 heads of 128, 16 KV
+heads, MLP 36864, vocabulary 256,000, tied, four norms per layer): 27,227,128,320 parameters, the model card's 27.2B."""
+_GEMMA3_27B = _shape(5376, 62, 32, 16, 21504, 262208, True, 1024, 52, False)
+"""Gemma-3-27B's text decoder (Gemma3ForCausalLM; `text_config` of the multimodal checkpoint: hidden 5376, 62 layers,
+5 sliding (1024) per global one, 32 heads of 128, 16 KV heads, q/k norms, MLP 21504, the 262,208 vocabulary, tied):
+27,009,346,304 parameters; the checkpoint's 27.4B adds the SigLIP vision tower and projector (not built)."""
+
+PLANNER_MODELS = {
+    **{f"google/gemma-2-27b{suffix}": _GEMMA2_27B for suffix in ("", "-it")},
+    **{f"google/gemma-3-27b-{suffix}": _GEMMA3_27B for suffix in ("it", "pt")},
+    # engine/models/tiny_model.py: layers sliding (window 4) and full alternating, head_dim 32 = 128 / 4
+    "builtin:tiny-gemma2": _shape(128, 4, 4, 2, 352, 400, False, 4, 2, True, head_dim=0),
+    "builtin:tiny-gemma3_text": _shape(128, 4, 4, 2, 352, 400, True, 4, 2, False, head_dim=0),
+}
+"""The planner's shapes of Gemma-2-27B, Gemma-3-27B and the tiny Gemmas."""
+
+
+SPEC = FamilySpec(planner_models=PLANNER_MODELS, name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma, qk_norm_types=("gemma3_text",),
                   finish_transformer_config=finish_transformer_config, rope_settings=gemma_rope_settings,
                   layer_spec=layer_spec, local_spec_only=LOCAL_SPEC_REASON, finish_policy_chunk=finish_policy_chunk,
                   planner_dims=planner_dims, ties_embeddings_by_default=True,
