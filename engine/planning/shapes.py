@@ -101,6 +101,9 @@ class ModelDims:
     """How many of the layers use `sliding_window` (`layer_types`' sliding_attention)."""
     attention_softcap: bool = False
     """Gemma 2: the attention scores are soft-capped (tanh keeps one more s x s tensor for its backward)."""
+    moe_map: str = ""
+    """MoE: the converter's expert table of the family (a model_type: engine/policy/hf_convert.py `MOE_MAPS`), which
+    the weight-sync plan sizes (engine/planning/sync_memory.py); "" = dense."""
 
     @property
     def d(self) -> int:
@@ -154,8 +157,9 @@ class ModelDims:
         return (self.num_layers - self.dense_layers) * moe_layer + self.dense_layers * dense_layer + embeddings + h
 
 
-KNOWN_MODELS: dict[str, ModelDims] = {name: ModelDims(**fields) for spec in FAMILIES
-                                      for name, fields in spec.planner_models.items()}
+KNOWN_MODELS: dict[str, ModelDims] = {
+    name: ModelDims(**fields, moe_map=spec.model_types[0] if fields.get("num_experts") else "")
+    for spec in FAMILIES for name, fields in spec.planner_models.items()}
 """Dimensions of the models the shipped configs name, from each model's config.json on the Hugging Face hub,
 keyed by lower-case hub name, and of the builtin tiny models: every family's `planner_models` (its folder under
 engine/models/)."""
@@ -189,6 +193,7 @@ def load_model_dims(name_or_path: str) -> ModelDims:
             qk_norm=has_qk_norm(config),
             num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn,
             dense_layers=dense_layers(config), shared_expert_size=shared_expert_width(config),
+            moe_map=kind if experts else "",
         ), **family.planner_dims(hf), **_mla_fields(hf))
     dims = KNOWN_MODELS.get(name_or_path.lower())
     if dims is None:
