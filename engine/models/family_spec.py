@@ -3,11 +3,14 @@ exports as `SPEC`, and the refusals several families share (`check_sigmoid_route
 
 Owns: the fields a family may set: its HF model_types and refusals; its MoE shape (field names or a hook), dense
 first layers and shared expert; its attention facts (norm epsilon field, QKV-bias default, q/k norms); its entries of
-the converter's map (engine/models/tensor_map.py); its TransformerConfig hooks (override keywords, the finishing
-step, RoPE); its planner shape; its tiny test config and the weights the tiny model draws at random. Every field
+the converter's map (engine/models/tensor_map.py) and shape facts (`converter_dims`, a hybrid stack's
+`layer_tensors`); its TransformerConfig hooks (override keywords, the finishing step, RoPE, the sigmoid router's MoE
+layers); the modules the fused kernels replace; its planner shape and the planner's table of its published models
+(`planner_models`, built with `planner_shape`); its tiny test config and the weights the tiny model draws at random. Every field
 has a default that is the Llama-shaped answer, so a family states only what differs; what several families share
 (the sigmoid router's refusals, dense layers, shared expert and planner fields; the sliding-window planner fields;
-the tiny models' shared MoE shapes) is here too. The registry (which families exist, lookup by `model_type`) is
+the tiny models' shared MoE shapes; the sigmoid router's MoE layers; the warning about unbuilt multi-token
+prediction layers) is here too. The registry (which families exist, lookup by `model_type`) is
 engine/models/families.py.
 
 Must not: import torch, transformers, Megatron or vLLM at module level (the planner reads the specs on a login

@@ -23,11 +23,6 @@ COHERE2_MODEL_TYPES = ("cohere2",)
 (h = x + attn(ln(x)) + mlp(ln(x))), RoPE (interleaved pairs) on the sliding-window layers only, the global layers
 without position encoding, the logits x `logit_scale`, tied embeddings."""
 
-def is_cohere2(hf_config) -> bool:
-    """Whether the config is one of `COHERE2_MODEL_TYPES` (built with engine/models/cohere2/layers.py)."""
-    return hf_config.model_type in COHERE2_MODEL_TYPES
-
-
 def check_cohere2(hf_config) -> None:
     """Refuse the Cohere 2 settings the translation would not reproduce.
 

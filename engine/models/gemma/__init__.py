@@ -4,8 +4,9 @@ Owns, for `GEMMA_MODEL_TYPES` (HF `gemma3_text`, Gemma3ForCausalLM; `gemma2`): `
 each naming the cause: a non-positive final-logit soft-cap, Gemma 3's attention soft-capping, bidirectional attention, attention
 bias, RoPE other than default on the sliding layers / default or linear on the global ones), `gemma_transformer_settings` (TransformerConfig fields: the softmax
 scale `query_pre_attn_scalar` ** -0.5, the sliding window and which layers use it), `gemma_rope_settings` (the global
-layers' RoPE) and `GEMMA_NORM_NAMES` (the HF names of the four per-layer norms; engine/policy/hf_convert.py builds
-its entries from them). The Megatron modules are in engine/models/gemma/layers.py.
+layers' RoPE), its converter facts (four norms per layer: `ModelDims.sandwich_norms`, named by
+engine/models/tensor_map.py `SANDWICH_NORM_NAMES`) and the planner's shapes of its models (`PLANNER_MODELS`). The
+Megatron modules are in engine/models/gemma/layers.py.
 
 Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_gemma`).
 
@@ -16,24 +17,14 @@ and PP2; export byte-exact; GRPO step TP2 = TP1).
 from __future__ import annotations
 
 from engine.models.family_spec import FamilySpec, planner_shape, sliding_window_dims
-from engine.models.tensor_map import SANDWICH_NORM_NAMES
 
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
 """Gemma families the policy builds. Gemma 2 = Gemma 3's layer without q/k norms, with one RoPE base and
 attention-logit soft-capping; its final-logit soft-capping (`final_logit_softcapping`, 30.0 in every checkpoint) is
 applied by the LM-head loss kernel (kernels/, `softcap`), passed from the policy model (engine/policy/model.py)."""
 
-GEMMA_NORM_NAMES = SANDWICH_NORM_NAMES
-"""Megatron global name -> HF name of Gemma's four per-layer norms (the shared sandwich-norm layout,
-engine/models/tensor_map.py)."""
-
 LOCAL_SPEC_REASON = "its norms, layer and sliding-window attention are project modules"
 """Why Gemma is built on Megatron's local spec only (the spec's `local_spec_only`)."""
-
-
-def is_gemma(hf_config) -> bool:
-    """Whether the config is one of `GEMMA_MODEL_TYPES` (built with engine/models/gemma/layers.py)."""
-    return hf_config.model_type in GEMMA_MODEL_TYPES
 
 
 def check_gemma(hf_config) -> None:
@@ -140,7 +131,7 @@ def randomise_tiny_inits(model) -> None:
 
 
 def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
-    """`gemma_transformer_settings` and the gelu-tanh gated MLP (engine/models/gemma/activation.py)."""
+    """`gemma_transformer_settings` and the gelu-tanh gated MLP (engine/models/activations.py)."""
     import dataclasses
 
     from engine.models.activations import gelu_tanh

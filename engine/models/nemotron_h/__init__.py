@@ -14,7 +14,7 @@ The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) a
 Each HF block is `x + mixer(norm(x))` with one mixer; in Megatron's TransformerLayer that is an attention-only layer
 (the mixer as `self_attention`, no MLP) or an MLP-only layer (no attention), Megatron's own hybrid-stack layout;
 an 'E' block is an MLP-only layer whose MLP is Megatron's MoELayer (non-gated relu2 experts, a shared expert,
-the sigmoid router with the float32 expert bias: engine/policy/moe_config.py `glm4_moe_router_settings`).
+the sigmoid router with the float32 expert bias: engine/policy/moe_config.py `sigmoid_router_settings`).
 Attention has no position encoding (HF's NemotronHAttention applies no RoPE).
 
 Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_nemotron_h`).
@@ -79,11 +79,6 @@ NEMOTRON_H_GLOBAL = (
     ("decoder.final_layernorm.weight", f"{_ROOT}.norm_f.weight", "replicated"),
 )
 """(Megatron name, HF name, kind) outside the layers; the LM head is `lm_head.weight` (or the tied embedding)."""
-
-
-def is_nemotron_h(hf_config) -> bool:
-    """Whether the config is one of `NEMOTRON_H_MODEL_TYPES`."""
-    return hf_config.model_type in NEMOTRON_H_MODEL_TYPES
 
 
 def layer_kinds(hf_config) -> tuple[str, ...]:
