@@ -50,6 +50,10 @@ INTERLEAVED_GATE_UP = tuple(t for spec in FAMILIES if spec.interleaved_gate_up f
 """MoE families whose stacked `mlp.experts.gate_up_proj` interleaves gate and up (the others hold [gate; up] /
 (E, h, f), Megatron's fc1 / fc2 row for row): an exported expert adapter's lora_B rows follow."""
 
+NON_GATED_FAMILIES = ", ".join(t for spec in FAMILIES if not spec.gated_mlp for t in spec.model_types)
+"""The model_types whose MLPs are not gated (their spec's `gated_mlp`): LoRA adapters on them are refused naming
+these (engine/policy/lora.py)."""
+
 MISSING_FEATURES: dict[str, str] = {}
 """Families the engine does not build yet, with what the translation lacks: named when one is refused."""
 

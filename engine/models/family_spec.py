@@ -3,11 +3,14 @@ exports as `SPEC`, and the refusals several families share (`check_sigmoid_route
 
 Owns: the fields a family may set: its HF model_types and refusals; its MoE shape (field names or a hook), dense
 first layers and shared expert; its attention facts (norm epsilon field, QKV-bias default, q/k norms); its entries of
-the converter's map (engine/models/tensor_map.py); its TransformerConfig hooks (override keywords, the finishing
-step, RoPE); its planner shape; its tiny test config and the weights the tiny model draws at random. Every field
+the converter's map (engine/models/tensor_map.py) and shape facts (`converter_dims`, a hybrid stack's
+`layer_tensors`); its TransformerConfig hooks (override keywords, the finishing step, RoPE, the sigmoid router's MoE
+layers); the modules the fused kernels replace; its planner shape and the planner's table of its published models
+(`planner_models`, built with `planner_shape`); its tiny test config and the weights the tiny model draws at random. Every field
 has a default that is the Llama-shaped answer, so a family states only what differs; what several families share
 (the sigmoid router's refusals, dense layers, shared expert and planner fields; the sliding-window planner fields;
-the tiny models' shared MoE shapes) is here too. The registry (which families exist, lookup by `model_type`) is
+the tiny models' shared MoE shapes; the sigmoid router's MoE layers; the warning about unbuilt multi-token
+prediction layers) is here too. The registry (which families exist, lookup by `model_type`) is
 engine/models/families.py.
 
 Must not: import torch, transformers, Megatron or vLLM at module level (the planner reads the specs on a login
@@ -20,6 +23,8 @@ family's folder names it).
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -76,6 +81,15 @@ def sliding_window_dims(values: dict, sliding_layers: int | None = None) -> dict
 def switched_sliding_window_dims(values: dict) -> dict:
     """`sliding_window_dims` for a family whose window acts only with `use_sliding_window` (Qwen2's, Qwen3's)."""
     return sliding_window_dims(values) if values.get("use_sliding_window") else {}
+
+
+def planner_shape(hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                  vocab_size: int, tie_word_embeddings: bool, qkv_bias: bool, **fields) -> dict:
+    """The keywords of engine/planning/shapes.py `ModelDims` for a known model (its first eight fields in their order,
+    the rest by name): a family's `planner_models` hold these, the planner builds its table from them."""
+    return dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                intermediate_size=intermediate_size, vocab_size=vocab_size, tie_word_embeddings=tie_word_embeddings,
+                qkv_bias=qkv_bias, **fields)
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,10 @@ class FamilySpec:
     """What the planner's shape of a config.json (a dict) takes from the family beyond the shared fields:
     `planner_dims(values)` -> engine/planning/shapes.py `ModelDims` keywords (norms per layer, biases, sinks, the
     expert-score bias, the layers a sliding window acts on)."""
+    planner_models: dict = field(default_factory=dict, hash=False)
+    """The planner's shapes of the family's published models, keyed by lower-case hub name, and of its builtin tiny
+    models (`builtin:tiny-<model_type>`): name -> `planner_shape(...)`, from each model's config.json on the hub
+    (the planner never downloads)."""
     planner_refusal: str = ""
     """Why the planner cannot size the family yet ("" = it can)."""
     ties_embeddings_by_default: bool = False
@@ -179,6 +197,28 @@ class FamilySpec:
     randomise_tiny_inits: Callable = _no_random_inits
     """Draw at random, in place, the tiny model's tensors HF initialises to constants that tests must see
     (`randomise_tiny_inits(model)`, under the build's seeded RNG)."""
+
+    converter_dims: Callable = _no_settings
+    """The converter's shape facts beyond the shared ones (`converter_dims(hf_config)` -> engine/policy/hf_convert.py
+    `ModelDims` keywords: four norms per layer, one norm per layer, multi-latent attention's ranks, a hybrid stack's
+    layer kinds)."""
+    layer_tensors: Callable | None = None
+    """A hybrid stack's map (one mixer per layer): `layer_tensors(dims, kind)` -> the `TensorMap`s of a layer of
+    `kind` (one of `ModelDims.layer_kinds`, or "moe"), `layer_tensors(dims, None)` -> those outside the layers (the LM
+    head excepted); None = the Llama-shaped map. `converter_dims` names the family in `ModelDims.layer_map`."""
+    moe_layer_freq: Callable | None = None
+    """The sigmoid group-limited router (engine/policy/moe_config.py `sigmoid_router_settings`): which layers are MoE
+    layers (`moe_layer_freq(hf_config)` -> a 0 / 1 per layer); None = the softmax router on every layer."""
+    warn_unbuilt_layers: Callable = _accept
+    """Warn, when the router is configured, about checkpoint layers the policy does not build (`warn_unbuilt_layers(
+    hf_config)`: multi-token prediction)."""
+    fused_modules: Callable | None = None
+    """The family's own torch modules the fused layer kernels replace (engine/policy/fused_layers.py):
+    `fused_modules()` -> {"offset_norms": (RMSNorm classes computing (1 + w),), "attention": (SelfAttention
+    subclasses, a `layer_rotary_pos_emb` read where they have one),}, imported when called; None = none."""
+    gated_mlp: bool = True
+    """Whether the MLPs are gated (gate / up / down): LoRA's HF targets assume so, and adapters on a non-gated
+    family's layers are refused naming it (engine/policy/lora.py)."""
 
     @property
     def is_moe(self) -> bool:
@@ -217,6 +257,30 @@ def sigmoid_router_shared_expert_width(hf_config) -> int:
 def sigmoid_router_planner_dims(values: dict) -> dict:
     """The planner's shape of a sigmoid-router MoE family: the float32 expert-score bias, the window if any."""
     return {"expert_bias": True, **sliding_window_dims(values)}
+
+
+def sigmoid_router_layer_freq(hf_config) -> list[int]:
+    """The MoE layers of a sigmoid-router MoE family: dense first layers (`first_k_dense_replace`), then MoE."""
+    first_dense, layers = sigmoid_router_dense_layers(hf_config), int(hf_config.num_hidden_layers)
+    return [0] * first_dense + [1] * (layers - first_dense)
+
+
+@functools.cache
+def warn_mtp_not_trained(model_type: str, mtp: int, layers: int) -> None:
+    """Warn (once per process) that a checkpoint's multi-token-prediction layers are neither built nor trained, and
+    what an export does with them."""
+    logging.getLogger(__name__).warning(
+        "%s with num_nextn_predict_layers=%d: the multi-token-prediction layers (model.layers.%d.* on) are not built "
+        "or trained (the GRPO loss reads the main head's next-token log-probs only; vLLM skips them without "
+        "speculative decoding); an HF export copies their weights unchanged from the source checkpoint (the draft "
+        "head of vLLM's MTP speculative decoding), or drops them (num_nextn_predict_layers=0) where it has none",
+        model_type, mtp, layers)
+
+
+def warn_mtp_layers(hf_config) -> None:
+    """`warn_mtp_not_trained` for a config with `num_nextn_predict_layers` > 0."""
+    if mtp := int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0):
+        warn_mtp_not_trained(hf_config.model_type, mtp, int(hf_config.num_hidden_layers))
 
 
 def randomise_expert_score_bias(model) -> None:

@@ -1,5 +1,6 @@
 """One Megatron parameter and its Hugging Face tensors (`TensorMap`), how it splits over TP (`Kind`), and the MoE
-tables several families share (`SIGMOID_ROUTER_MOE_TENSORS`).
+tables several families share (`SIGMOID_ROUTER_MOE_TENSORS`), and the sandwich-norm layer's norm names
+(`SANDWICH_NORM_NAMES`).
 
 Owns the vocabulary of the converter's maps: engine/policy/hf_convert.py builds a model's map from these entries and
 converts with them; each family's folder declares its own entries (its `SPEC.moe_tensors`, `attention_tensors`).
@@ -69,3 +70,15 @@ SIGMOID_ROUTER_MOE_TENSORS = (
 """The MoE MLP of the sigmoid-router families (GLM-4.5 MoE, DeepSeek-V3: the same checkpoint names): Qwen3-MoE's
 expert names, the router's float32 expert-score correction bias (Megatron: a buffer, see engine/policy/model.py
 WEIGHT_BUFFERS) and one shared expert, a dense SwiGLU MLP split over the attention's TP."""
+
+
+SANDWICH_NORM_NAMES = {
+    "decoder.layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
+    "decoder.layers.{i}.self_attention.linear_proj.post_layernorm.weight":
+        "model.layers.{i}.post_attention_layernorm.weight",
+    "decoder.layers.{i}.pre_mlp_layernorm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "decoder.layers.{i}.mlp.linear_fc2.post_layernorm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+"""Megatron global name -> HF name of the four norms of a sandwich-norm layer (Gemma's: a norm before and after
+attention and before and after the MLP; HF's `post_attention_layernorm` is the norm AFTER attention, not Llama's
+pre-MLP norm). A model with `ModelDims.sandwich_norms` maps these instead of Llama's two."""

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 from engine.config import ConfigError, EngineConfig
 from engine.models.families import (
+    FAMILIES,
     dense_layers,
     has_qk_norm,
     has_qkv_bias,
@@ -100,6 +101,9 @@ class ModelDims:
     """How many of the layers use `sliding_window` (`layer_types`' sliding_attention)."""
     attention_softcap: bool = False
     """Gemma 2: the attention scores are soft-capped (tanh keeps one more s x s tensor for its backward)."""
+    moe_map: str = ""
+    """MoE: the converter's expert table of the family (a model_type: engine/policy/hf_convert.py `MOE_MAPS`), which
+    the weight-sync plan sizes (engine/planning/sync_memory.py); "" = dense."""
 
     @property
     def d(self) -> int:
@@ -153,119 +157,13 @@ class ModelDims:
         return (self.num_layers - self.dense_layers) * moe_layer + self.dense_layers * dense_layer + embeddings + h
 
 
-def _qwen2(h, layers, heads, kv, ffn, vocab, tied):
-    return ModelDims(h, layers, heads, kv, ffn, vocab, tie_word_embeddings=tied, qkv_bias=True)
-
-
-def _llama(h, layers, heads, kv, ffn, vocab):
-    return ModelDims(h, layers, heads, kv, ffn, vocab, tie_word_embeddings=False, qkv_bias=False)
-
-
-_QWEN25 = {
-    "0.5b": _qwen2(896, 24, 14, 2, 4864, 151936, True),
-    "7b": _qwen2(3584, 28, 28, 4, 18944, 152064, False),
-    "72b": _qwen2(8192, 80, 64, 8, 29568, 152064, False),
-}
-def _qwen3(h, layers, heads, kv, ffn, vocab, tied, experts=0, top_k=0, moe_ffn=0):
-    return ModelDims(h, layers, heads, kv, ffn, vocab, tie_word_embeddings=tied, qkv_bias=False, head_dim=128,
-                     qk_norm=True, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_ffn)
-
-
-_QWEN3 = {
-    "8b": _qwen3(4096, 36, 32, 8, 12288, 151936, False),
-    "30b-a3b": _qwen3(2048, 48, 32, 4, 6144, 151936, False, 128, 8, 768),
-    "235b-a22b": _qwen3(4096, 94, 64, 4, 12288, 151936, False, 128, 8, 1536),
-}
-def _glm4_moe(h, layers, ffn, experts, moe_ffn, dense, qk_norm):
-    return ModelDims(h, layers, 96, 8, ffn, 151552, False, True, head_dim=128, qk_norm=qk_norm, num_experts=experts,
-                     num_experts_per_tok=8, moe_intermediate_size=moe_ffn, dense_layers=dense,
-                     shared_expert_size=moe_ffn, expert_bias=True)
-
-
-_GLM45 = _glm4_moe(5120, 92, 12288, 160, 1536, 3, True)
-_GLM45_AIR = _glm4_moe(4096, 46, 10944, 128, 1408, 1, False)
-"""GLM-4.5 (355B-A32B) and GLM-4.5-Air (106B-A12B), from their config.json; their one multi-token-prediction layer
-(`num_nextn_predict_layers`) is neither built by the engine nor by transformers, so not counted (an export copies its
-weights from the source checkpoint, on disk only: engine/policy/mtp_layers.py)."""
-_MIXTRAL_8X7B = ModelDims(4096, 32, 32, 8, 14336, 32000, False, False, num_experts=8, num_experts_per_tok=2,
-                          moe_intermediate_size=14336)
-_LLAMA_8B = _llama(4096, 32, 32, 8, 14336, 128256)
-_LLAMA_70B = _llama(8192, 80, 64, 8, 28672, 128256)
-
-def _gpt_oss(layers, experts):
-    return ModelDims(2880, layers, 64, 8, 2880, 201088, False, True, head_dim=64, num_experts=experts,
-                     num_experts_per_tok=4, moe_intermediate_size=2880, linear_bias=True, sinks=True,
-                     sliding_window=128, sliding_layers=layers // 2)
-
-
-_GPT_OSS_120B, _GPT_OSS_20B = _gpt_oss(36, 128), _gpt_oss(24, 32)
-"""gpt-oss-120b and gpt-oss-20b from their config.json (hidden 2880, 64 heads of 64, 8 KV heads, experts of width
-2880, top-4, vocabulary 201,088): 116,829,156,672 and 20,914,757,184 parameters, the model card's 116.83B / 20.91B
-(its MXFP4 checkpoint stores the same counts quantised)."""
-_DEEPSEEK_V3 = ModelDims(7168, 61, 128, 128, 18432, 129280, False, False, head_dim=128, num_experts=256,
-                         num_experts_per_tok=8, moe_intermediate_size=2048, dense_layers=3, shared_expert_size=2048,
-                         expert_bias=True, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128)
-"""DeepSeek-V3 / R1 from their config.json (MLA: q_lora 1536, kv_lora 512, 128 heads of 128 + 64 rope, values 128;
-3 dense layers of 18432 then 58 MoE layers of 256 experts of 2048, top-8, one shared expert, sigmoid routing with
-the expert-score bias): 671,026,419,200 parameters, the published 671B; the checkpoint's 685B adds the one
-multi-token-prediction layer (not built, not counted; exports copy it from the checkpoint)."""
-
 KNOWN_MODELS: dict[str, ModelDims] = {
-    **{f"qwen/qwen2.5-{size}{suffix}": dims for size, dims in _QWEN25.items() for suffix in ("", "-instruct")},
-    **{f"qwen/qwen3-{size}{suffix}": dims for size, dims in _QWEN3.items() for suffix in ("", "-base")},
-    "qwen/qwen3-30b-a3b-instruct-2507": _QWEN3["30b-a3b"],
-    "qwen/qwen3-235b-a22b-instruct-2507": _QWEN3["235b-a22b"],
-    **{f"meta-llama/{name}{suffix}": dims for name, dims in [
-        ("llama-3.1-8b", _LLAMA_8B), ("meta-llama-3.1-8b", _LLAMA_8B), ("meta-llama-3-8b", _LLAMA_8B),
-        ("llama-3.1-70b", _LLAMA_70B), ("meta-llama-3.1-70b", _LLAMA_70B), ("llama-3.3-70b", _LLAMA_70B),
-    ] for suffix in ("", "-instruct")},
-    # engine/models/tiny_model.py: hidden 128, 4 layers, 4 / 2 heads, MLP 352, vocabulary 400, untied.
-    "builtin:tiny-qwen2": _qwen2(128, 4, 4, 2, 352, 400, False),
-    "builtin:tiny-qwen2-arith": _qwen2(128, 4, 4, 2, 352, 400, False),  # the demo's warm start: same shape
-    "builtin:tiny-llama": _llama(128, 4, 4, 2, 352, 400),
-    "builtin:tiny-qwen3": ModelDims(128, 4, 4, 2, 352, 400, False, False, head_dim=64, qk_norm=True),
-    "builtin:tiny-qwen3_moe": ModelDims(128, 4, 4, 2, 352, 400, False, False, head_dim=64, qk_norm=True, num_experts=4,
-                                        num_experts_per_tok=2, moe_intermediate_size=64),
-    "builtin:tiny-mixtral": ModelDims(128, 4, 4, 2, 64, 400, False, False, num_experts=4, num_experts_per_tok=2,
-                                      moe_intermediate_size=64),
-    **{f"mistralai/mixtral-8x7b{suffix}": _MIXTRAL_8X7B for suffix in ("-v0.1", "-instruct-v0.1")},
-    **{f"zai-org/glm-4.5{suffix}": _GLM45 for suffix in ("", "-base")},
-    **{f"zai-org/glm-4.5-air{suffix}": _GLM45_AIR for suffix in ("", "-base")},
-    "openai/gpt-oss-120b": _GPT_OSS_120B,
-    "openai/gpt-oss-20b": _GPT_OSS_20B,
-    **{f"deepseek-ai/deepseek-{name}": _DEEPSEEK_V3 for name in ("v3", "v3-base", "v3-0324", "r1", "r1-0528")},
-    "builtin:tiny-gpt_oss": ModelDims(128, 4, 4, 2, 64, 400, False, True, num_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=64, linear_bias=True, sinks=True,
-                                      sliding_window=4, sliding_layers=2),
-    "builtin:tiny-glm4_moe": ModelDims(128, 4, 4, 2, 352, 400, False, True, qk_norm=True, num_experts=4,
-                                       num_experts_per_tok=2, moe_intermediate_size=64, dense_layers=1,
-                                       shared_expert_size=64, expert_bias=True),
-}
+    name: ModelDims(**fields, moe_map=spec.model_types[0] if fields.get("num_experts") else "")
+    for spec in FAMILIES for name, fields in spec.planner_models.items()}
 """Dimensions of the models the shipped configs name, from each model's config.json on the Hugging Face hub,
-keyed by lower-case hub name. Qwen2 has a QKV bias, Llama none."""
+keyed by lower-case hub name, and of the builtin tiny models: every family's `planner_models` (its folder under
+engine/models/)."""
 
-
-def _gemma(h, layers, heads, kv, ffn, vocab, qk_norm, window, sliding, softcap, head_dim=128):
-    return ModelDims(h, layers, heads, kv, ffn, vocab, True, False, head_dim=head_dim, qk_norm=qk_norm,
-                     norms_per_layer=4, sliding_window=window, sliding_layers=sliding, attention_softcap=softcap)
-
-
-_GEMMA2_27B = _gemma(4608, 46, 32, 16, 36864, 256000, False, 4096, 23, True)
-"""Gemma-2-27B from its config.json (hidden 4608, 46 layers alternating sliding (4096) / global, 32 heads of 128, 16 KV
-heads, MLP 36864, vocabulary 256,000, tied, four norms per layer): 27,227,128,320 parameters, the model card's 27.2B."""
-_GEMMA3_27B = _gemma(5376, 62, 32, 16, 21504, 262208, True, 1024, 52, False)
-"""Gemma-3-27B's text decoder (Gemma3ForCausalLM; `text_config` of the multimodal checkpoint: hidden 5376, 62 layers,
-5 sliding (1024) per global one, 32 heads of 128, 16 KV heads, q/k norms, MLP 21504, the 262,208 vocabulary, tied):
-27,009,346,304 parameters; the checkpoint's 27.4B adds the SigLIP vision tower and projector (not built)."""
-KNOWN_MODELS.update({
-    **{f"google/gemma-2-27b{suffix}": _GEMMA2_27B for suffix in ("", "-it")},
-    **{f"google/gemma-3-27b-{suffix}": _GEMMA3_27B for suffix in ("it", "pt")},
-    # engine/models/tiny_model.py: layers sliding (window 4) and full alternating, head_dim 32 = 128 / 4
-    "builtin:tiny-gemma2": _gemma(128, 4, 4, 2, 352, 400, False, 4, 2, True, head_dim=0),
-    "builtin:tiny-gemma3_text": _gemma(128, 4, 4, 2, 352, 400, True, 4, 2, False, head_dim=0),
-    "builtin:tiny-cohere2": ModelDims(128, 4, 4, 2, 352, 400, True, False, norms_per_layer=1, sliding_window=4,
-                                      sliding_layers=2),
-})
 
 def load_model_dims(name_or_path: str) -> ModelDims:
     """Dimensions of `model.name_or_path`: a local directory's config.json, else the table of known models.
@@ -295,6 +193,7 @@ def load_model_dims(name_or_path: str) -> ModelDims:
             qk_norm=has_qk_norm(config),
             num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn,
             dense_layers=dense_layers(config), shared_expert_size=shared_expert_width(config),
+            moe_map=kind if experts else "",
         ), **family.planner_dims(hf), **_mla_fields(hf))
     dims = KNOWN_MODELS.get(name_or_path.lower())
     if dims is None:

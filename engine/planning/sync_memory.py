@@ -28,14 +28,6 @@ and the allocator's rounding and fragmentation around two multi-GiB slots (an as
 CUDA context is inside its share, counted by its profiler)."""
 
 
-def _moe_map(dims: ModelDims) -> str:
-    """The converter's MoE table (engine/policy/hf_convert.py MOE_MAPS) for the planner's shape: GPT-OSS has sinks,
-    GLM-4.5 the expert-score bias, Qwen3-MoE q/k norms, Mixtral none of them."""
-    if not dims.is_moe:
-        return ""
-    return "gpt_oss" if dims.sinks else "glm4_moe" if dims.expert_bias else "qwen3_moe" if dims.qk_norm else "mixtral"
-
-
 @functools.lru_cache(maxsize=8)
 def _buffers(converter_dims, layout, engine_tp: int, ffn: int, dtype: str, bucket_mb: float):
     from engine.rollout.sync_buffers import sync_buffers
@@ -61,7 +53,7 @@ def plan_sync_buffers(cfg: EngineConfig, dims: ModelDims):
         num_groups=dims.num_kv_heads, head_dim=dims.d, vocab_size=dims.vocab_size,
         padded_vocab=megatron_padded_vocab(dims.vocab_size, cfg.model.make_vocab_size_divisible_by, par.tp_size),
         tie_word_embeddings=dims.tie_word_embeddings, qkv_bias=dims.qkv_bias, qk_norm=dims.qk_norm,
-        num_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_intermediate_size, moe_map=_moe_map(dims),
+        num_experts=dims.num_experts, moe_ffn_hidden_size=dims.moe_intermediate_size, moe_map=dims.moe_map,
         dense_layers=dims.dense_layers, shared_expert_ffn=dims.shared_expert_size,
         **(dict(q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank, qk_nope_head_dim=dims.d,
                 qk_rope_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim) if dims.is_mla else {}))

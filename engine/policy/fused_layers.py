@@ -73,7 +73,7 @@ class FusedGemmaRMSNorm(FusedRMSNorm):
 
 def _glu_activation(config) -> str | None:
     """The kernels/glu.py activation name for the config's gated MLP, or None when the kernel cannot express it."""
-    from engine.models.gemma.activation import gelu_tanh
+    from engine.models.activations import gelu_tanh
 
     if not config.gated_linear_unit or config.activation_func_clamp_value is not None or config.glu_linear_offset:
         return None
@@ -174,20 +174,21 @@ def _swap(node, swaps: dict, seen: dict):
     return out
 
 
-def fused_layer_specs(specs: list, config, rope_fusable: bool, local_norm: type) -> tuple[list, set[str]]:
+def fused_layer_specs(specs: list, config, rope_fusable: bool, local_norm: type,
+                      family_modules: dict | None = None) -> tuple[list, set[str]]:
     """Every spec in `specs` (layer specs, dense-first-layer spec, per-layer lists; None passes through) with the
     fused modules swapped in where they act (module docstring), and the names of the classes that were replaced.
-    `local_norm` is the local spec's RMSNorm class (engine/policy/model.py LocalRMSNorm)."""
+    `local_norm` is the local spec's RMSNorm class (engine/policy/model.py LocalRMSNorm); `family_modules` the
+    family's own norms and attention classes (its spec's `fused_modules()`: "offset_norms", "attention")."""
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.mlp import MLP
 
-    from engine.models.gemma import layers as gemma_layers
-
-    swaps = {local_norm: FusedRMSNorm, gemma_layers.GemmaRMSNorm: FusedGemmaRMSNorm}
+    family_modules = family_modules or {}
+    swaps = {local_norm: FusedRMSNorm, **{norm: FusedGemmaRMSNorm for norm in family_modules.get("offset_norms", ())}}
     if _glu_activation(config) is not None:
         swaps[MLP] = fused_glu_mlp_class()
     if rope_fusable:
-        for base in (SelfAttention, gemma_layers.self_attention_class()):
+        for base in (SelfAttention, *family_modules.get("attention", ())):
             swaps[base] = fused_rope_attention_class(base)
     seen: dict = {}
     out = [_swap(spec, swaps, seen) for spec in specs]

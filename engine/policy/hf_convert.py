@@ -37,20 +37,18 @@ from typing import Protocol
 
 import torch
 
-from engine.models.cohere2 import COHERE2_MODEL_TYPES
-from engine.models.deepseek_v3 import MLA_TENSORS, mla_dims
-from engine.models.families import FAMILIES, dense_layers, has_qk_norm, has_qkv_bias, moe_shape, shared_expert_width
-from engine.models.gemma import GEMMA_MODEL_TYPES, GEMMA_NORM_NAMES
-from engine.models.nemotron_h import (
-    NEMOTRON_H_GLOBAL,
-    NEMOTRON_H_TENSORS,
-    hf_layer_name,
-    is_nemotron_h,
-    layer_kinds,
-    mamba_blocks,
+from engine.models.families import (
+    FAMILIES,
+    dense_layers,
+    has_qk_norm,
+    has_qkv_bias,
+    moe_shape,
+    shared_expert_width,
+    spec_or_default,
 )
+from engine.models.latent_attention import MLA_TENSORS
 from engine.models.stacked_experts import STACKED_KINDS, read_stacked_expert, stacked_expert_to_hf
-from engine.models.tensor_map import TensorMap
+from engine.models.tensor_map import SANDWICH_NORM_NAMES, TensorMap
 
 
 class TensorSource(Protocol):
@@ -101,7 +99,7 @@ class ModelDims:
     shared_expert_ffn: int = 0
     """MoE: the always-on shared expert's MLP width (GLM-4.5; 0 = none)."""
     sandwich_norms: bool = False
-    """Gemma: four norms per layer under Gemma's names (engine/models/gemma/ GEMMA_NORM_NAMES)."""
+    """Gemma: four norms per layer (engine/models/tensor_map.py SANDWICH_NORM_NAMES)."""
     q_lora_rank: int = 0
     """DeepSeek-V3's multi-latent attention (MLA; 0 = none): the query latent's width (HF q_lora_rank)."""
     kv_lora_rank: int = 0
@@ -127,6 +125,8 @@ class ModelDims:
     """Nemotron-H: the Mamba-2 conv has a bias (HF use_conv_bias)."""
     mamba_conv_kernel: int = 0
     """Nemotron-H: the Mamba-2 depthwise conv's kernel width (HF conv_kernel)."""
+    layer_map: str = ""
+    """A hybrid stack (`layer_kinds`): the family (its spec's name) whose `layer_tensors` map each kind of layer."""
 
     @classmethod
     def from_hf(cls, hf_config, padded_vocab: int) -> ModelDims:
@@ -149,12 +149,7 @@ class ModelDims:
             moe_map=model_type if experts else "",
             dense_layers=dense_layers(hf_config),
             shared_expert_ffn=shared_expert_width(hf_config),
-            sandwich_norms=model_type in GEMMA_MODEL_TYPES,
-            **mla_dims(hf_config),
-            parallel_block=model_type in COHERE2_MODEL_TYPES,
-            **(dict(layer_kinds=layer_kinds(hf_config), mamba_blocks=mamba_blocks(hf_config),
-                    mamba_conv_bias=bool(hf_config.use_conv_bias), mamba_conv_kernel=int(hf_config.conv_kernel))
-               if is_nemotron_h(hf_config) else {}),
+            **spec_or_default(model_type).converter_dims(hf_config),
         )
 
 
@@ -226,38 +221,34 @@ def family_map(dims: ModelDims) -> list[TensorMap]:
         entries += [TensorMap(f"decoder.layers.{{i}}.{megatron}", (f"model.layers.{{i}}.{hf}",), kind)
                     for megatron, hf, kind in MLA_TENSORS]
     if dims.sandwich_norms:  # Gemma: its own names for the two norms above, and the two post-norms
-        entries = [e for e in entries if e.megatron not in GEMMA_NORM_NAMES]
-        entries += [TensorMap(megatron, (hf,), "replicated") for megatron, hf in GEMMA_NORM_NAMES.items()]
+        entries = [e for e in entries if e.megatron not in SANDWICH_NORM_NAMES]
+        entries += [TensorMap(megatron, (hf,), "replicated") for megatron, hf in SANDWICH_NORM_NAMES.items()]
     if dims.parallel_block:  # Cohere 2: the MLP reads the input norm; there is no pre-MLP norm
         entries = [e for e in entries if e.megatron != "decoder.layers.{i}.pre_mlp_layernorm.weight"]
     return entries
 
 
 def _hybrid_map(dims: ModelDims) -> list[TensorMap]:
-    """Nemotron-H's map (engine/models/nemotron_h/ NEMOTRON_H_TENSORS): every layer kind's entries, once each."""
-    entries = [TensorMap(megatron, (hf,), kind) for megatron, hf, kind in NEMOTRON_H_GLOBAL]
+    """A hybrid stack's map (its family's `layer_tensors`, e.g. engine/models/nemotron_h/): the entries outside the
+    layers, every layer kind's entries once each, the LM head (the embedding's HF name when tied)."""
+    layer_tensors = spec_or_default(dims.layer_map).layer_tensors
+    if layer_tensors is None:
+        raise ValueError(f"ModelDims with layer_kinds {sorted(set(dims.layer_kinds))} and layer_map "
+                         f"{dims.layer_map!r}: no family of that name maps a hybrid stack's layers (set layer_map to "
+                         "the name of a family whose spec has layer_tensors)")
+    entries = layer_tensors(dims, None)
     for kind in ("mamba", "attention", "mlp", "moe"):
-        entries += [e for e in _hybrid_layer_map(dims, kind) if e not in entries]
-    head = NEMOTRON_H_GLOBAL[0][1] if dims.tie_word_embeddings else "lm_head.weight"
+        entries += [e for e in layer_tensors(dims, kind) if e not in entries]
+    embedding = next(e.hf[0] for e in entries if e.megatron == "embedding.word_embeddings.weight")
+    head = embedding if dims.tie_word_embeddings else "lm_head.weight"
     return entries + [TensorMap("output_layer.weight", (head,), "vocab")]
-
-
-def _hybrid_layer_map(dims: ModelDims, kind: str) -> list[TensorMap]:
-    """The entries of a Nemotron-H layer of `kind` ("mamba", "attention", "mlp", "moe")."""
-    entries = []
-    for megatron, hf, layout in NEMOTRON_H_TENSORS[kind]:
-        if megatron == "self_attention.conv1d.bias" and not dims.mamba_conv_bias:
-            continue
-        names = (hf,) if isinstance(hf, str) else hf
-        entries.append(TensorMap(f"decoder.layers.{{i}}.{megatron}", tuple(hf_layer_name(n) for n in names), layout))
-    return entries
 
 
 def layer_entries(dims: ModelDims, layer: int) -> list[TensorMap]:
     """The `family_map` entries decoder layer `layer` has: a dense first layer (`dims.dense_layers`) no MoE entries,
     an MoE layer no dense MLP; a Nemotron-H layer its kind's."""
     if dims.layer_kinds:
-        return _hybrid_layer_map(dims, dims.layer_kinds[layer])
+        return spec_or_default(dims.layer_map).layer_tensors(dims, dims.layer_kinds[layer])
     dense = not dims.num_experts or layer < dims.dense_layers
     return [e for e in family_map(dims) if "{i}" in e.megatron
             and (".mlp." not in e.megatron or (".mlp.linear_fc" in e.megatron) == dense)]

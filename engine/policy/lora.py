@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.lora_settings import EXPERT_TARGETS, HF_TARGETS, PEFT_PREFIX, LoraSettings, refuse_expert_adapters
-from engine.models.families import INTERLEAVED_GATE_UP
+from engine.models.families import INTERLEAVED_GATE_UP, NON_GATED_FAMILIES
 from engine.policy.expert_lora import ExpertLoraAdapter, apply_expert_lora, expert_adapters, expert_tensors_for_peft
 
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
@@ -229,10 +229,10 @@ def apply_lora(chunks: list[torch.nn.Module], settings: LoraSettings, ps, seed: 
     (`_train_saved_modules`). Returns the number of adapter parameters on this rank.
     """
     for chunk in chunks:
-        if getattr(chunk.config, "gated_linear_unit", True) is False:  # Nemotron-H (engine/models/nemotron_h/layers.py)
-            raise ValueError("lora.use_peft with nemotron_h: adapters on its hybrid layers (Mamba-2 in_proj / "
-                             "out_proj, attention-only and non-gated MLP-only layers) are not built; train without "
-                             "LoRA")
+        if getattr(chunk.config, "gated_linear_unit", True) is False:  # a non-gated hybrid stack (its spec's gated_mlp)
+            raise ValueError(f"lora.use_peft with {NON_GATED_FAMILIES}: adapters on its hybrid layers (Mamba-2 "
+                             "in_proj / out_proj, attention-only and non-gated MLP-only layers) are not built; train "
+                             "without LoRA")
         refuse_expert_adapters(settings, getattr(chunk, "hf_model_type", "this model"),
                                getattr(chunk.config, "num_moe_experts", None) or 0,
                                getattr(chunk.config, "expert_tensor_parallel_size", None) or 1)

@@ -279,9 +279,10 @@ def _layer_kernel_specs(spec, dense_spec, per_layer, config, cfg: ModelConfig, h
             raise ValueError("model.layer_kernel_implementation=triton acts on Megatron's local spec only (Transformer "
                              "Engine's spec fuses its own norms and RoPE): set model.transformer_impl: local")
         return spec, dense_spec, per_layer
-    rope_fusable = family_spec(hf_config.model_type).rope_fusable(hf_config) and not config.multi_latent_attention
+    family = family_spec(hf_config.model_type)
+    rope_fusable = family.rope_fusable(hf_config) and not config.multi_latent_attention
     (spec, dense_spec, per_layer), applied = fused_layer_specs([spec, dense_spec, per_layer], config, rope_fusable,
-                                                                  LocalRMSNorm)
+                                                                  LocalRMSNorm, family.fused_modules and family.fused_modules())
     if not applied and implementation == "triton":
         raise ValueError(f"model.layer_kernel_implementation=triton cannot act on this {hf_config.model_type} model: "
                          "none of its norms, MLP activation or RoPE is one the fused kernels express")

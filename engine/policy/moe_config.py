@@ -1,8 +1,8 @@
 """Megatron's MoE keywords for each MoE family, and what the build does to the routers afterwards.
 
 Owns: `moe_settings` (TransformerConfig's router / expert / expert-parallel keywords from an HF config; {} for a dense
-model), `glm4_moe_router_settings` (GLM-4.5's and DeepSeek-V3's sigmoid group-limited router with the expert bias,
-shared expert and dense first layers), `freeze_expert_bias` (the loaded expert bias kept as it is),
+model), `sigmoid_router_settings` (the sigmoid group-limited router with the expert bias, shared expert and the
+MoE layers a family's spec names: `moe_layer_freq`), `freeze_expert_bias` (the loaded expert bias kept as it is),
 `mark_expert_params` (replicated experts reduced over the expert data-parallel group) and
 `define_te_general_gemm` (a megatron-core 0.16.1 fix-up without Transformer Engine). engine/policy/model.py builds
 the policy with these.
@@ -20,9 +20,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
-from engine.models.deepseek_v3 import warn_mtp_not_trained
-from engine.models.families import dense_layers, moe_shape, shared_expert_width
-from engine.models.nemotron_h import is_nemotron_h, layer_kinds
+from engine.models.families import moe_shape, shared_expert_width, spec_or_default
 from engine.policy.parallel import ParallelState
 
 
@@ -38,7 +36,7 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
     `parallel.expert_tp_size`). Aux / z-loss coefficients come from the `model` section (`moe_aux_loss_coeff`,
     `moe_z_loss_coeff`); no token dropping (capacity None), as HF and vLLM. TP > 1 needs sequence parallelism
     (Megatron's MoELayer refuses to train without it; the local spec runs it too: `LocalRMSNorm`).
-    GLM-4.5 MoE: `glm4_moe_router_settings`.
+    GLM-4.5 MoE, DeepSeek-V3, Nemotron-H's MoE layers: `sigmoid_router_settings`.
     """
     experts, top_k, expert_ffn = moe_shape(hf_config)
     if not experts:
@@ -78,17 +76,20 @@ def moe_settings(hf_config, cfg: ModelConfig, ps: ParallelState) -> dict:
         moe_enable_routing_replay=True,
         expert_model_parallel_size=ps.ep_size,
         expert_tensor_parallel_size=ps.etp_size,
-    ), **glm4_moe_router_settings(hf_config)}
+    ), **sigmoid_router_settings(hf_config)}
 
 
-def glm4_moe_router_settings(hf_config) -> dict:
-    """GLM-4.5 MoE's router and layer pattern in TransformerConfig's keywords ({} for other families).
+def sigmoid_router_settings(hf_config) -> dict:
+    """The sigmoid group-limited router (GLM-4.5 MoE's, DeepSeek-V3's) and its layer pattern in TransformerConfig's
+    keywords ({} for a family whose spec has no `moe_layer_freq`: the softmax router).
 
     Sigmoid scores in float32 (HF computes the router in float32); the top-k is chosen on scores + the expert-score
     correction bias (`e_score_correction_bias`, Megatron's `router.expert_bias` buffer, float32), within the
     `topk_group` best of `n_group` groups; the chosen experts' plain scores are renormalised and multiplied by
     `routed_scaling_factor`; a shared expert of `shared_expert_width` runs on every token; the first
-    `first_k_dense_replace` layers are dense MLPs of `intermediate_size` (`moe_layer_freq`, built by `_decoder_spec`).
+    `first_k_dense_replace` layers are dense MLPs of `intermediate_size` (the spec's `moe_layer_freq`, built by
+    `_decoder_spec`); the spec's `warn_unbuilt_layers` names checkpoint layers not built (GLM-4.5's MTP layers;
+    DeepSeek-V3's are named in its `mla_settings`).
 
     The expert bias stays frozen (`freeze_expert_bias`): its update rule (aux-loss-free balancing: +/- a rate per
     step by each expert's token count) is a pre-training load-balancer; RL post-training keeps the routing the
@@ -99,15 +100,11 @@ def glm4_moe_router_settings(hf_config) -> dict:
     hybrid stack builds them: engine/models/nemotron_h/layers.py), its non-gated relu2 experts come from
     `nemotron_h_settings` (`gated_linear_unit=False`, squared ReLU, shared by experts and shared expert).
     """
-    if is_nemotron_h(hf_config):  # Nemotron-H's 'E' layers: the same router; its hybrid layers (one MoE per 'E')
-        freq = [int(kind == "moe") for kind in layer_kinds(hf_config)]
-    elif hf_config.model_type not in ("glm4_moe", "deepseek_v3"):  # DeepSeek-V3: the same router and layer pattern
+    spec = spec_or_default(hf_config.model_type)
+    if spec.moe_layer_freq is None:
         return {}
-    else:
-        first_dense, layers = dense_layers(hf_config), hf_config.num_hidden_layers
-        freq = [0] * first_dense + [1] * (layers - first_dense)
-    if hf_config.model_type == "glm4_moe" and (mtp := int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)):
-        warn_mtp_not_trained("glm4_moe", mtp, int(hf_config.num_hidden_layers))  # DeepSeek-V3's: in mla_settings
+    freq = spec.moe_layer_freq(hf_config)
+    spec.warn_unbuilt_layers(hf_config)
     groups = int(hf_config.n_group)
     return dict(
         moe_router_score_function="sigmoid",
@@ -133,7 +130,7 @@ def define_te_general_gemm() -> None:
 
 def freeze_expert_bias(chunks: list[torch.nn.Module], config) -> None:
     """Keep the routers' expert bias (GLM-4.5's) as loaded: no token counting in the forward, no update in
-    `finalize_model_grads` (`glm4_moe_router_settings` says why). The routers still add it to their scores.
+    `finalize_model_grads` (`sigmoid_router_settings` says why). The routers still add it to their scores.
 
     NOTE: megatron-core 0.16.1's token counting (`TopKRouter._apply_expert_bias`, training forwards) fails with the
     engine's MoE padding mask: `routing_map & ~padding_mask` broadcasts (tokens, E) against (tokens,).

@@ -19,7 +19,7 @@ between them, the process group is kept), each with a budget that grows with the
     the same micro-batches): summed loss, gradient norm and every updated weight, with the load-balancing aux loss
     on (z-loss too where no SP: test_qwen3_layouts.py says why not under SP), so the router's extra gradients go
     through expert parallelism; the router and the experts move (GLM: the shared expert too; its expert bias stays
-    frozen, bit for bit: engine/policy/moe_config.py glm4_moe_router_settings says why; GPT-OSS: sinks, o_proj and expert
+    frozen, bit for bit: engine/policy/moe_config.py sigmoid_router_settings says why; GPT-OSS: sinks, o_proj and expert
     biases too, and the grad norm at TP2 x EP2 counts every expert's fc2 bias once: engine/policy/optimizer.py);
 (c) routing replay (R3) and the router-agreement metric at EP2: test_routing_replay.py's checks, on both families
     (GLM: the dense layer has no routes; the agreement counts its 3 MoE layers).

@@ -6,6 +6,7 @@
 - vLLM is imported in one module, Megatron's global parallel state is read in one;
 - no module is over ~600 lines (docs/contributing/house-rules.md);
 - no module outside a family's folder (engine/models/<family>/) names that family in its code;
+- no family folder imports another family's folder;
 - no module indexes a micro-batch by a string key: its fields are `MicroBatch` attributes (engine/policy/microbatch.py).
 """
 
@@ -151,14 +152,6 @@ NAMES_A_FAMILY_BUILTIN_MODEL = {
 }
 """Modules that name a family as a model to build, not as behaviour to branch on."""
 
-NAMES_FAMILIES_NOT_MOVED_YET = {
-    "engine/planning/shapes.py", "engine/planning/sync_memory.py", "engine/policy/fused_layers.py",
-    "engine/policy/hf_convert.py", "engine/policy/lora.py", "engine/policy/moe_config.py",
-}
-"""Modules whose family-specific code has not moved into the family folders yet; the list only shrinks (a listed
-module that no longer names a family fails `test_no_module_outside_a_family_folder_names_the_family`)."""
-
-
 def _family_names() -> dict[str, str]:
     """Every family folder's name and HF model_types (read from its `SPEC`'s source) -> the folder."""
     names = {}
@@ -222,11 +215,25 @@ def test_no_module_outside_a_family_folder_names_the_family():
             continue
         if found := _family_mentions(path, names):
             mentions[str(rel)] = found
-    allowed = {FAMILY_REGISTRY} | set(NAMES_A_FAMILY_BUILTIN_MODEL) | NAMES_FAMILIES_NOT_MOVED_YET
+    allowed = {FAMILY_REGISTRY} | set(NAMES_A_FAMILY_BUILTIN_MODEL)
     outside = {module: found for module, found in mentions.items() if module not in allowed}
     assert not outside, f"family names outside the family folders (engine/models/<family>/): {outside}"
-    moved = sorted(NAMES_FAMILIES_NOT_MOVED_YET - set(mentions))
-    assert not moved, f"{moved} no longer name a family: drop them from NAMES_FAMILIES_NOT_MOVED_YET"
+
+
+def test_no_family_folder_imports_another_family_folder():
+    """A family folder imports the shared modules of engine/models/ (what several families use lives there, named for
+    what it is), never another family's folder: adding or removing a family touches one folder and the registry."""
+    folders = set(_family_names().values())
+    crossing = {}
+    for module, path in _modules().items():
+        parts = module.split(".")
+        if len(parts) < 3 or parts[1] != "models" or parts[2] not in folders:
+            continue
+        others = sorted({name.split(".")[2] for name in _imports(path) if name.split(".")[:2] == ["engine", "models"]
+                         and len(name.split(".")) > 2 and name.split(".")[2] in folders - {parts[2]}})
+        if others:
+            crossing[module] = others
+    assert not crossing, f"family folders importing another family's folder (move the shared piece to engine/models/): {crossing}"
 
 
 MICROBATCH = ENGINE / "policy" / "microbatch.py"

@@ -173,10 +173,10 @@ def test_deepseek_v3_mtp_layers_are_not_built_with_one_warning(caplog):
     assert exported.num_nextn_predict_layers == 0 and exported.dtype == torch.bfloat16
     assert export_config(config, torch.bfloat16, keep_mtp=True).num_nextn_predict_layers == 1
     assert config.num_nextn_predict_layers == 1  # the run's own config is untouched
-    from engine.policy.moe_config import glm4_moe_router_settings
+    from engine.policy.moe_config import sigmoid_router_settings
 
     glm = AutoConfig.for_model("glm4_moe", num_nextn_predict_layers=1, num_hidden_layers=4)  # GLM-4.5's MTP: warned too
-    glm4_moe_router_settings(glm)
+    sigmoid_router_settings(glm)
     assert any("glm4_moe with num_nextn_predict_layers=1" in r.getMessage() and "model.layers.4.*" in r.getMessage()
                for r in caplog.records)
 

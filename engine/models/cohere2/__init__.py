@@ -16,17 +16,12 @@ SP, log-probs through the LM-head kernel; export byte-exact; GRPO step at TP2 + 
 
 from __future__ import annotations
 
-from engine.models.family_spec import FamilySpec, sliding_window_dims
+from engine.models.family_spec import FamilySpec, planner_shape, sliding_window_dims
 
 COHERE2_MODEL_TYPES = ("cohere2",)
 """Cohere families the policy builds: one bias-free LayerNorm per layer feeding attention and MLP in parallel
 (h = x + attn(ln(x)) + mlp(ln(x))), RoPE (interleaved pairs) on the sliding-window layers only, the global layers
 without position encoding, the logits x `logit_scale`, tied embeddings."""
-
-def is_cohere2(hf_config) -> bool:
-    """Whether the config is one of `COHERE2_MODEL_TYPES` (built with engine/models/cohere2/layers.py)."""
-    return hf_config.model_type in COHERE2_MODEL_TYPES
-
 
 def check_cohere2(hf_config) -> None:
     """Refuse the Cohere 2 settings the translation would not reproduce.
@@ -136,10 +131,18 @@ def vllm_hf_overrides(model_dir) -> dict:
     return {"sliding_window": int(config["sliding_window"]) - 1}
 
 
-SPEC = FamilySpec(name="cohere2", model_types=COHERE2_MODEL_TYPES, check=check_cohere2,
+PLANNER_MODELS = {
+    "builtin:tiny-cohere2": planner_shape(128, 4, 4, 2, 352, 400, True, False, norms_per_layer=1, sliding_window=4,
+                                          sliding_layers=2),
+}
+"""The planner's shape of the tiny Cohere 2."""
+
+
+SPEC = FamilySpec(planner_models=PLANNER_MODELS, name="cohere2", model_types=COHERE2_MODEL_TYPES, check=check_cohere2,
                   norm_eps_field="layer_norm_eps", finish_transformer_config=finish_transformer_config,
                   planner_dims=lambda values: {"norms_per_layer": 1, **sliding_window_dims(values)},
-                  ties_embeddings_by_default=True, layer_spec=layer_spec, finish_policy_chunk=finish_policy_chunk,
+                  ties_embeddings_by_default=True, converter_dims=lambda hf_config: {"parallel_block": True},
+                  layer_spec=layer_spec, finish_policy_chunk=finish_policy_chunk,
                   local_spec_only="its norms, layer and sliding-window attention are project modules",
                   vllm_engine_kwargs=lambda model_dir, dtype, on_gpu: {"hf_overrides": vllm_hf_overrides(model_dir)},
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

@@ -3,7 +3,7 @@
 Owns: `CohereLayerNorm` (LayerNorm with a weight and no bias, computed in float32, exactly HF's Cohere2LayerNorm),
 `Cohere2TransformerLayer` (one norm feeding attention and MLP in parallel: h = x + attn(ln(x)) + mlp(ln(x)); RoPE only
 on the sliding-window layers), `cohere2_layer_spec` (the local spec with these and the windowed core attention of
-engine/models/gemma/layers.py); its TransformerConfig settings are the family's (engine/models/cohere2/).
+engine/models/windowed_attention.py); its TransformerConfig settings are the family's (engine/models/cohere2/).
 
 Why a layer subclass: Megatron's TransformerLayer is sequential (x + attn(ln1(x)), then + mlp(ln2(.))); its parallel
 form needs the MLP to read the attention's norm output, which no spec swap gives. Megatron's LayerNorm choices have a
@@ -89,15 +89,15 @@ def _layer_class():
 def cohere2_layer_spec(spec):
     """Cohere 2's transformer layer from the local spec (engine/policy/model.py `_layer_spec`): the parallel layer,
     `CohereLayerNorm` as its one norm, no pre-MLP norm, the causal (or block-causal) mask AND the sliding window in the
-    core attention (engine/models/gemma/layers.py `core_attention_class`, without soft-capping)."""
+    core attention (engine/models/windowed_attention.py `windowed_core_attention_class`, without soft-capping)."""
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from engine.models.gemma.layers import core_attention_class
+    from engine.models.windowed_attention import windowed_core_attention_class
 
     layer = spec.submodules
     attention = dataclasses.replace(
         layer.self_attention, params={"attn_mask_type": AttnMaskType.causal},
-        submodules=dataclasses.replace(layer.self_attention.submodules, core_attention=core_attention_class()))
+        submodules=dataclasses.replace(layer.self_attention.submodules, core_attention=windowed_core_attention_class()))
     return dataclasses.replace(spec, module=_layer_class(), submodules=dataclasses.replace(
         layer, input_layernorm=CohereLayerNorm, pre_mlp_layernorm=IdentityOp, self_attention=attention))

@@ -1,6 +1,6 @@
 """DeepSeek-V3 (HF model_type `deepseek_v3`): multi-latent attention (MLA), what the family needs beyond GLM-4.5's
 MoE translation (shared expert, sigmoid routing with the expert-score correction bias, dense first layers, all in
-engine/policy/moe_config.py `glm4_moe_router_settings`), kept in one place.
+engine/policy/moe_config.py `sigmoid_router_settings`), kept in one place.
 
 Owns: the refusal of the DeepSeek-V3 settings the translation would not reproduce (`check_deepseek_v3`), MLA's
 TransformerConfig keywords (`mla_settings`: Megatron's `MLATransformerConfig` with q_lora_rank, kv_lora_rank, the
@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 from pathlib import Path
 
 from engine.models.family_spec import (
@@ -30,10 +29,13 @@ from engine.models.family_spec import (
     TINY_SIGMOID_ROUTER,
     FamilySpec,
     check_sigmoid_router,
+    planner_shape,
     randomise_expert_score_bias,
     sigmoid_router_dense_layers,
+    sigmoid_router_layer_freq,
     sigmoid_router_planner_dims,
     sigmoid_router_shared_expert_width,
+    warn_mtp_not_trained,
 )
 from engine.models.latent_attention import MLA_TENSORS, mla_hf_shape
 from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
@@ -144,18 +146,6 @@ def mla_settings(hf_config) -> dict:
     return settings
 
 
-@functools.cache
-def warn_mtp_not_trained(model_type: str, mtp: int, layers: int) -> None:
-    """Warn (once per process) that a checkpoint's multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's) are
-    neither built nor trained, and what an export does with them."""
-    logging.getLogger(__name__).warning(
-        "%s with num_nextn_predict_layers=%d: the multi-token-prediction layers (model.layers.%d.* on) are not built "
-        "or trained (the GRPO loss reads the main head's next-token log-probs only; vLLM skips them without "
-        "speculative decoding); an HF export copies their weights unchanged from the source checkpoint (the draft "
-        "head of vLLM's MTP speculative decoding), or drops them (num_nextn_predict_layers=0) where it has none",
-        model_type, mtp, layers)
-
-
 def mla_attention_specs(spec, dense_spec):
     """(spec, dense_spec) of engine/policy/model.py `build_policy` (local spec, multi_latent_attention; dense_spec
     None without dense layers), after the attention choice (engine/policy/sdpa_attention.py `attention_specs`:
@@ -258,10 +248,23 @@ def local_layer_specs(spec, dense_spec, row_parallel, hf_config):
     return (*mla_attention_specs(spec, dense_spec), None)
 
 
-SPEC = FamilySpec(name="deepseek_v3", model_types=("deepseek_v3",), check=check,
+_DEEPSEEK_V3 = planner_shape(7168, 61, 128, 128, 18432, 129280, False, False, head_dim=128, num_experts=256,
+                             num_experts_per_tok=8, moe_intermediate_size=2048, dense_layers=3, shared_expert_size=2048,
+                             expert_bias=True, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128)
+"""DeepSeek-V3 / R1 from their config.json (MLA: q_lora 1536, kv_lora 512, 128 heads of 128 + 64 rope, values 128;
+3 dense layers of 18432 then 58 MoE layers of 256 experts of 2048, top-8, one shared expert, sigmoid routing with
+the expert-score bias): 671,026,419,200 parameters, the published 671B; the checkpoint's 685B adds the one
+multi-token-prediction layer (not built, not counted; exports copy it from the checkpoint)."""
+
+PLANNER_MODELS = {f"deepseek-ai/deepseek-{name}": _DEEPSEEK_V3 for name in ("v3", "v3-base", "v3-0324", "r1", "r1-0528")}
+"""The planner's shapes of DeepSeek-V3 and R1."""
+
+
+SPEC = FamilySpec(planner_models=PLANNER_MODELS, name="deepseek_v3", model_types=("deepseek_v3",), check=check,
                   moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
                   dense_layers=sigmoid_router_dense_layers, shared_expert_width=sigmoid_router_shared_expert_width,
                   transformer_settings=mla_settings, rope_settings=lambda hf_config: {},
                   vllm_engine_kwargs=vllm_cpu_mla_backend, planner_dims=sigmoid_router_planner_dims,
-                  local_layer_specs=local_layer_specs,
+                  local_layer_specs=local_layer_specs, converter_dims=mla_dims,
+                  moe_layer_freq=sigmoid_router_layer_freq,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_expert_score_bias)

@@ -4,8 +4,9 @@ Owns, for `GEMMA_MODEL_TYPES` (HF `gemma3_text`, Gemma3ForCausalLM; `gemma2`): `
 each naming the cause: a non-positive final-logit soft-cap, Gemma 3's attention soft-capping, bidirectional attention, attention
 bias, RoPE other than default on the sliding layers / default or linear on the global ones), `gemma_transformer_settings` (TransformerConfig fields: the softmax
 scale `query_pre_attn_scalar` ** -0.5, the sliding window and which layers use it), `gemma_rope_settings` (the global
-layers' RoPE) and `GEMMA_NORM_NAMES` (the HF names of the four per-layer norms; engine/policy/hf_convert.py builds
-its entries from them). The Megatron modules are in engine/models/gemma/layers.py.
+layers' RoPE), its converter facts (four norms per layer: `ModelDims.sandwich_norms`, named by
+engine/models/tensor_map.py `SANDWICH_NORM_NAMES`) and the planner's shapes of its models (`PLANNER_MODELS`). The
+Megatron modules are in engine/models/gemma/layers.py.
 
 Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_gemma`).
 
@@ -15,30 +16,15 @@ and PP2; export byte-exact; GRPO step TP2 = TP1).
 
 from __future__ import annotations
 
-from engine.models.family_spec import FamilySpec, sliding_window_dims
+from engine.models.family_spec import FamilySpec, planner_shape, sliding_window_dims
 
 GEMMA_MODEL_TYPES = ("gemma3_text", "gemma2")
 """Gemma families the policy builds. Gemma 2 = Gemma 3's layer without q/k norms, with one RoPE base and
 attention-logit soft-capping; its final-logit soft-capping (`final_logit_softcapping`, 30.0 in every checkpoint) is
 applied by the LM-head loss kernel (kernels/, `softcap`), passed from the policy model (engine/policy/model.py)."""
 
-GEMMA_NORM_NAMES = {
-    "decoder.layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
-    "decoder.layers.{i}.self_attention.linear_proj.post_layernorm.weight":
-        "model.layers.{i}.post_attention_layernorm.weight",
-    "decoder.layers.{i}.pre_mlp_layernorm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
-    "decoder.layers.{i}.mlp.linear_fc2.post_layernorm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
-}
-"""Megatron global name -> HF name of Gemma's four per-layer norms (HF's `post_attention_layernorm` is the norm
-AFTER attention, not Llama's pre-MLP norm)."""
-
 LOCAL_SPEC_REASON = "its norms, layer and sliding-window attention are project modules"
 """Why Gemma is built on Megatron's local spec only (the spec's `local_spec_only`)."""
-
-
-def is_gemma(hf_config) -> bool:
-    """Whether the config is one of `GEMMA_MODEL_TYPES` (built with engine/models/gemma/layers.py)."""
-    return hf_config.model_type in GEMMA_MODEL_TYPES
 
 
 def check_gemma(hf_config) -> None:
@@ -145,10 +131,10 @@ def randomise_tiny_inits(model) -> None:
 
 
 def finish_transformer_config(config, hf_config, tp_size: int, pp_size: int):
-    """`gemma_transformer_settings` and the gelu-tanh gated MLP (engine/models/gemma/activation.py)."""
+    """`gemma_transformer_settings` and the gelu-tanh gated MLP (engine/models/activations.py)."""
     import dataclasses
 
-    from engine.models.gemma.activation import gelu_tanh
+    from engine.models.activations import gelu_tanh
 
     return dataclasses.replace(config, activation_func=gelu_tanh, **gemma_transformer_settings(hf_config))
 
@@ -178,8 +164,39 @@ def planner_dims(values: dict) -> dict:
     return {"norms_per_layer": 4, **window}
 
 
-SPEC = FamilySpec(name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma, qk_norm_types=("gemma3_text",),
+def fused_modules() -> dict:
+    """Its norms and attention the fused kernels replace (engine/models/gemma/layers.py `fused_modules`)."""
+    from engine.models.gemma.layers import fused_modules as modules
+
+    return modules()
+
+
+def _shape(h, layers, heads, kv, ffn, vocab, qk_norm, window, sliding, softcap, head_dim=128):
+    return planner_shape(h, layers, heads, kv, ffn, vocab, True, False, head_dim=head_dim, qk_norm=qk_norm,
+                         norms_per_layer=4, sliding_window=window, sliding_layers=sliding, attention_softcap=softcap)
+
+
+_GEMMA2_27B = _shape(4608, 46, 32, 16, 36864, 256000, False, 4096, 23, True)
+"""Gemma-2-27B from its config.json (hidden 4608, 46 layers alternating sliding (4096) / global, 32 heads of 128, 16 KV
+heads, MLP 36864, vocabulary 256,000, tied, four norms per layer): 27,227,128,320 parameters, the model card's 27.2B."""
+_GEMMA3_27B = _shape(5376, 62, 32, 16, 21504, 262208, True, 1024, 52, False)
+"""Gemma-3-27B's text decoder (Gemma3ForCausalLM; `text_config` of the multimodal checkpoint: hidden 5376, 62 layers,
+5 sliding (1024) per global one, 32 heads of 128, 16 KV heads, q/k norms, MLP 21504, the 262,208 vocabulary, tied):
+27,009,346,304 parameters; the checkpoint's 27.4B adds the SigLIP vision tower and projector (not built)."""
+
+PLANNER_MODELS = {
+    **{f"google/gemma-2-27b{suffix}": _GEMMA2_27B for suffix in ("", "-it")},
+    **{f"google/gemma-3-27b-{suffix}": _GEMMA3_27B for suffix in ("it", "pt")},
+    # engine/models/tiny_model.py: layers sliding (window 4) and full alternating, head_dim 32 = 128 / 4
+    "builtin:tiny-gemma2": _shape(128, 4, 4, 2, 352, 400, False, 4, 2, True, head_dim=0),
+    "builtin:tiny-gemma3_text": _shape(128, 4, 4, 2, 352, 400, True, 4, 2, False, head_dim=0),
+}
+"""The planner's shapes of Gemma-2-27B, Gemma-3-27B and the tiny Gemmas."""
+
+
+SPEC = FamilySpec(planner_models=PLANNER_MODELS, name="gemma", model_types=GEMMA_MODEL_TYPES, check=check_gemma, qk_norm_types=("gemma3_text",),
                   finish_transformer_config=finish_transformer_config, rope_settings=gemma_rope_settings,
                   layer_spec=layer_spec, local_spec_only=LOCAL_SPEC_REASON, finish_policy_chunk=finish_policy_chunk,
                   planner_dims=planner_dims, ties_embeddings_by_default=True,
+                  converter_dims=lambda hf_config: {"sandwich_norms": True}, fused_modules=fused_modules,
                   tiny_config=tiny_config, randomise_tiny_inits=randomise_tiny_inits)

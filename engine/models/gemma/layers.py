@@ -2,10 +2,11 @@
 
 Owns: `GemmaRMSNorm` ((1 + w), computed in float32, exactly HF's Gemma3RMSNorm), the post-attention /
 post-feedforward norms as `post_layernorm` children of the output projections (`_post_norm_class`),
-`GemmaSelfAttention` (the sliding layers' own RoPE base, `rope_local_base_freq`), `GemmaCoreAttention` (the causal or
-block-causal mask AND the sliding window; `core_attention_class`, Cohere 2's too), `gemma_layer_spec` (the local spec
-with all of these) and `scale_embeddings` (sqrt(hidden), cast to the model dtype first, as HF); its TransformerConfig
-settings and activation are the family's (engine/models/gemma/).
+`GemmaSelfAttention` (the sliding layers' own RoPE base, `rope_local_base_freq`), `gemma_layer_spec` (the local spec
+with all of these and the soft-capped windowed core attention of engine/models/windowed_attention.py),
+`fused_modules` (the modules engine/policy/fused_layers.py may swap for its fused twins) and `scale_embeddings`
+(sqrt(hidden), cast to the model dtype first, as HF); its TransformerConfig settings and activation are the family's
+(engine/models/gemma/).
 
 Must not: read Megatron's global parallel state (RoPE takes the attention's context-parallel group), import vLLM.
 
@@ -22,6 +23,7 @@ import math
 import torch
 
 from engine.models.gemma import rope_params
+from engine.models.windowed_attention import windowed_core_attention_class
 
 
 def is_gemma3(hf_config) -> bool:
@@ -103,55 +105,6 @@ def self_attention_class():
     return GemmaSelfAttention
 
 
-def core_attention_class():
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.utils import is_layer_window_attention
-
-    class GemmaCoreAttention(DotProductAttention):
-        """Dot-product attention that applies the sliding window AND the given mask (Megatron's local softmax
-        replaces a given mask by the window mask, so packed rows would attend across sequences), in HF's eager
-        order: scores in the input dtype x scale, soft-capped (Gemma 2: tanh(s / softcap) x softcap), masked,
-        softmax in float32, cast back."""
-
-        def __init__(self, config, layer_number, *args, softcap: float | None = None, **kwargs):
-            super().__init__(config, layer_number, *args, **kwargs)
-            self.softcap = softcap
-            sliding = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
-            self.window = config.window_size[0] + 1 if sliding else None
-
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
-            if packed_seq_params is not None or attention_bias is not None:
-                raise ValueError("Gemma's core attention takes neither packed_seq_params (THD) nor an attention bias")
-            repeat = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-            q = query.permute(1, 2, 0, 3)  # (b, np, sq, hn)
-            k = key.repeat_interleave(repeat, dim=2).permute(1, 2, 0, 3)  # (b, np, sk, hn)
-            v = value.repeat_interleave(repeat, dim=2).permute(1, 2, 0, 3)
-            scores = torch.matmul(q, k.transpose(-1, -2)) * self.softmax_scale  # (b, np, sq, sk)
-            if self.softcap is not None:
-                scores = torch.tanh(scores / self.softcap) * self.softcap
-            sq, sk = scores.shape[-2:]
-            rows = torch.arange(sq, device=scores.device)[:, None] + (sk - sq)
-            cols = torch.arange(sk, device=scores.device)[None, :]
-            masked = cols > rows  # (sq, sk) causal
-            if self.window is not None:
-                masked = masked | (rows - cols >= self.window)
-            if attention_mask is not None:
-                masked = masked | attention_mask  # (b, 1, sq, sk), True = masked
-            scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            if self.config.sequence_parallel:
-                probs = self.attention_dropout(probs)
-            else:
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    probs = self.attention_dropout(probs)
-            context = torch.matmul(probs, v)  # (b, np, sq, hn)
-            return context.permute(2, 0, 1, 3).reshape(sq, q.shape[0], self.hidden_size_per_partition)
-
-    return GemmaCoreAttention
-
-
 def gemma_layer_spec(spec, row_parallel, hf_config):
     """Gemma's transformer layer from the local spec (engine/policy/model.py `_layer_spec`; Gemma 3 with q/k norms):
     every norm a `GemmaRMSNorm`, the output projections with their post-norms, Gemma's attention modules (Gemma 2's
@@ -161,7 +114,7 @@ def gemma_layer_spec(spec, row_parallel, hf_config):
     layer = spec.submodules
     post_norm = _post_norm_class(row_parallel)
     local_base = float(rope_params(hf_config, "sliding_attention")["rope_theta"])
-    core = functools.partial(core_attention_class(), softcap=getattr(hf_config, "attn_logit_softcapping", None))
+    core = functools.partial(windowed_core_attention_class(), softcap=getattr(hf_config, "attn_logit_softcapping", None))
     qk_norms = {"q_layernorm": GemmaRMSNorm, "k_layernorm": GemmaRMSNorm} if is_gemma3(hf_config) else {}
     attention = dataclasses.replace(
         layer.self_attention, module=self_attention_class(),
@@ -186,3 +139,9 @@ def scale_embeddings(chunk: torch.nn.Module, hidden_size: int) -> None:
 
     chunk.embedding.register_forward_hook(hook)
 
+
+def fused_modules() -> dict:
+    """The family's modules the fused layer kernels replace (engine/policy/fused_layers.py `fused_layer_specs`): its
+    (1 + w) RMSNorm and its SelfAttention subclass (the sliding layers' own RoPE, read through
+    `layer_rotary_pos_emb`)."""
+    return {"offset_norms": (GemmaRMSNorm,), "attention": (self_attention_class(),)}

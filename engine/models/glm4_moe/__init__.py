@@ -18,10 +18,13 @@ from engine.models.family_spec import (
     TINY_SIGMOID_ROUTER,
     FamilySpec,
     check_sigmoid_router,
+    planner_shape,
     randomise_expert_score_bias,
     sigmoid_router_dense_layers,
+    sigmoid_router_layer_freq,
     sigmoid_router_planner_dims,
     sigmoid_router_shared_expert_width,
+    warn_mtp_layers,
 )
 from engine.models.tensor_map import SIGMOID_ROUTER_MOE_TENSORS
 
@@ -41,9 +44,32 @@ def tiny_config(model_type: str, common: dict, moe_layers: bool) -> dict:
     )
 
 
-SPEC = FamilySpec(name="glm4_moe", model_types=("glm4_moe",), check=check_sigmoid_router,
+def _shape(h, layers, ffn, experts, moe_ffn, dense, qk_norm):
+    return planner_shape(h, layers, 96, 8, ffn, 151552, False, True, head_dim=128, qk_norm=qk_norm,
+                         num_experts=experts, num_experts_per_tok=8, moe_intermediate_size=moe_ffn, dense_layers=dense,
+                         shared_expert_size=moe_ffn, expert_bias=True)
+
+
+_GLM45 = _shape(5120, 92, 12288, 160, 1536, 3, True)
+_GLM45_AIR = _shape(4096, 46, 10944, 128, 1408, 1, False)
+"""GLM-4.5 (355B-A32B) and GLM-4.5-Air (106B-A12B), from their config.json; their one multi-token-prediction layer
+(`num_nextn_predict_layers`) is neither built by the engine nor by transformers, so not counted (an export copies its
+weights from the source checkpoint, on disk only: engine/policy/mtp_layers.py)."""
+
+PLANNER_MODELS = {
+    **{f"zai-org/glm-4.5{suffix}": _GLM45 for suffix in ("", "-base")},
+    **{f"zai-org/glm-4.5-air{suffix}": _GLM45_AIR for suffix in ("", "-base")},
+    "builtin:tiny-glm4_moe": planner_shape(128, 4, 4, 2, 352, 400, False, True, qk_norm=True, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=64, dense_layers=1,
+                                           shared_expert_size=64, expert_bias=True),
+}
+"""The planner's shapes of GLM-4.5 and GLM-4.5-Air and the tiny GLM-4.5 MoE."""
+
+
+SPEC = FamilySpec(planner_models=PLANNER_MODELS, name="glm4_moe", model_types=("glm4_moe",), check=check_sigmoid_router,
                   moe_fields=("n_routed_experts", "moe_intermediate_size"), moe_tensors=SIGMOID_ROUTER_MOE_TENSORS,
                   dense_layers=sigmoid_router_dense_layers,
                   shared_expert_width=sigmoid_router_shared_expert_width, planner_dims=sigmoid_router_planner_dims,
+                  moe_layer_freq=sigmoid_router_layer_freq, warn_unbuilt_layers=warn_mtp_layers,
                   tiny_config=tiny_config,
                   randomise_tiny_inits=randomise_expert_score_bias)

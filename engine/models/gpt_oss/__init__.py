@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import importlib
 
-from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, FamilySpec, sliding_window_dims
+from engine.models.family_spec import (
+    TINY_MOE_EXPERTS,
+    TINY_MOE_FFN,
+    TINY_MOE_TOP_K,
+    FamilySpec,
+    planner_shape,
+    sliding_window_dims,
+)
 from engine.models.tensor_map import TensorMap
 
 _TORCH_PIECES = {
@@ -154,7 +161,25 @@ def rope_fusable(hf_config) -> bool:
     return yarn_rope_settings(hf_config) is None
 
 
-SPEC = FamilySpec(name="gpt_oss", model_types=("gpt_oss",), check=check_gpt_oss,
+def _shape(layers, experts):
+    return planner_shape(2880, layers, 64, 8, 2880, 201088, False, True, head_dim=64, num_experts=experts,
+                         num_experts_per_tok=4, moe_intermediate_size=2880, linear_bias=True, sinks=True,
+                         sliding_window=128, sliding_layers=layers // 2)
+
+
+PLANNER_MODELS = {
+    "openai/gpt-oss-120b": _shape(36, 128),
+    "openai/gpt-oss-20b": _shape(24, 32),
+    "builtin:tiny-gpt_oss": planner_shape(128, 4, 4, 2, 64, 400, False, True, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=64, linear_bias=True, sinks=True, sliding_window=4,
+                                          sliding_layers=2),
+}
+"""The planner's shapes of gpt-oss-120b and gpt-oss-20b from their config.json (hidden 2880, 64 heads of 64, 8 KV
+heads, experts of width 2880, top-4, vocabulary 201,088): 116,829,156,672 and 20,914,757,184 parameters, the model
+card's 116.83B / 20.91B (its MXFP4 checkpoint stores the same counts quantised); and the tiny GPT-OSS."""
+
+
+SPEC = FamilySpec(planner_models=PLANNER_MODELS, name="gpt_oss", model_types=("gpt_oss",), check=check_gpt_oss,
                   moe_fields=("num_local_experts", "intermediate_size"), moe_tensors=MOE_TENSORS,
                   attention_tensors=ATTENTION_TENSORS, interleaved_gate_up=True,
                   transformer_settings=transformer_settings, finish_transformer_config=finish_transformer_config,

@@ -9,7 +9,7 @@ Test: tests/unit/test_families.py (refusals, moe_shape), tests/unit/test_tiny_mo
 
 from __future__ import annotations
 
-from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, FamilySpec
+from engine.models.family_spec import TINY_MOE_EXPERTS, TINY_MOE_FFN, TINY_MOE_TOP_K, FamilySpec, planner_shape
 from engine.models.tensor_map import TensorMap
 
 
@@ -51,6 +51,17 @@ MOE_TENSORS = (
 w3 = up, w2 = down)."""
 
 
-SPEC = FamilySpec(name="mixtral", model_types=("mixtral",), check=check_mixtral,
+_MIXTRAL_8X7B = planner_shape(4096, 32, 32, 8, 14336, 32000, False, False, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=14336)
+
+PLANNER_MODELS = {
+    **{f"mistralai/mixtral-8x7b{suffix}": _MIXTRAL_8X7B for suffix in ("-v0.1", "-instruct-v0.1")},
+    "builtin:tiny-mixtral": planner_shape(128, 4, 4, 2, 64, 400, False, False, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=64),
+}
+"""The planner's shapes of Mixtral-8x7B (from its config.json) and the tiny Mixtral."""
+
+
+SPEC = FamilySpec(planner_models=PLANNER_MODELS, name="mixtral", model_types=("mixtral",), check=check_mixtral,
                   moe_fields=("num_local_experts", "intermediate_size"), moe_tensors=MOE_TENSORS,
                   tiny_config=tiny_config)

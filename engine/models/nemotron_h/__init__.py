@@ -14,7 +14,7 @@ The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) a
 Each HF block is `x + mixer(norm(x))` with one mixer; in Megatron's TransformerLayer that is an attention-only layer
 (the mixer as `self_attention`, no MLP) or an MLP-only layer (no attention), Megatron's own hybrid-stack layout;
 an 'E' block is an MLP-only layer whose MLP is Megatron's MoELayer (non-gated relu2 experts, a shared expert,
-the sigmoid router with the float32 expert bias: engine/policy/moe_config.py `glm4_moe_router_settings`).
+the sigmoid router with the float32 expert bias: engine/policy/moe_config.py `sigmoid_router_settings`).
 Attention has no position encoding (HF's NemotronHAttention applies no RoPE).
 
 Must not: import torch, Megatron or vLLM (engine/models/families.py, read by the planner, calls `check_nemotron_h`).
@@ -26,6 +26,7 @@ TP2 / PP2, export byte-exact; GRPO step at TP2 = TP1).
 from __future__ import annotations
 
 from engine.models.family_spec import FamilySpec, check_sigmoid_router, randomise_expert_score_bias
+from engine.models.tensor_map import TensorMap
 
 NEMOTRON_H_MODEL_TYPES = ("nemotron_h",)
 """Hybrid Mamba-2 / attention / MLP families the policy builds (engine/models/nemotron_h/layers.py)."""
@@ -78,11 +79,6 @@ NEMOTRON_H_GLOBAL = (
     ("decoder.final_layernorm.weight", f"{_ROOT}.norm_f.weight", "replicated"),
 )
 """(Megatron name, HF name, kind) outside the layers; the LM head is `lm_head.weight` (or the tied embedding)."""
-
-
-def is_nemotron_h(hf_config) -> bool:
-    """Whether the config is one of `NEMOTRON_H_MODEL_TYPES`."""
-    return hf_config.model_type in NEMOTRON_H_MODEL_TYPES
 
 
 def layer_kinds(hf_config) -> tuple[str, ...]:
@@ -259,7 +255,32 @@ def local_layer_specs(spec, dense_spec, row_parallel, hf_config):
     return spec, dense_spec, nemotron_h_layer_specs(spec, row_parallel, hf_config, dense_spec)
 
 
-SPEC = FamilySpec(name="nemotron_h", model_types=NEMOTRON_H_MODEL_TYPES, check=check, moe_shape=moe_shape,
+def converter_dims(hf_config) -> dict:
+    """The converter's shape facts (engine/policy/hf_convert.py ModelDims): each layer's kind, the Mamba-2 in_proj's
+    row blocks, its conv's bias and kernel width; this family's `layer_tensors` map them (`layer_map`)."""
+    return dict(layer_kinds=layer_kinds(hf_config), mamba_blocks=mamba_blocks(hf_config),
+                mamba_conv_bias=bool(hf_config.use_conv_bias), mamba_conv_kernel=int(hf_config.conv_kernel),
+                layer_map=NEMOTRON_H_NAME)
+
+
+def layer_tensors(dims, kind: str | None) -> list[TensorMap]:
+    """The converter's entries of a layer of `kind` ("mamba", "attention", "mlp", "moe": `NEMOTRON_H_TENSORS`; the
+    conv bias only with `dims.mamba_conv_bias`), or with `kind` None those outside the layers (`NEMOTRON_H_GLOBAL`)."""
+    if kind is None:
+        return [TensorMap(megatron, (hf,), layout) for megatron, hf, layout in NEMOTRON_H_GLOBAL]
+    entries = []
+    for megatron, hf, layout in NEMOTRON_H_TENSORS[kind]:
+        if megatron == "self_attention.conv1d.bias" and not dims.mamba_conv_bias:
+            continue
+        names = (hf,) if isinstance(hf, str) else hf
+        entries.append(TensorMap(f"decoder.layers.{{i}}.{megatron}", tuple(hf_layer_name(n) for n in names), layout))
+    return entries
+
+
+NEMOTRON_H_NAME = "nemotron_h"
+"""The family's folder, its spec's name."""
+
+SPEC = FamilySpec(name=NEMOTRON_H_NAME, model_types=NEMOTRON_H_MODEL_TYPES, check=check, moe_shape=moe_shape,
                   has_routed_experts=has_moe_layers, shared_expert_width=shared_expert_width,
                   norm_eps_field="layer_norm_epsilon", finish_transformer_config=finish_transformer_config,
                   rope_settings=lambda hf_config: {"position_embedding_type": "none"}, tiny_config=tiny_config,
@@ -268,5 +289,6 @@ SPEC = FamilySpec(name="nemotron_h", model_types=NEMOTRON_H_MODEL_TYPES, check=c
                   vllm_hf_names=(("NemotronHForCausalLM", (("model.", "backbone."), ("embed_tokens", "embeddings"))),),
                   vllm_receiver=f"{__name__}.vllm:NemotronHReceiver",
                   local_layer_specs=local_layer_specs, local_spec_only="its Mamba-2 mixer is a project module",
-                  rope_fusable=lambda hf_config: False,
-                  randomise_tiny_inits=randomise_tiny_inits)
+                  rope_fusable=lambda hf_config: False, converter_dims=converter_dims, layer_tensors=layer_tensors,
+                  moe_layer_freq=lambda hf_config: [int(kind == "moe") for kind in layer_kinds(hf_config)],
+                  gated_mlp=False, randomise_tiny_inits=randomise_tiny_inits)

@@ -14,6 +14,7 @@ from engine.models.family_spec import (
     TINY_MOE_TOP_K,
     TINY_QWEN3_HEAD_DIM,
     FamilySpec,
+    planner_shape,
     switched_sliding_window_dims,
 )
 from engine.models.tensor_map import TensorMap
@@ -38,6 +39,26 @@ MOE_TENSORS = (
 """The MoE MLP's HF <-> Megatron names: the router `mlp.gate`, each expert's gate / up / down projections."""
 
 
-SPEC = FamilySpec(name="qwen3_moe", model_types=("qwen3_moe",), moe_fields=("num_experts", "moe_intermediate_size"),
+def _shape(h, layers, heads, kv, ffn, vocab, experts, top_k, moe_ffn):
+    return planner_shape(h, layers, heads, kv, ffn, vocab, tie_word_embeddings=False, qkv_bias=False, head_dim=128,
+                         qk_norm=True, num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=moe_ffn)
+
+
+_SIZES = {
+    "30b-a3b": _shape(2048, 48, 32, 4, 6144, 151936, 128, 8, 768),
+    "235b-a22b": _shape(4096, 94, 64, 4, 12288, 151936, 128, 8, 1536),
+}
+
+PLANNER_MODELS = {
+    **{f"qwen/qwen3-{size}{suffix}": dims for size, dims in _SIZES.items() for suffix in ("", "-base")},
+    "qwen/qwen3-30b-a3b-instruct-2507": _SIZES["30b-a3b"],
+    "qwen/qwen3-235b-a22b-instruct-2507": _SIZES["235b-a22b"],
+    "builtin:tiny-qwen3_moe": planner_shape(128, 4, 4, 2, 352, 400, False, False, head_dim=64, qk_norm=True,
+                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
+}
+"""The planner's shapes of Qwen3-30B-A3B and Qwen3-235B-A22B (from each config.json) and the tiny Qwen3-MoE."""
+
+
+SPEC = FamilySpec(planner_models=PLANNER_MODELS, name="qwen3_moe", model_types=("qwen3_moe",), moe_fields=("num_experts", "moe_intermediate_size"),
                   qk_norm_types=("qwen3_moe",), moe_tensors=MOE_TENSORS,
                   planner_dims=switched_sliding_window_dims, tiny_config=tiny_config)
