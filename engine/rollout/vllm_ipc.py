@@ -1,0 +1,82 @@
+"""vLLM's ZMQ IPC sockets: every engine this project starts gets a folder of its own for them, removed when it closes.
+
+Owns: `IpcFolder` (made before an engine starts, set as VLLM_RPC_BASE_PATH; `release` removes it and restores the
+variable) and `PREFIX`, the start of its name.
+
+Why: vLLM names its IPC endpoints `<VLLM_RPC_BASE_PATH>/<uuid4>` (vllm 0.32 `get_open_zmq_ipc_path`, the base
+defaulting to the machine's temporary directory) and never removes what a stopped or killed process left: every test,
+every server restart left unix sockets in /tmp. A folder per engine, removed at close (at interpreter exit as a
+backstop), leaves nothing. A base the user set in VLLM_RPC_BASE_PATH is respected: the folder is made inside it.
+vLLM's engine-core and worker processes inherit the variable when they start; `VLLMEngine.close` removes the folder
+after they are shut down. vLLM caches its environment after an engine starts (`vllm.envs.enable_envs_cache`, also
+in-process for colocated engines): the cache is dropped here so the next engine in the process reads its own folder.
+
+Must not: import vLLM (engine/rollout/vllm_engine.py does; its `envs` module is used only if already imported), remove
+anything it did not make.
+
+Test: tests/unit/test_vllm_ipc.py (made, set, removed; a user's base; a failed start); tests/integration/
+test_weight_sync.py (a colocated engine's paths lie in its folder, gone at close) and test_rollout_server.py (a
+server's nodes leave nothing in their base).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import weakref
+
+ENV = "VLLM_RPC_BASE_PATH"
+PREFIX = "grpo-vllm-ipc-"
+"""Start of the name of an engine's IPC folder."""
+
+MAX_SOCKET_PATH = 107
+"""Bytes a unix socket's path may have (Linux `sun_path`, 108 with its terminating NUL)."""
+SOCKET_NAME = 36
+"""vLLM's socket names: a uuid4."""
+
+_made: dict[str, str | None] = {}
+"""Folders made and not yet released -> the VLLM_RPC_BASE_PATH the user had set (None: unset)."""
+
+
+def _uncache_vllm_envs() -> None:
+    """Drop vLLM's environment cache (if vLLM is imported and cached it), so VLLM_RPC_BASE_PATH is read afresh.
+    NOTE: vllm 0.32 caches every variable once an engine core or worker has started (`enable_envs_cache`)."""
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None and getattr(envs, "_is_envs_cache_enabled", lambda: False)():
+        envs.disable_envs_cache()
+
+
+def _remove(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class IpcFolder:
+    """A private folder for one engine's IPC sockets, set as VLLM_RPC_BASE_PATH until `release` (idempotent)."""
+
+    def __init__(self):
+        held = os.environ.get(ENV)
+        self.user_base = _made.get(held, held) if held else None
+        """The base the user set (None: the temporary directory); another engine's folder is never a base."""
+        self.path = tempfile.mkdtemp(prefix=PREFIX, dir=self.user_base)
+        if len(os.fsencode(self.path)) + 1 + SOCKET_NAME > MAX_SOCKET_PATH:
+            _remove(self.path)
+            raise ValueError(f"vLLM's IPC sockets in {self.path}/ would have paths of "
+                             f"{len(os.fsencode(self.path)) + 1 + SOCKET_NAME} bytes, over the {MAX_SOCKET_PATH} a "
+                             f"unix socket may have: set {ENV} (or TMPDIR) to a shorter folder")
+        _made[self.path] = self.user_base
+        os.environ[ENV] = self.path
+        _uncache_vllm_envs()
+        self._finalizer = weakref.finalize(self, _remove, self.path)  # runs at interpreter exit if not released
+
+    def release(self) -> None:
+        """Remove the folder and what vLLM left in it; VLLM_RPC_BASE_PATH back to the user's (or unset)."""
+        _made.pop(self.path, None)
+        if os.environ.get(ENV) == self.path:
+            if self.user_base is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = self.user_base
+            _uncache_vllm_envs()
+        self._finalizer()
