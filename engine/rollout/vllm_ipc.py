@@ -3,20 +3,21 @@
 Owns: `IpcFolder` (made before an engine starts, set as VLLM_RPC_BASE_PATH; `release` removes it and restores the
 variable) and `PREFIX`, the start of its name.
 
-Why: vLLM names its IPC endpoints `<VLLM_RPC_BASE_PATH>/<uuid4>` (vllm 0.32 `get_open_zmq_ipc_path`, the base
+Why: vLLM names its IPC endpoints `<VLLM_RPC_BASE_PATH>/<uuid4>` (NOTE: vllm 0.32 `get_open_zmq_ipc_path`, the base
 defaulting to the machine's temporary directory) and never removes what a stopped or killed process left: every test,
 every server restart left unix sockets in /tmp. A folder per engine, removed at close (at interpreter exit as a
-backstop), leaves nothing. A base the user set in VLLM_RPC_BASE_PATH is respected: the folder is made inside it.
-vLLM's engine-core and worker processes inherit the variable when they start; `VLLMEngine.close` removes the folder
-after they are shut down. vLLM caches its environment after an engine starts (`vllm.envs.enable_envs_cache`, also
-in-process for colocated engines): the cache is dropped here so the next engine in the process reads its own folder.
+backstop), leaves nothing. A base the user set in VLLM_RPC_BASE_PATH is respected: the folder is made inside it (a
+base too long for the sockets' paths is refused, naming the variable). vLLM's engine-core and worker processes
+inherit the variable when they start; `VLLMEngine.close` removes the folder after they are shut down. vLLM caches its
+environment once an engine starts (`vllm.envs.enable_envs_cache`, in-process for colocated engines): the cache is
+dropped here, so the next engine in the process reads its own folder.
 
 Must not: import vLLM (engine/rollout/vllm_engine.py does; its `envs` module is used only if already imported), remove
 anything it did not make.
 
-Test: tests/unit/test_vllm_ipc.py (made, set, removed; a user's base; a failed start); tests/integration/
-test_weight_sync.py (a colocated engine's paths lie in its folder, gone at close) and test_rollout_server.py (a
-server's nodes leave nothing in their base).
+Test: tests/unit/test_vllm_ipc.py (made, set, removed; a user's base; a failed start; exit);
+tests/integration/test_weight_sync.py (a colocated engine's paths lie in its folder, gone at close or a failed start);
+tests/integration/test_rollout_server.py (a server's nodes leave nothing in their base).
 """
 
 from __future__ import annotations
