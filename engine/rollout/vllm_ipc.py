@@ -1,29 +1,33 @@
 """vLLM's ZMQ IPC sockets: every engine this project starts gets a folder of its own for them, removed when it closes.
 
 Owns: `IpcFolder` (made before an engine starts, set as VLLM_RPC_BASE_PATH; `release` removes it and restores the
-variable) and `PREFIX`, the start of its name.
+variable), `sweep_killed` (the folders of killed processes) and `PREFIX`, the start of their names.
 
 Why: vLLM names its IPC endpoints `<VLLM_RPC_BASE_PATH>/<uuid4>` (NOTE: vllm 0.32 `get_open_zmq_ipc_path`, the base
 defaulting to the machine's temporary directory) and never removes what a stopped or killed process left: every test,
 every server restart left unix sockets in /tmp. A folder per engine, removed at close (at interpreter exit as a
-backstop), leaves nothing. A base the user set in VLLM_RPC_BASE_PATH is respected: the folder is made inside it (a
+backstop), leaves nothing; a killed process's folder is removed by the next engine started on the machine (its
+name carries the machine and the process). A base the user set in VLLM_RPC_BASE_PATH is respected: the folder is made inside it (a
 base too long for the sockets' paths is refused, naming the variable). vLLM's engine-core and worker processes
 inherit the variable when they start; `VLLMEngine.close` removes the folder after they are shut down. vLLM caches its
 environment once an engine starts (`vllm.envs.enable_envs_cache`, in-process for colocated engines): the cache is
 dropped here, so the next engine in the process reads its own folder.
 
 Must not: import vLLM (engine/rollout/vllm_engine.py does; its `envs` module is used only if already imported), remove
-anything it did not make.
+anything but folders named as its own, and of those only the ones whose process is gone.
 
-Test: tests/unit/test_vllm_ipc.py (made, set, removed; a user's base; a failed start; exit);
+Test: tests/unit/test_vllm_ipc.py (made, set, removed; a user's base; a failed start; exit; killed);
 tests/integration/test_weight_sync.py (a colocated engine's paths lie in its folder, gone at close or a failed start);
 tests/integration/test_rollout_server.py (a server's nodes leave nothing in their base).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
+import socket
 import sys
 import tempfile
 import weakref
@@ -36,6 +40,9 @@ MAX_SOCKET_PATH = 107
 """Bytes a unix socket's path may have (Linux `sun_path`, 108 with its terminating NUL)."""
 SOCKET_NAME = 36
 """vLLM's socket names: a uuid4."""
+
+HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:6]
+"""This machine in a folder's name (`<PREFIX><HOST>-<pid>-<random>`): only its own processes' folders are swept."""
 
 _made: dict[str, str | None] = {}
 """Folders made and not yet released -> the VLLM_RPC_BASE_PATH the user had set (None: unset)."""
@@ -53,6 +60,30 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_killed(base: str | None = None) -> list[str]:
+    """Remove the IPC folders in `base` (None: the temporary directory) of this machine's processes that are gone
+    without closing their engine (killed: no close, no exit hook ran); the paths removed."""
+    base = base or tempfile.gettempdir()
+    own = re.compile(rf"{re.escape(PREFIX)}{HOST}-(\d+)-")
+    removed = []
+    for entry in os.scandir(base):
+        match = own.match(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and not _is_running(int(match.group(1))):
+            _remove(entry.path)
+            removed.append(entry.path)
+    return removed
+
+
 class IpcFolder:
     """A private folder for one engine's IPC sockets, set as VLLM_RPC_BASE_PATH until `release` (idempotent)."""
 
@@ -60,7 +91,8 @@ class IpcFolder:
         held = os.environ.get(ENV)
         self.user_base = _made.get(held, held) if held else None
         """The base the user set (None: the temporary directory); another engine's folder is never a base."""
-        self.path = tempfile.mkdtemp(prefix=PREFIX, dir=self.user_base)
+        sweep_killed(self.user_base)
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{HOST}-{os.getpid()}-", dir=self.user_base)
         if len(os.fsencode(self.path)) + 1 + SOCKET_NAME > MAX_SOCKET_PATH:
             _remove(self.path)
             raise ValueError(f"vLLM's IPC sockets in {self.path}/ would have paths of "

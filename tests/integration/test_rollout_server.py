@@ -161,9 +161,13 @@ def server(tmp_path_factory):
     # own, one of them reached only through node 0's engine (generation, weight syncs and digests must reach it).
     # vLLM's IPC sockets under a base of this server's own (VLLM_RPC_BASE_PATH; short: a unix socket's path must be)
     ipc_base = Path(tempfile.mkdtemp(prefix="ipc-base-"))
-    srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), "rollout.vllm_tensor_parallel_size=2",
-                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_RPC_BASE_PATH": str(ipc_base)},
-                 nodes=2)  # one core per worker (docs/contributing/cpu-stack.md)
+    try:
+        srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), "rollout.vllm_tensor_parallel_size=2",
+                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_RPC_BASE_PATH": str(ipc_base)},
+                     nodes=2)  # one core per worker (docs/contributing/cpu-stack.md)
+    except BaseException:
+        shutil.rmtree(ipc_base)  # a server killed while it started: no close ran
+        raise
     assert srv.client().health()["vllm_nodes"] == 2
     folders = sorted(ipc_base.iterdir())  # one per node's engine (engine/rollout/vllm_ipc.py), vLLM's sockets in it
     assert len(folders) == 2 and all(f.name.startswith("grpo-vllm-ipc-") for f in folders), folders

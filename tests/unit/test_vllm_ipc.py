@@ -5,7 +5,9 @@
 - a base the user set is respected: the folder is made inside it, and the user's value is back after release;
 - a second engine's folder, made while another is open, lies in the user's base, not in the first engine's folder;
 - a failed engine start removes it (as `VLLMEngine` guards its start), and a process that exits without closing its
-  engine leaves none behind.
+  engine leaves none behind;
+- a killed process's folder (no close, no exit hook) is removed by the next engine started on the machine; a running
+  process's, another machine's and anything not named as one are kept.
 """
 
 import os
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from engine.rollout.fp8_checkpoint import released_on_error
-from engine.rollout.vllm_ipc import ENV, PREFIX, IpcFolder
+from engine.rollout.vllm_ipc import ENV, HOST, PREFIX, IpcFolder
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,3 +98,32 @@ def test_a_base_too_long_for_socket_paths_is_refused_with_the_cause(monkeypatch,
     with pytest.raises(ValueError, match=f"over the 107 a unix socket may have: set {ENV}"):
         IpcFolder()
     assert list(long_base.iterdir()) == [] and os.environ[ENV] == str(long_base)
+
+
+def test_a_killed_processs_folder_is_removed_by_the_next_engine(monkeypatch, base):
+    monkeypatch.setenv(ENV, str(base))
+    code = "import os, time; from engine.rollout.vllm_ipc import IpcFolder; f = IpcFolder(); print(f.path, flush=True); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    sock = None
+    try:
+        killed = Path(proc.stdout.readline().strip())
+        sock = _bind_socket(str(killed))  # what its engine left
+        running = IpcFolder()  # this process's: running
+        assert killed.is_dir() and killed.parent == base, "a running process's folder was removed"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        if sock is not None:
+            sock.close()
+    others = [base / f"{PREFIX}ffffff-{proc.pid}-x", base / f"{PREFIX}notapid", base / "unrelated"]
+    for path in others:
+        path.mkdir()
+    nxt = IpcFolder()
+    assert not killed.exists(), "a killed process's IPC folder outlived the next engine's start"
+    assert all(path.exists() for path in others) and Path(running.path).is_dir(), sorted(base.iterdir())
+    nxt.release()
+    running.release()
+    for path in others:
+        path.rmdir()
+    assert Path(running.path).name.startswith(f"{PREFIX}{HOST}-{os.getpid()}-")
