@@ -76,8 +76,9 @@ def test_a_users_base_is_respected_and_restored(monkeypatch, base):
 
 def test_a_failed_start_removes_the_folder(monkeypatch, base):
     monkeypatch.setenv(ENV, str(base))
+    folder = IpcFolder()  # held, as the engine holds it (not removed by garbage collection)
     with pytest.raises(RuntimeError, match="engine failed"):
-        with released_on_error(IpcFolder()):  # as VLLMEngine starts vLLM
+        with released_on_error(folder):  # as VLLMEngine starts vLLM
             raise RuntimeError("engine failed")
     assert list(base.iterdir()) == [] and os.environ[ENV] == str(base)
 
