@@ -98,18 +98,21 @@ class IpcFolder:
             raise ValueError(f"vLLM's IPC sockets in {self.path}/ would have paths of "
                              f"{len(os.fsencode(self.path)) + 1 + SOCKET_NAME} bytes, over the {MAX_SOCKET_PATH} a "
                              f"unix socket may have: set {ENV} (or TMPDIR) to a shorter folder")
+        self._held = held
         _made[self.path] = self.user_base
         os.environ[ENV] = self.path
         _uncache_vllm_envs()
         self._finalizer = weakref.finalize(self, _remove, self.path)  # runs at interpreter exit if not released
 
     def release(self) -> None:
-        """Remove the folder and what vLLM left in it; VLLM_RPC_BASE_PATH back to the user's (or unset)."""
+        """Remove the folder and what vLLM left in it; VLLM_RPC_BASE_PATH back to what it was (an engine's folder
+        still open) or to the user's (unset if none)."""
         _made.pop(self.path, None)
         if os.environ.get(ENV) == self.path:
-            if self.user_base is None:
+            back = self._held if self._held in _made else self.user_base
+            if back is None:
                 os.environ.pop(ENV, None)
             else:
-                os.environ[ENV] = self.user_base
+                os.environ[ENV] = back
             _uncache_vllm_envs()
         self._finalizer()

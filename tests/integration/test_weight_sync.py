@@ -98,13 +98,19 @@ def _bf16_large_steps(model_dir: str) -> dict:
 
 
 def _ipc_in_use() -> dict:
-    """Where a running colocated engine's vLLM puts its IPC sockets (vLLM's own path function, its env cache on)."""
+    """Where a running colocated engine's vLLM puts its IPC sockets (vLLM's own path function, its env cache on), and
+    a second engine's while both are open."""
     from vllm.utils.network_utils import get_open_zmq_ipc_path
 
-    from engine.rollout.vllm_ipc import ENV
+    from engine.rollout.vllm_ipc import ENV, IpcFolder
 
     folder = os.environ[ENV]
-    return {"folder": folder, "existed": os.path.isdir(folder), "socket_path": get_open_zmq_ipc_path()}
+    ipc = {"folder": folder, "existed": os.path.isdir(folder), "socket_path": get_open_zmq_ipc_path()}
+    nested = IpcFolder()  # as another engine started in this process while this one runs (vLLM's env cache is on)
+    ipc["nested_socket_path"], ipc["nested_folder"] = get_open_zmq_ipc_path(), nested.path
+    nested.release()
+    ipc["socket_path_after_nested"] = get_open_zmq_ipc_path()
+    return ipc
 
 
 def _ipc_after_close(ipc: dict, model_dir: str) -> dict:
@@ -198,6 +204,8 @@ def test_bf16_at_lr_0_1_every_sync_verifies_and_one_stale_layer_is_caught(tmp_pa
     # vLLM's IPC sockets: in the engine's own folder, gone with it (engine/rollout/vllm_ipc.py)
     ipc, base = r["ipc"], os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
     assert ipc["existed"] and os.path.dirname(ipc["folder"]) == base and ipc["socket_path"].startswith(f"ipc://{ipc['folder']}/"), ipc
+    assert ipc["nested_socket_path"].startswith(f"ipc://{ipc['nested_folder']}/"), f"vLLM's env cache kept the first folder: {ipc}"
+    assert ipc["socket_path_after_nested"].startswith(f"ipc://{ipc['folder']}/"), ipc
     assert not ipc["left"], f"the engine's IPC folder outlived its close: {ipc}"
     assert ipc["env_after"] == os.environ.get("VLLM_RPC_BASE_PATH"), ipc
     assert "no_such_option" in ipc["failed_start"] and ipc["left_by_failed_start"] == [], ipc

@@ -3,7 +3,8 @@
 - the folder is made in the temporary directory, set as VLLM_RPC_BASE_PATH, and removed with the sockets in it at
   release, the variable unset again;
 - a base the user set is respected: the folder is made inside it, and the user's value is back after release;
-- a second engine's folder, made while another is open, lies in the user's base, not in the first engine's folder;
+- a second engine's folder, made while another is open, lies in the user's base, not in the first engine's folder,
+  and the first's is set again when the second closes;
 - a failed engine start removes it (as `VLLMEngine` guards its start), and a process that exits without closing its
   engine leaves none behind;
 - a killed process's folder (no close, no exit hook) is removed by the next engine started on the machine; a running
@@ -67,6 +68,7 @@ def test_a_users_base_is_respected_and_restored(monkeypatch, base):
     sock = _bind_socket(second.path)
     try:
         second.release()
+        assert os.environ[ENV] == first.path, "the first engine, still open, lost its folder"
         first.release()
     finally:
         sock.close()
