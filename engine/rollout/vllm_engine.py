@@ -1,9 +1,8 @@
 """Generation with vLLM: with engine/rollout/vllm_lora.py (its LoRA adapter), the only module importing vLLM.
 
-Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`,
-`serve_node_workers` (the other nodes of a server spanning several), and `WeightReceiverExtension`, the worker
-extension through which a server's workers receive weights; what each offers: the class docstrings. The trainer calls
-it through engine/rollout/colocated.py or the rollout server (server.py, server_nodes.py).
+Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`, `serve_node_workers`
+(the other nodes of a server spanning several), and `WeightReceiverExtension`, the worker extension through which a server's
+workers receive weights; what each offers: the class docstrings. The trainer calls it through engine/rollout/colocated.py or the rollout server (server.py).
 
 Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's
 parallel state.
@@ -25,7 +24,7 @@ import torch
 
 from engine.config import GenerationConfig, RolloutConfig
 from engine.models.quantized import FP8_DTYPE
-from engine.rollout import vllm_cpu_shm
+from engine.rollout import vllm_cpu_shm, vllm_ipc
 from engine.rollout import vllm_family_kwargs as families
 from engine.rollout.fp8_checkpoint import FP8EngineCopy, fp8_engine_settings, released_on_error
 from engine.rollout.fp8_sync import held_parts
@@ -143,8 +142,7 @@ def _llm_settings(model_dir: str | Path, rollout: RolloutConfig, generation: Gen
         enable_prefix_caching=False, model_impl=rollout.vllm_model_impl,
         **families.family_engine_kwargs(model_dir, dtype, on_gpu),  # Cohere 2's window, DeepSeek-V3's CPU MLA backend
         # the checkpoint-loading progress bar only where vLLM logs at INFO (verbose, engine/log_filters.py)
-        use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO),
-    )
+        use_tqdm_on_load=logging.getLogger("vllm").isEnabledFor(logging.INFO))
     if wants_routed_experts(rollout, model_dir) and on_gpu:
         # NOTE: vLLM's own capture (Model Runner V2, GPU): not run here (no GPU was lent to this project's sessions)
         settings["enable_return_routed_experts"] = True
@@ -192,7 +190,8 @@ class VLLMEngine:
         self.returns_routes = wants_routed_experts(rollout, model_dir)
         """MoE: every completion carries the experts the engine routed its tokens to (`Rollout.routed_experts`)."""
         self.captures_routes = self.returns_routes and not on_gpu
-        with released_on_error(self._fp8_copy):  # a failed start leaves no FP8 copy behind
+        self._ipc = vllm_ipc.IpcFolder()  # vLLM's IPC sockets: a folder of this engine's own, removed at close
+        with released_on_error(self._fp8_copy), released_on_error(self._ipc):  # a failed start leaves neither behind
             self.llm = LLM(**settings)
             if not on_gpu:  # the CPU backend repacks linear weights after every load: digest them as loaded
                 self.llm.collective_rpc("grpo_track_loads")
@@ -322,6 +321,7 @@ class VLLMEngine:
         self.llm = None
         if getattr(self, "_fp8_copy", None) is not None:  # the machine's FP8 copy: its last user deletes it
             self._fp8_copy.release()
+        self._ipc.release()  # its processes are gone: the sockets they left (vllm_ipc.py)
 
 
 class ColocatedEngine(VLLMEngine):
@@ -401,7 +401,7 @@ def serve_node_workers(model_dir: str | Path, rollout: RolloutConfig, generation
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     before = vllm_cpu_shm.segments()
-    with released_on_error(copy, always=True):  # this node's share of the machine's FP8 copy
+    with released_on_error(copy, always=True), released_on_error(vllm_ipc.IpcFolder(), always=True):  # FP8 copy, IPC folder
         executor = MultiprocExecutor(EngineArgs(**settings).create_engine_config(headless=True), monitor_workers=False)
         executor.start_worker_monitor()  # a worker that dies marks the executor failed and shuts it down
         while not executor.is_failed and not stop():

@@ -9,7 +9,8 @@ with TRL's flags and no config file (`dtype auto`: the checkpoint's float32).
 The client generates G completions per prompt with log-probs, reproducibly with seeds; requests without or with a
 wrong token get 401 (whose message says which) and never reach the engine; a client with another token learns it
 from /health at connection, with the fix; the server refuses to start without a token; client errors name the URL,
-the endpoint and the cause. After a GRPO optimizer step the trainer (TP1 and TP2 -> engine TP2; TP1 ->
+the endpoint and the cause. The server's nodes keep vLLM's IPC sockets in folders of their own under its
+VLLM_RPC_BASE_PATH, and leave nothing there once stopped. After a GRPO optimizer step the trainer (TP1 and TP2 -> engine TP2; TP1 ->
 engine TP1) syncs its weights into the server over the transfer group and the server's log-probs equal the
 trainer's (fp32, tolerance 1e-3), and bits flipped in what engine rank tp - 1 receives are named on that rank; a server SIGKILLed mid-sync gives a clear error (not a hang) and leaves the
 trainer's weights bitwise as they were before the sync (that server serves the tiny Gemma 3, tied: its synced LM head
@@ -29,10 +30,12 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -156,11 +159,24 @@ def server(tmp_path_factory):
     # Engine TP 2 over two "inference nodes" (rollout.vllm_nodes_per_server=2: node 0 serves and runs worker 0, a
     # second process runs worker 1 headless, engine/rollout/server_nodes.py): vLLM's workers in processes of their
     # own, one of them reached only through node 0's engine (generation, weight syncs and digests must reach it).
-    srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), "rollout.vllm_tensor_parallel_size=2",
-                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, nodes=2)  # one core per worker (docs/contributing/cpu-stack.md)
+    # vLLM's IPC sockets under a base of this server's own (VLLM_RPC_BASE_PATH; short: a unix socket's path must be)
+    ipc_base = Path(tempfile.mkdtemp(prefix="ipc-base-"))
+    try:
+        srv = Server(tmp_path_factory.mktemp("server"), secrets.token_hex(16), "rollout.vllm_tensor_parallel_size=2",
+                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_RPC_BASE_PATH": str(ipc_base)},
+                     nodes=2)  # one core per worker (docs/contributing/cpu-stack.md)
+    except BaseException:
+        shutil.rmtree(ipc_base)  # a server killed while it started: no close ran
+        raise
     assert srv.client().health()["vllm_nodes"] == 2
+    folders = sorted(ipc_base.iterdir())  # one per node's engine (engine/rollout/vllm_ipc.py), vLLM's sockets in it
+    assert len(folders) == 2 and all(f.name.startswith("grpo-vllm-ipc-") for f in folders), folders
+    assert any(p.is_socket() for f in folders for p in f.iterdir()), f"vLLM made no IPC socket in them: {folders}"
     yield srv
     srv.stop()
+    left = sorted(str(p) for p in ipc_base.rglob("*"))
+    shutil.rmtree(ipc_base)
+    assert not left, f"the server's nodes left vLLM's IPC sockets or folders behind: {left}"
     assert srv.token not in srv.log(), "the server logged its token"
     assert srv.proc.returncode == 0, f"SIGTERM must stop the server cleanly:\n{srv.log()[-2000:]}"
     assert [node.returncode for node in srv.worker_nodes] == [0], f"node 1 must stop with node 0:\n{srv.log()[-2000:]}"

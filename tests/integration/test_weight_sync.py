@@ -10,10 +10,13 @@ those tensors are named, with the engine rank. The engine's completions follow `
 
 In bf16 (TRL's default precision) at learning rate 0.1 (TRL's own GRPO tests' setting: the weights grow large and the
 log-prob probe's per-token differences with them, which a log-prob tolerance took for a bad sync) every sync
-verifies, and one decoder layer left stale is caught with exactly that layer's tensors named.
+verifies, and one decoder layer left stale is caught with exactly that layer's tensors named. The engine's vLLM IPC
+sockets lie in a folder of its own, gone when it closes or fails to start (engine/rollout/vllm_ipc.py).
 """
 
+import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -87,9 +90,59 @@ def _bf16_large_steps(model_dir: str) -> dict:
                                                                       load=False))
         out["layer_tensors"] = [t.name for t in plan.tensors if ".layers.1." in t.name]
         sync_colocated(popt.model, ps, dims, engine, 512, plan)
-        return out
+        out["ipc"] = _ipc_in_use()
     finally:
         engine.close()
+    out["ipc"] |= _ipc_after_close(out["ipc"], model_dir)
+    return out
+
+
+def _ipc_in_use() -> dict:
+    """Where a running colocated engine's vLLM puts its IPC sockets (vLLM's own path function, its env cache on), and
+    a second engine's while both are open."""
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    from engine.rollout.vllm_ipc import ENV, IpcFolder
+
+    folder = os.environ[ENV]
+    ipc = {"folder": folder, "existed": os.path.isdir(folder), "socket_path": get_open_zmq_ipc_path()}
+    nested = IpcFolder()  # as another engine started in this process while this one runs (vLLM's env cache is on)
+    ipc["nested_socket_path"], ipc["nested_folder"] = get_open_zmq_ipc_path(), nested.path
+    nested.release()
+    ipc["socket_path_after_nested"] = get_open_zmq_ipc_path()
+    return ipc
+
+
+def _ipc_after_close(ipc: dict, model_dir: str) -> dict:
+    """After close: the engine's folder is gone and the variable back; an engine that fails to start (an option vLLM
+    does not know) in a base of its own leaves that base empty, and vLLM reads the next engine's folder afresh."""
+    import tempfile
+
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    from engine.config import GenerationConfig, RolloutConfig
+    from engine.rollout.vllm_engine import ColocatedEngine
+    from engine.rollout.vllm_ipc import ENV, IpcFolder
+
+    after = {"left": os.path.exists(ipc["folder"]), "env_after": os.environ.get(ENV)}
+    held = os.environ.get(ENV)
+    os.environ[ENV] = base = tempfile.mkdtemp(prefix="ipc-base-")
+    try:
+        try:
+            ColocatedEngine(model_dir, RolloutConfig(), GenerationConfig(), seed=0, dtype="bfloat16", no_such_option=1)
+        except TypeError as exc:
+            after["failed_start"] = str(exc)
+        after["left_by_failed_start"] = os.listdir(base)
+        folder = IpcFolder()
+        after["next_socket_path"], after["next_folder"] = get_open_zmq_ipc_path(), folder.path
+        folder.release()
+    finally:
+        os.rmdir(base)
+        if held is None:
+            os.environ.pop(ENV)
+        else:
+            os.environ[ENV] = held
+    return after
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +201,12 @@ def test_bf16_at_lr_0_1_every_sync_verifies_and_one_stale_layer_is_caught(tmp_pa
     assert f"holds {len(r['layer_tensors'])} of 51 tensors" in error and ".layers.0." not in error, error
     named = re.findall(r"([\w.]+) \(digest", error)
     assert len(named) == 8 and all(name in r["layer_tensors"] for name in named), error
+    # vLLM's IPC sockets: in the engine's own folder, gone with it (engine/rollout/vllm_ipc.py)
+    ipc, base = r["ipc"], os.environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    assert ipc["existed"] and os.path.dirname(ipc["folder"]) == base and ipc["socket_path"].startswith(f"ipc://{ipc['folder']}/"), ipc
+    assert ipc["nested_socket_path"].startswith(f"ipc://{ipc['nested_folder']}/"), f"vLLM's env cache kept the first folder: {ipc}"
+    assert ipc["socket_path_after_nested"].startswith(f"ipc://{ipc['folder']}/"), ipc
+    assert not ipc["left"], f"the engine's IPC folder outlived its close: {ipc}"
+    assert ipc["env_after"] == os.environ.get("VLLM_RPC_BASE_PATH"), ipc
+    assert "no_such_option" in ipc["failed_start"] and ipc["left_by_failed_start"] == [], ipc
+    assert ipc["next_socket_path"].startswith(f"ipc://{ipc['next_folder']}/"), f"vLLM kept a closed engine's folder: {ipc}"
