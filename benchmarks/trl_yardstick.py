@@ -243,8 +243,10 @@ def worker(nodes_file: Path, outcomes: Path, timeout_s: int) -> None:
     work = nodes_file.parent
     sys.path.insert(0, str(work))
     os.chdir(work)
+    import yardstick_plugin  # noqa: F401 - patches datasets and trl.import_utils before the test module binds them
+
+    # isort: split
     import trl_tests.test_grpo_trainer  # noqa: F401
-    import yardstick_plugin  # noqa: F401 - patches datasets before the test module binds load_dataset
 
     import engine.api.trl_trainer  # noqa: F401
 
