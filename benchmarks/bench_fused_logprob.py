@@ -89,7 +89,8 @@ def _kernel_modes(variant: str, inputs: tuple, workspace_mb: float,
     return {"forward": lambda: forward, "backward": setup_backward, "full": lambda: full}
 
 
-ONEPASS_VARIANTS = {"onepass_torch_chunked": "torch_chunked", "onepass_cublas_triton": "cublas_triton"}
+ONEPASS_VARIANTS = {"onepass_torch_chunked": "torch_chunked", "onepass_cublas_triton": "cublas_triton",
+                    "onepass_triton_fused": "triton_fused"}
 """Benchmark variant -> kernels/onepass_logprob.py implementation (full mode only: the gradient is formed in the
 forward, the backward only scales it)."""
 
