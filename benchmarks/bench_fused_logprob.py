@@ -185,8 +185,9 @@ def bench_point(env: EnvInfo, variants: list[str], n: int, h: int, v: int, dtype
             if variant == "liger_grpo_loss":
                 modes = _liger_modes(inputs)
             elif variant in ONEPASS_VARIANTS:
+                row_tiles = getattr(args, "row_tiles", None)  # the cublas_triton row kernels' tiles
                 modes = _onepass_modes(variant, inputs, getattr(args, "onepass_workspace_mb", args.workspace_mb),
-                                       getattr(args, "row_tiles", None))
+                                       row_tiles if variant == "onepass_cublas_triton" else None)
             else:
                 modes = _kernel_modes(variant, inputs, args.workspace_mb, tiles)
         except (ImportError, TypeError, RuntimeError) as err:
