@@ -1,10 +1,10 @@
 """Compile-only check of every Triton kernel in kernels/ for sm_90 and sm_80, at the launches a GPU run makes.
 
 Owns: building each kernel's launch as its launcher would on a GPU (`lm_head_launches`, `onepass_launches`,
-`fused_onepass_launches`, `token_terms_launches`: the launchers' own `build_*_launch` on "meta" tensors), compiling it to a cubin without a GPU
-(`_specialise`, `compile_launch`: how, and what fails; `_compile_all`: as many at once as the CPUs allow), the
-launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's sweep and the GPU tests' shape) and the report
-(`CompileReport`, `format_table`).
+`fused_onepass_launches`, `token_terms_launches`: the launchers' own `build_*_launch` on "meta" tensors), compiling
+it to a cubin without a GPU (`_specialise`, `compile_launch`: how, and what fails; `_compile_all`: as many at once
+as the CPUs allow), the launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's sweep and the GPU
+tests' shape) and the report (`CompileReport`, `format_table`).
 
 Must not: run under TRITON_INTERPRET=1 (triton.jit then returns interpreted functions, which have no compiler IR):
 `check_kernels` raises; the test runs it in a subprocess without that variable. It relies on Triton internals that
