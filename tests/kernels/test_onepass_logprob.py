@@ -158,3 +158,20 @@ def test_implementation_names():
     assert set(ONEPASS_IMPLEMENTATIONS) == {"auto", "torch_chunked", "cublas_triton", "triton_fused"}
     with pytest.raises(ValueError, match="one-pass implementation"):
         resolve_onepass_implementation("triton_epilogue", torch.device("cpu"))
+
+
+def test_the_engine_setting_offers_every_implementation():
+    import typing
+
+    from engine.config import KernelsConfig
+
+    assert typing.get_args(typing.get_type_hints(KernelsConfig)["onepass_implementation"]) == ONEPASS_IMPLEMENTATIONS
+
+
+def test_tiles_of_the_wrong_implementation_are_refused():
+    from kernels.onepass_rows import RowTiles
+
+    x, w, y = _problem(torch.float32, seed=9)
+    with pytest.raises(TypeError, match="row_tiles for triton_fused must be FusedTiles"):
+        onepass_logprob_entropy(x, w, y, lambda *a: None, workspace_mb=1.0, implementation="triton_fused",
+                                row_tiles=RowTiles(), vocab_size=VOCAB)
