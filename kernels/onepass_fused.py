@@ -48,11 +48,13 @@ from kernels.softmax_stats import NUM_STATS, merge_stats
 class FusedTiles:
     """Block sizes of the three fused GEMMs. The forward's output tile is block_m x block_v (K step block_h), dX's
     block_m x block_h (K step block_v), dW's block_v x block_h (K step block_m). Defaults: the register-safe two-pass
-    tiles of kernels/fused_logprob.py (64 x 128 x 64, 8 warps, 3 stages), not measured for these kernels."""
+    tiles of kernels/fused_logprob.py narrowed to 64 vocabulary columns (64 x 64 x 64, 8 warps, 3 stages), not
+    measured for these kernels. NOTE (`python -m kernels.compile_check`, Triton 3.9): at 64 x 128 the dz prologue's
+    (64, 128) float32 tiles spilled in dX (bf16 on sm_80, up to 400 B) and dW (float32, ~4-5 KB)."""
 
     block_m: int = 64
     """Rows (tokens) per tile."""
-    block_v: int = 128
+    block_v: int = 64
     """Vocabulary columns per tile."""
     block_h: int = 64
     """Hidden columns per tile."""
