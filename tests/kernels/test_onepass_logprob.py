@@ -100,11 +100,9 @@ def test_onepass_matches_the_float64_reference_forward_and_every_gradient(implem
     assert torch.count_nonzero(got[3][VOCAB:]) == 0  # padding rows get no gradient
 
 
-@pytest.mark.parametrize("implementation,atol", [("torch_chunked", 1e-6), ("cublas_triton", 1e-6), ("triton_fused", 2e-5)])
-def test_onepass_equals_the_two_pass_kernel(implementation, atol):
-    """Same loss, the two-pass path (forward statistics, recomputed backward) vs the one-pass path. triton_fused sums
-    its GEMMs in its own tile order (the others share torch's): fp32 rounding of gradients of size ~10, and its
-    distance to the float64 reference is no larger than the others' (the reference test's 2e-4 holds for all)."""
+@pytest.mark.parametrize("implementation", ["torch_chunked", *TRITON_IMPLEMENTATIONS])
+def test_onepass_equals_the_two_pass_kernel(implementation):
+    """Same loss, the two-pass path (forward statistics, recomputed backward) vs the one-pass path, float32."""
     dtype = torch.float32
     x, w, y = _problem(dtype, seed=3)
     inputs = _loss_inputs(N, seed=7)
@@ -113,8 +111,22 @@ def test_onepass_equals_the_two_pass_kernel(implementation, atol):
     lp, ent = lm_head_logprob_entropy(xr, wr, y, workspace_mb=SMALL_WS, implementation="torch_chunked",
                                       temperature=0.9, vocab_size=VOCAB)
     _token_loss(lp, ent, inputs).sum().backward()
-    for name, a, b in zip(("logprobs", "entropy", "dX", "dW"), got, (lp.detach(), ent.detach(), xr.grad, wr.grad)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    two_pass = (lp.detach(), ent.detach(), xr.grad, wr.grad)
+    exact = _reference(x, w, y, inputs, 0.9, None, 1.0)
+    for name, a, b, ref in zip(("logprobs", "entropy", "dX", "dW"), got, two_pass, exact):
+        if implementation != "triton_fused":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            continue
+        # triton_fused forms the logits in its own Triton GEMM, K summed tile by tile, where the other two share
+        # torch's GEMM with the two-pass path: its log-probs differ from theirs by float32 rounding of logits of
+        # size ~20 (a few ulps), which the non-linear loss derivative (the ratio exp(logp - old)) carries into dz,
+        # and dX / dW sum ~V such terms with cancellation. No summation order makes a Triton dot match torch's CPU
+        # GEMM bit for bit, so the bound is the float64 truth: triton_fused is no further from it than the two-pass
+        # path is (then the two differ by at most 2.5 times the two-pass path's own error). A real difference (a
+        # lost term, a wrong scale) is orders of magnitude above float32 rounding.
+        two_pass_error = (b.to(F64) - ref).abs().max().item()
+        fused_error = (a.to(F64) - ref).abs().max().item()
+        assert fused_error <= 1.5 * two_pass_error, f"{name}: {fused_error:.2e} from float64, two-pass {two_pass_error:.2e}"
 
 
 def test_the_backward_only_scales_and_chunking_does_not_change_the_result():
