@@ -47,12 +47,12 @@ from kernels.softmax_stats import NUM_STATS, merge_stats
 @dataclass(frozen=True)
 class FusedTiles:
     """Block sizes of the three fused GEMMs. The forward's output tile is block_m x block_v (K step block_h), dX's
-    block_m x block_h (K step block_v), dW's block_v x block_h (K step block_m). Defaults: the register-safe two-pass
-    tiles of kernels/fused_logprob.py narrowed to 64 vocabulary columns (64 x 64 x 64, 8 warps, 3 stages), not
-    measured for these kernels. NOTE (`python -m kernels.compile_check`, Triton 3.9): at 64 x 128 the dz prologue's
-    (64, 128) float32 tiles spilled in dX (bf16 on sm_80, up to 400 B) and dW (float32, ~4-5 KB); at 64 x 64 float32
-    on sm_80 still spills a little (dX 32 B at the odd test shape, the forward 8 B at two points; 28 of 32 clean),
-    sm_90 and bf16 not yet rechecked at 64 x 64."""
+    block_m x block_h (K step block_v), dW's block_v x block_h (K step block_m); the dz prologue holds a block_m x
+    block_v float32 tile. Not timed yet. Compiled for sm_90 and sm_80 at every launch point of `python -m
+    kernels.compile_check` (Triton 3.9): these defaults (64 x 64 x 64, 8 warps, 3 stages: bfloat16 / float16) and
+    `FP32_FUSED_TILES` (32 x 32 x 32, 8 warps, 3 stages: float32) compile all three kernels without register
+    spills. Larger float32 tiles spill a few bytes (4-32 B) on sm_80 or sm_90: 64 x 64 x 32 and 64 x 64 x 16 (dX),
+    32 x 64 x 32 (dW; with 4 warps or 2 stages also the forward and dX)."""
 
     block_m: int = 64
     """Rows (tokens) per tile."""
@@ -66,8 +66,9 @@ class FusedTiles:
     num_stages: int = 3
 
 
-FP32_FUSED_TILES = FusedTiles(block_h=32)
-"""float32 on CUDA (IEEE dot, no tensor cores): a shorter hidden step, as kernels/fused_logprob.py `FP32_TILES`."""
+FP32_FUSED_TILES = FusedTiles(block_m=32, block_v=32, block_h=32)
+"""float32 on CUDA (IEEE dot, no tensor cores: twice the registers per operand of bf16): every tile dimension 32: of the
+sets tried, the one the compile check finds free of spills (`FusedTiles`)."""
 INTERPRETER_FUSED_TILES = FusedTiles(block_m=16, block_v=32, block_h=16, group_m=2, num_warps=4, num_stages=1)
 """Under the interpreter: several tiles on test shapes (tl.dot needs 16 or more per dim), few numpy steps."""
 STATS_BYTES_PER_ELEMENT = 1
