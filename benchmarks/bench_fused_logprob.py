@@ -89,7 +89,8 @@ def _kernel_modes(variant: str, inputs: tuple, workspace_mb: float,
     return {"forward": lambda: forward, "backward": setup_backward, "full": lambda: full}
 
 
-ONEPASS_VARIANTS = {"onepass_torch_chunked": "torch_chunked", "onepass_cublas_triton": "cublas_triton"}
+ONEPASS_VARIANTS = {"onepass_torch_chunked": "torch_chunked", "onepass_cublas_triton": "cublas_triton",
+                    "onepass_triton_fused": "triton_fused"}
 """Benchmark variant -> kernels/onepass_logprob.py implementation (full mode only: the gradient is formed in the
 forward, the backward only scales it)."""
 
@@ -184,8 +185,9 @@ def bench_point(env: EnvInfo, variants: list[str], n: int, h: int, v: int, dtype
             if variant == "liger_grpo_loss":
                 modes = _liger_modes(inputs)
             elif variant in ONEPASS_VARIANTS:
+                row_tiles = getattr(args, "row_tiles", None)  # the cublas_triton row kernels' tiles
                 modes = _onepass_modes(variant, inputs, getattr(args, "onepass_workspace_mb", args.workspace_mb),
-                                       getattr(args, "row_tiles", None))
+                                       row_tiles if variant == "onepass_cublas_triton" else None)
             else:
                 modes = _kernel_modes(variant, inputs, args.workspace_mb, tiles)
         except (ImportError, TypeError, RuntimeError) as err:

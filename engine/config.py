@@ -461,8 +461,9 @@ class KernelsConfig:
     """`one`: each row chunk's logits formed once, the loss gradient taken in the forward (token-local losses only,
     engine/grpo/onepass.py); `two`: statistics forward, recomputed backward; `auto`: one wherever the loss allows it
     (a log line and the `lm_head/one_pass` metric say which)."""
-    onepass_implementation: Literal["auto", "torch_chunked", "cublas_triton"] = "auto"
-    """The one-pass kernels: cuBLAS GEMMs + Triton row kernels (`cublas_triton`, auto on GPU) or torch (CPU's auto)."""
+    onepass_implementation: Literal["auto", "torch_chunked", "cublas_triton", "triton_fused"] = "auto"
+    """The one-pass kernels: cuBLAS GEMMs + Triton row kernels (`cublas_triton`, auto on GPU), three Triton GEMMs with
+    the row work fused into them (`triton_fused`: no dz buffer) or torch (CPU's auto)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

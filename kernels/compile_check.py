@@ -1,10 +1,10 @@
 """Compile-only check of every Triton kernel in kernels/ for sm_90 and sm_80, at the launches a GPU run makes.
 
 Owns: building each kernel's launch as its launcher would on a GPU (`lm_head_launches`, `onepass_launches`,
-`token_terms_launches`: the launchers' own `build_*_launch` on "meta" tensors), compiling it to a cubin without a GPU
-(`_specialise`, `compile_launch`: how, and what fails; `_compile_all`: as many at once as the CPUs allow), the
-launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's sweep and the GPU tests' shape) and the report
-(`CompileReport`, `format_table`).
+`fused_onepass_launches`, `token_terms_launches`: the launchers' own `build_*_launch` on "meta" tensors), compiling
+it to a cubin without a GPU (`_specialise`, `compile_launch`: how, and what fails; `_compile_all`: as many at once
+as the CPUs allow), the launch points (`LAUNCH_POINTS`, `LAUNCH_WORKSPACES_MB`: the GPU suite's sweep and the GPU
+tests' shape) and the report (`CompileReport`, `format_table`).
 
 Must not: run under TRITON_INTERPRET=1 (triton.jit then returns interpreted functions, which have no compiler IR):
 `check_kernels` raises; the test runs it in a subprocess without that variable. It relies on Triton internals that
@@ -50,6 +50,7 @@ from kernels.fused_logprob import (
     default_tiles,
 )
 from kernels.grpo_token_terms import TokenTermParams, build_token_terms_launch
+from kernels.onepass_fused import build_fused_grad_launches, build_fused_stats_launch, default_fused_tiles
 from kernels.onepass_logprob import plan_chunk_rows, workspace_bytes_per_element
 from kernels.onepass_rows import build_workspace_dz_launch, build_workspace_stats_launch, default_row_tiles
 
@@ -152,6 +153,34 @@ def onepass_launches(num_rows: int, hidden_size: int, vocab: int, dtype: torch.d
             for grad_entropy in (None, per_row):
                 launches.append(build_workspace_dz_launch(z, dz, ids, per_row, per_row, per_row, grad_entropy, 1.0,
                                                           softcap, tiles))
+    return launches
+
+
+def fused_onepass_launches(num_rows: int, hidden_size: int, vocab: int, dtype: torch.dtype,
+                           arch: int) -> list[KernelLaunch]:
+    """The triton_fused one-pass GEMMs (kernels/onepass_fused.py) on the first and last row chunk of (N, H, V) at each
+    workspace: the forward with and without the soft-cap; dX and dW (first chunk, and accumulating) with and without
+    the entropy gradient and the soft-cap. Default tiles."""
+    tiles = default_fused_tiles(torch.device("cuda"), dtype)
+    per_element = workspace_bytes_per_element("triton_fused", dtype, None)
+    chunks = set()
+    for workspace_mb in LAUNCH_WORKSPACES_MB:
+        rows = plan_chunk_rows(num_rows, vocab, int(workspace_mb * 2**20), per_element)
+        chunks |= {rows, num_rows - (num_rows - 1) // rows * rows}
+    weight = torch.empty(vocab, hidden_size, dtype=dtype, device="meta")
+    dw = torch.empty(vocab, hidden_size, dtype=torch.float32, device="meta")
+    launches = []
+    for rows in sorted(chunks):
+        x = torch.empty(rows, hidden_size, dtype=dtype, device="meta")
+        z = torch.empty(rows, vocab, dtype=torch.float32, device="meta")
+        dx = torch.empty(rows, hidden_size, dtype=torch.float32, device="meta")
+        ids = torch.empty(rows, dtype=torch.int64, device="meta")
+        per_row = torch.empty(rows, dtype=torch.float32, device="meta")
+        for softcap in SOFTCAPS:
+            launches.append(build_fused_stats_launch(x, weight, ids, z, 1.0, softcap, tiles, NUM_SMS[arch], True)[0])
+            for grad_entropy, accumulate in ((None, False), (per_row, True)):
+                launches += build_fused_grad_launches(z, x, weight, ids, per_row, per_row, per_row, grad_entropy, 1.0,
+                                                      softcap, dx, dw, accumulate, tiles, True)
     return launches
 
 
@@ -313,7 +342,8 @@ def check_kernels(archs=ARCHS, dtypes=SUPPORTED_DTYPES, points=LAUNCH_POINTS, ti
     for arch in archs:
         compiled: set[str] = set()  # the one-pass statistics kernel reads float32 whatever the dtype: once
         for dtype in dtypes:
-            launches = {p: lm_head_launches(*p, dtype, arch, tiles) + onepass_launches(*p, dtype) for p in points}
+            launches = {p: lm_head_launches(*p, dtype, arch, tiles) + onepass_launches(*p, dtype)
+                        + fused_onepass_launches(*p, dtype, arch) for p in points}
             distinct += _distinct(arch, launches, kernels, compiled)
         distinct += _distinct(arch, {p: token_terms_launches(p[0]) for p in points}, kernels, compiled)
         distinct += _distinct(arch, {p: layer_launches(p, dtypes) for p in LAYER_POINTS}, kernels, compiled)

@@ -16,9 +16,10 @@ Memory, besides `workspace_mb` (the logits chunk and its temporaries): a float32
 (V_local, H) dW, held from the forward to the backward (the two-pass path holds its float32 dX only in the
 backward, and its dW in the weight's dtype).
 
-Implementations: "torch_chunked" (torch ops on the workspace: CPU, CI, and a cuBLAS baseline on CUDA) and
-"cublas_triton" (cuBLAS GEMMs; the row work in the two kernels of kernels/onepass_rows.py). "auto" = cublas_triton
-on CUDA, torch_chunked elsewhere. Deterministic: fixed chunk and loop order, no atomics.
+Implementations: "torch_chunked" (torch ops on the workspace: CPU, CI, and a cuBLAS baseline on CUDA),
+"cublas_triton" (cuBLAS GEMMs; the row work in the two kernels of kernels/onepass_rows.py) and "triton_fused" (three
+Triton GEMMs with the row work in their epilogues / prologues, kernels/onepass_fused.py: the logits stored once,
+float32, dz never stored). "auto" = cublas_triton on CUDA, torch_chunked elsewhere. Deterministic: fixed chunk and loop order, no atomics.
 
 Must not: import engine/, hold (N, V_local) logits, or know what the loss is.
 
@@ -36,6 +37,13 @@ import torch.distributed as dist
 
 from kernels.chunked_logprob import _tile_logits, accumulation_dtype, dz_from_logp, matmul_acc
 from kernels.lm_head_logprob import check_lm_head_inputs, resolve_kernel_implementation
+from kernels.onepass_fused import (
+    STATS_BYTES_PER_ELEMENT,
+    FusedTiles,
+    default_fused_tiles,
+    fused_chunk_grads,
+    fused_chunk_stats,
+)
 from kernels.onepass_rows import RowTiles, build_workspace_dz_launch, build_workspace_stats_launch, default_row_tiles
 from kernels.softmax_stats import (
     VocabShard,
@@ -46,7 +54,7 @@ from kernels.softmax_stats import (
     reduce_stats_over_tp,
 )
 
-OnePassImplementation = Literal["auto", "torch_chunked", "cublas_triton"]
+OnePassImplementation = Literal["auto", "torch_chunked", "cublas_triton", "triton_fused"]
 ONEPASS_IMPLEMENTATIONS = typing.get_args(OnePassImplementation)
 TokenGrads = Callable[[int, int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 """(r0, r1, logprobs[r0:r1], entropy[r0:r1]) -> (d loss / d logprobs, d loss / d entropy or None), each (r1 - r0,):
@@ -61,6 +69,8 @@ def workspace_bytes_per_element(implementation: str, dtype: torch.dtype, softcap
     cast = 0 if accumulation_dtype(dtype) == dtype else dtype.itemsize  # dz in the GEMM operands' dtype
     if implementation == "cublas_triton":
         return acc + cast
+    if implementation == "triton_fused":
+        return 4 + STATS_BYTES_PER_ELEMENT  # the float32 workspace; dz is never stored
     return acc * (2 + (softcap is not None)) + cast  # z, exp(z) (and the cap's derivative)
 
 
@@ -110,7 +120,7 @@ def _add_dw(dw_acc: torch.Tensor, dz: torch.Tensor, x_rows: torch.Tensor, is_fir
 
 
 def onepass_chunks(hidden, weight, token_ids, shard: VocabShard, inv_temperature: float, softcap, tp_group,
-                   workspace_bytes: int, implementation: str, row_tiles: RowTiles | None,
+                   workspace_bytes: int, implementation: str, row_tiles: RowTiles | FusedTiles | None,
                    token_grads: TokenGrads | None, needs_dx: bool, needs_dw: bool):
     """(logprobs, entropy, float32 dX or None, float32 dW (num_valid, H) or None), chunk by chunk; dX summed over
     the TP group. token_grads None (or no gradient needed) = statistics only."""
@@ -122,7 +132,10 @@ def onepass_chunks(hidden, weight, token_ids, shard: VocabShard, inv_temperature
     wants_grad = token_grads is not None and (needs_dx or needs_dw)
     rows = plan_chunk_rows(num_rows, shard.num_local, workspace_bytes,
                            workspace_bytes_per_element(implementation, hidden.dtype, softcap))
-    tiles = row_tiles or default_row_tiles(device, hidden.dtype, hidden.shape[1])
+    if implementation == "triton_fused":
+        tiles = row_tiles or default_fused_tiles(device, hidden.dtype)
+    else:
+        tiles = row_tiles or default_row_tiles(device, hidden.dtype, hidden.shape[1])
     logprobs = torch.empty(num_rows, dtype=acc_dtype, device=device)
     entropy = torch.empty(num_rows, dtype=acc_dtype, device=device)
     dx = torch.zeros(hidden.shape, dtype=acc_dtype, device=device) if wants_grad and needs_dx else None
@@ -139,6 +152,8 @@ def onepass_chunks(hidden, weight, token_ids, shard: VocabShard, inv_temperature
             z = matmul_acc(x_rows, w_valid.T, torch.float32)  # (rows, cols) raw logits
             launch, stats = build_workspace_stats_launch(z, ids, inv_temperature, softcap, tiles)
             launch.run()
+        elif implementation == "triton_fused":
+            z, stats = fused_chunk_stats(x_rows, w_valid, ids, inv_temperature, softcap, tiles)
         else:
             z = _tile_logits(x_rows, w_valid, inv_temperature, softcap, acc_dtype)  # (rows, cols)
             stats, shift, e = _torch_chunk_stats(z, ids)
@@ -151,6 +166,11 @@ def onepass_chunks(hidden, weight, token_ids, shard: VocabShard, inv_temperature
         g_lp = g_lp.detach().to(acc_dtype)
         g_ent = None if g_ent is None else g_ent.detach().to(acc_dtype)
         if z is None:
+            continue
+        if implementation == "triton_fused":  # dz inside the dX and dW GEMMs: never stored
+            fused_chunk_grads(z, x_rows, w_valid, ids, result.lse, result.mean_logit, g_lp, g_ent, inv_temperature,
+                              softcap, None if dx is None else dx[r0:r1], dw, r0 > 0, tiles)
+            del z
             continue
         if implementation == "cublas_triton":
             dz = z if hidden.dtype == torch.float32 else torch.empty(z.shape, dtype=hidden.dtype, device=device)
@@ -226,7 +246,7 @@ def onepass_logprob_entropy(
     vocab_size: int | None = None,
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
-    row_tiles: RowTiles | None = None,
+    row_tiles: RowTiles | FusedTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of the sampled tokens (as `kernels.lm_head_logprob_entropy`), with the loss gradient
     taken in the same pass over the logits.
@@ -239,9 +259,10 @@ def onepass_logprob_entropy(
             token's derivatives may depend on its own log-prob and entropy and on fixed inputs, nothing else) and
             give the same values on every TP rank.
         workspace_mb: bound on the chunk's logits and temporaries, MiB (`workspace_bytes_per_element`).
-        implementation: "auto", "torch_chunked" or "cublas_triton".
+        implementation: "auto", "torch_chunked", "cublas_triton" or "triton_fused".
         temperature, softcap, vocab_size, tp_group, vocab_start: as `kernels.lm_head_logprob_entropy`.
-        row_tiles: block sizes of the cublas_triton row kernels; None = `default_row_tiles`.
+        row_tiles: block sizes of the cublas_triton row kernels (`RowTiles`; None = `default_row_tiles`) or of the
+            triton_fused GEMMs (`FusedTiles`; None = `default_fused_tiles`).
 
     Returns:
         (logprobs (N,), entropy (N,), anchor ()): log-probs and entropies detached, float32 (float64 for float64
@@ -250,8 +271,11 @@ def onepass_logprob_entropy(
     """
     check_lm_head_inputs(hidden, weight, token_ids, temperature, softcap)
     implementation = resolve_onepass_implementation(implementation, hidden.device)
-    if implementation == "cublas_triton" and hidden.dtype == torch.float64:
-        raise TypeError("cublas_triton takes float32 / bfloat16 / float16; float64 runs on torch_chunked")
+    if implementation in ("cublas_triton", "triton_fused") and hidden.dtype == torch.float64:
+        raise TypeError(f"{implementation} takes float32 / bfloat16 / float16; float64 runs on torch_chunked")
+    wanted = FusedTiles if implementation == "triton_fused" else RowTiles
+    if row_tiles is not None and not isinstance(row_tiles, wanted):
+        raise TypeError(f"row_tiles for {implementation} must be {wanted.__name__}; got {type(row_tiles).__name__}")
     shard = build_vocab_shard(weight.shape[0], vocab_size, tp_group, vocab_start)
     return OnePassFunction.apply(hidden, weight, token_ids, shard, float(temperature), softcap, tp_group,
                                  int(workspace_mb * 2**20), implementation, row_tiles, token_grads)

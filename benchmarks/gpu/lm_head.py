@@ -9,7 +9,8 @@ In order, each step appending its rows as soon as it has them (a time limit keep
    full-mode p50 is used next;
 3. the sweep (benchmarks/bench_fused_logprob.py's `bench_point`): every (N, H) of `--tokens` x `--hidden` at
    V = `--vocab`, variants reference (logits materialised), torch_chunked, triton (best tiles; and, first, at the
-   kernel's default tiles where the best differ, so that a change of default rests on the whole sweep) and Liger's
+   kernel's default tiles where the best differ, so that a change of default rests on the whole sweep), the one-pass
+   onepass_torch_chunked, onepass_cublas_triton and onepass_triton_fused (its default tiles, no sweep yet) and Liger's
    `LigerFusedLinearGRPOLoss` (full mode only; skipped with a printed reason where liger-kernel does not import):
    p50 ms and TFLOP/s (6NHV for full), peak extra memory, plus a `fraction_of_floor` row (TFLOP/s / floor) per
    throughput row.
@@ -58,7 +59,8 @@ ROW_TILE_CANDIDATES = (
     RowTiles(stats_rows=1, stats_cols=4096, dz_rows=4, dz_cols=1024, num_warps=8),
 )
 CPU_ROW_TILE_CANDIDATES = (INTERPRETER_ROW_TILES, RowTiles(stats_rows=2, stats_cols=128, dz_rows=2, dz_cols=128))
-VARIANTS = "reference,torch_chunked,triton,onepass_torch_chunked,onepass_cublas_triton,liger_grpo_loss"
+VARIANTS = ("reference,torch_chunked,triton,onepass_torch_chunked,onepass_cublas_triton,onepass_triton_fused,"
+            "liger_grpo_loss")
 GPU = dict(gemm_sizes="4096,8192", tokens="2048,8192,16384", hidden="1536,4096", vocab=151936, dtype="bfloat16",
            tile_tokens=8192, iters=10, warmup=3, variants=VARIANTS,
            onepass_workspace_mb=bench_fused_logprob.ENGINE_WORKSPACE_MB)

@@ -37,7 +37,7 @@ def _fused_lines(rows: list[dict]) -> list[str]:
     sweep's row (best tiles, written after the tile choices) is the last one at its point."""
     sweep = [r for r in rows if r["mode"] == "full"]
     variants = ["reference", "torch_chunked", "triton", "onepass_torch_chunked", "onepass_cublas_triton",
-                "liger_grpo_loss"]
+                "onepass_triton_fused", "liger_grpo_loss"]
     points = sorted({(int(r["x_value"]), json.loads(r["config_json"])["H"]) for r in sweep})
     if not points:
         return []

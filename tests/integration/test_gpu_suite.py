@@ -74,7 +74,7 @@ def test_lm_head_part_measures_floor_tiles_and_every_variant(smoke):
         mine = {(r["mode"], r["metric"]) for r in rows if r["variant"] == variant}
         for mode in ("forward", "backward", "full"):
             assert {(mode, m) for m in ("time", "throughput", "peak_memory", "fraction_of_floor")} <= mine
-    for variant in ("onepass_torch_chunked", "onepass_cublas_triton"):  # one pass: full mode only
+    for variant in ("onepass_torch_chunked", "onepass_cublas_triton", "onepass_triton_fused"):  # full mode only
         mine = {(r["mode"], r["metric"]) for r in rows if r["variant"] == variant}
         assert mine == {("full", m) for m in ("time", "throughput", "peak_memory", "fraction_of_floor")}, variant
     row_tiles = {json.loads(r["config_json"]).get("row_tiles") for r in rows if r["variant"] == "onepass_cublas_triton"}

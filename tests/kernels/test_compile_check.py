@@ -3,8 +3,9 @@ the shared-memory limit, without register spills; and the check does fail on a s
 
 Runs the module in a subprocess without TRITON_INTERPRET (tests/conftest.py sets it for this process, and interpreted
 kernels cannot be compiled). No GPU is needed: ptxas ships in the triton wheel. 54 LM-head and token-term
-compilations, the final-logit soft-cap variants included; the one-pass row kernels add 40 small ones, the fused layer
-kernels (`LAYER_KERNELS`) about 0.5 s each; the check compiles as many at once as there are CPUs (about 140 s of CPU
+compilations, the final-logit soft-cap variants included; the one-pass row kernels add 40 small ones, the fused
+one-pass GEMMs (kernels/onepass_fused.py) a few dozen more, the fused layer kernels (`LAYER_KERNELS`) about 0.5 s
+each; the check compiles as many at once as there are CPUs (about 140 s of CPU
 in all). The limit is generous for a machine shared with other work.
 """
 
@@ -22,7 +23,7 @@ from kernels.compile_check import LAUNCH_POINTS, LAUNCH_WORKSPACES_MB, MAX_SPILL
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_stats_fwd_kernel", "_dz_kernel", "_grpo_token_terms_kernel", "_workspace_stats_kernel",
-           "_workspace_dz_kernel"}
+           "_workspace_dz_kernel", "_fused_logits_stats_kernel", "_fused_dx_kernel", "_fused_dw_kernel"}
 FLOAT32_ONLY = {"_grpo_token_terms_kernel", "_workspace_stats_kernel"}
 """Kernels whose operands are float32 whatever the problem's dtype (the terms' log-probs, the one-pass workspace)."""
 LAYER_KERNELS = {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_glu_fwd_kernel", "_glu_bwd_kernel", "_rope_kernel"}

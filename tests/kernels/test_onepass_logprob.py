@@ -1,5 +1,5 @@
 """kernels/onepass_logprob.py: the one-pass loss gradient equals autograd through the materialised reference and the
-two-pass kernel, for both implementations (cublas_triton under the interpreter on CPU), fp32 / bf16 / fp64, odd
+two-pass kernel, for every implementation (cublas_triton and triton_fused under the interpreter on CPU), fp32 / bf16 / fp64, odd
 shapes, padded vocabulary, temperature and soft-cap, several row chunks; the backward only scales; bitwise
 deterministic."""
 
@@ -60,7 +60,7 @@ def _reference(x, w, y, inputs, temperature, softcap, scale):
 
 
 def _onepass(x, w, y, inputs, implementation, temperature, softcap, scale, workspace_mb):
-    device = DEVICE if implementation == "cublas_triton" else "cpu"
+    device = DEVICE if implementation in TRITON_IMPLEMENTATIONS else "cpu"
     inputs = {k: v.to(device) for k, v in inputs.items()}
     x, w = x.to(device).clone().requires_grad_(True), w.to(device).clone().requires_grad_(True)
     lp, ent, anchor = onepass_logprob_entropy(x, w, y.to(device), _token_grads(inputs), workspace_mb=workspace_mb,
@@ -79,7 +79,10 @@ CASES = [  # (implementation, dtype, tolerance vs the float64 reference)
     ("torch_chunked", torch.bfloat16, 3e-2),
     ("cublas_triton", torch.float32, 2e-4),
     ("cublas_triton", torch.bfloat16, 3e-2),
+    ("triton_fused", torch.float32, 2e-4),
+    ("triton_fused", torch.bfloat16, 3e-2),
 ]
+TRITON_IMPLEMENTATIONS = ("cublas_triton", "triton_fused")
 
 
 @pytest.mark.parametrize("implementation,dtype,tol", CASES)
@@ -97,9 +100,9 @@ def test_onepass_matches_the_float64_reference_forward_and_every_gradient(implem
     assert torch.count_nonzero(got[3][VOCAB:]) == 0  # padding rows get no gradient
 
 
-@pytest.mark.parametrize("implementation", ["torch_chunked", "cublas_triton"])
+@pytest.mark.parametrize("implementation", ["torch_chunked", *TRITON_IMPLEMENTATIONS])
 def test_onepass_equals_the_two_pass_kernel(implementation):
-    """Same loss, the two-pass path (forward statistics, recomputed backward) vs the one-pass path."""
+    """Same loss, the two-pass path (forward statistics, recomputed backward) vs the one-pass path, float32."""
     dtype = torch.float32
     x, w, y = _problem(dtype, seed=3)
     inputs = _loss_inputs(N, seed=7)
@@ -108,8 +111,22 @@ def test_onepass_equals_the_two_pass_kernel(implementation):
     lp, ent = lm_head_logprob_entropy(xr, wr, y, workspace_mb=SMALL_WS, implementation="torch_chunked",
                                       temperature=0.9, vocab_size=VOCAB)
     _token_loss(lp, ent, inputs).sum().backward()
-    for name, a, b in zip(("logprobs", "entropy", "dX", "dW"), got, (lp.detach(), ent.detach(), xr.grad, wr.grad)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    two_pass = (lp.detach(), ent.detach(), xr.grad, wr.grad)
+    exact = _reference(x, w, y, inputs, 0.9, None, 1.0)
+    for name, a, b, ref in zip(("logprobs", "entropy", "dX", "dW"), got, two_pass, exact):
+        if implementation != "triton_fused":
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            continue
+        # triton_fused forms the logits in its own Triton GEMM, K summed tile by tile, where the other two share
+        # torch's GEMM with the two-pass path: its log-probs differ from theirs by float32 rounding of logits of
+        # size ~20 (a few ulps), which the non-linear loss derivative (the ratio exp(logp - old)) carries into dz,
+        # and dX / dW sum ~V such terms with cancellation. No summation order makes a Triton dot match torch's CPU
+        # GEMM bit for bit, so the bound is the float64 truth: triton_fused is no further from it than the two-pass
+        # path is (then the two differ by at most 2.5 times the two-pass path's own error). A real difference (a
+        # lost term, a wrong scale) is orders of magnitude above float32 rounding.
+        two_pass_error = (b.to(F64) - ref).abs().max().item()
+        fused_error = (a.to(F64) - ref).abs().max().item()
+        assert fused_error <= 1.5 * two_pass_error, f"{name}: {fused_error:.2e} from float64, two-pass {two_pass_error:.2e}"
 
 
 def test_the_backward_only_scales_and_chunking_does_not_change_the_result():
@@ -126,7 +143,7 @@ def test_the_backward_only_scales_and_chunking_does_not_change_the_result():
         torch.testing.assert_close(a * 2.5, b, rtol=1e-14, atol=0.0)
 
 
-@pytest.mark.parametrize("implementation", ["torch_chunked", "cublas_triton"])
+@pytest.mark.parametrize("implementation", ["torch_chunked", *TRITON_IMPLEMENTATIONS])
 def test_onepass_is_bitwise_deterministic(implementation):
     x, w, y = _problem(torch.bfloat16, seed=6)
     inputs = _loss_inputs(N, seed=1)
@@ -150,6 +167,23 @@ def test_no_gradient_needed_skips_the_loss_and_returns_statistics():
 def test_implementation_names():
     assert resolve_onepass_implementation("auto", torch.device("cuda")) == "cublas_triton"
     assert resolve_onepass_implementation("auto", torch.device("cpu")) == "torch_chunked"
-    assert set(ONEPASS_IMPLEMENTATIONS) == {"auto", "torch_chunked", "cublas_triton"}
+    assert set(ONEPASS_IMPLEMENTATIONS) == {"auto", "torch_chunked", "cublas_triton", "triton_fused"}
     with pytest.raises(ValueError, match="one-pass implementation"):
         resolve_onepass_implementation("triton_epilogue", torch.device("cpu"))
+
+
+def test_the_engine_setting_offers_every_implementation():
+    import typing
+
+    from engine.config import KernelsConfig
+
+    assert typing.get_args(typing.get_type_hints(KernelsConfig)["onepass_implementation"]) == ONEPASS_IMPLEMENTATIONS
+
+
+def test_tiles_of_the_wrong_implementation_are_refused():
+    from kernels.onepass_rows import RowTiles
+
+    x, w, y = _problem(torch.float32, seed=9)
+    with pytest.raises(TypeError, match="row_tiles for triton_fused must be FusedTiles"):
+        onepass_logprob_entropy(x, w, y, lambda *a: None, workspace_mb=1.0, implementation="triton_fused",
+                                row_tiles=RowTiles(), vocab_size=VOCAB)

@@ -1,7 +1,7 @@
 """The one-pass LM-head loss at TP=2 on gloo: each rank holds half of the padded head; the per-chunk statistics are
 all-gathered, the loss derivatives taken on each rank from the merged (bitwise equal) log-probs, dX summed over the
 group in the forward. Checked against the unsplit float64 reference: log-probs, entropies, dX on both ranks (bitwise
-equal between them), the stacked dW shards; both implementations (cublas_triton under the interpreter)."""
+equal between them), the stacked dW shards; every implementation (cublas_triton and triton_fused under the interpreter)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
     # The interpreter runs the row kernels on CPU tensors, which gloo can exchange; on a GPU machine they need CUDA
     # tensors and NCCL: that check belongs to a multi-GPU test.
     IMPLEMENTATIONS["cublas_triton"] = (torch.float32, 2e-4)
+    IMPLEMENTATIONS["triton_fused"] = (torch.float32, 2e-4)
 WORKSPACE_MB = 7 * V_LOCAL * 8 / 2**20  # a few rows per chunk: several chunks, each with its own all-gather
 
 
