@@ -22,10 +22,10 @@ demo: $(STAMP)
 
 # Every tier (the unit tier includes the strict docs build, the results-page check and the lint); then where the time
 # went (per tier, slowest tests, costliest fixtures, test worlds: tests/timings.py).
-# The unit and kernel tiers run two test files at a time (pytest-xdist; tests/conftest.py makes each file one unit
-# of work). The distributed and integration tiers run one test at a time (SLOW_PARALLEL): two at a time passed the distributed tier, but
-# was no faster on a 2-core machine and ran it near its memory (two vLLM-and-trainer tests side by side); one at a
-# time, `tests/timings.py` also reports how many cores each test kept busy.
+# The unit and kernel tiers run two test files at a time (pytest-xdist; tests/conftest.py schedules each file as one
+# unit of work). The distributed and integration tiers run one test at a time (SLOW_PARALLEL): two at a time also
+# passes, but those tiers keep a 2-core machine's CPUs busy either way (tests/timings.py's busy cores), so little is
+# gained; one at a time, `tests/timings.py` also reports how many cores each test kept busy.
 PARALLEL ?= -n 2 --dist loadgroup
 SLOW_PARALLEL ?=
 test: $(STAMP)
