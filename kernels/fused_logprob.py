@@ -154,6 +154,44 @@ def _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stri
 
 
 @triton.jit
+def _fold_tile(z, cols, col_mask, ids, m, s, q, t):
+    """One vocabulary tile z (rows, cols) folded into the rows' running state: max m, sum-exp s relative to m, q =
+    sum e^(z - m) (z - m) (for the entropy), t the target's logit; masked columns (padding, tile tail) add nothing."""
+    t += tl.sum(tl.where(col_mask & (cols[None, :] == ids[:, None]), z, 0.0), axis=1)
+    m_new = tl.maximum(m, tl.max(tl.where(col_mask, z, float("-inf")), axis=1))
+    alpha = tl.exp(m - m_new)
+    shifted = tl.where(col_mask, z - m_new[:, None], 0.0)
+    e = tl.where(col_mask, tl.exp(shifted), 0.0)
+    q = alpha * (q + (m - m_new) * s) + tl.sum(e * shifted, axis=1)
+    s = alpha * s + tl.sum(e, axis=1)
+    return m_new, s, q, t
+
+
+@triton.jit
+def _dz_tile(z, rows, cols, row_mask, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_ptr, inv_temperature,
+             softcap, HAS_ENTROPY_GRAD: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """dz of a tile of tempered (capped) logits z: [g_lp 1{col = id} - p (g_lp + g_H (z - E[z]))] / T, times the
+    cap's derivative 1 - tanh^2 = 1 - (z T / cap)^2 under HAS_SOFTCAP (tanh(x w / cap) from the tempered logit);
+    float32, not masked (the caller masks its store)."""
+    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+    grad_lp = tl.load(grad_lp_ptr + rows, mask=row_mask, other=0.0)
+    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
+    probs = tl.exp(z - lse[:, None])
+    coef = grad_lp[:, None] + tl.zeros(z.shape, dtype=tl.float32)
+    if HAS_ENTROPY_GRAD:
+        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+        grad_ent = tl.load(grad_ent_ptr + rows, mask=row_mask, other=0.0)
+        coef += grad_ent[:, None] * (z - mean[:, None])
+    dz = tl.where(cols[None, :] == ids[:, None], grad_lp[:, None], 0.0) - probs * coef
+    if HAS_SOFTCAP:
+        tanh = z * (1.0 / (softcap * inv_temperature))
+        dz = dz * (inv_temperature * (1.0 - tanh * tanh))
+    else:
+        dz = dz * inv_temperature
+    return dz
+
+
+@triton.jit
 def _stats_fwd_kernel(x_ptr, w_ptr, ids_ptr, parts_ptr, num_rows, num_cols, hidden_size, split_cols, num_splits,
                       stride_x, stride_w, inv_temperature, softcap, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                       BLOCK_H: tl.constexpr, GROUP_N: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -176,14 +214,7 @@ def _stats_fwd_kernel(x_ptr, w_ptr, ids_ptr, parts_ptr, num_rows, num_cols, hidd
         col_mask = (cols < col_end)[None, :]
         z = _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stride_x, stride_w,
                          inv_temperature, softcap, BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION, HAS_SOFTCAP)
-        t += tl.sum(tl.where(col_mask & (cols[None, :] == ids[:, None]), z, 0.0), axis=1)
-        m_new = tl.maximum(m, tl.max(tl.where(col_mask, z, float("-inf")), axis=1))
-        alpha = tl.exp(m - m_new)
-        shifted = tl.where(col_mask, z - m_new[:, None], 0.0)
-        e = tl.where(col_mask, tl.exp(shifted), 0.0)  # masked columns (padding, tile tail) add nothing
-        q = alpha * (q + (m - m_new) * s) + tl.sum(e * shifted, axis=1)
-        s = alpha * s + tl.sum(e, axis=1)
-        m = m_new
+        m, s, q, t = _fold_tile(z, cols, col_mask, ids, m, s, q, t)
     out = parts_ptr + split * 4 * num_rows + rows
     tl.store(out, m, mask=row_mask)
     tl.store(out + num_rows, s, mask=row_mask)
@@ -205,21 +236,8 @@ def _dz_kernel(x_ptr, w_ptr, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_p
     row_mask = rows < num_rows
     z = _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stride_x, stride_w,
                      inv_temperature, softcap, BLOCK_N, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION, HAS_SOFTCAP)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    grad_lp = tl.load(grad_lp_ptr + rows, mask=row_mask, other=0.0)
-    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
-    probs = tl.exp(z - lse[:, None])
-    coef = grad_lp[:, None] + tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    if HAS_ENTROPY_GRAD:
-        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-        grad_ent = tl.load(grad_ent_ptr + rows, mask=row_mask, other=0.0)
-        coef += grad_ent[:, None] * (z - mean[:, None])
-    dz = tl.where(cols[None, :] == ids[:, None], grad_lp[:, None], 0.0) - probs * coef
-    if HAS_SOFTCAP:
-        tanh = z * (1.0 / (softcap * inv_temperature))  # tanh(x w / cap), from the tempered capped logit
-        dz = dz * (inv_temperature * (1.0 - tanh * tanh))
-    else:
-        dz = dz * inv_temperature
+    dz = _dz_tile(z, rows, cols, row_mask, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_ptr, inv_temperature,
+                  softcap, HAS_ENTROPY_GRAD, HAS_SOFTCAP)
     mask = row_mask[:, None] & (cols < num_cols)[None, :]
     tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
 

@@ -35,6 +35,8 @@ from kernels.fused_logprob import (
     PROGRAMS_PER_SM,
     KernelLaunch,
     _dot_settings,
+    _dz_tile,
+    _fold_tile,
     _grouped_tile,
     _logits_tile,
     _num_sms,
@@ -114,14 +116,7 @@ def _fused_logits_stats_kernel(x_ptr, w_ptr, ids_ptr, z_ptr, parts_ptr, num_rows
         z = _logits_tile(x_ptr, w_ptr, rows, cols, num_rows, num_cols, hidden_size, stride_x, stride_w,
                          inv_temperature, softcap, BLOCK_M, BLOCK_V, BLOCK_H, DOT_FP32, INPUT_PRECISION, HAS_SOFTCAP)
         tl.store(z_ptr + rows[:, None] * stride_z + cols[None, :], z, mask=row_mask[:, None] & col_mask)
-        t += tl.sum(tl.where(col_mask & (cols[None, :] == ids[:, None]), z, 0.0), axis=1)
-        m_new = tl.maximum(m, tl.max(tl.where(col_mask, z, float("-inf")), axis=1))
-        alpha = tl.exp(m - m_new)
-        shifted = tl.where(col_mask, z - m_new[:, None], 0.0)
-        e = tl.where(col_mask, tl.exp(shifted), 0.0)
-        q = alpha * (q + (m - m_new) * s) + tl.sum(e * shifted, axis=1)
-        s = alpha * s + tl.sum(e, axis=1)
-        m = m_new
+        m, s, q, t = _fold_tile(z, cols, col_mask, ids, m, s, q, t)
     out = parts_ptr + split * 4 * num_rows + rows
     tl.store(out, m, mask=row_mask)
     tl.store(out + num_rows, s, mask=row_mask)
@@ -137,21 +132,8 @@ def _dz_prologue(z_ptr, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_ptr, r
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < num_cols)[None, :]
     z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    grad_lp = tl.load(grad_lp_ptr + rows, mask=row_mask, other=0.0)
-    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
-    probs = tl.exp(z - lse[:, None])
-    coef = grad_lp[:, None] + tl.zeros(z.shape, dtype=tl.float32)
-    if HAS_ENTROPY_GRAD:
-        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-        grad_ent = tl.load(grad_ent_ptr + rows, mask=row_mask, other=0.0)
-        coef += grad_ent[:, None] * (z - mean[:, None])
-    dz = tl.where(cols[None, :] == ids[:, None], grad_lp[:, None], 0.0) - probs * coef
-    if HAS_SOFTCAP:
-        tanh = z * (1.0 / (softcap * inv_temperature))
-        dz = dz * (inv_temperature * (1.0 - tanh * tanh))
-    else:
-        dz = dz * inv_temperature
+    dz = _dz_tile(z, rows, cols, row_mask, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_ptr, inv_temperature,
+                  softcap, HAS_ENTROPY_GRAD, HAS_SOFTCAP)
     return tl.where(mask, dz, 0.0)
 
 

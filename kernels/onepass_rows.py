@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_logprob import KernelLaunch, _softcap_arg, _tanh
+from kernels.fused_logprob import KernelLaunch, _dz_tile, _fold_tile, _softcap_arg, _tanh
 from kernels.softmax_stats import NUM_STATS
 
 
@@ -87,14 +87,7 @@ def _workspace_stats_kernel(z_ptr, ids_ptr, stats_ptr, num_rows, num_cols, strid
         else:
             z = raw * inv_temperature
         tl.store(ptrs, z, mask=row_mask[:, None] & col_mask)
-        t += tl.sum(tl.where(col_mask & (cols[None, :] == ids[:, None]), z, 0.0), axis=1)
-        m_new = tl.maximum(m, tl.max(tl.where(col_mask, z, float("-inf")), axis=1))
-        alpha = tl.exp(m - m_new)
-        shifted = tl.where(col_mask, z - m_new[:, None], 0.0)
-        e = tl.where(col_mask, tl.exp(shifted), 0.0)
-        q = alpha * (q + (m - m_new) * s) + tl.sum(e * shifted, axis=1)
-        s = alpha * s + tl.sum(e, axis=1)
-        m = m_new
+        m, s, q, t = _fold_tile(z, cols, col_mask, ids, m, s, q, t)
     tl.store(stats_ptr + rows, m, mask=row_mask)
     tl.store(stats_ptr + num_rows + rows, s, mask=row_mask)
     tl.store(stats_ptr + 2 * num_rows + rows, q, mask=row_mask)
@@ -112,21 +105,8 @@ def _workspace_dz_kernel(z_ptr, dz_ptr, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr,
     row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols < num_cols)[None, :]
     z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-    grad_lp = tl.load(grad_lp_ptr + rows, mask=row_mask, other=0.0)
-    ids = tl.load(ids_ptr + rows, mask=row_mask, other=-1)
-    probs = tl.exp(z - lse[:, None])
-    coef = grad_lp[:, None] + tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    if HAS_ENTROPY_GRAD:
-        mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
-        grad_ent = tl.load(grad_ent_ptr + rows, mask=row_mask, other=0.0)
-        coef += grad_ent[:, None] * (z - mean[:, None])
-    dz = tl.where(cols[None, :] == ids[:, None], grad_lp[:, None], 0.0) - probs * coef
-    if HAS_SOFTCAP:
-        tanh = z * (1.0 / (softcap * inv_temperature))
-        dz = dz * (inv_temperature * (1.0 - tanh * tanh))
-    else:
-        dz = dz * inv_temperature
+    dz = _dz_tile(z, rows, cols, row_mask, ids_ptr, lse_ptr, mean_ptr, grad_lp_ptr, grad_ent_ptr, inv_temperature,
+                  softcap, HAS_ENTROPY_GRAD, HAS_SOFTCAP)
     tl.store(dz_ptr + rows[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
