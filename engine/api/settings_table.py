@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import io
 import re
 import sys
@@ -59,29 +60,39 @@ def first_sentence(text: str) -> str:
     return flat[: match.start() + 1] if match else flat
 
 
-def code_text(source: str) -> str:
-    """The module's tokens without comments and without string literals other than a quoted identifier (a key):
-    docstrings that name a setting do not read it."""
-    kept = []
+def reader_names(source: str) -> frozenset[str]:
+    """The names a module's code uses as an attribute (`.name`), a key (`"name"`) or a keyword / assignment target
+    (`name=`, not `name==`): comments and other string literals (docstrings that name a setting) left out."""
+    names, previous = set(), None
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type == tokenize.COMMENT:
+        if token.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
             continue
-        if token.type == tokenize.STRING and not re.fullmatch(r"[\"'][A-Za-z_]\w*[\"']", token.string):
-            continue
-        kept.append(token.string)
-    return " ".join(kept)
+        if token.type == tokenize.STRING and re.fullmatch(r"[\"'][A-Za-z_]\w*[\"']", token.string):
+            names.add(token.string[1:-1])
+        elif token.type == tokenize.NAME and previous is not None and previous.string == ".":
+            names.add(token.string)
+        elif token.string == "=" and previous is not None and previous.type == tokenize.NAME:
+            names.add(previous.string)
+        if token.type != tokenize.STRING or re.fullmatch(r"[\"'][A-Za-z_]\w*[\"']", token.string):
+            previous = token
+    return frozenset(names)
 
 
-def _sources(repo: Path) -> dict[str, str]:
-    return {str(path.relative_to(repo)): code_text(path.read_text(errors="ignore"))
-            for folder in ("engine", "kernels") for path in sorted((repo / folder).rglob("*.py"))
-            if path.name not in NOT_READERS}
+@functools.lru_cache(maxsize=4)
+def _module_names(repo: Path, stamp: tuple) -> dict[str, frozenset[str]]:
+    return {str(path.relative_to(repo)): reader_names(path.read_text(errors="ignore")) for path, _ in stamp}
 
 
-def readers_of(name: str, sources: dict[str, str]) -> tuple[str, ...]:
-    """The modules whose code (`code_text`) uses `name` as an attribute, a key or a keyword (module docstring)."""
-    pattern = re.compile(rf"\.\s*{name}\b|[\"']{name}[\"']|\b{name}\s*=(?!=)")
-    return tuple(module for module, text in sources.items() if pattern.search(text))
+def _sources(repo: Path) -> dict[str, frozenset[str]]:
+    """Each engine/ and kernels/ module's `reader_names`, computed once per process while no file changes."""
+    paths = [path for folder in ("engine", "kernels") for path in sorted((repo / folder).rglob("*.py"))
+             if path.name not in NOT_READERS]
+    return _module_names(repo, tuple((path, path.stat().st_mtime_ns) for path in paths))
+
+
+def readers_of(name: str, sources: dict[str, frozenset[str]]) -> tuple[str, ...]:
+    """The modules whose code uses `name` as an attribute, a key or a keyword (`reader_names`)."""
+    return tuple(module for module, names in sources.items() if name in names)
 
 
 def _shown_default(value) -> str:
