@@ -59,7 +59,7 @@ def _policy(model_dir: Path, rank: int):
     from engine.config import ModelConfig, ParallelConfig, TrainConfig
     from engine.lora_settings import LoraSettings, resolve_target_modules
     from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.lora import apply_lora, lora_adapters
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.parallel import init_parallel

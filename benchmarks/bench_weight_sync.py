@@ -97,7 +97,7 @@ def schedule(args) -> list[tuple[int, bool]]:
 
 
 def build_plan(hidden: int, trainer_tp: int, engine_tp: int):
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import padded_vocab_size
     from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
 

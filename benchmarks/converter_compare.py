@@ -30,7 +30,7 @@ def _ours(model_dir: str) -> tuple[list[str], float, int]:
 
     from engine.config import ModelConfig, ParallelConfig
     from engine.policy.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.microbatch import MicroBatch
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.parallel import destroy_parallel, init_parallel

@@ -2,8 +2,8 @@
 (GPT-OSS's `mlp.experts.gate_up_proj` (E, H, 2I), gate and up interleaved), converted to and from Megatron's
 per-expert tensors.
 
-Owns: the `stacked_*` layout kinds of the converter's map (`STACKED_KINDS`), the per-expert piece names
-(`EXPERT_PIECE`) and the three conversions: `read_stacked_expert` (one TP shard of one expert), `stacked_expert_to_hf`
+Owns the three conversions of the `stacked_*` layout kinds (engine/models/tensor_map.py `STACKED_KINDS`; one
+expert's piece is named with `EXPERT_PIECE`): `read_stacked_expert` (one TP shard of one expert), `stacked_expert_to_hf`
 (one expert's piece of the HF tensor), `stack_expert_pieces` (the pieces back into the HF tensors).
 
 Must not: import Megatron or vLLM, touch process groups or files.
@@ -16,17 +16,7 @@ from __future__ import annotations
 
 import torch
 
-EXPERT_PIECE = "#expert="
-"""Suffix of the HF name of one expert's slice of a stacked expert tensor (`stacked_expert_to_hf`); the
-export stacks the pieces of every expert into the one HF tensor (`stack_expert_pieces`)."""
-
-STACKED_KINDS = ("stacked_gate_up", "stacked_row", "stacked_replicated")
-"""Layout kinds of stacked expert tensors (engine/models/tensor_map.py `Kind`; GPT-OSS's layout):
-  stacked_gate_up     HF (E, H, 2I) weight / (E, 2I) bias, x @ W, gate = columns 0, 2, 4, ..., up = 1, 3, 5, ...;
-                      Megatron's fc1 (2I, H) / (2I,) = [gate; up] (TP rank r: [gate_r; up_r]);
-  stacked_row         HF (E, I, H), x @ W; Megatron's fc2 (H, I), TP splits I;
-  stacked_replicated  HF (E, H) fc2 bias; Megatron's (H,), the same on every TP rank."""
-
+from engine.models.tensor_map import EXPERT_PIECE
 
 
 def _split(tensor: torch.Tensor, dim: int, tp_rank: int, tp_size: int, name: str) -> torch.Tensor:

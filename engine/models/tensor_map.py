@@ -1,9 +1,10 @@
 """One Megatron parameter and its Hugging Face tensors (`TensorMap`), how it splits over TP (`Kind`), and the MoE
-tables several families share (`SIGMOID_ROUTER_MOE_TENSORS`), and the sandwich-norm layer's norm names
-(`SANDWICH_NORM_NAMES`).
+tables several families share (`SIGMOID_ROUTER_MOE_TENSORS`), the sandwich-norm layer's norm names
+(`SANDWICH_NORM_NAMES`), and the stacked expert kinds (`STACKED_KINDS`, `EXPERT_PIECE`; converted by
+engine/models/stacked_experts.py).
 
-Owns the vocabulary of the converter's maps: engine/policy/hf_convert.py builds a model's map from these entries and
-converts with them; each family's folder declares its own entries (its `SPEC.moe_tensors`, `attention_tensors`).
+Owns the vocabulary of the converter's maps: engine/policy/hf_map.py builds a model's map from these entries and
+engine/policy/hf_convert.py converts with them; each family's folder declares its own entries (its `SPEC.moe_tensors`, `attention_tensors`).
 
 Must not: import torch, Megatron or vLLM (the family specs, read by the planner, hold these entries).
 
@@ -82,3 +83,15 @@ SANDWICH_NORM_NAMES = {
 """Megatron global name -> HF name of the four norms of a sandwich-norm layer (Gemma's: a norm before and after
 attention and before and after the MLP; HF's `post_attention_layernorm` is the norm AFTER attention, not Llama's
 pre-MLP norm). A model with `ModelDims.sandwich_norms` maps these instead of Llama's two."""
+
+
+EXPERT_PIECE = "#expert="
+"""Suffix of the HF name of one expert's slice of a stacked expert tensor (`stacked_expert_to_hf`); the
+export stacks the pieces of every expert into the one HF tensor (`stack_expert_pieces`)."""
+
+STACKED_KINDS = ("stacked_gate_up", "stacked_row", "stacked_replicated")
+"""Layout kinds of stacked expert tensors (engine/models/tensor_map.py `Kind`; GPT-OSS's layout):
+  stacked_gate_up     HF (E, H, 2I) weight / (E, 2I) bias, x @ W, gate = columns 0, 2, 4, ..., up = 1, 3, 5, ...;
+                      Megatron's fc1 (2I, H) / (2I,) = [gate; up] (TP rank r: [gate_r; up_r]);
+  stacked_row         HF (E, I, H), x @ W; Megatron's fc2 (H, I), TP splits I;
+  stacked_replicated  HF (E, H) fc2 bias; Megatron's (H,), the same on every TP rank."""

@@ -6,9 +6,9 @@ arithmetic, the totals and the verdicts). `grpo-engine plan` and `grpo-engine tr
 `launch/*.slurm` runs it before starting any node. The model and cluster shapes and the layout checks are
 engine/planning/shapes.py's; every memory term, and the formulas with their sources, engine/planning/memory.py's.
 
-Must not: import Megatron or vLLM, or torch other than through the weight-sync plan (engine/planning/sync_memory.py:
-on a loaded 2-core box the torch import costs ~2.5 s CPU and Qwen3-235B's sync plan and buffers ~0.6-1 s), read the
-environment, or touch the network. It takes the root config because memory is a cross-section question (like
+Must not: import torch, Megatron or vLLM (the weight-sync plan it sizes, engine/planning/sync_memory.py, is arithmetic
+over the converter's name map, engine/policy/hf_map.py; tests/unit/test_planner_imports.py), read the environment, or
+touch the network. It takes the root config because memory is a cross-section question (like
 `engine.validation`).
 
 Test: `pytest tests/unit/test_planner.py` (hand-computed cases, the published tables and logs the memory model

@@ -5,10 +5,10 @@ colocated: the largest bucket of full HF tensors the sync gathers) and, in serve
 inference GPU's memory OUTSIDE vLLM's share, where every engine rank's 2 receive slots live (vLLM sizes its KV
 cache to fill `rollout.vllm_gpu_memory_utilization` x GPU memory; the receive buffers are allocated after that).
 
-Must not: import torch, vLLM or the engine's rollout modules at import time (`grpo-engine plan` imports the planner;
-the sync plan is built, and torch imported, only when a plan is sized: measured on a loaded 2-core box, the torch
-import ~2.5 s CPU, Qwen3-235B's 36,945-tensor plan and its buffers 0.6-1 s, cached per layout), size anything the
-transport does not allocate.
+Must not: import torch or vLLM (the sync plan and its buffers are arithmetic; tests/unit/test_planner_imports.py), import
+the engine's rollout modules at import time (`grpo-engine plan` imports the planner; the sync plan is built only when
+a plan is sized: Qwen3-235B's 36,945-tensor plan and its buffers take 0.6-1 s, cached per layout), or size anything
+the transport does not allocate.
 
 Test: tests/unit/test_sync_buffers.py (the GPT-OSS-120B header's 13.47 GiB, a config whose share leaves too little
 room refused), tests/unit/test_planner.py (the shipped configs fit, their headers quote the totals).
@@ -44,7 +44,7 @@ def plan_sync_buffers(cfg: EngineConfig, dims: ModelDims):
     """(SyncBuffers, number of HF tensors) of the config's weight sync (DeepSeek-V3: MLA's tensors too). Server mode: the trainer's layout into vLLM's TP;
     colocated: the colocated plan (trainer TP 1: full tensors). Gemma's four norms per layer are not in the planner's
     shape (2 x hidden elements per layer, whole: a few KiB)."""
-    from engine.policy.hf_convert import ModelDims as ConverterDims
+    from engine.policy.hf_map import ModelDims as ConverterDims
     from engine.rollout.sync_plan import TrainerLayout
 
     par, server = cfg.parallel, cfg.rollout.vllm_mode == "server"

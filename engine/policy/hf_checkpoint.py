@@ -28,15 +28,8 @@ import torch
 import torch.distributed as dist
 
 from engine.models.stacked_experts import stack_expert_pieces
-from engine.policy.hf_convert import (
-    FLOAT32_TENSORS,
-    ModelDims,
-    expert_index,
-    family_map,
-    find_entry,
-    read_megatron_shard,
-    to_hf,
-)
+from engine.policy.hf_convert import read_megatron_shard, to_hf
+from engine.policy.hf_map import FLOAT32_TENSORS, ModelDims, expert_index, family_map, find_entry
 from engine.policy.lora import is_lora_param
 from engine.policy.model import get_weight, global_param_names
 from engine.policy.mtp_layers import MTP_SHARD, copy_mtp_layers

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.config import GRPOConfigSection, ModelConfig, TrainConfig
-from engine.policy.hf_convert import ModelDims
+from engine.policy.hf_map import ModelDims
 from engine.policy.microbatch import MicroBatch
 from engine.policy.parallel import ParallelState
 from engine.policy.step import LogprobSettings, forward_logprobs, unwrap

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from engine.config import ConfigError, GenerationConfig, RolloutConfig
 from engine.lora_settings import LoraSettings
-from engine.policy.hf_convert import ModelDims
+from engine.policy.hf_map import ModelDims
 from engine.policy.lora import merged_lora
 from engine.policy.parallel import ParallelState, new_layout_group
 from engine.rollout.adapter_sync import sync_adapter

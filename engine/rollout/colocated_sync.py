@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine.policy.hf_checkpoint import iter_hf_tensors
-from engine.policy.hf_convert import ModelDims
+from engine.policy.hf_map import ModelDims
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap
 from engine.rollout.fp8_sync import expected_digests, quantize_bucket

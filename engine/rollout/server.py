@@ -178,7 +178,7 @@ def model_identity(model_dir: Path, name: str, trust_remote_code: bool = False) 
 
     from transformers import AutoConfig
 
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
 
     hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     dims = asdict(ModelDims.from_hf(hf_config, hf_config.vocab_size))

@@ -27,7 +27,7 @@ import torch
 
 from engine.config import GenerationConfig, RolloutConfig
 from engine.lora_settings import LoraSettings
-from engine.policy.hf_convert import ModelDims
+from engine.policy.hf_map import ModelDims
 from engine.policy.lora import merged_lora
 from engine.policy.parallel import ParallelState
 from engine.rollout.adapter_sync import sync_adapter_server

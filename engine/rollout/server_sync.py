@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.policy.hf_convert import FLOAT32_TENSORS, ModelDims
+from engine.policy.hf_map import FLOAT32_TENSORS, ModelDims
 from engine.policy.parallel import ParallelState
 from engine.rollout.fp8_server_sync import fp8_assemblies
 from engine.rollout.fp8_sync import fp8_engine_tensors

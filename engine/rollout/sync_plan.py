@@ -23,12 +23,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.models.latent_attention import mla_hf_shape
-from engine.models.stacked_experts import EXPERT_PIECE, STACKED_KINDS
-from engine.policy.hf_convert import ModelDims, TensorMap, family_map, hf_names, layer_entries
+from engine.models.tensor_map import EXPERT_PIECE, STACKED_KINDS
+from engine.policy.hf_map import ModelDims, TensorMap, family_map, hf_names, layer_entries
+
+if TYPE_CHECKING:
+    import torch
 
 Box = tuple[tuple[int, int], ...]
 """A box of a tensor: one (start, stop) per dimension."""
@@ -37,7 +39,8 @@ VLLM_VOCAB_PADDING = 64
 """vLLM's DEFAULT_VOCAB_PADDING_SIZE (vllm/model_executor/layers/vocab_parallel_embedding.py): the vocabulary of
 VocabParallelEmbedding / ParallelLMHead is padded to a multiple of 64 before it is split over the engine's TP ranks."""
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each wire dtype: the plan is arithmetic and imports no torch (the planner reads it)."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,9 @@ class SyncPlan:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def spec(self) -> dict:
         """The small JSON-able description `build_sync_plan_from_spec` rebuilds this plan from (ship it over HTTP)."""
@@ -219,7 +224,7 @@ class SyncPlan:
         """Tensor indices per bucket: a bucket closes once its full HF tensors reach `bucket_mb` MiB, and only
         between units (decoder layers), so it may exceed `bucket_mb` by up to one layer (vLLM's reload is
         layer-wise: engine/rollout/colocated_sync.py `_stage_buckets`)."""
-        bucket_bytes, itemsize = int(bucket_mb * 2**20), self.torch_dtype.itemsize
+        bucket_bytes, itemsize = int(bucket_mb * 2**20), _ITEMSIZE[self.dtype]
         buckets, bucket, size, unit = [], [], 0, None
         for index, tensor in enumerate(self.tensors):
             if bucket and size >= bucket_bytes and tensor.unit != unit:
@@ -537,7 +542,7 @@ def _check_layouts(dims: ModelDims, trainer: TrainerLayout, engine_tp: int, ffn:
         for what, n in (("mamba_num_heads", dims.mamba_blocks[4]), ("n_groups x ssm_state_size", dims.mamba_blocks[2])):
             if n % trainer.tp_size:
                 problems.append(f"trainer: {what}={n} % tp_size={trainer.tp_size} != 0")
-    if dtype not in _DTYPES:
-        problems.append(f"dtype={dtype!r} not in {sorted(_DTYPES)}")
+    if dtype not in _ITEMSIZE:
+        problems.append(f"dtype={dtype!r} not in {sorted(_ITEMSIZE)}")
     if problems:
         raise ValueError("weight-sync plan: " + "; ".join(problems))

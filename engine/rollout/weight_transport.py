@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.policy.hf_convert import TE_NAMES, ModelDims
+from engine.policy.hf_map import TE_NAMES, ModelDims
 from engine.policy.model import get_weight, global_param_names
 from engine.policy.parallel import ParallelState
 from engine.policy.step import unwrap

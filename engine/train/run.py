@@ -33,7 +33,7 @@ from engine.config import EngineConfig, GRPOConfigSection, config_to_dict, write
 from engine.grpo.policy_loss import PolicyLossConfig, entropy_coef_to_apply, update_entropy_coef
 from engine.lora_settings import LoraSettings, lora_settings_from_config, refuse_expert_adapters
 from engine.models.model_dir import resolve_model_dir
-from engine.policy.hf_convert import ModelDims
+from engine.policy.hf_map import ModelDims
 from engine.policy.lora import apply_lora, merged_lora
 from engine.policy.microbatch import MicroBatch
 from engine.policy.optimizer import PolicyOptimizer

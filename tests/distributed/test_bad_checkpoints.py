@@ -43,7 +43,7 @@ def _bad_loads(cache_dir: str, run_dir: str) -> dict:
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
     from engine.models.tiny_model import resolve_builtin_model
     from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel

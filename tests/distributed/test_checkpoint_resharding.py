@@ -25,7 +25,7 @@ def _build(tp: int, pp: int, use_distributed_optimizer: bool, cache_dir: str, dt
     from engine.config import ModelConfig, OptimizerConfig, ParallelConfig
     from engine.models.tiny_model import resolve_builtin_model
     from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel

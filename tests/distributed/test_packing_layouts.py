@@ -100,7 +100,7 @@ def _one_step(ps, model_dir: str, out_dir: str, model_cfg, train_cfg) -> dict:
 
     from engine.config import KernelsConfig, OptimizerConfig
     from engine.policy.hf_checkpoint import export_hf_checkpoint, load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.packing import build_microbatch_spec, round_microbatches, sequence_logprobs

@@ -20,7 +20,7 @@ def _check(tp: int, model_dir: str) -> dict:
     from engine.grpo.policy_loss import LossNormalizer
     from engine.policy.batch import pack_completions, split_microbatches
     from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel

@@ -98,7 +98,7 @@ def _trainer(model_dirs, sends):
 
     from engine.config import ModelConfig, ParallelConfig
     from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.parallel import init_parallel
     from engine.rollout.sync_check import WeightSyncError
@@ -138,7 +138,7 @@ def _plan(model_dir, tp, pp, ep, etp, engine_tp):
     from transformers import AutoConfig
 
     from engine.config import ModelConfig
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import policy_shape
     from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
 

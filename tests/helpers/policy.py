@@ -37,7 +37,7 @@ def build_from_hf(model_dir: str, parallel, model_cfg=None, seed: int = 0, train
 
     from engine.config import ModelConfig
     from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.parallel import init_parallel
 

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.quantized import quantize_fp8, quantize_mxfp4
-from engine.policy.hf_convert import FLOAT32_TENSORS
+from engine.policy.hf_map import FLOAT32_TENSORS
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 """DeepSeek-V3's quantization_config."""

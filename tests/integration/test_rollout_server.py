@@ -335,7 +335,7 @@ def _sync_into_server(tp: int, url: str, token: str, group_port: int, server_pid
     from engine.models.tiny_model import resolve_builtin_model
     from engine.policy.batch import pack_completions
     from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel
@@ -545,7 +545,7 @@ def _two_servers(urls: list[str], token: str, group_port: int, restart: dict) ->
     from engine.models.tiny_model import resolve_builtin_model
     from engine.policy.batch import pack_completions
     from engine.policy.hf_checkpoint import load_hf_checkpoint
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.policy.model import build_policy, policy_shape
     from engine.policy.optimizer import build_optimizer
     from engine.policy.parallel import init_parallel

@@ -25,7 +25,7 @@ from transformers import AutoConfig, MixtralConfig
 
 from engine.models.families import MISSING_FEATURES, check_model_type, moe_shape
 from engine.models.tiny_model import tiny_model_config
-from engine.policy.hf_convert import ModelDims
+from engine.policy.hf_map import ModelDims
 
 
 def _assert_refused_after(config, change: dict, cause: str) -> None:
@@ -448,7 +448,7 @@ def test_gemma3_settings_the_engine_would_not_reproduce_are_refused(change, caus
 
 def test_gemma3_window_scale_rope_and_norm_names_come_from_the_config():
     from engine.models.gemma import gemma_rope_settings, gemma_transformer_settings
-    from engine.policy.hf_convert import family_map
+    from engine.policy.hf_map import family_map
 
     config = tiny_model_config("gemma3_text")
     settings = gemma_transformer_settings(config)
@@ -482,7 +482,7 @@ def test_cohere2_window_rope_norm_and_names_come_from_the_config():
     """The published default (Command R's shapes, HF's 3-sliding-1-full pattern) builds; the tiny model's window,
     sliding layers, interleaved RoPE and LayerNorm epsilon are read; the map has one norm per layer, tied head."""
     from engine.models.cohere2 import cohere2_transformer_settings
-    from engine.policy.hf_convert import family_map
+    from engine.policy.hf_map import family_map
 
     check_model_type(AutoConfig.for_model("cohere2"))
     config = tiny_model_config("cohere2")

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from engine.models.quantized import FP8_DTYPE
-from engine.policy.hf_convert import DictSource, ModelDims, family_map, layer_entries, read_megatron_shard
+from engine.policy.hf_convert import DictSource, read_megatron_shard
+from engine.policy.hf_map import ModelDims, family_map, layer_entries
 from engine.rollout.fp8_server_sync import assemble_box, assembled_digests, fp8_assemblies, quantize_assembled
 from engine.rollout.fp8_sync import expected_digests, fp8_engine_tensors, is_fp8_weight, quantize_bucket, quantize_shard
 from engine.rollout.sync_plan import TrainerLayout, box_slices, build_sync_plan, local_view

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError, RolloutConfig, load_config
 from engine.models.quantized import FP8_DTYPE, quantize_fp8
-from engine.policy.hf_convert import ModelDims
+from engine.policy.hf_map import ModelDims
 from engine.rollout.fp8_checkpoint import fp8_engine_settings, write_fp8_engine_checkpoint
 from engine.rollout.fp8_sync import (
     FP8_BLOCK,

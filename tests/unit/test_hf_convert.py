@@ -4,15 +4,8 @@ own partition attributes split a global tensor (engine.policy.model.take_tp_shar
 import pytest
 import torch
 
-from engine.policy.hf_convert import (
-    DictSource,
-    ModelDims,
-    family_map,
-    find_entry,
-    read_megatron_shard,
-    to_hf,
-    to_megatron_global,
-)
+from engine.policy.hf_convert import DictSource, read_megatron_shard, to_hf, to_megatron_global
+from engine.policy.hf_map import ModelDims, family_map, find_entry
 from engine.policy.model import take_tp_shard
 
 # kind -> (partition_dim, partition_stride) of the Megatron parameter that holds it

@@ -7,17 +7,8 @@ expert-parallel terms follow their formulas."""
 import pytest
 import torch
 
-from engine.policy.hf_convert import (
-    MOE_MAPS,
-    DictSource,
-    ModelDims,
-    expert_index,
-    family_map,
-    find_entry,
-    read_megatron_shard,
-    to_hf,
-    to_megatron_global,
-)
+from engine.policy.hf_convert import DictSource, read_megatron_shard, to_hf, to_megatron_global
+from engine.policy.hf_map import MOE_MAPS, ModelDims, expert_index, family_map, find_entry
 from engine.rollout.sync_plan import TrainerLayout, build_sync_plan
 
 H, HEADS, KV, D, VOCAB, FFN, MOE_FFN, EXPERTS = 16, 4, 2, 8, 37, 24, 6, 4

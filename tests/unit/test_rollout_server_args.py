@@ -135,7 +135,7 @@ def test_the_health_checks_model_facts_survive_json_and_a_changed_fact_is_named(
     from transformers import AutoConfig
 
     from engine.models.tiny_model import build_tiny_model
-    from engine.policy.hf_convert import ModelDims
+    from engine.policy.hf_map import ModelDims
     from engine.rollout.server import model_mismatch
 
     hf_config = AutoConfig.from_pretrained(build_tiny_model(tmp_path / family, family, seed=0))

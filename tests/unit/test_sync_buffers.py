@@ -5,7 +5,7 @@ little room for the receive buffers is refused."""
 
 import pytest
 
-from engine.policy.hf_convert import ModelDims
+from engine.policy.hf_map import ModelDims
 from engine.policy.model import padded_vocab_size
 from engine.rollout import weight_transport
 from engine.rollout.sync_buffers import sync_buffers

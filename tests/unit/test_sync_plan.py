@@ -23,7 +23,8 @@ import json
 import pytest
 import torch
 
-from engine.policy.hf_convert import DictSource, ModelDims, family_map, layer_entries, read_megatron_shard
+from engine.policy.hf_convert import DictSource, read_megatron_shard
+from engine.policy.hf_map import ModelDims, family_map, layer_entries
 from engine.policy.model import padded_vocab_size
 from engine.rollout.sync_plan import TrainerLayout, build_sync_plan, build_sync_plan_from_spec, local_view
 from tests.helpers.sync_plan import apply_plan
