@@ -199,7 +199,7 @@ class FamilySpec:
     (`randomise_tiny_inits(model)`, under the build's seeded RNG)."""
 
     converter_dims: Callable = _no_settings
-    """The converter's shape facts beyond the shared ones (`converter_dims(hf_config)` -> engine/policy/hf_convert.py
+    """The converter's shape facts beyond the shared ones (`converter_dims(hf_config)` -> engine/policy/hf_map.py
     `ModelDims` keywords: four norms per layer, one norm per layer, multi-latent attention's ranks, a hybrid stack's
     layer kinds)."""
     layer_tensors: Callable | None = None

@@ -1,7 +1,7 @@
 """Multi-latent attention (MLA) as a kind of attention the converter and the sync plan know, whichever family uses it
 (DeepSeek-V3's: engine/models/deepseek_v3/): the HF <-> Megatron names of its tensors and their HF shapes.
 
-Owns: `MLA_TENSORS` (read by engine/policy/hf_convert.py) and `mla_hf_shape` (read by engine/rollout/sync_plan.py).
+Owns: `MLA_TENSORS` (read by engine/policy/hf_map.py) and `mla_hf_shape` (read by engine/rollout/sync_plan.py).
 
 Must not: import torch, Megatron or vLLM (the planner imports the converter's map), or name a family.
 
@@ -29,7 +29,7 @@ as HF's `apply_rotary_pos_emb_interleave` does). The down projections are whole 
 
 def mla_hf_shape(megatron: str, dims) -> tuple[int, ...]:
     """The HF shape of MLA tensor `megatron` (a global name ending in one of `MLA_TENSORS`) of a model of `dims`
-    (engine/policy/hf_convert.py ModelDims)."""
+    (engine/policy/hf_map.py ModelDims)."""
     hidden, heads, q_lora, kv_lora = dims.hidden_size, dims.num_heads, dims.q_lora_rank, dims.kv_lora_rank
     qk_head = dims.qk_nope_head_dim + dims.qk_rope_head_dim
     shapes = {"linear_q_down_proj.weight": (q_lora, hidden), "q_layernorm.weight": (q_lora,),

@@ -57,7 +57,7 @@ def vllm_cpu_mla_backend(model_dir, dtype: str, on_gpu: bool) -> dict:
 
 
 def mla_dims(hf_config) -> dict:
-    """engine/policy/hf_convert.py ModelDims' MLA fields of a DeepSeek-V3 config ({} for other families)."""
+    """engine/policy/hf_map.py ModelDims' MLA fields of a DeepSeek-V3 config ({} for other families)."""
     if hf_config.model_type != "deepseek_v3":
         return {}
     return {name: int(getattr(hf_config, name)) for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",

