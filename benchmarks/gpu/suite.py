@@ -3,7 +3,8 @@
 Parts (each a subprocess, so a crash, a CUDA error or an out-of-memory in one leaves the next untouched; each
 killed at its time limit, keeping the rows it already wrote):
   a. kernel_tests: `pytest tests/kernels tests/gpu` (on a GPU: real Triton at the tests' shapes, then the kernel and
-     the Megatron GRPO step at real sizes: `make test-gpu`'s tests);
+     the Megatron GRPO step at real sizes: `make test-gpu`'s tests; the CPU smoke runs only the LM head's agreement
+     tests, enough to prove the part's plumbing: tests/kernels runs in full on its own tier);
   b. lm_head: the bf16 GEMM floor, Triton tile and one-pass row-tile choices per H (written as a tuned-tile table,
      <results>/tuned/<device>.json), the fused log-prob sweep (two-pass Triton at default and tuned tiles, one-pass
      cuBLAS + Triton and cuBLAS-chunked torch) against the torch reference and Liger (benchmarks/gpu/lm_head.py);
@@ -21,7 +22,7 @@ remaining `--budget-s` cannot hold.
 Every part appends rows (benchmarks/harness.py's CSV: device, git sha, torch / vLLM / Megatron / Triton versions)
 to a CSV in the results folder: `$OUT` when set (the lent GPU machine), else benchmarks/results/, or
 `--results-dir`. The suite adds `suite.csv`: one `wall_time` row per part (config: status ok / failed / timeout /
-skipped, the reason, the parts' `SUITE-NOTE:` lines, rows written) and one `environment` row (config: transformers,
+skipped, the reason, the parts' `SUITE-NOTE:` lines, rows written, CPU seconds) and one `environment` row (config: transformers,
 trl, liger-kernel, datasets, CUDA and Python versions). The whole output is also in `suite.log`. A short table is
 printed last.
 
@@ -125,8 +126,11 @@ PARTS = (
           "--micro-batch", "2", "--iters", "1", "--warmup", "0", "--engine-variants", "engine",
           "--csv", "{results}/long_tail.csv"), 540, 300, ("long_tail.csv",), ("megatron.core",)),
 )
-"""In order of value. c7 (the trimmed 7B) runs on a GPU only: the CPU smoke has one tiny shape. The CPU limits are
-generous (the smoke takes ~80 s of CPU in all) because a shared 2-core machine can run it several times slower."""
+"""In order of value. c7 (the trimmed 7B) runs on a GPU only: the CPU smoke has one tiny shape and does the least
+work that still writes every row the GPU run writes (one longest-fit probe, two tile candidates at the smallest
+shape, one timed call). The CPU limits are generous (the smoke takes about 150 s of CPU in all, some 70 s of it
+importing torch, Megatron and TRL in each part's process; `cpu_s` in suite.csv) because a loaded shared 2-core
+machine stretches that several times (15 to 20 minutes of wall time on one)."""
 
 
 @dataclass

@@ -3,7 +3,9 @@ and the rows the GPU run will produce are there (device, git sha, versions, the 
 returned rows are collected into a results folder as after a device call.
 
 The suite runs as a subprocess, as on the lent machine (its parts are subprocesses too: the Triton interpreter,
-real Megatron on gloo, a real TRL GRPOTrainer): about 60 s of CPU time on 2 cores.
+real Megatron on gloo, a real TRL GRPOTrainer): about 150 s of CPU time, 15 to 20 minutes of wall time on a loaded
+2-core machine. Each part does the least work that still writes every row the GPU run writes; the kernels' correctness is
+tests/kernels' job, not this one's.
 """
 
 from __future__ import annotations
