@@ -64,8 +64,8 @@ VARIANTS = ("reference,torch_chunked,triton,onepass_torch_chunked,onepass_cublas
 GPU = dict(gemm_sizes="4096,8192", tokens="2048,8192,16384", hidden="1536,4096", vocab=151936, dtype="bfloat16",
            tile_tokens=8192, iters=10, warmup=3, variants=VARIANTS,
            onepass_workspace_mb=bench_fused_logprob.ENGINE_WORKSPACE_MB)
-CPU = dict(gemm_sizes="64", tokens="32", hidden="32", vocab=256, dtype="float32", tile_tokens=32, iters=1, warmup=0,
-           variants=VARIANTS, onepass_workspace_mb=0.02)
+CPU = dict(gemm_sizes="64", tokens="16", hidden="32", vocab=128, dtype="float32", tile_tokens=16, iters=1, warmup=0,
+           variants=VARIANTS, onepass_workspace_mb=0.01)
 
 
 def measure_floor(env, device: torch.device, dtype_name: str, sizes: list[int], args) -> float:

@@ -17,7 +17,7 @@ Rows (`long_tail.csv`, bench `long_tail_step`, mode `train_step`): time, `tokens
 completion tokens per second, peak memory; the config names the variant's settings and the padded token count.
 
     python -m benchmarks.gpu.long_tail --shape qwen2.5-1.5b --csv /tmp/long_tail.csv     # one GPU
-    python -m benchmarks.gpu.long_tail --shape tiny --batch 6 --median 12 --p99 40 --cap 48 --prompt-len 8 \\
+    python -m benchmarks.gpu.long_tail --shape tiny --batch 4 --median 12 --p99 40 --cap 48 --prompt-len 8 \\
         --micro-batch 2 --iters 1 --warmup 0 --csv /tmp/long_tail.csv                    # CPU smoke
 
 Must not: judge timings, or read Megatron's global parallel state (engine/ does that).

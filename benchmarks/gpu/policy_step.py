@@ -22,7 +22,7 @@ stopped by its time limit keeps what it measured.
     python -m benchmarks.gpu.policy_step --shape qwen2.5-1.5b --csv /tmp/grpo_step.csv       # one GPU
     python -m benchmarks.gpu.policy_step --shape qwen2.5-7b --num-layers 6 --csv /tmp/grpo_step.csv
     python -m benchmarks.gpu.policy_step --shape tiny --implementations torch_chunked,reference --batch 4 \\
-        --micro-batch 2 --prompt-len 8 --completion-len 16 --fit-lengths 16,32 --csv /tmp/grpo_step.csv  # CPU smoke
+        --micro-batch 2 --prompt-len 8 --completion-len 16 --fit-lengths 32 --csv /tmp/grpo_step.csv  # CPU smoke
 
 Must not: judge timings (a program, not a test) or read Megatron's global parallel state (engine/ does that).
 

@@ -24,7 +24,7 @@ Megatron with its full recompute while this part ran without: the H200 rows at 6
 
     python -m benchmarks.gpu.trl_step --shape qwen2.5-1.5b --csv /tmp/trl_grpo_step.csv           # one GPU
     python -m benchmarks.gpu.trl_step --shape tiny --batch 4 --micro-batch 2 --prompt-len 8 --completion-len 16 \\
-        --fit-lengths 16,32 --csv /tmp/trl_grpo_step.csv                                        # CPU smoke
+        --fit-lengths 32 --csv /tmp/trl_grpo_step.csv                                           # CPU smoke
 
 Must not: patch TRL (its own trainer, config and loss code run unchanged) or judge timings.
 

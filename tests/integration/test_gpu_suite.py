@@ -3,13 +3,16 @@ and the rows the GPU run will produce are there (device, git sha, versions, the 
 returned rows are collected into a results folder as after a device call.
 
 The suite runs as a subprocess, as on the lent machine (its parts are subprocesses too: the Triton interpreter,
-real Megatron on gloo, a real TRL GRPOTrainer): about 60 s of CPU time on 2 cores.
+real Megatron on gloo, a real TRL GRPOTrainer): about 150 s of CPU time, 15 to 20 minutes of wall time on a loaded
+2-core machine. Each part does the least work that still writes every row the GPU run writes; the kernels' correctness is
+tests/kernels' job, not this one's.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,10 +49,10 @@ def test_every_part_ran_or_says_why_it_was_skipped(smoke):
         if part["status"] == "skipped":
             assert part["reason"], f"part {key} skipped without a reason"
     for key in ("a", "b", "c", "d", "f"):  # kernels, lm-head, Megatron, TRL, the long-tailed batch all run on CPU
-        assert parts[key]["status"] == "ok" and float(parts[key]["p50"]) > 0
+        assert parts[key]["status"] == "ok" and float(parts[key]["p50"]) > 0 and parts[key]["cpu_s"] > 0
     assert "GPU only" in parts["c7"]["reason"]
     assert parts["e"]["status"] == "ok" or "bench_packing" in parts["e"]["reason"]  # not there yet, or no --csv
-    assert any("passed" in note for note in parts["a"]["notes"])
+    assert any(re.search(r"\b[1-9]\d* passed", note) and "failed" not in note for note in parts["a"]["notes"])
 
 
 def test_rows_carry_device_git_sha_and_versions(smoke):
@@ -97,10 +100,12 @@ def test_step_parts_measure_nominal_step_and_longest_fit(smoke):
         assert len(share) == 1 and 0 < share[0], implementation  # the LM head's share of the step
         fit = [r for r in mine if r["metric"] == "max_completion_len"]
         assert float(fit[-1]["p50"]) == 32 and json.loads(fit[-1]["config_json"])["stopped"]
+        assert [r for r in mine if r["mode"] == "longest_fit" and r["metric"] == "peak_memory" and r["x_value"] == "32"]
     trl = read_rows(results / "trl_grpo_step.csv")
     assert {r["metric"] for r in trl if r["variant"] == "trl" and r["mode"] == "train_step"} == {
         "time", "tokens_per_s", "peak_memory"}
-    assert [r for r in trl if r["variant"] == "trl" and r["metric"] == "max_completion_len"]
+    trl_fit = [r for r in trl if r["variant"] == "trl" and r["metric"] == "max_completion_len"]
+    assert trl_fit and float(trl_fit[-1]["p50"]) == 32
     same_tokens = {r["x_value"] for r in megatron + trl if r["mode"] == "train_step"}
     assert same_tokens == {"64"}  # 4 completions x 16 tokens, the same batch on both sides
 
