@@ -144,6 +144,12 @@ def row_tiles_label(tiles) -> str:
     return f"s{tiles.stats_rows}x{tiles.stats_cols}_d{tiles.dz_rows}x{tiles.dz_cols}_w{tiles.num_warps}"
 
 
+def fused_tiles_label(tiles) -> str:
+    """One-pass fused-GEMM block sizes as a label, e.g. "m64_v64_h64_g8_w8_s3" (`FusedTiles`)."""
+    return (f"m{tiles.block_m}_v{tiles.block_v}_h{tiles.block_h}_g{tiles.group_m}_w{tiles.num_warps}"
+            f"_s{tiles.num_stages}")
+
+
 def _rows_for(env: EnvInfo, variant: str, mode: str, n: int, flop: float, timing, memory, config: dict) -> list[Row]:
     """time / throughput / peak_memory rows of one (variant, mode, N)."""
     key = dict(bench=BENCH, variant=variant, mode=mode, x_name="N", x_value=n, config=config)
@@ -177,6 +183,8 @@ def bench_point(env: EnvInfo, variants: list[str], n: int, h: int, v: int, dtype
         config["tiles"] = tiles_label(tiles)
     if getattr(args, "row_tiles", None) is not None:
         config["row_tiles"] = row_tiles_label(args.row_tiles)
+    if getattr(args, "fused_tiles", None) is not None:
+        config["fused_tiles"] = fused_tiles_label(args.fused_tiles)
     if device.type == "cpu":
         config["torch_threads"] = torch.get_num_threads()
     rows, peaks = [], {}
@@ -185,9 +193,11 @@ def bench_point(env: EnvInfo, variants: list[str], n: int, h: int, v: int, dtype
             if variant == "liger_grpo_loss":
                 modes = _liger_modes(inputs)
             elif variant in ONEPASS_VARIANTS:
-                row_tiles = getattr(args, "row_tiles", None)  # the cublas_triton row kernels' tiles
+                # the cublas_triton row kernels' tiles, the triton_fused GEMMs' tiles
+                row_tiles = {"onepass_cublas_triton": getattr(args, "row_tiles", None),
+                             "onepass_triton_fused": getattr(args, "fused_tiles", None)}.get(variant)
                 modes = _onepass_modes(variant, inputs, getattr(args, "onepass_workspace_mb", args.workspace_mb),
-                                       row_tiles if variant == "onepass_cublas_triton" else None)
+                                       row_tiles)
             else:
                 modes = _kernel_modes(variant, inputs, args.workspace_mb, tiles)
         except (ImportError, TypeError, RuntimeError) as err:

@@ -50,7 +50,8 @@ from kernels.softmax_stats import NUM_STATS, merge_stats
 class FusedTiles:
     """Block sizes of the three fused GEMMs. The forward's output tile is block_m x block_v (K step block_h), dX's
     block_m x block_h (K step block_v), dW's block_v x block_h (K step block_m); the dz prologue holds a block_m x
-    block_v float32 tile. Not timed yet. Compiled for sm_90 and sm_80 at every launch point of `python -m
+    block_v float32 tile. Measured per device, dtype and H by the GPU suite's sweep (benchmarks/gpu/lm_head.py ->
+    kernels/tuned/, read by `default_fused_tiles`). Compiled for sm_90 and sm_80 at every launch point of `python -m
     kernels.compile_check` (Triton 3.9): these defaults (64 x 64 x 64, 8 warps, 3 stages: bfloat16 / float16) and
     `FP32_FUSED_TILES` (32 x 32 x 32, 8 warps, 3 stages: float32) compile all three kernels without register
     spills. Larger float32 tiles spill a few bytes (4-32 B) on sm_80 or sm_90: 64 x 64 x 32 and 64 x 64 x 16 (dX),
@@ -78,10 +79,19 @@ STATS_BYTES_PER_ELEMENT = 1
 about three times that while merging."""
 
 
-def default_fused_tiles(device: torch.device, dtype: torch.dtype) -> FusedTiles:
-    """`FP32_FUSED_TILES` for float32 and `FusedTiles()` otherwise on CUDA; `INTERPRETER_FUSED_TILES` elsewhere."""
+def default_fused_tiles(device: torch.device, dtype: torch.dtype, hidden_size: int | None = None) -> FusedTiles:
+    """On CUDA the measured tiles of this device, dtype and H (kernels/tuned_tiles.py, kind "onepass_fused") where a
+    table has them, else `FP32_FUSED_TILES` for float32 and `FusedTiles()` otherwise; `INTERPRETER_FUSED_TILES`
+    elsewhere."""
     if device.type != "cuda":
         return INTERPRETER_FUSED_TILES
+    if hidden_size is not None:
+        from kernels.tuned_tiles import cuda_device_name, lookup
+
+        name = cuda_device_name(device)
+        tuned = None if name is None else lookup("onepass_fused", name, dtype, hidden_size)
+        if tuned is not None:
+            return tuned
     return FP32_FUSED_TILES if dtype == torch.float32 else FusedTiles()
 
 

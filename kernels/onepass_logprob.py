@@ -119,6 +119,17 @@ def _add_dw(dw_acc: torch.Tensor, dz: torch.Tensor, x_rows: torch.Tensor, is_fir
             dw_acc[c0:c0 + block] += part
 
 
+def resolve_onepass_tiles(implementation: str, row_tiles: RowTiles | FusedTiles | None, device: torch.device,
+                          dtype: torch.dtype, hidden_size: int) -> RowTiles | FusedTiles:
+    """The tiles an implementation launches with: `row_tiles` when given, else its default for this device, dtype and
+    H (the measured table's entry where one exists: `default_fused_tiles`, `default_row_tiles`)."""
+    if row_tiles is not None:
+        return row_tiles
+    if implementation == "triton_fused":
+        return default_fused_tiles(device, dtype, hidden_size)
+    return default_row_tiles(device, dtype, hidden_size)
+
+
 def onepass_chunks(hidden, weight, token_ids, shard: VocabShard, inv_temperature: float, softcap, tp_group,
                    workspace_bytes: int, implementation: str, row_tiles: RowTiles | FusedTiles | None,
                    token_grads: TokenGrads | None, needs_dx: bool, needs_dw: bool):
@@ -132,10 +143,7 @@ def onepass_chunks(hidden, weight, token_ids, shard: VocabShard, inv_temperature
     wants_grad = token_grads is not None and (needs_dx or needs_dw)
     rows = plan_chunk_rows(num_rows, shard.num_local, workspace_bytes,
                            workspace_bytes_per_element(implementation, hidden.dtype, softcap))
-    if implementation == "triton_fused":
-        tiles = row_tiles or default_fused_tiles(device, hidden.dtype)
-    else:
-        tiles = row_tiles or default_row_tiles(device, hidden.dtype, hidden.shape[1])
+    tiles = resolve_onepass_tiles(implementation, row_tiles, device, hidden.dtype, hidden.shape[1])
     logprobs = torch.empty(num_rows, dtype=acc_dtype, device=device)
     entropy = torch.empty(num_rows, dtype=acc_dtype, device=device)
     dx = torch.zeros(hidden.shape, dtype=acc_dtype, device=device) if wants_grad and needs_dx else None

@@ -6,12 +6,13 @@ non-alphanumerics turned into "_", e.g. NVIDIA_H100_80GB_HBM3.json), written by 
 
     {"device": "<torch.cuda.get_device_name()>", "source": {"git_sha": ..., "date": ..., ...},
      "entries": {"<dtype>": {"<bucket>": {"lm_head": {<TritonTiles fields>, "full_ms": ...},
-                                         "onepass_rows": {<RowTiles fields>, "full_ms": ...}}}}}
+                                         "onepass_rows": {<RowTiles fields>, "full_ms": ...},
+                                         "onepass_fused": {<FusedTiles fields>, "full_ms": ...}}}}}
 
 Buckets (`hidden_bucket`): the next power of two >= H, clamped to [1024, 16384], as "h1024" ... "h16384". A missing
 table, dtype, bucket or kind gives None: the caller keeps its register-safe default (kernels/fused_logprob.py
-`default_tiles`, kernels/onepass_rows.py `default_row_tiles`). Tiles that spill are allowed here when they measured
-faster; kernels/compile_check.py checks the defaults only.
+`default_tiles`, kernels/onepass_rows.py `default_row_tiles`, kernels/onepass_fused.py `default_fused_tiles`).
+Tiles that spill are allowed here when they measured faster; kernels/compile_check.py checks the defaults only.
 
 Must not: import engine/, measure anything, or guess tiles for a device without a table.
 
@@ -29,11 +30,13 @@ from pathlib import Path
 import torch
 
 from kernels.fused_logprob import TritonTiles
+from kernels.onepass_fused import FusedTiles
 from kernels.onepass_rows import RowTiles
 
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
-KINDS = {"lm_head": TritonTiles, "onepass_rows": RowTiles}
-"""Table kind -> the dataclass its entries fill: the two-pass Triton kernels' tiles, the one-pass row kernels'."""
+KINDS = {"lm_head": TritonTiles, "onepass_rows": RowTiles, "onepass_fused": FusedTiles}
+"""Table kind -> the dataclass its entries fill: the two-pass Triton kernels' tiles, the one-pass row kernels', the
+one-pass fused GEMMs' ("triton_fused")."""
 
 
 def device_file_name(device_name: str) -> str:
@@ -72,7 +75,8 @@ def load_table(device_name: str, directory: Path | None = None) -> dict | None:
 
 
 def lookup(kind: str, device_name: str, dtype: torch.dtype, hidden_size: int, directory: Path | None = None):
-    """The measured tiles of `kind` ("lm_head" -> TritonTiles, "onepass_rows" -> RowTiles), or None."""
+    """The measured tiles of `kind` ("lm_head" -> TritonTiles, "onepass_rows" -> RowTiles, "onepass_fused" ->
+    FusedTiles), or None."""
     cls = KINDS[kind]
     table = load_table(device_name, directory)
     entry = None if table is None else table["entries"].get(dtype_name(dtype), {}).get(

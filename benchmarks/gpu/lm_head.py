@@ -5,13 +5,15 @@ In order, each step appending its rows as soon as it has them (a time limit keep
    the best p50 TFLOP/s of those sizes, the rate the LM-head GEMMs could reach at best on this device;
 2. tile choices tried: the Triton kernels (kernels/fused_logprob.py) at one point (`--tile-tokens`, the largest
    `--hidden`) for each of `TILE_CANDIDATES` (forward, backward and full; rows in `fused_logprob.csv` with the
-   block sizes in `config.tiles`); a candidate that does not compile or run is reported and skipped; the best by
-   full-mode p50 is used next;
+   block sizes in `config.tiles`), then, full mode, the one-pass row kernels' `ROW_TILE_CANDIDATES`
+   (`config.row_tiles`) and fused GEMMs' `FUSED_TILE_CANDIDATES` (`config.fused_tiles`); a candidate that does not
+   compile or run is reported and skipped; the best by full-mode p50 goes into the tuned-tile table and is used next;
 3. the sweep (benchmarks/bench_fused_logprob.py's `bench_point`): every (N, H) of `--tokens` x `--hidden` at
    V = `--vocab`, variants reference (logits materialised), torch_chunked, triton (best tiles; and, first, at the
    kernel's default tiles where the best differ, so that a change of default rests on the whole sweep), the one-pass
-   onepass_torch_chunked, onepass_cublas_triton and onepass_triton_fused (its default tiles, no sweep yet) and Liger's
-   `LigerFusedLinearGRPOLoss` (full mode only; skipped with a printed reason where liger-kernel does not import):
+   onepass_torch_chunked, onepass_cublas_triton and onepass_triton_fused (each at its best tiles, and its default
+   tiles first where they differ) and Liger's `LigerFusedLinearGRPOLoss` (full mode only; skipped with a printed
+   reason where liger-kernel does not import):
    p50 ms and TFLOP/s (6NHV for full), peak extra memory, plus a `fraction_of_floor` row (TFLOP/s / floor) per
    throughput row.
 
@@ -37,7 +39,8 @@ import torch
 
 from benchmarks import bench_fused_logprob, bench_gemm
 from benchmarks.harness import RESULTS_DIR, append_rows, capture_env
-from kernels import TritonTiles, fused_logprob, onepass_rows, tuned_tiles
+from kernels import TritonTiles, fused_logprob, onepass_fused, onepass_rows, tuned_tiles
+from kernels.onepass_fused import INTERPRETER_FUSED_TILES, FusedTiles
 from kernels.onepass_rows import INTERPRETER_ROW_TILES, RowTiles
 
 TILE_CANDIDATES = (
@@ -59,6 +62,15 @@ ROW_TILE_CANDIDATES = (
     RowTiles(stats_rows=1, stats_cols=4096, dz_rows=4, dz_cols=1024, num_warps=8),
 )
 CPU_ROW_TILE_CANDIDATES = (INTERPRETER_ROW_TILES, RowTiles(stats_rows=2, stats_cols=128, dz_rows=2, dz_cols=128))
+FUSED_TILE_CANDIDATES = (
+    FusedTiles(),  # the bf16 default: 64 x 64 x 64, 8 warps, 3 stages (no spills: kernels/compile_check.py)
+    FusedTiles(block_m=128, block_v=128, block_h=64, num_warps=8, num_stages=3),
+    FusedTiles(block_m=128, block_v=256, block_h=64, num_warps=8, num_stages=3),
+    FusedTiles(block_m=64, block_v=128, block_h=64, num_warps=4, num_stages=4),
+    FusedTiles(block_m=128, block_v=64, block_h=64, num_warps=8, num_stages=3),
+)
+CPU_FUSED_TILE_CANDIDATES = (INTERPRETER_FUSED_TILES,
+                             FusedTiles(block_m=32, block_v=64, block_h=32, group_m=2, num_warps=4, num_stages=1))
 VARIANTS = ("reference,torch_chunked,triton,onepass_torch_chunked,onepass_cublas_triton,onepass_triton_fused,"
             "liger_grpo_loss")
 GPU = dict(gemm_sizes="4096,8192", tokens="2048,8192,16384", hidden="1536,4096", vocab=151936, dtype="bfloat16",
@@ -115,15 +127,15 @@ def sweep_tiles(env, device, args, floor_tflops: float, candidates, hidden: int,
     return best, best_ms
 
 
-def sweep_and_record(env, device, args, floor: float, variants: list[str]) -> tuple[dict, dict]:
-    """Per H: the two-pass Triton tiles and the one-pass row tiles by measurement; the bests go into a tuned-tile
-    table (kernels/tuned_tiles.py layout) at <results>/tuned/<device>.json, to be committed to kernels/tuned/.
-    Returns ({H: best TritonTiles}, {H: best RowTiles})."""
+def sweep_and_record(env, device, args, floor: float, variants: list[str]) -> tuple[dict, dict, dict]:
+    """Per H: the two-pass Triton tiles, the one-pass row tiles and the one-pass fused GEMMs' tiles by measurement;
+    the bests go into a tuned-tile table (kernels/tuned_tiles.py layout) at <results>/tuned/<device>.json, to be
+    committed to kernels/tuned/. Returns ({H: best TritonTiles}, {H: best RowTiles}, {H: best FusedTiles})."""
     table = {"device": env.device, "source": {
         "git_sha": env.git_sha, "date": datetime.now(UTC).isoformat(timespec="seconds"), "torch": env.torch_version,
         "triton": env.triton_version, "mode": "cpu" if args.cpu else "gpu", "tile_tokens": args.tile_tokens,
         "vocab": args.vocab, "workspace_mb": args.workspace_mb, "onepass_workspace_mb": args.onepass_workspace_mb}}
-    best_tiles, best_rows = {}, {}
+    best_tiles, best_rows, best_fused = {}, {}, {}
     for h in args.hidden:
         if "triton" in variants:
             tiles, ms = sweep_tiles(env, device, args, floor, CPU_TILE_CANDIDATES if args.cpu else TILE_CANDIDATES, h)
@@ -137,11 +149,18 @@ def sweep_and_record(env, device, args, floor: float, variants: list[str]) -> tu
             if rows is not None:
                 best_rows[h] = rows
                 tuned_tiles.record(table, "onepass_rows", args.torch_dtype, h, rows, ms)
+        if "onepass_triton_fused" in variants:
+            fused, ms = sweep_tiles(env, device, args, floor, CPU_FUSED_TILE_CANDIDATES if args.cpu else
+                                    FUSED_TILE_CANDIDATES, h, "onepass_triton_fused", "fused_tiles",
+                                    bench_fused_logprob.fused_tiles_label)
+            if fused is not None:
+                best_fused[h] = fused
+                tuned_tiles.record(table, "onepass_fused", args.torch_dtype, h, fused, ms)
     if table.get("entries"):
         path = tuned_tiles.write_table(tuned_tiles.table_path(env.device, args.results_dir / "tuned"), table)
         print(f"SUITE-NOTE: tuned-tile table {path.name} written ({sum(len(b) for b in table['entries'].values())} "
               f"H buckets); commit it to kernels/tuned/")
-    return best_tiles, best_rows
+    return best_tiles, best_rows, best_fused
 
 
 def run(args: argparse.Namespace) -> None:
@@ -155,7 +174,7 @@ def run(args: argparse.Namespace) -> None:
         print("SUITE-NOTE: liger_grpo_loss skipped: liger-kernel is not installed (benchmarks/gpu/fetch_wheels.sh "
               "carries it to the GPU machine)")
         variants.remove("liger_grpo_loss")
-    best_tiles, best_rows = sweep_and_record(env, device, args, floor, variants)
+    best_tiles, best_rows, best_fused = sweep_and_record(env, device, args, floor, variants)
     if "triton" in variants and not best_tiles:
         print("SUITE-NOTE: triton skipped in the sweep: no tile candidate ran")
         variants.remove("triton")
@@ -170,7 +189,11 @@ def run(args: argparse.Namespace) -> None:
         rows_best, rows_default = best_rows.get(h), onepass_rows.default_row_tiles(device)
         if "onepass_cublas_triton" in variants and rows_best not in (None, rows_default):
             extra.append((["onepass_cublas_triton"], {"row_tiles": rows_default}))
-        point_args = argparse.Namespace(**{**vars(args), "tiles": tiles, "row_tiles": rows_best})
+        fused_best, fused_default = best_fused.get(h), onepass_fused.default_fused_tiles(device, args.torch_dtype)
+        if "onepass_triton_fused" in variants and fused_best not in (None, fused_default):
+            extra.append((["onepass_triton_fused"], {"fused_tiles": fused_default}))
+        point_args = argparse.Namespace(**{**vars(args), "tiles": tiles, "row_tiles": rows_best,
+                                           "fused_tiles": fused_best})
         for n in args.tokens:
             start = time.monotonic()
             try:

@@ -4,7 +4,8 @@ Measures, for one model shape (benchmarks/bench_grpo_step.py's shapes, random we
 since Transformer Engine is absent on the lent GPU, its attention through torch's SDPA, activation recompute as
 `--gradient-checkpointing` says: off by default, as in part d) and each `--implementations` entry (the log-prob path:
 `triton` = the fused kernel, `reference` = logits materialised, `torch_chunked` = the tiled torch path, all two-pass;
-`onepass_cublas_triton` / `onepass_torch_chunked` = the one-pass LM head, kernels/onepass_logprob.py):
+`onepass_cublas_triton` / `onepass_triton_fused` / `onepass_torch_chunked` = the one-pass LM head,
+kernels/onepass_logprob.py):
 - the step at the nominal batch (`--batch` completions of `--prompt-len` + `--completion-len` tokens in
   micro-batches of `--micro-batch`, DAPO, off-policy old log-probs): time, completion tokens/s, peak memory
   (rows exactly as `python -m benchmarks.bench_grpo_step` writes them, bench `grpo_step`, mode `train_step`);

@@ -93,9 +93,9 @@ class Part:
     """Modules that must import for the part to run."""
 
 
-STEP_IMPLEMENTATIONS = "triton,onepass_cublas_triton,onepass_torch_chunked,reference"
-"""Part c's LM-head paths: the two-pass Triton kernel, the one-pass loss on cuBLAS + Triton row kernels and on torch
-ops (cuBLAS-chunked), the materialised logits."""
+STEP_IMPLEMENTATIONS = "triton,onepass_cublas_triton,onepass_triton_fused,onepass_torch_chunked,reference"
+"""Part c's LM-head paths: the two-pass Triton kernel, the one-pass loss on cuBLAS + Triton row kernels, on fused
+Triton GEMMs and on torch ops (cuBLAS-chunked), the materialised logits."""
 FIT = ("--fit-lengths", "1024,2048,3072,4096,6144,8192,12288,16384,24576,32768")
 CPU_STEP = ("--shape", "tiny", "--batch", "4", "--micro-batch", "2", "--prompt-len", "8", "--completion-len", "16",
             "--fit-lengths", "32", "--iters", "1", "--warmup", "0")

@@ -82,9 +82,12 @@ def test_lm_head_part_measures_floor_tiles_and_every_variant(smoke):
         assert mine == {("full", m) for m in ("time", "throughput", "peak_memory", "fraction_of_floor")}, variant
     row_tiles = {json.loads(r["config_json"]).get("row_tiles") for r in rows if r["variant"] == "onepass_cublas_triton"}
     assert len(row_tiles - {None}) >= 2  # row-tile choices tried
+    fused_tiles = {json.loads(r["config_json"]).get("fused_tiles") for r in rows
+                   if r["variant"] == "onepass_triton_fused"}
+    assert len(fused_tiles - {None}) >= 2  # the fused GEMMs' tile choices tried
     [table] = (results / "tuned").glob("*.json")  # the sweep's bests, as kernels/tuned_tiles.py reads them
     entries = json.loads(table.read_text())["entries"]["float32"]["h1024"]
-    assert set(entries) == {"lm_head", "onepass_rows"}
+    assert set(entries) == {"lm_head", "onepass_rows", "onepass_fused"}
     parts = _parts(results)
     liger_installed = importlib.util.find_spec("liger_kernel") is not None
     assert liger_installed or any("liger_grpo_loss skipped" in n for n in parts["b"]["notes"])

@@ -61,3 +61,19 @@ def test_long_tailed_batch_has_the_asked_median_tail_and_cap_and_is_the_same_for
     first, second = (long_tail_batch(1000, [3, 9, 1], prompt_len=4) for _ in range(2))
     assert first.completion_mask.sum(1).tolist() == [3, 9, 1]
     assert all(torch.equal(getattr(first, k), getattr(second, k)) for k in ("tokens", "completion_ids", "advantages", "old_logprobs"))
+
+
+def test_step_part_measures_every_onepass_implementation_on_the_gpu():
+    """Part c's GPU implementations include each one-pass implementation, each a step config the engine accepts and an
+    LM-head variant the share rows can time."""
+    from benchmarks.bench_fused_logprob import ONEPASS_VARIANTS
+    from benchmarks.bench_grpo_step import kernels_for
+    from benchmarks.gpu.suite import STEP_IMPLEMENTATIONS
+    from kernels.onepass_logprob import ONEPASS_IMPLEMENTATIONS
+
+    names = STEP_IMPLEMENTATIONS.split(",")
+    onepass = [n for n in names if n.startswith("onepass_")]
+    assert sorted(onepass) == sorted(f"onepass_{i}" for i in ONEPASS_IMPLEMENTATIONS if i != "auto")
+    for name in onepass:
+        config = kernels_for(name)
+        assert config.loss_pass == "one" and config.onepass_implementation == ONEPASS_VARIANTS[name]
