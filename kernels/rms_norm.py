@@ -1,7 +1,8 @@
 """Fused RMSNorm in Triton: y = x * rsqrt(mean(x^2) + eps) * (w + offset), forward and backward.
 
-Owns: the forward kernel (one program per row: the row's rstd in float32 and the output), the backward kernel
-(programs over row blocks: dx per row, and a float32 partial dw per program summed afterwards in a fixed order),
+Owns: the forward kernel (one program per block of rows, `_block_and_warps`: each row's rstd in float32 and the
+output), the backward kernel (programs over row ranges, a block of rows at a time: dx per row, and a float32 partial dw
+per program summed afterwards in a fixed order),
 their launch builders (`build_rms_norm_fwd_launch`, `build_rms_norm_bwd_launch`: what kernels/compile_check.py
 compiles) and `rms_norm` (the autograd function).
 
@@ -29,45 +30,55 @@ BWD_PROGRAMS = 512
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, x_stride, y_stride, eps, offset,
-                         BLOCK_H: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, n_rows, n_cols, x_stride, y_stride, eps, offset,
+                         BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_H)
-    valid = cols < n_cols
-    x = tl.load(x_ptr + row * x_stride + cols, mask=valid, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32) + offset
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(rstd_ptr + row, rstd)
-    tl.store(y_ptr + row * y_stride + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=valid)
+    row_ok, col_ok = rows < n_rows, cols < n_cols
+    valid = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows[:, None] * y_stride + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_part_ptr, n_rows, n_cols, rows_per_program,
-                         dy_stride, x_stride, dx_stride, offset, BLOCK_H: tl.constexpr):
+                         dy_stride, x_stride, dx_stride, offset, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
-    valid = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32) + offset
-    dw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    col_ok = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
     first = pid * rows_per_program
-    for i in range(0, rows_per_program):
-        row = (first + i).to(tl.int64)
-        if row < n_rows:
-            x = tl.load(x_ptr + row * x_stride + cols, mask=valid, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * dy_stride + cols, mask=valid, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row)
-            xhat = x * rstd
-            dxhat = dy * w
-            dot = tl.sum(dxhat * xhat, axis=0) / n_cols
-            tl.store(dx_ptr + row * dx_stride + cols, (rstd * (dxhat - xhat * dot)).to(dx_ptr.dtype.element_ty),
-                     mask=valid)
-            dw += dy * xhat
-    tl.store(dw_part_ptr + pid * n_cols + cols, dw, mask=valid)
+    for i in range(0, rows_per_program, BLOCK_M):
+        block = i + tl.arange(0, BLOCK_M)
+        rows = (first + block).to(tl.int64)
+        row_ok = (rows < n_rows) & (block < rows_per_program)
+        valid = row_ok[:, None] & col_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * dy_stride + cols[None, :], mask=valid, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        xhat = x * rstd[:, None]
+        dxhat = dy * w[None, :]
+        dot = tl.sum(dxhat * xhat, axis=1) / n_cols
+        dx = rstd[:, None] * (dxhat - xhat * dot[:, None])
+        tl.store(dx_ptr + rows[:, None] * dx_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=valid)
+        dw += dy * xhat
+    tl.store(dw_part_ptr + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_ok)
 
 
-def _block_and_warps(n_cols: int) -> tuple[int, int]:
+ROW_BLOCK_ELEMENTS = 1024
+"""Rows per program: as many as fit `ROW_BLOCK_ELEMENTS` columns (at most 16), one for H >= 1024. A per-head q/k norm
+(H = head_dim, rows = tokens x heads) runs 8 rows of 128 per program instead of one program per 128 elements."""
+
+
+def _block_and_warps(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_H columns, warps) of a program."""
     block = triton.next_power_of_2(n_cols)
-    return block, 4 if block <= 1024 else 8 if block <= 4096 else 16
+    return max(1, min(16, ROW_BLOCK_ELEMENTS // block)), block, 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
 def build_rms_norm_fwd_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
@@ -76,10 +87,11 @@ def build_rms_norm_fwd_launch(x: torch.Tensor, weight: torch.Tensor, eps: float,
     n_rows, n_cols = x.shape
     y = torch.empty_like(x)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-    block, warps = _block_and_warps(n_cols)
-    launch = KernelLaunch(kernel=_rms_norm_fwd_kernel, grid=(n_rows,),
-                          args=(x, weight, y, rstd, n_cols, x.stride(0), y.stride(0), float(eps), float(offset)),
-                          options=dict(BLOCK_H=block, num_warps=warps))
+    rows, block, warps = _block_and_warps(n_cols)
+    launch = KernelLaunch(kernel=_rms_norm_fwd_kernel, grid=(triton.cdiv(n_rows, rows),),
+                          args=(x, weight, y, rstd, n_rows, n_cols, x.stride(0), y.stride(0), float(eps),
+                                float(offset)),
+                          options=dict(BLOCK_M=rows, BLOCK_H=block, num_warps=warps))
     return launch, y, rstd
 
 
@@ -92,11 +104,11 @@ def build_rms_norm_bwd_launch(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
     programs = triton.cdiv(n_rows, rows_per_program)
     dx = torch.empty_like(x)
     dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
-    block, warps = _block_and_warps(n_cols)
+    rows, block, warps = _block_and_warps(n_cols)
     launch = KernelLaunch(kernel=_rms_norm_bwd_kernel, grid=(programs,),
                           args=(dy, x, weight, rstd, dx, dw_part, n_rows, n_cols, rows_per_program, dy.stride(0),
                                 x.stride(0), dx.stride(0), float(offset)),
-                          options=dict(BLOCK_H=block, num_warps=warps))
+                          options=dict(BLOCK_M=rows, BLOCK_H=block, num_warps=warps))
     return launch, dx, dw_part
 
 

@@ -51,19 +51,22 @@ def test_rms_norm_equals_torch(dtype, offset):
         torch.testing.assert_close(out, norm(x), **_tol(dtype))
 
 
-def test_rms_norm_backward_sums_weight_grads_over_many_programs():
-    """More rows than backward programs: each program sums several rows' dw."""
+@pytest.mark.parametrize("programs", [4, 2])
+def test_rms_norm_backward_sums_weight_grads_over_many_programs(programs):
+    """More rows than backward programs: each program sums several rows' dw, 16 rows at a time (H = 16): with 2
+    programs of 19 rows each, a full block and a partial one; the forward's 37 rows are 2 full blocks and a partial."""
     from kernels import rms_norm as module
 
     gen = torch.Generator().manual_seed(1)
     x, dy = torch.randn(37, 16, generator=gen), torch.randn(37, 16, generator=gen)
     w = torch.randn(16, generator=gen)
     saved = module.BWD_PROGRAMS
-    module.BWD_PROGRAMS = 4
+    module.BWD_PROGRAMS = programs
     try:
         _, (dx, dw) = _grads(lambda x, w: rms_norm(x, w, 1e-5), x, w, dy=dy)
     finally:
         module.BWD_PROGRAMS = saved
+    assert module._block_and_warps(16)[0] == 16
     _, (rdx, rdw) = _grads(lambda x, w: F.rms_norm(x, (16,), w, 1e-5), x, w, dy=dy)
     torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-5)
