@@ -156,8 +156,14 @@ class AcceleratorSurface:
 
     @property
     def accelerator(self) -> Accelerator:
-        """accelerate's `Accelerator` as TRL scripts and callbacks use it."""
-        return Accelerator()
+        """accelerate's `Accelerator` as TRL scripts and callbacks use it; one assigned to `trainer.accelerator` (HF
+        Trainer's is a plain attribute: TRL's own tests assign a stand-in) is returned instead."""
+        assigned = self.__dict__.get("_assigned_accelerator")
+        return Accelerator() if assigned is None else assigned
+
+    @accelerator.setter
+    def accelerator(self, value: Any) -> None:
+        self.__dict__["_assigned_accelerator"] = value
 
     def end(self) -> None:
         """HF Trainer's `end()` (TRL's grpo script calls it last): nothing is left to close, the engine closed its

@@ -45,6 +45,10 @@ def _trainer(tmp_path, cls=GRPOTrainer, **kwargs):
 def test_generate_with_rollout_func_returns_trls_tuple_and_syncs_when_the_step_moved():
     calls, syncs = [], []
     trainer = object.__new__(GRPOTrainer)  # TRL's tests build the trainer this way to test _generate alone
+    stand_in = SimpleNamespace(is_main_process=True, gather=lambda t: t)
+    trainer.accelerator = stand_in  # HF Trainer's accelerator is a plain attribute: TRL's tests assign one
+    assert trainer.accelerator is stand_in
+    assert type(object.__new__(GRPOTrainer).accelerator).__name__ == "Accelerator"  # unassigned: the engine's
     trainer.state = SimpleNamespace(global_step=3)
     trainer.processing_class = _Tokenizer()
     trainer._last_loaded_step = 1
