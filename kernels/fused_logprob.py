@@ -80,10 +80,9 @@ def default_tiles(device: torch.device, dtype: torch.dtype, hidden_size: int | N
     if device.type != "cuda":
         return INTERPRETER_TILES
     if hidden_size is not None:
-        from kernels.tuned_tiles import cuda_device_name, lookup
+        from kernels.tuned_tiles import device_lookup
 
-        name = cuda_device_name(device)
-        tuned = None if name is None else lookup("lm_head", name, dtype, hidden_size)
+        tuned = device_lookup("lm_head", device, dtype, hidden_size)
         if tuned is not None:
             return tuned
     return FP32_TILES if dtype == torch.float32 else TritonTiles()

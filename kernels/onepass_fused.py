@@ -86,10 +86,9 @@ def default_fused_tiles(device: torch.device, dtype: torch.dtype, hidden_size: i
     if device.type != "cuda":
         return INTERPRETER_FUSED_TILES
     if hidden_size is not None:
-        from kernels.tuned_tiles import cuda_device_name, lookup
+        from kernels.tuned_tiles import device_lookup
 
-        name = cuda_device_name(device)
-        tuned = None if name is None else lookup("onepass_fused", name, dtype, hidden_size)
+        tuned = device_lookup("onepass_fused", device, dtype, hidden_size)
         if tuned is not None:
             return tuned
     return FP32_FUSED_TILES if dtype == torch.float32 else FusedTiles()

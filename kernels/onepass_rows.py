@@ -50,10 +50,9 @@ def default_row_tiles(device: torch.device, dtype: torch.dtype | None = None,
     if device.type != "cuda":
         return INTERPRETER_ROW_TILES
     if dtype is not None and hidden_size is not None:
-        from kernels.tuned_tiles import cuda_device_name, lookup
+        from kernels.tuned_tiles import device_lookup
 
-        name = cuda_device_name(device)
-        tuned = None if name is None else lookup("onepass_rows", name, dtype, hidden_size)
+        tuned = device_lookup("onepass_rows", device, dtype, hidden_size)
         if tuned is not None:
             return tuned
     return RowTiles()

@@ -97,6 +97,12 @@ def cuda_device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
+def device_lookup(kind: str, device: torch.device, dtype: torch.dtype, hidden_size: int):
+    """`lookup` for the CUDA device `device` (None off CUDA): what the kernels' `default_*` functions read."""
+    name = cuda_device_name(device)
+    return None if name is None else lookup(kind, name, dtype, hidden_size)
+
+
 def record(table: dict, kind: str, dtype: torch.dtype, hidden_size: int, tiles, full_ms: float) -> dict:
     """Put one measured best into a table (in place; returned): entries[dtype][bucket][kind]."""
     if kind not in KINDS or not isinstance(tiles, KINDS[kind]):
