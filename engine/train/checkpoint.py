@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from engine.policy.lora import is_lora_param, is_lora_trained
 from engine.policy.parallel import ParallelState
-from engine.train.checkpoint_writers import WriterWatch
+from engine.train.checkpoint_writers import WriterWatch, use_in_process_results_queue
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
@@ -383,6 +383,7 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, policy_optimizer, p
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
         tmp.mkdir(parents=True)
     dist.barrier()
+    use_in_process_results_queue()  # no spawned results process (checkpoint_writers.py)
     with WriterWatch(tmp, CheckpointError, _log):  # a killed writer process fails the save instead of hanging it
         dist_checkpointing.save(_sharded_state_dict(policy_optimizer, is_loading=False, reference=reference), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)

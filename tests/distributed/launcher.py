@@ -12,9 +12,8 @@ body after test body. Each body still starts from what a fresh rank would see: n
 and Megatron's groups, are destroyed after it; the next one rendezvouses on a fresh MASTER_PORT), the environment,
 working directory, default dtype, grad mode and thread count restored, its output going where the test's goes now
 (pytest's capture of that test). A world is not reused, but shut down and started afresh by the next call, when a body
-failed on any rank, timed out, or left something a fresh process would not have: child processes alive (but for the
-manager process Megatron's checkpoint writer starts at its first save and keeps for the process's life, kept like an
-import) or a vLLM engine not dropped. A body that built in-process vLLM engines (colocated mode) keeps its world too,
+failed on any rank, timed out, or left something a fresh process would not have: child processes alive or a vLLM
+engine not dropped. A body that built in-process vLLM engines (colocated mode) keeps its world too,
 after vLLM's own clean-up between engines (`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM
 then stays imported in those ranks (its import-time settings included), which saves the next such body 10-20 s of rank
 start and imports. Such a rank ends with a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP
@@ -50,18 +49,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _megatron_writer_manager_pid() -> int | None:
-    """The pid of the manager process Megatron's checkpoint writer starts on its first save and keeps for the life of
-    the process (the results queue of `filesystem_async`), or None when no save has started it.
-
-    NOTE: megatron-core 0.16.1 (`filesystem_async._get_write_results_queue`) spawns this `Manager` even for a
-    synchronous save and never stops it; a kept rank allows it, and its world's close() kills it if the rank dies."""
-    writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
-    queue_proxy = getattr(writer, "_results_queue", None)
-    process = getattr(getattr(queue_proxy, "_manager", None), "_process", None)
-    return process.pid if process is not None and process.is_alive() else None
 
 
 def _command_of(pid: int) -> str | None:
@@ -101,9 +88,8 @@ def _kill(pids) -> None:
 
 def _live_children() -> list[str]:
     """The command lines of this process's children that are not zombies (any kind: multiprocessing, subprocess,
-    vLLM's), less Megatron's checkpoint-writer manager (kept by Megatron for the process's life, like an import)."""
-    kept = _megatron_writer_manager_pid()
-    return [command for pid, command in _children_of(os.getpid()) if pid != kept]
+    vLLM's, Megatron's checkpoint writers)."""
+    return [command for _, command in _children_of(os.getpid())]
 
 
 def _holds_a_vllm_engine() -> bool:
@@ -189,7 +175,7 @@ def _run_body(body: bytes) -> tuple[str, bytes | str, str]:
 
 def _exit_with_parent(parent: int) -> None:
     """Exit this rank as soon as the test process is gone, whatever its main thread is doing (even a hung body), and
-    take its children along (os._exit runs no exit handler: Megatron's writer manager would outlive it)."""
+    take its children along (os._exit runs no exit handler: a child would outlive it)."""
     while os.getppid() == parent:
         time.sleep(1.0)
     _kill(pid for pid, _ in _children_of(os.getpid()))
@@ -214,9 +200,8 @@ def _serve(rank, world_size, tasks, results) -> None:
         results.put((rank, task_id, status, payload, why_not_reusable))
         if why_not_reusable:
             return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
-    if "vllm" in sys.modules or _megatron_writer_manager_pid() is not None:
-        return  # a normal exit: vLLM's CPU shared memory (/dev/shm) is unlinked at exit, never by os._exit, and
-        # multiprocessing's exit handler stops Megatron's writer manager
+    if "vllm" in sys.modules:
+        return  # a normal exit: vLLM's CPU shared memory (/dev/shm) is unlinked at exit, never by os._exit
     results.close()
     results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
     os._exit(0)

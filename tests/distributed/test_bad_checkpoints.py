@@ -9,10 +9,14 @@ resume from it.
 - another model: the identity stored at save (hidden size, layers, vocab, ...) differs;
 - a torn file: a data file cut to half its length is named with its expected size.
 
+Saving itself leaves no process behind: Megatron's writers are forked per save and joined, and no results process is
+spawned (engine/train/checkpoint_writers.py `use_in_process_results_queue`).
+
 Run: `pytest tests/distributed/test_bad_checkpoints.py` (one process, ~15 s).
 """
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -25,6 +29,19 @@ MODEL = "builtin:tiny-qwen2-arith"
 def _digest(path: Path) -> dict[str, str]:
     return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _children() -> list[str]:
+    """The command lines of this process's live (not zombie) children."""
+    found = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                if "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text():
+                    found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+            except OSError:  # ended while we looked
+                continue
+    return found
 
 
 def _attempt(load) -> str:
@@ -76,7 +93,7 @@ def _bad_loads(cache_dir: str, run_dir: str) -> dict:
     one_step(plain)
     plain_path = save_checkpoint(Path(run_dir) / "plain", Progress(step=1, rounds_done=1), plain, ps, model=identity)
     before = _digest(path)
-    out = {"path": str(path)}
+    out = {"path": str(path), "children_after_saves": _children()}
     out["not_distributed"] = _attempt(lambda: load_checkpoint(path, build("adam", distributed=False), ps,
                                                               model=identity))
     out["sgd"] = _attempt(lambda: load_checkpoint(plain_path, build("sgd", distributed=False), ps, model=identity))
@@ -121,3 +138,7 @@ def test_a_torn_checkpoint_file_is_named_and_left_as_it_was(results):
     assert f"cannot load the model / optimizer state: damaged files: {results['torn_file']} has " in message
     assert "(torn); resume from an earlier checkpoint" in message
     assert results["unchanged_after_torn"], "a failed load must not write into the checkpoint"
+
+
+def test_saving_leaves_no_process_behind(results):
+    assert results["children_after_saves"] == []
