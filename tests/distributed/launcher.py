@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import itertools
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see close_worlds' atexit)
 import os
@@ -96,8 +97,6 @@ def _holds_a_vllm_engine() -> bool:
     """Whether a vLLM `LLM` object outlived its body (a body must close and drop the engines it builds)."""
     if "vllm.entrypoints.llm" not in sys.modules:
         return False
-    import gc
-
     llm_class = sys.modules["vllm.entrypoints.llm"].LLM
     gc.collect()
     return any(isinstance(obj, llm_class) for obj in gc.get_objects())
@@ -199,8 +198,10 @@ def _serve(rank, world_size, tasks, results) -> None:
         status, payload, why_not_reusable = _run_body(body)
         results.put((rank, task_id, status, payload, why_not_reusable))
         if why_not_reusable:
+            gc.freeze()  # as the engine's own processes (engine/cli.py): no final walk of every object at exit
             return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
     if "vllm" in sys.modules:
+        gc.freeze()
         return  # a normal exit: vLLM's CPU shared memory (/dev/shm) is unlinked at exit, never by os._exit
     results.close()
     results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
