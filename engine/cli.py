@@ -18,8 +18,6 @@ TRL's `vllm-serve` flags, or the run's config; its arguments go to that module's
 from __future__ import annotations
 
 import argparse
-import atexit
-import gc
 import os
 import sys
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 
 from engine.config import ConfigError, config_to_dict, load_config
 from engine.models.families import SUPPORTED_MODEL_TYPES
+from engine.process_exit import freeze_heap_at_exit
 from engine.validation import validate
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
@@ -176,23 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def freeze_the_heap_at_exit() -> None:
-    """At interpreter exit, move every object still alive to the collector's permanent generation (`gc.freeze`).
-
-    Why: after a run a process holds about 900k tracked objects (torch, Megatron, vLLM, tokenizers, datasets); the
-    interpreter's final collections walk them all, module by module: seconds per process (7-8 s on a busy 2-core
-    machine), paid by every trainer rank and rollout server at its exit. Frozen, objects are still released by
-    reference counting, and every exit handler, `weakref.finalize` and static destructor still runs; only objects
-    in reference cycles still alive at exit are not finalized (the process's end frees their memory). Registered by
-    `main` (the engine's own processes), not on import: a user's script keeps its interpreter's usual exit.
-    """
-    gc.freeze()
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    atexit.unregister(freeze_the_heap_at_exit)  # once, however often main runs in a process
-    atexit.register(freeze_the_heap_at_exit)  # runs before the handlers registered earlier (imports'): order-free
+    freeze_heap_at_exit()  # no final walk of every object at exit (engine/process_exit.py)
     if argv[:1] == ["vllm-serve"]:  # its own parser (TRL's flags); see engine/rollout/server.py
         from engine.rollout.server import main as serve
 

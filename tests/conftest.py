@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-# The test processes end as the engine's own do (engine/cli.py `freeze_the_heap_at_exit`): no final walk of the
+# The test processes end as the engine's own do (engine/process_exit.py): no final walk of the
 # million objects a slow-tier process holds.
 atexit.register(gc.freeze)
 
