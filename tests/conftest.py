@@ -35,11 +35,21 @@ SHARED_FIXTURE_FILES = {
 one form one unit of work, so one worker starts the fixture once; collection fails if another file uses it."""
 
 
+SHARED_WORLD_FILES = {
+    "tp2_world": ("tests/kernels/test_vocab_parallel.py", "tests/kernels/test_onepass_tp.py"),
+}
+"""Files of the fast tiers whose tests run on the launcher's kept gloo world of one size (tests/distributed/launcher.py)
+(world name: the files). One unit of work under xdist, so one worker starts that world (two ranks importing torch and
+Megatron) once for them instead of each worker once."""
+
+
 def work_unit(nodeid: str) -> str:
-    """The unit of work a test belongs to under `make test`'s xdist run: its file, or the shared fixture's name for
-    the files of `SHARED_FIXTURE_FILES` (a file's module fixtures are then set up once, in one worker)."""
+    """The unit of work a test belongs to under `make test`'s xdist run: its file, or the shared fixture's (world's)
+    name for the files of `SHARED_FIXTURE_FILES` (`SHARED_WORLD_FILES`): a file's module fixtures, a kept world, are
+    then set up once, in one worker."""
     path = nodeid.split("::")[0]
-    return next((name for name, files in SHARED_FIXTURE_FILES.items() if path in files), path)
+    shared = {**SHARED_FIXTURE_FILES, **SHARED_WORLD_FILES}
+    return next((name for name, files in shared.items() if path in files), path)
 
 
 def pytest_xdist_make_scheduler(config, log):

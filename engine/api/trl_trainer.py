@@ -21,7 +21,6 @@ Test: `pytest tests/unit/test_trl_api.py` (mapping, warnings, refusals; no engin
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.api import trl_compat, trl_generate
+from engine.api.spawn_guard import spawn_children_skip_main_script
 from engine.api.trl_accelerator import AcceleratorSurface
 from engine.api.trl_agentic import PLACEHOLDER_ROWS, placeholder_dataset, resolve_agentic, with_placeholder_prompts
 from engine.api.trl_config import GFPOConfig, GRPOConfig
@@ -241,7 +241,7 @@ class GRPOTrainer(TrainerSurface, HubSurface, AcceleratorSurface):
             where = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume_from_checkpoint=where))
         start, old_history = time.perf_counter(), _read_history(self.output_dir)
-        with _spawn_children_skip_main_script():
+        with spawn_children_skip_main_script():
             summary = train(cfg, train_dataset=self._train_rows(), eval_dataset=self._engine_eval_dataset,
                             reward_funcs=self.reward_funcs, tokenizer=self._processing_class,
                             **self.args.in_memory_callables,  # group_filter_func / dynamic_prompts_fn objects
@@ -295,31 +295,6 @@ class GFPOTrainer(GRPOTrainer):
     group_rewards, **kw) -> [P][G]`, higher = keep) so that only the `num_remains_in_group` best of each group are
     trained on (engine/grpo/group_filter.py). As TRL: `num_remains_in_group` without a filter is an error, a filter
     without `num_remains_in_group` a warning. `args` is a `GFPOConfig` (or a `GRPOConfig`: the same fields)."""
-
-
-@contextlib.contextmanager
-def _spawn_children_skip_main_script():
-    """Let `spawn` children skip the user's script while training runs.
-
-    Megatron's checkpoint writer (dist_checkpointing's FileSystemWriterAsync) starts a multiprocessing manager with
-    the `spawn` method, and a spawn child first re-runs the parent's `__main__` script (as `__mp_main__`). TRL
-    scripts are usually flat, without `if __name__ == "__main__":`, so the child would start a second training run
-    (and fail on the taken rendezvous port). The children started here run library code only, so `__main__` is
-    marked as not re-importable for them: multiprocessing skips a main module whose spec is named `__main__`.
-    """
-    import importlib.machinery
-    import sys
-
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    previous = getattr(main, "__spec__", None)
-    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)
-    try:
-        yield
-    finally:
-        main.__spec__ = previous
 
 
 def _split_peft_model(model: Any) -> tuple[Any, Any]:

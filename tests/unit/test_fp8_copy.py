@@ -32,6 +32,15 @@ def _checkpoint(path) -> dict:
     return tensors
 
 
+def _context():
+    """The processes' start method: a fork server that imports this module once, so each process below forks from a
+    single-threaded interpreter that already has torch (a fresh `spawn` interpreter per process would import it
+    again, seconds each); each is still its own process with its own pid, as two ranks of a machine are."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def _rank(model_dir, root, start, release, out) -> None:
     start.wait()
     copy = acquire_fp8_engine_checkpoint(model_dir, root)
@@ -49,7 +58,7 @@ def test_two_processes_of_one_machine_share_one_copy_which_is_gone_after_both_cl
     original = _checkpoint(tmp_path / "policy")
     root = tmp_path / "tmp"
     root.mkdir()
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     start, release, out = ctx.Barrier(2), ctx.Event(), ctx.Queue()
     ranks = [ctx.Process(target=_rank, args=(tmp_path / "policy", root, start, release, out)) for _ in range(2)]
     for rank in ranks:
@@ -97,7 +106,7 @@ def test_a_dead_users_copy_is_deleted_by_the_next_users_release(tmp_path):
     _checkpoint(tmp_path / "policy")
     root = tmp_path / "tmp"
     root.mkdir()
-    dead = mp.get_context("spawn").Process(target=_die_holding, args=(tmp_path / "policy", root))
+    dead = _context().Process(target=_die_holding, args=(tmp_path / "policy", root))
     dead.start()
     dead.join(timeout=120)
     assert dead.exitcode == 0 and len(list(root.iterdir())) == 1, "a killed process leaves its copy"

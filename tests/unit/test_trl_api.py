@@ -545,10 +545,10 @@ def test_final_record_is_hfs_last_log_history_entry():
 
 SPAWNING_SCRIPT = '''
 import contextlib, multiprocessing, pathlib, sys, time
-from engine.api.trl_trainer import _spawn_children_skip_main_script
+from engine.api.spawn_guard import spawn_children_skip_main_script
 with pathlib.Path(sys.argv[1]).open("a") as f:
     f.write("script ran\\n")
-guard = _spawn_children_skip_main_script() if sys.argv[2] == "guarded" else contextlib.nullcontext()
+guard = spawn_children_skip_main_script() if sys.argv[2] == "guarded" else contextlib.nullcontext()
 with guard:
     child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
     child.start()
@@ -558,7 +558,9 @@ with guard:
 
 @pytest.mark.parametrize("mode, runs", [("guarded", 1), ("unguarded", 2)])
 def test_spawn_children_do_not_rerun_a_flat_training_script(tmp_path, mode, runs):
-    """Megatron's checkpoint writer spawns a process; a flat TRL script (no __main__ guard) must not run twice."""
+    """Megatron's checkpoint writer spawns a process; a flat TRL script (no __main__ guard) must not run twice. The
+    script imports the guard's own module (standard library only), so each run of it starts in well under a second;
+    `GRPOTrainer.train` holds this same guard."""
     import os
     import subprocess
     import sys
@@ -570,6 +572,9 @@ def test_spawn_children_do_not_rerun_a_flat_training_script(tmp_path, mode, runs
     subprocess.run([sys.executable, str(script), str(marker), mode], cwd=tmp_path, capture_output=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": repo})
     assert marker.read_text().count("script ran") == runs
+    from engine.api import spawn_guard, trl_trainer
+
+    assert trl_trainer.spawn_children_skip_main_script is spawn_guard.spawn_children_skip_main_script
 
 
 def shortest_first(group_completions, group_rewards, **kwargs):

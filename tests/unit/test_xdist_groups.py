@@ -24,9 +24,12 @@ def test_a_files_tests_run_in_one_worker():
     assert not split, f"a file's tests ran in more than one worker: {split}"
 
 
-def test_the_files_sharing_the_rollout_servers_are_one_unit_and_other_files_their_own():
-    from tests.conftest import SHARED_FIXTURE_FILES, work_unit
+def test_the_files_sharing_the_rollout_servers_or_a_world_are_one_unit_and_other_files_their_own():
+    from tests.conftest import SHARED_FIXTURE_FILES, SHARED_WORLD_FILES, work_unit
 
     shared = SHARED_FIXTURE_FILES["replica_servers"]
     assert {work_unit(f"{path}::test_x[a]") for path in shared} == {"replica_servers"}
+    tp2 = ("tests/kernels/test_vocab_parallel.py", "tests/kernels/test_onepass_tp.py")  # both run a kept TP-2 world
+    assert set(SHARED_WORLD_FILES["tp2_world"]) == set(tp2)
+    assert {work_unit(f"{path}::test_x") for path in tp2} == {"tp2_world"}
     assert work_unit("tests/unit/test_lint.py::test_ruff_finds_nothing") == "tests/unit/test_lint.py"
