@@ -25,7 +25,6 @@ from pathlib import Path
 
 from engine.config import ConfigError, config_to_dict, load_config
 from engine.models.families import SUPPORTED_MODEL_TYPES
-from engine.process_exit import freeze_heap_at_exit
 from engine.validation import validate
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny_cpu.yaml"
@@ -177,7 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    freeze_heap_at_exit()  # no final walk of every object at exit (engine/process_exit.py)
     if argv[:1] == ["vllm-serve"]:  # its own parser (TRL's flags); see engine/rollout/server.py
         from engine.rollout.server import main as serve
 

@@ -3,16 +3,10 @@ fails if a tier collected no tests (so an import error or a misnamed file cannot
 Plugins: tests/timings.py (where the suite's time goes) and tests/helpers/replica_servers.py (one pair of rollout
 servers for the session); tests/distributed/launcher.py keeps one gloo world per size for the session."""
 
-import atexit
-import gc
 import os
 
 import pytest
 import torch
-
-# The test processes end as the engine's own do (engine/process_exit.py): no final walk of the
-# million objects a slow-tier process holds.
-atexit.register(gc.freeze)
 
 if not torch.cuda.is_available():
     # NOTE: must be set before triton is imported anywhere; kernels then run under the numpy interpreter.

@@ -9,5 +9,5 @@ colocated sync (colocated_sync.py), the trainer's half of a server sync (server_
 sent); LoRA's adapter-only sync (adapter_sync.py).
 
 May import: engine.config, engine.validation, engine.log_filters, engine.sampling_settings, engine.models,
-engine.policy, engine.lora_settings, engine.process_exit.
+engine.policy, engine.lora_settings.
 """

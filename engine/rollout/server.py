@@ -36,7 +36,6 @@ from typing import Any
 from engine.config import EngineConfig, GenerationConfig, build_config, config_to_dict, load_config
 from engine.log_filters import quiet_library_logs
 from engine.models.model_dir import resolve_model_dir
-from engine.process_exit import freeze_heap_at_exit
 from engine.rollout.client import TOKEN_ENV, RolloutServerError, read_token
 from engine.rollout.server_nodes import VLLM_MASTER_PORT, NodePlace, run_worker_node
 from engine.rollout.vllm_lora import AdapterNotHeld, lora_engine_options, name_policy_adapter, receive_policy_adapter
@@ -561,7 +560,6 @@ def resolve_dtype(flag: str | None, model_dir: Path, config_dtype: str) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m engine.rollout.server") -> int:
-    freeze_heap_at_exit()  # no final walk of every object at exit (engine/process_exit.py)
     try:
         settings = parse_serve_args(sys.argv[1:] if argv is None else argv, prog)
         token = read_token(side="rollout server")

@@ -198,10 +198,8 @@ def _serve(rank, world_size, tasks, results) -> None:
         status, payload, why_not_reusable = _run_body(body)
         results.put((rank, task_id, status, payload, why_not_reusable))
         if why_not_reusable:
-            gc.freeze()  # as the engine's own processes (engine/process_exit.py): no final walk of every object at exit
             return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
     if "vllm" in sys.modules:
-        gc.freeze()
         return  # a normal exit: vLLM's CPU shared memory (/dev/shm) is unlinked at exit, never by os._exit
     results.close()
     results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
