@@ -17,10 +17,10 @@ import sys
 def spawn_children_skip_main_script():
     """Let `spawn` children skip the user's script while training runs.
 
-    Megatron's checkpoint writer (dist_checkpointing's FileSystemWriterAsync) starts a multiprocessing manager with
-    the `spawn` method, and a spawn child first re-runs the parent's `__main__` script (as `__mp_main__`). TRL
-    scripts are usually flat, without `if __name__ == "__main__":`, so the child would start a second training run
-    (and fail on the taken rendezvous port). The children started here run library code only, so `__main__` is
+    A child that a library starts with the `spawn` method while training runs (Megatron's asynchronous checkpoint
+    writer does, for one; the engine's synchronous saves start none) first re-runs the parent's `__main__` script (as
+    `__mp_main__`). TRL scripts are usually flat, without `if __name__ == "__main__":`, so the child would start a
+    second training run (and fail on the taken rendezvous port). The children started here run library code only, so `__main__` is
     marked as not re-importable for them: multiprocessing skips a main module whose spec is named `__main__`.
     """
     main = sys.modules.get("__main__")

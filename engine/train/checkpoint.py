@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 from engine.policy.lora import is_lora_param, is_lora_trained
 from engine.policy.parallel import ParallelState
-from engine.train.checkpoint_writers import WriterWatch, use_in_process_results_queue
+from engine.train.checkpoint_writers import WriterWatch
 
 CHECKPOINT_PREFIX = "checkpoint-"
 TMP_SUFFIX = ".tmp"
@@ -383,7 +384,7 @@ def save_checkpoint(run_dir: str | Path, progress: Progress, policy_optimizer, p
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt at this step that died
         tmp.mkdir(parents=True)
     dist.barrier()
-    use_in_process_results_queue()  # no spawned results process (checkpoint_writers.py)
+    _use_in_process_results_queue()  # no spawned results process
     with WriterWatch(tmp, CheckpointError, _log):  # a killed writer process fails the save instead of hanging it
         dist_checkpointing.save(_sharded_state_dict(policy_optimizer, is_loading=False, reference=reference), str(tmp))
     (tmp / "rng").mkdir(exist_ok=True)
@@ -586,3 +587,19 @@ def _load_optimizer_state(optimizer, state: dict) -> None:
             # NOTE: Megatron hands every parameter the *same* step tensor; torch Adam increments each parameter's
             # step in place, so a shared tensor would advance once per parameter and break the bias correction.
             optimizer.optimizer.state[p]["step"] = step.clone()
+
+
+def _use_in_process_results_queue() -> None:
+    """Let Megatron's torch_dist writer hand its results back through a plain in-process queue.
+
+    NOTE: megatron-core 0.16.1 (`filesystem_async._get_write_results_queue`) creates that queue once per process in
+    a *spawned* multiprocessing `Manager`: a fresh Python process that imports torch to unpickle the results (about
+    6 s at the first save of every run on a 2-core machine) and lives until the process exits. Only an asynchronous
+    save, whose writer runs in another process, needs that. The engine saves synchronously: the function that puts
+    the results runs in the trainer's own thread (its forked children report through their own queue), so a
+    thread-safe `queue.Queue` is all it needs. Set before the first save; a queue already set is left alone.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()

@@ -1,7 +1,6 @@
 """Megatron's checkpoint writer processes, watched while a save runs (engine/train/checkpoint.py `save_checkpoint`).
 
-Owns: `WriterWatch`, which turns a writer process killed mid-save into an exception in the saving thread, and
-`use_in_process_results_queue`, which spares a synchronous save Megatron's spawned results process.
+Owns: `WriterWatch`, which turns a writer process killed mid-save into an exception in the saving thread.
 
 Must not: know the checkpoint's layout or Megatron's API (it only looks at this process's children), or reap a child
 (multiprocessing joins its own).
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import queue
 import signal
 import sys
 import threading
@@ -110,18 +108,3 @@ def _child_pids() -> list[int]:
             continue
     return pids
 
-
-def use_in_process_results_queue() -> None:
-    """Let Megatron's torch_dist writer hand its results back through a plain in-process queue.
-
-    NOTE: megatron-core 0.16.1 (`filesystem_async._get_write_results_queue`) creates that queue once per process in
-    a *spawned* multiprocessing `Manager`: a fresh Python process that imports torch to unpickle the results (about
-    6 s at the first save of every run on a 2-core machine) and lives until the process exits. Only an asynchronous
-    save, whose writer runs in another process, needs that. The engine saves synchronously: the function that puts
-    the results runs in the trainer's own thread (its forked children report through their own queue), so a
-    thread-safe `queue.Queue` is all it needs. Set before the first save; a queue already set is left alone.
-    """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()

@@ -10,18 +10,17 @@ resume from it.
 - a torn file: a data file cut to half its length is named with its expected size.
 
 Saving itself leaves no process behind: Megatron's writers are forked per save and joined, and no results process is
-spawned (engine/train/checkpoint_writers.py `use_in_process_results_queue`).
+spawned (engine/train/checkpoint.py `_use_in_process_results_queue`).
 
 Run: `pytest tests/distributed/test_bad_checkpoints.py` (one process, ~15 s).
 """
 
 import hashlib
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.launcher import run_distributed
+from tests.distributed.launcher import _live_children, run_distributed
 
 MODEL = "builtin:tiny-qwen2-arith"
 
@@ -29,19 +28,6 @@ MODEL = "builtin:tiny-qwen2-arith"
 def _digest(path: Path) -> dict[str, str]:
     return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(path.rglob("*")) if p.is_file()}
-
-
-def _children() -> list[str]:
-    """The command lines of this process's live (not zombie) children."""
-    found = []
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            try:
-                if "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text():
-                    found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
-            except OSError:  # ended while we looked
-                continue
-    return found
 
 
 def _attempt(load) -> str:
@@ -93,7 +79,7 @@ def _bad_loads(cache_dir: str, run_dir: str) -> dict:
     one_step(plain)
     plain_path = save_checkpoint(Path(run_dir) / "plain", Progress(step=1, rounds_done=1), plain, ps, model=identity)
     before = _digest(path)
-    out = {"path": str(path), "children_after_saves": _children()}
+    out = {"path": str(path), "children_after_saves": _live_children()}
     out["not_distributed"] = _attempt(lambda: load_checkpoint(path, build("adam", distributed=False), ps,
                                                               model=identity))
     out["sgd"] = _attempt(lambda: load_checkpoint(plain_path, build("sgd", distributed=False), ps, model=identity))

@@ -558,7 +558,7 @@ with guard:
 
 @pytest.mark.parametrize("mode, runs", [("guarded", 1), ("unguarded", 2)])
 def test_spawn_children_do_not_rerun_a_flat_training_script(tmp_path, mode, runs):
-    """Megatron's checkpoint writer spawns a process; a flat TRL script (no __main__ guard) must not run twice. The
+    """A library may spawn a process while training runs; a flat TRL script (no __main__ guard) must not run twice. The
     script imports the guard's own module (standard library only), so each run of it starts in well under a second;
     `GRPOTrainer.train` holds this same guard."""
     import os
