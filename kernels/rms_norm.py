@@ -99,12 +99,14 @@ def build_rms_norm_bwd_launch(dy: torch.Tensor, x: torch.Tensor, weight: torch.T
                               offset: float) -> tuple[KernelLaunch, torch.Tensor, torch.Tensor]:
     """(launch, dx, dw_partial) of the backward; dw = dw_partial.sum(0) (float32, one row per program)."""
     n_rows, n_cols = x.shape
-    programs = max(1, min(BWD_PROGRAMS, n_rows))
-    rows_per_program = triton.cdiv(n_rows, programs)
-    programs = triton.cdiv(n_rows, rows_per_program)
+    rows, block, warps = _block_and_warps(n_cols)
+    # Whole row blocks per program, so that no program runs a block of masked rows: at most BWD_PROGRAMS programs,
+    # and fewer when there are fewer blocks than that.
+    blocks = max(1, triton.cdiv(n_rows, rows))
+    rows_per_program = rows * triton.cdiv(blocks, BWD_PROGRAMS)
+    programs = max(1, triton.cdiv(n_rows, rows_per_program))
     dx = torch.empty_like(x)
     dw_part = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
-    rows, block, warps = _block_and_warps(n_cols)
     launch = KernelLaunch(kernel=_rms_norm_bwd_kernel, grid=(programs,),
                           args=(dy, x, weight, rstd, dx, dw_part, n_rows, n_cols, rows_per_program, dy.stride(0),
                                 x.stride(0), dx.stride(0), float(offset)),

@@ -53,8 +53,9 @@ def test_rms_norm_equals_torch(dtype, offset):
 
 @pytest.mark.parametrize("programs", [4, 2])
 def test_rms_norm_backward_sums_weight_grads_over_many_programs(programs):
-    """More rows than backward programs: each program sums several rows' dw, 16 rows at a time (H = 16): with 2
-    programs of 19 rows each, a full block and a partial one; the forward's 37 rows are 2 full blocks and a partial."""
+    """Each backward program sums the dw of whole blocks of 16 rows (H = 16), the last program's block partial: 37
+    rows are 3 blocks, so at most 2 programs run 2 blocks and 1 partial block, and at most 4 run 3 programs of one
+    block (as the forward's 3 programs do)."""
     from kernels import rms_norm as module
 
     gen = torch.Generator().manual_seed(1)
@@ -67,6 +68,8 @@ def test_rms_norm_backward_sums_weight_grads_over_many_programs(programs):
     finally:
         module.BWD_PROGRAMS = saved
     assert module._block_and_warps(16)[0] == 16
+    # fewer blocks than BWD_PROGRAMS: one program per block, none of them all masked rows
+    assert module.build_rms_norm_bwd_launch(dy, x, w, torch.ones(37), 0.0)[0].grid == (3,)
     _, (rdx, rdw) = _grads(lambda x, w: F.rms_norm(x, (16,), w, 1e-5), x, w, dy=dy)
     torch.testing.assert_close(dw, rdw, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, rdx, rtol=1e-5, atol=1e-5)
