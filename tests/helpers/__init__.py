@@ -12,6 +12,10 @@ Owns the helpers several test files use; the expensive real components are start
   shipped tiny model, replica 0 and 1 of 2, restarted if a test killed one. A trainer joins them with a fresh
   transfer group and syncs before its first round, so any weights a previous test left do not matter.
   One-off servers (other flags, another model): `tests.integration.test_rollout_server.Server`.
+- A command run as its user runs it (`python script.py`, `python -m engine ...`): `tests.helpers.warm_python.run` /
+  `.Popen` in place of `subprocess.run` / `.Popen` (the same arguments). The process is forked from an interpreter
+  that has already imported torch, transformers and Megatron (about 12 s of a core saved per process); it sees
+  what a fresh interpreter would. GRPO_TESTS_FRESH_PYTHON=1 runs every such command fresh instead.
 - Several behaviours per start: prefer one real-stack run whose results several asserts (or several tests, through
   a module-scoped fixture that returns the run's artefacts) read, over one run per assert.
 - Where the time goes: `pytest ... --timings-file F` then `python -m tests.timings F` (tests/timings.py).

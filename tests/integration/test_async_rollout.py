@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import warm_python
 from tests.helpers.curriculum import check_queue_policy
 from tests.integration.test_resume import WALL_CLOCK, _env, _run, _run_until_then_kill, _tail
 from tests.integration.test_rollout_server import Server, _group_port
@@ -165,7 +166,7 @@ def test_k1_keeps_gfpo_and_the_curriculum_hook_and_survives_a_server_killed_with
                        "grpo.group_filter_func=tests.integration.test_trainer:shortest_completions",
                        "data.dynamic_prompts_fn=tests.helpers.curriculum:logged_curriculum_fn")
     with open(tmp_path / "k.log", "w") as log:
-        trainer = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[2], env=env, stdout=log,
+        trainer = warm_python.Popen(command, cwd=Path(__file__).resolve().parents[2], env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
             deadline = time.monotonic() + 400

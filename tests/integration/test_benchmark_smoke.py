@@ -9,13 +9,13 @@ vLLM or Megatron) about a minute when the machine is quiet, several when other j
 """
 
 import csv
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import results_page
+from tests.helpers import warm_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ def test_every_headline_benchmark_has_a_smoke_run():
 @pytest.mark.parametrize("stem", sorted(SMOKE))
 def test_benchmark_runs_at_its_smallest_size(stem, tmp_path):
     out = tmp_path / f"{stem}.csv"
-    result = subprocess.run([sys.executable, "-m", f"benchmarks.bench_{stem}", *SMOKE[stem], "--csv", str(out)],
+    result = warm_python.run([sys.executable, "-m", f"benchmarks.bench_{stem}", *SMOKE[stem], "--csv", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"bench_{stem} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
     rows = list(csv.DictReader(out.open()))

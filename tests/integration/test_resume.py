@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import warm_python
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 SYNC_STEPS, ALPHA = 2, 0.5
@@ -83,13 +85,13 @@ def _assert_quiet(log: str) -> None:
     assert "run summary" in log and len(log.splitlines()) < 40, log
 
 
-def _start(command: list[str], env: dict, log: Path) -> subprocess.Popen:
+def _start(command: list[str], env: dict, log: Path) -> warm_python.Popen:
     """Start in its own process group, its output into `log`."""
     with open(log, "w") as out:
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return warm_python.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _finish(proc: subprocess.Popen) -> int:
+def _finish(proc: warm_python.Popen) -> int:
     """Wait for a started run to end; the exit status (negative: killed by that signal)."""
     try:
         return proc.wait(timeout=400)
@@ -105,7 +107,7 @@ def _run(command: list[str], env: dict, log: Path) -> int:
 def _run_until_then_kill(command: list[str], env: dict, log: Path, ready) -> int:
     """Start, SIGKILL the whole process group once `ready()` holds; the exit status."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = warm_python.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 400
         while proc.poll() is None and not ready() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -131,7 +133,7 @@ def _run_and_resume_beside(straight: list[str], resumed: list[str], checkpoint: 
     assert _finish(first) == 0, _tail(tmp_path / "a.log")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: warm_python.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the trainer and the helpers it started (checkpoint writers)
     except ProcessLookupError:
@@ -254,7 +256,7 @@ def test_sigusr1_saves_at_the_next_round_boundary_and_exits_cleanly(tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     command = _command(run_dir, "train.max_steps=200", "checkpoint.save_steps=0", "checkpoint.save_hf_at_end=true")
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = warm_python.Popen(command, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 300
             while proc.poll() is None and time.monotonic() < deadline and not (

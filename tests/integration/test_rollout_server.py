@@ -44,6 +44,7 @@ from pathlib import Path
 import pytest
 
 from engine.rollout.client import RolloutClient, RolloutServerError
+from tests.helpers import warm_python
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "builtin:tiny-qwen2-arith"
@@ -115,12 +116,12 @@ class Server:
                        "rollout.vllm_max_model_length=128", *self.overrides]
         env = dict(os.environ, GRPO_ENGINE_TOKEN=token, OMP_NUM_THREADS="1", **(env or {}))
         binds = env.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|") if nodes > 1 else []
-        self.worker_nodes: list[subprocess.Popen] = []
+        self.worker_nodes: list[warm_python.Popen] = []
         for node in reversed(range(nodes)):  # the worker nodes first: node 0's engine waits for them
             if binds:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = binds[node]
             with open(self.log_path.with_suffix(f".node{node}.log") if node else self.log_path, "w") as log:
-                proc = subprocess.Popen(
+                proc = warm_python.Popen(
                     [sys.executable, *command, "--host", "127.0.0.1", f"--port={self.port}",
                      f"--num-nodes={num_replicas * nodes}", f"--node-rank={replica * nodes + node}"],
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -277,7 +278,7 @@ def test_an_engine_error_reaches_the_client_as_5xx_with_the_servers_message_and_
 
 def test_server_refuses_to_start_without_a_token(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "GRPO_ENGINE_TOKEN"}
-    done = subprocess.run([sys.executable, "-m", "engine.rollout.server", "configs/tiny_cpu.yaml",
+    done = warm_python.run([sys.executable, "-m", "engine.rollout.server", "configs/tiny_cpu.yaml",
                            "rollout.vllm_mode=server", f"--port={_free_port()}"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2

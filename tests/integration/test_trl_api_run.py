@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
+from tests.helpers import warm_python
 
 REPO = Path(__file__).resolve().parents[2]
 SWITCHED_TEMPLATE = (
@@ -160,7 +160,7 @@ def test_script_hooks_defined_in_main_train_save_and_resume(tmp_path):
     script.write_text(GFPO_CURRICULUM_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
     for max_steps, mode in ((1, "fresh"), (2, "resume")):
-        proc = subprocess.run([sys.executable, str(script), str(out), str(max_steps), mode], cwd=tmp_path, env=env,
+        proc = warm_python.run([sys.executable, str(script), str(out), str(max_steps), mode], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=420)
         assert proc.returncode == 0, f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "resumed from" in proc.stdout + proc.stderr

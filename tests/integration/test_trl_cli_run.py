@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import warm_python
+
 REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = """\
@@ -43,7 +45,7 @@ def test_a_yaml_recipe_trains_through_the_command_line(tmp_path):
     (tmp_path / "recipe.yaml").write_text(RECIPE)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "engine", "grpo", "--config", "recipe.yaml", "--max_steps", "2"],
+    proc = warm_python.run([sys.executable, "-m", "engine", "grpo", "--config", "recipe.yaml", "--max_steps", "2"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, f"rc {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "Training completed." in proc.stdout and "Model saved to run." in proc.stdout

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import warm_python
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 ENGINE_IMPORT = "from engine import GRPOConfig, GRPOTrainer"
@@ -27,7 +29,7 @@ NAMES = ["000_quickstart", "001_math_accuracy", "003_async_rewards_extra_columns
 def _run_example(name: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py")], cwd=cwd, env=env, capture_output=True,
+    proc = warm_python.run([sys.executable, str(EXAMPLES / f"{name}.py")], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=420)
     assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import warm_python
 from tests.integration.test_trl_examples import _run_until_trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def run_guide(script: Path, cwd: Path, *args: str, env: dict | None = None) -> d
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_HUB_OFFLINE": "1", **(env or {})}
     result_file, saved = cwd / "result.json", cwd / "saved_model"
-    proc = subprocess.run([sys.executable, str(RUNNER), str(script), str(result_file), str(saved), *args], cwd=cwd,
+    proc = warm_python.run([sys.executable, str(RUNNER), str(script), str(result_file), str(saved), *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, f"{script.name} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n" \
                                  f"{proc.stderr[-6000:]}"
@@ -200,7 +201,7 @@ def test_trl_server_mode_against_grpo_engine_vllm_serve(tmp_path):
         pytest.skip("port 8000 (TRL's default vllm_server_port, which the guide's config relies on) is taken")
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "GRPO_ENGINE_TOKEN": secrets.token_hex(16)}
     log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "engine", "vllm-serve", "--model", MODEL,
+    server = warm_python.Popen([sys.executable, "-m", "engine", "vllm-serve", "--model", MODEL,
                                "--gpu_memory_utilization", "0.1"],  # on CPU: a fraction of host memory
                               cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
