@@ -9,8 +9,7 @@ How: a warm interpreter (`python -m tests.helpers.warm_python SOCKET`, started a
 and import-time environment) imports `PRELOAD` and then waits on a Unix socket. Each request carries the command
 line, the working directory, the environment and the three standard streams (file descriptors); the warm interpreter
 forks, and the child sets them up as a fresh interpreter would have them (its own session if asked, `sys.argv`, a new
-`__main__`, `sys.path` from PYTHONPATH, the environment, the thread count OMP_NUM_THREADS asks for, numpy's global
-seed) and runs the script (or the module, as `python -m` does). Exceptions, `sys.exit` and the interpreter's shutdown
+`__main__`, `sys.path` from PYTHONPATH, the environment, numpy's global seed) and runs the script (or the module, as `python -m` does). Exceptions, `sys.exit` and the interpreter's shutdown
 are the child's own, as in a fresh process. The warm interpreter reports the child's pid, then its exit status
 (negative: the signal that killed it), as `subprocess.Popen` does.
 
@@ -45,16 +44,19 @@ import time
 from pathlib import Path
 
 PRELOAD = ("torch", "numpy", "transformers", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
-           "megatron.core.dist_checkpointing", "datasets", "peft", "pandas", "safetensors.torch", "yaml")
-"""What the warm interpreter imports: the libraries every engine process imports, none of them reading an
-environment variable the tests vary (`IMPORT_TIME_ENV`)."""
+           "megatron.core.dist_checkpointing", "datasets", "peft", "pandas", "safetensors.torch", "yaml",
+           "matplotlib.figure", "matplotlib.backends.backend_agg", "openai", "fastapi", "aiohttp", "xgrammar",
+           "compressed_tensors")
+"""What the warm interpreter imports: the libraries every engine process imports (the last ones: the metrics plot's
+and vLLM's dependencies), none of them reading at import an environment variable outside `IMPORT_TIME_ENV`."""
 
 IMPORT_TIME_ENV = re.compile(r"^(HF_|HUGGINGFACE|TRANSFORMERS_|TOKENIZERS_|DATASETS_|TORCH|PYTORCH|TRITON|MKL_|KMP_|"
-                             r"OMP_(?!NUM_THREADS$)|CUDA|NVTE_|NCCL_|MEGATRON|MPL|PYTHON(?!PATH$|UNBUFFERED$)|LD_|"
+                             r"OMP_|CUDA|NVTE_|NCCL_|MEGATRON|MPL|PYTHON(?!PATH$|UNBUFFERED$)|LD_|"
                              r"MALLOC|GOMP|NUMEXPR)")
-"""Environment variables that act at interpreter start or when a preloaded library is imported: a request that sets
-one of them differently from the warm interpreter runs in a fresh interpreter. PYTHONPATH (rebuilt into `sys.path`),
-PYTHONUNBUFFERED (the streams are reconfigured) and OMP_NUM_THREADS (`torch.set_num_threads`) are applied in the child."""
+"""Environment variables that act at interpreter start or when a preloaded library is imported (OMP_NUM_THREADS:
+OpenMP's default for every thread, read when torch loads it): a request goes to a warm interpreter started with its
+values of them. PYTHONPATH (rebuilt into `sys.path`) and PYTHONUNBUFFERED (the streams reconfigured) are applied in
+the child."""
 
 FRESH_ENV = "GRPO_TESTS_FRESH_PYTHON"
 """Set to 1: every command runs in a fresh interpreter (plain `subprocess`)."""
@@ -162,10 +164,7 @@ def _become(request: dict, fds: list[int]) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(write_through=unbuffered or stream is sys.stderr, line_buffering=stream.isatty())
     import numpy
-    import torch
 
-    if env.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     numpy.random.seed()  # a fresh interpreter's global numpy state comes from the OS, not from its parent
     pythonpath = [str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     args = request["args"]
@@ -232,8 +231,8 @@ class _Warm:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-MAX_WARM = 3
-"""Warm interpreters a test process keeps at most (one per distinct `IMPORT_TIME_ENV` setting; about 1 GiB each)."""
+MAX_WARM = 4
+"""Warm interpreters a test process keeps at most (one per distinct `IMPORT_TIME_ENV` setting)."""
 
 _warms: dict[tuple, _Warm] = {}
 _lock = threading.Lock()

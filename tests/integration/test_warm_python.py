@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 PROBE = '''
 """probe docstring"""
-import json, os, sys
+import ctypes, json, os, sys, threading
 warm = "megatron.core" in sys.modules
 import torch
 import huggingface_hub.constants
@@ -32,6 +32,12 @@ record = {"offline": huggingface_hub.constants.HF_HUB_OFFLINE, "argv": sys.argv,
           "repo_on_path": any(p == REPO for p in sys.path), "cwd": os.getcwd(), "marker": os.environ.get("PROBE_MARKER"),
           "threads": torch.get_num_threads(), "own_session": os.getsid(0) == os.getpid(), "warm": warm,
           "main_is_me": sys.modules["__main__"].__dict__ is globals()}
+gomp = [p for p in open("/proc/self/maps").read().split() if p.endswith("libgomp.so.1")]
+seen = []  # OpenMP's default thread count as a thread started now sees it (vLLM's CPU attention checks it)
+thread = threading.Thread(target=lambda: seen.append(ctypes.CDLL(gomp[0]).omp_get_max_threads()))
+thread.start()
+thread.join()
+record["omp_new_thread"] = seen[0]
 print(json.dumps(record))
 print("to stderr", file=sys.stderr)
 if len(sys.argv) > 1 and sys.argv[1] == "fail":
@@ -78,7 +84,7 @@ def test_a_warm_script_sees_what_a_fresh_interpreter_shows_it(tmp_path):
     assert w == f
     assert f["argv"] == ["scripts/probe.py", "3"] and f["name"] == "__main__" and f["doc"] == "probe docstring"
     assert f["file"] == str(tmp_path / "scripts" / "probe.py") and f["path0"] == str(tmp_path / "scripts")
-    assert f["marker"] == "m" and f["threads"] == 1 and f["main_is_me"] and f["repo_on_path"]
+    assert f["marker"] == "m" and f["threads"] == f["omp_new_thread"] == 1 and f["main_is_me"] and f["repo_on_path"]
 
 
 def test_a_warm_module_run_and_a_new_session_match_a_fresh_one(tmp_path):
@@ -109,10 +115,12 @@ def test_an_uncaught_exception_and_a_kill_end_a_warm_run_as_a_fresh_one(tmp_path
 
 
 def test_what_the_preloaded_libraries_read_at_import_is_the_requests_own(tmp_path):
-    """HF_HUB_OFFLINE, read when huggingface_hub is imported (by the preloaded transformers): set and unset, each
-    request's probe reads its own value, through a warm interpreter of that environment."""
-    offline = {k: v for k, v in _env().items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    for env, expected in ((offline, False), (_env(), True)):
+    """HF_HUB_OFFLINE, read when huggingface_hub is imported (by the preloaded transformers), set and unset, and
+    OpenMP's default without OMP_NUM_THREADS: each request's probe reads its own values, through a warm interpreter
+    of that environment."""
+    online = {k: v for k, v in _env().items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS")}
+    for env, expected in ((online, False), ({**online, "HF_HUB_OFFLINE": "1"}, True)):
         warm, fresh = _both(tmp_path, env=env)
         w, f = _record(warm), _record(fresh)
-        assert w["warm"] is True and w["offline"] is f["offline"] is expected
+        assert w.pop("warm") is True and f.pop("warm") is False
+        assert w == f and f["offline"] is expected and f["omp_new_thread"] == os.cpu_count()  # OMP_NUM_THREADS unset
