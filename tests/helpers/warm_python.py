@@ -9,9 +9,10 @@ How: a warm interpreter (`python -m tests.helpers.warm_python SOCKET`, started a
 and import-time environment) imports `PRELOAD` and then waits on a Unix socket. Each request carries the command
 line, the working directory, the environment and the three standard streams (file descriptors); the warm interpreter
 forks, and the child sets them up as a fresh interpreter would have them (its own session if asked, `sys.argv`, a new
-`__main__`, `sys.path` from PYTHONPATH, the environment, numpy's global seed) and runs the script (or the module, as `python -m` does). Exceptions, `sys.exit` and the interpreter's shutdown
-are the child's own, as in a fresh process. The warm interpreter reports the child's pid, then its exit status
-(negative: the signal that killed it), as `subprocess.Popen` does.
+`__main__`, `sys.path` from PYTHONPATH, the environment, numpy's global seed) and runs the script (or the module, as
+`python -m` does). Exceptions, `sys.exit` and the interpreter's shutdown are the child's own, as in a fresh process.
+The warm interpreter reports the child's pid, then its exit status (negative: the signal that killed it), as
+`subprocess.Popen` does.
 
 What is not warm: vLLM and the engine itself are imported by the child (both read settings from the environment at
 import: vLLM its log level, the engine's kernels the Triton interpreter switch). The variables the preloaded
