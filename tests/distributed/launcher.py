@@ -4,21 +4,23 @@
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and returns the per-rank return values (pickled, so tensors come
 back by value). If any rank raises, or dies, or the whole run exceeds the timeout, it raises AssertionError with every
 failing rank's traceback (a rank stuck in a collective behind a failed peer is terminated and reported as such).
-`fn` must be importable at module level (spawn pickles it by name).
+`fn` must be importable at module level (it is pickled by name).
 
-Long-lived worlds: starting a rank (a spawned Python that imports torch and Megatron) costs 6-12 s on a 2-core
-machine, more than most test bodies, so the processes of a world of each size are kept for the session and run test
-body after test body. Each body still starts from what a fresh rank would see: no process group (the previous body's,
-and Megatron's groups, are destroyed after it; the next one rendezvouses on a fresh MASTER_PORT), the environment,
-working directory, default dtype, grad mode and thread count restored, its output going where the test's goes now
-(pytest's capture of that test). A world is not reused, but shut down and started afresh by the next call, when a body
-failed on any rank, timed out, or left something a fresh process would not have: child processes alive or a vLLM
-engine not dropped. A body that built in-process vLLM engines (colocated mode) keeps its world too,
-after vLLM's own clean-up between engines (`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM
-then stays imported in those ranks (its import-time settings included), which saves the next such body 10-20 s of rank
-start and imports. Such a rank ends with a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP
-groups made in /dev/shm (colocated engines name them after the rendezvous port: engine/rollout/vllm_cpu_shm.py).
-`close_worlds()` (run at exit) stops the kept worlds; a rank also exits by itself once the test process is gone.
+Long-lived worlds: starting a rank (a Python that imports torch and Megatron) costs 6-12 s on a 2-core machine, more
+than most test bodies, so the processes of a world of each size are kept for the session and run test body after test
+body. Ranks are forked by multiprocessing's fork server, which has imported those libraries once
+(tests/helpers/warm_python.py `PRELOAD`; the server's environment is the test process's when it started). Each body
+still starts from what a fresh rank would see: no process group (the previous body's, and Megatron's groups, are
+destroyed after it; the next one rendezvouses on a fresh MASTER_PORT), the environment, working directory, default
+dtype, grad mode and thread count restored, its output going where the test's goes now (pytest's capture of that test).
+A world is not reused, but shut down and started afresh by the next call, when a body failed on any rank, timed out, or
+left something a fresh process would not have: child processes alive or a vLLM engine not dropped. A body that built
+in-process vLLM engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
+(`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
+import-time settings included), which saves the next such body 10-20 s of rank start and imports. Such a rank ends with
+a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP groups made in /dev/shm (colocated engines name
+them after the rendezvous port: engine/rollout/vllm_cpu_shm.py). `close_worlds()` (run at exit) stops the kept worlds; a
+rank also exits by itself once the test process is gone.
 
 Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next
 beyond what is listed above (tests/distributed/test_launcher.py checks the list).
@@ -123,14 +125,13 @@ def _why_not_reusable() -> str:
     return "a vLLM engine was not dropped" if _holds_a_vllm_engine() else ""
 
 
-def _write_where_the_test_writes() -> None:
+def _write_where_the_test_writes(test_pid: int) -> None:
     """Point this rank's stdout and stderr (fds 1 and 2) where the test process's point now, as a rank started by
     this test would inherit them: pytest captures each test's output (capfd) by moving the test process's fds, which
     a rank kept from an earlier test would otherwise not follow."""
-    parent = os.getppid()
     for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
         try:
-            target = os.open(f"/proc/{parent}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+            target = os.open(f"/proc/{test_pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
         except OSError:  # no such fd in the test process: keep this rank's own
             continue
         stream.flush()
@@ -138,12 +139,12 @@ def _write_where_the_test_writes() -> None:
         os.close(target)
 
 
-def _run_body(body: bytes) -> tuple[str, bytes | str, str]:
+def _run_body(body: bytes, test_pid: int) -> tuple[str, bytes | str, str]:
     """Run one pickled (fn, args) on this rank; then tear its groups down and restore the process-wide state it may
     have changed. Returns (status, pickled value or traceback, why this rank cannot take another body: "" if it can)."""
     import torch
 
-    _write_where_the_test_writes()
+    _write_where_the_test_writes(test_pid)
     env, cwd = dict(os.environ), os.getcwd()
     dtype, grad_enabled = torch.get_default_dtype(), torch.is_grad_enabled()
     try:
@@ -172,30 +173,30 @@ def _run_body(body: bytes) -> tuple[str, bytes | str, str]:
     return status, payload, _why_not_reusable() if torn_down else "its teardown failed"
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_the_test(test_pid: int) -> None:
     """Exit this rank as soon as the test process is gone, whatever its main thread is doing (even a hung body), and
     take its children along (os._exit runs no exit handler: a child would outlive it)."""
-    while os.getppid() == parent:
+    while _command_of(test_pid) is not None:
         time.sleep(1.0)
     _kill(pid for pid, _ in _children_of(os.getpid()))
     os._exit(0)
 
 
-def _serve(rank, world_size, tasks, results) -> None:
+def _serve(rank, world_size, tasks, results, test_pid) -> None:
     """A rank of a long-lived world: run each (task id, port, pickled body) it is sent until told to stop."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       OMP_NUM_THREADS="1")
     import torch
 
     torch.set_num_threads(1)
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with_the_test, args=(test_pid,), daemon=True).start()
     while True:
         task = tasks.get()
         if task is None:
             break
         task_id, port, body = task
         os.environ["MASTER_PORT"] = str(port)
-        status, payload, why_not_reusable = _run_body(body)
+        status, payload, why_not_reusable = _run_body(body, test_pid)
         results.put((rank, task_id, status, payload, why_not_reusable))
         if why_not_reusable:
             return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
@@ -210,11 +211,14 @@ class _World:
     """The processes of one world size, each with its own task queue, and the queue they all report into."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        from tests.helpers.warm_python import PRELOAD
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__, *PRELOAD])  # acts when this process's fork server starts
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_serve, args=(r, world_size, self.tasks[r], self.results))
+        self.procs = [ctx.Process(target=_serve, args=(r, world_size, self.tasks[r], self.results, os.getpid()))
                       for r in range(world_size)]
         for proc in self.procs:
             proc.start()
