@@ -14,7 +14,9 @@ still starts from what a fresh rank would see: no process group (the previous bo
 destroyed after it; the next one rendezvouses on a fresh MASTER_PORT), the environment, working directory, default
 dtype, grad mode and thread count restored, its output going where the test's goes now (pytest's capture of that test).
 A world is not reused, but shut down and started afresh by the next call, when a body failed on any rank, timed out, or
-left something a fresh process would not have: child processes alive or a vLLM engine not dropped. A body that built
+left something a fresh process would not have: child processes alive, a vLLM engine not dropped, or the threads of a
+process group or store that outlived its destruction (something still refers to it; its gloo threads keep polling, a
+kept world's idle ranks burned CPU that way). A body that built
 in-process vLLM engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
 (`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
 import-time settings included), which saves the next such body 10-20 s of rank start and imports. Such a rank ends with
@@ -97,10 +99,10 @@ def _live_children() -> list[str]:
 
 def _holds_a_vllm_engine() -> bool:
     """Whether a vLLM `LLM` object outlived its body (a body must close and drop the engines it builds)."""
+    gc.collect()
     if "vllm.entrypoints.llm" not in sys.modules:
         return False
     llm_class = sys.modules["vllm.entrypoints.llm"].LLM
-    gc.collect()
     return any(isinstance(obj, llm_class) for obj in gc.get_objects())
 
 
@@ -117,12 +119,29 @@ _vllm_releases: list[int] = []
 """This rank's pid once per body after which vLLM's state was released (read by tests/distributed/test_launcher.py)."""
 
 
+GROUP_THREADS = ("gloo_tcp_loop", "pt_gloo_runloop", "pt_tcpstore_uv")
+"""Threads of a gloo process group (its device's TCP loop, its work loops) and of a TCP store's server."""
+
+
+def _group_threads() -> dict[str, int]:
+    """This process's threads of process groups and stores still alive ({} when none)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+    return {name: names.count(name) for name in GROUP_THREADS if name in names}
+
+
 def _why_not_reusable() -> str:
     """Why this rank is no longer as a fresh one would be after a body ("" when it is; module docstring)."""
     children = _live_children()
     if children:
         return f"child processes alive: {children}"
-    return "a vLLM engine was not dropped" if _holds_a_vllm_engine() else ""
+    if _holds_a_vllm_engine():  # (collects garbage first)
+        return "a vLLM engine was not dropped"
+    threads = _group_threads()  # a destroyed group something still refers to keeps its threads, which poll
+    return f"process groups outlived their destruction (threads {threads})" if threads else ""
 
 
 def _write_where_the_test_writes(test_pid: int) -> None:

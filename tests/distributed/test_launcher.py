@@ -51,6 +51,19 @@ def _fresh_state(expected_cwd: str) -> dict:
     return state
 
 
+_KEPT_GROUPS: list = []
+"""A reference that outlives the body, as a module-level cache would keep one."""
+
+
+def _keep_a_group_alive() -> int:
+    """Join a process group, make a gloo subgroup and keep a reference to it past the body's teardown."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    _KEPT_GROUPS.append(dist.new_group(backend="gloo"))
+    return os.getpid()
+
+
 def _fail() -> None:
     raise ValueError(f"pid {os.getpid()} says no")
 
@@ -74,6 +87,16 @@ def test_a_world_left_with_a_child_process_or_a_failure_is_replaced():
     assert failed_pid not in left_child, "a world with a leftover child process was reused"
     after = [s["pid"] for s in run_distributed(_fresh_state, 1, os.getcwd())]
     assert failed_pid not in after, "a world whose body failed was reused"
+
+
+
+def test_a_world_whose_destroyed_groups_are_still_referenced_is_replaced():
+    """Their gloo threads outlive the teardown and poll: an idle kept world would burn CPU."""
+    kept = run_distributed(_keep_a_group_alive, 1)
+    after = [s["pid"] for s in run_distributed(_fresh_state, 1, os.getcwd())]
+    assert kept != after, "a world with live process-group threads was reused"
+    again = [s["pid"] for s in run_distributed(_fresh_state, 1, os.getcwd())]
+    assert again == after, "a clean world was replaced"
 
 
 SHM_PREFIX = "grpo-launcher-test-"

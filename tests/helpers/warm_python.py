@@ -18,7 +18,8 @@ What is not warm: vLLM and the engine itself are imported by the child (both rea
 import: vLLM its log level, the engine's kernels the Triton interpreter switch). The variables the preloaded
 libraries read at import (`IMPORT_TIME_ENV`: HF_HUB_OFFLINE, ...) are the warm interpreter's own: a request that
 sets them differently goes to a warm interpreter started with its values. Commands that are not
-`[sys.executable, script | -m module, ...]`, or that ask for a pipe, run in a fresh interpreter, as does every
+`[sys.executable, script | -m module, ...]`, or that ask for a pipe, or that a launcher rank (a multiprocessing
+child) or a warm child starts, run in a fresh interpreter, as does every
 command when GRPO_TESTS_FRESH_PYTHON=1 (the plain `subprocess` path, to compare with).
 
 Use: `Popen` and `run` take the `subprocess` arguments the tests use (args, cwd, env, stdout, stderr,
@@ -166,6 +167,7 @@ def _become(request: dict, fds: list[int]) -> None:
         stream.reconfigure(write_through=unbuffered or stream is sys.stderr, line_buffering=stream.isatty())
     import numpy
 
+    importlib.import_module("tests.helpers.warm_python")._forked_child = True
     numpy.random.seed()  # a fresh interpreter's global numpy state comes from the OS, not from its parent
     pythonpath = [str(Path(p).resolve()) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     args = request["args"]
@@ -209,6 +211,9 @@ class _Warm:
         self.path = os.path.join(self.dir, "sock")
         self.log = os.path.join(self.dir, "log")
         self.env = env
+        self.running = 0
+        """Commands started through it whose exit has not been read yet (one with none running can be stopped)."""
+        self.last_used = time.monotonic()
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.warm_python", self.path], cwd=_REPO,
                                          env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
@@ -232,26 +237,40 @@ class _Warm:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-MAX_WARM = 4
-"""Warm interpreters a test process keeps at most (one per distinct `IMPORT_TIME_ENV` setting)."""
+MAX_WARM = 3
+"""Warm interpreters a test process keeps at most (one per distinct `IMPORT_TIME_ENV` setting: importing vLLM into
+the test process adds some of those variables to its environment, so the requests made after it ask for another).
+For a new setting the least recently used one with no command running is stopped; with none such, the command runs
+fresh."""
 
 _warms: dict[tuple, _Warm] = {}
+_forked_child = False
+"""Set in the children of a warm interpreter."""
 _lock = threading.Lock()
 
 
 def _warm_for(env: dict) -> _Warm | None:
     """The warm interpreter whose import-time environment is `env`'s (started now if there is none), or None: run
     fresh (GRPO_TESTS_FRESH_PYTHON=1, or MAX_WARM others already running)."""
+    import multiprocessing
+
     if os.environ.get(FRESH_ENV) == "1" or env.get(FRESH_ENV) == "1":
         return None
+    if _forked_child or multiprocessing.parent_process() is not None:
+        return None  # a launcher rank or a warm child: a warm interpreter of its own would outlive what it ran
     key = tuple(sorted((k, v) for k, v in env.items() if IMPORT_TIME_ENV.match(k)))
     with _lock:
         warm = _warms.get(key)
         if warm is None or warm.proc.poll() is not None:
-            if warm is None and len(_warms) >= MAX_WARM:
-                return None
+            while warm is None and len(_warms) >= MAX_WARM:
+                idle = [k for k, w in _warms.items() if w.running == 0]
+                if not idle:
+                    return None
+                _warms.pop(min(idle, key=lambda k: _warms[k].last_used)).stop()
             rest = {k: v for k, v in os.environ.items() if not IMPORT_TIME_ENV.match(k)}
             warm = _warms[key] = _Warm({**rest, **dict(key), "PYTHONPATH": str(_REPO)})
+        warm.last_used = time.monotonic()
+        warm.running += 1
         return warm
 
 
@@ -306,11 +325,16 @@ class Popen:
         request = {"args": python_args, "cwd": os.path.abspath(cwd or os.getcwd()), "env": env,
                    "new_session": bool(start_new_session)}
         data = json.dumps(request).encode()
-        self._conn = warm.connect()
+        self._warm = warm
         try:
+            self._conn = warm.connect()
             socket.send_fds(self._conn, [len(data).to_bytes(4, "big")], fds)
             self._conn.sendall(data)
             self.pid = _recv(self._conn)["pid"]
+        except BaseException:
+            with _lock:
+                warm.running -= 1
+            raise
         finally:
             for fd in opened:
                 os.close(fd)
@@ -335,6 +359,8 @@ class Popen:
         self._conn.setblocking(True)
         self.returncode = _recv(self._conn)["exit"]
         self._conn.close()
+        with _lock:
+            self._warm.running -= 1
 
     def wait(self, timeout: float | None = None) -> int:
         if self._fresh is not None:

@@ -38,6 +38,8 @@ thread = threading.Thread(target=lambda: seen.append(ctypes.CDLL(gomp[0]).omp_ge
 thread.start()
 thread.join()
 record["omp_new_thread"] = seen[0]
+import tests.helpers.warm_python
+record["forked_child"] = tests.helpers.warm_python._forked_child  # its own commands then run fresh
 print(json.dumps(record))
 print("to stderr", file=sys.stderr)
 if len(sys.argv) > 1 and sys.argv[1] == "fail":
@@ -80,7 +82,7 @@ def test_a_warm_script_sees_what_a_fresh_interpreter_shows_it(tmp_path):
     assert warm.returncode == fresh.returncode == 3
     assert warm.stderr.strip() == fresh.stderr.strip() == "to stderr"
     w, f = _record(warm), _record(fresh)
-    assert w.pop("warm") is True and f.pop("warm") is False
+    assert w.pop("warm") is w.pop("forked_child") is True and f.pop("warm") is f.pop("forked_child") is False
     assert w == f
     assert f["argv"] == ["scripts/probe.py", "3"] and f["name"] == "__main__" and f["doc"] == "probe docstring"
     assert f["file"] == str(tmp_path / "scripts" / "probe.py") and f["path0"] == str(tmp_path / "scripts")
@@ -91,7 +93,7 @@ def test_a_warm_module_run_and_a_new_session_match_a_fresh_one(tmp_path):
     warm, fresh = _both(tmp_path, module=True, start_new_session=True)
     assert warm.returncode == fresh.returncode == 0
     w, f = _record(warm), _record(fresh)
-    assert w.pop("warm") is True and f.pop("warm") is False
+    assert w.pop("warm") is w.pop("forked_child") is True and f.pop("warm") is f.pop("forked_child") is False
     assert w == f and f["own_session"] and f["path0"] == str(tmp_path) and f["argv"][0].endswith("probe_mod.py")
 
 
@@ -122,5 +124,33 @@ def test_what_the_preloaded_libraries_read_at_import_is_the_requests_own(tmp_pat
     for env, expected in ((online, False), ({**online, "HF_HUB_OFFLINE": "1"}, True)):
         warm, fresh = _both(tmp_path, env=env)
         w, f = _record(warm), _record(fresh)
-        assert w.pop("warm") is True and f.pop("warm") is False
+        assert w.pop("warm") is w.pop("forked_child") is True and f.pop("warm") is f.pop("forked_child") is False
         assert w == f and f["offline"] is expected and f["omp_new_thread"] == os.cpu_count()  # OMP_NUM_THREADS unset
+
+
+def test_a_new_import_time_setting_stops_the_least_recently_used_idle_warm_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setattr(warm_python, "MAX_WARM", 1)
+    for value in ("error", "warning"):
+        warm, _ = _both(tmp_path, env=_env(TRANSFORMERS_VERBOSITY=value))
+        assert _record(warm)["warm"] is True
+    [(key, kept)] = warm_python._warms.items()
+    assert ("TRANSFORMERS_VERBOSITY", "warning") in key and kept.running == 0
+
+
+def _probe_in_a_rank(tmp: str) -> dict:
+    from tests.distributed.launcher import _live_children
+
+    scripts = Path(tmp) / "scripts"
+    scripts.mkdir(exist_ok=True)
+    (scripts / "probe.py").write_text(PROBE.replace("REPO", repr(str(REPO))))
+    done = warm_python.run([sys.executable, "scripts/probe.py"], cwd=tmp, env=_env(), capture_output=True, text=True,
+                           timeout=300)
+    return {**_record(done), "children": _live_children()}
+
+
+def test_a_launcher_rank_runs_its_commands_fresh_and_keeps_no_warm_interpreter(tmp_path):
+    """A rank's command runs fresh: a warm interpreter started there would be a child left alive after the body."""
+    from tests.distributed.launcher import run_distributed
+
+    [record] = run_distributed(_probe_in_a_rank, 1, str(tmp_path))
+    assert record["warm"] is False and record["children"] == []
