@@ -19,9 +19,12 @@ process group or store that outlived its destruction (something still refers to 
 kept world's idle ranks burned CPU that way). A body that built
 in-process vLLM engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
 (`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
-import-time settings included), which saves the next such body 10-20 s of rank start and imports. Such a rank ends with
-a normal interpreter exit, which unlinks the shared memory vLLM's CPU TP groups made in /dev/shm (colocated engines name
-them after the rendezvous port: engine/rollout/vllm_cpu_shm.py). `close_worlds()` (run at exit) stops the kept worlds; a
+import-time settings included), which saves the next such body 10-20 s of rank start and imports. A rank returns from
+its loop when it stops; a fork-server child then ends with os._exit, so a rank no longer runs an interpreter exit:
+vLLM's CPU TP groups' /dev/shm segments (named after the rendezvous port by colocated engines:
+engine/rollout/vllm_cpu_shm.py) are unlinked only where vLLM's own clean-up does it. test_launcher.py checks none is
+left, on a vLLM build with the shared-memory ops (not the AVX2 build of this machine, where that check has nothing to
+look at). `close_worlds()` (run at exit) stops the kept worlds; a
 rank also exits by itself once the test process is gone.
 
 Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next
@@ -218,9 +221,9 @@ def _serve(rank, world_size, tasks, results, test_pid) -> None:
         status, payload, why_not_reusable = _run_body(body, test_pid)
         results.put((rank, task_id, status, payload, why_not_reusable))
         if why_not_reusable:
-            return  # a normal exit: the exit handlers of what the body left (vLLM's engines) shut it down
+            return  # the fork server's child ends with os._exit: no exit handler runs (module docstring)
     if "vllm" in sys.modules:
-        return  # a normal exit: vLLM's CPU shared memory (/dev/shm) is unlinked at exit, never by os._exit
+        return  # as above: with a fork server this ends in os._exit too (module docstring)
     results.close()
     results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
     os._exit(0)

@@ -105,11 +105,14 @@ def _serve(listener: socket.socket) -> tuple[dict, list[int]]:
                 os.read(wake_r, 4096)
                 continue
             conn, _ = listener.accept()
+            fds = []
             try:
                 msg, fds, _, _ = socket.recv_fds(conn, 4, 3)
                 request = json.loads(_recv_exact(conn, int.from_bytes(msg, "big")))
             except (OSError, ValueError) as err:  # a client that went away, or not a request: the next one
                 print(f"warm interpreter: dropped a request ({err!r})", file=sys.stderr)
+                for fd in fds:
+                    os.close(fd)
                 conn.close()
                 continue
             sys.stdout.flush()
@@ -148,7 +151,8 @@ def _serve(listener: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _become(request: dict, fds: list[int]) -> None:
-    """In the forked child: the process a fresh `python <args>` would be, then run it (never returns normally)."""
+    """In the forked child: the process a fresh `python <args>` would be, then run it. Returns when the script or
+    module has run; the interpreter's own exit follows (`_serve_main` is the warm interpreter's last statement)."""
     if request["new_session"]:
         os.setsid()
     for target, fd in enumerate(fds):
