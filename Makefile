@@ -22,12 +22,11 @@ demo: $(STAMP)
 
 # Every tier (the unit tier includes the strict docs build, the results-page check and the lint); then where the time
 # went (per tier, slowest tests, costliest fixtures, test worlds: tests/timings.py).
-# The unit and kernel tiers run two test files at a time (pytest-xdist; tests/conftest.py schedules each file as one
-# unit of work). The distributed and integration tiers run one test at a time (SLOW_PARALLEL): two at a time also
-# passes, but those tiers keep a 2-core machine's CPUs busy either way (tests/timings.py's busy cores), so little is
-# gained; one at a time, `tests/timings.py` also reports how many cores each test kept busy.
+# Every tier runs two test files at a time (pytest-xdist; tests/conftest.py schedules each file as one unit of work,
+# test files sharing a kept world as one). For the distributed and integration tiers `SLOW_PARALLEL=` runs one test
+# at a time, and `tests/timings.py` then also reports how many cores each test kept busy.
 PARALLEL ?= -n 2 --dist loadgroup
-SLOW_PARALLEL ?=
+SLOW_PARALLEL ?= $(PARALLEL)
 test: $(STAMP)
 	$(BIN)/python -m pytest tests/unit tests/kernels $(PARALLEL) --timings-file .test-timings-single.jsonl; single=$$?; \
 	$(BIN)/python -m pytest tests/distributed tests/integration tests/gpu $(SLOW_PARALLEL) --timings-file .test-timings.jsonl; status=$$?; \

