@@ -12,19 +12,19 @@ body. Ranks are forked by multiprocessing's fork server, which has imported thos
 (tests/helpers/warm_python.py `PRELOAD`; the server's environment is the test process's when it started). Each body
 still starts from what a fresh rank would see: no process group (the previous body's, and Megatron's groups, are
 destroyed after it; the next one rendezvouses on a fresh MASTER_PORT), the environment, working directory, default
-dtype, grad mode and thread count restored, its output going where the test's goes now (pytest's capture of that test).
-A world is not reused, but shut down and started afresh by the next call, when a body failed on any rank, timed out, or
-left something a fresh process would not have: child processes alive, a vLLM engine not dropped, or the threads of a
-process group or store that outlived its destruction (something still refers to it; its gloo threads keep polling, a
-kept world's idle ranks burned CPU that way). A body that built
-in-process vLLM engines (colocated mode) keeps its world too, after vLLM's own clean-up between engines
-(`cleanup_dist_env_and_memory`: its groups, its frozen VLLM_* cache); vLLM then stays imported in those ranks (its
-import-time settings included), which saves the next such body 10-20 s of rank start and imports. A rank that stops, or
-cannot take another body, exits without Python's exit handlers; one that imported vLLM exits through libc's `exit`,
-whose static destructors unlink the /dev/shm segments of vLLM's CPU TP groups (colocated engines unlink theirs when
-they close: engine/rollout/vllm_release.py). test_launcher.py checks none is left, on a vLLM build with the
-shared-memory ops (AVX-512 machines; on an AVX2-only CPU that check has nothing to look at). `close_worlds()` (run at exit) stops the kept worlds; a
-rank also exits by itself once the test process is gone.
+dtype, grad mode and thread count restored, its output going where the test's goes now (pytest's capture of that
+test). A world is not reused, but shut down and started afresh by the next call, when a body failed on any rank,
+timed out, or left something a fresh process would not have: child processes alive, a vLLM engine not dropped, or the
+threads of a process group or store that outlived its destruction (something still refers to it; its gloo threads
+keep polling, a kept world's idle ranks burned CPU that way). A body that built in-process vLLM engines (colocated
+mode) keeps its world too, after vLLM's own clean-up between engines (`cleanup_dist_env_and_memory`: its groups, its
+frozen VLLM_* cache); vLLM then stays imported in those ranks (its import-time settings included), which saves the
+next such body 10-20 s of rank start and imports. A rank that stops, or cannot take another body, exits without
+Python's exit handlers; one that imported vLLM exits through libc's `exit`, whose static destructors unlink the
+/dev/shm segments of vLLM's CPU TP groups (colocated engines unlink theirs when they close:
+engine/rollout/vllm_release.py). test_launcher.py checks none is left, on a vLLM build with the shared-memory ops
+(AVX-512 machines; on an AVX2-only CPU that check has nothing to look at). `close_worlds()` (run at exit) stops the
+kept worlds; a rank also exits by itself once the test process is gone.
 
 Must not: hide a failure (every failing rank's traceback is in the error) or let one body's state reach the next
 beyond what is listed above (tests/distributed/test_launcher.py checks the list).
