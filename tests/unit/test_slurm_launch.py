@@ -8,11 +8,13 @@ what rank and ports each task computed, and, in dry-run mode, the real `grpo-eng
 the layout on every training node.
 """
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,14 +47,13 @@ while args and args[0].startswith("-"):
     key, _, value = args.pop(0).partition("=")
     options[key] = value
 if os.environ.get("FAKE_SRUN_BLOCK") == "1":
-    record("srun", event="start")
-
     def stop(signum, frame):
         record("srun", event="signal", signal=signal.Signals(signum).name)
         sys.exit(0 if signum == signal.SIGUSR1 else 143)
 
-    signal.signal(signal.SIGUSR1, stop)
+    signal.signal(signal.SIGUSR1, stop)  # before "start" is recorded: the tests signal once they read it
     signal.signal(signal.SIGTERM, stop)
+    record("srun", event="start", pid=os.getpid())
     time.sleep(30)
     sys.exit(124)
 record("srun", event="run")
@@ -133,7 +134,7 @@ def _make_slurm(tmp_path: Path):
         (bin_dir / name).chmod(0o755)
     log = tmp_path / "slurm.jsonl"
 
-    def run(command, *args, background=False, **env_overrides):
+    def run(command, *args, background=False, stderr=subprocess.PIPE, **env_overrides):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "WORLD_SIZE", "TORCHELASTIC"))}
         env.update(
             PATH=f"{bin_dir}:{env['PATH']}", FAKE_SLURM_LOG=str(log), FAKE_JOB_ID=str(JOB_ID),
@@ -145,7 +146,7 @@ def _make_slurm(tmp_path: Path):
         env.update(env_overrides)
         argv = [*command, *map(str, args)]
         if background:
-            return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            return subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True)
         result = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
         return result, read_records(log)
 
@@ -427,6 +428,64 @@ def test_usr1_before_the_time_limit_reaches_the_trainer_then_the_job_requeues(sl
     assert signals == {"train": "SIGUSR1", "infer": "SIGTERM"}  # trainer checkpoints; servers stop after it
     assert [r["argv"] for r in _tool(records, "scontrol") if r["argv"][0] == "requeue"] == [["requeue", str(JOB_ID)]]
     assert proc.returncode == 0
+
+
+def _usr1_pending(pid: int) -> bool:
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return any(int(status[key], 16) >> (signal.SIGUSR1 - 1) & 1 for key in ("SigPnd", "ShdPnd"))
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _drain(fd: int, into: list) -> None:
+    while chunk := os.read(fd, 1 << 16):
+        into.append(chunk)
+    os.close(fd)
+
+
+@pytest.mark.parametrize("script", [SPLIT_SCRIPT, ONE_NODE_SCRIPT], ids=["split", "one_node"])
+def test_usr1_arriving_as_the_trainer_step_ends_keeps_the_steps_status(slurm, script):
+    # The trainer step ends while the batch shell is still in its USR1 trap (its log line held up by a full pipe here,
+    # by a slow log disk on a cluster). bash's `wait` has already returned 138 for the signal; the job must still exit
+    # with the step's own status (0) and requeue.
+    env = dict(SLURM_JOB_NODELIST="gpu[001-001]", SLURM_NNODES="1") if script == ONE_NODE_SCRIPT else {}
+    steps = 1 if script == ONE_NODE_SCRIPT else 2
+    read_end, write_end = os.pipe()
+    proc = slurm(["bash", script], background=True, stderr=write_end, FAKE_SRUN_BLOCK="1", **env)
+    stderr: list[bytes] = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(starts := [r for r in read_records(slurm.log) if r.get("event") == "start"]) < steps:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        [trainer] = [r["pid"] for r in starts if "engine.rollout.server" not in " ".join(r["argv"])]
+        # Fill the pipe through a description of our own (the shell's stays blocking), so the trap's `say` blocks.
+        filler = os.open(f"/proc/self/fd/{write_end}", os.O_WRONLY | os.O_NONBLOCK)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(filler, b"." * 4096)
+        os.close(filler)
+        os.close(write_end)
+        proc.send_signal(signal.SIGUSR1)
+        while _usr1_pending(proc.pid):  # the shell has taken the signal: its `wait` returned, the trap runs
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(trainer, signal.SIGUSR1)  # the trainer checkpoints and its step ends, inside the shell's trap
+        while not _ended(trainer):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        threading.Thread(target=_drain, args=(read_end, stderr), daemon=True).start()
+        proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    records = read_records(slurm.log)
+    assert [r["argv"] for r in _tool(records, "scontrol") if r["argv"][0] == "requeue"] == [["requeue", str(JOB_ID)]]
+    assert proc.returncode == 0, b"".join(stderr).lstrip(b".").decode()
 
 
 def test_requeued_sbatch_job_uses_its_header_node_count_and_resumes_from_the_latest_checkpoint(slurm):
