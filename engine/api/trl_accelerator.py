@@ -173,17 +173,19 @@ class AcceleratorSurface:
 @contextlib.contextmanager
 def _group() -> Iterator[Any]:
     """torch.distributed with a process group: the engine's while it is up; otherwise one opened here on the
-    launcher's rendezvous (MASTER_ADDR / MASTER_PORT) and left open, with the backends the engine would choose
-    (gloo for CPU tensors, NCCL for CUDA ones), so the engine's next `train()` joins it rather than opening another.
-    Opening and closing a group per call would race: a fast rank could meet the previous call's store."""
+    launcher's rendezvous (MASTER_ADDR / MASTER_PORT, through the engine's rendezvous store) and left open, with
+    gloo for CPU tensors and NCCL for CUDA ones, so the engine's next `train()` joins it rather than opening another.
+    Opening and closing a group per call would cost a rendezvous each time."""
     import torch
     import torch.distributed as dist
+
+    from engine.policy.parallel import start_process_group
 
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             raise RuntimeError(f"accelerator: WORLD_SIZE={os.environ.get('WORLD_SIZE')} but no MASTER_ADDR / "
                                "MASTER_PORT to meet the other processes; launch the script with torchrun or srun")
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        start_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     yield dist
 
 

@@ -11,6 +11,13 @@ communicators and their memory) until the whole world is destroyed. So the group
 and those the engine makes for a layout (`new_layout_group`), are recorded and destroyed by `destroy_parallel`, also
 when the process group is kept for the next layout: N builds and teardowns on the same processes hold what one holds.
 
+Owns too: the store the ranks meet through (`_rendezvous_store`). A process that trains, evaluates or trains again
+starts the process group again on the same MASTER_PORT, and torch names what each start publishes (every rank's
+address) the same way each time. So the store is made once per world and kept after the process group is torn down,
+and each start gets a prefix of its own on it: a start never reads an earlier start's addresses (torchrun's agent
+store outlives every start; under it a second start read stale ones), and ranks that leave a run at different times
+never meet a store that is about to close. `close_rendezvous()` drops it.
+
 Must not: be read from anywhere else for groups (components receive `ParallelState` or its groups as arguments).
 
 Test: tests/distributed/test_parallel_state.py (ranks and groups per layout, a world that does not fit); every
@@ -136,14 +143,58 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_process_group(backend: str, timeout_min: int) -> None:
-    """Join the world torchrun/srun describe in the environment, or make a world of one for a plain `python` run."""
+_rendezvous: dict = {}
+"""This process's rendezvous store, kept across starts of the process group: "world" (address, port, size, rank),
+"store", "starts" (how many starts it has served)."""
+
+
+def _rendezvous_store(timeout: timedelta) -> dist.Store:
+    """The store for the next start of the process group: this world's store, made at the first start and kept, under
+    a prefix of its own for this start. Every rank starts the process group the same number of times, so the prefixes
+    agree. Rank 0 hosts the store, or, under torchrun, every rank is a client of the agent's
+    (`TORCHELASTIC_USE_AGENT_STORE`; a restarted attempt has its own prefix, as torch gives it).
+
+    NOTE: upstream, torch 2.13: `destroy_process_group()` resets the group count, so each start publishes its ranks'
+    addresses under the names the last start used; with `init_process_group`'s env:// store a start in the same
+    process read the last start's (torchrun's agent store keeps them) or met a store about to close (rank 0's)."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {' and '.join(missing)} not set: the ranks have "
+                           "nowhere to meet; launch with torchrun or srun (launch/), which set them")
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world = (addr, port, int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]))
+    if _rendezvous.get("world") != world:
+        close_rendezvous()
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(addr, port, world[2], is_master=world[3] == 0 and not agent, timeout=timeout)
+        _rendezvous.update(world=world, store=store, starts=0)
+    store = _rendezvous["store"]
+    store.set_timeout(timeout)
+    _rendezvous["starts"] += 1
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"grpo-engine/attempt{attempt}/start{_rendezvous['starts']}", store)
+
+
+def close_rendezvous() -> None:
+    """Drop the kept rendezvous store (on rank 0 this closes its server and frees MASTER_PORT). Call it once no rank
+    will start the process group again on this world's MASTER_PORT; a later start makes a new one."""
+    _rendezvous.clear()
+
+
+def start_process_group(backend: str, timeout_min: int = 30) -> None:
+    """Join the world torchrun/srun describe in the environment through this world's rendezvous store, or make a
+    world of one for a plain `python` run. Nothing to do when a process group is up."""
     if dist.is_initialized():
         return
+    timeout = timedelta(minutes=timeout_min)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend=backend, timeout=timedelta(minutes=timeout_min))
+    if int(os.environ["WORLD_SIZE"]) == 1:  # nobody to meet: a store of its own, closed with the process group
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout, store=_rendezvous_store(timeout),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 
 def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_min: int = 30) -> ParallelState:
@@ -170,7 +221,7 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_min: int = 30) -> P
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         install_cpu_compat()
-    _start_process_group(backend, timeout_min)
+    start_process_group(backend, timeout_min)
     world_size = dist.get_world_size()
     dp_size = resolve_dp_size(cfg, world_size)
     vpp = cfg.virtual_pipeline_size if (cfg.virtual_pipeline_size or 1) > 1 else None

@@ -11,9 +11,9 @@ than most test bodies, so the processes of a world of each size are kept for the
 body. Ranks are forked by multiprocessing's fork server, which has imported those libraries once
 (tests/helpers/warm_python.py `PRELOAD`; the server's environment is the test process's when it started). Each body
 still starts from what a fresh rank would see: no process group (the previous body's, and Megatron's groups, are
-destroyed after it; the next one rendezvouses on a fresh MASTER_PORT), the environment, working directory, default
-dtype, grad mode and thread count restored, its output going where the test's goes now (pytest's capture of that
-test). A world is not reused, but shut down and started afresh by the next call, when a body failed on any rank,
+destroyed after it, and the engine's kept rendezvous store closed; the next one meets on a fresh MASTER_PORT), the
+environment, working directory, default dtype, grad mode and thread count restored, its output going where the
+test's goes now (pytest's capture of that test). A world is not reused, but shut down and started afresh by the next call, when a body failed on any rank,
 timed out, or left something a fresh process would not have: child processes alive, a vLLM engine not dropped, or the
 threads of a process group or store that outlived its destruction (something still refers to it; its gloo threads
 keep polling, a kept world's idle ranks burned CPU that way). A body that built in-process vLLM engines (colocated
@@ -176,12 +176,13 @@ def _run_body(body: bytes, test_pid: int) -> tuple[str, bytes | str, str]:
         status, payload = "error", traceback.format_exc()
     torn_down = True
     try:
-        from engine.policy.parallel import destroy_parallel
+        from engine.policy.parallel import close_rendezvous, destroy_parallel
 
         destroy_parallel(keep_process_group=True)  # Megatron's groups, then vLLM's (if imported), then the group
         if "vllm" in sys.modules:
             _release_vllm()
         destroy_parallel()
+        close_rendezvous()  # the next body meets on another port
     except Exception:  # noqa: BLE001 - teardown after a failure must not mask the failure
         torn_down = False
     os.environ.clear()

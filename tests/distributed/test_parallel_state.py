@@ -1,8 +1,16 @@
 """engine.policy.parallel on gloo: ranks and groups match the layout; a world that does not fit is refused clearly."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from tests.distributed.launcher import run_distributed
+from tests.distributed.launcher import _free_port, run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _state(tp: int, pp: int) -> dict:
@@ -78,3 +86,78 @@ def test_rebuilding_layouts_on_kept_processes_holds_what_one_build_holds(tmp_pat
     for rank, held in enumerate(run_distributed(_held_after_rebuilds, 2, model_dir, str(tmp_path / "out"))):
         assert held[0][1] == 1, f"rank {rank}: only the world group outlives a teardown, not {held[0][1]} groups"
         assert all(h == held[0] for h in held), f"rank {rank}: (threads, live groups) per rebuild {held}"
+
+
+def _start_three_times() -> list[float]:
+    """Start the process group and a TP 2 layout, all-reduce over the world and over the TP group, tear it all down;
+    three times in this process on the same MASTER_PORT. Rank 0 lingers a second before each teardown (as a rank 0
+    that writes the checkpoint does), so rank 1 always starts again first."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.config import ParallelConfig
+    from engine.policy.parallel import destroy_parallel, init_parallel
+
+    sums = []
+    for start in range(3):
+        ps = init_parallel(ParallelConfig(tp_size=2), seed=0, timeout_min=1)  # a stuck start fails in a minute
+        value = torch.tensor([ps.rank + 1.0 + 10 * start])
+        dist.all_reduce(value)
+        dist.all_reduce(value, group=ps.groups.tp)
+        sums.append(value.item())
+        if ps.rank == 0:
+            time.sleep(1.0)
+        destroy_parallel()
+    return sums
+
+
+EXPECTED_SUMS = [2 * (3.0 + 20 * start) for start in range(3)]
+
+
+@pytest.mark.slow
+def test_starting_the_process_group_again_on_the_same_port_meets_only_this_starts_ranks():
+    """A process that trains, evaluates and trains again starts the process group three times on one MASTER_PORT.
+    Each start meets the other rank's same start, also when rank 0 is the last to leave the previous one (its store
+    of that start still up where rank 0 hosts the store)."""
+    assert run_distributed(_start_three_times, 2) == [EXPECTED_SUMS] * 2
+
+
+@pytest.mark.slow
+def test_starting_the_process_group_again_under_torchrun_meets_only_this_starts_ranks(tmp_path):
+    """The same under torchrun, where every rank uses the agent's store, which outlives every start: what an earlier
+    start published there (rank 0's address) must not be what a later start reads."""
+    script = tmp_path / "three_starts.py"
+    script.write_text("import json\nfrom tests.distributed.test_parallel_state import _start_three_times\n"
+                      "print('sums', json.dumps(_start_three_times()), flush=True)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                                 f"--master-port={_free_port()}", str(script)],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = torchrun.communicate(timeout=120)
+    finally:  # torchrun stops its workers (each in a session of its own) on SIGTERM
+        if torchrun.poll() is None:
+            torchrun.terminate()
+            torchrun.communicate(timeout=60)
+    assert torchrun.returncode == 0, err[-3000:]
+    sums = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines() if line.startswith("sums ")]
+    assert sums == [EXPECTED_SUMS] * 2
+
+
+def test_ranks_with_nowhere_to_meet_are_told_which_variables_are_missing(monkeypatch):
+    import torch.distributed as dist
+
+    from engine.policy.parallel import start_process_group
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 but MASTER_ADDR and MASTER_PORT not set"):
+        start_process_group("gloo")
+    assert not dist.is_initialized()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.distributed.launcher import _free_port, run_distributed
+from tests.distributed.launcher import run_distributed
 
 METRICS = ["reward", "reward_std", "frac_reward_zero_std", "rewards/digit_fraction/mean", "entropy", "loss",
            "grad_norm", "completions/mean_length", "clip_ratio/region_mean", "sampling/sampling_logp_difference/mean",
@@ -38,10 +38,9 @@ def _held_after_teardown() -> dict:
             "shm": glob.glob(f"/dev/shm/grpo-{os.environ['MASTER_PORT']}-*")}
 
 
-def _train(tp: int, output_dir: str, ports: tuple[int, ...] = ()) -> dict:
-    """A 2-step run of the tiny config at TP `tp`; then one more 1-step run in this process per port of `ports` (its
-    rendezvous port; engines of TP `tp`); what the process holds after each run ("held")."""
-    import os
+def _train(tp: int, output_dir: str, again: int = 0) -> dict:
+    """A 2-step run of the tiny config at TP `tp`; then `again` more 1-step runs in this process (engines of TP `tp`),
+    on the same MASTER_PORT, as under torchrun; what the process holds after each run ("held")."""
 
     from engine.config import load_config
     from engine.train.loop import train
@@ -50,8 +49,7 @@ def _train(tp: int, output_dir: str, ports: tuple[int, ...] = ()) -> dict:
                  "reward.reward_funcs=[tests.integration.test_trainer:digit_fraction]", "optimizer.learning_rate=1e-2"]
     summary = train(load_config("configs/tiny_cpu.yaml", overrides + ["train.max_steps=2", f"train.output_dir={output_dir}"]))
     held = [_held_after_teardown()]
-    for i, port in enumerate(ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for i in range(again):
         train(load_config("configs/tiny_cpu.yaml", overrides + ["train.max_steps=1", f"train.output_dir={output_dir}/{i}",
                                                                 f"rollout.vllm_tensor_parallel_size={tp}"]))
         held.append(_held_after_teardown())
@@ -59,21 +57,20 @@ def _train(tp: int, output_dir: str, ports: tuple[int, ...] = ()) -> dict:
 
 
 AGAIN = {1: 0, 2: 2}
-"""Further runs after the first, per TP: at TP 2 three runs one after another in the same two processes. Each on a
-port of its own: two ranks re-rendezvousing on the port they just left may race (one rank's new rendezvous can reach
-the other's store of the last run before that rank has torn it down)."""
+"""Further runs after the first, per TP: at TP 2 three runs one after another in the same two processes."""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_grpo_loop_runs_logs_and_stays_in_sync(tmp_path, tp):
     """The run logs TRL's metrics, stays in sync and learns; after it the process holds none of it: no thread of a
-    process group or store (a destroyed group something still references keeps polling), no Megatron module (the
+    process group (a destroyed group something still references keeps polling) and, but for rank 0's rendezvous store
+    kept for the next run, no store; no Megatron module (the
     first engine's import must not pin the caller's frames), no vLLM world group (a later engine would find destroyed
     groups), no /dev/shm segment named after the run's port (where vLLM's CPU build has the shared-memory ops: vLLM
-    unlinks them only at interpreter exit). At TP 2 two more runs follow in the same processes (engines of TP 2), each
-    trained and each leaving nothing either."""
-    summaries = run_distributed(_train, tp, tp, str(tmp_path), tuple(_free_port() for _ in range(AGAIN[tp])))
+    unlinks them only at interpreter exit). At TP 2 two more runs follow in the same processes on the same port
+    (engines of TP 2), each trained and each leaving nothing either."""
+    summaries = run_distributed(_train, tp, tp, str(tmp_path), AGAIN[tp])
     assert summaries[0]["steps"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
@@ -88,8 +85,10 @@ def test_grpo_loop_runs_logs_and_stays_in_sync(tmp_path, tp):
         assert len((tmp_path / str(run) / "metrics.jsonl").read_text().splitlines()) == 1, f"run {run + 2} trained"
     for rank, summary in enumerate(summaries):
         assert len(summary["held"]) == 1 + AGAIN[tp]
+        # Rank 0 of a world of 2 keeps one thing: the server of the rendezvous store, for the next run on this port.
+        store = {"pt_tcpstore_uv": 1} if rank == 0 and tp > 1 else {}
         for run, held in enumerate(summary["held"]):
-            assert held == {"group_threads": {}, "megatron_modules": 0, "vllm_world": False, "shm": []}, (rank, run + 1, held)
+            assert held == {"group_threads": store, "megatron_modules": 0, "vllm_world": False, "shm": []}, (rank, run + 1, held)
 
 
 def shortest_completions(group_completions, group_rewards, **kwargs):
