@@ -3,5 +3,6 @@
 torch, Megatron or vLLM until a trainer is built.
 
 May import: engine.config, engine.config_docstrings, engine.validation, engine.models, engine.train, engine.agent, engine.grpo (TRL's static
-helpers over the engine's maths, trl_compat.py), engine.lora_settings (a `peft_config`'s checks).
+helpers over the engine's maths, trl_compat.py), engine.lora_settings (a `peft_config`'s checks), engine.policy (the
+rendezvous through which the accelerator surface opens its process group, trl_accelerator.py).
 """

@@ -166,7 +166,9 @@ def _rendezvous_store(timeout: timedelta) -> dist.Store:
     if _rendezvous.get("world") != world:
         close_rendezvous()
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(addr, port, world[2], is_master=world[3] == 0 and not agent, timeout=timeout)
+        # multi_tenant, as torch's env:// store: a process group the user starts later on this port shares the server
+        store = dist.TCPStore(addr, port, world[2], is_master=world[3] == 0 and not agent, timeout=timeout,
+                              multi_tenant=True)
         _rendezvous.update(world=world, store=store, starts=0)
     store = _rendezvous["store"]
     store.set_timeout(timeout)

@@ -91,7 +91,8 @@ def test_rebuilding_layouts_on_kept_processes_holds_what_one_build_holds(tmp_pat
 def _start_three_times() -> list[float]:
     """Start the process group and a TP 2 layout, all-reduce over the world and over the TP group, tear it all down;
     three times in this process on the same MASTER_PORT. Rank 0 lingers a second before each teardown (as a rank 0
-    that writes the checkpoint does), so rank 1 always starts again first."""
+    that writes the checkpoint does), so rank 1 always starts again first. Then the user's own process group on the
+    same port (rank 0's kept store shares its server with it)."""
     import time
 
     import torch
@@ -110,10 +111,14 @@ def _start_three_times() -> list[float]:
         if ps.rank == 0:
             time.sleep(1.0)
         destroy_parallel()
-    return sums
+    dist.init_process_group("gloo")  # then a group of the user's own, torch's env:// rendezvous on the same port
+    value = torch.tensor([1.0])
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+    return [*sums, value.item()]
 
 
-EXPECTED_SUMS = [2 * (3.0 + 20 * start) for start in range(3)]
+EXPECTED_SUMS = [2 * (3.0 + 20 * start) for start in range(3)] + [2.0]
 
 
 @pytest.mark.slow
