@@ -1,4 +1,6 @@
-"""engine.policy.parallel on gloo: ranks and groups match the layout; a world that does not fit is refused clearly."""
+"""engine.policy.parallel on gloo: ranks and groups match the layout; a world that does not fit is refused clearly;
+rebuilding layouts holds what one build holds; the process group started again on one port (in a kept world and
+under torchrun) meets only its own start."""
 
 import json
 import os
