@@ -13,8 +13,8 @@ body. Ranks are forked by multiprocessing's fork server, which has imported thos
 still starts from what a fresh rank would see: no process group (the previous body's, and Megatron's groups, are
 destroyed after it, and the engine's kept rendezvous store closed; the next one meets on a fresh MASTER_PORT), the
 environment, working directory, default dtype, grad mode and thread count restored, its output going where the
-test's goes now (pytest's capture of that test). A world is not reused, but shut down and started afresh by the next call, when a body failed on any rank,
-timed out, or left something a fresh process would not have: child processes alive, a vLLM engine not dropped, or the
+test's goes now (pytest's capture of that test). A world is not reused, but shut down and started afresh by the next
+call, when a body failed on any rank, timed out, or left something a fresh process would not have: child processes alive, a vLLM engine not dropped, or the
 threads of a process group or store that outlived its destruction (something still refers to it; its gloo threads
 keep polling, a kept world's idle ranks burned CPU that way). A body that built in-process vLLM engines (colocated
 mode) keeps its world too, after vLLM's own clean-up between engines (`cleanup_dist_env_and_memory`: its groups, its

@@ -41,7 +41,6 @@ def _held_after_teardown() -> dict:
 def _train(tp: int, output_dir: str, again: int = 0) -> dict:
     """A 2-step run of the tiny config at TP `tp`; then `again` more 1-step runs in this process (engines of TP `tp`),
     on the same MASTER_PORT, as under torchrun; what the process holds after each run ("held")."""
-
     from engine.config import load_config
     from engine.train.loop import train
 
@@ -65,9 +64,8 @@ AGAIN = {1: 0, 2: 2}
 def test_grpo_loop_runs_logs_and_stays_in_sync(tmp_path, tp):
     """The run logs TRL's metrics, stays in sync and learns; after it the process holds none of it: no thread of a
     process group (a destroyed group something still references keeps polling) and, but for rank 0's rendezvous store
-    kept for the next run, no store; no Megatron module (the
-    first engine's import must not pin the caller's frames), no vLLM world group (a later engine would find destroyed
-    groups), no /dev/shm segment named after the run's port (where vLLM's CPU build has the shared-memory ops: vLLM
+    kept for the next run, no store; no Megatron module (the first engine's import must not pin the caller's frames),
+    no vLLM world group (a later engine would find destroyed groups), no /dev/shm segment named after the run's port (where vLLM's CPU build has the shared-memory ops: vLLM
     unlinks them only at interpreter exit). At TP 2 two more runs follow in the same processes on the same port
     (engines of TP 2), each trained and each leaving nothing either."""
     summaries = run_distributed(_train, tp, tp, str(tmp_path), AGAIN[tp])

@@ -479,8 +479,10 @@ def test_usr1_arriving_as_the_trainer_step_ends_keeps_the_steps_status(slurm, sc
         while not _ended(trainer):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        threading.Thread(target=_drain, args=(read_end, stderr), daemon=True).start()
+        reader = threading.Thread(target=_drain, args=(read_end, stderr), daemon=True)
+        reader.start()
         proc.wait(timeout=20)
+        reader.join(timeout=20)  # the shell's whole stderr, for the message below
     finally:
         proc.kill()
     records = read_records(slurm.log)
